@@ -1,0 +1,67 @@
+"""The resolved configuration of one run: a small frozen dataclass, saved as ``config.json``
+in the run directory and read back by every worker and server process."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+# Runtime strategies `hpar run --strategy` accepts (the planner's names).
+STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline")
+# Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
+SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async", "torch-gpipe", "torch-1f1b")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a process of the run needs to know, besides its own rank.
+
+    ``batch_size`` is per worker (per data-parallel replica), in samples. ``world_size`` is the
+    number of workers (GPUs or CPU processes; for ``pipeline`` the number of stages); the
+    parameter servers of ``hybrid``/``ps`` come on top of it (``servers``).
+    """
+
+    script: str
+    strategy: str
+    world_size: int
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    run_dir: str
+    device: str = "cpu"            # "cpu" (gloo) or "cuda" (NCCL)
+    log_every: int = 10
+    servers: int = 0
+    schedule: str = "1f1b"
+    micro_batches: int = 4
+    checkpoint_every: int = 0
+    resume: bool = False
+    plan: dict = field(default_factory=dict)   # the planner's Plan as JSON, may be empty
+    eval: bool = True
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)} or auto")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        for name in ("world_size", "steps", "batch_size", "log_every", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.servers < 0 or self.checkpoint_every < 0:
+            raise ValueError("--servers and --checkpoint-every must not be negative")
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunConfig":
+        return cls(**json.loads(text))
+
+    def replace(self, **changes) -> "RunConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,138 @@
+"""What every training runtime gets and gives back, and the step meter they share.
+
+A runtime (``strategies/allreduce.py``, ``hybrid.py``, ``pipeline.py``) is a function
+``train(ctx: WorkerContext) -> TrainResult`` called in every worker process after the default
+process group is up. It reports progress through ``ctx.report`` (one dict per logging
+interval, see :class:`StepMeter`) and returns the trained model on worker rank 0.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hpar.strategies.config import RunConfig
+from hpar.strategies.job import Job
+
+
+@dataclass
+class WorkerContext:
+    """One worker process. ``rank``/``world_size`` count workers only (torchrun's RANK and
+    WORLD_SIZE); ``pg_rank``/``pg_world_size`` are its place in the default process group,
+    which also holds the parameter servers when the strategy has them (servers take the
+    ranks after the workers)."""
+
+    job: Job
+    cfg: RunConfig
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    report: Callable[[dict], None]
+    pg_rank: int = 0
+    pg_world_size: int = 1
+    start_step: int = 0          # > 0 when resuming from a checkpoint
+
+
+@dataclass
+class TrainResult:
+    """What a runtime hands back. ``model`` is the whole trained model on worker rank 0
+    (None elsewhere); losses are the mean training loss of the first and last step;
+    ``bytes_per_step`` is {"sent": mean bytes, "recv": mean bytes} per worker per step for
+    gradient/parameter/activation exchange; ``extra`` goes into summary.json as is."""
+
+    model: torch.nn.Module | None
+    loss_first: float
+    loss_last: float
+    samples_per_s: float
+    step_times: list[float]
+    bytes_per_step: dict
+    extra: dict = field(default_factory=dict)
+
+
+def move_to(obj: Any, device: torch.device) -> Any:
+    """Move a tensor, or a tuple/list/dict of tensors, to ``device`` (other values as is)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(move_to(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: move_to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def batch_samples(inputs: Any) -> int:
+    """Number of samples in a batch: the leading dimension of its first tensor."""
+    if isinstance(inputs, torch.Tensor):
+        return int(inputs.shape[0]) if inputs.dim() else 1
+    if isinstance(inputs, (tuple, list)) and inputs:
+        return batch_samples(inputs[0])
+    if isinstance(inputs, dict) and inputs:
+        return batch_samples(next(iter(inputs.values())))
+    raise ValueError(f"cannot count samples in inputs of type {type(inputs).__name__}")
+
+
+class StepMeter:
+    """Times steps, keeps losses and byte counts, and reports every ``log_every`` steps.
+
+    Each report is one dict: ``step`` (1-based, counted from the run's start), ``loss`` (mean
+    over the interval), ``samples_per_s`` (this process, over the interval), ``step_s``
+    (mean seconds per step), ``bytes_sent``/``bytes_recv`` (mean bytes per step over the
+    interval), plus ``extra``'s keys. ``samples_per_step`` counts this process's samples
+    (its data-parallel replica's, for a pipeline stage). Step times of the first ``warmup`` steps are excluded
+    from :meth:`samples_per_s`.
+    """
+
+    def __init__(self, ctx: WorkerContext, samples_per_step: int, warmup: int = 2):
+        self.ctx, self.samples_per_step, self.warmup = ctx, samples_per_step, warmup
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.sent: list[int] = []
+        self.recv: list[int] = []
+        self._t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def end(self, loss: float, sent: int = 0, recv: int = 0, extra: dict | None = None) -> None:
+        self.step_times.append(time.perf_counter() - self._t0)
+        self.losses.append(float(loss))
+        self.sent.append(int(sent))
+        self.recv.append(int(recv))
+        n = len(self.losses)
+        every = self.ctx.cfg.log_every
+        if n % every == 0 or self.ctx.start_step + n == self.ctx.cfg.steps:
+            k = n % every or every
+            dt = sum(self.step_times[-k:])
+            self.ctx.report({
+                "step": self.ctx.start_step + n,
+                "loss": sum(self.losses[-k:]) / k,
+                "samples_per_s": self.samples_per_step * k / dt if dt > 0 else 0.0,
+                "step_s": dt / k,
+                "bytes_sent": sum(self.sent[-k:]) / k,
+                "bytes_recv": sum(self.recv[-k:]) / k,
+                **(extra or {}),
+            })
+        self._t0 = time.perf_counter()
+
+    def samples_per_s(self) -> float:
+        """This process's samples/s, from the median step time after warm-up."""
+        times = self.step_times[self.warmup:] or self.step_times
+        med = statistics.median(times) if times else 0.0
+        return self.samples_per_step / med if med > 0 else 0.0
+
+    def bytes_per_step(self) -> dict:
+        n = max(len(self.sent), 1)
+        return {"sent": sum(self.sent) / n, "recv": sum(self.recv) / n}
+
+    def result(self, model: torch.nn.Module | None, replicas: int = 1, extra: dict | None = None) -> TrainResult:
+        """The runtime's TrainResult; ``replicas`` (data-parallel workers) turns this
+        process's samples/s into the run's global samples/s."""
+        return TrainResult(model=model,
+                           loss_first=self.losses[0] if self.losses else float("nan"),
+                           loss_last=self.losses[-1] if self.losses else float("nan"),
+                           samples_per_s=self.samples_per_s() * replicas, step_times=list(self.step_times),
+                           bytes_per_step=self.bytes_per_step(), extra=extra or {})

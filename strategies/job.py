@@ -1,0 +1,200 @@
+"""Load and check a user's training script (the user-script contract of DESIGN.md).
+
+A script is a plain Python file written for one device. It defines::
+
+    model() -> torch.nn.Module
+    data(rank: int, world_size: int, batch_size: int) -> Iterator[(inputs, targets)]
+    loss(output, targets) -> scalar Tensor
+    optimizer(params) -> torch.optim.Optimizer      # optional, default SGD(lr)
+    evaluate(model) -> dict[str, float]             # optional
+    HPAR = {"batch_size": 32, "steps": 200, "lr": 0.1}  # optional defaults
+
+Every problem is raised as :class:`JobError` (a ``ValueError``) whose message is one line
+naming the file and what to fix; the CLI prints it and exits with code 2 before any process
+starts.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import itertools
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+REQUIRED = ("model", "data", "loss")
+OPTIONAL = ("optimizer", "evaluate")
+DEFAULT_KEYS = {"batch_size": int, "steps": int, "lr": float, "seed": int, "log_every": int,
+                "micro_batches": int, "checkpoint_every": int}
+
+
+class JobError(ValueError):
+    """A user's script breaks the contract. ``str(err)`` is the one-line message to show;
+    ``err.user_traceback`` holds the user's own traceback when their code raised."""
+
+    def __init__(self, message: str, user_traceback: str | None = None):
+        super().__init__(message)
+        self.user_traceback = user_traceback
+
+
+@dataclass(frozen=True)
+class Job:
+    """A loaded user script. ``path`` is absolute; the callables are the user's own."""
+
+    path: str
+    model_fn: Callable[[], torch.nn.Module]
+    data_fn: Callable[[int, int, int], Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None
+    evaluate_fn: Callable[[torch.nn.Module], dict] | None
+    defaults: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def build_model(self) -> torch.nn.Module:
+        """Call ``model()`` and check it returns an ``nn.Module``. Raises JobError."""
+        m = _call(self, "model")
+        if not isinstance(m, torch.nn.Module):
+            raise JobError(f"{self.path}: model() returned {type(m).__name__}, expected a torch.nn.Module")
+        return m
+
+    def batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[tuple[Any, Any]]:
+        """Endless iterator over this rank's ``(inputs, targets)`` batches: calls ``data()``
+        again when an epoch ends. Raises JobError if data() is not iterable, is empty, or
+        yields something other than a pair."""
+        for epoch in itertools.count():
+            it = _call(self, "data", rank, world_size, batch_size)
+            try:
+                it = iter(it)
+            except TypeError:
+                raise JobError(f"{self.path}: data() returned {type(it).__name__}, expected an iterator of (inputs, targets)") from None
+            n = 0
+            for item in it:
+                if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                    raise JobError(f"{self.path}: data() yielded {type(item).__name__}, expected a pair (inputs, targets)")
+                n += 1
+                yield item[0], item[1]
+            if n == 0:
+                raise JobError(f"{self.path}: data(rank={rank}, world_size={world_size}, batch_size={batch_size}) yielded no batch")
+
+    def compute_loss(self, output: Any, targets: Any) -> torch.Tensor:
+        """Call ``loss(output, targets)``; raises JobError unless it is a scalar tensor."""
+        value = _call(self, "loss", output, targets)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise JobError(f"{self.path}: loss() returned {type(value).__name__}, expected a scalar torch.Tensor")
+        return value
+
+    def build_optimizer(self, params, lr: float) -> torch.optim.Optimizer:
+        """The user's ``optimizer(params)`` with every group's lr set to ``lr``, or plain SGD."""
+        params = list(params)
+        if self.optimizer_fn is None:
+            return torch.optim.SGD(params, lr=lr)
+        opt = _call(self, "optimizer", params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise JobError(f"{self.path}: optimizer() returned {type(opt).__name__}, expected a torch.optim.Optimizer")
+        for group in opt.param_groups:
+            group["lr"] = lr
+        return opt
+
+    def run_evaluate(self, model: torch.nn.Module) -> dict:
+        """``evaluate(model)`` as a dict of floats ({} when the script has none)."""
+        if self.evaluate_fn is None:
+            return {}
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            result = _call(self, "evaluate", model)
+        model.train(was_training)
+        if not isinstance(result, dict) or not all(isinstance(v, (int, float)) for v in result.values()):
+            raise JobError(f"{self.path}: evaluate() returned {type(result).__name__}, expected a dict of str to float")
+        return {str(k): float(v) for k, v in result.items()}
+
+
+def _call(job: Job, name: str, *args):
+    fn = {"model": job.model_fn, "data": job.data_fn, "loss": job.loss_fn,
+          "optimizer": job.optimizer_fn, "evaluate": job.evaluate_fn}[name]
+    try:
+        return fn(*args)
+    except JobError:
+        raise
+    except Exception as exc:  # the user's own code failed: keep their traceback
+        raise JobError(f"{job.path}: {name}() raised {type(exc).__name__}: {exc}",
+                       user_traceback=traceback.format_exc()) from exc
+
+
+def load_job(path: str) -> Job:
+    """Import the script at ``path`` and check the contract (functions present, callable,
+    with the right arity; HPAR a dict of known keys). Does not call the user's functions.
+
+    Raises JobError (one line naming the file) for: a missing file, a syntax error (with the
+    line), an exception while importing, a missing or non-callable function, a wrong
+    signature, or bad HPAR defaults.
+    """
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise JobError(f"{path}: no such file; pass the path of a training script")
+    try:
+        source = open(path, encoding="utf-8").read()
+        compile(source, path, "exec")
+    except SyntaxError as exc:
+        raise JobError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+    except UnicodeDecodeError:
+        raise JobError(f"{path}: not a UTF-8 text file; pass a Python script") from None
+    module_name = "hpar_user_" + "".join(c if c.isalnum() else "_" for c in os.path.basename(path)[:-3])
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # lets pickling and dataclasses in the script work
+    script_dir = os.path.dirname(path)
+    if script_dir not in sys.path:
+        sys.path.insert(0, script_dir)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise JobError(f"{path}: importing the script raised {type(exc).__name__}: {exc}",
+                       user_traceback=traceback.format_exc()) from exc
+    fns = {}
+    arity = {"model": 0, "data": 3, "loss": 2, "optimizer": 1, "evaluate": 1}
+    for name in REQUIRED + OPTIONAL:
+        fn = getattr(module, name, None)
+        if fn is None:
+            if name in REQUIRED:
+                raise JobError(f"{path}: missing function {name}(); the contract needs model(), data(rank, world_size, batch_size) and loss(output, targets)")
+            fns[name] = None
+            continue
+        if not callable(fn):
+            raise JobError(f"{path}: {name} is a {type(fn).__name__}, expected a function")
+        try:
+            inspect.signature(fn).bind(*range(arity[name]))
+        except TypeError:
+            raise JobError(f"{path}: {name}() must take {arity[name]} positional argument(s)") from None
+        except ValueError:
+            pass  # builtins without a signature
+        fns[name] = fn
+    defaults = getattr(module, "HPAR", {})
+    if not isinstance(defaults, dict):
+        raise JobError(f"{path}: HPAR is a {type(defaults).__name__}, expected a dict of defaults")
+    for key, value in defaults.items():
+        if key not in DEFAULT_KEYS:
+            raise JobError(f"{path}: HPAR has unknown key {key!r}; known keys: {', '.join(DEFAULT_KEYS)}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or (DEFAULT_KEYS[key] is int and not isinstance(value, int)):
+            raise JobError(f"{path}: HPAR[{key!r}] is {value!r}, expected {DEFAULT_KEYS[key].__name__}")
+    return Job(path=path, model_fn=fns["model"], data_fn=fns["data"], loss_fn=fns["loss"],
+               optimizer_fn=fns["optimizer"], evaluate_fn=fns["evaluate"], defaults=dict(defaults))
+
+
+def check_job(job: Job, batch_size: int) -> None:
+    """Dry run of the contract in this process: build the model, draw one batch, run the
+    forward pass and the loss, build the optimizer. Raises JobError on the first problem;
+    the launcher calls it before starting any process."""
+    torch.manual_seed(0)
+    model = job.build_model()
+    inputs, targets = next(job.batches(0, 1, batch_size))
+    output = model(inputs)
+    job.compute_loss(output, targets)
+    job.build_optimizer(model.parameters(), lr=0.01)

@@ -1,0 +1,77 @@
+"""The one-way protocol from a worker or server process to the launcher: tagged JSON lines
+on stdout. Works the same for a local child and for a process behind SSH, since the
+launcher reads every process's stdout line by line anyway.
+
+A line is ``@hpar <kind> <json>``; kinds: ``metric`` (one logging interval, see
+StepMeter), ``heartbeat`` (psutil figures, every few seconds), ``summary`` (worker rank 0,
+once, at the end), ``event`` (free-form notice, e.g. "checkpoint written").
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+
+import psutil
+
+TAG = "@hpar "
+_lock = threading.Lock()
+
+
+def _clean(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def emit(kind: str, payload: dict) -> None:
+    """Write one tagged line to stdout and flush (thread-safe)."""
+    line = TAG + kind + " " + json.dumps(_clean(payload), separators=(",", ":"))
+    with _lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def parse(line: str) -> tuple[str, dict] | None:
+    """``(kind, payload)`` for a tagged line, None for an ordinary log line."""
+    if not line.startswith(TAG):
+        return None
+    try:
+        kind, _, body = line[len(TAG):].partition(" ")
+        return kind, json.loads(body)
+    except ValueError:
+        return None
+
+
+def process_figures() -> dict:
+    """CPU percent and resident memory (bytes) of this process, GPU memory where present."""
+    proc = psutil.Process(os.getpid())
+    figures = {"cpu_percent": proc.cpu_percent(interval=None), "rss_bytes": proc.memory_info().rss}
+    try:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            figures["gpu_bytes"] = torch.cuda.memory_allocated()
+    except Exception:  # pragma: no cover - GPU figures are best effort
+        pass
+    return figures
+
+
+def start_heartbeat(every_s: float = 2.0) -> threading.Event:
+    """Emit a ``heartbeat`` line every ``every_s`` seconds from a daemon thread; set the
+    returned event to stop it."""
+    stop = threading.Event()
+    psutil.Process(os.getpid()).cpu_percent(interval=None)  # prime the CPU counter
+
+    def beat():
+        while not stop.wait(every_s):
+            emit("heartbeat", {"time": time.time(), **process_figures()})
+
+    threading.Thread(target=beat, name="hpar-heartbeat", daemon=True).start()
+    return stop

@@ -1,0 +1,96 @@
+"""Worker process entry point: ``python -m hpar.workers.worker``.
+
+Reads torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus
+HPAR_CONFIG (path of the run's config.json) and HPAR_PG_RANK/HPAR_PG_WORLD_SIZE (its place in
+the default process group, which also holds parameter servers), joins the group, runs the
+strategy's runtime and reports through tagged stdout lines (workers/report.py). No math here.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from hpar.strategies.checkpoint import atomic_save
+from hpar.strategies.config import RunConfig
+from hpar.strategies.context import WorkerContext
+from hpar.strategies.job import JobError, load_job
+from hpar.workers import report
+
+RUNTIMES = {
+    "allreduce": "hpar.strategies.allreduce",
+    "allreduce-sparse": "hpar.strategies.allreduce",
+    "hybrid": "hpar.strategies.hybrid",
+    "ps": "hpar.strategies.hybrid",
+    "pipeline": "hpar.strategies.pipeline",
+}
+
+
+def env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise SystemExit(f"hpar worker: environment variable {name} is not set; start workers with `hpar run`")
+        return default
+    return int(value)
+
+
+def init_group(cfg: RunConfig, pg_rank: int, pg_world_size: int) -> None:
+    """Join the default process group (gloo on CPU, NCCL on CUDA)."""
+    dist.init_process_group(backend=cfg.backend, rank=pg_rank, world_size=pg_world_size,
+                            timeout=datetime.timedelta(seconds=int(os.environ.get("HPAR_PG_TIMEOUT", "300"))))
+
+
+def main() -> int:
+    cfg = RunConfig.from_json(open(os.environ["HPAR_CONFIG"]).read())
+    rank, world_size, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK", 0)
+    pg_rank, pg_world = env_int("HPAR_PG_RANK", rank), env_int("HPAR_PG_WORLD_SIZE", world_size)
+    if cfg.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, int(os.environ.get("HPAR_THREADS", "1"))))
+    stop_beat = report.start_heartbeat()
+    job = load_job(cfg.script)
+    init_group(cfg, pg_rank, pg_world)
+    eval_first = {}
+    if rank == 0 and cfg.eval and not cfg.resume:
+        torch.manual_seed(cfg.seed)
+        eval_first = job.run_evaluate(job.build_model().to(device))
+    ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
+                        device=device, report=lambda m: report.emit("metric", m),
+                        pg_rank=pg_rank, pg_world_size=pg_world)
+    t0 = time.time()
+    result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
+    if rank == 0:
+        assert result.model is not None, "the runtime must return the whole model on rank 0"
+        eval_last = job.run_evaluate(result.model) if cfg.eval else {}
+        atomic_save(result.model.state_dict(), os.path.join(cfg.run_dir, "model.pt"))
+        report.emit("summary", {
+            "strategy": cfg.strategy, "world_size": world_size, "steps": cfg.steps,
+            "samples_per_s": result.samples_per_s, "loss_first": result.loss_first,
+            "loss_last": result.loss_last, "eval_first": eval_first, "eval_last": eval_last,
+            "bytes_per_step": result.bytes_per_step, "wall_s": time.time() - t0,
+            "step_s_median": sorted(result.step_times)[len(result.step_times) // 2] if result.step_times else None,
+            **result.extra,
+        })
+    dist.barrier()
+    dist.destroy_process_group()
+    stop_beat.set()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except JobError as exc:
+        print(f"hpar: {exc}", file=sys.stderr)
+        if exc.user_traceback:
+            print(exc.user_traceback, file=sys.stderr)
+        sys.exit(2)
