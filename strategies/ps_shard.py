@@ -1,0 +1,260 @@
+"""Server-side shard of the parameter server: row partitions and sparse optimizers.
+
+A PS-placed parameter is viewed as a table of ``rows x dim`` (an embedding weight as is;
+any other tensor with its first dimension as rows and the rest flattened). Its rows are cut
+into ``P`` contiguous row ranges (partitions, as Parallax's partitioner does, Kim et al.,
+"Parallax: Sparsity-aware Data Parallel Training of Deep Neural Networks", EuroSys 2019),
+and partition ``p`` lives on server ``p % S`` (round-robin). A server keeps the partitions it
+owns concatenated in one local tensor (:class:`RowLayout` maps global row ids to local ones).
+
+Optimizers (:class:`ParamShard.apply`) reproduce ``torch.optim.SGD`` (momentum, dampening,
+nesterov, weight decay), ``Adagrad`` and ``Adam``/``AdamW`` on the dense gradient, with the
+gradient of one step being the *mean* over workers of their pushed row gradients (the dense
+AllReduce path averages too, so N workers equal one process on the concatenated batch with
+a mean loss). Sparse semantics (``mode``):
+
+- ``"exact"`` (default): the update equals the dense torch optimizer's on the whole shard.
+  Where an untouched row's update is provably zero (plain SGD and Adagrad without weight
+  decay: zero gradient, zero step), only touched rows are computed. Otherwise (momentum,
+  Adam, weight decay) every row of the shard is updated each step the parameter had a
+  gradient, because the velocity / moments / decay still move untouched rows; this costs
+  O(rows) per step on the server, never on the network.
+- ``"lazy"``: only touched rows' parameters and state change (TensorFlow's sparse
+  ``apply`` ops, ``torch.optim.SparseAdam``); steps are still counted per shard, so Adam's
+  bias correction and Adagrad's lr decay follow the global step. Differs from dense
+  training for momentum, Adam and weight decay on rows a step did not touch.
+
+A step with no push at all for a parameter leaves it and its state alone, like a dense
+optimizer skipping a parameter whose ``grad`` is None.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("exact", "lazy")
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How ``num_rows`` rows are cut into ``num_partitions`` contiguous ranges spread
+    round-robin over ``num_servers`` servers. Partition ``p`` holds rows
+    ``[p*R//P, (p+1)*R//P)`` and lives on server ``p % S``."""
+
+    num_rows: int
+    num_partitions: int
+    num_servers: int
+
+    def __post_init__(self):
+        assert self.num_rows >= 1 and self.num_servers >= 1
+        assert 1 <= self.num_partitions <= self.num_rows
+
+    @staticmethod
+    def make(num_rows: int, partitions: int, num_servers: int) -> "RowLayout":
+        """A layout with ``partitions`` clamped to ``[1, num_rows]``."""
+        return RowLayout(num_rows, max(1, min(int(partitions), num_rows)), num_servers)
+
+    def bounds(self) -> torch.Tensor:
+        """int64 tensor of P+1 partition boundaries (row ids)."""
+        p = torch.arange(self.num_partitions + 1, dtype=torch.int64)
+        return p * self.num_rows // self.num_partitions
+
+    def partition_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Partition index of every global row id in ``ids`` (int64, any shape)."""
+        return torch.searchsorted(self.bounds()[1:-1], ids, right=True)
+
+    def server_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Owning server index of every global row id in ``ids``."""
+        return self.partition_of(ids) % self.num_servers
+
+    def server_rows(self, server: int) -> torch.Tensor:
+        """Global row ids server ``server`` holds, in its local order (1-D int64)."""
+        b = self.bounds().tolist()
+        parts = [torch.arange(b[p], b[p + 1]) for p in range(server, self.num_partitions, self.num_servers)]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def local_index(self, server: int, ids: torch.Tensor) -> torch.Tensor:
+        """Local row index on ``server`` of global ``ids`` that it owns (asserted)."""
+        b = self.bounds()
+        part = self.partition_of(ids)
+        assert bool((part % self.num_servers == server).all()), "row ids sent to the wrong server"
+        sizes = b[1:] - b[:-1]
+        owned = (torch.arange(self.num_partitions) % self.num_servers == server).to(torch.int64)
+        local_start = torch.cumsum(sizes * owned, 0) - sizes * owned
+        return local_start[part] + ids - b[part]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The server-side update rule and its hyper-parameters (torch.optim's names)."""
+
+    kind: str                  # "sgd" | "adagrad" | "adam"
+    lr: float
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False   # AdamW
+    lr_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+    betas: tuple[float, float] = (0.9, 0.999)
+    mode: str = "exact"
+
+    def touched_rows_suffice(self) -> bool:
+        """True when untouched rows provably do not change (zero gradient, zero update)."""
+        if self.mode == "lazy":
+            return True
+        return self.weight_decay == 0 and (self.kind == "adagrad" or (self.kind == "sgd" and self.momentum == 0))
+
+
+def spec_from_group(opt: torch.optim.Optimizer, group: dict, mode: str = "exact") -> OptimizerSpec:
+    """The :class:`OptimizerSpec` of one param group of the user's optimizer.
+
+    Raises ValueError (naming the optimizer and the fix) for an optimizer or option the
+    parameter server cannot reproduce (maximize, amsgrad, other optimizer classes).
+    """
+    if mode not in MODES:
+        raise ValueError(f"plan sparse_optimizer {mode!r}: choose one of {', '.join(MODES)}")
+    name = type(opt).__name__
+    if group.get("maximize", False):
+        raise ValueError(f"optimizer(): {name}(maximize=True) is not supported on the parameter server; minimise the negated loss")
+    lr = float(group["lr"])
+    if isinstance(opt, torch.optim.SGD):
+        return OptimizerSpec("sgd", lr, momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                             nesterov=bool(group["nesterov"]), weight_decay=float(group["weight_decay"]), mode=mode)
+    if isinstance(opt, torch.optim.Adagrad):
+        return OptimizerSpec("adagrad", lr, weight_decay=float(group["weight_decay"]), lr_decay=float(group["lr_decay"]),
+                             initial_accumulator_value=float(group["initial_accumulator_value"]),
+                             eps=float(group["eps"]), mode=mode)
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        if group.get("amsgrad", False):
+            raise ValueError(f"optimizer(): {name}(amsgrad=True) is not supported on the parameter server; use amsgrad=False")
+        decoupled = isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+        return OptimizerSpec("adam", lr, weight_decay=float(group["weight_decay"]), decoupled_weight_decay=decoupled,
+                             eps=float(group["eps"]), betas=tuple(float(b) for b in group["betas"]), mode=mode)
+    raise ValueError(f"optimizer(): {name} cannot run on the parameter server; use SGD (with momentum), Adagrad, Adam or AdamW, or --strategy allreduce")
+
+
+class ParamShard:
+    """One server's rows of one parameter plus their optimizer state.
+
+    ``weight`` is ``(local_rows, dim)`` float. Pushes accumulate with :meth:`add_grad`;
+    :meth:`apply` then divides the summed gradient by ``num_workers`` (the mean over
+    workers) and runs the optimizer (see the module docstring for the semantics).
+    """
+
+    def __init__(self, weight: torch.Tensor, spec: OptimizerSpec):
+        assert weight.dim() == 2
+        self.weight = weight.detach().clone()
+        self.spec = spec
+        self.step = 0
+        self.state: dict[str, torch.Tensor] = {}
+        self._ids: list[torch.Tensor] = []
+        self._grads: list[torch.Tensor] = []
+        self._pushed = False
+
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``local_ids`` (1-D int64) as a ``(n, dim)`` tensor; all rows when None."""
+        return self.weight if local_ids is None else self.weight.index_select(0, local_ids)
+
+    def add_grad(self, local_ids: torch.Tensor | None, grad: torch.Tensor) -> None:
+        """Accumulate one worker's push: ``grad`` is ``(n, dim)`` for ``local_ids`` (n,),
+        or ``(local_rows, dim)`` for every row when ``local_ids`` is None. An empty push
+        still marks the parameter as having a gradient this step."""
+        self._pushed = True
+        if local_ids is None:
+            local_ids = torch.arange(self.weight.shape[0])
+        if local_ids.numel():
+            self._ids.append(local_ids)
+            self._grads.append(grad.reshape(local_ids.numel(), -1))
+
+    def apply(self, num_workers: int) -> None:
+        """Apply this step's update with the mean gradient over ``num_workers``; clears the
+        accumulated pushes. Does nothing when no worker pushed this step."""
+        if not self._pushed:
+            return
+        self._pushed = False
+        self.step += 1
+        ids = torch.cat(self._ids) if self._ids else torch.empty(0, dtype=torch.int64)
+        grads = torch.cat(self._grads) if self._grads else self.weight.new_zeros(0, self.weight.shape[1])
+        self._ids, self._grads = [], []
+        if self.spec.touched_rows_suffice():
+            rows, inverse = torch.unique(ids, return_inverse=True)
+            g = self.weight.new_zeros(rows.numel(), self.weight.shape[1]).index_add_(0, inverse, grads)
+        else:
+            rows = None
+            g = torch.zeros_like(self.weight).index_add_(0, ids, grads)
+        g.div_(num_workers)
+        self._update(rows, g)
+
+    def _state(self, key: str, fill: float = 0.0) -> torch.Tensor:
+        if key not in self.state:
+            self.state[key] = torch.full_like(self.weight, fill)
+        return self.state[key]
+
+    def _update(self, rows: torch.Tensor | None, g: torch.Tensor) -> None:
+        """torch.optim's single-tensor update on ``rows`` (None: every row) with gradient g."""
+        s = self.spec
+        p = self.weight if rows is None else self.weight.index_select(0, rows)
+        new_state: dict[str, torch.Tensor] = {}
+
+        def state(key: str, fill: float = 0.0) -> torch.Tensor:
+            full = self._state(key, fill)
+            new_state[key] = full if rows is None else full.index_select(0, rows)
+            return new_state[key]
+
+        if s.kind == "adam" and s.decoupled_weight_decay and s.weight_decay:
+            p.mul_(1 - s.lr * s.weight_decay)
+        elif s.weight_decay:
+            g = g.add(p, alpha=s.weight_decay)
+        if s.kind == "sgd":
+            if s.momentum:
+                first = "momentum_buffer" not in self.state
+                buf = state("momentum_buffer")
+                if first:
+                    buf.copy_(g)
+                else:
+                    buf.mul_(s.momentum).add_(g, alpha=1 - s.dampening)
+                g = g.add(buf, alpha=s.momentum) if s.nesterov else buf
+            p.add_(g, alpha=-s.lr)
+        elif s.kind == "adagrad":
+            acc = state("sum", s.initial_accumulator_value)
+            clr = s.lr / (1 + (self.step - 1) * s.lr_decay)
+            acc.addcmul_(g, g, value=1)
+            p.addcdiv_(g, acc.sqrt().add_(s.eps), value=-clr)
+        else:
+            beta1, beta2 = s.betas
+            m, v = state("exp_avg"), state("exp_avg_sq")
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bc1, bc2 = 1 - beta1 ** self.step, 1 - beta2 ** self.step
+            denom = (v.sqrt() / bc2 ** 0.5).add_(s.eps)
+            p.addcdiv_(m, denom, value=-s.lr / bc1)
+        if rows is not None:
+            self.weight.index_copy_(0, rows, p)
+            for key, value in new_state.items():
+                self.state[key].index_copy_(0, rows, value)
+
+    def state_dict(self) -> dict:
+        """Weight, step and optimizer state (for checkpoints)."""
+        return {"weight": self.weight.clone(), "step": self.step,
+                "state": {k: v.clone() for k, v in self.state.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output; raises ValueError on a shape mismatch."""
+        if tuple(state["weight"].shape) != tuple(self.weight.shape):
+            raise ValueError(f"checkpoint shard has shape {tuple(state['weight'].shape)}, expected "
+                             f"{tuple(self.weight.shape)}; resume with the same --servers and plan")
+        self.weight.copy_(state["weight"])
+        self.step = int(state["step"])
+        self.state = {k: v.clone() for k, v in state["state"].items()}
+
+
+def table_view(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as a ``(rows, dim)`` table: first dimension as rows, the rest flattened
+    (a scalar is one row of one column)."""
+    if t.dim() == 0:
+        return t.reshape(1, 1)
+    return t.reshape(t.shape[0], -1)
