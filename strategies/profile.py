@@ -1,0 +1,362 @@
+"""Measure a user's job on this machine: per-parameter sparsity and per-layer costs.
+
+:func:`profile_job` returns a :class:`Profile`, a frozen value the cost model and planner
+read (``strategies/costmodel.py``, ``strategies/planner.py``). Everything is measured on a
+fresh deep copy of ``job.build_model()`` (the user's model object, its ``sparse=`` flags,
+the global torch RNG state and the thread count are left as they were), on CPU with
+``torch.set_num_threads(1)`` because every hpar worker process runs with one thread.
+
+What is measured and how:
+
+* compute: ``warmup`` untimed steps, then ``repeats`` timed forward+loss+backward steps on
+  rank 0's batches; every figure is the median over the repeats. Per-layer forward time is
+  taken between a forward pre-hook and a forward hook; per-layer backward time runs from the
+  moment the gradient of the layer's output is ready (a tensor hook) to the next such event
+  of any layer (or the end of backward), which is exact for a sequence of layers.
+* FLOPs: one extra step under ``torch.utils.flop_counter.FlopCounterMode``. Fused RNN kernels
+  (nn.LSTM/GRU/RNN without projection) report no FLOPs there, so they are counted
+  analytically: 2 FLOPs per multiply-add of the gate matrices, backward = 2x forward
+  (the usual 1:2 rule, e.g. Kaplan et al. 2020, "Scaling laws for neural language models").
+* sparsity: ``nn.Embedding``/``nn.EmbeddingBag`` weights are row-sparse whatever their
+  ``sparse=`` flag; the rows a batch touches are the unique ids fed to the module (forward
+  pre-hook). One full batch of each of N workers (``job.batches(rank, N, batch_size)``) is
+  run forward, stopping early once every embedding module has seen its ids when each is
+  called exactly once per forward pass. ``alpha`` is the mean fraction of rows one
+  worker's batch touches; ``union_curve`` gives the fraction touched by the union of the
+  first k workers' batches. Beyond ``max_sparsity_workers`` workers the union is
+  extrapolated with independent per-row touch probabilities p_r (union(n) = mean_r
+  1-(1-p_r)^n, shifted to agree with the last measured point). Any other parameter whose
+  measured gradient has non-zero values in fewer than ``SPARSE_ROW_FRACTION`` of its rows
+  (first dimension) is reported sparse too, with alpha from the timed batches.
+* ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
+  times, FLOPs and activation bytes linearly to ``batch_size`` (for models too large to run
+  at full batch within the 30 s budget); sparsity is always measured at ``batch_size``.
+* ``update_s_per_byte``: the user's optimizer stepping a 4 MiB dense probe parameter.
+
+Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpar.strategies.context import batch_samples
+from hpar.strategies.job import Job, JobError
+from hpar.strategies.profile_hooks import LayerTimer, count_flops, embedding_modules, rows_touched
+
+SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
+
+
+@dataclass(frozen=True)
+class ParamProfile:
+    """One parameter. ``bytes`` = numel * element size; ``alpha``/``union_alpha`` are
+    fractions of rows (first dimension) in [0, 1], 1.0 for dense parameters; ``union_curve``
+    holds (k workers, union fraction) pairs; ``layer`` indexes ``Profile.layers`` (-1: none)."""
+
+    name: str
+    shape: tuple[int, ...]
+    bytes: int
+    sparse: bool
+    alpha: float
+    union_alpha: float
+    embedding_module: bool
+    layer: int = -1
+    union_curve: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def rows(self) -> int:
+        return int(self.shape[0]) if self.shape else 1
+
+    def union_for(self, k: int) -> float:
+        """Fraction of rows touched by the union of k workers' batches (log-linear
+        interpolation in k between measured points; alpha for k=1)."""
+        if not self.sparse or k <= 1 or not self.union_curve:
+            return self.alpha if k <= 1 else self.union_alpha
+        pts = sorted(self.union_curve)
+        if k >= pts[-1][0]:
+            return pts[-1][1]
+        lo = max((p for p in pts if p[0] <= k), default=(1, self.alpha))
+        hi = min(p for p in pts if p[0] >= k)
+        if hi[0] == lo[0]:
+            return hi[1]
+        t = (math.log(k) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
+        return lo[1] + t * (hi[1] - lo[1])
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer (a pipeline layer or a top-level child). Seconds per batch of
+    ``Profile.batch_size``; ``flops`` = forward + backward; ``activation_bytes`` = bytes of
+    the layer's output tensors (what a pipeline stage boundary after it would send)."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    flops: int
+    activation_bytes: int
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A measured job. ``compute_s`` = forward (with loss) + backward seconds of one
+    worker's batch on one CPU thread; ``forward_flops``/``backward_flops`` per batch;
+    ``samples_per_batch`` = leading dimension of one batch's inputs; ``workers`` = N the
+    sparsity was measured for."""
+
+    params: tuple[ParamProfile, ...]
+    layers: tuple[LayerProfile, ...]
+    batch_size: int
+    samples_per_batch: int
+    workers: int
+    is_sequential: bool
+    sequential_reason: str
+    compute_s: float
+    forward_s: float
+    backward_s: float
+    forward_flops: int
+    backward_flops: int
+    update_s_per_byte: float
+    timing_batch_size: int
+    profile_s: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.bytes for p in self.params)
+
+    @property
+    def flops(self) -> int:
+        return self.forward_flops + self.backward_flops
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        d = dict(d)
+        d["params"] = tuple(ParamProfile(**{**p, "shape": tuple(p["shape"]),
+                                            "union_curve": tuple(tuple(x) for x in p.get("union_curve", ()))})
+                            for p in d["params"])
+        d["layers"] = tuple(LayerProfile(**l) for l in d["layers"])
+        return cls(**d)
+
+
+def pipeline_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool, str]:
+    """The model's layers as ``(name, module)`` pairs, whether they form a sequence a
+    pipeline can cut, and why not when they do not.
+
+    A model is a sequence of layers when ``model.hpar_layers()`` exists and returns an
+    ``nn.Sequential`` whose forward equals the model's (its modules must be the model's own
+    submodules), or when the model is an ``nn.Sequential``. Nested ``nn.Sequential``s are
+    flattened (finer layers, same function), names are dotted paths in the model. The
+    pipeline runtime must use this same function so stage indices agree. Otherwise the
+    layers are the model's top-level children, not cuttable.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    seq = None
+    if callable(getattr(model, "hpar_layers", None)):
+        seq = model.hpar_layers()
+        if not isinstance(seq, nn.Sequential):
+            raise JobError(f"hpar_layers() returned {type(seq).__name__}, expected an nn.Sequential of the model's layers")
+    elif isinstance(model, nn.Sequential):
+        seq = model
+    if seq is None:
+        children = list(model.named_children())
+        reason = (f"model is a {type(model).__name__}, not an nn.Sequential, and has no hpar_layers(); "
+                  "a pipeline needs a sequence of layers")
+        return children, False, reason
+
+    def flat(s: nn.Sequential):
+        for m in s.children():
+            yield from (flat(m) if isinstance(m, nn.Sequential) else [m])
+    layers = [(names.get(id(m), f"layer{i}"), m) for i, m in enumerate(flat(seq))]
+    if len(layers) < 2:
+        return layers, False, "the sequence has fewer than 2 layers"
+    return layers, True, ""
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else 0.0
+
+
+def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmup: int = 1,
+                timing_batch_size: int | None = None, max_sparsity_workers: int = 16) -> Profile:
+    """Profile ``job`` for ``workers`` (N) data-parallel workers of ``batch_size`` each.
+
+    Returns a :class:`Profile` (see the module docstring for the method). Raises JobError
+    when the user's functions fail, ValueError for a non-positive ``batch_size``,
+    ``workers`` or ``repeats``. Typically a few seconds for small models.
+    """
+    if batch_size < 1 or workers < 1 or repeats < 1:
+        raise ValueError(f"--batch-size, --gpus and repeats must be at least 1, got {batch_size}, {workers}, {repeats}")
+    tbs = min(timing_batch_size or batch_size, batch_size)
+    t_start = time.perf_counter()
+    rng = torch.get_rng_state()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = copy.deepcopy(job.build_model()).cpu().train()
+        embs = embedding_modules(model)
+        for _, m in embs:
+            m.sparse = True          # profile copy only: cheap gradients for huge tables
+        layers, is_seq, reason = pipeline_layers(model)
+        timer = LayerTimer(layers, [m for _, m in embs])
+        batches = job.batches(0, workers, tbs)
+        fwd, bwd, lay_f, lay_b, grad_rows = [], [], [], [], {}
+        with timer:
+            for i in range(warmup + repeats):
+                inputs, targets = next(batches)
+                model.zero_grad(set_to_none=True)
+                timer.reset()
+                t0 = time.perf_counter()
+                loss = job.compute_loss(model(inputs), targets)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                if i < warmup:
+                    continue
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+                lay_f.append(timer.forward_s())
+                lay_b.append(timer.backward_s(t2))
+                for name, p in model.named_parameters():
+                    if p.grad is not None and p.dim() >= 2 and not p.grad.is_sparse:
+                        grad_rows.setdefault(name, []).append(rows_touched(p.grad))
+            calls_once = timer.embedding_calls_once()
+        inputs, targets = next(batches)
+        model.zero_grad(set_to_none=True)
+        flops = count_flops(model, layers, lambda: job.compute_loss(model(inputs), targets))
+        scale = batch_size / tbs
+        emb_stats = _embedding_sparsity(job, model, embs, batch_size, workers,
+                                        max_sparsity_workers, stop_early=calls_once)
+        samples = emb_stats.pop("__samples__")
+        update = _update_cost(job)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+
+    layer_of = {}
+    for li, (_, m) in enumerate(layers):
+        for p in m.parameters():
+            layer_of.setdefault(id(p), li)
+    emb_names = {f"{n}.weight" if n else "weight" for n, _ in embs}
+    params = []
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name in emb_names:
+            st = emb_stats[name]
+            pp = ParamProfile(name, tuple(p.shape), nbytes, True, st["alpha"], st["union"], True,
+                              layer_of.get(id(p), -1), st["curve"])
+        elif name in grad_rows and _median([f for f, _ in grad_rows[name]]) < SPARSE_ROW_FRACTION:
+            fr = [f for f, _ in grad_rows[name]]
+            union = float(torch.stack([m for _, m in grad_rows[name]]).any(0).float().mean())
+            pp = ParamProfile(name, tuple(p.shape), nbytes, True, float(sum(fr) / len(fr)), union,
+                              False, layer_of.get(id(p), -1), ((len(fr), union),))
+        else:
+            pp = ParamProfile(name, tuple(p.shape), nbytes, False, 1.0, 1.0, False, layer_of.get(id(p), -1))
+        params.append(pp)
+    params.sort(key=lambda q: (not q.sparse, -q.bytes))
+    lp = []
+    for li, (name, m) in enumerate(layers):
+        lp.append(LayerProfile(
+            name=name,
+            forward_s=_median([x[li] for x in lay_f]) * scale,
+            backward_s=_median([x[li] for x in lay_b]) * scale,
+            flops=int(flops["layers"][li] * scale),
+            activation_bytes=int(timer.activation_bytes[li] * scale),
+            param_bytes=sum(q.numel() * q.element_size() for q in m.parameters())))
+    f_s, b_s = _median(fwd) * scale, _median(bwd) * scale
+    return Profile(params=tuple(params), layers=tuple(lp), batch_size=batch_size, samples_per_batch=samples,
+                   workers=workers, is_sequential=is_seq, sequential_reason=reason,
+                   compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
+                   forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
+                   update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start)
+
+
+class _StopForward(Exception):
+    """Raised from a hook to end a forward pass once every embedding has seen its ids."""
+
+
+def _embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, workers: int,
+                        max_workers: int, stop_early: bool) -> dict:
+    """Row-touch statistics of every embedding module over the first batch of each of
+    min(N, max_workers) workers; see the module docstring. Also returns the samples per
+    batch under ``"__samples__"``."""
+    R = min(workers, max_workers)
+    names = [f"{n}.weight" if n else "weight" for n, _ in embs]
+    counts = {n: torch.zeros(m.weight.shape[0], dtype=torch.int32) for n, (_, m) in zip(names, embs)}
+    per_worker = {n: [] for n in names}
+    curve_at = sorted({k for k in (2 ** i for i in range(31)) if k <= R} | {R})
+    curves = {n: [] for n in names}
+    seen: set = set()
+    samples = 0
+
+    def hook(module, args):
+        name = names[[m for _, m in embs].index(module)]
+        ids = args[0].reshape(-1).unique()
+        hit = torch.zeros(module.weight.shape[0], dtype=torch.bool)
+        hit[ids] = True
+        cur[name] |= hit
+        seen.add(name)
+        if stop_early and len(seen) == len(names):
+            raise _StopForward
+
+    handles = [m.register_forward_pre_hook(hook) for _, m in embs]
+    try:
+        for rank in range(R):
+            inputs, _ = next(job.batches(rank, workers, batch_size))
+            samples = samples or batch_samples(inputs)
+            if not embs:
+                break
+            cur = {n: torch.zeros(counts[n].shape[0], dtype=torch.bool) for n in names}
+            seen.clear()
+            with torch.no_grad():
+                try:
+                    model(inputs)
+                except _StopForward:
+                    pass
+            for n in names:
+                counts[n] += cur[n].int()
+                per_worker[n].append(float(cur[n].float().mean()))
+                if rank + 1 in curve_at:
+                    curves[n].append((rank + 1, float((counts[n] > 0).float().mean())))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {"__samples__": samples}
+    for n in names:
+        curve = curves[n]
+        if workers > R:   # extrapolate with independent per-row probabilities
+            p = counts[n].double() / R
+            est = lambda k: float((1 - (1 - p) ** k).mean())
+            shift = curve[-1][1] - est(R)
+            extra = sorted({k for k in (2 ** i for i in range(31)) if R < k < workers} | {workers})
+            curve = curve + [(k, min(1.0, est(k) + shift)) for k in extra]
+        out[n] = {"alpha": sum(per_worker[n]) / len(per_worker[n]), "union": curve[-1][1], "curve": tuple(curve)}
+    return out
+
+
+def _update_cost(job: Job, numel: int = 1 << 20, repeats: int = 5) -> float:
+    """Seconds per parameter byte for one step of the user's optimizer on a dense probe
+    (plain SGD if the user's optimizer() fails on a bare parameter list)."""
+    p = nn.Parameter(torch.randn(numel))
+    p.grad = torch.randn(numel)
+    try:
+        opt = job.build_optimizer([p], lr=1e-3)
+    except JobError:
+        opt = torch.optim.SGD([p], lr=1e-3)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return _median(times[1:]) / (numel * p.element_size())
+

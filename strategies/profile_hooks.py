@@ -1,0 +1,145 @@
+"""Measurement hooks for :mod:`hpar.strategies.profile`: per-layer timing through module
+and tensor hooks, FLOP counting (torch.utils.flop_counter plus an analytic count for fused
+RNN kernels), and gradient row counting. No policy here, only instruments."""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+def embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every nn.Embedding / nn.EmbeddingBag of ``model`` with its qualified name."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+
+
+def rows_touched(grad: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """(fraction of rows with a non-zero gradient value, boolean row mask); rows = dim 0."""
+    mask = grad.reshape(grad.shape[0], -1).ne(0).any(1)
+    return float(mask.float().mean()), mask
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+    elif hasattr(obj, "data") and isinstance(getattr(obj, "data"), torch.Tensor):  # PackedSequence
+        yield obj.data
+
+
+class LayerTimer:
+    """Forward/backward seconds and output bytes per layer through module and tensor hooks
+    (see the module docstring); also counts embedding-module calls per forward pass."""
+
+    def __init__(self, layers, emb_modules):
+        self.layers, self.embs = [m for _, m in layers], list(emb_modules)
+        self.activation_bytes = [0] * len(self.layers)
+        self.max_calls = 0
+        self.min_calls = 1 << 30
+        self._handles = []
+        self.reset()
+
+    def reset(self):
+        if getattr(self, "_calls", None):
+            self.max_calls = max(self.max_calls, max(self._calls.values()))
+            self.min_calls = min(self.min_calls, min(self._calls.values()))
+        self._f = [0.0] * len(self.layers)
+        self._t = [0.0] * len(self.layers)
+        self._b: dict[int, float] = {}
+        self._calls = {id(m): 0 for m in self.embs}
+
+    def __enter__(self):
+        for i, m in enumerate(self.layers):
+            self._handles.append(m.register_forward_pre_hook(lambda mod, a, i=i: self._pre(i)))
+            self._handles.append(m.register_forward_hook(lambda mod, a, out, i=i: self._post(i, out)))
+        for m in self.embs:
+            self._handles.append(m.register_forward_pre_hook(lambda mod, a: self._count(mod)))
+        return self
+
+    def __exit__(self, *exc):
+        self.reset()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _count(self, mod):
+        self._calls[id(mod)] += 1
+
+    def _pre(self, i):
+        self._t[i] = time.perf_counter()
+
+    def _post(self, i, out):
+        self._f[i] += time.perf_counter() - self._t[i]
+        ts = list(_tensors(out))
+        self.activation_bytes[i] = sum(t.numel() * t.element_size() for t in ts)
+        for t in ts:
+            if t.requires_grad:
+                t.register_hook(lambda g, i=i: self._b.setdefault(i, time.perf_counter()) and None)
+
+    def forward_s(self) -> list[float]:
+        return list(self._f)
+
+    def backward_s(self, t_end: float) -> list[float]:
+        """Seconds from each layer's output-gradient event to the next event (or t_end)."""
+        ev = sorted((t, i) for i, t in self._b.items())
+        out = [0.0] * len(self.layers)
+        for k, (t, i) in enumerate(ev):
+            out[i] = (ev[k + 1][0] if k + 1 < len(ev) else t_end) - t
+        return out
+
+    def embedding_calls_once(self) -> bool:
+        self.reset()
+        return not self.embs or (self.max_calls == 1 and self.min_calls == 1)
+
+
+def _rnn_forward_flops(m: nn.RNNBase, inputs) -> int:
+    """Forward FLOPs of nn.LSTM/GRU/RNN: per token, layer and direction 2*G*H*(I + H_r)
+    (G = 4 gates for LSTM, 3 for GRU, 1 for RNN) plus 2*H*P for an LSTM projection."""
+    x = inputs[0]
+    x = x.data if not isinstance(x, torch.Tensor) else x
+    tokens = x.numel() // x.shape[-1]
+    gates = {"LSTM": 4, "GRU": 3}.get(m.mode, 1)
+    dirs = 2 if m.bidirectional else 1
+    h_r = m.proj_size or m.hidden_size
+    total = 0
+    for layer in range(m.num_layers):
+        i_size = m.input_size if layer == 0 else h_r * dirs
+        per = 2 * gates * m.hidden_size * (i_size + h_r) + (2 * m.hidden_size * m.proj_size if m.proj_size else 0)
+        total += per * dirs * tokens
+    return total
+
+
+def count_flops(model: nn.Module, layers, step) -> dict:
+    """FLOPs of one ``step()`` (forward + loss, returning the loss; backward run here):
+    {"forward": int, "backward": int, "layers": [fwd+bwd per layer]}."""
+    from torch.utils.flop_counter import FlopCounterMode
+    rnn_flops: dict[int, int] = {}
+    rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase)]
+    hs = [m.register_forward_hook(lambda mod, a, o: rnn_flops.__setitem__(id(mod), rnn_flops.get(id(mod), 0) + _rnn_forward_flops(mod, a)))
+          for m in rnns]
+    try:
+        with FlopCounterMode(display=False) as fc:
+            loss = step()
+            fwd = fc.get_total_flops()
+            loss.backward()
+        total = fc.get_total_flops()
+    finally:
+        for h in hs:
+            h.remove()
+    counts = {k: sum(v.values()) for k, v in fc.get_flop_counts().items()}
+    root = type(model).__name__
+    names = {id(m): n for n, m in model.named_modules()}
+    per_layer = [counts.get(f"{root}.{names.get(id(m), '?')}", 0) for _, m in layers]
+    for r in rnns:    # fused RNN kernels are invisible to the counter
+        if counts.get(f"{root}.{names[id(r)]}", 0) == 0 and id(r) in rnn_flops:
+            f = rnn_flops[id(r)]
+            fwd, total = fwd + f, total + 3 * f
+            for li, (_, m) in enumerate(layers):
+                if any(x is r for x in m.modules()):
+                    per_layer[li] += 3 * f
+    return {"forward": fwd, "backward": total - fwd, "layers": per_layer}
