@@ -44,8 +44,11 @@ def ring_allreduce_bytes(nbytes: int, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
 
 
-def counting_allreduce_hook(state: tuple[ByteCount, int], bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP communication hook: mean AllReduce of the bucket, counting ring bytes."""
+def counting_allreduce_hook(state, bucket):
+    """DDP communication hook: mean AllReduce of the bucket, counting ring bytes.
+
+    ``state`` is (ByteCount, world size); ``bucket`` a dist.GradBucket (left unannotated:
+    DDP rejects string annotations, which this module's postponed evaluation would make)."""
     counter, world_size = state
     buf = bucket.buffer()
     nbytes = buf.numel() * buf.element_size()

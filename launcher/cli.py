@@ -1,0 +1,109 @@
+"""The ``hpar`` command line: ``hpar run``, ``hpar profile``, ``hpar bench``.
+
+User errors (a bad script, flag, host file or plan) print one line ``hpar: <message>`` on
+stderr and exit with code 2 before any process starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+from rich.console import Console
+
+from hpar.strategies.config import SCHEDULES, STRATEGIES, RunConfig
+from hpar.strategies.job import JobError, check_job, load_job
+
+EXIT_USAGE = 2
+
+
+def fail(message: str, detail: str | None = None) -> None:
+    """Print ``hpar: message`` (plus the user's traceback, if any) and exit 2."""
+    click.echo(f"hpar: {message}", err=True)
+    if detail:
+        click.echo(detail.rstrip(), err=True)
+    sys.exit(EXIT_USAGE)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="hpar")
+def main() -> None:
+    """hpar: profile a single-device PyTorch model, pick hybrid data parallelism or a balanced
+    pipeline, and launch it over many GPUs and hosts."""
+
+
+def _pick(flag, job_defaults: dict, key: str, fallback):
+    return flag if flag is not None else job_defaults.get(key, fallback)
+
+
+@main.command()
+@click.argument("script", required=False, type=click.Path(dir_okay=False))
+@click.option("--gpus", type=int, default=None, help="Number of workers (GPUs, or CPU processes without CUDA). Default 1.")
+@click.option("--hosts", default=None, help="Host file or inline list 'a:2,b:2'; default this machine only.")
+@click.option("--strategy", type=click.Choice(("auto",) + STRATEGIES), default="auto", show_default=True,
+              help="auto: profile the model and take the planner's choice.")
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False), default=None, help="Run a plan written by `hpar profile --plan-out`.")
+@click.option("--steps", type=int, default=None, help="Training steps (default: the script's HPAR, else 100).")
+@click.option("--batch-size", type=int, default=None, help="Samples per worker per step (default: HPAR, else 32).")
+@click.option("--lr", type=float, default=None, help="Learning rate (default: HPAR, else 0.01).")
+@click.option("--seed", type=int, default=None, help="Random seed for the model and the data (default 0).")
+@click.option("--log-every", type=int, default=None, help="Steps between progress reports (default 10).")
+@click.option("--run-dir", default=None, help="Run directory (default runs/<timestamp>).")
+@click.option("--servers", type=int, default=None, help="Parameter servers for hybrid/ps (default one per host).")
+@click.option("--schedule", type=click.Choice(SCHEDULES), default=None, help="Pipeline schedule (default from the plan, else 1f1b).")
+@click.option("--micro-batches", type=int, default=None, help="Pipeline micro-batches per batch (default from the plan).")
+@click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every N steps (0: never).")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, help="Continue the run in this run directory from its last checkpoint.")
+@click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart the whole job from the last checkpoint after a failure, at most N times.")
+@click.option("--stall-timeout", type=float, default=0.0, help="Seconds without progress after which a process counts as stalled (0: off).")
+@click.option("--no-eval", is_flag=True, help="Skip evaluate() before and after training.")
+@click.option("--plain", is_flag=True, help="Plain progress lines even on a terminal.")
+@click.option("--ssh-key", default=None, help="SSH private key file.")
+@click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
+@click.option("--ssh-user", default=None, help="SSH user (default from the host file or ~/.ssh/config).")
+@click.option("--ssh-local", is_flag=True, help="Use SSH even for localhost entries.")
+@click.option("--python", "python_path", default=None, help="Interpreter on the hosts (default: this one's path).")
+@click.option("--sync", is_flag=True, help="Copy the script to hosts that lack it.")
+def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
+        schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, plain,
+        ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync):
+    """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
+    from hpar.launcher import run_cli
+    console = Console(soft_wrap=True)
+    try:
+        cfg, opts, master = run_cli.resolve(
+            console, script=script, gpus=gpus, hosts=hosts, strategy=strategy, plan_file=plan_file, steps=steps,
+            batch_size=batch_size, lr=lr, seed=seed, log_every=log_every, run_dir=run_dir, servers=servers,
+            schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
+            resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
+            plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
+            python_path=python_path, sync=sync)
+    except JobError as exc:
+        fail(str(exc), exc.user_traceback)
+    except ValueError as exc:
+        fail(str(exc))
+    from hpar.launcher.runner import launch
+    outcome = launch(cfg, opts, console, master)
+    if outcome.exit_code == 0 and outcome.summary:
+        s = outcome.summary
+        ev = ", ".join(f"{k} {s['eval_first'].get(k, float('nan')):.4g} -> {v:.4g}" for k, v in (s.get("eval_last") or {}).items())
+        console.print(f"hpar: done: {s.get('samples_per_s', 0):.1f} samples/s, loss {s.get('loss_first', 0):.4f} -> "
+                      f"{s.get('loss_last', 0):.4f}{'; ' + ev if ev else ''}; run dir {cfg.run_dir}", markup=False)
+    sys.exit(outcome.exit_code)
+
+
+def _register_optional() -> None:
+    """Commands that live in their own modules."""
+    for module, name in (("hpar.launcher.profile_cli", "profile"), ("hpar.launcher.bench_cli", "bench")):
+        try:
+            mod = __import__(module, fromlist=[name])
+        except ImportError:
+            continue
+        main.add_command(getattr(mod, name))
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Live progress: a rich table per process on a terminal, plain lines otherwise.
+
+The table has one row per worker/server: host, step, loss, samples/s, bytes sent and
+received per step, CPU and memory (psutil, from heartbeats), GPU memory where present, and the
+state (running, stalled, exited). Plain mode prints one line per metric report instead.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} TB"
+
+
+class Progress:
+    """Shows the state of every process. ``live`` defaults to "stdout is a terminal"."""
+
+    def __init__(self, labels: list[tuple[str, str]], total_steps: int, live: bool | None = None,
+                 console: Console | None = None):
+        self.console = console or Console()
+        self.live_mode = sys.stdout.isatty() if live is None else live
+        self.total_steps = total_steps
+        self.rows = {label: {"host": host, "state": "starting"} for label, host in labels}
+        self._live: Live | None = None
+        self._last_refresh = 0.0
+
+    def __enter__(self):
+        if self.live_mode:
+            self._live = Live(self._table(), console=self.console, refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._live is not None:
+            self._live.update(self._table())
+            self._live.__exit__(*exc)
+            self._live = None
+
+    def say(self, text: str) -> None:
+        """Print a line above the live view (or plainly)."""
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def update(self, label: str, kind: str, payload: dict) -> None:
+        row = self.rows.setdefault(label, {"host": "?", "state": "running"})
+        if kind == "metric":
+            row.update(state="running", **{k: payload.get(k) for k in ("step", "loss", "samples_per_s", "bytes_sent", "bytes_recv")})
+            if not self.live_mode:
+                self.say(f"[{row['host']} {label}] step {payload.get('step')}/{self.total_steps} "
+                         f"loss {payload.get('loss', float('nan')):.4f} "
+                         f"{payload.get('samples_per_s', 0.0):.1f} samples/s "
+                         f"sent {human_bytes(payload.get('bytes_sent'))}/step")
+        elif kind == "heartbeat":
+            row.update({k: payload.get(k) for k in ("cpu_percent", "rss_bytes", "gpu_bytes")})
+            if row.get("state") == "starting":
+                row["state"] = "running"
+        elif kind == "state":
+            row["state"] = payload["state"]
+        self.refresh()
+
+    def refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._live is not None and (force or now - self._last_refresh > 0.25):
+            self._last_refresh = now
+            self._live.update(self._table())
+
+    def _table(self) -> Table:
+        t = Table(title=f"hpar: {self.total_steps} steps", expand=False)
+        for col in ("process", "host", "step", "loss", "samples/s", "sent/step", "recv/step", "cpu %", "memory", "gpu mem", "state"):
+            t.add_column(col, justify="right" if col not in ("process", "host", "state") else "left")
+        for label, r in self.rows.items():
+            loss = r.get("loss")
+            t.add_row(label, str(r.get("host", "")), f"{r.get('step', '-')}",
+                      f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                      f"{r['samples_per_s']:.1f}" if isinstance(r.get("samples_per_s"), (int, float)) else "-",
+                      human_bytes(r.get("bytes_sent")), human_bytes(r.get("bytes_recv")),
+                      f"{r['cpu_percent']:.0f}" if isinstance(r.get("cpu_percent"), (int, float)) else "-",
+                      human_bytes(r.get("rss_bytes")), human_bytes(r.get("gpu_bytes")), r.get("state", ""))
+        return t

@@ -1,0 +1,118 @@
+"""Resolve ``hpar run``'s flags, the script's HPAR defaults, a plan file or the planner, and the
+host list into a RunConfig and LaunchOptions, checking everything before a process starts."""
+from __future__ import annotations
+
+import json
+import os
+
+from rich.console import Console
+
+from hpar.launcher.hosts import Host, parse_hosts, place_workers
+from hpar.launcher.rundir import default_run_dir
+from hpar.launcher.runner import SERVER_STRATEGIES, LaunchOptions, choose_device
+from hpar.strategies import checkpoint
+from hpar.strategies.config import RunConfig
+from hpar.strategies.job import check_job, load_job
+
+FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0}
+
+
+def read_plan(path: str) -> dict:
+    """A plan written by ``hpar profile --plan-out``; ValueError naming the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            plan = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the plan ({exc.strerror}); pass a file written by `hpar profile --plan-out`") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}); write it with `hpar profile --plan-out`") from None
+    if not isinstance(plan, dict) or "strategy" not in plan:
+        raise ValueError(f"{path}: not an hpar plan (no 'strategy' key); write it with `hpar profile --plan-out`")
+    return plan
+
+
+def resumed_config(resume_dir: str, script: str | None, steps: int | None) -> RunConfig:
+    """The config of the run in ``resume_dir``, set to resume from its last checkpoint."""
+    path = os.path.join(resume_dir, "config.json")
+    if not os.path.exists(path):
+        raise ValueError(f"--resume {resume_dir}: no config.json there; pass the run directory of an earlier `hpar run`")
+    cfg = RunConfig.from_json(open(path, encoding="utf-8").read())
+    if script and os.path.abspath(script) != cfg.script:
+        raise ValueError(f"--resume {resume_dir}: that run trained {cfg.script}, not {os.path.abspath(script)}")
+    if checkpoint.latest_step(resume_dir) is None:
+        raise ValueError(f"--resume {resume_dir}: no checkpoint there; start runs with --checkpoint-every N to resume them")
+    return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))
+
+
+def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: tuple[Host, ...],
+             gpus: int, servers: int | None) -> tuple[str, dict]:
+    """(strategy, plan dict) from ``--plan``, or the planner for ``auto`` and for strategies
+    that need a plan (pipeline stages); ``--strategy X`` with X runnable keeps X."""
+    if plan_file:
+        plan = read_plan(plan_file)
+        if strategy not in ("auto", plan["strategy"]):
+            raise ValueError(f"--strategy {strategy} contradicts --plan {plan_file} (strategy {plan['strategy']}); drop one")
+        console.print(f"hpar: strategy {plan['strategy']} from {plan_file}", markup=False)
+        return plan["strategy"], plan
+    from hpar.launcher.planning import plan_job
+    plan = plan_job(job, batch_size, hosts, gpus, servers)
+    if strategy == "auto":
+        console.print(f"hpar: --strategy auto chose {plan.strategy}: {plan.reason}", markup=False)
+        return plan.strategy, plan.to_dict()
+    return strategy, plan.to_dict()
+
+
+def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
+            run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
+            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync):
+    """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts."""
+    host_list = tuple(parse_hosts(hosts)) if hosts else ()
+    if max_restarts < 0 or stall_timeout < 0:
+        raise ValueError("--max-restarts and --stall-timeout must not be negative")
+    if resume_dir:
+        cfg = resumed_config(resume_dir, script, steps)
+        job = load_job(cfg.script)
+    else:
+        if not script:
+            raise ValueError("missing SCRIPT: `hpar run SCRIPT --gpus N` (or --resume RUN_DIR)")
+        job = load_job(script)
+        d = job.defaults
+        gpus = gpus if gpus is not None else 1
+        if gpus < 1:
+            raise ValueError(f"--gpus must be at least 1, got {gpus}")
+        if host_list:
+            place_workers(list(host_list), gpus)
+        bs = batch_size if batch_size is not None else d.get("batch_size", FALLBACKS["batch_size"])
+        if bs < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {bs}")
+        check_job(job, bs)
+        strategy, plan = plan_for(console, job, strategy, plan_file, bs, host_list, gpus, servers)
+        used_hosts = len({h.name for h in place_workers(list(host_list), gpus)}) if host_list else 1
+        if servers is None:
+            servers = plan.get("servers") or used_hosts if strategy in SERVER_STRATEGIES else 0
+        if strategy in SERVER_STRATEGIES and servers < 1:
+            raise ValueError(f"--servers must be at least 1 for --strategy {strategy}")
+        if strategy not in SERVER_STRATEGIES and servers:
+            raise ValueError(f"--servers {servers} only applies to --strategy hybrid or ps, not {strategy}")
+        workers_per_host = max(sum(1 for h in place_workers(list(host_list), gpus) if h.name == n.name)
+                               for n in host_list) if host_list else gpus
+        device, how = choose_device(workers_per_host)
+        console.print(f"hpar: {how}", markup=False)
+        pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
+        cfg = RunConfig(
+            script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
+            lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
+            device=device, log_every=pick(log_every, "log_every"), servers=servers,
+            schedule=schedule or plan.get("schedule") or "1f1b",
+            micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
+            checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval)
+        if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
+            raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
+    ssh_opts, master = None, "127.0.0.1"
+    if host_list and (ssh_local or any(not h.is_local for h in host_list)):
+        from hpar.launcher.remote import prepare_remote
+        ssh_opts, master = prepare_remote(console, host_list, cfg, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user,
+                                          ssh_local=ssh_local, python_path=python_path, sync=sync)
+    opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, max_restarts=max_restarts,
+                         live=False if plain else None, sync=sync)
+    return cfg, opts, master

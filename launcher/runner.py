@@ -1,0 +1,117 @@
+"""``hpar run`` from resolved options to a finished run: pick the device, place workers and
+servers on hosts, write the run directory, start and supervise every process, write the
+summary, and restart from the last checkpoint when ``--max-restarts`` allows."""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from hpar.launcher.hosts import Host, place_workers
+from hpar.launcher.procs import LocalProcess, run_specs
+from hpar.launcher.progress import Progress
+from hpar.launcher.rundir import RunDir
+from hpar.launcher.supervisor import Outcome, Supervisor
+from hpar.strategies import checkpoint
+from hpar.strategies.config import RunConfig
+
+SERVER_STRATEGIES = ("hybrid", "ps")
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How to start processes (not what to train): hosts, SSH, monitoring, restarts."""
+
+    hosts: tuple[Host, ...] = ()
+    ssh: object | None = None          # launcher.ssh.SSHOptions when SSH is used
+    stall_timeout: float = 0.0
+    max_restarts: int = 0
+    grace: float = 5.0
+    live: bool | None = None
+    sync: bool = False
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``addr`` a moment ago (for the rendezvous)."""
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def choose_device(workers_per_host: int) -> tuple[str, str]:
+    """("cuda", message) when this machine has a CUDA GPU for every local worker, else ("cpu", ...)."""
+    import torch
+    if torch.cuda.is_available() and torch.cuda.device_count() >= workers_per_host:
+        return "cuda", f"{workers_per_host} GPU worker(s) per host with NCCL ({torch.cuda.get_device_name(0)})"
+    reason = "no CUDA device" if not torch.cuda.is_available() else f"only {torch.cuda.device_count()} GPU(s)"
+    return "cpu", f"CPU workers with gloo ({reason})"
+
+
+def placement(cfg: RunConfig, hosts: tuple[Host, ...]) -> tuple[list[Host], list[Host]]:
+    """Hosts of each worker rank and each server index. Servers go round-robin over the hosts
+    that have workers (one per host by default, as in Parallax)."""
+    hosts = hosts or (Host("localhost", cfg.world_size),)
+    workers = place_workers(list(hosts), cfg.world_size)
+    used = list(dict.fromkeys(workers))
+    return workers, [used[i % len(used)] for i in range(cfg.servers)]
+
+
+def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue.Queue, master: str, port: int):
+    worker_hosts, server_hosts = placement(cfg, opts.hosts)
+    python = getattr(opts.ssh, "python", None)
+    specs = run_specs(cfg.world_size, cfg.servers, rundir.config_path, master, port,
+                      [h.name for h in worker_hosts], [h.name for h in server_hosts], python=python)
+    by_name = {h.name: h for h in worker_hosts + server_hosts}
+    per_host = {}
+    for s in specs:
+        per_host[s.host] = per_host.get(s.host, 0) + 1
+    procs = []
+    for spec in specs:
+        threads = max(1, (os.cpu_count() or 1) // per_host[spec.host])
+        spec.env.setdefault("HPAR_THREADS", str(threads))
+        remote = opts.ssh is not None and (not by_name[spec.host].is_local or getattr(opts.ssh, "force_ssh", False))
+        if remote:
+            from hpar.launcher.ssh import make_process
+            procs.append(make_process(spec, by_name, opts.ssh, lines))
+        else:
+            procs.append(LocalProcess(spec, lines))
+    return procs
+
+
+def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = "127.0.0.1") -> Outcome:
+    """Run ``cfg`` to the end (with up to ``opts.max_restarts`` restarts from the last
+    checkpoint). Writes RUN_DIR/summary.json with ``exit_code`` in every case."""
+    rundir = RunDir(cfg.run_dir)
+    attempt = 0
+    try:
+        while True:
+            rundir.write_config(cfg)
+            lines: queue.Queue = queue.Queue()
+            port = free_port(master if master != "127.0.0.1" else "127.0.0.1")
+            procs = _processes(cfg, rundir, opts, lines, master, port)
+            labels = [(p.spec.label, p.spec.host) for p in procs]
+            with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
+                sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace)
+                outcome = sup.run()
+            interrupted = outcome.exit_code in (130, 143)
+            if outcome.exit_code == 0 or interrupted or attempt >= opts.max_restarts:
+                break
+            attempt += 1
+            step = checkpoint.latest_step(cfg.run_dir)
+            console.print(f"hpar: restart {attempt}/{opts.max_restarts} from "
+                          f"{'step ' + str(step) if step is not None else 'the start (no checkpoint yet)'}",
+                          markup=False)
+            cfg = cfg.replace(resume=step is not None)
+            time.sleep(1.0)
+        summary = dict(outcome.summary or {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps": cfg.steps})
+        summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path)
+        if outcome.exit_code != 0:
+            summary.update(failed=outcome.failed, failed_host=outcome.host, cause=outcome.cause)
+        rundir.write_summary(summary)
+        return outcome
+    finally:
+        rundir.close()

@@ -1,0 +1,176 @@
+"""Watch every process of a run and stop them all at the first failure.
+
+The supervisor reads the output of every process from one queue (see launcher/procs.py),
+writes each line to that process's log, turns tagged ``@hpar`` lines into metrics and live
+progress, and polls exit codes. The first failure (a non-zero exit, a death by signal, a
+process that made no progress for ``stall_timeout`` seconds, or Ctrl-C/SIGTERM to the launcher)
+stops every other process: SIGTERM to each recorded process group, ``grace`` seconds, then
+SIGKILL. The failure is reported with host, process, cause and the last lines of its log.
+"""
+from __future__ import annotations
+
+import queue
+import signal
+import time
+from dataclasses import dataclass
+
+from hpar.launcher.progress import Progress
+from hpar.launcher.rundir import RunDir
+from hpar.workers import report
+
+EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 130, 143
+
+
+@dataclass
+class Outcome:
+    """How a run ended: the launcher's exit code, the process that failed first (label,
+    host) and why, and rank 0's summary when training finished."""
+
+    exit_code: int
+    failed: str | None = None
+    host: str | None = None
+    cause: str | None = None
+    summary: dict | None = None
+
+
+def describe_exit(code: int, signal_seen: int | None) -> str:
+    """'exit code N' or 'killed by SIGNAME' for a process's exit status (the guard reports a
+    child's death by signal N as exit code 128+N after an event naming the signal)."""
+    sig = -code if code < 0 else (signal_seen if signal_seen and code == 128 + signal_seen else None)
+    if sig:
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exit code {code}"
+
+
+class Supervisor:
+    """Runs ``procs`` (objects with LocalProcess's methods) to completion or first failure."""
+
+    def __init__(self, procs: list, lines: "queue.Queue", rundir: RunDir, progress: Progress,
+                 stall_timeout: float = 0.0, grace: float = 5.0):
+        self.procs, self.lines, self.rundir, self.progress = procs, lines, rundir, progress
+        self.stall_timeout, self.grace = stall_timeout, grace
+        self.summary: dict | None = None
+        self._signal_of: dict[int, int] = {}
+        self._last_progress: dict[int, float] = {}
+        self._stop_signal: int | None = None
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._stop_signal = signum
+
+    def run(self) -> Outcome:
+        """Start every process and supervise; always leaves no process of the run behind."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run()
+        finally:
+            self.teardown()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _run(self) -> Outcome:
+        started = time.monotonic()
+        for p in self.procs:
+            try:
+                p.start()
+            except Exception as exc:  # e.g. SSH refused after preflight
+                self.progress.say(f"hpar: could not start {p.spec.label} on {p.spec.host}: {exc}")
+                return Outcome(EXIT_FAILED, p.spec.label, p.spec.host, f"could not start: {exc}")
+            self._last_progress[id(p)] = started
+        exited: dict[int, int] = {}
+        while True:
+            self._drain(timeout=0.2)
+            if self._stop_signal is not None:
+                name = signal.Signals(self._stop_signal).name
+                self.progress.say(f"hpar: {name} received, stopping every process")
+                return Outcome(EXIT_INTERRUPTED if self._stop_signal == signal.SIGINT else EXIT_TERMINATED,
+                               cause=f"launcher received {name}")
+            failed = []
+            for p in self.procs:
+                code = p.poll()
+                if code is not None and id(p) not in exited:
+                    exited[id(p)] = code
+                    self.progress.update(p.spec.label, "state", {"state": "done" if code == 0 else "failed"})
+                    if code != 0:
+                        failed.append(p)
+            if failed:
+                time.sleep(0.3)  # a peer's crash makes the others fail too: look again, blame the root cause
+                self._drain(timeout=0.0)
+                candidates = failed + [p for p in self.procs if id(p) not in exited and p.poll() not in (None, 0)]
+                first = min(candidates, key=lambda p: 0 if self._died_by_signal(p) else 1)
+                return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
+            if len(exited) == len(self.procs):
+                self._drain(timeout=0.0)
+                return Outcome(0, summary=self.summary)
+            if self.stall_timeout > 0:
+                now = time.monotonic()
+                for p in self.procs:
+                    if id(p) not in exited and now - self._last_progress[id(p)] > self.stall_timeout:
+                        self.progress.update(p.spec.label, "state", {"state": "stalled"})
+                        return self._fail(p, f"stalled: no progress for {self.stall_timeout:.0f} s (--stall-timeout)")
+
+    def _died_by_signal(self, p) -> bool:
+        code = p.poll()
+        return code is not None and (code < 0 or id(p) in self._signal_of)
+
+    def _drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                proc, line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            if line is not None:
+                self._handle(proc, line)
+
+    def _handle(self, proc, line: str) -> None:
+        spec = proc.spec
+        self.rundir.log_line(spec.log_name, line)
+        parsed = report.parse(line)
+        if parsed is None:
+            self.progress.say(f"[{spec.host} {spec.label}] {line}")
+            return
+        kind, payload = parsed
+        if kind in ("metric", "heartbeat"):
+            self.rundir.metric({"kind": kind, "role": spec.role, "rank": spec.rank, "host": spec.host,
+                                "time": time.time(), **payload})
+            self.progress.update(spec.label, kind, payload)
+            if kind == "metric":
+                self._last_progress[id(proc)] = time.monotonic()
+        elif kind == "summary":
+            self.summary = payload
+        elif kind == "event":
+            if payload.get("kind") == "signal":
+                self._signal_of[id(proc)] = int(payload["signal"])
+            elif payload.get("kind") == "progress":
+                self._last_progress[id(proc)] = time.monotonic()
+
+    def _fail(self, p, cause: str) -> Outcome:
+        self.teardown()
+        self._drain(timeout=0.2)
+        tail = self.rundir.tail(p.spec.log_name, 10)
+        self.progress.say(f"hpar: {p.spec.label} on {p.spec.host} failed: {cause}; stopped every other process")
+        if tail:
+            self.progress.say(f"hpar: last lines of {p.spec.log_name}:\n" + "\n".join("  " + t for t in tail))
+        return Outcome(EXIT_FAILED, p.spec.label, p.spec.host, cause, self.summary)
+
+    def teardown(self) -> None:
+        """SIGTERM every recorded process group still alive, wait ``grace`` s, SIGKILL the rest,
+        and wait (up to 5 s more) until every group is gone."""
+        alive = [p for p in self.procs if p.pgid is not None and p.group_alive()]
+        for p in alive:
+            p.terminate()
+        deadline = time.monotonic() + self.grace
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in alive if p.group_alive()]
+        for p in alive:
+            p.kill()
+        deadline = time.monotonic() + 5.0
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = [p for p in alive if p.group_alive()]
+        for p in self.procs:
+            p.close_stdin()
