@@ -52,13 +52,17 @@ from hpar.strategies.job import Job, JobError
 from hpar.strategies.profile_hooks import LayerTimer, count_flops, embedding_modules, rows_touched
 
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
+ROW_BUCKETS = 256           # resolution of ParamProfile.row_mass
 
 
 @dataclass(frozen=True)
 class ParamProfile:
     """One parameter. ``bytes`` = numel * element size; ``alpha``/``union_alpha`` are
     fractions of rows (first dimension) in [0, 1], 1.0 for dense parameters; ``union_curve``
-    holds (k workers, union fraction) pairs; ``layer`` indexes ``Profile.layers`` (-1: none)."""
+    holds (k workers, union fraction) pairs; ``row_mass`` splits the rows into equal
+    contiguous buckets and gives the share of all row touches in each (sums to 1; says how
+    hot rows sit, which decides server load under row-range partitioning);
+    ``layer`` indexes ``Profile.layers`` (-1: none)."""
 
     name: str
     shape: tuple[int, ...]
@@ -69,6 +73,7 @@ class ParamProfile:
     embedding_module: bool
     layer: int = -1
     union_curve: tuple[tuple[int, float], ...] = ()
+    row_mass: tuple[float, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -142,7 +147,8 @@ class Profile:
     def from_dict(cls, d: dict) -> "Profile":
         d = dict(d)
         d["params"] = tuple(ParamProfile(**{**p, "shape": tuple(p["shape"]),
-                                            "union_curve": tuple(tuple(x) for x in p.get("union_curve", ()))})
+                                            "union_curve": tuple(tuple(x) for x in p.get("union_curve", ())),
+                                            "row_mass": tuple(p.get("row_mass", ()))})
                             for p in d["params"])
         d["layers"] = tuple(LayerProfile(**l) for l in d["layers"])
         return cls(**d)
@@ -254,7 +260,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmu
         if name in emb_names:
             st = emb_stats[name]
             pp = ParamProfile(name, tuple(p.shape), nbytes, True, st["alpha"], st["union"], True,
-                              layer_of.get(id(p), -1), st["curve"])
+                              layer_of.get(id(p), -1), st["curve"], st["mass"])
         elif name in grad_rows and _median([f for f, _ in grad_rows[name]]) < SPARSE_ROW_FRACTION:
             fr = [f for f, _ in grad_rows[name]]
             union = float(torch.stack([m for _, m in grad_rows[name]]).any(0).float().mean())
@@ -340,7 +346,13 @@ def _embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worke
             shift = curve[-1][1] - est(R)
             extra = sorted({k for k in (2 ** i for i in range(31)) if R < k < workers} | {workers})
             curve = curve + [(k, min(1.0, est(k) + shift)) for k in extra]
-        out[n] = {"alpha": sum(per_worker[n]) / len(per_worker[n]), "union": curve[-1][1], "curve": tuple(curve)}
+        c = counts[n].double()
+        buckets = min(ROW_BUCKETS, c.numel())
+        edges = torch.arange(buckets + 1) * c.numel() // buckets
+        mass = torch.stack([c[edges[i]:edges[i + 1]].sum() for i in range(buckets)])
+        mass = mass / mass.sum().clamp_min(1)
+        out[n] = {"alpha": sum(per_worker[n]) / len(per_worker[n]), "union": curve[-1][1], "curve": tuple(curve),
+                  "mass": tuple(round(float(x), 6) for x in mass)}
     return out
 
 

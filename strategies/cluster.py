@@ -1,0 +1,197 @@
+"""The cluster a plan is made for: hosts, GPUs (workers) per host, parameter servers, and the
+network link figures, given by flags or measured by a short loopback probe.
+
+No launcher imports here: ``launcher/profile_cli.py`` parses ``--hosts`` with
+``launcher.hosts.parse_hosts`` and passes the slot counts to :func:`make_cluster`.
+
+Link model used by the cost model (``strategies/costmodel.py``): every host has one
+full-duplex network link of ``bandwidth_Bps`` bytes/s each way, and a message costs
+``latency_s`` plus its size over the bandwidth (the alpha-beta or Hockney model, Hockney,
+"The communication challenge for MPP", Parallel Computing 1994). Traffic between processes
+of one host uses ``intra_host_Bps`` (shared memory, PCIe or NVLink; loopback on a CPU box);
+it defaults to ``bandwidth_Bps`` because we cannot measure a GPU interconnect we do not have.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+           "ki": 2.0 ** 10, "mi": 2.0 ** 20, "gi": 2.0 ** 30, "ti": 2.0 ** 40}
+_TIME = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+_NUM = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``hosts`` machines with ``gpus_per_host[h]`` workers each (len == hosts), ``servers``
+    parameter-server processes (one per host by default, as in Parallax), inter-host link
+    ``bandwidth_Bps`` (bytes/s, each direction) and ``latency_s`` (seconds per message),
+    ``device_flops`` (FLOP/s of one worker's device; None: use the profiled CPU times),
+    ``intra_host_Bps`` (None: same as ``bandwidth_Bps``), ``source`` (where the link figures
+    came from: "flags", "probe" or "default")."""
+
+    hosts: int
+    gpus_per_host: tuple[int, ...]
+    servers: int
+    bandwidth_Bps: float
+    latency_s: float
+    device_flops: float | None = None
+    intra_host_Bps: float | None = None
+    source: str = "flags"
+
+    def __post_init__(self):
+        if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:
+            raise ValueError(f"--hosts/--gpus: need at least one host with at least one GPU each, got {self.gpus_per_host}")
+        if self.servers < 1:
+            raise ValueError(f"--servers must be at least 1, got {self.servers}")
+        if not self.bandwidth_Bps > 0:
+            raise ValueError(f"--bandwidth must be positive, got {self.bandwidth_Bps} B/s")
+        if not self.latency_s >= 0:
+            raise ValueError(f"--latency must not be negative, got {self.latency_s} s")
+        if self.device_flops is not None and not self.device_flops > 0:
+            raise ValueError(f"--device-tflops must be positive, got {self.device_flops / 1e12}")
+
+    @property
+    def workers(self) -> int:
+        """N, the number of worker processes (GPUs)."""
+        return sum(self.gpus_per_host)
+
+    @property
+    def max_gpus_per_host(self) -> int:
+        return max(self.gpus_per_host)
+
+    @property
+    def intra_Bps(self) -> float:
+        return self.intra_host_Bps or self.bandwidth_Bps
+
+    @property
+    def collective_Bps(self) -> float:
+        """Bandwidth of the slowest link a ring over all workers crosses: the network when
+        the ring spans hosts, the intra-host figure on a single host."""
+        return self.bandwidth_Bps if self.hosts > 1 else self.intra_Bps
+
+
+def parse_bandwidth(text: str, flag: str = "--bandwidth") -> float:
+    """``"10Gbps"``, ``"10Gbit"``, ``"10gbit/s"``, ``"100Mb/s"`` (bits), ``"25GB/s"``,
+    ``"25GBps"``, ``"1.5GiB/s"`` (bytes) -> bytes per second (float). SI prefixes are powers
+    of 10, ``Ki/Mi/Gi/Ti`` powers of 2; a lowercase ``b``/``bit`` is bits, an uppercase
+    ``B``/``byte`` is bytes. Raises ValueError naming ``flag`` for anything else."""
+    m = re.fullmatch(_NUM + r"\s*([A-Za-z]*)(bps|Bps|bit/s|bits/s|bit|bits|b/s|B/s|bytes/s|byte/s|B)", (text or "").strip())
+    if m is None:
+        raise ValueError(f"{flag} {text!r}: give a number and a unit, e.g. 10Gbps, 100Mbit, 25GB/s")
+    value, prefix, unit = float(m.group(1)), m.group(2).lower(), m.group(3)
+    if prefix not in _PREFIX:
+        raise ValueError(f"{flag} {text!r}: unknown prefix {m.group(2)!r}; use k, M, G, T (or Ki, Mi, Gi, Ti)")
+    bits = unit.startswith("b") and not unit.startswith("byte")
+    bps = value * _PREFIX[prefix] / (8.0 if bits else 1.0)
+    if bps <= 0:
+        raise ValueError(f"{flag} {text!r}: bandwidth must be positive")
+    return bps
+
+
+def parse_latency(text: str, flag: str = "--latency") -> float:
+    """``"50us"``, ``"50µs"``, ``"1ms"``, ``"0.2s"``, ``"100ns"`` -> seconds (float).
+    Raises ValueError naming ``flag`` when the unit is missing or unknown."""
+    m = re.fullmatch(_NUM + r"\s*(ns|us|µs|ms|s)", (text or "").strip())
+    if m is None:
+        raise ValueError(f"{flag} {text!r}: give a number and a unit, e.g. 50us, 1ms")
+    return float(m.group(1)) * _TIME[m.group(2)]
+
+
+def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | None,
+                 bandwidth_Bps: float, latency_s: float, device_flops: float | None = None,
+                 intra_host_Bps: float | None = None, source: str = "flags") -> ClusterSpec:
+    """A ClusterSpec from host slot counts (``slots``, None: this machine only) and
+    ``--gpus`` (None: every slot). GPUs fill hosts in order, as the launcher places ranks;
+    hosts left without a GPU are dropped. ``servers`` None means one per host used.
+    Raises ValueError when ``--gpus`` exceeds the slots or is below 1."""
+    if gpus is not None and gpus < 1:
+        raise ValueError(f"--gpus must be at least 1, got {gpus}")
+    if not slots:
+        slots = [gpus or 1]
+    total = sum(slots)
+    n = total if gpus is None else gpus
+    if n > total:
+        raise ValueError(f"--gpus {n} exceeds the {total} slots of --hosts; add hosts or lower --gpus")
+    per_host, left = [], n
+    for s in slots:
+        if left <= 0:
+            break
+        per_host.append(min(s, left))
+        left -= per_host[-1]
+    return ClusterSpec(hosts=len(per_host), gpus_per_host=tuple(per_host),
+                       servers=len(per_host) if servers is None else servers,
+                       bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, device_flops=device_flops,
+                       intra_host_Bps=intra_host_Bps, source=source)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _probe_worker(rank: int, port: int, nbytes: int, pings: int, sends: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        small, big = torch.zeros(1), torch.zeros(nbytes // 4)
+        peer = 1 - rank
+        rtts, sends_s = [], []
+        for _ in range(pings):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(small, peer)
+                dist.recv(small, peer)
+            else:
+                dist.recv(small, peer)
+                dist.send(small, peer)
+            rtts.append(time.perf_counter() - t0)
+        for _ in range(sends + 1):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(big, peer)
+                dist.recv(small, peer)
+            else:
+                dist.recv(big, peer)
+                dist.send(small, peer)
+            sends_s.append(time.perf_counter() - t0)
+        if rank == 0:
+            queue.put((statistics.median(rtts[2:]), statistics.median(sends_s[1:])))
+    finally:
+        dist.destroy_process_group()
+
+
+def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 4, timeout_s: float = 60.0) -> tuple[float, float]:
+    """Measure (bandwidth_Bps, latency_s) between two gloo processes on this machine
+    (loopback TCP): latency = half the median round trip of a 4-byte message, bandwidth =
+    ``nbytes`` over the median one-way time of a large message minus one latency. Takes
+    a few seconds, most of it starting the processes. Raises RuntimeError if it fails."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_probe_worker, args=(r, port, nbytes, pings, sends, queue), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rtt, one_way = queue.get(timeout=timeout_s)
+    except Exception as exc:
+        raise RuntimeError(f"link probe failed ({type(exc).__name__}); pass --bandwidth and --latency") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    latency = rtt / 2
+    return nbytes / max(one_way - rtt, 1e-9), latency
