@@ -1,0 +1,250 @@
+"""Processes on other hosts, over SSH through fabric: ``RemoteProcess`` offers exactly the
+methods and attributes of ``LocalProcess`` (launcher/procs.py), and ``make_process`` picks one.
+
+The remote command is ``cd CWD && env K=V ... PY -c SETSID PY -m hpar.workers.guard PY -m ...``
+with every piece shlex-quoted (SETSID: ``setsid -w`` in five lines of Python, so a signal maps
+to 128+N as the guard's own exit codes do). It makes the guard the leader of its own session and
+process group; the channel's stdin stays open and is never written, so when the launcher's
+connection goes away (the launcher exits or is killed, or sshd drops a dead link; see
+``ClientAliveInterval``) the guard sees EOF and stops its group. Signals go to the recorded
+group only (``kill -SIG -- -PGID`` over a second connection). On the launcher's side, TCP
+keepalives and ``TCP_USER_TIMEOUT`` turn a dead link into a closed channel within
+``LINK_TIMEOUT_S`` seconds; ``poll()`` then reports ``LOST_HOST`` (255, as ssh does).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shlex
+import signal as signals
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import fabric
+import paramiko
+
+from .hosts import Host
+from .procs import LocalProcess, ProcessSpec
+
+LOST_HOST = 255
+LINK_TIMEOUT_S = 5.0
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PASS_THROUGH = ("PYTHONPATH",)
+# ``setsid -w`` for our purpose: run argv[1:] as the leader of a new session, wait, and exit
+# with its code, or 128+N when it died of signal N (``setsid -w`` itself returns N then).
+_SESSION = ("import os,sys\npid=os.fork()\nif pid==0:\n os.setsid()\n os.execvp(sys.argv[1],sys.argv[1:])\n"
+            "code=os.waitstatus_to_exitcode(os.waitpid(pid,0)[1])\nsys.exit(128-code if code<0 else code)")
+
+
+class SSHError(RuntimeError):
+    """A host cannot be reached or refused us; the message is one line naming the host."""
+
+
+@dataclass(frozen=True)
+class SSHOptions:
+    """How to reach hosts: ``key`` (private key file; None: ~/.ssh/config, agent and default
+    keys), ``port``/``user`` (defaults when a host entry gives none), ``connect_timeout``
+    (seconds per attempt), ``retries`` (extra attempts, with backoff 0.5 s, 1 s, 2 s, ...),
+    ``python`` (interpreter on the hosts; None: the launcher's ``sys.executable``), and
+    ``force_ssh`` (use SSH even for this machine's entries: ``--ssh-local``)."""
+
+    key: str | None = None
+    port: int | None = None
+    user: str | None = None
+    connect_timeout: float = 10.0
+    retries: int = 2
+    python: str | None = None
+    force_ssh: bool = False
+
+
+def connect(host: Host, opts: SSHOptions) -> fabric.Connection:
+    """An open fabric Connection to ``host`` (key-based; honours ~/.ssh/config; host entry's
+    user/port win over the options'). Retries refused or timed-out connections ``opts.retries``
+    times with backoff, never a failed authentication. Raises SSHError (one line) on failure."""
+    connect_kwargs: dict = {"banner_timeout": opts.connect_timeout, "auth_timeout": opts.connect_timeout}
+    if opts.key:
+        if not os.path.isfile(opts.key):
+            raise SSHError(f"--ssh-key: {opts.key!r} is not a file")
+        connect_kwargs.update(key_filename=[opts.key], look_for_keys=False, allow_agent=False)
+    conn = fabric.Connection(host.name, user=host.user or opts.user, port=host.port or opts.port,
+                             connect_timeout=opts.connect_timeout, connect_kwargs=connect_kwargs)
+    where = f"{conn.user}@{host.name}:{conn.port}"
+    for attempt in range(opts.retries + 1):
+        try:
+            conn.open()
+            _keepalive(conn)
+            return conn
+        except paramiko.AuthenticationException as e:
+            conn.close()
+            raise SSHError(f"host {where}: authentication failed ({e}); check --ssh-key/--ssh-user") from None
+        except (OSError, paramiko.SSHException, EOFError) as e:
+            conn.close()
+            problem = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if attempt == opts.retries:
+                raise SSHError(f"host {where}: unreachable after {opts.retries + 1} attempts ({problem})") from None
+            time.sleep(0.5 * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def _keepalive(conn: fabric.Connection) -> None:
+    transport = conn.client.get_transport()
+    assert transport is not None
+    transport.set_keepalive(1)
+    sock = transport.sock
+    if isinstance(sock, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(LINK_TIMEOUT_S * 1000))
+
+
+def remote_command(spec: ProcessSpec, python: str | None = None, cwd: str | None = None) -> str:
+    """The shell command that runs ``spec`` on a host: ``cd CWD && env K=V ... PY -c SETSID ARGV``,
+    each piece shlex-quoted; ``python`` replaces the spec's interpreter (argv[0] and every
+    other occurrence of it). Raises ValueError for an environment name that is not an
+    identifier."""
+    argv = list(spec.argv)
+    if python:
+        argv = [python if a == spec.argv[0] else a for a in argv]
+    env = {k: os.environ[k] for k in _PASS_THROUGH if k in os.environ}
+    env.update(spec.env)
+    for key in env:
+        if not _ENV_KEY.match(key):
+            raise ValueError(f"environment variable name {key!r} of {spec.label} is not an identifier")
+    assigns = [shlex.quote(f"{k}={v}") for k, v in env.items()]
+    session = [argv[0], "-c", _SESSION]
+    return (f"cd {shlex.quote(cwd or os.getcwd())} && env {' '.join(assigns)} "
+            + " ".join(shlex.quote(a) for a in session + argv))
+
+
+class RemoteProcess:
+    """A ProcessSpec running on ``host`` over SSH, with LocalProcess's interface: a reader
+    thread puts ``(self, line)`` per output line (stdout and stderr), then ``(self, None)``."""
+
+    def __init__(self, spec: ProcessSpec, host: Host, opts: SSHOptions, lines: "queue.Queue"):
+        self.spec = spec
+        self.host = host
+        self.opts = opts
+        self._lines = lines
+        self._conn: fabric.Connection | None = None
+        self._channel: paramiko.Channel | None = None
+        self._done = threading.Event()
+        self._code: int | None = None
+        self.pid: int | None = None
+        self.pgid: int | None = None
+
+    def start(self) -> None:
+        """Connect and start the process. Raises SSHError when the host cannot be reached."""
+        command = remote_command(self.spec, self.opts.python or self.spec.argv[0])
+        self._conn = connect(self.host, self.opts)
+        transport = self._conn.client.get_transport()
+        assert transport is not None
+        self._channel = transport.open_session()
+        self._channel.set_combine_stderr(True)
+        self._channel.exec_command(command)
+        threading.Thread(target=self._read, name=f"hpar-ssh-{self.spec.label}", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._channel is not None
+        stream = self._channel.makefile("rb")
+        try:
+            for raw in stream:
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if self.pgid is None and line.startswith("@hpar event "):
+                    self._record(line)
+                self._lines.put((self, line))
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+        channel = self._channel
+        # the exit status may follow the EOF; a closed channel sets the event too (code -1)
+        channel.status_event.wait(LINK_TIMEOUT_S * 4)
+        code = channel.exit_status if channel.status_event.is_set() else -1
+        if code >= 0:
+            self._code = -(code - 128) if 128 < code < 128 + 65 else code
+        else:
+            self._code = LOST_HOST
+            self._lines.put((self, f"[hpar] lost the connection to {self.host.name}"))
+        self._done.set()
+        self._lines.put((self, None))
+
+    def _record(self, line: str) -> None:
+        try:
+            event = json.loads(line[len("@hpar event "):])
+        except ValueError:
+            return
+        if event.get("kind") == "started" and isinstance(event.get("pgid"), int):
+            self.pid = self.pgid = event["pgid"]  # the guard leads its group, as locally
+
+    def poll(self) -> int | None:
+        """Exit code once the remote process has ended and its output is read; None while
+        running; -N when it (or its guard) died of signal N; LOST_HOST when the connection
+        broke."""
+        return self._code if self._done.is_set() else None
+
+    def _group_command(self, shell: str) -> int | None:
+        """Run ``shell`` on the host over a second connection; its exit code, None if the host
+        is unreachable."""
+        try:
+            conn = connect(self.host, SSHOptions(**{**self.opts.__dict__, "retries": 0}))
+        except SSHError:
+            return None
+        try:
+            return conn.run(shell, hide=True, warn=True, in_stream=False).exited
+        except (OSError, paramiko.SSHException, EOFError):
+            return None
+        finally:
+            conn.close()
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the recorded remote process group (no-op before it is known, after
+        the process ended, or when the host is unreachable: its guard then stops the group
+        itself when the connection drops)."""
+        if self.pgid is None or self._done.is_set():
+            return
+        assert isinstance(self.pgid, int) and self.pgid > 1
+        self._group_command(f"kill -{int(sig)} -- -{self.pgid}")
+
+    def terminate(self) -> None:
+        self.signal(signals.SIGTERM)
+
+    def kill(self) -> None:
+        self.signal(signals.SIGKILL)
+
+    def group_alive(self) -> bool:
+        """True while any process of the recorded group is alive on the host (zombies
+        excluded); False when unknown, ended or unreachable."""
+        if self.pgid is None:
+            return False
+        code = self._group_command(f"ps -e -o pgid=,stat= | awk '$1 == {int(self.pgid)} && $2 !~ /^Z/' | grep -q .")
+        return code == 0
+
+    def close_stdin(self) -> None:
+        """Close the connection: the remote guard sees EOF and stops its group by itself."""
+        if self._channel is not None:
+            try:
+                self._channel.shutdown_write()
+            except (OSError, EOFError, paramiko.SSHException):
+                pass
+
+    def close(self) -> None:
+        """Drop the connection (the remote group then stops itself)."""
+        if self._conn is not None:
+            self._conn.close()
+
+
+def make_process(spec: ProcessSpec, hosts_by_name: dict[str, Host], opts: SSHOptions,
+                 lines: "queue.Queue") -> LocalProcess | RemoteProcess:
+    """A LocalProcess for this machine's hosts (unless ``opts.force_ssh``), else a
+    RemoteProcess. ``spec.host`` must be a key of ``hosts_by_name`` or "localhost"."""
+    host = hosts_by_name.get(spec.host)
+    if host is None:
+        assert spec.host == "localhost", f"{spec.label}: host {spec.host!r} not in the host list"
+        host = Host("localhost")
+    if host.is_local and not opts.force_ssh:
+        if opts.python and opts.python != sys.executable:
+            argv = tuple(opts.python if a == spec.argv[0] else a for a in spec.argv)
+            spec = ProcessSpec(spec.role, spec.rank, spec.host, argv, spec.env)
+        return LocalProcess(spec, lines)
+    return RemoteProcess(spec, host, opts, lines)
