@@ -1,0 +1,315 @@
+"""Predicted step time and bytes per worker per step of every strategy, from a Profile and a
+ClusterSpec. Pure functions of frozen values: no process, no clock.
+
+Notation: N workers, H hosts, G = most workers on one host, S servers, B bytes, ``bw`` the
+link bandwidth (bytes/s) and ``lat`` the per-message latency of :class:`ClusterSpec`.
+Messages cost lat + B/bw (Hockney's alpha-beta model, Parallel Computing 1994).
+
+Compute: the profiled one-thread CPU seconds, or FLOPs / ``device_flops`` when the cluster
+gives a device speed (projection to GPUs; element-wise ops that FLOPs do not count are then
+ignored). An optimizer update of B parameter bytes costs ``B * profile.update_s_per_byte`` on
+CPU (workers and parameter servers, which are CPU processes as in Parallax); on a projected
+device it is memory bound, 3 bytes moved per parameter byte (read weight and gradient, write
+weight) at ``device_flops / FLOP_PER_BYTE`` bytes/s.
+
+Overlap (wait-free backpropagation: Zhang et al., "Poseidon", USENIX ATC 2017; Li et al.,
+"PyTorch Distributed", VLDB 2020): a gradient is sent as soon as backward produced it, so
+communication of every layer but the first runs under the rest of backward, and
+``step = forward + max(backward, overlappable comm) + comm of layer 0's gradients + update``;
+layer 0's gradients are the last ones backward produces, so their exchange cannot hide.
+Pulls from parameter servers happen before forward and do not overlap.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hpar.strategies.cluster import ClusterSpec
+from hpar.strategies.partition import partition_stages
+from hpar.strategies.profile import ParamProfile, Profile
+
+INDEX_BYTES = 8            # int64 row id sent with every sparse row
+BUCKET_BYTES = 25 << 20    # DDP's default gradient bucket (bucket_cap_mb=25)
+FLOP_PER_BYTE = 20.0       # FLOP/s : memory bytes/s of a GPU (H100 fp32 67 TF / 3.35 TB/s)
+PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate strategy's prediction. ``step_s`` seconds per synchronous step;
+    ``samples_per_step`` over all workers; ``bytes_per_step`` = bytes one worker sends per
+    step (mean over workers); ``breakdown`` names the seconds of each part; ``feasible``
+    False with ``note`` saying why the strategy cannot run this job."""
+
+    strategy: str
+    step_s: float
+    samples_per_step: int
+    bytes_per_step: float
+    breakdown: dict = field(default_factory=dict)
+    placement: dict = field(default_factory=dict)
+    partitions: dict = field(default_factory=dict)
+    stages: tuple = ()
+    micro_batches: int = 0
+    feasible: bool = True
+    note: str = ""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples_per_step / self.step_s if self.feasible and self.step_s > 0 else 0.0
+
+
+def ring_allreduce_s(nbytes: float, n: int, bw: float, lat: float) -> float:
+    """Seconds of a ring AllReduce of ``nbytes`` over ``n`` workers in DDP buckets:
+    buckets * 2(n-1) * lat + 2(n-1)/n * nbytes / bw (Patarasuk & Yuan, JPDC 2009; Thakur,
+    Rabenseifner & Gropp, IJHPCA 2005). 0 for n = 1 or no bytes."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    buckets = max(1, math.ceil(nbytes / BUCKET_BYTES))
+    return buckets * 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+
+
+def ring_allgather_s(nbytes_each: float, n: int, bw: float, lat: float, rounds: int = 2) -> float:
+    """Seconds of a ring AllGather where each of ``n`` workers contributes ``nbytes_each``:
+    rounds * (n-1) * lat + (n-1) * nbytes_each / bw (Thakur et al. 2005). ``rounds`` = 2 for
+    a sparse gradient (indices, then values; gloo's sparse allreduce)."""
+    if n <= 1 or nbytes_each <= 0:
+        return 0.0
+    return rounds * (n - 1) * lat + (n - 1) * nbytes_each / bw
+
+
+def sparse_bytes(p: ParamProfile, fraction: float) -> float:
+    """Bytes of ``fraction`` of p's rows sent as (row id, row values)."""
+    rows = fraction * p.rows
+    return rows * (p.bytes / p.rows + INDEX_BYTES)
+
+
+def server_imbalance(p: ParamProfile, partitions: int, servers: int) -> float:
+    """Load of the busiest server over the mean (>= 1) when p's rows are cut into
+    ``partitions`` contiguous ranges placed round-robin on ``servers`` (``ps_shard.RowLayout``),
+    from the profiled share of row touches per row bucket (``row_mass``); 1 without it."""
+    mass = p.row_mass
+    if not mass or servers <= 1:
+        return 1.0
+    nb = len(mass)
+    load = [0.0] * servers
+    for part in range(partitions):
+        lo, hi = part * nb / partitions, (part + 1) * nb / partitions
+        share = 0.0
+        for b in range(int(lo), min(nb, math.ceil(hi))):
+            share += mass[b] * max(0.0, min(hi, b + 1) - max(lo, b))
+        load[part % servers] += share
+    total = sum(load)
+    return max(load) * servers / total if total > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class _Setting:
+    n: int
+    g: int
+    h: int
+    s: int
+    bw: float       # bandwidth of collectives and worker<->server traffic
+    lat: float
+    fwd: float
+    bwd: float
+    update_per_byte: float      # worker update
+    server_per_byte: float      # server (CPU) update
+
+
+def _setting(profile: Profile, cluster: ClusterSpec) -> _Setting:
+    if cluster.device_flops:
+        fwd = profile.forward_flops / cluster.device_flops
+        bwd = profile.backward_flops / cluster.device_flops
+        upd = 3.0 * FLOP_PER_BYTE / cluster.device_flops
+    else:
+        fwd, bwd, upd = profile.forward_s, profile.backward_s, profile.update_s_per_byte
+    return _Setting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
+                    cluster.collective_Bps, cluster.latency_s, fwd, bwd, upd, profile.update_s_per_byte)
+
+
+def _split_tail(params, first_layer: int = 0):
+    """(overlappable params, tail params): the tail is layer 0's, produced last by backward."""
+    return [p for p in params if p.layer != first_layer], [p for p in params if p.layer == first_layer]
+
+
+def estimate_allreduce(profile: Profile, cluster: ClusterSpec) -> Estimate:
+    """``allreduce`` (DDP, every gradient dense, embeddings too): each worker sends
+    2(N-1)/N * total bytes per step; step = fwd + max(bwd, AR(other layers)) + AR(layer 0)
+    + dense gradient materialisation of embedding tables + update of all parameters."""
+    c = _setting(profile, cluster)
+    over, tail = _split_tail(profile.params)
+    ar_over = ring_allreduce_s(sum(p.bytes for p in over), c.n, c.bw, c.lat)
+    ar_tail = ring_allreduce_s(sum(p.bytes for p in tail), c.n, c.bw, c.lat)
+    emb = sum(p.bytes for p in profile.params if p.embedding_module)
+    update = profile.total_bytes * c.update_per_byte + emb * c.update_per_byte
+    step = c.fwd + max(c.bwd, ar_over) + ar_tail + update
+    sent = 2 * (c.n - 1) / c.n * profile.total_bytes if c.n > 1 else 0.0
+    return Estimate("allreduce", step, c.n * profile.samples_per_batch, sent,
+                    {"forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over, "comm_tail": ar_tail,
+                     "update": update}, placement={p.name: "allreduce" for p in profile.params})
+
+
+def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimate:
+    """``allreduce-sparse`` (DDP with sparse embedding gradients, Horovod's default for
+    IndexedSlices): dense params by ring AllReduce, each embedding's (ids, rows) by ring
+    AllGather: a worker sends (N-1) * alpha * rows * (row bytes + 8), growing with N.
+    Every worker then sums the N gathered gradients and updates the union of touched rows."""
+    c = _setting(profile, cluster)
+    dense = [p for p in profile.params if not p.embedding_module]
+    sparse = [p for p in profile.params if p.embedding_module]
+    d_over, d_tail = _split_tail(dense)
+    s_over, s_tail = _split_tail(sparse)
+    ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.bw, c.lat) for p in ps)
+    over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
+    tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail)
+    merge = sum(c.n * p.alpha * p.bytes for p in sparse) * c.update_per_byte
+    update = (sum(p.bytes for p in dense) + sum(p.union_for(c.n) * p.bytes for p in sparse)) * c.update_per_byte
+    step = c.fwd + max(c.bwd, over) + tail + merge + update
+    sent = (2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0) + \
+        sum((c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse)
+    return Estimate("allreduce-sparse", step, c.n * profile.samples_per_batch, sent,
+                    {"forward": c.fwd, "backward": c.bwd, "comm_overlap": over, "comm_tail": tail,
+                     "merge": merge, "update": update}, placement={p.name: "allreduce" for p in profile.params})
+
+
+def _ps_link_s(c: _Setting, per_host_bytes: float, per_server_bytes: float, colocated: bool) -> float:
+    """Seconds to move one direction of PS traffic: the busiest of a host's link (its
+    workers' bytes) and a server's link (its share of all workers' bytes). A server on a
+    worker host (Parallax's one per host) shares that host's link; the (H-1)/H of the traffic
+    that leaves the host crosses it. On one host everything goes at ``bw`` (intra-host)."""
+    if c.h > 1 and colocated:
+        return (per_host_bytes + per_server_bytes) * (c.h - 1) / c.h / c.bw
+    return max(per_host_bytes, per_server_bytes) / c.bw
+
+
+def choose_partitions(p: ParamProfile, c: _Setting, pull_host: float, push_host: float,
+                      pull_total: float, push_total: float) -> tuple[int, float]:
+    """Partition count of a PS-placed parameter and the seconds of its pull + push.
+
+    Parallax (Kim et al., EuroSys 2019, section 4.2) models the step time as a function of the
+    partition count and picks the minimum instead of trying counts with restarted jobs; here
+    t(P) = link time with the busiest server's share scaled by :func:`server_imbalance`
+    + per-message overhead 2 * N * ceil(P/S) * lat (each worker sends one pull and one push
+    request per partition; a server handles its partitions' requests one after another).
+    P runs over S * {1, 2, 4, ..., 64}, at most the row count."""
+    colocated = c.s <= c.h
+    best = None
+    for f in PARTITION_FACTORS:
+        parts = min(c.s * f, p.rows)
+        imb = server_imbalance(p, parts, c.s)
+        t = (_ps_link_s(c, pull_host, pull_total * imb / c.s, colocated)
+             + _ps_link_s(c, push_host, push_total * imb / c.s, colocated)
+             + 2 * c.n * math.ceil(parts / c.s) * c.lat)
+        if best is None or t < best[1] - 1e-12:
+            best = (parts, t)
+        if parts == p.rows:
+            break
+    return best
+
+
+def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estimate:
+    """Shared by ``ps`` and ``hybrid``; see their docstrings."""
+    c = _setting(profile, cluster)
+    hybrid = strategy == "hybrid"
+    on_ps = [p for p in profile.params if (p.embedding_module or not hybrid)]
+    on_ar = [p for p in profile.params if p not in on_ps]
+    partitions, pull_s, push_over, push_tail, server, sent = {}, 0.0, 0.0, 0.0, 0.0, 0.0
+    for p in on_ps:
+        a = p.alpha if p.sparse else 1.0
+        pull_w = sparse_bytes(p, a) if p.sparse else p.bytes
+        if hybrid and p.sparse:   # local aggregation: one push per host of the host's union of rows
+            push_h = sparse_bytes(p, p.union_for(c.g))
+        else:
+            push_h = c.g * pull_w
+        n_push = push_h * c.h
+        parts, t = choose_partitions(p, c, c.g * pull_w, push_h, c.n * pull_w, n_push)
+        if p.sparse:
+            partitions[p.name] = parts
+        t_pull = t * (c.g * pull_w) / max(c.g * pull_w + push_h, 1e-30)
+        pull_s += t_pull
+        if p.layer == 0:
+            push_tail += t - t_pull
+        else:
+            push_over += t - t_pull
+        touched = p.union_for(c.n) * p.bytes if p.sparse else p.bytes
+        server += (n_push + touched) * c.server_per_byte / c.s
+        sent += push_h / c.g
+    d_over, d_tail = _split_tail(on_ar)
+    ar_over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat)
+    ar_tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat)
+    dense_update = sum(p.bytes for p in on_ar) * c.update_per_byte
+    step = pull_s + c.fwd + max(c.bwd, ar_over + push_over) + ar_tail + push_tail + max(server, dense_update)
+    sent += 2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0
+    return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
+                    {"pull": pull_s, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over + push_over,
+                     "comm_tail": ar_tail + push_tail, "server_update": server, "update": dense_update},
+                    placement={p.name: ("ps" if p in on_ps else "allreduce") for p in profile.params},
+                    partitions=partitions)
+
+
+def estimate_ps(profile: Profile, cluster: ClusterSpec) -> Estimate:
+    """``ps`` (every parameter on the servers, as TensorFlow's PS): each worker pulls every
+    dense parameter and the rows its batch touches, and pushes the same amount of gradients;
+    a server aggregates its share of the N pushes and updates (Li et al., "Scaling distributed
+    machine learning with the parameter server", OSDI 2014). step = pull + fwd + max(bwd,
+    push of other layers) + push of layer 0 + server update."""
+    return _ps_estimate(profile, cluster, "ps")
+
+
+def estimate_hybrid(profile: Profile, cluster: ClusterSpec) -> Estimate:
+    """``hybrid`` (Parallax, Kim et al., EuroSys 2019): embedding tables on the servers, row
+    partitioned (:func:`choose_partitions`), everything else by ring AllReduce. Workers of a
+    host aggregate their sparse gradients locally and push the union of their touched rows
+    once (Parallax's local aggregation); pulls stay per worker. The AllReduce and the pushes
+    share the link under backward; the server update overlaps the workers' dense update."""
+    return _ps_estimate(profile, cluster, "hybrid")
+
+
+def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b") -> Estimate:
+    """``pipeline`` with K = N stages (one worker each) and M micro-batches of one batch:
+    stages from ``partition.partition_stages`` (PipeDream's DP on per-micro-batch compute +
+    activation transfer); synchronous GPipe/1F1B step = (M + K - 1) * slowest stage time
+    (+ 2 lat per micro-batch), i.e. a bubble of (K-1)/(M+K-1) (Huang et al., "GPipe",
+    NeurIPS 2019; Narayanan et al., "PipeDream", SOSP 2019), + the slowest stage's update.
+    The loss and unattributed time go to the last layer. M in {K, 2K, 4K} (at most the
+    batch), the fastest. Infeasible (note says why) when the model is not a sequence of
+    layers or has fewer layers than N."""
+    c = _setting(profile, cluster)
+    k, layers = c.n, profile.layers
+    if not profile.is_sequential:
+        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False, note=profile.sequential_reason)
+    if k < 2:
+        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False, note="a pipeline needs at least 2 workers")
+    if len(layers) < k:
+        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False,
+                        note=f"{len(layers)} layers cannot fill {k} stages")
+    if cluster.device_flops:
+        comp = [l.flops / cluster.device_flops for l in layers]
+    else:
+        comp = [l.forward_s + l.backward_s for l in layers]
+    comp[-1] += max(0.0, c.fwd + c.bwd - sum(comp))
+    best = None
+    for m in sorted({min(f * k, profile.samples_per_batch) for f in (1, 2, 4)}):
+        plan = partition_stages([x / m for x in comp], [l.activation_bytes // m for l in layers],
+                                [l.param_bytes for l in layers], k, c.bw)
+        period = max(s + 2 * c.lat for s in plan.stage_s)
+        update = max(sum(l.param_bytes for l in layers[a:b]) for a, b in plan.ranges) * c.update_per_byte
+        step = (m + k - 1) * period + update
+        if best is None or step < best[0]:
+            best = (step, m, plan, period, update)
+    step, m, plan, period, update = best
+    sent = sum(m * ((layers[b - 1].activation_bytes // m if b < len(layers) else 0)
+                    + (layers[a - 1].activation_bytes // m if a > 0 else 0)) for a, b in plan.ranges) / k
+    return Estimate("pipeline", step, profile.samples_per_batch, sent,
+                    {"period": period, "bubble": (k - 1) / (m + k - 1), "update": update},
+                    placement={p.name: "allreduce" for p in profile.params},
+                    stages=tuple(tuple(r) for r in plan.ranges), micro_batches=m)
+
+
+ESTIMATORS = {"allreduce": estimate_allreduce, "allreduce-sparse": estimate_allreduce_sparse,
+              "ps": estimate_ps, "hybrid": estimate_hybrid, "pipeline": estimate_pipeline}
+
+
+def estimate_all(profile: Profile, cluster: ClusterSpec) -> list[Estimate]:
+    """Every strategy's :class:`Estimate`, in ``ESTIMATORS`` order."""
+    return [fn(profile, cluster) for fn in ESTIMATORS.values()]

@@ -1,0 +1,135 @@
+"""Choose how to train: the fastest predicted strategy that hpar can run, as a :class:`Plan`.
+
+The Plan is what ``hpar profile --plan-out`` writes and what the run config's ``plan`` field
+holds (``Plan.to_dict()``): the hybrid runtime reads ``placement`` (parameter name ->
+"allreduce" | "ps") and ``partitions`` (row partitions per PS-placed parameter), the
+pipeline runtime reads ``stages`` ([start, end) layer indices of
+``profile.pipeline_layers(model)``), ``micro_batches`` and ``schedule``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from hpar.strategies.cluster import ClusterSpec
+from hpar.strategies.costmodel import Estimate, estimate_all
+from hpar.strategies.profile import Profile
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy as predicted: seconds per step, samples/s over all workers, bytes one
+    worker sends per step; ``available`` False when hpar cannot run it for this job (no
+    runtime yet, or the job does not fit it), with ``note`` saying why."""
+
+    strategy: str
+    predicted_step_s: float
+    samples_per_s: float
+    bytes_per_step: float
+    available: bool
+    note: str = ""
+    breakdown: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen strategy and everything its runtime needs. ``stages`` is a list of
+    [start, end) layer index pairs (pipeline only), ``servers`` the parameter-server count
+    (hybrid and ps only, else 0), ``reason`` one sentence, ``candidates`` every strategy."""
+
+    strategy: str
+    placement: dict[str, str]
+    partitions: dict[str, int]
+    servers: int
+    stages: list[list[int]]
+    micro_batches: int
+    schedule: str
+    reason: str
+    candidates: list[Candidate]
+    predicted_step_s: float = 0.0
+    samples_per_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        """Inverse of :meth:`to_dict`. Raises ValueError naming the missing key."""
+        try:
+            d = dict(d)
+            d["candidates"] = [Candidate(**c) for c in d.get("candidates", [])]
+            d["stages"] = [list(s) for s in d.get("stages", [])]
+            d["partitions"] = {k: int(v) for k, v in d.get("partitions", {}).items()}
+            return cls(**d)
+        except TypeError as exc:
+            raise ValueError(f"--plan: not a plan written by hpar profile ({exc})") from None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Estimate | None) -> str:
+    sparse = [p for p in profile.params if p.embedding_module]
+    share = sum(p.bytes for p in sparse) / max(profile.total_bytes, 1)
+    vs = (f", {best.samples_per_s / runner_up.samples_per_s:.2f}x the predicted samples/s of "
+          f"{runner_up.strategy}") if runner_up and runner_up.samples_per_s > 0 else ""
+    if best.strategy == "hybrid":
+        a = max(p.alpha for p in sparse) if sparse else 0
+        return (f"hybrid: embedding tables hold {share:.0%} of the parameter bytes and a batch touches "
+                f"at most {a:.2%} of their rows, so the servers move only touched rows while dense "
+                f"gradients use AllReduce{vs}.")
+    if best.strategy == "pipeline":
+        return (f"pipeline: {_fmt_bytes(profile.total_bytes)} of parameters would cross a "
+                f"{_fmt_bytes(cluster.bandwidth_Bps)}/s link every step with data parallelism, while "
+                f"the {len(best.stages)} stages only exchange activations{vs}.")
+    if best.strategy == "allreduce":
+        return (f"allreduce: the gradients are dense ({share:.0%} of the bytes in embedding tables) and "
+                f"AllReduce of {_fmt_bytes(profile.total_bytes)} overlaps backward{vs}.")
+    return f"{best.strategy}: the fastest predicted step that can run{vs}."
+
+
+def choose_plan(profile: Profile, cluster: ClusterSpec, runnable: set[str], schedule: str = "1f1b") -> Plan:
+    """Predict every strategy (``costmodel.estimate_all``) and pick the highest samples/s among
+    those in ``runnable`` (strategies whose runtime exists, given by the CLI) that fit the
+    job; the others are still listed as candidates with a note. Ties keep ``ESTIMATORS``
+    order. Raises ValueError when no runnable strategy fits (e.g. runnable is empty)."""
+    estimates = estimate_all(profile, cluster)
+    candidates, ok = [], []
+    for e in estimates:
+        note = e.note
+        available = e.feasible and e.strategy in runnable
+        if e.feasible and e.strategy not in runnable:
+            note = "runtime not available yet" + (f"; {note}" if note else "")
+        if e.strategy == "hybrid" and e.feasible and not any(p.embedding_module for p in profile.params):
+            note = (note + "; " if note else "") + "no embedding table to place on servers (same as allreduce)"
+        measured_sparse = [p.name for p in profile.params if p.sparse and not p.embedding_module]
+        if e.strategy == "hybrid" and measured_sparse:
+            note = (note + "; " if note else "") + \
+                f"sparse non-embedding parameters stay on AllReduce: {', '.join(measured_sparse[:3])}"
+        candidates.append(Candidate(e.strategy, e.step_s, e.samples_per_s, e.bytes_per_step, available,
+                                    note, dict(e.breakdown)))
+        if available:
+            ok.append(e)
+    if not ok:
+        raise ValueError(f"no runnable strategy fits this job (runnable: {', '.join(sorted(runnable)) or 'none'})")
+    best = max(ok, key=lambda e: e.samples_per_s)
+    others = sorted((e for e in estimates if e.feasible and e is not best), key=lambda e: -e.samples_per_s)
+    reason = _why(best, profile, cluster, others[0] if others else None)
+    fastest = max((e for e in estimates if e.feasible), key=lambda e: e.samples_per_s)
+    if fastest is not best:
+        reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s, but cannot run yet.)"
+    uses_servers = best.strategy in ("hybrid", "ps")
+    return Plan(strategy=best.strategy, placement=dict(best.placement), partitions=dict(best.partitions),
+                servers=cluster.servers if uses_servers else 0, stages=[list(s) for s in best.stages],
+                micro_batches=best.micro_batches or 1, schedule=schedule,
+                reason=reason, candidates=candidates, predicted_step_s=best.step_s,
+                samples_per_s=best.samples_per_s)
