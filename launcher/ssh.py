@@ -23,7 +23,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import fabric
 import paramiko
@@ -51,7 +51,9 @@ class SSHOptions:
     keys), ``port``/``user`` (defaults when a host entry gives none), ``connect_timeout``
     (seconds per attempt), ``retries`` (extra attempts, with backoff 0.5 s, 1 s, 2 s, ...),
     ``python`` (interpreter on the hosts; None: the launcher's ``sys.executable``), and
-    ``force_ssh`` (use SSH even for this machine's entries: ``--ssh-local``)."""
+    ``force_ssh`` (use SSH even for this machine's entries: ``--ssh-local``), and ``ifnames``
+    (host name -> the interface reaching the rendezvous host, from preflight: set as
+    GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the spec sets them)."""
 
     key: str | None = None
     port: int | None = None
@@ -60,6 +62,7 @@ class SSHOptions:
     retries: int = 2
     python: str | None = None
     force_ssh: bool = False
+    ifnames: dict = field(default_factory=dict)  # host name -> interface (from preflight)
 
 
 def connect(host: Host, opts: SSHOptions) -> fabric.Connection:
@@ -242,9 +245,13 @@ def make_process(spec: ProcessSpec, hosts_by_name: dict[str, Host], opts: SSHOpt
     if host is None:
         assert spec.host == "localhost", f"{spec.label}: host {spec.host!r} not in the host list"
         host = Host("localhost")
+    ifname = opts.ifnames.get(spec.host)
+    if ifname:
+        env = {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname, **spec.env}
+        spec = replace(spec, env=env)
     if host.is_local and not opts.force_ssh:
         if opts.python and opts.python != sys.executable:
             argv = tuple(opts.python if a == spec.argv[0] else a for a in spec.argv)
-            spec = ProcessSpec(spec.role, spec.rank, spec.host, argv, spec.env)
+            spec = replace(spec, argv=argv)
         return LocalProcess(spec, lines)
     return RemoteProcess(spec, host, opts, lines)
