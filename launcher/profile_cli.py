@@ -1,0 +1,163 @@
+"""``hpar profile SCRIPT``: measure the job, describe the cluster, predict every strategy and
+print the chosen plan (rich tables, or one JSON object with ``--json``).
+
+The cluster may be one the user does not have (a projection): ``--hosts 8x6 --gpus 48
+--bandwidth 100Gbps --device-tflops 15``. Without ``--bandwidth``, when every host is this
+machine, the link is measured by a loopback probe between two gloo processes
+(``strategies.cluster.probe_link``); for remote hosts without ``--bandwidth`` hpar assumes
+10 Gbps and says so (it does not log in to hosts to profile).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from hpar.strategies.job import JobError, load_job
+
+DEFAULT_BANDWIDTH = "10Gbps"
+DEFAULT_LATENCY = "50us"
+
+
+def _fail(message: str, detail: str | None = None) -> None:
+    click.echo(f"hpar: {message}", err=True)
+    if detail:
+        click.echo(detail.rstrip(), err=True)
+    sys.exit(2)
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "k", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g} {prefix}{unit}"
+        n /= 1000
+    return f"{n:.3g} P{unit}"
+
+
+def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops):
+    """ClusterSpec from the flags (see the module docstring). Raises ValueError naming the flag."""
+    from hpar.launcher.hosts import parse_hosts
+    from hpar.strategies.cluster import make_cluster, parse_bandwidth, parse_latency, probe_link
+    host_list = parse_hosts(hosts) if hosts else []
+    if device_tflops is not None and device_tflops <= 0:
+        raise ValueError(f"--device-tflops must be positive, got {device_tflops}")
+    flops = device_tflops * 1e12 if device_tflops is not None else None
+    local = all(h.is_local for h in host_list)
+    if bandwidth is not None:
+        bw, source = parse_bandwidth(bandwidth), "flags"
+        lat = parse_latency(latency or DEFAULT_LATENCY)
+    elif local:
+        bw, lat = probe_link()
+        source = "probe"
+        if latency is not None:
+            lat = parse_latency(latency)
+    else:
+        bw, lat, source = parse_bandwidth(DEFAULT_BANDWIDTH), parse_latency(latency or DEFAULT_LATENCY), "default"
+    slots = [h.slots for h in host_list] or None
+    return make_cluster(slots, gpus, servers, bw, lat, flops, source=source)
+
+
+def report(profile, cluster, plan) -> dict:
+    """The ``--json`` object: parameters, layers, candidates, plan, cluster, profile totals."""
+    params = [{"name": p.name, "shape": list(p.shape), "bytes": p.bytes, "sparse": p.sparse,
+               "alpha": p.alpha, "union_alpha": p.union_alpha, "embedding_module": p.embedding_module,
+               "layer": p.layer, "placement": plan.placement.get(p.name, "allreduce")} for p in profile.params]
+    layers = [{"name": l.name, "forward_s": l.forward_s, "backward_s": l.backward_s, "flops": l.flops,
+               "activation_bytes": l.activation_bytes, "param_bytes": l.param_bytes} for l in profile.layers]
+    cands = [{"strategy": c.strategy, "predicted_step_s": c.predicted_step_s, "samples_per_s": c.samples_per_s,
+              "bytes_per_step": c.bytes_per_step, "available": c.available, "note": c.note,
+              "breakdown": c.breakdown} for c in plan.candidates]
+    plan_d = plan.to_dict()
+    plan_d.pop("candidates")
+    return {"parameters": params, "layers": layers, "candidates": cands, "plan": plan_d,
+            "cluster": {"hosts": cluster.hosts, "gpus_per_host": list(cluster.gpus_per_host), "workers": cluster.workers,
+                        "servers": cluster.servers, "bandwidth_Bps": cluster.bandwidth_Bps,
+                        "latency_s": cluster.latency_s, "device_flops": cluster.device_flops, "source": cluster.source},
+            "profile": {"batch_size": profile.batch_size, "samples_per_batch": profile.samples_per_batch,
+                        "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,
+                        "backward_flops": profile.backward_flops, "is_sequential": profile.is_sequential,
+                        "sequential_reason": profile.sequential_reason, "timing_batch_size": profile.timing_batch_size,
+                        "profile_s": profile.profile_s}}
+
+
+def print_tables(console: Console, profile, cluster, plan) -> None:
+    """Rich tables: parameters (sparse first), layers, candidates, then the plan and why."""
+    t = Table(title=f"Parameters ({_human(profile.total_bytes)})")
+    for col in ("name", "shape", "bytes", "sparse", "alpha", f"union ({cluster.workers})", "placement"):
+        t.add_column(col, justify="left" if col in ("name", "placement") else "right")
+    for p in profile.params:
+        t.add_row(p.name, "x".join(map(str, p.shape)), _human(p.bytes), "yes" if p.sparse else "",
+                  f"{p.alpha:.4f}" if p.sparse else "", f"{p.union_alpha:.4f}" if p.sparse else "",
+                  plan.placement.get(p.name, "allreduce"))
+    console.print(t)
+    t = Table(title=f"Layers ({'a sequence' if profile.is_sequential else profile.sequential_reason}; "
+                    f"batch {profile.batch_size}, 1 CPU thread)")
+    for col in ("#", "layer", "forward", "backward", "FLOPs", "activations", "params"):
+        t.add_column(col, justify="left" if col == "layer" else "right")
+    for i, l in enumerate(profile.layers):
+        t.add_row(str(i), l.name, f"{l.forward_s * 1e3:.2f} ms", f"{l.backward_s * 1e3:.2f} ms", _human(l.flops, ""),
+                  _human(l.activation_bytes), _human(l.param_bytes))
+    console.print(t)
+    link = (f"{_human(cluster.bandwidth_Bps)}/s, {cluster.latency_s * 1e6:.0f} us ({cluster.source})")
+    dev = f", device {cluster.device_flops / 1e12:g} TFLOP/s" if cluster.device_flops else ", compute as profiled"
+    t = Table(title=f"Candidates: {cluster.workers} workers on {cluster.hosts} host(s), {cluster.servers} server(s), link {link}{dev}")
+    for col in ("strategy", "step", "samples/s", "sent/worker/step", "runs", "note"):
+        t.add_column(col, justify="right" if col in ("step", "samples/s", "sent/worker/step") else "left")
+    for c in plan.candidates:
+        ok = c.predicted_step_s > 0
+        t.add_row(c.strategy, f"{c.predicted_step_s * 1e3:.2f} ms" if ok else "-",
+                  f"{c.samples_per_s:,.0f}" if ok else "-", _human(c.bytes_per_step) if ok else "-",
+                  "yes" if c.available else "no", c.note)
+    console.print(t)
+    extra = ""
+    if plan.strategy == "pipeline":
+        extra = f" stages {plan.stages}, {plan.micro_batches} micro-batches, {plan.schedule}."
+    elif plan.partitions:
+        extra = " partitions " + ", ".join(f"{k}: {v}" for k, v in plan.partitions.items()) + "."
+    console.print(f"[bold]Plan: {plan.strategy}[/bold] - {plan.reason}{extra}", soft_wrap=True)
+
+
+@click.command()
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.option("--gpus", type=int, default=None, help="Workers to plan for (default: every slot of --hosts, else 1).")
+@click.option("--hosts", default=None, help="Host file, inline 'a:2,b:2', or HxG (H hosts of G GPUs) for a projection.")
+@click.option("--servers", type=int, default=None, help="Parameter servers (default one per host).")
+@click.option("--bandwidth", default=None, help="Link bandwidth, e.g. 10Gbps, 25GB/s (default: measured on this machine).")
+@click.option("--latency", default=None, help=f"Per-message latency, e.g. 50us, 1ms (default: measured, else {DEFAULT_LATENCY}).")
+@click.option("--device-tflops", type=float, default=None, help="Compute from FLOPs at this many TFLOP/s per worker (projection to GPUs).")
+@click.option("--batch-size", type=int, default=None, help="Samples per worker per step (default: the script's HPAR, else 32).")
+@click.option("--timing-batch-size", type=int, default=None, help="Time compute on smaller batches and scale linearly (large models).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Write the plan as JSON for `hpar run --plan`.")
+def profile(script, gpus, hosts, servers, bandwidth, latency, device_tflops, batch_size, timing_batch_size,
+            as_json, plan_out):
+    """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
+    from hpar.launcher.planning import runnable_strategies
+    from hpar.strategies.checkpoint import atomic_write_bytes
+    from hpar.strategies.planner import choose_plan
+    from hpar.strategies.profile import profile_job
+    try:
+        job = load_job(script)
+        bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))
+        if bs < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {bs}")
+        if timing_batch_size is not None and timing_batch_size < 1:
+            raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
+        cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops)
+        prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size)
+        plan = choose_plan(prof, cluster, runnable_strategies())
+    except JobError as exc:
+        _fail(str(exc), exc.user_traceback)
+    except (ValueError, RuntimeError) as exc:
+        _fail(str(exc))
+    if plan_out:
+        atomic_write_bytes(plan_out, (plan.to_json() + "\n").encode())
+    if as_json:
+        click.echo(json.dumps(report(prof, cluster, plan)))
+    else:
+        console = Console(soft_wrap=False, width=max(Console().width, 120))
+        print_tables(console, prof, cluster, plan)
+        console.print(f"profiled in {prof.profile_s:.1f} s" + (f"; plan written to {plan_out}" if plan_out else ""))
