@@ -183,8 +183,8 @@ def _ps_link_s(c: _Setting, per_host_bytes: float, per_server_bytes: float, colo
 
 
 def choose_partitions(p: ParamProfile, c: _Setting, pull_host: float, push_host: float,
-                      pull_total: float, push_total: float) -> tuple[int, float]:
-    """Partition count of a PS-placed parameter and the seconds of its pull + push.
+                      pull_total: float, push_total: float) -> tuple[int, float, float]:
+    """(partition count, pull seconds, push seconds) of a PS-placed parameter.
 
     Parallax (Kim et al., EuroSys 2019, section 4.2) models the step time as a function of the
     partition count and picks the minimum instead of trying counts with restarted jobs; here
@@ -197,11 +197,11 @@ def choose_partitions(p: ParamProfile, c: _Setting, pull_host: float, push_host:
     for f in PARTITION_FACTORS:
         parts = min(c.s * f, p.rows)
         imb = server_imbalance(p, parts, c.s)
-        t = (_ps_link_s(c, pull_host, pull_total * imb / c.s, colocated)
-             + _ps_link_s(c, push_host, push_total * imb / c.s, colocated)
-             + 2 * c.n * math.ceil(parts / c.s) * c.lat)
-        if best is None or t < best[1] - 1e-12:
-            best = (parts, t)
+        overhead = c.n * math.ceil(parts / c.s) * c.lat     # per direction
+        pull = _ps_link_s(c, pull_host, pull_total * imb / c.s, colocated) + overhead
+        push = _ps_link_s(c, push_host, push_total * imb / c.s, colocated) + overhead
+        if best is None or pull + push < best[1] + best[2] - 1e-12:
+            best = (parts, pull, push)
         if parts == p.rows:
             break
     return best
@@ -222,15 +222,14 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
         else:
             push_h = c.g * pull_w
         n_push = push_h * c.h
-        parts, t = choose_partitions(p, c, c.g * pull_w, push_h, c.n * pull_w, n_push)
+        parts, t_pull, t_push = choose_partitions(p, c, c.g * pull_w, push_h, c.n * pull_w, n_push)
         if p.sparse:
             partitions[p.name] = parts
-        t_pull = t * (c.g * pull_w) / max(c.g * pull_w + push_h, 1e-30)
         pull_s += t_pull
         if p.layer == 0:
-            push_tail += t - t_pull
+            push_tail += t_push
         else:
-            push_over += t - t_pull
+            push_over += t_push
         touched = p.union_for(c.n) * p.bytes if p.sparse else p.bytes
         server += (n_push + touched) * c.server_per_byte / c.s
         sent += push_h / c.g

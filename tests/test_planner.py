@@ -1,0 +1,133 @@
+"""The planner on hand-made profiles: hybrid for an embedding-dominated model, allreduce for a
+dense CNN, pipeline for a deep sequence of wide layers on a slow link; each prediction is
+checked against a hand computation of the cost model's formulas."""
+import json
+
+import pytest
+
+from hpar.strategies.cluster import ClusterSpec
+from hpar.strategies.planner import Plan, choose_plan
+from hpar.strategies.profile import LayerProfile, ParamProfile, Profile
+
+ALL = {"allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline"}
+UPB = 1e-10   # update seconds per byte
+
+
+def make_profile(params, layers, fwd, bwd, samples=32, sequential=False):
+    return Profile(params=tuple(params), layers=tuple(layers), batch_size=samples, samples_per_batch=samples,
+                   workers=8, is_sequential=sequential, sequential_reason="" if sequential else "not a sequence",
+                   compute_s=fwd + bwd, forward_s=fwd, backward_s=bwd, forward_flops=10**9, backward_flops=2 * 10**9,
+                   update_s_per_byte=UPB, timing_batch_size=samples)
+
+
+def ring(nbytes, n, bw):
+    return 2 * (n - 1) / n * nbytes / bw
+
+
+def test_embedding_dominated_model_gets_hybrid():
+    emb = ParamProfile("emb.weight", (100_000, 256), 102_400_000, True, 0.1, 0.5, True, layer=0,
+                       union_curve=((1, 0.1), (16, 0.5)))
+    dense = ParamProfile("lstm.weight", (1000, 1000), 4_000_000, False, 1.0, 1.0, False, layer=1)
+    prof = make_profile([emb, dense], [LayerProfile("emb", .01, .01, 0, 10, emb.bytes),
+                                       LayerProfile("lstm", .04, .09, 10**9, 10, dense.bytes)], 0.05, 0.1)
+    bw, n = 1.25e9, 16
+    cluster = ClusterSpec(hosts=4, gpus_per_host=(4, 4, 4, 4), servers=4, bandwidth_Bps=bw, latency_s=0.0)
+    plan = choose_plan(prof, cluster, ALL)
+    assert plan.strategy == "hybrid"
+    assert plan.placement == {"emb.weight": "ps", "lstm.weight": "allreduce"}
+    assert plan.partitions == {"emb.weight": 4} and plan.servers == 4
+    got = {c.strategy: c for c in plan.candidates}
+    # allreduce: fwd + max(bwd, AR(lstm)) + AR(emb, layer 0: not overlapped) + update (+ dense emb grad)
+    ar = 0.05 + max(0.1, ring(4e6, n, bw)) + ring(102.4e6, n, bw) + (106.4e6 + 102.4e6) * UPB
+    assert got["allreduce"].predicted_step_s == pytest.approx(ar, rel=1e-9)
+    assert got["allreduce"].bytes_per_step == pytest.approx(2 * 15 / 16 * 106.4e6)
+    row = 1024 + 8   # a row of 256 floats and its int64 id
+    # allreduce-sparse: AllGather of 10% of the rows from each of 15 peers, merge of 16, update of the union
+    ag = 15 * 0.1 * 1e5 * row / bw
+    ars = 0.05 + max(0.1, ring(4e6, n, bw)) + ag + n * 0.1 * 102.4e6 * UPB + (4e6 + 0.5 * 102.4e6) * UPB
+    assert got["allreduce-sparse"].predicted_step_s == pytest.approx(ars, rel=1e-9)
+    # hybrid: a worker pulls 10% of the rows; a host pushes the union of its 4 workers' rows
+    # (log-interpolated between 1 and 16 workers: 0.1 + 0.5 * 0.4 = 0.3); a server on each of
+    # the 4 hosts shares its host's link, 3/4 of the traffic leaves the host.
+    pull_w, push_h = 0.1 * 1e5 * row, 0.3 * 1e5 * row
+    pull = (4 * pull_w + n * pull_w / 4) * 0.75 / bw
+    push = (push_h + 4 * push_h / 4) * 0.75 / bw
+    server = (4 * push_h + 0.5 * 102.4e6) * UPB / 4
+    hy = pull + 0.05 + max(0.1, ring(4e6, n, bw)) + push + max(server, 4e6 * UPB)
+    assert got["hybrid"].predicted_step_s == pytest.approx(hy, rel=1e-9)
+    assert got["hybrid"].samples_per_s == pytest.approx(n * 32 / hy)
+    assert hy < ars < ar
+    assert "hybrid" in plan.reason
+
+
+def test_hybrid_not_chosen_when_runtime_missing_but_shown():
+    emb = ParamProfile("emb.weight", (100_000, 256), 102_400_000, True, 0.1, 0.5, True, layer=0,
+                       union_curve=((1, 0.1), (16, 0.5)))
+    prof = make_profile([emb], [LayerProfile("emb", .01, .01, 0, 10, emb.bytes)], 0.05, 0.1)
+    cluster = ClusterSpec(hosts=4, gpus_per_host=(4, 4, 4, 4), servers=4, bandwidth_Bps=1.25e9, latency_s=0.0)
+    plan = choose_plan(prof, cluster, {"allreduce", "allreduce-sparse"})
+    assert plan.strategy == "allreduce-sparse"
+    hybrid = next(c for c in plan.candidates if c.strategy == "hybrid")
+    assert not hybrid.available and "not available" in hybrid.note
+    assert "hybrid is predicted faster" in plan.reason
+
+
+def cnn_profile():
+    sizes = [(1_000, 8_000_000), (40_000, 4_000_000), (1_000_000, 1_000_000), (40_000, 40)]
+    params, layers = [], []
+    for i, (pb, act) in enumerate(sizes):
+        params.append(ParamProfile(f"{i}.weight", (pb // 4,), pb, False, 1.0, 1.0, False, layer=i))
+        layers.append(LayerProfile(str(i), 0.01, 0.02, 10**8, act, pb))
+    return make_profile(params, layers, 0.04, 0.08, sequential=True)
+
+
+def test_dense_cnn_gets_allreduce():
+    prof = cnn_profile()
+    bw = 1.25e9
+    cluster = ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=bw, latency_s=0.0)
+    plan = choose_plan(prof, cluster, ALL)
+    assert plan.strategy == "allreduce" and plan.stages == []
+    got = {c.strategy: c for c in plan.candidates}
+    total = 1_000 + 40_000 + 1_000_000 + 40_000
+    ar = 0.04 + max(0.08, ring(total - 1000, 4, bw)) + ring(1000, 4, bw) + total * UPB
+    assert got["allreduce"].predicted_step_s == pytest.approx(ar, rel=1e-9)
+    assert got["allreduce"].samples_per_s == pytest.approx(4 * 32 / ar)
+    # the pipeline must ship 8 MB/4 MB activations per batch over the link, and idles in the bubble
+    assert got["pipeline"].samples_per_s < got["allreduce"].samples_per_s
+    assert "overlaps backward" in plan.reason
+
+
+def test_deep_wide_sequence_on_slow_link_gets_pipeline():
+    params, layers = [], []
+    for i in range(8):
+        params.append(ParamProfile(f"{i}.weight", (5000, 2500), 50_000_000, False, 1.0, 1.0, False, layer=i))
+        layers.append(LayerProfile(str(i), 0.02, 0.03, 10**9, 65_536, 50_000_000))
+    prof = make_profile(params, layers, 0.16, 0.24, sequential=True)
+    bw = 1.25e8      # 1 Gbps
+    cluster = ClusterSpec(hosts=4, gpus_per_host=(1, 1, 1, 1), servers=4, bandwidth_Bps=bw, latency_s=0.0)
+    plan = choose_plan(prof, cluster, ALL)
+    assert plan.strategy == "pipeline"
+    assert plan.stages == [[0, 2], [2, 4], [4, 6], [6, 8]]
+    assert plan.micro_batches == 16   # the largest of K, 2K, 4K: the bubble shrinks, no per-message cost
+    # middle stage per micro-batch: 2 layers of 0.05/16 s + activation out + gradient in (65536/16 B each)
+    period = 2 * 0.05 / 16 + 2 * (65_536 // 16) / bw
+    step = (16 + 4 - 1) * period + 100_000_000 * UPB
+    pipe = next(c for c in plan.candidates if c.strategy == "pipeline")
+    assert pipe.predicted_step_s == pytest.approx(step, rel=1e-9)
+    assert pipe.breakdown["bubble"] == pytest.approx(3 / 19)
+    assert pipe.samples_per_s == pytest.approx(32 / step)
+    ar = next(c for c in plan.candidates if c.strategy == "allreduce")
+    assert ar.predicted_step_s > ring(400e6, 4, bw)
+
+
+def test_plan_json_round_trip():
+    plan = choose_plan(cnn_profile(), ClusterSpec(1, (2,), 1, 1e9, 1e-5), ALL)
+    again = Plan.from_dict(json.loads(plan.to_json()))
+    assert again == plan
+    with pytest.raises(ValueError, match="--plan"):
+        Plan.from_dict({"strategy": "allreduce"})
+
+
+def test_no_runnable_strategy_is_an_error():
+    with pytest.raises(ValueError, match="no runnable strategy"):
+        choose_plan(cnn_profile(), ClusterSpec(1, (2,), 1, 1e9, 1e-5), set())
