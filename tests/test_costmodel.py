@@ -1,0 +1,89 @@
+"""Cost-model formulas and cluster parsing, against hand computations."""
+import pytest
+
+from hpar.strategies.cluster import ClusterSpec, make_cluster, parse_bandwidth, parse_latency
+from hpar.strategies.costmodel import (estimate_allreduce_sparse, ring_allgather_s, ring_allreduce_s,
+                                       server_imbalance, sparse_bytes)
+from hpar.strategies.profile import LayerProfile, ParamProfile, Profile
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("10Gbps", 1.25e9), ("10Gbit", 1.25e9), ("1gbit", 1.25e8), ("100Mb/s", 1.25e7),
+    ("25GB/s", 25e9), ("25GBps", 25e9), ("1GiB/s", 2 ** 30), ("800 Mbit/s", 1e8)])
+def test_parse_bandwidth(text, expected):
+    assert parse_bandwidth(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["10", "fast", "10G", "-1Gbps", "10Xbps", ""])
+def test_parse_bandwidth_rejects_and_names_flag(text):
+    with pytest.raises(ValueError, match="--bandwidth"):
+        parse_bandwidth(text)
+
+
+@pytest.mark.parametrize("text,expected", [("50us", 5e-5), ("1ms", 1e-3), ("0.2s", 0.2), ("100ns", 1e-7)])
+def test_parse_latency(text, expected):
+    assert parse_latency(text) == pytest.approx(expected)
+
+
+def test_parse_latency_rejects():
+    with pytest.raises(ValueError, match="--latency"):
+        parse_latency("5")
+
+
+def test_make_cluster_fills_hosts_in_order_and_one_server_per_host():
+    c = make_cluster([6] * 8, 48, None, 1e9, 1e-5)
+    assert c.hosts == 8 and c.workers == 48 and c.servers == 8 and c.max_gpus_per_host == 6
+    c = make_cluster([4, 4, 4], 6, None, 1e9, 1e-5)
+    assert c.gpus_per_host == (4, 2) and c.servers == 2
+    c = make_cluster(None, 3, None, 1e9, 1e-5)
+    assert c.hosts == 1 and c.workers == 3
+    with pytest.raises(ValueError, match="--gpus"):
+        make_cluster([2, 2], 5, None, 1e9, 1e-5)
+    with pytest.raises(ValueError, match="--servers"):
+        ClusterSpec(1, (1,), 0, 1e9, 0.0)
+
+
+def test_ring_allreduce_formula():
+    # 2(N-1)/N of the bytes over the link, plus 2(N-1) latencies per 25 MiB bucket
+    assert ring_allreduce_s(100e6, 4, 1e9, 1e-4) == pytest.approx(4 * 6 * 1e-4 + 1.5 * 0.1)
+    assert ring_allreduce_s(100e6, 1, 1e9, 1e-4) == 0.0
+
+
+def test_sparse_allgather_grows_with_workers_while_ring_allreduce_does_not():
+    per_worker = 1e6
+    times = [ring_allgather_s(per_worker, n, 1e9, 0.0) for n in (2, 4, 8, 16)]
+    assert times == pytest.approx([(n - 1) * 1e-3 for n in (2, 4, 8, 16)])
+    ar = [ring_allreduce_s(1e8, n, 1e9, 0.0) for n in (2, 4, 8, 16)]
+    assert max(ar) < 2 * 0.1 + 1e-12
+
+
+def test_sparse_bytes_counts_row_ids():
+    p = ParamProfile("e", (1000, 4), 16_000, True, 0.1, 0.3, True)
+    assert sparse_bytes(p, 0.1) == pytest.approx(100 * (16 + 8))
+
+
+def test_server_imbalance_from_row_mass():
+    uniform = ParamProfile("e", (1024, 4), 16384, True, .1, .3, True, row_mass=tuple([1 / 256] * 256))
+    assert server_imbalance(uniform, 4, 4) == pytest.approx(1.0)
+    # all touches in the first eighth of the rows (frequent words first): with 4 partitions on
+    # 4 servers one server takes everything; with 32 partitions the hot eighth spans 4 of them
+    hot = ParamProfile("e", (1024, 4), 16384, True, .1, .3, True, row_mass=tuple([1 / 32] * 32 + [0.0] * 224))
+    assert server_imbalance(hot, 4, 4) == pytest.approx(4.0)
+    assert server_imbalance(hot, 32, 4) == pytest.approx(1.0)
+
+
+def test_allreduce_sparse_estimate_by_hand():
+    emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.15, True, layer=0,
+                       union_curve=((1, 0.05), (4, 0.15)))
+    lin = ParamProfile("lin", (100, 100), 40_000, False, 1.0, 1.0, False, layer=1)
+    prof = Profile((emb, lin), (LayerProfile("emb", 0, 0, 0, 1, 4_000_000), LayerProfile("lin", 0, 0, 1, 1, 40_000)),
+                   8, 8, 4, False, "x", 0.3, 0.1, 0.2, 10, 20, 1e-9, 8)
+    c = ClusterSpec(1, (4,), 1, 1e8, 1e-4)
+    e = estimate_allreduce_sparse(prof, c)
+    ag = 2 * 3 * 1e-4 + 3 * 500 * 408 / 1e8
+    ar = 2 * 3 * 1e-4 + 1.5 * 40_000 / 1e8
+    merge = 4 * 0.05 * 4_000_000 * 1e-9
+    update = (40_000 + 0.15 * 4_000_000) * 1e-9
+    assert e.step_s == pytest.approx(0.1 + max(0.2, ar) + ag + merge + update)
+    assert e.bytes_per_step == pytest.approx(1.5 * 40_000 + 3 * 500 * 408)
+    assert e.samples_per_step == 32
