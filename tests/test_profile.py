@@ -1,0 +1,160 @@
+"""Profiling a tiny real model: sparsity, layers, FLOPs, time, and the user's model untouched."""
+import textwrap
+import time
+
+import pytest
+import torch
+
+from hpar.strategies.job import load_job
+from hpar.strategies.profile import Profile, pipeline_layers, profile_job
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    from torch import nn
+    V = 500
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, 8)
+            self.lstm = nn.LSTM(8, 16, batch_first=True)
+            self.out = nn.Linear(16, 4)
+        def forward(self, x):
+            h, _ = self.lstm(self.emb(x))
+            return self.out(h[:, -1])
+
+    torch.manual_seed(1)
+    THE_MODEL = Net()          # model() hands out this very object
+
+    def model():
+        return THE_MODEL
+
+    def data(rank, world_size, batch_size):
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(20):
+            yield torch.randint(0, V, (batch_size, 3), generator=g), torch.randint(0, 4, (batch_size,), generator=g)
+
+    def loss(output, targets):
+        return nn.functional.cross_entropy(output, targets)
+''')
+
+
+@pytest.fixture
+def job(tmp_path):
+    path = tmp_path / "tiny.py"
+    path.write_text(SCRIPT)
+    return load_job(str(path))
+
+
+def test_profile_tiny_model(job):
+    user_model = job.build_model()
+    before = {k: v.clone() for k, v in user_model.state_dict().items()}
+    rng = torch.get_rng_state()
+    threads = torch.get_num_threads()
+    t0 = time.perf_counter()
+    prof = profile_job(job, batch_size=6, workers=3, repeats=3)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 30
+
+    # the user's model object, its sparse flag, the RNG and the thread count are unchanged
+    assert user_model.emb.sparse is False
+    for k, v in user_model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in user_model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.get_num_threads() == threads
+
+    # alpha = mean fraction of the 500 rows one worker's first batch touches; union over 3 workers
+    firsts = [next(iter(job.data_fn(r, 3, 6)))[0] for r in range(3)]
+    alpha = sum(x.unique().numel() for x in firsts) / 3 / 500
+    union = torch.cat([x.reshape(-1) for x in firsts]).unique().numel() / 500
+    emb = next(p for p in prof.params if p.name == "emb.weight")
+    assert emb.sparse and emb.embedding_module
+    assert emb.alpha == pytest.approx(alpha, rel=1e-6)
+    assert emb.union_alpha == pytest.approx(union, rel=1e-6)
+    assert emb.union_for(1) == pytest.approx(alpha, rel=1e-6)
+    assert sum(emb.row_mass) == pytest.approx(1.0, abs=1e-4)
+    assert prof.params[0].name == "emb.weight"          # sparse first
+    dense = [p for p in prof.params if not p.sparse]
+    assert {p.name for p in dense} >= {"lstm.weight_ih_l0", "out.weight"}
+    assert all(p.alpha == 1.0 for p in dense)
+
+    # layers: the three top-level children; not a sequence
+    assert [l.name for l in prof.layers] == ["emb", "lstm", "out"]
+    assert not prof.is_sequential and "nn.Sequential" in prof.sequential_reason
+    assert prof.layers[1].flops > 0 and prof.forward_flops > 0 and prof.backward_flops > 0
+    assert prof.layers[0].activation_bytes == 6 * 3 * 8 * 4
+    assert prof.layers[0].param_bytes == 500 * 8 * 4
+    assert all(l.forward_s > 0 for l in prof.layers)
+    assert prof.compute_s > 0 and prof.samples_per_batch == 6
+    assert prof.update_s_per_byte > 0
+    assert Profile.from_dict(prof.to_dict()) == prof
+
+
+def test_dense_gradient_with_few_rows_is_detected_sparse(tmp_path):
+    path = tmp_path / "rows.py"
+    path.write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+        class Pick(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.table = nn.Parameter(torch.randn(1000, 4))
+            def forward(self, ids):
+                return self.table[ids].sum(1)
+        def model(): return Pick()
+        def data(rank, world_size, batch_size):
+            while True:
+                yield torch.randint(0, 1000, (batch_size, 2)), torch.zeros(batch_size)
+        def loss(o, t): return ((o - t) ** 2).mean()
+    '''))
+    prof = profile_job(load_job(str(path)), batch_size=4, workers=2, repeats=2)
+    (table,) = prof.params
+    assert table.sparse and not table.embedding_module
+    assert 0 < table.alpha <= 8 / 1000
+
+
+def test_sequential_layers_are_flattened_and_hpar_layers_is_honoured():
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(3, 1)))
+    layers, ok, reason = pipeline_layers(seq)
+    assert ok and reason == "" and [n for n, _ in layers] == ["0", "1.0", "1.1"]
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+        def forward(self, x):
+            return self.body(x)
+        def hpar_layers(self):
+            return self.body
+    layers, ok, _ = pipeline_layers(Wrapped())
+    assert ok and [n for n, _ in layers] == ["body.0", "body.1"]
+
+
+def test_sequential_model_profile_and_timing_scale(tmp_path):
+    path = tmp_path / "mlp.py"
+    path.write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+        def model(): return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        def data(rank, world_size, batch_size):
+            while True:
+                yield torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))
+        def loss(o, t): return nn.functional.cross_entropy(o, t)
+    '''))
+    job = load_job(str(path))
+    full = profile_job(job, batch_size=16, workers=2, repeats=2)
+    assert full.is_sequential and len(full.layers) == 3
+    assert full.layers[0].flops == 2 * 2 * 16 * 32 * 64   # fwd + grad weight (the input needs no grad)
+    assert full.layers[2].flops == 3 * 2 * 16 * 64 * 10   # fwd + grad input + grad weight
+    assert full.layers[2].activation_bytes == 16 * 10 * 4
+    half = profile_job(job, batch_size=16, workers=2, repeats=2, timing_batch_size=8)
+    assert half.timing_batch_size == 8
+    assert half.layers[0].flops == full.layers[0].flops     # scaled linearly from batch 8 to 16
+    assert half.layers[2].activation_bytes == full.layers[2].activation_bytes
+    assert not any(p.sparse for p in full.params)
+
+
+def test_bad_arguments(job):
+    with pytest.raises(ValueError, match="--batch-size"):
+        profile_job(job, batch_size=0, workers=2)
