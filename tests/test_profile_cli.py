@@ -1,0 +1,95 @@
+"""`hpar profile` through click's CliRunner on tiny scripts (link figures from flags, no probe)."""
+import json
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from hpar.launcher.profile_cli import profile
+from hpar.strategies.planner import Plan
+
+LM = textwrap.dedent('''
+    import torch
+    from torch import nn
+    V = 5000
+    HPAR = {"batch_size": 4}
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, 32)
+            self.mid = nn.Linear(32, 32)
+            self.out = nn.Linear(32, 3)
+        def forward(self, x):
+            return self.out(torch.relu(self.mid(self.emb(x).mean(1))))
+    def model(): return Net()
+    def data(rank, world_size, batch_size):
+        g = torch.Generator().manual_seed(rank)
+        while True:
+            yield torch.randint(0, V, (batch_size, 5), generator=g), torch.randint(0, 3, (batch_size,), generator=g)
+    def loss(o, t): return nn.functional.cross_entropy(o, t)
+''')
+
+MLP = textwrap.dedent('''
+    import torch
+    from torch import nn
+    def model(): return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    def data(rank, world_size, batch_size):
+        while True:
+            yield torch.randn(batch_size, 8), torch.randint(0, 2, (batch_size,))
+    def loss(o, t): return nn.functional.cross_entropy(o, t)
+''')
+
+
+@pytest.fixture
+def scripts(tmp_path):
+    (tmp_path / "lm.py").write_text(LM)
+    (tmp_path / "mlp.py").write_text(MLP)
+    return tmp_path
+
+
+def test_json_output_and_plan_out(scripts):
+    out = scripts / "plan.json"
+    res = CliRunner().invoke(profile, [str(scripts / "lm.py"), "--gpus", "4", "--hosts", "2x2", "--bandwidth", "1Gbps",
+                                       "--latency", "20us", "--json", "--plan-out", str(out)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    assert set(d) >= {"parameters", "layers", "candidates", "plan"}
+    emb = next(p for p in d["parameters"] if p["name"] == "emb.weight")
+    assert emb["sparse"] and emb["alpha"] < 0.01 and emb["bytes"] == 5000 * 32 * 4 and emb["shape"] == [5000, 32]
+    assert d["parameters"][0]["name"] == "emb.weight"
+    assert [l["name"] for l in d["layers"]] == ["emb", "mid", "out"]
+    assert {c["strategy"] for c in d["candidates"]} == {"allreduce", "allreduce-sparse", "ps", "hybrid", "pipeline"}
+    assert all(c["predicted_step_s"] > 0 for c in d["candidates"] if c["strategy"] != "pipeline")
+    assert d["cluster"]["workers"] == 4 and d["cluster"]["hosts"] == 2 and d["cluster"]["bandwidth_Bps"] == 1.25e8
+    assert set(d["plan"]["placement"]) == {p["name"] for p in d["parameters"]}
+    assert d["plan"]["strategy"] in {c["strategy"] for c in d["candidates"] if c["available"]}
+    plan = Plan.from_dict(json.loads(out.read_text()))
+    assert plan.strategy == d["plan"]["strategy"] and plan.placement == d["plan"]["placement"]
+
+
+def test_tables_and_projection(scripts):
+    res = CliRunner().invoke(profile, [str(scripts / "mlp.py"), "--gpus", "2", "--bandwidth", "10Gbps",
+                                       "--device-tflops", "10", "--batch-size", "8"])
+    assert res.exit_code == 0, res.output
+    for text in ("Parameters", "Layers", "Candidates", "Plan:", "allreduce", "pipeline"):
+        assert text in res.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--bandwidth", "fast"], "--bandwidth"),
+    (["--bandwidth", "1Gbps", "--latency", "5"], "--latency"),
+    (["--bandwidth", "1Gbps", "--gpus", "9", "--hosts", "2x2"], "--gpus"),
+    (["--bandwidth", "1Gbps", "--hosts", "a:b"], "--hosts"),
+    (["--bandwidth", "1Gbps", "--device-tflops", "-1"], "--device-tflops"),
+])
+def test_bad_flags_exit_2_with_one_line(scripts, args, message):
+    res = CliRunner().invoke(profile, [str(scripts / "mlp.py")] + args)
+    assert res.exit_code == 2
+    assert res.stderr.startswith("hpar: ") and message in res.stderr
+
+
+def test_bad_script_exit_2(scripts):
+    bad = scripts / "bad.py"
+    bad.write_text("def model(): return 1\n")
+    res = CliRunner().invoke(profile, [str(bad), "--bandwidth", "1Gbps"])
+    assert res.exit_code == 2 and res.stderr.startswith("hpar: ") and "data" in res.stderr
