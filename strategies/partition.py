@@ -86,8 +86,9 @@ def partition_stages(compute_s: Sequence[float], activation_bytes: Sequence[int]
 
     Dynamic programming as in PipeDream (Narayanan et al., SOSP 2019):
     ``best[m][j]`` = smallest bottleneck for the first j layers in m stages
-    = min over i of max(best[m-1][i], cost(i, j)); O(K * L^2). Ties go to the earliest cut,
-    so the result is deterministic.
+    = min over i of max(best[m-1][i], cost(i, j)); O(K * L^2). The bottleneck is exact; among
+    cuts with the same bottleneck the DP prefers a smaller sum of squared stage times (so the
+    other stages are balanced too), then the earliest cut, so the result is deterministic.
 
     Raises ValueError when the lists differ in length, when a value is negative, when the
     bandwidth is not positive, or when there are fewer layers than stages (``--gpus``).
@@ -111,15 +112,16 @@ def partition_stages(compute_s: Sequence[float], activation_bytes: Sequence[int]
     def cost(a: int, b: int) -> float:
         return prefix[b] - prefix[a] + stage_send_s(a, b, activation_bytes, bandwidth_Bps)
 
-    inf = float("inf")
+    inf = (float("inf"), float("inf"))
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for m in range(1, num_stages + 1):
         # m stages cover j layers, each stage at least one layer, leaving room for the rest.
         for j in range(m, n - (num_stages - m) + 1):
             for i in range(m - 1, j):
-                value = max(best[m - 1][i], cost(i, j))
+                c = cost(i, j)
+                value = (max(best[m - 1][i][0], c), best[m - 1][i][1] + c * c)
                 if value < best[m][j]:
                     best[m][j], cut[m][j] = value, i
     ranges = []

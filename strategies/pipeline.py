@@ -1,0 +1,197 @@
+"""The ``pipeline`` strategy: one process per stage, activations forward and gradients
+backward with torch.distributed point-to-point messages.
+
+Stages: ``cfg.plan["stages"]`` (the planner's ``[start, end)`` layer ranges) when present,
+else contiguous ranges balanced on parameter counts (``stage.stage_ranges``). Every stage
+builds the whole model with ``torch.manual_seed(cfg.seed)`` and keeps its own layers, so
+the initial weights equal a single process's. world_size = number of stages (``--gpus``).
+
+Data: the first stage takes the inputs and the last stage the targets of the same batches,
+both from ``job.batches(0, 1, cfg.batch_size)`` (one data-parallel replica). Each draw runs
+under ``torch.random.fork_rng`` seeded by (seed, step), so a ``data()`` that uses torch's
+global RNG yields the same batches in both processes (other RNGs must be seeded by data()).
+A batch is split into ``cfg.micro_batches`` equal micro-batches along dim 0.
+
+Messages: stage k sends each micro-batch's output activation to k+1 (a small int64 header
+with dtype and shape, then the tensor) and the gradient of its input to k-1 (its shape is
+known: the activation it received). Sends are ``isend`` and are awaited at the end of the
+step; receives block. Limits: activations between stages must be single tensors.
+
+Schedules (``strategies/schedules.py``): ``gpipe`` and ``1f1b`` flush every batch and step
+the optimizer once (loss of each micro-batch scaled by 1/M), exactly single-process
+gradient accumulation. ``async``, ``async-stash``, ``async-predict`` run PipeDream's
+asynchronous 1F1B over the stream of all micro-batches of the run (no flush) and update
+after every backward with the micro-batch's mean loss and the user's lr unchanged (each
+micro-batch is one SGD minibatch, as in PipeDream); weights per pass from
+``strategies/weight_prediction.py``. A reported step is one batch of M micro-batches: a
+stage ends step s when it has run the backward (and update) of the batch's last
+micro-batch. In the asynchronous schedules checkpoints are taken at those boundaries too,
+where every stage has applied exactly the updates of the first (s+1)*M micro-batches; on
+resume the pipeline refills from there.
+
+Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
+for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
+their means per stage (gathered to rank 0).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from hpar.strategies import checkpoint
+from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.pipeline_comm import Links
+from hpar.strategies.schedules import is_synchronous, stage_ops
+from hpar.strategies.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
+from hpar.strategies.weight_prediction import mode_for_schedule
+
+
+def build_stage(ctx: WorkerContext) -> tuple[Stage, torch.nn.Module, tuple]:
+    """This process's Stage, the seeded whole model it was cut from, and the stage ranges.
+    Raises ValueError for a non-sequential model, fewer layers than stages, a bad plan."""
+    cfg = ctx.cfg
+    model = build_stages_model(ctx.job, cfg.seed)
+    ranges = stage_ranges(model, ctx.world_size, cfg.plan)
+    a, b = ranges[ctx.rank]
+    module = stage_module(model, a, b).to(ctx.device)
+    params = list(module.parameters())
+    opt = ctx.job.build_optimizer(params, cfg.lr) if params else None
+    sync = is_synchronous(cfg.schedule)
+    stage = Stage(ctx.job, module, opt, mode_for_schedule(cfg.schedule), ctx.rank, ctx.world_size,
+                  1.0 / cfg.micro_batches if sync else 1.0)
+    return stage, model, ranges
+
+
+def _draw(batches, seed: int, step: int):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + step)
+        return next(batches)
+
+
+def train(ctx: WorkerContext) -> TrainResult:
+    """Run this process's stage for ``cfg.steps`` batches under ``cfg.schedule``; returns the
+    whole trained model on rank 0 (state dicts gathered from the stages)."""
+    cfg, job = ctx.cfg, ctx.job
+    if cfg.schedule.startswith("torch-"):
+        from hpar.strategies import torch_pipeline
+        return torch_pipeline.train(ctx)
+    stage, model, ranges = build_stage(ctx)
+    M, K = cfg.micro_batches, ctx.world_size
+    if cfg.batch_size % M:
+        raise ValueError(f"--micro-batches {M} does not divide --batch-size {cfg.batch_size}; choose a divisor")
+    part = f"stage{ctx.rank}"
+    start = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
+    if start:
+        state = checkpoint.load_part(cfg.run_dir, start, part)
+        stage.module.load_state_dict(state["model"])
+        if stage.optimizer is not None:
+            stage.optimizer.load_state_dict(state["optimizer"])
+    ctx.start_step = start or 0
+    links = Links(ctx.rank, K, ctx.device)
+    batches = job.batches(0, 1, cfg.batch_size) if (stage.is_first or stage.is_last) else None
+    for s in range(ctx.start_step):   # the same batches as an uninterrupted run
+        if batches is not None:
+            _draw(batches, cfg.seed, s)
+    meter = StepMeter(ctx, cfg.batch_size)
+    inputs, targets, step_losses = {}, {}, {}
+    stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": []}
+    compute = [0.0]
+
+    def feed(step: int) -> None:
+        x, y = _draw(batches, cfg.seed, step)
+        for i, (xm, ym) in enumerate(zip(split_micro(move_to(x, ctx.device), M), split_micro(move_to(y, ctx.device), M))):
+            if stage.is_first:
+                inputs[step * M + i] = xm
+            if stage.is_last:
+                targets[step * M + i] = ym
+
+    def run(op, j: int) -> None:
+        """One pass for global micro-batch j (``op.micro`` is local to the op list)."""
+        if op.kind == "F":
+            if (stage.is_first or stage.is_last) and j not in (inputs if stage.is_first else targets):
+                feed(j // M)
+            x = inputs.pop(j) if stage.is_first else links.recv_activation()
+            t0 = time.perf_counter()
+            out = stage.forward(op, x, targets.pop(j) if stage.is_last else None)
+            compute[0] += time.perf_counter() - t0
+            if stage.is_last:
+                step_losses.setdefault(j // M, []).append(out)
+            else:
+                links.send_activation(out)
+        else:
+            g = None if stage.is_last else links.recv_gradient()
+            t0 = time.perf_counter()
+            grad_in = stage.backward(op, g)
+            if not sync:
+                stage.update()
+            compute[0] += time.perf_counter() - t0
+            if not stage.is_first:
+                links.send_gradient(grad_in)
+
+    def end_step(step: int) -> None:
+        if sync:
+            t0 = time.perf_counter()
+            stage.update()
+            compute[0] += time.perf_counter() - t0
+        links.wait_sends(keep=4 * K + 8)
+        loss = float("nan")
+        if stage.is_last:
+            loss = sum(step_losses[step]) / len(step_losses.pop(step))
+        if K > 1 and stage.is_last:
+            links.send_loss(loss)
+        elif K > 1 and stage.is_first:
+            loss = links.recv_loss()
+        sent, recv, idle = links.take()
+        stats["compute_s"].append(compute[0]); stats["idle_s"].append(idle)
+        stats["sent"].append(sent); stats["recv"].append(recv)
+        meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute[0], "idle_s": idle})
+        compute[0] = 0.0
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            checkpoint.save_part(cfg.run_dir, step + 1, part, {
+                "model": stage.module.state_dict(),
+                "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None})
+            checkpoint.commit(cfg.run_dir, step + 1)
+
+    sync = is_synchronous(cfg.schedule)
+    meter.start()
+    if sync:
+        ops = stage_ops(cfg.schedule, K, ctx.rank, M)
+        for step in range(ctx.start_step, cfg.steps):
+            for op in ops:
+                run(op, step * M + op.micro)
+            end_step(step)
+    else:
+        first = ctx.start_step * M
+        for op in stage_ops(cfg.schedule, K, ctx.rank, (cfg.steps - ctx.start_step) * M):
+            j = first + op.micro
+            run(op, j)
+            if op.kind == "B" and (j + 1) % M == 0:
+                end_step(j // M)
+    links.wait_sends()
+    return _finish(ctx, stage, model, ranges, meter, stats)
+
+
+def _finish(ctx: WorkerContext, stage: Stage, model: torch.nn.Module, ranges, meter: StepMeter, stats: dict) -> TrainResult:
+    """Gather the stages' state dicts and figures on rank 0; rank 0 returns the whole model."""
+    n = max(len(stats["sent"]), 1)
+    mine = {"stage": ctx.rank, "layers": list(ranges[ctx.rank]),
+            "compute_s": sum(stats["compute_s"]) / n, "idle_s": sum(stats["idle_s"]) / n,
+            "bytes_sent": sum(stats["sent"]) / n, "bytes_recv": sum(stats["recv"]) / n,
+            "max_in_flight": stage.max_in_flight}
+    payload = ({k: v.detach().cpu() for k, v in stage.module.state_dict().items()}, mine)
+    gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+    if ctx.world_size > 1:
+        dist.gather_object(payload, gathered, dst=0)
+    else:
+        gathered = [payload]
+    if ctx.rank != 0:
+        return meter.result(None)
+    state = {}
+    for part, _ in gathered:
+        state.update(part)
+    model.load_state_dict(state)
+    extra = {"schedule": ctx.cfg.schedule, "micro_batches": ctx.cfg.micro_batches,
+             "stages": [figures for _, figures in gathered], "stage_layers": describe(ranges, model)}
+    return meter.result(model.to("cpu"), extra=extra)

@@ -1,0 +1,99 @@
+"""Single-process pipeline simulator: K stages in one process, replaying a schedule.
+
+Each stage's weights depend only on the order of its own passes, so running the stages'
+operation lists (``schedules.stage_ops``) one tick at a time in one process
+(``schedules.execution_order``) gives the same numbers as K processes, without any process
+group. It uses the runtime's :class:`~hpar.strategies.stage.Stage` (forward, backward,
+weight stashing, SpecTrain prediction), so it tests that code, and it makes staleness
+experiments with many stages cheap and deterministic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hpar.strategies.job import Job
+from hpar.strategies.schedules import execution_order, is_synchronous, stage_ops
+from hpar.strategies.stage import Stage, split_micro, stage_module, stage_ranges
+from hpar.strategies.weight_prediction import mode_for_schedule
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """``model``: the whole trained model; ``losses``: mean loss of each batch (step), in
+    step order; ``max_in_flight``: the most micro-batches any stage held at once."""
+
+    model: torch.nn.Module
+    losses: tuple[float, ...]
+    max_in_flight: int
+
+
+def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: int, micro_batches: int,
+             lr: float, seed: int = 0) -> SimResult:
+    """Train ``steps`` batches of ``batch_size`` from ``job.batches(0, 1, batch_size)`` with
+    ``num_stages`` stages (balanced on parameter counts) under ``schedule`` in this process.
+    The model is built with ``torch.manual_seed(seed)`` as the runtime does. Raises
+    ValueError as the runtime does (non-sequential model, bad micro-batch count)."""
+    torch.manual_seed(seed)
+    model = job.build_model()
+    ranges = stage_ranges(model, num_stages)
+    sync = is_synchronous(schedule)
+    mode = mode_for_schedule(schedule)
+    stages = []
+    for k, (a, b) in enumerate(ranges):
+        module = stage_module(model, a, b)
+        params = list(module.parameters())
+        opt = job.build_optimizer(params, lr) if params else None
+        stages.append(Stage(job, module, opt, mode, k, num_stages, 1.0 / micro_batches if sync else 1.0))
+    batches = job.batches(0, 1, batch_size)
+    inputs, targets = {}, {}
+
+    def draw(step: int, first_micro: int) -> None:
+        x, y = next(batches)
+        for i, (xm, ym) in enumerate(zip(split_micro(x, micro_batches), split_micro(y, micro_batches))):
+            inputs[first_micro + i], targets[first_micro + i] = xm, ym
+
+    losses: list[float] = []
+    most = 0
+
+    def run(ticks, offset: int, per_step_losses: dict) -> None:
+        nonlocal most
+        acts, grads = {}, {}
+        for tick in ticks:
+            results = []
+            for k, op in tick:
+                st = stages[k]
+                j = op.micro + offset
+                if op.kind == "F":
+                    if st.is_first and j not in inputs:
+                        draw(j // micro_batches, j - j % micro_batches)
+                    x = inputs.pop(j) if st.is_first else acts.pop((k, j))
+                    out = st.forward(op, x, targets.pop(j) if st.is_last else None)
+                    results.append(("F", k, j, out))
+                    most = max(most, st.weights.in_flight(), len(st.saved))
+                else:
+                    g = st.backward(op, None if st.is_last else grads.pop((k, j)))
+                    results.append(("B", k, j, g))
+                    if not sync:
+                        st.update()
+            for kind, k, j, value in results:  # hand over after the tick, as messages would
+                if kind == "F" and not stages[k].is_last:
+                    acts[(k + 1, j)] = value
+                elif kind == "F":
+                    per_step_losses.setdefault(j // micro_batches, []).append(value)
+                elif k > 0:
+                    grads[(k - 1, j)] = value
+
+    step_losses: dict[int, list[float]] = {}
+    if sync:
+        for step in range(steps):
+            ticks = execution_order([stage_ops(schedule, num_stages, k, micro_batches) for k in range(num_stages)])
+            run(ticks, step * micro_batches, step_losses)
+            for st in stages:
+                st.update()
+    else:
+        n = steps * micro_batches
+        run(execution_order([stage_ops(schedule, num_stages, k, n) for k in range(num_stages)]), 0, step_losses)
+    losses = [sum(step_losses[s]) / len(step_losses[s]) for s in range(steps)]
+    return SimResult(model=model, losses=tuple(losses), max_in_flight=most)

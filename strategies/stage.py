@@ -1,0 +1,142 @@
+"""One pipeline stage's layers and passes, independent of how tensors travel.
+
+Used by the multi-process runtime (``strategies/pipeline.py``, tensors over
+torch.distributed send/recv) and by the single-process simulator
+(``strategies/pipeline_sim.py``, tensors handed over in memory), so both run the same
+forward, backward, stashing and prediction code.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import torch
+
+from hpar.strategies.job import Job
+from hpar.strategies.partition import balanced_ranges
+from hpar.strategies.schedules import Op
+from hpar.strategies.weight_prediction import PassWeights
+
+
+def sequential_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The layers of a model that is a sequence of layers: the named children of an
+    ``nn.Sequential``. Raises ValueError explaining why pipelining is not offered otherwise."""
+    if not isinstance(model, torch.nn.Sequential):
+        raise ValueError(f"--strategy pipeline: model() returned a {type(model).__name__}, not an nn.Sequential; "
+                         "pipelining needs the model as a sequence of layers (return nn.Sequential(...)) or use a data-parallel strategy")
+    return list(model.named_children())
+
+
+def stage_ranges(model: torch.nn.Module, num_stages: int, plan: dict | None = None) -> tuple[tuple[int, int], ...]:
+    """``[start, end)`` layer ranges of the stages: ``plan["stages"]`` when the planner gave
+    them, else contiguous ranges balanced on parameter count (+1 per layer, so layers
+    without parameters also spread). Raises ValueError for fewer layers than stages or a plan
+    that does not cover the layers with ``num_stages`` contiguous ranges."""
+    layers = sequential_layers(model)
+    n = len(layers)
+    if plan and plan.get("stages"):
+        ranges = tuple((int(a), int(b)) for a, b in plan["stages"])
+        ok = (len(ranges) == num_stages and ranges[0][0] == 0 and ranges[-1][1] == n
+              and all(a < b for a, b in ranges) and all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:])))
+        if not ok:
+            raise ValueError(f"plan stages {list(ranges)} do not split the model's {n} layers into --gpus {num_stages} contiguous stages; re-run `hpar profile` for this model and --gpus")
+        return ranges
+    weights = [1 + sum(p.numel() for p in layer.parameters()) for _, layer in layers]
+    return balanced_ranges(weights, num_stages)
+
+
+def stage_module(model: torch.nn.Module, start: int, end: int) -> torch.nn.Sequential:
+    """Layers ``[start, end)`` of the sequential ``model`` under their original names, so the
+    stage's state_dict keys equal the whole model's."""
+    layers = sequential_layers(model)
+    return torch.nn.Sequential(OrderedDict(layers[start:end]))
+
+
+def split_micro(obj: Any, num_micro: int) -> list[Any]:
+    """Split a batch (tensor, or tuple/list/dict of tensors, along dim 0) into ``num_micro``
+    equal micro-batches. Raises ValueError naming ``--micro-batches`` when it does not divide."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0 or obj.shape[0] % num_micro:
+            raise ValueError(f"--micro-batches {num_micro} does not divide the batch of {obj.shape[0] if obj.dim() else 1} samples; choose a divisor of --batch-size")
+        return list(obj.chunk(num_micro))
+    if isinstance(obj, (tuple, list)):
+        parts = [split_micro(x, num_micro) for x in obj]
+        return [type(obj)(p[i] for p in parts) for i in range(num_micro)]
+    if isinstance(obj, dict):
+        parts = {k: split_micro(v, num_micro) for k, v in obj.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(num_micro)]
+    return [obj] * num_micro
+
+
+class Stage:
+    """Stage ``index`` of ``num_stages``: its layers, optimizer and pass weights.
+
+    ``loss_scale`` multiplies each micro-batch loss before backward: 1/M in the synchronous
+    schedules (gradient accumulation equals the batch-mean loss), 1 in the asynchronous ones
+    (each micro-batch is its own SGD minibatch, updated with the user's lr).
+    Activations between stages must be single tensors; the first stage's input may be
+    anything the model accepts.
+    """
+
+    def __init__(self, job: Job, module: torch.nn.Module, optimizer: torch.optim.Optimizer, mode: str,
+                 index: int, num_stages: int, loss_scale: float):
+        self.job, self.module, self.optimizer = job, module, optimizer
+        self.index, self.num_stages, self.loss_scale = index, num_stages, loss_scale
+        self.weights = PassWeights(module, optimizer, mode)
+        self.saved: dict[int, tuple[Any, Any]] = {}
+        self.max_in_flight = 0   # most micro-batches held between forward and backward
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def forward(self, op: Op, inputs: Any, targets: Any = None) -> Any:
+        """Forward of ``op.micro``. Returns the output activation (detached, to send on), or on
+        the last stage the micro-batch's mean loss as a float."""
+        if not self.is_first:
+            if not isinstance(inputs, torch.Tensor):
+                raise ValueError(f"--strategy pipeline: stage {self.index} received a {type(inputs).__name__}; activations between stages must be single tensors")
+            if inputs.is_floating_point():
+                inputs.requires_grad_(True)
+        out = self.weights.forward(op.micro, op.distance, inputs)
+        if self.is_last:
+            loss = self.job.compute_loss(out, targets)
+            self.saved[op.micro] = (inputs, loss * self.loss_scale)
+            self.max_in_flight = max(self.max_in_flight, len(self.saved))
+            return float(loss.detach())
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"--strategy pipeline: stage {self.index} (layers ending at {list(self.module._modules)[-1]!r}) outputs a {type(out).__name__}; activations between stages must be single tensors")
+        self.saved[op.micro] = (inputs, out)
+        self.max_in_flight = max(self.max_in_flight, len(self.saved))
+        return out.detach()
+
+    def backward(self, op: Op, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Backward of ``op.micro`` (``grad_output`` from the next stage; None on the last).
+        Returns the gradient of the stage's input (None on the first stage)."""
+        inputs, out = self.saved.pop(op.micro)
+        self.weights.backward(op.micro, op.distance, out, None if self.is_last else grad_output)
+        if self.is_first:
+            return None
+        return inputs.grad if inputs.grad is not None else torch.zeros_like(inputs)
+
+    def update(self) -> None:
+        """Optimizer step with the gradients gathered since the last one."""
+        self.weights.step()
+
+
+def build_stages_model(job: Job, seed: int) -> torch.nn.Module:
+    """The whole model exactly as a single process builds it (seeded), for slicing."""
+    torch.manual_seed(seed)
+    return job.build_model()
+
+
+def describe(ranges: Sequence[tuple[int, int]], model: torch.nn.Module) -> list[dict]:
+    """JSON-friendly stage description: layer range, layer names, parameter count."""
+    layers = sequential_layers(model)
+    return [{"stage": k, "layers": [a, b], "names": [n for n, _ in layers[a:b]],
+             "params": sum(p.numel() for _, m in layers[a:b] for p in m.parameters())}
+            for k, (a, b) in enumerate(ranges)]

@@ -1,0 +1,150 @@
+"""The pipeline runtime as real gloo processes: exactness of gpipe/1f1b, async schedules,
+stage figures, checkpoints and user errors."""
+import json
+import multiprocessing as mp
+import os
+import socket
+import textwrap
+
+import pytest
+import torch
+
+from hpar.strategies.config import RunConfig
+from hpar.strategies.job import load_job
+from hpar.strategies.stage import split_micro
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    HPAR = {"batch_size": 8, "steps": 10, "lr": 0.1}
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 6),
+                                   torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+    def data(rank, world_size, batch_size):
+        g = torch.Generator().manual_seed(1234 + rank)
+        for _ in range(7):   # short epochs: the iterator restarts, as a real data set does
+            x = torch.randn(batch_size, 5, generator=g)
+            yield x, (x[:, :3] * 2).tanh()
+
+    def loss(output, targets):
+        return torch.nn.functional.mse_loss(output, targets)
+
+    def optimizer(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    def evaluate(model):
+        return {"w0": float(model[0].weight.sum())}
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world, port, config_path, log_path):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), HPAR_CONFIG=config_path, HPAR_PG_TIMEOUT="60")
+    torch.set_num_threads(1)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from hpar.workers import worker
+    try:
+        code = worker.main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException as exc:  # noqa: BLE001 - report and exit non-zero
+        import traceback
+        traceback.print_exc()
+        code = 3
+    os.sys.stdout.flush()
+    os._exit(code or 0)
+
+
+def run_pipeline(tmp_path, script_text=SCRIPT, timeout=60, **overrides):
+    """Run the pipeline strategy in `world_size` processes; returns (summary, state_dict, logs)."""
+    script = tmp_path / "job.py"
+    script.write_text(script_text)
+    run_dir = tmp_path / f"run-{overrides.get('schedule', '1f1b')}-{overrides.get('world_size', 2)}"
+    run_dir.mkdir(exist_ok=True)
+    fields = dict(script=str(script), strategy="pipeline", world_size=2, steps=10, batch_size=8, lr=0.1,
+                  seed=3, run_dir=str(run_dir), log_every=5, micro_batches=4, schedule="1f1b")
+    fields.update(overrides)
+    cfg = RunConfig(**fields)
+    (run_dir / "config.json").write_text(cfg.to_json())
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "hpar.workers.worker"])
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(r, cfg.world_size, port, str(run_dir / "config.json"),
+                                              str(run_dir / f"rank{r}.log"))) for r in range(cfg.world_size)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    logs = [(run_dir / f"rank{r}.log").read_text() for r in range(cfg.world_size)]
+    codes = [p.exitcode for p in procs]
+    summary = None
+    for line in logs[0].splitlines():
+        if line.startswith("@hpar summary "):
+            summary = json.loads(line[len("@hpar summary "):])
+    state = torch.load(run_dir / "model.pt") if (run_dir / "model.pt").exists() else None
+    return codes, summary, state, logs
+
+
+def reference(tmp_path, steps=10, batch_size=8, micro=4, lr=0.1, seed=3):
+    """Single-process gradient accumulation over the same micro-batches."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    job = load_job(str(script))
+    torch.manual_seed(seed)
+    model = job.build_model()
+    opt = job.build_optimizer(model.parameters(), lr)
+    batches = job.batches(0, 1, batch_size)
+    losses = []
+    for _ in range(steps):
+        x, y = next(batches)
+        opt.zero_grad()
+        total = 0.0
+        for xm, ym in zip(split_micro(x, micro), split_micro(y, micro)):
+            loss = job.compute_loss(model(xm), ym)
+            (loss / micro).backward()
+            total += loss.item() / micro
+        opt.step()
+        losses.append(total)
+    return model.state_dict(), losses
+
+
+def assert_close_state(state, ref):
+    assert state.keys() == ref.keys()
+    for k in ref:
+        err = (state[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)
+        assert err < 1e-5, f"{k}: relative error {err:.2e}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_synchronous_schedules_equal_gradient_accumulation(tmp_path, schedule):
+    ref, ref_losses = reference(tmp_path)
+    for world in (2, 3, 4):
+        codes, summary, state, logs = run_pipeline(tmp_path, world_size=world, schedule=schedule)
+        assert codes == [0] * world, logs
+        assert_close_state(state, ref)
+        assert summary["loss_first"] == pytest.approx(ref_losses[0], rel=1e-5)
+        assert summary["loss_last"] == pytest.approx(ref_losses[-1], rel=1e-5)
+        stages = summary["stages"]
+        assert [s["stage"] for s in stages] == list(range(world))
+        assert [tuple(s["layers"]) for s in stages][0][0] == 0 and stages[-1]["layers"][1] == 5
+        # every stage but the last sends 4 activations (+ headers); every stage but the first 4 gradients
+        for s in stages:
+            assert s["bytes_sent"] > 0 and s["compute_s"] > 0 and s["idle_s"] >= 0
+        assert stages[0]["max_in_flight"] == (world if schedule == "1f1b" else 4)
