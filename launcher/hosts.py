@@ -188,10 +188,14 @@ def parse_host_file(path: str) -> list[Host]:
     return _check_duplicates(entries)
 
 
-def parse_hosts(spec: str) -> list[Host]:
+def parse_hosts(spec: "str | list[Host] | tuple[Host, ...]") -> list[Host]:
     """The hosts of ``--hosts SPEC``: a host file path, the ``HxG`` shorthand, or an inline
     list ``a:2,b:2`` (see the module docstring). Returns them in order. Raises ValueError
-    (naming ``--hosts`` or the file and line) for malformed, hostile or duplicate entries."""
+    (naming ``--hosts`` or the file and line) for malformed, hostile or duplicate entries.
+    Hosts parsed already (a list or tuple of Host) come back as a list, unchanged."""
+    if isinstance(spec, (list, tuple)):
+        assert all(isinstance(h, Host) for h in spec), "parse_hosts takes a string or Host values"
+        return list(spec)
     spec = spec.strip()
     if not spec:
         raise ValueError("--hosts: empty; give a host file, a list like a:2,b:2, or HxG")

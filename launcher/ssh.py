@@ -4,9 +4,10 @@ methods and attributes of ``LocalProcess`` (launcher/procs.py), and ``make_proce
 The remote command is ``cd CWD && env K=V ... PY -c SETSID PY -m hpar.workers.guard PY -m ...``
 with every piece shlex-quoted (SETSID: ``setsid -w`` in five lines of Python, so a signal maps
 to 128+N as the guard's own exit codes do). It makes the guard the leader of its own session and
-process group; the channel's stdin stays open and is never written, so when the launcher's
-connection goes away (the launcher exits or is killed, or sshd drops a dead link; see
-``ClientAliveInterval``) the guard sees EOF and stops its group. Signals go to the recorded
+process group; the channel's stdin stays open and carries one heartbeat byte a second, so
+when the launcher's connection goes away the guard stops its group: at EOF (the launcher
+exited or was killed) or after ``HEARTBEAT_S`` seconds of silence (a dead link, a frozen
+launcher; ``HPAR_GUARD_HEARTBEAT``). Signals go to the recorded
 group only (``kill -SIG -- -PGID`` over a second connection). On the launcher's side, TCP
 keepalives and ``TCP_USER_TIMEOUT`` turn a dead link into a closed channel within
 ``LINK_TIMEOUT_S`` seconds; ``poll()`` then reports ``LOST_HOST`` (255, as ssh does).
@@ -33,6 +34,7 @@ from .procs import LocalProcess, ProcessSpec
 
 LOST_HOST = 255
 LINK_TIMEOUT_S = 5.0
+HEARTBEAT_S = 5.0  # the remote guard stops its group after this long without a heartbeat byte
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PASS_THROUGH = ("PYTHONPATH",)
 # ``setsid -w`` for our purpose: run argv[1:] as the leader of a new session, wait, and exit
@@ -140,7 +142,8 @@ class RemoteProcess:
 
     def start(self) -> None:
         """Connect and start the process. Raises SSHError when the host cannot be reached."""
-        command = remote_command(self.spec, self.opts.python or self.spec.argv[0])
+        spec = replace(self.spec, env={"HPAR_GUARD_HEARTBEAT": str(HEARTBEAT_S), **self.spec.env})
+        command = remote_command(spec, self.opts.python or self.spec.argv[0])
         self._conn = connect(self.host, self.opts)
         transport = self._conn.client.get_transport()
         assert transport is not None
@@ -148,6 +151,17 @@ class RemoteProcess:
         self._channel.set_combine_stderr(True)
         self._channel.exec_command(command)
         threading.Thread(target=self._read, name=f"hpar-ssh-{self.spec.label}", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name=f"hpar-beat-{self.spec.label}", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """One byte a second on the guard's stdin until the process ends or stdin is closed."""
+        channel = self._channel
+        assert channel is not None
+        while not self._done.wait(1.0) and not channel.eof_sent:
+            try:
+                channel.sendall(b"\n")
+            except (OSError, EOFError, paramiko.SSHException):
+                return
 
     def _read(self) -> None:
         assert self._channel is not None

@@ -1,0 +1,82 @@
+"""Test hosts for the multi-host tests (not a test module): a generator for a fixture that makes
+K network-namespace hosts with scripts/testhosts.py and always removes them, and a check for
+processes left inside them.
+
+Use it as::
+
+    @pytest.fixture(scope="module")
+    def hosts():
+        yield from netns_hosts.make_hosts(2)
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import testhosts  # noqa: E402
+
+_COUNTER = itertools.count()
+
+
+def make_hosts(k: int, rate: str | None = None):
+    """Yield a TestHosts of ``k`` hosts with a prefix and subnet unique to this process (so
+    parallel test runs do not collide); skip with the reason where they cannot be made; remove
+    everything afterwards, also on failure."""
+    reason = testhosts.unavailable()
+    if reason:
+        pytest.skip(reason)
+    n = next(_COUNTER)
+    net = 100 + (os.getpid() * 7 + n) % 150
+    prefix = f"t{net}x{n % 10}"
+    try:
+        made = testhosts.up(k, rate=rate, prefix=prefix, net=net)
+    except Exception:
+        testhosts.down(prefix)
+        raise
+    try:
+        yield made
+    finally:
+        testhosts.down(prefix)
+
+
+def _is_sshd(pid: int) -> bool:
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe")) == "sshd"
+    except OSError:
+        return True  # gone already
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def leftovers(made, wait: float = 0.0) -> dict[str, list[str]]:
+    """Namespace -> command lines of live non-sshd processes inside it (should be empty after
+    a run); waits up to ``wait`` seconds for them to go."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = {}
+        for host in made.hosts:
+            pids = [p for p in testhosts.namespace_pids(host.namespace) if _alive(p) and not _is_sshd(p)]
+            cmds = []
+            for pid in pids:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmds.append(f"{pid}: " + f.read().replace(b"\0", b" ").decode(errors="replace")[:200])
+                except OSError:
+                    pass
+            if cmds:
+                found[host.namespace] = cmds
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.2)
