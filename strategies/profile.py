@@ -30,7 +30,9 @@ What is measured and how:
   (first dimension) is reported sparse too, with alpha from the timed batches.
 * ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
   times, FLOPs and activation bytes linearly to ``batch_size`` (for models too large to run
-  at full batch within the 30 s budget); sparsity is always measured at ``batch_size``.
+  at full batch within the 30 s budget); left None, it is ``batch_size`` unless one step
+  would exceed ``STEP_BUDGET_S`` (estimated from a 1/32 batch). Sparsity is always measured
+  at ``batch_size``.
 * ``update_s_per_byte``: the user's optimizer stepping a 4 MiB dense probe parameter.
 
 Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
@@ -53,6 +55,7 @@ from hpar.strategies.profile_hooks import LayerTimer, count_flops, embedding_mod
 
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
 ROW_BUCKETS = 256           # resolution of ParamProfile.row_mass
+STEP_BUDGET_S = 0.5         # longest timed step before timing moves to a smaller batch
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,6 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmu
     """
     if batch_size < 1 or workers < 1 or repeats < 1:
         raise ValueError(f"--batch-size, --gpus and repeats must be at least 1, got {batch_size}, {workers}, {repeats}")
-    tbs = min(timing_batch_size or batch_size, batch_size)
     t_start = time.perf_counter()
     rng = torch.get_rng_state()
     threads = torch.get_num_threads()
@@ -215,6 +217,9 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmu
             m.sparse = True          # profile copy only: cheap gradients for huge tables
         layers, is_seq, reason = pipeline_layers(model)
         timer = LayerTimer(layers, [m for _, m in embs])
+        tbs = min(timing_batch_size or batch_size, batch_size)
+        if timing_batch_size is None:
+            tbs = _auto_timing_batch(job, model, batch_size, workers)
         batches = job.batches(0, workers, tbs)
         fwd, bwd, lay_f, lay_b, grad_rows = [], [], [], [], {}
         with timer:
@@ -354,6 +359,20 @@ def _embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worke
         out[n] = {"alpha": sum(per_worker[n]) / len(per_worker[n]), "union": curve[-1][1], "curve": tuple(curve),
                   "mass": tuple(round(float(x), 6) for x in mass)}
     return out
+
+
+def _auto_timing_batch(job: Job, model: nn.Module, batch_size: int, workers: int) -> int:
+    """``batch_size``, or a smaller batch when one step would exceed STEP_BUDGET_S: times one
+    step at batch max(1, batch_size // 32) and scales linearly."""
+    small = max(1, batch_size // 32)
+    if small == batch_size:
+        return batch_size
+    inputs, targets = next(job.batches(0, workers, small))
+    t0 = time.perf_counter()
+    job.compute_loss(model(inputs), targets).backward()
+    est = (time.perf_counter() - t0) * batch_size / small
+    model.zero_grad(set_to_none=True)
+    return batch_size if est <= STEP_BUDGET_S else max(small, int(batch_size * STEP_BUDGET_S / est))
 
 
 def _update_cost(job: Job, numel: int = 1 << 20, repeats: int = 5) -> float:

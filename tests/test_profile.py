@@ -111,7 +111,7 @@ def test_dense_gradient_with_few_rows_is_detected_sparse(tmp_path):
     prof = profile_job(load_job(str(path)), batch_size=4, workers=2, repeats=2)
     (table,) = prof.params
     assert table.sparse and not table.embedding_module
-    assert 0 < table.alpha <= 8 / 1000
+    assert 0 < table.alpha <= 8 / 1000 + 1e-6   # 4 samples x 2 ids of 1000 rows
 
 
 def test_sequential_layers_are_flattened_and_hpar_layers_is_honoured():
