@@ -91,7 +91,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
         while True:
             rundir.write_config(cfg)
             lines: queue.Queue = queue.Queue()
-            port = free_port(master if master != "127.0.0.1" else "127.0.0.1")
+            port = free_port("127.0.0.1" if master == "127.0.0.1" else "")  # a remote master is not ours to bind
             procs = _processes(cfg, rundir, opts, lines, master, port)
             labels = [(p.spec.label, p.spec.host) for p in procs]
             with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
