@@ -76,7 +76,7 @@ def run_pipeline(tmp_path, script_text=SCRIPT, timeout=60, **overrides):
     cfg = RunConfig(**fields)
     (run_dir / "config.json").write_text(cfg.to_json())
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "hpar.workers.worker"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.func", "hpar.workers.worker", "hpar.strategies.pipeline"])
     port = _free_port()
     procs = [ctx.Process(target=_child, args=(r, cfg.world_size, port, str(run_dir / "config.json"),
                                               str(run_dir / f"rank{r}.log"))) for r in range(cfg.world_size)]
@@ -148,3 +148,67 @@ def test_synchronous_schedules_equal_gradient_accumulation(tmp_path, schedule):
         for s in stages:
             assert s["bytes_sent"] > 0 and s["compute_s"] > 0 and s["idle_s"] >= 0
         assert stages[0]["max_in_flight"] == (world if schedule == "1f1b" else 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["async", "async-stash", "async-predict"])
+def test_async_schedules_equal_the_single_process_simulator(tmp_path, schedule):
+    from hpar.strategies.pipeline_sim import simulate
+    codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, schedule=schedule)
+    assert codes == [0] * 4, logs
+    job = load_job(str(tmp_path / "job.py"))
+    sim = simulate(job, schedule, 4, steps=10, batch_size=8, micro_batches=4, lr=0.1, seed=3)
+    assert_close_state(state, sim.model.state_dict())
+    assert summary["loss_last"] == pytest.approx(sim.losses[-1], rel=1e-5)
+    # stage k holds at most K-k micro-batches between forward and backward (PipeDream)
+    assert [s["max_in_flight"] for s in summary["stages"]] == [4, 3, 2, 1]
+    ref, _ = reference(tmp_path)
+    assert any((state[k] - ref[k]).abs().max() > 1e-4 for k in ref)  # async is not the sync result
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
+    ref, _ = reference(tmp_path)
+    run_dir = tmp_path / "run-1f1b-3"
+    codes, _, _, logs = run_pipeline(tmp_path, world_size=3, steps=6, checkpoint_every=3)
+    assert codes == [0] * 3, logs
+    assert sorted(os.listdir(run_dir / "checkpoints" / "step-6")) == ["stage0.pt", "stage1.pt", "stage2.pt"]
+    codes, summary, state, logs = run_pipeline(tmp_path, world_size=3, steps=10, resume=True)
+    assert codes == [0] * 3, logs
+    assert_close_state(state, ref)
+
+
+def _tiny_job(tmp_path, body):
+    script = tmp_path / "bad.py"
+    script.write_text(textwrap.dedent(body))
+    return load_job(str(script))
+
+
+def test_non_sequential_model_is_refused_with_reason(tmp_path):
+    from hpar.strategies.stage import stage_ranges
+    job = _tiny_job(tmp_path, '''
+        import torch
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__(); self.a = torch.nn.Linear(2, 2)
+            def forward(self, x): return self.a(x)
+        def model(): return Net()
+        def data(r, w, b): yield torch.zeros(b, 2), torch.zeros(b, 2)
+        def loss(o, t): return (o - t).pow(2).mean()
+    ''')
+    with pytest.raises(ValueError, match="not an nn.Sequential.*sequence of layers"):
+        stage_ranges(job.build_model(), 2)
+
+
+def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):
+    from hpar.strategies.stage import stage_ranges
+    job = load_job(str((tmp_path / "job.py").write_text(SCRIPT) and tmp_path / "job.py"))
+    with pytest.raises(ValueError, match="--gpus 6"):
+        stage_ranges(job.build_model(), 6)
+    with pytest.raises(ValueError, match="--micro-batches 3"):
+        split_micro(torch.zeros(8, 5), 3)
+    with pytest.raises(ValueError, match="--gpus 2"):
+        stage_ranges(job.build_model(), 2, {"stages": [[0, 2], [3, 5]]})
+    assert stage_ranges(job.build_model(), 2, {"stages": [[0, 1], [1, 5]]}) == ((0, 1), (1, 5))
