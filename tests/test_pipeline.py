@@ -212,3 +212,13 @@ def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):
     with pytest.raises(ValueError, match="--gpus 2"):
         stage_ranges(job.build_model(), 2, {"stages": [[0, 2], [3, 5]]})
     assert stage_ranges(job.build_model(), 2, {"stages": [[0, 1], [1, 5]]}) == ((0, 1), (1, 5))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_torch_pipelining_peer_is_the_same_math(tmp_path):
+    ref, ref_losses = reference(tmp_path)
+    codes, summary, state, logs = run_pipeline(tmp_path, world_size=2, schedule="torch-1f1b")
+    assert codes == [0, 0], logs
+    assert_close_state(state, ref)
+    assert summary["loss_last"] == pytest.approx(ref_losses[-1], rel=1e-5)
