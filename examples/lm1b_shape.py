@@ -46,6 +46,13 @@ def log_q(ids):
     return torch.log((torch.log(ids + 2) - torch.log(ids + 1)) / math.log(VOCAB + 1)).float()
 
 
+def _table(block=1 << 15):
+    """A VOCAB x EMBED table of U(-0.05, 0.05) values, a random block of rows repeated
+    (cheap to build; rows repeat every ``block`` ids, harmless for a shape model)."""
+    rows = torch.empty(block, EMBED).uniform_(-0.05, 0.05)
+    return rows.repeat(math.ceil(VOCAB / block), 1)[:VOCAB].clone()
+
+
 class LM1BShape(nn.Module):
     """Embedding -> LSTM(2048, proj 512) -> sampled softmax. ``forward((tokens, targets))``
     with both ``[batch, BPTT]`` int64; returns logits ``[batch*BPTT, 1 + NUM_SAMPLED]`` whose
@@ -53,8 +60,8 @@ class LM1BShape(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.embedding = nn.Embedding(VOCAB, EMBED, _weight=torch.empty(VOCAB, EMBED).uniform_(-0.05, 0.05))
-        self.softmax_w = nn.Embedding(VOCAB, EMBED, _weight=torch.empty(VOCAB, EMBED).uniform_(-0.05, 0.05))
+        self.embedding = nn.Embedding(VOCAB, EMBED, _weight=_table())
+        self.softmax_w = nn.Embedding(VOCAB, EMBED, _weight=_table())
         self.softmax_b = nn.Embedding(VOCAB, 1, _weight=torch.zeros(VOCAB, 1))
         self.lstm = nn.LSTM(EMBED, HIDDEN, batch_first=True, proj_size=EMBED)
 

@@ -45,7 +45,7 @@ class LayerTimer:
         self.reset()
 
     def reset(self):
-        if getattr(self, "_calls", None):
+        if getattr(self, "_calls", None) and sum(self._calls.values()) > 0:   # a forward pass ran
             self.max_calls = max(self.max_calls, max(self._calls.values()))
             self.min_calls = min(self.min_calls, min(self._calls.values()))
         self._f = [0.0] * len(self.layers)
