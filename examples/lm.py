@@ -28,7 +28,7 @@ HIDDEN = 200
 NUM_SAMPLED = 256
 EVAL_TOKENS = 10_000
 
-HPAR = {"batch_size": 32, "steps": 200, "lr": 0.2, "log_every": 10}
+HPAR = {"batch_size": 32, "steps": 200, "lr": 0.05, "log_every": 10}
 
 
 def _tokens(split):

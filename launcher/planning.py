@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
 
 
 def runnable_strategies() -> set[str]:
@@ -15,18 +14,14 @@ def runnable_strategies() -> set[str]:
     return have
 
 
-@dataclass(frozen=True)
-class _FallbackPlan:
-    strategy: str = "allreduce"
-    reason: str = "the planner is not installed; allreduce is the default"
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {"strategy": self.strategy, "reason": self.reason}
-
-
-def plan_job(job, batch_size: int, hosts: tuple, gpus: int, servers: int | None):
-    """Profile ``job`` and return the planner's Plan for ``gpus`` workers on ``hosts``."""
-    if importlib.util.find_spec("hpar.strategies.planner") is None:
-        return _FallbackPlan()
-    raise NotImplementedError
+def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: int | None,
+             schedule: str = "1f1b"):
+    """Profile ``job`` (strategies/profile.py) for ``gpus`` workers on the hosts of
+    ``hosts_spec`` (link figures probed on this machine, or hpar profile's defaults for remote
+    hosts) and return the planner's Plan (strategies/planner.py). Raises JobError/ValueError."""
+    from hpar.launcher.profile_cli import build_cluster
+    from hpar.strategies.planner import choose_plan
+    from hpar.strategies.profile import profile_job
+    cluster = build_cluster(gpus, hosts_spec, servers, None, None, None)
+    profile = profile_job(job, batch_size, cluster.workers)
+    return choose_plan(profile, cluster, runnable_strategies(), schedule=schedule)

@@ -44,18 +44,21 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None) -> Ru
     return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))
 
 
-def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: tuple[Host, ...],
-             gpus: int, servers: int | None) -> tuple[str, dict]:
-    """(strategy, plan dict) from ``--plan``, or the planner for ``auto`` and for strategies
-    that need a plan (pipeline stages); ``--strategy X`` with X runnable keeps X."""
+def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: str | None,
+             gpus: int, servers: int | None, schedule: str | None) -> tuple[str, dict]:
+    """(strategy, plan dict) from ``--plan``, or from the planner for ``auto`` and for
+    ``pipeline`` (which needs its balanced stages); the data-parallel strategies named
+    explicitly run with their defaults and no profiling."""
     if plan_file:
         plan = read_plan(plan_file)
         if strategy not in ("auto", plan["strategy"]):
             raise ValueError(f"--strategy {strategy} contradicts --plan {plan_file} (strategy {plan['strategy']}); drop one")
         console.print(f"hpar: strategy {plan['strategy']} from {plan_file}", markup=False)
         return plan["strategy"], plan
+    if strategy not in ("auto", "pipeline"):
+        return strategy, {"strategy": strategy}
     from hpar.launcher.planning import plan_job
-    plan = plan_job(job, batch_size, hosts, gpus, servers)
+    plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b")
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.strategy}: {plan.reason}", markup=False)
         return plan.strategy, plan.to_dict()
@@ -86,7 +89,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         check_job(job, bs)
-        strategy, plan = plan_for(console, job, strategy, plan_file, bs, host_list, gpus, servers)
+        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule)
         used_hosts = len({h.name for h in place_workers(list(host_list), gpus)}) if host_list else 1
         if servers is None:
             servers = plan.get("servers") or used_hosts if strategy in SERVER_STRATEGIES else 0

@@ -1,0 +1,85 @@
+"""Shared test helpers: tiny user scripts, running the hpar CLI in a subprocess, and finding
+every process that belongs to a run (by the HPAR_CONFIG path in its environment)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = '''
+import torch, torch.nn as nn
+HPAR = {"steps": 20, "batch_size": 8, "lr": 0.1, "log_every": 5}
+def model():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(10_000):
+        x = torch.randn(batch_size, 4, generator=g)
+        yield x, x.sum(1, keepdim=True)
+def loss(output, targets):
+    return ((output - targets) ** 2).mean()
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+def evaluate(model):
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(7))
+    return {"mse": float(((model(x) - x.sum(1, keepdim=True)) ** 2).mean())}
+'''
+
+
+def write_script(tmp_path, text: str = TINY, name: str = "job.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+@pytest.fixture
+def tiny_script(tmp_path) -> str:
+    return write_script(tmp_path)
+
+
+def hpar(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """Run ``python -m hpar.launcher.cli ARGS`` and capture its output (text)."""
+    return subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def run_processes(run_dir: str) -> list[psutil.Process]:
+    """Every live process started for the run in ``run_dir`` (found by HPAR_CONFIG)."""
+    want = os.path.join(os.path.abspath(run_dir), "config.json")
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("HPAR_CONFIG") == want and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy or ``timeout`` s pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture
+def reap_run():
+    """Register run dirs; after the test, fail if any of their processes is alive (and kill it)."""
+    dirs: list[str] = []
+    yield dirs.append
+    leftovers = [p for d in dirs for p in run_processes(d)]
+    for p in leftovers:
+        p.kill()
+    assert not leftovers, f"processes left behind: {[p.pid for p in leftovers]}"

@@ -1,0 +1,60 @@
+"""`allreduce` (DDP) with 2 workers equals one process trained on the concatenated batches."""
+import json
+import os
+
+import pytest
+import torch
+
+from hpar.strategies.job import load_job
+
+from conftest import hpar
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def single_process_reference(script: str, world_size: int, steps: int, batch_size: int, lr: float, seed: int):
+    """One process, each step on the concatenation of every rank's batch, mean loss."""
+    job = load_job(script)
+    torch.manual_seed(seed)
+    model = job.build_model()
+    opt = job.build_optimizer(model.parameters(), lr)
+    streams = [job.batches(r, world_size, batch_size) for r in range(world_size)]
+    for _ in range(steps):
+        pairs = [next(s) for s in streams]
+        x = torch.cat([p[0] for p in pairs])
+        y = torch.cat([p[1] for p in pairs])
+        opt.zero_grad()
+        job.compute_loss(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def assert_close_state(got: dict, want: dict, rtol: float = 1e-5) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        diff = (got[k] - want[k]).abs().max().item()
+        scale = max(want[k].abs().max().item(), 1e-12)
+        assert diff / scale < rtol, f"{k}: relative difference {diff / scale:.2e}"
+
+
+@pytest.mark.timeout(180)
+def test_two_workers_match_single_process(tiny_script, tmp_path, reap_run):
+    run_dir = str(tmp_path / "run")
+    reap_run(run_dir)
+    res = hpar("run", tiny_script, "--gpus", "2", "--strategy", "allreduce", "--steps", "20", "--seed", "3",
+               "--run-dir", run_dir, "--plain")
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["strategy"] == "allreduce" and summary["world_size"] == 2 and summary["exit_code"] == 0
+    assert summary["eval_last"]["mse"] < summary["eval_first"]["mse"]
+    n_params = sum(p.numel() for p in load_job(tiny_script).build_model().parameters())
+    # ring AllReduce: 2(N-1)/N of the gradient bytes, sent and received by each worker
+    assert summary["bytes_per_step"]["sent"] == pytest.approx(2 * 1 / 2 * n_params * 4)
+    got = torch.load(os.path.join(run_dir, "model.pt"))
+    want = single_process_reference(tiny_script, 2, 20, 8, 0.1, 3)
+    assert_close_state(got, want)
+    metrics = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = sorted({(m["rank"], m["step"]) for m in metrics if m["kind"] == "metric"})
+    assert steps == [(r, s) for r in (0, 1) for s in (5, 10, 15, 20)]
+    assert os.path.exists(os.path.join(run_dir, "logs", "worker-1.log"))
+    assert json.load(open(os.path.join(run_dir, "config.json")))["world_size"] == 2
