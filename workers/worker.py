@@ -40,6 +40,15 @@ def env_int(name: str, default: int | None = None) -> int:
     return int(value)
 
 
+def step_time_percentiles(step_times: list[float], warmup: int = 2) -> dict:
+    """``step_s_p50`` and ``step_s_p90`` (seconds) of worker 0's steps after ``warmup`` steps."""
+    times = sorted(step_times[warmup:] or step_times)
+    if not times:
+        return {}
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]
+    return {"step_s_p50": pick(0.5), "step_s_p90": pick(0.9)}
+
+
 def init_group(cfg: RunConfig, pg_rank: int, pg_world_size: int) -> None:
     """Join the default process group (gloo on CPU, NCCL on CUDA)."""
     dist.init_process_group(backend=cfg.backend, rank=pg_rank, world_size=pg_world_size,
@@ -77,7 +86,7 @@ def main() -> int:
             "samples_per_s": result.samples_per_s, "loss_first": result.loss_first,
             "loss_last": result.loss_last, "eval_first": eval_first, "eval_last": eval_last,
             "bytes_per_step": result.bytes_per_step, "wall_s": time.time() - t0,
-            "step_s_median": sorted(result.step_times)[len(result.step_times) // 2] if result.step_times else None,
+            **step_time_percentiles(result.step_times),
             **result.extra,
         })
     dist.barrier()
