@@ -1,0 +1,185 @@
+"""Hybrid data parallelism (Parallax) and the parameter-server peer: the ``hybrid`` and
+``ps`` runtimes.
+
+Kim et al., "Parallax: Sparsity-aware Data Parallel Training of Deep Neural Networks"
+(EuroSys 2019): sparse parameters (embedding tables, whose gradients touch few rows) live
+row-partitioned on parameter servers; dense parameters are averaged with AllReduce.
+
+Each step a worker (1) pulls the deduplicated rows its batch touches, inside the embedding
+modules' forward (sparse_embedding), (2) runs forward and backward locally; DDP over the
+worker-only process group averages the dense gradients, bucketed and overlapped with
+backward, (3) pushes (row ids, row gradients) to the owning servers and tells them it is
+done with the step; the servers apply the step once every worker is done. ``ps``: every
+parameter lives on the servers, dense ones pulled and pushed whole (TensorFlow-PS style).
+
+Scaling: sparse gradients are *averaged* over workers on the server (sum of pushes / N),
+as DDP averages the dense ones; so N workers with a mean loss each match one process on
+the concatenated batch with a mean loss (equal per-worker batch sizes).
+
+Checkpoints: the part ``worker0`` holds the dense parameters, the worker optimizer state
+and every worker's RNG state; ``server{i}`` parts hold the shards and their optimizer state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpar.strategies import checkpoint, sparse_embedding
+from hpar.strategies.allreduce import ByteCount, ring_allreduce_bytes, set_sparse_gradients
+from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
+from hpar.strategies.ps_client import PSClient, PSTable, ps_tables
+
+DENSE = "_dense_allreduce"
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Process groups every process of a hybrid/ps run creates, in the same order."""
+    workers: object
+
+
+def make_groups(num_workers: int, backend: str | None = None) -> Groups:
+    """Create the worker-only group (collective over the default group: servers call it
+    too, with the same arguments)."""
+    return Groups(workers=dist.new_group(list(range(num_workers)), backend=backend))
+
+
+def group_allreduce_hook(state, bucket):
+    """DDP communication hook: mean AllReduce of the bucket over the worker group (the
+    default group also holds the servers), counting ring bytes 2(N-1)/N * B per worker."""
+    counter, world_size, group = state
+    buf = bucket.buffer()
+    b = ring_allreduce_bytes(buf.numel() * buf.element_size(), world_size)
+    counter.add(b, b)
+    buf.div_(world_size)
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _setup(ctx: WorkerContext):
+    cfg, job = ctx.cfg, ctx.job
+    torch.manual_seed(cfg.seed)
+    model = job.build_model().to(ctx.device)
+    set_sparse_gradients(model, False)
+    full_opt = job.build_optimizer(model.parameters(), cfg.lr)
+    servers = cfg.servers or 1
+    tables = ps_tables(model, full_opt, cfg.strategy, cfg.plan, servers)
+    groups = make_groups(ctx.world_size, "gloo" if ctx.device.type == "cpu" else None)
+    client = PSClient(tables, ctx.world_size, servers)
+    clock = sparse_embedding.StepClock()
+    served = sparse_embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
+    params = dict(model.named_parameters())
+    whole = [(t, params[t.name]) for t in tables if t.kind == "whole"]
+    ps_names = {t.name for t in tables}
+    dense = [p for n, p in model.named_parameters() if n not in ps_names]
+    opt = job.build_optimizer(dense, cfg.lr) if dense else None
+    return model, tables, groups, client, clock, served, whole, dense, opt
+
+
+def _save(ctx: WorkerContext, step: int, model, opt, ps_names: set[str], groups: Groups) -> None:
+    rng = [None] * ctx.world_size
+    dist.all_gather_object(rng, torch.get_rng_state(), group=groups.workers)
+    if ctx.rank == 0:
+        dense = {k: v for k, v in model.state_dict().items() if k not in ps_names}
+        checkpoint.save_part(ctx.cfg.run_dir, step, "worker0",
+                             {"model": dense, "optimizer": opt.state_dict() if opt else None, "rng": rng})
+    checkpoint.commit(ctx.cfg.run_dir, step)
+
+
+def _resume(ctx: WorkerContext, model, opt) -> int:
+    step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
+    if step is None:
+        return 0
+    state = checkpoint.load_part(ctx.cfg.run_dir, step, "worker0")
+    model.load_state_dict(state["model"], strict=False)
+    if opt is not None:
+        opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"][ctx.rank])
+    return step
+
+
+def _gather_model(client: PSClient, tables: list[PSTable], served, whole, step: int) -> None:
+    """Worker rank 0: pull every PS-held row (as of the end of training) into the model."""
+    weights = {t.name: client.pull(t, None, step) for t in tables}
+    sparse_embedding.detach(served, weights)
+    for t, p in whole:
+        p.data.copy_(weights[t.name].reshape(p.shape))
+
+
+def train(ctx: WorkerContext) -> TrainResult:
+    """Train ``cfg.steps`` synchronous steps with dense parameters on AllReduce (``hybrid``)
+    or nothing on AllReduce (``ps``), PS tables on the servers. Returns the whole trained
+    model on worker rank 0 and bytes per step per worker (also ``extra["by_param"]``)."""
+    cfg, job = ctx.cfg, ctx.job
+    model, tables, groups, client, clock, served, whole, dense, opt = _setup(ctx)
+    ps_names = {t.name for t in tables}
+    ctx.start_step = _resume(ctx, model, opt)
+    counter = ByteCount()
+    net = model
+    if dense:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(ps_names))
+        net = DDP(model, process_group=groups.workers,
+                  device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        net.register_comm_hook((counter, ctx.world_size, groups.workers), group_allreduce_hook)
+    batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
+    for _ in range(ctx.start_step):  # same batches as an uninterrupted run
+        next(batches)
+    meter, totals, steps_done = StepMeter(ctx, 0), {}, 0
+    for step in range(ctx.start_step, cfg.steps):
+        inputs, targets = next(batches)
+        meter.samples_per_step = batch_samples(inputs)
+        meter.start()
+        clock.step = step
+        inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
+        for t, p in whole:
+            p.data.copy_(client.pull(t, None, step).reshape(p.shape))
+            p.grad = None
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        loss = job.compute_loss(net(inputs), targets)
+        loss.backward()
+        pending = []
+        for item in served:
+            grads = item.gradients()
+            if grads is not None:
+                pending += client.push(item.table, grads[0], grads[1], step)
+            item.clear()
+        for t, p in whole:
+            if p.grad is not None:
+                pending += client.push(t, None, p.grad.detach().to("cpu").reshape(t.rows, t.dim), step)
+        for work in pending:
+            work.wait()
+        client.done(step)
+        if opt is not None:
+            opt.step()
+        by_name = client.bytes.take()
+        dense_sent, dense_recv = counter.take()
+        if dense:
+            by_name[DENSE] = (dense_sent, dense_recv)
+        for k, (s, r) in by_name.items():
+            acc = totals.setdefault(k, [0.0, 0.0])
+            acc[0] += s
+            acc[1] += r
+        steps_done += 1
+        sent = sum(s for s, _ in by_name.values())
+        recv = sum(r for _, r in by_name.values())
+        meter.end(loss.item(), sent, recv)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            _save(ctx, step + 1, model, opt, ps_names, groups)
+    if ctx.rank == 0:
+        _gather_model(client, tables, served, whole, cfg.steps)
+        client.bytes.take()  # the final gather is not a training step
+    else:
+        sparse_embedding.detach(served)
+    client.finish()
+    n = max(steps_done, 1)
+    by_param = {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(totals.items())}
+    losses = torch.tensor([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2, dtype=torch.float64)
+    dist.all_reduce(losses, group=groups.workers)
+    result = meter.result(model if ctx.rank == 0 else None, replicas=ctx.world_size,
+                          extra={"by_param": by_param, "servers": cfg.servers or 1,
+                                 "ps_params": sorted(ps_names)})
+    result.loss_first, result.loss_last = (losses / ctx.world_size).tolist()
+    return result

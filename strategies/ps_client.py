@@ -1,0 +1,216 @@
+"""Worker side of the parameter server: placement, the wire protocol, pull/push and bytes.
+
+Transport: torch.distributed point-to-point over the default process group (gloo), where
+workers hold pg ranks ``0..N-1`` and servers ``N..N+S-1`` (not torch.distributed.rpc, which
+upstream keeps in maintenance mode). Every request starts with a 4-int64 header
+``(op, table id, n, step)`` sent with tag ``TAG_HEADER``; the server receives headers from
+any source, then the payloads (tag ``TAG_DATA``) from that worker, and answers pulls with
+tag ``TAG_REPLY``. ``n = -1`` means "every row this server holds" (whole-parameter pulls and
+pushes of the ``ps`` strategy and of the final gather).
+
+Synchronous semantics: a pull for step ``t`` is answered only after the server applied the
+updates of steps ``< t`` (the server defers it otherwise); a server applies step ``t`` once
+all N workers have sent ``DONE(t)``. Hence workers never read rows older than the previous
+step, and never newer ones.
+
+Bytes are counted per table per step (headers under ``"_control"``), on both sides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hpar.strategies.ps_shard import OptimizerSpec, RowLayout, spec_from_group, table_view
+
+PULL, PUSH, DONE, FINISH = 1, 2, 3, 4
+TAG_HEADER, TAG_DATA, TAG_REPLY = 11, 12, 13
+HEADER_BYTES = 4 * 8
+CONTROL = "_control"
+
+
+@dataclass(frozen=True)
+class PSTable:
+    """One PS-placed parameter. ``rows x dim`` is its table view (ps_shard.table_view);
+    ``kind`` is ``"rows"`` for nn.Embedding/nn.EmbeddingBag weights (pulled by touched rows)
+    and ``"whole"`` for any other parameter (pulled and pushed whole, TensorFlow-PS style)."""
+
+    tid: int
+    name: str
+    shape: tuple[int, ...]
+    rows: int
+    dim: int
+    kind: str
+    layout: RowLayout
+    spec: OptimizerSpec
+    dtype: torch.dtype = torch.float32
+
+
+def embedding_weights(model: torch.nn.Module) -> set[str]:
+    """Names of the weights of every nn.Embedding / nn.EmbeddingBag in ``model``."""
+    return {f"{n}.weight" if n else "weight" for n, m in model.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+
+
+def placement(model: torch.nn.Module, strategy: str, plan: dict) -> dict[str, str]:
+    """``{param name: "ps" | "allreduce"}``: ``plan["placement"]`` when given, else every
+    embedding weight on the PS for ``hybrid`` and everything for ``ps``. Raises ValueError
+    for a plan naming unknown parameters or places."""
+    names = [n for n, _ in model.named_parameters()]
+    given = (plan or {}).get("placement")
+    if strategy == "ps":
+        return {n: "ps" for n in names}
+    if given:
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise ValueError(f"plan placement names unknown parameters {unknown[:3]}; re-run `hpar profile` for this script")
+        bad = sorted({v for v in given.values()} - {"ps", "allreduce"})
+        if bad:
+            raise ValueError(f"plan placement has {bad}; each parameter goes to 'ps' or 'allreduce'")
+        return {n: given.get(n, "allreduce") for n in names}
+    emb = embedding_weights(model)
+    return {n: ("ps" if n in emb else "allreduce") for n in names}
+
+
+def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str, plan: dict,
+              num_servers: int) -> list[PSTable]:
+    """The PS tables of ``model`` in ``named_parameters`` order (same on every process).
+
+    ``opt`` is the user's optimizer over all of ``model``'s parameters: each table takes its
+    param group's rule (ValueError if the PS cannot run it). Partitions per parameter come
+    from ``plan["partitions"]`` (default: one per server); ``plan["sparse_optimizer"]``
+    picks ``"exact"`` (default) or ``"lazy"`` semantics (see ps_shard).
+    """
+    if num_servers < 1:
+        raise ValueError("--servers must be at least 1 for --strategy hybrid/ps")
+    plan = plan or {}
+    place = placement(model, strategy, plan)
+    emb = embedding_weights(model)
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    mode = plan.get("sparse_optimizer", "exact")
+    tables = []
+    for name, p in model.named_parameters():
+        if place[name] != "ps":
+            continue
+        if id(p) not in group_of:
+            raise ValueError(f"optimizer(): parameter {name} is in no param group; pass every parameter to the optimizer")
+        view = table_view(p.detach())
+        parts = int(plan.get("partitions", {}).get(name, num_servers))
+        tables.append(PSTable(len(tables), name, tuple(p.shape), view.shape[0], view.shape[1],
+                              "rows" if name in emb else "whole", RowLayout.make(view.shape[0], parts, num_servers),
+                              spec_from_group(opt, group_of[id(p)], mode), p.dtype))
+    return tables
+
+
+class ByteMeter:
+    """Bytes sent and received by table name since the last :meth:`take`."""
+
+    def __init__(self):
+        self.by_name: dict[str, list[float]] = {}
+
+    def add(self, name: str, sent: float = 0, recv: float = 0) -> None:
+        entry = self.by_name.setdefault(name, [0.0, 0.0])
+        entry[0] += sent
+        entry[1] += recv
+
+    def take(self) -> dict[str, tuple[float, float]]:
+        out = {k: (v[0], v[1]) for k, v in self.by_name.items()}
+        self.by_name = {}
+        return out
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique sorted ids, inverse)`` of an int64 id tensor of any shape; ``inverse`` has
+    the input's shape and indexes into the unique ids."""
+    uids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    return uids, inverse
+
+
+def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum gradient rows with equal ids: ``(unique ids (k,), summed rows (k, dim))``."""
+    uids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    out = grads.new_zeros(uids.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+    return uids, out
+
+
+class PSClient:
+    """A worker's connection to the S servers (pg ranks ``num_workers .. num_workers+S-1``)."""
+
+    def __init__(self, tables: list[PSTable], num_workers: int, num_servers: int):
+        self.tables, self.num_workers, self.num_servers = tables, num_workers, num_servers
+        self.bytes = ByteMeter()
+        self._server_rows = {t.tid: [t.layout.server_rows(s) for s in range(num_servers)] for t in tables}
+
+    def server_rank(self, server: int) -> int:
+        return self.num_workers + server
+
+    def _header(self, server: int, op: int, tid: int, n: int, step: int, name: str = CONTROL):
+        self.bytes.add(name, sent=HEADER_BYTES)
+        return dist.isend(torch.tensor([op, tid, n, step], dtype=torch.int64), self.server_rank(server), tag=TAG_HEADER)
+
+    def pull(self, table: PSTable, ids: torch.Tensor | None, step: int) -> torch.Tensor:
+        """Rows ``ids`` (unique 1-D int64) of ``table`` as of the start of ``step``, shape
+        ``(len(ids), dim)``; every row (``(rows, dim)``) when ``ids`` is None. Blocks until
+        every owning server has answered."""
+        n_out = table.rows if ids is None else ids.numel()
+        out = torch.empty(n_out, table.dim, dtype=table.dtype)
+        sends, recvs = [], []
+        owner = None if ids is None else table.layout.server_of(ids)
+        for s in range(self.num_servers):
+            where = self._server_rows[table.tid][s] if ids is None else (owner == s).nonzero().squeeze(1)
+            if where.numel() == 0:
+                continue
+            sends.append(self._header(s, PULL, table.tid, -1 if ids is None else where.numel(), step, table.name))
+            if ids is not None:
+                sel = ids[where]
+                sends.append(dist.isend(sel, self.server_rank(s), tag=TAG_DATA))
+                self.bytes.add(table.name, sent=nbytes(sel))
+            buf = torch.empty(where.numel(), table.dim, dtype=table.dtype)
+            recvs.append((dist.irecv(buf, self.server_rank(s), tag=TAG_REPLY), where, buf))
+            self.bytes.add(table.name, recv=nbytes(buf))
+        for work in sends:
+            work.wait()
+        for work, where, buf in recvs:
+            work.wait()
+            out[where] = buf
+        return out
+
+    def push(self, table: PSTable, ids: torch.Tensor | None, grads: torch.Tensor, step: int) -> list:
+        """Send this worker's gradient rows for ``step``: ``grads`` is ``(len(ids), dim)``
+        for unique ``ids``, or ``(rows, dim)`` when ``ids`` is None (whole parameter). Every
+        server holding rows of the table gets a push, possibly empty, so it knows the
+        parameter had a gradient. Returns the pending sends (wait on them)."""
+        works = []
+        owner = None if ids is None else table.layout.server_of(ids)
+        for s in range(self.num_servers):
+            if self._server_rows[table.tid][s].numel() == 0:
+                continue
+            if ids is None:
+                g = grads[self._server_rows[table.tid][s]].contiguous()
+                works.append(self._header(s, PUSH, table.tid, -1, step, table.name))
+            else:
+                where = (owner == s).nonzero().squeeze(1)
+                sel, g = ids[where], grads[where].contiguous()
+                works.append(self._header(s, PUSH, table.tid, sel.numel(), step, table.name))
+                if sel.numel() == 0:
+                    continue
+                works.append(dist.isend(sel, self.server_rank(s), tag=TAG_DATA))
+                self.bytes.add(table.name, sent=nbytes(sel))
+            works.append(dist.isend(g, self.server_rank(s), tag=TAG_DATA))
+            self.bytes.add(table.name, sent=nbytes(g))
+        return works
+
+    def done(self, step: int) -> None:
+        """Tell every server this worker pushed all its gradients of ``step``."""
+        for work in [self._header(s, DONE, -1, 0, step) for s in range(self.num_servers)]:
+            work.wait()
+
+    def finish(self) -> None:
+        """Tell every server this worker is finished (after its last pull)."""
+        for work in [self._header(s, FINISH, -1, 0, 0) for s in range(self.num_servers)]:
+            work.wait()

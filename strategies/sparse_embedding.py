@@ -1,0 +1,117 @@
+"""Serve the user's nn.Embedding / nn.EmbeddingBag modules from the parameter server, without
+the user changing the model.
+
+:func:`attach` replaces the ``forward`` of each PS-placed embedding *instance* (the class
+stays the user's): the new forward deduplicates the ids of its input, pulls those rows from
+the servers for the current step, and looks up locally in the pulled ``(k, dim)`` rows with
+the same ``F.embedding`` / ``F.embedding_bag`` call on the remapped ids. The pulled rows are
+a leaf tensor; after backward its ``.grad`` holds exactly the row gradients to push. The
+module's own ``weight`` is emptied (it no longer needs the table's memory) and frozen, so
+DDP ignores it; :func:`detach` restores a full weight and the class's forward.
+
+Several calls of one module in a step (e.g. sampled softmax looking up targets and
+negatives) each pull their rows; their gradients are summed per row before the push.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from hpar.strategies.ps_client import PSClient, PSTable, coalesce, dedup
+
+
+@dataclass
+class StepClock:
+    """The step the worker is on (pulls are tagged with it)."""
+    step: int = 0
+
+
+@dataclass
+class ServedEmbedding:
+    """One embedding module served from the PS: its table and this step's pulled rows."""
+
+    module: torch.nn.Module
+    table: PSTable
+    records: list = field(default_factory=list)   # [(unique ids, pulled rows leaf)]
+
+    def gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(unique ids (k,), summed row gradients (k, dim))`` of this step, on CPU, or
+        None when no lookup of this step reached the loss."""
+        recs = [(ids, rows.grad) for ids, rows in self.records if rows.grad is not None]
+        if not recs:
+            return None
+        ids = torch.cat([i for i, _ in recs])
+        grads = torch.cat([g for _, g in recs]).to("cpu")
+        if len(recs) == 1:
+            return ids, grads
+        return coalesce(ids, grads)
+
+    def clear(self) -> None:
+        self.records = []
+
+
+def _local_padding(padding_idx: int | None, uids: torch.Tensor) -> int | None:
+    if padding_idx is None:
+        return None
+    pos = int(torch.searchsorted(uids, torch.tensor(padding_idx)))
+    return pos if pos < uids.numel() and int(uids[pos]) == padding_idx else None
+
+
+def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torch.Tensor):
+    uids, inverse = dedup(ids.detach().to("cpu", torch.int64))
+    if uids.numel() and (int(uids[0]) < 0 or int(uids[-1]) >= served.table.rows):
+        raise IndexError(f"{served.table.name}: index out of range [0, {served.table.rows}) in the embedding input")
+    rows = client.pull(served.table, uids, clock.step).to(ids.device).requires_grad_()
+    served.records.append((uids, rows))
+    return uids, inverse.to(ids.device), rows
+
+
+def attach(model: torch.nn.Module, tables: list[PSTable], client: PSClient, clock: StepClock) -> list[ServedEmbedding]:
+    """Serve every ``rows`` table's embedding module of ``model`` from the PS.
+
+    Raises ValueError for options whose result depends on the whole table or batch
+    (``max_norm`` renormalises table rows in place; ``scale_grad_by_freq`` counts ids in
+    the concatenated batch): place such a parameter on allreduce instead.
+    """
+    modules = dict(model.named_modules())
+    served = []
+    for table in tables:
+        assert table.kind == "rows"
+        mod_name = table.name[: -len(".weight")] if table.name.endswith(".weight") else ""
+        module = modules[mod_name]
+        if module.max_norm is not None or module.scale_grad_by_freq:
+            raise ValueError(f"{table.name}: max_norm/scale_grad_by_freq embeddings cannot be served from the "
+                             "parameter server; drop the option or place the parameter on 'allreduce' in the plan")
+        item = ServedEmbedding(module, table)
+        if isinstance(module, torch.nn.EmbeddingBag):
+            def forward(self, input, offsets=None, per_sample_weights=None, _item=item):
+                uids, inverse, rows = _pull(_item, client, clock, input)
+                return F.embedding_bag(inverse, rows, offsets, None, self.norm_type, False, self.mode, False,
+                                       per_sample_weights, self.include_last_offset,
+                                       _local_padding(self.padding_idx, uids))
+        else:
+            def forward(self, input, _item=item):
+                uids, inverse, rows = _pull(_item, client, clock, input)
+                return F.embedding(inverse, rows, _local_padding(self.padding_idx, uids), None,
+                                   self.norm_type, False, False)
+        module.forward = types.MethodType(forward, module)
+        module.weight.requires_grad_(False)
+        module.weight.data = module.weight.data.new_empty(0, table.dim)
+        served.append(item)
+    return served
+
+
+def detach(served: list[ServedEmbedding], weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Give the modules back their class's forward and, from ``weights`` (table name to the
+    full ``(rows, dim)`` tensor; on worker rank 0 at the end), their full weight."""
+    for item in served:
+        if "forward" in item.module.__dict__:
+            del item.module.forward
+        if weights is not None:
+            w = weights[item.table.name].reshape(item.table.shape)
+            item.module.weight.data = w.to(item.module.weight.device)
+        item.module.weight.requires_grad_(True)
+        item.clear()

@@ -1,0 +1,171 @@
+"""Parameter-server process entry point: ``python -m hpar.workers.server``.
+
+Environment (set by the launcher): WORLD_SIZE (number of workers), HPAR_SERVER_INDEX,
+HPAR_NUM_SERVERS, HPAR_PG_RANK (= WORLD_SIZE + index), HPAR_PG_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, HPAR_CONFIG. The server joins the default group, creates the same subgroups
+as the workers, builds its shard of every PS table (same seed, so the same initial values
+as the workers' model), then answers the wire protocol of strategies/ps_client.py until
+every worker has finished: pulls (deferred until the previous step is applied), pushes
+(accumulated), DONE (apply the step once all workers are done; checkpoint when due).
+It reports bytes per step by table (``metric``) and heartbeats through workers/report.py.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hpar.strategies import checkpoint
+from hpar.strategies.config import RunConfig
+from hpar.strategies.hybrid import make_groups
+from hpar.strategies.job import JobError, load_job
+from hpar.strategies.ps_client import (CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, TAG_DATA, TAG_HEADER,
+                                       TAG_REPLY, ByteMeter, PSTable, nbytes, ps_tables)
+from hpar.strategies.ps_shard import ParamShard, table_view
+from hpar.workers import report
+from hpar.workers.worker import env_int, init_group
+
+
+class Server:
+    """Server ``index`` of ``num_servers``, holding its rows of every table."""
+
+    def __init__(self, cfg: RunConfig, tables: list[PSTable], model: torch.nn.Module, index: int,
+                 num_workers: int, start_step: int = 0):
+        self.cfg, self.tables, self.index, self.num_workers = cfg, {t.tid: t for t in tables}, index, num_workers
+        params = dict(model.named_parameters())
+        self.shards: dict[int, ParamShard] = {}
+        for t in tables:
+            rows = t.layout.server_rows(index)
+            if rows.numel():
+                self.shards[t.tid] = ParamShard(table_view(params[t.name].detach())[rows], t.spec)
+        self.applied = start_step        # number of steps applied so far
+        self.done: dict[int, int] = {}
+        self.pending: list[tuple[int, int, torch.Tensor | None, int]] = []  # (src, table, local ids, step)
+        self.bytes = ByteMeter()
+        self.totals: dict[str, list[float]] = {}
+
+    def part(self) -> str:
+        return f"server{self.index}"
+
+    def state_dict(self) -> dict:
+        return {"applied": self.applied, "shards": {self.tables[tid].name: s.state_dict() for tid, s in self.shards.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for tid, shard in self.shards.items():
+            shard.load_state_dict(state["shards"][self.tables[tid].name])
+        self.applied = int(state["applied"])
+
+    def _reply(self, src: int, tid: int, local: torch.Tensor | None) -> None:
+        rows = self.shards[tid].lookup(local).contiguous()
+        self.bytes.add(self.tables[tid].name, sent=nbytes(rows))
+        dist.send(rows, src, tag=TAG_REPLY)
+
+    def _recv_ids(self, src: int, table: PSTable, n: int) -> torch.Tensor | None:
+        if n < 0:
+            return None
+        ids = torch.empty(n, dtype=torch.int64)
+        if n:
+            dist.recv(ids, src, tag=TAG_DATA)
+        self.bytes.add(table.name, recv=nbytes(ids))
+        return table.layout.local_index(self.index, ids)
+
+    def _apply(self) -> None:
+        for shard in self.shards.values():
+            shard.apply(self.num_workers)
+        self.applied += 1
+        step = self.applied
+        by_name = self.bytes.take()
+        for k, (s, r) in by_name.items():
+            acc = self.totals.setdefault(k, [0.0, 0.0])
+            acc[0] += s
+            acc[1] += r
+        if step % self.cfg.log_every == 0 or step == self.cfg.steps:
+            report.emit("metric", {"step": step, "server": self.index,
+                                   "bytes_sent": sum(s for s, _ in by_name.values()),
+                                   "bytes_recv": sum(r for _, r in by_name.values()),
+                                   "by_param": {k: {"sent": s, "recv": r} for k, (s, r) in by_name.items()}})
+        if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
+            checkpoint.save_part(self.cfg.run_dir, step, self.part(), self.state_dict())
+            checkpoint.commit(self.cfg.run_dir, step)
+        still = []
+        for src, tid, local, at in self.pending:
+            if at <= self.applied:
+                self._reply(src, tid, local)
+            else:
+                still.append((src, tid, local, at))
+        self.pending = still
+
+    def serve(self) -> None:
+        """Answer requests until every worker sent FINISH."""
+        finished = 0
+        header = torch.empty(4, dtype=torch.int64)
+        while finished < self.num_workers:
+            src = dist.recv(header, tag=TAG_HEADER)
+            op, tid, n, step = header.tolist()
+            self.bytes.add(CONTROL if op in (DONE, FINISH) else self.tables[tid].name, recv=HEADER_BYTES)
+            if op == PULL:
+                local = self._recv_ids(src, self.tables[tid], n)
+                if step <= self.applied:
+                    self._reply(src, tid, local)
+                else:
+                    self.pending.append((src, tid, local, step))
+            elif op == PUSH:
+                assert step == self.applied, f"push for step {step} while applying step {self.applied}"
+                table, shard = self.tables[tid], self.shards[tid]
+                local = self._recv_ids(src, table, n)
+                grads = torch.empty(shard.weight.shape[0] if local is None else local.numel(), table.dim,
+                                    dtype=table.dtype)
+                if grads.numel():
+                    dist.recv(grads, src, tag=TAG_DATA)
+                self.bytes.add(table.name, recv=nbytes(grads))
+                shard.add_grad(local, grads)
+            elif op == DONE:
+                self.done[step] = self.done.get(step, 0) + 1
+                while self.done.get(self.applied, 0) == self.num_workers:
+                    del self.done[self.applied]
+                    self._apply()
+            elif op == FINISH:
+                finished += 1
+            else:
+                raise AssertionError(f"unknown op {op} from rank {src}")
+        assert not self.pending, "a pull was left unanswered"
+
+
+def main() -> int:
+    cfg = RunConfig.from_json(open(os.environ["HPAR_CONFIG"]).read())
+    num_workers, index = env_int("WORLD_SIZE"), env_int("HPAR_SERVER_INDEX")
+    num_servers = env_int("HPAR_NUM_SERVERS", cfg.servers or 1)
+    pg_rank, pg_world = env_int("HPAR_PG_RANK", num_workers + index), env_int("HPAR_PG_WORLD_SIZE", num_workers + num_servers)
+    torch.set_num_threads(max(1, int(os.environ.get("HPAR_THREADS", "1"))))
+    stop_beat = report.start_heartbeat()
+    job = load_job(cfg.script)
+    init_group(cfg, pg_rank, pg_world)
+    make_groups(num_workers, "gloo" if cfg.device == "cpu" else None)
+    torch.manual_seed(cfg.seed)
+    model = job.build_model()
+    opt = job.build_optimizer(model.parameters(), cfg.lr)
+    tables = ps_tables(model, opt, cfg.strategy, cfg.plan, num_servers)
+    server = Server(cfg, tables, model, index, num_workers)
+    del model, opt
+    step = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
+    if step is not None:
+        server.load_state_dict(checkpoint.load_part(cfg.run_dir, step, server.part()))
+    report.emit("event", {"server": index, "message": f"serving {len(server.shards)} table shard(s) from step {server.applied}"})
+    server.serve()
+    n = max(server.applied - (step or 0), 1)
+    report.emit("event", {"server": index, "message": "finished",
+                          "bytes_per_step": {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(server.totals.items())}})
+    dist.barrier()
+    dist.destroy_process_group()
+    stop_beat.set()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (JobError, ValueError) as exc:
+        print(f"hpar server: {exc}", file=sys.stderr)
+        sys.exit(2)
