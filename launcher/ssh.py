@@ -43,6 +43,22 @@ _SESSION = ("import os,sys\npid=os.fork()\nif pid==0:\n os.setsid()\n os.execvp(
             "code=os.waitstatus_to_exitcode(os.waitpid(pid,0)[1])\nsys.exit(128-code if code<0 else code)")
 
 
+CONTROL_TIMEOUT_S = 3.0  # connect timeout for kill/ps commands during teardown
+DEAD_FOR_S = 30.0  # after a lost connection, control commands skip the host this long
+_dead: dict[str, float] = {}
+_dead_lock = threading.Lock()
+
+
+def _mark_dead(host: Host) -> None:
+    with _dead_lock:
+        _dead[host.name] = time.monotonic()
+
+
+def _is_dead(host: Host) -> bool:
+    with _dead_lock:
+        return time.monotonic() - _dead.get(host.name, -DEAD_FOR_S) < DEAD_FOR_S
+
+
 class SSHError(RuntimeError):
     """A host cannot be reached or refused us; the message is one line naming the host."""
 
@@ -182,6 +198,7 @@ class RemoteProcess:
             self._code = -(code - 128) if 128 < code < 128 + 65 else code
         else:
             self._code = LOST_HOST
+            _mark_dead(self.host)
             self._lines.put((self, f"[hpar] lost the connection to {self.host.name}"))
         self._done.set()
         self._lines.put((self, None))
@@ -203,9 +220,13 @@ class RemoteProcess:
     def _group_command(self, shell: str) -> int | None:
         """Run ``shell`` on the host over a second connection; its exit code, None if the host
         is unreachable."""
+        if _is_dead(self.host):
+            return None  # its guards stop their groups by themselves (no heartbeat)
+        timeout = min(self.opts.connect_timeout, CONTROL_TIMEOUT_S)
         try:
-            conn = connect(self.host, SSHOptions(**{**self.opts.__dict__, "retries": 0}))
+            conn = connect(self.host, replace(self.opts, retries=0, connect_timeout=timeout))
         except SSHError:
+            _mark_dead(self.host)
             return None
         try:
             return conn.run(shell, hide=True, warn=True, in_stream=False).exited

@@ -155,6 +155,7 @@ def test_bad_hosts_fail_preflight(hosts, tmp_path, name, text, args, problem):
 
 @pytest.mark.netns
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_run_spreads_workers_over_two_hosts(hosts, tmp_path):
     run_dir = tmp_path / "run"
@@ -215,6 +216,7 @@ def long_run(hosts, tmp_path):
 
 @pytest.mark.netns
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkill_of_a_remote_worker_stops_everything(hosts, long_run):
     _wait_training(long_run)
@@ -230,6 +232,7 @@ def test_sigkill_of_a_remote_worker_stops_everything(hosts, long_run):
 
 @pytest.mark.netns
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_link_down_mid_run_stops_everything(hosts, long_run):
     import testhosts
@@ -245,6 +248,7 @@ def test_link_down_mid_run_stops_everything(hosts, long_run):
 
 @pytest.mark.netns
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_launcher_sigkilled_leaves_nothing(hosts, long_run):
     _wait_training(long_run)
