@@ -21,6 +21,7 @@ and every worker's RNG state; ``server{i}`` parts hold the shards and their opti
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,21 +31,41 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpar.strategies import checkpoint, sparse_embedding
 from hpar.strategies.allreduce import ByteCount, ring_allreduce_bytes, set_sparse_gradients
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
-from hpar.strategies.ps_client import PSClient, PSTable, ps_tables
+from hpar.strategies.ps_client import LocalAggregator, PSClient, PSTable, ps_tables
 
 DENSE = "_dense_allreduce"
 
 
 @dataclass(frozen=True)
 class Groups:
-    """Process groups every process of a hybrid/ps run creates, in the same order."""
+    """Process groups every process of a hybrid/ps run creates, in the same order:
+    ``workers`` (all workers: the dense AllReduce) and, where local aggregation is on,
+    one group per host with several workers; ``host``/``host_ranks`` are this process's."""
     workers: object
+    host: object = None
+    host_ranks: tuple[int, ...] = ()
 
 
-def make_groups(num_workers: int, backend: str | None = None) -> Groups:
-    """Create the worker-only group (collective over the default group: servers call it
-    too, with the same arguments)."""
-    return Groups(workers=dist.new_group(list(range(num_workers)), backend=backend))
+def make_groups(num_workers: int, backend: str | None, group_rank: int, plan: dict) -> Groups:
+    """Create the run's subgroups: a collective over the default group, so servers call it
+    too, with the same arguments. Local aggregation is on for a host with several workers
+    when a server lives on another host (its pushes then cross the network), or as
+    ``plan["local_aggregation"]`` (true/false) says."""
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, int(group_rank))
+    workers = dist.new_group(list(range(num_workers)), backend=backend)
+    worker_hosts, server_hosts = hosts[:num_workers], hosts[num_workers:]
+    want = (plan or {}).get("local_aggregation")
+    mine, my_ranks = None, ()
+    for h in sorted(set(worker_hosts)):
+        ranks = [r for r in range(num_workers) if worker_hosts[r] == h]
+        on = any(sh != h for sh in server_hosts) if want is None else bool(want)
+        if len(ranks) < 2 or not on:
+            continue
+        group = dist.new_group(ranks, backend="gloo")
+        if dist.get_rank() in ranks:
+            mine, my_ranks = group, tuple(ranks)
+    return Groups(workers=workers, host=mine, host_ranks=my_ranks)
 
 
 def group_allreduce_hook(state, bucket):
@@ -66,7 +87,8 @@ def _setup(ctx: WorkerContext):
     full_opt = job.build_optimizer(model.parameters(), cfg.lr)
     servers = cfg.servers or 1
     tables = ps_tables(model, full_opt, cfg.strategy, cfg.plan, servers)
-    groups = make_groups(ctx.world_size, "gloo" if ctx.device.type == "cpu" else None)
+    groups = make_groups(ctx.world_size, "gloo" if ctx.device.type == "cpu" else None,
+                         int(os.environ.get("GROUP_RANK", "0")), cfg.plan)
     client = PSClient(tables, ctx.world_size, servers)
     clock = sparse_embedding.StepClock()
     served = sparse_embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
@@ -117,6 +139,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     ps_names = {t.name for t in tables}
     ctx.start_step = _resume(ctx, model, opt)
     counter = ByteCount()
+    local = LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, client.bytes) if groups.host else None
     net = model
     if dense:
         DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(ps_names))
@@ -143,6 +166,8 @@ def train(ctx: WorkerContext) -> TrainResult:
         pending = []
         for item in served:
             grads = item.gradients()
+            if local is not None:
+                grads = local.reduce(item.table, grads)
             if grads is not None:
                 pending += client.push(item.table, grads[0], grads[1], step)
             item.clear()

@@ -214,3 +214,50 @@ class PSClient:
         """Tell every server this worker is finished (after its last pull)."""
         for work in [self._header(s, FINISH, -1, 0, 0) for s in range(self.num_servers)]:
             work.wait()
+
+
+class LocalAggregator:
+    """Parallax's local aggregation: the workers of one host sum their sparse gradients
+    before the push, so the host's leader (its lowest worker rank) pushes the union of the
+    rows once instead of every worker pushing its own (Kim et al., EuroSys 2019, sec. 4).
+    It saves inter-host bytes when rows overlap across the host's workers; the exchange
+    itself stays inside the host (an AllGather over the host's worker group)."""
+
+    def __init__(self, group, ranks: list[int], rank: int, meter: ByteMeter):
+        self.group, self.ranks, self.rank, self.bytes = group, ranks, rank, meter
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == min(self.ranks)
+
+    def reduce(self, table: PSTable, grads: tuple[torch.Tensor, torch.Tensor] | None):
+        """Collective over the host's workers: every worker passes its ``(ids, rows)`` of
+        ``table`` (or None when its lookups got no gradient); the leader gets the summed
+        ``(unique ids, rows)`` (None when no worker had a gradient), the others None."""
+        ids, rows = grads if grads is not None else (torch.empty(0, dtype=torch.int64), None)
+        if rows is None:
+            rows = torch.empty(0, table.dim, dtype=table.dtype)
+        size = torch.tensor([ids.numel() if grads is not None else -1], dtype=torch.int64)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in self.ranks]
+        dist.all_gather(sizes, size, group=self.group)
+        sizes = [int(s) for s in sizes]
+        m = max(max(sizes), 0)
+        peers = len(self.ranks) - 1
+        if m:
+            pid = torch.full((m,), -1, dtype=torch.int64)
+            pid[: ids.numel()] = ids
+            prow = rows.new_zeros(m, table.dim)
+            prow[: ids.numel()] = rows
+            all_ids = [torch.empty_like(pid) for _ in self.ranks]
+            all_rows = [torch.empty_like(prow) for _ in self.ranks]
+            dist.all_gather(all_ids, pid, group=self.group)
+            dist.all_gather(all_rows, prow, group=self.group)
+            self.bytes.add("_local_aggregation", sent=(nbytes(pid) + nbytes(prow)) * peers,
+                           recv=(nbytes(pid) + nbytes(prow)) * peers)
+        if not self.leader or max(sizes) < 0:
+            return None
+        if m == 0:
+            return torch.empty(0, dtype=torch.int64), rows.new_zeros(0, table.dim)
+        cat_ids = torch.cat([i[: max(s, 0)] for i, s in zip(all_ids, sizes)])
+        cat_rows = torch.cat([r[: max(s, 0)] for r, s in zip(all_rows, sizes)])
+        return coalesce(cat_ids, cat_rows)

@@ -64,9 +64,10 @@ def write_job(tmp_path, opt: str) -> str:
     return str(path)
 
 
-def launch(cfg: RunConfig, timeout: float = 150) -> dict:
+def launch(cfg: RunConfig, timeout: float = 150, hosts: tuple = None) -> dict:
     """Start cfg.world_size workers and cfg.servers servers on this machine; returns the
-    summary of worker rank 0. Kills every process it started on failure."""
+    summary of worker rank 0. ``hosts`` gives each process's GROUP_RANK (workers, then
+    servers) to mimic several hosts. Kills every process it started on failure."""
     os.makedirs(cfg.run_dir, exist_ok=True)
     conf = os.path.join(cfg.run_dir, "config.json")
     with open(conf, "w") as f:
@@ -74,7 +75,8 @@ def launch(cfg: RunConfig, timeout: float = 150) -> dict:
     n, s = cfg.world_size, cfg.servers
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "HPAR_CONFIG": conf,
             "WORLD_SIZE": str(n), "HPAR_PG_WORLD_SIZE": str(n + s), "HPAR_NUM_SERVERS": str(s),
-            "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0", "OMP_NUM_THREADS": "1", "HPAR_PG_TIMEOUT": "120"}
+            "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1", "HPAR_PG_TIMEOUT": "120"}
+    hosts = hosts or (0,) * (n + s)
     procs, logs = [], []
 
     def start(module, env, name):
@@ -84,9 +86,11 @@ def launch(cfg: RunConfig, timeout: float = 150) -> dict:
 
     try:
         for r in range(n):
-            start("hpar.workers.worker", {**base, "RANK": str(r), "LOCAL_RANK": str(r), "HPAR_PG_RANK": str(r)}, f"worker{r}")
+            start("hpar.workers.worker", {**base, "RANK": str(r), "LOCAL_RANK": str(r), "HPAR_PG_RANK": str(r),
+                                          "GROUP_RANK": str(hosts[r])}, f"worker{r}")
         for i in range(s):
-            start("hpar.workers.server", {**base, "HPAR_SERVER_INDEX": str(i), "HPAR_PG_RANK": str(n + i)}, f"server{i}")
+            start("hpar.workers.server", {**base, "HPAR_SERVER_INDEX": str(i), "HPAR_PG_RANK": str(n + i),
+                                          "GROUP_RANK": str(hosts[n + i])}, f"server{i}")
         deadline = time.monotonic() + timeout
         for p in procs:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -145,7 +149,10 @@ def test_hybrid_matches_single_process(tmp_path, opt, world, servers):
     script = write_job(tmp_path, opt)
     cfg = config(tmp_path, script, world=world, servers=servers,
                  plan={"partitions": {"user.weight": 3}} if servers == 2 else {})
-    out = launch(cfg)
+    # 3 workers and 2 servers as two hosts: workers 0,1 and server 0 on host 0, worker 2 and
+    # server 1 on host 1, so host 0's workers aggregate their sparse gradients locally
+    hosts = (0, 0, 1, 0, 1) if (world, servers) == (3, 2) else None
+    out = launch(cfg, hosts=hosts)
     want = reference(script, world, cfg.steps, cfg.batch_size, cfg.lr)
     got = torch.load(os.path.join(cfg.run_dir, "model.pt"))
     assert not torch.allclose(got["user.weight"], load_init(script)["user.weight"])
@@ -156,6 +163,7 @@ def test_hybrid_matches_single_process(tmp_path, opt, world, servers):
     # a step pulls at most batch_size distinct user rows: 4 rows x 4 floats + ids
     assert 0 < by["user.weight"]["recv"] <= 4 * 4 * 4
     assert summary["bytes_per_step"]["sent"] > 0
+    assert ("_local_aggregation" in by) == (hosts is not None)
 
 
 def load_init(script):

@@ -142,7 +142,7 @@ def main() -> int:
     stop_beat = report.start_heartbeat()
     job = load_job(cfg.script)
     init_group(cfg, pg_rank, pg_world)
-    make_groups(num_workers, "gloo" if cfg.device == "cpu" else None)
+    make_groups(num_workers, "gloo" if cfg.device == "cpu" else None, env_int("GROUP_RANK", 0), cfg.plan)
     torch.manual_seed(cfg.seed)
     model = job.build_model()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
