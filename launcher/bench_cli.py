@@ -1,0 +1,147 @@
+"""``hpar bench SCRIPT...``: train each strategy on the same job, one after another, through
+``hpar run``, and compare measured throughput, step time and bytes with the cost model.
+
+    hpar bench examples/lm.py --gpus 2 --json out.json --plot out.png
+    hpar bench examples/lm.py --gpus 4 --hosts emulate:2 --link-rate 1gbit --strategies hybrid,allreduce
+    hpar bench examples/lm.py --gpus 2 --project 48 --device-tflops 15
+
+``--link-rate`` is the link the cost model predicts for (no loopback probe then) and, with
+``--hosts emulate:H``, the cap on every emulated host's link. ``--project N`` adds the cost
+model's projection to N GPUs (hosts of as many GPUs as the bench's), marked PROJECTED.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import click
+from rich.console import Console
+
+from hpar.strategies.job import JobError
+
+
+def _fail(message: str, detail: str | None = None) -> None:
+    click.echo(f"hpar: {message}", err=True)
+    if detail:
+        click.echo(detail.rstrip(), err=True)
+    sys.exit(2)
+
+
+def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps: float | None,
+                     latency: str | None, device_tflops: float | None, bench_gpus: int):
+    """gpus -> ClusterSpec for the cost model: the bench's hosts for the bench's GPU count;
+    for a projection, hosts of ``gpus_per_host`` (or of the bench's busiest host) GPUs each.
+    The link is ``bandwidth_Bps`` or one loopback probe (``profile_cli.build_cluster``)."""
+    from hpar.launcher.profile_cli import build_cluster
+    from hpar.strategies.cluster import make_cluster
+    bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
+    base = build_cluster(bench_gpus, hosts, None, bw, latency, None)
+
+    def cluster_of(gpus: int):
+        flops = device_tflops * 1e12 if device_tflops and gpus != bench_gpus else None
+        if gpus == bench_gpus and not flops:
+            return base
+        g = gpus_per_host or base.max_gpus_per_host
+        return make_cluster([g] * -(-gpus // g), gpus, None, base.bandwidth_Bps, base.latency_s, flops,
+                            source=base.source)
+    return cluster_of
+
+
+@click.command()
+@click.argument("scripts", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--gpus", type=int, default=2, show_default=True, help="Workers per run (pipeline: stages).")
+@click.option("--hosts", default=None, help="Host file, inline 'a:2,b:2', or emulate:H for H test hosts on this machine (root).")
+@click.option("--link-rate", default=None, help="Link bandwidth, e.g. 1gbit: the emulated hosts' cap and the cost model's link (default: probed).")
+@click.option("--latency", default=None, help="Link latency for the cost model, e.g. 50us (default: probed).")
+@click.option("--strategies", default=None, help="Comma-separated names (default: every one): hybrid, ps, allreduce, "
+              "allreduce-sparse, pipeline-gpipe, pipeline-1f1b, pipeline-async-stash, pipeline-async-predict, torch-gpipe, torch-1f1b.")
+@click.option("--steps", type=int, default=30, show_default=True, help="Training steps per strategy (the first 2 are warm-up).")
+@click.option("--batch-size", type=int, default=None, help="Samples per worker per step (default: the script's HPAR, else 32).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the model and the data, the same for every strategy.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, help="Write a PNG of throughput and bytes here (matplotlib).")
+@click.option("--project", type=int, default=0, help="Add the cost model's projection to N GPUs (marked projected).")
+@click.option("--device-tflops", type=float, default=None, help="Projection only: compute from FLOPs at this many TFLOP/s per GPU.")
+@click.option("--gpus-per-host", type=int, default=None, help="Projection only: GPUs per host (default: as in the bench).")
+@click.option("--bench-dir", default=None, help="Where the runs go (default runs/bench-<timestamp>).")
+@click.option("--ssh-key", default=None, help="SSH private key for --hosts (not needed with emulate:H).")
+@click.option("--timeout", "timeout_s", type=float, default=600, show_default=True, help="Seconds one strategy may run.")
+def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_size, seed, json_out, plot_out, project,
+          device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s):
+    """Run every strategy that applies to SCRIPT(s) and compare them (table, --json, --plot)."""
+    from hpar.launcher import bench_report
+    from hpar.launcher.bench import BenchConfig, parse_strategies, run_bench
+    from hpar.launcher.emulate import EmulatedCluster, parse_emulate
+    from hpar.strategies.cluster import parse_bandwidth
+    console = Console(soft_wrap=False, width=max(Console().width, 140))
+    try:
+        names = parse_strategies(strategies)
+        if gpus < 1:
+            raise ValueError(f"--gpus must be at least 1, got {gpus}")
+        if steps < 4:
+            raise ValueError(f"--steps must be at least 4 (2 warm-up steps, then measured ones), got {steps}")
+        if project < 0 or (gpus_per_host is not None and gpus_per_host < 1):
+            raise ValueError("--project and --gpus-per-host must be positive")
+        if timeout_s <= 0:
+            raise ValueError(f"--timeout must be positive, got {timeout_s}")
+        for s in scripts:
+            if not os.path.isfile(s):
+                raise ValueError(f"{s}: no such script; pass the path of a training script")
+        bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
+        n_emulated = parse_emulate(hosts)
+        if n_emulated is None and hosts:
+            from hpar.launcher.hosts import parse_hosts, place_workers
+            place_workers(list(parse_hosts(hosts)), gpus)
+        if plot_out:
+            import importlib.util
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ValueError("--plot needs matplotlib: pip install 'hpar[plot]' (or matplotlib)")
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        bench_dir = os.path.abspath(bench_dir or os.path.join("runs", f"bench-{stamp}"))
+        emulated = EmulatedCluster(n_emulated, gpus, bw) if n_emulated else None
+    except JobError as exc:
+        _fail(str(exc), exc.user_traceback)
+    except ValueError as exc:
+        _fail(str(exc))
+    try:
+        if emulated:
+            emulated.__enter__()
+        try:
+            run_hosts = emulated.host_file if emulated else hosts
+            cfg = BenchConfig(scripts=tuple(scripts), gpus=gpus, strategies=names, steps=steps, bench_dir=bench_dir,
+                              batch_size=batch_size, seed=seed, hosts=run_hosts,
+                              ssh_key=emulated.key if emulated else ssh_key, bandwidth_Bps=bw, project=project,
+                              device_tflops=device_tflops, timeout_s=timeout_s)
+            cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus)
+            results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
+                                around_run=emulated.around_run if emulated else None)
+            emulation = emulated.describe() if emulated else None
+        finally:
+            if emulated:
+                emulated.__exit__(None, None, None)
+    except JobError as exc:
+        _fail(str(exc), exc.user_traceback)
+    except (ValueError, RuntimeError, PermissionError) as exc:
+        _fail(str(exc))
+    where = f"emulated {n_emulated} hosts" + (f" at {link_rate}" if link_rate else "") if emulated else (hosts or "this machine")
+    title = f"{gpus} workers, {where}, {steps} steps"
+    bench_report.print_tables(console, results, title)
+    if emulated:
+        for r in results:
+            if r.counters:
+                c = r.counters
+                console.print(f"{r.strategy}: bytes/step hpar {c['hpar_bytes_per_step']:,.0f}, TCP sockets "
+                              f"{c['tcp_bytes_per_step']:,.0f} ({c['tcp_over_hpar'] or 0:.2f}x), interfaces "
+                              f"{c['interface_bytes_per_step']:,.0f} ({c['interface_over_hpar'] or 0:.2f}x)", markup=False)
+    settings = {"gpus": gpus, "steps": steps, "batch_size": batch_size, "seed": seed, "hosts": hosts,
+                "link_rate": link_rate, "project": project or None, "device_tflops": device_tflops, "bench_dir": bench_dir}
+    if json_out:
+        doc = bench_report.document(results, bench_report.command_line(), settings, emulation)
+        with open(json_out, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+        console.print(f"hpar bench: results written to {json_out}", markup=False)
+    if plot_out:
+        bench_report.plot(results, plot_out, title)
+        console.print(f"hpar bench: plot written to {plot_out}", markup=False)

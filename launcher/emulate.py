@@ -1,0 +1,237 @@
+"""``hpar bench --hosts emulate:H [--link-rate 1gbit]``: an emulated cluster on this machine.
+
+H test hosts are made with ``scripts/testhosts.py`` (network namespaces on a bridge, each with
+its own sshd, every host's link capped both ways with ``tc tbf`` at ``--link-rate``); it lives
+in the repository's scripts/ folder, not in the package, so it is imported by path from the
+repository this module belongs to. Workers go ``ceil(G/H)`` per host over SSH, exactly as
+``hpar run --hosts`` places them. Everything made is removed when the bench ends, also on
+failure or Ctrl-C.
+
+Byte check: while each strategy runs, a thread samples every 0.5 s (a) each host's interface
+counters (the root-side end of its veth: ``rx_bytes`` there is what the host sent) and (b)
+the kernel's per-socket TCP payload counters of the host (``ss -tin`` in its namespace:
+``bytes_sent`` summed over every TCP socket but SSH's). Over the training steps after warm-up
+(worker 0's metric reports) these give bytes per step, set against hpar's own accounting
+(the workers' ``bytes_sent`` reports plus the servers' totals). The interface sees only the
+bytes that leave a host (plus TCP/IP headers); the socket counters also see traffic between
+processes of one host, which hpar counts too, so they are the like-for-like check.
+"""
+from __future__ import annotations
+
+import bisect
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE_S = 0.5
+
+
+def parse_emulate(hosts: str | None) -> int | None:
+    """H for ``emulate:H`` (None for any other --hosts). Raises ValueError for a bad H."""
+    if not hosts or not hosts.startswith("emulate:"):
+        return None
+    text = hosts.split(":", 1)[1]
+    if not text.isdigit() or not 1 <= int(text) <= 32:
+        raise ValueError(f"--hosts {hosts}: write emulate:H with H hosts, 1..32 (e.g. emulate:2)")
+    return int(text)
+
+
+def testhosts_module():
+    """scripts/testhosts.py of this repository, imported by path. Raises ValueError when the
+    checkout has no scripts/ folder (an installed, non-editable hpar)."""
+    path = os.path.join(REPO, "scripts", "testhosts.py")
+    if not os.path.exists(path):
+        raise ValueError("--hosts emulate:H needs scripts/testhosts.py from an hpar checkout (pip install -e .)")
+    spec = importlib.util.spec_from_file_location("hpar_testhosts", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rate_arg(bandwidth_Bps: float) -> str:
+    """bytes/s -> testhosts' ``--rate`` form (whole bits per second, e.g. ``1000000000bit``)."""
+    return f"{int(round(bandwidth_Bps * 8))}bit"
+
+
+def _free_net() -> int:
+    used = set(re.findall(r"10\.77\.(\d+)\.", subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout))
+    for net in range(10, 100):
+        if str(net) not in used:
+            return net
+    raise RuntimeError("no free 10.77.N.0/24 subnet for test hosts (10..99 all in use)")
+
+
+def _socket_bytes(namespace: str) -> int:
+    """Sum of ``bytes_sent`` over the TCP sockets of ``namespace`` except SSH's (port 22)."""
+    out = subprocess.run(["ip", "netns", "exec", namespace, "ss", "-tinH"], capture_output=True, text=True).stdout
+    total, skip = 0, True
+    for line in out.splitlines():
+        if line and not line[0].isspace():
+            ends = line.split()[-2:]
+            skip = any(e.rsplit(":", 1)[-1] == "22" for e in ends)
+        elif not skip:
+            m = re.search(r"\bbytes_sent:(\d+)", line)
+            total += int(m.group(1)) if m else 0
+    return total
+
+
+def _read(path: str) -> int:
+    with open(path) as f:
+        return int(f.read())
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Counters at ``time`` (epoch s): per host (address) interface bytes sent/received and
+    the TCP payload bytes its sockets sent."""
+
+    time: float
+    if_sent: dict
+    if_recv: dict
+    tcp_sent: dict
+
+
+class EmulatedCluster:
+    """Context manager: ``with EmulatedCluster(2, 4, 1.25e8) as em: ...`` makes the hosts,
+    writes ``em.host_file`` (``root@ADDR:22 slots=S``) and ``em.key``; leaving removes them.
+    Raises ValueError (one line) without root or the tools ``testhosts.unavailable`` names."""
+
+    def __init__(self, hosts: int, gpus: int, bandwidth_Bps: float | None):
+        self.n_hosts, self.gpus, self.bandwidth_Bps = hosts, gpus, bandwidth_Bps
+        self.slots = math.ceil(gpus / hosts)
+        if gpus < hosts:
+            raise ValueError(f"--hosts emulate:{hosts} with --gpus {gpus}: give at least one GPU per host")
+        self._th = None
+        self.made = None
+
+    def __enter__(self) -> "EmulatedCluster":
+        if os.geteuid() != 0:
+            raise ValueError("--hosts emulate:H needs root (network namespaces, tc); run hpar bench as root")
+        self._th = testhosts_module()
+        why = self._th.unavailable()
+        if why:
+            raise ValueError(f"--hosts emulate:H: {why}")
+        net = _free_net()
+        self.prefix = f"hb{net}"
+        rate = rate_arg(self.bandwidth_Bps) if self.bandwidth_Bps else None
+        try:
+            self.made = self._th.up(self.n_hosts, rate=rate, prefix=self.prefix, net=net)
+        except BaseException:
+            self._th.down(self.prefix)
+            raise
+        self.host_file = os.path.join(self.made.directory, "bench-hosts.txt")
+        with open(self.host_file, "w") as f:
+            f.writelines(f"root@{h.address}:22 slots={self.slots}\n" for h in self.made.hosts)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._th is not None and self.made is not None:
+            self._th.down(self.prefix)
+
+    @property
+    def key(self) -> str:
+        return self.made.key
+
+    def describe(self) -> dict:
+        """The emulation for the JSON: hosts, slots, link rate, addresses."""
+        return {"hosts": self.n_hosts, "workers_per_host": self.slots, "link_Bps": self.bandwidth_Bps,
+                "addresses": self.made.addresses if self.made else []}
+
+    def sample(self) -> Sample:
+        """One reading of every host's counters."""
+        ifs, ifr, tcp = {}, {}, {}
+        for h in self.made.hosts:
+            base = f"/sys/class/net/{h.veth}/statistics"
+            ifs[h.address], ifr[h.address] = _read(f"{base}/rx_bytes"), _read(f"{base}/tx_bytes")
+            tcp[h.address] = _socket_bytes(h.namespace)
+        return Sample(time.time(), ifs, ifr, tcp)
+
+    def around_run(self, run):
+        """Call ``run()`` (a bench run returning a Result) while sampling counters; return
+        (Result, the byte check of :func:`byte_check` or None when it could not be made)."""
+        samples: list[Sample] = []
+        stop = threading.Event()
+
+        def loop():
+            while not stop.is_set():
+                try:
+                    samples.append(self.sample())
+                except (OSError, ValueError):
+                    pass
+                stop.wait(SAMPLE_S)
+
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        try:
+            result = run()
+        finally:
+            stop.set()
+            thread.join()
+        check = byte_check(samples, result.run_dir) if result.reason is None and result.run_dir else None
+        return result, check
+
+
+def _at(samples: list[Sample], t: float, field: str) -> float:
+    """Sum over hosts of ``field`` linearly interpolated at time ``t``."""
+    times = [s.time for s in samples]
+    i = min(max(bisect.bisect_left(times, t), 1), len(samples) - 1)
+    a, b = samples[i - 1], samples[i]
+    va, vb = sum(getattr(a, field).values()), sum(getattr(b, field).values())
+    w = (t - a.time) / (b.time - a.time) if b.time > a.time else 0.0
+    return va + min(max(w, 0.0), 1.0) * (vb - va)
+
+
+def _server_sent_per_step(run_dir: str) -> float:
+    from hpar.workers import report
+    total = 0.0
+    logs = os.path.join(run_dir, "logs")
+    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+        if not name.startswith("server-"):
+            continue
+        for line in open(os.path.join(logs, name), encoding="utf-8", errors="replace"):
+            parsed = report.parse(line.rstrip("\n"))
+            if parsed and parsed[0] == "event" and "bytes_per_step" in parsed[1]:
+                total += sum(v.get("sent", 0.0) for v in parsed[1]["bytes_per_step"].values())
+    return total
+
+
+def byte_check(samples: list[Sample], run_dir: str, warmup: int = 2) -> dict | None:
+    """Bytes per step over the steps after ``warmup`` (between worker 0's first report past
+    warm-up and its last one): ``hpar`` (every worker's reported bytes sent + every server's
+    mean), ``tcp`` (kernel socket counters), ``interface`` (bytes leaving the hosts), and the
+    ratios tcp/hpar and interface/hpar. None without enough samples or reports."""
+    recs = []
+    try:
+        for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8"):
+            rec = json.loads(line)
+            if rec.get("kind") == "metric" and rec.get("role") == "worker":
+                recs.append(rec)
+    except (OSError, json.JSONDecodeError):
+        return None
+    zero = sorted((r for r in recs if r["rank"] == 0), key=lambda r: r["step"])
+    past = [r for r in zero if r["step"] > warmup]
+    if len(past) < 2 or len(samples) < 2:
+        return None
+    a, b = past[0], past[-1]
+    steps = b["step"] - a["step"]
+    window = [r for r in recs if a["step"] < r["step"] <= b["step"]]
+    hpar = 0.0
+    for rank in {r["rank"] for r in window}:
+        mine = sorted((r for r in recs if r["rank"] == rank), key=lambda r: r["step"])
+        prev = a["step"]
+        for r in mine:
+            if a["step"] < r["step"] <= b["step"]:
+                hpar += r["bytes_sent"] * (r["step"] - prev)
+                prev = r["step"]
+    hpar = hpar / steps + _server_sent_per_step(run_dir)
+    tcp = (_at(samples, b["time"], "tcp_sent") - _at(samples, a["time"], "tcp_sent")) / steps
+    iface = (_at(samples, b["time"], "if_sent") - _at(samples, a["time"], "if_sent")) / steps
+    return {"steps": steps, "hpar_bytes_per_step": hpar, "tcp_bytes_per_step": tcp, "interface_bytes_per_step": iface,
+            "tcp_over_hpar": tcp / hpar if hpar else None, "interface_over_hpar": iface / hpar if hpar else None}
