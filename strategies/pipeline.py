@@ -21,8 +21,11 @@ Schedules (``strategies/schedules.py``): ``gpipe`` and ``1f1b`` flush every batc
 the optimizer once (loss of each micro-batch scaled by 1/M), exactly single-process
 gradient accumulation. ``async``, ``async-stash``, ``async-predict`` run PipeDream's
 asynchronous 1F1B over the stream of all micro-batches of the run (no flush) and update
-after every backward with the micro-batch's mean loss and the user's lr unchanged (each
-micro-batch is one SGD minibatch, as in PipeDream); weights per pass from
+after every backward. The loss of each micro-batch is scaled by 1/M there too, so with SGD
+each update is lr/M times a micro-batch-mean gradient: the user's per-batch lr moves the
+weights as much per sample as in the synchronous schedules (linear scaling, Goyal et al.
+2017), only more often (an optimizer with scale-free steps, such as Adam, takes M full
+steps per batch instead). Weights per pass from
 ``strategies/weight_prediction.py``. A reported step is one batch of M micro-batches: a
 stage ends step s when it has run the backward (and update) of the batch's last
 micro-batch. In the asynchronous schedules checkpoints are taken at those boundaries too,
@@ -58,9 +61,8 @@ def build_stage(ctx: WorkerContext) -> tuple[Stage, torch.nn.Module, tuple]:
     module = stage_module(model, a, b).to(ctx.device)
     params = list(module.parameters())
     opt = ctx.job.build_optimizer(params, cfg.lr) if params else None
-    sync = is_synchronous(cfg.schedule)
     stage = Stage(ctx.job, module, opt, mode_for_schedule(cfg.schedule), ctx.rank, ctx.world_size,
-                  1.0 / cfg.micro_batches if sync else 1.0)
+                  1.0 / cfg.micro_batches)
     return stage, model, ranges
 
 

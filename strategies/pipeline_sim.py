@@ -45,7 +45,7 @@ def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: i
         module = stage_module(model, a, b)
         params = list(module.parameters())
         opt = job.build_optimizer(params, lr) if params else None
-        stages.append(Stage(job, module, opt, mode, k, num_stages, 1.0 / micro_batches if sync else 1.0))
+        stages.append(Stage(job, module, opt, mode, k, num_stages, 1.0 / micro_batches))
     batches = job.batches(0, 1, batch_size)
     inputs, targets = {}, {}
 

@@ -71,9 +71,11 @@ def split_micro(obj: Any, num_micro: int) -> list[Any]:
 class Stage:
     """Stage ``index`` of ``num_stages``: its layers, optimizer and pass weights.
 
-    ``loss_scale`` multiplies each micro-batch loss before backward: 1/M in the synchronous
-    schedules (gradient accumulation equals the batch-mean loss), 1 in the asynchronous ones
-    (each micro-batch is its own SGD minibatch, updated with the user's lr).
+    ``loss_scale`` multiplies each micro-batch loss before backward: 1/M in every schedule.
+    In the synchronous ones the M gradients add up to the gradient of the batch-mean loss;
+    in the asynchronous ones each update uses 1/M of a micro-batch-mean gradient, so with
+    SGD the user's per-batch lr moves the weights by the same amount per sample (an
+    update of lr/M per micro-batch, the linear scaling rule of Goyal et al. 2017).
     Activations between stages must be single tensors; the first stage's input may be
     anything the model accepts.
     """
