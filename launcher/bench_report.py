@@ -62,12 +62,12 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
         rows = [r for r in results if r.script == script]
         proj = next((r.projected for r in rows if r.projected), None)
         t = Table(title=f"{os.path.basename(script)}: {title}")
-        cols = ["strategy", "samples/s", "step p50", "step p90", "sent/worker/step", "recv/worker/step",
+        cols = ["strategy", "samples/s", "step p50", "step p90", "sent/wkr/step", "recv/wkr/step",
                 "predicted step", "pred/meas", "x fastest"]
         if proj:
             cols += [f"PROJECTED {proj['gpus']} GPUs samples/s"]
         for c in cols:
-            t.add_column(c, justify="left" if c == "strategy" else "right")
+            t.add_column(c, justify="left" if c == "strategy" else "right", no_wrap=c == "strategy")
         for r in rows:
             pred = _ms(r.predicted_step_s)
             p_cell = []

@@ -1,0 +1,129 @@
+"""hpar bench: strategy names, byte accounting from metrics, ratios, flag errors, and one real
+bench of a tiny job with 2 workers (JSON shape, positive finite numbers, reasons, PNG)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import hpar, run_processes, write_script
+from hpar.launcher.bench import BENCH_STRATEGIES, Result, bytes_per_worker_step, parse_strategies, with_ratios
+from hpar.launcher.emulate import parse_emulate, rate_arg
+from hpar.launcher.planning import runnable_strategies
+
+# Not a sequence of layers (a custom forward), so no pipeline applies.
+TINY_TREE = '''
+import torch, torch.nn as nn
+HPAR = {"steps": 20, "batch_size": 8, "lr": 0.1, "log_every": 2}
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+    def forward(self, x):
+        h = self.emb(x).mean(1)
+        return self.b(torch.tanh(self.a(h)) + h)
+def model():
+    return Net()
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(10_000):
+        x = torch.randint(0, 50, (batch_size, 3), generator=g)
+        yield x, (x.float().mean(1, keepdim=True) / 50)
+def loss(output, targets):
+    return ((output - targets) ** 2).mean()
+'''
+
+
+def test_parse_strategies():
+    assert parse_strategies(None) == tuple(BENCH_STRATEGIES)
+    assert parse_strategies("hybrid, allreduce,hybrid") == ("hybrid", "allreduce")
+    assert BENCH_STRATEGIES["torch-1f1b"] == ("pipeline", "torch-1f1b")
+    with pytest.raises(ValueError, match="--strategies: unknown horovod"):
+        parse_strategies("hybrid,horovod")
+
+
+def test_bytes_per_worker_step_weights_intervals(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "metric", "role": "worker", "rank": 0, "step": 2, "bytes_sent": 100.0, "bytes_recv": 10.0},
+            {"kind": "metric", "role": "worker", "rank": 0, "step": 8, "bytes_sent": 200.0, "bytes_recv": 10.0},
+            {"kind": "metric", "role": "worker", "rank": 1, "step": 8, "bytes_sent": 300.0, "bytes_recv": 30.0},
+            {"kind": "heartbeat", "role": "worker", "rank": 1, "cpu_percent": 3.0},
+            {"kind": "metric", "role": "server", "rank": 0, "step": 8, "bytes_sent": 1e9}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    got = bytes_per_worker_step(str(path))
+    # rank 0: (2*100 + 6*200)/8 = 175; rank 1: 300; mean over workers
+    assert got == pytest.approx({"sent": (175 + 300) / 2, "recv": (10 + 30) / 2})
+    assert bytes_per_worker_step(str(tmp_path / "missing.jsonl")) is None
+
+
+def test_ratios_are_per_script_and_skip_unrun():
+    rs = with_ratios([Result("a.py", "allreduce", samples_per_s=50.0), Result("a.py", "hybrid", samples_per_s=200.0),
+                      Result("a.py", "pipeline-1f1b", reason="not a sequence"), Result("b.py", "ps", samples_per_s=7.0)])
+    assert [r.ratio for r in rs] == [0.25, 1.0, None, 1.0]
+
+
+def test_emulate_spec():
+    assert parse_emulate("emulate:2") == 2 and parse_emulate("a:2,b:2") is None and parse_emulate(None) is None
+    with pytest.raises(ValueError, match="emulate:H"):
+        parse_emulate("emulate:x")
+    assert rate_arg(1.25e8) == "1000000000bit"
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--strategies", "allreduce,nope"], "--strategies"),
+    (["--steps", "2"], "--steps"),
+    (["--gpus", "0"], "--gpus"),
+    (["--link-rate", "fast"], "--link-rate"),
+    (["--hosts", "emulate:0"], "emulate:H"),
+])
+@pytest.mark.timeout(60)
+def test_bad_flags_are_one_line_errors(tmp_path, args, flag):
+    out = hpar("bench", write_script(tmp_path), "--bench-dir", str(tmp_path / "b"), *args, timeout=50)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpar: ") and flag in lines[0], out.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_bench_tiny_job_json_and_plot(tmp_path):
+    script = write_script(tmp_path, TINY_TREE)
+    ran = ["allreduce", "allreduce-sparse"] + (["hybrid"] if "hybrid" in runnable_strategies() else [])
+    names = ran + ["pipeline-1f1b"]
+    bench_dir, out_json, out_png = tmp_path / "bench", tmp_path / "out.json", tmp_path / "out.png"
+    out = hpar("bench", script, "--gpus", "2", "--steps", "6", "--strategies", ",".join(names), "--link-rate", "10gbit",
+               "--project", "8", "--json", str(out_json), "--plot", str(out_png), "--bench-dir", str(bench_dir),
+               timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads(out_json.read_text())
+    assert doc["torch"] and doc["machine"]["cpu_count"] >= 1 and doc["machine"]["memory_bytes"] > 0
+    assert doc["date"] and "bench" in doc["command"]
+    by_name = {r["strategy"]: r for r in doc["results"]}
+    assert list(by_name) == names
+    for name in ran:
+        r = by_name[name]
+        assert r["reason"] is None, r
+        for key in ("samples_per_s", "step_s_p50", "step_s_p90", "predicted_step_s", "ratio"):
+            assert _finite_positive(r[key]), (name, key, r[key])
+        assert r["step_s_p90"] >= r["step_s_p50"]
+        assert r["ratio"] <= 1.0
+        assert _finite_positive(r["bytes_per_step"]["sent"]) and _finite_positive(r["bytes_per_step"]["recv"])
+        assert r["projected"]["projected"] is True and _finite_positive(r["projected"]["samples_per_s"])
+        summary = json.loads((bench_dir / "job" / name / "summary.json").read_text())
+        assert summary["strategy"] == ("allreduce-sparse" if name == "allreduce-sparse" else name)
+        assert summary["steps"] == 6 and summary["world_size"] == 2
+        assert run_processes(str(bench_dir / "job" / name)) == []
+    assert max(by_name[n]["ratio"] for n in ran) == 1.0
+    pipe = by_name["pipeline-1f1b"]
+    assert pipe["samples_per_s"] is None and "sequence" in pipe["reason"]
+    assert not (bench_dir / "job" / "pipeline-1f1b").exists()
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000
+    assert "pipeline-1f1b: skipped" in out.stdout and "x fastest" in out.stdout
