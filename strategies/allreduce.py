@@ -8,9 +8,9 @@ exchanges with AllGather (what Horovod does by default for ``IndexedSlices``).
 
 Bytes are counted with a DDP communication hook: a ring AllReduce of a B-byte bucket sends
 and receives 2(N-1)/N * B bytes per worker (Patarasuk & Yuan, "Bandwidth optimal all-reduce
-algorithms for clusters of workstations", JPDC 2009). Sparse gradients bypass comm hooks; an
-AllGather of sparse gradients sends this worker's (indices, values) to N-1 peers and receives
-theirs, counted from the gradients after backward.
+algorithms for clusters of workstations", JPDC 2009). A sparse gradient (its own bucket) is
+exchanged by gloo's sparse AllReduce, an AllGather: this worker's coalesced (indices, values)
+go to the N-1 peers and theirs come back.
 """
 from __future__ import annotations
 
@@ -45,14 +45,20 @@ def ring_allreduce_bytes(nbytes: int, world_size: int) -> float:
 
 
 def counting_allreduce_hook(state, bucket):
-    """DDP communication hook: mean AllReduce of the bucket, counting ring bytes.
+    """DDP communication hook: mean AllReduce of the bucket, counting this worker's bytes.
 
     ``state`` is (ByteCount, world size); ``bucket`` a dist.GradBucket (left unannotated:
-    DDP rejects string annotations, which this module's postponed evaluation would make)."""
+    DDP rejects string annotations, which this module's postponed evaluation would make).
+    A dense bucket costs ring AllReduce bytes; a sparse one (an embedding with sparse=True)
+    is exchanged by gloo as an AllGather of (indices, values): see :func:`sparse_allgather_bytes`.
+    """
     counter, world_size = state
     buf = bucket.buffer()
-    nbytes = buf.numel() * buf.element_size()
-    counter.add(ring_allreduce_bytes(nbytes, world_size), ring_allreduce_bytes(nbytes, world_size))
+    if buf.is_sparse:
+        nbytes = sparse_allgather_bytes(buf, world_size)
+    else:
+        nbytes = ring_allreduce_bytes(buf.numel() * buf.element_size(), world_size)
+    counter.add(nbytes, nbytes)
     buf.div_(world_size)
     fut = dist.all_reduce(buf, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
@@ -68,15 +74,12 @@ def set_sparse_gradients(model: torch.nn.Module, sparse: bool) -> list[str]:
     return names
 
 
-def sparse_allgather_bytes(model: torch.nn.Module, world_size: int) -> float:
-    """Bytes one worker sends in an AllGather of its sparse gradients (indices + values to
-    each of the N-1 peers); it receives about as much from them."""
-    total = 0.0
-    for p in model.parameters():
-        if p.grad is not None and p.grad.is_sparse:
-            g = p.grad.coalesce()
-            total += g.indices().numel() * g.indices().element_size() + g.values().numel() * g.values().element_size()
-    return total * (world_size - 1)
+def sparse_allgather_bytes(grad: torch.Tensor, world_size: int) -> float:
+    """Bytes one worker sends in an AllGather of a sparse gradient: its (indices, values)
+    after coalescing, to each of the N-1 peers; it receives about as much from them."""
+    g = grad.coalesce()
+    own = g.indices().numel() * g.indices().element_size() + g.values().numel() * g.values().element_size()
+    return float(own * (world_size - 1))
 
 
 def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -103,8 +106,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     ctx.start_step = resume_state(ctx, model, opt)
     counter = ByteCount()
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    if not sparse or len(sparse_names) < len(list(model.parameters())):
-        ddp.register_comm_hook((counter, ctx.world_size), counting_allreduce_hook)
+    ddp.register_comm_hook((counter, ctx.world_size), counting_allreduce_hook)
     batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
     for _ in range(ctx.start_step):  # same batches as an uninterrupted run
         next(batches)
@@ -118,9 +120,6 @@ def train(ctx: WorkerContext) -> TrainResult:
         opt.zero_grad(set_to_none=True)
         loss = job.compute_loss(ddp(inputs), targets)
         loss.backward()
-        if sparse:
-            b = sparse_allgather_bytes(model, ctx.world_size)
-            counter.add(b, b)
         opt.step()
         meter.end(loss.item(), *counter.take())
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:

@@ -58,3 +58,41 @@ def test_two_workers_match_single_process(tiny_script, tmp_path, reap_run):
     assert steps == [(r, s) for r in (0, 1) for s in (5, 10, 15, 20)]
     assert os.path.exists(os.path.join(run_dir, "logs", "worker-1.log"))
     assert json.load(open(os.path.join(run_dir, "config.json")))["world_size"] == 2
+
+
+SPARSE = '''
+import torch, torch.nn as nn
+HPAR = {"steps": 10, "batch_size": 4, "lr": 0.1, "log_every": 5}
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 8)
+        self.out = nn.Linear(8, 1)
+    def forward(self, x):
+        return self.out(self.emb(x)).squeeze(1)
+def model(): return M()
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        yield torch.randint(0, 1000, (batch_size,), generator=g), torch.randn(batch_size, generator=g)
+def loss(o, t): return ((o - t) ** 2).mean()
+'''
+
+
+@pytest.mark.timeout(180)
+def test_allreduce_sparse_matches_and_counts_allgather_bytes(tmp_path, reap_run):
+    from conftest import write_script
+    script = write_script(tmp_path, SPARSE)
+    run_dir = str(tmp_path / "run")
+    reap_run(run_dir)
+    res = hpar("run", script, "--gpus", "2", "--strategy", "allreduce-sparse", "--run-dir", run_dir, "--plain")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert_close_state(torch.load(os.path.join(run_dir, "model.pt")), single_process_reference(script, 2, 10, 4, 0.1, 0))
+    # expected bytes per step: ring AllReduce of the 9 dense floats, plus an AllGather of this
+    # worker's unique embedding rows (int64 index + 8 float32 values each) to 1 peer
+    job = load_job(script)
+    batches = job.batches(0, 2, 4)
+    rows = [len(torch.unique(next(batches)[0])) for _ in range(10)]
+    want = sum(9 * 4 + r * (8 + 8 * 4) for r in rows) / 10
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["bytes_per_step"]["sent"] == pytest.approx(want, rel=1e-6)
