@@ -76,7 +76,7 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
                 p_cell = [f"{pj['samples_per_s']:,.0f} (projected)" if pj.get("samples_per_s") else
                           f"- ({pj.get('note') or 'n/a'})"]
             if r.reason:
-                t.add_row(r.strategy, f"[yellow]{r.reason}[/yellow]", "", "", "", "", pred, "", "", *p_cell)
+                t.add_row(r.strategy, "[yellow]n/a (below)[/yellow]", "", "", "", "", pred, "", "", *p_cell)
                 continue
             b = r.bytes_per_step or {}
             err = (f"{r.predicted_step_s / r.step_s_p50:.2f}" if r.predicted_step_s and r.step_s_p50 else "-")
@@ -84,6 +84,12 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
                       _human(b.get("sent")), _human(b.get("recv")), pred, err,
                       f"{r.ratio:.2f}" if r.ratio else "-", *p_cell)
         console.print(t)
+        why: dict[str, list[str]] = {}
+        for r in rows:
+            if r.reason:
+                why.setdefault(r.reason, []).append(r.strategy)
+        for reason, names in why.items():
+            console.print(f"  n/a {', '.join(names)}: {reason}", markup=False)
         ran = sorted((r for r in rows if r.samples_per_s), key=lambda r: -r.samples_per_s)
         if len(ran) > 1:
             console.print(f"fastest: {ran[0].strategy}, {ran[0].samples_per_s / ran[1].samples_per_s:.2f}x "
