@@ -22,6 +22,7 @@ and every worker's RNG state; ``server{i}`` parts hold the shards and their opti
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +164,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             opt.zero_grad(set_to_none=True)
         loss = job.compute_loss(net(inputs), targets)
         loss.backward()
+        t_push = time.perf_counter()
         pending = []
         for item in served:
             grads = item.gradients()
@@ -174,11 +176,12 @@ def train(ctx: WorkerContext) -> TrainResult:
         for t, p in whole:
             if p.grad is not None:
                 pending += client.push(t, None, p.grad.detach().to("cpu").reshape(t.rows, t.dim), step)
+        pending += client.done(step)
+        if opt is not None:  # the dense update runs while the pushes are on the wire
+            opt.step()
         for work in pending:
             work.wait()
-        client.done(step)
-        if opt is not None:
-            opt.step()
+        push_s = time.perf_counter() - t_push
         by_name = client.bytes.take()
         dense_sent, dense_recv = counter.take()
         if dense:
@@ -190,7 +193,8 @@ def train(ctx: WorkerContext) -> TrainResult:
         steps_done += 1
         sent = sum(s for s, _ in by_name.values())
         recv = sum(r for _, r in by_name.values())
-        meter.end(loss.item(), sent, recv)
+        meter.end(loss.item(), sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s})
+        client.pull_s = 0.0
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             _save(ctx, step + 1, model, opt, ps_names, groups)
     if ctx.rank == 0:

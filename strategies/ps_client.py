@@ -17,6 +17,7 @@ Bytes are counted per table per step (headers under ``"_control"``), on both sid
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -144,6 +145,7 @@ class PSClient:
     def __init__(self, tables: list[PSTable], num_workers: int, num_servers: int):
         self.tables, self.num_workers, self.num_servers = tables, num_workers, num_servers
         self.bytes = ByteMeter()
+        self.pull_s = 0.0    # seconds spent waiting in pulls since the caller last reset it
         self._server_rows = {t.tid: [t.layout.server_rows(s) for s in range(num_servers)] for t in tables}
 
     def server_rank(self, server: int) -> int:
@@ -157,6 +159,7 @@ class PSClient:
         """Rows ``ids`` (unique 1-D int64) of ``table`` as of the start of ``step``, shape
         ``(len(ids), dim)``; every row (``(rows, dim)``) when ``ids`` is None. Blocks until
         every owning server has answered."""
+        t0 = time.perf_counter()
         n_out = table.rows if ids is None else ids.numel()
         out = torch.empty(n_out, table.dim, dtype=table.dtype)
         sends, recvs = [], []
@@ -178,6 +181,7 @@ class PSClient:
         for work, where, buf in recvs:
             work.wait()
             out[where] = buf
+        self.pull_s += time.perf_counter() - t0
         return out
 
     def push(self, table: PSTable, ids: torch.Tensor | None, grads: torch.Tensor, step: int) -> list:
@@ -205,10 +209,11 @@ class PSClient:
             self.bytes.add(table.name, sent=nbytes(g))
         return works
 
-    def done(self, step: int) -> None:
-        """Tell every server this worker pushed all its gradients of ``step``."""
-        for work in [self._header(s, DONE, -1, 0, step) for s in range(self.num_servers)]:
-            work.wait()
+    def done(self, step: int) -> list:
+        """Tell every server this worker pushed all its gradients of ``step`` (sent after
+        the pushes on the same channel, so it arrives after them); returns the pending
+        sends (wait on them)."""
+        return [self._header(s, DONE, -1, 0, step) for s in range(self.num_servers)]
 
     def finish(self) -> None:
         """Tell every server this worker is finished (after its last pull)."""
