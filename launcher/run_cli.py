@@ -58,7 +58,8 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
     if strategy not in ("auto", "pipeline"):
         return strategy, {"strategy": strategy}
     from hpar.launcher.planning import plan_job
-    plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b")
+    plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
+                    force=None if strategy == "auto" else strategy)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.strategy}: {plan.reason}", markup=False)
         return plan.strategy, plan.to_dict()

@@ -97,11 +97,14 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
     return f"{best.strategy}: the fastest predicted step that can run{vs}."
 
 
-def choose_plan(profile: Profile, cluster: ClusterSpec, runnable: set[str], schedule: str = "1f1b") -> Plan:
+def choose_plan(profile: Profile, cluster: ClusterSpec, runnable: set[str], schedule: str = "1f1b",
+                force: str | None = None) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and pick the highest samples/s among
     those in ``runnable`` (strategies whose runtime exists, given by the CLI) that fit the
     job; the others are still listed as candidates with a note. Ties keep ``ESTIMATORS``
-    order. Raises ValueError when no runnable strategy fits (e.g. runnable is empty)."""
+    order. ``force`` (the user's ``--strategy``) takes that strategy's plan instead (its
+    stages, micro-batches, placement). Raises ValueError when no runnable strategy fits (e.g.
+    runnable is empty), or when the forced one does not fit, with the cost model's reason."""
     estimates = estimate_all(profile, cluster)
     candidates, ok = [], []
     for e in estimates:
@@ -122,6 +125,12 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, runnable: set[str], sche
     if not ok:
         raise ValueError(f"no runnable strategy fits this job (runnable: {', '.join(sorted(runnable)) or 'none'})")
     best = max(ok, key=lambda e: e.samples_per_s)
+    if force is not None:
+        forced = [e for e in estimates if e.strategy == force]
+        if not forced or not forced[0].feasible:
+            why = forced[0].note if forced else "unknown strategy"
+            raise ValueError(f"--strategy {force} does not fit this job: {why}")
+        best = forced[0]
     others = sorted((e for e in estimates if e.feasible and e is not best), key=lambda e: -e.samples_per_s)
     reason = _why(best, profile, cluster, others[0] if others else None)
     fastest = max((e for e in estimates if e.feasible), key=lambda e: e.samples_per_s)
