@@ -12,7 +12,7 @@ counters (the root-side end of its veth: ``rx_bytes`` there is what the host sen
 the kernel's per-socket TCP payload counters of the host (``ss -tin`` in its namespace:
 ``bytes_sent`` summed over every TCP socket but SSH's). Over the training steps after warm-up
 (worker 0's metric reports) these give bytes per step, set against hpar's own accounting
-(the workers' ``bytes_sent`` reports plus the servers' totals). The interface sees only the
+(the ``bytes_sent`` reports of every worker and server). The interface sees only the
 bytes that leave a host (plus TCP/IP headers); the socket counters also see traffic between
 processes of one host, which hpar counts too, so they are the like-for-like check.
 """
@@ -49,8 +49,12 @@ def testhosts_module():
     path = os.path.join(REPO, "scripts", "testhosts.py")
     if not os.path.exists(path):
         raise ValueError("--hosts emulate:H needs scripts/testhosts.py from an hpar checkout (pip install -e .)")
+    import sys
+    if "hpar_testhosts" in sys.modules:
+        return sys.modules["hpar_testhosts"]
     spec = importlib.util.spec_from_file_location("hpar_testhosts", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["hpar_testhosts"] = mod     # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -188,49 +192,34 @@ def _at(samples: list[Sample], t: float, field: str) -> float:
     return va + min(max(w, 0.0), 1.0) * (vb - va)
 
 
-def _server_sent_per_step(run_dir: str) -> float:
-    from hpar.workers import report
-    total = 0.0
-    logs = os.path.join(run_dir, "logs")
-    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
-        if not name.startswith("server-"):
-            continue
-        for line in open(os.path.join(logs, name), encoding="utf-8", errors="replace"):
-            parsed = report.parse(line.rstrip("\n"))
-            if parsed and parsed[0] == "event" and "bytes_per_step" in parsed[1]:
-                total += sum(v.get("sent", 0.0) for v in parsed[1]["bytes_per_step"].values())
-    return total
-
-
 def byte_check(samples: list[Sample], run_dir: str, warmup: int = 2) -> dict | None:
     """Bytes per step over the steps after ``warmup`` (between worker 0's first report past
-    warm-up and its last one): ``hpar`` (every worker's reported bytes sent + every server's
-    mean), ``tcp`` (kernel socket counters), ``interface`` (bytes leaving the hosts), and the
+    warm-up and its last one): ``hpar`` (bytes sent that every worker and server reported for
+    those steps), ``tcp`` (kernel socket counters), ``interface`` (bytes leaving the hosts), and the
     ratios tcp/hpar and interface/hpar. None without enough samples or reports."""
     recs = []
     try:
         for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8"):
             rec = json.loads(line)
-            if rec.get("kind") == "metric" and rec.get("role") == "worker":
+            if rec.get("kind") == "metric" and "bytes_sent" in rec and "step" in rec:
                 recs.append(rec)
     except (OSError, json.JSONDecodeError):
         return None
-    zero = sorted((r for r in recs if r["rank"] == 0), key=lambda r: r["step"])
+    zero = sorted((r for r in recs if r["role"] == "worker" and r["rank"] == 0), key=lambda r: r["step"])
     past = [r for r in zero if r["step"] > warmup]
     if len(past) < 2 or len(samples) < 2:
         return None
     a, b = past[0], past[-1]
     steps = b["step"] - a["step"]
-    window = [r for r in recs if a["step"] < r["step"] <= b["step"]]
     hpar = 0.0
-    for rank in {r["rank"] for r in window}:
-        mine = sorted((r for r in recs if r["rank"] == rank), key=lambda r: r["step"])
+    for who in {(r["role"], r["rank"]) for r in recs}:
+        mine = sorted((r for r in recs if (r["role"], r["rank"]) == who), key=lambda r: r["step"])
         prev = a["step"]
         for r in mine:
             if a["step"] < r["step"] <= b["step"]:
                 hpar += r["bytes_sent"] * (r["step"] - prev)
                 prev = r["step"]
-    hpar = hpar / steps + _server_sent_per_step(run_dir)
+    hpar /= steps
     tcp = (_at(samples, b["time"], "tcp_sent") - _at(samples, a["time"], "tcp_sent")) / steps
     iface = (_at(samples, b["time"], "if_sent") - _at(samples, a["time"], "if_sent")) / steps
     return {"steps": steps, "hpar_bytes_per_step": hpar, "tcp_bytes_per_step": tcp, "interface_bytes_per_step": iface,

@@ -127,3 +127,24 @@ def test_bench_tiny_job_json_and_plot(tmp_path):
     assert not (bench_dir / "job" / "pipeline-1f1b").exists()
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000
     assert "pipeline-1f1b: skipped" in out.stdout and "x fastest" in out.stdout
+
+
+def test_byte_check_window_and_interpolation(tmp_path):
+    from hpar.launcher.emulate import Sample, byte_check
+    rows = []
+    for step in (2, 4, 6, 8):
+        t = 100.0 + step
+        rows.append({"kind": "metric", "role": "worker", "rank": 0, "time": t, "step": step, "bytes_sent": 1000.0})
+        rows.append({"kind": "metric", "role": "worker", "rank": 1, "time": t, "step": step, "bytes_sent": 3000.0})
+        rows.append({"kind": "metric", "role": "server", "rank": 0, "time": t, "step": step, "bytes_sent": 500.0})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    # counters grow 4600 bytes/s (TCP) and 2000 bytes/s (interface) over two hosts; one step per second
+    samples = [Sample(t, {"h0": 1000 * t, "h1": 1000 * t}, {"h0": 0, "h1": 0}, {"h0": 2300 * t, "h1": 2300 * t})
+               for t in (100.0, 103.0, 105.5, 109.0)]
+    got = byte_check(samples, str(tmp_path))
+    assert got["steps"] == 4                      # worker 0's reports at steps 4 and 8
+    assert got["hpar_bytes_per_step"] == pytest.approx(4500.0)
+    assert got["tcp_bytes_per_step"] == pytest.approx(4600.0)
+    assert got["interface_bytes_per_step"] == pytest.approx(2000.0)
+    assert got["tcp_over_hpar"] == pytest.approx(4600 / 4500)
+    assert byte_check(samples[:1], str(tmp_path)) is None
