@@ -157,6 +157,8 @@ def train(ctx: WorkerContext) -> TrainResult:
         meter.start()
         clock.step = step
         inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
+        clock.leaves = sparse_embedding.batch_leaves(inputs)
+        sparse_embedding.prefetch(served, client, clock)
         for t, p in whole:
             p.data.copy_(client.pull(t, None, step).reshape(p.shape))
             p.grad = None

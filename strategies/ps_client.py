@@ -159,6 +159,11 @@ class PSClient:
         """Rows ``ids`` (unique 1-D int64) of ``table`` as of the start of ``step``, shape
         ``(len(ids), dim)``; every row (``(rows, dim)``) when ``ids`` is None. Blocks until
         every owning server has answered."""
+        return self.pull_async(table, ids, step)()
+
+    def pull_async(self, table: PSTable, ids: torch.Tensor | None, step: int):
+        """Send the requests of :meth:`pull` and return a function that waits for the
+        answers and returns the rows; several pulls in flight share one server wake-up."""
         t0 = time.perf_counter()
         n_out = table.rows if ids is None else ids.numel()
         out = torch.empty(n_out, table.dim, dtype=table.dtype)
@@ -176,13 +181,18 @@ class PSClient:
             buf = torch.empty(where.numel(), table.dim, dtype=table.dtype)
             recvs.append((dist.irecv(buf, self.server_rank(s), tag=TAG_REPLY), where, buf))
             self.bytes.add(table.name, recv=nbytes(buf))
-        for work in sends:
-            work.wait()
-        for work, where, buf in recvs:
-            work.wait()
-            out[where] = buf
         self.pull_s += time.perf_counter() - t0
-        return out
+
+        def wait() -> torch.Tensor:
+            t1 = time.perf_counter()
+            for work in sends:
+                work.wait()
+            for work, where, buf in recvs:
+                work.wait()
+                out[where] = buf
+            self.pull_s += time.perf_counter() - t1
+            return out
+        return wait
 
     def push(self, table: PSTable, ids: torch.Tensor | None, grads: torch.Tensor, step: int) -> list:
         """Send this worker's gradient rows for ``step``: ``grads`` is ``(len(ids), dim)``

@@ -25,8 +25,24 @@ from hpar.strategies.ps_client import PSClient, PSTable, coalesce, dedup
 
 @dataclass
 class StepClock:
-    """The step the worker is on (pulls are tagged with it)."""
+    """The step the worker is on (pulls are tagged with it) and the tensors of its batch
+    (``leaves``: path in the inputs structure to tensor), set before each forward."""
     step: int = 0
+    leaves: dict = field(default_factory=dict)
+
+
+def batch_leaves(inputs, path: str = "") -> dict:
+    """``{path: tensor}`` of every integer tensor in a (nested) tuple/list/dict batch."""
+    if isinstance(inputs, torch.Tensor):
+        return {path: inputs} if not inputs.is_floating_point() else {}
+    out = {}
+    if isinstance(inputs, (tuple, list)):
+        for i, x in enumerate(inputs):
+            out.update(batch_leaves(x, f"{path}/{i}"))
+    elif isinstance(inputs, dict):
+        for k, x in inputs.items():
+            out.update(batch_leaves(x, f"{path}/{k}"))
+    return out
 
 
 @dataclass
@@ -36,6 +52,8 @@ class ServedEmbedding:
     module: torch.nn.Module
     table: PSTable
     records: list = field(default_factory=list)   # [(unique ids, pulled rows leaf)]
+    source: str | None = None       # batch path this module's input came from, once seen
+    prefetched: tuple | None = None  # (input tensor, unique ids, inverse, waiter)
 
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(unique ids (k,), summed row gradients (k, dim))`` of this step, on CPU, or
@@ -50,7 +68,12 @@ class ServedEmbedding:
         return coalesce(ids, grads)
 
     def clear(self) -> None:
+        """Forget this step's rows; consume a prefetched answer the forward did not use
+        (its reply must leave the channel before the next pull)."""
         self.records = []
+        if self.prefetched is not None:
+            self.prefetched[3]()
+            self.prefetched = None
 
 
 def _local_padding(padding_idx: int | None, uids: torch.Tensor) -> int | None:
@@ -61,12 +84,37 @@ def _local_padding(padding_idx: int | None, uids: torch.Tensor) -> int | None:
 
 
 def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torch.Tensor):
+    pre, served.prefetched = served.prefetched, None
+    if pre is not None and pre[0] is ids:   # rows requested before the forward began
+        uids, inverse, rows = pre[1], pre[2], pre[3]()
+    else:
+        if served.source is None:
+            served.source = next((p for p, t in clock.leaves.items() if t is ids), None)
+        uids, inverse = _dedup_checked(served, ids)
+        rows = client.pull(served.table, uids, clock.step)
+    rows = rows.to(ids.device).requires_grad_()
+    served.records.append((uids, rows))
+    return uids, inverse.to(ids.device), rows
+
+
+def _dedup_checked(served: ServedEmbedding, ids: torch.Tensor):
     uids, inverse = dedup(ids.detach().to("cpu", torch.int64))
     if uids.numel() and (int(uids[0]) < 0 or int(uids[-1]) >= served.table.rows):
         raise IndexError(f"{served.table.name}: index out of range [0, {served.table.rows}) in the embedding input")
-    rows = client.pull(served.table, uids, clock.step).to(ids.device).requires_grad_()
-    served.records.append((uids, rows))
-    return uids, inverse.to(ids.device), rows
+    return uids, inverse
+
+
+def prefetch(served: list[ServedEmbedding], client: PSClient, clock: StepClock) -> None:
+    """Before the forward of ``clock.step``: request at once the rows of every module whose
+    input was, on an earlier step, a tensor of the batch itself (``clock.leaves``), so the
+    servers answer them in one wake-up instead of one round trip per module. A module whose
+    input turns out to be another tensor pulls as usual; the rows are the same either way."""
+    for item in served:
+        t = clock.leaves.get(item.source) if item.source is not None else None
+        if t is None:
+            continue
+        uids, inverse = _dedup_checked(item, t)
+        item.prefetched = (t, uids, inverse, client.pull_async(item.table, uids, clock.step))
 
 
 def attach(model: torch.nn.Module, tables: list[PSTable], client: PSClient, clock: StepClock) -> list[ServedEmbedding]:
