@@ -29,6 +29,7 @@ class StepClock:
     (``leaves``: path in the inputs structure to tensor), set before each forward."""
     step: int = 0
     leaves: dict = field(default_factory=dict)
+    seen: list = field(default_factory=list)   # [(input tensor, ServedEmbedding)] this step
 
 
 def batch_leaves(inputs, path: str = "") -> dict:
@@ -53,6 +54,7 @@ class ServedEmbedding:
     table: PSTable
     records: list = field(default_factory=list)   # [(unique ids, pulled rows leaf)]
     source: str | None = None       # batch path this module's input came from, once seen
+    follows: "ServedEmbedding | None" = None  # module whose input this one reused, once seen
     prefetched: tuple | None = None  # (input tensor, unique ids, inverse, waiter)
 
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -83,15 +85,22 @@ def _local_padding(padding_idx: int | None, uids: torch.Tensor) -> int | None:
     return pos if pos < uids.numel() and int(uids[pos]) == padding_idx else None
 
 
-def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torch.Tensor):
+def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torch.Tensor, items: list):
     pre, served.prefetched = served.prefetched, None
-    if pre is not None and pre[0] is ids:   # rows requested before the forward began
+    if pre is not None and pre[0] is ids:   # rows requested ahead of this call
         uids, inverse, rows = pre[1], pre[2], pre[3]()
     else:
-        if served.source is None:
+        if served.source is None and served.follows is None:
             served.source = next((p for p, t in clock.leaves.items() if t is ids), None)
+            served.follows = next((it for t, it in clock.seen if t is ids and it is not served), None)
         uids, inverse = _dedup_checked(served, ids)
-        rows = client.pull(served.table, uids, clock.step)
+        wait = client.pull_async(served.table, uids, clock.step)
+        for other in items:   # modules that looked up this same tensor on earlier steps
+            if (other.follows is served and other.prefetched is None and uids.numel()
+                    and int(uids[-1]) < other.table.rows):
+                other.prefetched = (ids, uids, inverse, client.pull_async(other.table, uids, clock.step))
+        rows = wait()
+    clock.seen.append((ids, served))
     rows = rows.to(ids.device).requires_grad_()
     served.records.append((uids, rows))
     return uids, inverse.to(ids.device), rows
@@ -109,6 +118,7 @@ def prefetch(served: list[ServedEmbedding], client: PSClient, clock: StepClock) 
     input was, on an earlier step, a tensor of the batch itself (``clock.leaves``), so the
     servers answer them in one wake-up instead of one round trip per module. A module whose
     input turns out to be another tensor pulls as usual; the rows are the same either way."""
+    clock.seen = []
     for item in served:
         t = clock.leaves.get(item.source) if item.source is not None else None
         if t is None:
@@ -136,13 +146,13 @@ def attach(model: torch.nn.Module, tables: list[PSTable], client: PSClient, cloc
         item = ServedEmbedding(module, table)
         if isinstance(module, torch.nn.EmbeddingBag):
             def forward(self, input, offsets=None, per_sample_weights=None, _item=item):
-                uids, inverse, rows = _pull(_item, client, clock, input)
+                uids, inverse, rows = _pull(_item, client, clock, input, served)
                 return F.embedding_bag(inverse, rows, offsets, None, self.norm_type, False, self.mode, False,
                                        per_sample_weights, self.include_last_offset,
                                        _local_padding(self.padding_idx, uids))
         else:
             def forward(self, input, _item=item):
-                uids, inverse, rows = _pull(_item, client, clock, input)
+                uids, inverse, rows = _pull(_item, client, clock, input, served)
                 return F.embedding(inverse, rows, _local_padding(self.padding_idx, uids), None,
                                    self.norm_type, False, False)
         module.forward = types.MethodType(forward, module)

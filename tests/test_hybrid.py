@@ -25,11 +25,15 @@ JOB = textwrap.dedent('''
             super().__init__()
             self.user = nn.Embedding(50, 4, padding_idx=0)
             self.items = nn.EmbeddingBag(40, 3, mode="mean")
+            self.hashed = nn.Embedding(30, 2)   # two tables looked up with one derived tensor
+            self.hbias = nn.Embedding(30, 1)
             self.mlp = nn.Sequential(nn.Linear(7, 8), nn.Tanh(), nn.Linear(8, 1))
 
         def forward(self, x):
             u, bag = x
-            return self.mlp(torch.cat([self.user(u), self.items(bag)], 1)).squeeze(1)
+            h = (u * 7) % 30
+            out = self.mlp(torch.cat([self.user(u), self.items(bag)], 1)).squeeze(1)
+            return out + self.hashed(h).sum(1) + self.hbias(h).squeeze(1)
 
     def model():
         return M()
