@@ -12,6 +12,12 @@ backward, (3) pushes (row ids, row gradients) to the owning servers and tells th
 done with the step; the servers apply the step once every worker is done. ``ps``: every
 parameter lives on the servers, dense ones pulled and pushed whole (TensorFlow-PS style).
 
+Round trips: rows of embeddings fed straight from the batch, or with the same tensor as
+another served embedding, are requested before they are needed (sparse_embedding.prefetch),
+so a step's pulls share one server wake-up; pushes and DONE are asynchronous and overlap the
+dense optimizer step. Workers on one host aggregate sparse gradients before pushing when a
+server lives on another host (ps_client.LocalAggregator).
+
 Scaling: sparse gradients are *averaged* over workers on the server (sum of pushes / N),
 as DDP averages the dense ones; so N workers with a mean loss each match one process on
 the concatenated batch with a mean loss (equal per-worker batch sizes).
