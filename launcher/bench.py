@@ -146,14 +146,18 @@ def bytes_per_worker_step(metrics_path: str) -> dict | None:
     return {"sent": statistics.fmean(m[0] for m in means), "recv": statistics.fmean(m[1] for m in means)}
 
 
-def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str) -> list[str]:
-    """The ``hpar run`` command line of one strategy (no evaluation; plain progress lines)."""
+def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str,
+                plan_file: str | None = None) -> list[str]:
+    """The ``hpar run`` command line of one strategy (no evaluation; plain progress lines);
+    ``plan_file`` (pipeline entries) fixes the stages and micro-batches."""
     strategy, schedule = BENCH_STRATEGIES[name]
     cmd = [sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", str(cfg.gpus), "--strategy", strategy,
            "--steps", str(cfg.steps), "--batch-size", str(batch_size), "--seed", str(cfg.seed),
            "--log-every", str(max(1, min(10, cfg.steps // 4))), "--run-dir", run_dir, "--plain", "--no-eval"]
     if schedule:
         cmd += ["--schedule", schedule]
+    if plan_file:
+        cmd += ["--plan", plan_file]
     if cfg.hosts:
         cmd += ["--hosts", cfg.hosts]
     if cfg.ssh_key:
@@ -170,7 +174,8 @@ def _last_error(log_path: str) -> str:
     return (errs or lines or ["no output"])[-1][:300]
 
 
-def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str) -> Result:
+def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str,
+                 plan_file: str | None = None) -> Result:
     """Train ``name`` on ``script`` with ``hpar run`` in a subprocess (its output goes to
     ``run_dir + ".log"``) and read the measured figures back. A run that fails or passes
     ``cfg.timeout_s`` gives a Result with ``reason``; its process group is stopped (SIGTERM,
@@ -178,7 +183,7 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
     log_path = run_dir + ".log"
     t0 = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(run_command(script, name, cfg, batch_size, run_dir), stdout=log,
+        proc = subprocess.Popen(run_command(script, name, cfg, batch_size, run_dir, plan_file), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             code = proc.wait(timeout=cfg.timeout_s)
@@ -230,6 +235,7 @@ class ScriptPlan:
     estimates: dict
     projected: dict
     reasons: dict
+    pipeline_plan: str | None = None
 
 
 def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_of) -> ScriptPlan:
@@ -252,7 +258,16 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     projected = {e.strategy: e for e in estimate_all(profile, cluster_of(cfg.project))} if cfg.project else {}
     runnable = runnable_strategies()
     reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, runnable, cfg.gpus))}
-    return ScriptPlan(bs, estimates, projected, reasons)
+    pipeline_plan = None
+    if any(BENCH_STRATEGIES[n][0] == "pipeline" and n not in reasons for n in names):
+        # one plan (stages, micro-batches) for every pipeline entry, hpar's and torch's, so
+        # that they run the same stages rather than each run re-profiling and re-planning
+        from hpar.strategies.checkpoint import atomic_write_bytes
+        from hpar.strategies.planner import choose_plan
+        pipeline_plan = os.path.join(os.path.abspath(cfg.bench_dir),
+                                     os.path.splitext(os.path.basename(script))[0] + "-pipeline-plan.json")
+        atomic_write_bytes(pipeline_plan, choose_plan(profile, cluster, runnable, force="pipeline").to_json().encode())
+    return ScriptPlan(bs, estimates, projected, reasons, pipeline_plan)
 
 
 def _prediction(estimates: dict, name: str) -> float | None:
@@ -292,7 +307,8 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None) -> list[
             run_dir = os.path.join(cfg.bench_dir, stem, name)
             os.makedirs(os.path.dirname(run_dir), exist_ok=True)
             say(f"hpar bench: {stem} {name}: running ({cfg.gpus} workers, {cfg.steps} steps, batch {plan.batch_size})")
-            run = lambda: run_strategy(os.path.abspath(script), name, cfg, plan.batch_size, run_dir)
+            plan_file = plan.pipeline_plan if BENCH_STRATEGIES[name][0] == "pipeline" else None
+            run = lambda: run_strategy(os.path.abspath(script), name, cfg, plan.batch_size, run_dir, plan_file)
             counters = None
             if around_run is None:
                 res = run()

@@ -195,6 +195,26 @@ def _median(xs):
     return statistics.median(xs) if xs else 0.0
 
 
+def _pooled_layer_times(layers, activation_bytes, lay_f, lay_b) -> tuple[list[float], list[float]]:
+    """Median forward and backward seconds per layer, pooled over identical layers: layers of
+    the same type, parameter shapes and output size do the same work, so each gets the
+    median over all their repeats. This keeps timing noise from splitting a stack of equal
+    layers unevenly into pipeline stages."""
+    def kind(li):
+        m = layers[li][1]
+        return (type(m).__name__, tuple(tuple(p.shape) for p in m.parameters()), activation_bytes[li])
+    groups: dict = {}
+    for li in range(len(layers)):
+        groups.setdefault(kind(li), []).append(li)
+    fwd, bwd = [0.0] * len(layers), [0.0] * len(layers)
+    for members in groups.values():
+        f = _median([x[li] for x in lay_f for li in members])
+        b = _median([x[li] for x in lay_b for li in members])
+        for li in members:
+            fwd[li], bwd[li] = f, b
+    return fwd, bwd
+
+
 def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmup: int = 1,
                 timing_batch_size: int | None = None, max_sparsity_workers: int = 16) -> Profile:
     """Profile ``job`` for ``workers`` (N) data-parallel workers of ``batch_size`` each.
@@ -276,11 +296,12 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmu
         params.append(pp)
     params.sort(key=lambda q: (not q.sparse, -q.bytes))
     lp = []
+    fwd_of, bwd_of = _pooled_layer_times(layers, timer.activation_bytes, lay_f, lay_b)
     for li, (name, m) in enumerate(layers):
         lp.append(LayerProfile(
             name=name,
-            forward_s=_median([x[li] for x in lay_f]) * scale,
-            backward_s=_median([x[li] for x in lay_b]) * scale,
+            forward_s=fwd_of[li] * scale,
+            backward_s=bwd_of[li] * scale,
             flops=int(flops["layers"][li] * scale),
             activation_bytes=int(timer.activation_bytes[li] * scale),
             param_bytes=sum(q.numel() * q.element_size() for q in m.parameters())))
