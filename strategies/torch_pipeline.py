@@ -26,6 +26,31 @@ def _draw(batches, seed: int, step: int):
         return next(batches)
 
 
+class _ActivationBytes:
+    """Bytes of a stage module's input and output tensors since the last :meth:`take`
+    (forward hooks), to count what torch.distributed.pipelining sends between stages."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.into = self.out = 0
+        module.register_forward_pre_hook(self._pre)
+        module.register_forward_hook(self._post)
+
+    @staticmethod
+    def _nbytes(x) -> int:
+        return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+    def _pre(self, _module, args) -> None:
+        self.into += sum(self._nbytes(a) for a in args)
+
+    def _post(self, _module, _args, output) -> None:
+        self.out += self._nbytes(output)
+
+    def take(self) -> tuple[int, int]:
+        out = (self.into, self.out)
+        self.into = self.out = 0
+        return out
+
+
 def train(ctx: WorkerContext) -> TrainResult:
     """One torch PipelineStage per process; returns the whole model on rank 0.
     Raises ValueError as hpar's pipeline does (non-sequential model, fewer layers than
@@ -43,6 +68,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     module = stage_module(model, *ranges[k]).to(ctx.device)
     params = list(module.parameters())
     opt = job.build_optimizer(params, cfg.lr) if params else None
+    io = _ActivationBytes(module)
     stage = PipelineStage(module, k, K, ctx.device)
     schedule_cls = ScheduleGPipe if cfg.schedule == "torch-gpipe" else Schedule1F1B
 
@@ -83,7 +109,11 @@ def train(ctx: WorkerContext) -> TrainResult:
             elif first:
                 dist.recv(t, K - 1)
                 loss = float(t)
-        meter.end(loss, extra={"stage": k})
+        # what crossed the stage boundaries: activations out and their gradients back in
+        # (same sizes), counted from the stage's own inputs and outputs
+        into, out = io.take()
+        sent = (out if not last else 0) + (into if not first else 0)
+        meter.end(loss, sent, sent, extra={"stage": k})
     mine = {"stage": k, "layers": list(ranges[k]), "compute_s": sum(step_s) / len(step_s)}
     payload = ({n: v.detach().cpu() for n, v in module.state_dict().items()}, mine)
     gathered = [None] * K if k == 0 else None
