@@ -65,6 +65,7 @@ class PassWeights:
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.leaves: dict[int, dict[str, torch.Tensor]] = {}   # micro-batch -> pass weights
         self._last_update: dict[str, torch.Tensor] = {}        # non-momentum v, predict only
+        self._scratch: dict[str, torch.Tensor] = {}            # the real weights during a predicted pass
 
     # --- passes ---------------------------------------------------------------------------
     def forward(self, micro: int, distance: int, inputs: Any) -> Any:
@@ -101,10 +102,16 @@ class PassWeights:
         if self.optimizer is None:
             return
         track = self.mode == "predict" and not _sgd_momentum(self.optimizer)
-        before = {n: p.detach().clone() for n, p in self.named} if track else None
+        plain = track and _plain_sgd(self.optimizer)
+        # plain SGD moves W by exactly lr * grad, so v is the gradient itself: keep a
+        # reference instead of copying the weights before the step (three memory passes)
+        grads = {n: p.grad for n, p in self.named if p.grad is not None} if plain else None
+        before = {n: p.detach().clone() for n, p in self.named} if track and not plain else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if track:
+        if plain:
+            self._last_update.update(grads)
+        elif track:
             lr = {id(p): g["lr"] for g in self.optimizer.param_groups for p in g["params"]}
             for n, p in self.named:
                 self._last_update[n] = (before[n] - p.detach()) / lr[id(p)]
@@ -136,7 +143,11 @@ class _Predicted:
                 v = owner.smoothed_gradient(n, p)
                 if v is None:
                     continue
-                self.saved.append((p, p.detach().clone()))
+                real = owner._scratch.get(n)
+                if real is None or real.shape != p.shape:
+                    real = owner._scratch[n] = torch.empty_like(p)
+                real.copy_(p)   # a reused buffer: no fresh allocation per pass
+                self.saved.append((p, real))
                 p.sub_(v, alpha=self.distance * lr[id(p)])
         return self
 
@@ -147,6 +158,13 @@ class _Predicted:
                     p.copy_(real)
         self.saved = None
         return False
+
+
+def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """SGD without momentum, weight decay or maximize: its update is exactly -lr * grad."""
+    return isinstance(optimizer, torch.optim.SGD) and all(
+        not g.get("momentum", 0) and not g.get("weight_decay", 0) and not g.get("maximize", False)
+        for g in optimizer.param_groups)
 
 
 def _sgd_momentum(optimizer: torch.optim.Optimizer) -> bool:

@@ -33,6 +33,33 @@ def evaluate(model):
 '''
 
 
+# A tiny model with one embedding table (served by the parameter servers under hybrid/ps);
+# SLEEP seconds per batch make it slow enough to interrupt.
+EMBED_TINY = '''
+import time, torch, torch.nn as nn
+HPAR = {"steps": STEPS, "batch_size": 4, "lr": 0.1, "log_every": 2}
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 8)
+        self.out = nn.Linear(8, 1)
+    def forward(self, x):
+        return self.out(self.emb(x)).squeeze(1)
+def model(): return M()
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        time.sleep(SLEEP)
+        yield torch.randint(0, 1000, (batch_size,), generator=g), torch.randn(batch_size, generator=g)
+def loss(o, t): return ((o - t) ** 2).mean()
+'''
+
+
+def embed_script(steps: int = 10, sleep: float = 0.0) -> str:
+    """EMBED_TINY with ``steps`` steps and ``sleep`` seconds per batch."""
+    return EMBED_TINY.replace("STEPS", str(steps)).replace("SLEEP", repr(sleep))
+
+
 def write_script(tmp_path, text: str = TINY, name: str = "job.py") -> str:
     path = tmp_path / name
     path.write_text(textwrap.dedent(text))

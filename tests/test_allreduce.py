@@ -60,29 +60,13 @@ def test_two_workers_match_single_process(tiny_script, tmp_path, reap_run):
     assert json.load(open(os.path.join(run_dir, "config.json")))["world_size"] == 2
 
 
-SPARSE = '''
-import torch, torch.nn as nn
-HPAR = {"steps": 10, "batch_size": 4, "lr": 0.1, "log_every": 5}
-class M(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(1000, 8)
-        self.out = nn.Linear(8, 1)
-    def forward(self, x):
-        return self.out(self.emb(x)).squeeze(1)
-def model(): return M()
-def data(rank, world_size, batch_size):
-    g = torch.Generator().manual_seed(rank)
-    while True:
-        yield torch.randint(0, 1000, (batch_size,), generator=g), torch.randn(batch_size, generator=g)
-def loss(o, t): return ((o - t) ** 2).mean()
-'''
+
 
 
 @pytest.mark.timeout(180)
 def test_allreduce_sparse_matches_and_counts_allgather_bytes(tmp_path, reap_run):
-    from conftest import write_script
-    script = write_script(tmp_path, SPARSE)
+    from conftest import embed_script, write_script
+    script = write_script(tmp_path, embed_script(steps=10))
     run_dir = str(tmp_path / "run")
     reap_run(run_dir)
     res = hpar("run", script, "--gpus", "2", "--strategy", "allreduce-sparse", "--run-dir", run_dir, "--plain")

@@ -160,20 +160,23 @@ def test_bad_hosts_fail_preflight(hosts, tmp_path, name, text, args, problem):
 def test_run_spreads_workers_over_two_hosts(hosts, tmp_path):
     run_dir = tmp_path / "run"
     out = hpar_run(LM, "--hosts", _host_file(tmp_path, hosts), "--gpus", "4", "--steps", "6", "--log-every", "2",
-                   "--strategy", "allreduce", "--ssh-key", hosts.key, "--plain", "--no-eval", "--run-dir", str(run_dir),
+                   "--strategy", "hybrid", "--ssh-key", hosts.key, "--plain", "--no-eval", "--run-dir", str(run_dir),
                    timeout=110)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout + out.stderr
     for rank, address in enumerate([hosts.addresses[0]] * 2 + [hosts.addresses[1]] * 2):
         assert f"[{address} worker {rank}] step 6/6" in text, text[-3000:]
+    for index, address in enumerate(hosts.addresses):  # one parameter server per host, as in Parallax
+        assert f"[{address} server {index}] step 6/6" in text, text[-3000:]
+        assert os.path.getsize(run_dir / "logs" / f"server-{index}.log") > 0
     assert "preflight: 2 host(s) ok" in text
     assert netns_hosts.leftovers(hosts, wait=5) == {}
 
 
-def _start_long_run(hosts, tmp_path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", LM, "--hosts", _host_file(tmp_path, hosts),
-                             "--gpus", "4", "--steps", "100000", "--log-every", "1", "--strategy", "allreduce",
-                             "--ssh-key", hosts.key, "--plain", "--no-eval", "--run-dir", str(tmp_path / "run")],
+def _start_long_run(hosts, tmp_path, *extra: str, script: str = LM, steps: int = 100000) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--hosts", _host_file(tmp_path, hosts),
+                             "--gpus", "4", "--steps", str(steps), "--log-every", "1", "--ssh-key", hosts.key, "--plain",
+                             "--no-eval", "--run-dir", str(tmp_path / "run"), *(extra or ("--strategy", "allreduce"))],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -189,15 +192,17 @@ def _wait_training(proc: subprocess.Popen, timeout: float = 60) -> list[str]:
     raise AssertionError("training did not start: " + "".join(lines[-20:]))
 
 
-def _worker_pids(hosts, index: int) -> list[int]:
+def _worker_pids(hosts, index: int, module: bytes = b"hpar.workers.worker") -> list[int]:
+    """PIDs of the ``python -m module`` processes (not their guards) on test host ``index``."""
     pids = []
     for pid in netns_hosts.testhosts.namespace_pids(hosts.hosts[index].namespace):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"hpar.workers.worker" in f.read() and b"hpar.workers.guard" not in open(f"/proc/{pid}/cmdline", "rb").read():
-                    pids.append(pid)
+                cmdline = f.read()
         except OSError:
-            pass
+            continue
+        if module in cmdline and b"hpar.workers.guard" not in cmdline:
+            pids.append(pid)
     return pids
 
 
@@ -255,3 +260,77 @@ def test_launcher_sigkilled_leaves_nothing(hosts, long_run):
     os.kill(long_run.pid, signal.SIGKILL)  # the launcher only: its SSH connections drop
     long_run.wait()
     assert netns_hosts.leftovers(hosts, wait=15) == {}
+
+
+def _long_run(hosts, tmp_path, *extra, **kw):
+    proc = _start_long_run(hosts, tmp_path, *extra, **kw)
+    try:
+        return proc, _wait_training(proc, timeout=90)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+@pytest.mark.netns
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_sigkill_of_a_remote_server_stops_everything(hosts, tmp_path):
+    proc, _ = _long_run(hosts, tmp_path, "--strategy", "hybrid")
+    try:
+        servers = _worker_pids(hosts, 1, b"hpar.workers.server")
+        assert len(servers) == 1, servers
+        os.kill(servers[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 1
+        assert f"server 1 on {hosts.addresses[1]} failed: killed by SIGKILL" in out, out[-2000:]
+        assert netns_hosts.leftovers(hosts, wait=10) == {}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.netns
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ctrl_c_over_ssh_stops_every_host(hosts, tmp_path):
+    proc, _ = _long_run(hosts, tmp_path)
+    try:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out[-2000:]
+        assert "SIGINT received" in out
+        assert netns_hosts.leftovers(hosts, wait=10) == {}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.netns
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_max_restarts_over_ssh_resumes_and_finishes(hosts, tmp_path):
+    from conftest import TINY, write_script
+    script = write_script(tmp_path, TINY.replace('"steps": 20', '"steps": 60').replace(
+        "yield x,", "__import__('time').sleep(0.1)\n        yield x,"))
+    proc, _ = _long_run(hosts, tmp_path, "--strategy", "allreduce", "--checkpoint-every", "3", "--max-restarts", "1",
+                        script=script, steps=60)
+    try:
+        latest = tmp_path / "run" / "checkpoints" / "latest"
+        deadline = time.monotonic() + 60
+        while not (latest.exists() and int(latest.read_text()) >= 6) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        victims = _worker_pids(hosts, 1)
+        assert victims, "no worker on the second host"
+        os.kill(victims[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=150)
+        assert proc.returncode == 0, out[-3000:]
+        assert "restart 1/1 from step" in out
+        assert "[%s worker 3] step 60/60" % hosts.addresses[1] in out
+        assert netns_hosts.leftovers(hosts, wait=10) == {}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -35,9 +35,8 @@ def test_pipeline_1f1b_through_the_launcher(tiny_script, tmp_path, reap_run):
 
 @pytest.mark.timeout(120)
 def test_pipeline_refuses_a_model_that_is_not_a_sequence(tmp_path):
-    from conftest import write_script
-    from test_failures import HYBRID_SLOW
-    script = write_script(tmp_path, HYBRID_SLOW)
+    from conftest import embed_script, write_script
+    script = write_script(tmp_path, embed_script())
     res = hpar("run", script, "--gpus", "2", "--strategy", "pipeline", "--run-dir", str(tmp_path / "run"))
     assert res.returncode == 2
     line = res.stderr.strip().splitlines()[0]
