@@ -10,7 +10,7 @@ a namespace ``<prefix>h<i>`` joined to it by a veth pair (``<prefix>v<i>`` on th
 config, a throwaway host key and a throwaway client key authorized for root. ``--rate`` caps
 each host's link in both directions (``tc qdisc ... tbf`` on both ends of its veth). It writes
 a host file (``root@ADDR:22 slots=1`` per line), an ssh config and the key under
-/tmp/hpar-testhosts-<prefix>/ and prints them as JSON. The namespaces have no default route:
+hpar-testhosts-<prefix>/ in $HPAR_TESTHOSTS_DIR (default: the temporary directory) and prints them as JSON. The namespaces have no default route:
 traffic only ever goes to the addresses made here. They share this machine's filesystem, so
 ``sys.executable`` and the repository path work inside them.
 
@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -94,7 +95,10 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _directory(prefix: str) -> str:
-    return f"/tmp/hpar-testhosts-{prefix}"
+    """Where the keys, configs and host file of the test hosts ``prefix`` live:
+    $HPAR_TESTHOSTS_DIR, else the system's temporary directory."""
+    base = os.environ.get("HPAR_TESTHOSTS_DIR") or tempfile.gettempdir()
+    return os.path.join(base, f"hpar-testhosts-{prefix}")
 
 
 def _check_names(prefix: str, net: int, k: int) -> None:

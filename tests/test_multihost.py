@@ -2,6 +2,7 @@
 runs over SSH to network-namespace test hosts, with faults that must leave nothing behind."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -262,14 +263,18 @@ def test_launcher_sigkilled_leaves_nothing(hosts, long_run):
     assert netns_hosts.leftovers(hosts, wait=15) == {}
 
 
+@contextlib.contextmanager
 def _long_run(hosts, tmp_path, *extra, **kw):
+    """A long ``hpar run`` over the test hosts, once training has started; SIGKILLed (with
+    its process group) afterwards if it is still running."""
     proc = _start_long_run(hosts, tmp_path, *extra, **kw)
     try:
-        return proc, _wait_training(proc, timeout=90)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
+        _wait_training(proc, timeout=90)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.netns
@@ -277,8 +282,7 @@ def _long_run(hosts, tmp_path, *extra, **kw):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sigkill_of_a_remote_server_stops_everything(hosts, tmp_path):
-    proc, _ = _long_run(hosts, tmp_path, "--strategy", "hybrid")
-    try:
+    with _long_run(hosts, tmp_path, "--strategy", "hybrid") as proc:
         servers = _worker_pids(hosts, 1, b"hpar.workers.server")
         assert len(servers) == 1, servers
         os.kill(servers[0], signal.SIGKILL)
@@ -286,9 +290,6 @@ def test_sigkill_of_a_remote_server_stops_everything(hosts, tmp_path):
         assert proc.returncode == 1
         assert f"server 1 on {hosts.addresses[1]} failed: killed by SIGKILL" in out, out[-2000:]
         assert netns_hosts.leftovers(hosts, wait=10) == {}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.netns
@@ -296,16 +297,12 @@ def test_sigkill_of_a_remote_server_stops_everything(hosts, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_ctrl_c_over_ssh_stops_every_host(hosts, tmp_path):
-    proc, _ = _long_run(hosts, tmp_path)
-    try:
+    with _long_run(hosts, tmp_path) as proc:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 130, out[-2000:]
         assert "SIGINT received" in out
         assert netns_hosts.leftovers(hosts, wait=10) == {}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.netns
@@ -316,9 +313,8 @@ def test_max_restarts_over_ssh_resumes_and_finishes(hosts, tmp_path):
     from conftest import TINY, write_script
     script = write_script(tmp_path, TINY.replace('"steps": 20', '"steps": 60').replace(
         "yield x,", "__import__('time').sleep(0.1)\n        yield x,"))
-    proc, _ = _long_run(hosts, tmp_path, "--strategy", "allreduce", "--checkpoint-every", "3", "--max-restarts", "1",
-                        script=script, steps=60)
-    try:
+    with _long_run(hosts, tmp_path, "--strategy", "allreduce", "--checkpoint-every", "3", "--max-restarts", "1",
+                   script=script, steps=60) as proc:
         latest = tmp_path / "run" / "checkpoints" / "latest"
         deadline = time.monotonic() + 60
         while not (latest.exists() and int(latest.read_text()) >= 6) and time.monotonic() < deadline:
@@ -331,6 +327,3 @@ def test_max_restarts_over_ssh_resumes_and_finishes(hosts, tmp_path):
         assert "restart 1/1 from step" in out
         assert "[%s worker 3] step 60/60" % hosts.addresses[1] in out
         assert netns_hosts.leftovers(hosts, wait=10) == {}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
