@@ -36,17 +36,17 @@ def render(doc: dict) -> str:
         out += [f"**{script}**", "",
                 "| strategy | samples/s | step p50 | step p90 | sent/worker/step | recv/worker/step | predicted step | pred/meas | x fastest |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        notes = []
+        skipped: dict[str, list[str]] = {}
         for r in rows:
             if r.get("reason"):
-                out.append(f"| {r['strategy']} | n/a (see below) | | | | | {_ms(r.get('predicted_step_s'))} | | |")
-                notes.append(f"- {r['strategy']}: {r['reason']}")
+                skipped.setdefault(r["reason"], []).append(r["strategy"])
                 continue
             b = r.get("bytes_per_step") or {}
             pm = (r["predicted_step_s"] / r["step_s_p50"]) if r.get("predicted_step_s") and r.get("step_s_p50") else None
             out.append(f"| {r['strategy']} | {r['samples_per_s']:,.1f} | {_ms(r.get('step_s_p50'))} | {_ms(r.get('step_s_p90'))} | "
                        f"{_mb(b.get('sent'))} | {_mb(b.get('recv'))} | {_ms(r.get('predicted_step_s'))} | "
                        f"{'-' if pm is None else f'{pm:.2f}'} | {r['ratio']:.2f} |")
+        notes = [f"- not run: {', '.join(names)}: {reason}" for reason, names in skipped.items()]
         out += [""] + notes + ([""] if notes else [])
         checks = [(r["strategy"], r["counters"]) for r in rows if r.get("counters")]
         if checks:
