@@ -5,15 +5,13 @@ stderr and exit with code 2 before any process starts.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import click
 from rich.console import Console
 
-from hpar.strategies.config import SCHEDULES, STRATEGIES, RunConfig
-from hpar.strategies.job import JobError, check_job, load_job
+from hpar.strategies.config import SCHEDULES, STRATEGIES
+from hpar.strategies.job import JobError
 
 EXIT_USAGE = 2
 
@@ -31,10 +29,6 @@ def fail(message: str, detail: str | None = None) -> None:
 def main() -> None:
     """hpar: profile a single-device PyTorch model, pick hybrid data parallelism or a balanced
     pipeline, and launch it over many GPUs and hosts."""
-
-
-def _pick(flag, job_defaults: dict, key: str, fallback):
-    return flag if flag is not None else job_defaults.get(key, fallback)
 
 
 @main.command()
@@ -93,17 +87,15 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
     sys.exit(outcome.exit_code)
 
 
-def _register_optional() -> None:
-    """Commands that live in their own modules."""
-    for module, name in (("hpar.launcher.profile_cli", "profile"), ("hpar.launcher.bench_cli", "bench")):
-        try:
-            mod = __import__(module, fromlist=[name])
-        except ImportError:
-            continue
-        main.add_command(getattr(mod, name))
+def _register_commands() -> None:
+    """``profile`` and ``bench`` live in their own modules (imported here, after ``main``)."""
+    from hpar.launcher.bench_cli import bench
+    from hpar.launcher.profile_cli import profile
+    main.add_command(profile)
+    main.add_command(bench)
 
 
-_register_optional()
+_register_commands()
 
 if __name__ == "__main__":
     main()

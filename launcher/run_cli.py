@@ -7,7 +7,7 @@ import os
 
 from rich.console import Console
 
-from hpar.launcher.hosts import Host, parse_hosts, place_workers
+from hpar.launcher.hosts import parse_hosts, place_workers
 from hpar.launcher.rundir import default_run_dir
 from hpar.launcher.runner import SERVER_STRATEGIES, LaunchOptions, choose_device
 from hpar.strategies import checkpoint

@@ -101,7 +101,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     torch.manual_seed(cfg.seed)
     model = job.build_model().to(ctx.device)
     sparse = cfg.strategy == "allreduce-sparse"
-    sparse_names = set_sparse_gradients(model, sparse)
+    set_sparse_gradients(model, sparse)
     opt = job.build_optimizer(model.parameters(), cfg.lr)
     ctx.start_step = resume_state(ctx, model, opt)
     counter = ByteCount()

@@ -56,7 +56,7 @@ def _child(rank, world, port, config_path, log_path):
         code = worker.main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException as exc:  # noqa: BLE001 - report and exit non-zero
+    except BaseException:  # noqa: BLE001 - report and exit non-zero
         import traceback
         traceback.print_exc()
         code = 3

@@ -2,7 +2,6 @@
 (network namespaces with their own sshd; skipped where they cannot be made)."""
 from __future__ import annotations
 
-import os
 import queue
 import shlex
 import signal
