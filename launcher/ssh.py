@@ -33,8 +33,8 @@ from .hosts import Host
 from .procs import LocalProcess, ProcessSpec
 
 LOST_HOST = 255
-LINK_TIMEOUT_S = 5.0
-HEARTBEAT_S = 5.0  # the remote guard stops its group after this long without a heartbeat byte
+LINK_TIMEOUT_S = 3.0
+HEARTBEAT_S = 4.0  # the remote guard stops its group after this long without a heartbeat byte
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PASS_THROUGH = ("PYTHONPATH",)
 # ``setsid -w`` for our purpose: run argv[1:] as the leader of a new session, wait, and exit
