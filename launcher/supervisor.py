@@ -96,10 +96,12 @@ class Supervisor:
                     if code != 0:
                         failed.append(p)
             if failed:
-                time.sleep(0.3)  # a peer's crash makes the others fail too: look again, blame the root cause
+                # a peer's crash makes the others fail too (gloo aborts them with SIGABRT on a
+                # closed connection): wait for the exits still in flight, blame the root cause
+                time.sleep(1.0)
                 self._drain(timeout=0.0)
                 candidates = failed + [p for p in self.procs if id(p) not in exited and p.poll() not in (None, 0)]
-                first = min(candidates, key=lambda p: 0 if self._died_by_signal(p) else 1)
+                first = min(candidates, key=self._blame_order)
                 return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
             if len(exited) == len(self.procs):
                 self._drain(timeout=0.0)
@@ -111,9 +113,14 @@ class Supervisor:
                         self.progress.update(p.spec.label, "state", {"state": "stalled"})
                         return self._fail(p, f"stalled: no progress for {self.stall_timeout:.0f} s (--stall-timeout)")
 
-    def _died_by_signal(self, p) -> bool:
+    def _blame_order(self, p) -> int:
+        """0: killed by a signal from outside (SIGKILL, SIGTERM, SIGSEGV, ...); 1: SIGABRT
+        (how gloo ends a process whose peer vanished); 2: a non-zero exit code."""
         code = p.poll()
-        return code is not None and (code < 0 or id(p) in self._signal_of)
+        sig = -code if code is not None and code < 0 else self._signal_of.get(id(p))
+        if sig is None:
+            return 2
+        return 1 if sig == signal.SIGABRT else 0
 
     def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
