@@ -311,7 +311,7 @@ def test_ctrl_c_over_ssh_stops_every_host(hosts, tmp_path):
 @pytest.mark.netns
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_max_restarts_over_ssh_resumes_and_finishes(hosts, tmp_path):
     from conftest import TINY, write_script
     script = write_script(tmp_path, TINY.replace('"steps": 20', '"steps": 60').replace(
