@@ -14,8 +14,10 @@ parameter lives on the servers, dense ones pulled and pushed whole (TensorFlow-P
 
 Round trips: rows of embeddings fed straight from the batch, or with the same tensor as
 another served embedding, are requested before they are needed (sparse_embedding.prefetch),
-so a step's pulls share one server wake-up; pushes and DONE are asynchronous and overlap the
-dense optimizer step. Workers on one host aggregate sparse gradients before pushing when a
+so a step's pulls share one server wake-up. A table's push leaves from inside backward as soon
+as its gradients are complete, and the server applies a table once every worker's push is in,
+so the sampled-softmax tables are updated while the workers still run the LSTM's backward;
+pushes and DONE are asynchronous and overlap the dense optimizer step. Workers on one host aggregate sparse gradients before pushing when a
 server lives on another host (ps_client.LocalAggregator).
 
 Scaling: sparse gradients are *averaged* over workers on the server (sum of pushes / N),
@@ -157,6 +159,14 @@ def train(ctx: WorkerContext) -> TrainResult:
     for _ in range(ctx.start_step):  # same batches as an uninterrupted run
         next(batches)
     meter, totals, steps_done = StepMeter(ctx, 0), {}, 0
+    pending = []   # this step's sends to the servers
+
+    def push(item) -> None:
+        grads = item.gradients()
+        if grads is not None:
+            pending.extend(client.push(item.table, grads[0], grads[1], clock.step))
+    # without local aggregation (a collective), tables are pushed from inside backward
+    clock.on_gradients = push if local is None else None
     for step in range(ctx.start_step, cfg.steps):
         inputs, targets = next(batches)
         meter.samples_per_step = batch_samples(inputs)
@@ -173,13 +183,13 @@ def train(ctx: WorkerContext) -> TrainResult:
         loss = job.compute_loss(net(inputs), targets)
         loss.backward()
         t_push = time.perf_counter()
-        pending = []
         for item in served:
-            grads = item.gradients()
             if local is not None:
-                grads = local.reduce(item.table, grads)
-            if grads is not None:
-                pending += client.push(item.table, grads[0], grads[1], step)
+                grads = local.reduce(item.table, item.gradients())
+                if grads is not None:
+                    pending.extend(client.push(item.table, grads[0], grads[1], step, count=len(local.ranks)))
+            elif not item.pushed:
+                push(item)
             item.clear()
         for t, p in whole:
             if p.grad is not None:
@@ -189,6 +199,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             opt.step()
         for work in pending:
             work.wait()
+        pending.clear()
         push_s = time.perf_counter() - t_push
         by_name = client.bytes.take()
         dense_sent, dense_recv = counter.take()

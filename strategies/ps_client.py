@@ -2,16 +2,20 @@
 
 Transport: torch.distributed point-to-point over the default process group (gloo), where
 workers hold pg ranks ``0..N-1`` and servers ``N..N+S-1`` (not torch.distributed.rpc, which
-upstream keeps in maintenance mode). Every request starts with a 4-int64 header
-``(op, table id, n, step)`` sent with tag ``TAG_HEADER``; the server receives headers from
+upstream keeps in maintenance mode). Every request starts with a 5-int64 header
+``(op, table id, n, step, count)`` sent with tag ``TAG_HEADER``; the server receives headers from
 any source, then the payloads (tag ``TAG_DATA``) from that worker, and answers pulls with
-tag ``TAG_REPLY``. ``n = -1`` means "every row this server holds" (whole-parameter pulls and
+the table's own tag (:func:`reply_tag`). ``n = -1`` means "every row this server holds" (whole-parameter pulls and
 pushes of the ``ps`` strategy and of the final gather).
 
-Synchronous semantics: a pull for step ``t`` is answered only after the server applied the
-updates of steps ``< t`` (the server defers it otherwise); a server applies step ``t`` once
-all N workers have sent ``DONE(t)``. Hence workers never read rows older than the previous
-step, and never newer ones.
+Synchronous semantics: a pull of table T for step ``t`` is answered only after the server
+applied T's updates of steps ``< t`` (the server defers it otherwise). The server applies
+T's update of step ``t`` as soon as pushes representing all N workers are in (``count`` in
+a push header is the number of workers it carries: 1, or a host's workers after local
+aggregation), and at the latest once all N workers have sent ``DONE(t)`` (tables some
+worker had no gradient for). Hence workers never read rows older than the previous step,
+and never newer ones; a table whose gradients are complete early in the backward pass is
+updated while the workers still compute.
 
 Bytes are counted per table per step (headers under ``"_control"``), on both sides.
 """
@@ -26,8 +30,23 @@ import torch.distributed as dist
 from hpar.strategies.ps_shard import OptimizerSpec, RowLayout, spec_from_group, table_view
 
 PULL, PUSH, DONE, FINISH = 1, 2, 3, 4
-TAG_HEADER, TAG_DATA, TAG_REPLY = 11, 12, 13
-HEADER_BYTES = 4 * 8
+TAG_HEADER, TAG_DATA, TAG_REPLY = 11, 12, 1000
+
+
+def p2p(group=None):
+    """``(isend, irecv)`` on ``group`` (default: the default group), each ``f(tensor, peer,
+    tag) -> Work``: the ProcessGroup's own point-to-point calls, which skip the argument
+    checks of ``dist.isend``/``dist.irecv`` (half the cost of a small message here)."""
+    pg = group or dist.group.WORLD
+    return (lambda t, peer, tag: pg.send([t], peer, tag)), (lambda t, peer, tag: pg.recv([t], peer, tag))
+
+
+def reply_tag(tid: int) -> int:
+    """Tag of the server's answers to pulls of table ``tid``: one tag per table, because
+    tables are applied (and so answered) in any order, while answers with one tag from one
+    sender match the receiver's posted receives in order."""
+    return TAG_REPLY + tid
+HEADER_BYTES = 5 * 8
 CONTROL = "_control"
 
 
@@ -147,13 +166,15 @@ class PSClient:
         self.bytes = ByteMeter()
         self.pull_s = 0.0    # seconds spent waiting in pulls since the caller last reset it
         self._server_rows = {t.tid: [t.layout.server_rows(s) for s in range(num_servers)] for t in tables}
+        self._isend, self._irecv = p2p()
 
     def server_rank(self, server: int) -> int:
         return self.num_workers + server
 
-    def _header(self, server: int, op: int, tid: int, n: int, step: int, name: str = CONTROL):
+    def _header(self, server: int, op: int, tid: int, n: int, step: int, name: str = CONTROL, count: int = 1):
         self.bytes.add(name, sent=HEADER_BYTES)
-        return dist.isend(torch.tensor([op, tid, n, step], dtype=torch.int64), self.server_rank(server), tag=TAG_HEADER)
+        header = torch.tensor([op, tid, n, step, count], dtype=torch.int64)
+        return self._isend(header, self.server_rank(server), TAG_HEADER)
 
     def pull(self, table: PSTable, ids: torch.Tensor | None, step: int) -> torch.Tensor:
         """Rows ``ids`` (unique 1-D int64) of ``table`` as of the start of ``step``, shape
@@ -168,18 +189,22 @@ class PSClient:
         n_out = table.rows if ids is None else ids.numel()
         out = torch.empty(n_out, table.dim, dtype=table.dtype)
         sends, recvs = [], []
-        owner = None if ids is None else table.layout.server_of(ids)
-        for s in range(self.num_servers):
-            where = self._server_rows[table.tid][s] if ids is None else (owner == s).nonzero().squeeze(1)
-            if where.numel() == 0:
-                continue
-            sends.append(self._header(s, PULL, table.tid, -1 if ids is None else where.numel(), step, table.name))
+        holders = [s for s in range(self.num_servers) if self._server_rows[table.tid][s].numel()]
+        owner = None if ids is None or len(holders) == 1 else table.layout.server_of(ids)
+        for s in holders:
+            if ids is None:
+                where = None if len(holders) == 1 else self._server_rows[table.tid][s]
+            else:
+                where = None if owner is None else (owner == s).nonzero().squeeze(1)
+                sel = ids if where is None else ids[where]
+                if sel.numel() == 0:
+                    continue
+            sends.append(self._header(s, PULL, table.tid, -1 if ids is None else sel.numel(), step, table.name))
             if ids is not None:
-                sel = ids[where]
-                sends.append(dist.isend(sel, self.server_rank(s), tag=TAG_DATA))
+                sends.append(self._isend(sel, self.server_rank(s), TAG_DATA))
                 self.bytes.add(table.name, sent=nbytes(sel))
-            buf = torch.empty(where.numel(), table.dim, dtype=table.dtype)
-            recvs.append((dist.irecv(buf, self.server_rank(s), tag=TAG_REPLY), where, buf))
+            buf = out if where is None else torch.empty(where.numel(), table.dim, dtype=table.dtype)
+            recvs.append((self._irecv(buf, self.server_rank(s), reply_tag(table.tid)), where, buf))
             self.bytes.add(table.name, recv=nbytes(buf))
         self.pull_s += time.perf_counter() - t0
 
@@ -189,33 +214,35 @@ class PSClient:
                 work.wait()
             for work, where, buf in recvs:
                 work.wait()
-                out[where] = buf
+                if where is not None:
+                    out[where] = buf
             self.pull_s += time.perf_counter() - t1
             return out
         return wait
 
-    def push(self, table: PSTable, ids: torch.Tensor | None, grads: torch.Tensor, step: int) -> list:
+    def push(self, table: PSTable, ids: torch.Tensor | None, grads: torch.Tensor, step: int, count: int = 1) -> list:
         """Send this worker's gradient rows for ``step``: ``grads`` is ``(len(ids), dim)``
-        for unique ``ids``, or ``(rows, dim)`` when ``ids`` is None (whole parameter). Every
-        server holding rows of the table gets a push, possibly empty, so it knows the
+        for unique ``ids``, or ``(rows, dim)`` when ``ids`` is None (whole parameter);
+        ``count`` is the number of workers whose gradients it sums (local aggregation).
+        Every server holding rows of the table gets a push, possibly empty, so it knows the
         parameter had a gradient. Returns the pending sends (wait on them)."""
         works = []
-        owner = None if ids is None else table.layout.server_of(ids)
-        for s in range(self.num_servers):
-            if self._server_rows[table.tid][s].numel() == 0:
-                continue
+        holders = [s for s in range(self.num_servers) if self._server_rows[table.tid][s].numel()]
+        owner = None if ids is None or len(holders) == 1 else table.layout.server_of(ids)
+        for s in holders:
             if ids is None:
-                g = grads[self._server_rows[table.tid][s]].contiguous()
-                works.append(self._header(s, PUSH, table.tid, -1, step, table.name))
+                g = grads if len(holders) == 1 else grads[self._server_rows[table.tid][s]]
+                works.append(self._header(s, PUSH, table.tid, -1, step, table.name, count))
             else:
-                where = (owner == s).nonzero().squeeze(1)
-                sel, g = ids[where], grads[where].contiguous()
-                works.append(self._header(s, PUSH, table.tid, sel.numel(), step, table.name))
+                where = None if owner is None else (owner == s).nonzero().squeeze(1)
+                sel, g = (ids, grads) if where is None else (ids[where], grads[where])
+                works.append(self._header(s, PUSH, table.tid, sel.numel(), step, table.name, count))
                 if sel.numel() == 0:
                     continue
-                works.append(dist.isend(sel, self.server_rank(s), tag=TAG_DATA))
+                works.append(self._isend(sel.contiguous(), self.server_rank(s), TAG_DATA))
                 self.bytes.add(table.name, sent=nbytes(sel))
-            works.append(dist.isend(g, self.server_rank(s), tag=TAG_DATA))
+            g = g.contiguous()
+            works.append(self._isend(g, self.server_rank(s), TAG_DATA))
             self.bytes.add(table.name, sent=nbytes(g))
         return works
 

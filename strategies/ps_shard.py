@@ -49,6 +49,8 @@ class RowLayout:
     def __post_init__(self):
         assert self.num_rows >= 1 and self.num_servers >= 1
         assert 1 <= self.num_partitions <= self.num_rows
+        p = torch.arange(self.num_partitions + 1, dtype=torch.int64)
+        object.__setattr__(self, "_bounds", p * self.num_rows // self.num_partitions)
 
     @staticmethod
     def make(num_rows: int, partitions: int, num_servers: int) -> "RowLayout":
@@ -56,9 +58,8 @@ class RowLayout:
         return RowLayout(num_rows, max(1, min(int(partitions), num_rows)), num_servers)
 
     def bounds(self) -> torch.Tensor:
-        """int64 tensor of P+1 partition boundaries (row ids)."""
-        p = torch.arange(self.num_partitions + 1, dtype=torch.int64)
-        return p * self.num_rows // self.num_partitions
+        """int64 tensor of P+1 partition boundaries (row ids); do not modify it."""
+        return self._bounds
 
     def partition_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Partition index of every global row id in ``ids`` (int64, any shape)."""
@@ -76,6 +77,8 @@ class RowLayout:
 
     def local_index(self, server: int, ids: torch.Tensor) -> torch.Tensor:
         """Local row index on ``server`` of global ``ids`` that it owns (asserted)."""
+        if self.num_servers == 1:
+            return ids
         b = self.bounds()
         part = self.partition_of(ids)
         assert bool((part % self.num_servers == server).all()), "row ids sent to the wrong server"

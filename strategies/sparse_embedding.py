@@ -11,6 +11,11 @@ DDP ignores it; :func:`detach` restores a full weight and the class's forward.
 
 Several calls of one module in a step (e.g. sampled softmax looking up targets and
 negatives) each pull their rows; their gradients are summed per row before the push.
+
+Early pushes: with ``StepClock.on_gradients`` set, a module's gradients are handed over
+from inside the backward pass as soon as every lookup of this step has its gradient
+(a post-accumulate-grad hook on the pulled rows), so the push of an output embedding
+(sampled softmax) overlaps the backward of the layers below it.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ class StepClock:
     step: int = 0
     leaves: dict = field(default_factory=dict)
     seen: list = field(default_factory=list)   # [(input tensor, ServedEmbedding)] this step
+    on_gradients: object = None   # callable(ServedEmbedding): early push from the backward pass
 
 
 def batch_leaves(inputs, path: str = "") -> dict:
@@ -56,6 +62,7 @@ class ServedEmbedding:
     source: str | None = None       # batch path this module's input came from, once seen
     follows: "ServedEmbedding | None" = None  # module whose input this one reused, once seen
     prefetched: tuple | None = None  # (input tensor, unique ids, inverse, waiter)
+    pushed: bool = False            # this step's gradients were handed over early
 
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(unique ids (k,), summed row gradients (k, dim))`` of this step, on CPU, or
@@ -73,6 +80,7 @@ class ServedEmbedding:
         """Forget this step's rows; consume a prefetched answer the forward did not use
         (its reply must leave the channel before the next pull)."""
         self.records = []
+        self.pushed = False
         if self.prefetched is not None:
             self.prefetched[3]()
             self.prefetched = None
@@ -103,7 +111,16 @@ def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torc
     clock.seen.append((ids, served))
     rows = rows.to(ids.device).requires_grad_()
     served.records.append((uids, rows))
+    if clock.on_gradients is not None:
+        rows.register_post_accumulate_grad_hook(lambda _, item=served: _grad_ready(item, clock))
     return uids, inverse.to(ids.device), rows
+
+
+def _grad_ready(item: ServedEmbedding, clock: StepClock) -> None:
+    """Backward hook: hand the module's gradients over once every lookup has one."""
+    if not item.pushed and all(rows.grad is not None for _, rows in item.records):
+        item.pushed = True
+        clock.on_gradients(item)
 
 
 def _dedup_checked(served: ServedEmbedding, ids: torch.Tensor):

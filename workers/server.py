@@ -6,7 +6,8 @@ MASTER_PORT, HPAR_CONFIG. The server joins the default group, creates the same s
 as the workers, builds its shard of every PS table (same seed, so the same initial values
 as the workers' model), then answers the wire protocol of strategies/ps_client.py until
 every worker has finished: pulls (deferred until the previous step is applied), pushes
-(accumulated), DONE (apply the step once all workers are done; checkpoint when due).
+(accumulated; a table's update is applied as soon as pushes from all workers are in), DONE
+(close the step once all workers are done: apply the tables not yet applied, checkpoint when due).
 It reports bytes per step by table (``metric``) and heartbeats through workers/report.py.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hpar.strategies.config import RunConfig
 from hpar.strategies.hybrid import make_groups
 from hpar.strategies.job import JobError, load_job
 from hpar.strategies.ps_client import (CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, TAG_DATA, TAG_HEADER,
-                                       TAG_REPLY, ByteMeter, PSTable, nbytes, ps_tables)
+                                       ByteMeter, PSTable, nbytes, p2p, ps_tables, reply_tag)
 from hpar.strategies.ps_shard import ParamShard, table_view
 from hpar.workers import report
 from hpar.workers.worker import env_int, init_group
@@ -40,11 +41,14 @@ class Server:
             rows = t.layout.server_rows(index)
             if rows.numel():
                 self.shards[t.tid] = ParamShard(table_view(params[t.name].detach())[rows], t.spec)
-        self.applied = start_step        # number of steps applied so far
+        self.applied = start_step        # steps closed (every worker sent DONE)
+        self.table_step = {tid: start_step for tid in self.shards}  # steps applied, per table
+        self.pushed = {tid: 0 for tid in self.shards}  # workers whose gradients are in, per table
         self.done: dict[int, int] = {}
         self.pending: list[tuple[int, int, torch.Tensor | None, int]] = []  # (src, table, local ids, step)
         self.bytes = ByteMeter()
         self.totals: dict[str, list[float]] = {}
+        self._isend, self._irecv = p2p()
 
     def part(self) -> str:
         return f"server{self.index}"
@@ -56,24 +60,53 @@ class Server:
         for tid, shard in self.shards.items():
             shard.load_state_dict(state["shards"][self.tables[tid].name])
         self.applied = int(state["applied"])
+        self.table_step = {tid: self.applied for tid in self.shards}
 
     def _reply(self, src: int, tid: int, local: torch.Tensor | None) -> None:
         rows = self.shards[tid].lookup(local).contiguous()
         self.bytes.add(self.tables[tid].name, sent=nbytes(rows))
-        dist.send(rows, src, tag=TAG_REPLY)
+        self._isend(rows, src, reply_tag(tid)).wait()
 
     def _recv_ids(self, src: int, table: PSTable, n: int) -> torch.Tensor | None:
         if n < 0:
             return None
         ids = torch.empty(n, dtype=torch.int64)
         if n:
-            dist.recv(ids, src, tag=TAG_DATA)
+            self._irecv(ids, src, TAG_DATA).wait()
         self.bytes.add(table.name, recv=nbytes(ids))
         return table.layout.local_index(self.index, ids)
 
-    def _apply(self) -> None:
-        for shard in self.shards.values():
-            shard.apply(self.num_workers)
+    def _apply_table(self, tid: int) -> None:
+        """Apply table ``tid``'s update of its current step (a no-op without pushes) and
+        answer the pulls that waited for it."""
+        self.shards[tid].apply(self.num_workers)
+        self.table_step[tid] += 1
+        self.pushed[tid] = 0
+        self._answer_pending()
+
+    def _apply_if_complete(self, tid: int) -> None:
+        """Apply table ``tid`` early when all workers' gradients of the open step are in.
+        (Pushes of a later step can already be complete with local aggregation, whose
+        leader may push before its host's other worker's DONE arrives; they wait for the
+        step to close, so a checkpoint never holds a table ahead of its step.)"""
+        if self.pushed[tid] == self.num_workers and self.table_step[tid] == self.applied:
+            self._apply_table(tid)
+
+    def _answer_pending(self) -> None:
+        still = []
+        for src, tid, local, at in self.pending:
+            if at <= self.table_step[tid]:
+                self._reply(src, tid, local)
+            else:
+                still.append((src, tid, local, at))
+        self.pending = still
+
+    def _close_step(self) -> None:
+        """Every worker sent DONE for step ``applied``: apply the tables still open, report
+        the step's bytes and checkpoint when due."""
+        for tid, at in self.table_step.items():
+            if at == self.applied:
+                self._apply_table(tid)
         self.applied += 1
         step = self.applied
         by_name = self.bytes.take()
@@ -89,43 +122,44 @@ class Server:
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
             checkpoint.save_part(self.cfg.run_dir, step, self.part(), self.state_dict())
             checkpoint.commit(self.cfg.run_dir, step)
-        still = []
-        for src, tid, local, at in self.pending:
-            if at <= self.applied:
-                self._reply(src, tid, local)
-            else:
-                still.append((src, tid, local, at))
-        self.pending = still
+        for tid in self.shards:
+            self._apply_if_complete(tid)
 
     def serve(self) -> None:
         """Answer requests until every worker sent FINISH."""
         finished = 0
-        header = torch.empty(4, dtype=torch.int64)
+        header = torch.empty(5, dtype=torch.int64)
         while finished < self.num_workers:
-            src = dist.recv(header, tag=TAG_HEADER)
-            op, tid, n, step = header.tolist()
+            work = dist.group.WORLD.recv_anysource([header], TAG_HEADER)
+            work.wait()
+            src = work.source_rank()
+            op, tid, n, step, count = header.tolist()
             self.bytes.add(CONTROL if op in (DONE, FINISH) else self.tables[tid].name, recv=HEADER_BYTES)
             if op == PULL:
                 local = self._recv_ids(src, self.tables[tid], n)
-                if step <= self.applied:
+                if step <= self.table_step[tid]:
                     self._reply(src, tid, local)
                 else:
                     self.pending.append((src, tid, local, step))
             elif op == PUSH:
-                assert step == self.applied, f"push for step {step} while applying step {self.applied}"
+                # a worker pushes table T for step t only after its pull of T for step t,
+                # answered once T's step t-1 was applied: pushes never run ahead of T's step
+                assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
                 table, shard = self.tables[tid], self.shards[tid]
                 local = self._recv_ids(src, table, n)
                 grads = torch.empty(shard.weight.shape[0] if local is None else local.numel(), table.dim,
                                     dtype=table.dtype)
                 if grads.numel():
-                    dist.recv(grads, src, tag=TAG_DATA)
+                    self._irecv(grads, src, TAG_DATA).wait()
                 self.bytes.add(table.name, recv=nbytes(grads))
                 shard.add_grad(local, grads)
+                self.pushed[tid] += count
+                self._apply_if_complete(tid)
             elif op == DONE:
                 self.done[step] = self.done.get(step, 0) + 1
                 while self.done.get(self.applied, 0) == self.num_workers:
                     del self.done[self.applied]
-                    self._apply()
+                    self._close_step()
             elif op == FINISH:
                 finished += 1
             else:
