@@ -7,8 +7,8 @@ into ``P`` contiguous row ranges (partitions, as Parallax's partitioner does, Ki
 and partition ``p`` lives on server ``p % S`` (round-robin). A server keeps the partitions it
 owns concatenated in one local tensor (:class:`RowLayout` maps global row ids to local ones).
 
-Optimizers (:class:`ParamShard.apply`) reproduce ``torch.optim.SGD`` (momentum, dampening,
-nesterov, weight decay), ``Adagrad`` and ``Adam``/``AdamW`` on the dense gradient, with the
+Optimizers (:class:`ParamShard.apply`) run torch.optim's own functional updates of ``SGD``
+(momentum, dampening, nesterov, weight decay), ``Adagrad`` and ``Adam``/``AdamW``, with the
 gradient of one step being the *mean* over workers of their pushed row gradients (the dense
 AllReduce path averages too, so N workers equal one process on the concatenated batch with
 a mean loss). Sparse semantics (``mode``):
@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.optim import adagrad, adam, sgd
 
 MODES = ("exact", "lazy")
 
@@ -180,15 +181,22 @@ class ParamShard:
             return
         self._pushed = False
         self.step += 1
-        ids = torch.cat(self._ids) if self._ids else torch.empty(0, dtype=torch.int64)
-        grads = torch.cat(self._grads) if self._grads else self.weight.new_zeros(0, self.weight.shape[1])
+        ids_list, grads_list = self._ids, self._grads
         self._ids, self._grads = [], []
+        dim = self.weight.shape[1]
         if self.spec.touched_rows_suffice():
+            ids = torch.cat(ids_list) if ids_list else torch.empty(0, dtype=torch.int64)
             rows, inverse = torch.unique(ids, return_inverse=True)
-            g = self.weight.new_zeros(rows.numel(), self.weight.shape[1]).index_add_(0, inverse, grads)
+            g = self.weight.new_zeros(rows.numel(), dim)
+            start = 0
+            for grads in grads_list:   # sum the pushes without concatenating them first
+                g.index_add_(0, inverse[start:start + grads.shape[0]], grads)
+                start += grads.shape[0]
         else:
             rows = None
-            g = torch.zeros_like(self.weight).index_add_(0, ids, grads)
+            g = torch.zeros_like(self.weight)
+            for ids, grads in zip(ids_list, grads_list):
+                g.index_add_(0, ids, grads)
         g.div_(num_workers)
         self._update(rows, g)
 
@@ -198,46 +206,38 @@ class ParamShard:
         return self.state[key]
 
     def _update(self, rows: torch.Tensor | None, g: torch.Tensor) -> None:
-        """torch.optim's single-tensor update on ``rows`` (None: every row) with gradient g."""
+        """Run torch.optim's functional update (the code ``SGD``/``Adagrad``/``Adam(W).step``
+        runs; fused kernels where torch has them) on ``rows`` (None: every row) with
+        gradient ``g``, then write the rows and their state back."""
         s = self.spec
         p = self.weight if rows is None else self.weight.index_select(0, rows)
-        new_state: dict[str, torch.Tensor] = {}
+        picked: dict[str, torch.Tensor] = {}
 
         def state(key: str, fill: float = 0.0) -> torch.Tensor:
             full = self._state(key, fill)
-            new_state[key] = full if rows is None else full.index_select(0, rows)
-            return new_state[key]
+            picked[key] = full if rows is None else full.index_select(0, rows)
+            return picked[key]
 
-        if s.kind == "adam" and s.decoupled_weight_decay and s.weight_decay:
-            p.mul_(1 - s.lr * s.weight_decay)
-        elif s.weight_decay:
-            g = g.add(p, alpha=s.weight_decay)
+        # torch's functional updates count the step themselves (step_t += 1)
+        step_t = torch.tensor(float(self.step - 1), device=p.device)
+        fused = p.device.type == "cpu" and p.dtype == torch.float32
         if s.kind == "sgd":
-            if s.momentum:
-                first = "momentum_buffer" not in self.state
-                buf = state("momentum_buffer")
-                if first:
-                    buf.copy_(g)
-                else:
-                    buf.mul_(s.momentum).add_(g, alpha=1 - s.dampening)
-                g = g.add(buf, alpha=s.momentum) if s.nesterov else buf
-            p.add_(g, alpha=-s.lr)
+            buf = [state("momentum_buffer") if "momentum_buffer" in self.state else None]
+            sgd.sgd([p], [g], buf, weight_decay=s.weight_decay, momentum=s.momentum, lr=s.lr,
+                    dampening=s.dampening, nesterov=s.nesterov, maximize=False)
+            if s.momentum and "momentum_buffer" not in self.state:   # created by the first step
+                full = self._state("momentum_buffer")
+                picked["momentum_buffer"] = buf[0] if rows is not None else full.copy_(buf[0])
         elif s.kind == "adagrad":
-            acc = state("sum", s.initial_accumulator_value)
-            clr = s.lr / (1 + (self.step - 1) * s.lr_decay)
-            acc.addcmul_(g, g, value=1)
-            p.addcdiv_(g, acc.sqrt().add_(s.eps), value=-clr)
+            adagrad.adagrad([p], [g], [state("sum", s.initial_accumulator_value)], [step_t], fused=fused,
+                            lr=s.lr, weight_decay=s.weight_decay, lr_decay=s.lr_decay, eps=s.eps, maximize=False)
         else:
-            beta1, beta2 = s.betas
-            m, v = state("exp_avg"), state("exp_avg_sq")
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            bc1, bc2 = 1 - beta1 ** self.step, 1 - beta2 ** self.step
-            denom = (v.sqrt() / bc2 ** 0.5).add_(s.eps)
-            p.addcdiv_(m, denom, value=-s.lr / bc1)
+            adam.adam([p], [g], [state("exp_avg")], [state("exp_avg_sq")], [], [step_t], fused=fused,
+                      decoupled_weight_decay=s.decoupled_weight_decay, amsgrad=False, beta1=s.betas[0],
+                      beta2=s.betas[1], lr=s.lr, weight_decay=s.weight_decay, eps=s.eps, maximize=False)
         if rows is not None:
             self.weight.index_copy_(0, rows, p)
-            for key, value in new_state.items():
+            for key, value in picked.items():
                 self.state[key].index_copy_(0, rows, value)
 
     def state_dict(self) -> dict:
