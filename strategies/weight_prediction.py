@@ -28,13 +28,17 @@ the ones its own update is made against (s from ``schedules.with_distances``: K-
   right after the pass. The backward (s = 0 on 1F1B) reads the live weights.
 
 Implementation: in the asynchronous modes a pass does not use the module's parameters
-directly but leaf tensors handed to ``torch.func.functional_call``. For ``async`` and
-``predict`` they are aliases of the parameters' storage (``p.data``, which has its own
-version counter), so the optimizer's in-place updates are visible to a later backward
-without tripping autograd's saved-tensor check; for ``stash`` they are clones. After the
-backward their gradients become the parameters' ``.grad``. Limit: a layer whose autograd
-saves a tensor derived from a weight (rather than the weight or a view of it) keeps that
-derived value from the forward.
+directly but leaf tensors handed to ``torch.func.functional_call``. For ``async`` they are
+aliases of the parameters' storage (``p.data``, which has its own version counter), so the
+optimizer's in-place updates are visible to a later backward without tripping autograd's
+saved-tensor check; for ``stash`` they are clones. A ``predict`` forward computes
+W_hat = W - s * lr * v out of place into a reused buffer (one pass over W and v, nothing
+to restore) and runs on it; a saved-tensor hook (``torch.autograd.graph.saved_tensors_hooks``)
+stores every weight the forward saves for backward as a reference to the live parameter,
+so the backward reads the live weights, as with ``async``. After the backward the leaves'
+gradients become the parameters' ``.grad``. Limit: a layer whose autograd saves a tensor
+derived from a weight (rather than the weight or a view of it) keeps that derived value
+from the forward.
 """
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ class PassWeights:
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.leaves: dict[int, dict[str, torch.Tensor]] = {}   # micro-batch -> pass weights
         self._last_update: dict[str, torch.Tensor] = {}        # non-momentum v, predict only
-        self._scratch: dict[str, torch.Tensor] = {}            # the real weights during a predicted pass
+        self._scratch: dict[str, torch.Tensor] = {}            # W_hat of the latest predicted forward
 
     # --- passes ---------------------------------------------------------------------------
     def forward(self, micro: int, distance: int, inputs: Any) -> Any:
@@ -76,9 +80,40 @@ class PassWeights:
             leaves = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.named}
         else:
             leaves = {n: p.data.requires_grad_(True) for n, p in self.named}
+        live = self._predict_into_scratch(leaves, distance) if self.mode == "predict" else {}
         self.leaves[micro] = leaves
-        with self.predicted(distance if self.mode == "predict" else 0):
+        if not live:
             return functional_call(self.module, leaves, (inputs,))
+
+        def pack(t: torch.Tensor):
+            p = live.get(t.untyped_storage().data_ptr())
+            return t if p is None else (p, t.size(), t.stride(), t.storage_offset())
+
+        def unpack(x):
+            return x if isinstance(x, torch.Tensor) else x[0].data.as_strided(x[1], x[2], x[3])
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return functional_call(self.module, leaves, (inputs,))
+
+    def _predict_into_scratch(self, leaves: dict[str, torch.Tensor], distance: int) -> dict[int, torch.Tensor]:
+        """Replace ``leaves`` by W_hat = W - s * lr * v in per-parameter buffers reused from
+        pass to pass; returns {buffer storage address: live parameter} for the saved-tensor
+        hook. A leaf stays the live weight where v is not known yet or s = 0."""
+        if distance <= 0 or self.optimizer is None:
+            return {}
+        lr = {id(p): g["lr"] for g in self.optimizer.param_groups for p in g["params"]}
+        live = {}
+        with torch.no_grad():
+            for n, p in self.named:
+                v = self.smoothed_gradient(n, p)
+                if v is None:
+                    continue
+                buf = self._scratch.get(n)
+                if buf is None or buf.shape != p.shape:
+                    buf = self._scratch[n] = torch.empty_like(p)
+                torch.add(p, v, alpha=-distance * lr[id(p)], out=buf)
+                leaves[n] = buf.detach().requires_grad_(True)   # a fresh leaf on the buffer
+                live[buf.untyped_storage().data_ptr()] = p
+        return live
 
     def backward(self, micro: int, distance: int, tensors, grads=None) -> None:
         """Backpropagate ``tensors`` (with ``grads``, None for a scalar loss) of ``micro``;
@@ -91,6 +126,7 @@ class PassWeights:
         leaves = self.leaves.pop(micro)
         for n, p in self.named:
             p.grad = leaves[n].grad
+            leaves[n].grad = None
 
     def in_flight(self) -> int:
         """Micro-batches between their forward and backward (stashed versions in stash mode)."""

@@ -81,6 +81,36 @@ def test_plain_async_backward_reads_the_live_weights():
     assert torch.allclose(xgrad, torch.ones(4, 2) @ w_bwd)
 
 
+def test_predicted_forward_then_backward_on_the_live_weights():
+    """A predicted forward (distance 2) computes with W - 2 lr v, and its backward, after
+    another micro-batch's update, reads the live (updated) weights, not the predicted ones;
+    the weight gradient is that of the forward's inputs."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    pw = PassWeights(m, opt, "predict")
+    for _ in range(2):
+        _grad_step(pw, torch.randn(5, 3))
+    live = {n: p.detach().clone() for n, p in m.named_parameters()}
+    v = {n: opt.state[p]["momentum_buffer"].clone() for n, p in m.named_parameters()}
+    hat = {n: live[n] - 2 * 0.1 * v[n] for n in live}
+    x0 = torch.randn(5, 3, requires_grad=True)
+    out0 = pw.forward(0, 2, x0)
+    h = torch.tanh(x0 @ hat["0.weight"].T + hat["0.bias"])
+    assert torch.allclose(out0, h @ hat["2.weight"].T + hat["2.bias"], atol=1e-6)
+    assert all(torch.equal(p, live[n]) for n, p in m.named_parameters())   # nothing to restore
+    out1 = pw.forward(1, 0, torch.randn(5, 3))   # another micro-batch updates in between
+    pw.backward(1, 0, out1.sum())
+    pw.step()
+    after = {n: p.detach().clone() for n, p in m.named_parameters()}
+    pw.backward(0, 0, out0.sum())
+    # d/dx0 of sum(tanh(x0 A^T + a) B^T + b) with the forward's activations and live A, B
+    dh = torch.ones(5, 2) @ after["2.weight"] * (1 - h.detach() ** 2)
+    assert torch.allclose(x0.grad, dh @ after["0.weight"], atol=1e-6)
+    assert torch.allclose(m[2].weight.grad, torch.ones(5, 2).T @ h.detach(), atol=1e-6)
+    assert pw.in_flight() == 0
+
+
 # --- the simulator ---------------------------------------------------------------------
 
 def _mlp_job(momentum=0.9):
