@@ -271,7 +271,11 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
 
 
 def _prediction(estimates: dict, name: str) -> float | None:
-    est = estimates.get(BENCH_STRATEGIES[name][0])
+    from hpar.strategies.costmodel import estimate_async_pipeline
+    strategy, schedule = BENCH_STRATEGIES[name]
+    est = estimates.get(strategy)
+    if est is not None and strategy == "pipeline" and schedule:
+        est = estimate_async_pipeline(est, schedule)
     return est.step_s if est is not None and est.feasible and est.step_s > 0 else None
 
 

@@ -305,6 +305,26 @@ def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1
                     stages=tuple(tuple(r) for r in plan.ranges), micro_batches=m)
 
 
+ASYNC_EXTRA_UPDATES = {"async": 0.0, "async-stash": 0.5, "async-predict": 0.5}
+
+
+def estimate_async_pipeline(sync: Estimate, schedule: str) -> Estimate:
+    """Asynchronous 1F1B (PipeDream, SOSP 2019; SpecTrain, arXiv 1809.02839) on the stages
+    and M of a synchronous :func:`estimate_pipeline` result: no flush, so no bubble (M stage
+    periods per batch instead of M + K - 1), but an optimizer step after every micro-batch
+    (M updates per batch instead of one), and per forward a copy of the stage's weights
+    (``async-stash``) or one out-of-place pass over the weights and the momentum
+    (``async-predict``: W - s lr v), each costed as half an update (a copy or an axpy
+    against an SGD-momentum step's several passes over weights, gradient and buffer)."""
+    if not sync.feasible or schedule not in ASYNC_EXTRA_UPDATES:
+        return sync
+    m, period, update = sync.micro_batches, sync.breakdown["period"], sync.breakdown["update"]
+    step = m * (period + update * (1.0 + ASYNC_EXTRA_UPDATES[schedule]))
+    return Estimate("pipeline", step, sync.samples_per_step, sync.bytes_per_step,
+                    {"period": period, "bubble": 0.0, "update": m * update}, sync.placement,
+                    stages=sync.stages, micro_batches=m)
+
+
 ESTIMATORS = {"allreduce": estimate_allreduce, "allreduce-sparse": estimate_allreduce_sparse,
               "ps": estimate_ps, "hybrid": estimate_hybrid, "pipeline": estimate_pipeline}
 

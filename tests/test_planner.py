@@ -131,3 +131,20 @@ def test_plan_json_round_trip():
 def test_no_runnable_strategy_is_an_error():
     with pytest.raises(ValueError, match="no runnable strategy"):
         choose_plan(cnn_profile(), ClusterSpec(1, (2,), 1, 1e9, 1e-5), set())
+
+
+def test_async_pipeline_has_no_bubble_but_updates_every_micro_batch():
+    from hpar.strategies.costmodel import estimate_async_pipeline, estimate_pipeline
+    params = [ParamProfile(f"{i}.weight", (5000, 2500), 50_000_000, False, 1.0, 1.0, False, layer=i) for i in range(4)]
+    layers = [LayerProfile(str(i), 0.02, 0.03, 10**9, 65_536, 50_000_000) for i in range(4)]
+    prof = make_profile(params, layers, 0.08, 0.12, sequential=True)
+    cluster = ClusterSpec(hosts=2, gpus_per_host=(1, 1), servers=2, bandwidth_Bps=1.25e8, latency_s=0.0)
+    sync = estimate_pipeline(prof, cluster)
+    m, period, update = sync.micro_batches, sync.breakdown["period"], 100_000_000 * UPB   # 2 layers per stage
+    assert sync.step_s == pytest.approx((m + 1) * period + update, rel=1e-9)
+    plain = estimate_async_pipeline(sync, "async")
+    predict = estimate_async_pipeline(sync, "async-predict")
+    assert plain.step_s == pytest.approx(m * (period + update), rel=1e-9)
+    assert predict.step_s == pytest.approx(m * (period + 1.5 * update), rel=1e-9)
+    assert plain.breakdown["bubble"] == 0.0 and predict.stages == sync.stages
+    assert estimate_async_pipeline(sync, "1f1b") is sync
