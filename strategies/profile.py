@@ -47,14 +47,17 @@ import time
 from dataclasses import dataclass
 
 import torch
+from hpar.strategies.job import Job, JobError
+from hpar.strategies.profile_hooks import (
+    LayerTimer,
+    count_flops,
+    embedding_modules,
+    rows_touched,
+)
+from hpar.strategies.profile_sparsity import embedding_sparsity
 from torch import nn
 
-from hpar.strategies.context import batch_samples
-from hpar.strategies.job import Job, JobError
-from hpar.strategies.profile_hooks import LayerTimer, count_flops, embedding_modules, rows_touched
-
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
-ROW_BUCKETS = 256           # resolution of ParamProfile.row_mass
 STEP_BUDGET_S = 0.5         # longest timed step before timing moves to a smaller batch
 
 
@@ -147,7 +150,7 @@ class Profile:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Profile":
+    def from_dict(cls, d: dict) -> Profile:
         d = dict(d)
         d["params"] = tuple(ParamProfile(**{**p, "shape": tuple(p["shape"]),
                                             "union_curve": tuple(tuple(x) for x in p.get("union_curve", ())),
@@ -266,7 +269,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmu
         model.zero_grad(set_to_none=True)
         flops = count_flops(model, layers, lambda: job.compute_loss(model(inputs), targets))
         scale = batch_size / tbs
-        emb_stats = _embedding_sparsity(job, model, embs, batch_size, workers,
+        emb_stats = embedding_sparsity(job, model, embs, batch_size, workers,
                                         max_sparsity_workers, stop_early=calls_once)
         samples = emb_stats.pop("__samples__")
         update = _update_cost(job)
@@ -311,75 +314,6 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmu
                    compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
                    update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start)
-
-
-class _StopForward(Exception):
-    """Raised from a hook to end a forward pass once every embedding has seen its ids."""
-
-
-def _embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, workers: int,
-                        max_workers: int, stop_early: bool) -> dict:
-    """Row-touch statistics of every embedding module over the first batch of each of
-    min(N, max_workers) workers; see the module docstring. Also returns the samples per
-    batch under ``"__samples__"``."""
-    R = min(workers, max_workers)
-    names = [f"{n}.weight" if n else "weight" for n, _ in embs]
-    counts = {n: torch.zeros(m.weight.shape[0], dtype=torch.int32) for n, (_, m) in zip(names, embs)}
-    per_worker = {n: [] for n in names}
-    curve_at = sorted({k for k in (2 ** i for i in range(31)) if k <= R} | {R})
-    curves = {n: [] for n in names}
-    seen: set = set()
-    samples = 0
-
-    def hook(module, args):
-        name = names[[m for _, m in embs].index(module)]
-        ids = args[0].reshape(-1).unique()
-        hit = torch.zeros(module.weight.shape[0], dtype=torch.bool)
-        hit[ids] = True
-        cur[name] |= hit
-        seen.add(name)
-        if stop_early and len(seen) == len(names):
-            raise _StopForward
-
-    handles = [m.register_forward_pre_hook(hook) for _, m in embs]
-    try:
-        for rank in range(R):
-            inputs, _ = next(job.batches(rank, workers, batch_size))
-            samples = samples or batch_samples(inputs)
-            if not embs:
-                break
-            cur = {n: torch.zeros(counts[n].shape[0], dtype=torch.bool) for n in names}
-            seen.clear()
-            with torch.no_grad():
-                try:
-                    model(inputs)
-                except _StopForward:
-                    pass
-            for n in names:
-                counts[n] += cur[n].int()
-                per_worker[n].append(float(cur[n].float().mean()))
-                if rank + 1 in curve_at:
-                    curves[n].append((rank + 1, float((counts[n] > 0).float().mean())))
-    finally:
-        for h in handles:
-            h.remove()
-    out = {"__samples__": samples}
-    for n in names:
-        curve = curves[n]
-        if workers > R:   # extrapolate with independent per-row probabilities
-            p = counts[n].double() / R
-            est = lambda k: float((1 - (1 - p) ** k).mean())
-            shift = curve[-1][1] - est(R)
-            extra = sorted({k for k in (2 ** i for i in range(31)) if R < k < workers} | {workers})
-            curve = curve + [(k, min(1.0, est(k) + shift)) for k in extra]
-        c = counts[n].double()
-        buckets = min(ROW_BUCKETS, c.numel())
-        edges = torch.arange(buckets + 1) * c.numel() // buckets
-        mass = torch.stack([c[edges[i]:edges[i + 1]].sum() for i in range(buckets)])
-        mass = mass / mass.sum().clamp_min(1)
-        out[n] = {"alpha": sum(per_worker[n]) / len(per_worker[n]), "union": curve[-1][1], "curve": tuple(curve),
-                  "mass": tuple(round(float(x), 6) for x in mass)}
-    return out
 
 
 def _auto_timing_batch(job: Job, model: nn.Module, batch_size: int, workers: int) -> int:

@@ -1,0 +1,92 @@
+"""Gradient sparsity of embedding tables, for :mod:`hpar.strategies.profile`.
+
+The rows an ``nn.Embedding`` / ``nn.EmbeddingBag`` batch touches are the unique ids fed to
+the module, read by a forward pre-hook, so no backward is needed. The union over workers
+decides the parameter-server traffic of the hybrid strategy (Kim et al., "Parallax",
+EuroSys 2019: pull and push the touched rows only).
+"""
+from __future__ import annotations
+
+import torch
+from hpar.strategies.context import batch_samples
+from hpar.strategies.job import Job
+from torch import nn
+
+ROW_BUCKETS = 256           # resolution of ParamProfile.row_mass
+
+
+class _StopForward(Exception):
+    """Raised from a hook to end a forward pass once every embedding has seen its ids."""
+
+
+def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, workers: int,
+                       max_workers: int, stop_early: bool) -> dict:
+    """Row-touch statistics of every embedding module in ``embs`` (``[(name, module)]``)
+    over the first batch of each of min(N, max_workers) workers (N = ``workers``).
+
+    Returns ``{"<name>.weight": {"alpha", "union", "curve", "mass"}}`` plus the samples per
+    batch under ``"__samples__"``: ``alpha`` is the mean fraction of rows one worker's batch
+    touches, ``curve`` ((k, fraction touched by the union of k workers' batches), ...) up to
+    N, extrapolated beyond ``max_workers`` with independent per-row touch probabilities
+    (union(n) = mean_r 1 - (1 - p_r)^n, shifted to meet the last measured point), ``union``
+    its last value, ``mass`` the share of touches per contiguous row bucket (ROW_BUCKETS).
+    ``stop_early`` ends each forward once every module has seen its ids (valid when each is
+    called once per forward). Raises JobError from the user's data() or forward."""
+    R = min(workers, max_workers)
+    names = [f"{n}.weight" if n else "weight" for n, _ in embs]
+    counts = {n: torch.zeros(m.weight.shape[0], dtype=torch.int32) for n, (_, m) in zip(names, embs)}
+    per_worker = {n: [] for n in names}
+    curve_at = sorted({k for k in (2 ** i for i in range(31)) if k <= R} | {R})
+    curves = {n: [] for n in names}
+    seen: set = set()
+    samples = 0
+
+    def hook(module, args):
+        name = names[[m for _, m in embs].index(module)]
+        ids = args[0].reshape(-1).unique()
+        hit = torch.zeros(module.weight.shape[0], dtype=torch.bool)
+        hit[ids] = True
+        cur[name] |= hit
+        seen.add(name)
+        if stop_early and len(seen) == len(names):
+            raise _StopForward
+
+    handles = [m.register_forward_pre_hook(hook) for _, m in embs]
+    try:
+        for rank in range(R):
+            inputs, _ = next(job.batches(rank, workers, batch_size))
+            samples = samples or batch_samples(inputs)
+            if not embs:
+                break
+            cur = {n: torch.zeros(counts[n].shape[0], dtype=torch.bool) for n in names}
+            seen.clear()
+            with torch.no_grad():
+                try:
+                    model(inputs)
+                except _StopForward:
+                    pass
+            for n in names:
+                counts[n] += cur[n].int()
+                per_worker[n].append(float(cur[n].float().mean()))
+                if rank + 1 in curve_at:
+                    curves[n].append((rank + 1, float((counts[n] > 0).float().mean())))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {"__samples__": samples}
+    for n in names:
+        curve = curves[n]
+        if workers > R:   # extrapolate with independent per-row probabilities
+            p = counts[n].double() / R
+            est = lambda k, p=p: float((1 - (1 - p) ** k).mean())
+            shift = curve[-1][1] - est(R)
+            extra = sorted({k for k in (2 ** i for i in range(31)) if R < k < workers} | {workers})
+            curve = curve + [(k, min(1.0, est(k) + shift)) for k in extra]
+        c = counts[n].double()
+        buckets = min(ROW_BUCKETS, c.numel())
+        edges = torch.arange(buckets + 1) * c.numel() // buckets
+        mass = torch.stack([c[edges[i]:edges[i + 1]].sum() for i in range(buckets)])
+        mass = mass / mass.sum().clamp_min(1)
+        out[n] = {"alpha": sum(per_worker[n]) / len(per_worker[n]), "union": curve[-1][1], "curve": tuple(curve),
+                  "mass": tuple(round(float(x), 6) for x in mass)}
+    return out
