@@ -11,6 +11,7 @@ model's projection to N GPUs (hosts of as many GPUs as the bench's), marked PROJ
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -30,14 +31,19 @@ def _fail(message: str, detail: str | None = None) -> None:
 
 
 def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps: float | None,
-                     latency: str | None, device_tflops: float | None, bench_gpus: int):
+                     latency: str | None, device_tflops: float | None, bench_gpus: int,
+                     emulated_hosts: int | None = None):
     """gpus -> ClusterSpec for the cost model: the bench's hosts for the bench's GPU count;
     for a projection, hosts of ``gpus_per_host`` (or of the bench's busiest host) GPUs each.
-    The link is ``bandwidth_Bps`` or one loopback probe (``profile_cli.build_cluster``)."""
+    The link is ``bandwidth_Bps`` or one loopback probe (``profile_cli.build_cluster``).
+    ``emulated_hosts`` H: the hosts are this machine's namespaces, sharing its cores (each
+    gets cpu_count / H in the cost model)."""
     from hpar.launcher.profile_cli import build_cluster
     from hpar.strategies.cluster import make_cluster
     bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
     base = build_cluster(bench_gpus, hosts, None, bw, latency, None)
+    if emulated_hosts:
+        base = dataclasses.replace(base, cores_per_host=(os.cpu_count() or 1) / emulated_hosts)
 
     def cluster_of(gpus: int):
         flops = device_tflops * 1e12 if device_tflops and gpus != bench_gpus else None
@@ -114,7 +120,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
                               batch_size=batch_size, seed=seed, hosts=run_hosts,
                               ssh_key=emulated.key if emulated else ssh_key, bandwidth_Bps=bw, project=project,
                               device_tflops=device_tflops, timeout_s=timeout_s)
-            cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus)
+            cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated)
             results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
                                 around_run=emulated.around_run if emulated else None)
             emulation = emulated.describe() if emulated else None

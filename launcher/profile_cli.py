@@ -10,6 +10,7 @@ machine, the link is measured by a loopback probe between two gloo processes
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -57,7 +58,10 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops):
     else:
         bw, lat, source = parse_bandwidth(DEFAULT_BANDWIDTH), parse_latency(latency or DEFAULT_LATENCY), "default"
     slots = [h.slots for h in host_list] or None
-    return make_cluster(slots, gpus, servers, bw, lat, flops, source=source)
+    import torch
+    # workers on this machine's CPU share its cores (cost model: strategies.costmodel.cpu_share)
+    cores = float(os.cpu_count() or 1) if local and flops is None and not torch.cuda.is_available() else None
+    return make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores)
 
 
 def report(profile, cluster, plan) -> dict:
@@ -75,7 +79,8 @@ def report(profile, cluster, plan) -> dict:
     return {"parameters": params, "layers": layers, "candidates": cands, "plan": plan_d,
             "cluster": {"hosts": cluster.hosts, "gpus_per_host": list(cluster.gpus_per_host), "workers": cluster.workers,
                         "servers": cluster.servers, "bandwidth_Bps": cluster.bandwidth_Bps,
-                        "latency_s": cluster.latency_s, "device_flops": cluster.device_flops, "source": cluster.source},
+                        "latency_s": cluster.latency_s, "device_flops": cluster.device_flops, "source": cluster.source,
+                        "cores_per_host": cluster.cores_per_host},
             "profile": {"batch_size": profile.batch_size, "samples_per_batch": profile.samples_per_batch,
                         "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,
                         "backward_flops": profile.backward_flops, "is_sequential": profile.is_sequential,

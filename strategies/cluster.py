@@ -34,7 +34,9 @@ class ClusterSpec:
     ``bandwidth_Bps`` (bytes/s, each direction) and ``latency_s`` (seconds per message),
     ``device_flops`` (FLOP/s of one worker's device; None: use the profiled CPU times),
     ``intra_host_Bps`` (None: same as ``bandwidth_Bps``), ``source`` (where the link figures
-    came from: "flags", "probe" or "default")."""
+    came from: "flags", "probe" or "default"), ``cores_per_host`` (CPU cores a host gives its
+    hpar processes when they compute on the CPU, so that more processes than cores share
+    them; None: workers have their own accelerator, or the hosts are not this machine)."""
 
     hosts: int
     gpus_per_host: tuple[int, ...]
@@ -44,6 +46,7 @@ class ClusterSpec:
     device_flops: float | None = None
     intra_host_Bps: float | None = None
     source: str = "flags"
+    cores_per_host: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:
@@ -54,6 +57,8 @@ class ClusterSpec:
             raise ValueError(f"--bandwidth must be positive, got {self.bandwidth_Bps} B/s")
         if not self.latency_s >= 0:
             raise ValueError(f"--latency must not be negative, got {self.latency_s} s")
+        if self.cores_per_host is not None and not self.cores_per_host > 0:
+            raise ValueError(f"cores per host must be positive, got {self.cores_per_host}")
         if self.device_flops is not None and not self.device_flops > 0:
             raise ValueError(f"--device-tflops must be positive, got {self.device_flops / 1e12}")
 
@@ -106,7 +111,8 @@ def parse_latency(text: str, flag: str = "--latency") -> float:
 
 def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | None,
                  bandwidth_Bps: float, latency_s: float, device_flops: float | None = None,
-                 intra_host_Bps: float | None = None, source: str = "flags") -> ClusterSpec:
+                 intra_host_Bps: float | None = None, source: str = "flags",
+                 cores_per_host: float | None = None) -> ClusterSpec:
     """A ClusterSpec from host slot counts (``slots``, None: this machine only) and
     ``--gpus`` (None: every slot). GPUs fill hosts in order, as the launcher places ranks;
     hosts left without a GPU are dropped. ``servers`` None means one per host used.
@@ -128,7 +134,7 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
     return ClusterSpec(hosts=len(per_host), gpus_per_host=tuple(per_host),
                        servers=len(per_host) if servers is None else servers,
                        bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, device_flops=device_flops,
-                       intra_host_Bps=intra_host_Bps, source=source)
+                       intra_host_Bps=intra_host_Bps, source=source, cores_per_host=cores_per_host)
 
 
 def _free_port() -> int:

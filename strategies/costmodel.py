@@ -116,15 +116,27 @@ class _Setting:
     server_per_byte: float      # server (CPU) update
 
 
-def _setting(profile: Profile, cluster: ClusterSpec) -> _Setting:
+def cpu_share(cluster: ClusterSpec, with_servers: bool = False) -> float:
+    """How much slower profiled CPU compute runs when the busiest host's hpar processes
+    (its workers, plus its parameter servers for hybrid/ps) outnumber its cores:
+    max(1, processes / cores). 1 for accelerators (``device_flops``) or unknown cores."""
+    if cluster.device_flops or not cluster.cores_per_host:
+        return 1.0
+    procs = cluster.max_gpus_per_host + (-(-cluster.servers // cluster.hosts) if with_servers else 0)
+    return max(1.0, procs / cluster.cores_per_host)
+
+
+def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False) -> _Setting:
     if cluster.device_flops:
         fwd = profile.forward_flops / cluster.device_flops
         bwd = profile.backward_flops / cluster.device_flops
         upd = 3.0 * FLOP_PER_BYTE / cluster.device_flops
     else:
         fwd, bwd, upd = profile.forward_s, profile.backward_s, profile.update_s_per_byte
+    k = cpu_share(cluster, with_servers)
     return _Setting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
-                    cluster.collective_Bps, cluster.latency_s, fwd, bwd, upd, profile.update_s_per_byte)
+                    cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
+                    k * profile.update_s_per_byte)
 
 
 def _split_tail(params, first_layer: int = 0):
@@ -208,8 +220,9 @@ def choose_partitions(p: ParamProfile, c: _Setting, pull_host: float, push_host:
 
 
 def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estimate:
-    """Shared by ``ps`` and ``hybrid``; see their docstrings."""
-    c = _setting(profile, cluster)
+    """Shared by ``ps`` and ``hybrid``; see their docstrings. The servers share the hosts'
+    cores with the workers (:func:`cpu_share`)."""
+    c = _setting(profile, cluster, with_servers=True)
     hybrid = strategy == "hybrid"
     on_ps = [p for p in profile.params if (p.embedding_module or not hybrid)]
     on_ar = [p for p in profile.params if p not in on_ps]

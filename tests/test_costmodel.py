@@ -87,3 +87,26 @@ def test_allreduce_sparse_estimate_by_hand():
     assert e.step_s == pytest.approx(0.1 + max(0.2, ar) + ag + merge + update)
     assert e.bytes_per_step == pytest.approx(1.5 * 40_000 + 3 * 500 * 408)
     assert e.samples_per_step == 32
+
+
+def test_cpu_share_counts_servers_for_hybrid_and_slows_cpu_compute():
+    from hpar.strategies.costmodel import cpu_share, estimate_allreduce_sparse, estimate_hybrid
+    from hpar.strategies.profile import LayerProfile, ParamProfile, Profile
+    emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
+                       union_curve=((1, 0.05), (2, 0.1)))
+    lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
+    prof = Profile(params=(emb, lin), layers=(LayerProfile("emb", .01, .01, 0, 10, emb.bytes),
+                                              LayerProfile("out", .02, .03, 10**6, 10, lin.bytes)),
+                   batch_size=32, samples_per_batch=32, workers=2, is_sequential=False, sequential_reason="x",
+                   compute_s=0.07, forward_s=0.03, backward_s=0.04, forward_flops=10**6, backward_flops=2 * 10**6,
+                   update_s_per_byte=1e-10, timing_batch_size=32)
+    shared = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0, cores_per_host=2)
+    own = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0)
+    assert cpu_share(shared) == 1.0 and cpu_share(shared, with_servers=True) == 1.5   # 2 workers + 1 server, 2 cores
+    assert cpu_share(own, with_servers=True) == 1.0
+    assert cpu_share(ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1e9, latency_s=0.0,
+                                 cores_per_host=2, device_flops=1e12), True) == 1.0   # accelerators
+    h_shared, h_own = estimate_hybrid(prof, shared), estimate_hybrid(prof, own)
+    assert h_shared.breakdown["forward"] == pytest.approx(1.5 * 0.03)
+    assert h_shared.breakdown["backward"] == pytest.approx(1.5 * 0.04) and h_own.breakdown["backward"] == pytest.approx(0.04)
+    assert estimate_allreduce_sparse(prof, shared).step_s == pytest.approx(estimate_allreduce_sparse(prof, own).step_s)
