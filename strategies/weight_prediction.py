@@ -69,7 +69,7 @@ class PassWeights:
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.leaves: dict[int, dict[str, torch.Tensor]] = {}   # micro-batch -> pass weights
         self._last_update: dict[str, torch.Tensor] = {}        # non-momentum v, predict only
-        self._scratch: dict[str, torch.Tensor] = {}            # W_hat of the latest predicted forward
+        self._scratch: dict[str, torch.Tensor] = {}            # W_hat of a predicted forward, or the real W
 
     # --- passes ---------------------------------------------------------------------------
     def forward(self, micro: int, distance: int, inputs: Any) -> Any:
@@ -100,20 +100,26 @@ class PassWeights:
         hook. A leaf stays the live weight where v is not known yet or s = 0."""
         if distance <= 0 or self.optimizer is None:
             return {}
-        lr = {id(p): g["lr"] for g in self.optimizer.param_groups for p in g["params"]}
         live = {}
         with torch.no_grad():
-            for n, p in self.named:
-                v = self.smoothed_gradient(n, p)
-                if v is None:
-                    continue
-                buf = self._scratch.get(n)
-                if buf is None or buf.shape != p.shape:
-                    buf = self._scratch[n] = torch.empty_like(p)
-                torch.add(p, v, alpha=-distance * lr[id(p)], out=buf)
+            for n, p, v, lr, buf in self._velocities():
+                torch.add(p, v, alpha=-distance * lr, out=buf)
                 leaves[n] = buf.detach().requires_grad_(True)   # a fresh leaf on the buffer
                 live[buf.untyped_storage().data_ptr()] = p
         return live
+
+    def _velocities(self):
+        """``(name, parameter, v, lr, buffer)`` for every parameter whose v is known, with a
+        per-parameter buffer of its shape reused from pass to pass (no allocation per pass)."""
+        lr = {id(p): g["lr"] for g in self.optimizer.param_groups for p in g["params"]}
+        for n, p in self.named:
+            v = self.smoothed_gradient(n, p)
+            if v is None:
+                continue
+            buf = self._scratch.get(n)
+            if buf is None or buf.shape != p.shape:
+                buf = self._scratch[n] = torch.empty_like(p)
+            yield n, p, v, lr[id(p)], buf
 
     def backward(self, micro: int, distance: int, tensors, grads=None) -> None:
         """Backpropagate ``tensors`` (with ``grads``, None for a scalar loss) of ``micro``;
@@ -171,20 +177,12 @@ class _Predicted:
     def __enter__(self):
         if self.distance <= 0 or self.owner.optimizer is None:
             return self
-        owner = self.owner
-        lr = {id(p): g["lr"] for g in owner.optimizer.param_groups for p in g["params"]}
         self.saved = []
         with torch.no_grad():
-            for n, p in owner.named:
-                v = owner.smoothed_gradient(n, p)
-                if v is None:
-                    continue
-                real = owner._scratch.get(n)
-                if real is None or real.shape != p.shape:
-                    real = owner._scratch[n] = torch.empty_like(p)
-                real.copy_(p)   # a reused buffer: no fresh allocation per pass
+            for _, p, v, lr, real in self.owner._velocities():
+                real.copy_(p)
                 self.saved.append((p, real))
-                p.sub_(v, alpha=self.distance * lr[id(p)])
+                p.sub_(v, alpha=self.distance * lr)
         return self
 
     def __exit__(self, *exc):
