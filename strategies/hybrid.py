@@ -17,8 +17,9 @@ another served embedding, are requested before they are needed (sparse_embedding
 so a step's pulls share one server wake-up. A table's push leaves from inside backward as soon
 as its gradients are complete, and the server applies a table once every worker's push is in,
 so the sampled-softmax tables are updated while the workers still run the LSTM's backward;
-pushes and DONE are asynchronous and overlap the dense optimizer step. Workers on one host aggregate sparse gradients before pushing when a
-server lives on another host (ps_client.LocalAggregator).
+pushes and DONE are asynchronous and overlap the dense optimizer step. Workers on one host
+aggregate sparse gradients before pushing when a server lives on another host
+(ps_client.LocalAggregator).
 
 Scaling: sparse gradients are *averaged* over workers on the server (sum of pushes / N),
 as DDP averages the dense ones; so N workers with a mean loss each match one process on

@@ -5,8 +5,8 @@ workers hold pg ranks ``0..N-1`` and servers ``N..N+S-1`` (not torch.distributed
 upstream keeps in maintenance mode). Every request starts with a 5-int64 header
 ``(op, table id, n, step, count)`` sent with tag ``TAG_HEADER``; the server receives headers from
 any source, then the payloads (tag ``TAG_DATA``) from that worker, and answers pulls with
-the table's own tag (:func:`reply_tag`). ``n = -1`` means "every row this server holds" (whole-parameter pulls and
-pushes of the ``ps`` strategy and of the final gather).
+the table's own tag (:func:`reply_tag`). ``n = -1`` means "every row this server holds"
+(whole-parameter pulls and pushes of the ``ps`` strategy and of the final gather).
 
 Synchronous semantics: a pull of table T for step ``t`` is answered only after the server
 applied T's updates of steps ``< t`` (the server defers it otherwise). The server applies
@@ -31,6 +31,8 @@ from hpar.strategies.ps_shard import OptimizerSpec, RowLayout, spec_from_group, 
 
 PULL, PUSH, DONE, FINISH = 1, 2, 3, 4
 TAG_HEADER, TAG_DATA, TAG_REPLY = 11, 12, 1000
+HEADER_BYTES = 5 * 8
+CONTROL = "_control"
 
 
 def p2p(group=None):
@@ -46,8 +48,6 @@ def reply_tag(tid: int) -> int:
     tables are applied (and so answered) in any order, while answers with one tag from one
     sender match the receiver's posted receives in order."""
     return TAG_REPLY + tid
-HEADER_BYTES = 5 * 8
-CONTROL = "_control"
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,18 @@ class PSClient:
     def server_rank(self, server: int) -> int:
         return self.num_workers + server
 
+    def _routes(self, table: PSTable, ids: torch.Tensor | None) -> list:
+        """``[(server, where)]`` for every server holding rows of ``table``: ``where`` indexes
+        the entries of ``ids`` that server owns (with ``ids`` None: the table rows it holds),
+        or is None when a single server holds the whole table."""
+        holders = [s for s in range(self.num_servers) if self._server_rows[table.tid][s].numel()]
+        if len(holders) == 1:
+            return [(holders[0], None)]
+        if ids is None:
+            return [(s, self._server_rows[table.tid][s]) for s in holders]
+        owner = table.layout.server_of(ids)
+        return [(s, (owner == s).nonzero().squeeze(1)) for s in holders]
+
     def _header(self, server: int, op: int, tid: int, n: int, step: int, name: str = CONTROL, count: int = 1):
         self.bytes.add(name, sent=HEADER_BYTES)
         header = torch.tensor([op, tid, n, step, count], dtype=torch.int64)
@@ -189,13 +201,8 @@ class PSClient:
         n_out = table.rows if ids is None else ids.numel()
         out = torch.empty(n_out, table.dim, dtype=table.dtype)
         sends, recvs = [], []
-        holders = [s for s in range(self.num_servers) if self._server_rows[table.tid][s].numel()]
-        owner = None if ids is None or len(holders) == 1 else table.layout.server_of(ids)
-        for s in holders:
-            if ids is None:
-                where = None if len(holders) == 1 else self._server_rows[table.tid][s]
-            else:
-                where = None if owner is None else (owner == s).nonzero().squeeze(1)
+        for s, where in self._routes(table, ids):
+            if ids is not None:
                 sel = ids if where is None else ids[where]
                 if sel.numel() == 0:
                     continue
@@ -227,21 +234,17 @@ class PSClient:
         Every server holding rows of the table gets a push, possibly empty, so it knows the
         parameter had a gradient. Returns the pending sends (wait on them)."""
         works = []
-        holders = [s for s in range(self.num_servers) if self._server_rows[table.tid][s].numel()]
-        owner = None if ids is None or len(holders) == 1 else table.layout.server_of(ids)
-        for s in holders:
+        for s, where in self._routes(table, ids):
             if ids is None:
-                g = grads if len(holders) == 1 else grads[self._server_rows[table.tid][s]]
                 works.append(self._header(s, PUSH, table.tid, -1, step, table.name, count))
             else:
-                where = None if owner is None else (owner == s).nonzero().squeeze(1)
-                sel, g = (ids, grads) if where is None else (ids[where], grads[where])
+                sel = ids if where is None else ids[where]
                 works.append(self._header(s, PUSH, table.tid, sel.numel(), step, table.name, count))
                 if sel.numel() == 0:
                     continue
                 works.append(self._isend(sel.contiguous(), self.server_rank(s), TAG_DATA))
                 self.bytes.add(table.name, sent=nbytes(sel))
-            g = g.contiguous()
+            g = (grads if where is None else grads[where]).contiguous()
             works.append(self._isend(g, self.server_rank(s), TAG_DATA))
             self.bytes.add(table.name, sent=nbytes(g))
         return works
