@@ -75,3 +75,21 @@ def start_heartbeat(every_s: float = 2.0) -> threading.Event:
 
     threading.Thread(target=beat, name="hpar-heartbeat", daemon=True).start()
     return stop
+
+
+def exit_process(code: int) -> None:
+    """Flush stdout/stderr and end the process at once with exit status ``code``.
+
+    Called by worker and server processes after their process group is destroyed and every
+    file they write is renamed into place. Skipping interpreter finalization is deliberate:
+    gloo's C++ threads can still hold tensors then, and tearing those down while Python
+    shuts down aborts a finished process now and then ("terminate called without an active
+    exception", SIGABRT; see pytorch/pytorch PR 179291), which the launcher must read as a
+    failure.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

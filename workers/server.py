@@ -199,7 +199,8 @@ def main() -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        code = main()
     except (JobError, ValueError) as exc:
         print(f"hpar server: {exc}", file=sys.stderr)
         sys.exit(2)
+    report.exit_process(code)

@@ -97,9 +97,10 @@ def main() -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        code = main()
     except JobError as exc:
         print(f"hpar: {exc}", file=sys.stderr)
         if exc.user_traceback:
             print(exc.user_traceback, file=sys.stderr)
         sys.exit(2)
+    report.exit_process(code)
