@@ -50,9 +50,22 @@ def parse(line: str) -> tuple[str, dict] | None:
         return None
 
 
+_PROCESS: list[psutil.Process] = []
+
+
+def _process() -> psutil.Process:
+    """This process's psutil handle, kept: ``cpu_percent`` measures since the previous call
+    on the same handle (a fresh handle always answers 0.0)."""
+    if not _PROCESS or _PROCESS[0].pid != os.getpid():
+        _PROCESS[:] = [psutil.Process(os.getpid())]
+        _PROCESS[0].cpu_percent(interval=None)
+    return _PROCESS[0]
+
+
 def process_figures() -> dict:
-    """CPU percent and resident memory (bytes) of this process, GPU memory where present."""
-    proc = psutil.Process(os.getpid())
+    """CPU percent since the previous call (100 = one core busy) and resident memory (bytes)
+    of this process, GPU memory where present."""
+    proc = _process()
     figures = {"cpu_percent": proc.cpu_percent(interval=None), "rss_bytes": proc.memory_info().rss}
     try:
         import torch
@@ -67,7 +80,7 @@ def start_heartbeat(every_s: float = 2.0) -> threading.Event:
     """Emit a ``heartbeat`` line every ``every_s`` seconds from a daemon thread; set the
     returned event to stop it."""
     stop = threading.Event()
-    psutil.Process(os.getpid()).cpu_percent(interval=None)  # prime the CPU counter
+    _process()  # prime the CPU counter
 
     def beat():
         while not stop.wait(every_s):
