@@ -51,7 +51,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
             return base
         g = gpus_per_host or base.max_gpus_per_host
         return make_cluster([g] * -(-gpus // g), gpus, None, base.bandwidth_Bps, base.latency_s, flops,
-                            source=base.source)
+                            source=base.source, allreduce_Bps=None if flops else base.allreduce_Bps)
     return cluster_of
 
 

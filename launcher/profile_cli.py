@@ -47,11 +47,12 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops):
         raise ValueError(f"--device-tflops must be positive, got {device_tflops}")
     flops = device_tflops * 1e12 if device_tflops is not None else None
     local = all(h.is_local for h in host_list)
+    allreduce_bw = None
     if bandwidth is not None:
         bw, source = parse_bandwidth(bandwidth), "flags"
         lat = parse_latency(latency or DEFAULT_LATENCY)
     elif local:
-        bw, lat = probe_link()
+        bw, lat, allreduce_bw = probe_link()
         source = "probe"
         if latency is not None:
             lat = parse_latency(latency)
@@ -61,7 +62,8 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops):
     import torch
     # workers on this machine's CPU share its cores (cost model: strategies.costmodel.cpu_share)
     cores = float(os.cpu_count() or 1) if local and flops is None and not torch.cuda.is_available() else None
-    return make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores)
+    return make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores,
+                        allreduce_Bps=allreduce_bw)
 
 
 def report(profile, cluster, plan) -> dict:
@@ -80,12 +82,13 @@ def report(profile, cluster, plan) -> dict:
             "cluster": {"hosts": cluster.hosts, "gpus_per_host": list(cluster.gpus_per_host), "workers": cluster.workers,
                         "servers": cluster.servers, "bandwidth_Bps": cluster.bandwidth_Bps,
                         "latency_s": cluster.latency_s, "device_flops": cluster.device_flops, "source": cluster.source,
-                        "cores_per_host": cluster.cores_per_host},
+                        "cores_per_host": cluster.cores_per_host, "allreduce_Bps": cluster.allreduce_Bps},
             "profile": {"batch_size": profile.batch_size, "samples_per_batch": profile.samples_per_batch,
                         "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,
                         "backward_flops": profile.backward_flops, "is_sequential": profile.is_sequential,
                         "sequential_reason": profile.sequential_reason, "timing_batch_size": profile.timing_batch_size,
-                        "profile_s": profile.profile_s}}
+                        "profile_s": profile.profile_s, "update_s_per_byte": profile.update_s_per_byte,
+                        "sparse_update_s_per_byte": profile.sparse_update_s_per_byte}}
 
 
 def print_tables(console: Console, profile, cluster, plan) -> None:

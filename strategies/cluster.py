@@ -36,7 +36,11 @@ class ClusterSpec:
     ``intra_host_Bps`` (None: same as ``bandwidth_Bps``), ``source`` (where the link figures
     came from: "flags", "probe" or "default"), ``cores_per_host`` (CPU cores a host gives its
     hpar processes when they compute on the CPU, so that more processes than cores share
-    them; None: workers have their own accelerator, or the hosts are not this machine)."""
+    them; None: workers have their own accelerator, or the hosts are not this machine),
+    ``allreduce_Bps`` (the bandwidth a ring AllReduce between processes of one host achieves,
+    ``2(N-1)/N * bytes / seconds``, its reductions and copies included; measured by the
+    probe, where gloo on CPU reaches about 0.4 of the point-to-point figure; None: the
+    intra-host bandwidth)."""
 
     hosts: int
     gpus_per_host: tuple[int, ...]
@@ -47,6 +51,7 @@ class ClusterSpec:
     intra_host_Bps: float | None = None
     source: str = "flags"
     cores_per_host: float | None = None
+    allreduce_Bps: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:
@@ -78,8 +83,9 @@ class ClusterSpec:
     @property
     def collective_Bps(self) -> float:
         """Bandwidth of the slowest link a ring over all workers crosses: the network when
-        the ring spans hosts, the intra-host figure on a single host."""
-        return self.bandwidth_Bps if self.hosts > 1 else self.intra_Bps
+        the ring spans hosts; on a single host the measured AllReduce figure, else the
+        intra-host one."""
+        return self.bandwidth_Bps if self.hosts > 1 else (self.allreduce_Bps or self.intra_Bps)
 
 
 def parse_bandwidth(text: str, flag: str = "--bandwidth") -> float:
@@ -112,7 +118,7 @@ def parse_latency(text: str, flag: str = "--latency") -> float:
 def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | None,
                  bandwidth_Bps: float, latency_s: float, device_flops: float | None = None,
                  intra_host_Bps: float | None = None, source: str = "flags",
-                 cores_per_host: float | None = None) -> ClusterSpec:
+                 cores_per_host: float | None = None, allreduce_Bps: float | None = None) -> ClusterSpec:
     """A ClusterSpec from host slot counts (``slots``, None: this machine only) and
     ``--gpus`` (None: every slot). GPUs fill hosts in order, as the launcher places ranks;
     hosts left without a GPU are dropped. ``servers`` None means one per host used.
@@ -134,7 +140,8 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
     return ClusterSpec(hosts=len(per_host), gpus_per_host=tuple(per_host),
                        servers=len(per_host) if servers is None else servers,
                        bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, device_flops=device_flops,
-                       intra_host_Bps=intra_host_Bps, source=source, cores_per_host=cores_per_host)
+                       intra_host_Bps=intra_host_Bps, source=source, cores_per_host=cores_per_host,
+                       allreduce_Bps=allreduce_Bps)
 
 
 def _free_port() -> int:
@@ -152,7 +159,7 @@ def _probe_worker(rank: int, port: int, nbytes: int, pings: int, sends: int, que
     try:
         small, big = torch.zeros(1), torch.zeros(nbytes // 4)
         peer = 1 - rank
-        rtts, sends_s = [], []
+        rtts, sends_s, allreduce_s = [], [], []
         for _ in range(pings):
             t0 = time.perf_counter()
             if rank == 0:
@@ -171,17 +178,25 @@ def _probe_worker(rank: int, port: int, nbytes: int, pings: int, sends: int, que
                 dist.recv(big, peer)
                 dist.send(small, peer)
             sends_s.append(time.perf_counter() - t0)
+        for _ in range(sends + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(big)
+            allreduce_s.append(time.perf_counter() - t0)
         if rank == 0:
-            queue.put((statistics.median(rtts[2:]), statistics.median(sends_s[1:])))
+            queue.put((statistics.median(rtts[2:]), statistics.median(sends_s[1:]), statistics.median(allreduce_s[1:])))
     finally:
         dist.destroy_process_group()
 
 
-def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 4, timeout_s: float = 60.0) -> tuple[float, float]:
-    """Measure (bandwidth_Bps, latency_s) between two gloo processes on this machine
-    (loopback TCP): latency = half the median round trip of a 4-byte message, bandwidth =
-    ``nbytes`` over the median one-way time of a large message minus one latency. Takes
-    a few seconds, most of it starting the processes. Raises RuntimeError if it fails."""
+def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 4,
+               timeout_s: float = 60.0) -> tuple[float, float, float]:
+    """Measure (bandwidth_Bps, latency_s, allreduce_Bps) between two gloo processes on this
+    machine (loopback TCP): latency = half the median round trip of a 4-byte message,
+    bandwidth = ``nbytes`` over the median one-way time of a large message minus one
+    latency, allreduce_Bps = ``nbytes`` over the median time of a ``dist.all_reduce`` of
+    ``nbytes`` (the 2(N-1)/N * nbytes a ring moves for N = 2). Takes a few seconds, most of
+    it starting the processes. Raises RuntimeError if it fails."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -191,7 +206,7 @@ def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 4, timeout_
     for p in procs:
         p.start()
     try:
-        rtt, one_way = queue.get(timeout=timeout_s)
+        rtt, one_way, allreduce = queue.get(timeout=timeout_s)
     except Exception as exc:
         raise RuntimeError(f"link probe failed ({type(exc).__name__}); pass --bandwidth and --latency") from None
     finally:
@@ -200,4 +215,5 @@ def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 4, timeout_
             if p.is_alive():
                 p.kill()
     latency = rtt / 2
-    return nbytes / max(one_way - rtt, 1e-9), latency
+    # a 2-process ring AllReduce moves 2(N-1)/N * nbytes = nbytes each way
+    return nbytes / max(one_way - rtt, 1e-9), latency, nbytes / max(allreduce, 1e-9)

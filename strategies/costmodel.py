@@ -108,12 +108,14 @@ class _Setting:
     g: int
     h: int
     s: int
-    bw: float       # bandwidth of collectives and worker<->server traffic
+    bw: float       # bandwidth of collectives (AllReduce, AllGather)
     lat: float
     fwd: float
     bwd: float
     update_per_byte: float      # worker update
     server_per_byte: float      # server (CPU) update
+    p2p_bw: float   # bandwidth of point-to-point traffic (worker<->server, stage->stage)
+    sparse_update_per_byte: float   # worker update per byte of gathered sparse gradient rows
 
 
 def cpu_share(cluster: ClusterSpec, with_servers: bool = False) -> float:
@@ -133,10 +135,13 @@ def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False)
         upd = 3.0 * FLOP_PER_BYTE / cluster.device_flops
     else:
         fwd, bwd, upd = profile.forward_s, profile.backward_s, profile.update_s_per_byte
+    # torch's sparse optimizer kernels run on the CPU even when the model is on a device
+    sparse_upd = profile.sparse_update_s_per_byte or profile.update_s_per_byte
     k = cpu_share(cluster, with_servers)
+    p2p = cluster.bandwidth_Bps if cluster.hosts > 1 else cluster.intra_Bps
     return _Setting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
                     cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
-                    k * profile.update_s_per_byte)
+                    k * profile.update_s_per_byte, p2p, k * sparse_upd)
 
 
 def _split_tail(params, first_layer: int = 0):
@@ -165,17 +170,28 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     """``allreduce-sparse`` (DDP with sparse embedding gradients, Horovod's default for
     IndexedSlices): dense params by ring AllReduce, each embedding's (ids, rows) by ring
     AllGather: a worker sends (N-1) * alpha * rows * (row bytes + 8), growing with N.
-    Every worker then sums the N gathered gradients and updates the union of touched rows."""
+    Every worker then sums the N gathered gradients and updates the union of touched rows:
+    the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
+    unprofiled, a dense-rate sum of the gathered rows and update of their union.
+    Infeasible when the optimizer rejects sparse gradients."""
     c = _setting(profile, cluster)
     dense = [p for p in profile.params if not p.embedding_module]
     sparse = [p for p in profile.params if p.embedding_module]
+    if sparse and not profile.sparse_gradients_ok:
+        return Estimate("allreduce-sparse", 0.0, 0, 0.0, feasible=False,
+                        note="the optimizer does not take sparse gradients (use SGD, Adagrad or SparseAdam)")
     d_over, d_tail = _split_tail(dense)
     s_over, s_tail = _split_tail(sparse)
     ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.bw, c.lat) for p in ps)
     over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
     tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail)
-    merge = sum(c.n * p.alpha * p.bytes for p in sparse) * c.update_per_byte
-    update = (sum(p.bytes for p in dense) + sum(p.union_for(c.n) * p.bytes for p in sparse)) * c.update_per_byte
+    gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
+    if profile.sparse_update_s_per_byte:
+        merge, sparse_update = 0.0, gathered * c.sparse_update_per_byte
+    else:
+        merge = gathered * c.update_per_byte
+        sparse_update = sum(p.union_for(c.n) * p.bytes for p in sparse) * c.update_per_byte
+    update = sum(p.bytes for p in dense) * c.update_per_byte + sparse_update
     step = c.fwd + max(c.bwd, over) + tail + merge + update
     sent = (2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0) + \
         sum((c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse)
@@ -190,8 +206,8 @@ def _ps_link_s(c: _Setting, per_host_bytes: float, per_server_bytes: float, colo
     worker host (Parallax's one per host) shares that host's link; the (H-1)/H of the traffic
     that leaves the host crosses it. On one host everything goes at ``bw`` (intra-host)."""
     if c.h > 1 and colocated:
-        return (per_host_bytes + per_server_bytes) * (c.h - 1) / c.h / c.bw
-    return max(per_host_bytes, per_server_bytes) / c.bw
+        return (per_host_bytes + per_server_bytes) * (c.h - 1) / c.h / c.p2p_bw
+    return max(per_host_bytes, per_server_bytes) / c.p2p_bw
 
 
 def choose_partitions(p: ParamProfile, c: _Setting, pull_host: float, push_host: float,
@@ -303,7 +319,7 @@ def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1
     best = None
     for m in sorted({min(f * k, profile.samples_per_batch) for f in (1, 2, 4)}):
         plan = partition_stages([x / m for x in comp], [l.activation_bytes // m for l in layers],
-                                [l.param_bytes for l in layers], k, c.bw)
+                                [l.param_bytes for l in layers], k, c.p2p_bw)
         period = max(s + 2 * c.lat for s in plan.stage_s)
         update = max(sum(l.param_bytes for l in layers[a:b]) for a, b in plan.ranges) * c.update_per_byte
         step = (m + k - 1) * period + update

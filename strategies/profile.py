@@ -31,9 +31,12 @@ What is measured and how:
 * ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
   times, FLOPs and activation bytes linearly to ``batch_size`` (for models too large to run
   at full batch within the 30 s budget); left None, it is ``batch_size`` unless one step
-  would exceed ``STEP_BUDGET_S`` (estimated from a 1/32 batch). Sparsity is always measured
-  at ``batch_size``.
-* ``update_s_per_byte``: the user's optimizer stepping a 4 MiB dense probe parameter.
+  would exceed ``profile_hooks.STEP_BUDGET_S`` (extrapolated from warm steps at 1/32 and
+  1/8 of the batch). Sparsity is always measured at ``batch_size``.
+* ``update_s_per_byte`` and ``sparse_update_s_per_byte``: the user's optimizer on a dense
+  probe of the model's size and on a sparse gradient shaped like the largest embedding's
+  gathered pushes (``strategies/profile_update.py``); the latter is None without an
+  embedding or when the optimizer rejects sparse gradients (``sparse_gradients_ok`` False).
 
 Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
 """
@@ -49,16 +52,17 @@ from dataclasses import dataclass
 import torch
 from hpar.strategies.job import Job, JobError
 from hpar.strategies.profile_hooks import (
+    auto_timing_batch,
     LayerTimer,
     count_flops,
     embedding_modules,
     rows_touched,
 )
 from hpar.strategies.profile_sparsity import embedding_sparsity
+from hpar.strategies.profile_update import dense_update_cost, sparse_update_cost
 from torch import nn
 
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
-STEP_BUDGET_S = 0.5         # longest timed step before timing moves to a smaller batch
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,8 @@ class Profile:
     update_s_per_byte: float
     timing_batch_size: int
     profile_s: float = 0.0
+    sparse_update_s_per_byte: float | None = None
+    sparse_gradients_ok: bool = True
 
     @property
     def total_bytes(self) -> int:
@@ -218,7 +224,7 @@ def _pooled_layer_times(layers, activation_bytes, lay_f, lay_b) -> tuple[list[fl
     return fwd, bwd
 
 
-def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmup: int = 1,
+def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmup: int = 2,
                 timing_batch_size: int | None = None, max_sparsity_workers: int = 16) -> Profile:
     """Profile ``job`` for ``workers`` (N) data-parallel workers of ``batch_size`` each.
 
@@ -242,7 +248,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmu
         timer = LayerTimer(layers, [m for _, m in embs])
         tbs = min(timing_batch_size or batch_size, batch_size)
         if timing_batch_size is None:
-            tbs = _auto_timing_batch(job, model, batch_size, workers)
+            tbs = auto_timing_batch(job, model, batch_size, workers)
         batches = job.batches(0, workers, tbs)
         fwd, bwd, lay_f, lay_b, grad_rows = [], [], [], [], {}
         with timer:
@@ -272,7 +278,14 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmu
         emb_stats = embedding_sparsity(job, model, embs, batch_size, workers,
                                         max_sparsity_workers, stop_early=calls_once)
         samples = emb_stats.pop("__samples__")
-        update = _update_cost(job)
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        update = dense_update_cost(job, model_bytes)
+        sparse_update, sparse_ok = None, True
+        if embs:
+            name, table = max(((n, m.weight) for n, m in embs), key=lambda nm: nm[1].numel())
+            key = f"{name}.weight" if name else "weight"
+            sparse_update = sparse_update_cost(job, table.shape[0], table.shape[1], emb_stats[key]["alpha"], workers)
+            sparse_ok = sparse_update is not None
     finally:
         torch.set_num_threads(threads)
         torch.set_rng_state(rng)
@@ -313,36 +326,5 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 5, warmu
                    workers=workers, is_sequential=is_seq, sequential_reason=reason,
                    compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
-                   update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start)
-
-
-def _auto_timing_batch(job: Job, model: nn.Module, batch_size: int, workers: int) -> int:
-    """``batch_size``, or a smaller batch when one step would exceed STEP_BUDGET_S: times one
-    step at batch max(1, batch_size // 32) and scales linearly."""
-    small = max(1, batch_size // 32)
-    if small == batch_size:
-        return batch_size
-    inputs, targets = next(job.batches(0, workers, small))
-    t0 = time.perf_counter()
-    job.compute_loss(model(inputs), targets).backward()
-    est = (time.perf_counter() - t0) * batch_size / small
-    model.zero_grad(set_to_none=True)
-    return batch_size if est <= STEP_BUDGET_S else max(small, int(batch_size * STEP_BUDGET_S / est))
-
-
-def _update_cost(job: Job, numel: int = 1 << 20, repeats: int = 5) -> float:
-    """Seconds per parameter byte for one step of the user's optimizer on a dense probe
-    (plain SGD if the user's optimizer() fails on a bare parameter list)."""
-    p = nn.Parameter(torch.randn(numel))
-    p.grad = torch.randn(numel)
-    try:
-        opt = job.build_optimizer([p], lr=1e-3)
-    except JobError:
-        opt = torch.optim.SGD([p], lr=1e-3)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return _median(times[1:]) / (numel * p.element_size())
-
+                   update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
+                   sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok)

@@ -1,12 +1,17 @@
 """Measurement hooks for :mod:`hpar.strategies.profile`: per-layer timing through module
 and tensor hooks, FLOP counting (torch.utils.flop_counter plus an analytic count for fused
-RNN kernels), and gradient row counting. No policy here, only instruments."""
+RNN kernels), gradient row counting, and the choice of a timing batch small enough for the time budget.
+No policy here, only instruments."""
 from __future__ import annotations
 
 import time
 
 import torch
+from hpar.strategies.job import Job
 from torch import nn
+
+STEP_BUDGET_S = 0.5         # longest timed step before timing moves to a smaller batch
+
 
 def embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every nn.Embedding / nn.EmbeddingBag of ``model`` with its qualified name."""
@@ -143,3 +148,28 @@ def count_flops(model: nn.Module, layers, step) -> dict:
                 if any(x is r for x in m.modules()):
                     per_layer[li] += 3 * f
     return {"forward": fwd, "backward": total - fwd, "layers": per_layer}
+
+
+def auto_timing_batch(job: Job, model: nn.Module, batch_size: int, workers: int) -> int:
+    """``batch_size``, or a smaller batch when one step would exceed STEP_BUDGET_S. Times a
+    warm step at batch b1 = max(1, batch_size // 32) and at b2 = min(batch_size, 4 b1) and
+    extrapolates the line through them (a fixed cost per step plus a cost per sample: a
+    sampled softmax's negatives cost the same at batch 1 as at batch 32)."""
+    small = max(1, batch_size // 32)
+    if small == batch_size:
+        return batch_size
+    big = min(batch_size, 4 * small)
+
+    def warm_step_s(b: int) -> float:
+        inputs, targets = next(job.batches(0, workers, b))
+        for _ in range(2):          # the first call pays for lazy initialisation
+            t0 = time.perf_counter()
+            job.compute_loss(model(inputs), targets).backward()
+            dt = time.perf_counter() - t0
+            model.zero_grad(set_to_none=True)
+        return dt
+    t_small, t_big = warm_step_s(small), warm_step_s(big)
+    slope = max(t_big - t_small, 0.0) / (big - small)
+    est = t_big + slope * (batch_size - big)
+    return batch_size if est <= STEP_BUDGET_S else max(big, int(batch_size * STEP_BUDGET_S / est))
+

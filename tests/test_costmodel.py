@@ -110,3 +110,39 @@ def test_cpu_share_counts_servers_for_hybrid_and_slows_cpu_compute():
     assert h_shared.breakdown["forward"] == pytest.approx(1.5 * 0.03)
     assert h_shared.breakdown["backward"] == pytest.approx(1.5 * 0.04) and h_own.breakdown["backward"] == pytest.approx(0.04)
     assert estimate_allreduce_sparse(prof, shared).step_s == pytest.approx(estimate_allreduce_sparse(prof, own).step_s)
+
+
+def test_allreduce_sparse_uses_the_profiled_sparse_update_and_needs_sparse_gradients():
+    import dataclasses
+    emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.15, True, layer=0,
+                       union_curve=((1, 0.05), (4, 0.15)))
+    lin = ParamProfile("lin", (100, 100), 40_000, False, 1.0, 1.0, False, layer=1)
+    prof = Profile((emb, lin), (LayerProfile("emb", 0, 0, 0, 1, 4_000_000), LayerProfile("lin", 0, 0, 1, 1, 40_000)),
+                   8, 8, 4, False, "x", 0.3, 0.1, 0.2, 10, 20, 1e-9, 8, sparse_update_s_per_byte=5e-9)
+    c = ClusterSpec(1, (4,), 1, 1e8, 1e-4)
+    e = estimate_allreduce_sparse(prof, c)
+    ag = 2 * 3 * 1e-4 + 3 * 500 * 408 / 1e8
+    ar = 2 * 3 * 1e-4 + 1.5 * 40_000 / 1e8
+    update = 40_000 * 1e-9 + 4 * 0.05 * 4_000_000 * 5e-9   # dense rate + the 4 gathered pushes at the sparse rate
+    assert e.breakdown["merge"] == 0.0 and e.breakdown["update"] == pytest.approx(update)
+    assert e.step_s == pytest.approx(0.1 + max(0.2, ar) + ag + update)
+    no = estimate_allreduce_sparse(dataclasses.replace(prof, sparse_update_s_per_byte=None, sparse_gradients_ok=False), c)
+    assert not no.feasible and "sparse gradients" in no.note
+
+
+def test_single_host_collectives_use_the_measured_allreduce_bandwidth_and_ps_traffic_the_link():
+    from hpar.strategies.costmodel import estimate_allreduce, estimate_hybrid
+    lin = ParamProfile("lin", (1000, 1000), 4_000_000, False, 1.0, 1.0, False, layer=1)
+    emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.1, True, layer=0,
+                       union_curve=((1, 0.05), (2, 0.1)))
+    prof = Profile((emb, lin), (LayerProfile("emb", 0, 0, 0, 1, emb.bytes), LayerProfile("lin", 0, 0, 1, 1, lin.bytes)),
+                   8, 8, 2, False, "x", 0.0, 0.0, 0.0, 1, 1, 0.0, 8)
+    one = ClusterSpec(1, (2,), 1, 1e9, 0.0, allreduce_Bps=2e8)
+    two = ClusterSpec(2, (1, 1), 1, 1e9, 0.0, allreduce_Bps=2e8)
+    assert one.collective_Bps == 2e8 and two.collective_Bps == 1e9
+    # ring AllReduce of every byte, N = 2: 2(N-1)/N * 8 MB over the measured AllReduce figure
+    assert estimate_allreduce(prof, one).step_s == pytest.approx(8_000_000 / 2e8)
+    h = estimate_hybrid(prof, one)
+    assert h.breakdown["comm_overlap"] == pytest.approx(4_000_000 / 2e8)   # the dense layer's AllReduce
+    # the pull of the touched rows crosses the point-to-point link, not the AllReduce figure
+    assert h.breakdown["pull"] == pytest.approx(2 * 500 * 408 / 1e9)

@@ -158,3 +158,27 @@ def test_sequential_model_profile_and_timing_scale(tmp_path):
 def test_bad_arguments(job):
     with pytest.raises(ValueError, match="--batch-size"):
         profile_job(job, batch_size=0, workers=2)
+
+
+def test_update_probes_time_dense_and_sparse_steps_and_flag_optimizers_without_sparse_support(tmp_path):
+    from hpar.strategies.profile_update import dense_update_cost, sparse_update_cost
+    adagrad, adam = tmp_path / "adagrad.py", tmp_path / "adam.py"
+    adagrad.write_text(SCRIPT + "\ndef optimizer(params):\n    return torch.optim.Adagrad(params, lr=0.1)\n")
+    adam.write_text(SCRIPT + "\ndef optimizer(params):\n    return torch.optim.Adam(params, lr=0.1)\n")
+    job_ada, job_adam = load_job(str(adagrad)), load_job(str(adam))
+    assert 0 < dense_update_cost(job_ada, 1 << 20) < 1e-6          # seconds per byte
+    per_byte = sparse_update_cost(job_ada, rows=5000, dim=16, alpha=0.02, workers=2)
+    assert per_byte is not None and 0 < per_byte < 1e-5
+    assert sparse_update_cost(job_adam, rows=5000, dim=16, alpha=0.02, workers=2) is None
+
+
+def test_timing_batch_stays_full_when_a_fixed_cost_dominates_a_small_batch(tmp_path):
+    """A step of 0.1 s whatever the batch (a sampled softmax's negatives, say) fits the 0.5 s
+    budget at full batch; scaling a batch-1 step by 32 would have called it 3.2 s."""
+    from hpar.strategies.profile_hooks import auto_timing_batch
+    path = tmp_path / "fixed.py"
+    path.write_text(SCRIPT.replace("            return self.out(h[:, -1])",
+                                   "            time.sleep(0.1)\n            return self.out(h[:, -1])")
+                    .replace("import torch\n", "import time\nimport torch\n", 1))
+    job = load_job(str(path))
+    assert auto_timing_batch(job, job.build_model(), 64, 1) == 64

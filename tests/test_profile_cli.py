@@ -1,4 +1,4 @@
-"""`hpar profile` through click's CliRunner on tiny scripts (link figures from flags, no probe)."""
+"""`hpar profile` through click's CliRunner on tiny scripts (link figures from flags; one test runs the loopback probe)."""
 import json
 import textwrap
 
@@ -93,3 +93,12 @@ def test_bad_script_exit_2(scripts):
     bad.write_text("def model(): return 1\n")
     res = CliRunner().invoke(profile, [str(bad), "--bandwidth", "1Gbps"])
     assert res.exit_code == 2 and res.stderr.startswith("hpar: ") and "data" in res.stderr
+
+
+@pytest.mark.timeout(120)
+def test_local_cluster_is_probed_for_link_and_allreduce_figures():
+    from hpar.launcher.profile_cli import build_cluster
+    c = build_cluster(2, None, None, None, None, None)
+    assert c.source == "probe" and c.hosts == 1 and c.workers == 2
+    assert 0 < c.bandwidth_Bps < 1e12 and 0 <= c.latency_s < 0.1
+    assert 0 < c.allreduce_Bps < 1e12 and c.collective_Bps == c.allreduce_Bps
