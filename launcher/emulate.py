@@ -195,8 +195,9 @@ def _at(samples: list[Sample], t: float, field: str) -> float:
 def byte_check(samples: list[Sample], run_dir: str, warmup: int = 2) -> dict | None:
     """Bytes per step over the steps after ``warmup`` (between worker 0's first report past
     warm-up and its last one): ``hpar`` (bytes sent that every worker and server reported for
-    those steps), ``tcp`` (kernel socket counters), ``interface`` (bytes leaving the hosts), and the
-    ratios tcp/hpar and interface/hpar. None without enough samples or reports."""
+    those steps), ``hpar_remote`` (the part they addressed to another host), ``tcp`` (kernel
+    socket counters, loopback included), ``interface`` (bytes leaving the hosts), and the
+    ratios tcp/hpar and interface/hpar_remote. None without enough samples or reports."""
     recs = []
     try:
         for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8"):
@@ -211,16 +212,20 @@ def byte_check(samples: list[Sample], run_dir: str, warmup: int = 2) -> dict | N
         return None
     a, b = past[0], past[-1]
     steps = b["step"] - a["step"]
-    hpar = 0.0
-    for who in {(r["role"], r["rank"]) for r in recs}:
-        mine = sorted((r for r in recs if (r["role"], r["rank"]) == who), key=lambda r: r["step"])
-        prev = a["step"]
-        for r in mine:
-            if a["step"] < r["step"] <= b["step"]:
-                hpar += r["bytes_sent"] * (r["step"] - prev)
-                prev = r["step"]
-    hpar /= steps
+
+    def reported(field: str) -> float:   # every process's ``field`` per step, summed over (a, b]
+        total = 0.0
+        for who in {(r["role"], r["rank"]) for r in recs}:
+            mine = sorted((r for r in recs if (r["role"], r["rank"]) == who), key=lambda r: r["step"])
+            prev = a["step"]
+            for r in mine:
+                if a["step"] < r["step"] <= b["step"]:
+                    total += (r.get(field) or 0.0) * (r["step"] - prev)
+                    prev = r["step"]
+        return total / steps
+    hpar, remote = reported("bytes_sent"), reported("bytes_sent_remote")
     tcp = (_at(samples, b["time"], "tcp_sent") - _at(samples, a["time"], "tcp_sent")) / steps
     iface = (_at(samples, b["time"], "if_sent") - _at(samples, a["time"], "if_sent")) / steps
-    return {"steps": steps, "hpar_bytes_per_step": hpar, "tcp_bytes_per_step": tcp, "interface_bytes_per_step": iface,
-            "tcp_over_hpar": tcp / hpar if hpar else None, "interface_over_hpar": iface / hpar if hpar else None}
+    return {"steps": steps, "hpar_bytes_per_step": hpar, "hpar_remote_bytes_per_step": remote,
+            "tcp_bytes_per_step": tcp, "interface_bytes_per_step": iface,
+            "tcp_over_hpar": tcp / hpar if hpar else None, "interface_over_hpar_remote": iface / remote if remote else None}

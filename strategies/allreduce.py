@@ -23,20 +23,31 @@ from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch
 
 
 class ByteCount:
-    """Bytes this worker sent and received since the last :meth:`take`."""
+    """Bytes this worker sent and received since the last :meth:`take`, and the part of
+    the sent bytes that went to another host."""
 
     def __init__(self):
-        self.sent = 0.0
-        self.recv = 0.0
+        self.sent = self.recv = self.remote = 0.0
 
-    def add(self, sent: float, recv: float) -> None:
+    def add(self, sent: float, recv: float, remote: bool = False) -> None:
         self.sent += sent
         self.recv += recv
+        if remote:
+            self.remote += sent
 
-    def take(self) -> tuple[int, int]:
-        out = (int(self.sent), int(self.recv))
-        self.sent = self.recv = 0.0
+    def take(self) -> tuple[int, int, int]:
+        """(sent, received, sent to other hosts) since the last call; resets them."""
+        out = (int(self.sent), int(self.recv), int(self.remote))
+        self.sent = self.recv = self.remote = 0.0
         return out
+
+
+def ring_successor_remote(ctx: WorkerContext, group_ranks: list[int]) -> bool:
+    """Whether this worker's successor in the ring of ``group_ranks`` (default-group ranks
+    in group order; gloo's ring AllReduce and AllGather send to the next rank) is on another
+    host, so that all its collective bytes leave this host."""
+    me = group_ranks.index(ctx.pg_rank)
+    return ctx.is_remote(group_ranks[(me + 1) % len(group_ranks)])
 
 
 def ring_allreduce_bytes(nbytes: int, world_size: int) -> float:
@@ -47,18 +58,19 @@ def ring_allreduce_bytes(nbytes: int, world_size: int) -> float:
 def counting_allreduce_hook(state, bucket):
     """DDP communication hook: mean AllReduce of the bucket, counting this worker's bytes.
 
-    ``state`` is (ByteCount, world size); ``bucket`` a dist.GradBucket (left unannotated:
-    DDP rejects string annotations, which this module's postponed evaluation would make).
+    ``state`` is (ByteCount, world size, whether the ring successor is on another host);
+    ``bucket`` a dist.GradBucket (left unannotated: DDP rejects string annotations, which
+    this module's postponed evaluation would make).
     A dense bucket costs ring AllReduce bytes; a sparse one (an embedding with sparse=True)
     is exchanged by gloo as an AllGather of (indices, values): see :func:`sparse_allgather_bytes`.
     """
-    counter, world_size = state
+    counter, world_size, remote = state
     buf = bucket.buffer()
     if buf.is_sparse:
         nbytes = sparse_allgather_bytes(buf, world_size)
     else:
         nbytes = ring_allreduce_bytes(buf.numel() * buf.element_size(), world_size)
-    counter.add(nbytes, nbytes)
+    counter.add(nbytes, nbytes, remote)
     buf.div_(world_size)
     fut = dist.all_reduce(buf, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
@@ -106,7 +118,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     ctx.start_step = resume_state(ctx, model, opt)
     counter = ByteCount()
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    ddp.register_comm_hook((counter, ctx.world_size), counting_allreduce_hook)
+    ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
+    ddp.register_comm_hook((counter, ctx.world_size, ring_remote), counting_allreduce_hook)
     batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
     for _ in range(ctx.start_step):  # same batches as an uninterrupted run
         next(batches)
@@ -121,7 +134,8 @@ def train(ctx: WorkerContext) -> TrainResult:
         loss = job.compute_loss(ddp(inputs), targets)
         loss.backward()
         opt.step()
-        meter.end(loss.item(), *counter.take())
+        sent, recv, remote = counter.take()
+        meter.end(loss.item(), sent, recv, sent_remote=remote)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             if ctx.rank == 0:
                 checkpoint.save_part(cfg.run_dir, step + 1, "worker0",

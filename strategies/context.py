@@ -23,7 +23,8 @@ class WorkerContext:
     """One worker process. ``rank``/``world_size`` count workers only (torchrun's RANK and
     WORLD_SIZE); ``pg_rank``/``pg_world_size`` are its place in the default process group,
     which also holds the parameter servers when the strategy has them (servers take the
-    ranks after the workers)."""
+    ranks after the workers). ``host_of`` gives the host index of every default-group rank
+    (empty when unknown), so byte counts can tell the bytes that leave this host."""
 
     job: Job
     cfg: RunConfig
@@ -35,6 +36,17 @@ class WorkerContext:
     pg_rank: int = 0
     pg_world_size: int = 1
     start_step: int = 0          # > 0 when resuming from a checkpoint
+    host_of: tuple[int, ...] = ()
+
+    def is_remote(self, peer: int) -> bool:
+        """Whether default-group rank ``peer`` runs on another host than this worker."""
+        return peer_is_remote(self.host_of, self.pg_rank, peer)
+
+
+def peer_is_remote(host_of: tuple[int, ...], me: int, peer: int) -> bool:
+    """Whether ranks ``me`` and ``peer`` of the default group run on different hosts
+    (``host_of`` maps rank to host index; False when it is empty)."""
+    return bool(host_of) and host_of[peer] != host_of[me]
 
 
 @dataclass
@@ -81,7 +93,8 @@ class StepMeter:
     Each report is one dict: ``step`` (1-based, counted from the run's start), ``loss`` (mean
     over the interval), ``samples_per_s`` (this process, over the interval), ``step_s``
     (mean seconds per step), ``bytes_sent``/``bytes_recv`` (mean bytes per step over the
-    interval), plus ``extra``'s keys. ``samples_per_step`` counts this process's samples
+    interval), ``bytes_sent_remote`` (the part of ``bytes_sent`` addressed to processes on
+    other hosts, when the runtime passes it), plus ``extra``'s keys. ``samples_per_step`` counts this process's samples
     (its data-parallel replica's, for a pipeline stage). Step times of the first ``warmup`` steps are excluded
     from :meth:`samples_per_s`.
     """
@@ -92,16 +105,20 @@ class StepMeter:
         self.step_times: list[float] = []
         self.sent: list[int] = []
         self.recv: list[int] = []
+        self.remote: list[float] = []
         self._t0 = time.perf_counter()
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
 
-    def end(self, loss: float, sent: int = 0, recv: int = 0, extra: dict | None = None) -> None:
+    def end(self, loss: float, sent: int = 0, recv: int = 0, extra: dict | None = None,
+            sent_remote: float | None = None) -> None:
         self.step_times.append(time.perf_counter() - self._t0)
         self.losses.append(float(loss))
         self.sent.append(int(sent))
         self.recv.append(int(recv))
+        if sent_remote is not None:
+            self.remote.append(float(sent_remote))
         n = len(self.losses)
         every = self.ctx.cfg.log_every
         if n % every == 0 or self.ctx.start_step + n == self.ctx.cfg.steps:
@@ -114,6 +131,7 @@ class StepMeter:
                 "step_s": dt / k,
                 "bytes_sent": sum(self.sent[-k:]) / k,
                 "bytes_recv": sum(self.recv[-k:]) / k,
+                **({"bytes_sent_remote": sum(self.remote[-k:]) / k} if self.remote else {}),
                 **(extra or {}),
             })
         self._t0 = time.perf_counter()

@@ -30,7 +30,6 @@ and every worker's RNG state; ``server{i}`` parts hold the shards and their opti
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint, sparse_embedding
-from hpar.strategies.allreduce import ByteCount, ring_allreduce_bytes, set_sparse_gradients
+from hpar.strategies.allreduce import ByteCount, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.ps_client import LocalAggregator, PSClient, PSTable, ps_tables
 
@@ -56,13 +55,12 @@ class Groups:
     host_ranks: tuple[int, ...] = ()
 
 
-def make_groups(num_workers: int, backend: str | None, group_rank: int, plan: dict) -> Groups:
+def make_groups(num_workers: int, backend: str | None, hosts: tuple[int, ...], plan: dict) -> Groups:
     """Create the run's subgroups: a collective over the default group, so servers call it
-    too, with the same arguments. Local aggregation is on for a host with several workers
-    when a server lives on another host (its pushes then cross the network), or as
+    too, with the same arguments (``hosts``: the host index of every default-group rank,
+    from ``workers.worker.init_group``). Local aggregation is on for a host with several
+    workers when a server lives on another host (its pushes then cross the network), or as
     ``plan["local_aggregation"]`` (true/false) says."""
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, int(group_rank))
     workers = dist.new_group(list(range(num_workers)), backend=backend)
     worker_hosts, server_hosts = hosts[:num_workers], hosts[num_workers:]
     want = (plan or {}).get("local_aggregation")
@@ -80,11 +78,12 @@ def make_groups(num_workers: int, backend: str | None, group_rank: int, plan: di
 
 def group_allreduce_hook(state, bucket):
     """DDP communication hook: mean AllReduce of the bucket over the worker group (the
-    default group also holds the servers), counting ring bytes 2(N-1)/N * B per worker."""
-    counter, world_size, group = state
+    default group also holds the servers), counting ring bytes 2(N-1)/N * B per worker.
+    ``state``: (ByteCount, N, the worker group, whether the ring successor is on another host)."""
+    counter, world_size, group, remote = state
     buf = bucket.buffer()
     b = ring_allreduce_bytes(buf.numel() * buf.element_size(), world_size)
-    counter.add(b, b)
+    counter.add(b, b, remote)
     buf.div_(world_size)
     return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
@@ -97,9 +96,8 @@ def _setup(ctx: WorkerContext):
     full_opt = job.build_optimizer(model.parameters(), cfg.lr)
     servers = cfg.servers or 1
     tables = ps_tables(model, full_opt, cfg.strategy, cfg.plan, servers)
-    groups = make_groups(ctx.world_size, "gloo" if ctx.device.type == "cpu" else None,
-                         int(os.environ.get("GROUP_RANK", "0")), cfg.plan)
-    client = PSClient(tables, ctx.world_size, servers)
+    groups = make_groups(ctx.world_size, "gloo" if ctx.device.type == "cpu" else None, ctx.host_of, cfg.plan)
+    client = PSClient(tables, ctx.world_size, servers, ctx.is_remote)
     clock = sparse_embedding.StepClock()
     served = sparse_embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
     params = dict(model.named_parameters())
@@ -155,7 +153,8 @@ def train(ctx: WorkerContext) -> TrainResult:
         DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(ps_names))
         net = DDP(model, process_group=groups.workers,
                   device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-        net.register_comm_hook((counter, ctx.world_size, groups.workers), group_allreduce_hook)
+        ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
+        net.register_comm_hook((counter, ctx.world_size, groups.workers, ring_remote), group_allreduce_hook)
     batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
     for _ in range(ctx.start_step):  # same batches as an uninterrupted run
         next(batches)
@@ -202,8 +201,9 @@ def train(ctx: WorkerContext) -> TrainResult:
             work.wait()
         pending.clear()
         push_s = time.perf_counter() - t_push
+        remote = client.bytes.take_remote()
         by_name = client.bytes.take()
-        dense_sent, dense_recv = counter.take()
+        dense_sent, dense_recv, dense_remote = counter.take()
         if dense:
             by_name[DENSE] = (dense_sent, dense_recv)
         for k, (s, r) in by_name.items():
@@ -213,7 +213,8 @@ def train(ctx: WorkerContext) -> TrainResult:
         steps_done += 1
         sent = sum(s for s, _ in by_name.values())
         recv = sum(r for _, r in by_name.values())
-        meter.end(loss.item(), sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s})
+        meter.end(loss.item(), sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s},
+                  sent_remote=remote + dense_remote)
         client.pull_s = 0.0
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             _save(ctx, step + 1, model, opt, ps_names, groups)

@@ -91,7 +91,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         if stage.optimizer is not None:
             stage.optimizer.load_state_dict(state["optimizer"])
     ctx.start_step = start or 0
-    links = Links(ctx.rank, K, ctx.device)
+    links = Links(ctx.rank, K, ctx.device, ctx.is_remote)
     batches = job.batches(0, 1, cfg.batch_size) if (stage.is_first or stage.is_last) else None
     for s in range(ctx.start_step):   # the same batches as an uninterrupted run
         if batches is not None:
@@ -145,10 +145,10 @@ def train(ctx: WorkerContext) -> TrainResult:
             links.send_loss(loss)
         elif K > 1 and stage.is_first:
             loss = links.recv_loss()
-        sent, recv, idle = links.take()
+        sent, recv, idle, remote = links.take()
         stats["compute_s"].append(compute[0]); stats["idle_s"].append(idle)
         stats["sent"].append(sent); stats["recv"].append(recv)
-        meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute[0], "idle_s": idle})
+        meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute[0], "idle_s": idle}, sent_remote=remote)
         compute[0] = 0.0
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             checkpoint.save_part(cfg.run_dir, step + 1, part, {

@@ -8,13 +8,15 @@ activation it answers, which the receiver remembers. The last stage sends each s
 loss to stage 0 (rank 0 reports it). Messages between a pair of stages in one direction are
 all of one kind and keep their order, so no tags are needed beyond a kind per direction.
 
-Counts bytes sent and received (headers included) and seconds spent waiting in ``recv``
+Counts bytes sent and received (headers included), the bytes sent to a stage on another
+host, and seconds spent waiting in ``recv``
 and in the end-of-step wait for sends: the stage's idle (bubble) time.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,13 +27,15 @@ TAG_HEADER, TAG_ACT, TAG_GRAD, TAG_LOSS = 1, 2, 3, 4
 
 
 class Links:
-    """The messages of stage ``rank`` of ``world_size`` stages on ``device``."""
+    """The messages of stage ``rank`` of ``world_size`` stages on ``device``; ``is_remote``
+    tells whether a stage rank runs on another host."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device):
-        self.rank, self.world_size, self.device = rank, world_size, device
+    def __init__(self, rank: int, world_size: int, device: torch.device,
+                 is_remote: Callable[[int], bool] = lambda rank: False):
+        self.rank, self.world_size, self.device, self.is_remote = rank, world_size, device, is_remote
         self.pending: list = []               # (work, tensor) of isends not yet awaited
         self.out_shapes: deque = deque()      # shapes/dtypes of activations sent, for their gradients
-        self.sent = self.recv = 0
+        self.sent = self.recv = self.sent_remote = 0
         self.idle = 0.0
 
     # --- activations forward ------------------------------------------------------------
@@ -93,16 +97,20 @@ class Links:
             self.pending.pop(0)[0].wait()
         self.idle += time.perf_counter() - t0
 
-    def take(self) -> tuple[int, int, float]:
-        """(bytes sent, bytes received, idle seconds) since the last call; resets them."""
-        out = (self.sent, self.recv, self.idle)
-        self.sent = self.recv = 0
+    def take(self) -> tuple[int, int, float, int]:
+        """(bytes sent, bytes received, idle seconds, bytes sent to another host) since the
+        last call; resets them."""
+        out = (self.sent, self.recv, self.idle, self.sent_remote)
+        self.sent = self.recv = self.sent_remote = 0
         self.idle = 0.0
         return out
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self.pending.append((dist.isend(tensor, dst, tag=tag), tensor))
-        self.sent += tensor.numel() * tensor.element_size()
+        n = tensor.numel() * tensor.element_size()
+        self.sent += n
+        if self.is_remote(dst):
+            self.sent_remote += n
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
         t0 = time.perf_counter()

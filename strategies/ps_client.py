@@ -22,6 +22,7 @@ Bytes are counted per table per step (headers under ``"_control"``), on both sid
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,15 +125,23 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
 
 
 class ByteMeter:
-    """Bytes sent and received by table name since the last :meth:`take`."""
+    """Bytes sent and received by table name since the last :meth:`take`, and the bytes
+    sent to processes on other hosts since the last :meth:`take_remote`."""
 
     def __init__(self):
         self.by_name: dict[str, list[float]] = {}
+        self.remote = 0.0
 
-    def add(self, name: str, sent: float = 0, recv: float = 0) -> None:
+    def add(self, name: str, sent: float = 0, recv: float = 0, remote: bool = False) -> None:
         entry = self.by_name.setdefault(name, [0.0, 0.0])
         entry[0] += sent
         entry[1] += recv
+        if remote:
+            self.remote += sent
+
+    def take_remote(self) -> float:
+        out, self.remote = self.remote, 0.0
+        return out
 
     def take(self) -> dict[str, tuple[float, float]]:
         out = {k: (v[0], v[1]) for k, v in self.by_name.items()}
@@ -161,8 +170,10 @@ def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torc
 class PSClient:
     """A worker's connection to the S servers (pg ranks ``num_workers .. num_workers+S-1``)."""
 
-    def __init__(self, tables: list[PSTable], num_workers: int, num_servers: int):
+    def __init__(self, tables: list[PSTable], num_workers: int, num_servers: int,
+                 is_remote: Callable[[int], bool] = lambda rank: False):
         self.tables, self.num_workers, self.num_servers = tables, num_workers, num_servers
+        self.is_remote = is_remote    # default-group rank -> on another host than this worker
         self.bytes = ByteMeter()
         self.pull_s = 0.0    # seconds spent waiting in pulls since the caller last reset it
         self._server_rows = {t.tid: [t.layout.server_rows(s) for s in range(num_servers)] for t in tables}
@@ -183,8 +194,11 @@ class PSClient:
         owner = table.layout.server_of(ids)
         return [(s, (owner == s).nonzero().squeeze(1)) for s in holders]
 
+    def _sent(self, server: int, name: str, n: int) -> None:
+        self.bytes.add(name, sent=n, remote=self.is_remote(self.server_rank(server)))
+
     def _header(self, server: int, op: int, tid: int, n: int, step: int, name: str = CONTROL, count: int = 1):
-        self.bytes.add(name, sent=HEADER_BYTES)
+        self._sent(server, name, HEADER_BYTES)
         header = torch.tensor([op, tid, n, step, count], dtype=torch.int64)
         return self._isend(header, self.server_rank(server), TAG_HEADER)
 
@@ -209,7 +223,7 @@ class PSClient:
             sends.append(self._header(s, PULL, table.tid, -1 if ids is None else sel.numel(), step, table.name))
             if ids is not None:
                 sends.append(self._isend(sel, self.server_rank(s), TAG_DATA))
-                self.bytes.add(table.name, sent=nbytes(sel))
+                self._sent(s, table.name, nbytes(sel))
             buf = out if where is None else torch.empty(where.numel(), table.dim, dtype=table.dtype)
             recvs.append((self._irecv(buf, self.server_rank(s), reply_tag(table.tid)), where, buf))
             self.bytes.add(table.name, recv=nbytes(buf))
@@ -243,10 +257,10 @@ class PSClient:
                 if sel.numel() == 0:
                     continue
                 works.append(self._isend(sel.contiguous(), self.server_rank(s), TAG_DATA))
-                self.bytes.add(table.name, sent=nbytes(sel))
+                self._sent(s, table.name, nbytes(sel))
             g = (grads if where is None else grads[where]).contiguous()
             works.append(self._isend(g, self.server_rank(s), TAG_DATA))
-            self.bytes.add(table.name, sent=nbytes(g))
+            self._sent(s, table.name, nbytes(g))
         return works
 
     def done(self, step: int) -> list:

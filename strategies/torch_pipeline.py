@@ -112,8 +112,9 @@ def train(ctx: WorkerContext) -> TrainResult:
         # what crossed the stage boundaries: activations out and their gradients back in
         # (same sizes), counted from the stage's own inputs and outputs
         into, out = io.take()
-        sent = (out if not last else 0) + (into if not first else 0)
-        meter.end(loss, sent, sent, extra={"stage": k})
+        fwd, bwd = (out if not last else 0), (into if not first else 0)
+        remote = (fwd if not last and ctx.is_remote(k + 1) else 0) + (bwd if not first and ctx.is_remote(k - 1) else 0)
+        meter.end(loss, fwd + bwd, fwd + bwd, extra={"stage": k}, sent_remote=remote)
     mine = {"stage": k, "layers": list(ranges[k]), "compute_s": sum(step_s) / len(step_s)}
     payload = ({n: v.detach().cpu() for n, v in module.state_dict().items()}, mine)
     gathered = [None] * K if k == 0 else None

@@ -56,6 +56,8 @@ def test_two_workers_match_single_process(tiny_script, tmp_path, reap_run):
     metrics = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = sorted({(m["rank"], m["step"]) for m in metrics if m["kind"] == "metric"})
     assert steps == [(r, s) for r in (0, 1) for s in (5, 10, 15, 20)]
+    # one host: every byte is counted, none of them as leaving the host
+    assert all(m["bytes_sent"] > 0 and m["bytes_sent_remote"] == 0 for m in metrics if m["kind"] == "metric")
     assert os.path.exists(os.path.join(run_dir, "logs", "worker-1.log"))
     assert json.load(open(os.path.join(run_dir, "config.json")))["world_size"] == 2
 

@@ -134,9 +134,12 @@ def test_byte_check_window_and_interpolation(tmp_path):
     rows = []
     for step in (2, 4, 6, 8):
         t = 100.0 + step
-        rows.append({"kind": "metric", "role": "worker", "rank": 0, "time": t, "step": step, "bytes_sent": 1000.0})
-        rows.append({"kind": "metric", "role": "worker", "rank": 1, "time": t, "step": step, "bytes_sent": 3000.0})
-        rows.append({"kind": "metric", "role": "server", "rank": 0, "time": t, "step": step, "bytes_sent": 500.0})
+        rows.append({"kind": "metric", "role": "worker", "rank": 0, "time": t, "step": step, "bytes_sent": 1000.0,
+                     "bytes_sent_remote": 0.0})
+        rows.append({"kind": "metric", "role": "worker", "rank": 1, "time": t, "step": step, "bytes_sent": 3000.0,
+                     "bytes_sent_remote": 1500.0})
+        rows.append({"kind": "metric", "role": "server", "rank": 0, "time": t, "step": step, "bytes_sent": 500.0,
+                     "bytes_sent_remote": 400.0})
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     # counters grow 4600 bytes/s (TCP) and 2000 bytes/s (interface) over two hosts; one step per second
     samples = [Sample(t, {"h0": 1000 * t, "h1": 1000 * t}, {"h0": 0, "h1": 0}, {"h0": 2300 * t, "h1": 2300 * t})
@@ -147,4 +150,6 @@ def test_byte_check_window_and_interpolation(tmp_path):
     assert got["tcp_bytes_per_step"] == pytest.approx(4600.0)
     assert got["interface_bytes_per_step"] == pytest.approx(2000.0)
     assert got["tcp_over_hpar"] == pytest.approx(4600 / 4500)
+    assert got["hpar_remote_bytes_per_step"] == pytest.approx(1900.0)
+    assert got["interface_over_hpar_remote"] == pytest.approx(2000 / 1900)
     assert byte_check(samples[:1], str(tmp_path)) is None

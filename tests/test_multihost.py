@@ -170,6 +170,18 @@ def test_run_spreads_workers_over_two_hosts(hosts, tmp_path):
     for index, address in enumerate(hosts.addresses):  # one parameter server per host, as in Parallax
         assert f"[{address} server {index}] step 6/6" in text, text[-3000:]
         assert os.path.getsize(run_dir / "logs" / f"server-{index}.log") > 0
+    # bytes to the other host: every worker pushes to and pulls from the server there, ranks 1
+    # and 3 also send their ring AllReduce bytes across (1 -> 2, 3 -> 0); each server answers
+    # two workers on the other host
+    import json
+    last = {}
+    for line in open(run_dir / "metrics.jsonl"):
+        m = json.loads(line)
+        if m["kind"] == "metric":
+            last[(m["role"], m["rank"])] = m
+    assert len(last) == 6
+    for m in last.values():
+        assert 0 < m["bytes_sent_remote"] < m["bytes_sent"], m
     assert "preflight: 2 host(s) ok" in text
     assert netns_hosts.leftovers(hosts, wait=5) == {}
 

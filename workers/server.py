@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
+from hpar.strategies.context import peer_is_remote
 from hpar.strategies.hybrid import make_groups
 from hpar.strategies.job import JobError, load_job
 from hpar.strategies.ps_client import (CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, TAG_DATA, TAG_HEADER,
@@ -33,7 +34,7 @@ class Server:
     """Server ``index`` of ``num_servers``, holding its rows of every table."""
 
     def __init__(self, cfg: RunConfig, tables: list[PSTable], model: torch.nn.Module, index: int,
-                 num_workers: int, start_step: int = 0):
+                 num_workers: int, start_step: int = 0, host_of: tuple[int, ...] = (), pg_rank: int = 0):
         self.cfg, self.tables, self.index, self.num_workers = cfg, {t.tid: t for t in tables}, index, num_workers
         params = dict(model.named_parameters())
         self.shards: dict[int, ParamShard] = {}
@@ -48,6 +49,8 @@ class Server:
         self.pending: list[tuple[int, int, torch.Tensor | None, int]] = []  # (src, table, local ids, step)
         self.bytes = ByteMeter()
         self.totals: dict[str, list[float]] = {}
+        self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}   # bytes since the last report
+        self.is_remote = lambda rank: peer_is_remote(host_of, pg_rank, rank)
         self._isend, self._irecv = p2p()
 
     def part(self) -> str:
@@ -64,7 +67,7 @@ class Server:
 
     def _reply(self, src: int, tid: int, local: torch.Tensor | None) -> None:
         rows = self.shards[tid].lookup(local).contiguous()
-        self.bytes.add(self.tables[tid].name, sent=nbytes(rows))
+        self.bytes.add(self.tables[tid].name, sent=nbytes(rows), remote=self.is_remote(src))
         self._isend(rows, src, reply_tag(tid)).wait()
 
     def _recv_ids(self, src: int, table: PSTable, n: int) -> torch.Tensor | None:
@@ -109,21 +112,34 @@ class Server:
                 self._apply_table(tid)
         self.applied += 1
         step = self.applied
-        by_name = self.bytes.take()
-        for k, (s, r) in by_name.items():
-            acc = self.totals.setdefault(k, [0.0, 0.0])
-            acc[0] += s
-            acc[1] += r
+        self._count_step(self.bytes.take(), self.bytes.take_remote())
         if step % self.cfg.log_every == 0 or step == self.cfg.steps:
-            report.emit("metric", {"step": step, "server": self.index,
-                                   "bytes_sent": sum(s for s, _ in by_name.values()),
-                                   "bytes_recv": sum(r for _, r in by_name.values()),
-                                   "by_param": {k: {"sent": s, "recv": r} for k, (s, r) in by_name.items()}})
+            self._report(step)
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
             checkpoint.save_part(self.cfg.run_dir, step, self.part(), self.state_dict())
             checkpoint.commit(self.cfg.run_dir, step)
         for tid in self.shards:
             self._apply_if_complete(tid)
+
+    def _count_step(self, by_name: dict, remote: float) -> None:
+        it = self.interval
+        it["steps"] += 1
+        it["remote"] += remote
+        for k, (s, r) in by_name.items():
+            for acc in (self.totals.setdefault(k, [0.0, 0.0]), it["by_param"].setdefault(k, [0.0, 0.0])):
+                acc[0] += s
+                acc[1] += r
+
+    def _report(self, step: int) -> None:
+        """One ``metric`` line: bytes per step (sent, received, sent to other hosts, and by
+        parameter), averaged over the steps closed since the previous report."""
+        it, n = self.interval, max(self.interval["steps"], 1)
+        report.emit("metric", {"step": step, "server": self.index,
+                               "bytes_sent": sum(s for s, _ in it["by_param"].values()) / n,
+                               "bytes_recv": sum(r for _, r in it["by_param"].values()) / n,
+                               "bytes_sent_remote": it["remote"] / n,
+                               "by_param": {k: {"sent": s / n, "recv": r / n} for k, (s, r) in it["by_param"].items()}})
+        self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}
 
     def serve(self) -> None:
         """Answer requests until every worker sent FINISH."""
@@ -175,13 +191,13 @@ def main() -> int:
     torch.set_num_threads(max(1, int(os.environ.get("HPAR_THREADS", "1"))))
     stop_beat = report.start_heartbeat()
     job = load_job(cfg.script)
-    init_group(cfg, pg_rank, pg_world)
-    make_groups(num_workers, "gloo" if cfg.device == "cpu" else None, env_int("GROUP_RANK", 0), cfg.plan)
+    host_of = init_group(cfg, pg_rank, pg_world)
+    make_groups(num_workers, "gloo" if cfg.device == "cpu" else None, host_of, cfg.plan)
     torch.manual_seed(cfg.seed)
     model = job.build_model()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
     tables = ps_tables(model, opt, cfg.strategy, cfg.plan, num_servers)
-    server = Server(cfg, tables, model, index, num_workers)
+    server = Server(cfg, tables, model, index, num_workers, host_of=host_of, pg_rank=pg_rank)
     del model, opt
     step = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
     if step is not None:

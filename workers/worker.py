@@ -49,10 +49,14 @@ def step_time_percentiles(step_times: list[float], warmup: int = 2) -> dict:
     return {"step_s_p50": pick(0.5), "step_s_p90": pick(0.9)}
 
 
-def init_group(cfg: RunConfig, pg_rank: int, pg_world_size: int) -> None:
-    """Join the default process group (gloo on CPU, NCCL on CUDA)."""
+def init_group(cfg: RunConfig, pg_rank: int, pg_world_size: int) -> tuple[int, ...]:
+    """Join the default process group (gloo on CPU, NCCL on CUDA); returns the host index
+    (GROUP_RANK) of every rank of it, gathered from all (a collective: servers call it too)."""
     dist.init_process_group(backend=cfg.backend, rank=pg_rank, world_size=pg_world_size,
                             timeout=datetime.timedelta(seconds=int(os.environ.get("HPAR_PG_TIMEOUT", "300"))))
+    hosts = [None] * pg_world_size
+    dist.all_gather_object(hosts, env_int("GROUP_RANK", 0))
+    return tuple(int(h) for h in hosts)
 
 
 def main() -> int:
@@ -67,14 +71,14 @@ def main() -> int:
         torch.set_num_threads(max(1, int(os.environ.get("HPAR_THREADS", "1"))))
     stop_beat = report.start_heartbeat()
     job = load_job(cfg.script)
-    init_group(cfg, pg_rank, pg_world)
+    host_of = init_group(cfg, pg_rank, pg_world)
     eval_first = {}
     if rank == 0 and cfg.eval and not cfg.resume:
         torch.manual_seed(cfg.seed)
         eval_first = job.run_evaluate(job.build_model().to(device))
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
                         device=device, report=lambda m: report.emit("metric", m),
-                        pg_rank=pg_rank, pg_world_size=pg_world)
+                        pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of)
     t0 = time.time()
     result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
     if rank == 0:
