@@ -149,7 +149,9 @@ def bytes_per_worker_step(metrics_path: str) -> dict | None:
 def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str,
                 plan_file: str | None = None) -> list[str]:
     """The ``hpar run`` command line of one strategy (no evaluation; plain progress lines);
-    ``plan_file`` (pipeline entries) fixes the stages and micro-batches."""
+    ``plan_file`` (pipeline entries) fixes the stages and the micro-batches (passed as
+    ``--micro-batches`` too, so that a script's own HPAR value does not override the plan the
+    prediction is for)."""
     strategy, schedule = BENCH_STRATEGIES[name]
     cmd = [sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", str(cfg.gpus), "--strategy", strategy,
            "--steps", str(cfg.steps), "--batch-size", str(batch_size), "--seed", str(cfg.seed),
@@ -157,7 +159,8 @@ def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_d
     if schedule:
         cmd += ["--schedule", schedule]
     if plan_file:
-        cmd += ["--plan", plan_file]
+        with open(plan_file, encoding="utf-8") as f:
+            cmd += ["--plan", plan_file, "--micro-batches", str(json.load(f)["micro_batches"])]
     if cfg.hosts:
         cmd += ["--hosts", cfg.hosts]
     if cfg.ssh_key:

@@ -299,8 +299,10 @@ def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1
     activation transfer); synchronous GPipe/1F1B step = (M + K - 1) * slowest stage time
     (+ 2 lat per micro-batch), i.e. a bubble of (K-1)/(M+K-1) (Huang et al., "GPipe",
     NeurIPS 2019; Narayanan et al., "PipeDream", SOSP 2019), + the slowest stage's update.
-    The loss and unattributed time go to the last layer. M in {K, 2K, 4K} (at most the
-    batch), the fastest. Infeasible (note says why) when the model is not a sequence of
+    The loss and unattributed time go to the last layer. A micro-batch of B/M samples costs
+    ``fixed_share + (1 - fixed_share) / M`` of the batch's profiled compute (on a CPU a layer
+    streams its weights whatever the batch; 0 fixed share for projected devices). M in
+    {1, K, 2K, 4K} (at most the batch), the fastest. Infeasible (note says why) when the model is not a sequence of
     layers or has fewer layers than N."""
     c = _setting(profile, cluster)
     k, layers = c.n, profile.layers
@@ -312,13 +314,14 @@ def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1
         return Estimate("pipeline", 0.0, 0, 0.0, feasible=False,
                         note=f"{len(layers)} layers cannot fill {k} stages")
     if cluster.device_flops:
-        comp = [l.flops / cluster.device_flops for l in layers]
+        comp, fixed = [l.flops / cluster.device_flops for l in layers], 0.0
     else:
-        comp = [l.forward_s + l.backward_s for l in layers]
+        comp, fixed = [l.forward_s + l.backward_s for l in layers], profile.fixed_share
     comp[-1] += max(0.0, c.fwd + c.bwd - sum(comp))
     best = None
-    for m in sorted({min(f * k, profile.samples_per_batch) for f in (1, 2, 4)}):
-        plan = partition_stages([x / m for x in comp], [l.activation_bytes // m for l in layers],
+    for m in sorted({min(f, profile.samples_per_batch) for f in (1, k, 2 * k, 4 * k)}):
+        per_micro = fixed + (1.0 - fixed) / m     # a micro-batch's share of the batch's compute
+        plan = partition_stages([x * per_micro for x in comp], [l.activation_bytes // m for l in layers],
                                 [l.param_bytes for l in layers], k, c.p2p_bw)
         period = max(s + 2 * c.lat for s in plan.stage_s)
         update = max(sum(l.param_bytes for l in layers[a:b]) for a, b in plan.ranges) * c.update_per_byte

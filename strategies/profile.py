@@ -53,6 +53,7 @@ import torch
 from hpar.strategies.job import Job, JobError
 from hpar.strategies.profile_hooks import (
     auto_timing_batch,
+    fixed_share,
     LayerTimer,
     count_flops,
     embedding_modules,
@@ -124,7 +125,8 @@ class Profile:
     """A measured job. ``compute_s`` = forward (with loss) + backward seconds of one
     worker's batch on one CPU thread; ``forward_flops``/``backward_flops`` per batch;
     ``samples_per_batch`` = leading dimension of one batch's inputs; ``workers`` = N the
-    sparsity was measured for."""
+    sparsity was measured for; ``fixed_share`` the part of ``compute_s`` that a smaller
+    batch does not shrink (``profile_hooks.fixed_share``)."""
 
     params: tuple[ParamProfile, ...]
     layers: tuple[LayerProfile, ...]
@@ -143,6 +145,7 @@ class Profile:
     profile_s: float = 0.0
     sparse_update_s_per_byte: float | None = None
     sparse_gradients_ok: bool = True
+    fixed_share: float = 0.0
 
     @property
     def total_bytes(self) -> int:
@@ -278,6 +281,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         emb_stats = embedding_sparsity(job, model, embs, batch_size, workers,
                                         max_sparsity_workers, stop_early=calls_once)
         samples = emb_stats.pop("__samples__")
+        fixed = fixed_share(job, model, tbs, workers)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         update = dense_update_cost(job, model_bytes)
         sparse_update, sparse_ok = None, True
@@ -327,4 +331,4 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
                    update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
-                   sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok)
+                   sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed)

@@ -159,17 +159,34 @@ def auto_timing_batch(job: Job, model: nn.Module, batch_size: int, workers: int)
     if small == batch_size:
         return batch_size
     big = min(batch_size, 4 * small)
-
-    def warm_step_s(b: int) -> float:
-        inputs, targets = next(job.batches(0, workers, b))
-        for _ in range(2):          # the first call pays for lazy initialisation
-            t0 = time.perf_counter()
-            job.compute_loss(model(inputs), targets).backward()
-            dt = time.perf_counter() - t0
-            model.zero_grad(set_to_none=True)
-        return dt
-    t_small, t_big = warm_step_s(small), warm_step_s(big)
+    t_small, t_big = warm_step_s(job, model, small, workers), warm_step_s(job, model, big, workers)
     slope = max(t_big - t_small, 0.0) / (big - small)
     est = t_big + slope * (batch_size - big)
     return batch_size if est <= STEP_BUDGET_S else max(big, int(batch_size * STEP_BUDGET_S / est))
 
+
+def warm_step_s(job: Job, model: nn.Module, batch: int, workers: int, repeats: int = 1) -> float:
+    """Median seconds of ``repeats`` forward+loss+backward steps on rank 0's first batch of
+    ``batch`` samples, after one untimed step (lazy initialisation); gradients are cleared."""
+    inputs, targets = next(job.batches(0, workers, batch))
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        job.compute_loss(model(inputs), targets).backward()
+        if i:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return sorted(times)[len(times) // 2]
+
+
+def fixed_share(job: Job, model: nn.Module, batch: int, workers: int, repeats: int = 3) -> float:
+    """Share of a step's compute that does not shrink with the batch, in [0, 1]: with warm
+    steps t(b) = a + s b at ``batch`` and a quarter of it, a / t(batch). On a CPU a wide layer
+    streams its weights whatever the batch, so a pipeline's micro-batch of B/M samples costs
+    far more than 1/M of the batch (wide.py: 0.87 of it at M = 4); 0 for a batch under 4."""
+    quarter = batch // 4
+    if quarter < 1:
+        return 0.0
+    full, part = warm_step_s(job, model, batch, workers, repeats), warm_step_s(job, model, quarter, workers, repeats)
+    fixed = (part * batch - full * quarter) / (batch - quarter)
+    return min(max(fixed / full, 0.0), 1.0) if full > 0 else 0.0

@@ -153,3 +153,16 @@ def test_byte_check_window_and_interpolation(tmp_path):
     assert got["hpar_remote_bytes_per_step"] == pytest.approx(1900.0)
     assert got["interface_over_hpar_remote"] == pytest.approx(2000 / 1900)
     assert byte_check(samples[:1], str(tmp_path)) is None
+
+
+def test_pipeline_entries_run_the_planned_micro_batches(tmp_path):
+    """The prediction is for the plan's M; a script's HPAR micro_batches must not replace it."""
+    from hpar.launcher.bench import BenchConfig, run_command
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"strategy": "pipeline", "micro_batches": 1, "stages": [[0, 4], [4, 8]]}))
+    cfg = BenchConfig(scripts=("wide.py",), gpus=2, strategies=("pipeline-1f1b", "allreduce"), steps=4,
+                      bench_dir=str(tmp_path))
+    cmd = run_command("wide.py", "pipeline-1f1b", cfg, 32, str(tmp_path / "run"), str(plan))
+    assert cmd[cmd.index("--plan") + 1] == str(plan) and cmd[cmd.index("--micro-batches") + 1] == "1"
+    assert cmd[cmd.index("--schedule") + 1] == "1f1b"
+    assert "--micro-batches" not in run_command("wide.py", "allreduce", cfg, 32, str(tmp_path / "run"))

@@ -148,3 +148,22 @@ def test_async_pipeline_has_no_bubble_but_updates_every_micro_batch():
     assert predict.step_s == pytest.approx(m * (period + 1.5 * update), rel=1e-9)
     assert plain.breakdown["bubble"] == 0.0 and predict.stages == sync.stages
     assert estimate_async_pipeline(sync, "1f1b") is sync
+
+
+def test_fixed_share_of_compute_makes_fewer_micro_batches_faster():
+    """On a CPU a micro-batch costs fixed_share + (1 - fixed_share)/M of the batch: at 0.8
+    (wide.py's layers stream their weights whatever the batch) one micro-batch beats four."""
+    import dataclasses
+    from hpar.strategies.costmodel import estimate_pipeline
+    params = [ParamProfile(f"{i}.weight", (100, 100), 40_000, False, 1.0, 1.0, False, layer=i) for i in range(4)]
+    layers = [LayerProfile(str(i), 0.02, 0.03, 10**6, 0, 40_000) for i in range(4)]
+    prof = dataclasses.replace(make_profile(params, layers, 0.08, 0.12, sequential=True), fixed_share=0.8)
+    cluster = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0)
+    est = estimate_pipeline(prof, cluster)
+    update = 2 * 40_000 * UPB                  # the busiest stage's 2 layers
+    by_m = {m: (m + 1) * 2 * 0.05 * (0.8 + 0.2 / m) + update for m in (1, 2, 4, 8)}
+    assert est.micro_batches == 1 and by_m[1] == min(by_m.values())
+    assert est.step_s == pytest.approx(by_m[1], rel=1e-9)
+    linear = estimate_pipeline(dataclasses.replace(prof, fixed_share=0.0), cluster)
+    assert linear.micro_batches == 8           # compute proportional to the batch: the bubble decides
+    assert linear.step_s == pytest.approx(9 * 2 * 0.05 / 8 + update, rel=1e-9)

@@ -177,8 +177,22 @@ def test_timing_batch_stays_full_when_a_fixed_cost_dominates_a_small_batch(tmp_p
     budget at full batch; scaling a batch-1 step by 32 would have called it 3.2 s."""
     from hpar.strategies.profile_hooks import auto_timing_batch
     path = tmp_path / "fixed.py"
-    path.write_text(SCRIPT.replace("            return self.out(h[:, -1])",
-                                   "            time.sleep(0.1)\n            return self.out(h[:, -1])")
+    path.write_text(SCRIPT.replace("        return self.out(h[:, -1])",
+                                   "        time.sleep(0.1)\n        return self.out(h[:, -1])")
                     .replace("import torch\n", "import time\nimport torch\n", 1))
     job = load_job(str(path))
+    assert "time.sleep(0.1)" in path.read_text()
     assert auto_timing_batch(job, job.build_model(), 64, 1) == 64
+
+
+def test_fixed_share_separates_per_step_from_per_sample_cost(tmp_path):
+    """A step sleeping 0.06 s + 0.005 s per sample: at batch 16, 0.06 of its 0.14 s is fixed."""
+    from hpar.strategies.profile_hooks import fixed_share
+    path = tmp_path / "affine.py"
+    path.write_text(SCRIPT.replace("        return self.out(h[:, -1])",
+                                   "        time.sleep(0.06 + 0.005 * x.shape[0])\n        return self.out(h[:, -1])")
+                    .replace("import torch\n", "import time\nimport torch\n", 1))
+    job = load_job(str(path))
+    assert "time.sleep(0.06" in path.read_text()
+    assert fixed_share(job, job.build_model(), 16, 1) == pytest.approx(0.06 / 0.14, abs=0.08)
+    assert fixed_share(job, job.build_model(), 3, 1) == 0.0      # no quarter batch to compare with
