@@ -100,7 +100,8 @@ def parse_strategies(text: str | None) -> tuple[str, ...]:
 
 def not_applicable(name: str, profile, estimates: dict, runnable: set[str], gpus: int) -> str | None:
     """Why strategy ``name`` cannot run this job (None when it can): runtime missing, model
-    not a sequence of layers, too few workers or layers for a pipeline."""
+    not a sequence of layers, too few workers or layers for a pipeline, fewer planned
+    micro-batches than stages for torch's 1F1B."""
     strategy, schedule = BENCH_STRATEGIES[name]
     if strategy not in runnable:
         return f"runtime not installed yet (hpar {strategy})"
@@ -112,6 +113,9 @@ def not_applicable(name: str, profile, estimates: dict, runnable: set[str], gpus
             return est.note
         if schedule.startswith("torch-") and importlib.util.find_spec("torch.distributed.pipelining") is None:
             return "torch.distributed.pipelining is not in this torch"
+        if schedule == "torch-1f1b" and est is not None and est.micro_batches < gpus:
+            return (f"the plan's {est.micro_batches} micro-batch(es) per batch are fewer than the {gpus} stages "
+                    "torch's Schedule1F1B needs (scripts/bench_pipeline.py compares it at M = 4)")
     return None
 
 

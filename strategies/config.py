@@ -51,6 +51,9 @@ class RunConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.servers < 0 or self.checkpoint_every < 0:
             raise ValueError("--servers and --checkpoint-every must not be negative")
+        if self.strategy == "pipeline" and self.schedule == "torch-1f1b" and self.micro_batches < self.world_size:
+            raise ValueError(f"--micro-batches {self.micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
+                             f"at least one per stage ({self.world_size}); raise it or use --schedule torch-gpipe")
 
     @property
     def backend(self) -> str:
