@@ -17,7 +17,9 @@ Overlap (wait-free backpropagation: Zhang et al., "Poseidon", USENIX ATC 2017; L
 communication of every layer but the first runs under the rest of backward, and
 ``step = forward + max(backward, overlappable comm) + comm of layer 0's gradients + update``;
 layer 0's gradients are the last ones backward produces, so their exchange cannot hide.
-Pulls from parameter servers happen before forward and do not overlap.
+Pulls from parameter servers happen before forward and do not overlap. Workers computing on
+a CPU whose cores they fill (``cpu_share`` >= 1) get no overlap: gloo reduces and copies
+on the same cores backward runs on, so ``max`` becomes a sum.
 """
 from __future__ import annotations
 
@@ -116,6 +118,11 @@ class _Setting:
     server_per_byte: float      # server (CPU) update
     p2p_bw: float   # bandwidth of point-to-point traffic (worker<->server, stage->stage)
     sparse_update_per_byte: float   # worker update per byte of gathered sparse gradient rows
+    overlap: bool   # communication can run under backward (spare cores or an accelerator)
+
+    def under_backward(self, comm: float) -> float:
+        """Seconds of backward plus the communication that runs during it."""
+        return max(self.bwd, comm) if self.overlap else self.bwd + comm
 
 
 def cpu_share(cluster: ClusterSpec, with_servers: bool = False) -> float:
@@ -139,9 +146,11 @@ def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False)
     sparse_upd = profile.sparse_update_s_per_byte or profile.update_s_per_byte
     k = cpu_share(cluster, with_servers)
     p2p = cluster.bandwidth_Bps if cluster.hosts > 1 else cluster.intra_Bps
+    busy_cores = bool(cluster.cores_per_host) and not cluster.device_flops and \
+        cluster.max_gpus_per_host + (-(-cluster.servers // cluster.hosts) if with_servers else 0) >= cluster.cores_per_host
     return _Setting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
                     cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
-                    k * profile.update_s_per_byte, p2p, k * sparse_upd)
+                    k * profile.update_s_per_byte, p2p, k * sparse_upd, not busy_cores)
 
 
 def _split_tail(params, first_layer: int = 0):
@@ -159,7 +168,7 @@ def estimate_allreduce(profile: Profile, cluster: ClusterSpec) -> Estimate:
     ar_tail = ring_allreduce_s(sum(p.bytes for p in tail), c.n, c.bw, c.lat)
     emb = sum(p.bytes for p in profile.params if p.embedding_module)
     update = profile.total_bytes * c.update_per_byte + emb * c.update_per_byte
-    step = c.fwd + max(c.bwd, ar_over) + ar_tail + update
+    step = c.fwd + c.under_backward(ar_over) + ar_tail + update
     sent = 2 * (c.n - 1) / c.n * profile.total_bytes if c.n > 1 else 0.0
     return Estimate("allreduce", step, c.n * profile.samples_per_batch, sent,
                     {"forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over, "comm_tail": ar_tail,
@@ -192,7 +201,7 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
         merge = gathered * c.update_per_byte
         sparse_update = sum(p.union_for(c.n) * p.bytes for p in sparse) * c.update_per_byte
     update = sum(p.bytes for p in dense) * c.update_per_byte + sparse_update
-    step = c.fwd + max(c.bwd, over) + tail + merge + update
+    step = c.fwd + c.under_backward(over) + tail + merge + update
     sent = (2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0) + \
         sum((c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse)
     return Estimate("allreduce-sparse", step, c.n * profile.samples_per_batch, sent,
@@ -266,7 +275,7 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
     ar_over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat)
     ar_tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat)
     dense_update = sum(p.bytes for p in on_ar) * c.update_per_byte
-    step = pull_s + c.fwd + max(c.bwd, ar_over + push_over) + ar_tail + push_tail + max(server, dense_update)
+    step = pull_s + c.fwd + c.under_backward(ar_over + push_over) + ar_tail + push_tail + max(server, dense_update)
     sent += 2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0
     return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
                     {"pull": pull_s, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over + push_over,
