@@ -189,7 +189,7 @@ def _probe_worker(rank: int, port: int, nbytes: int, pings: int, sends: int, que
         dist.destroy_process_group()
 
 
-def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 4,
+def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
                timeout_s: float = 60.0) -> tuple[float, float, float]:
     """Measure (bandwidth_Bps, latency_s, allreduce_Bps) between two gloo processes on this
     machine (loopback TCP): latency = half the median round trip of a 4-byte message,
