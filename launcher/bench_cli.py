@@ -141,7 +141,8 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
                 console.print(f"{r.strategy}: bytes/step hpar {c['hpar_bytes_per_step']:,.0f}, TCP sockets "
                               f"{c['tcp_bytes_per_step']:,.0f} ({c['tcp_over_hpar'] or 0:.2f}x); hpar to other hosts "
                               f"{c['hpar_remote_bytes_per_step']:,.0f}, interfaces {c['interface_bytes_per_step']:,.0f} "
-                              f"({c['interface_over_hpar_remote'] or 0:.2f}x)", markup=False)
+                              f"(payload {c['interface_payload_bytes_per_step']:,.0f}: "
+                              f"{c['interface_over_hpar_remote'] or 0:.2f}x)", markup=False)
     settings = {"gpus": gpus, "steps": steps, "batch_size": batch_size, "seed": seed, "hosts": hosts,
                 "link_rate": link_rate, "project": project or None, "device_tflops": device_tflops, "bench_dir": bench_dir}
     if json_out:

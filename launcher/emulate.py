@@ -8,13 +8,14 @@ repository this module belongs to. Workers go ``ceil(G/H)`` per host over SSH, e
 failure or Ctrl-C.
 
 Byte check: while each strategy runs, a thread samples every 0.5 s (a) each host's interface
-counters (the root-side end of its veth: ``rx_bytes`` there is what the host sent) and (b)
-the kernel's per-socket TCP payload counters of the host (``ss -tin`` in its namespace:
-``bytes_sent`` summed over every TCP socket but SSH's). Over the training steps after warm-up
-(worker 0's metric reports) these give bytes per step, set against hpar's own accounting
-(the ``bytes_sent`` reports of every worker and server). The interface sees only the
-bytes that leave a host (plus TCP/IP headers); the socket counters also see traffic between
-processes of one host, which hpar counts too, so they are the like-for-like check.
+counters (the root-side end of its veth: ``rx_bytes``/``rx_packets`` there are what the host
+sent) and (b) the kernel's per-socket TCP payload counters of the host (``ss -tin`` in its
+namespace: ``bytes_sent`` of every TCP socket but SSH's, accumulated per socket so that
+closing sockets do not make the total drop). Over the training steps after warm-up (worker
+0's metric reports) these give bytes per step, set against hpar's own accounting: every
+worker's and server's ``bytes_sent`` against the socket counters (which also see traffic
+between processes of one host), and the part hpar addressed to another host
+(``bytes_sent_remote``) against the interface bytes less 66 header bytes per packet.
 """
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ import re
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_S = 0.5
+# bytes of headers per packet on an emulated host's veth: Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12
+PACKET_HEADER_BYTES = 66
 
 
 def parse_emulate(hosts: str | None) -> int | None:
@@ -72,18 +75,28 @@ def _free_net() -> int:
     raise RuntimeError("no free 10.77.N.0/24 subnet for test hosts (10..99 all in use)")
 
 
-def _socket_bytes(namespace: str) -> int:
-    """Sum of ``bytes_sent`` over the TCP sockets of ``namespace`` except SSH's (port 22)."""
+def _socket_bytes(namespace: str) -> dict[str, int]:
+    """``bytes_sent`` of every TCP socket of ``namespace`` except SSH's (port 22), by
+    "local peer" address pair."""
     out = subprocess.run(["ip", "netns", "exec", namespace, "ss", "-tinH"], capture_output=True, text=True).stdout
-    total, skip = 0, True
+    sockets, key = {}, None
     for line in out.splitlines():
         if line and not line[0].isspace():
             ends = line.split()[-2:]
-            skip = any(e.rsplit(":", 1)[-1] == "22" for e in ends)
-        elif not skip:
+            key = None if any(e.rsplit(":", 1)[-1] == "22" for e in ends) else " ".join(ends)
+        elif key is not None:
             m = re.search(r"\bbytes_sent:(\d+)", line)
-            total += int(m.group(1)) if m else 0
-    return total
+            if m:
+                sockets[key] = int(m.group(1))
+    return sockets
+
+
+def socket_total(last: dict[str, int], now: dict[str, int]) -> int:
+    """Bytes the sockets in ``now`` sent since the reading ``last``: the growth of every socket
+    seen in both, and all of a socket that is new (or restarted its count). Sockets that closed
+    in between lose what they sent after ``last``; summing raw counters instead would make
+    the total drop whenever a socket closes."""
+    return sum(v - last[k] if k in last and v >= last[k] else v for k, v in now.items())
 
 
 def _read(path: str) -> int:
@@ -93,13 +106,14 @@ def _read(path: str) -> int:
 
 @dataclass(frozen=True)
 class Sample:
-    """Counters at ``time`` (epoch s): per host (address) interface bytes sent/received and
-    the TCP payload bytes its sockets sent."""
+    """Counters at ``time`` (epoch s), per host (address): interface bytes sent and received,
+    packets sent, and the TCP payload bytes its sockets sent since the sampling began."""
 
     time: float
     if_sent: dict
     if_recv: dict
     tcp_sent: dict
+    if_packets: dict = field(default_factory=dict)
 
 
 class EmulatedCluster:
@@ -114,6 +128,8 @@ class EmulatedCluster:
             raise ValueError(f"--hosts emulate:{hosts} with --gpus {gpus}: give at least one GPU per host")
         self._th = None
         self.made = None
+        self._sockets: dict[str, dict[str, int]] = {}   # last socket reading per host
+        self._tcp: dict[str, int] = {}                    # running TCP total per host
 
     def __enter__(self) -> "EmulatedCluster":
         if os.geteuid() != 0:
@@ -150,12 +166,17 @@ class EmulatedCluster:
 
     def sample(self) -> Sample:
         """One reading of every host's counters."""
-        ifs, ifr, tcp = {}, {}, {}
+        ifs, ifr, tcp, pkts = {}, {}, {}, {}
         for h in self.made.hosts:
+            # the root-namespace end of the host's veth receives what the host sends
             base = f"/sys/class/net/{h.veth}/statistics"
             ifs[h.address], ifr[h.address] = _read(f"{base}/rx_bytes"), _read(f"{base}/tx_bytes")
-            tcp[h.address] = _socket_bytes(h.namespace)
-        return Sample(time.time(), ifs, ifr, tcp)
+            pkts[h.address] = _read(f"{base}/rx_packets")
+            now = _socket_bytes(h.namespace)
+            self._tcp[h.address] = self._tcp.get(h.address, 0) + socket_total(self._sockets.get(h.address, {}), now)
+            self._sockets[h.address] = now
+            tcp[h.address] = self._tcp[h.address]
+        return Sample(time.time(), ifs, ifr, tcp, pkts)
 
     def around_run(self, run):
         """Call ``run()`` (a bench run returning a Result) while sampling counters; return
@@ -196,8 +217,10 @@ def byte_check(samples: list[Sample], run_dir: str, warmup: int = 2) -> dict | N
     """Bytes per step over the steps after ``warmup`` (between worker 0's first report past
     warm-up and its last one): ``hpar`` (bytes sent that every worker and server reported for
     those steps), ``hpar_remote`` (the part they addressed to another host), ``tcp`` (kernel
-    socket counters, loopback included), ``interface`` (bytes leaving the hosts), and the
-    ratios tcp/hpar and interface/hpar_remote. None without enough samples or reports."""
+    socket counters, loopback included), ``interface`` (bytes leaving the hosts: Ethernet
+    frames) and ``interface_payload`` (the same less PACKET_HEADER_BYTES per packet, i.e.
+    the TCP payload, acknowledgements counting nothing), and the ratios tcp/hpar and
+    interface_payload/hpar_remote. None without enough samples or reports."""
     recs = []
     try:
         for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8"):
@@ -226,6 +249,9 @@ def byte_check(samples: list[Sample], run_dir: str, warmup: int = 2) -> dict | N
     hpar, remote = reported("bytes_sent"), reported("bytes_sent_remote")
     tcp = (_at(samples, b["time"], "tcp_sent") - _at(samples, a["time"], "tcp_sent")) / steps
     iface = (_at(samples, b["time"], "if_sent") - _at(samples, a["time"], "if_sent")) / steps
+    packets = (_at(samples, b["time"], "if_packets") - _at(samples, a["time"], "if_packets")) / steps
+    payload = iface - PACKET_HEADER_BYTES * packets
     return {"steps": steps, "hpar_bytes_per_step": hpar, "hpar_remote_bytes_per_step": remote,
-            "tcp_bytes_per_step": tcp, "interface_bytes_per_step": iface,
-            "tcp_over_hpar": tcp / hpar if hpar else None, "interface_over_hpar_remote": iface / remote if remote else None}
+            "tcp_bytes_per_step": tcp, "interface_bytes_per_step": iface, "interface_payload_bytes_per_step": payload,
+            "tcp_over_hpar": tcp / hpar if hpar else None,
+            "interface_over_hpar_remote": payload / remote if remote else None}

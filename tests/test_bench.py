@@ -142,8 +142,9 @@ def test_byte_check_window_and_interpolation(tmp_path):
                      "bytes_sent_remote": 400.0})
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     # counters grow 4600 bytes/s (TCP) and 2000 bytes/s (interface) over two hosts; one step per second
-    samples = [Sample(t, {"h0": 1000 * t, "h1": 1000 * t}, {"h0": 0, "h1": 0}, {"h0": 2300 * t, "h1": 2300 * t})
-               for t in (100.0, 103.0, 105.5, 109.0)]
+    # and 2 packets/s per host (66 header bytes each)
+    samples = [Sample(t, {"h0": 1000 * t, "h1": 1000 * t}, {"h0": 0, "h1": 0}, {"h0": 2300 * t, "h1": 2300 * t},
+                      {"h0": 2 * t, "h1": 2 * t}) for t in (100.0, 103.0, 105.5, 109.0)]
     got = byte_check(samples, str(tmp_path))
     assert got["steps"] == 4                      # worker 0's reports at steps 4 and 8
     assert got["hpar_bytes_per_step"] == pytest.approx(4500.0)
@@ -151,7 +152,8 @@ def test_byte_check_window_and_interpolation(tmp_path):
     assert got["interface_bytes_per_step"] == pytest.approx(2000.0)
     assert got["tcp_over_hpar"] == pytest.approx(4600 / 4500)
     assert got["hpar_remote_bytes_per_step"] == pytest.approx(1900.0)
-    assert got["interface_over_hpar_remote"] == pytest.approx(2000 / 1900)
+    assert got["interface_payload_bytes_per_step"] == pytest.approx(2000.0 - 4 * 66)
+    assert got["interface_over_hpar_remote"] == pytest.approx((2000 - 4 * 66) / 1900)
     assert byte_check(samples[:1], str(tmp_path)) is None
 
 
@@ -166,3 +168,11 @@ def test_pipeline_entries_run_the_planned_micro_batches(tmp_path):
     assert cmd[cmd.index("--plan") + 1] == str(plan) and cmd[cmd.index("--micro-batches") + 1] == "1"
     assert cmd[cmd.index("--schedule") + 1] == "1f1b"
     assert "--micro-batches" not in run_command("wide.py", "allreduce", cfg, 32, str(tmp_path / "run"))
+
+
+def test_socket_total_counts_growth_new_sockets_and_survives_closed_ones():
+    from hpar.launcher.emulate import socket_total
+    assert socket_total({}, {"a b": 100}) == 100
+    # "a b" grew by 50, "c d" closed (its last bytes are lost, the total does not drop), "e f" is new
+    assert socket_total({"a b": 100, "c d": 400}, {"a b": 150, "e f": 30}) == 80
+    assert socket_total({"a b": 100}, {"a b": 20}) == 20     # same addresses, a new connection
