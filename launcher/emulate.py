@@ -215,7 +215,7 @@ def _at(samples: list[Sample], t: float, field: str) -> float:
 
 def byte_check(samples: list[Sample], run_dir: str, warmup: int = 2) -> dict | None:
     """Bytes per step over the steps after ``warmup`` (between worker 0's first report past
-    warm-up and its last one): ``hpar`` (bytes sent that every worker and server reported for
+    warm-up and its last but one): ``hpar`` (bytes sent that every worker and server reported for
     those steps), ``hpar_remote`` (the part they addressed to another host), ``tcp`` (kernel
     socket counters, loopback included), ``interface`` (bytes leaving the hosts: Ethernet
     frames) and ``interface_payload`` (the same less PACKET_HEADER_BYTES per packet, i.e.
@@ -233,7 +233,9 @@ def byte_check(samples: list[Sample], run_dir: str, warmup: int = 2) -> dict | N
     past = [r for r in zero if r["step"] > warmup]
     if len(past) < 2 or len(samples) < 2:
         return None
-    a, b = past[0], past[-1]
+    # the window ends at the report before the last one: right after the last step worker
+    # 0 gathers the whole model, a burst the counters would otherwise smear into the window
+    a, b = past[0], past[-2] if len(past) > 2 else past[-1]
     steps = b["step"] - a["step"]
 
     def reported(field: str) -> float:   # every process's ``field`` per step, summed over (a, b]

@@ -146,7 +146,7 @@ def test_byte_check_window_and_interpolation(tmp_path):
     samples = [Sample(t, {"h0": 1000 * t, "h1": 1000 * t}, {"h0": 0, "h1": 0}, {"h0": 2300 * t, "h1": 2300 * t},
                       {"h0": 2 * t, "h1": 2 * t}) for t in (100.0, 103.0, 105.5, 109.0)]
     got = byte_check(samples, str(tmp_path))
-    assert got["steps"] == 4                      # worker 0's reports at steps 4 and 8
+    assert got["steps"] == 2                      # worker 0's reports at steps 4 and 6 (the last, 8, is left out)
     assert got["hpar_bytes_per_step"] == pytest.approx(4500.0)
     assert got["tcp_bytes_per_step"] == pytest.approx(4600.0)
     assert got["interface_bytes_per_step"] == pytest.approx(2000.0)
@@ -154,6 +154,9 @@ def test_byte_check_window_and_interpolation(tmp_path):
     assert got["hpar_remote_bytes_per_step"] == pytest.approx(1900.0)
     assert got["interface_payload_bytes_per_step"] == pytest.approx(2000.0 - 4 * 66)
     assert got["interface_over_hpar_remote"] == pytest.approx((2000 - 4 * 66) / 1900)
+    rows.append({"kind": "metric", "role": "worker", "rank": 0, "time": 110.0, "step": 10, "bytes_sent": 1000.0})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert byte_check(samples, str(tmp_path))["steps"] == 4   # reports 4 .. 8 now
     assert byte_check(samples[:1], str(tmp_path)) is None
 
 
