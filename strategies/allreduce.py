@@ -114,6 +114,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     model = job.build_model().to(ctx.device)
     sparse = cfg.strategy == "allreduce-sparse"
     set_sparse_gradients(model, sparse)
+    if sparse:   # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
+        torch.sparse.check_sparse_tensor_invariants.disable()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
     ctx.start_step = resume_state(ctx, model, opt)
     counter = ByteCount()
