@@ -8,14 +8,15 @@ import tempfile
 import torch
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace)."""
+def _atomic_write(path: str, write) -> None:
+    """Call ``write(binary file)`` on a temp file beside ``path``, fsync it, and rename it over
+    ``path``; on any failure the temp file is removed and ``path`` is left as it was."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -23,23 +24,16 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace)."""
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_save(obj, path: str) -> None:
     """``torch.save(obj, path)`` through a temp file and rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    _atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def load(path: str):

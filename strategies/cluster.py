@@ -159,25 +159,21 @@ def _probe_worker(rank: int, port: int, nbytes: int, pings: int, sends: int, que
     try:
         small, big = torch.zeros(1), torch.zeros(nbytes // 4)
         peer = 1 - rank
-        rtts, sends_s, allreduce_s = [], [], []
-        for _ in range(pings):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(small, peer)
-                dist.recv(small, peer)
-            else:
-                dist.recv(small, peer)
-                dist.send(small, peer)
-            rtts.append(time.perf_counter() - t0)
-        for _ in range(sends + 1):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(big, peer)
-                dist.recv(small, peer)
-            else:
-                dist.recv(big, peer)
-                dist.send(small, peer)
-            sends_s.append(time.perf_counter() - t0)
+
+        def round_trips(out: "torch.Tensor", back: "torch.Tensor", n: int) -> list[float]:
+            """Seconds of n exchanges: rank 0 sends ``out`` and receives ``back``."""
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(out, peer)
+                    dist.recv(back, peer)
+                else:
+                    dist.recv(out, peer)
+                    dist.send(back, peer)
+                times.append(time.perf_counter() - t0)
+            return times
+        rtts, sends_s, allreduce_s = round_trips(small, small, pings), round_trips(big, small, sends + 1), []
         for _ in range(sends + 1):
             dist.barrier()
             t0 = time.perf_counter()

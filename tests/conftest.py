@@ -1,5 +1,6 @@
-"""Shared test helpers: tiny user scripts, running the hpar CLI in a subprocess, and finding
-every process that belongs to a run (by the HPAR_CONFIG path in its environment)."""
+"""Shared test helpers: tiny user scripts, running the hpar CLI in a subprocess, finding
+every process that belongs to a run (by the HPAR_CONFIG path in its environment), and the
+single-process training every synchronous strategy must reproduce."""
 from __future__ import annotations
 
 import os
@@ -110,3 +111,30 @@ def reap_run():
     for p in leftovers:
         p.kill()
     assert not leftovers, f"processes left behind: {[p.pid for p in leftovers]}"
+
+
+def _concat(parts):
+    """Concatenate along dim 0 a list of batches: tensors, or tuples/lists of them."""
+    import torch
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    return type(parts[0])(_concat([p[k] for p in parts]) for k in range(len(parts[0])))
+
+
+def single_process_reference(script: str, world_size: int, steps: int, batch_size: int, lr: float,
+                             seed: int = 0) -> dict:
+    """One process trained ``steps`` steps, each on the concatenation of every rank's batch
+    (mean loss): what N synchronous data-parallel workers must equal. Returns its state_dict."""
+    import torch
+    from hpar.strategies.job import load_job
+    job = load_job(script)
+    torch.manual_seed(seed)
+    model = job.build_model()
+    opt = job.build_optimizer(model.parameters(), lr)
+    streams = [job.batches(r, world_size, batch_size) for r in range(world_size)]
+    for _ in range(steps):
+        pairs = [next(s) for s in streams]
+        opt.zero_grad()
+        job.compute_loss(model(_concat([p[0] for p in pairs])), _concat([p[1] for p in pairs])).backward()
+        opt.step()
+    return model.state_dict()

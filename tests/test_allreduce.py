@@ -7,26 +7,9 @@ import torch
 
 from hpar.strategies.job import load_job
 
-from conftest import hpar
+from conftest import hpar, single_process_reference
 
 pytestmark = [pytest.mark.multiprocess]
-
-
-def single_process_reference(script: str, world_size: int, steps: int, batch_size: int, lr: float, seed: int):
-    """One process, each step on the concatenation of every rank's batch, mean loss."""
-    job = load_job(script)
-    torch.manual_seed(seed)
-    model = job.build_model()
-    opt = job.build_optimizer(model.parameters(), lr)
-    streams = [job.batches(r, world_size, batch_size) for r in range(world_size)]
-    for _ in range(steps):
-        pairs = [next(s) for s in streams]
-        x = torch.cat([p[0] for p in pairs])
-        y = torch.cat([p[1] for p in pairs])
-        opt.zero_grad()
-        job.compute_loss(model(x), y).backward()
-        opt.step()
-    return model.state_dict()
 
 
 def assert_close_state(got: dict, want: dict, rtol: float = 1e-5) -> None:

@@ -92,7 +92,8 @@ def test_launcher_sigkill_leaves_nothing(tmp_path):
 @pytest.mark.timeout(200)
 def test_max_restarts_resumes_and_finishes(tmp_path):
     import torch
-    from test_allreduce import assert_close_state, single_process_reference
+    from conftest import single_process_reference
+    from test_allreduce import assert_close_state
     text = SLOW.replace('"steps": 100000', '"steps": 40')
     with running(tmp_path, text, "--strategy", "allreduce", "--checkpoint-every", "5", "--max-restarts", "1",
                  progress=0) as (proc, run_dir):

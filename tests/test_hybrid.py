@@ -15,6 +15,8 @@ import torch
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import load_job
 
+from conftest import single_process_reference
+
 JOB = textwrap.dedent('''
     """Tiny two-table model for the hybrid tests (synthetic data)."""
     import torch
@@ -117,23 +119,6 @@ def launch(cfg: RunConfig, timeout: float = 150, hosts: tuple = None) -> dict:
     return {"summary": json.loads(summary[0][len("@hpar summary "):]), "outputs": outs}
 
 
-def reference(script: str, world: int, steps: int, bs: int, lr: float, seed: int = 0) -> dict:
-    """Single process trained on the concatenation of every rank's batch (mean loss)."""
-    job = load_job(script)
-    torch.manual_seed(seed)
-    model = job.build_model()
-    opt = job.build_optimizer(model.parameters(), lr)
-    its = [job.batches(r, world, bs) for r in range(world)]
-    for _ in range(steps):
-        parts = [next(it) for it in its]
-        inputs = tuple(torch.cat([p[0][k] for p in parts]) for k in range(2))
-        targets = torch.cat([p[1] for p in parts])
-        opt.zero_grad()
-        job.compute_loss(model(inputs), targets).backward()
-        opt.step()
-    return model.state_dict()
-
-
 def assert_same(got: dict, want: dict, rtol=1e-5):
     assert got.keys() == want.keys()
     for k in want:
@@ -157,7 +142,7 @@ def test_hybrid_matches_single_process(tmp_path, opt, world, servers):
     # server 1 on host 1, so host 0's workers aggregate their sparse gradients locally
     hosts = (0, 0, 1, 0, 1) if (world, servers) == (3, 2) else None
     out = launch(cfg, hosts=hosts)
-    want = reference(script, world, cfg.steps, cfg.batch_size, cfg.lr)
+    want = single_process_reference(script, world, cfg.steps, cfg.batch_size, cfg.lr)
     got = torch.load(os.path.join(cfg.run_dir, "model.pt"))
     assert not torch.allclose(got["user.weight"], load_init(script)["user.weight"])
     assert_same(got, want)
@@ -182,7 +167,7 @@ def test_ps_strategy_matches_single_process(tmp_path):
     cfg = config(tmp_path, script, strategy="ps", world=2, servers=2, steps=12)
     out = launch(cfg)
     got = torch.load(os.path.join(cfg.run_dir, "model.pt"))
-    assert_same(got, reference(script, 2, cfg.steps, cfg.batch_size, cfg.lr))
+    assert_same(got, single_process_reference(script, 2, cfg.steps, cfg.batch_size, cfg.lr))
     assert "_dense_allreduce" not in out["summary"]["by_param"]
     assert "mlp.0.weight" in out["summary"]["by_param"]
 
@@ -198,4 +183,4 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path):
     resumed = first.replace(steps=10, resume=True)
     launch(resumed)
     got = torch.load(os.path.join(first.run_dir, "model.pt"))
-    assert_same(got, reference(script, 2, 10, first.batch_size, first.lr))
+    assert_same(got, single_process_reference(script, 2, 10, first.batch_size, first.lr))

@@ -34,6 +34,16 @@ def cli_run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
+def real_run(timeout_s: int):
+    """Marks of a test that trains over SSH on the network-namespace test hosts: netns,
+    multiprocess, slow, and a hard timeout of ``timeout_s`` seconds."""
+    def mark(test):
+        for m in (pytest.mark.timeout(timeout_s), pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.netns):
+            test = m(test)
+        return test
+    return mark
+
+
 def test_console_script_exits_2_with_one_line(tmp_path):
     (tmp_path / "hosts.txt").write_text("node1;touch PWNED\n")
     out = hpar_run(LM, "--hosts", str(tmp_path / "hosts.txt"), "--gpus", "1", "--run-dir", str(tmp_path / "run"))
@@ -154,10 +164,7 @@ def test_bad_hosts_fail_preflight(hosts, tmp_path, name, text, args, problem):
     assert netns_hosts.leftovers(hosts, wait=2) == {}
 
 
-@pytest.mark.netns
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(120)
+@real_run(120)
 def test_run_spreads_workers_over_two_hosts(hosts, tmp_path):
     run_dir = tmp_path / "run"
     out = hpar_run(LM, "--hosts", _host_file(tmp_path, hosts), "--gpus", "4", "--steps", "6", "--log-every", "2",
@@ -232,10 +239,7 @@ def long_run(hosts, tmp_path):
         testhosts.set_link(hosts.prefix, 1, True)
 
 
-@pytest.mark.netns
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(120)
+@real_run(120)
 def test_sigkill_of_a_remote_worker_stops_everything(hosts, long_run):
     _wait_training(long_run)
     victims = _worker_pids(hosts, 1)
@@ -248,10 +252,7 @@ def test_sigkill_of_a_remote_worker_stops_everything(hosts, long_run):
     assert netns_hosts.leftovers(hosts, wait=10) == {}
 
 
-@pytest.mark.netns
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(120)
+@real_run(120)
 def test_link_down_mid_run_stops_everything(hosts, long_run):
     import testhosts
     _wait_training(long_run)
@@ -267,10 +268,7 @@ def test_link_down_mid_run_stops_everything(hosts, long_run):
     assert stopped < 10 and gone < 12, "a lost link must stop every process within 10 s"
 
 
-@pytest.mark.netns
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(120)
+@real_run(120)
 def test_launcher_sigkilled_leaves_nothing(hosts, long_run):
     _wait_training(long_run)
     os.kill(long_run.pid, signal.SIGKILL)  # the launcher only: its SSH connections drop
@@ -292,10 +290,7 @@ def _long_run(hosts, tmp_path, *extra, **kw):
             proc.wait()
 
 
-@pytest.mark.netns
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(150)
+@real_run(150)
 def test_sigkill_of_a_remote_server_stops_everything(hosts, tmp_path):
     with _long_run(hosts, tmp_path, "--strategy", "hybrid") as proc:
         servers = _worker_pids(hosts, 1, b"hpar.workers.server")
@@ -307,10 +302,7 @@ def test_sigkill_of_a_remote_server_stops_everything(hosts, tmp_path):
         assert netns_hosts.leftovers(hosts, wait=10) == {}
 
 
-@pytest.mark.netns
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(150)
+@real_run(150)
 def test_ctrl_c_over_ssh_stops_every_host(hosts, tmp_path):
     with _long_run(hosts, tmp_path) as proc:
         proc.send_signal(signal.SIGINT)
@@ -320,10 +312,7 @@ def test_ctrl_c_over_ssh_stops_every_host(hosts, tmp_path):
         assert netns_hosts.leftovers(hosts, wait=10) == {}
 
 
-@pytest.mark.netns
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(300)
+@real_run(300)
 def test_max_restarts_over_ssh_resumes_and_finishes(hosts, tmp_path):
     from conftest import TINY, write_script
     script = write_script(tmp_path, TINY.replace('"steps": 20', '"steps": 60').replace(

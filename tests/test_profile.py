@@ -172,27 +172,27 @@ def test_update_probes_time_dense_and_sparse_steps_and_flag_optimizers_without_s
     assert sparse_update_cost(job_adam, rows=5000, dim=16, alpha=0.02, workers=2) is None
 
 
+def _sleeping_job(tmp_path, seconds: str):
+    """The tiny script with ``time.sleep(<seconds>)`` added to its forward (``x`` is the input)."""
+    text = SCRIPT.replace("        return self.out(h[:, -1])",
+                          f"        time.sleep({seconds})\n        return self.out(h[:, -1])")
+    assert text != SCRIPT
+    path = tmp_path / "sleeping.py"
+    path.write_text(text.replace("import torch\n", "import time\nimport torch\n", 1))
+    return load_job(str(path))
+
+
 def test_timing_batch_stays_full_when_a_fixed_cost_dominates_a_small_batch(tmp_path):
     """A step of 0.1 s whatever the batch (a sampled softmax's negatives, say) fits the 0.5 s
     budget at full batch; scaling a batch-1 step by 32 would have called it 3.2 s."""
     from hpar.strategies.profile_hooks import auto_timing_batch
-    path = tmp_path / "fixed.py"
-    path.write_text(SCRIPT.replace("        return self.out(h[:, -1])",
-                                   "        time.sleep(0.1)\n        return self.out(h[:, -1])")
-                    .replace("import torch\n", "import time\nimport torch\n", 1))
-    job = load_job(str(path))
-    assert "time.sleep(0.1)" in path.read_text()
+    job = _sleeping_job(tmp_path, "0.1")
     assert auto_timing_batch(job, job.build_model(), 64, 1) == 64
 
 
 def test_fixed_share_separates_per_step_from_per_sample_cost(tmp_path):
     """A step sleeping 0.06 s + 0.005 s per sample: at batch 16, 0.06 of its 0.14 s is fixed."""
     from hpar.strategies.profile_hooks import fixed_share
-    path = tmp_path / "affine.py"
-    path.write_text(SCRIPT.replace("        return self.out(h[:, -1])",
-                                   "        time.sleep(0.06 + 0.005 * x.shape[0])\n        return self.out(h[:, -1])")
-                    .replace("import torch\n", "import time\nimport torch\n", 1))
-    job = load_job(str(path))
-    assert "time.sleep(0.06" in path.read_text()
+    job = _sleeping_job(tmp_path, "0.06 + 0.005 * x.shape[0]")
     assert fixed_share(job, job.build_model(), 16, 1) == pytest.approx(0.06 / 0.14, abs=0.08)
     assert fixed_share(job, job.build_model(), 3, 1) == 0.0      # no quarter batch to compare with

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import hpar
-from test_allreduce import assert_close_state, single_process_reference
+from conftest import single_process_reference
+from test_allreduce import assert_close_state
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -13,7 +13,6 @@ It reports bytes per step by table (``metric``) and heartbeats through workers/r
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from hpar.strategies.ps_client import (CONTROL, DONE, FINISH, HEADER_BYTES, PULL
                                        ByteMeter, PSTable, nbytes, p2p, ps_tables, reply_tag)
 from hpar.strategies.ps_shard import ParamShard, table_view
 from hpar.workers import report
-from hpar.workers.worker import env_int, init_group
+from hpar.workers.worker import env_int, init_group, leave_group, run_entry
 
 
 class Server:
@@ -207,16 +206,9 @@ def main() -> int:
     n = max(server.applied - (step or 0), 1)
     report.emit("event", {"server": index, "message": "finished",
                           "bytes_per_step": {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(server.totals.items())}})
-    dist.barrier()
-    dist.destroy_process_group()
-    stop_beat.set()
+    leave_group(stop_beat)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except (JobError, ValueError) as exc:
-        print(f"hpar server: {exc}", file=sys.stderr)
-        sys.exit(2)
-    report.exit_process(code)
+    run_entry(main, "hpar server", (JobError, ValueError))

@@ -59,6 +59,28 @@ def init_group(cfg: RunConfig, pg_rank: int, pg_world_size: int) -> tuple[int, .
     return tuple(int(h) for h in hosts)
 
 
+def leave_group(stop_beat) -> None:
+    """End of a worker or server: wait for every process of the group, leave it, stop the
+    heartbeat (``report.start_heartbeat``'s event)."""
+    dist.barrier()
+    dist.destroy_process_group()
+    stop_beat.set()
+
+
+def run_entry(main, prefix: str, user_errors: tuple) -> None:
+    """Run an entry point's ``main()`` and end the process with its code
+    (``report.exit_process``); an exception of ``user_errors`` is printed as one line
+    ``PREFIX: message`` (then the user's own traceback, if any) with exit code 2."""
+    try:
+        code = main()
+    except user_errors as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        if getattr(exc, "user_traceback", None):
+            print(exc.user_traceback, file=sys.stderr)
+        sys.exit(2)
+    report.exit_process(code)
+
+
 def main() -> int:
     cfg = RunConfig.from_json(open(os.environ["HPAR_CONFIG"]).read())
     rank, world_size, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK", 0)
@@ -93,18 +115,9 @@ def main() -> int:
             **step_time_percentiles(result.step_times),
             **result.extra,
         })
-    dist.barrier()
-    dist.destroy_process_group()
-    stop_beat.set()
+    leave_group(stop_beat)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except JobError as exc:
-        print(f"hpar: {exc}", file=sys.stderr)
-        if exc.user_traceback:
-            print(exc.user_traceback, file=sys.stderr)
-        sys.exit(2)
-    report.exit_process(code)
+    run_entry(main, "hpar", (JobError,))
