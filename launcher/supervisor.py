@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from hpar.launcher.progress import Progress
@@ -165,19 +166,21 @@ class Supervisor:
 
     def teardown(self) -> None:
         """SIGTERM every recorded process group still alive, wait ``grace`` s, SIGKILL the rest,
-        and wait (up to 5 s more) until every group is gone."""
-        alive = [p for p in self.procs if p.pgid is not None and p.group_alive()]
-        for p in alive:
-            p.terminate()
-        deadline = time.monotonic() + self.grace
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.1)
-            alive = [p for p in alive if p.group_alive()]
-        for p in alive:
-            p.kill()
-        deadline = time.monotonic() + 5.0
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.05)
-            alive = [p for p in alive if p.group_alive()]
+        and wait (up to 5 s more) until every group is gone. Each check or signal of a remote
+        group is an SSH command, so they run concurrently, not one process after another."""
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            def still_alive(procs: list) -> list:
+                return [p for p, up in zip(procs, pool.map(lambda q: q.group_alive(), procs)) if up]
+            alive = still_alive([p for p in self.procs if p.pgid is not None])
+            list(pool.map(lambda q: q.terminate(), alive))
+            deadline = time.monotonic() + self.grace
+            while alive and time.monotonic() < deadline:
+                time.sleep(0.1)
+                alive = still_alive(alive)
+            list(pool.map(lambda q: q.kill(), alive))
+            deadline = time.monotonic() + 5.0
+            while alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+                alive = still_alive(alive)
         for p in self.procs:
             p.close_stdin()

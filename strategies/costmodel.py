@@ -125,14 +125,20 @@ class _Setting:
         return max(self.bwd, comm) if self.overlap else self.bwd + comm
 
 
-def cpu_share(cluster: ClusterSpec, with_servers: bool = False) -> float:
-    """How much slower profiled CPU compute runs when the busiest host's hpar processes
-    (its workers, plus its parameter servers for hybrid/ps) outnumber its cores:
-    max(1, processes / cores). 1 for accelerators (``device_flops``) or unknown cores."""
+def cpu_load(cluster: ClusterSpec, with_servers: bool = False) -> float | None:
+    """hpar processes per core on the busiest host (its workers, plus its parameter servers
+    for hybrid/ps) when the workers compute on the hosts' CPUs; None for accelerators
+    (``device_flops``) or unknown cores."""
     if cluster.device_flops or not cluster.cores_per_host:
-        return 1.0
+        return None
     procs = cluster.max_gpus_per_host + (-(-cluster.servers // cluster.hosts) if with_servers else 0)
-    return max(1.0, procs / cluster.cores_per_host)
+    return procs / cluster.cores_per_host
+
+
+def cpu_share(cluster: ClusterSpec, with_servers: bool = False) -> float:
+    """How much slower profiled CPU compute runs when a host's hpar processes outnumber its
+    cores: max(1, :func:`cpu_load`); 1 for accelerators or unknown cores."""
+    return max(1.0, cpu_load(cluster, with_servers) or 0.0)
 
 
 def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False) -> _Setting:
@@ -144,10 +150,9 @@ def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False)
         fwd, bwd, upd = profile.forward_s, profile.backward_s, profile.update_s_per_byte
     # torch's sparse optimizer kernels run on the CPU even when the model is on a device
     sparse_upd = profile.sparse_update_s_per_byte or profile.update_s_per_byte
-    k = cpu_share(cluster, with_servers)
+    k, load = cpu_share(cluster, with_servers), cpu_load(cluster, with_servers)
     p2p = cluster.bandwidth_Bps if cluster.hosts > 1 else cluster.intra_Bps
-    busy_cores = bool(cluster.cores_per_host) and not cluster.device_flops and \
-        cluster.max_gpus_per_host + (-(-cluster.servers // cluster.hosts) if with_servers else 0) >= cluster.cores_per_host
+    busy_cores = load is not None and load >= 1.0
     return _Setting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
                     cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
                     k * profile.update_s_per_byte, p2p, k * sparse_upd, not busy_cores)
