@@ -19,27 +19,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint
-from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
+from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 
-
-class ByteCount:
-    """Bytes this worker sent and received since the last :meth:`take`, and the part of
-    the sent bytes that went to another host."""
-
-    def __init__(self):
-        self.sent = self.recv = self.remote = 0.0
-
-    def add(self, sent: float, recv: float, remote: bool = False) -> None:
-        self.sent += sent
-        self.recv += recv
-        if remote:
-            self.remote += sent
-
-    def take(self) -> tuple[int, int, int]:
-        """(sent, received, sent to other hosts) since the last call; resets them."""
-        out = (int(self.sent), int(self.recv), int(self.remote))
-        self.sent = self.recv = self.remote = 0.0
-        return out
+DENSE = "_dense_allreduce"   # ByteMeter name of DDP's gradient exchange
 
 
 def ring_successor_remote(ctx: WorkerContext, group_ranks: list[int]) -> bool:
@@ -58,7 +40,7 @@ def ring_allreduce_bytes(nbytes: int, world_size: int) -> float:
 def counting_allreduce_hook(state, bucket):
     """DDP communication hook: mean AllReduce of the bucket, counting this worker's bytes.
 
-    ``state`` is (ByteCount, world size, whether the ring successor is on another host);
+    ``state`` is (ByteMeter, world size, whether the ring successor is on another host);
     ``bucket`` a dist.GradBucket (left unannotated: DDP rejects string annotations, which
     this module's postponed evaluation would make).
     A dense bucket costs ring AllReduce bytes; a sparse one (an embedding with sparse=True)
@@ -70,7 +52,7 @@ def counting_allreduce_hook(state, bucket):
         nbytes = sparse_allgather_bytes(buf, world_size)
     else:
         nbytes = ring_allreduce_bytes(buf.numel() * buf.element_size(), world_size)
-    counter.add(nbytes, nbytes, remote)
+    counter.add(DENSE, sent=nbytes, recv=nbytes, remote=remote)
     buf.div_(world_size)
     fut = dist.all_reduce(buf, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
@@ -118,7 +100,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         torch.sparse.check_sparse_tensor_invariants.disable()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
     ctx.start_step = resume_state(ctx, model, opt)
-    counter = ByteCount()
+    counter = ByteMeter()
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
     ddp.register_comm_hook((counter, ctx.world_size, ring_remote), counting_allreduce_hook)
@@ -136,7 +118,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         loss = job.compute_loss(ddp(inputs), targets)
         loss.backward()
         opt.step()
-        sent, recv, remote = counter.take()
+        remote, (sent, recv) = counter.take_remote(), counter.take().get(DENSE, (0, 0))
         meter.end(loss.item(), sent, recv, sent_remote=remote)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             if ctx.rank == 0:

@@ -49,6 +49,32 @@ def peer_is_remote(host_of: tuple[int, ...], me: int, peer: int) -> bool:
     return bool(host_of) and host_of[peer] != host_of[me]
 
 
+class ByteMeter:
+    """Bytes sent and received by name (a parameter, a table, DDP's dense AllReduce) since
+    the last :meth:`take`, and the bytes sent to processes on other hosts since the last
+    :meth:`take_remote`. Every runtime and the parameter servers count with it."""
+
+    def __init__(self):
+        self.by_name: dict[str, list[float]] = {}
+        self.remote = 0.0
+
+    def add(self, name: str, sent: float = 0, recv: float = 0, remote: bool = False) -> None:
+        entry = self.by_name.setdefault(name, [0.0, 0.0])
+        entry[0] += sent
+        entry[1] += recv
+        if remote:
+            self.remote += sent
+
+    def take_remote(self) -> float:
+        out, self.remote = self.remote, 0.0
+        return out
+
+    def take(self) -> dict[str, tuple[float, float]]:
+        out = {k: (v[0], v[1]) for k, v in self.by_name.items()}
+        self.by_name = {}
+        return out
+
+
 @dataclass
 class TrainResult:
     """What a runtime hands back. ``model`` is the whole trained model on worker rank 0

@@ -38,11 +38,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint, sparse_embedding
-from hpar.strategies.allreduce import ByteCount, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
+from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.ps_client import LocalAggregator, PSClient, PSTable, ps_tables
 
-DENSE = "_dense_allreduce"
 
 
 @dataclass(frozen=True)
@@ -79,11 +78,11 @@ def make_groups(num_workers: int, backend: str | None, hosts: tuple[int, ...], p
 def group_allreduce_hook(state, bucket):
     """DDP communication hook: mean AllReduce of the bucket over the worker group (the
     default group also holds the servers), counting ring bytes 2(N-1)/N * B per worker.
-    ``state``: (ByteCount, N, the worker group, whether the ring successor is on another host)."""
+    ``state``: (ByteMeter, N, the worker group, whether the ring successor is on another host)."""
     counter, world_size, group, remote = state
     buf = bucket.buffer()
     b = ring_allreduce_bytes(buf.numel() * buf.element_size(), world_size)
-    counter.add(b, b, remote)
+    counter.add(DENSE, sent=b, recv=b, remote=remote)
     buf.div_(world_size)
     return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
@@ -146,7 +145,6 @@ def train(ctx: WorkerContext) -> TrainResult:
     model, tables, groups, client, clock, served, whole, dense, opt = _setup(ctx)
     ps_names = {t.name for t in tables}
     ctx.start_step = _resume(ctx, model, opt)
-    counter = ByteCount()
     local = LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, client.bytes) if groups.host else None
     net = model
     if dense:
@@ -154,7 +152,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         net = DDP(model, process_group=groups.workers,
                   device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
-        net.register_comm_hook((counter, ctx.world_size, groups.workers, ring_remote), group_allreduce_hook)
+        net.register_comm_hook((client.bytes, ctx.world_size, groups.workers, ring_remote), group_allreduce_hook)
     batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
     for _ in range(ctx.start_step):  # same batches as an uninterrupted run
         next(batches)
@@ -202,10 +200,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         pending.clear()
         push_s = time.perf_counter() - t_push
         remote = client.bytes.take_remote()
-        by_name = client.bytes.take()
-        dense_sent, dense_recv, dense_remote = counter.take()
-        if dense:
-            by_name[DENSE] = (dense_sent, dense_recv)
+        by_name = client.bytes.take()     # the PS tables' bytes and, under DENSE, the AllReduce's
         for k, (s, r) in by_name.items():
             acc = totals.setdefault(k, [0.0, 0.0])
             acc[0] += s
@@ -214,7 +209,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         sent = sum(s for s, _ in by_name.values())
         recv = sum(r for _, r in by_name.values())
         meter.end(loss.item(), sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s},
-                  sent_remote=remote + dense_remote)
+                  sent_remote=remote)
         client.pull_s = 0.0
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             _save(ctx, step + 1, model, opt, ps_names, groups)

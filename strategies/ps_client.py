@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpar.strategies.context import ByteMeter
 from hpar.strategies.ps_shard import OptimizerSpec, RowLayout, spec_from_group, table_view
 
 PULL, PUSH, DONE, FINISH = 1, 2, 3, 4
@@ -122,31 +123,6 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
                               "rows" if name in emb else "whole", RowLayout.make(view.shape[0], parts, num_servers),
                               spec_from_group(opt, group_of[id(p)], mode), p.dtype))
     return tables
-
-
-class ByteMeter:
-    """Bytes sent and received by table name since the last :meth:`take`, and the bytes
-    sent to processes on other hosts since the last :meth:`take_remote`."""
-
-    def __init__(self):
-        self.by_name: dict[str, list[float]] = {}
-        self.remote = 0.0
-
-    def add(self, name: str, sent: float = 0, recv: float = 0, remote: bool = False) -> None:
-        entry = self.by_name.setdefault(name, [0.0, 0.0])
-        entry[0] += sent
-        entry[1] += recv
-        if remote:
-            self.remote += sent
-
-    def take_remote(self) -> float:
-        out, self.remote = self.remote, 0.0
-        return out
-
-    def take(self) -> dict[str, tuple[float, float]]:
-        out = {k: (v[0], v[1]) for k, v in self.by_name.items()}
-        self.by_name = {}
-        return out
 
 
 def nbytes(t: torch.Tensor) -> int:

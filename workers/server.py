@@ -19,11 +19,11 @@ import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
-from hpar.strategies.context import peer_is_remote
+from hpar.strategies.context import ByteMeter, peer_is_remote
 from hpar.strategies.hybrid import make_groups
 from hpar.strategies.job import JobError, load_job
 from hpar.strategies.ps_client import (CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, TAG_DATA, TAG_HEADER,
-                                       ByteMeter, PSTable, nbytes, p2p, ps_tables, reply_tag)
+                                       PSTable, nbytes, p2p, ps_tables, reply_tag)
 from hpar.strategies.ps_shard import ParamShard, table_view
 from hpar.workers import report
 from hpar.workers.worker import env_int, init_group, leave_group, run_entry
