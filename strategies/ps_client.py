@@ -1,12 +1,11 @@
-"""Worker side of the parameter server: placement, the wire protocol, pull/push and bytes.
+"""Worker side of the parameter server: placement, pull/push and bytes.
 
-Transport: torch.distributed point-to-point over the default process group (gloo), where
-workers hold pg ranks ``0..N-1`` and servers ``N..N+S-1`` (not torch.distributed.rpc, which
-upstream keeps in maintenance mode). Every request starts with a 5-int64 header
-``(op, table id, n, step, count)`` sent with tag ``TAG_HEADER``; the server receives headers from
-any source, then the payloads (tag ``TAG_DATA``) from that worker, and answers pulls with
-the table's own tag (:func:`reply_tag`). ``n = -1`` means "every row this server holds"
-(whole-parameter pulls and pushes of the ``ps`` strategy and of the final gather).
+The wire format (one gloo message per request) is in ps_wire. Requests are PULL (row ids
+of a table, or ``n = -1``: every row the server holds, for the ``ps`` strategy's
+whole-parameter pulls and the final gather), PUSH (ids and gradient rows, or every row),
+DONE (this worker pushed all of a step) and FINISH. The server answers a pull with one
+message tagged with the table's own tag (:func:`ps_wire.reply_tag`), whose receive the worker
+posts before it sends the request.
 
 Synchronous semantics: a pull of table T for step ``t`` is answered only after the server
 applied T's updates of steps ``< t`` (the server defers it otherwise). The server applies
@@ -17,7 +16,7 @@ worker had no gradient for). Hence workers never read rows older than the previo
 and never newer ones; a table whose gradients are complete early in the backward pass is
 updated while the workers still compute.
 
-Bytes are counted per table per step (headers under ``"_control"``), on both sides.
+Bytes are counted per table per step (DONE and FINISH under ``"_control"``), on both sides.
 """
 from __future__ import annotations
 
@@ -30,26 +29,7 @@ import torch.distributed as dist
 
 from hpar.strategies.context import ByteMeter
 from hpar.strategies.ps_shard import OptimizerSpec, RowLayout, spec_from_group, table_view
-
-PULL, PUSH, DONE, FINISH = 1, 2, 3, 4
-TAG_HEADER, TAG_DATA, TAG_REPLY = 11, 12, 1000
-HEADER_BYTES = 5 * 8
-CONTROL = "_control"
-
-
-def p2p(group=None):
-    """``(isend, irecv)`` on ``group`` (default: the default group), each ``f(tensor, peer,
-    tag) -> Work``: the ProcessGroup's own point-to-point calls, which skip the argument
-    checks of ``dist.isend``/``dist.irecv`` (half the cost of a small message here)."""
-    pg = group or dist.group.WORLD
-    return (lambda t, peer, tag: pg.send([t], peer, tag)), (lambda t, peer, tag: pg.recv([t], peer, tag))
-
-
-def reply_tag(tid: int) -> int:
-    """Tag of the server's answers to pulls of table ``tid``: one tag per table, because
-    tables are applied (and so answered) in any order, while answers with one tag from one
-    sender match the receiver's posted receives in order."""
-    return TAG_REPLY + tid
+from hpar.strategies.ps_wire import CONTROL, DONE, FINISH, PULL, PUSH, TAG_DATA, TAG_REQUEST, encode, nbytes, p2p, reply_tag
 
 
 @dataclass(frozen=True)
@@ -125,10 +105,6 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
     return tables
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(unique sorted ids, inverse)`` of an int64 id tensor of any shape; ``inverse`` has
     the input's shape and indexes into the unique ids."""
@@ -173,10 +149,17 @@ class PSClient:
     def _sent(self, server: int, name: str, n: int) -> None:
         self.bytes.add(name, sent=n, remote=self.is_remote(self.server_rank(server)))
 
-    def _header(self, server: int, op: int, tid: int, n: int, step: int, name: str = CONTROL, count: int = 1):
-        self._sent(server, name, HEADER_BYTES)
-        header = torch.tensor([op, tid, n, step, count], dtype=torch.int64)
-        return self._isend(header, self.server_rank(server), TAG_HEADER)
+    def _request(self, server: int, op: int, tid: int, n: int, step: int, name: str = CONTROL,
+                 count: int = 1, payload: tuple[torch.Tensor, ...] = ()) -> list:
+        """Send one request (ps_wire.encode); returns the pending sends."""
+        msg, separate = encode(op, tid, n, step, count, payload)
+        rank = self.server_rank(server)
+        works = [self._isend(msg, rank, TAG_REQUEST)]
+        self._sent(server, name, nbytes(msg))
+        for t in separate:
+            works.append(self._isend(t, rank, TAG_DATA))
+            self._sent(server, name, nbytes(t))
+        return works
 
     def pull(self, table: PSTable, ids: torch.Tensor | None, step: int) -> torch.Tensor:
         """Rows ``ids`` (unique 1-D int64) of ``table`` as of the start of ``step``, shape
@@ -192,17 +175,15 @@ class PSClient:
         out = torch.empty(n_out, table.dim, dtype=table.dtype)
         sends, recvs = [], []
         for s, where in self._routes(table, ids):
-            if ids is not None:
-                sel = ids if where is None else ids[where]
-                if sel.numel() == 0:
-                    continue
-            sends.append(self._header(s, PULL, table.tid, -1 if ids is None else sel.numel(), step, table.name))
-            if ids is not None:
-                sends.append(self._isend(sel, self.server_rank(s), TAG_DATA))
-                self._sent(s, table.name, nbytes(sel))
+            sel = None if ids is None else (ids if where is None else ids[where])
+            if sel is not None and sel.numel() == 0:
+                continue
             buf = out if where is None else torch.empty(where.numel(), table.dim, dtype=table.dtype)
+            # the answer's receive first, so the server can send it without a handshake
             recvs.append((self._irecv(buf, self.server_rank(s), reply_tag(table.tid)), where, buf))
             self.bytes.add(table.name, recv=nbytes(buf))
+            sends += self._request(s, PULL, table.tid, -1 if sel is None else sel.numel(), step, table.name,
+                                   payload=() if sel is None else (sel,))
         self.pull_s += time.perf_counter() - t0
 
         def wait() -> torch.Tensor:
@@ -225,29 +206,23 @@ class PSClient:
         parameter had a gradient. Returns the pending sends (wait on them)."""
         works = []
         for s, where in self._routes(table, ids):
+            g = grads if where is None else grads[where]
             if ids is None:
-                works.append(self._header(s, PUSH, table.tid, -1, step, table.name, count))
+                works += self._request(s, PUSH, table.tid, -1, step, table.name, count, (g,))
             else:
                 sel = ids if where is None else ids[where]
-                works.append(self._header(s, PUSH, table.tid, sel.numel(), step, table.name, count))
-                if sel.numel() == 0:
-                    continue
-                works.append(self._isend(sel.contiguous(), self.server_rank(s), TAG_DATA))
-                self._sent(s, table.name, nbytes(sel))
-            g = (grads if where is None else grads[where]).contiguous()
-            works.append(self._isend(g, self.server_rank(s), TAG_DATA))
-            self._sent(s, table.name, nbytes(g))
+                works += self._request(s, PUSH, table.tid, sel.numel(), step, table.name, count, (sel, g))
         return works
 
     def done(self, step: int) -> list:
         """Tell every server this worker pushed all its gradients of ``step`` (sent after
         the pushes on the same channel, so it arrives after them); returns the pending
         sends (wait on them)."""
-        return [self._header(s, DONE, -1, 0, step) for s in range(self.num_servers)]
+        return [w for s in range(self.num_servers) for w in self._request(s, DONE, -1, 0, step)]
 
     def finish(self) -> None:
         """Tell every server this worker is finished (after its last pull)."""
-        for work in [self._header(s, FINISH, -1, 0, 0) for s in range(self.num_servers)]:
+        for work in [w for s in range(self.num_servers) for w in self._request(s, FINISH, -1, 0, 0)]:
             work.wait()
 
 

@@ -22,8 +22,8 @@ from hpar.strategies.config import RunConfig
 from hpar.strategies.context import ByteMeter, peer_is_remote
 from hpar.strategies.hybrid import make_groups
 from hpar.strategies.job import JobError, load_job
-from hpar.strategies.ps_client import (CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, TAG_DATA, TAG_HEADER,
-                                       PSTable, nbytes, p2p, ps_tables, reply_tag)
+from hpar.strategies.ps_client import PSTable, ps_tables
+from hpar.strategies.ps_wire import CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, Inbox, Request, nbytes, p2p, reply_tag
 from hpar.strategies.ps_shard import ParamShard, table_view
 from hpar.workers import report
 from hpar.workers.worker import env_int, init_group, leave_group, run_entry
@@ -50,7 +50,8 @@ class Server:
         self.totals: dict[str, list[float]] = {}
         self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}   # bytes since the last report
         self.is_remote = lambda rank: peer_is_remote(host_of, pg_rank, rank)
-        self._isend, self._irecv = p2p()
+        self._isend = p2p()[0]
+        self.inbox = Inbox()
 
     def part(self) -> str:
         return f"server{self.index}"
@@ -69,14 +70,16 @@ class Server:
         self.bytes.add(self.tables[tid].name, sent=nbytes(rows), remote=self.is_remote(src))
         self._isend(rows, src, reply_tag(tid)).wait()
 
-    def _recv_ids(self, src: int, table: PSTable, n: int) -> torch.Tensor | None:
-        if n < 0:
+    def _take(self, req: Request, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = self.inbox.take(req, shape, dtype)
+        self.bytes.add(self.tables[req.tid].name, recv=nbytes(t))
+        return t
+
+    def _local_ids(self, req: Request) -> torch.Tensor | None:
+        """The request's row ids as this server's local row indices; None for every row."""
+        if req.n < 0:
             return None
-        ids = torch.empty(n, dtype=torch.int64)
-        if n:
-            self._irecv(ids, src, TAG_DATA).wait()
-        self.bytes.add(table.name, recv=nbytes(ids))
-        return table.layout.local_index(self.index, ids)
+        return self.tables[req.tid].layout.local_index(self.index, self._take(req, (req.n,), torch.int64))
 
     def _apply_table(self, tid: int) -> None:
         """Apply table ``tid``'s update of its current step (a no-op without pushes) and
@@ -143,32 +146,25 @@ class Server:
     def serve(self) -> None:
         """Answer requests until every worker sent FINISH."""
         finished = 0
-        header = torch.empty(5, dtype=torch.int64)
         while finished < self.num_workers:
-            work = dist.group.WORLD.recv_anysource([header], TAG_HEADER)
-            work.wait()
-            src = work.source_rank()
-            op, tid, n, step, count = header.tolist()
+            req = self.inbox.next()
+            op, tid, step = req.op, req.tid, req.step
             self.bytes.add(CONTROL if op in (DONE, FINISH) else self.tables[tid].name, recv=HEADER_BYTES)
             if op == PULL:
-                local = self._recv_ids(src, self.tables[tid], n)
+                local = self._local_ids(req)
                 if step <= self.table_step[tid]:
-                    self._reply(src, tid, local)
+                    self._reply(req.src, tid, local)
                 else:
-                    self.pending.append((src, tid, local, step))
+                    self.pending.append((req.src, tid, local, step))
             elif op == PUSH:
                 # a worker pushes table T for step t only after its pull of T for step t,
                 # answered once T's step t-1 was applied: pushes never run ahead of T's step
                 assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
                 table, shard = self.tables[tid], self.shards[tid]
-                local = self._recv_ids(src, table, n)
-                grads = torch.empty(shard.weight.shape[0] if local is None else local.numel(), table.dim,
-                                    dtype=table.dtype)
-                if grads.numel():
-                    self._irecv(grads, src, TAG_DATA).wait()
-                self.bytes.add(table.name, recv=nbytes(grads))
-                shard.add_grad(local, grads)
-                self.pushed[tid] += count
+                local = self._local_ids(req)
+                rows = shard.weight.shape[0] if local is None else local.numel()
+                shard.add_grad(local, self._take(req, (rows, table.dim), table.dtype))
+                self.pushed[tid] += req.count
                 self._apply_if_complete(tid)
             elif op == DONE:
                 self.done[step] = self.done.get(step, 0) + 1
@@ -178,7 +174,7 @@ class Server:
             elif op == FINISH:
                 finished += 1
             else:
-                raise AssertionError(f"unknown op {op} from rank {src}")
+                raise AssertionError(f"unknown op {op} from rank {req.src}")
         assert not self.pending, "a pull was left unanswered"
 
 

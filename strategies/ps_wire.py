@@ -1,0 +1,115 @@
+"""The parameter server's wire format: one gloo message per request.
+
+Transport: torch.distributed point-to-point over the default process group (gloo), where
+workers hold pg ranks ``0..N-1`` and servers ``N..N+S-1`` (not torch.distributed.rpc, which
+upstream keeps in maintenance mode).
+
+A request is one uint8 message with tag ``TAG_REQUEST``: a header of ``HEADER_FIELDS`` int64
+``(op, table id, n, step, count, inline)`` followed, when ``inline`` is 1, by its payload:
+the ``n`` int64 row ids (pulls and pushes of rows) and then, for a push, the gradient rows
+(``n x dim``, or every row of the server's shard when ``n = -1``). A payload larger than
+``INLINE_MAX`` bytes goes as separate messages after the header instead (``inline`` 0, tag
+``TAG_DATA``, ids first), so a server's receive buffer stays ``HEADER_BYTES + INLINE_MAX``.
+
+Why one message: gloo's TCP transport sends a message only once the receiver has posted its
+receive (a send-ready / receive-ready notification exchange between the two I/O threads,
+unless the receive was posted first). A server can post the receive of a separate payload
+only after it has read the header, so every separate payload cost one more such exchange,
+three per push; on a host whose cores are all busy each exchange waits for two processes to
+be scheduled. Pull answers need none: the worker posts the answer's receive before it sends
+the request. (Measured in BENCHMARKS.md: lm.py's hybrid steps.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+PULL, PUSH, DONE, FINISH = 1, 2, 3, 4
+TAG_REQUEST, TAG_DATA, TAG_REPLY = 11, 12, 1000
+HEADER_FIELDS = 6
+HEADER_BYTES = HEADER_FIELDS * 8
+INLINE_MAX = 4 << 20      # bytes of payload carried in the request message itself
+CONTROL = "_control"      # byte-count key of DONE/FINISH messages
+
+
+def p2p(group=None):
+    """``(isend, irecv)`` on ``group`` (default: the default group), each ``f(tensor, peer,
+    tag) -> Work``: the ProcessGroup's own point-to-point calls, which skip the argument
+    checks of ``dist.isend``/``dist.irecv`` (half the cost of a small message here)."""
+    pg = group or dist.group.WORLD
+    return (lambda t, peer, tag: pg.send([t], peer, tag)), (lambda t, peer, tag: pg.recv([t], peer, tag))
+
+
+def reply_tag(tid: int) -> int:
+    """Tag of the server's answers to pulls of table ``tid``: one tag per table, because
+    tables are applied (and so answered) in any order, while answers with one tag from one
+    sender match the receiver's posted receives in order."""
+    return TAG_REPLY + tid
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def encode(op: int, tid: int, n: int, step: int, count: int = 1,
+           payload: tuple[torch.Tensor, ...] = (), inline_max: int = INLINE_MAX) -> tuple[torch.Tensor, list]:
+    """``(request message, separate payloads)``: the payload tensors (ids, then rows) are
+    copied behind the header when their total is at most ``inline_max`` bytes (separate
+    payloads ``[]``); otherwise the message is the header alone and the tensors follow."""
+    size = sum(nbytes(t) for t in payload)
+    inline = size <= inline_max
+    msg = torch.empty(HEADER_BYTES + (size if inline else 0), dtype=torch.uint8)
+    msg[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([op, tid, n, step, count, int(inline)]))
+    if not inline:
+        return msg, [t.contiguous() for t in payload]
+    offset = HEADER_BYTES
+    for t in payload:
+        b = nbytes(t)
+        msg[offset:offset + b].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        offset += b
+    return msg, []
+
+
+@dataclass(frozen=True)
+class Request:
+    """A decoded request header; ``src`` is the sender's default-group rank."""
+    src: int
+    op: int
+    tid: int
+    n: int
+    step: int
+    count: int
+    inline: bool
+
+
+class Inbox:
+    """A server's receive side: one buffer of ``HEADER_BYTES + INLINE_MAX`` bytes, refilled
+    by every :meth:`next` (so payloads are copied out before the next request)."""
+
+    def __init__(self):
+        self.buf = torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8)
+        self._header = self.buf[:HEADER_BYTES].view(torch.int64)
+        self._offset = HEADER_BYTES
+        self._irecv = p2p()[1]
+
+    def next(self) -> Request:
+        """Block until the next request from any worker arrives; returns its header."""
+        work = dist.group.WORLD.recv_anysource([self.buf], TAG_REQUEST)
+        work.wait()
+        self._offset = HEADER_BYTES
+        op, tid, n, step, count, inline = self._header.tolist()
+        return Request(work.source_rank(), op, tid, n, step, count, bool(inline))
+
+    def take(self, req: Request, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The request's next payload tensor (its own memory), from the message or, for a
+        request sent in parts, received from the sender now."""
+        out = torch.empty(shape, dtype=dtype)
+        size = nbytes(out)
+        if req.inline:
+            out.reshape(-1).view(torch.uint8).copy_(self.buf[self._offset:self._offset + size])
+            self._offset += size
+        elif size:
+            self._irecv(out, req.src, TAG_DATA).wait()
+        return out

@@ -1,0 +1,101 @@
+"""The parameter server's wire format between two real gloo processes: requests carried in
+one message and requests too large for it, sent in parts, decode to the same tensors."""
+import multiprocessing as mp
+import os
+import socket
+
+import torch
+
+from hpar.strategies import ps_wire
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _payload(n: int, dim: int):
+    ids = torch.arange(n, dtype=torch.int64) * 3 + 1
+    rows = torch.arange(n * dim, dtype=torch.float32).reshape(n, dim) / 7
+    return ids, rows
+
+
+CASES = [  # (op, tid, n, dim, inline_max): the last is too large for one message
+    (ps_wire.PULL, 0, 5, 0, ps_wire.INLINE_MAX),
+    (ps_wire.PUSH, 2, 6, 4, ps_wire.INLINE_MAX),
+    (ps_wire.PUSH, 1, 0, 4, ps_wire.INLINE_MAX),
+    (ps_wire.DONE, -1, 0, 0, ps_wire.INLINE_MAX),
+    (ps_wire.PUSH, 3, 9, 5, 64),
+]
+
+
+def _child(rank: int, port: int, out):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        if rank == 0:
+            isend = ps_wire.p2p()[0]
+            works = []
+            for op, tid, n, dim, inline_max in CASES:
+                ids, rows = _payload(n, dim)
+                payload = () if op == ps_wire.DONE else ((ids,) if op == ps_wire.PULL else (ids, rows))
+                msg, separate = ps_wire.encode(op, tid, n, 7, 2, payload, inline_max=inline_max)
+                works.append(isend(msg, 1, ps_wire.TAG_REQUEST))
+                works += [isend(t, 1, ps_wire.TAG_DATA) for t in separate]
+            for w in works:
+                w.wait()
+        else:
+            inbox = ps_wire.Inbox()
+            got = []
+            for op, tid, n, dim, _ in CASES:
+                req = inbox.next()
+                ids = inbox.take(req, (req.n,), torch.int64) if req.op in (ps_wire.PULL, ps_wire.PUSH) else None
+                rows = inbox.take(req, (req.n, dim), torch.float32) if req.op == ps_wire.PUSH else None
+                got.append((req.src, req.op, req.tid, req.n, req.step, req.count, req.inline, ids, rows))
+            out.put(got)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_requests_decode_inline_and_in_parts():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = out.get(timeout=60)
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert len(got) == len(CASES)
+    for (op, tid, n, dim, inline_max), (src, gop, gtid, gn, step, count, inline, ids, rows) in zip(CASES, got):
+        assert (src, gop, gtid, gn, step, count) == (0, op, tid, n, 7, 2)
+        assert inline == (inline_max == ps_wire.INLINE_MAX)
+        want_ids, want_rows = _payload(n, dim)
+        if op in (ps_wire.PULL, ps_wire.PUSH):
+            assert torch.equal(ids, want_ids)
+        if op == ps_wire.PUSH:
+            assert torch.equal(rows, want_rows)
+
+
+def test_encode_puts_payload_behind_the_header():
+    ids, rows = _payload(3, 2)
+    msg, separate = ps_wire.encode(ps_wire.PUSH, 4, 3, 9, 1, (ids, rows))
+    assert separate == []
+    assert msg.numel() == ps_wire.HEADER_BYTES + 3 * 8 + 3 * 2 * 4
+    assert msg[:ps_wire.HEADER_BYTES].view(torch.int64).tolist() == [ps_wire.PUSH, 4, 3, 9, 1, 1]
+    assert torch.equal(msg[ps_wire.HEADER_BYTES:ps_wire.HEADER_BYTES + 24].view(torch.int64), ids)
+    big, separate = ps_wire.encode(ps_wire.PUSH, 4, 3, 9, 1, (ids, rows), inline_max=8)
+    assert big.numel() == ps_wire.HEADER_BYTES and big.view(torch.int64)[-1] == 0
+    assert [torch.equal(a, b) for a, b in zip(separate, (ids, rows))] == [True, True]
