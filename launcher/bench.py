@@ -26,6 +26,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+PLANNED = {"pipeline", "hybrid", "ps"}   # strategies whose runs take the planner's plan
+
 # bench name -> (hpar run --strategy, --schedule or None)
 BENCH_STRATEGIES: dict[str, tuple[str, str | None]] = {
     "hybrid": ("hybrid", None), "ps": ("ps", None), "allreduce": ("allreduce", None),
@@ -153,9 +155,9 @@ def bytes_per_worker_step(metrics_path: str) -> dict | None:
 def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str,
                 plan_file: str | None = None) -> list[str]:
     """The ``hpar run`` command line of one strategy (no evaluation; plain progress lines);
-    ``plan_file`` (pipeline entries) fixes the stages and the micro-batches (passed as
-    ``--micro-batches`` too, so that a script's own HPAR value does not override the plan the
-    prediction is for)."""
+    ``plan_file`` fixes the planned placement and partitions (hybrid, ps) or stages and
+    micro-batches (pipeline entries: passed as ``--micro-batches`` too, so that a script's own
+    HPAR value does not override the plan the prediction is for)."""
     strategy, schedule = BENCH_STRATEGIES[name]
     cmd = [sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", str(cfg.gpus), "--strategy", strategy,
            "--steps", str(cfg.steps), "--batch-size", str(batch_size), "--seed", str(cfg.seed),
@@ -163,8 +165,10 @@ def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_d
     if schedule:
         cmd += ["--schedule", schedule]
     if plan_file:
-        with open(plan_file, encoding="utf-8") as f:
-            cmd += ["--plan", plan_file, "--micro-batches", str(json.load(f)["micro_batches"])]
+        cmd += ["--plan", plan_file]
+        if strategy == "pipeline":
+            with open(plan_file, encoding="utf-8") as f:
+                cmd += ["--micro-batches", str(json.load(f)["micro_batches"])]
     if cfg.hosts:
         cmd += ["--hosts", cfg.hosts]
     if cfg.ssh_key:
@@ -242,7 +246,7 @@ class ScriptPlan:
     estimates: dict
     projected: dict
     reasons: dict
-    pipeline_plan: str | None = None
+    plan_files: dict = field(default_factory=dict)   # hpar run --strategy -> plan file
 
 
 def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_of) -> ScriptPlan:
@@ -265,16 +269,18 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     projected = {e.strategy: e for e in estimate_all(profile, cluster_of(cfg.project))} if cfg.project else {}
     runnable = runnable_strategies()
     reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, runnable, cfg.gpus))}
-    pipeline_plan = None
-    if any(BENCH_STRATEGIES[n][0] == "pipeline" and n not in reasons for n in names):
-        # one plan (stages, micro-batches) for every pipeline entry, hpar's and torch's, so
-        # that they run the same stages rather than each run re-profiling and re-planning
-        from hpar.strategies.checkpoint import atomic_write_bytes
-        from hpar.strategies.planner import choose_plan
-        pipeline_plan = os.path.join(os.path.abspath(cfg.bench_dir),
-                                     os.path.splitext(os.path.basename(script))[0] + "-pipeline-plan.json")
-        atomic_write_bytes(pipeline_plan, choose_plan(profile, cluster, runnable, force="pipeline").to_json().encode())
-    return ScriptPlan(bs, estimates, projected, reasons, pipeline_plan)
+    # the planner's plan of each planned strategy, so that its runs execute what was
+    # predicted (pipeline: stages and micro-batches, one plan for hpar's and torch's schedules
+    # alike; hybrid/ps: placement and partitions) rather than each run re-profiling
+    from hpar.strategies.checkpoint import atomic_write_bytes
+    from hpar.strategies.planner import choose_plan
+    plan_files = {}
+    for strategy in sorted({BENCH_STRATEGIES[n][0] for n in names if n not in reasons} & PLANNED):
+        path = os.path.join(os.path.abspath(cfg.bench_dir),
+                            f"{os.path.splitext(os.path.basename(script))[0]}-{strategy}-plan.json")
+        atomic_write_bytes(path, choose_plan(profile, cluster, runnable, force=strategy).to_json().encode())
+        plan_files[strategy] = path
+    return ScriptPlan(bs, estimates, projected, reasons, plan_files)
 
 
 def _prediction(estimates: dict, name: str) -> float | None:
@@ -318,7 +324,7 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None) -> list[
             run_dir = os.path.join(cfg.bench_dir, stem, name)
             os.makedirs(os.path.dirname(run_dir), exist_ok=True)
             say(f"hpar bench: {stem} {name}: running ({cfg.gpus} workers, {cfg.steps} steps, batch {plan.batch_size})")
-            plan_file = plan.pipeline_plan if BENCH_STRATEGIES[name][0] == "pipeline" else None
+            plan_file = plan.plan_files.get(BENCH_STRATEGIES[name][0])
             run = lambda: run_strategy(os.path.abspath(script), name, cfg, plan.batch_size, run_dir, plan_file)
             counters = None
             if around_run is None:

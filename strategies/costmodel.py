@@ -33,7 +33,6 @@ from hpar.strategies.profile import ParamProfile, Profile
 INDEX_BYTES = 8            # int64 row id sent with every sparse row
 BUCKET_BYTES = 25 << 20    # DDP's default gradient bucket (bucket_cap_mb=25)
 FLOP_PER_BYTE = 20.0       # FLOP/s : memory bytes/s of a GPU (H100 fp32 67 TF / 3.35 TB/s)
-PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -85,25 +84,6 @@ def sparse_bytes(p: ParamProfile, fraction: float) -> float:
     return rows * (p.bytes / p.rows + INDEX_BYTES)
 
 
-def server_imbalance(p: ParamProfile, partitions: int, servers: int) -> float:
-    """Load of the busiest server over the mean (>= 1) when p's rows are cut into
-    ``partitions`` contiguous ranges placed round-robin on ``servers`` (``ps_shard.RowLayout``),
-    from the profiled share of row touches per row bucket (``row_mass``); 1 without it."""
-    mass = p.row_mass
-    if not mass or servers <= 1:
-        return 1.0
-    nb = len(mass)
-    load = [0.0] * servers
-    for part in range(partitions):
-        lo, hi = part * nb / partitions, (part + 1) * nb / partitions
-        share = 0.0
-        for b in range(int(lo), min(nb, math.ceil(hi))):
-            share += mass[b] * max(0.0, min(hi, b + 1) - max(lo, b))
-        load[part % servers] += share
-    total = sum(load)
-    return max(load) * servers / total if total > 0 else 1.0
-
-
 @dataclass(frozen=True)
 class _Setting:
     n: int
@@ -119,29 +99,31 @@ class _Setting:
     p2p_bw: float   # bandwidth of point-to-point traffic (worker<->server, stage->stage)
     sparse_update_per_byte: float   # worker update per byte of gathered sparse gradient rows
     overlap: bool   # communication can run under backward (spare cores or an accelerator)
+    intra_bw: float  # bandwidth between processes of one host (copies through its kernel)
 
     def under_backward(self, comm: float) -> float:
         """Seconds of backward plus the communication that runs during it."""
         return max(self.bwd, comm) if self.overlap else self.bwd + comm
 
 
-def cpu_load(cluster: ClusterSpec, with_servers: bool = False) -> float | None:
-    """hpar processes per core on the busiest host (its workers, plus its parameter servers
-    for hybrid/ps) when the workers compute on the hosts' CPUs; None for accelerators
-    (``device_flops``) or unknown cores."""
+def cpu_load(cluster: ClusterSpec, server_share: float = 0.0) -> float | None:
+    """Busy processes per core on the busiest host when the workers compute on the hosts'
+    CPUs: its workers plus, for hybrid/ps, its parameter servers, each counted as
+    ``server_share`` of a busy process (a server's CPU seconds per step over a worker's:
+    costmodel_ps.server_share); None for accelerators (``device_flops``) or unknown cores."""
     if cluster.device_flops or not cluster.cores_per_host:
         return None
-    procs = cluster.max_gpus_per_host + (-(-cluster.servers // cluster.hosts) if with_servers else 0)
+    procs = cluster.max_gpus_per_host + -(-cluster.servers // cluster.hosts) * server_share
     return procs / cluster.cores_per_host
 
 
-def cpu_share(cluster: ClusterSpec, with_servers: bool = False) -> float:
-    """How much slower profiled CPU compute runs when a host's hpar processes outnumber its
+def cpu_share(cluster: ClusterSpec, server_share: float = 0.0) -> float:
+    """How much slower profiled CPU compute runs when a host's busy processes outnumber its
     cores: max(1, :func:`cpu_load`); 1 for accelerators or unknown cores."""
-    return max(1.0, cpu_load(cluster, with_servers) or 0.0)
+    return max(1.0, cpu_load(cluster, server_share) or 0.0)
 
 
-def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False) -> _Setting:
+def _setting(profile: Profile, cluster: ClusterSpec, server_share: float = 0.0) -> _Setting:
     if cluster.device_flops:
         fwd = profile.forward_flops / cluster.device_flops
         bwd = profile.backward_flops / cluster.device_flops
@@ -150,12 +132,12 @@ def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False)
         fwd, bwd, upd = profile.forward_s, profile.backward_s, profile.update_s_per_byte
     # torch's sparse optimizer kernels run on the CPU even when the model is on a device
     sparse_upd = profile.sparse_update_s_per_byte or profile.update_s_per_byte
-    k, load = cpu_share(cluster, with_servers), cpu_load(cluster, with_servers)
+    k, load = cpu_share(cluster, server_share), cpu_load(cluster, server_share)
     p2p = cluster.bandwidth_Bps if cluster.hosts > 1 else cluster.intra_Bps
     busy_cores = load is not None and load >= 1.0
     return _Setting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
                     cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
-                    k * profile.update_s_per_byte, p2p, k * sparse_upd, not busy_cores)
+                    k * profile.update_s_per_byte, p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps)
 
 
 def _split_tail(params, first_layer: int = 0):
@@ -212,99 +194,6 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     return Estimate("allreduce-sparse", step, c.n * profile.samples_per_batch, sent,
                     {"forward": c.fwd, "backward": c.bwd, "comm_overlap": over, "comm_tail": tail,
                      "merge": merge, "update": update}, placement={p.name: "allreduce" for p in profile.params})
-
-
-def _ps_link_s(c: _Setting, per_host_bytes: float, per_server_bytes: float, colocated: bool) -> float:
-    """Seconds to move one direction of PS traffic: the busiest of a host's link (its
-    workers' bytes) and a server's link (its share of all workers' bytes). A server on a
-    worker host (Parallax's one per host) shares that host's link; the (H-1)/H of the traffic
-    that leaves the host crosses it. On one host everything goes at ``bw`` (intra-host)."""
-    if c.h > 1 and colocated:
-        return (per_host_bytes + per_server_bytes) * (c.h - 1) / c.h / c.p2p_bw
-    return max(per_host_bytes, per_server_bytes) / c.p2p_bw
-
-
-def choose_partitions(p: ParamProfile, c: _Setting, pull_host: float, push_host: float,
-                      pull_total: float, push_total: float) -> tuple[int, float, float]:
-    """(partition count, pull seconds, push seconds) of a PS-placed parameter.
-
-    Parallax (Kim et al., EuroSys 2019, section 4.2) models the step time as a function of the
-    partition count and picks the minimum instead of trying counts with restarted jobs; here
-    t(P) = link time with the busiest server's share scaled by :func:`server_imbalance`
-    + per-message overhead 2 * N * ceil(P/S) * lat (each worker sends one pull and one push
-    request per partition; a server handles its partitions' requests one after another).
-    P runs over S * {1, 2, 4, ..., 64}, at most the row count."""
-    colocated = c.s <= c.h
-    best = None
-    for f in PARTITION_FACTORS:
-        parts = min(c.s * f, p.rows)
-        imb = server_imbalance(p, parts, c.s)
-        overhead = c.n * math.ceil(parts / c.s) * c.lat     # per direction
-        pull = _ps_link_s(c, pull_host, pull_total * imb / c.s, colocated) + overhead
-        push = _ps_link_s(c, push_host, push_total * imb / c.s, colocated) + overhead
-        if best is None or pull + push < best[1] + best[2] - 1e-12:
-            best = (parts, pull, push)
-        if parts == p.rows:
-            break
-    return best
-
-
-def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estimate:
-    """Shared by ``ps`` and ``hybrid``; see their docstrings. The servers share the hosts'
-    cores with the workers (:func:`cpu_share`)."""
-    c = _setting(profile, cluster, with_servers=True)
-    hybrid = strategy == "hybrid"
-    on_ps = [p for p in profile.params if (p.embedding_module or not hybrid)]
-    on_ar = [p for p in profile.params if p not in on_ps]
-    partitions, pull_s, push_over, push_tail, server, sent = {}, 0.0, 0.0, 0.0, 0.0, 0.0
-    for p in on_ps:
-        a = p.alpha if p.sparse else 1.0
-        pull_w = sparse_bytes(p, a) if p.sparse else p.bytes
-        if hybrid and p.sparse:   # local aggregation: one push per host of the host's union of rows
-            push_h = sparse_bytes(p, p.union_for(c.g))
-        else:
-            push_h = c.g * pull_w
-        n_push = push_h * c.h
-        parts, t_pull, t_push = choose_partitions(p, c, c.g * pull_w, push_h, c.n * pull_w, n_push)
-        if p.sparse:
-            partitions[p.name] = parts
-        pull_s += t_pull
-        if p.layer == 0:
-            push_tail += t_push
-        else:
-            push_over += t_push
-        touched = p.union_for(c.n) * p.bytes if p.sparse else p.bytes
-        server += (n_push + touched) * c.server_per_byte / c.s
-        sent += push_h / c.g
-    d_over, d_tail = _split_tail(on_ar)
-    ar_over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat)
-    ar_tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat)
-    dense_update = sum(p.bytes for p in on_ar) * c.update_per_byte
-    step = pull_s + c.fwd + c.under_backward(ar_over + push_over) + ar_tail + push_tail + max(server, dense_update)
-    sent += 2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0
-    return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
-                    {"pull": pull_s, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over + push_over,
-                     "comm_tail": ar_tail + push_tail, "server_update": server, "update": dense_update},
-                    placement={p.name: ("ps" if p in on_ps else "allreduce") for p in profile.params},
-                    partitions=partitions)
-
-
-def estimate_ps(profile: Profile, cluster: ClusterSpec) -> Estimate:
-    """``ps`` (every parameter on the servers, as TensorFlow's PS): each worker pulls every
-    dense parameter and the rows its batch touches, and pushes the same amount of gradients;
-    a server aggregates its share of the N pushes and updates (Li et al., "Scaling distributed
-    machine learning with the parameter server", OSDI 2014). step = pull + fwd + max(bwd,
-    push of other layers) + push of layer 0 + server update."""
-    return _ps_estimate(profile, cluster, "ps")
-
-
-def estimate_hybrid(profile: Profile, cluster: ClusterSpec) -> Estimate:
-    """``hybrid`` (Parallax, Kim et al., EuroSys 2019): embedding tables on the servers, row
-    partitioned (:func:`choose_partitions`), everything else by ring AllReduce. Workers of a
-    host aggregate their sparse gradients locally and push the union of their touched rows
-    once (Parallax's local aggregation); pulls stay per worker. The AllReduce and the pushes
-    share the link under backward; the server update overlaps the workers' dense update."""
-    return _ps_estimate(profile, cluster, "hybrid")
 
 
 def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b") -> Estimate:
@@ -371,10 +260,9 @@ def estimate_async_pipeline(sync: Estimate, schedule: str) -> Estimate:
                     stages=sync.stages, micro_batches=m)
 
 
-ESTIMATORS = {"allreduce": estimate_allreduce, "allreduce-sparse": estimate_allreduce_sparse,
-              "ps": estimate_ps, "hybrid": estimate_hybrid, "pipeline": estimate_pipeline}
-
-
 def estimate_all(profile: Profile, cluster: ClusterSpec) -> list[Estimate]:
-    """Every strategy's :class:`Estimate`, in ``ESTIMATORS`` order."""
-    return [fn(profile, cluster) for fn in ESTIMATORS.values()]
+    """Every strategy's :class:`Estimate`, in the order allreduce, allreduce-sparse, ps,
+    hybrid, pipeline (the planner keeps this order on ties)."""
+    from hpar.strategies.costmodel_ps import estimate_hybrid, estimate_ps
+    return [fn(profile, cluster) for fn in (estimate_allreduce, estimate_allreduce_sparse, estimate_ps,
+                                            estimate_hybrid, estimate_pipeline)]

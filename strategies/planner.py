@@ -101,7 +101,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, runnable: set[str], sche
                 force: str | None = None) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and pick the highest samples/s among
     those in ``runnable`` (strategies whose runtime exists, given by the CLI) that fit the
-    job; the others are still listed as candidates with a note. Ties keep ``ESTIMATORS``
+    job; the others are still listed as candidates with a note. Ties keep ``estimate_all``'s
     order. ``force`` (the user's ``--strategy``) takes that strategy's plan instead (its
     stages, micro-batches, placement). Raises ValueError when no runnable strategy fits (e.g.
     runnable is empty), or when the forced one does not fit, with the cost model's reason."""
@@ -112,8 +112,10 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, runnable: set[str], sche
         available = e.feasible and e.strategy in runnable
         if e.feasible and e.strategy not in runnable:
             note = "runtime not available yet" + (f"; {note}" if note else "")
-        if e.strategy == "hybrid" and e.feasible and not any(p.embedding_module for p in profile.params):
-            note = (note + "; " if note else "") + "no embedding table to place on servers (same as allreduce)"
+        if e.strategy == "hybrid" and e.feasible and "ps" not in e.placement.values():
+            why = ("every embedding table costs less on AllReduce" if any(p.embedding_module for p in profile.params)
+                   else "no embedding table to place on servers")
+            note = (note + "; " if note else "") + f"{why} (same as allreduce)"
         measured_sparse = [p.name for p in profile.params if p.sparse and not p.embedding_module]
         if e.strategy == "hybrid" and measured_sparse:
             note = (note + "; " if note else "") + \

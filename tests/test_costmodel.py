@@ -2,8 +2,8 @@
 import pytest
 
 from hpar.strategies.cluster import ClusterSpec, make_cluster, parse_bandwidth, parse_latency
-from hpar.strategies.costmodel import (estimate_allreduce_sparse, ring_allgather_s, ring_allreduce_s,
-                                       server_imbalance, sparse_bytes)
+from hpar.strategies.costmodel import estimate_allreduce_sparse, ring_allgather_s, ring_allreduce_s, sparse_bytes
+from hpar.strategies.costmodel_ps import server_imbalance
 from hpar.strategies.profile import LayerProfile, ParamProfile, Profile
 
 
@@ -90,7 +90,8 @@ def test_allreduce_sparse_estimate_by_hand():
 
 
 def test_cpu_share_counts_servers_for_hybrid_and_slows_cpu_compute():
-    from hpar.strategies.costmodel import cpu_share, estimate_allreduce_sparse, estimate_hybrid
+    from hpar.strategies.costmodel import cpu_share, estimate_allreduce_sparse
+    from hpar.strategies.costmodel_ps import estimate_hybrid
     from hpar.strategies.profile import LayerProfile, ParamProfile, Profile
     emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
                        union_curve=((1, 0.05), (2, 0.1)))
@@ -102,13 +103,22 @@ def test_cpu_share_counts_servers_for_hybrid_and_slows_cpu_compute():
                    update_s_per_byte=1e-10, timing_batch_size=32)
     shared = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0, cores_per_host=2)
     own = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0)
-    assert cpu_share(shared) == 1.0 and cpu_share(shared, with_servers=True) == 1.5   # 2 workers + 1 server, 2 cores
-    assert cpu_share(own, with_servers=True) == 1.0
+    # 2 workers on 2 cores, plus a server counted as the share of a busy process its work takes
+    assert cpu_share(shared) == 1.0 and cpu_share(shared, server_share=1.0) == 1.5
+    assert cpu_share(shared, server_share=0.5) == 1.25 and cpu_share(own, server_share=1.0) == 1.0
     assert cpu_share(ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1e9, latency_s=0.0,
-                                 cores_per_host=2, device_flops=1e12), True) == 1.0   # accelerators
+                                 cores_per_host=2, device_flops=1e12), 1.0) == 1.0   # accelerators
+    # the server's work per step: pull 5% of the rows to each of 2 workers (row 256 B + 8 B id),
+    # receive both workers' pushes (no local aggregation on one host), update the union (10%)
+    pull_w = 500 * 264
+    server = (2 * pull_w + 0.1 * 2_560_000) * 1e-10
+    traffic = 2 * pull_w + 2 * pull_w
+    share = (server + traffic / 1e9) / (0.03 + 0.04)
+    k = (2 + share) / 2
     h_shared, h_own = estimate_hybrid(prof, shared), estimate_hybrid(prof, own)
-    assert h_shared.breakdown["forward"] == pytest.approx(1.5 * 0.03)
-    assert h_shared.breakdown["backward"] == pytest.approx(1.5 * 0.04) and h_own.breakdown["backward"] == pytest.approx(0.04)
+    assert h_shared.breakdown["server_cpu"] == pytest.approx(server + traffic / 1e9)
+    assert h_shared.breakdown["forward"] == pytest.approx(k * 0.03)
+    assert h_shared.breakdown["backward"] == pytest.approx(k * 0.04) and h_own.breakdown["backward"] == pytest.approx(0.04)
     # 2 workers on 2 cores: compute is not slowed, but the exchange no longer hides under backward
     s_shared, s_own = estimate_allreduce_sparse(prof, shared), estimate_allreduce_sparse(prof, own)
     bwd, over = s_own.breakdown["backward"], s_own.breakdown["comm_overlap"]
@@ -136,7 +146,8 @@ def test_allreduce_sparse_uses_the_profiled_sparse_update_and_needs_sparse_gradi
 
 
 def test_single_host_collectives_use_the_measured_allreduce_bandwidth_and_ps_traffic_the_link():
-    from hpar.strategies.costmodel import estimate_allreduce, estimate_hybrid
+    from hpar.strategies.costmodel import estimate_allreduce
+    from hpar.strategies.costmodel_ps import estimate_hybrid
     lin = ParamProfile("lin", (1000, 1000), 4_000_000, False, 1.0, 1.0, False, layer=1)
     emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.1, True, layer=0,
                        union_curve=((1, 0.05), (2, 0.1)))
@@ -151,3 +162,27 @@ def test_single_host_collectives_use_the_measured_allreduce_bandwidth_and_ps_tra
     assert h.breakdown["comm_overlap"] == pytest.approx(4_000_000 / 2e8)   # the dense layer's AllReduce
     # the pull of the touched rows crosses the point-to-point link, not the AllReduce figure
     assert h.breakdown["pull"] == pytest.approx(2 * 500 * 408 / 1e9)
+
+
+def test_hybrid_places_each_embedding_where_it_costs_less():
+    from hpar.strategies.costmodel_ps import allreduce_cost, estimate_hybrid, on_ps
+    from hpar.strategies.costmodel import _setting
+    big = ParamProfile("big.weight", (100_000, 64), 25_600_000, True, 0.01, 0.02, True, layer=0,
+                       union_curve=((1, 0.01), (2, 0.02)))
+    small = ParamProfile("bias.weight", (1000, 1), 4000, True, 0.5, 0.75, True, layer=2,
+                         union_curve=((1, 0.5), (2, 0.75)))
+    lin = ParamProfile("lin.weight", (100, 100), 40_000, False, 1.0, 1.0, False, layer=1)
+    prof = Profile((big, lin, small), (LayerProfile("big", 0, 0, 0, 1, big.bytes), LayerProfile("lin", 0, 0, 1, 1, lin.bytes),
+                                       LayerProfile("bias", 0, 0, 0, 1, small.bytes)),
+                   8, 8, 2, False, "x", 0.0, 0.0, 0.0, 1, 1, 1e-10, 8)
+    c = ClusterSpec(2, (1, 1), 2, 1e9, 1e-3)
+    setting = _setting(prof, c)
+    # the small table: AllReduce = 2(N-1) latencies + its bytes + two passes of updates;
+    # on the servers each direction costs N * lat of requests alone
+    assert allreduce_cost(small, setting) == pytest.approx(2e-3 + 4000 / 1e9 + 2 * 4000 * 1e-10)
+    t = on_ps(small, setting, hybrid=True)
+    assert t.pull + t.push >= 2 * 2 * 1e-3
+    e = estimate_hybrid(prof, c)
+    assert e.placement == {"big.weight": "ps", "lin.weight": "allreduce", "bias.weight": "allreduce"}
+    assert set(e.partitions) == {"big.weight"}
+    assert e.breakdown["update"] == pytest.approx((40_000 + 2 * 4000) * 1e-10)

@@ -1,0 +1,191 @@
+"""Cost model of the parameter-server strategies, ``ps`` and ``hybrid``: placement of each
+parameter, partition counts, and the predicted step (notation and the message model in
+strategies/costmodel.py).
+
+Per parameter on the servers, with alpha the fraction of rows one worker's batch touches:
+a worker pulls ``alpha * rows`` (row, id) pairs and pushes as many gradient rows (hybrid
+with servers on other hosts: a host pushes the union of its workers' rows once, Parallax's
+local aggregation); a server sums its share of the pushes and updates the touched rows.
+Servers are CPU processes, as in Parallax; on CPU workers they share the hosts' cores, each
+counted as the fraction of a busy process its own work takes (:func:`server_share`; the
+estimate's ``server_cpu`` is that work in seconds per step).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hpar.strategies.cluster import ClusterSpec
+from hpar.strategies.costmodel import Estimate, _Setting, _setting, _split_tail, ring_allreduce_s, sparse_bytes
+from hpar.strategies.profile import ParamProfile, Profile
+
+PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def server_imbalance(p: ParamProfile, partitions: int, servers: int) -> float:
+    """Load of the busiest server over the mean (>= 1) when p's rows are cut into
+    ``partitions`` contiguous ranges placed round-robin on ``servers`` (``ps_shard.RowLayout``),
+    from the profiled share of row touches per row bucket (``row_mass``); 1 without it."""
+    mass = p.row_mass
+    if not mass or servers <= 1:
+        return 1.0
+    nb = len(mass)
+    load = [0.0] * servers
+    for part in range(partitions):
+        lo, hi = part * nb / partitions, (part + 1) * nb / partitions
+        share = 0.0
+        for b in range(int(lo), min(nb, math.ceil(hi))):
+            share += mass[b] * max(0.0, min(hi, b + 1) - max(lo, b))
+        load[part % servers] += share
+    total = sum(load)
+    return max(load) * servers / total if total > 0 else 1.0
+
+
+def _ps_link_s(c: _Setting, per_host_bytes: float, per_server_bytes: float, colocated: bool) -> float:
+    """Seconds to move one direction of PS traffic: the busiest of a host's link (its
+    workers' bytes) and a server's link (its share of all workers' bytes). A server on a
+    worker host (Parallax's one per host) shares that host's link; the (H-1)/H of the traffic
+    that leaves the host crosses it. On one host everything goes at ``bw`` (intra-host)."""
+    if c.h > 1 and colocated:
+        return (per_host_bytes + per_server_bytes) * (c.h - 1) / c.h / c.p2p_bw
+    return max(per_host_bytes, per_server_bytes) / c.p2p_bw
+
+
+def choose_partitions(p: ParamProfile, c: _Setting, pull_host: float, push_host: float,
+                      pull_total: float, push_total: float) -> tuple[int, float, float]:
+    """(partition count, pull seconds, push seconds) of a PS-placed parameter.
+
+    Parallax (Kim et al., EuroSys 2019, section 4.2) models the step time as a function of the
+    partition count and picks the minimum instead of trying counts with restarted jobs; here
+    t(P) = link time with the busiest server's share scaled by :func:`server_imbalance`
+    + per-message overhead 2 * N * ceil(P/S) * lat (each worker sends one pull and one push
+    request per partition; a server handles its partitions' requests one after another).
+    P runs over S * {1, 2, 4, ..., 64}, at most the row count."""
+    colocated = c.s <= c.h
+    best = None
+    for f in PARTITION_FACTORS:
+        parts = min(c.s * f, p.rows)
+        imb = server_imbalance(p, parts, c.s)
+        overhead = c.n * math.ceil(parts / c.s) * c.lat     # per direction
+        pull = _ps_link_s(c, pull_host, pull_total * imb / c.s, colocated) + overhead
+        push = _ps_link_s(c, push_host, push_total * imb / c.s, colocated) + overhead
+        if best is None or pull + push < best[1] + best[2] - 1e-12:
+            best = (parts, pull, push)
+        if parts == p.rows:
+            break
+    return best
+
+
+@dataclass(frozen=True)
+class OnPS:
+    """One parameter's costs on the servers, per step: ``pull``/``push`` seconds (a
+    worker's wait), ``server`` seconds a server spends summing and updating it, ``traffic``
+    bytes a server receives and sends for it, ``sent`` bytes a worker sends for it, and its
+    ``partitions`` (sparse parameters only, else None)."""
+    param: ParamProfile
+    partitions: int | None
+    pull: float
+    push: float
+    server: float
+    traffic: float
+    sent: float
+
+
+def on_ps(p: ParamProfile, c: _Setting, hybrid: bool) -> OnPS:
+    """:class:`OnPS` of parameter ``p`` in setting ``c``. Pulls: alpha of the rows (a dense
+    parameter: all of it) per worker; pushes: as many per worker, or with local aggregation
+    (hybrid, several workers per host, servers on other hosts, as the runtime does it) the
+    union of the host's rows once; the server update touches the union over all workers."""
+    pull_w = sparse_bytes(p, p.alpha) if p.sparse else p.bytes
+    if hybrid and p.sparse and c.h > 1 and c.g > 1:
+        push_h = sparse_bytes(p, p.union_for(c.g))
+    else:
+        push_h = c.g * pull_w
+    n_push = push_h * c.h
+    parts, t_pull, t_push = choose_partitions(p, c, c.g * pull_w, push_h, c.n * pull_w, n_push)
+    touched = p.union_for(c.n) * p.bytes if p.sparse else p.bytes
+    return OnPS(p, parts if p.sparse else None, t_pull, t_push, (n_push + touched) * c.server_per_byte / c.s,
+                (c.n * pull_w + n_push) / c.s, push_h / c.g)
+
+
+def allreduce_cost(p: ParamProfile, c: _Setting) -> float:
+    """Seconds per step ``p`` costs on AllReduce instead: its ring AllReduce, plus writing
+    its dense gradient and updating every row (two passes at the update rate)."""
+    return ring_allreduce_s(p.bytes, c.n, c.bw, c.lat) + 2 * p.bytes * c.update_per_byte
+
+
+def server_busy(terms: list[OnPS], c: _Setting) -> float:
+    """A server's CPU seconds per step: its updates plus copying its traffic through the
+    host's kernel (at the intra-host rate)."""
+    return sum(t.server + t.traffic / c.intra_bw for t in terms)
+
+
+def server_share(terms: list[OnPS], c: _Setting) -> float:
+    """A server's CPU seconds per step over a worker's forward and backward (at most 1)."""
+    return min(1.0, server_busy(terms, c) / max(c.fwd + c.bwd, 1e-12))
+
+
+def _placed(profile: Profile, c: _Setting, hybrid: bool) -> list[OnPS]:
+    """The parameters on the servers: all of them for ``ps``; for ``hybrid`` each embedding
+    whose PS costs (pull + push + server work) are below :func:`allreduce_cost`."""
+    terms = []
+    for p in profile.params:
+        if hybrid and not p.embedding_module:
+            continue
+        t = on_ps(p, c, hybrid)
+        if not hybrid or t.pull + t.push + t.server < allreduce_cost(p, c):
+            terms.append(t)
+    return terms
+
+
+def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estimate:
+    """Shared by ``ps`` and ``hybrid``; see their docstrings. Two passes: the placement and
+    the servers' CPU share are found with the workers' compute alone, then everything is
+    costed again with the servers sharing the cores."""
+    hybrid = strategy == "hybrid"
+    first = _setting(profile, cluster)
+    first_terms = _placed(profile, first, hybrid)
+    share = server_share(first_terms, first)
+    c = _setting(profile, cluster, server_share=share)
+    placed = {t.param.name for t in first_terms}
+    terms = [on_ps(p, c, hybrid) for p in profile.params if p.name in placed]
+    on_ar = [p for p in profile.params if p.name not in placed]
+    tail = [t for t in terms if t.param.layer == 0]
+    over = [t for t in terms if t.param.layer != 0]
+    d_over, d_tail = _split_tail(on_ar)
+    ar_over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat)
+    ar_tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat)
+    push_over, push_tail = sum(t.push for t in over), sum(t.push for t in tail)
+    server_over, server_tail = sum(t.server for t in over), sum(t.server for t in tail)
+    # (an embedding on AllReduce also writes its dense gradient, as in estimate_allreduce)
+    dense_update = sum(p.bytes * (2 if p.embedding_module else 1) for p in on_ar) * c.update_per_byte
+    # with spare cores the servers update the early-pushed tables while backward runs; on
+    # busy cores their CPU time is in the compute slow-down already
+    backward = max(c.bwd, ar_over + push_over + server_over) if c.overlap else c.bwd + ar_over + push_over
+    pull = sum(t.pull for t in terms)
+    step = pull + c.fwd + backward + ar_tail + push_tail + max(server_tail, dense_update)
+    sent = sum(t.sent for t in terms) + (2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0)
+    return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
+                    {"pull": pull, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over + push_over,
+                     "comm_tail": ar_tail + push_tail, "server_update": server_over + server_tail,
+                     "update": dense_update, "server_cpu": server_busy(first_terms, first)},
+                    placement={p.name: ("ps" if p.name in placed else "allreduce") for p in profile.params},
+                    partitions={t.param.name: t.partitions for t in terms if t.partitions is not None})
+
+
+def estimate_ps(profile: Profile, cluster: ClusterSpec) -> Estimate:
+    """``ps`` (every parameter on the servers, as TensorFlow's PS): each worker pulls every
+    dense parameter and the rows its batch touches, and pushes the same amount of gradients;
+    a server aggregates its share of the N pushes and updates (Li et al., "Scaling distributed
+    machine learning with the parameter server", OSDI 2014). step = pull + fwd + backward
+    (with the pushes of other layers under it) + push of layer 0 + server update of layer 0."""
+    return _ps_estimate(profile, cluster, "ps")
+
+
+def estimate_hybrid(profile: Profile, cluster: ClusterSpec) -> Estimate:
+    """``hybrid`` (Parallax, Kim et al., EuroSys 2019): each embedding table on the servers,
+    row partitioned (:func:`choose_partitions`), unless AllReduce costs it less (a small table
+    whose requests cost more than its bytes); everything else by ring AllReduce. The
+    AllReduce and the pushes share the link under backward; the server update of the last
+    table pushed (layer 0's) overlaps the workers' dense update."""
+    return _ps_estimate(profile, cluster, "hybrid")
