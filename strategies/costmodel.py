@@ -98,7 +98,7 @@ class _Setting:
     server_per_byte: float      # server (CPU) update
     p2p_bw: float   # bandwidth of point-to-point traffic (worker<->server, stage->stage)
     sparse_update_per_byte: float   # worker update per byte of gathered sparse gradient rows
-    overlap: bool   # communication can run under backward (spare cores or an accelerator)
+    overlap: bool   # a spare core for every process: communication (and servers) run beside backward
     intra_bw: float  # bandwidth between processes of one host (copies through its kernel)
 
     def under_backward(self, comm: float) -> float:
@@ -106,24 +106,24 @@ class _Setting:
         return max(self.bwd, comm) if self.overlap else self.bwd + comm
 
 
-def cpu_load(cluster: ClusterSpec, server_share: float = 0.0) -> float | None:
-    """Busy processes per core on the busiest host when the workers compute on the hosts'
-    CPUs: its workers plus, for hybrid/ps, its parameter servers, each counted as
-    ``server_share`` of a busy process (a server's CPU seconds per step over a worker's:
-    costmodel_ps.server_share); None for accelerators (``device_flops``) or unknown cores."""
+def cpu_load(cluster: ClusterSpec, with_servers: bool = False) -> float | None:
+    """Processes per core on the busiest host when the workers compute on the hosts' CPUs:
+    its workers, plus its parameter servers for hybrid/ps; None for accelerators
+    (``device_flops``) or unknown cores."""
     if cluster.device_flops or not cluster.cores_per_host:
         return None
-    procs = cluster.max_gpus_per_host + -(-cluster.servers // cluster.hosts) * server_share
+    procs = cluster.max_gpus_per_host + (-(-cluster.servers // cluster.hosts) if with_servers else 0)
     return procs / cluster.cores_per_host
 
 
-def cpu_share(cluster: ClusterSpec, server_share: float = 0.0) -> float:
-    """How much slower profiled CPU compute runs when a host's busy processes outnumber its
-    cores: max(1, :func:`cpu_load`); 1 for accelerators or unknown cores."""
-    return max(1.0, cpu_load(cluster, server_share) or 0.0)
+def cpu_share(cluster: ClusterSpec) -> float:
+    """How much slower profiled CPU compute runs when a host's workers outnumber its cores:
+    max(1, :func:`cpu_load`); 1 for accelerators or unknown cores. (Servers are not in it:
+    costmodel_ps adds their CPU time to the step when they share busy cores.)"""
+    return max(1.0, cpu_load(cluster) or 0.0)
 
 
-def _setting(profile: Profile, cluster: ClusterSpec, server_share: float = 0.0) -> _Setting:
+def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False) -> _Setting:
     if cluster.device_flops:
         fwd = profile.forward_flops / cluster.device_flops
         bwd = profile.backward_flops / cluster.device_flops
@@ -132,7 +132,7 @@ def _setting(profile: Profile, cluster: ClusterSpec, server_share: float = 0.0) 
         fwd, bwd, upd = profile.forward_s, profile.backward_s, profile.update_s_per_byte
     # torch's sparse optimizer kernels run on the CPU even when the model is on a device
     sparse_upd = profile.sparse_update_s_per_byte or profile.update_s_per_byte
-    k, load = cpu_share(cluster, server_share), cpu_load(cluster, server_share)
+    k, load = cpu_share(cluster), cpu_load(cluster, with_servers)
     p2p = cluster.bandwidth_Bps if cluster.hosts > 1 else cluster.intra_Bps
     busy_cores = load is not None and load >= 1.0
     return _Setting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,

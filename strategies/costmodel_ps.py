@@ -6,9 +6,8 @@ Per parameter on the servers, with alpha the fraction of rows one worker's batch
 a worker pulls ``alpha * rows`` (row, id) pairs and pushes as many gradient rows (hybrid
 with servers on other hosts: a host pushes the union of its workers' rows once, Parallax's
 local aggregation); a server sums its share of the pushes and updates the touched rows.
-Servers are CPU processes, as in Parallax; on CPU workers they share the hosts' cores, each
-counted as the fraction of a busy process its own work takes (:func:`server_share`; the
-estimate's ``server_cpu`` is that work in seconds per step).
+Servers are CPU processes, as in Parallax; where they share the cores of CPU workers, their
+CPU time (the estimate's ``server_cpu``) lengthens the step (:func:`_ps_estimate`).
 """
 from __future__ import annotations
 
@@ -120,11 +119,6 @@ def server_busy(terms: list[OnPS], c: _Setting) -> float:
     return sum(t.server + t.traffic / c.intra_bw for t in terms)
 
 
-def server_share(terms: list[OnPS], c: _Setting) -> float:
-    """A server's CPU seconds per step over a worker's forward and backward (at most 1)."""
-    return min(1.0, server_busy(terms, c) / max(c.fwd + c.bwd, 1e-12))
-
-
 def _placed(profile: Profile, c: _Setting, hybrid: bool) -> list[OnPS]:
     """The parameters on the servers: all of them for ``ps``; for ``hybrid`` each embedding
     whose PS costs (pull + push + server work) are below :func:`allreduce_cost`."""
@@ -139,16 +133,17 @@ def _placed(profile: Profile, c: _Setting, hybrid: bool) -> list[OnPS]:
 
 
 def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estimate:
-    """Shared by ``ps`` and ``hybrid``; see their docstrings. Two passes: the placement and
-    the servers' CPU share are found with the workers' compute alone, then everything is
-    costed again with the servers sharing the cores."""
+    """Shared by ``ps`` and ``hybrid``; see their docstrings.
+
+    Servers and cores: with a spare core for every process (``c.overlap``) a server works
+    beside the workers: the updates of tables pushed early run under backward, and only the
+    last table's (layer 0's) update is waited for. When a host's servers share cores its
+    workers keep busy, the whole of a server's CPU time (:func:`server_busy`) is added to the
+    step: it preempts a worker, and a synchronous step waits for the slowest worker."""
     hybrid = strategy == "hybrid"
-    first = _setting(profile, cluster)
-    first_terms = _placed(profile, first, hybrid)
-    share = server_share(first_terms, first)
-    c = _setting(profile, cluster, server_share=share)
-    placed = {t.param.name for t in first_terms}
-    terms = [on_ps(p, c, hybrid) for p in profile.params if p.name in placed]
+    c = _setting(profile, cluster, with_servers=True)
+    terms = _placed(profile, c, hybrid)
+    placed = {t.param.name for t in terms}
     on_ar = [p for p in profile.params if p.name not in placed]
     tail = [t for t in terms if t.param.layer == 0]
     over = [t for t in terms if t.param.layer != 0]
@@ -159,16 +154,18 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
     server_over, server_tail = sum(t.server for t in over), sum(t.server for t in tail)
     # (an embedding on AllReduce also writes its dense gradient, as in estimate_allreduce)
     dense_update = sum(p.bytes * (2 if p.embedding_module else 1) for p in on_ar) * c.update_per_byte
-    # with spare cores the servers update the early-pushed tables while backward runs; on
-    # busy cores their CPU time is in the compute slow-down already
-    backward = max(c.bwd, ar_over + push_over + server_over) if c.overlap else c.bwd + ar_over + push_over
     pull = sum(t.pull for t in terms)
-    step = pull + c.fwd + backward + ar_tail + push_tail + max(server_tail, dense_update)
+    busy = server_busy(terms, c)
+    if c.overlap:
+        step = (pull + c.fwd + max(c.bwd, ar_over + push_over + server_over) + ar_tail + push_tail
+                + max(server_tail, dense_update))
+    else:
+        step = pull + c.fwd + c.bwd + ar_over + push_over + ar_tail + push_tail + dense_update + busy
     sent = sum(t.sent for t in terms) + (2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0)
     return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
                     {"pull": pull, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over + push_over,
                      "comm_tail": ar_tail + push_tail, "server_update": server_over + server_tail,
-                     "update": dense_update, "server_cpu": server_busy(first_terms, first)},
+                     "update": dense_update, "server_cpu": busy},
                     placement={p.name: ("ps" if p.name in placed else "allreduce") for p in profile.params},
                     partitions={t.param.name: t.partitions for t in terms if t.partitions is not None})
 

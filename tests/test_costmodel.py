@@ -89,8 +89,8 @@ def test_allreduce_sparse_estimate_by_hand():
     assert e.samples_per_step == 32
 
 
-def test_cpu_share_counts_servers_for_hybrid_and_slows_cpu_compute():
-    from hpar.strategies.costmodel import cpu_share, estimate_allreduce_sparse
+def test_servers_on_busy_cores_add_their_cpu_time_to_the_step():
+    from hpar.strategies.costmodel import cpu_load, cpu_share, estimate_allreduce_sparse
     from hpar.strategies.costmodel_ps import estimate_hybrid
     from hpar.strategies.profile import LayerProfile, ParamProfile, Profile
     emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
@@ -103,22 +103,26 @@ def test_cpu_share_counts_servers_for_hybrid_and_slows_cpu_compute():
                    update_s_per_byte=1e-10, timing_batch_size=32)
     shared = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0, cores_per_host=2)
     own = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0)
-    # 2 workers on 2 cores, plus a server counted as the share of a busy process its work takes
-    assert cpu_share(shared) == 1.0 and cpu_share(shared, server_share=1.0) == 1.5
-    assert cpu_share(shared, server_share=0.5) == 1.25 and cpu_share(own, server_share=1.0) == 1.0
+    # 2 workers on 2 cores: compute runs at full speed, but no core is left for the server
+    assert cpu_share(shared) == 1.0 and cpu_load(shared, with_servers=True) == 1.5
     assert cpu_share(ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1e9, latency_s=0.0,
-                                 cores_per_host=2, device_flops=1e12), 1.0) == 1.0   # accelerators
-    # the server's work per step: pull 5% of the rows to each of 2 workers (row 256 B + 8 B id),
-    # receive both workers' pushes (no local aggregation on one host), update the union (10%)
+                                 cores_per_host=2)) == 2.0
+    assert cpu_load(ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1e9, latency_s=0.0,
+                                cores_per_host=2, device_flops=1e12)) is None   # accelerators
+    # per step: pull 5% of the rows to each of 2 workers (row 256 B + 8 B id), receive both
+    # workers' pushes (no local aggregation on one host), update the union (10% of the rows)
     pull_w = 500 * 264
+    link = 2 * pull_w / 1e9                      # each direction, the server's share of the link
     server = (2 * pull_w + 0.1 * 2_560_000) * 1e-10
-    traffic = 2 * pull_w + 2 * pull_w
-    share = (server + traffic / 1e9) / (0.03 + 0.04)
-    k = (2 + share) / 2
+    busy = server + 4 * pull_w / 1e9             # + copying its traffic through the kernel
+    ar, dense = 16_384 / 1e9, 16_384 * 1e-10     # the dense layer's AllReduce and update
     h_shared, h_own = estimate_hybrid(prof, shared), estimate_hybrid(prof, own)
-    assert h_shared.breakdown["server_cpu"] == pytest.approx(server + traffic / 1e9)
-    assert h_shared.breakdown["forward"] == pytest.approx(k * 0.03)
-    assert h_shared.breakdown["backward"] == pytest.approx(k * 0.04) and h_own.breakdown["backward"] == pytest.approx(0.04)
+    assert h_shared.breakdown["server_cpu"] == pytest.approx(busy)
+    assert h_shared.breakdown["forward"] == pytest.approx(0.03)
+    # busy cores: the server's whole CPU time lengthens the step
+    assert h_shared.step_s == pytest.approx(link + 0.03 + 0.04 + ar + link + dense + busy)
+    # a core for the server: the embedding's update (last pushed) is waited for, beside the dense update
+    assert h_own.step_s == pytest.approx(link + 0.03 + max(0.04, ar) + link + max(server, dense))
     # 2 workers on 2 cores: compute is not slowed, but the exchange no longer hides under backward
     s_shared, s_own = estimate_allreduce_sparse(prof, shared), estimate_allreduce_sparse(prof, own)
     bwd, over = s_own.breakdown["backward"], s_own.breakdown["comm_overlap"]
