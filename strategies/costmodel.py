@@ -130,7 +130,8 @@ def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False)
         upd = 3.0 * FLOP_PER_BYTE / cluster.device_flops
     else:
         fwd, bwd, upd = profile.forward_s, profile.backward_s, profile.update_s_per_byte
-    # torch's sparse optimizer kernels run on the CPU even when the model is on a device
+    # the sparse update (coalesce: a sort, then sparse kernels) is only ever timed on this CPU;
+    # projections to a device keep that rate (an assumption, pessimistic for GPUs; BENCHMARKS.md 4)
     sparse_upd = profile.sparse_update_s_per_byte or profile.update_s_per_byte
     k, load = cpu_share(cluster), cpu_load(cluster, with_servers)
     p2p = cluster.bandwidth_Bps if cluster.hosts > 1 else cluster.intra_Bps

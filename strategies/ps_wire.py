@@ -17,7 +17,7 @@ unless the receive was posted first). A server can post the receive of a separat
 only after it has read the header, so every separate payload cost one more such exchange,
 three per push; on a host whose cores are all busy each exchange waits for two processes to
 be scheduled. Pull answers need none: the worker posts the answer's receive before it sends
-the request. (Measured in BENCHMARKS.md: lm.py's hybrid steps.)
+the request. (Measured in BENCHMARKS.md, section 1.)
 """
 from __future__ import annotations
 
