@@ -179,3 +179,21 @@ def test_socket_total_counts_growth_new_sockets_and_survives_closed_ones():
     # "a b" grew by 50, "c d" closed (its last bytes are lost, the total does not drop), "e f" is new
     assert socket_total({"a b": 100, "c d": 400}, {"a b": 150, "e f": 30}) == 80
     assert socket_total({"a b": 100}, {"a b": 20}) == 20     # same addresses, a new connection
+
+
+def test_hybrid_and_ps_entries_run_the_planners_plan(tmp_path):
+    """The prediction next to hybrid's measurement is for the planned placement and partitions."""
+    from conftest import embed_script
+    from hpar.launcher.bench import BenchConfig, plan_script, run_command
+    from hpar.strategies.cluster import ClusterSpec
+    script = write_script(tmp_path, embed_script())
+    cfg = BenchConfig(scripts=(script,), gpus=2, strategies=("hybrid", "ps", "allreduce"), steps=4,
+                      bench_dir=str(tmp_path / "bench"))
+    plan = plan_script(script, cfg, cfg.strategies,
+                       lambda g: ClusterSpec(hosts=1, gpus_per_host=(g,), servers=1, bandwidth_Bps=1e9, latency_s=1e-5))
+    assert set(plan.plan_files) == {"hybrid", "ps"}
+    hybrid = json.load(open(plan.plan_files["hybrid"]))
+    assert hybrid["strategy"] == "hybrid" and hybrid["placement"] == plan.estimates["hybrid"].placement
+    assert hybrid["placement"]["emb.weight"] == "ps" and hybrid["placement"]["out.weight"] == "allreduce"
+    cmd = run_command(script, "hybrid", cfg, 4, str(tmp_path / "run"), plan.plan_files["hybrid"])
+    assert cmd[cmd.index("--plan") + 1] == plan.plan_files["hybrid"] and "--micro-batches" not in cmd
