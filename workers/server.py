@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
