@@ -144,7 +144,8 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
                        allreduce_Bps=allreduce_Bps)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a local process group's MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -196,7 +197,7 @@ def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_probe_worker, args=(r, port, nbytes, pings, sends, queue), daemon=True)
              for r in range(2)]
     for p in procs:

@@ -3,7 +3,6 @@ started with the real entry points (python -m hpar.workers.worker / .server) on 
 match single-process training on the concatenated batches."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ import time
 import pytest
 import torch
 
+from hpar.strategies.cluster import free_port
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import load_job
 
@@ -58,12 +58,6 @@ OPTS = {"momentum": "torch.optim.SGD(params, lr=0.1, momentum=0.9)",
         "adagrad": "torch.optim.Adagrad(params, lr=0.1)"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_job(tmp_path, opt: str) -> str:
     path = tmp_path / f"job_{opt}.py"
     path.write_text(JOB.replace("OPTIMIZER", OPTS[opt]))
@@ -79,7 +73,7 @@ def launch(cfg: RunConfig, timeout: float = 150, hosts: tuple = None) -> dict:
     with open(conf, "w") as f:
         f.write(cfg.to_json())
     n, s = cfg.world_size, cfg.servers
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "HPAR_CONFIG": conf,
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "HPAR_CONFIG": conf,
             "WORLD_SIZE": str(n), "HPAR_PG_WORLD_SIZE": str(n + s), "HPAR_NUM_SERVERS": str(s),
             "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1", "HPAR_PG_TIMEOUT": "120"}
     hosts = hosts or (0,) * (n + s)

@@ -3,12 +3,12 @@ stage figures, checkpoints and user errors."""
 import json
 import multiprocessing as mp
 import os
-import socket
 import textwrap
 
 import pytest
 import torch
 
+from hpar.strategies.cluster import free_port
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import load_job
 from hpar.strategies.stage import split_micro
@@ -36,12 +36,6 @@ SCRIPT = textwrap.dedent('''
     def evaluate(model):
         return {"w0": float(model[0].weight.sum())}
 ''')
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(rank, world, port, config_path, log_path):
@@ -77,7 +71,7 @@ def run_pipeline(tmp_path, script_text=SCRIPT, timeout=60, **overrides):
     (run_dir / "config.json").write_text(cfg.to_json())
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.func", "hpar.workers.worker", "hpar.strategies.pipeline"])
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(r, cfg.world_size, port, str(run_dir / "config.json"),
                                               str(run_dir / f"rank{r}.log"))) for r in range(cfg.world_size)]
     for p in procs:

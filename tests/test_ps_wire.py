@@ -2,17 +2,11 @@
 one message and requests too large for it, sent in parts, decode to the same tensors."""
 import multiprocessing as mp
 import os
-import socket
 
 import torch
 
 from hpar.strategies import ps_wire
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hpar.strategies.cluster import free_port
 
 
 def _payload(n: int, dim: int):
@@ -64,7 +58,7 @@ def _child(rank: int, port: int, out):
 def test_requests_decode_inline_and_in_parts():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
