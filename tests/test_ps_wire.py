@@ -48,8 +48,9 @@ def _child(rank: int, port: int, out):
                 req = inbox.next()
                 ids = inbox.take(req, (req.n,), torch.int64) if req.op in (ps_wire.PULL, ps_wire.PUSH) else None
                 rows = inbox.take(req, (req.n, dim), torch.float32) if req.op == ps_wire.PUSH else None
-                got.append((req.src, req.op, req.tid, req.n, req.step, req.count, req.inline, ids, rows))
-            out.put(got)
+                got.append((req.src, req.op, req.tid, req.n, req.step, req.count, req.inline,
+                            None if ids is None else ids.tolist(), None if rows is None else rows.tolist()))
+            out.put(got)  # plain lists: a tensor would share memory with a process about to exit
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -78,9 +79,9 @@ def test_requests_decode_inline_and_in_parts():
         assert inline == (inline_max == ps_wire.INLINE_MAX)
         want_ids, want_rows = _payload(n, dim)
         if op in (ps_wire.PULL, ps_wire.PUSH):
-            assert torch.equal(ids, want_ids)
+            assert ids == want_ids.tolist()
         if op == ps_wire.PUSH:
-            assert torch.equal(rows, want_rows)
+            assert rows == want_rows.tolist()
 
 
 def test_encode_puts_payload_behind_the_header():
