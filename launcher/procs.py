@@ -79,6 +79,7 @@ class LocalProcess:
         self._popen: subprocess.Popen | None = None
         self.pid: int | None = None
         self.pgid: int | None = None
+        self.host_lost = False  # this machine cannot be lost (RemoteProcess sets it)
 
     def start(self) -> None:
         """Start the process (new session, stdin a pipe the guard watches)."""

@@ -155,6 +155,7 @@ class RemoteProcess:
         self._code: int | None = None
         self.pid: int | None = None
         self.pgid: int | None = None
+        self.host_lost = False  # True once the connection broke (poll() is then LOST_HOST)
 
     def start(self) -> None:
         """Connect and start the process. Raises SSHError when the host cannot be reached."""
@@ -198,6 +199,7 @@ class RemoteProcess:
             self._code = -(code - 128) if 128 < code < 128 + 65 else code
         else:
             self._code = LOST_HOST
+            self.host_lost = True
             _mark_dead(self.host)
             self._lines.put((self, f"[hpar] lost the connection to {self.host.name}"))
         self._done.set()

@@ -57,6 +57,7 @@ class Supervisor:
         self._signal_of: dict[int, int] = {}
         self._last_progress: dict[int, float] = {}
         self._stop_signal: int | None = None
+        self._stopped = False
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
@@ -67,7 +68,8 @@ class Supervisor:
         try:
             return self._run()
         finally:
-            self.teardown()
+            if not self._stopped:  # _fail stops everything before it reports
+                self.teardown()
             for s, h in old.items():
                 signal.signal(s, h)
 
@@ -98,9 +100,11 @@ class Supervisor:
                         failed.append(p)
             if failed:
                 # a peer's crash makes the others fail too (gloo aborts them with SIGABRT on a
-                # closed connection): wait for the exits still in flight, blame the root cause
-                time.sleep(1.0)
-                self._drain(timeout=0.0)
+                # closed connection): wait for the exits still in flight, blame the root cause;
+                # no wait when a failure is already a root cause (outside signal, lost host)
+                if not any(self._is_root_cause(p) for p in failed):
+                    time.sleep(1.0)
+                    self._drain(timeout=0.0)
                 candidates = failed + [p for p in self.procs if id(p) not in exited and p.poll() not in (None, 0)]
                 first = min(candidates, key=self._blame_order)
                 return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
@@ -113,6 +117,11 @@ class Supervisor:
                     if id(p) not in exited and now - self._last_progress[id(p)] > self.stall_timeout:
                         self.progress.update(p.spec.label, "state", {"state": "stalled"})
                         return self._fail(p, f"stalled: no progress for {self.stall_timeout:.0f} s (--stall-timeout)")
+
+    def _is_root_cause(self, p) -> bool:
+        """True for a failure nothing else can have caused: a signal from outside or a lost
+        connection to the process's host."""
+        return self._blame_order(p) == 0 or p.host_lost
 
     def _blame_order(self, p) -> int:
         """0: killed by a signal from outside (SIGKILL, SIGTERM, SIGSEGV, ...); 1: SIGABRT
@@ -184,3 +193,4 @@ class Supervisor:
                 alive = still_alive(alive)
         for p in self.procs:
             p.close_stdin()
+        self._stopped = True
