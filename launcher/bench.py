@@ -221,6 +221,8 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
                       run_dir=run_dir, wall_s=wall)
     sent_recv = bytes_per_worker_step(os.path.join(run_dir, "metrics.jsonl")) or summary.get("bytes_per_step")
     extra = {k: summary[k] for k in ("loss_first", "loss_last", "wall_s") if k in summary}
+    if summary.get("strategy") not in (None, name, BENCH_STRATEGIES[name][0]):
+        extra["ran_as"] = summary["strategy"]   # e.g. a hybrid plan with nothing on the servers
     return Result(script, name, samples_per_s=summary.get("samples_per_s"), step_s_p50=summary.get("step_s_p50"),
                   step_s_p90=summary.get("step_s_p90"), bytes_per_step=sent_recv, run_dir=run_dir, wall_s=wall,
                   extra=extra)

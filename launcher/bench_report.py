@@ -80,7 +80,8 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
                 continue
             b = r.bytes_per_step or {}
             err = (f"{r.predicted_step_s / r.step_s_p50:.2f}" if r.predicted_step_s and r.step_s_p50 else "-")
-            t.add_row(r.strategy, f"{r.samples_per_s:,.1f}", _ms(r.step_s_p50), _ms(r.step_s_p90),
+            label = r.strategy + (f" (ran as {r.extra['ran_as']})" if r.extra.get("ran_as") else "")
+            t.add_row(label, f"{r.samples_per_s:,.1f}", _ms(r.step_s_p50), _ms(r.step_s_p90),
                       _human(b.get("sent")), _human(b.get("recv")), pred, err,
                       f"{r.ratio:.2f}" if r.ratio else "-", *p_cell)
         console.print(t)

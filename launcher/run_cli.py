@@ -91,6 +91,10 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         check_job(job, bs)
         strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule)
+        if strategy == "hybrid" and servers is None and plan.get("placement") and "ps" not in plan["placement"].values():
+            console.print("hpar: the hybrid plan keeps every parameter on AllReduce, so it runs as allreduce "
+                          "(no parameter server to start)", markup=False)
+            strategy = "allreduce"
         used_hosts = len({h.name for h in place_workers(list(host_list), gpus)}) if host_list else 1
         if servers is None:
             servers = plan.get("servers") or used_hosts if strategy in SERVER_STRATEGIES else 0

@@ -43,7 +43,8 @@ def render(doc: dict) -> str:
                 continue
             b = r.get("bytes_per_step") or {}
             pm = (r["predicted_step_s"] / r["step_s_p50"]) if r.get("predicted_step_s") and r.get("step_s_p50") else None
-            out.append(f"| {r['strategy']} | {r['samples_per_s']:,.1f} | {_ms(r.get('step_s_p50'))} | {_ms(r.get('step_s_p90'))} | "
+            ran_as = (r.get("extra") or {}).get("ran_as")
+            out.append(f"| {r['strategy']}{f' (ran as {ran_as})' if ran_as else ''} | {r['samples_per_s']:,.1f} | {_ms(r.get('step_s_p50'))} | {_ms(r.get('step_s_p90'))} | "
                        f"{_mb(b.get('sent'))} | {_mb(b.get('recv'))} | {_ms(r.get('predicted_step_s'))} | "
                        f"{'-' if pm is None else f'{pm:.2f}'} | {r['ratio']:.2f} |")
         notes = [f"- not run: {', '.join(names)}: {reason}" for reason, names in skipped.items()]

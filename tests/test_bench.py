@@ -118,7 +118,10 @@ def test_bench_tiny_job_json_and_plot(tmp_path):
         assert _finite_positive(r["bytes_per_step"]["sent"]) and _finite_positive(r["bytes_per_step"]["recv"])
         assert r["projected"]["projected"] is True and _finite_positive(r["projected"]["samples_per_s"])
         summary = json.loads((bench_dir / "job" / name / "summary.json").read_text())
-        assert summary["strategy"] == ("allreduce-sparse" if name == "allreduce-sparse" else name)
+        ran_as = name
+        if name == "hybrid" and "ps" not in json.loads((bench_dir / "job-hybrid-plan.json").read_text())["placement"].values():
+            ran_as = "allreduce"   # the plan keeps every parameter on AllReduce: no idle server
+        assert summary["strategy"] == ran_as and r["extra"].get("ran_as", name) == ran_as
         assert summary["steps"] == 6 and summary["world_size"] == 2
         assert run_processes(str(bench_dir / "job" / name)) == []
     assert max(by_name[n]["ratio"] for n in ran) == 1.0

@@ -178,3 +178,26 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path):
     launch(resumed)
     got = torch.load(os.path.join(first.run_dir, "model.pt"))
     assert_same(got, single_process_reference(script, 2, 10, first.batch_size, first.lr))
+
+
+@pytest.mark.parametrize("where, servers, runs", [("allreduce", None, "allreduce"), ("ps", None, "hybrid"),
+                                                  ("allreduce", 1, "hybrid")])
+def test_hybrid_plan_with_nothing_on_servers_runs_as_allreduce(tmp_path, where, servers, runs):
+    """A hybrid plan that keeps every parameter on AllReduce starts no idle server, unless
+    --servers asks for one (nothing is started here: resolve only checks and configures)."""
+    import io
+    from rich.console import Console
+    from hpar.launcher.run_cli import resolve
+    script = write_job(tmp_path, "momentum")
+    names = [n for n, _ in load_job(script).build_model().named_parameters()]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"strategy": "hybrid", "placement": {n: where if "user" in n else "allreduce"
+                                                                    for n in names}}))
+    out = io.StringIO()
+    flags = dict.fromkeys(["hosts", "steps", "batch_size", "lr", "seed", "log_every", "schedule", "micro_batches",
+                           "checkpoint_every", "resume_dir", "ssh_key", "ssh_port", "ssh_user", "python_path"])
+    cfg, _, _ = resolve(Console(file=out, width=400), script=script, gpus=2, strategy="auto", plan_file=str(plan),
+                        run_dir=str(tmp_path / "run"), servers=servers, max_restarts=0, stall_timeout=0, no_eval=True,
+                        plain=True, ssh_local=False, sync=False, **flags)
+    assert cfg.strategy == runs and cfg.servers == (0 if runs == "allreduce" else 1)
+    assert ("runs as allreduce" in out.getvalue()) == (runs == "allreduce")
