@@ -85,7 +85,12 @@ def sparse_bytes(p: ParamProfile, fraction: float) -> float:
 
 
 @dataclass(frozen=True)
-class _Setting:
+class CostSetting:
+    """What every estimate needs, from a profile and a cluster: workers ``n``, the most workers
+    on one host ``g``, hosts ``h``, servers ``s``; bandwidths in bytes/s, latency and
+    compute in seconds per step (forward ``fwd``, backward ``bwd``, scaled to the cluster's
+    devices and cores), update costs in seconds per byte."""
+
     n: int
     g: int
     h: int
@@ -123,7 +128,9 @@ def cpu_share(cluster: ClusterSpec) -> float:
     return max(1.0, cpu_load(cluster) or 0.0)
 
 
-def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False) -> _Setting:
+def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False) -> CostSetting:
+    """The CostSetting of ``profile`` on ``cluster`` (``with_servers``: the hybrid/ps
+    strategies, whose servers take cores on the hosts)."""
     if cluster.device_flops:
         fwd = profile.forward_flops / cluster.device_flops
         bwd = profile.backward_flops / cluster.device_flops
@@ -136,12 +143,12 @@ def _setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False)
     k, load = cpu_share(cluster), cpu_load(cluster, with_servers)
     p2p = cluster.bandwidth_Bps if cluster.hosts > 1 else cluster.intra_Bps
     busy_cores = load is not None and load >= 1.0
-    return _Setting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
-                    cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
-                    k * profile.update_s_per_byte, p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps)
+    return CostSetting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
+                       cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
+                       k * profile.update_s_per_byte, p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps)
 
 
-def _split_tail(params, first_layer: int = 0):
+def split_tail(params, first_layer: int = 0):
     """(overlappable params, tail params): the tail is layer 0's, produced last by backward."""
     return [p for p in params if p.layer != first_layer], [p for p in params if p.layer == first_layer]
 
@@ -150,8 +157,8 @@ def estimate_allreduce(profile: Profile, cluster: ClusterSpec) -> Estimate:
     """``allreduce`` (DDP, every gradient dense, embeddings too): each worker sends
     2(N-1)/N * total bytes per step; step = fwd + max(bwd, AR(other layers)) + AR(layer 0)
     + dense gradient materialisation of embedding tables + update of all parameters."""
-    c = _setting(profile, cluster)
-    over, tail = _split_tail(profile.params)
+    c = cost_setting(profile, cluster)
+    over, tail = split_tail(profile.params)
     ar_over = ring_allreduce_s(sum(p.bytes for p in over), c.n, c.bw, c.lat)
     ar_tail = ring_allreduce_s(sum(p.bytes for p in tail), c.n, c.bw, c.lat)
     emb = sum(p.bytes for p in profile.params if p.embedding_module)
@@ -171,14 +178,14 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
     unprofiled, a dense-rate sum of the gathered rows and update of their union.
     Infeasible when the optimizer rejects sparse gradients."""
-    c = _setting(profile, cluster)
+    c = cost_setting(profile, cluster)
     dense = [p for p in profile.params if not p.embedding_module]
     sparse = [p for p in profile.params if p.embedding_module]
     if sparse and not profile.sparse_gradients_ok:
         return Estimate("allreduce-sparse", 0.0, 0, 0.0, feasible=False,
                         note="the optimizer does not take sparse gradients (use SGD, Adagrad or SparseAdam)")
-    d_over, d_tail = _split_tail(dense)
-    s_over, s_tail = _split_tail(sparse)
+    d_over, d_tail = split_tail(dense)
+    s_over, s_tail = split_tail(sparse)
     ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.bw, c.lat) for p in ps)
     over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
     tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail)
@@ -208,7 +215,7 @@ def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1
     streams its weights whatever the batch; 0 fixed share for projected devices). M in
     {1, K, 2K, 4K} (at most the batch), the fastest. Infeasible (note says why) when the model is not a sequence of
     layers or has fewer layers than N."""
-    c = _setting(profile, cluster)
+    c = cost_setting(profile, cluster)
     k, layers = c.n, profile.layers
     if not profile.is_sequential:
         return Estimate("pipeline", 0.0, 0, 0.0, feasible=False, note=profile.sequential_reason)

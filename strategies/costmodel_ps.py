@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from hpar.strategies.cluster import ClusterSpec
-from hpar.strategies.costmodel import Estimate, _Setting, _setting, _split_tail, ring_allreduce_s, sparse_bytes
+from hpar.strategies.costmodel import CostSetting, Estimate, cost_setting, ring_allreduce_s, sparse_bytes, split_tail
 from hpar.strategies.profile import ParamProfile, Profile
 
 PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)
@@ -40,7 +40,7 @@ def server_imbalance(p: ParamProfile, partitions: int, servers: int) -> float:
     return max(load) * servers / total if total > 0 else 1.0
 
 
-def _ps_link_s(c: _Setting, per_host_bytes: float, per_server_bytes: float, colocated: bool) -> float:
+def _ps_link_s(c: CostSetting, per_host_bytes: float, per_server_bytes: float, colocated: bool) -> float:
     """Seconds to move one direction of PS traffic: the busiest of a host's link (its
     workers' bytes) and a server's link (its share of all workers' bytes). A server on a
     worker host (Parallax's one per host) shares that host's link; the (H-1)/H of the traffic
@@ -50,7 +50,7 @@ def _ps_link_s(c: _Setting, per_host_bytes: float, per_server_bytes: float, colo
     return max(per_host_bytes, per_server_bytes) / c.p2p_bw
 
 
-def choose_partitions(p: ParamProfile, c: _Setting, pull_host: float, push_host: float,
+def choose_partitions(p: ParamProfile, c: CostSetting, pull_host: float, push_host: float,
                       pull_total: float, push_total: float) -> tuple[int, float, float]:
     """(partition count, pull seconds, push seconds) of a PS-placed parameter.
 
@@ -90,7 +90,7 @@ class OnPS:
     sent: float
 
 
-def on_ps(p: ParamProfile, c: _Setting, hybrid: bool) -> OnPS:
+def on_ps(p: ParamProfile, c: CostSetting, hybrid: bool) -> OnPS:
     """:class:`OnPS` of parameter ``p`` in setting ``c``. Pulls: alpha of the rows (a dense
     parameter: all of it) per worker; pushes: as many per worker, or with local aggregation
     (hybrid, several workers per host, servers on other hosts, as the runtime does it) the
@@ -107,19 +107,19 @@ def on_ps(p: ParamProfile, c: _Setting, hybrid: bool) -> OnPS:
                 (c.n * pull_w + n_push) / c.s, push_h / c.g)
 
 
-def allreduce_cost(p: ParamProfile, c: _Setting) -> float:
+def allreduce_cost(p: ParamProfile, c: CostSetting) -> float:
     """Seconds per step ``p`` costs on AllReduce instead: its ring AllReduce, plus writing
     its dense gradient and updating every row (two passes at the update rate)."""
     return ring_allreduce_s(p.bytes, c.n, c.bw, c.lat) + 2 * p.bytes * c.update_per_byte
 
 
-def server_busy(terms: list[OnPS], c: _Setting) -> float:
+def server_busy(terms: list[OnPS], c: CostSetting) -> float:
     """A server's CPU seconds per step: its updates plus copying its traffic through the
     host's kernel (at the intra-host rate)."""
     return sum(t.server + t.traffic / c.intra_bw for t in terms)
 
 
-def _placed(profile: Profile, c: _Setting, hybrid: bool) -> list[OnPS]:
+def _placed(profile: Profile, c: CostSetting, hybrid: bool) -> list[OnPS]:
     """The parameters on the servers: all of them for ``ps``; for ``hybrid`` each embedding
     whose PS costs (pull + push + server work) are below :func:`allreduce_cost`."""
     terms = []
@@ -141,13 +141,13 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
     workers keep busy, the whole of a server's CPU time (:func:`server_busy`) is added to the
     step: it preempts a worker, and a synchronous step waits for the slowest worker."""
     hybrid = strategy == "hybrid"
-    c = _setting(profile, cluster, with_servers=True)
+    c = cost_setting(profile, cluster, with_servers=True)
     terms = _placed(profile, c, hybrid)
     placed = {t.param.name for t in terms}
     on_ar = [p for p in profile.params if p.name not in placed]
     tail = [t for t in terms if t.param.layer == 0]
     over = [t for t in terms if t.param.layer != 0]
-    d_over, d_tail = _split_tail(on_ar)
+    d_over, d_tail = split_tail(on_ar)
     ar_over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat)
     ar_tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat)
     push_over, push_tail = sum(t.push for t in over), sum(t.push for t in tail)

@@ -170,7 +170,7 @@ def test_single_host_collectives_use_the_measured_allreduce_bandwidth_and_ps_tra
 
 def test_hybrid_places_each_embedding_where_it_costs_less():
     from hpar.strategies.costmodel_ps import allreduce_cost, estimate_hybrid, on_ps
-    from hpar.strategies.costmodel import _setting
+    from hpar.strategies.costmodel import cost_setting
     big = ParamProfile("big.weight", (100_000, 64), 25_600_000, True, 0.01, 0.02, True, layer=0,
                        union_curve=((1, 0.01), (2, 0.02)))
     small = ParamProfile("bias.weight", (1000, 1), 4000, True, 0.5, 0.75, True, layer=2,
@@ -180,7 +180,7 @@ def test_hybrid_places_each_embedding_where_it_costs_less():
                                        LayerProfile("bias", 0, 0, 0, 1, small.bytes)),
                    8, 8, 2, False, "x", 0.0, 0.0, 0.0, 1, 1, 1e-10, 8)
     c = ClusterSpec(2, (1, 1), 2, 1e9, 1e-3)
-    setting = _setting(prof, c)
+    setting = cost_setting(prof, c)
     # the small table: AllReduce = 2(N-1) latencies + its bytes + two passes of updates;
     # on the servers each direction costs N * lat of requests alone
     assert allreduce_cost(small, setting) == pytest.approx(2e-3 + 4000 / 1e9 + 2 * 4000 * 1e-10)
