@@ -13,6 +13,7 @@ from hpar.launcher.runner import SERVER_STRATEGIES, LaunchOptions, choose_device
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
+from hpar.strategies.ps_client import placement
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0}
 
@@ -89,11 +90,12 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         bs = batch_size if batch_size is not None else d.get("batch_size", FALLBACKS["batch_size"])
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
-        check_job(job, bs)
+        model = check_job(job, bs)
         strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule)
-        if strategy == "hybrid" and servers is None and plan.get("placement") and "ps" not in plan["placement"].values():
-            console.print("hpar: the hybrid plan keeps every parameter on AllReduce, so it runs as allreduce "
-                          "(no parameter server to start)", markup=False)
+        # placement() raises for a plan naming unknown parameters before anything starts
+        if strategy == "hybrid" and "ps" not in placement(model, strategy, plan).values() and servers is None:
+            console.print("hpar: hybrid would put no parameter on the servers (no embedding table, or the plan keeps "
+                          "them on AllReduce), so it runs as allreduce (no parameter server to start)", markup=False)
             strategy = "allreduce"
         used_hosts = len({h.name for h in place_workers(list(host_list), gpus)}) if host_list else 1
         if servers is None:

@@ -188,13 +188,14 @@ def load_job(path: str) -> Job:
                optimizer_fn=fns["optimizer"], evaluate_fn=fns["evaluate"], defaults=dict(defaults))
 
 
-def check_job(job: Job, batch_size: int) -> None:
+def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     """Dry run of the contract in this process: build the model, draw one batch, run the
-    forward pass and the loss, build the optimizer. Raises JobError on the first problem;
-    the launcher calls it before starting any process."""
+    forward pass and the loss, build the optimizer. Returns the model built (seed 0).
+    Raises JobError on the first problem; the launcher calls it before starting any process."""
     torch.manual_seed(0)
     model = job.build_model()
     inputs, targets = next(job.batches(0, 1, batch_size))
     output = model(inputs)
     job.compute_loss(output, targets)
     job.build_optimizer(model.parameters(), lr=0.01)
+    return model

@@ -180,24 +180,45 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path):
     assert_same(got, single_process_reference(script, 2, 10, first.batch_size, first.lr))
 
 
-@pytest.mark.parametrize("where, servers, runs", [("allreduce", None, "allreduce"), ("ps", None, "hybrid"),
-                                                  ("allreduce", 1, "hybrid")])
-def test_hybrid_plan_with_nothing_on_servers_runs_as_allreduce(tmp_path, where, servers, runs):
-    """A hybrid plan that keeps every parameter on AllReduce starts no idle server, unless
-    --servers asks for one (nothing is started here: resolve only checks and configures)."""
+def _resolve(tmp_path, script: str, plan, strategy: str, servers):
+    """``hpar run SCRIPT --gpus 2``'s checks and config (nothing started): (cfg, console text)."""
     import io
     from rich.console import Console
     from hpar.launcher.run_cli import resolve
-    script = write_job(tmp_path, "momentum")
-    names = [n for n, _ in load_job(script).build_model().named_parameters()]
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"strategy": "hybrid", "placement": {n: where if "user" in n else "allreduce"
-                                                                    for n in names}}))
     out = io.StringIO()
     flags = dict.fromkeys(["hosts", "steps", "batch_size", "lr", "seed", "log_every", "schedule", "micro_batches",
                            "checkpoint_every", "resume_dir", "ssh_key", "ssh_port", "ssh_user", "python_path"])
-    cfg, _, _ = resolve(Console(file=out, width=400), script=script, gpus=2, strategy="auto", plan_file=str(plan),
-                        run_dir=str(tmp_path / "run"), servers=servers, max_restarts=0, stall_timeout=0, no_eval=True,
-                        plain=True, ssh_local=False, sync=False, **flags)
+    cfg, _, _ = resolve(Console(file=out, width=400), script=script, gpus=2, strategy=strategy,
+                        plan_file=plan and str(plan), run_dir=str(tmp_path / "run"), servers=servers, max_restarts=0,
+                        stall_timeout=0, no_eval=True, plain=True, ssh_local=False, sync=False, **flags)
+    return cfg, out.getvalue()
+
+
+@pytest.mark.parametrize("where, servers, runs", [
+    ("allreduce", None, "allreduce"), ("ps", None, "hybrid"), ("allreduce", 1, "hybrid"),
+    ("default", None, "hybrid"),        # no plan: every embedding table on the servers
+    ("no embedding", None, "allreduce"), ("no embedding", 1, "hybrid")])
+def test_hybrid_with_nothing_on_servers_runs_as_allreduce(tmp_path, where, servers, runs):
+    """hybrid that would put no parameter on the servers (a plan keeping every table on
+    AllReduce, or a model without embeddings) starts no idle server, unless --servers asks
+    for one."""
+    from conftest import write_script
+    script = write_script(tmp_path) if where == "no embedding" else write_job(tmp_path, "momentum")
+    plan = None
+    if where in ("allreduce", "ps"):
+        names = [n for n, _ in load_job(script).build_model().named_parameters()]
+        plan = tmp_path / "plan.json"
+        plan.write_text(json.dumps({"strategy": "hybrid", "placement": {n: where if "user" in n else "allreduce"
+                                                                        for n in names}}))
+    cfg, text = _resolve(tmp_path, script, plan, "auto" if plan else "hybrid", servers)
     assert cfg.strategy == runs and cfg.servers == (0 if runs == "allreduce" else 1)
-    assert ("runs as allreduce" in out.getvalue()) == (runs == "allreduce")
+    assert ("runs as allreduce" in text) == (runs == "allreduce")
+
+
+def test_a_plan_naming_unknown_parameters_fails_before_anything_starts(tmp_path):
+    script = write_job(tmp_path, "momentum")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"strategy": "hybrid", "placement": {"nope.weight": "ps"}}))
+    with pytest.raises(ValueError, match="unknown parameters"):
+        _resolve(tmp_path, script, plan, "auto", None)
+    assert not (tmp_path / "run").exists()
