@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from hpar.launcher.progress import Progress
 from hpar.launcher.rundir import RunDir
 from hpar.launcher.supervisor import Outcome, Supervisor
 from hpar.strategies import checkpoint
+from hpar.strategies.cluster import free_port
 from hpar.strategies.config import RunConfig
 
 SERVER_STRATEGIES = ("hybrid", "ps")
@@ -33,13 +33,6 @@ class LaunchOptions:
     grace: float = 5.0
     live: bool | None = None
     sync: bool = False
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``addr`` a moment ago (for the rendezvous)."""
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def choose_device(workers_per_host: int) -> tuple[str, str]:

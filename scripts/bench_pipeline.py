@@ -26,22 +26,17 @@ import datetime
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
 
 import torch
 
+from hpar.strategies.cluster import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDE = os.path.join(ROOT, "examples", "wide.py")
 CNN = os.path.join(ROOT, "examples", "cnn.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_workers(script: str, strategy: str, world: int, steps: int, batch: int, schedule: str = "1f1b",

@@ -144,10 +144,11 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
                        allreduce_Bps=allreduce_Bps)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a local process group's MASTER_PORT)."""
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``addr`` a moment ago (a process group's MASTER_PORT;
+    ``""``: every interface)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((addr, 0))
         return s.getsockname()[1]
 
 

@@ -43,7 +43,6 @@ from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch
 from hpar.strategies.ps_client import LocalAggregator, PSClient, PSTable, ps_tables
 
 
-
 @dataclass(frozen=True)
 class Groups:
     """Process groups every process of a hybrid/ps run creates, in the same order:
