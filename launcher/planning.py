@@ -7,7 +7,7 @@ import importlib.util
 def runnable_strategies() -> set[str]:
     """Strategies whose runtime is installed (the planner only chooses among these)."""
     have = {"allreduce", "allreduce-sparse"}
-    if importlib.util.find_spec("hpar.strategies.hybrid"):
+    if importlib.util.find_spec("hpar.strategies.hybrid.runtime"):
         have |= {"hybrid", "ps"}
     if importlib.util.find_spec("hpar.strategies.pipeline"):
         have.add("pipeline")

@@ -13,7 +13,7 @@ from hpar.launcher.runner import SERVER_STRATEGIES, LaunchOptions, choose_device
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
-from hpar.strategies.ps_client import placement
+from hpar.strategies.hybrid.client import placement
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0}
 

@@ -27,7 +27,7 @@ import torch
 
 from hpar.strategies.allreduce import ring_allreduce_bytes
 from hpar.strategies.job import load_job
-from hpar.strategies.ps_client import embedding_weights
+from hpar.strategies.hybrid.client import embedding_weights
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = ("hybrid", "allreduce", "allreduce-sparse")

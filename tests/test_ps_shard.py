@@ -3,7 +3,7 @@ torch.optim on dense tensors (no processes)."""
 import pytest
 import torch
 
-from hpar.strategies.ps_shard import OptimizerSpec, ParamShard, RowLayout, spec_from_group, table_view
+from hpar.strategies.hybrid.shard import OptimizerSpec, ParamShard, RowLayout, spec_from_group, table_view
 
 
 @pytest.mark.parametrize("rows,parts,servers", [(10, 1, 1), (10, 3, 2), (7, 7, 3), (100, 5, 2), (5, 2, 4)])

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from hpar.strategies import ps_wire
+from hpar.strategies.hybrid import wire as ps_wire
 from hpar.strategies.cluster import free_port
 
 

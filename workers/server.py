@@ -4,7 +4,7 @@ Environment (set by the launcher): WORLD_SIZE (number of workers), HPAR_SERVER_I
 HPAR_NUM_SERVERS, HPAR_PG_RANK (= WORLD_SIZE + index), HPAR_PG_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT, HPAR_CONFIG. The server joins the default group, creates the same subgroups
 as the workers, builds its shard of every PS table (same seed, so the same initial values
-as the workers' model), then answers the wire protocol of strategies/ps_client.py until
+as the workers' model), then answers the wire protocol of strategies/hybrid/client.py until
 every worker has finished: pulls (deferred until the previous step is applied), pushes
 (accumulated; a table's update is applied as soon as pushes from all workers are in), DONE
 (close the step once all workers are done: apply the tables not yet applied, checkpoint when due).
@@ -19,11 +19,11 @@ import torch
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import ByteMeter, peer_is_remote
-from hpar.strategies.hybrid import make_groups
+from hpar.strategies.hybrid.runtime import make_groups
 from hpar.strategies.job import JobError, load_job
-from hpar.strategies.ps_client import PSTable, ps_tables
-from hpar.strategies.ps_wire import CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, Inbox, Request, nbytes, p2p, reply_tag
-from hpar.strategies.ps_shard import ParamShard, table_view
+from hpar.strategies.hybrid.client import PSTable, ps_tables
+from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, Inbox, Request, nbytes, p2p, reply_tag
+from hpar.strategies.hybrid.shard import ParamShard, table_view
 from hpar.workers import report
 from hpar.workers.worker import env_int, init_group, leave_group, run_entry
 

@@ -25,8 +25,8 @@ from hpar.workers import report
 RUNTIMES = {
     "allreduce": "hpar.strategies.allreduce",
     "allreduce-sparse": "hpar.strategies.allreduce",
-    "hybrid": "hpar.strategies.hybrid",
-    "ps": "hpar.strategies.hybrid",
+    "hybrid": "hpar.strategies.hybrid.runtime",
+    "ps": "hpar.strategies.hybrid.runtime",
     "pipeline": "hpar.strategies.pipeline",
 }
 

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.context import ByteMeter
-from hpar.strategies.ps_shard import OptimizerSpec, RowLayout, spec_from_group, table_view
-from hpar.strategies.ps_wire import CONTROL, DONE, FINISH, PULL, PUSH, TAG_DATA, TAG_REQUEST, encode, nbytes, p2p, reply_tag
+from hpar.strategies.hybrid.shard import OptimizerSpec, RowLayout, spec_from_group, table_view
+from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, PULL, PUSH, TAG_DATA, TAG_REQUEST, encode, nbytes, p2p, reply_tag
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hpar.strategies.ps_client import PSClient, PSTable, coalesce, dedup
+from hpar.strategies.hybrid.client import PSClient, PSTable, coalesce, dedup
 
 
 @dataclass

@@ -6,14 +6,14 @@ Kim et al., "Parallax: Sparsity-aware Data Parallel Training of Deep Neural Netw
 row-partitioned on parameter servers; dense parameters are averaged with AllReduce.
 
 Each step a worker (1) pulls the deduplicated rows its batch touches, inside the embedding
-modules' forward (sparse_embedding), (2) runs forward and backward locally; DDP over the
+modules' forward (hybrid/embedding.py), (2) runs forward and backward locally; DDP over the
 worker-only process group averages the dense gradients, bucketed and overlapped with
 backward, (3) pushes (row ids, row gradients) to the owning servers and tells them it is
 done with the step; the servers apply the step once every worker is done. ``ps``: every
 parameter lives on the servers, dense ones pulled and pushed whole (TensorFlow-PS style).
 
 Round trips: rows of embeddings fed straight from the batch, or with the same tensor as
-another served embedding, are requested before they are needed (sparse_embedding.prefetch),
+another served embedding, are requested before they are needed (embedding.prefetch),
 so a step's pulls share one server wake-up. A table's push leaves from inside backward as soon
 as its gradients are complete, and the server applies a table once every worker's push is in,
 so the sampled-softmax tables are updated while the workers still run the LSTM's backward;
@@ -37,10 +37,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpar.strategies import checkpoint, sparse_embedding
+from hpar.strategies import checkpoint
+from hpar.strategies.hybrid import embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
-from hpar.strategies.ps_client import LocalAggregator, PSClient, PSTable, ps_tables
+from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,8 @@ def _setup(ctx: WorkerContext):
     tables = ps_tables(model, full_opt, cfg.strategy, cfg.plan, servers)
     groups = make_groups(ctx.world_size, "gloo" if ctx.device.type == "cpu" else None, ctx.host_of, cfg.plan)
     client = PSClient(tables, ctx.world_size, servers, ctx.is_remote)
-    clock = sparse_embedding.StepClock()
-    served = sparse_embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
+    clock = embedding.StepClock()
+    served = embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
     params = dict(model.named_parameters())
     whole = [(t, params[t.name]) for t in tables if t.kind == "whole"]
     ps_names = {t.name for t in tables}
@@ -131,7 +132,7 @@ def _resume(ctx: WorkerContext, model, opt) -> int:
 def _gather_model(client: PSClient, tables: list[PSTable], served, whole, step: int) -> None:
     """Worker rank 0: pull every PS-held row (as of the end of training) into the model."""
     weights = {t.name: client.pull(t, None, step) for t in tables}
-    sparse_embedding.detach(served, weights)
+    embedding.detach(served, weights)
     for t, p in whole:
         p.data.copy_(weights[t.name].reshape(p.shape))
 
@@ -170,8 +171,8 @@ def train(ctx: WorkerContext) -> TrainResult:
         meter.start()
         clock.step = step
         inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
-        clock.leaves = sparse_embedding.batch_leaves(inputs)
-        sparse_embedding.prefetch(served, client, clock)
+        clock.leaves = embedding.batch_leaves(inputs)
+        embedding.prefetch(served, client, clock)
         for t, p in whole:
             p.data.copy_(client.pull(t, None, step).reshape(p.shape))
             p.grad = None
@@ -216,7 +217,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         _gather_model(client, tables, served, whole, cfg.steps)
         client.bytes.take()  # the final gather is not a training step
     else:
-        sparse_embedding.detach(served)
+        embedding.detach(served)
     client.finish()
     n = max(steps_done, 1)
     by_param = {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(totals.items())}

@@ -1,0 +1,15 @@
+"""Hybrid data parallelism (Parallax) and its parameter server: the ``hybrid`` and ``ps`` runtimes.
+
+Kim et al., "Parallax: Sparsity-aware Data Parallel Training of Deep Neural Networks",
+EuroSys 2019: sparse parameters live on sharded parameter servers (pull the touched rows,
+push sparse gradients), dense ones are averaged with AllReduce.
+
+- ``runtime``: the worker's training loop for ``hybrid`` and ``ps`` (DDP for the dense part).
+- ``embedding``: serves the user's nn.Embedding / nn.EmbeddingBag from the servers, unchanged.
+- ``client``: placement of parameters, and the worker side of pull and push.
+- ``shard``: the server side: row partitions of a table and their sparse optimizers.
+- ``wire``: the one-message-per-request protocol between them (gloo point-to-point).
+
+May import ``hpar.strategies`` (job, config, context, checkpoint, allreduce) and torch; never
+``hpar.launcher`` or ``hpar.workers``.
+"""
