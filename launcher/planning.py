@@ -9,7 +9,7 @@ def runnable_strategies() -> set[str]:
     have = {"allreduce", "allreduce-sparse"}
     if importlib.util.find_spec("hpar.strategies.hybrid.runtime"):
         have |= {"hybrid", "ps"}
-    if importlib.util.find_spec("hpar.strategies.pipeline"):
+    if importlib.util.find_spec("hpar.strategies.pipeline.runtime"):
         have.add("pipeline")
     return have
 

@@ -11,7 +11,7 @@ Each configuration runs ``--repeats`` times, interleaved; the best median step t
 Convergence (``--convergence``): examples/cnn.py (scikit-learn digits, real data) with
 K stages (default 4) and M micro-batches (default 4) under ``1f1b``, ``async-stash``, ``async-predict`` and ``async`` for the same
 number of samples, validation accuracy from the example's evaluate(). Uses the
-single-process simulator (strategies/pipeline_sim.py), which tests/test_pipeline.py checks
+single-process simulator (strategies/pipeline/sim.py), which tests/test_pipeline.py checks
 to give the same weights as the multi-process runtime.
 
 Usage: python scripts/bench_pipeline.py [--steps 12] [--repeats 2] [--convergence
@@ -98,7 +98,7 @@ def speed(steps: int, repeats: int) -> list[dict]:
 
 def convergence(steps: int, stages: int = 4, micro: int = 4) -> list[dict]:
     from hpar.strategies.job import load_job
-    from hpar.strategies.pipeline_sim import simulate
+    from hpar.strategies.pipeline.sim import simulate
     torch.set_num_threads(1)
     rows = []
     for schedule in ("1f1b", "async-stash", "async-predict", "async"):

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 from hpar.strategies.cluster import ClusterSpec
-from hpar.strategies.partition import partition_stages
+from hpar.strategies.pipeline.partition import partition_stages
 from hpar.strategies.profile import ParamProfile, Profile
 
 INDEX_BYTES = 8            # int64 row id sent with every sparse row

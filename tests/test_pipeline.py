@@ -11,7 +11,7 @@ import torch
 from hpar.strategies.cluster import free_port
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import load_job
-from hpar.strategies.stage import split_micro
+from hpar.strategies.pipeline.stage import split_micro
 
 SCRIPT = textwrap.dedent('''
     import torch
@@ -70,7 +70,7 @@ def run_pipeline(tmp_path, script_text=SCRIPT, timeout=60, **overrides):
     cfg = RunConfig(**fields)
     (run_dir / "config.json").write_text(cfg.to_json())
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.func", "hpar.workers.worker", "hpar.strategies.pipeline"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.func", "hpar.workers.worker", "hpar.strategies.pipeline.runtime"])
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, cfg.world_size, port, str(run_dir / "config.json"),
                                               str(run_dir / f"rank{r}.log"))) for r in range(cfg.world_size)]
@@ -148,7 +148,7 @@ def test_synchronous_schedules_equal_gradient_accumulation(tmp_path, schedule):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", ["async", "async-stash", "async-predict"])
 def test_async_schedules_equal_the_single_process_simulator(tmp_path, schedule):
-    from hpar.strategies.pipeline_sim import simulate
+    from hpar.strategies.pipeline.sim import simulate
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, schedule=schedule)
     assert codes == [0] * 4, logs
     job = load_job(str(tmp_path / "job.py"))
@@ -181,7 +181,7 @@ def _tiny_job(tmp_path, body):
 
 
 def test_non_sequential_model_is_refused_with_reason(tmp_path):
-    from hpar.strategies.stage import stage_ranges
+    from hpar.strategies.pipeline.stage import stage_ranges
     job = _tiny_job(tmp_path, '''
         import torch
         class Net(torch.nn.Module):
@@ -197,7 +197,7 @@ def test_non_sequential_model_is_refused_with_reason(tmp_path):
 
 
 def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):
-    from hpar.strategies.stage import stage_ranges
+    from hpar.strategies.pipeline.stage import stage_ranges
     job = load_job(str((tmp_path / "job.py").write_text(SCRIPT) and tmp_path / "job.py"))
     with pytest.raises(ValueError, match="--gpus 6"):
         stage_ranges(job.build_model(), 6)

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from hpar.strategies.job import Job
-from hpar.strategies.pipeline_sim import simulate
-from hpar.strategies.stage import split_micro
-from hpar.strategies.weight_prediction import PassWeights
+from hpar.strategies.pipeline.sim import simulate
+from hpar.strategies.pipeline.stage import split_micro
+from hpar.strategies.pipeline.prediction import PassWeights
 
 
 def _layer(seed=0):

@@ -27,7 +27,7 @@ RUNTIMES = {
     "allreduce-sparse": "hpar.strategies.allreduce",
     "hybrid": "hpar.strategies.hybrid.runtime",
     "ps": "hpar.strategies.hybrid.runtime",
-    "pipeline": "hpar.strategies.pipeline",
+    "pipeline": "hpar.strategies.pipeline.runtime",
 }
 
 

@@ -17,7 +17,7 @@ with dtype and shape, then the tensor) and the gradient of its input to k-1 (its
 known: the activation it received). Sends are ``isend`` and are awaited at the end of the
 step; receives block. Limits: activations between stages must be single tensors.
 
-Schedules (``strategies/schedules.py``): ``gpipe`` and ``1f1b`` flush every batch and step
+Schedules (``strategies/pipeline/schedules.py``): ``gpipe`` and ``1f1b`` flush every batch and step
 the optimizer once (loss of each micro-batch scaled by 1/M), exactly single-process
 gradient accumulation. ``async``, ``async-stash``, ``async-predict`` run PipeDream's
 asynchronous 1F1B over the stream of all micro-batches of the run (no flush) and update
@@ -26,7 +26,7 @@ each update is lr/M times a micro-batch-mean gradient: the user's per-batch lr m
 weights as much per sample as in the synchronous schedules (linear scaling, Goyal et al.
 2017), only more often (an optimizer with scale-free steps, such as Adam, takes M full
 steps per batch instead). Weights per pass from
-``strategies/weight_prediction.py``. A reported step is one batch of M micro-batches: a
+``strategies/pipeline/prediction.py``. A reported step is one batch of M micro-batches: a
 stage ends step s when it has run the backward (and update) of the batch's last
 micro-batch. In the asynchronous schedules checkpoints are taken at those boundaries too,
 where every stage has applied exactly the updates of the first (s+1)*M micro-batches; on
@@ -45,10 +45,10 @@ import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
-from hpar.strategies.pipeline_comm import Links
-from hpar.strategies.schedules import is_synchronous, stage_ops
-from hpar.strategies.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
-from hpar.strategies.weight_prediction import mode_for_schedule
+from hpar.strategies.pipeline.comm import Links
+from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops
+from hpar.strategies.pipeline.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
+from hpar.strategies.pipeline.prediction import mode_for_schedule
 
 
 def build_stage(ctx: WorkerContext) -> tuple[Stage, torch.nn.Module, tuple]:
@@ -77,8 +77,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     whole trained model on rank 0 (state dicts gathered from the stages)."""
     cfg, job = ctx.cfg, ctx.job
     if cfg.schedule.startswith("torch-"):
-        from hpar.strategies import torch_pipeline
-        return torch_pipeline.train(ctx)
+        from hpar.strategies.pipeline import torch_peers
+        return torch_peers.train(ctx)
     stage, model, ranges = build_stage(ctx)
     M, K = cfg.micro_batches, ctx.world_size
     if cfg.batch_size % M:

@@ -3,7 +3,7 @@
 Each stage's weights depend only on the order of its own passes, so running the stages'
 operation lists (``schedules.stage_ops``) one tick at a time in one process
 (``schedules.execution_order``) gives the same numbers as K processes, without any process
-group. It uses the runtime's :class:`~hpar.strategies.stage.Stage` (forward, backward,
+group. It uses the runtime's :class:`~hpar.strategies.pipeline.stage.Stage` (forward, backward,
 weight stashing, SpecTrain prediction), so it tests that code, and it makes staleness
 experiments with many stages cheap and deterministic.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from hpar.strategies.job import Job
-from hpar.strategies.schedules import execution_order, is_synchronous, stage_ops
-from hpar.strategies.stage import Stage, split_micro, stage_module, stage_ranges
-from hpar.strategies.weight_prediction import mode_for_schedule
+from hpar.strategies.pipeline.schedules import execution_order, is_synchronous, stage_ops
+from hpar.strategies.pipeline.stage import Stage, split_micro, stage_module, stage_ranges
+from hpar.strategies.pipeline.prediction import mode_for_schedule
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """One pipeline stage's layers and passes, independent of how tensors travel.
 
-Used by the multi-process runtime (``strategies/pipeline.py``, tensors over
+Used by the multi-process runtime (``strategies/pipeline/runtime.py``, tensors over
 torch.distributed send/recv) and by the single-process simulator
-(``strategies/pipeline_sim.py``, tensors handed over in memory), so both run the same
+(``strategies/pipeline/sim.py``, tensors handed over in memory), so both run the same
 forward, backward, stashing and prediction code.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any, Sequence
 import torch
 
 from hpar.strategies.job import Job
-from hpar.strategies.partition import balanced_ranges
-from hpar.strategies.schedules import Op
-from hpar.strategies.weight_prediction import PassWeights
+from hpar.strategies.pipeline.partition import balanced_ranges
+from hpar.strategies.pipeline.schedules import Op
+from hpar.strategies.pipeline.prediction import PassWeights
 
 
 def sequential_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

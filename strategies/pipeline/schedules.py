@@ -1,7 +1,7 @@
 """Per-stage orders of forward and backward passes for the pipeline schedules.
 
 A schedule is, for every stage k of K, the sequence of operations it runs: ``F j`` (forward
-of micro-batch j) and ``B j`` (its backward). ``strategies/pipeline.py`` executes the
+of micro-batch j) and ``B j`` (its backward). ``strategies/pipeline/runtime.py`` executes the
 sequence; the order alone fixes which weights every pass sees, so the version distances of
 weight prediction are derived here from the same sequence.
 
@@ -16,7 +16,7 @@ Schedules (``--schedule``):
 - ``async``, ``async-stash``, ``async-predict`` (PipeDream, Narayanan et al., SOSP 2019): the
   same 1F1B order over the endless stream of micro-batches of the whole run, without flush;
   every stage updates its weights right after each backward. They differ only in the weights
-  a pass uses (``strategies/weight_prediction.py``).
+  a pass uses (``strategies/pipeline/prediction.py``).
 """
 from __future__ import annotations
 

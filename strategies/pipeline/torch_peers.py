@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
-from hpar.strategies.stage import build_stages_model, describe, stage_module, stage_ranges
+from hpar.strategies.pipeline.stage import build_stages_model, describe, stage_module, stage_ranges
 
 
 def _draw(batches, seed: int, step: int):
