@@ -259,7 +259,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     from hpar.launcher.planning import runnable_strategies
     from hpar.strategies.costmodel import estimate_all
     from hpar.strategies.job import check_job, load_job
-    from hpar.strategies.profile import profile_job
+    from hpar.strategies.profile.profiler import profile_job
     job = load_job(script)
     bs = cfg.batch_size if cfg.batch_size is not None else int(job.defaults.get("batch_size", 32))
     if bs < 1:

@@ -146,7 +146,7 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device_tflops, bat
     from hpar.launcher.planning import runnable_strategies
     from hpar.strategies.checkpoint import atomic_write_bytes
     from hpar.strategies.planner import choose_plan
-    from hpar.strategies.profile import profile_job
+    from hpar.strategies.profile.profiler import profile_job
     try:
         job = load_job(script)
         bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))

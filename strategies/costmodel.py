@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from hpar.strategies.cluster import ClusterSpec
 from hpar.strategies.pipeline.partition import partition_stages
-from hpar.strategies.profile import ParamProfile, Profile
+from hpar.strategies.profile.profiler import ParamProfile, Profile
 
 INDEX_BYTES = 8            # int64 row id sent with every sparse row
 BUCKET_BYTES = 25 << 20    # DDP's default gradient bucket (bucket_cap_mb=25)

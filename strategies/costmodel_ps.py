@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from hpar.strategies.cluster import ClusterSpec
 from hpar.strategies.costmodel import CostSetting, Estimate, cost_setting, ring_allreduce_s, sparse_bytes, split_tail
-from hpar.strategies.profile import ParamProfile, Profile
+from hpar.strategies.profile.profiler import ParamProfile, Profile
 
 PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)
 

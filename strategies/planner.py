@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from hpar.strategies.cluster import ClusterSpec
 from hpar.strategies.costmodel import Estimate, estimate_all
-from hpar.strategies.profile import Profile
+from hpar.strategies.profile.profiler import Profile
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ import pytest
 from hpar.strategies.cluster import ClusterSpec, make_cluster, parse_bandwidth, parse_latency
 from hpar.strategies.costmodel import estimate_allreduce_sparse, ring_allgather_s, ring_allreduce_s, sparse_bytes
 from hpar.strategies.costmodel_ps import server_imbalance
-from hpar.strategies.profile import LayerProfile, ParamProfile, Profile
+from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -92,7 +92,7 @@ def test_allreduce_sparse_estimate_by_hand():
 def test_servers_on_busy_cores_add_their_cpu_time_to_the_step():
     from hpar.strategies.costmodel import cpu_load, cpu_share, estimate_allreduce_sparse
     from hpar.strategies.costmodel_ps import estimate_hybrid
-    from hpar.strategies.profile import LayerProfile, ParamProfile, Profile
+    from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
     emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
                        union_curve=((1, 0.05), (2, 0.1)))
     lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)

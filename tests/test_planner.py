@@ -7,7 +7,7 @@ import pytest
 
 from hpar.strategies.cluster import ClusterSpec
 from hpar.strategies.planner import Plan, choose_plan
-from hpar.strategies.profile import LayerProfile, ParamProfile, Profile
+from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
 
 ALL = {"allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline"}
 UPB = 1e-10   # update seconds per byte

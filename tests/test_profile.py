@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpar.strategies.job import load_job
-from hpar.strategies.profile import Profile, pipeline_layers, profile_job
+from hpar.strategies.profile.profiler import Profile, pipeline_layers, profile_job
 
 SCRIPT = textwrap.dedent('''
     import torch
@@ -161,7 +161,7 @@ def test_bad_arguments(job):
 
 
 def test_update_probes_time_dense_and_sparse_steps_and_flag_optimizers_without_sparse_support(tmp_path):
-    from hpar.strategies.profile_update import dense_update_cost, sparse_update_cost
+    from hpar.strategies.profile.update import dense_update_cost, sparse_update_cost
     adagrad, adam = tmp_path / "adagrad.py", tmp_path / "adam.py"
     adagrad.write_text(SCRIPT + "\ndef optimizer(params):\n    return torch.optim.Adagrad(params, lr=0.1)\n")
     adam.write_text(SCRIPT + "\ndef optimizer(params):\n    return torch.optim.Adam(params, lr=0.1)\n")
@@ -185,14 +185,14 @@ def _sleeping_job(tmp_path, seconds: str):
 def test_timing_batch_stays_full_when_a_fixed_cost_dominates_a_small_batch(tmp_path):
     """A step of 0.1 s whatever the batch (a sampled softmax's negatives, say) fits the 0.5 s
     budget at full batch; scaling a batch-1 step by 32 would have called it 3.2 s."""
-    from hpar.strategies.profile_hooks import auto_timing_batch
+    from hpar.strategies.profile.hooks import auto_timing_batch
     job = _sleeping_job(tmp_path, "0.1")
     assert auto_timing_batch(job, job.build_model(), 64, 1) == 64
 
 
 def test_fixed_share_separates_per_step_from_per_sample_cost(tmp_path):
     """A step sleeping 0.06 s + 0.005 s per sample: at batch 16, 0.06 of its 0.14 s is fixed."""
-    from hpar.strategies.profile_hooks import fixed_share
+    from hpar.strategies.profile.hooks import fixed_share
     job = _sleeping_job(tmp_path, "0.06 + 0.005 * x.shape[0]")
     assert fixed_share(job, job.build_model(), 16, 1) == pytest.approx(0.06 / 0.14, abs=0.08)
     assert fixed_share(job, job.build_model(), 3, 1) == 0.0      # no quarter batch to compare with

@@ -1,4 +1,4 @@
-"""Gradient sparsity of embedding tables, for :mod:`hpar.strategies.profile`.
+"""Gradient sparsity of embedding tables, for :mod:`hpar.strategies.profile.profiler`.
 
 The rows an ``nn.Embedding`` / ``nn.EmbeddingBag`` batch touches are the unique ids fed to
 the module, read by a forward pre-hook, so no backward is needed. The union over workers

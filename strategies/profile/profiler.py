@@ -31,11 +31,11 @@ What is measured and how:
 * ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
   times, FLOPs and activation bytes linearly to ``batch_size`` (for models too large to run
   at full batch within the 30 s budget); left None, it is ``batch_size`` unless one step
-  would exceed ``profile_hooks.STEP_BUDGET_S`` (extrapolated from warm steps at 1/32 and
+  would exceed ``hooks.STEP_BUDGET_S`` (extrapolated from warm steps at 1/32 and
   1/8 of the batch). Sparsity is always measured at ``batch_size``.
 * ``update_s_per_byte`` and ``sparse_update_s_per_byte``: the user's optimizer on a dense
   probe of the model's size and on a sparse gradient shaped like the largest embedding's
-  gathered pushes (``strategies/profile_update.py``); the latter is None without an
+  gathered pushes (``strategies/profile/update.py``); the latter is None without an
   embedding or when the optimizer rejects sparse gradients (``sparse_gradients_ok`` False).
 
 Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 from hpar.strategies.job import Job, JobError
-from hpar.strategies.profile_hooks import (
+from hpar.strategies.profile.hooks import (
     auto_timing_batch,
     fixed_share,
     LayerTimer,
@@ -59,8 +59,8 @@ from hpar.strategies.profile_hooks import (
     embedding_modules,
     rows_touched,
 )
-from hpar.strategies.profile_sparsity import embedding_sparsity
-from hpar.strategies.profile_update import dense_update_cost, sparse_update_cost
+from hpar.strategies.profile.sparsity import embedding_sparsity
+from hpar.strategies.profile.update import dense_update_cost, sparse_update_cost
 from torch import nn
 
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
@@ -126,7 +126,7 @@ class Profile:
     worker's batch on one CPU thread; ``forward_flops``/``backward_flops`` per batch;
     ``samples_per_batch`` = leading dimension of one batch's inputs; ``workers`` = N the
     sparsity was measured for; ``fixed_share`` the part of ``compute_s`` that a smaller
-    batch does not shrink (``profile_hooks.fixed_share``)."""
+    batch does not shrink (``hooks.fixed_share``)."""
 
     params: tuple[ParamProfile, ...]
     layers: tuple[LayerProfile, ...]

@@ -1,4 +1,4 @@
-"""Measurement hooks for :mod:`hpar.strategies.profile`: per-layer timing through module
+"""Measurement hooks for :mod:`hpar.strategies.profile.profiler`: per-layer timing through module
 and tensor hooks, FLOP counting (torch.utils.flop_counter plus an analytic count for fused
 RNN kernels), gradient row counting, and the choice of a timing batch small enough for the time budget.
 No policy here, only instruments."""

@@ -1,0 +1,12 @@
+"""The profiler: measure a user's job on the device its workers will use.
+
+- ``profiler``: :func:`profile_job` and the :class:`Profile` value the cost model reads
+  (per-parameter sparsity and bytes, per-layer forward/backward time, FLOPs, activation bytes).
+- ``hooks``: the instruments (module and tensor hooks for layer timing, FLOP counting).
+- ``sparsity``: rows of each embedding table a batch touches, and their union over workers
+  (Parallax's alpha, Kim et al., EuroSys 2019, section 4).
+- ``update``: the user's optimizer timed on dense and on sparse gradients.
+
+May import ``hpar.strategies.job`` and ``context`` and torch; never the runtimes, the planner,
+``hpar.launcher`` or ``hpar.workers``.
+"""
