@@ -6,8 +6,8 @@ and the same steps, batch size and seed. The measured figures come from that run
 ``summary.json`` (worker 0's median step time after the 2 warm-up steps, as samples/s over
 all workers; step time p50/p90) and ``metrics.jsonl`` (bytes per worker per step, the mean
 over every worker's reports weighted by the steps each covers). The prediction next to it is
-the cost model's (``strategies/costmodel.py``) for the same cluster, from one profile per
-script (``strategies/profile.profile_job``).
+the cost model's (``strategies/plan/costmodel.py``) for the same cluster, from one profile per
+script (``strategies/profile/profiler.profile_job``).
 
 A strategy that does not apply says why instead of a number: the model is not a sequence of
 layers (pipeline), its runtime is not installed (``launcher/planning.runnable_strategies``),
@@ -257,7 +257,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     every strategy on ``cluster_of(gpus)`` (a ClusterSpec factory) with ``estimate_all``.
     Raises JobError/ValueError for a bad script or flags."""
     from hpar.launcher.planning import runnable_strategies
-    from hpar.strategies.costmodel import estimate_all
+    from hpar.strategies.plan.costmodel import estimate_all
     from hpar.strategies.job import check_job, load_job
     from hpar.strategies.profile.profiler import profile_job
     job = load_job(script)
@@ -275,7 +275,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     # predicted (pipeline: stages and micro-batches, one plan for hpar's and torch's schedules
     # alike; hybrid/ps: placement and partitions) rather than each run re-profiling
     from hpar.strategies.checkpoint import atomic_write_bytes
-    from hpar.strategies.planner import choose_plan
+    from hpar.strategies.plan.planner import choose_plan
     plan_files = {}
     for strategy in sorted({BENCH_STRATEGIES[n][0] for n in names if n not in reasons} & PLANNED):
         path = os.path.join(os.path.abspath(cfg.bench_dir),
@@ -286,7 +286,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
 
 
 def _prediction(estimates: dict, name: str) -> float | None:
-    from hpar.strategies.costmodel import estimate_async_pipeline
+    from hpar.strategies.plan.costmodel import estimate_async_pipeline
     strategy, schedule = BENCH_STRATEGIES[name]
     est = estimates.get(strategy)
     if est is not None and strategy == "pipeline" and schedule:

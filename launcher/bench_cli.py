@@ -39,7 +39,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
     ``emulated_hosts`` H: the hosts are this machine's namespaces, sharing its cores (each
     gets cpu_count / H in the cost model)."""
     from hpar.launcher.profile_cli import build_cluster
-    from hpar.strategies.cluster import make_cluster
+    from hpar.strategies.plan.cluster import make_cluster
     bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
     base = build_cluster(bench_gpus, hosts, None, bw, latency, None)
     if emulated_hosts:
@@ -80,7 +80,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
     from hpar.launcher import bench_report
     from hpar.launcher.bench import BenchConfig, parse_strategies, run_bench
     from hpar.launcher.emulate import EmulatedCluster, parse_emulate
-    from hpar.strategies.cluster import parse_bandwidth
+    from hpar.strategies.plan.cluster import parse_bandwidth
     console = Console(soft_wrap=False, width=max(Console().width, 140))
     try:
         names = parse_strategies(strategies)

@@ -18,9 +18,9 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: i
              schedule: str = "1f1b", force: str | None = None):
     """Profile ``job`` (strategies/profile/profiler.py) for ``gpus`` workers on the hosts of
     ``hosts_spec`` (link figures probed on this machine, or hpar profile's defaults for remote
-    hosts) and return the planner's Plan (strategies/planner.py). Raises JobError/ValueError."""
+    hosts) and return the planner's Plan (strategies/plan/planner.py). Raises JobError/ValueError."""
     from hpar.launcher.profile_cli import build_cluster
-    from hpar.strategies.planner import choose_plan
+    from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     cluster = build_cluster(gpus, hosts_spec, servers, None, None, None)
     profile = profile_job(job, batch_size, cluster.workers)

@@ -41,7 +41,7 @@ def _human(n: float, unit: str = "B") -> str:
 def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops):
     """ClusterSpec from the flags (see the module docstring). Raises ValueError naming the flag."""
     from hpar.launcher.hosts import parse_hosts
-    from hpar.strategies.cluster import make_cluster, parse_bandwidth, parse_latency, probe_link
+    from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency, probe_link
     host_list = parse_hosts(hosts) if hosts else []
     if device_tflops is not None and device_tflops <= 0:
         raise ValueError(f"--device-tflops must be positive, got {device_tflops}")
@@ -145,7 +145,7 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device_tflops, bat
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
     from hpar.launcher.planning import runnable_strategies
     from hpar.strategies.checkpoint import atomic_write_bytes
-    from hpar.strategies.planner import choose_plan
+    from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     try:
         job = load_job(script)

@@ -16,7 +16,7 @@ from hpar.launcher.progress import Progress
 from hpar.launcher.rundir import RunDir
 from hpar.launcher.supervisor import Outcome, Supervisor
 from hpar.strategies import checkpoint
-from hpar.strategies.cluster import free_port
+from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.config import RunConfig
 
 SERVER_STRATEGIES = ("hybrid", "ps")

@@ -32,7 +32,7 @@ import tempfile
 
 import torch
 
-from hpar.strategies.cluster import free_port
+from hpar.strategies.plan.cluster import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDE = os.path.join(ROOT, "examples", "wide.py")

@@ -188,7 +188,7 @@ def test_hybrid_and_ps_entries_run_the_planners_plan(tmp_path):
     """The prediction next to hybrid's measurement is for the planned placement and partitions."""
     from conftest import embed_script
     from hpar.launcher.bench import BenchConfig, plan_script, run_command
-    from hpar.strategies.cluster import ClusterSpec
+    from hpar.strategies.plan.cluster import ClusterSpec
     script = write_script(tmp_path, embed_script())
     cfg = BenchConfig(scripts=(script,), gpus=2, strategies=("hybrid", "ps", "allreduce"), steps=4,
                       bench_dir=str(tmp_path / "bench"))

@@ -1,9 +1,9 @@
 """Cost-model formulas and cluster parsing, against hand computations."""
 import pytest
 
-from hpar.strategies.cluster import ClusterSpec, make_cluster, parse_bandwidth, parse_latency
-from hpar.strategies.costmodel import estimate_allreduce_sparse, ring_allgather_s, ring_allreduce_s, sparse_bytes
-from hpar.strategies.costmodel_ps import server_imbalance
+from hpar.strategies.plan.cluster import ClusterSpec, make_cluster, parse_bandwidth, parse_latency
+from hpar.strategies.plan.costmodel import estimate_allreduce_sparse, ring_allgather_s, ring_allreduce_s, sparse_bytes
+from hpar.strategies.plan.costmodel_ps import server_imbalance
 from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
 
 
@@ -90,8 +90,8 @@ def test_allreduce_sparse_estimate_by_hand():
 
 
 def test_servers_on_busy_cores_add_their_cpu_time_to_the_step():
-    from hpar.strategies.costmodel import cpu_load, cpu_share, estimate_allreduce_sparse
-    from hpar.strategies.costmodel_ps import estimate_hybrid
+    from hpar.strategies.plan.costmodel import cpu_load, cpu_share, estimate_allreduce_sparse
+    from hpar.strategies.plan.costmodel_ps import estimate_hybrid
     from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
     emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
                        union_curve=((1, 0.05), (2, 0.1)))
@@ -150,8 +150,8 @@ def test_allreduce_sparse_uses_the_profiled_sparse_update_and_needs_sparse_gradi
 
 
 def test_single_host_collectives_use_the_measured_allreduce_bandwidth_and_ps_traffic_the_link():
-    from hpar.strategies.costmodel import estimate_allreduce
-    from hpar.strategies.costmodel_ps import estimate_hybrid
+    from hpar.strategies.plan.costmodel import estimate_allreduce
+    from hpar.strategies.plan.costmodel_ps import estimate_hybrid
     lin = ParamProfile("lin", (1000, 1000), 4_000_000, False, 1.0, 1.0, False, layer=1)
     emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.1, True, layer=0,
                        union_curve=((1, 0.05), (2, 0.1)))
@@ -169,8 +169,8 @@ def test_single_host_collectives_use_the_measured_allreduce_bandwidth_and_ps_tra
 
 
 def test_hybrid_places_each_embedding_where_it_costs_less():
-    from hpar.strategies.costmodel_ps import allreduce_cost, estimate_hybrid, on_ps
-    from hpar.strategies.costmodel import cost_setting
+    from hpar.strategies.plan.costmodel_ps import allreduce_cost, estimate_hybrid, on_ps
+    from hpar.strategies.plan.costmodel import cost_setting
     big = ParamProfile("big.weight", (100_000, 64), 25_600_000, True, 0.01, 0.02, True, layer=0,
                        union_curve=((1, 0.01), (2, 0.02)))
     small = ParamProfile("bias.weight", (1000, 1), 4000, True, 0.5, 0.75, True, layer=2,

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from hpar.strategies.cluster import free_port
+from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import load_job
 

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from hpar.strategies.cluster import free_port
+from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import load_job
 from hpar.strategies.pipeline.stage import split_micro

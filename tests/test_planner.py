@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from hpar.strategies.cluster import ClusterSpec
-from hpar.strategies.planner import Plan, choose_plan
+from hpar.strategies.plan.cluster import ClusterSpec
+from hpar.strategies.plan.planner import Plan, choose_plan
 from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
 
 ALL = {"allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline"}
@@ -134,7 +134,7 @@ def test_no_runnable_strategy_is_an_error():
 
 
 def test_async_pipeline_has_no_bubble_but_updates_every_micro_batch():
-    from hpar.strategies.costmodel import estimate_async_pipeline, estimate_pipeline
+    from hpar.strategies.plan.costmodel import estimate_async_pipeline, estimate_pipeline
     params = [ParamProfile(f"{i}.weight", (5000, 2500), 50_000_000, False, 1.0, 1.0, False, layer=i) for i in range(4)]
     layers = [LayerProfile(str(i), 0.02, 0.03, 10**9, 65_536, 50_000_000) for i in range(4)]
     prof = make_profile(params, layers, 0.08, 0.12, sequential=True)
@@ -154,7 +154,7 @@ def test_fixed_share_of_compute_makes_fewer_micro_batches_faster():
     """On a CPU a micro-batch costs fixed_share + (1 - fixed_share)/M of the batch: at 0.8
     (wide.py's layers stream their weights whatever the batch) one micro-batch beats four."""
     import dataclasses
-    from hpar.strategies.costmodel import estimate_pipeline
+    from hpar.strategies.plan.costmodel import estimate_pipeline
     params = [ParamProfile(f"{i}.weight", (100, 100), 40_000, False, 1.0, 1.0, False, layer=i) for i in range(4)]
     layers = [LayerProfile(str(i), 0.02, 0.03, 10**6, 0, 40_000) for i in range(4)]
     prof = dataclasses.replace(make_profile(params, layers, 0.08, 0.12, sequential=True), fixed_share=0.8)

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpar.launcher.profile_cli import profile
-from hpar.strategies.planner import Plan
+from hpar.strategies.plan.planner import Plan
 
 LM = textwrap.dedent('''
     import torch

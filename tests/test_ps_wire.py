@@ -6,7 +6,7 @@ import os
 import torch
 
 from hpar.strategies.hybrid import wire as ps_wire
-from hpar.strategies.cluster import free_port
+from hpar.strategies.plan.cluster import free_port
 
 
 def _payload(n: int, dim: int):

@@ -1,7 +1,7 @@
 """Measure a user's job on this machine: per-parameter sparsity and per-layer costs.
 
 :func:`profile_job` returns a :class:`Profile`, a frozen value the cost model and planner
-read (``strategies/costmodel.py``, ``strategies/planner.py``). Everything is measured on a
+read (``strategies/plan/costmodel.py``, ``strategies/plan/planner.py``). Everything is measured on a
 fresh deep copy of ``job.build_model()`` (the user's model object, its ``sparse=`` flags,
 the global torch RNG state and the thread count are left as they were), on CPU with
 ``torch.set_num_threads(1)`` because every hpar worker process runs with one thread.

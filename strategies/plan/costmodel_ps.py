@@ -1,6 +1,6 @@
 """Cost model of the parameter-server strategies, ``ps`` and ``hybrid``: placement of each
 parameter, partition counts, and the predicted step (notation and the message model in
-strategies/costmodel.py).
+strategies/plan/costmodel.py).
 
 Per parameter on the servers, with alpha the fraction of rows one worker's batch touches:
 a worker pulls ``alpha * rows`` (row, id) pairs and pushes as many gradient rows (hybrid
@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpar.strategies.cluster import ClusterSpec
-from hpar.strategies.costmodel import CostSetting, Estimate, cost_setting, ring_allreduce_s, sparse_bytes, split_tail
+from hpar.strategies.plan.cluster import ClusterSpec
+from hpar.strategies.plan.costmodel import CostSetting, Estimate, cost_setting, ring_allreduce_s, sparse_bytes, split_tail
 from hpar.strategies.profile.profiler import ParamProfile, Profile
 
 PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)

@@ -4,7 +4,7 @@ network link figures, given by flags or measured by a short loopback probe.
 No launcher imports here: ``launcher/profile_cli.py`` parses ``--hosts`` with
 ``launcher.hosts.parse_hosts`` and passes the slot counts to :func:`make_cluster`.
 
-Link model used by the cost model (``strategies/costmodel.py``): every host has one
+Link model used by the cost model (``strategies/plan/costmodel.py``): every host has one
 full-duplex network link of ``bandwidth_Bps`` bytes/s each way, and a message costs
 ``latency_s`` plus its size over the bandwidth (the alpha-beta or Hockney model, Hockney,
 "The communication challenge for MPP", Parallel Computing 1994). Traffic between processes

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hpar.strategies.cluster import ClusterSpec
+from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.pipeline.partition import partition_stages
 from hpar.strategies.profile.profiler import ParamProfile, Profile
 
@@ -271,6 +271,6 @@ def estimate_async_pipeline(sync: Estimate, schedule: str) -> Estimate:
 def estimate_all(profile: Profile, cluster: ClusterSpec) -> list[Estimate]:
     """Every strategy's :class:`Estimate`, in the order allreduce, allreduce-sparse, ps,
     hybrid, pipeline (the planner keeps this order on ties)."""
-    from hpar.strategies.costmodel_ps import estimate_hybrid, estimate_ps
+    from hpar.strategies.plan.costmodel_ps import estimate_hybrid, estimate_ps
     return [fn(profile, cluster) for fn in (estimate_allreduce, estimate_allreduce_sparse, estimate_ps,
                                             estimate_hybrid, estimate_pipeline)]

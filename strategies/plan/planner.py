@@ -12,8 +12,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from hpar.strategies.cluster import ClusterSpec
-from hpar.strategies.costmodel import Estimate, estimate_all
+from hpar.strategies.plan.cluster import ClusterSpec
+from hpar.strategies.plan.costmodel import Estimate, estimate_all
 from hpar.strategies.profile.profiler import Profile
 
 
