@@ -1,0 +1,10 @@
+"""Everything that knows about training math, in subpackages that name the flow::
+
+    job (load the user's script) -> profile/ (measure) -> plan/ (decide) -> a runtime in
+    every process: allreduce (DDP), hybrid/ (Parallax), pipeline/ (SpecTrain)
+
+Shared by every runtime: ``job`` (the user-script contract), ``config`` (the resolved run
+configuration), ``context`` (what a runtime gets and returns, the step and byte meters),
+``checkpoint`` (crash-safe files) and ``allreduce`` (the DDP runtime, whose helpers hybrid
+reuses for its dense part). Nothing here imports ``hpar.launcher`` or ``hpar.workers``.
+"""
