@@ -63,10 +63,10 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, plain,
         ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
-    from hpar.launcher import run_cli
+    from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
     try:
-        cfg, opts, master = run_cli.resolve(
+        cfg, opts, master = run_command.resolve(
             console, script=script, gpus=gpus, hosts=hosts, strategy=strategy, plan_file=plan_file, steps=steps,
             batch_size=batch_size, lr=lr, seed=seed, log_every=log_every, run_dir=run_dir, servers=servers,
             schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
@@ -77,7 +77,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:
         fail(str(exc))
-    from hpar.launcher.runner import launch
+    from hpar.launcher.run.runner import launch
     outcome = launch(cfg, opts, console, master)
     if outcome.exit_code == 0 and outcome.summary:
         s = outcome.summary
@@ -89,8 +89,8 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
 
 def _register_commands() -> None:
     """``profile`` and ``bench`` live in their own modules (imported here, after ``main``)."""
-    from hpar.launcher.bench_cli import bench
-    from hpar.launcher.profile_cli import profile
+    from hpar.launcher.commands.bench import bench
+    from hpar.launcher.commands.profile import profile
     main.add_command(profile)
     main.add_command(bench)
 

@@ -8,9 +8,8 @@ import math
 import pytest
 
 from conftest import hpar, run_processes, write_script
-from hpar.launcher.bench import BENCH_STRATEGIES, Result, bytes_per_worker_step, parse_strategies, with_ratios
-from hpar.launcher.emulate import parse_emulate, rate_arg
-from hpar.launcher.planning import runnable_strategies
+from hpar.launcher.bench.driver import BENCH_STRATEGIES, Result, bytes_per_worker_step, parse_strategies, with_ratios
+from hpar.launcher.bench.emulate import parse_emulate, rate_arg
 
 # Not a sequence of layers (a custom forward), so no pipeline applies.
 TINY_TREE = '''
@@ -96,7 +95,7 @@ def _finite_positive(x) -> bool:
 @pytest.mark.timeout(420)
 def test_bench_tiny_job_json_and_plot(tmp_path):
     script = write_script(tmp_path, TINY_TREE)
-    ran = ["allreduce", "allreduce-sparse"] + (["hybrid"] if "hybrid" in runnable_strategies() else [])
+    ran = ["allreduce", "allreduce-sparse", "hybrid"]
     names = ran + ["pipeline-1f1b"]
     bench_dir, out_json, out_png = tmp_path / "bench", tmp_path / "out.json", tmp_path / "out.png"
     out = hpar("bench", script, "--gpus", "2", "--steps", "6", "--strategies", ",".join(names), "--link-rate", "10gbit",
@@ -133,7 +132,7 @@ def test_bench_tiny_job_json_and_plot(tmp_path):
 
 
 def test_byte_check_window_and_interpolation(tmp_path):
-    from hpar.launcher.emulate import Sample, byte_check
+    from hpar.launcher.bench.emulate import Sample, byte_check
     rows = []
     for step in (2, 4, 6, 8):
         t = 100.0 + step
@@ -165,7 +164,7 @@ def test_byte_check_window_and_interpolation(tmp_path):
 
 def test_pipeline_entries_run_the_planned_micro_batches(tmp_path):
     """The prediction is for the plan's M; a script's HPAR micro_batches must not replace it."""
-    from hpar.launcher.bench import BenchConfig, run_command
+    from hpar.launcher.bench.driver import BenchConfig, run_command
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"strategy": "pipeline", "micro_batches": 1, "stages": [[0, 4], [4, 8]]}))
     cfg = BenchConfig(scripts=("wide.py",), gpus=2, strategies=("pipeline-1f1b", "allreduce"), steps=4,
@@ -177,7 +176,7 @@ def test_pipeline_entries_run_the_planned_micro_batches(tmp_path):
 
 
 def test_socket_total_counts_growth_new_sockets_and_survives_closed_ones():
-    from hpar.launcher.emulate import socket_total
+    from hpar.launcher.bench.emulate import socket_total
     assert socket_total({}, {"a b": 100}) == 100
     # "a b" grew by 50, "c d" closed (its last bytes are lost, the total does not drop), "e f" is new
     assert socket_total({"a b": 100, "c d": 400}, {"a b": 150, "e f": 30}) == 80
@@ -187,7 +186,7 @@ def test_socket_total_counts_growth_new_sockets_and_survives_closed_ones():
 def test_hybrid_and_ps_entries_run_the_planners_plan(tmp_path):
     """The prediction next to hybrid's measurement is for the planned placement and partitions."""
     from conftest import embed_script
-    from hpar.launcher.bench import BenchConfig, plan_script, run_command
+    from hpar.launcher.bench.driver import BenchConfig, plan_script, run_command
     from hpar.strategies.plan.cluster import ClusterSpec
     script = write_script(tmp_path, embed_script())
     cfg = BenchConfig(scripts=(script,), gpus=2, strategies=("hybrid", "ps", "allreduce"), steps=4,

@@ -1,11 +1,11 @@
-"""Host list parsing and worker placement (launcher/hosts.py): no processes, no network."""
+"""Host list parsing and worker placement (launcher/hosts/hostfile.py): no processes, no network."""
 from __future__ import annotations
 
 import socket
 
 import pytest
 
-from hpar.launcher.hosts import Host, parse_hosts, place_workers, total_slots, valid_host_name
+from hpar.launcher.hosts.hostfile import Host, parse_hosts, place_workers, total_slots, valid_host_name
 
 GOOD_FILES = [
     ("node1 slots=4\nnode2 slots=4\n", [Host("node1", 4), Host("node2", 4)]),

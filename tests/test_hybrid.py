@@ -184,7 +184,7 @@ def _resolve(tmp_path, script: str, plan, strategy: str, servers):
     """``hpar run SCRIPT --gpus 2``'s checks and config (nothing started): (cfg, console text)."""
     import io
     from rich.console import Console
-    from hpar.launcher.run_cli import resolve
+    from hpar.launcher.commands.run import resolve
     out = io.StringIO()
     flags = dict.fromkeys(["hosts", "steps", "batch_size", "lr", "seed", "log_every", "schedule", "micro_batches",
                            "checkpoint_every", "resume_dir", "ssh_key", "ssh_port", "ssh_user", "python_path"])

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import netns_hosts
-from hpar.launcher.preflight import HostCheck, _row
+from hpar.launcher.hosts.preflight import HostCheck, _row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LM = os.path.join(ROOT, "examples", "lm.py")
@@ -112,7 +112,7 @@ def test_hostile_script_path_is_refused(tmp_path):
 
 def test_preflight_row_names_missing_or_different_script_and_versions():
     want = {"python": "3.11.7", "torch": "2.1", "hpar": "0.1.0", "script": "abc"}
-    from hpar.launcher.hosts import Host
+    from hpar.launcher.hosts.hostfile import Host
     base = {"python": "3.11.7", "torch": "2.1", "hpar": "0.1.0", "script": "abc", "ifname": "eth0", "port_free": True}
     assert _row(Host("h"), base, want, "/s.py", 1234, True) == HostCheck("h", True, "", "3.11.7", "2.1", "0.1.0", 0, "eth0")
     for change, text in [({"script": None}, "script /s.py not found"), ({"script": "zzz"}, "differs from the launcher's copy"),

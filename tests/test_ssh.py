@@ -1,4 +1,4 @@
-"""launcher/ssh.py: quoting of remote commands, and real SSH round trips to test hosts
+"""launcher/procs/ssh.py: quoting of remote commands, and real SSH round trips to test hosts
 (network namespaces with their own sshd; skipped where they cannot be made)."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import time
 import pytest
 
 import netns_hosts
-from hpar.launcher.hosts import Host
-from hpar.launcher.procs import LocalProcess, ProcessSpec
-from hpar.launcher.ssh import LOST_HOST, RemoteProcess, SSHError, SSHOptions, connect, make_process, remote_command
+from hpar.launcher.hosts.hostfile import Host
+from hpar.launcher.procs.local import LocalProcess, ProcessSpec
+from hpar.launcher.procs.ssh import LOST_HOST, RemoteProcess, SSHError, SSHOptions, connect, make_process, remote_command
 
 PY = sys.executable
 HOSTILE = ["$(touch {p})", "`touch {p}`", "; touch {p}", "a b\nc", "'\"", "&& touch {p} #", "-oProxyCommand=touch {p}"]

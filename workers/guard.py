@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
 
     def watch_stdin() -> None:
         while True:
-            # with HPAR_GUARD_HEARTBEAT=S (set by launcher/ssh.py, which writes a byte every
+            # with HPAR_GUARD_HEARTBEAT=S (set by launcher/procs/ssh.py, which writes a byte every
             # second) S seconds of silence also count as a lost launcher: a dead link
             if heartbeat > 0 and not select.select([0], [], [], heartbeat)[0]:
                 break

@@ -1,7 +1,7 @@
 """The cluster a plan is made for: hosts, GPUs (workers) per host, parameter servers, and the
 network link figures, given by flags or measured by a short loopback probe.
 
-No launcher imports here: ``launcher/profile_cli.py`` parses ``--hosts`` with
+No launcher imports here: ``launcher/commands/profile.py`` parses ``--hosts`` with
 ``launcher.hosts.parse_hosts`` and passes the slot counts to :func:`make_cluster`.
 
 Link model used by the cost model (``strategies/plan/costmodel.py``): every host has one

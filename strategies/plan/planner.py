@@ -97,21 +97,18 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
     return f"{best.strategy}: the fastest predicted step that can run{vs}."
 
 
-def choose_plan(profile: Profile, cluster: ClusterSpec, runnable: set[str], schedule: str = "1f1b",
+def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 force: str | None = None) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and pick the highest samples/s among
-    those in ``runnable`` (strategies whose runtime exists, given by the CLI) that fit the
-    job; the others are still listed as candidates with a note. Ties keep ``estimate_all``'s
-    order. ``force`` (the user's ``--strategy``) takes that strategy's plan instead (its
-    stages, micro-batches, placement). Raises ValueError when no runnable strategy fits (e.g.
-    runnable is empty), or when the forced one does not fit, with the cost model's reason."""
+    those that fit the job; the others are still listed as candidates with a note. Ties keep
+    ``estimate_all``'s order. ``force`` (the user's ``--strategy``) takes that strategy's plan
+    instead (its stages, micro-batches, placement). Raises ValueError when no strategy fits, or
+    when the forced one does not fit, with the cost model's reason."""
     estimates = estimate_all(profile, cluster)
     candidates, ok = [], []
     for e in estimates:
         note = e.note
-        available = e.feasible and e.strategy in runnable
-        if e.feasible and e.strategy not in runnable:
-            note = "runtime not available yet" + (f"; {note}" if note else "")
+        available = e.feasible
         if e.strategy == "hybrid" and e.feasible and "ps" not in e.placement.values():
             why = ("every embedding table costs less on AllReduce" if any(p.embedding_module for p in profile.params)
                    else "no embedding table to place on servers")
@@ -125,7 +122,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, runnable: set[str], sche
         if available:
             ok.append(e)
     if not ok:
-        raise ValueError(f"no runnable strategy fits this job (runnable: {', '.join(sorted(runnable)) or 'none'})")
+        raise ValueError("no strategy fits this job")
     best = max(ok, key=lambda e: e.samples_per_s)
     if force is not None:
         forced = [e for e in estimates if e.strategy == force]
@@ -137,7 +134,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, runnable: set[str], sche
     reason = _why(best, profile, cluster, others[0] if others else None)
     fastest = max((e for e in estimates if e.feasible), key=lambda e: e.samples_per_s)
     if fastest is not best:
-        reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s, but cannot run yet.)"
+        reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
     uses_servers = best.strategy in ("hybrid", "ps")
     return Plan(strategy=best.strategy, placement=dict(best.placement), partitions=dict(best.partitions),
                 servers=cluster.servers if uses_servers else 0, stages=[list(s) for s in best.stages],

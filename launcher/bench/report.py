@@ -11,7 +11,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from hpar.launcher.bench import Result
+from hpar.launcher.bench.driver import Result
 
 
 def _human(n: float | None, unit: str = "B") -> str:
@@ -46,7 +46,7 @@ def machine() -> dict:
 
 def document(results: list[Result], command: list[str], settings: dict, emulation: dict | None = None) -> dict:
     """The ``--json`` object: ``results`` (one entry per script and strategy, see
-    :class:`hpar.launcher.bench.Result`), ``command``, ``date`` (UTC ISO 8601), ``machine``,
+    :class:`hpar.launcher.bench.driver.Result`), ``command``, ``date`` (UTC ISO 8601), ``machine``,
     ``torch``, ``settings`` (gpus, steps, batch sizes, link) and ``emulation`` (or None)."""
     import torch
     return {"command": " ".join(command), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

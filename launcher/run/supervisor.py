@@ -1,6 +1,6 @@
 """Watch every process of a run and stop them all at the first failure.
 
-The supervisor reads the output of every process from one queue (see launcher/procs.py),
+The supervisor reads the output of every process from one queue (see launcher/procs/local.py),
 writes each line to that process's log, turns tagged ``@hpar`` lines into metrics and live
 progress, and polls exit codes. The first failure (a non-zero exit, a death by signal, a
 process that made no progress for ``stall_timeout`` seconds, or Ctrl-C/SIGTERM to the launcher)
@@ -15,8 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from hpar.launcher.progress import Progress
-from hpar.launcher.rundir import RunDir
+from hpar.launcher.run.progress import Progress
+from hpar.launcher.run.rundir import RunDir
 from hpar.workers import report
 
 EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 130, 143

@@ -1,5 +1,5 @@
 """The processes of a run: what to start (ProcessSpec), and starting, reading and stopping
-one on this machine (LocalProcess). Remote processes (launcher/ssh.py) offer the same methods.
+one on this machine (LocalProcess). Remote processes (launcher/procs/ssh.py) offer the same methods.
 
 Every process runs under ``hpar.workers.guard`` as the leader of its own session, so its
 process group holds exactly the guard, the worker and whatever the worker started; signals go

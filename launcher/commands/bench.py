@@ -38,7 +38,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
     The link is ``bandwidth_Bps`` or one loopback probe (``profile_cli.build_cluster``).
     ``emulated_hosts`` H: the hosts are this machine's namespaces, sharing its cores (each
     gets cpu_count / H in the cost model)."""
-    from hpar.launcher.profile_cli import build_cluster
+    from hpar.launcher.commands.profile import build_cluster
     from hpar.strategies.plan.cluster import make_cluster
     bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
     base = build_cluster(bench_gpus, hosts, None, bw, latency, None)
@@ -77,9 +77,9 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
 def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_size, seed, json_out, plot_out, project,
           device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s):
     """Run every strategy that applies to SCRIPT(s) and compare them (table, --json, --plot)."""
-    from hpar.launcher import bench_report
-    from hpar.launcher.bench import BenchConfig, parse_strategies, run_bench
-    from hpar.launcher.emulate import EmulatedCluster, parse_emulate
+    from hpar.launcher.bench import report
+    from hpar.launcher.bench.driver import BenchConfig, parse_strategies, run_bench
+    from hpar.launcher.bench.emulate import EmulatedCluster, parse_emulate
     from hpar.strategies.plan.cluster import parse_bandwidth
     console = Console(soft_wrap=False, width=max(Console().width, 140))
     try:
@@ -98,7 +98,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
         bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
         n_emulated = parse_emulate(hosts)
         if n_emulated is None and hosts:
-            from hpar.launcher.hosts import parse_hosts, place_workers
+            from hpar.launcher.hosts.hostfile import parse_hosts, place_workers
             place_workers(list(parse_hosts(hosts)), gpus)
         if plot_out:
             import importlib.util
@@ -133,7 +133,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
         _fail(str(exc))
     where = f"emulated {n_emulated} hosts" + (f" at {link_rate}" if link_rate else "") if emulated else (hosts or "this machine")
     title = f"{gpus} workers, {where}, {steps} steps"
-    bench_report.print_tables(console, results, title)
+    report.print_tables(console, results, title)
     if emulated:
         for r in results:
             if r.counters:
@@ -146,10 +146,10 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
     settings = {"gpus": gpus, "steps": steps, "batch_size": batch_size, "seed": seed, "hosts": hosts,
                 "link_rate": link_rate, "project": project or None, "device_tflops": device_tflops, "bench_dir": bench_dir}
     if json_out:
-        doc = bench_report.document(results, bench_report.command_line(), settings, emulation)
+        doc = report.document(results, report.command_line(), settings, emulation)
         with open(json_out, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
         console.print(f"hpar bench: results written to {json_out}", markup=False)
     if plot_out:
-        bench_report.plot(results, plot_out, title)
+        report.plot(results, plot_out, title)
         console.print(f"hpar bench: plot written to {plot_out}", markup=False)

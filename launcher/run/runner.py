@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from hpar.launcher.hosts import Host, place_workers
-from hpar.launcher.procs import LocalProcess, run_specs
-from hpar.launcher.progress import Progress
-from hpar.launcher.rundir import RunDir
-from hpar.launcher.supervisor import Outcome, Supervisor
+from hpar.launcher.hosts.hostfile import Host, place_workers
+from hpar.launcher.procs.local import LocalProcess, run_specs
+from hpar.launcher.run.progress import Progress
+from hpar.launcher.run.rundir import RunDir
+from hpar.launcher.run.supervisor import Outcome, Supervisor
 from hpar.strategies import checkpoint
 from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.config import RunConfig
@@ -68,7 +68,7 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
         spec.env.setdefault("HPAR_THREADS", str(threads))
         remote = opts.ssh is not None and (not by_name[spec.host].is_local or getattr(opts.ssh, "force_ssh", False))
         if remote:
-            from hpar.launcher.ssh import make_process
+            from hpar.launcher.procs.ssh import make_process
             procs.append(make_process(spec, by_name, opts.ssh, lines))
         else:
             procs.append(LocalProcess(spec, lines))

@@ -7,9 +7,9 @@ import os
 
 from rich.console import Console
 
-from hpar.launcher.hosts import parse_hosts, place_workers
-from hpar.launcher.rundir import default_run_dir
-from hpar.launcher.runner import SERVER_STRATEGIES, LaunchOptions, choose_device
+from hpar.launcher.hosts.hostfile import parse_hosts, place_workers
+from hpar.launcher.run.rundir import default_run_dir
+from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions, choose_device
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
@@ -58,7 +58,7 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
         return plan["strategy"], plan
     if strategy not in ("auto", "pipeline"):
         return strategy, {"strategy": strategy}
-    from hpar.launcher.planning import plan_job
+    from hpar.launcher.run.planning import plan_job
     plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
                     force=None if strategy == "auto" else strategy)
     if strategy == "auto":
@@ -120,7 +120,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     ssh_opts, master = None, "127.0.0.1"
     if host_list and (ssh_local or any(not h.is_local for h in host_list)):
-        from hpar.launcher.remote import prepare_remote
+        from hpar.launcher.hosts.remote import prepare_remote
         ssh_opts, master = prepare_remote(console, host_list, cfg, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user,
                                           ssh_local=ssh_local, python_path=python_path, sync=sync)
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, max_restarts=max_restarts,

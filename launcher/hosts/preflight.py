@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from .hosts import Host
-from .ssh import SSHError, SSHOptions, connect
+from hpar.launcher.hosts.hostfile import Host
+from hpar.launcher.procs.ssh import SSHError, SSHOptions, connect
 
 # Runs on each host as ``PY -c PROBE SCRIPT PORT ADDR``; prints one JSON line.
 PROBE = r"""

@@ -10,13 +10,11 @@ the cost model's (``strategies/plan/costmodel.py``) for the same cluster, from o
 script (``strategies/profile/profiler.profile_job``).
 
 A strategy that does not apply says why instead of a number: the model is not a sequence of
-layers (pipeline), its runtime is not installed (``launcher/planning.runnable_strategies``),
-or its run failed (the run's cause, or the launcher's last error line).
+layers (pipeline), or its run failed (the run's cause, or the launcher's last error line).
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import signal
@@ -100,21 +98,16 @@ def parse_strategies(text: str | None) -> tuple[str, ...]:
     return names
 
 
-def not_applicable(name: str, profile, estimates: dict, runnable: set[str], gpus: int) -> str | None:
-    """Why strategy ``name`` cannot run this job (None when it can): runtime missing, model
-    not a sequence of layers, too few workers or layers for a pipeline, fewer planned
+def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None:
+    """Why strategy ``name`` cannot run this job (None when it can): model not a sequence of layers, too few workers or layers for a pipeline, fewer planned
     micro-batches than stages for torch's 1F1B."""
     strategy, schedule = BENCH_STRATEGIES[name]
-    if strategy not in runnable:
-        return f"runtime not installed yet (hpar {strategy})"
     if strategy == "pipeline":
         if not profile.is_sequential:
             return f"not a sequence of layers: {profile.sequential_reason}"
         est = estimates.get("pipeline")
         if est is not None and not est.feasible:
             return est.note
-        if schedule.startswith("torch-") and importlib.util.find_spec("torch.distributed.pipelining") is None:
-            return "torch.distributed.pipelining is not in this torch"
         if schedule == "torch-1f1b" and est is not None and est.micro_batches < gpus:
             return (f"the plan's {est.micro_batches} micro-batch(es) per batch are fewer than the {gpus} stages "
                     "torch's Schedule1F1B needs (scripts/bench_pipeline.py compares it at M = 4)")
@@ -256,7 +249,6 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     when larger, since the union of touched rows is measured per worker count) and estimate
     every strategy on ``cluster_of(gpus)`` (a ClusterSpec factory) with ``estimate_all``.
     Raises JobError/ValueError for a bad script or flags."""
-    from hpar.launcher.planning import runnable_strategies
     from hpar.strategies.plan.costmodel import estimate_all
     from hpar.strategies.job import check_job, load_job
     from hpar.strategies.profile.profiler import profile_job
@@ -269,8 +261,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     profile = profile_job(job, bs, max(cluster.workers, cfg.project or 0))
     estimates = {e.strategy: e for e in estimate_all(profile, cluster)}
     projected = {e.strategy: e for e in estimate_all(profile, cluster_of(cfg.project))} if cfg.project else {}
-    runnable = runnable_strategies()
-    reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, runnable, cfg.gpus))}
+    reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, cfg.gpus))}
     # the planner's plan of each planned strategy, so that its runs execute what was
     # predicted (pipeline: stages and micro-batches, one plan for hpar's and torch's schedules
     # alike; hybrid/ps: placement and partitions) rather than each run re-profiling
@@ -280,7 +271,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     for strategy in sorted({BENCH_STRATEGIES[n][0] for n in names if n not in reasons} & PLANNED):
         path = os.path.join(os.path.abspath(cfg.bench_dir),
                             f"{os.path.splitext(os.path.basename(script))[0]}-{strategy}-plan.json")
-        atomic_write_bytes(path, choose_plan(profile, cluster, runnable, force=strategy).to_json().encode())
+        atomic_write_bytes(path, choose_plan(profile, cluster, force=strategy).to_json().encode())
         plan_files[strategy] = path
     return ScriptPlan(bs, estimates, projected, reasons, plan_files)
 

@@ -40,7 +40,7 @@ def _human(n: float, unit: str = "B") -> str:
 
 def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops):
     """ClusterSpec from the flags (see the module docstring). Raises ValueError naming the flag."""
-    from hpar.launcher.hosts import parse_hosts
+    from hpar.launcher.hosts.hostfile import parse_hosts
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency, probe_link
     host_list = parse_hosts(hosts) if hosts else []
     if device_tflops is not None and device_tflops <= 0:
@@ -143,7 +143,6 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
 def profile(script, gpus, hosts, servers, bandwidth, latency, device_tflops, batch_size, timing_batch_size,
             as_json, plan_out):
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
-    from hpar.launcher.planning import runnable_strategies
     from hpar.strategies.checkpoint import atomic_write_bytes
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
@@ -156,7 +155,7 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device_tflops, bat
             raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
         cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops)
         prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size)
-        plan = choose_plan(prof, cluster, runnable_strategies())
+        plan = choose_plan(prof, cluster)
     except JobError as exc:
         _fail(str(exc), exc.user_traceback)
     except (ValueError, RuntimeError) as exc:

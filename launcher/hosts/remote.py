@@ -7,9 +7,9 @@ from dataclasses import replace
 
 from rich.console import Console
 
-from hpar.launcher.hosts import Host, place_workers
-from hpar.launcher.preflight import preflight
-from hpar.launcher.ssh import SSHOptions
+from hpar.launcher.hosts.hostfile import Host, place_workers
+from hpar.launcher.hosts.preflight import preflight
+from hpar.launcher.procs.ssh import SSHOptions
 
 
 def ssh_options(*, ssh_key=None, ssh_port=None, ssh_user=None, ssh_local=False, python_path=None,

@@ -1,5 +1,5 @@
 """Processes on other hosts, over SSH through fabric: ``RemoteProcess`` offers exactly the
-methods and attributes of ``LocalProcess`` (launcher/procs.py), and ``make_process`` picks one.
+methods and attributes of ``LocalProcess`` (launcher/procs/local.py), and ``make_process`` picks one.
 
 The remote command is ``cd CWD && env K=V ... PY -c SETSID PY -m hpar.workers.guard PY -m ...``
 with every piece shlex-quoted (SETSID: ``setsid -w`` in five lines of Python, so a signal maps
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 import fabric
 import paramiko
 
-from .hosts import Host
-from .procs import LocalProcess, ProcessSpec
+from hpar.launcher.hosts.hostfile import Host
+from hpar.launcher.procs.local import LocalProcess, ProcessSpec
 
 LOST_HOST = 255
 LINK_TIMEOUT_S = 3.0

@@ -1,0 +1,3 @@
+"""``hpar bench``: ``driver`` runs each strategy through ``hpar run`` on the same job and
+reads back measured figures; ``report`` prints tables, JSON and plots; ``emulate`` makes an
+emulated cluster of test hosts with capped links and checks byte accounting against the kernel."""

@@ -1,0 +1,3 @@
+"""The hosts of a run: ``hostfile`` parses host files, inline lists and the ``HxG`` shorthand
+and places ranks on hosts; ``preflight`` checks every host in parallel before anything
+starts; ``remote`` turns ``hpar run``'s SSH flags into options and refuses failing hosts."""
