@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich.console import Console
 
@@ -33,6 +33,8 @@ class LaunchOptions:
     grace: float = 5.0
     live: bool | None = None
     sync: bool = False
+    env: dict = field(default_factory=dict)  # --env values: every process gets them (launcher/hosts/environ.py)
+    slurm: bool = False                      # inside a Slurm allocation: one srun step (launcher/procs/srun.py)
 
 
 def choose_device(workers_per_host: int) -> tuple[str, str]:
@@ -66,6 +68,12 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
     for spec in specs:
         threads = max(1, (os.cpu_count() or 1) // per_host[spec.host])
         spec.env.setdefault("HPAR_THREADS", str(threads))
+        for key, value in opts.env.items():  # hpar's own variables win
+            spec.env.setdefault(key, value)
+    if opts.slurm:
+        from hpar.launcher.procs.srun import SrunStep
+        return SrunStep(specs, lines, rundir.path, python=python, env=opts.env).processes
+    for spec in specs:
         remote = opts.ssh is not None and (not by_name[spec.host].is_local or getattr(opts.ssh, "force_ssh", False))
         if remote:
             from hpar.launcher.procs.ssh import make_process
