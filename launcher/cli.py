@@ -1,4 +1,4 @@
-"""The ``hpar`` command line: ``hpar run``, ``hpar profile``, ``hpar bench``.
+"""The ``hpar`` command line: ``hpar run``, ``hpar profile``, ``hpar bench``, ``hpar launch``.
 
 User errors (a bad script, flag, host file or plan) print one line ``hpar: <message>`` on
 stderr and exit with code 2 before any process starts.
@@ -92,9 +92,11 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
 def _register_commands() -> None:
     """``profile`` and ``bench`` live in their own modules (imported here, after ``main``)."""
     from hpar.launcher.commands.bench import bench
+    from hpar.launcher.commands.launch import launch
     from hpar.launcher.commands.profile import profile
     main.add_command(profile)
     main.add_command(bench)
+    main.add_command(launch)
 
 
 _register_commands()

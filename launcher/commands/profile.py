@@ -149,6 +149,9 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device_tflops, bat
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     try:
+        from hpar.launcher.commands.launch import not_profilable
+        if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
+            raise ValueError(not_profilable(script))
         job = load_job(script)
         bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))
         if bs < 1:

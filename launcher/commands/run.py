@@ -88,6 +88,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     else:
         if not script:
             raise ValueError("missing SCRIPT: `hpar run SCRIPT --gpus N` (or --resume RUN_DIR)")
+        from hpar.launcher.commands.launch import not_profilable
+        if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
+            raise ValueError(not_profilable(script))
         job = load_job(script)
         d = job.defaults
         gpus = gpus if gpus is not None else 1
