@@ -257,3 +257,45 @@ def test_sigkilled_rank_on_a_remote_host_leaves_nothing_within_10s(hosts, tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_supervisor_starts_every_process_at_once(tmp_path):
+    """Starting a remote process is an SSH connection: the supervisor makes them all at once, so
+    start-up does not grow with the host count. Each fake start waits until every other start
+    has begun (a barrier): one after another, the first would wait in vain."""
+    import queue
+    import threading
+    from rich.console import Console
+    from hpar.launcher.procs.local import ProcessSpec
+    from hpar.launcher.run.progress import Progress
+    from hpar.launcher.run.rundir import RunDir
+    from hpar.launcher.run.supervisor import Supervisor
+
+    n = 12
+    barrier = threading.Barrier(n, timeout=10)
+
+    class Fake:
+        def __init__(self, rank):
+            self.spec = ProcessSpec("worker", rank, f"h{rank}", ("true",))
+            self.pid = self.pgid = None
+            self.host_lost = False
+            self.code = None
+
+        def start(self):
+            barrier.wait()
+            self.code = 0
+
+        def poll(self):
+            return self.code
+
+        def group_alive(self):
+            return False
+
+        terminate = kill = close_stdin = lambda self: None
+
+    procs = [Fake(r) for r in range(n)]
+    rundir = RunDir(str(tmp_path / "run"))
+    with Progress([(p.spec.label, p.spec.host) for p in procs], 1, live=False, console=Console(quiet=True)) as progress:
+        outcome = Supervisor(procs, queue.Queue(), rundir, progress).run()
+    rundir.close()
+    assert outcome.exit_code == 0, outcome

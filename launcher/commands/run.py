@@ -75,7 +75,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts."""
     host_list = tuple(parse_hosts(hosts)) if hosts else ()
     extra_env = parse_env_flags(env)
-    slurm = not host_list and not resume_dir and in_allocation()
+    slurm = not host_list and in_allocation()
     if slurm:  # launcher/hosts/slurm.py: hosts and slots from the allocation, processes by srun
         host_list = tuple(allocation_hosts())
         gpus = gpus if gpus is not None else total_slots(list(host_list))

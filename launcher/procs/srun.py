@@ -151,6 +151,7 @@ class SrunStep:
                 self.lines.put((p, f"[srun] {line}"))
 
     def _heartbeat(self) -> None:
+        """One byte a second on srun's stdin, which --input=all copies to every guard."""
         assert self._popen is not None and self._popen.stdin is not None
         stdin = self._popen.stdin
         while not self._done.wait(1.0):
@@ -161,6 +162,7 @@ class SrunStep:
                 return
 
     def running(self) -> bool:
+        """True from start until srun has exited (every task ended, the step cleaned up)."""
         return self._popen is not None and self._popen.poll() is None
 
     def signal(self, sig: int) -> None:
