@@ -10,8 +10,9 @@ Per run (the tiny 5-layer MLP of the tests, ``--strategy allreduce``, over SSH):
 - ``startup_s``: that line to the moment every worker has reported its first step (processes
   started over SSH, interpreters and torch imported, rendezvous, first AllReduce);
 - ``teardown_s``: a SIGKILL to one worker on the last host to the moment no process of the run
-  is left on any host (launcher included); ``detect_s`` (to the launcher's "failed" line) and
-  ``launcher_exit_s`` (to its exit) split it.
+  is left on any host (polled in the hosts' namespaces every 50 ms, apart from the launcher);
+  ``detect_s``: to the launcher's "failed" line (printed once its teardown has seen every
+  process group gone), ``launcher_exit_s``: to the launcher's own exit.
 
 The projection fits ``a + b * H`` (least squares over the H measured) to each figure's median and
 evaluates it at ``--project`` hosts. On one machine every emulated host shares the same cores, so
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,17 +113,24 @@ def one_run(made, per_host: int, work: str) -> dict:
                 continue
             if b"hpar.workers.worker" in cmd and b"hpar.workers.guard" not in cmd:
                 victims.append(pid)
+        namespaces = [h.namespace for h in made.hosts]
+        gone: list[float] = []
+
+        def watch() -> None:  # the hosts, independently of the launcher's output
+            while time.monotonic() - killed < 60 and _alive_in(namespaces):
+                time.sleep(0.05)
+            gone.append(time.monotonic())
         killed = time.monotonic()
         os.kill(victims[0], signal.SIGKILL)
-        namespaces = [h.namespace for h in made.hosts]
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         detected = None
         for line in proc.stdout:  # until the launcher exits
             if detected is None and " failed: " in line:
                 detected = time.monotonic()
         exited = time.monotonic()
-        while time.monotonic() - killed < 60 and _alive_in(namespaces):
-            time.sleep(0.05)
-        gone = time.monotonic()
+        watcher.join()
+        gone = gone[0]
         return {"preflight_s": preflight - t0, "startup_s": started - preflight, "teardown_s": gone - killed,
                 "detect_s": (detected or exited) - killed, "launcher_exit_s": exited - killed,
                 "exit_code": proc.wait(), "processes": world}
