@@ -91,11 +91,12 @@ class StepTools:
             self.scheduler.load_state_dict(state["scheduler"])
 
 
-def step_tools(cfg: RunConfig, job: Job, opt: torch.optim.Optimizer, device: torch.device) -> StepTools:
-    """StepTools for ``opt``: the script's schedule on it, a GradScaler for fp16 on
-    ``device``'s type. Raises JobError when ``scheduler()`` fails or returns something else."""
+def step_tools(cfg: RunConfig, job: Job, opt: torch.optim.Optimizer | None, device: torch.device) -> StepTools:
+    """StepTools for ``opt``: the script's schedule on it (none when ``opt`` is None, e.g. a
+    worker whose every parameter is on the servers), a GradScaler for fp16 on ``device``'s
+    type. Raises JobError when ``scheduler()`` fails or returns something else."""
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    return StepTools(cfg, device, scaler, job.build_scheduler(opt))
+    return StepTools(cfg, device, scaler, job.build_scheduler(opt) if opt is not None else None)
 
 
 def evaluate_now(cfg: RunConfig, step: int) -> bool:

@@ -206,3 +206,51 @@ def test_flags_a_strategy_cannot_honour_are_refused_before_anything_starts(tmp_p
     lines = [l for l in res.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and message in lines[0], res.stderr
     assert not os.path.exists(tmp_path / "r" / "config.json")
+
+
+EMBED_SCHEDULED = """
+import torch, torch.nn as nn
+HPAR = {"steps": 12, "batch_size": 4, "lr": 0.1, "log_every": 4}
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(200, 8)
+        self.out = nn.Linear(8, 1)
+    def forward(self, x):
+        return self.out(self.emb(x)).squeeze(1)
+def model(): return M()
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        yield torch.randint(0, 200, (batch_size,), generator=g), torch.randn(batch_size, generator=g)
+def loss(o, t): return ((o - t) ** 2).mean()
+def optimizer(params): return torch.optim.Adam(params, lr=0.1)
+def scheduler(opt):
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=12)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["hybrid", "ps"])
+def test_parameter_servers_follow_the_schedule(tmp_path, strategy):
+    """The servers replay the script's schedule (one-cycle, Adam): 2 workers and a server
+    equal one process with the same schedule on the concatenated batches."""
+    script = write_script(tmp_path, EMBED_SCHEDULED)
+    code, run_dir, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", strategy, "--no-eval")
+    assert code == 0, out
+    want, _ = reference(script, 2, 12, 4, 0.1)
+    close(torch.load(os.path.join(run_dir, "model.pt")), want)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1f1b", "torch-gpipe"])
+def test_pipeline_stages_follow_the_schedule(tmp_path, schedule):
+    """Each stage steps the script's schedule once per batch: 2 stages equal one process."""
+    script = write_script(tmp_path, LOOP)
+    code, run_dir, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", "pipeline", "--schedule", schedule,
+                                 "--micro-batches", "2", "--no-eval")
+    assert code == 0, out
+    want, _ = reference(script, 1, 20, 8, 0.1)
+    close(torch.load(os.path.join(run_dir, "model.pt")), want)

@@ -23,6 +23,7 @@ from hpar.strategies.hybrid.runtime import make_groups
 from hpar.strategies.job import JobError, load_job
 from hpar.strategies.hybrid.client import PSTable, ps_tables
 from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, Inbox, Request, nbytes, p2p, reply_tag
+from hpar.strategies.hybrid.schedule import ServerSchedule, group_index
 from hpar.strategies.hybrid.shard import ParamShard, table_view
 from hpar.workers import report
 from hpar.workers.worker import env_int, init_group, leave_group, run_entry
@@ -32,8 +33,10 @@ class Server:
     """Server ``index`` of ``num_servers``, holding its rows of every table."""
 
     def __init__(self, cfg: RunConfig, tables: list[PSTable], model: torch.nn.Module, index: int,
-                 num_workers: int, start_step: int = 0, host_of: tuple[int, ...] = (), pg_rank: int = 0):
+                 num_workers: int, start_step: int = 0, host_of: tuple[int, ...] = (), pg_rank: int = 0,
+                 schedule: ServerSchedule | None = None, group_of: dict[int, int] | None = None):
         self.cfg, self.tables, self.index, self.num_workers = cfg, {t.tid: t for t in tables}, index, num_workers
+        self.schedule, self.group_of = schedule, group_of or {}   # table id -> the user's param group
         params = dict(model.named_parameters())
         self.shards: dict[int, ParamShard] = {}
         for t in tables:
@@ -83,7 +86,9 @@ class Server:
     def _apply_table(self, tid: int) -> None:
         """Apply table ``tid``'s update of its current step (a no-op without pushes) and
         answer the pulls that waited for it."""
-        self.shards[tid].apply(self.num_workers)
+        shard = self.shards[tid]
+        spec = self.schedule.spec(self.group_of[tid], self.table_step[tid], shard.spec) if self.schedule else None
+        shard.apply(self.num_workers, spec)
         self.table_step[tid] += 1
         self.pushed[tid] = 0
         self._answer_pending()
@@ -191,7 +196,11 @@ def main() -> int:
     model = job.build_model()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
     tables = ps_tables(model, opt, cfg.strategy, cfg.plan, num_servers)
-    server = Server(cfg, tables, model, index, num_workers, host_of=host_of, pg_rank=pg_rank)
+    params = dict(model.named_parameters())
+    server = Server(cfg, tables, model, index, num_workers, host_of=host_of, pg_rank=pg_rank,
+                    schedule=ServerSchedule(job, opt),
+                    group_of={t.tid: group_index(opt, params[t.name]) for t in tables})
+    del params
     del model, opt
     step = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
     if step is not None:

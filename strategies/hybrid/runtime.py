@@ -41,6 +41,7 @@ from hpar.strategies import checkpoint
 from hpar.strategies.hybrid import embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
+from hpar.strategies.loop import step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
 
 
@@ -107,17 +108,18 @@ def _setup(ctx: WorkerContext):
     return model, tables, groups, client, clock, served, whole, dense, opt
 
 
-def _save(ctx: WorkerContext, step: int, model, opt, ps_names: set[str], groups: Groups) -> None:
+def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], groups: Groups) -> None:
     rng = [None] * ctx.world_size
     dist.all_gather_object(rng, torch.get_rng_state(), group=groups.workers)
     if ctx.rank == 0:
         dense = {k: v for k, v in model.state_dict().items() if k not in ps_names}
         checkpoint.save_part(ctx.cfg.run_dir, step, "worker0",
-                             {"model": dense, "optimizer": opt.state_dict() if opt else None, "rng": rng})
+                             {"model": dense, "optimizer": opt.state_dict() if opt else None, "rng": rng,
+                              "loop": tools.state_dict() if opt else None})
     checkpoint.commit(ctx.cfg.run_dir, step)
 
 
-def _resume(ctx: WorkerContext, model, opt) -> int:
+def _resume(ctx: WorkerContext, model, opt, tools) -> int:
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
         return 0
@@ -125,6 +127,7 @@ def _resume(ctx: WorkerContext, model, opt) -> int:
     model.load_state_dict(state["model"], strict=False)
     if opt is not None:
         opt.load_state_dict(state["optimizer"])
+        tools.load_state_dict(state.get("loop"))
     torch.set_rng_state(state["rng"][ctx.rank])
     return step
 
@@ -144,7 +147,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     cfg, job = ctx.cfg, ctx.job
     model, tables, groups, client, clock, served, whole, dense, opt = _setup(ctx)
     ps_names = {t.name for t in tables}
-    ctx.start_step = _resume(ctx, model, opt)
+    tools = step_tools(cfg, job, opt, ctx.device)   # the servers replay the same schedule (hybrid/schedule.py)
+    ctx.start_step = _resume(ctx, model, opt, tools)
     local = LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, client.bytes) if groups.host else None
     net = model
     if dense:
@@ -178,7 +182,9 @@ def train(ctx: WorkerContext) -> TrainResult:
             p.grad = None
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-        loss = job.compute_loss(net(inputs), targets)
+        with tools.autocast():
+            output = net(inputs)
+            loss = job.compute_loss(output, targets)
         loss.backward()
         t_push = time.perf_counter()
         for item in served:
@@ -193,8 +199,9 @@ def train(ctx: WorkerContext) -> TrainResult:
             if p.grad is not None:
                 pending += client.push(t, None, p.grad.detach().to("cpu").reshape(t.rows, t.dim), step)
         pending += client.done(step)
+        lr = tools.lr(opt) if opt is not None else None
         if opt is not None:  # the dense update runs while the pushes are on the wire
-            opt.step()
+            tools.step(opt, lambda: dense)
         for work in pending:
             work.wait()
         pending.clear()
@@ -208,11 +215,13 @@ def train(ctx: WorkerContext) -> TrainResult:
         steps_done += 1
         sent = sum(s for s, _ in by_name.values())
         recv = sum(r for _, r in by_name.values())
-        meter.end(loss.item(), sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s},
-                  sent_remote=remote)
+        logged = job.run_log(step + 1, output, targets) if ctx.rank == 0 else {}
+        meter.end(loss.item(), sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s,
+                                                  **({"lr": lr} if lr is not None else {})},
+                  sent_remote=remote, logged=logged)
         client.pull_s = 0.0
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            _save(ctx, step + 1, model, opt, ps_names, groups)
+            _save(ctx, step + 1, model, opt, tools, ps_names, groups)
     if ctx.rank == 0:
         _gather_model(client, tables, served, whole, cfg.steps)
         client.bytes.take()  # the final gather is not a training step
