@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from hpar.strategies.config import RunConfig
-from hpar.strategies.job import Job
+from hpar.strategies.job import Job, JobError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -116,3 +116,19 @@ def evaluate_during_training(job: Job, cfg: RunConfig, rank: int, step: int, mod
     metrics = job.run_evaluate(model)
     report_eval({"step": step, **metrics})
     return metrics
+
+
+def check_precision(job: Job, cfg: RunConfig, model: torch.nn.Module) -> None:
+    """Dry run of one forward pass and the loss under the run's autocast on the CPU, before any
+    process starts (only for CPU runs: a CUDA worker's kernels differ). Raises JobError naming
+    ``--precision`` when the script's model cannot run at that precision here."""
+    if cfg.precision == "fp32" or cfg.device != "cpu":
+        return
+    inputs, targets = next(job.batches(0, 1, cfg.batch_size))
+    try:
+        with torch.autocast("cpu", dtype=DTYPES[cfg.precision]):
+            job.compute_loss(model(inputs), targets)
+    except Exception as exc:
+        raise JobError(f"{job.path}: the forward pass fails under --precision {cfg.precision} on CPU "
+                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                       "use --precision fp32, or keep that layer in fp32 with torch.autocast(..., enabled=False)") from exc

@@ -254,3 +254,17 @@ def test_pipeline_stages_follow_the_schedule(tmp_path, schedule):
     assert code == 0, out
     want, _ = reference(script, 1, 20, 8, 0.1)
     close(torch.load(os.path.join(run_dir, "model.pt")), want)
+
+
+def test_a_model_that_cannot_run_at_the_precision_is_refused_before_anything_starts(tmp_path):
+    """A forward pass that fails under bf16 autocast on CPU is caught by the pre-start check:
+    one line naming the file and --precision, exit 2, no run directory."""
+    script = write_script(tmp_path, LOOP.replace("    def forward(self, x):\n        return self.body(x)",
+                                                 "    def forward(self, x):\n        if torch.is_autocast_enabled('cpu'):\n"
+                                                 "            raise RuntimeError('no bf16 kernel')\n        return self.body(x)"))
+    res = hpar("run", script, "--gpus", "1", "--strategy", "allreduce", "--precision", "bf16",
+               "--run-dir", str(tmp_path / "r"), "--plain")
+    assert res.returncode == 2, res.stdout + res.stderr
+    first = res.stderr.splitlines()[0]
+    assert script in first and "--precision bf16" in first and "no bf16 kernel" in first
+    assert not os.path.exists(tmp_path / "r" / "config.json")

@@ -13,6 +13,7 @@ from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions, choose_de
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
+from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
@@ -121,6 +122,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")})
+        check_precision(job, cfg, model)
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     ssh_opts, master = None, "127.0.0.1"
