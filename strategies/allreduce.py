@@ -142,7 +142,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         remote, (sent, recv) = counter.take_remote(), counter.take().get(DENSE, (0, 0))
         meter.end(step_loss, sent, recv, sent_remote=remote, logged=logged,
                   extra={"lr": lr, **({} if stepped else {"skipped_step": 1})})
-        evaluate_during_training(job, cfg, ctx.rank, step + 1, model, ctx.report_eval)
+        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: model, ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             if ctx.rank == 0:
                 checkpoint.save_part(cfg.run_dir, step + 1, "worker0",

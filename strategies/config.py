@@ -95,9 +95,6 @@ def not_supported(cfg: RunConfig) -> str | None:
         if cfg.precision == "fp16":
             return (f"--precision fp16 is not supported with --strategy {cfg.strategy} yet (the servers do not take "
                     "part in the gradient scaler's inf/NaN check); use --precision bf16")
-        if cfg.eval and cfg.eval_every:
-            return (f"--eval-every is not supported with --strategy {cfg.strategy} yet (the served tables are on the "
-                    "servers until the end); drop it: evaluate() runs before and after training")
         if cfg.clip_grad_norm:
             return (f"--clip-grad-norm is not supported with --strategy {cfg.strategy} yet (the servers' share of the "
                     "norm is not gathered); use --strategy allreduce or allreduce-sparse, or drop the flag")
@@ -110,6 +107,9 @@ def not_supported(cfg: RunConfig) -> str | None:
                     "within a step; raise --micro-batches and --batch-size instead")
         if cfg.clip_grad_norm:
             return "--clip-grad-norm is not supported with --strategy pipeline yet; drop the flag or use --strategy allreduce"
+        if cfg.eval and cfg.eval_every:
+            return ("--eval-every is not supported with --strategy pipeline yet (the stages' weights are gathered at the "
+                    "end); drop it: evaluate() runs before and after training")
         if cfg.precision == "fp16":
             return "--precision fp16 is not supported with --strategy pipeline yet; use --precision bf16"
         if cfg.precision != "fp32" and cfg.schedule.startswith("torch-"):

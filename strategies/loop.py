@@ -105,15 +105,17 @@ def evaluate_now(cfg: RunConfig, step: int) -> bool:
     return bool(cfg.eval and cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
 
 
-def evaluate_during_training(job: Job, cfg: RunConfig, rank: int, step: int, model: torch.nn.Module,
-                             report_eval: Callable[[dict], None]) -> dict:
-    """Run ``evaluate(model)`` on worker rank 0 after step ``step`` when ``--eval-every`` asks
-    for it and report ``{"step": step, **metrics}``; the other ranks go on and meet rank 0 at
-    the next collective (evaluate must finish within the process group's timeout, 300 s by
-    default, HPAR_PG_TIMEOUT). Returns the metrics ({} when nothing ran)."""
+def evaluate_during_training(job: Job, cfg: RunConfig, rank: int, step: int,
+                             model: Callable[[], torch.nn.Module], report_eval: Callable[[dict], None]) -> dict:
+    """Run ``evaluate(model())`` on worker rank 0 after step ``step`` when ``--eval-every``
+    asks for it and report ``{"step": step, **metrics}``; the other ranks go on and meet rank 0
+    at the next collective (evaluate must finish within the process group's timeout, 300 s by
+    default, HPAR_PG_TIMEOUT). Runs under a forked RNG, so evaluating does not change the
+    random numbers training draws next. Returns the metrics ({} when nothing ran)."""
     if rank != 0 or not evaluate_now(cfg, step):
         return {}
-    metrics = job.run_evaluate(model)
+    with torch.random.fork_rng(devices=[]):
+        metrics = job.run_evaluate(model())
     report_eval({"step": step, **metrics})
     return metrics
 

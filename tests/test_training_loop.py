@@ -227,6 +227,9 @@ def loss(o, t): return ((o - t) ** 2).mean()
 def optimizer(params): return torch.optim.Adam(params, lr=0.1)
 def scheduler(opt):
     return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=12)
+def evaluate(model):
+    x = torch.arange(200)
+    return {"mean_out": float(model(x).mean()), "draw": float(torch.rand(1))}
 """
 
 
@@ -235,12 +238,21 @@ def scheduler(opt):
 @pytest.mark.parametrize("strategy", ["hybrid", "ps"])
 def test_parameter_servers_follow_the_schedule(tmp_path, strategy):
     """The servers replay the script's schedule (one-cycle, Adam): 2 workers and a server
-    equal one process with the same schedule on the concatenated batches."""
+    equal one process with the same schedule on the concatenated batches, also while
+    evaluate() (which draws a random number) runs every 4 steps on a copy with the served rows."""
     script = write_script(tmp_path, EMBED_SCHEDULED)
-    code, run_dir, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", strategy, "--no-eval")
+    code, run_dir, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", strategy, "--eval-every", "4")
     assert code == 0, out
     want, _ = reference(script, 2, 12, 4, 0.1)
     close(torch.load(os.path.join(run_dir, "model.pt")), want)
+    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+    evals = {m["step"]: m["mean_out"] for m in rows if m["kind"] == "eval"}
+    assert sorted(evals) == [4, 8]
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert len({summary["eval_first"]["mean_out"], evals[4], evals[8], summary["eval_last"]["mean_out"]}) == 4
+    # the PS bytes of a step do not include the evaluation's pull of every row
+    by_step = [m["bytes_recv"] for m in rows if m["kind"] == "metric" and m["role"] == "worker" and m["rank"] == 0]
+    assert max(by_step) < 200 * 8 * 4
 
 
 @pytest.mark.multiprocess

@@ -41,7 +41,7 @@ from hpar.strategies import checkpoint
 from hpar.strategies.hybrid import embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
-from hpar.strategies.loop import step_tools
+from hpar.strategies.loop import evaluate_during_training, step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
 
 
@@ -132,6 +132,21 @@ def _resume(ctx: WorkerContext, model, opt, tools) -> int:
     return step
 
 
+def _model_copy(ctx: WorkerContext, model, client: PSClient, tables: list[PSTable], step: int) -> torch.nn.Module:
+    """Worker rank 0, for ``--eval-every``: a CPU copy of the model as of the start of
+    ``step``: the dense parameters and buffers from this worker, every PS-held row pulled
+    from the servers (its bytes are not counted as a training step's)."""
+    ps_names = {t.name for t in tables}
+    copy = ctx.job.build_model()
+    copy.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items() if k not in ps_names}, strict=False)
+    params = dict(copy.named_parameters())
+    for t in tables:
+        params[t.name].data.copy_(client.pull(t, None, step).reshape(params[t.name].shape))
+    client.bytes.take()
+    client.bytes.take_remote()
+    return copy
+
+
 def _gather_model(client: PSClient, tables: list[PSTable], served, whole, step: int) -> None:
     """Worker rank 0: pull every PS-held row (as of the end of training) into the model."""
     weights = {t.name: client.pull(t, None, step) for t in tables}
@@ -220,6 +235,8 @@ def train(ctx: WorkerContext) -> TrainResult:
                                                   **({"lr": lr} if lr is not None else {})},
                   sent_remote=remote, logged=logged)
         client.pull_s = 0.0
+        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(ctx, model, client, tables, step + 1),
+                                 ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             _save(ctx, step + 1, model, opt, tools, ps_names, groups)
     if ctx.rank == 0:
