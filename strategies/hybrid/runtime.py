@@ -30,6 +30,7 @@ and every worker's RNG state; ``server{i}`` parts hold the shards and their opti
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -173,43 +174,56 @@ def train(ctx: WorkerContext) -> TrainResult:
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         net.register_comm_hook((client.bytes, ctx.world_size, groups.workers, ring_remote), group_allreduce_hook)
     batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
-    for _ in range(ctx.start_step):  # same batches as an uninterrupted run
+    for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
         next(batches)
     meter, totals, steps_done = StepMeter(ctx, 0), {}, 0
     pending = []   # this step's sends to the servers
+    # Under --accumulate A, every micro-step pushes its rows, but only the last one counts its
+    # worker(s): the servers sum the pushes and apply the step once every worker's last is in.
+    counts = [1]
 
     def push(item) -> None:
         grads = item.gradients()
         if grads is not None:
-            pending.extend(client.push(item.table, grads[0], grads[1], clock.step))
+            pending.extend(client.push(item.table, grads[0], grads[1], clock.step, count=counts[0]))
     # without local aggregation (a collective), tables are pushed from inside backward
     clock.on_gradients = push if local is None else None
     for step in range(ctx.start_step, cfg.steps):
-        inputs, targets = next(batches)
-        meter.samples_per_step = batch_samples(inputs)
         meter.start()
         clock.step = step
-        inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
-        clock.leaves = embedding.batch_leaves(inputs)
-        embedding.prefetch(served, client, clock)
         for t, p in whole:
             p.data.copy_(client.pull(t, None, step).reshape(p.shape))
             p.grad = None
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-        with tools.autocast():
-            output = net(inputs)
-            loss = job.compute_loss(output, targets)
-        loss.backward()
+        step_loss, samples, push_s = 0.0, 0, 0.0
+        for micro in range(cfg.accumulate):
+            final = micro == cfg.accumulate - 1
+            counts[0] = 1 if final else 0
+            inputs, targets = next(batches)
+            samples += batch_samples(inputs)
+            inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
+            clock.leaves = embedding.batch_leaves(inputs)
+            embedding.prefetch(served, client, clock)
+            with (contextlib.nullcontext() if final or net is model else net.no_sync()):
+                with tools.autocast():
+                    output = net(inputs)
+                    loss = job.compute_loss(output, targets) / cfg.accumulate
+                loss.backward()
+            step_loss += loss.item()
+            t_push = time.perf_counter()
+            for item in served:
+                if local is not None:
+                    grads = local.reduce(item.table, item.gradients())
+                    if grads is not None:
+                        pending.extend(client.push(item.table, grads[0], grads[1], step,
+                                                   count=len(local.ranks) * counts[0]))
+                elif not item.pushed:
+                    push(item)
+                item.clear()
+            push_s += time.perf_counter() - t_push
+        meter.samples_per_step = samples
         t_push = time.perf_counter()
-        for item in served:
-            if local is not None:
-                grads = local.reduce(item.table, item.gradients())
-                if grads is not None:
-                    pending.extend(client.push(item.table, grads[0], grads[1], step, count=len(local.ranks)))
-            elif not item.pushed:
-                push(item)
-            item.clear()
         for t, p in whole:
             if p.grad is not None:
                 pending += client.push(t, None, p.grad.detach().to("cpu").reshape(t.rows, t.dim), step)
@@ -220,7 +234,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         for work in pending:
             work.wait()
         pending.clear()
-        push_s = time.perf_counter() - t_push
+        push_s += time.perf_counter() - t_push
         remote = client.bytes.take_remote()
         by_name = client.bytes.take()     # the PS tables' bytes and, under DENSE, the AllReduce's
         for k, (s, r) in by_name.items():
@@ -231,7 +245,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         sent = sum(s for s, _ in by_name.values())
         recv = sum(r for _, r in by_name.values())
         logged = job.run_log(step + 1, output, targets) if ctx.rank == 0 else {}
-        meter.end(loss.item(), sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s,
+        meter.end(step_loss, sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s,
                                                   **({"lr": lr} if lr is not None else {})},
                   sent_remote=remote, logged=logged)
         client.pull_s = 0.0
