@@ -87,17 +87,13 @@ class RunConfig:
 
 def not_supported(cfg: RunConfig) -> str | None:
     """Why this strategy cannot honour the training-loop flags it was given (one line naming
-    the flag and the way out), or None. Gradient clipping needs the parameter servers to take
-    part in the global norm, which the ``hybrid``/``ps`` wire protocol does not do yet; a
-    pipeline's micro-batches already accumulate within a step (raise ``--micro-batches``
-    instead of ``--accumulate``)."""
+    the flag and the way out), or None. The parameter servers do not take part in fp16's
+    inf/NaN check yet; a pipeline's micro-batches already accumulate within a step (raise
+    ``--micro-batches`` instead of ``--accumulate``)."""
     if cfg.strategy in ("hybrid", "ps"):
         if cfg.precision == "fp16":
             return (f"--precision fp16 is not supported with --strategy {cfg.strategy} yet (the servers do not take "
                     "part in the gradient scaler's inf/NaN check); use --precision bf16")
-        if cfg.clip_grad_norm:
-            return (f"--clip-grad-norm is not supported with --strategy {cfg.strategy} yet (the servers' share of the "
-                    "norm is not gathered); use --strategy allreduce or allreduce-sparse, or drop the flag")
     if cfg.strategy == "pipeline":
         if cfg.accumulate > 1:
             return ("--accumulate does not apply to --strategy pipeline: its micro-batches already accumulate "

@@ -23,6 +23,7 @@ operations' outputs inside the forward.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -58,11 +59,12 @@ class StepTools:
         """``loss.backward()``, scaled by the GradScaler under fp16."""
         self.scaler.scale(loss).backward()
 
-    def step(self, opt: torch.optim.Optimizer, params: Callable[[], list[torch.Tensor]]) -> bool:
-        """Unscale, clip by the global norm of ``params()``' gradients (``--clip-grad-norm``),
-        step the optimizer (the scaler skips it when a gradient is inf/NaN), update the
-        scale and step the schedule. Returns whether the optimizer stepped."""
-        if self.cfg.clip_grad_norm:
+    def step(self, opt: torch.optim.Optimizer, params: Callable[[], list[torch.Tensor]], clip: bool = True) -> bool:
+        """Unscale, clip by the global norm of ``params()``' gradients (``--clip-grad-norm``;
+        ``clip=False`` when the caller clipped by a norm that spans other processes), step the
+        optimizer (the scaler skips it when a gradient is inf/NaN), update the scale and step
+        the schedule. Returns whether the optimizer stepped."""
+        if self.cfg.clip_grad_norm and clip:
             self.scaler.unscale_(opt)
             self.last_norm = float(torch.nn.utils.clip_grad_norm_(params(), self.cfg.clip_grad_norm))
         before = self.scaler.get_scale() if self.scaler.is_enabled() else None
@@ -134,3 +136,10 @@ def check_precision(job: Job, cfg: RunConfig, model: torch.nn.Module) -> None:
         raise JobError(f"{job.path}: the forward pass fails under --precision {cfg.precision} on CPU "
                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                        "use --precision fp32, or keep that layer in fp32 with torch.autocast(..., enabled=False)") from exc
+
+
+def clip_coefficient(total_sq: float, max_norm: float) -> float:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` scales every gradient by, from the sum of
+    squares of all gradients: ``min(1, max_norm / (sqrt(total_sq) + 1e-6))``. For norms that
+    span processes (parameter servers, pipeline stages), whose parts are summed first."""
+    return min(1.0, max_norm / (math.sqrt(total_sq) + 1e-6))

@@ -193,7 +193,7 @@ def test_contract_hooks_are_checked(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "hybrid", "--clip-grad-norm", "1"], "--clip-grad-norm is not supported with --strategy hybrid"),
+    (["--strategy", "hybrid", "--precision", "fp16"], "--precision fp16 is not supported with --strategy hybrid"),
     (["--strategy", "pipeline", "--accumulate", "2"], "--accumulate does not apply to --strategy pipeline"),
     (["--strategy", "allreduce", "--accumulate", "0"], "--accumulate must be at least 1"),
     (["--strategy", "allreduce", "--clip-grad-norm", "-1"], "--clip-grad-norm must not be negative"),
@@ -237,15 +237,16 @@ def evaluate(model):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["hybrid", "ps"])
 def test_parameter_servers_follow_the_schedule(tmp_path, strategy):
-    """The servers replay the script's schedule (one-cycle, Adam) and sum each worker's
-    pushes of its 2 micro-steps: 2 workers and a server equal one process with the same
-    schedule on the 4 concatenated batches of each step, also while
+    """The servers replay the script's schedule (one-cycle, Adam), sum each worker's pushes of
+    its 2 micro-steps and clip by the global norm over workers and servers: 2 workers and a
+    server equal one process with the same schedule and clipping on the 4 concatenated
+    batches of each step, also while
     evaluate() (which draws a random number) runs every 4 steps on a copy with the served rows."""
     script = write_script(tmp_path, EMBED_SCHEDULED)
     code, run_dir, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", strategy, "--eval-every", "4",
-                                 "--accumulate", "2")
+                                 "--accumulate", "2", "--clip-grad-norm", "0.3")
     assert code == 0, out
-    want, _ = reference(script, 2, 12, 4, 0.1, accumulate=2)
+    want, _ = reference(script, 2, 12, 4, 0.1, accumulate=2, clip=0.3)
     close(torch.load(os.path.join(run_dir, "model.pt")), want)
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
     evals = {m["step"]: m["mean_out"] for m in rows if m["kind"] == "eval"}

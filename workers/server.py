@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import ByteMeter, peer_is_remote
 from hpar.strategies.hybrid.runtime import make_groups
 from hpar.strategies.job import JobError, load_job
+from hpar.strategies.loop import clip_coefficient
 from hpar.strategies.hybrid.client import PSTable, ps_tables
 from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, Inbox, Request, nbytes, p2p, reply_tag
 from hpar.strategies.hybrid.schedule import ServerSchedule, group_index
@@ -93,12 +95,35 @@ class Server:
         self.pushed[tid] = 0
         self._answer_pending()
 
+    def _apply_clipped(self) -> None:
+        """``--clip-grad-norm``: the step's mean gradients of every open table, scaled by the
+        global clipping coefficient, applied. The global sum of squares is one AllReduce over
+        the default group: each server adds its shards' part, worker 0 the dense part
+        (strategies/hybrid/runtime.py makes the same call after its DONE)."""
+        open_tables = [tid for tid, at in self.table_step.items() if at == self.applied]
+        specs, grads = {}, {}
+        for tid in open_tables:
+            shard = self.shards[tid]
+            specs[tid] = self.schedule.spec(self.group_of[tid], self.applied, shard.spec) if self.schedule else None
+            grads[tid] = shard.mean_gradient(self.num_workers, specs[tid])
+        total = torch.tensor([sum(float(g[1].double().pow(2).sum()) for g in grads.values() if g is not None)],
+                             dtype=torch.float64)
+        dist.all_reduce(total)
+        coef = clip_coefficient(float(total), self.cfg.clip_grad_norm)
+        for tid in open_tables:
+            if grads[tid] is not None:
+                grads[tid][1].mul_(coef)
+            self.shards[tid].apply_gradient(grads[tid], specs[tid])
+            self.table_step[tid] += 1
+            self.pushed[tid] = 0
+        self._answer_pending()
+
     def _apply_if_complete(self, tid: int) -> None:
         """Apply table ``tid`` early when all workers' gradients of the open step are in.
         (Pushes of a later step can already be complete with local aggregation, whose
         leader may push before its host's other worker's DONE arrives; they wait for the
         step to close, so a checkpoint never holds a table ahead of its step.)"""
-        if self.pushed[tid] == self.num_workers and self.table_step[tid] == self.applied:
+        if self.pushed[tid] == self.num_workers and self.table_step[tid] == self.applied and not self.cfg.clip_grad_norm:
             self._apply_table(tid)
 
     def _answer_pending(self) -> None:
@@ -113,6 +138,8 @@ class Server:
     def _close_step(self) -> None:
         """Every worker sent DONE for step ``applied``: apply the tables still open, report
         the step's bytes and checkpoint when due."""
+        if self.cfg.clip_grad_norm:
+            self._apply_clipped()
         for tid, at in self.table_step.items():
             if at == self.applied:
                 self._apply_table(tid)

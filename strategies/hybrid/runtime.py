@@ -42,7 +42,7 @@ from hpar.strategies import checkpoint
 from hpar.strategies.hybrid import embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
-from hpar.strategies.loop import evaluate_during_training, step_tools
+from hpar.strategies.loop import clip_coefficient, evaluate_during_training, step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
 
 
@@ -131,6 +131,20 @@ def _resume(ctx: WorkerContext, model, opt, tools) -> int:
         tools.load_state_dict(state.get("loop"))
     torch.set_rng_state(state["rng"][ctx.rank])
     return step
+
+
+def _clip_with_servers(ctx: WorkerContext, dense: list[torch.Tensor]) -> None:
+    """``--clip-grad-norm`` under hybrid/ps: one AllReduce over the default group (workers and
+    servers, after this worker's DONE) sums the squares of the whole averaged gradient (worker
+    0 adds the dense part, identical on every worker after DDP; each server its rows), then
+    the dense gradients are scaled by torch's clipping coefficient, as the servers do theirs."""
+    sq = sum(float(p.grad.double().pow(2).sum()) for p in dense if p.grad is not None) if ctx.rank == 0 else 0.0
+    total = torch.tensor([sq], dtype=torch.float64)
+    dist.all_reduce(total)
+    coef = clip_coefficient(float(total), ctx.cfg.clip_grad_norm)
+    for p in dense:
+        if p.grad is not None:
+            p.grad.mul_(coef)
 
 
 def _model_copy(ctx: WorkerContext, model, client: PSClient, tables: list[PSTable], step: int) -> torch.nn.Module:
@@ -228,9 +242,11 @@ def train(ctx: WorkerContext) -> TrainResult:
             if p.grad is not None:
                 pending += client.push(t, None, p.grad.detach().to("cpu").reshape(t.rows, t.dim), step)
         pending += client.done(step)
+        if cfg.clip_grad_norm:   # the global norm spans the servers' rows: see workers/server.py
+            _clip_with_servers(ctx, dense)
         lr = tools.lr(opt) if opt is not None else None
         if opt is not None:  # the dense update runs while the pushes are on the wire
-            tools.step(opt, lambda: dense)
+            tools.step(opt, lambda: dense, clip=False)
         for work in pending:
             work.wait()
         pending.clear()

@@ -179,10 +179,26 @@ class ParamShard:
         ``spec`` (this step's hyperparameters under an LR schedule; None: the shard's own);
         clears the accumulated pushes. Does nothing when no worker pushed this step."""
         spec = spec or self.spec
-        if not self._pushed:
+        self.apply_gradient(self.mean_gradient(num_workers, spec), spec)
+
+    def apply_gradient(self, gradient: tuple[torch.Tensor | None, torch.Tensor] | None,
+                       spec: OptimizerSpec | None = None) -> None:
+        """Apply ``gradient`` (from :meth:`mean_gradient`, possibly scaled by a clipping
+        coefficient) under ``spec``; None (no push this step) leaves the shard alone."""
+        if gradient is None:
             return
-        self._pushed = False
         self.step += 1
+        self._update(gradient[0], gradient[1], spec or self.spec)
+
+    def mean_gradient(self, num_workers: int, spec: OptimizerSpec | None = None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """This step's gradient, the pushes summed and divided by ``num_workers``: ``(local
+        rows (k,), (k, dim))`` when touched rows suffice for ``spec``'s update, else ``(None,
+        (local_rows, dim))`` for every row; None when no worker pushed. Clears the pushes."""
+        spec = spec or self.spec
+        if not self._pushed:
+            return None
+        self._pushed = False
         ids_list, grads_list = self._ids, self._grads
         self._ids, self._grads = [], []
         dim = self.weight.shape[1]
@@ -200,7 +216,7 @@ class ParamShard:
             for ids, grads in zip(ids_list, grads_list):
                 g.index_add_(0, ids, grads)
         g.div_(num_workers)
-        self._update(rows, g, spec)
+        return rows, g
 
     def _state(self, key: str, fill: float = 0.0) -> torch.Tensor:
         if key not in self.state:
