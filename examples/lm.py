@@ -28,7 +28,8 @@ HIDDEN = 96
 NUM_SAMPLED = 128
 EVAL_TOKENS = 10_000
 
-HPAR = {"batch_size": 32, "steps": 200, "lr": 0.05, "log_every": 10, "precision": "bf16", "eval_every": 50}
+HPAR = {"batch_size": 32, "steps": 200, "lr": 0.05, "log_every": 10, "precision": "bf16", "eval_every": 50,
+        "clip_grad_norm": 2.0}
 WARMUP = 20   # steps of linear warm-up before the cosine decay
 
 
