@@ -35,9 +35,9 @@ dist.destroy_process_group()
 '''
 
 
-def launch(*args: str, timeout: float = 180, env: dict | None = None, log=None) -> subprocess.CompletedProcess:
-    """``hpar launch ARGS`` as a subprocess, stdout and stderr to a file; returns the output."""
-    log = log or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"hpar-launch-{os.getpid()}-{time.monotonic_ns()}.txt")
+def launch(*args: str, log: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``hpar launch ARGS`` as a subprocess, stdout and stderr to the file ``log``; returns the
+    output."""
     with open(log, "w") as out:
         code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "launch", *args], stdout=out,
                               stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO,
