@@ -1,4 +1,4 @@
-"""The ``hpar`` command line: ``hpar run``, ``hpar profile``, ``hpar bench``.
+"""The ``hpar`` command line: ``hpar run``, ``hpar profile``, ``hpar bench``, ``hpar launch``.
 
 User errors (a bad script, flag, host file or plan) print one line ``hpar: <message>`` on
 stderr and exit with code 2 before any process starts.
@@ -63,9 +63,11 @@ def main() -> None:
 @click.option("--ssh-local", is_flag=True, help="Use SSH even for localhost entries.")
 @click.option("--python", "python_path", default=None, help="Interpreter on the hosts (default: this one's path).")
 @click.option("--sync", is_flag=True, help="Copy the script to hosts that lack it.")
+@click.option("--env", "env", multiple=True, metavar="KEY[=VALUE]",
+              help="Also give remote processes KEY (this value, or the launcher's); repeatable.")
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
-        clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync):
+        clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, env):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
@@ -78,7 +80,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
                         "eval_every": eval_every},
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-            python_path=python_path, sync=sync)
+            python_path=python_path, sync=sync, env=env)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:
@@ -96,9 +98,11 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
 def _register_commands() -> None:
     """``profile`` and ``bench`` live in their own modules (imported here, after ``main``)."""
     from hpar.launcher.commands.bench import bench
+    from hpar.launcher.commands.launch import launch
     from hpar.launcher.commands.profile import profile
     main.add_command(profile)
     main.add_command(bench)
+    main.add_command(launch)
 
 
 _register_commands()
