@@ -49,6 +49,8 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: choose cpu or cuda")
         if self.servers < 0 or self.checkpoint_every < 0:
             raise ValueError("--servers and --checkpoint-every must not be negative")
         if self.strategy == "pipeline" and self.schedule == "torch-1f1b" and self.micro_batches < self.world_size:
@@ -57,6 +59,7 @@ class RunConfig:
 
     @property
     def backend(self) -> str:
+        """The workers' dense group's backend (strategies/groups.py); the default group is gloo."""
         return "nccl" if self.device == "cuda" else "gloo"
 
     def to_json(self) -> str:

@@ -13,9 +13,10 @@ global RNG yields the same batches in both processes (other RNGs must be seeded 
 A batch is split into ``cfg.micro_batches`` equal micro-batches along dim 0.
 
 Messages: stage k sends each micro-batch's output activation to k+1 (a small int64 header
-with dtype and shape, then the tensor) and the gradient of its input to k-1 (its shape is
-known: the activation it received). Sends are ``isend`` and are awaited at the end of the
-step; receives block. Limits: activations between stages must be single tensors.
+with dtype and shape over gloo, then the tensor over the workers' dense group, NCCL on CUDA)
+and the gradient of its input to k-1 (its shape is known: the activation it received).
+Sends are posted together with the stage's next receive (``strategies/pipeline/comm.py``:
+deadlock-free on NCCL) and awaited at the end of the step; receives block. Limits: activations between stages must be single tensors.
 
 Schedules (``strategies/pipeline/schedules.py``): ``gpipe`` and ``1f1b`` flush every batch and step
 the optimizer once (loss of each micro-batch scaled by 1/M), exactly single-process
@@ -45,6 +46,7 @@ import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.groups import worker_groups
 from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops
 from hpar.strategies.pipeline.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
@@ -91,7 +93,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         if stage.optimizer is not None:
             stage.optimizer.load_state_dict(state["optimizer"])
     ctx.start_step = start or 0
-    links = Links(ctx.rank, K, ctx.device, ctx.is_remote)
+    links = Links(ctx.rank, K, ctx.device, ctx.is_remote, group=worker_groups(K, cfg.device).dense)
     batches = job.batches(0, 1, cfg.batch_size) if (stage.is_first or stage.is_last) else None
     for s in range(ctx.start_step):   # the same batches as an uninterrupted run
         if batches is not None:
@@ -137,6 +139,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             t0 = time.perf_counter()
             stage.update()
             compute[0] += time.perf_counter() - t0
+        links.flush()
         links.wait_sends(keep=4 * K + 8)
         loss = float("nan")
         if stage.is_last:
@@ -171,6 +174,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             run(op, j)
             if op.kind == "B" and (j + 1) % M == 0:
                 end_step(j // M)
+    links.flush()
     links.wait_sends()
     return _finish(ctx, stage, model, ranges, meter, stats)
 
