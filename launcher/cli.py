@@ -59,9 +59,11 @@ def main() -> None:
 @click.option("--ssh-local", is_flag=True, help="Use SSH even for localhost entries.")
 @click.option("--python", "python_path", default=None, help="Interpreter on the hosts (default: this one's path).")
 @click.option("--sync", is_flag=True, help="Copy the script to hosts that lack it.")
+@click.option("--device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True,
+              help="Workers' device: auto (a GPU per worker where every host has enough, else CPU), cpu or cuda.")
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, plain,
-        ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync):
+        ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, device):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
@@ -72,7 +74,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
             resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-            python_path=python_path, sync=sync)
+            python_path=python_path, sync=sync, device=device)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:
