@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpar.strategies import checkpoint
 from hpar.strategies.hybrid import embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
-from hpar.strategies.devices import rng_state, set_rng_state
+from hpar.strategies.devices import rng_state, set_rng_state, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
@@ -91,17 +91,22 @@ def group_allreduce_hook(state, bucket):
 
 
 def _setup(ctx: WorkerContext):
+    """Build the model on the CPU, hand its served tables to the parameter server (their
+    weights emptied) and only then move it to the worker's device: a served table is never
+    materialised on the device (tables larger than GPU memory are what servers are for)."""
     cfg, job = ctx.cfg, ctx.job
     torch.manual_seed(cfg.seed)
-    model = job.build_model().to(ctx.device)
+    model = job.build_model()
     set_sparse_gradients(model, False)
     full_opt = job.build_optimizer(model.parameters(), cfg.lr)
     servers = cfg.servers or 1
     tables = ps_tables(model, full_opt, cfg.strategy, cfg.plan, servers)
+    del full_opt
     groups = make_groups(ctx.world_size, cfg.device, ctx.host_of, cfg.plan)
-    client = PSClient(tables, ctx.world_size, servers, ctx.is_remote)
+    client = PSClient(tables, ctx.world_size, servers, ctx.is_remote, pin=ctx.device.type == "cuda")
     clock = embedding.StepClock()
     served = embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
+    model.to(ctx.device)
     params = dict(model.named_parameters())
     whole = [(t, params[t.name]) for t in tables if t.kind == "whole"]
     ps_names = {t.name for t in tables}
@@ -173,11 +178,12 @@ def train(ctx: WorkerContext) -> TrainResult:
         meter.samples_per_step = batch_samples(inputs)
         meter.start()
         clock.step = step
+        host_inputs = inputs
         inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
-        clock.leaves = embedding.batch_leaves(inputs)
+        clock.set_batch(host_inputs, inputs)     # ids are read on the host, never copied back
         embedding.prefetch(served, client, clock)
         for t, p in whole:
-            p.data.copy_(client.pull(t, None, step).reshape(p.shape))
+            p.data.copy_(to_device(client.pull(t, None, step).reshape(p.shape), p.device))
             p.grad = None
         if opt is not None:
             opt.zero_grad(set_to_none=True)
@@ -217,6 +223,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             _save(ctx, step + 1, model, opt, ps_names, groups)
     if ctx.rank == 0:
+        model.to("cpu")     # the whole model, served tables included, is assembled on the host
         _gather_model(client, tables, served, whole, cfg.steps)
         client.bytes.take()  # the final gather is not a training step
     else:
