@@ -51,3 +51,38 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``; from pinned host memory the copy is non-blocking (ordered on the
     current stream, so the kernels that use it wait for it, the host does not)."""
     return t.to(device, non_blocking=t.is_pinned())
+
+
+class ComputeTimer:
+    """Seconds of compute between :meth:`start` and :meth:`stop` calls: the host clock on the
+    CPU; on CUDA, CUDA events on the current stream (the host clock would time kernel
+    launches, not kernels), read once per step by :meth:`take` after the last event completed."""
+
+    def __init__(self, device: torch.device):
+        import time
+        self._clock, self.cuda = time.perf_counter, device.type == "cuda"
+        self.seconds, self.events, self._start = 0.0, [], None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = self._clock()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self._start, end))
+        else:
+            self.seconds += self._clock() - self._start
+
+    def take(self) -> float:
+        """Seconds timed since the last call (waits for the last CUDA event); resets."""
+        if self.events:
+            self.events[-1][1].synchronize()
+            self.seconds += sum(a.elapsed_time(b) for a, b in self.events) / 1000.0
+            self.events = []
+        out, self.seconds = self.seconds, 0.0
+        return out

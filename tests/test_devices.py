@@ -85,3 +85,35 @@ def test_rng_state_carries_the_cuda_generator(monkeypatch):
     set_rng_state(state, torch.device("cuda", 1))
     assert restored == [(7, torch.device("cuda", 1))]
     set_rng_state(torch.get_rng_state(), torch.device("cpu"))       # checkpoints from before: CPU state alone
+
+
+def test_compute_timer_uses_cuda_events_on_a_gpu(monkeypatch):
+    from hpar.strategies.devices import ComputeTimer
+
+    class Event:
+        made = []
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t, self.synced = None, False
+            Event.made.append(self)
+
+        def record(self):
+            self.t = len(Event.made) * 2.0          # milliseconds, as CUDA reports them
+
+        def synchronize(self):
+            self.synced = True
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = ComputeTimer(torch.device("cuda", 0))
+    for _ in range(2):
+        timer.start()
+        timer.stop()
+    assert timer.take() == pytest.approx(0.004) and Event.made[-1].synced   # 2 x 2 ms, read once
+    cpu = ComputeTimer(torch.device("cpu"))
+    cpu.start()
+    cpu.stop()
+    assert 0 <= cpu.take() < 1 and cpu.take() == 0

@@ -39,13 +39,13 @@ their means per stage (gathered to rank 0).
 """
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.devices import ComputeTimer
 from hpar.strategies.groups import worker_groups
 from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops
@@ -101,7 +101,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     meter = StepMeter(ctx, cfg.batch_size)
     inputs, targets, step_losses = {}, {}, {}
     stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": []}
-    compute = [0.0]
+    timer = ComputeTimer(ctx.device)   # CUDA events on a GPU
 
     def feed(step: int) -> None:
         x, y = _draw(batches, cfg.seed, step)
@@ -117,28 +117,28 @@ def train(ctx: WorkerContext) -> TrainResult:
             if (stage.is_first or stage.is_last) and j not in (inputs if stage.is_first else targets):
                 feed(j // M)
             x = inputs.pop(j) if stage.is_first else links.recv_activation()
-            t0 = time.perf_counter()
+            timer.start()
             out = stage.forward(op, x, targets.pop(j) if stage.is_last else None)
-            compute[0] += time.perf_counter() - t0
+            timer.stop()
             if stage.is_last:
                 step_losses.setdefault(j // M, []).append(out)
             else:
                 links.send_activation(out)
         else:
             g = None if stage.is_last else links.recv_gradient()
-            t0 = time.perf_counter()
+            timer.start()
             grad_in = stage.backward(op, g)
             if not sync:
                 stage.update()
-            compute[0] += time.perf_counter() - t0
+            timer.stop()
             if not stage.is_first:
                 links.send_gradient(grad_in)
 
     def end_step(step: int) -> None:
         if sync:
-            t0 = time.perf_counter()
+            timer.start()
             stage.update()
-            compute[0] += time.perf_counter() - t0
+            timer.stop()
         links.flush()
         links.wait_sends(keep=4 * K + 8)
         loss = float("nan")
@@ -149,10 +149,10 @@ def train(ctx: WorkerContext) -> TrainResult:
         elif K > 1 and stage.is_first:
             loss = links.recv_loss()
         sent, recv, idle, remote = links.take()
-        stats["compute_s"].append(compute[0]); stats["idle_s"].append(idle)
+        compute = timer.take()
+        stats["compute_s"].append(compute); stats["idle_s"].append(idle)
         stats["sent"].append(sent); stats["recv"].append(recv)
-        meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute[0], "idle_s": idle}, sent_remote=remote)
-        compute[0] = 0.0
+        meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute, "idle_s": idle}, sent_remote=remote)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             checkpoint.save_part(cfg.run_dir, step + 1, part, {
                 "model": stage.module.state_dict(),
