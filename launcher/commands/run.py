@@ -14,9 +14,11 @@ from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
+from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
 
-FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0}
+FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
+             "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0}
 
 
 def read_plan(path: str) -> dict:
@@ -70,8 +72,11 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
-            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, device="auto"):
-    """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts."""
+            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, device="auto"):
+    """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
+    ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
+    None where not given (then the script's HPAR, else FALLBACKS)."""
+    loop_flags = loop_flags or {}
     host_list = tuple(parse_hosts(hosts)) if hosts else ()
     if max_restarts < 0 or stall_timeout < 0:
         raise ValueError("--max-restarts and --stall-timeout must not be negative")
@@ -112,7 +117,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             device="cpu" if device == "auto" else device, log_every=pick(log_every, "log_every"), servers=servers,
             schedule=schedule or plan.get("schedule") or "1f1b",
             micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
-            checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval)
+            checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
+            **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")})
+        check_precision(job, cfg, model)
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     ssh_opts, master = None, "127.0.0.1"

@@ -156,6 +156,12 @@ class Supervisor:
             self.progress.update(spec.label, kind, payload)
             if kind == "metric":
                 self._last_progress[id(proc)] = time.monotonic()
+        elif kind == "eval":   # evaluate() during training (--eval-every), worker 0
+            self.rundir.metric({"kind": kind, "role": spec.role, "rank": spec.rank, "host": spec.host,
+                                "time": time.time(), **payload})
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in payload.items() if k != "step" and isinstance(v, (int, float)))
+            self.progress.say(f"hpar: evaluate at step {payload.get('step')}: {shown}")
+            self._last_progress[id(proc)] = time.monotonic()
         elif kind == "summary":
             self.summary = payload
         elif kind == "event":
