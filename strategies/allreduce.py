@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint
+from hpar.strategies.devices import cpu_copy
 from hpar.strategies.groups import mean_over_workers, worker_groups
 from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
@@ -151,7 +152,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         remote, (sent, recv) = counter.take_remote(), counter.take().get(DENSE, (0, 0))
         meter.end(step_loss, sent, recv, sent_remote=remote, logged=logged,
                   extra={"lr": lr, **({} if stepped else {"skipped_step": 1})})
-        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: model, ctx.report_eval)
+        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: cpu_copy(model), ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             if ctx.rank == 0:
                 checkpoint.save_part(cfg.run_dir, step + 1, "worker0",

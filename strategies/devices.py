@@ -16,6 +16,12 @@ def model_to_cpu(model: torch.nn.Module) -> torch.nn.Module:
     return model.to("cpu")
 
 
+def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` on the CPU (``evaluate`` during training; the original stays put)."""
+    import copy
+    return copy.deepcopy(model).to("cpu")
+
+
 def cpu_state_dict(model: torch.nn.Module) -> dict:
     """``model.state_dict()`` with every tensor copied to the CPU (a checkpoint or ``model.pt``
     must load on a machine without the GPU it was trained on)."""
