@@ -91,7 +91,7 @@ class SampledSoftmaxLM(nn.Module):
         h = self.hidden(tokens)
         if not self.training:
             return h @ self.softmax_w.weight.t() + self.softmax_b.weight.t()
-        u = torch.rand(NUM_SAMPLED)
+        u = torch.rand(NUM_SAMPLED, device=targets.device)   # on the targets' device (CPU or GPU)
         sampled = (torch.exp(u * math.log(self.vocab_size + 1)) - 1).long().clamp_(0, self.vocab_size - 1)
         candidates, inverse = torch.unique(torch.cat([targets.reshape(-1), sampled]), return_inverse=True)
         logits = h @ self.softmax_w(candidates).t() + self.softmax_b(candidates).t()
@@ -138,8 +138,10 @@ def scheduler(opt):
 
 
 def evaluate(model):
-    """Full-softmax perplexity on the first EVAL_TOKENS tokens of the validation split."""
-    ids = corpus()[2][: EVAL_TOKENS + 1]
+    """Full-softmax perplexity on the first EVAL_TOKENS tokens of the validation split
+    (on whatever device the model is: hpar hands it over on the CPU)."""
+    dev = next(model.parameters()).device
+    ids = corpus()[2][: EVAL_TOKENS + 1].to(dev)
     rows = (len(ids) - 1) // BPTT
     x = ids[: rows * BPTT].view(rows, BPTT)
     y = ids[1: rows * BPTT + 1].view(rows, BPTT)

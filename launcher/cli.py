@@ -65,9 +65,11 @@ def main() -> None:
 @click.option("--sync", is_flag=True, help="Copy the script to hosts that lack it.")
 @click.option("--env", "env", multiple=True, metavar="KEY[=VALUE]",
               help="Also give remote processes KEY (this value, or the launcher's); repeatable.")
+@click.option("--device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True,
+              help="Workers' device: auto (a GPU per worker where every host has enough, else CPU), cpu or cuda.")
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
-        clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, env):
+        clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, env, device):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
@@ -80,7 +82,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
                         "eval_every": eval_every},
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-            python_path=python_path, sync=sync, env=env)
+            python_path=python_path, sync=sync, env=env, device=device)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:

@@ -55,6 +55,8 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: choose cpu or cuda")
         if self.servers < 0 or self.checkpoint_every < 0 or self.eval_every < 0:
             raise ValueError("--servers, --checkpoint-every and --eval-every must not be negative")
         if self.precision not in PRECISIONS:
@@ -72,6 +74,7 @@ class RunConfig:
 
     @property
     def backend(self) -> str:
+        """The workers' dense group's backend (strategies/groups.py); the default group is gloo."""
         return "nccl" if self.device == "cuda" else "gloo"
 
     def to_json(self) -> str:

@@ -218,7 +218,7 @@ def main() -> int:
     stop_beat = report.start_heartbeat()
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
-    make_groups(num_workers, "gloo" if cfg.device == "cpu" else None, host_of, cfg.plan)
+    make_groups(num_workers, cfg.device, host_of, cfg.plan)   # a member of none but the default (gloo) group
     torch.manual_seed(cfg.seed)
     model = job.build_model()
     opt = job.build_optimizer(model.parameters(), cfg.lr)

@@ -11,7 +11,8 @@ from hpar.launcher.hosts.environ import describe as describe_env, parse_env_flag
 from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
 from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
-from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions, choose_device
+from hpar.launcher.run.devices import choose_devices, describe, local_gpus
+from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
@@ -73,7 +74,7 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
-            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=()):
+            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(), device="auto"):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags."""
@@ -120,15 +121,11 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--servers must be at least 1 for --strategy {strategy}")
         if strategy not in SERVER_STRATEGIES and servers:
             raise ValueError(f"--servers {servers} only applies to --strategy hybrid or ps, not {strategy}")
-        workers_per_host = max(sum(1 for h in place_workers(list(host_list), gpus) if h.name == n.name)
-                               for n in host_list) if host_list else gpus
-        device, how = choose_device(workers_per_host)
-        console.print(f"hpar: {how}", markup=False)
         pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
-            device=device, log_every=pick(log_every, "log_every"), servers=servers,
+            device="cpu" if device == "auto" else device, log_every=pick(log_every, "log_every"), servers=servers,
             schedule=schedule or plan.get("schedule") or "1f1b",
             micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
@@ -145,6 +142,16 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         from hpar.launcher.hosts.remote import prepare_remote
         ssh_opts, master = prepare_remote(console, host_list, cfg, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user,
                                           ssh_local=ssh_local, python_path=python_path, sync=sync, env=extra_env)
+    if not resume_dir:   # a resumed run keeps its device
+        seen = getattr(ssh_opts, "gpus", None) or {}
+        if slurm and os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():   # Slurm's count for every node
+            seen = {h.name: int(os.environ["SLURM_GPUS_ON_NODE"]) for h in host_list}
+        hosts_used = place_workers(list(host_list), cfg.world_size) if host_list else []
+        rows = [(n, sum(1 for h in hosts_used if h.name == n), seen.get(n, local_gpus()))
+                for n in dict.fromkeys(h.name for h in hosts_used)] or [("localhost", cfg.world_size, local_gpus())]
+        chosen, per_host = choose_devices(rows, device)
+        cfg = cfg.replace(device=chosen)
+        console.print(f"hpar: {describe(chosen, per_host, cfg.servers)}", markup=False)
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, max_restarts=max_restarts,
                          live=False if plain else None, sync=sync, env=extra_env, slurm=slurm)
     return cfg, opts, master

@@ -43,4 +43,4 @@ def prepare_remote(console: Console, hosts: tuple[Host, ...], cfg, *, ssh_key=No
         raise ValueError(report.summary())
     console.print(f"hpar: {report.summary()}", markup=False)
     console.print(f"hpar: {describe(env)}", markup=False)
-    return replace(opts, ifnames=report.ifnames), report.master_addr
+    return replace(opts, ifnames=report.ifnames, gpus={row.host: row.gpus for row in report.rows}), report.master_addr

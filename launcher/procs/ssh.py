@@ -81,6 +81,7 @@ class SSHOptions:
     python: str | None = None
     force_ssh: bool = False
     ifnames: dict = field(default_factory=dict)  # host name -> interface (from preflight)
+    gpus: dict = field(default_factory=dict)     # host name -> GPUs it sees (from preflight)
 
 
 def connect(host: Host, opts: SSHOptions) -> fabric.Connection:

@@ -1,4 +1,4 @@
-"""``hpar run`` from resolved options to a finished run: pick the device, place workers and
+"""``hpar run`` from resolved options to a finished run: place workers and
 servers on hosts, write the run directory, start and supervise every process, write the
 summary, and restart from the last checkpoint when ``--max-restarts`` allows."""
 from __future__ import annotations
@@ -35,15 +35,6 @@ class LaunchOptions:
     sync: bool = False
     env: dict = field(default_factory=dict)  # --env values: every process gets them (launcher/hosts/environ.py)
     slurm: bool = False                      # inside a Slurm allocation: one srun step (launcher/procs/srun.py)
-
-
-def choose_device(workers_per_host: int) -> tuple[str, str]:
-    """("cuda", message) when this machine has a CUDA GPU for every local worker, else ("cpu", ...)."""
-    import torch
-    if torch.cuda.is_available() and torch.cuda.device_count() >= workers_per_host:
-        return "cuda", f"{workers_per_host} GPU worker(s) per host with NCCL ({torch.cuda.get_device_name(0)})"
-    reason = "no CUDA device" if not torch.cuda.is_available() else f"only {torch.cuda.device_count()} GPU(s)"
-    return "cpu", f"CPU workers with gloo ({reason})"
 
 
 def placement(cfg: RunConfig, hosts: tuple[Host, ...]) -> tuple[list[Host], list[Host]]:

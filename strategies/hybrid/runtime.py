@@ -41,6 +41,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpar.strategies import checkpoint
 from hpar.strategies.hybrid import embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
+from hpar.strategies.devices import rng_state, set_rng_state, to_device
+from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.loop import clip_coefficient, evaluate_during_training, step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
@@ -49,20 +51,21 @@ from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps
 @dataclass(frozen=True)
 class Groups:
     """Process groups every process of a hybrid/ps run creates, in the same order:
-    ``workers`` (all workers: the dense AllReduce) and, where local aggregation is on,
-    one group per host with several workers; ``host``/``host_ranks`` are this process's."""
-    workers: object
+    ``workers`` (the workers' dense and control groups, strategies/groups.py: the dense
+    AllReduce on NCCL when CUDA, CPU values on gloo) and, where local aggregation is on,
+    one gloo group per host with several workers; ``host``/``host_ranks`` are this process's."""
+    workers: WorkerGroups
     host: object = None
     host_ranks: tuple[int, ...] = ()
 
 
-def make_groups(num_workers: int, backend: str | None, hosts: tuple[int, ...], plan: dict) -> Groups:
+def make_groups(num_workers: int, device_type: str, hosts: tuple[int, ...], plan: dict) -> Groups:
     """Create the run's subgroups: a collective over the default group, so servers call it
     too, with the same arguments (``hosts``: the host index of every default-group rank,
     from ``workers.worker.init_group``). Local aggregation is on for a host with several
     workers when a server lives on another host (its pushes then cross the network), or as
     ``plan["local_aggregation"]`` (true/false) says."""
-    workers = dist.new_group(list(range(num_workers)), backend=backend)
+    workers = worker_groups(num_workers, device_type)
     worker_hosts, server_hosts = hosts[:num_workers], hosts[num_workers:]
     want = (plan or {}).get("local_aggregation")
     mine, my_ranks = None, ()
@@ -90,17 +93,22 @@ def group_allreduce_hook(state, bucket):
 
 
 def _setup(ctx: WorkerContext):
+    """Build the model on the CPU, hand its served tables to the parameter server (their
+    weights emptied) and only then move it to the worker's device: a served table is never
+    materialised on the device (tables larger than GPU memory are what servers are for)."""
     cfg, job = ctx.cfg, ctx.job
     torch.manual_seed(cfg.seed)
-    model = job.build_model().to(ctx.device)
+    model = job.build_model()
     set_sparse_gradients(model, False)
     full_opt = job.build_optimizer(model.parameters(), cfg.lr)
     servers = cfg.servers or 1
     tables = ps_tables(model, full_opt, cfg.strategy, cfg.plan, servers)
-    groups = make_groups(ctx.world_size, "gloo" if ctx.device.type == "cpu" else None, ctx.host_of, cfg.plan)
-    client = PSClient(tables, ctx.world_size, servers, ctx.is_remote)
+    del full_opt
+    groups = make_groups(ctx.world_size, cfg.device, ctx.host_of, cfg.plan)
+    client = PSClient(tables, ctx.world_size, servers, ctx.is_remote, pin=ctx.device.type == "cuda")
     clock = embedding.StepClock()
     served = embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
+    model.to(ctx.device)
     params = dict(model.named_parameters())
     whole = [(t, params[t.name]) for t in tables if t.kind == "whole"]
     ps_names = {t.name for t in tables}
@@ -111,7 +119,7 @@ def _setup(ctx: WorkerContext):
 
 def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], groups: Groups) -> None:
     rng = [None] * ctx.world_size
-    dist.all_gather_object(rng, torch.get_rng_state(), group=groups.workers)
+    dist.all_gather_object(rng, rng_state(ctx.device), group=groups.workers.control)
     if ctx.rank == 0:
         dense = {k: v for k, v in model.state_dict().items() if k not in ps_names}
         checkpoint.save_part(ctx.cfg.run_dir, step, "worker0",
@@ -129,7 +137,7 @@ def _resume(ctx: WorkerContext, model, opt, tools) -> int:
     if opt is not None:
         opt.load_state_dict(state["optimizer"])
         tools.load_state_dict(state.get("loop"))
-    torch.set_rng_state(state["rng"][ctx.rank])
+    set_rng_state(state["rng"][ctx.rank], ctx.device)
     return step
 
 
@@ -183,10 +191,10 @@ def train(ctx: WorkerContext) -> TrainResult:
     net = model
     if dense:
         DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(ps_names))
-        net = DDP(model, process_group=groups.workers,
+        net = DDP(model, process_group=groups.workers.dense,
                   device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
-        net.register_comm_hook((client.bytes, ctx.world_size, groups.workers, ring_remote), group_allreduce_hook)
+        net.register_comm_hook((client.bytes, ctx.world_size, groups.workers.dense, ring_remote), group_allreduce_hook)
     batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
     for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
         next(batches)
@@ -206,7 +214,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         meter.start()
         clock.step = step
         for t, p in whole:
-            p.data.copy_(client.pull(t, None, step).reshape(p.shape))
+            p.data.copy_(to_device(client.pull(t, None, step).reshape(p.shape), p.device))
             p.grad = None
         if opt is not None:
             opt.zero_grad(set_to_none=True)
@@ -216,8 +224,9 @@ def train(ctx: WorkerContext) -> TrainResult:
             counts[0] = 1 if final else 0
             inputs, targets = next(batches)
             samples += batch_samples(inputs)
+            host_inputs = inputs
             inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
-            clock.leaves = embedding.batch_leaves(inputs)
+            clock.set_batch(host_inputs, inputs)     # ids are read on the host, never copied back
             embedding.prefetch(served, client, clock)
             with (contextlib.nullcontext() if final or net is model else net.no_sync()):
                 with tools.autocast():
@@ -270,6 +279,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             _save(ctx, step + 1, model, opt, tools, ps_names, groups)
     if ctx.rank == 0:
+        model.to("cpu")     # the whole model, served tables included, is assembled on the host
         _gather_model(client, tables, served, whole, cfg.steps)
         client.bytes.take()  # the final gather is not a training step
     else:
@@ -277,10 +287,10 @@ def train(ctx: WorkerContext) -> TrainResult:
     client.finish()
     n = max(steps_done, 1)
     by_param = {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(totals.items())}
-    losses = torch.tensor([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2, dtype=torch.float64)
-    dist.all_reduce(losses, group=groups.workers)
+    losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
+                               groups.workers, ctx.world_size)
     result = meter.result(model if ctx.rank == 0 else None, replicas=ctx.world_size,
                           extra={"by_param": by_param, "servers": cfg.servers or 1,
                                  "ps_params": sorted(ps_names)})
-    result.loss_first, result.loss_last = (losses / ctx.world_size).tolist()
+    result.loss_first, result.loss_last = losses
     return result

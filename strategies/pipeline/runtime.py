@@ -13,9 +13,10 @@ global RNG yields the same batches in both processes (other RNGs must be seeded 
 A batch is split into ``cfg.micro_batches`` equal micro-batches along dim 0.
 
 Messages: stage k sends each micro-batch's output activation to k+1 (a small int64 header
-with dtype and shape, then the tensor) and the gradient of its input to k-1 (its shape is
-known: the activation it received). Sends are ``isend`` and are awaited at the end of the
-step; receives block. Limits: activations between stages must be single tensors.
+with dtype and shape over gloo, then the tensor over the workers' dense group, NCCL on CUDA)
+and the gradient of its input to k-1 (its shape is known: the activation it received).
+Sends are posted together with the stage's next receive (``strategies/pipeline/comm.py``:
+deadlock-free on NCCL) and awaited at the end of the step; receives block. Limits: activations between stages must be single tensors.
 
 Schedules (``strategies/pipeline/schedules.py``): ``gpipe`` and ``1f1b`` flush every batch and step
 the optimizer once (loss of each micro-batch scaled by 1/M), exactly single-process
@@ -38,13 +39,14 @@ their means per stage (gathered to rank 0).
 """
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.devices import ComputeTimer
+from hpar.strategies.groups import worker_groups
 from hpar.strategies.loop import step_tools
 from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops
@@ -97,7 +99,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     tools = step_tools(cfg, job, stage.optimizer, ctx.device) if stage.optimizer is not None else None
     if start and tools is not None:
         tools.load_state_dict(state.get("loop"))
-    links = Links(ctx.rank, K, ctx.device, ctx.is_remote)
+    links = Links(ctx.rank, K, ctx.device, ctx.is_remote, group=worker_groups(K, cfg.device).dense)
     batches = job.batches(0, 1, cfg.batch_size) if (stage.is_first or stage.is_last) else None
     for s in range(ctx.start_step):   # the same batches as an uninterrupted run
         if batches is not None:
@@ -105,7 +107,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     meter = StepMeter(ctx, cfg.batch_size)
     inputs, targets, step_losses = {}, {}, {}
     stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": []}
-    compute = [0.0]
+    timer = ComputeTimer(ctx.device)   # CUDA events on a GPU
 
     def feed(step: int) -> None:
         x, y = _draw(batches, cfg.seed, step)
@@ -121,21 +123,21 @@ def train(ctx: WorkerContext) -> TrainResult:
             if (stage.is_first or stage.is_last) and j not in (inputs if stage.is_first else targets):
                 feed(j // M)
             x = inputs.pop(j) if stage.is_first else links.recv_activation()
-            t0 = time.perf_counter()
+            timer.start()
             with autocast:
                 out = stage.forward(op, x, targets.pop(j) if stage.is_last else None)
-            compute[0] += time.perf_counter() - t0
+            timer.stop()
             if stage.is_last:
                 step_losses.setdefault(j // M, []).append(out)
             else:
                 links.send_activation(out)
         else:
             g = None if stage.is_last else links.recv_gradient()
-            t0 = time.perf_counter()
+            timer.start()
             grad_in = stage.backward(op, g)
             if not sync:
                 update()
-            compute[0] += time.perf_counter() - t0
+            timer.stop()
             if not stage.is_first:
                 links.send_gradient(grad_in)
 
@@ -146,9 +148,10 @@ def train(ctx: WorkerContext) -> TrainResult:
 
     def end_step(step: int) -> None:
         if sync:
-            t0 = time.perf_counter()
+            timer.start()
             update()
-            compute[0] += time.perf_counter() - t0
+            timer.stop()
+        links.flush()
         links.wait_sends(keep=4 * K + 8)
         loss = float("nan")
         if stage.is_last:
@@ -158,10 +161,10 @@ def train(ctx: WorkerContext) -> TrainResult:
         elif K > 1 and stage.is_first:
             loss = links.recv_loss()
         sent, recv, idle, remote = links.take()
-        stats["compute_s"].append(compute[0]); stats["idle_s"].append(idle)
+        compute = timer.take()
+        stats["compute_s"].append(compute); stats["idle_s"].append(idle)
         stats["sent"].append(sent); stats["recv"].append(recv)
-        meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute[0], "idle_s": idle}, sent_remote=remote)
-        compute[0] = 0.0
+        meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute, "idle_s": idle}, sent_remote=remote)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             checkpoint.save_part(cfg.run_dir, step + 1, part, {
                 "model": stage.module.state_dict(),
@@ -185,6 +188,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             run(op, j)
             if op.kind == "B" and (j + 1) % M == 0:
                 end_step(j // M)
+    links.flush()
     links.wait_sends()
     return _finish(ctx, stage, model, ranges, meter, stats)
 

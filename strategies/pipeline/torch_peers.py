@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.groups import worker_groups
 from hpar.strategies.pipeline.stage import build_stages_model, describe, stage_module, stage_ranges
 
 
@@ -70,7 +71,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     opt = job.build_optimizer(params, cfg.lr) if params else None
     sched = job.build_scheduler(opt) if opt is not None else None
     io = _ActivationBytes(module)
-    stage = PipelineStage(module, k, K, ctx.device)
+    stage = PipelineStage(module, k, K, ctx.device, group=worker_groups(K, cfg.device).dense)   # NCCL on CUDA
     schedule_cls = ScheduleGPipe if cfg.schedule == "torch-gpipe" else Schedule1F1B
 
     def loss_fn(output, target):
@@ -106,7 +107,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         if last:
             loss = float(sum(l.detach() for l in losses) / len(losses))
         if K > 1:
-            t = torch.tensor([loss], dtype=torch.float64, device=ctx.device)
+            t = torch.tensor([loss], dtype=torch.float64)   # a CPU value: over the default (gloo) group
             if last:
                 dist.send(t, 0)
             elif first:
