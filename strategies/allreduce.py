@@ -125,7 +125,10 @@ def train(ctx: WorkerContext) -> TrainResult:
                 checkpoint.save_part(cfg.run_dir, step + 1, "worker0",
                                      {"model": model.state_dict(), "optimizer": opt.state_dict()})
             checkpoint.commit(cfg.run_dir, step + 1)
-    losses = torch.tensor([meter.losses[0], meter.losses[-1]], dtype=torch.float64)
+    if meter is None:   # resumed at the last step: nothing left to train
+        meter = StepMeter(ctx, 0)
+    losses = torch.tensor([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
+                          dtype=torch.float64)
     dist.all_reduce(losses)
     result = meter.result(model if ctx.rank == 0 else None, replicas=ctx.world_size)
     result.loss_first, result.loss_last = (losses / ctx.world_size).tolist()

@@ -9,8 +9,8 @@ from rich.console import Console
 
 from hpar.launcher.hosts.hostfile import parse_hosts, place_workers
 from hpar.launcher.run.rundir import default_run_dir
+from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_step
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions, choose_device
-from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.hybrid.client import placement
@@ -32,15 +32,16 @@ def read_plan(path: str) -> dict:
     return plan
 
 
-def resumed_config(resume_dir: str, script: str | None, steps: int | None) -> RunConfig:
-    """The config of the run in ``resume_dir``, set to resume from its last checkpoint."""
+def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=print) -> RunConfig:
+    """The config of the run in ``resume_dir``, set to resume from its last complete checkpoint
+    (checked before anything starts: launcher/run/validate.py)."""
     path = os.path.join(resume_dir, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"--resume {resume_dir}: no config.json there; pass the run directory of an earlier `hpar run`")
     cfg = RunConfig.from_json(open(path, encoding="utf-8").read())
     if script and os.path.abspath(script) != cfg.script:
         raise ValueError(f"--resume {resume_dir}: that run trained {cfg.script}, not {os.path.abspath(script)}")
-    if checkpoint.latest_step(resume_dir) is None:
+    if resume_step(resume_dir, say) is None:
         raise ValueError(f"--resume {resume_dir}: no checkpoint there; start runs with --checkpoint-every N to resume them")
     return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))
 
@@ -75,11 +76,12 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     if max_restarts < 0 or stall_timeout < 0:
         raise ValueError("--max-restarts and --stall-timeout must not be negative")
     if resume_dir:
-        cfg = resumed_config(resume_dir, script, steps)
+        cfg = resumed_config(resume_dir, script, steps, say=lambda m: console.print(m, markup=False))
         job = load_job(cfg.script)
     else:
         if not script:
             raise ValueError("missing SCRIPT: `hpar run SCRIPT --gpus N` (or --resume RUN_DIR)")
+        check_run_dir(os.path.abspath(run_dir or default_run_dir()))
         job = load_job(script)
         d = job.defaults
         gpus = gpus if gpus is not None else 1
@@ -92,6 +94,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         model = check_job(job, bs)
         strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule)
+        if strategy == "pipeline":
+            check_plan_stages(plan, model, gpus, plan_file or "the planner's plan")
         # placement() raises for a plan naming unknown parameters before anything starts
         if strategy == "hybrid" and "ps" not in placement(model, strategy, plan).values() and servers is None:
             console.print("hpar: hybrid would put no parameter on the servers (no embedding table, or the plan keeps "
@@ -118,6 +122,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval)
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
+    if resume_dir:
+        check_run_dir(cfg.run_dir, "--resume")
     ssh_opts, master = None, "127.0.0.1"
     if host_list and (ssh_local or any(not h.is_local for h in host_list)):
         from hpar.launcher.hosts.remote import prepare_remote

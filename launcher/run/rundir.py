@@ -62,6 +62,18 @@ class RunDir:
         self._metrics.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._metrics.flush()
 
+    def write_text(self, relative: str, text: str) -> None:
+        """Write ``text`` to RUN_DIR/``relative`` (atomically)."""
+        atomic_write_bytes(os.path.join(self.path, relative), text.encode())
+
+    def read_summary(self) -> dict | None:
+        """summary.json of an earlier attempt in this directory (None when absent or torn)."""
+        try:
+            with open(os.path.join(self.path, "summary.json"), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
     def write_summary(self, summary: dict) -> None:
         atomic_write_bytes(os.path.join(self.path, "summary.json"), json.dumps(summary, indent=2, sort_keys=True).encode())
 
