@@ -150,6 +150,8 @@ class StepMeter:
         n = len(self.losses)
         if self.ctx.on_step is not None:
             self.ctx.on_step(self.ctx.start_step + n)
+        if n == 1 and self.ctx.event is not None:   # the launcher compares the workers' batch sizes
+            self.ctx.event({"kind": "batch", "samples": self.samples_per_step, "rank": self.ctx.rank})
         if self.ctx.start_step + n == 1 and self.ctx.event is not None:
             # the run's very first loss, kept by the launcher across restarts and resumes
             self.ctx.event({"kind": "first_loss", "loss": float(loss), "rank": self.ctx.rank})

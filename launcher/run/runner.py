@@ -12,6 +12,7 @@ from rich.console import Console
 
 from hpar.launcher.hosts.hostfile import Host, place_workers
 from hpar.launcher.procs.local import LocalProcess, run_specs
+from hpar.launcher.run.batchcheck import BatchSizeCheck
 from hpar.launcher.run.figures import FirstFigures
 from hpar.launcher.run.health import heartbeat_interval
 from hpar.launcher.run.progress import Progress
@@ -95,8 +96,10 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             procs = _processes(cfg, rundir, opts, lines, master, port)
             labels = [(p.spec.label, p.spec.host) for p in procs]
             with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
+                sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
+                hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event))
                 sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
-                                 total_steps=cfg.steps, on_event=figures.on_event)
+                                 total_steps=cfg.steps, on_event=hooks)
                 outcome = sup.run()
             checkpoint.remove_temp_files(rundir.path)
             interrupted = outcome.exit_code in (130, 143)

@@ -100,7 +100,7 @@ class Supervisor:
                 name = signal.Signals(self._stop_signal).name
                 self.progress.say(f"hpar: {name} received, stopping every process")
                 if self._hanging():
-                    self._diagnose()
+                    self._diagnose()   # Ctrl-C on a hung run: say where every process stands
                 return Outcome(EXIT_INTERRUPTED if self._stop_signal == signal.SIGINT else EXIT_TERMINATED,
                                cause=f"launcher received {name}")
             failed = []
@@ -157,22 +157,27 @@ class Supervisor:
     def _stall(self, stalled: list) -> Outcome:
         """Take every process's stack, blame the stalled process (the silent one, else the one
         found elsewhere than in torch while its peers wait there), SIGKILL it, stop the rest."""
-        by_id = {id(p): p for p in self.procs}
-        odd = self._diagnose()
+        by_id, by_label = {id(p): p for p in self.procs}, {p.spec.label: p for p in self.procs}
+        odd, mute = self._diagnose()
         key, cause = stalled[0]
-        if not cause.startswith("stalled: silent") and len(odd) == 1:
-            blamed = next(p for p in self.procs if p.spec.label == odd[0])
-            key, cause = id(blamed), (f"stalled: not in a collective while its peers wait in one "
-                                      f"(no step for {self.stall_timeout:.0f} s, --stall-timeout)")
+        if not cause.startswith("stalled: silent"):
+            if mute:      # gave no stack while others did: stopped or frozen
+                key = id(by_label[mute[0]])
+                cause = (f"stalled: silent for {self.health.silent(key):.0f} s and no answer to the stack "
+                         "request (stopped or frozen)")
+            elif len(odd) == 1:
+                key, cause = id(by_label[odd[0]]), (f"stalled: not in a collective while its peers wait in one "
+                                                    f"(no step for {self.stall_timeout:.0f} s, --stall-timeout)")
         p = by_id[key]
         self.progress.update(p.spec.label, "state", {"state": "stalled"})
         p.kill()   # a stalled process gets no grace period (a stopped one could not use it)
         return self._fail(p, cause)
 
-    def _diagnose(self) -> list[str]:
+    def _diagnose(self) -> tuple[list[str], list[str]]:
         """SIGUSR1 to every live process, read back their faulthandler dumps (2 s at most),
         write them to RUN_DIR/stacks/, print the grouped summary; returns the labels of the
-        processes found elsewhere than in torch while others wait there."""
+        processes found elsewhere than in torch while others wait there, and of those that gave
+        no stack while others did."""
         live = [p for p in self.procs if p.poll() is None]
         self._stacks = {id(p): [] for p in live}
         with ThreadPoolExecutor(max_workers=16) as pool:
@@ -200,7 +205,7 @@ class Supervisor:
         self._stacks = None
         summary, odd = stacks.summarize(dumps, no_stack)
         self.progress.say(f"hpar: stacks ({os.path.join(self.rundir.path, 'stacks')}):\n" + "\n".join(summary))
-        return odd
+        return odd, (list(no_stack) if dumps else [])
 
     def _is_root_cause(self, p) -> bool:
         """True for a failure nothing else can have caused: a signal from outside or a lost
