@@ -57,11 +57,15 @@ def main() -> None:
 @click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
 @click.option("--ssh-user", default=None, help="SSH user (default from the host file or ~/.ssh/config).")
 @click.option("--ssh-local", is_flag=True, help="Use SSH even for localhost entries.")
+@click.option("--ssh-known-hosts", default=None, help="known_hosts file host keys are checked against "
+              "(default $HPAR_SSH_KNOWN_HOSTS, else ~/.ssh/known_hosts).")
+@click.option("--ssh-accept-new", is_flag=True, help="Record the keys of hosts not yet in known_hosts "
+              "(as StrictHostKeyChecking=accept-new); without it they are refused.")
 @click.option("--python", "python_path", default=None, help="Interpreter on the hosts (default: this one's path).")
 @click.option("--sync", is_flag=True, help="Copy the script to hosts that lack it.")
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, plain,
-        ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync):
+        ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
@@ -72,7 +76,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
             resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-            python_path=python_path, sync=sync)
+            python_path=python_path, sync=sync, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:

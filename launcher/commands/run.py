@@ -70,7 +70,8 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
-            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync):
+            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, ssh_known_hosts=None,
+            ssh_accept_new=False):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts."""
     host_list = tuple(parse_hosts(hosts)) if hosts else ()
     if max_restarts < 0 or stall_timeout < 0:
@@ -128,7 +129,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     if host_list and (ssh_local or any(not h.is_local for h in host_list)):
         from hpar.launcher.hosts.remote import prepare_remote
         ssh_opts, master = prepare_remote(console, host_list, cfg, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user,
-                                          ssh_local=ssh_local, python_path=python_path, sync=sync)
+                                          ssh_local=ssh_local, python_path=python_path, sync=sync,
+                                          known_hosts=ssh_known_hosts, accept_new=ssh_accept_new)
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, max_restarts=max_restarts,
                          live=False if plain else None, sync=sync)
     return cfg, opts, master
