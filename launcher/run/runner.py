@@ -122,7 +122,12 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
         summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path)
         if outcome.exit_code != 0:
             summary.update(failed=outcome.failed, failed_host=outcome.host, cause=outcome.cause)
-        rundir.write_summary(summary)
+        try:
+            rundir.write_summary(summary)
+        except OSError as exc:
+            console.print(f"hpar: {rundir.path}: cannot write summary.json ({exc.strerror})", markup=False)
+        if rundir.write_error:
+            console.print(f"hpar: {rundir.write_error}", markup=False)
         return outcome
     finally:
         rundir.close()
