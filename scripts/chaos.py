@@ -36,7 +36,7 @@ import psutil
 STEPS, EVERY = 24, 3
 SCRIPT = textwrap.dedent('''
     import time, torch, torch.nn as nn
-    HPAR = {"steps": 24, "batch_size": 4, "lr": 0.05, "log_every": 1}
+    HPAR = {"steps": 24, "batch_size": 4, "lr": 0.01, "log_every": 1}
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent('''
             time.sleep(0.15)
             yield torch.randint(0, 5000, (batch_size,), generator=g), torch.randn(batch_size, generator=g)
     def loss(o, t): return ((o - t) ** 2).mean()
-    def optimizer(params): return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    def optimizer(params): return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 ''')
 FAULTS = ("worker_kill", "server_kill", "guard_kill", "worker_stop", "launcher_kill", "launcher_int",
           "launcher_term", "checkpoint_kill", "disk_full")

@@ -157,6 +157,29 @@ def test_rank_hanging_in_user_code_is_named_with_its_stack(tmp_path, reap_run):
     assert not run_processes(run_dir)
 
 
+@pytest.mark.timeout(200)
+def test_ctrl_c_on_a_hung_run_prints_every_stack_first(tmp_path, reap_run):
+    proc, run_dir = _start_hanging(tmp_path, hang_at=25, stall=0)
+    reap_run(run_dir)
+    try:
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        steps = lambda: open(metrics).read().count('"kind":"metric"') if os.path.exists(metrics) else 0
+        assert wait_for(lambda: steps() >= 20, 120)     # rank 1 hangs after 25 batches (one was the check)
+        count, since = steps(), time.monotonic()
+        while time.monotonic() - since < 7:               # no new step for 7 s: hung
+            time.sleep(0.5)
+            if steps() != count:
+                count, since = steps(), time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    out = (tmp_path / "out.txt").read_text()
+    assert proc.returncode == 130, out
+    assert "SIGINT received" in out and "worker 1: elsewhere: data (job.py:" in out, out
+    assert not run_processes(run_dir)
+
+
 SLOW_START = SHORT.replace("def evaluate(model):", "def evaluate(model):\n    import time; time.sleep(4)").replace(
     "        yield x, x.sum(1, keepdim=True)",
     "        x = x[:6] if rank == 1 else x\n        yield x, x.sum(1, keepdim=True)")

@@ -198,7 +198,11 @@ class Supervisor:
             lines = self._stacks[id(p)]
             if stacks.is_dump_complete(lines):
                 dumps[p.spec.label] = lines
-                self.rundir.write_text(os.path.join("stacks", p.spec.log_name.replace(".log", ".txt")), "\n".join(lines) + "\n")
+                try:
+                    self.rundir.write_text(os.path.join("stacks", p.spec.log_name.replace(".log", ".txt")),
+                                           "\n".join(lines) + "\n")
+                except OSError as exc:   # a full disk: the summary below still says where each one stands
+                    self.rundir.write_error = self.rundir.write_error or f"cannot write stacks ({exc.strerror})"
             else:
                 no_stack[p.spec.label] = "stopped (SIGSTOP?)" if getattr(p, "stopped", lambda: False)() else \
                     f"no answer to SIGUSR1 within 2 s; silent for {self.health.silent(id(p)):.0f} s"
