@@ -227,7 +227,7 @@ def test_worker_exiting_0_early_is_named_and_new_session_children_are_stopped(tm
      ("--batch-size", "100000"), "data() raised RuntimeError while producing a batch"),
     (SHORT.replace("    g = torch.Generator", "    raise KeyError('shard')\n    g = torch.Generator"), (),
      "data() raised KeyError while producing a batch: 'shard'"),
-])
+], ids=["sys-exit-at-import", "huge-batch", "data-raises"])
 def test_bad_scripts_are_one_line_and_exit_2(tmp_path, text, args, message):
     script = write_script(tmp_path, text)
     res = hpar("run", script, "--run-dir", str(tmp_path / "run"), *args)
