@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "disk_full" or chain is None or chain[2] or rng.random() < 0.3:
             if chain is not None:
                 records[-1]["chain_result"] = finish_chain(chain, script, log, reference)
+                print(json.dumps({"chain_result": records[-1]["chain_result"]}), flush=True)
             strategy = "hybrid" if kind == "server_kill" else rng.choice(strategies)
             run_dir = os.path.join(work, f"run-{i}")
             tmpfs = kind == "disk_full"
