@@ -19,7 +19,7 @@ one is blamed; otherwise the stacks decide (launcher/run/stacks.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def heartbeat_interval(stall_timeout: float) -> float:
@@ -45,7 +45,8 @@ class ProcState:
     step_time: float | None = None      # when ``step`` last advanced
     phase: str = "start"                # start | train | evaluate
     exited_cleanly: bool = False        # it announced exit code 0 (workers/report.exit_process)
-    extra: dict = field(default_factory=dict)
+    train_since: float = 0.0            # when it entered the training phase
+    eval_end: float = 0.0               # when the last evaluation (of any process) ended
 
 
 class Health:
@@ -77,7 +78,7 @@ class Health:
         s = self.state[key]
         s.phase = phase
         if phase == "train":   # a resumed run's first step starts a new count, like a fresh one
-            s.extra["train_since"] = time.monotonic()
+            s.train_since = time.monotonic()
 
     def silent(self, key, now: float | None = None) -> float:
         """Seconds since the process last printed anything (or since it started)."""
@@ -103,11 +104,10 @@ class Health:
                 continue
             if s.role != "worker" or s.phase != "train" or evaluating or s.step >= self.total_steps:
                 continue
-            if s.step_time is None or s.step_time < s.extra.get("train_since", 0):
-                since = s.extra.get("train_since", s.started)
-                if now - since > self.startup:
+            if s.step_time is None or s.step_time < s.train_since:
+                if now - (s.train_since or s.started) > self.startup:
                     stuck.append((k, f"stalled: no first step within {self.startup:.0f} s"))
-            elif now - max(s.step_time, s.extra.get("eval_end", 0)) > self.timeout:
+            elif now - max(s.step_time, s.eval_end) > self.timeout:
                 stuck.append((k, f"stalled: no step for {self.timeout:.0f} s (--stall-timeout) after step {s.step}"))
         return silent + stuck
 
@@ -115,4 +115,4 @@ class Health:
         """An evaluation ended: step timers restart from now (nobody could step during it)."""
         now = time.monotonic()
         for s in self.state.values():
-            s.extra["eval_end"] = now
+            s.eval_end = now
