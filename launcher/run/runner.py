@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from rich.console import Console
 
@@ -16,11 +16,11 @@ from hpar.launcher.run.batchcheck import BatchSizeCheck
 from hpar.launcher.run.figures import FirstFigures
 from hpar.launcher.run.health import heartbeat_interval
 from hpar.launcher.run.progress import Progress
+from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_host_local, port_taken
 from hpar.launcher.run.rundir import RunDir
 from hpar.launcher.run.supervisor import Outcome, Supervisor
 from hpar.launcher.run.validate import resume_step
 from hpar.strategies import checkpoint
-from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.config import RunConfig
 
 SERVER_STRATEGIES = ("hybrid", "ps")
@@ -37,6 +37,8 @@ class LaunchOptions:
     grace: float = 5.0
     live: bool | None = None
     sync: bool = False
+    env: dict = field(default_factory=dict)  # --env values: every process gets them (launcher/hosts/environ.py)
+    slurm: bool = False                      # inside a Slurm allocation: one srun step (launcher/procs/srun.py)
 
 
 def choose_device(workers_per_host: int) -> tuple[str, str]:
@@ -71,6 +73,12 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
         threads = max(1, (os.cpu_count() or 1) // per_host[spec.host])
         spec.env.setdefault("HPAR_THREADS", str(threads))
         spec.env.setdefault("HPAR_HEARTBEAT_S", str(heartbeat_interval(opts.stall_timeout)))
+        for key, value in opts.env.items():  # hpar's own variables win
+            spec.env.setdefault(key, value)
+    if opts.slurm:
+        from hpar.launcher.procs.srun import SrunStep
+        return SrunStep(specs, lines, rundir.path, python=python, env=opts.env).processes
+    for spec in specs:
         remote = opts.ssh is not None and (not by_name[spec.host].is_local or getattr(opts.ssh, "force_ssh", False))
         if remote:
             from hpar.launcher.procs.ssh import make_process
@@ -87,21 +95,28 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
     previous = rundir.read_summary()
     figures = FirstFigures(rundir.path, cfg.world_size, cfg.strategy)
     attempt = 0
+    used_ports: set[int] = set()
     try:
         while True:
             checkpoint.remove_temp_files(rundir.path)   # left by a process killed mid-write
             rundir.write_config(cfg)
             lines: queue.Queue = queue.Queue()
-            port = free_port("127.0.0.1" if master == "127.0.0.1" else "")  # a remote master is not ours to bind
-            procs = _processes(cfg, rundir, opts, lines, master, port)
-            labels = [(p.spec.label, p.spec.host) for p in procs]
-            with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
-                sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
-                hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event))
-                sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
-                                 total_steps=cfg.steps, on_event=hooks)
-                outcome = sup.run()
+            with Rendezvous(master, first_host_local(opts.hosts), avoid=used_ports) as rdv:  # launcher/run/rendezvous.py
+                console.print(f"hpar: {rdv.describe()}", markup=False)
+                procs = _processes(cfg, rundir, replace(opts, env={**rdv.env, **opts.env}), lines, master, rdv.port)
+                labels = [(p.spec.label, p.spec.host) for p in procs]
+                with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
+                    sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
+                    hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event))
+                    sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
+                                     total_steps=cfg.steps, on_event=hooks)
+                    outcome = sup.run()
             checkpoint.remove_temp_files(rundir.path)
+            used_ports.add(rdv.port)
+            if outcome.exit_code != 0 and not rdv.hosted and port_taken(rundir, procs) and len(used_ports) <= MAX_PORT_RETRIES:
+                console.print(f"hpar: rendezvous port {rdv.port} was taken (EADDRINUSE); starting again on another port",
+                              markup=False)
+                continue
             interrupted = outcome.exit_code in (130, 143)
             if outcome.exit_code == 0 or interrupted or attempt >= opts.max_restarts:
                 break

@@ -55,6 +55,15 @@ def describe_exit(code: int, signal_seen: int | None) -> str:
     return f"exit code {code}"
 
 
+def _start(p) -> Exception | None:
+    """Start ``p``; the exception instead of raising it."""
+    try:
+        p.start()
+    except Exception as exc:
+        return exc
+    return None
+
+
 class Supervisor:
     """Runs ``procs`` (objects with LocalProcess's methods) to completion or first failure."""
 
@@ -86,10 +95,12 @@ class Supervisor:
                 signal.signal(s, h)
 
     def _run(self) -> Outcome:
-        for p in self.procs:
-            try:
-                p.start()
-            except Exception as exc:  # e.g. SSH refused after preflight
+        # every start in parallel: a remote one is an SSH connection, whose cost must not add up
+        # over the hosts (launch at scale, BENCHMARKS.md)
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(self.procs)))) as pool:
+            errors = list(pool.map(_start, self.procs))
+        for p, exc in zip(self.procs, errors):
+            if exc is not None:  # e.g. SSH refused after preflight
                 self.progress.say(f"hpar: could not start {p.spec.label} on {p.spec.host}: {exc}")
                 return Outcome(EXIT_FAILED, p.spec.label, p.spec.host, f"could not start: {exc}")
             self.health.state[id(p)].started = time.monotonic()
@@ -257,6 +268,12 @@ class Supervisor:
                 self.health.advance(id(proc), payload.get("step"))
             else:
                 self.health.heartbeat(id(proc), payload)
+        elif kind == "eval":   # evaluate() during training (--eval-every), worker 0
+            self.rundir.metric({"kind": kind, "role": spec.role, "rank": spec.rank, "host": spec.host,
+                                "time": time.time(), **payload})
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in payload.items() if k != "step" and isinstance(v, (int, float)))
+            self.progress.say(f"hpar: evaluate at step {payload.get('step')}: {shown}")
+            self.health.evaluated()   # nobody could step meanwhile
         elif kind == "summary":
             self.summary = payload
         elif kind == "event":
