@@ -61,6 +61,10 @@ def main() -> None:
 @click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
 @click.option("--ssh-user", default=None, help="SSH user (default from the host file or ~/.ssh/config).")
 @click.option("--ssh-local", is_flag=True, help="Use SSH even for localhost entries.")
+@click.option("--ssh-known-hosts", default=None, help="known_hosts file host keys are checked against "
+              "(default $HPAR_SSH_KNOWN_HOSTS, else ~/.ssh/known_hosts).")
+@click.option("--ssh-accept-new", is_flag=True, help="Record the keys of hosts not yet in known_hosts "
+              "(as StrictHostKeyChecking=accept-new); without it they are refused.")
 @click.option("--python", "python_path", default=None, help="Interpreter on the hosts (default: this one's path).")
 @click.option("--sync", is_flag=True, help="Copy the script to hosts that lack it.")
 @click.option("--env", "env", multiple=True, metavar="KEY[=VALUE]",
@@ -69,7 +73,7 @@ def main() -> None:
               help="Workers' device: auto (a GPU per worker where every host has enough, else CPU), cpu or cuda.")
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
-        clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, env, device):
+        clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
@@ -82,7 +86,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
                         "eval_every": eval_every},
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-            python_path=python_path, sync=sync, env=env, device=device)
+            python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:
@@ -91,9 +95,11 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
     outcome = launch(cfg, opts, console, master)
     if outcome.exit_code == 0 and outcome.summary:
         s = outcome.summary
-        ev = ", ".join(f"{k} {s['eval_first'].get(k, float('nan')):.4g} -> {v:.4g}" for k, v in (s.get("eval_last") or {}).items())
-        console.print(f"hpar: done: {s.get('samples_per_s', 0):.1f} samples/s, loss {s.get('loss_first', 0):.4f} -> "
-                      f"{s.get('loss_last', 0):.4f}{'; ' + ev if ev else ''}; run dir {cfg.run_dir}", markup=False)
+        num = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"   # None: not measured
+        ev = ", ".join(f"{k} {num((s.get('eval_first') or {}).get(k), '.4g')} -> {num(v, '.4g')}"
+                       for k, v in (s.get("eval_last") or {}).items())
+        console.print(f"hpar: done: {num(s.get('samples_per_s'), '.1f')} samples/s, loss {num(s.get('loss_first'), '.4f')} -> "
+                      f"{num(s.get('loss_last'), '.4f')}{'; ' + ev if ev else ''}; run dir {cfg.run_dir}", markup=False)
     sys.exit(outcome.exit_code)
 
 

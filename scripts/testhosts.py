@@ -9,7 +9,8 @@ a namespace ``<prefix>h<i>`` joined to it by a veth pair (``<prefix>v<i>`` on th
 ``eth0`` inside) with the address 10.77.NET.(i+2), running ``/usr/sbin/sshd`` with a throwaway
 config, a throwaway host key and a throwaway client key authorized for root. ``--rate`` caps
 each host's link in both directions (``tc qdisc ... tbf`` on both ends of its veth). It writes
-a host file (``root@ADDR:22 slots=1`` per line), an ssh config and the key under
+a host file (``root@ADDR:22 slots=1`` per line), an ssh config, a known_hosts file with the
+hosts' key (pass it with ``--ssh-known-hosts`` or ``HPAR_SSH_KNOWN_HOSTS``) and the key under
 hpar-testhosts-<prefix>/ in $HPAR_TESTHOSTS_DIR (default: the temporary directory) and prints them as JSON. The namespaces have no default route:
 traffic only ever goes to the addresses made here. They share this machine's filesystem, so
 ``sys.executable`` and the repository path work inside them.
@@ -62,6 +63,7 @@ class TestHosts:
     ssh_config: str
     user: str = "root"
     port: int = 22
+    known_hosts: str = ""   # the hosts' keys, for --ssh-known-hosts / HPAR_SSH_KNOWN_HOSTS
 
     @property
     def addresses(self) -> list[str]:
@@ -228,8 +230,12 @@ def up(k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0) -> Te
     with open(ssh_config, "w") as f:
         f.write(f"Host {subnet}.*\n  User root\n  IdentityFile {directory}/client_key\n  IdentitiesOnly yes\n"
                 f"  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")
+    known_hosts = os.path.join(directory, "known_hosts")   # every host shares the one host key
+    host_key = open(f"{directory}/host_key.pub").read().split()[:2]
+    with open(known_hosts, "w") as f:
+        f.writelines(f"{h.address} {' '.join(host_key)}\n" for h in hosts)
     return TestHosts(prefix, net, directory, state["bridge"], f"{subnet}.1", tuple(hosts),
-                     f"{directory}/client_key", host_file, ssh_config)
+                     f"{directory}/client_key", host_file, ssh_config, known_hosts=known_hosts)
 
 
 def _save(directory: str, state: dict) -> None:

@@ -159,7 +159,10 @@ def train(ctx: WorkerContext) -> TrainResult:
                                      {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                       "loop": tools.state_dict()})
             checkpoint.commit(cfg.run_dir, step + 1)
-    losses = mean_over_workers([meter.losses[0], meter.losses[-1]], groups, ctx.world_size)
+    if meter is None:   # resumed at the last step: nothing left to train
+        meter = StepMeter(ctx, 0)
+    losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
+                               groups, ctx.world_size)
     result = meter.result(model if ctx.rank == 0 else None, replicas=ctx.world_size)
     result.loss_first, result.loss_last = losses
     set_sparse_gradients(model, False)

@@ -2,7 +2,9 @@
 a reader sees either the old file or the new one, never a torn one."""
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import tempfile
 
 import torch
@@ -24,6 +26,23 @@ def _atomic_write(path: str, write) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def remove_temp_files(directory: str) -> list[str]:
+    """Remove the ``.tmp-*`` files :func:`_atomic_write` left under ``directory`` (a process
+    killed mid-write cannot remove its own); returns their paths. Call only while no process
+    of the run writes (before it starts, after teardown)."""
+    removed = []
+    for root, _, files in os.walk(directory):
+        for name in files:
+            if name.startswith(".tmp-"):
+                path = os.path.join(root, name)
+                try:
+                    os.unlink(path)
+                    removed.append(path)
+                except OSError:
+                    pass
+    return removed
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
@@ -52,9 +71,99 @@ def step_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step-{step}")
 
 
+class _Hashing:
+    """A binary file that also feeds every byte written to a SHA-256."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_part(run_dir: str, step: int, part: str, state: dict) -> None:
-    """Write this process's ``state`` for ``step`` (atomically). Call :func:`commit` next."""
-    atomic_save(state, os.path.join(step_dir(run_dir, step), f"{part}.pt"))
+    """Write this process's ``state`` for ``step`` (atomically), with ``<part>.pt.sha256``
+    beside it (the SHA-256 of the file, written after it) for :func:`verify_step`. Call
+    :func:`commit` next."""
+    path = os.path.join(step_dir(run_dir, step), f"{part}.pt")
+    digest = []
+
+    def write(f) -> None:
+        h = _Hashing(f)
+        torch.save(state, h)
+        digest.append(h.sha.hexdigest())
+    _atomic_write(path, write)
+    atomic_write_bytes(path + ".sha256", digest[0].encode())
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_step(run_dir: str, step: int) -> str | None:
+    """None when every part of checkpoint ``step`` is present and matches its SHA-256 (a part
+    written before checksums existed must load instead), else why not (naming the file)."""
+    directory = step_dir(run_dir, step)
+    try:
+        parts = sorted(n for n in os.listdir(directory) if n.endswith(".pt"))
+    except OSError as exc:
+        return f"{directory}: {exc.strerror}"
+    if not parts:
+        return f"{directory}: no checkpoint part"
+    for name in parts:
+        path = os.path.join(directory, name)
+        try:
+            if os.path.exists(path + ".sha256"):
+                want = open(path + ".sha256").read().strip()
+                if file_sha256(path) != want:
+                    return f"{path}: checksum mismatch (truncated or altered)"
+            else:
+                load(path)
+        except Exception as exc:  # unreadable, or torch.load of a torn file
+            return f"{path}: does not load ({type(exc).__name__}: {exc})"
+    return None
+
+
+def steps_on_disk(run_dir: str) -> list[int]:
+    """Steps that have a ``checkpoints/step-N`` directory, newest first."""
+    try:
+        names = os.listdir(os.path.join(run_dir, "checkpoints"))
+    except OSError:
+        return []
+    return sorted((int(m[1]) for m in map(re.compile(r"^step-(\d+)$").match, names) if m), reverse=True)
+
+
+def usable_step(run_dir: str) -> tuple[int | None, list[str]]:
+    """The step to resume from and the problems met on the way: ``latest`` when it verifies,
+    else the newest older checkpoint that does (never one newer than ``latest``: it may be
+    partial). ``(None, problems)`` when none does."""
+    problems = []
+    try:
+        latest = latest_step(run_dir)
+    except ValueError as exc:
+        problems.append(str(exc))
+        latest = None
+    candidates = steps_on_disk(run_dir) if latest is None and problems else [
+        s for s in steps_on_disk(run_dir) if latest is not None and s <= latest]
+    for step in candidates:
+        why = verify_step(run_dir, step)
+        if why is None:
+            return step, problems
+        problems.append(why)
+    return None, problems
+
+
+def point_latest(run_dir: str, step: int) -> None:
+    """Rewrite ``latest`` to ``step`` (used to fall back to an older complete checkpoint)."""
+    atomic_write_bytes(os.path.join(run_dir, "checkpoints", "latest"), str(step).encode())
 
 
 def commit(run_dir: str, step: int) -> None:
@@ -69,11 +178,16 @@ def commit(run_dir: str, step: int) -> None:
 
 
 def latest_step(run_dir: str) -> int | None:
-    """The newest committed step in ``run_dir``, or None when there is none."""
+    """The newest committed step in ``run_dir``, or None when there is none; ValueError naming
+    the file when ``latest`` does not hold a step number."""
     path = os.path.join(run_dir, "checkpoints", "latest")
     if not os.path.exists(path):
         return None
-    return int(open(path).read().strip())
+    text = open(path, "rb").read()
+    try:
+        return int(text.decode().strip())
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError(f"{path}: not a step number ({text[:20]!r}); the file is damaged") from None
 
 
 def load_part(run_dir: str, step: int, part: str) -> dict:

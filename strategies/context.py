@@ -37,6 +37,8 @@ class WorkerContext:
     pg_world_size: int = 1
     start_step: int = 0          # > 0 when resuming from a checkpoint
     host_of: tuple[int, ...] = ()
+    event: Callable[[dict], None] | None = None   # free-form notices to the launcher
+    on_step: Callable[[int], None] | None = None  # called with the run's step count after each step
     report_eval: Callable[[dict], None] = lambda metrics: None   # evaluate() results during training
 
     def is_remote(self, peer: int) -> bool:
@@ -151,6 +153,13 @@ class StepMeter:
         if sent_remote is not None:
             self.remote.append(float(sent_remote))
         n = len(self.losses)
+        if self.ctx.on_step is not None:
+            self.ctx.on_step(self.ctx.start_step + n)
+        if n == 1 and self.ctx.event is not None:   # the launcher compares the workers' batch sizes
+            self.ctx.event({"kind": "batch", "samples": self.samples_per_step, "rank": self.ctx.rank})
+        if self.ctx.start_step + n == 1 and self.ctx.event is not None:
+            # the run's very first loss, kept by the launcher across restarts and resumes
+            self.ctx.event({"kind": "first_loss", "loss": float(loss), "rank": self.ctx.rank})
         every = self.ctx.cfg.log_every
         if n % every == 0 or self.ctx.start_step + n == self.ctx.cfg.steps:
             k = n % every or every

@@ -81,7 +81,7 @@ class Job:
             except TypeError:
                 raise JobError(f"{self.path}: data() returned {type(it).__name__}, expected an iterator of (inputs, targets)") from None
             n = 0
-            for item in it:
+            for item in _user_items(self, it):
                 if not (isinstance(item, (tuple, list)) and len(item) == 2):
                     raise JobError(f"{self.path}: data() yielded {type(item).__name__}, expected a pair (inputs, targets)")
                 n += 1
@@ -149,6 +149,22 @@ def _float_dict(job: Job, name: str, result) -> dict:
     return {str(k): float(v) for k, v in result.items()}
 
 
+def _user_items(job: Job, it):
+    """Items of the user's ``data()`` iterator; an exception raised while producing one (the
+    generator's body runs only now) is a JobError naming data(), with the user's traceback."""
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except JobError:
+            raise
+        except Exception as exc:
+            raise JobError(f"{job.path}: data() raised {type(exc).__name__} while producing a batch: {exc}",
+                           user_traceback=traceback.format_exc()) from exc
+        yield item
+
+
 def _call(job: Job, name: str, *args):
     fn = {"model": job.model_fn, "data": job.data_fn, "loss": job.loss_fn, "optimizer": job.optimizer_fn,
           "scheduler": job.scheduler_fn, "evaluate": job.evaluate_fn, "log": job.log_fn}[name]
@@ -188,6 +204,10 @@ def load_job(path: str) -> Job:
         sys.path.insert(0, script_dir)
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:   # sys.exit() at import: nothing would run, say so
+        raise JobError(f"{path}: the script called sys.exit({exc.code!r}) while being imported; guard the "
+                       "code that runs it with `if __name__ == \"__main__\":`",
+                       user_traceback=traceback.format_exc()) from None
     except Exception as exc:
         raise JobError(f"{path}: importing the script raised {type(exc).__name__}: {exc}",
                        user_traceback=traceback.format_exc()) from exc

@@ -39,9 +39,17 @@ def make_hosts(k: int, rate: str | None = None):
     except Exception:
         testhosts.down(prefix)
         raise
+    # every SSH connection of this process and the `hpar` it starts checks the hosts' keys
+    # against the known_hosts file made with them (launcher/procs/ssh.py)
+    saved = os.environ.get("HPAR_SSH_KNOWN_HOSTS")
+    os.environ["HPAR_SSH_KNOWN_HOSTS"] = made.known_hosts
     try:
         yield made
     finally:
+        if saved is None:
+            os.environ.pop("HPAR_SSH_KNOWN_HOSTS", None)
+        else:
+            os.environ["HPAR_SSH_KNOWN_HOSTS"] = saved
         testhosts.down(prefix)
 
 

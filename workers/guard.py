@@ -12,9 +12,17 @@ CMD inherits the guard's stdout and stderr. The guard exits with CMD's exit code
 CMD died of signal N (printing an ``@hpar event`` line naming the signal first). With
 ``HPAR_GUARD_STATS=S`` (``hpar launch``, whose scripts report nothing) the guard prints a
 heartbeat with CMD's CPU, memory and GPU memory every S seconds.
+
+The guard is CMD's child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``): a process the
+user's code starts in a session of its own (``start_new_session=True``), and whose parent then
+exits, is re-parented to the guard rather than to init, so the guard and the launcher
+(launcher/procs/local.py) still find it among the guard's descendants and stop it with the
+group. SIGUSR1 (the launcher's request for stacks, workers/report.install_stack_dump) is
+ignored by the guard itself.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -32,18 +40,85 @@ def _on_sigterm(signum, frame) -> None:
     (Installed in the main thread: signal.signal cannot be called from the watcher thread.)"""
     if _STOPPING.is_set():
         return
+    for p in _outside_group():   # its group gets this SIGTERM from the sender; these would not
+        try:
+            p.send_signal(signal.SIGTERM)
+        except Exception:
+            pass
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _kill_group(grace: float) -> None:
-    pgid = os.getpgrp()
-    _STOPPING.set()  # the guard outlives the SIGTERM round
+PR_SET_CHILD_SUBREAPER = 36   # linux/prctl.h
+
+
+def become_subreaper() -> bool:
+    """Make this process the subreaper of its descendants (Linux); False where unavailable."""
     try:
-        os.killpg(pgid, signal.SIGTERM)
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _outside_group() -> list:
+    """The guard's descendants that left its process group (a new session)."""
+    try:
+        import psutil
+        me, pgid = psutil.Process(), os.getpgrp()
+        out = []
+        for c in me.children(recursive=True):
+            try:
+                if os.getpgid(c.pid) != pgid:
+                    out.append(c)
+            except ProcessLookupError:
+                continue
+        return out
+    except Exception:  # psutil missing or the process table unreadable: the group still goes
+        return []
+
+
+def _signal_all(sig: int, extra: list) -> None:
+    for p in extra:
+        try:
+            p.send_signal(sig)
+        except Exception:
+            pass
+    os.killpg(os.getpgrp(), sig)
+
+
+def _kill_group(grace: float) -> None:
+    _STOPPING.set()  # the guard outlives the SIGTERM round
+    extra = _outside_group()
+    try:
+        _signal_all(signal.SIGTERM, extra)
+        os.killpg(os.getpgrp(), signal.SIGCONT)   # a stopped process acts on SIGTERM at once
         time.sleep(grace)
     finally:
-        os.killpg(pgid, signal.SIGKILL)
+        _signal_all(signal.SIGKILL, extra + _outside_group())
+
+
+def _stop_leftovers(wait_s: float = 1.0) -> None:
+    """CMD has exited: stop what it started in sessions of its own (SIGTERM, then SIGKILL after
+    ``wait_s``); the launcher stops what is left in the group."""
+    extra = _outside_group()
+    if not extra:
+        return
+    for p in extra:
+        try:
+            p.terminate()
+        except Exception:
+            pass
+    try:
+        import psutil
+        _, alive = psutil.wait_procs(extra, timeout=wait_s)
+    except Exception:
+        alive = extra
+    for p in alive:
+        try:
+            p.kill()
+        except Exception:
+            pass
 
 
 def _report_stats(pid: int, every_s: float) -> None:
@@ -98,6 +173,8 @@ def main(argv: list[str]) -> int:
         return 2
     grace = float(os.environ.get("HPAR_GUARD_GRACE", "3"))
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)   # stacks are the child's to dump
+    become_subreaper()
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
     print(f'@hpar event {{"kind":"started","pid":{child.pid},"pgid":{os.getpgrp()}}}', flush=True)
 
@@ -119,6 +196,7 @@ def main(argv: list[str]) -> int:
     if stats > 0:  # `hpar launch`: the script reports nothing itself, so the guard reports its figures
         threading.Thread(target=_report_stats, args=(child.pid, stats), name="hpar-guard-stats", daemon=True).start()
     code = child.wait()
+    _stop_leftovers()
     if code < 0:
         print(f'@hpar event {{"kind":"signal","signal":{-code},"name":"{signal.Signals(-code).name}"}}', flush=True)
         return 128 - code

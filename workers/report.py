@@ -77,15 +77,38 @@ def process_figures(device=None) -> dict:
     return figures
 
 
-def start_heartbeat(every_s: float = 2.0, device=None) -> threading.Event:
-    """Emit a ``heartbeat`` line every ``every_s`` seconds from a daemon thread; set the
-    returned event to stop it. ``device``: the worker's torch.device (GPU memory figures)."""
+STACK_SIGNAL = "SIGUSR1"
+_STEP = [0]
+
+
+def set_step(step: int) -> None:
+    """Record the run's step count (after each training step); heartbeats carry it, so the
+    launcher sees per-step progress of every process between metric reports."""
+    _STEP[0] = step
+
+
+def install_stack_dump() -> None:
+    """On SIGUSR1, write every thread's Python stack to stderr (``faulthandler``; works while
+    the main thread is blocked in C code such as a gloo collective). The launcher sends it to
+    a stalled run before teardown and groups the stacks it reads back (launcher/run/stacks.py)."""
+    import faulthandler
+    import signal
+    faulthandler.register(getattr(signal, STACK_SIGNAL), all_threads=True, chain=False)
+
+
+def start_heartbeat(every_s: float | None = None, device=None) -> threading.Event:
+    """Emit a ``heartbeat`` line every ``every_s`` seconds (default ``HPAR_HEARTBEAT_S``, else
+    2) from a daemon thread; set the returned event to stop it. The launcher counts a process
+    whose heartbeats stop as stalled, whatever its step (launcher/run/health.py). ``device``:
+    the worker's torch.device (GPU memory figures)."""
+    every_s = every_s or float(os.environ.get("HPAR_HEARTBEAT_S", "2"))
     stop = threading.Event()
     _process()  # prime the CPU counter
 
     def beat():
+        emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **process_figures()})
         while not stop.wait(every_s):
-            emit("heartbeat", {"time": time.time(), **process_figures(device)})
+            emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **process_figures(device)})
 
     threading.Thread(target=beat, name="hpar-heartbeat", daemon=True).start()
     return stop
@@ -94,6 +117,9 @@ def start_heartbeat(every_s: float = 2.0, device=None) -> threading.Event:
 def exit_process(code: int) -> None:
     """Flush stdout/stderr and end the process at once with exit status ``code``.
 
+    Code 0 is announced first with an ``exit`` event: a worker that leaves with 0 without it
+    (``sys.exit(0)`` in the user's code) ended early, and the launcher says so.
+
     Called by worker and server processes after their process group is destroyed and every
     file they write is renamed into place. Skipping interpreter finalization is deliberate:
     gloo's C++ threads can still hold tensors then, and tearing those down while Python
@@ -101,6 +127,8 @@ def exit_process(code: int) -> None:
     exception", SIGABRT; see pytorch/pytorch PR 179291), which the launcher must read as a
     failure.
     """
+    if code == 0:
+        emit("event", {"kind": "exit", "code": 0})
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import os
 
-import torch
+from hpar.workers import report
+
+report.install_stack_dump()   # first, so that a stall during start-up can be diagnosed too
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 from hpar.strategies import checkpoint
@@ -27,7 +31,6 @@ from hpar.strategies.hybrid.client import PSTable, ps_tables
 from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, Inbox, Request, nbytes, p2p, reply_tag
 from hpar.strategies.hybrid.schedule import ServerSchedule, group_index
 from hpar.strategies.hybrid.shard import ParamShard, table_view
-from hpar.workers import report
 from hpar.workers.worker import env_int, init_group, leave_group, run_entry
 
 

@@ -12,7 +12,11 @@ import os
 import sys
 import time
 
-import torch
+from hpar.workers import report
+
+report.install_stack_dump()   # first, so that a stall during start-up can be diagnosed too
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 from hpar.strategies.checkpoint import atomic_save
@@ -21,7 +25,6 @@ from hpar.strategies.context import WorkerContext
 from hpar.strategies.devices import cpu_state_dict, model_to_cpu
 from hpar.strategies.groups import join_default_group
 from hpar.strategies.job import JobError, load_job
-from hpar.workers import report
 
 RUNTIMES = {
     "allreduce": "hpar.strategies.allreduce",
@@ -103,15 +106,20 @@ def main() -> int:
     eval_first = {}
     if rank == 0 and cfg.eval and not cfg.resume:
         torch.manual_seed(cfg.seed)
+        report.emit("event", {"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
         eval_first = job.run_evaluate(job.build_model())   # evaluate() gets the model on the CPU
+        report.emit("event", {"kind": "first_eval", "eval": eval_first})
+    report.emit("event", {"kind": "phase", "phase": "train"})
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
                         device=device, report=lambda m: report.emit("metric", m),
                         pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of,
+                        event=lambda e: report.emit("event", e), on_step=report.set_step,
                         report_eval=lambda m: report.emit("eval", m))
     t0 = time.time()
     result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
     if rank == 0:
         assert result.model is not None, "the runtime must return the whole model on rank 0"
+        report.emit("event", {"kind": "phase", "phase": "evaluate"})
         model = model_to_cpu(result.model)    # every strategy hands evaluate() and model.pt the CPU model
         eval_last = job.run_evaluate(model) if cfg.eval else {}
         atomic_save(cpu_state_dict(model), os.path.join(cfg.run_dir, "model.pt"))

@@ -146,6 +146,7 @@ class EmulatedCluster:
         except BaseException:
             self._th.down(self.prefix)
             raise
+        os.environ["HPAR_SSH_KNOWN_HOSTS"] = self.made.known_hosts   # for the `hpar run`s the bench starts
         self.host_file = os.path.join(self.made.directory, "bench-hosts.txt")
         with open(self.host_file, "w") as f:
             f.writelines(f"root@{h.address}:22 slots={self.slots}\n" for h in self.made.hosts)

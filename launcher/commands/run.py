@@ -12,8 +12,8 @@ from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
 from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.devices import choose_devices, describe, local_gpus
+from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_step
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
-from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
@@ -37,15 +37,16 @@ def read_plan(path: str) -> dict:
     return plan
 
 
-def resumed_config(resume_dir: str, script: str | None, steps: int | None) -> RunConfig:
-    """The config of the run in ``resume_dir``, set to resume from its last checkpoint."""
+def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=print) -> RunConfig:
+    """The config of the run in ``resume_dir``, set to resume from its last complete checkpoint
+    (checked before anything starts: launcher/run/validate.py)."""
     path = os.path.join(resume_dir, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"--resume {resume_dir}: no config.json there; pass the run directory of an earlier `hpar run`")
     cfg = RunConfig.from_json(open(path, encoding="utf-8").read())
     if script and os.path.abspath(script) != cfg.script:
         raise ValueError(f"--resume {resume_dir}: that run trained {cfg.script}, not {os.path.abspath(script)}")
-    if checkpoint.latest_step(resume_dir) is None:
+    if resume_step(resume_dir, say) is None:
         raise ValueError(f"--resume {resume_dir}: no checkpoint there; start runs with --checkpoint-every N to resume them")
     return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))
 
@@ -74,7 +75,8 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
-            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(), device="auto"):
+            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
+            ssh_known_hosts=None, ssh_accept_new=False, device="auto"):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags."""
@@ -89,7 +91,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     if max_restarts < 0 or stall_timeout < 0:
         raise ValueError("--max-restarts and --stall-timeout must not be negative")
     if resume_dir:
-        cfg = resumed_config(resume_dir, script, steps)
+        cfg = resumed_config(resume_dir, script, steps, say=lambda m: console.print(m, markup=False))
         job = load_job(cfg.script)
     else:
         if not script:
@@ -97,6 +99,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         from hpar.launcher.commands.launch import not_profilable
         if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
             raise ValueError(not_profilable(script))
+        check_run_dir(os.path.abspath(run_dir or default_run_dir()))
         job = load_job(script)
         d = job.defaults
         gpus = gpus if gpus is not None else 1
@@ -109,6 +112,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         model = check_job(job, bs)
         strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule)
+        if strategy == "pipeline":
+            check_plan_stages(plan, model, gpus, plan_file or "the planner's plan")
         # placement() raises for a plan naming unknown parameters before anything starts
         if strategy == "hybrid" and "ps" not in placement(model, strategy, plan).values() and servers is None:
             console.print("hpar: hybrid would put no parameter on the servers (no embedding table, or the plan keeps "
@@ -133,6 +138,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         check_precision(job, cfg, model)
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
+    if resume_dir:
+        check_run_dir(cfg.run_dir, "--resume")
     ssh_opts, master = None, "127.0.0.1"
     if slurm:
         from hpar.launcher.hosts.preflight import resolve_master
@@ -141,7 +148,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     elif host_list and (ssh_local or any(not h.is_local for h in host_list)):
         from hpar.launcher.hosts.remote import prepare_remote
         ssh_opts, master = prepare_remote(console, host_list, cfg, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user,
-                                          ssh_local=ssh_local, python_path=python_path, sync=sync, env=extra_env)
+                                          ssh_local=ssh_local, python_path=python_path, sync=sync, env=extra_env,
+                                          known_hosts=ssh_known_hosts, accept_new=ssh_accept_new)
     if not resume_dir:   # a resumed run keeps its device
         seen = getattr(ssh_opts, "gpus", None) or {}
         if slurm and os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():   # Slurm's count for every node

@@ -14,7 +14,7 @@ from hpar.launcher.procs.ssh import SSHOptions
 
 
 def ssh_options(*, ssh_key=None, ssh_port=None, ssh_user=None, ssh_local=False, python_path=None,
-                connect_timeout: float = 10.0, retries: int = 2) -> SSHOptions:
+                connect_timeout: float = 10.0, retries: int = 2, known_hosts=None, accept_new=False) -> SSHOptions:
     """SSHOptions from the ``--ssh-*``/``--python`` flags. Raises ValueError for a missing key
     file or a port outside 1..65535."""
     import os
@@ -23,18 +23,19 @@ def ssh_options(*, ssh_key=None, ssh_port=None, ssh_user=None, ssh_local=False, 
     if ssh_port is not None and not 1 <= ssh_port <= 65535:
         raise ValueError(f"--ssh-port: {ssh_port} is out of range (1..65535)")
     return SSHOptions(key=ssh_key, port=ssh_port, user=ssh_user, connect_timeout=connect_timeout,
-                      retries=retries, python=python_path, force_ssh=bool(ssh_local))
+                      retries=retries, python=python_path, force_ssh=bool(ssh_local), known_hosts=known_hosts,
+                      accept_new=bool(accept_new))
 
 
 def prepare_remote(console: Console, hosts: tuple[Host, ...], cfg, *, ssh_key=None, ssh_port=None, ssh_user=None,
                    ssh_local=False, python_path=None, sync=False, master_port: int = 0,
-                   env: dict | None = None) -> tuple[SSHOptions, str]:
+                   env: dict | None = None, known_hosts=None, accept_new=False) -> tuple[SSHOptions, str]:
     """(SSHOptions carrying each host's interface, rendezvous address) for a run of ``cfg``
     over ``hosts``, after a passing preflight of the hosts that get workers. Prints the
     preflight table (or summary) and the names of the variables forwarded to the hosts
     (launcher/hosts/environ.py; ``env``: the ``--env`` values), and raises ValueError (one line naming every failed host) otherwise."""
     opts = ssh_options(ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-                       python_path=python_path)
+                       python_path=python_path, known_hosts=known_hosts, accept_new=accept_new)
     used = list(dict.fromkeys(place_workers(list(hosts), cfg.world_size)))
     report = preflight(used, cfg.script, opts, master_port, sync=sync)
     if not report.ok:

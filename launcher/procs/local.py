@@ -15,6 +15,8 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+import psutil
+
 
 @dataclass(frozen=True)
 class ProcessSpec:
@@ -80,6 +82,7 @@ class LocalProcess:
         self.pid: int | None = None
         self.pgid: int | None = None
         self.host_lost = False  # this machine cannot be lost (RemoteProcess sets it)
+        self._escaped: list = []  # psutil.Process of descendants that left the group
 
     def start(self) -> None:
         """Start the process (new session, stdin a pipe the guard watches)."""
@@ -101,37 +104,79 @@ class LocalProcess:
         return self._popen.poll() if self._popen else None
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the process group this launcher started (no-op once it is gone)."""
+        """Send ``sig`` to the process group this launcher started, and to the processes of it
+        that moved to a session of their own (no-op once they are gone)."""
         if self.pgid is None:
             return
+        escaped = [p for p in self._members() if self._pgid_of(p) != self.pgid]
         try:
             os.killpg(self.pgid, sig)
         except ProcessLookupError:
             pass
+        for p in escaped:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+
+    @staticmethod
+    def _pgid_of(p) -> int | None:
+        try:
+            return os.getpgid(p.pid)
+        except ProcessLookupError:
+            return None
+
+    def _members(self) -> list:
+        """Live (not zombie) processes of this run's process: its process group, and every
+        descendant of its guard even in another session (``start_new_session=True`` in the
+        user's code; the guard is their subreaper, workers/guard.py), remembered once seen so
+        that they are still reached after the guard is gone."""
+        found = {}
+        for p in psutil.process_iter(["pid"]):
+            if self._pgid_of(p) == self.pgid:
+                found[p.pid] = p
+        try:
+            for c in psutil.Process(self.pid).children(recursive=True):
+                found.setdefault(c.pid, c)
+        except psutil.Error:
+            pass
+        for p in self._escaped:
+            found.setdefault(p.pid, p)
+        alive = []
+        for p in found.values():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.Error:
+                continue
+        self._escaped = [p for p in alive if self._pgid_of(p) != self.pgid]
+        return alive
 
     def terminate(self) -> None:
+        """SIGTERM, then SIGCONT so that a stopped (SIGSTOP) process acts on it at once."""
         self.signal(signal.SIGTERM)
+        self.signal(signal.SIGCONT)
+
+    def stopped(self) -> bool:
+        """Whether a process of its group is stopped (state T: SIGSTOP, a debugger)."""
+        for p in self._members():
+            try:
+                if p.status() == psutil.STATUS_STOPPED:
+                    return True
+            except psutil.Error:
+                continue
+        return False
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
 
     def group_alive(self) -> bool:
-        """True while any process of its group is alive (zombies excluded)."""
+        """True while any process of its group, or one it started in another session, is alive
+        (zombies excluded)."""
         if self.pgid is None:
             return False
-        try:
-            os.killpg(self.pgid, 0)
-        except ProcessLookupError:
-            return False
         self.poll()  # reap the guard if it exited
-        import psutil
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if os.getpgid(p.pid) == self.pgid and p.status() != psutil.STATUS_ZOMBIE:
-                    return True
-            except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
-                continue
-        return False
+        return bool(self._members())
 
     def close_stdin(self) -> None:
         """Close the guard's watch pipe: it stops its group by itself."""

@@ -37,6 +37,7 @@ class RunDir:
         self._logs: dict[str, object] = {}
         self._tails: dict[str, deque] = {}
         self._metrics = open(os.path.join(self.path, "metrics.jsonl"), "a", encoding="utf-8")
+        self.write_error: str | None = None   # the first failed write of a log or metrics line
         self._tensorboard = open_writer(self.path)
 
     @property
@@ -50,22 +51,46 @@ class RunDir:
 
     def log_line(self, log_name: str, line: str) -> None:
         """Append ``line`` to that process's log and keep it in its tail."""
-        f = self._logs.get(log_name)
-        if f is None:
-            f = self._logs[log_name] = open(os.path.join(self.path, "logs", log_name), "a", encoding="utf-8")
+        if log_name not in self._tails:
             self._tails[log_name] = deque(maxlen=20)
-        f.write(line + "\n")
-        f.flush()
         self._tails[log_name].append(line)
+        try:
+            f = self._logs.get(log_name)
+            if f is None:
+                f = self._logs[log_name] = open(os.path.join(self.path, "logs", log_name), "a", encoding="utf-8")
+            f.write(line + "\n")
+            f.flush()
+        except OSError as exc:
+            self._write_failed(exc)
+
+    def _write_failed(self, exc: OSError) -> None:
+        """A log or metrics write failed (a full disk): supervision goes on; said once."""
+        if self.write_error is None:
+            self.write_error = f"{self.path}: cannot write logs and metrics ({exc.strerror}); they are incomplete"
 
     def tail(self, log_name: str, n: int = 10) -> list[str]:
         return list(self._tails.get(log_name, ()))[-n:]
 
     def metric(self, record: dict) -> None:
-        self._metrics.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._metrics.flush()
+        try:
+            self._metrics.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._metrics.flush()
+        except OSError as exc:
+            self._write_failed(exc)
         if self._tensorboard is not None:
             self._tensorboard.record(record)
+
+    def write_text(self, relative: str, text: str) -> None:
+        """Write ``text`` to RUN_DIR/``relative`` (atomically)."""
+        atomic_write_bytes(os.path.join(self.path, relative), text.encode())
+
+    def read_summary(self) -> dict | None:
+        """summary.json of an earlier attempt in this directory (None when absent or torn)."""
+        try:
+            with open(os.path.join(self.path, "summary.json"), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
 
     def write_summary(self, summary: dict) -> None:
         if self._tensorboard is not None:
@@ -73,8 +98,10 @@ class RunDir:
         atomic_write_bytes(os.path.join(self.path, "summary.json"), json.dumps(summary, indent=2, sort_keys=True).encode())
 
     def close(self) -> None:
-        for f in self._logs.values():
-            f.close()
-        self._metrics.close()
+        for f in [*self._logs.values(), self._metrics]:
+            try:
+                f.close()
+            except OSError as exc:   # the last buffered bytes did not fit
+                self._write_failed(exc)
         if self._tensorboard is not None:
             self._tensorboard.close()

@@ -12,10 +12,14 @@ from rich.console import Console
 
 from hpar.launcher.hosts.hostfile import Host, place_workers
 from hpar.launcher.procs.local import LocalProcess, run_specs
+from hpar.launcher.run.batchcheck import BatchSizeCheck
+from hpar.launcher.run.figures import FirstFigures
+from hpar.launcher.run.health import heartbeat_interval
 from hpar.launcher.run.progress import Progress
 from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_host_local, port_taken
 from hpar.launcher.run.rundir import RunDir
 from hpar.launcher.run.supervisor import Outcome, Supervisor
+from hpar.launcher.run.validate import resume_step
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 
@@ -59,6 +63,7 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
     for spec in specs:
         threads = max(1, (os.cpu_count() or 1) // per_host[spec.host])
         spec.env.setdefault("HPAR_THREADS", str(threads))
+        spec.env.setdefault("HPAR_HEARTBEAT_S", str(heartbeat_interval(opts.stall_timeout)))
         for key, value in opts.env.items():  # hpar's own variables win
             spec.env.setdefault(key, value)
     if opts.slurm:
@@ -78,10 +83,13 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
     """Run ``cfg`` to the end (with up to ``opts.max_restarts`` restarts from the last
     checkpoint). Writes RUN_DIR/summary.json with ``exit_code`` in every case."""
     rundir = RunDir(cfg.run_dir)
+    previous = rundir.read_summary()
+    figures = FirstFigures(rundir.path, cfg.world_size, cfg.strategy)
     attempt = 0
     used_ports: set[int] = set()
     try:
         while True:
+            checkpoint.remove_temp_files(rundir.path)   # left by a process killed mid-write
             rundir.write_config(cfg)
             lines: queue.Queue = queue.Queue()
             with Rendezvous(master, first_host_local(opts.hosts), avoid=used_ports) as rdv:  # launcher/run/rendezvous.py
@@ -89,8 +97,12 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                 procs = _processes(cfg, rundir, replace(opts, env={**rdv.env, **opts.env}), lines, master, rdv.port)
                 labels = [(p.spec.label, p.spec.host) for p in procs]
                 with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
-                    sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace)
+                    sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
+                    hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event))
+                    sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
+                                     total_steps=cfg.steps, on_event=hooks)
                     outcome = sup.run()
+            checkpoint.remove_temp_files(rundir.path)
             used_ports.add(rdv.port)
             if outcome.exit_code != 0 and not rdv.hosted and port_taken(rundir, procs) and len(used_ports) <= MAX_PORT_RETRIES:
                 console.print(f"hpar: rendezvous port {rdv.port} was taken (EADDRINUSE); starting again on another port",
@@ -100,17 +112,28 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             if outcome.exit_code == 0 or interrupted or attempt >= opts.max_restarts:
                 break
             attempt += 1
-            step = checkpoint.latest_step(cfg.run_dir)
+            try:
+                step = resume_step(cfg.run_dir, lambda m: console.print(m, markup=False))
+            except ValueError as exc:
+                console.print(f"hpar: {exc}", markup=False)
+                step = None
             console.print(f"hpar: restart {attempt}/{opts.max_restarts} from "
                           f"{'step ' + str(step) if step is not None else 'the start (no checkpoint yet)'}",
                           markup=False)
             cfg = cfg.replace(resume=step is not None)
             time.sleep(1.0)
-        summary = dict(outcome.summary or {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps": cfg.steps})
+        summary = figures.apply(outcome.summary, previous) if outcome.summary else \
+            {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps": cfg.steps}
+        outcome.summary = summary if outcome.summary else None
         summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path)
         if outcome.exit_code != 0:
             summary.update(failed=outcome.failed, failed_host=outcome.host, cause=outcome.cause)
-        rundir.write_summary(summary)
+        try:
+            rundir.write_summary(summary)
+        except OSError as exc:
+            console.print(f"hpar: {rundir.path}: cannot write summary.json ({exc.strerror})", markup=False)
+        if rundir.write_error:
+            console.print(f"hpar: {rundir.write_error}", markup=False)
         return outcome
     finally:
         rundir.close()

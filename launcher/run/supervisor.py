@@ -6,15 +6,24 @@ progress, and polls exit codes. The first failure (a non-zero exit, a death by s
 process that made no progress for ``stall_timeout`` seconds, or Ctrl-C/SIGTERM to the launcher)
 stops every other process: SIGTERM to each recorded process group, ``grace`` seconds, then
 SIGKILL. The failure is reported with host, process, cause and the last lines of its log.
+
+Stalls are told per process (launcher/run/health.py); before a stalled run is torn down every
+process's Python stack is taken and summarised (launcher/run/stacks.py), then the stalled
+process gets SIGKILL at once (a frozen process cannot act on SIGTERM) and the others the usual
+SIGTERM round. A worker that exits 0 without having finished (``sys.exit(0)`` in the user's
+code) is a failure of its own, not its peers'.
 """
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from hpar.launcher.run import stacks
+from hpar.launcher.run.health import Health
 from hpar.launcher.run.progress import Progress
 from hpar.launcher.run.rundir import RunDir
 from hpar.workers import report
@@ -59,12 +68,15 @@ class Supervisor:
     """Runs ``procs`` (objects with LocalProcess's methods) to completion or first failure."""
 
     def __init__(self, procs: list, lines: "queue.Queue", rundir: RunDir, progress: Progress,
-                 stall_timeout: float = 0.0, grace: float = 5.0):
+                 stall_timeout: float = 0.0, grace: float = 5.0, total_steps: int = 0, on_event=None):
         self.procs, self.lines, self.rundir, self.progress = procs, lines, rundir, progress
         self.stall_timeout, self.grace = stall_timeout, grace
         self.summary: dict | None = None
+        self.on_event = on_event   # called with (proc, event payload) for every event line
         self._signal_of: dict[int, int] = {}
-        self._last_progress: dict[int, float] = {}
+        self.health = Health([id(p) for p in procs], [p.spec.role for p in procs], total_steps, stall_timeout)
+        self._stacks: dict[int, list[str]] | None = None   # dumps being read back, by process
+        self._eof: set[int] = set()                         # processes whose output has ended
         self._stop_signal: int | None = None
         self._stopped = False
 
@@ -83,7 +95,6 @@ class Supervisor:
                 signal.signal(s, h)
 
     def _run(self) -> Outcome:
-        started = time.monotonic()
         # every start in parallel: a remote one is an SSH connection, whose cost must not add up
         # over the hosts (launch at scale, BENCHMARKS.md)
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(self.procs)))) as pool:
@@ -92,13 +103,15 @@ class Supervisor:
             if exc is not None:  # e.g. SSH refused after preflight
                 self.progress.say(f"hpar: could not start {p.spec.label} on {p.spec.host}: {exc}")
                 return Outcome(EXIT_FAILED, p.spec.label, p.spec.host, f"could not start: {exc}")
-            self._last_progress[id(p)] = started
+            self.health.state[id(p)].started = time.monotonic()
         exited: dict[int, int] = {}
         while True:
             self._drain(timeout=0.2)
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
                 self.progress.say(f"hpar: {name} received, stopping every process")
+                if self._hanging():
+                    self._diagnose()   # Ctrl-C on a hung run: say where every process stands
                 return Outcome(EXIT_INTERRUPTED if self._stop_signal == signal.SIGINT else EXIT_TERMINATED,
                                cause=f"launcher received {name}")
             failed = []
@@ -106,7 +119,14 @@ class Supervisor:
                 code = p.poll()
                 if code is not None and id(p) not in exited:
                     exited[id(p)] = code
-                    self.progress.update(p.spec.label, "state", {"state": "done" if code == 0 else "failed"})
+                    deadline = time.monotonic() + 1.0   # read its last lines (the exit event) first
+                    while code == 0 and id(p) not in self._eof and time.monotonic() < deadline:
+                        self._drain(timeout=0.05)
+                    early = code == 0 and self._is_hpar(p) and not self.health.state[id(p)].exited_cleanly
+                    self.progress.update(p.spec.label, "state", {"state": "done" if code == 0 and not early else "failed"})
+                    if early:
+                        return self._fail(p, "exited with code 0 before the end of training (sys.exit(0) or "
+                                             "os._exit(0) in the script?)")
                     if code != 0:
                         failed.append(p)
             if failed:
@@ -122,12 +142,85 @@ class Supervisor:
             if len(exited) == len(self.procs):
                 self._drain(timeout=0.0)
                 return Outcome(0, summary=self.summary)
-            if self.stall_timeout > 0:
-                now = time.monotonic()
-                for p in self.procs:
-                    if id(p) not in exited and now - self._last_progress[id(p)] > self.stall_timeout:
-                        self.progress.update(p.spec.label, "state", {"state": "stalled"})
-                        return self._fail(p, f"stalled: no progress for {self.stall_timeout:.0f} s (--stall-timeout)")
+            stalled = self.health.stalled([id(p) for p in self.procs if id(p) not in exited])
+            if stalled:
+                return self._stall(stalled)
+
+    @staticmethod
+    def _is_hpar(p) -> bool:
+        """Whether ``p`` runs hpar's own worker or server (which announce a clean exit)."""
+        return any(a in ("hpar.workers.worker", "hpar.workers.server") for a in p.spec.argv)
+
+    def _hanging(self) -> bool:
+        """Whether some live process has been silent, or a training worker without a step,
+        for 5 s or more (Ctrl-C then takes the stacks first)."""
+        now = time.monotonic()
+        for p in self.procs:
+            s = self.health.state[id(p)]
+            if p.poll() is not None or s.first_beat is None:
+                continue
+            if self.health.silent(id(p), now) > 5 or (
+                    s.role == "worker" and s.phase == "train" and s.step_time and now - s.step_time > 5
+                    and s.step < self.health.total_steps):
+                return True
+        return False
+
+    def _stall(self, stalled: list) -> Outcome:
+        """Take every process's stack, blame the stalled process (the silent one, else the one
+        found elsewhere than in torch while its peers wait there), SIGKILL it, stop the rest."""
+        by_id, by_label = {id(p): p for p in self.procs}, {p.spec.label: p for p in self.procs}
+        odd, mute = self._diagnose()
+        key, cause = stalled[0]
+        if not cause.startswith("stalled: silent"):
+            if mute:      # gave no stack while others did: stopped or frozen
+                key = id(by_label[mute[0]])
+                cause = (f"stalled: silent for {self.health.silent(key):.0f} s and no answer to the stack "
+                         "request (stopped or frozen)")
+            elif len(odd) == 1:
+                key, cause = id(by_label[odd[0]]), (f"stalled: not in a collective while its peers wait in one "
+                                                    f"(no step for {self.stall_timeout:.0f} s, --stall-timeout)")
+        p = by_id[key]
+        self.progress.update(p.spec.label, "state", {"state": "stalled"})
+        p.kill()   # a stalled process gets no grace period (a stopped one could not use it)
+        return self._fail(p, cause)
+
+    def _diagnose(self) -> tuple[list[str], list[str]]:
+        """SIGUSR1 to every live process, read back their faulthandler dumps (2 s at most),
+        write them to RUN_DIR/stacks/, print the grouped summary; returns the labels of the
+        processes found elsewhere than in torch while others wait there, and of those that gave
+        no stack while others did."""
+        live = [p for p in self.procs if p.poll() is None]
+        self._stacks = {id(p): [] for p in live}
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            list(pool.map(lambda q: q.signal(signal.SIGUSR1), live))
+        # a frozen process (silent for half the stall timeout) cannot answer: do not wait for it
+        frozen = max(1.0, self.stall_timeout / 2)
+        answering = [p for p in live if self.health.silent(id(p)) < frozen]
+        deadline, quiet_since = time.monotonic() + 2.0, None
+        while time.monotonic() < deadline:
+            n = sum(len(v) for v in self._stacks.values())
+            self._drain(timeout=0.1)
+            if all(stacks.is_dump_complete(self._stacks[id(p)]) for p in answering):
+                quiet_since = quiet_since or time.monotonic()
+                if sum(len(v) for v in self._stacks.values()) == n and time.monotonic() - quiet_since > 0.3:
+                    break
+        dumps, no_stack = {}, {}
+        for p in live:
+            lines = self._stacks[id(p)]
+            if stacks.is_dump_complete(lines):
+                dumps[p.spec.label] = lines
+                try:
+                    self.rundir.write_text(os.path.join("stacks", p.spec.log_name.replace(".log", ".txt")),
+                                           "\n".join(lines) + "\n")
+                except OSError as exc:   # a full disk: the summary below still says where each one stands
+                    self.rundir.write_error = self.rundir.write_error or f"cannot write stacks ({exc.strerror})"
+            else:
+                no_stack[p.spec.label] = "stopped (SIGSTOP?)" if getattr(p, "stopped", lambda: False)() else \
+                    f"no answer to SIGUSR1 within 2 s; silent for {self.health.silent(id(p)):.0f} s"
+        self._stacks = None
+        summary, odd = stacks.summarize(dumps, no_stack)
+        self.progress.say(f"hpar: stacks ({os.path.join(self.rundir.path, 'stacks')}):\n" + "\n".join(summary))
+        return odd, (list(no_stack) if dumps else [])
 
     def _is_root_cause(self, p) -> bool:
         """True for a failure nothing else can have caused: a signal from outside or a lost
@@ -152,13 +245,19 @@ class Supervisor:
                 return
             if line is not None:
                 self._handle(proc, line)
+            else:
+                self._eof.add(id(proc))
 
     def _handle(self, proc, line: str) -> None:
         spec = proc.spec
         self.rundir.log_line(spec.log_name, line)
+        self.health.line(id(proc))
         parsed = report.parse(line)
         if parsed is None:
-            self.progress.say(f"[{spec.host} {spec.label}] {line}")
+            if self._stacks is not None and id(proc) in self._stacks:
+                self._stacks[id(proc)].append(line)   # a stack dump: to RUN_DIR/stacks, not the screen
+            else:
+                self.progress.say(f"[{spec.host} {spec.label}] {line}")
             return
         kind, payload = parsed
         if kind in ("metric", "heartbeat"):
@@ -166,20 +265,29 @@ class Supervisor:
                                 "time": time.time(), **payload})
             self.progress.update(spec.label, kind, payload)
             if kind == "metric":
-                self._last_progress[id(proc)] = time.monotonic()
+                self.health.advance(id(proc), payload.get("step"))
+            else:
+                self.health.heartbeat(id(proc), payload)
         elif kind == "eval":   # evaluate() during training (--eval-every), worker 0
             self.rundir.metric({"kind": kind, "role": spec.role, "rank": spec.rank, "host": spec.host,
                                 "time": time.time(), **payload})
             shown = ", ".join(f"{k} {v:.4g}" for k, v in payload.items() if k != "step" and isinstance(v, (int, float)))
             self.progress.say(f"hpar: evaluate at step {payload.get('step')}: {shown}")
-            self._last_progress[id(proc)] = time.monotonic()
+            self.health.evaluated()   # nobody could step meanwhile
         elif kind == "summary":
             self.summary = payload
         elif kind == "event":
-            if payload.get("kind") == "signal":
+            what = payload.get("kind")
+            if what == "signal":
                 self._signal_of[id(proc)] = int(payload["signal"])
-            elif payload.get("kind") == "progress":
-                self._last_progress[id(proc)] = time.monotonic()
+            elif what == "phase":
+                if self.health.state[id(proc)].phase == "evaluate":
+                    self.health.evaluated()
+                self.health.phase(id(proc), payload.get("phase", ""))
+            elif what == "exit" and payload.get("code") == 0:
+                self.health.state[id(proc)].exited_cleanly = True
+            if self.on_event is not None:
+                self.on_event(proc, payload)
 
     def _fail(self, p, cause: str) -> Outcome:
         self.teardown()
@@ -191,7 +299,8 @@ class Supervisor:
         return Outcome(EXIT_FAILED, p.spec.label, p.spec.host, cause, self.summary)
 
     def teardown(self) -> None:
-        """SIGTERM every recorded process group still alive, wait ``grace`` s, SIGKILL the rest,
+        """SIGTERM (and SIGCONT, so that a stopped process acts on it) to every recorded
+        process group still alive, wait ``grace`` s, SIGKILL the rest,
         and wait (up to 5 s more) until every group is gone. Each check or signal of a remote
         group is an SSH command, so they run concurrently, not one process after another."""
         with ThreadPoolExecutor(max_workers=16) as pool:

@@ -1,0 +1,40 @@
+"""Warn once when data-parallel workers draw batches of different sizes.
+
+Synchronous data parallelism averages each worker's mean gradient, so with batches of 8 and 6
+samples a sample of the smaller batch weighs 8/6 as much as one of the larger: not the
+single-process training on the concatenated batch the user expects (DESIGN.md). Each worker
+announces the size of its first batch (``batch`` event, strategies/context.StepMeter); once all
+have, the sizes are compared and a differing set is printed once, naming ranks and sizes.
+"""
+from __future__ import annotations
+
+DATA_PARALLEL = ("allreduce", "allreduce-sparse", "hybrid", "ps")
+
+
+class BatchSizeCheck:
+    """Collects the workers' first batch sizes; ``on_event`` is a Supervisor event hook."""
+
+    def __init__(self, world_size: int, strategy: str, say):
+        self.world_size, self.say = world_size, say
+        self.active = strategy in DATA_PARALLEL and world_size > 1
+        self.sizes: dict[int, int] = {}
+
+    def on_event(self, proc, event: dict) -> None:
+        if not self.active or proc.spec.role != "worker" or event.get("kind") != "batch":
+            return
+        self.sizes[proc.spec.rank] = int(event.get("samples", 0))
+        if len(self.sizes) == self.world_size:
+            self.active = False
+            message = self.message(self.sizes)
+            if message:
+                self.say(message)
+
+    @staticmethod
+    def message(sizes: dict[int, int]) -> str | None:
+        """The warning for ``sizes`` (rank -> samples), None when they are all equal."""
+        if len(set(sizes.values())) <= 1:
+            return None
+        listed = ", ".join(f"worker {r}: {n}" for r, n in sorted(sizes.items()))
+        return (f"hpar: warning: workers draw batches of different sizes ({listed}); gradients are averaged per "
+                "worker, so this is not training on the concatenated batch: make data(rank, world_size, batch_size) "
+                "yield batch_size samples on every rank")

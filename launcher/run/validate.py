@@ -1,0 +1,60 @@
+"""Checks of what a run reads and writes, made before any process starts: the run directory
+is a writable directory, a plan's pipeline stages are well formed, and the checkpoint a resume
+or restart starts from is complete (every part present and matching its SHA-256), falling back
+to the previous complete checkpoint with a message when the newest is damaged."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+from hpar.strategies import checkpoint
+
+
+def check_run_dir(path: str, flag: str = "--run-dir") -> None:
+    """ValueError (one line naming ``path`` and the fix) unless ``path`` is a directory this
+    process can write, or can be created as one (nothing is created here)."""
+    probe_dir = path
+    while not os.path.exists(probe_dir):
+        probe_dir = os.path.dirname(probe_dir) or "."
+    if not os.path.isdir(probe_dir):
+        what = path if probe_dir == path else f"{path} (its parent {probe_dir})"
+        raise ValueError(f"{flag} {what}: is a file, not a directory; pick a new directory name")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write in {probe_dir} ({exc.strerror}); pick a writable directory") from None
+
+
+def check_plan_stages(plan: dict, model, world_size: int, source: str) -> None:
+    """ValueError naming ``source`` when ``plan["stages"]`` is not ``world_size`` contiguous
+    ``[start, end)`` layer ranges covering ``model``'s layers."""
+    stages = plan.get("stages")
+    if not stages:
+        return
+    if not (isinstance(stages, list) and all(isinstance(s, (list, tuple)) and len(s) == 2
+                                             and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
+                                             for s in stages)):
+        raise ValueError(f"{source}: 'stages' must be a list of [start, end] layer index pairs, got {stages!r:.80}; "
+                         "write the plan with `hpar profile --plan-out`")
+    from hpar.strategies.pipeline.stage import stage_ranges
+    try:
+        stage_ranges(model, world_size, plan)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def resume_step(run_dir: str, say) -> int | None:
+    """The checkpoint step a resume of ``run_dir`` starts from (None: there is none). When
+    ``latest`` is damaged or names a checkpoint that does not verify, ``latest`` is pointed at
+    the newest complete one and ``say`` tells why; ValueError naming the files when there is
+    a checkpoint but none verifies."""
+    step, problems = checkpoint.usable_step(run_dir)
+    if step is None and problems:
+        raise ValueError(f"{run_dir}: no complete checkpoint to resume from ({'; '.join(problems)}); "
+                         "start a new run")
+    if problems and step is not None:
+        say(f"hpar: {problems[0]}; resuming from the previous complete checkpoint, step {step}")
+        checkpoint.point_latest(run_dir, step)
+    return step

@@ -1,0 +1,325 @@
+"""Chaos run: N random faults in a row against real `hpar run`s on this machine.
+
+    python scripts/chaos.py --faults 100 [--seed 0] [--strategies allreduce,hybrid] [--out chaos.json]
+
+Each fault goes into a fresh run or into the resume of the run the previous fault interrupted
+(a chain); a chain ends with a clean resume to the last step. Faults: SIGKILL of a worker, a
+server (hybrid) or a guard; SIGSTOP of a worker (caught by --stall-timeout); SIGKILL, SIGINT or
+SIGTERM to the launcher; SIGKILL of the worker writing a checkpoint (while its ``.tmp-*`` file
+exists); a full disk under the run directory (a small tmpfs, as root). A link cut needs the
+emulated hosts of ``hpar bench --hosts emulate:H`` and is not part of this local run.
+
+Checked after every fault: no process of the run is left (15 s at most), every committed
+checkpoint verifies and loads, and at the end of each chain the model equals, bit for bit, the
+one an uninterrupted run of the same strategy trains. Figures: detection time (fault to the
+launcher's failure or signal line) and teardown time (fault to no process left), median/max.
+Exit code 0 when every check passed, 1 otherwise; the JSON report lists every fault.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import psutil
+
+STEPS, EVERY = 24, 3
+SCRIPT = textwrap.dedent('''
+    import time, torch, torch.nn as nn
+    HPAR = {"steps": 24, "batch_size": 4, "lr": 0.01, "log_every": 1}
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5000, 16)
+            self.body = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 1))
+        def forward(self, x):
+            return self.body(self.emb(x)).squeeze(1)
+    def model(): return M()
+    def data(rank, world_size, batch_size):
+        g = torch.Generator().manual_seed(rank)
+        while True:
+            time.sleep(0.15)
+            yield torch.randint(0, 5000, (batch_size,), generator=g), torch.randn(batch_size, generator=g)
+    def loss(o, t): return ((o - t) ** 2).mean()
+    def optimizer(params): return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+''')
+FAULTS = ("worker_kill", "server_kill", "guard_kill", "worker_stop", "launcher_kill", "launcher_int",
+          "launcher_term", "checkpoint_kill", "disk_full")
+STALL = 4.0
+
+
+def run_processes(run_dir: str) -> list[psutil.Process]:
+    """Live processes started for the run (found by HPAR_CONFIG in their environment)."""
+    want, found = os.path.join(run_dir, "config.json"), []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("HPAR_CONFIG") == want and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def find(run_dir: str, module: str, rank: str | None = None, guard: bool = False) -> psutil.Process | None:
+    """The process running ``python -m module`` (or the guard above it) of the run."""
+    for p in run_processes(run_dir):
+        try:
+            cmd, env = p.cmdline(), p.environ()
+        except psutil.Error:
+            continue
+        is_guard = cmd[1:3] == ["-m", "hpar.workers.guard"]
+        if module in cmd and is_guard == guard and (rank is None or env.get("RANK", env.get("HPAR_SERVER_INDEX")) == rank):
+            return p
+    return None
+
+
+class Launcher:
+    """One `hpar run` in the background; its output lines are kept with their arrival times."""
+
+    def __init__(self, args: list[str], log: str):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self.log = open(log, "a")
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip()))
+            self.log.write(line)
+        self.log.flush()
+
+    def first_line(self, *needles: str) -> float | None:
+        return next((t for t, line in list(self.lines) if any(n in line for n in needles)), None)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+def steps_done(run_dir: str) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    return sum(1 for line in open(path) if '"kind":"metric"' in line and '"role":"worker"' in line)
+
+
+def checkpoints_ok(run_dir: str) -> list[str]:
+    """Problems with the committed checkpoints (each verifies and loads), empty when none."""
+    from hpar.strategies import checkpoint
+    try:
+        latest = checkpoint.latest_step(run_dir)
+    except ValueError as exc:
+        return [str(exc)]
+    problems = []
+    for step in checkpoint.steps_on_disk(run_dir):
+        if latest is not None and step <= latest:
+            why = checkpoint.verify_step(run_dir, step)
+            if why is None:
+                for name in os.listdir(checkpoint.step_dir(run_dir, step)):
+                    if name.endswith(".pt"):
+                        try:
+                            checkpoint.load(os.path.join(checkpoint.step_dir(run_dir, step), name))
+                        except Exception as exc:
+                            why = f"{name}: {exc}"
+            if why:
+                problems.append(why)
+    return problems
+
+
+def same_model(a: str, b: str) -> bool:
+    import torch
+    x, y = torch.load(a), torch.load(b)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def run_args(script: str, strategy: str, run_dir: str, resume: bool) -> list[str]:
+    common = ["--plain", "--stall-timeout", str(STALL)]
+    if resume:
+        return ["--resume", run_dir, *common]
+    return [script, "--gpus", "2", "--strategy", strategy, "--checkpoint-every", str(EVERY), "--no-eval",
+            "--run-dir", run_dir, *common]
+
+
+def inject(kind: str, strategy: str, run_dir: str, launcher: Launcher, rng: random.Random) -> str | None:
+    """Inject ``kind`` into the running ``launcher``; returns why it could not be, or None."""
+    rank = str(rng.randrange(2))
+    if kind in ("worker_kill", "worker_stop", "guard_kill", "server_kill"):
+        module = "hpar.workers.server" if kind == "server_kill" else "hpar.workers.worker"
+        p = find(run_dir, module, "0" if kind == "server_kill" else rank, guard=kind == "guard_kill")
+        if p is None:
+            return "process not found"
+        p.send_signal(signal.SIGSTOP if kind == "worker_stop" else signal.SIGKILL)
+    elif kind.startswith("launcher_"):
+        launcher.proc.send_signal({"launcher_kill": signal.SIGKILL, "launcher_int": signal.SIGINT,
+                                   "launcher_term": signal.SIGTERM}[kind])
+    elif kind == "checkpoint_kill":
+        ckpt = os.path.join(run_dir, "checkpoints")
+        writer = find(run_dir, "hpar.workers.worker", "0")
+        caught = wait_for(lambda: any(n.startswith(".tmp-") for _, _, fs in os.walk(ckpt) for n in fs), 20, 0.001)
+        if writer is None:
+            return "writer not found"
+        writer.send_signal(signal.SIGKILL)
+        if not caught:
+            return "no checkpoint write caught in 20 s (killed anyway)"
+    elif kind == "disk_full":
+        filler = os.path.join(run_dir, "filler")
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 16))
+                    f.flush()
+            except OSError:
+                pass
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--faults", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--strategies", default="allreduce,hybrid")
+    ap.add_argument("--out", default=None, help="JSON report file")
+    ap.add_argument("--work", default=None, help="directory for the runs (default: a temporary one, removed)")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    work = args.work or tempfile.mkdtemp(prefix="hpar-chaos-")
+    os.makedirs(work, exist_ok=True)
+    script = os.path.join(work, "chaos_job.py")
+    open(script, "w").write(SCRIPT)
+    log = os.path.join(work, "launchers.log")
+    strategies = args.strategies.split(",")
+    root = os.geteuid() == 0
+    reference = {}
+    for s in strategies:   # the uninterrupted runs every resume must equal
+        d = os.path.join(work, f"reference-{s}")
+        code = Launcher(run_args(script, s, d, False), log).wait(600)
+        assert code == 0, f"the uninterrupted {s} run failed ({code}); see {log}"
+        reference[s] = os.path.join(d, "model.pt")
+    records, chains, chain = [], 0, None   # chain: (strategy, run dir, on tmpfs)
+    for i in range(args.faults):
+        kinds = [k for k in FAULTS if (k != "disk_full" or root) and (k != "server_kill" or "hybrid" in strategies)]
+        kind = rng.choice(kinds)
+        from hpar.strategies import checkpoint
+        if chain is not None and not chain[2] and checkpoint.usable_step(chain[1])[0] is None:
+            records[-1]["chain_result"] = {"skipped": "faulted before its first checkpoint", "orphans": 0,
+                                           "bit_identical": True}
+            chain = None
+        if kind == "disk_full" or chain is None or chain[2] or rng.random() < 0.3:
+            if chain is not None:
+                records[-1]["chain_result"] = finish_chain(chain, script, log, reference)
+                print(json.dumps({"chain_result": records[-1]["chain_result"]}), flush=True)
+            strategy = "hybrid" if kind == "server_kill" else rng.choice(strategies)
+            run_dir = os.path.join(work, f"run-{i}")
+            tmpfs = kind == "disk_full"
+            if tmpfs:
+                os.makedirs(run_dir)
+                subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", run_dir], check=True)
+            chain, resume = (strategy, run_dir, tmpfs), False
+            chains += 1
+        else:
+            strategy, run_dir, _ = chain
+            if strategy != "hybrid" and kind == "server_kill":
+                kind = "worker_kill"
+            resume = True
+        launcher = Launcher(run_args(script, strategy, run_dir, resume), log)
+        before = steps_done(run_dir)
+        wait_for(lambda: steps_done(run_dir) >= before + 2 * rng.randint(1, 4) or launcher.proc.poll() is not None, 120)
+        rec = {"fault": kind, "strategy": strategy, "resumed": resume, "run_dir": run_dir}
+        if launcher.proc.poll() is not None:
+            rec["skipped"] = f"the run ended before the fault (exit {launcher.proc.returncode})"
+        else:
+            t0 = time.monotonic()
+            why = inject(kind, strategy, run_dir, launcher, rng)
+            if why:
+                rec["note"] = why
+            # teardown: fault to no process of the run left (the launcher's own exit not counted)
+            gone = wait_for(lambda: not run_processes(run_dir), 135)
+            t_gone = time.monotonic()
+            code = launcher.wait(120)
+            gone = gone and wait_for(lambda: not run_processes(run_dir), 15)
+            left = run_processes(run_dir)
+            for p in left:
+                p.kill()
+            if launcher.proc.poll() is None:
+                launcher.proc.kill()
+            seen = launcher.first_line("failed:", "received, stopping") if kind != "launcher_kill" else None
+            rec.update(exit_code=code, orphans=len(left), teardown_s=round(t_gone - t0, 2) if gone else None,
+                       detection_s=round(seen - t0, 2) if seen else None)
+        if chain[2]:
+            os.unlink(os.path.join(run_dir, "filler")) if os.path.exists(os.path.join(run_dir, "filler")) else None
+        rec["checkpoint_problems"] = checkpoints_ok(run_dir)
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    if chain is not None and records:
+        records[-1]["chain_result"] = finish_chain(chain, script, log, reference)
+    return report(records, chains, args, work)
+
+
+def finish_chain(chain, script: str, log: str, reference: dict) -> dict:
+    """Resume the chain's run to the end and compare its model with the uninterrupted one."""
+    strategy, run_dir, tmpfs = chain
+    try:
+        from hpar.strategies import checkpoint
+        resume = checkpoint.latest_step(run_dir) is not None
+        if not resume:   # faulted before its first checkpoint: start again in a new directory
+            run_dir = run_dir.rstrip("/") + "-again"
+        code = Launcher(run_args(script, strategy, run_dir, resume), log).wait(600)
+        equal = code == 0 and same_model(os.path.join(run_dir, "model.pt"), reference[strategy])
+        return {"exit_code": code, "bit_identical": equal, "orphans": len(run_processes(run_dir))}
+    finally:
+        if tmpfs:
+            subprocess.run(["umount", "-l", chain[1]], check=False)
+
+
+def report(records: list[dict], chains: int, args, work: str) -> int:
+    done = [r for r in records if "skipped" not in r]
+    det = [r["detection_s"] for r in done if r.get("detection_s") is not None]
+    tear = [r["teardown_s"] for r in done if r.get("teardown_s") is not None]
+    results = [r["chain_result"] for r in records if "chain_result" in r and "skipped" not in r["chain_result"]]
+    figures = {
+        "faults": len(records), "injected": len(done), "chains": chains,
+        "orphans": sum(r.get("orphans", 0) for r in done) + sum(c["orphans"] for c in results),
+        "processes_not_gone_in_15s": sum(1 for r in done if r.get("teardown_s") is None),
+        "checkpoint_problems": sum(len(r["checkpoint_problems"]) for r in records),
+        "resumes_bit_identical": f"{sum(c['bit_identical'] for c in results)}/{len(results)}",
+        "detection_s": {"median": statistics.median(det), "max": max(det)} if det else None,
+        "teardown_s": {"median": statistics.median(tear), "max": max(tear)} if tear else None,
+        "by_fault": {k: sum(1 for r in done if r["fault"] == k) for k in FAULTS},
+    }
+    print(json.dumps(figures, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"figures": figures, "faults": records}, f, indent=2)
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    ok = (figures["orphans"] == 0 and figures["checkpoint_problems"] == 0 and figures["processes_not_gone_in_15s"] == 0
+          and all(c["bit_identical"] for c in results))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

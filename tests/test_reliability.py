@@ -1,0 +1,365 @@
+"""Reliability through the real `hpar run` (issue 18): resume after the final checkpoint,
+damaged checkpoints, the stalled rank named with its stack and everything gone within
+stall-timeout + 5 s, start-up and evaluate not taken for stalls, early exits named, processes
+in new sessions stopped, one-line errors for bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import TINY, embed_script, hpar, run_processes, wait_for, write_script
+
+pytestmark = [pytest.mark.multiprocess]
+
+SHORT = TINY.replace('"steps": 20', '"steps": 6').replace('"log_every": 5', '"log_every": 2')
+
+# rank 1 hangs in data() at its 30th batch (alive: its heartbeats go on), or a test SIGSTOPs it
+HANG = TINY.replace('HPAR = {"steps": 20', 'import os, time\nHPAR = {"steps": 100000').replace(
+    '"log_every": 5', '"log_every": 2').replace(
+    "    for _ in range(10_000):\n", "    for n in range(10_000):\n        time.sleep(0.05)\n"
+    "        if rank == 1 and n == HANG_AT:\n            time.sleep(1000)\n")
+
+
+def run_cli(tmp_path, *args, name="out.txt", timeout=180):
+    """`hpar ARGS` with stdout and stderr to a file; returns (exit code, output)."""
+    out = tmp_path / name
+    with open(out, "w") as f:
+        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], stdout=f,
+                              stderr=subprocess.STDOUT, timeout=timeout).returncode
+    return code, out.read_text()
+
+
+def state_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(300)
+def test_resume_after_the_final_checkpoint_and_from_a_damaged_one(tmp_path, reap_run):
+    script = write_script(tmp_path, SHORT)
+    run_dir = str(tmp_path / "run")
+    reap_run(run_dir)
+    code, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--strategy", "allreduce", "--checkpoint-every", "3",
+                        "--run-dir", run_dir, "--plain", name="first.txt")
+    assert code == 0, out
+    first = json.load(open(os.path.join(run_dir, "summary.json")))
+    model = torch.load(os.path.join(run_dir, "model.pt"))
+    junk = os.path.join(run_dir, "checkpoints", ".tmp-left-by-a-kill")
+    open(junk, "wb").write(b"x" * 1000)
+
+    # 1. resume a run that ended with its final checkpoint: nothing left to train, same result
+    code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--plain", name="resume.txt")
+    assert code == 0, out
+    assert "loss -" not in out and "nan" not in out, out
+    again = json.load(open(os.path.join(run_dir, "summary.json")))
+    for key in ("loss_first", "loss_last", "eval_first", "eval_last"):
+        assert again[key] == first[key], key
+    assert state_equal(torch.load(os.path.join(run_dir, "model.pt")), model)
+    assert not os.path.exists(junk), "temp files left by a fault are removed at the next start"
+
+    # 2. the newest checkpoint is truncated: its checksum fails, resume falls back to step 3
+    part = os.path.join(run_dir, "checkpoints", "step-6", "worker0.pt")
+    data = open(part, "rb").read()
+    open(part, "wb").write(data[: len(data) - 10])
+    code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--plain", name="fallback.txt")
+    assert code == 0, out
+    assert f"{part}: checksum mismatch" in out and "previous complete checkpoint, step 3" in out, out
+    resumed = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert state_equal(torch.load(os.path.join(run_dir, "model.pt")), model), "resume equals the uninterrupted run"
+    assert resumed["loss_first"] == first["loss_first"] and resumed["eval_first"] == first["eval_first"]
+    assert resumed["loss_last"] == first["loss_last"]
+    assert not run_processes(run_dir)
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_resume_after_the_final_checkpoint(tmp_path, reap_run):
+    script = write_script(tmp_path, embed_script(steps=4))
+    run_dir = str(tmp_path / "run")
+    reap_run(run_dir)
+    code, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--strategy", "hybrid", "--checkpoint-every", "2",
+                        "--run-dir", run_dir, "--plain", name="first.txt")
+    assert code == 0, out
+    first = json.load(open(os.path.join(run_dir, "summary.json")))
+    model = torch.load(os.path.join(run_dir, "model.pt"))
+    code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--plain", name="resume.txt")
+    assert code == 0, out
+    assert "Traceback" not in out
+    again = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert again["exit_code"] == 0 and again["loss_first"] == first["loss_first"] and again["loss_last"] == first["loss_last"]
+    assert state_equal(torch.load(os.path.join(run_dir, "model.pt")), model)
+
+
+def _worker_pid(run_dir: str, rank: int) -> int:
+    for p in run_processes(run_dir):
+        if p.cmdline()[1:3] == ["-m", "hpar.workers.worker"] and p.environ().get("RANK") == str(rank):
+            return p.pid
+    raise AssertionError("worker not found")
+
+
+def _start_hanging(tmp_path, hang_at: int, stall: float):
+    script = write_script(tmp_path, HANG.replace("HANG_AT", str(hang_at)))
+    run_dir = str(tmp_path / "run")
+    out = open(tmp_path / "out.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", "2", "--strategy",
+                             "allreduce", "--run-dir", run_dir, "--plain", "--no-eval", "--stall-timeout", str(stall)],
+                            stdout=out, stderr=subprocess.STDOUT)
+    return proc, run_dir
+
+
+@pytest.mark.timeout(200)
+def test_sigstopped_worker_is_named_and_everything_ends_within_stall_timeout_plus_5s(tmp_path, reap_run):
+    stall = 5.0
+    proc, run_dir = _start_hanging(tmp_path, hang_at=10**9, stall=stall)
+    reap_run(run_dir)
+    try:
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        assert wait_for(lambda: os.path.exists(metrics) and open(metrics).read().count('"kind":"metric"') >= 6, 120)
+        os.kill(_worker_pid(run_dir, 1), signal.SIGSTOP)
+        stopped = time.monotonic()
+        # the launcher's own interpreter exit is not counted (seconds under heavy load): the
+        # failure named and every process of the run gone are
+        named = lambda: "failed: stalled" in (tmp_path / "out.txt").read_text() and not run_processes(run_dir)
+        assert wait_for(named, 60, interval=0.05)
+        elapsed = time.monotonic() - stopped
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    out = (tmp_path / "out.txt").read_text()
+    assert proc.returncode == 1, out
+    assert "worker 1 on localhost failed: stalled: silent for" in out, out
+    assert "worker 0 on localhost failed" not in out
+    assert "worker 1: no stack (stopped" in out, out
+    assert "worker 0: in torch" in out, "the peer's stack says it waits in torch"
+    assert os.path.exists(os.path.join(run_dir, "stacks", "worker-0.txt"))
+    assert elapsed < stall + 5, f"{elapsed:.1f} s from SIGSTOP to no process left"
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["failed"] == "worker 1"
+
+
+@pytest.mark.timeout(200)
+def test_rank_hanging_in_user_code_is_named_with_its_stack(tmp_path, reap_run):
+    proc, run_dir = _start_hanging(tmp_path, hang_at=25, stall=4.0)
+    reap_run(run_dir)
+    try:
+        proc.wait(timeout=150)
+    finally:
+        proc.kill()
+    out = (tmp_path / "out.txt").read_text()
+    assert proc.returncode == 1, out
+    assert "worker 1 on localhost failed: stalled: not in a collective while its peers wait in one" in out, out
+    assert "worker 1: elsewhere: data (job.py:" in out, out
+    stack = open(os.path.join(run_dir, "stacks", "worker-1.txt")).read()
+    assert "job.py" in stack and "in data" in stack
+    assert not run_processes(run_dir)
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_on_a_hung_run_prints_every_stack_first(tmp_path, reap_run):
+    proc, run_dir = _start_hanging(tmp_path, hang_at=25, stall=0)
+    reap_run(run_dir)
+    try:
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        steps = lambda: open(metrics).read().count('"kind":"metric"') if os.path.exists(metrics) else 0
+        assert wait_for(lambda: steps() >= 20, 120)     # rank 1 hangs after 25 batches (one was the check)
+        count, since = steps(), time.monotonic()
+        while time.monotonic() - since < 7:               # no new step for 7 s: hung
+            time.sleep(0.5)
+            if steps() != count:
+                count, since = steps(), time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    out = (tmp_path / "out.txt").read_text()
+    assert proc.returncode == 130, out
+    assert "SIGINT received" in out and "worker 1: elsewhere: data (job.py:" in out, out
+    assert not run_processes(run_dir)
+
+
+SLOW_START = SHORT.replace("def evaluate(model):", "def evaluate(model):\n    import time; time.sleep(4)").replace(
+    "        yield x, x.sum(1, keepdim=True)",
+    "        x = x[:6] if rank == 1 else x\n        yield x, x.sum(1, keepdim=True)")
+
+
+@pytest.mark.timeout(200)
+def test_startup_and_evaluate_are_not_stalls_and_unequal_batches_are_named(tmp_path, reap_run):
+    # --stall-timeout 2: start-up (importing torch, joining the group) and a 4 s evaluate() both
+    # take longer than that; neither is a stall. Rank 1 draws 6 samples, rank 0 8: warned once.
+    script = write_script(tmp_path, SLOW_START)
+    run_dir = str(tmp_path / "run")
+    reap_run(run_dir)
+    code, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--strategy", "allreduce", "--run-dir", run_dir,
+                        "--plain", "--stall-timeout", "2")
+    assert code == 0, out
+    assert out.count("workers draw batches of different sizes (worker 0: 8, worker 1: 6)") == 1, out
+    assert not run_processes(run_dir)
+
+
+EARLY_EXIT = SHORT.replace('"steps": 6', '"steps": 1000').replace("def model():", '''def model():
+    import os, subprocess
+    if os.environ.get("RANK") == "0":   # a helper in a session of its own, as some user code starts
+        subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    return _model()
+def _model():''').replace("        yield x, x.sum(1, keepdim=True)", '''        if rank == 1 and _ == 5:
+            import sys; sys.exit(0)
+        yield x, x.sum(1, keepdim=True)''')
+
+
+@pytest.mark.timeout(200)
+def test_worker_exiting_0_early_is_named_and_new_session_children_are_stopped(tmp_path, reap_run):
+    script = write_script(tmp_path, EARLY_EXIT)
+    run_dir = str(tmp_path / "run")
+    reap_run(run_dir)   # finds the `sleep` too (it inherits HPAR_CONFIG)
+    code, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--strategy", "allreduce", "--run-dir", run_dir,
+                        "--plain", "--no-eval")
+    assert code == 1, out
+    assert "worker 1 on localhost failed: exited with code 0 before the end of training" in out, out
+    assert wait_for(lambda: not run_processes(run_dir), 10), [p.cmdline() for p in run_processes(run_dir)]
+
+
+@pytest.mark.parametrize("text, args, message", [
+    ("import sys\nsys.exit(0)\n", (), "the script called sys.exit(0) while being imported"),
+    (SHORT.replace("x = torch.randn(batch_size, 4, generator=g)", "x = torch.empty(batch_size, 1 << 40)"),
+     ("--batch-size", "100000"), "data() raised RuntimeError while producing a batch"),
+    (SHORT.replace("    g = torch.Generator", "    raise KeyError('shard')\n    g = torch.Generator"), (),
+     "data() raised KeyError while producing a batch: 'shard'"),
+], ids=["sys-exit-at-import", "huge-batch", "data-raises"])
+def test_bad_scripts_are_one_line_and_exit_2(tmp_path, text, args, message):
+    script = write_script(tmp_path, text)
+    res = hpar("run", script, "--run-dir", str(tmp_path / "run"), *args)
+    assert res.returncode == 2, res.stdout + res.stderr
+    first = res.stderr.splitlines()[0]
+    assert first.startswith(f"hpar: {script}: ") and message in first, first
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_dir_that_is_a_file_and_malformed_plan_stages(tmp_path):
+    script = write_script(tmp_path, SHORT)
+    (tmp_path / "taken").write_text("a file")
+    res = hpar("run", script, "--run-dir", str(tmp_path / "taken"))
+    assert res.returncode == 2
+    assert res.stderr.splitlines()[0] == f"hpar: --run-dir {tmp_path / 'taken'}: is a file, not a directory; pick a new directory name"
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"strategy": "pipeline", "stages": [[0, "x"], [3, 5]]}))
+    res = hpar("run", script, "--gpus", "2", "--plan", str(plan), "--run-dir", str(tmp_path / "run"))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.startswith(f"hpar: {plan}: 'stages' must be a list of [start, end] layer index pairs")
+    plan.write_text(json.dumps({"strategy": "pipeline", "stages": [[0, 2], [3, 5]]}))
+    res = hpar("run", script, "--gpus", "2", "--plan", str(plan), "--run-dir", str(tmp_path / "run"))
+    assert res.returncode == 2 and res.stderr.startswith(f"hpar: {plan}: plan stages"), res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def one_host():
+    import netns_hosts
+    yield from netns_hosts.make_hosts(1)
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_unknown_host_keys_refused_by_default_and_recorded_with_accept_new(one_host, tmp_path):
+    from hpar.launcher.hosts.hostfile import Host
+    from hpar.launcher.procs.ssh import SSHError, SSHOptions, connect
+    script = write_script(tmp_path, SHORT)
+    address = one_host.addresses[0]
+    known = tmp_path / "known_hosts"
+    hosts_file = tmp_path / "hosts.txt"
+    hosts_file.write_text(f"root@{address}:22 slots=2\n")
+    base = ("run", script, "--hosts", str(hosts_file), "--gpus", "1", "--strategy", "allreduce", "--steps", "2",
+            "--no-eval", "--plain", "--ssh-key", one_host.key, "--ssh-known-hosts", str(known))
+    # 1. not in known_hosts (here: no file at all): refused, one line naming the host and the fix
+    code, out = run_cli(tmp_path, *base, "--run-dir", str(tmp_path / "run1"), name="refused.txt")
+    assert code == 2, out
+    line = [x for x in out.splitlines() if x.startswith("hpar: ")][-1]
+    assert "preflight failed" in line and address in line and "host key is not in" in line and "--ssh-accept-new" in line, line
+    assert not known.exists() and not (tmp_path / "run1").exists()
+    # 2. --ssh-accept-new records it and the run goes ahead; the next run checks against it
+    code, out = run_cli(tmp_path, *base, "--ssh-accept-new", "--run-dir", str(tmp_path / "run2"), name="accepted.txt")
+    assert code == 0, out
+    recorded = known.read_text().split()
+    assert recorded[0] == address and recorded[1] == "ssh-ed25519"
+    opts = SSHOptions(key=one_host.key, known_hosts=str(known), connect_timeout=5, retries=0)
+    connect(Host(address, user="root"), opts).close()   # known now: no flag needed
+    # 3. a different key on record for the host: refused even with --ssh-accept-new
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    other = (tmp_path / "other.pub").read_text().split()
+    known.write_text(f"{address} {other[0]} {other[1]}\n")
+    with pytest.raises(SSHError, match="host key differs"):
+        connect(Host(address, user="root"), SSHOptions(key=one_host.key, known_hosts=str(known), accept_new=True,
+                                                       connect_timeout=5, retries=0))
+
+
+DUMP_WAITING = """Thread 0x00007f5a1c5ff640 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f5a2a6a4740 (most recent call first):
+  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 2501 in all_reduce
+  File "/x/hpar/strategies/allreduce.py", line 120 in train
+  File "<frozen runpy>", line 88 in _run_code
+""".splitlines()
+DUMP_ELSEWHERE = """Current thread 0x00007f5a2a6a4740 (most recent call first):
+  File "/home/u/train.py", line 14 in data
+  File "/x/hpar/strategies/job.py", line 124 in _user_items
+  File "<frozen runpy>", line 88 in _run_code
+""".splitlines()
+
+
+def test_stack_summary_groups_processes_and_finds_the_one_elsewhere():
+    from hpar.launcher.run import stacks
+    lines, odd = stacks.summarize({"worker 0": DUMP_WAITING, "worker 2": DUMP_WAITING, "worker 1": DUMP_ELSEWHERE},
+                                  {"server 0": "stopped (SIGSTOP?)"})
+    assert lines == ["  worker 0, worker 2: in torch.distributed: all_reduce (distributed_c10d.py:2501) <- allreduce.py:120 train",
+                     "  worker 1: elsewhere: data (train.py:14) <- job.py:124 _user_items",
+                     "  server 0: no stack (stopped (SIGSTOP?))"]
+    assert odd == ["worker 1"]
+    assert stacks.summarize({"worker 0": DUMP_ELSEWHERE}, {})[1] == [], "nobody waits: nobody is odd"
+
+
+def test_health_blames_the_silent_process_not_its_waiting_peer(monkeypatch):
+    from hpar.launcher.run import health
+    clock = [1000.0]
+    monkeypatch.setattr(health.time, "monotonic", lambda: clock[0])
+    h = health.Health(["w0", "w1"], ["worker", "worker"], total_steps=100, stall_timeout=5)
+    for key in ("w0", "w1"):
+        h.line(key)
+        h.heartbeat(key, {"at_step": 0})
+        h.phase(key, "train")
+    clock[0] += 3.0                       # start-up is no stall, however long the first step takes
+    assert h.stalled(["w0", "w1"]) == []
+    for key in ("w0", "w1"):
+        h.line(key)
+        h.heartbeat(key, {"at_step": 7})
+    clock[0] += 1.0
+    h.line("w0")
+    h.heartbeat("w0", {"at_step": 7})     # w0 alive, waiting; w1 went silent (SIGSTOP)
+    clock[0] += 4.5
+    h.line("w0")
+    stalled = h.stalled(["w0", "w1"])   # w0's step stopped too (it waits for w1): the silent one comes first
+    assert stalled[0] == ("w1", "stalled: silent for 5 s (--stall-timeout), the process is frozen or stopped")
+    h.phase("w1", "evaluate")             # nobody steps while rank 0 evaluates
+    clock[0] += 100
+    h.line("w0"), h.line("w1")
+    assert h.stalled(["w0", "w1"]) == []
+
+
+def test_usable_step_falls_back_past_a_damaged_checkpoint(tmp_path):
+    from hpar.strategies import checkpoint
+    run_dir = str(tmp_path)
+    for step in (2, 4):
+        checkpoint.save_part(run_dir, step, "worker0", {"w": torch.full((100,), float(step))})
+        checkpoint.commit(run_dir, step)
+    assert checkpoint.usable_step(run_dir) == (4, [])
+    part = os.path.join(checkpoint.step_dir(run_dir, 4), "worker0.pt")
+    open(part, "r+b").truncate(50)
+    step, problems = checkpoint.usable_step(run_dir)
+    assert step == 2 and problems == [f"{part}: checksum mismatch (truncated or altered)"]
+    open(os.path.join(run_dir, "checkpoints", "latest"), "w").write("\x00garbage")
+    step, problems = checkpoint.usable_step(run_dir)
+    assert step == 2 and "latest: not a step number" in problems[0]
+    assert checkpoint.remove_temp_files(run_dir) == []
