@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 # Runtime strategies `hpar run --strategy` accepts (the planner's names).
 STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline")
 # Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
-SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async", "torch-gpipe", "torch-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b")
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,10 @@ class RunConfig:
         if self.strategy == "pipeline" and self.schedule == "torch-1f1b" and self.micro_batches < self.world_size:
             raise ValueError(f"--micro-batches {self.micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
                              f"at least one per stage ({self.world_size}); raise it or use --schedule torch-gpipe")
+
+        if self.strategy == "pipeline" and self.schedule == "async-2bw":
+            from hpar.strategies.pipeline.schedules import check_2bw
+            check_2bw(self.world_size, self.micro_batches)
 
     @property
     def backend(self) -> str:

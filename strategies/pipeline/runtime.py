@@ -46,7 +46,7 @@ import torch.distributed as dist
 from hpar.strategies import checkpoint
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.pipeline.comm import Links
-from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops
+from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
 from hpar.strategies.pipeline.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
 from hpar.strategies.pipeline.prediction import mode_for_schedule
 
@@ -126,7 +126,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             g = None if stage.is_last else links.recv_gradient()
             t0 = time.perf_counter()
             grad_in = stage.backward(op, g)
-            if not sync:
+            if updates_after(cfg.schedule, j, M):
                 stage.update()
             compute[0] += time.perf_counter() - t0
             if not stage.is_first:

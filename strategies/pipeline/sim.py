@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hpar.strategies.job import Job
-from hpar.strategies.pipeline.schedules import execution_order, is_synchronous, stage_ops
+from hpar.strategies.pipeline.schedules import execution_order, is_synchronous, stage_ops, updates_after, check_2bw
 from hpar.strategies.pipeline.stage import Stage, split_micro, stage_module, stage_ranges
 from hpar.strategies.pipeline.prediction import mode_for_schedule
 
@@ -35,6 +35,8 @@ def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: i
     ``num_stages`` stages (balanced on parameter counts) under ``schedule`` in this process.
     The model is built with ``torch.manual_seed(seed)`` as the runtime does. Raises
     ValueError as the runtime does (non-sequential model, bad micro-batch count)."""
+    if schedule == "async-2bw":
+        check_2bw(num_stages, micro_batches)
     torch.manual_seed(seed)
     model = job.build_model()
     ranges = stage_ranges(model, num_stages)
@@ -75,7 +77,7 @@ def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: i
                 else:
                     g = st.backward(op, None if st.is_last else grads.pop((k, j)))
                     results.append(("B", k, j, g))
-                    if not sync:
+                    if updates_after(schedule, j, micro_batches):
                         st.update()
             for kind, k, j, value in results:  # hand over after the tick, as messages would
                 if kind == "F" and not stages[k].is_last:
