@@ -38,6 +38,8 @@ class RunConfig:
     resume: bool = False
     plan: dict = field(default_factory=dict)   # the planner's Plan as JSON, may be empty
     eval: bool = True
+    on_divergence: str = "off"      # asynchronous pipelines: off, stop or sync (strategies/pipeline/guard.py)
+    divergence_factor: float = 2.0
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -55,6 +57,12 @@ class RunConfig:
             raise ValueError(f"--micro-batches {self.micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
                              f"at least one per stage ({self.world_size}); raise it or use --schedule torch-gpipe")
 
+        if self.on_divergence != "off" or self.divergence_factor != 2.0:
+            from hpar.strategies.pipeline.guard import GuardConfig
+            GuardConfig(self.on_divergence, self.divergence_factor)
+            if self.strategy != "pipeline" or not self.schedule.startswith("async"):
+                raise ValueError(f"--on-divergence {self.on_divergence}: the guard watches asynchronous pipelines only "
+                                 "(--strategy pipeline --schedule async-*); drop it for this run")
         if self.strategy == "pipeline" and self.schedule == "async-2bw":
             from hpar.strategies.pipeline.schedules import check_2bw
             check_2bw(self.world_size, self.micro_batches)
