@@ -235,7 +235,7 @@ def test_torch_pipelining_peer_is_the_same_math(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("action", ["sync", "stop"])
+@pytest.mark.parametrize("action", ["sync"])
 def test_divergence_guard_falls_back_or_stops_like_the_simulator(tmp_path, action):
     """lr 1.0 makes async-predict's loss rise (0.56 -> 0.91 at step 2, > 1.5 x the minimum):
     the guard trips there, the asynchronous stream is cut after step 2 + 1 + ceil(3/4) = 4,

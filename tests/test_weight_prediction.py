@@ -303,3 +303,26 @@ def test_2bw_is_delay_one_sgd_at_every_depth(stages, micro):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), n
     with pytest.raises(ValueError, match="--micro-batches 2: --schedule async-2bw needs at least --gpus - 1 = 3"):
         simulate(job, "async-2bw", 4, steps=1, batch_size=12, micro_batches=2, lr=0.1)
+
+
+def test_divergence_guard_stop_and_sync_in_the_simulator():
+    """lr 3 makes async-predict blow up on the small MLP; the guard cuts the asynchronous
+    stream 1 + ceil((K-1)/M) steps after the trip and stops there or goes on as 1f1b."""
+    from hpar.strategies.pipeline.guard import GuardConfig, LossWatch
+    job = _mlp_job()
+    kw = dict(steps=12, batch_size=8, micro_batches=2, lr=3.0)
+    free = simulate(job, "async-predict", 3, **kw)
+    stop = simulate(job, "async-predict", 3, guard=GuardConfig("stop", 1.5), **kw)
+    sync = simulate(job, "async-predict", 3, guard=GuardConfig("sync", 1.5), **kw)
+    t = stop.divergence["step"]
+    assert stop.divergence["async_steps"] == t + 2 and len(stop.losses) == t + 2
+    assert stop.losses == free.losses[:t + 2]                 # the same run up to the cut
+    assert len(sync.losses) == 12 and sync.losses[:t + 2] == stop.losses
+    assert sync.divergence["sync_steps"] == 12 - (t + 2)
+    watch = LossWatch(GuardConfig("stop", 2.0, window=3))
+    # 1.5 < 2 x 0.8 (0.5 has left the window of 3), 1.7 > 2 x 0.8
+    assert [watch.observe(s, x) for s, x in enumerate([1.0, 0.5, 0.9, 0.8, 0.95, 1.5, 1.7])] == [False] * 6 + [True]
+    assert watch.tripped == {"step": 6, "loss": 1.7, "recent_min": 0.8}
+    assert LossWatch(GuardConfig("sync")).observe(0, float("nan"))
+    with pytest.raises(ValueError, match="--divergence-factor must be above 1"):
+        GuardConfig("sync", 0.5)
