@@ -162,10 +162,8 @@ class PassWeights:
         leaves = self.leaves.pop(micro)
         for n, p in self.named:
             g = leaves[n].grad
-            if self.mode == "2bw" and p.grad is not None and g is not None:
-                p.grad = p.grad + g
-            elif self.mode == "2bw" and g is None:
-                pass
+            if self.mode == "2bw" and p.grad is not None:   # 2bw accumulates the batch's gradient
+                p.grad = p.grad if g is None else p.grad + g
             else:
                 p.grad = g
             leaves[n].grad = None

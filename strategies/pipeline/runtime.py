@@ -30,7 +30,10 @@ steps per batch instead). Weights per pass from
 stage ends step s when it has run the backward (and update) of the batch's last
 micro-batch. In the asynchronous schedules checkpoints are taken at those boundaries too,
 where every stage has applied exactly the updates of the first (s+1)*M micro-batches; on
-resume the pipeline refills from there.
+resume the pipeline refills from there (``async-2bw``'s older version is not saved: the
+first batch after a resume runs on the checkpoint's weights). ``async-2bw`` steps once per
+batch, after the backward of its last micro-batch. With ``--on-divergence`` the last stage
+broadcasts its guard decision every step (``strategies/pipeline/guard.py``).
 
 Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
 for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
