@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 
 import torch
 
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     ap.add_argument("--speed-steps", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench_depth.md"))
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_depth.md"))
     args = ap.parse_args()
     os.environ["HPAR_DEEP_MLP_OPT"] = args.opt
     torch.set_num_threads(1)
