@@ -63,7 +63,9 @@ def optimizer(params):
 
 
 def evaluate(model):
-    x, y = digits()
-    logits = model(x[TRAIN:])
-    return {"accuracy": (logits.argmax(1) == y[TRAIN:]).float().mean().item(),
-            "loss": F.cross_entropy(logits, y[TRAIN:]).item()}
+    """Held-out accuracy and loss, on whatever device the model is (hpar hands it over on the CPU)."""
+    dev = next(model.parameters()).device
+    x, y = (t[TRAIN:].to(dev) for t in digits())
+    logits = model(x)
+    return {"accuracy": (logits.argmax(1) == y).float().mean().item(),
+            "loss": F.cross_entropy(logits, y).item()}

@@ -128,7 +128,10 @@ def auc(scores, labels):
 
 
 def evaluate(model):
-    """Validation AUC and log-loss on VALID_SAMPLES held-out synthetic samples."""
+    """Validation AUC and log-loss on VALID_SAMPLES held-out synthetic samples (on whatever
+    device the model is: hpar hands it over on the CPU; the metrics are computed on the CPU)."""
+    dev = next(model.parameters()).device
     x, y = _samples(VALID_SAMPLES, torch.Generator().manual_seed(999))
-    logits = torch.cat([model({k: v[i:i + 4096] for k, v in x.items()}) for i in range(0, VALID_SAMPLES, 4096)])
+    logits = torch.cat([model({k: v[i:i + 4096].to(dev) for k, v in x.items()}).cpu()
+                        for i in range(0, VALID_SAMPLES, 4096)])
     return {"auc": auc(logits, y), "logloss": F.binary_cross_entropy_with_logits(logits, y).item()}

@@ -4,7 +4,10 @@
 ``allreduce``: every gradient dense, averaged with DDP's bucketed AllReduce overlapped with
 backward (what Horovod does with ``sparse_as_dense``). Embedding layers are switched to dense
 gradients. ``allreduce-sparse``: embedding layers produce sparse gradients, which DDP on gloo
-exchanges with AllGather (what Horovod does by default for ``IndexedSlices``).
+exchanges with AllGather (what Horovod does by default for ``IndexedSlices``); on NCCL, which
+has no sparse AllReduce, with the padded AllGather of ``strategies/sparse_allgather.py``.
+Gradients go over the workers' dense group (NCCL on CUDA), the final losses over the gloo
+control group (``strategies/groups.py``).
 
 Bytes are counted with a DDP communication hook: a ring AllReduce of a B-byte bucket sends
 and receives 2(N-1)/N * B bytes per worker (Patarasuk & Yuan, "Bandwidth optimal all-reduce
@@ -14,12 +17,18 @@ go to the N-1 peers and theirs come back.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint
+from hpar.strategies.devices import cpu_copy
+from hpar.strategies.groups import mean_over_workers, worker_groups
+from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
+from hpar.strategies.loop import StepTools, evaluate_during_training, step_tools
 
 DENSE = "_dense_allreduce"   # ByteMeter name of DDP's gradient exchange
 
@@ -40,13 +49,14 @@ def ring_allreduce_bytes(nbytes: int, world_size: int) -> float:
 def counting_allreduce_hook(state, bucket):
     """DDP communication hook: mean AllReduce of the bucket, counting this worker's bytes.
 
-    ``state`` is (ByteMeter, world size, whether the ring successor is on another host);
+    ``state`` is (ByteMeter, world size, the workers' dense group, whether the ring successor
+    is on another host);
     ``bucket`` a dist.GradBucket (left unannotated: DDP rejects string annotations, which
     this module's postponed evaluation would make).
     A dense bucket costs ring AllReduce bytes; a sparse one (an embedding with sparse=True)
     is exchanged by gloo as an AllGather of (indices, values): see :func:`sparse_allgather_bytes`.
     """
-    counter, world_size, remote = state
+    counter, world_size, group, remote = state
     buf = bucket.buffer()
     if buf.is_sparse:
         nbytes = sparse_allgather_bytes(buf, world_size)
@@ -54,7 +64,7 @@ def counting_allreduce_hook(state, bucket):
         nbytes = ring_allreduce_bytes(buf.numel() * buf.element_size(), world_size)
     counter.add(DENSE, sent=nbytes, recv=nbytes, remote=remote)
     buf.div_(world_size)
-    fut = dist.all_reduce(buf, async_op=True).get_future()
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
@@ -76,21 +86,27 @@ def sparse_allgather_bytes(grad: torch.Tensor, world_size: int) -> float:
     return float(own * (world_size - 1))
 
 
-def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Load this worker's checkpoint when the run resumes; returns the step to start from."""
+def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 tools: StepTools | None = None) -> int:
+    """Load this worker's checkpoint when the run resumes (model, optimizer, and the
+    scaler and schedule when ``tools`` is given); returns the step to start from."""
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
         return 0
     state = checkpoint.load_part(ctx.cfg.run_dir, step, "worker0")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
+    if tools is not None:
+        tools.load_state_dict(state.get("loop"))
     return step
 
 
 def train(ctx: WorkerContext) -> TrainResult:
-    """Train ``ctx.cfg.steps`` steps with DDP. Each worker draws its own batches from
-    ``data(rank, world_size, batch_size)``; gradients are averaged, so N workers equal one
-    process on the concatenated batches with a mean loss."""
+    """Train ``ctx.cfg.steps`` optimizer steps with DDP. Each worker draws its own batches
+    from ``data(rank, world_size, batch_size)``, ``--accumulate`` of them per step (DDP's
+    ``no_sync`` on all but the last); gradients are averaged, so N workers equal one process
+    on the concatenated N x accumulate batches with a mean loss, also with the script's
+    schedule, ``--clip-grad-norm`` and ``--precision`` (strategies/loop.py)."""
     cfg, job = ctx.cfg, ctx.job
     torch.manual_seed(cfg.seed)
     model = job.build_model().to(ctx.device)
@@ -99,35 +115,52 @@ def train(ctx: WorkerContext) -> TrainResult:
     if sparse:   # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
         torch.sparse.check_sparse_tensor_invariants.disable()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
-    ctx.start_step = resume_state(ctx, model, opt)
+    tools = step_tools(cfg, job, opt, ctx.device)
+    ctx.start_step = resume_state(ctx, model, opt, tools)
     counter = ByteMeter()
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    groups = worker_groups(ctx.world_size, cfg.device)
+    ddp = DDP(model, process_group=groups.dense, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
-    ddp.register_comm_hook((counter, ctx.world_size, ring_remote), counting_allreduce_hook)
+    padded = sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
+    ddp.register_comm_hook((counter, ctx.world_size, groups.dense, ring_remote),
+                           padded_allgather_hook if padded else counting_allreduce_hook)
     batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
-    for _ in range(ctx.start_step):  # same batches as an uninterrupted run
+    for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
         next(batches)
     meter = None
     for step in range(ctx.start_step, cfg.steps):
-        inputs, targets = next(batches)
-        if meter is None:
-            meter = StepMeter(ctx, batch_samples(inputs))
-        meter.start()
-        inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
+        if meter is not None:
+            meter.start()
         opt.zero_grad(set_to_none=True)
-        loss = job.compute_loss(ddp(inputs), targets)
-        loss.backward()
-        opt.step()
+        step_loss, logged = 0.0, {}
+        for micro in range(cfg.accumulate):
+            inputs, targets = next(batches)
+            if meter is None:
+                meter = StepMeter(ctx, batch_samples(inputs) * cfg.accumulate)
+            inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
+            sync = contextlib.nullcontext() if micro == cfg.accumulate - 1 else ddp.no_sync()
+            with sync:
+                with tools.autocast():
+                    output = ddp(inputs)
+                    loss = job.compute_loss(output, targets) / cfg.accumulate
+                tools.backward(loss)
+            step_loss += loss.item()
+            if ctx.rank == 0 and micro == cfg.accumulate - 1:
+                logged = job.run_log(step + 1, output, targets)
+        lr = tools.lr(opt)
+        stepped = tools.step(opt, lambda: list(model.parameters()))
         remote, (sent, recv) = counter.take_remote(), counter.take().get(DENSE, (0, 0))
-        meter.end(loss.item(), sent, recv, sent_remote=remote)
+        meter.end(step_loss, sent, recv, sent_remote=remote, logged=logged,
+                  extra={"lr": lr, **({} if stepped else {"skipped_step": 1})})
+        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: cpu_copy(model), ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             if ctx.rank == 0:
                 checkpoint.save_part(cfg.run_dir, step + 1, "worker0",
-                                     {"model": model.state_dict(), "optimizer": opt.state_dict()})
+                                     {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                      "loop": tools.state_dict()})
             checkpoint.commit(cfg.run_dir, step + 1)
-    losses = torch.tensor([meter.losses[0], meter.losses[-1]], dtype=torch.float64)
-    dist.all_reduce(losses)
+    losses = mean_over_workers([meter.losses[0], meter.losses[-1]], groups, ctx.world_size)
     result = meter.result(model if ctx.rank == 0 else None, replicas=ctx.world_size)
-    result.loss_first, result.loss_last = (losses / ctx.world_size).tolist()
+    result.loss_first, result.loss_last = losses
     set_sparse_gradients(model, False)
     return result

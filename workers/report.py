@@ -62,29 +62,30 @@ def _process() -> psutil.Process:
     return _PROCESS[0]
 
 
-def process_figures() -> dict:
+def process_figures(device=None) -> dict:
     """CPU percent since the previous call (100 = one core busy) and resident memory (bytes)
-    of this process, GPU memory where present."""
+    of this process, and the memory allocated on ``device`` (a CUDA torch.device: the
+    worker's own GPU; the heartbeat thread's current device would be GPU 0) where present."""
     proc = _process()
     figures = {"cpu_percent": proc.cpu_percent(interval=None), "rss_bytes": proc.memory_info().rss}
     try:
         import torch
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            figures["gpu_bytes"] = torch.cuda.memory_allocated()
+        if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
+            figures["gpu_bytes"] = torch.cuda.memory_allocated(device)
     except Exception:  # pragma: no cover - GPU figures are best effort
         pass
     return figures
 
 
-def start_heartbeat(every_s: float = 2.0) -> threading.Event:
+def start_heartbeat(every_s: float = 2.0, device=None) -> threading.Event:
     """Emit a ``heartbeat`` line every ``every_s`` seconds from a daemon thread; set the
-    returned event to stop it."""
+    returned event to stop it. ``device``: the worker's torch.device (GPU memory figures)."""
     stop = threading.Event()
     _process()  # prime the CPU counter
 
     def beat():
         while not stop.wait(every_s):
-            emit("heartbeat", {"time": time.time(), **process_figures()})
+            emit("heartbeat", {"time": time.time(), **process_figures(device)})
 
     threading.Thread(target=beat, name="hpar-heartbeat", daemon=True).start()
     return stop

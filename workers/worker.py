@@ -7,7 +7,6 @@ strategy's runtime and reports through tagged stdout lines (workers/report.py). 
 """
 from __future__ import annotations
 
-import datetime
 import importlib
 import os
 import sys
@@ -19,6 +18,8 @@ import torch.distributed as dist
 from hpar.strategies.checkpoint import atomic_save
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import WorkerContext
+from hpar.strategies.devices import cpu_state_dict, model_to_cpu
+from hpar.strategies.groups import join_default_group
 from hpar.strategies.job import JobError, load_job
 from hpar.workers import report
 
@@ -50,10 +51,10 @@ def step_time_percentiles(step_times: list[float], warmup: int = 2) -> dict:
 
 
 def init_group(cfg: RunConfig, pg_rank: int, pg_world_size: int) -> tuple[int, ...]:
-    """Join the default process group (gloo on CPU, NCCL on CUDA); returns the host index
-    (GROUP_RANK) of every rank of it, gathered from all (a collective: servers call it too)."""
-    dist.init_process_group(backend=cfg.backend, rank=pg_rank, world_size=pg_world_size,
-                            timeout=datetime.timedelta(seconds=int(os.environ.get("HPAR_PG_TIMEOUT", "300"))))
+    """Join the default process group (always gloo: strategies/groups.py says what goes over
+    which group); returns the host index (GROUP_RANK) of every rank of it, gathered from all
+    (a collective: servers call it too)."""
+    join_default_group(pg_rank, pg_world_size, int(os.environ.get("HPAR_PG_TIMEOUT", "300")))
     hosts = [None] * pg_world_size
     dist.all_gather_object(hosts, env_int("GROUP_RANK", 0))
     return tuple(int(h) for h in hosts)
@@ -81,32 +82,39 @@ def run_entry(main, prefix: str, user_errors: tuple) -> None:
     report.exit_process(code)
 
 
+def worker_device(cfg: RunConfig, local_rank: int) -> torch.device:
+    """This worker's device: GPU ``LOCAL_RANK`` of the host's visible ones (one GPU per
+    worker) on CUDA, else the CPU with HPAR_THREADS threads."""
+    if cfg.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    torch.set_num_threads(max(1, int(os.environ.get("HPAR_THREADS", "1"))))
+    return torch.device("cpu")
+
+
 def main() -> int:
     cfg = RunConfig.from_json(open(os.environ["HPAR_CONFIG"]).read())
     rank, world_size, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK", 0)
     pg_rank, pg_world = env_int("HPAR_PG_RANK", rank), env_int("HPAR_PG_WORLD_SIZE", world_size)
-    if cfg.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, int(os.environ.get("HPAR_THREADS", "1"))))
-    stop_beat = report.start_heartbeat()
+    device = worker_device(cfg, local_rank)
+    stop_beat = report.start_heartbeat(device=device)
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
     eval_first = {}
     if rank == 0 and cfg.eval and not cfg.resume:
         torch.manual_seed(cfg.seed)
-        eval_first = job.run_evaluate(job.build_model().to(device))
+        eval_first = job.run_evaluate(job.build_model())   # evaluate() gets the model on the CPU
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
                         device=device, report=lambda m: report.emit("metric", m),
-                        pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of)
+                        pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of,
+                        report_eval=lambda m: report.emit("eval", m))
     t0 = time.time()
     result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
     if rank == 0:
         assert result.model is not None, "the runtime must return the whole model on rank 0"
-        eval_last = job.run_evaluate(result.model) if cfg.eval else {}
-        atomic_save(result.model.state_dict(), os.path.join(cfg.run_dir, "model.pt"))
+        model = model_to_cpu(result.model)    # every strategy hands evaluate() and model.pt the CPU model
+        eval_last = job.run_evaluate(model) if cfg.eval else {}
+        atomic_save(cpu_state_dict(model), os.path.join(cfg.run_dir, "model.pt"))
         report.emit("summary", {
             "strategy": cfg.strategy, "world_size": world_size, "steps": cfg.steps,
             "samples_per_s": result.samples_per_s, "loss_first": result.loss_first,

@@ -7,15 +7,20 @@ import os
 
 from rich.console import Console
 
-from hpar.launcher.hosts.hostfile import parse_hosts, place_workers
+from hpar.launcher.hosts.environ import describe as describe_env, parse_env_flags
+from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
+from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
-from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions, choose_device
+from hpar.launcher.run.devices import choose_devices, describe, local_gpus
+from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
+from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
 
-FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0}
+FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
+             "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0}
 
 
 def read_plan(path: str) -> dict:
@@ -69,10 +74,19 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
-            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, on_divergence="off",
-            divergence_factor=2.0):
-    """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts."""
+            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(), device="auto",
+            on_divergence="off", divergence_factor=2.0):
+    """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
+    ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
+    None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags."""
+    loop_flags = loop_flags or {}
     host_list = tuple(parse_hosts(hosts)) if hosts else ()
+    extra_env = parse_env_flags(env)
+    slurm = not host_list and in_allocation()
+    if slurm:  # launcher/hosts/slurm.py: hosts and slots from the allocation, processes by srun
+        host_list = tuple(allocation_hosts())
+        gpus = gpus if gpus is not None else total_slots(list(host_list))
+        console.print(f"hpar: {describe_allocation(list(host_list))}", markup=False)
     if max_restarts < 0 or stall_timeout < 0:
         raise ValueError("--max-restarts and --stall-timeout must not be negative")
     if resume_dir:
@@ -81,6 +95,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     else:
         if not script:
             raise ValueError("missing SCRIPT: `hpar run SCRIPT --gpus N` (or --resume RUN_DIR)")
+        from hpar.launcher.commands.launch import not_profilable
+        if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
+            raise ValueError(not_profilable(script))
         job = load_job(script)
         d = job.defaults
         gpus = gpus if gpus is not None else 1
@@ -105,29 +122,41 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--servers must be at least 1 for --strategy {strategy}")
         if strategy not in SERVER_STRATEGIES and servers:
             raise ValueError(f"--servers {servers} only applies to --strategy hybrid or ps, not {strategy}")
-        workers_per_host = max(sum(1 for h in place_workers(list(host_list), gpus) if h.name == n.name)
-                               for n in host_list) if host_list else gpus
-        device, how = choose_device(workers_per_host)
-        console.print(f"hpar: {how}", markup=False)
         pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
-            device=device, log_every=pick(log_every, "log_every"), servers=servers,
+            device="cpu" if device == "auto" else device, log_every=pick(log_every, "log_every"), servers=servers,
             schedule=schedule or plan.get("schedule") or "1f1b",
             micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
+            **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
             on_divergence=on_divergence, divergence_factor=divergence_factor)
+        check_precision(job, cfg, model)
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable
             check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     ssh_opts, master = None, "127.0.0.1"
-    if host_list and (ssh_local or any(not h.is_local for h in host_list)):
+    if slurm:
+        from hpar.launcher.hosts.preflight import resolve_master
+        master = resolve_master(place_workers(list(host_list), cfg.world_size))
+        console.print(f"hpar: {describe_env(extra_env)}", markup=False)
+    elif host_list and (ssh_local or any(not h.is_local for h in host_list)):
         from hpar.launcher.hosts.remote import prepare_remote
         ssh_opts, master = prepare_remote(console, host_list, cfg, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user,
-                                          ssh_local=ssh_local, python_path=python_path, sync=sync)
+                                          ssh_local=ssh_local, python_path=python_path, sync=sync, env=extra_env)
+    if not resume_dir:   # a resumed run keeps its device
+        seen = getattr(ssh_opts, "gpus", None) or {}
+        if slurm and os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():   # Slurm's count for every node
+            seen = {h.name: int(os.environ["SLURM_GPUS_ON_NODE"]) for h in host_list}
+        hosts_used = place_workers(list(host_list), cfg.world_size) if host_list else []
+        rows = [(n, sum(1 for h in hosts_used if h.name == n), seen.get(n, local_gpus()))
+                for n in dict.fromkeys(h.name for h in hosts_used)] or [("localhost", cfg.world_size, local_gpus())]
+        chosen, per_host = choose_devices(rows, device)
+        cfg = cfg.replace(device=chosen)
+        console.print(f"hpar: {describe(chosen, per_host, cfg.servers)}", markup=False)
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, max_restarts=max_restarts,
-                         live=False if plain else None, sync=sync)
+                         live=False if plain else None, sync=sync, env=extra_env, slurm=slurm)
     return cfg, opts, master

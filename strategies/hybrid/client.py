@@ -123,8 +123,9 @@ class PSClient:
     """A worker's connection to the S servers (pg ranks ``num_workers .. num_workers+S-1``)."""
 
     def __init__(self, tables: list[PSTable], num_workers: int, num_servers: int,
-                 is_remote: Callable[[int], bool] = lambda rank: False):
+                 is_remote: Callable[[int], bool] = lambda rank: False, pin: bool = False):
         self.tables, self.num_workers, self.num_servers = tables, num_workers, num_servers
+        self.pin = pin                # answers land in pinned host memory (CUDA workers: async copies up)
         self.is_remote = is_remote    # default-group rank -> on another host than this worker
         self.bytes = ByteMeter()
         self.pull_s = 0.0    # seconds spent waiting in pulls since the caller last reset it
@@ -172,7 +173,7 @@ class PSClient:
         answers and returns the rows; several pulls in flight share one server wake-up."""
         t0 = time.perf_counter()
         n_out = table.rows if ids is None else ids.numel()
-        out = torch.empty(n_out, table.dim, dtype=table.dtype)
+        out = torch.empty(n_out, table.dim, dtype=table.dtype, pin_memory=self.pin)
         sends, recvs = [], []
         for s, where in self._routes(table, ids):
             sel = None if ids is None else (ids if where is None else ids[where])

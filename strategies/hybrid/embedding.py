@@ -36,6 +36,19 @@ class StepClock:
     leaves: dict = field(default_factory=dict)
     seen: list = field(default_factory=list)   # [(input tensor, ServedEmbedding)] this step
     on_gradients: object = None   # callable(ServedEmbedding): early push from the backward pass
+    host: dict = field(default_factory=dict)   # id(batch tensor on the device) -> the same tensor on the host
+
+    def set_batch(self, host_inputs, device_inputs) -> None:
+        """The step's batch as read from data() (``host_inputs``) and as moved to the worker's
+        device: served lookups read their ids from the host copy, so no id tensor travels
+        device -> host (a blocking copy on CUDA) unless the model computed it on the device."""
+        self.leaves = batch_leaves(host_inputs)
+        dev = batch_leaves(device_inputs)
+        self.host = {id(dev[p]): self.leaves[p] for p in dev if p in self.leaves}
+
+    def on_host(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` on the host: the batch's own host tensor when ``ids`` is a batch tensor."""
+        return self.host.get(id(ids), ids)
 
 
 def batch_leaves(inputs, path: str = "") -> dict:
@@ -95,25 +108,26 @@ def _local_padding(padding_idx: int | None, uids: torch.Tensor) -> int | None:
 
 def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torch.Tensor, items: list):
     pre, served.prefetched = served.prefetched, None
-    if pre is not None and pre[0] is ids:   # rows requested ahead of this call
+    host_ids = clock.on_host(ids)
+    if pre is not None and pre[0] is host_ids:   # rows requested ahead of this call
         uids, inverse, rows = pre[1], pre[2], pre[3]()
     else:
         if served.source is None and served.follows is None:
-            served.source = next((p for p, t in clock.leaves.items() if t is ids), None)
+            served.source = next((p for p, t in clock.leaves.items() if t is host_ids), None)
             served.follows = next((it for t, it in clock.seen if t is ids and it is not served), None)
-        uids, inverse = _dedup_checked(served, ids)
+        uids, inverse = _dedup_checked(served, host_ids)
         wait = client.pull_async(served.table, uids, clock.step)
         for other in items:   # modules that looked up this same tensor on earlier steps
             if (other.follows is served and other.prefetched is None and uids.numel()
                     and int(uids[-1]) < other.table.rows):
-                other.prefetched = (ids, uids, inverse, client.pull_async(other.table, uids, clock.step))
+                other.prefetched = (host_ids, uids, inverse, client.pull_async(other.table, uids, clock.step))
         rows = wait()
     clock.seen.append((ids, served))
-    rows = rows.to(ids.device).requires_grad_()
+    rows = rows.to(ids.device, non_blocking=rows.is_pinned()).requires_grad_()   # pinned: async copy up
     served.records.append((uids, rows))
     if clock.on_gradients is not None:
         rows.register_post_accumulate_grad_hook(lambda _, item=served: _grad_ready(item, clock))
-    return uids, inverse.to(ids.device), rows
+    return uids, inverse.to(ids.device, non_blocking=True), rows
 
 
 def _grad_ready(item: ServedEmbedding, clock: StepClock) -> None:

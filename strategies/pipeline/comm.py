@@ -1,22 +1,37 @@
 """Point-to-point links of one pipeline stage to its neighbours (torch.distributed).
 
-Stage k sends activations to k+1 and gradients to k-1, with ``isend`` (awaited at the end
-of the step, when the tensors may be freed) and receives with blocking ``recv``. An
-activation is preceded by a fixed-size int64 header (dtype code, number of dimensions,
-shape), so shapes may change from batch to batch; a gradient has the shape of the
-activation it answers, which the receiver remembers. The last stage sends each step's mean
-loss to stage 0 (rank 0 reports it). Messages between a pair of stages in one direction are
-all of one kind and keep their order, so no tags are needed beyond a kind per direction.
+Stage k sends activations to k+1 and gradients to k-1. Two channels (strategies/groups.py):
 
-Counts bytes sent and received (headers included), the bytes sent to a stage on another
-host, and seconds spent waiting in ``recv``
-and in the end-of-step wait for sends: the stage's idle (bubble) time.
+* ``dense``: activations and gradients, on the worker's device, over the workers' dense group
+  (NCCL on CUDA, gloo on CPU);
+* ``host``: small CPU values over the default gloo group: the int64 header in front of each
+  activation (dtype code, number of dimensions, shape: shapes may change from batch to batch,
+  and the receiver reads it without a device synchronisation) and each step's mean loss, which
+  the last stage sends to stage 0 (rank 0 reports it).
+
+Deadlock freedom (NCCL): a send between two GPUs does not complete until the peer's matching
+receive runs, and one pair's sends and receives run in order on one stream. With 1F1B, stage
+k would send activation j+1 before receiving gradient j while stage k+1 sends gradient j
+before receiving activation j+1: both wait forever. So sends are not posted on their own:
+they are queued and posted together with this stage's next receive in one
+``dist.batch_isend_irecv`` (one NCCL group, whose operations progress together), or at the
+end of a step (:meth:`Links.flush`). tests/test_pipeline_comm.py drives these links for every
+schedule, K = 2..8 stages and M = 1..8 micro-batches, and checks that the posted batches
+cannot deadlock even when every send blocks until its receive is posted.
+
+A gradient has the shape of the activation it answers, which the sender remembers. Between
+a pair of stages each channel carries one kind of message per direction, in order, so NCCL's
+tag-less matching pairs them correctly. Counts bytes sent and received (headers included),
+the bytes sent to a stage on another host, and seconds spent waiting for receives and for
+sends at the end of a step: the stage's idle (bubble) time (host clock; on CUDA the waits
+are stream waits, and runtime.py times compute with CUDA events).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,72 +39,112 @@ import torch.distributed as dist
 MAX_DIMS = 8
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool, torch.uint8)
 TAG_HEADER, TAG_ACT, TAG_GRAD, TAG_LOSS = 1, 2, 3, 4
+DENSE, HOST = "dense", "host"
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One point-to-point operation: ``op`` "send" or "recv", the tensor, the peer's default-group
+    rank, the tag and the channel (``DENSE`` or ``HOST``)."""
+    op: str
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+    channel: str
+
+
+class TorchTransport:
+    """Posts a batch of P2P operations with torch.distributed: the ``dense`` ones in one
+    ``dist.batch_isend_irecv`` on ``group``, the ``host`` ones with gloo isend/irecv on the
+    default group. Returns one Work per operation, in order."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def post(self, ops: list[P2P]) -> list:
+        works = [None] * len(ops)
+        dense = [i for i, o in enumerate(ops) if o.channel == DENSE]
+        for i, o in enumerate(ops):
+            if o.channel == HOST:
+                fn = dist.isend if o.op == "send" else dist.irecv
+                works[i] = fn(o.tensor, o.peer, tag=o.tag)
+        if dense:
+            p2p = [dist.P2POp(dist.isend if ops[i].op == "send" else dist.irecv, ops[i].tensor, ops[i].peer,
+                              group=self.group, tag=ops[i].tag) for i in dense]
+            for i, w in zip(dense, dist.batch_isend_irecv(p2p)):
+                works[i] = w
+        return works
 
 
 class Links:
     """The messages of stage ``rank`` of ``world_size`` stages on ``device``; ``is_remote``
-    tells whether a stage rank runs on another host."""
+    tells whether a stage rank runs on another host; ``transport`` posts batches
+    (default: :class:`TorchTransport` over ``group``, the workers' dense group)."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device,
-                 is_remote: Callable[[int], bool] = lambda rank: False):
+                 is_remote: Callable[[int], bool] = lambda rank: False, group=None, transport=None):
         self.rank, self.world_size, self.device, self.is_remote = rank, world_size, device, is_remote
-        self.pending: list = []               # (work, tensor) of isends not yet awaited
+        self.transport = transport or TorchTransport(group)
+        self.queue: list[P2P] = []            # sends not yet posted
+        self.pending: list = []               # (work, tensor) of posted sends not yet awaited
         self.out_shapes: deque = deque()      # shapes/dtypes of activations sent, for their gradients
         self.sent = self.recv = self.sent_remote = 0
         self.idle = 0.0
 
     # --- activations forward ------------------------------------------------------------
     def send_activation(self, tensor: torch.Tensor) -> None:
-        """Send ``tensor`` (any dtype in DTYPES, at most MAX_DIMS dims) to the next stage."""
+        """Queue ``tensor`` (any dtype in DTYPES, at most MAX_DIMS dims) for the next stage."""
         if tensor.dtype not in DTYPES or tensor.dim() > MAX_DIMS:
             raise ValueError(f"--strategy pipeline: stage {self.rank} outputs a {tensor.dtype} tensor of {tensor.dim()} dims; activations must have at most {MAX_DIMS} dims and a standard dtype")
-        header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64, device=self.device)
+        header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)      # host memory: read without a device sync
         header[0], header[1] = DTYPES.index(tensor.dtype), tensor.dim()
-        if tensor.dim():
-            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         tensor = tensor.contiguous()
-        self._isend(header, self.rank + 1, TAG_HEADER)
-        self._isend(tensor, self.rank + 1, TAG_ACT)
+        self._queue(header, self.rank + 1, TAG_HEADER, HOST)
+        self._queue(tensor, self.rank + 1, TAG_ACT, DENSE)
         self.out_shapes.append((tensor.shape, tensor.dtype))
 
     def recv_activation(self) -> torch.Tensor:
-        """The next activation from the previous stage."""
-        header = torch.empty(MAX_DIMS + 2, dtype=torch.int64, device=self.device)
-        self._recv(header, self.rank - 1, TAG_HEADER)
+        """The next activation from the previous stage (posted with the queued sends)."""
+        header = torch.empty(MAX_DIMS + 2, dtype=torch.int64)
+        self._post([P2P("recv", header, self.rank - 1, TAG_HEADER, HOST)])
         dtype, ndim = DTYPES[int(header[0])], int(header[1])
         out = torch.empty(tuple(int(d) for d in header[2:2 + ndim]), dtype=dtype, device=self.device)
-        self._recv(out, self.rank - 1, TAG_ACT)
+        self._post([P2P("recv", out, self.rank - 1, TAG_ACT, DENSE)])
         return out
 
     # --- gradients backward -------------------------------------------------------------
     def send_gradient(self, grad: torch.Tensor) -> None:
-        """Send the gradient of this stage's input to the previous stage."""
-        self._isend(grad.contiguous(), self.rank - 1, TAG_GRAD)
+        """Queue the gradient of this stage's input for the previous stage."""
+        self._queue(grad.contiguous(), self.rank - 1, TAG_GRAD, DENSE)
 
     def recv_gradient(self) -> torch.Tensor:
         """The gradient of the oldest activation sent whose gradient has not come back
         (1F1B and GPipe run backwards in forward order)."""
         shape, dtype = self.out_shapes.popleft()
         grad = torch.empty(shape, dtype=dtype, device=self.device)
-        self._recv(grad, self.rank + 1, TAG_GRAD)
+        self._post([P2P("recv", grad, self.rank + 1, TAG_GRAD, DENSE)])
         return grad
 
-    # --- loss to rank 0 -----------------------------------------------------------------
+    # --- loss to rank 0 (host channel) --------------------------------------------------
     def send_loss(self, loss: float) -> None:
-        t = torch.tensor([loss], dtype=torch.float64, device=self.device)
-        work = dist.isend(t, 0, tag=TAG_LOSS)
-        self.pending.append((work, t))
+        self.flush()
+        self._post([], [P2P("send", torch.tensor([loss], dtype=torch.float64), 0, TAG_LOSS, HOST)])
 
     def recv_loss(self) -> float:
-        t = torch.empty(1, dtype=torch.float64, device=self.device)
-        t0 = time.perf_counter()
-        dist.recv(t, self.world_size - 1, tag=TAG_LOSS)
-        self.idle += time.perf_counter() - t0
+        t = torch.empty(1, dtype=torch.float64)
+        self.flush()
+        self._post([P2P("recv", t, self.world_size - 1, TAG_LOSS, HOST)])
         return float(t)
 
     # --- bookkeeping --------------------------------------------------------------------
+    def flush(self) -> None:
+        """Post the queued sends (end of a step: no receive of this stage follows in it)."""
+        if self.queue:
+            self._post([])
+
     def wait_sends(self, keep: int = 0) -> None:
-        """Free the isends that have completed, then wait for the oldest until at most
+        """Free the sends that have completed, then wait for the oldest until at most
         ``keep`` remain (0: wait for all). Keeping a few lets a stage go on at the end of a
         step without waiting for its neighbour to pick up its last message."""
         t0 = time.perf_counter()
@@ -105,15 +160,23 @@ class Links:
         self.idle = 0.0
         return out
 
-    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self.pending.append((dist.isend(tensor, dst, tag=tag), tensor))
+    def _queue(self, tensor: torch.Tensor, dst: int, tag: int, channel: str) -> None:
+        self.queue.append(P2P("send", tensor, dst, tag, channel))
         n = tensor.numel() * tensor.element_size()
         self.sent += n
         if self.is_remote(dst):
             self.sent_remote += n
 
-    def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+    def _post(self, recvs: list[P2P], sends: list[P2P] = ()) -> None:
+        """Post the queued sends, ``sends`` and ``recvs`` as one batch; wait for the receives."""
+        ops, self.queue = self.queue + list(sends) + recvs, []
+        works = self.transport.post(ops)
         t0 = time.perf_counter()
-        dist.recv(tensor, src, tag=tag)
+        for o, w in zip(ops, works):
+            if o.op == "send":
+                self.pending.append((w, o.tensor))
+            else:
+                w.wait()
+                if o.tag != TAG_LOSS:   # the loss is reporting, not pipeline traffic
+                    self.recv += o.tensor.numel() * o.tensor.element_size()
         self.idle += time.perf_counter() - t0
-        self.recv += tensor.numel() * tensor.element_size()

@@ -13,9 +13,10 @@ global RNG yields the same batches in both processes (other RNGs must be seeded 
 A batch is split into ``cfg.micro_batches`` equal micro-batches along dim 0.
 
 Messages: stage k sends each micro-batch's output activation to k+1 (a small int64 header
-with dtype and shape, then the tensor) and the gradient of its input to k-1 (its shape is
-known: the activation it received). Sends are ``isend`` and are awaited at the end of the
-step; receives block. Limits: activations between stages must be single tensors.
+with dtype and shape over gloo, then the tensor over the workers' dense group, NCCL on CUDA)
+and the gradient of its input to k-1 (its shape is known: the activation it received).
+Sends are posted together with the stage's next receive (``strategies/pipeline/comm.py``:
+deadlock-free on NCCL) and awaited at the end of the step; receives block. Limits: activations between stages must be single tensors.
 
 Schedules (``strategies/pipeline/schedules.py``): ``gpipe`` and ``1f1b`` flush every batch and step
 the optimizer once (loss of each micro-batch scaled by 1/M), exactly single-process
@@ -41,13 +42,15 @@ their means per stage (gathered to rank 0).
 """
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.devices import ComputeTimer
+from hpar.strategies.groups import worker_groups
+from hpar.strategies.loop import step_tools
 from hpar.strategies.pipeline import guard
 from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
@@ -95,7 +98,12 @@ def train(ctx: WorkerContext) -> TrainResult:
         if stage.optimizer is not None:
             stage.optimizer.load_state_dict(state["optimizer"])
     ctx.start_step = start or 0
-    links = Links(ctx.rank, K, ctx.device, ctx.is_remote)
+    # the script's schedule steps with every optimizer step of this stage: once per batch in
+    # the synchronous schedules, once per micro-batch update in the asynchronous ones
+    tools = step_tools(cfg, job, stage.optimizer, ctx.device) if stage.optimizer is not None else None
+    if start and tools is not None:
+        tools.load_state_dict(state.get("loop"))
+    links = Links(ctx.rank, K, ctx.device, ctx.is_remote, group=worker_groups(K, cfg.device).dense)
     batches = job.batches(0, 1, cfg.batch_size) if (stage.is_first or stage.is_last) else None
     for s in range(ctx.start_step):   # the same batches as an uninterrupted run
         if batches is not None:
@@ -103,7 +111,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     meter = StepMeter(ctx, cfg.batch_size)
     inputs, targets, step_losses = {}, {}, {}
     stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": []}
-    compute = [0.0]
+    timer = ComputeTimer(ctx.device)   # CUDA events on a GPU
 
     def feed(step: int) -> None:
         x, y = _draw(batches, cfg.seed, step)
@@ -119,28 +127,35 @@ def train(ctx: WorkerContext) -> TrainResult:
             if (stage.is_first or stage.is_last) and j not in (inputs if stage.is_first else targets):
                 feed(j // M)
             x = inputs.pop(j) if stage.is_first else links.recv_activation()
-            t0 = time.perf_counter()
-            out = stage.forward(op, x, targets.pop(j) if stage.is_last else None)
-            compute[0] += time.perf_counter() - t0
+            timer.start()
+            with autocast:
+                out = stage.forward(op, x, targets.pop(j) if stage.is_last else None)
+            timer.stop()
             if stage.is_last:
                 step_losses.setdefault(j // M, []).append(out)
             else:
                 links.send_activation(out)
         else:
             g = None if stage.is_last else links.recv_gradient()
-            t0 = time.perf_counter()
+            timer.start()
             grad_in = stage.backward(op, g)
             if updates_after(schedule, j, M):
-                stage.update()
-            compute[0] += time.perf_counter() - t0
+                update()
+            timer.stop()
             if not stage.is_first:
                 links.send_gradient(grad_in)
 
+    def update() -> None:
+        stage.update()
+        if tools is not None and tools.scheduler is not None:
+            tools.scheduler.step()
+
     def end_step(step: int) -> None:
         if sync:
-            t0 = time.perf_counter()
-            stage.update()
-            compute[0] += time.perf_counter() - t0
+            timer.start()
+            update()
+            timer.stop()
+        links.flush()
         links.wait_sends(keep=4 * K + 8)
         loss = float("nan")
         if stage.is_last:
@@ -150,14 +165,15 @@ def train(ctx: WorkerContext) -> TrainResult:
         elif K > 1 and stage.is_first:
             loss = links.recv_loss()
         sent, recv, idle, remote = links.take()
-        stats["compute_s"].append(compute[0]); stats["idle_s"].append(idle)
+        compute = timer.take()
+        stats["compute_s"].append(compute); stats["idle_s"].append(idle)
         stats["sent"].append(sent); stats["recv"].append(recv)
-        meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute[0], "idle_s": idle}, sent_remote=remote)
-        compute[0] = 0.0
+        meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute, "idle_s": idle}, sent_remote=remote)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             checkpoint.save_part(cfg.run_dir, step + 1, part, {
                 "model": stage.module.state_dict(),
-                "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None})
+                "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None,
+                "loop": tools.state_dict() if tools is not None else None})
             checkpoint.commit(cfg.run_dir, step + 1)
         return loss
 
@@ -169,6 +185,7 @@ def train(ctx: WorkerContext) -> TrainResult:
 
     schedule = cfg.schedule
     sync = is_synchronous(schedule)
+    autocast = step_tools(cfg, job, None, ctx.device).autocast()
     gcfg = guard.GuardConfig(cfg.on_divergence, cfg.divergence_factor)
     watch, cut = guard.LossWatch(gcfg), None
     meter.start()
@@ -188,9 +205,11 @@ def train(ctx: WorkerContext) -> TrainResult:
                     if cut < cfg.steps:   # finish the first cut*M micro-batches: a prefix of ops plus cool-down
                         ops = stage_ops(schedule, K, ctx.rank, (cut - ctx.start_step) * M)
         if cut is not None and cut < cfg.steps and gcfg.action == "sync":
+            links.flush()
             links.wait_sends()
             schedule, sync, stage.weights.mode = "1f1b", True, "sync"
             run_sync(cut)
+    links.flush()
     links.wait_sends()
     extra = {"divergence": guard.report(gcfg, watch.tripped, cut, cfg.steps)} if gcfg.action != "off" else {}
     return _finish(ctx, stage, model, ranges, meter, stats, extra)
@@ -199,11 +218,11 @@ def train(ctx: WorkerContext) -> TrainResult:
 def _tripped(ctx: WorkerContext, watch: "guard.LossWatch", step: int, loss: float) -> bool:
     """The last stage's guard decision for ``step``, broadcast to every stage (one small
     message per step); fills ``watch.tripped`` on every stage."""
-    flag = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    flag = torch.zeros(3, dtype=torch.float64)   # CPU: the default group is gloo
     if ctx.rank == ctx.world_size - 1 and watch.observe(step, loss):
         t = watch.tripped
         flag = torch.tensor([1.0, t["loss"], t["recent_min"] if t["recent_min"] is not None else float("nan")],
-                            dtype=torch.float64, device=ctx.device)
+                            dtype=torch.float64)
     if ctx.world_size > 1:
         dist.broadcast(flag, src=ctx.world_size - 1)
     if flag[0] and watch.tripped is None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.groups import worker_groups
 from hpar.strategies.pipeline.stage import build_stages_model, describe, stage_module, stage_ranges
 
 
@@ -68,8 +69,9 @@ def train(ctx: WorkerContext) -> TrainResult:
     module = stage_module(model, *ranges[k]).to(ctx.device)
     params = list(module.parameters())
     opt = job.build_optimizer(params, cfg.lr) if params else None
+    sched = job.build_scheduler(opt) if opt is not None else None
     io = _ActivationBytes(module)
-    stage = PipelineStage(module, k, K, ctx.device)
+    stage = PipelineStage(module, k, K, ctx.device, group=worker_groups(K, cfg.device).dense)   # NCCL on CUDA
     schedule_cls = ScheduleGPipe if cfg.schedule == "torch-gpipe" else Schedule1F1B
 
     def loss_fn(output, target):
@@ -98,12 +100,14 @@ def train(ctx: WorkerContext) -> TrainResult:
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
         step_s.append(time.perf_counter() - t0)
         loss = float("nan")
         if last:
             loss = float(sum(l.detach() for l in losses) / len(losses))
         if K > 1:
-            t = torch.tensor([loss], dtype=torch.float64, device=ctx.device)
+            t = torch.tensor([loss], dtype=torch.float64)   # a CPU value: over the default (gloo) group
             if last:
                 dist.send(t, 0)
             elif first:

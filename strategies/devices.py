@@ -1,0 +1,94 @@
+"""Device helpers every runtime shares: what hpar moves between the host and the worker's
+device, and how, so that CUDA workers need no host synchronisation where none is due.
+
+Who moves what (the contract in README.md): hpar moves each batch to the worker's device
+(``context.move_to``); the model hpar hands to ``evaluate(model)`` and saves as ``model.pt`` is
+on the CPU in every strategy (:func:`model_to_cpu`); served embedding tables stay on the
+parameter servers and on the host, never whole on a worker's device.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def model_to_cpu(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` moved to the CPU (in place, as ``Module.to``), for ``evaluate`` and ``model.pt``."""
+    return model.to("cpu")
+
+
+def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` on the CPU (``evaluate`` during training; the original stays put)."""
+    import copy
+    return copy.deepcopy(model).to("cpu")
+
+
+def cpu_state_dict(model: torch.nn.Module) -> dict:
+    """``model.state_dict()`` with every tensor copied to the CPU (a checkpoint or ``model.pt``
+    must load on a machine without the GPU it was trained on)."""
+    return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's RNG states: the CPU generator's and, on a CUDA worker, its device's."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device: torch.device) -> None:
+    """Restore :func:`rng_state`'s ``state`` (a bare CPU ByteTensor, as older checkpoints
+    hold, is the CPU state alone)."""
+    if isinstance(state, torch.Tensor):
+        torch.set_rng_state(state)
+        return
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty host tensor to receive rows bound for ``device``: pinned (page-locked) when
+    the device is CUDA, so that the copy to the device can be asynchronous."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; from pinned host memory the copy is non-blocking (ordered on the
+    current stream, so the kernels that use it wait for it, the host does not)."""
+    return t.to(device, non_blocking=t.is_pinned())
+
+
+class ComputeTimer:
+    """Seconds of compute between :meth:`start` and :meth:`stop` calls: the host clock on the
+    CPU; on CUDA, CUDA events on the current stream (the host clock would time kernel
+    launches, not kernels), read once per step by :meth:`take` after the last event completed."""
+
+    def __init__(self, device: torch.device):
+        import time
+        self._clock, self.cuda = time.perf_counter, device.type == "cuda"
+        self.seconds, self.events, self._start = 0.0, [], None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = self._clock()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self._start, end))
+        else:
+            self.seconds += self._clock() - self._start
+
+    def take(self) -> float:
+        """Seconds timed since the last call (waits for the last CUDA event); resets."""
+        if self.events:
+            self.events[-1][1].synchronize()
+            self.seconds += sum(a.elapsed_time(b) for a, b in self.events) / 1000.0
+            self.events = []
+        out, self.seconds = self.seconds, 0.0
+        return out
