@@ -40,12 +40,12 @@ CNN = os.path.join(ROOT, "examples", "cnn.py")
 
 
 def run_workers(script: str, strategy: str, world: int, steps: int, batch: int, schedule: str = "1f1b",
-                micro: int = 4, timeout: float = 600) -> dict:
+                micro: int = 4, timeout: float = 600, lr: float = 0.001) -> dict:
     """Start ``world`` worker processes as the launcher does; returns rank 0's summary."""
     from hpar.strategies.config import RunConfig
     run_dir = tempfile.mkdtemp(prefix="hpar-bench-")
     cfg = RunConfig(script=script, strategy=strategy, world_size=world, steps=steps, batch_size=batch,
-                    lr=0.001, seed=0, run_dir=run_dir, schedule=schedule, micro_batches=micro,
+                    lr=lr, seed=0, run_dir=run_dir, schedule=schedule, micro_batches=micro,
                     log_every=steps, eval=False)
     path = os.path.join(run_dir, "config.json")
     with open(path, "w") as f:

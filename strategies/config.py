@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 # Runtime strategies `hpar run --strategy` accepts (the planner's names).
 STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline")
 # Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
-SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async", "torch-gpipe", "torch-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b")
 # Numeric precision of forward and backward (master weights and optimizer state stay fp32).
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -44,6 +44,8 @@ class RunConfig:
     clip_grad_norm: float = 0.0    # clip the global norm of the averaged gradient to this (0: off)
     accumulate: int = 1            # micro-steps (batches per worker) per optimizer step
     eval_every: int = 0            # call evaluate() every N optimizer steps during training (0: only at the ends)
+    on_divergence: str = "off"      # asynchronous pipelines: off, stop or sync (strategies/pipeline/guard.py)
+    divergence_factor: float = 2.0
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -71,6 +73,15 @@ class RunConfig:
         if self.strategy == "pipeline" and self.schedule == "torch-1f1b" and self.micro_batches < self.world_size:
             raise ValueError(f"--micro-batches {self.micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
                              f"at least one per stage ({self.world_size}); raise it or use --schedule torch-gpipe")
+        if self.on_divergence != "off" or self.divergence_factor != 2.0:
+            from hpar.strategies.pipeline.guard import GuardConfig
+            GuardConfig(self.on_divergence, self.divergence_factor)
+            if self.strategy != "pipeline" or not self.schedule.startswith("async"):
+                raise ValueError(f"--on-divergence {self.on_divergence}: the guard watches asynchronous pipelines only "
+                                 "(--strategy pipeline --schedule async-*); drop it for this run")
+        if self.strategy == "pipeline" and self.schedule == "async-2bw":
+            from hpar.strategies.pipeline.schedules import check_2bw
+            check_2bw(self.world_size, self.micro_batches)
 
     @property
     def backend(self) -> str:

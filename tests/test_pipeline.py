@@ -144,19 +144,29 @@ def test_synchronous_schedules_equal_gradient_accumulation(tmp_path, schedule):
         assert stages[0]["max_in_flight"] == (world if schedule == "1f1b" else 4)
 
 
+def assert_equal_state(state, ref):
+    assert state.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(state[k], ref[k]), f"{k}: max difference {(state[k] - ref[k]).abs().max():.3e}"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["async", "async-stash", "async-predict"])
-def test_async_schedules_equal_the_single_process_simulator(tmp_path, schedule):
+@pytest.mark.parametrize("schedule", ["async", "async-stash", "async-predict", "async-2bw"])
+def test_async_schedules_equal_the_single_process_simulator_bit_for_bit(tmp_path, schedule):
+    """The simulator is the reference of hpar's own schedules (same op order, same weights
+    per pass): the 4-process runtime must give the very same bits."""
     from hpar.strategies.pipeline.sim import simulate
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, schedule=schedule)
     assert codes == [0] * 4, logs
     job = load_job(str(tmp_path / "job.py"))
     sim = simulate(job, schedule, 4, steps=10, batch_size=8, micro_batches=4, lr=0.1, seed=3)
-    assert_close_state(state, sim.model.state_dict())
-    assert summary["loss_last"] == pytest.approx(sim.losses[-1], rel=1e-5)
+    assert_equal_state(state, sim.model.state_dict())
+    assert summary["loss_last"] == sim.losses[-1]
     # stage k holds at most K-k micro-batches between forward and backward (PipeDream)
     assert [s["max_in_flight"] for s in summary["stages"]] == [4, 3, 2, 1]
+    if schedule == "async-2bw":   # PipeDream-2BW: the live weights and at most two stashed versions
+        assert all(1 <= s["weight_versions"] <= 2 for s in summary["stages"])
     ref, _ = reference(tmp_path)
     assert any((state[k] - ref[k]).abs().max() > 1e-4 for k in ref)  # async is not the sync result
 
@@ -221,3 +231,28 @@ def test_torch_pipelining_peer_is_the_same_math(tmp_path):
     assert codes == [0, 0], logs
     assert_close_state(state, ref)
     assert summary["loss_last"] == pytest.approx(ref_losses[-1], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("action", ["sync"])
+def test_divergence_guard_falls_back_or_stops_like_the_simulator(tmp_path, action):
+    """lr 1.0 makes async-predict's loss rise (0.56 -> 0.91 at step 2, > 1.5 x the minimum):
+    the guard trips there, the asynchronous stream is cut after step 2 + 1 + ceil(3/4) = 4,
+    then the run goes on as 1f1b (sync) or ends (stop), exactly as the simulator does."""
+    from hpar.strategies.pipeline.guard import GuardConfig
+    from hpar.strategies.pipeline.sim import simulate
+    codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, schedule="async-predict", lr=1.0,
+                                               on_divergence=action, divergence_factor=1.5)
+    assert codes == [0] * 4, logs
+    job = load_job(str(tmp_path / "job.py"))
+    sim = simulate(job, "async-predict", 4, steps=10, batch_size=8, micro_batches=4, lr=1.0, seed=3,
+                   guard=GuardConfig(action, 1.5))
+    assert sim.divergence["tripped"] and sim.divergence["step"] == 2 and sim.divergence["async_steps"] == 4
+    assert sim.divergence["sync_steps"] == (6 if action == "sync" else 0)
+    assert summary["divergence"] == sim.divergence
+    assert_equal_state(state, sim.model.state_dict())
+    assert summary["loss_last"] == sim.losses[-1]
+    with pytest.raises(ValueError, match="--on-divergence sync: the guard watches asynchronous pipelines only"):
+        RunConfig(script="j.py", strategy="pipeline", world_size=2, steps=1, batch_size=8, lr=0.1, seed=0,
+                  run_dir="r", schedule="1f1b", on_divergence="sync")

@@ -39,7 +39,7 @@ def test_prediction_is_w_minus_s_lr_momentum_and_restores_exactly():
     assert torch.equal(m[0].weight, w)
 
 
-def test_without_momentum_v_is_the_last_update_over_lr():
+def test_without_momentum_v_is_the_last_gradient():
     m = _layer()
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
     pw = PassWeights(m, opt, "predict")
@@ -48,7 +48,45 @@ def test_without_momentum_v_is_the_last_update_over_lr():
     pw.backward(0, 0, out.sum())
     g = m[0].weight.grad.clone()
     pw.step()
-    assert torch.allclose(pw.smoothed_gradient("0.weight", m[0].weight), g, atol=1e-6)
+    w = m[0].weight.detach().clone()
+    with pw.predicted(2):
+        assert torch.allclose(m[0].weight, w - 2 * 0.5 * g, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.9, weight_decay=0.01),
+    lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.01),
+    lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, betas=(0.8, 0.99)),
+])
+def test_velocity_is_the_optimizers_own_last_step_over_lr(make):
+    """v (strategies/pipeline/velocity.py) read after a step equals that step's movement / lr:
+    prediction extrapolates the direction the optimizer really moves in."""
+    from hpar.strategies.pipeline.velocity import velocity
+    torch.manual_seed(1)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    opt = make(m.parameters())
+    for _ in range(4):
+        before = [p.detach().clone() for p in m.parameters()]
+        opt.zero_grad()
+        m(torch.randn(5, 3)).pow(2).sum().backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        opt.step()
+        group = opt.param_groups[0]
+        for p, b, g in zip(m.parameters(), before, grads):
+            v = velocity(opt, group, p, g)
+            assert torch.allclose(v, (b - p.detach()) / group["lr"], rtol=2e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("make, flag", [
+    (lambda p: torch.optim.RMSprop(p, lr=0.01), "RMSprop"),
+    (lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True), "nesterov"),
+    (lambda p: torch.optim.Adam(p, lr=0.01, maximize=True), "maximize"),
+])
+def test_optimizer_without_a_prediction_rule_is_refused_in_one_line(make, flag):
+    with pytest.raises(ValueError, match=f"{flag}.*async-predict has no weight prediction rule.*SGD, Adam or AdamW") as err:
+        PassWeights(_layer(), make(_layer().parameters()), "predict")
+    assert "\n" not in str(err.value)
 
 
 def _two_passes(mode):
@@ -231,3 +269,60 @@ def test_prediction_beats_stashing_and_plain_async_with_8_stages():
     drift = {s: r[1] for s, r in result.items()}
     assert loss["async-predict"] < loss["async-stash"] and loss["async-predict"] < loss["async"], result
     assert drift["async-predict"] < drift["async-stash"] and drift["async-predict"] < drift["async"], result
+
+
+def _delayed_by_one(job, steps, batch_size, micro, lr):
+    """PipeDream-2BW's update in one process: W(t+1) = W(t) - step(grad f(W(t-1)))."""
+    import copy
+    torch.manual_seed(0)
+    model = job.build_model()
+    opt = job.build_optimizer(model.parameters(), lr)
+    older = copy.deepcopy(model)
+    batches = job.batches(0, 1, batch_size)
+    for _ in range(steps):
+        x, y = next(batches)
+        older.zero_grad()
+        for xm, ym in zip(split_micro(x, micro), split_micro(y, micro)):
+            (job.compute_loss(older(xm), ym) / micro).backward()
+        older.load_state_dict(model.state_dict())   # W(t) becomes the next batch's version
+        for p, q in zip(model.parameters(), older.parameters()):
+            p.grad = q.grad
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("stages, micro", [(1, 2), (3, 2), (4, 4), (5, 6)])
+def test_2bw_is_delay_one_sgd_at_every_depth(stages, micro):
+    """async-2bw at K stages equals one process applying each batch's gradient, taken on
+    the weights one update old, to the current weights (independent of K)."""
+    job = _mlp_job()
+    sim = simulate(job, "async-2bw", stages, steps=6, batch_size=12, micro_batches=micro, lr=0.1)
+    ref = _delayed_by_one(job, 6, 12, micro, 0.1)
+    for (n, a), b in zip(sim.model.named_parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), n
+    with pytest.raises(ValueError, match="--micro-batches 2: --schedule async-2bw needs at least --gpus - 1 = 3"):
+        simulate(job, "async-2bw", 4, steps=1, batch_size=12, micro_batches=2, lr=0.1)
+
+
+def test_divergence_guard_stop_and_sync_in_the_simulator():
+    """lr 3 makes async-predict blow up on the small MLP; the guard cuts the asynchronous
+    stream 1 + ceil((K-1)/M) steps after the trip and stops there or goes on as 1f1b."""
+    from hpar.strategies.pipeline.guard import GuardConfig, LossWatch
+    job = _mlp_job()
+    kw = dict(steps=12, batch_size=8, micro_batches=2, lr=3.0)
+    free = simulate(job, "async-predict", 3, **kw)
+    stop = simulate(job, "async-predict", 3, guard=GuardConfig("stop", 1.5), **kw)
+    sync = simulate(job, "async-predict", 3, guard=GuardConfig("sync", 1.5), **kw)
+    t = stop.divergence["step"]
+    assert stop.divergence["async_steps"] == t + 2 and len(stop.losses) == t + 2
+    assert stop.losses == free.losses[:t + 2]                 # the same run up to the cut
+    assert len(sync.losses) == 12 and sync.losses[:t + 2] == stop.losses
+    assert sync.divergence["sync_steps"] == 12 - (t + 2)
+    watch = LossWatch(GuardConfig("stop", 2.0, window=3))
+    # 1.5 < 2 x 0.8 (0.5 has left the window of 3), 1.7 > 2 x 0.8
+    assert [watch.observe(s, x) for s, x in enumerate([1.0, 0.5, 0.9, 0.8, 0.95, 1.5, 1.7])] == [False] * 6 + [True]
+    assert watch.tripped == {"step": 6, "loss": 1.7, "recent_min": 0.8}
+    assert LossWatch(GuardConfig("sync")).observe(0, float("nan"))
+    with pytest.raises(ValueError, match="--divergence-factor must be above 1"):
+        GuardConfig("sync", 0.5)

@@ -76,7 +76,8 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
             no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
-            ssh_known_hosts=None, ssh_accept_new=False, device="auto"):
+            ssh_known_hosts=None, ssh_accept_new=False, device="auto",
+            on_divergence="off", divergence_factor=2.0):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags."""
@@ -134,8 +135,12 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             schedule=schedule or plan.get("schedule") or "1f1b",
             micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
-            **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")})
+            **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
+            on_divergence=on_divergence, divergence_factor=divergence_factor)
         check_precision(job, cfg, model)
+        if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
+            from hpar.strategies.pipeline.velocity import check_predictable
+            check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     if resume_dir:

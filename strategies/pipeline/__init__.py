@@ -10,6 +10,9 @@ synchronous baseline.
 - ``schedules``: each stage's order of forward and backward passes (GPipe, 1F1B, async).
 - ``stage``: one stage's layers and passes, independent of how tensors travel.
 - ``prediction``: which weights a pass uses: live, stashed (PipeDream) or predicted (SpecTrain).
+  or one version old (PipeDream-2BW).
+- ``velocity``: the optimizer's update direction that prediction extrapolates (SGD, Adam, AdamW).
+- ``guard``: the divergence guard of asynchronous runs (stop, or fall back to 1F1B).
 - ``comm``: point-to-point links between neighbour stages (torch.distributed send/recv).
 - ``runtime``: one process per stage running its schedule.
 - ``sim``: the same schedules in one process (a reference for tests and benchmarks).

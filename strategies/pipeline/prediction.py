@@ -21,11 +21,16 @@ the ones its own update is made against (s from ``schedules.with_distances``: K-
       W_hat = W - s * lr * v
 
   where W are the live weights, lr the optimizer's learning rate of the parameter's group
-  and v the smoothed gradient: SGD's momentum buffer (SGD with momentum moves the weights
-  by exactly lr * v per update, so s updates with a steady v move them by s * lr * v).
-  For other optimizers v is the last update divided by lr, ``(W_before - W_after) / lr``,
-  which for plain SGD is the gradient of the last update. The real weights are restored
-  right after the pass. The backward (s = 0 on 1F1B) reads the live weights.
+  and v the optimizer's own update direction (``strategies/pipeline/velocity.py``: SGD's
+  momentum buffer, Adam/AdamW's m_hat / (sqrt(v_hat) + eps) plus decoupled weight decay);
+  s steps with a steady v move the weights by s * lr * v. Optimizers without a rule are
+  refused before the run starts. The backward (s = 0 on 1F1B) reads the live weights.
+- ``2bw``: PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
+  Training", ICML 2021): gradients of a batch of M micro-batches accumulate and are applied
+  once at the batch's end, W(t+1) = W(t) - lr * grad f(W(t-1)): every micro-batch of batch
+  b runs forward and backward on version b-1 (the weights after the updates of batches
+  0..b-2), a delay of one update whatever the depth. A stage holds the live weights and at
+  most two stashed versions; needs M >= K-1 so that version b-1 exists when batch b starts.
 
 Implementation: in the asynchronous modes a pass does not use the module's parameters
 directly but leaf tensors handed to ``torch.func.functional_call``. For ``async`` they are
@@ -47,28 +52,39 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-MODES = ("sync", "async", "stash", "predict")
+from hpar.strategies.pipeline.velocity import check_predictable, needs_last_grad, velocity
+
+MODES = ("sync", "async", "stash", "predict", "2bw")
 
 
 def mode_for_schedule(schedule: str) -> str:
     """The weight mode of a pipeline schedule name."""
     return {"gpipe": "sync", "1f1b": "sync", "async": "async", "async-stash": "stash",
-            "async-predict": "predict"}[schedule]
+            "async-predict": "predict", "async-2bw": "2bw"}[schedule]
 
 
 class PassWeights:
     """The weights of one stage's passes and its optimizer steps.
 
     ``module``: the stage's layers; ``optimizer``: over ``module.parameters()``; ``mode``:
-    one of MODES (None for a stage without parameters). Use :meth:`forward`, :meth:`backward` and :meth:`step`.
+    one of MODES (None for a stage without parameters); ``micro_batches``: M, micro-batches
+    per batch (2bw's versions are per batch). Use :meth:`forward`, :meth:`backward` and
+    :meth:`step`. Raises ValueError for ``predict`` with an optimizer without a rule.
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, mode: str):
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, mode: str,
+                 micro_batches: int = 1):
         assert mode in MODES, mode
-        self.module, self.optimizer, self.mode = module, optimizer, mode
+        if mode == "predict":
+            check_predictable(optimizer)
+        self.module, self.optimizer, self.mode, self.micro_batches = module, optimizer, mode, micro_batches
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}  # 2bw: stashed version -> weights
+        self.version_of: dict[int, int] = {}                     # 2bw: micro-batch -> its version
+        self.live_version = 0                                    # 2bw: updates applied so far
+        self.most_versions = 0                                   # 2bw: most stashed versions held
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.leaves: dict[int, dict[str, torch.Tensor]] = {}   # micro-batch -> pass weights
-        self._last_update: dict[str, torch.Tensor] = {}        # non-momentum v, predict only
+        self._last_grad: dict[str, torch.Tensor] = {}          # plain SGD's v, predict only
         self._scratch: dict[str, torch.Tensor] = {}            # W_hat of a predicted forward, or the real W
 
     # --- passes ---------------------------------------------------------------------------
@@ -78,6 +94,8 @@ class PassWeights:
             return self.module(inputs)
         if self.mode == "stash":
             leaves = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.named}
+        elif self.mode == "2bw":
+            leaves = {n: t.detach().requires_grad_(True) for n, t in self._version_for(micro).items()}
         else:
             leaves = {n: p.data.requires_grad_(True) for n, p in self.named}
         live = self._predict_into_scratch(leaves, distance) if self.mode == "predict" else {}
@@ -111,28 +129,46 @@ class PassWeights:
     def _velocities(self):
         """``(name, parameter, v, lr, buffer)`` for every parameter whose v is known, with a
         per-parameter buffer of its shape reused from pass to pass (no allocation per pass)."""
-        lr = {id(p): g["lr"] for g in self.optimizer.param_groups for p in g["params"]}
+        group = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         for n, p in self.named:
-            v = self.smoothed_gradient(n, p)
+            v = velocity(self.optimizer, group[id(p)], p, self._last_grad.get(n))
             if v is None:
                 continue
             buf = self._scratch.get(n)
             if buf is None or buf.shape != p.shape:
                 buf = self._scratch[n] = torch.empty_like(p)
-            yield n, p, v, lr[id(p)], buf
+            yield n, p, v, group[id(p)]["lr"], buf
+
+    def _version_for(self, micro: int) -> dict[str, torch.Tensor]:
+        """2bw: the weights of version max(b-1, 0) for micro-batch ``micro`` of batch b,
+        stashing the live weights when they are that version."""
+        want = max(micro // self.micro_batches - 1, 0)
+        assert want <= self.live_version, "async-2bw needs --micro-batches >= stages - 1"
+        if want not in self.versions:
+            assert want == self.live_version, f"version {want} was not kept"
+            self.versions[want] = {n: p.detach().clone() for n, p in self.named}
+        self.version_of[micro] = want
+        self.most_versions = max(self.most_versions, len(self.versions))
+        return self.versions[want]
 
     def backward(self, micro: int, distance: int, tensors, grads=None) -> None:
         """Backpropagate ``tensors`` (with ``grads``, None for a scalar loss) of ``micro``;
-        the parameters' ``.grad`` accumulate (sync) or are set to this micro-batch's
-        gradient (asynchronous modes)."""
+        the parameters' ``.grad`` accumulate (sync, 2bw) or are set to this micro-batch's
+        gradient (the other asynchronous modes)."""
         with self.predicted(distance if self.mode == "predict" else 0):
             torch.autograd.backward(tensors, grads)
         if self.mode == "sync":
             return
         leaves = self.leaves.pop(micro)
         for n, p in self.named:
-            p.grad = leaves[n].grad
+            g = leaves[n].grad
+            if self.mode == "2bw" and p.grad is not None:   # 2bw accumulates the batch's gradient
+                p.grad = p.grad if g is None else p.grad + g
+            else:
+                p.grad = g
             leaves[n].grad = None
+        if self.mode == "2bw":
+            self.version_of.pop(micro)
 
     def in_flight(self) -> int:
         """Micro-batches between their forward and backward (stashed versions in stash mode)."""
@@ -141,29 +177,26 @@ class PassWeights:
     # --- updates --------------------------------------------------------------------------
     def step(self) -> None:
         """One optimizer step with the accumulated ``.grad``, then clear them."""
+        if self.mode == "2bw":
+            self._retire_versions()
         if self.optimizer is None:
             return
-        track = self.mode == "predict" and not _sgd_momentum(self.optimizer)
-        plain = track and _plain_sgd(self.optimizer)
-        # plain SGD moves W by exactly lr * grad, so v is the gradient itself: keep a
-        # reference instead of copying the weights before the step (three memory passes)
-        grads = {n: p.grad for n, p in self.named if p.grad is not None} if plain else None
-        before = {n: p.detach().clone() for n, p in self.named} if track and not plain else None
+        if self.mode == "predict" and needs_last_grad(self.optimizer):
+            # plain SGD's v is the last gradient: keep a reference (no copy)
+            self._last_grad.update({n: p.grad for n, p in self.named if p.grad is not None})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if plain:
-            self._last_update.update(grads)
-        elif track:
-            lr = {id(p): g["lr"] for g in self.optimizer.param_groups for p in g["params"]}
-            for n, p in self.named:
-                self._last_update[n] = (before[n] - p.detach()) / lr[id(p)]
 
-    def smoothed_gradient(self, name: str, param: torch.Tensor) -> torch.Tensor | None:
-        """v for ``param``: SGD's momentum buffer, else the last update / lr; None before
-        the first update."""
-        if _sgd_momentum(self.optimizer):
-            return self.optimizer.state.get(param, {}).get("momentum_buffer")
-        return self._last_update.get(name)
+    def _retire_versions(self) -> None:
+        """2bw, before the update live_version -> live_version + 1: stash the live weights
+        (the next batch's version) and drop versions no in-flight micro-batch uses."""
+        if self.live_version not in self.versions and self.named:
+            self.versions[self.live_version] = {n: p.detach().clone() for n, p in self.named}
+        used = set(self.version_of.values())
+        for u in [u for u in self.versions if u < self.live_version and u not in used]:
+            del self.versions[u]
+        self.most_versions = max(self.most_versions, len(self.versions))
+        self.live_version += 1
 
     def predicted(self, distance: int) -> "_Predicted":
         """Context: live weights become W - s * lr * v inside, the real ones after."""
@@ -193,13 +226,3 @@ class _Predicted:
         self.saved = None
         return False
 
-
-def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
-    """SGD without momentum, weight decay or maximize: its update is exactly -lr * grad."""
-    return isinstance(optimizer, torch.optim.SGD) and all(
-        not g.get("momentum", 0) and not g.get("weight_decay", 0) and not g.get("maximize", False)
-        for g in optimizer.param_groups)
-
-
-def _sgd_momentum(optimizer: torch.optim.Optimizer) -> bool:
-    return isinstance(optimizer, torch.optim.SGD) and all(g.get("momentum", 0) > 0 for g in optimizer.param_groups)

@@ -31,7 +31,10 @@ steps per batch instead). Weights per pass from
 stage ends step s when it has run the backward (and update) of the batch's last
 micro-batch. In the asynchronous schedules checkpoints are taken at those boundaries too,
 where every stage has applied exactly the updates of the first (s+1)*M micro-batches; on
-resume the pipeline refills from there.
+resume the pipeline refills from there (``async-2bw``'s older version is not saved: the
+first batch after a resume runs on the checkpoint's weights). ``async-2bw`` steps once per
+batch, after the backward of its last micro-batch. With ``--on-divergence`` the last stage
+broadcasts its guard decision every step (``strategies/pipeline/guard.py``).
 
 Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
 for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
@@ -48,8 +51,9 @@ from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_
 from hpar.strategies.devices import ComputeTimer
 from hpar.strategies.groups import worker_groups
 from hpar.strategies.loop import step_tools
+from hpar.strategies.pipeline import guard
 from hpar.strategies.pipeline.comm import Links
-from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops
+from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
 from hpar.strategies.pipeline.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
 from hpar.strategies.pipeline.prediction import mode_for_schedule
 
@@ -135,7 +139,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             g = None if stage.is_last else links.recv_gradient()
             timer.start()
             grad_in = stage.backward(op, g)
-            if not sync:
+            if updates_after(schedule, j, M):
                 update()
             timer.stop()
             if not stage.is_first:
@@ -171,35 +175,70 @@ def train(ctx: WorkerContext) -> TrainResult:
                 "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None,
                 "loop": tools.state_dict() if tools is not None else None})
             checkpoint.commit(cfg.run_dir, step + 1)
+        return loss
 
-    sync = is_synchronous(cfg.schedule)
-    autocast = step_tools(cfg, job, None, ctx.device).autocast()
-    meter.start()
-    if sync:
-        ops = stage_ops(cfg.schedule, K, ctx.rank, M)
-        for step in range(ctx.start_step, cfg.steps):
-            for op in ops:
+    def run_sync(first_step: int) -> None:
+        for step in range(first_step, cfg.steps):
+            for op in stage_ops(schedule, K, ctx.rank, M):
                 run(op, step * M + op.micro)
             end_step(step)
+
+    schedule = cfg.schedule
+    sync = is_synchronous(schedule)
+    autocast = step_tools(cfg, job, None, ctx.device).autocast()
+    gcfg = guard.GuardConfig(cfg.on_divergence, cfg.divergence_factor)
+    watch, cut = guard.LossWatch(gcfg), None
+    meter.start()
+    if sync:
+        run_sync(ctx.start_step)
     else:
         first = ctx.start_step * M
-        for op in stage_ops(cfg.schedule, K, ctx.rank, (cfg.steps - ctx.start_step) * M):
+        ops, i = stage_ops(schedule, K, ctx.rank, (cfg.steps - ctx.start_step) * M), 0
+        while i < len(ops):
+            op, i = ops[i], i + 1
             j = first + op.micro
             run(op, j)
             if op.kind == "B" and (j + 1) % M == 0:
-                end_step(j // M)
+                loss = end_step(j // M)
+                if gcfg.action != "off" and cut is None and _tripped(ctx, watch, j // M, loss):
+                    cut = guard.cut_step(watch.tripped["step"], K, M)
+                    if cut < cfg.steps:   # finish the first cut*M micro-batches: a prefix of ops plus cool-down
+                        ops = stage_ops(schedule, K, ctx.rank, (cut - ctx.start_step) * M)
+        if cut is not None and cut < cfg.steps and gcfg.action == "sync":
+            links.flush()
+            links.wait_sends()
+            schedule, sync, stage.weights.mode = "1f1b", True, "sync"
+            run_sync(cut)
     links.flush()
     links.wait_sends()
-    return _finish(ctx, stage, model, ranges, meter, stats)
+    extra = {"divergence": guard.report(gcfg, watch.tripped, cut, cfg.steps)} if gcfg.action != "off" else {}
+    return _finish(ctx, stage, model, ranges, meter, stats, extra)
 
 
-def _finish(ctx: WorkerContext, stage: Stage, model: torch.nn.Module, ranges, meter: StepMeter, stats: dict) -> TrainResult:
+def _tripped(ctx: WorkerContext, watch: "guard.LossWatch", step: int, loss: float) -> bool:
+    """The last stage's guard decision for ``step``, broadcast to every stage (one small
+    message per step); fills ``watch.tripped`` on every stage."""
+    flag = torch.zeros(3, dtype=torch.float64)   # CPU: the default group is gloo
+    if ctx.rank == ctx.world_size - 1 and watch.observe(step, loss):
+        t = watch.tripped
+        flag = torch.tensor([1.0, t["loss"], t["recent_min"] if t["recent_min"] is not None else float("nan")],
+                            dtype=torch.float64)
+    if ctx.world_size > 1:
+        dist.broadcast(flag, src=ctx.world_size - 1)
+    if flag[0] and watch.tripped is None:
+        low = float(flag[2])
+        watch.tripped = {"step": step, "loss": float(flag[1]), "recent_min": None if low != low else low}
+    return bool(flag[0])
+
+
+def _finish(ctx: WorkerContext, stage: Stage, model: torch.nn.Module, ranges, meter: StepMeter, stats: dict,
+            more: dict | None = None) -> TrainResult:
     """Gather the stages' state dicts and figures on rank 0; rank 0 returns the whole model."""
     n = max(len(stats["sent"]), 1)
     mine = {"stage": ctx.rank, "layers": list(ranges[ctx.rank]),
             "compute_s": sum(stats["compute_s"]) / n, "idle_s": sum(stats["idle_s"]) / n,
             "bytes_sent": sum(stats["sent"]) / n, "bytes_recv": sum(stats["recv"]) / n,
-            "max_in_flight": stage.max_in_flight}
+            "max_in_flight": stage.max_in_flight, "weight_versions": stage.weights.most_versions}
     payload = ({k: v.detach().cpu() for k, v in stage.module.state_dict().items()}, mine)
     gathered = [None] * ctx.world_size if ctx.rank == 0 else None
     if ctx.world_size > 1:
@@ -213,5 +252,5 @@ def _finish(ctx: WorkerContext, stage: Stage, model: torch.nn.Module, ranges, me
         state.update(part)
     model.load_state_dict(state)
     extra = {"schedule": ctx.cfg.schedule, "micro_batches": ctx.cfg.micro_batches,
-             "stages": [figures for _, figures in gathered], "stage_layers": describe(ranges, model)}
+             "stages": [figures for _, figures in gathered], "stage_layers": describe(ranges, model), **(more or {})}
     return meter.result(model.to("cpu"), extra=extra)

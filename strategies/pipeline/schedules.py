@@ -17,13 +17,17 @@ Schedules (``--schedule``):
   same 1F1B order over the endless stream of micro-batches of the whole run, without flush;
   every stage updates its weights right after each backward. They differ only in the weights
   a pass uses (``strategies/pipeline/prediction.py``).
+- ``async-2bw`` (PipeDream-2BW, Narayanan et al., ICML 2021): the same endless 1F1B order,
+  but a stage applies the accumulated gradient of a batch once, after the backward of the
+  batch's last micro-batch, and batch b runs on the weights one update old (double
+  buffering); needs M >= K-1 micro-batches per batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 SYNC_SCHEDULES = ("gpipe", "1f1b")
-ASYNC_SCHEDULES = ("async", "async-stash", "async-predict")
+ASYNC_SCHEDULES = ("async", "async-stash", "async-predict", "async-2bw")
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,27 @@ def stage_ops(schedule: str, num_stages: int, stage: int, num_micro: int) -> tup
     micro-batches of one step (repeated every step); for the asynchronous schedules the
     ``num_micro`` micro-batches of the whole run (steps x micro-batches per step).
     Raises ValueError for an unknown schedule or bad counts."""
-    sync = is_synchronous(schedule)
+    sync = is_synchronous(schedule) or schedule == "async-2bw"
     order = gpipe(num_stages, stage, num_micro) if schedule == "gpipe" else one_f_one_b(num_stages, stage, num_micro)
     return with_distances(order, update_every_backward=not sync)
+
+
+def updates_after(schedule: str, micro: int, num_micro: int) -> bool:
+    """Whether a stage steps its optimizer right after the backward of (run-global)
+    micro-batch ``micro``: after every one in async/async-stash/async-predict, after the
+    last of each batch of ``num_micro`` in async-2bw, never for gpipe/1f1b (they step at
+    the end of the batch, outside the pass order)."""
+    if is_synchronous(schedule):
+        return False
+    return schedule != "async-2bw" or (micro + 1) % num_micro == 0
+
+
+def check_2bw(num_stages: int, num_micro: int) -> None:
+    """Raise ValueError unless M >= K-1: PipeDream-2BW's batch b needs the weights after
+    batch b-2's update when its first forward runs, which 1F1B guarantees only then."""
+    if num_micro < num_stages - 1:
+        raise ValueError(f"--micro-batches {num_micro}: --schedule async-2bw needs at least --gpus - 1 = {num_stages - 1} "
+                         "micro-batches per batch (PipeDream-2BW's delay of one); raise --micro-batches")
 
 
 def execution_order(per_stage: list[tuple[Op, ...]]) -> list[list[tuple[int, Op]]]:

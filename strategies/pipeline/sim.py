@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from hpar.strategies.job import Job
-from hpar.strategies.pipeline.schedules import execution_order, is_synchronous, stage_ops
+from hpar.strategies.pipeline.schedules import execution_order, is_synchronous, stage_ops, updates_after, check_2bw
 from hpar.strategies.pipeline.stage import Stage, split_micro, stage_module, stage_ranges
+from hpar.strategies.pipeline.guard import GuardConfig, LossWatch, cut_step, report
 from hpar.strategies.pipeline.prediction import mode_for_schedule
 
 
@@ -27,14 +28,34 @@ class SimResult:
     model: torch.nn.Module
     losses: tuple[float, ...]
     max_in_flight: int
+    divergence: dict | None = None   # the guard's summary.json entry (guard on only)
 
 
 def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: int, micro_batches: int,
-             lr: float, seed: int = 0) -> SimResult:
+             lr: float, seed: int = 0, guard: GuardConfig | None = None) -> SimResult:
     """Train ``steps`` batches of ``batch_size`` from ``job.batches(0, 1, batch_size)`` with
     ``num_stages`` stages (balanced on parameter counts) under ``schedule`` in this process.
-    The model is built with ``torch.manual_seed(seed)`` as the runtime does. Raises
+    The model is built with ``torch.manual_seed(seed)`` as the runtime does. ``guard``: the
+    divergence guard of asynchronous schedules (strategies/pipeline/guard.py), applied with
+    the runtime's rule (asynchronous up to the cut step, then 1f1b or stop). Raises
     ValueError as the runtime does (non-sequential model, bad micro-batch count)."""
+    if schedule == "async-2bw":
+        check_2bw(num_stages, micro_batches)
+    result = _simulate(job, schedule, num_stages, steps, 0, batch_size, micro_batches, lr, seed)
+    if guard is None or guard.action == "off" or is_synchronous(schedule):
+        return result
+    watch = LossWatch(guard)
+    tripped = next((s for s, loss in enumerate(result.losses) if watch.observe(s, loss)), None)
+    cut = None if tripped is None else cut_step(tripped, num_stages, micro_batches)
+    if cut is not None and cut < steps:   # replay: asynchronous up to the cut, then 1f1b or nothing
+        rest = steps - cut if guard.action == "sync" else 0
+        result = _simulate(job, schedule, num_stages, cut, rest, batch_size, micro_batches, lr, seed)
+    return SimResult(result.model, result.losses, result.max_in_flight, report(guard, watch.tripped, cut, steps))
+
+
+def _simulate(job: Job, schedule: str, num_stages: int, steps: int, sync_steps: int, batch_size: int,
+              micro_batches: int, lr: float, seed: int) -> SimResult:
+    """``steps`` steps under ``schedule``, then ``sync_steps`` under 1f1b on the same stages."""
     torch.manual_seed(seed)
     model = job.build_model()
     ranges = stage_ranges(model, num_stages)
@@ -75,7 +96,7 @@ def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: i
                 else:
                     g = st.backward(op, None if st.is_last else grads.pop((k, j)))
                     results.append(("B", k, j, g))
-                    if not sync:
+                    if updates_after(schedule, j, micro_batches):
                         st.update()
             for kind, k, j, value in results:  # hand over after the tick, as messages would
                 if kind == "F" and not stages[k].is_last:
@@ -86,14 +107,17 @@ def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: i
                     grads[(k - 1, j)] = value
 
     step_losses: dict[int, list[float]] = {}
-    if sync:
-        for step in range(steps):
-            ticks = execution_order([stage_ops(schedule, num_stages, k, micro_batches) for k in range(num_stages)])
-            run(ticks, step * micro_batches, step_losses)
-            for st in stages:
-                st.update()
-    else:
+    first_sync = 0
+    if not sync:
         n = steps * micro_batches
         run(execution_order([stage_ops(schedule, num_stages, k, n) for k in range(num_stages)]), 0, step_losses)
+        first_sync, steps, schedule, sync = steps, steps + sync_steps, "1f1b", True
+        for st in stages:
+            st.weights.mode = "sync"
+    for step in range(first_sync, steps):
+        ticks = execution_order([stage_ops(schedule, num_stages, k, micro_batches) for k in range(num_stages)])
+        run(ticks, step * micro_batches, step_losses)
+        for st in stages:
+            st.update()
     losses = [sum(step_losses[s]) / len(step_losses[s]) for s in range(steps)]
     return SimResult(model=model, losses=tuple(losses), max_in_flight=most)

@@ -84,7 +84,7 @@ class Stage:
                  index: int, num_stages: int, loss_scale: float):
         self.job, self.module, self.optimizer = job, module, optimizer
         self.index, self.num_stages, self.loss_scale = index, num_stages, loss_scale
-        self.weights = PassWeights(module, optimizer, mode)
+        self.weights = PassWeights(module, optimizer, mode, max(1, round(1 / loss_scale)))
         self.saved: dict[int, tuple[Any, Any]] = {}
         self.max_in_flight = 0   # most micro-batches held between forward and backward
 
