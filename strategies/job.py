@@ -116,6 +116,15 @@ class Job:
         return {str(k): float(v) for k, v in result.items()}
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` on one line, with the fix for a package the script needs but lacks."""
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        text += (f" (install the package that provides {exc.name!r}; for hpar's own examples: "
+                 "pip install -e '.[examples]')")
+    return text
+
+
 def _call(job: Job, name: str, *args):
     fn = {"model": job.model_fn, "data": job.data_fn, "loss": job.loss_fn,
           "optimizer": job.optimizer_fn, "evaluate": job.evaluate_fn}[name]
@@ -124,7 +133,7 @@ def _call(job: Job, name: str, *args):
     except JobError:
         raise
     except Exception as exc:  # the user's own code failed: keep their traceback
-        raise JobError(f"{job.path}: {name}() raised {type(exc).__name__}: {exc}",
+        raise JobError(f"{job.path}: {name}() raised {_describe(exc)}",
                        user_traceback=traceback.format_exc()) from exc
 
 
@@ -156,7 +165,7 @@ def load_job(path: str) -> Job:
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
-        raise JobError(f"{path}: importing the script raised {type(exc).__name__}: {exc}",
+        raise JobError(f"{path}: importing the script raised {_describe(exc)}",
                        user_traceback=traceback.format_exc()) from exc
     fns = {}
     arity = {"model": 0, "data": 3, "loss": 2, "optimizer": 1, "evaluate": 1}
@@ -195,7 +204,38 @@ def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     torch.manual_seed(0)
     model = job.build_model()
     inputs, targets = next(job.batches(0, 1, batch_size))
-    output = model(inputs)
+    output = call_user(job, "the model's forward", model, inputs)
     job.compute_loss(output, targets)
     job.build_optimizer(model.parameters(), lr=0.01)
     return model
+
+
+def _user_frame(job: Job, tb) -> traceback.FrameSummary | None:
+    """The innermost frame of ``tb`` in the user's script (None if none is)."""
+    frames = [f for f in traceback.extract_tb(tb) if os.path.abspath(f.filename) == job.path]
+    return frames[-1] if frames else None
+
+
+def _user_traceback(job: Job, exc: BaseException) -> str:
+    """The traceback of ``exc`` from the first frame in the user's script on (hpar's and
+    torch's calling frames above it dropped; all of it when the script is not on the stack)."""
+    te = traceback.TracebackException.from_exception(exc)
+    first = next((i for i, f in enumerate(te.stack) if os.path.abspath(f.filename) == job.path), 0)
+    te.stack = traceback.StackSummary.from_list(list(te.stack)[first:])
+    return "".join(te.format())
+
+
+def call_user(job: Job, what: str, fn: Callable, *args):
+    """``fn(*args)`` where ``fn`` runs the user's code (their model's forward, a backward
+    through their layers). An exception becomes a JobError whose one line names the file,
+    line and function of the user's code where it was raised (``what`` when no frame of the
+    script is on the stack), with the user's traceback kept in ``user_traceback``."""
+    try:
+        return fn(*args)
+    except JobError:
+        raise
+    except Exception as exc:
+        frame = _user_frame(job, exc.__traceback__)
+        where = (f"{job.path}:{frame.lineno}: {frame.name}() raised" if frame
+                 else f"{job.path}: {what} raised")
+        raise JobError(f"{where} {_describe(exc)}", user_traceback=_user_traceback(job, exc)) from exc

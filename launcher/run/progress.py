@@ -24,6 +24,12 @@ def human_bytes(n: float | None) -> str:
     return f"{n:.1f} TB"
 
 
+def _num(value, spec: str) -> str:
+    """``value`` formatted with ``spec``, or "-" when it is not a number (a middle pipeline
+    stage reports no loss: only the last stage computes it)."""
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
 class Progress:
     """Shows the state of every process. ``live`` defaults to "stdout is a terminal"."""
 
@@ -58,8 +64,8 @@ class Progress:
             row.update(state="running", **{k: payload.get(k) for k in ("step", "loss", "samples_per_s", "bytes_sent", "bytes_recv")})
             if not self.live_mode:
                 self.say(f"[{row['host']} {label}] step {payload.get('step')}/{self.total_steps} "
-                         f"loss {payload.get('loss', float('nan')):.4f} "
-                         f"{payload.get('samples_per_s', 0.0):.1f} samples/s "
+                         f"loss {_num(payload.get('loss'), '.4f')} "
+                         f"{_num(payload.get('samples_per_s'), '.1f')} samples/s "
                          f"sent {human_bytes(payload.get('bytes_sent'))}/step")
         elif kind == "heartbeat":
             row.update({k: payload.get(k) for k in ("cpu_percent", "rss_bytes", "gpu_bytes")})
