@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint
+from hpar.strategies.tying import embedding_tables
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 
 DENSE = "_dense_allreduce"   # ByteMeter name of DDP's gradient exchange
@@ -59,12 +60,16 @@ def counting_allreduce_hook(state, bucket):
 
 
 def set_sparse_gradients(model: torch.nn.Module, sparse: bool) -> list[str]:
-    """Set ``sparse=`` on every nn.Embedding/nn.EmbeddingBag; returns their weight names."""
+    """Set ``sparse=`` on every nn.Embedding/nn.EmbeddingBag whose weight is row-sparse
+    (``tying.embedding_tables``: a weight tied to a dense user, such as a tied output
+    projection, keeps dense gradients); returns the names of those weights."""
+    tables = {id(m) for _, m in embedding_tables(model)}
     names = []
     for name, module in model.named_modules():
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
-            module.sparse = sparse
-            names.append(f"{name}.weight" if name else "weight")
+            module.sparse = sparse and id(module) in tables
+            if id(module) in tables:
+                names.append(f"{name}.weight" if name else "weight")
     return names
 
 
@@ -101,7 +106,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     opt = job.build_optimizer(model.parameters(), cfg.lr)
     ctx.start_step = resume_state(ctx, model, opt)
     counter = ByteMeter()
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    # find_unused_parameters: a model may skip a branch (and its parameters) in some steps
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, find_unused_parameters=True)
     ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
     ddp.register_comm_hook((counter, ctx.world_size, ring_remote), counting_allreduce_hook)
     batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)

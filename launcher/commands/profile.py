@@ -125,7 +125,7 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
         extra = f" stages {plan.stages}, {plan.micro_batches} micro-batches, {plan.schedule}."
     elif plan.partitions:
         extra = " partitions " + ", ".join(f"{k}: {v}" for k, v in plan.partitions.items()) + "."
-    console.print(f"[bold]Plan: {plan.strategy}[/bold] - {plan.reason}{extra}", soft_wrap=True)
+    console.print(f"[bold]Plan:[/bold] {plan.reason}{extra}", soft_wrap=True)   # the reason starts with the name
 
 
 @click.command()

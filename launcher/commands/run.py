@@ -14,6 +14,7 @@ from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.hybrid.client import placement
+from hpar.strategies.pipeline.stage import check_pipeline
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0}
 
@@ -62,9 +63,8 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
     plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
                     force=None if strategy == "auto" else strategy)
     if strategy == "auto":
-        console.print(f"hpar: --strategy auto chose {plan.strategy}: {plan.reason}", markup=False)
-        return plan.strategy, plan.to_dict()
-    return strategy, plan.to_dict()
+        console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
+    return plan.strategy, plan.to_dict()
 
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
@@ -116,6 +116,12 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             schedule=schedule or plan.get("schedule") or "1f1b",
             micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval)
+        if cfg.strategy == "pipeline":
+            check_pipeline(model, gpus, cfg.plan, cfg.micro_batches, bs)   # refuse a plan that cannot run, before any process
+            stages = cfg.plan.get("stages") or []
+            console.print(f"hpar: pipeline plan: {gpus} stages, layers "
+                          f"{', '.join(f'[{a}, {b})' for a, b in stages) or 'balanced on parameter counts'}, "
+                          f"{cfg.micro_batches} micro-batches, schedule {cfg.schedule}", markup=False)
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     ssh_opts, master = None, "127.0.0.1"
