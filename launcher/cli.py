@@ -80,10 +80,8 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
     from hpar.launcher.run.runner import launch
     outcome = launch(cfg, opts, console, master)
     if outcome.exit_code == 0 and outcome.summary:
-        s = outcome.summary
-        ev = ", ".join(f"{k} {s['eval_first'].get(k, float('nan')):.4g} -> {v:.4g}" for k, v in (s.get("eval_last") or {}).items())
-        console.print(f"hpar: done: {s.get('samples_per_s', 0):.1f} samples/s, loss {s.get('loss_first', 0):.4f} -> "
-                      f"{s.get('loss_last', 0):.4f}{'; ' + ev if ev else ''}; run dir {cfg.run_dir}", markup=False)
+        from hpar.launcher.run.progress import final_line
+        console.print(final_line(outcome.summary, cfg.run_dir), markup=False)
     sys.exit(outcome.exit_code)
 
 

@@ -5,6 +5,7 @@
 
 Shared by every runtime: ``job`` (the user-script contract), ``config`` (the resolved run
 configuration), ``context`` (what a runtime gets and returns, the step and byte meters),
-``checkpoint`` (crash-safe files) and ``allreduce`` (the DDP runtime, whose helpers hybrid
+``checkpoint`` (crash-safe files), ``layers`` (the one definition of the model's layers),
+``tying`` (shared parameters, which embedding tables are row-sparse) and ``allreduce`` (the DDP runtime, whose helpers hybrid
 reuses for its dense part). Nothing here imports ``hpar.launcher`` or ``hpar.workers``.
 """

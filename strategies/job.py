@@ -1,4 +1,4 @@
-"""Load and check a user's training script (the user-script contract of DESIGN.md).
+"""Load and check a user's training script (the contract in README.md, "Your script").
 
 A script is a plain Python file written for one device. It defines::
 

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from hpar.launcher.hosts.hostfile import Host, place_workers
 from hpar.launcher.procs.local import LocalProcess, run_specs
-from hpar.launcher.run.progress import Progress
+from hpar.launcher.run.progress import Progress, last_reported
 from hpar.launcher.run.rundir import RunDir
 from hpar.launcher.run.supervisor import Outcome, Supervisor
 from hpar.strategies import checkpoint
@@ -100,7 +100,9 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                           markup=False)
             cfg = cfg.replace(resume=step is not None)
             time.sleep(1.0)
-        summary = dict(outcome.summary or {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps": cfg.steps})
+        # stopped early: "steps" is the step it reached (the last one reported), not the one asked for
+        summary = dict(outcome.summary or {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps_planned": cfg.steps,
+                                           **last_reported(progress)})
         summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path)
         if outcome.exit_code != 0:
             summary.update(failed=outcome.failed, failed_host=outcome.host, cause=outcome.cause)
