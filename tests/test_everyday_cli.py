@@ -182,3 +182,23 @@ def test_hpar_layers_must_cover_the_model():
         model_layers(Partial())
     with pytest.raises(ValueError, match="not a submodule"):
         model_layers(type("Foreign", (Partial,), {"hpar_layers": lambda self: [torch.nn.Linear(2, 2)]})())
+
+
+def test_tied_weight_is_one_dense_parameter():
+    """The zoo's tied LM: the embedding tied to the output Linear is profiled dense and kept
+    off the servers; the untied document table stays a row-sparse embedding."""
+    from hpar.strategies.hybrid.client import placement
+    from hpar.strategies.job import load_job
+    from hpar.strategies.profile.profiler import profile_job
+    from hpar.strategies.tying import embedding_tables, shared_parameters
+    job = load_job(os.path.join(REPO, "tests", "zoo", "tied_lm.py"))
+    model = job.build_model()
+    assert shared_parameters(model) == {"emb.weight": ["emb.weight", "out.weight"]}
+    assert [n for n, _ in embedding_tables(model)] == ["doc"]
+    prof = {p.name: p for p in profile_job(job, 8, 2, repeats=1, warmup=1).params}
+    assert not prof["emb.weight"].sparse and not prof["emb.weight"].embedding_module
+    assert prof["doc.weight"].sparse and prof["doc.weight"].embedding_module
+    assert placement(model, "hybrid", {}) == {"emb.weight": "allreduce", "doc.weight": "ps",
+                                              "mix.weight": "allreduce", "mix.bias": "allreduce"}
+    with pytest.raises(ValueError, match="tied to a dense user"):
+        placement(model, "hybrid", {"placement": {"emb.weight": "ps"}})

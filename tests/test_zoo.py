@@ -73,8 +73,8 @@ def check_trained(r: dict) -> None:
 
 # Every strategy the planner offers, once per model shape it matters for (each run starts 3-4
 # processes, so the set is kept small): allreduce-sparse and hybrid where there is an embedding
-# table; ps (every parameter on the servers) on the table model and on the frozen parameter.
-DATA_PARALLEL = [("tied_lm", "allreduce"), ("tied_lm", "allreduce-sparse"), ("tied_lm", "hybrid"),
+# table; ps (every parameter on the servers) on the table models and on the frozen parameter.
+DATA_PARALLEL = [("tied_lm", "allreduce"), ("tied_lm", "allreduce-sparse"), ("tied_lm", "hybrid"), ("tied_lm", "ps"),
                  ("dict_bag", "allreduce"), ("dict_bag", "allreduce-sparse"), ("dict_bag", "hybrid"), ("dict_bag", "ps"),
                  ("frozen", "allreduce"), ("frozen", "ps"), ("sometimes_unused", "allreduce"), ("tuple_out", "allreduce")]
 PIPELINED = ("nested_cnn", "frozen", "pipe4")
