@@ -202,3 +202,26 @@ def test_tied_weight_is_one_dense_parameter():
                                               "mix.weight": "allreduce", "mix.bias": "allreduce"}
     with pytest.raises(ValueError, match="tied to a dense user"):
         placement(model, "hybrid", {"placement": {"emb.weight": "ps"}})
+
+
+def test_atomic_files_get_the_same_permissions_as_plain_ones(tmp_path):
+    from hpar.strategies.checkpoint import atomic_write_bytes
+    atomic_write_bytes(str(tmp_path / "summary.json"), b"{}")
+    (tmp_path / "worker-0.log").write_text("")
+    assert (tmp_path / "summary.json").stat().st_mode & 0o777 == (tmp_path / "worker-0.log").stat().st_mode & 0o777
+
+
+def test_live_view_final_state_has_no_running_row():
+    """After Ctrl-C (or a failure elsewhere) the rows of processes that were still running
+    read 'stopped' in the table the live view leaves on the screen."""
+    import io
+    from rich.console import Console
+    from hpar.launcher.run.progress import Progress
+    buf = io.StringIO()
+    with Progress([("worker 0", "localhost"), ("worker 1", "localhost")], 10, live=True,
+                  console=Console(file=buf, force_terminal=True, width=160)) as progress:
+        progress.update("worker 0", "metric", {"step": 3, "loss": 0.5, "samples_per_s": 10.0})
+        progress.update("worker 1", "state", {"state": "done"})
+        progress.mark_stopped()
+    final = buf.getvalue().rsplit("hpar: 10 steps", 1)[-1]
+    assert "stopped" in final and "running" not in final and "done" in final

@@ -75,6 +75,14 @@ class Progress:
             row["state"] = payload["state"]
         self.refresh()
 
+    def mark_stopped(self) -> None:
+        """Every process still shown starting or running is marked ``stopped`` (the run ended:
+        Ctrl-C, a failure elsewhere), and the live table is redrawn at once."""
+        for row in self.rows.values():
+            if row.get("state") in ("starting", "running"):
+                row["state"] = "stopped"
+        self.refresh(force=True)
+
     def refresh(self, force: bool = False) -> None:
         now = time.monotonic()
         if self._live is not None and (force or now - self._last_refresh > 0.25):
