@@ -75,7 +75,18 @@ class Job:
             except TypeError:
                 raise JobError(f"{self.path}: data() returned {type(it).__name__}, expected an iterator of (inputs, targets)") from None
             n = 0
-            for item in it:
+            while True:
+                try:
+                    item = next(it)
+                except StopIteration:
+                    break
+                except JobError:
+                    raise
+                except Exception as exc:  # a generator's body runs here, not in _call
+                    frame = _user_frame(self, exc.__traceback__)
+                    where = f"{self.path}:{frame.lineno}: {frame.name}()" if frame else f"{self.path}: data()"
+                    raise JobError(f"{where} raised {_describe(exc)} while data() yielded a batch",
+                                   user_traceback=_user_traceback(self, exc)) from exc
                 if not (isinstance(item, (tuple, list)) and len(item) == 2):
                     raise JobError(f"{self.path}: data() yielded {type(item).__name__}, expected a pair (inputs, targets)")
                 n += 1

@@ -106,7 +106,9 @@ def test_missing_optional_package_of_an_example(tmp_path):
                       "--run-dir", str(run_dir), env=env)
     assert rc == 2, out
     first = out.splitlines()[0]
-    assert "examples/cnn.py" in first and "data() raised ModuleNotFoundError" in first, out
+    assert first.startswith("hpar: " + os.path.join(REPO, "examples", "cnn.py") + ":"), out
+    assert "digits() raised ModuleNotFoundError: No module named 'sklearn'" in first and "data()" in first, out
+    assert "Traceback" in out and 'cnn.py", line' in out and "launcher" not in out, out
     assert "pip install -e '.[examples]'" in first, out
     assert not run_dir.exists()
 
