@@ -227,3 +227,25 @@ def test_live_view_final_state_has_no_running_row():
         progress.mark_stopped()
     final = buf.getvalue().rsplit("hpar: 10 steps", 1)[-1]
     assert "stopped" in final and "running" not in final and "done" in final
+
+
+def test_samples_per_s_is_samples_over_the_wall_clock_of_the_measured_window():
+    """Time between steps (data loading, waiting) counts: 4 measured steps of 8 samples with
+    at least 50 ms outside every step give at most 8 / 0.05 samples/s, however short the steps
+    themselves (a median step time would report far more). The final line's losses are
+    interval means."""
+    import time
+    from types import SimpleNamespace
+    from hpar.strategies.context import StepMeter
+    reports = []
+    ctx = SimpleNamespace(cfg=SimpleNamespace(log_every=3, steps=6), start_step=0, report=reports.append)
+    meter = StepMeter(ctx, samples_per_step=8, warmup=2)
+    for loss in (6.0, 5.0, 4.0, 3.0, 2.0, 1.0):
+        meter.start()
+        meter.end(loss)
+        time.sleep(0.05)
+    assert 0 < meter.samples_per_s() <= 8 / 0.05
+    assert 8 / min(meter.step_times[2:]) > 8 / 0.05          # what a per-step figure would have claimed
+    got = meter.result(None).extra
+    assert got["loss_first_mean"] == 5.0 and got["loss_last_mean"] == 2.0 and got["loss_mean_steps"] == [3, 3]
+    assert [r["loss"] for r in reports] == [5.0, 2.0]        # the progress lines' averaging
