@@ -28,7 +28,9 @@ HIDDEN = 96
 NUM_SAMPLED = 128
 EVAL_TOKENS = 10_000
 
-HPAR = {"batch_size": 32, "steps": 200, "lr": 0.05, "log_every": 10}
+HPAR = {"batch_size": 32, "steps": 200, "lr": 0.05, "log_every": 10, "precision": "bf16", "eval_every": 50,
+        "clip_grad_norm": 2.0}
+WARMUP = 20   # steps of linear warm-up before the cosine decay
 
 
 def _tokens(split):
@@ -78,7 +80,10 @@ class SampledSoftmaxLM(nn.Module):
         nn.init.zeros_(self.softmax_b.weight)
 
     def hidden(self, tokens):
-        out, _ = self.lstm(self.embedding(tokens))
+        # the LSTM runs in fp32 even under bf16 autocast (oneDNN's CPU LSTM has no bf16 kernel
+        # on every CPU); the projections and the softmax matmul take the autocast dtype
+        with torch.autocast(tokens.device.type, enabled=False):
+            out, _ = self.lstm(self.embedding(tokens).float())
         return self.proj(out).reshape(-1, EMBED)
 
     def forward(self, inputs):
@@ -119,6 +124,17 @@ def loss(output, targets):
 
 def optimizer(params):
     return torch.optim.Adagrad(params, lr=HPAR["lr"])
+
+
+def scheduler(opt):
+    """Linear warm-up over WARMUP steps, then cosine decay to 10% of the rate at the last step."""
+    total = HPAR["steps"]
+
+    def factor(step):
+        if step < WARMUP:
+            return (step + 1) / WARMUP
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - WARMUP) / max(1, total - WARMUP))))
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def evaluate(model):

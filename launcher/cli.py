@@ -1,4 +1,4 @@
-"""The ``hpar`` command line: ``hpar run``, ``hpar profile``, ``hpar bench``.
+"""The ``hpar`` command line: ``hpar run``, ``hpar profile``, ``hpar bench``, ``hpar launch``.
 
 User errors (a bad script, flag, host file or plan) print one line ``hpar: <message>`` on
 stderr and exit with code 2 before any process starts.
@@ -10,7 +10,7 @@ import sys
 import click
 from rich.console import Console
 
-from hpar.strategies.config import SCHEDULES, STRATEGIES
+from hpar.strategies.config import PRECISIONS, SCHEDULES, STRATEGIES
 from hpar.strategies.job import JobError
 
 EXIT_USAGE = 2
@@ -52,6 +52,10 @@ def main() -> None:
 @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart the whole job from the last checkpoint after a failure, at most N times.")
 @click.option("--stall-timeout", type=float, default=0.0, help="Seconds without progress after which a process counts as stalled (0: off).")
 @click.option("--no-eval", is_flag=True, help="Skip evaluate() before and after training.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="autocast precision of forward/backward (default: HPAR, else fp32); fp16 adds a GradScaler.")
+@click.option("--clip-grad-norm", type=float, default=None, help="Clip the global norm of the averaged gradient to X (default: HPAR, else off).")
+@click.option("--accumulate", type=int, default=None, help="Batches per worker per optimizer step (default: HPAR, else 1).")
+@click.option("--eval-every", type=int, default=None, help="Call evaluate() every N steps during training (default: HPAR, else 0: only before and after).")
 @click.option("--plain", is_flag=True, help="Plain progress lines even on a terminal.")
 @click.option("--ssh-key", default=None, help="SSH private key file.")
 @click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
@@ -59,9 +63,11 @@ def main() -> None:
 @click.option("--ssh-local", is_flag=True, help="Use SSH even for localhost entries.")
 @click.option("--python", "python_path", default=None, help="Interpreter on the hosts (default: this one's path).")
 @click.option("--sync", is_flag=True, help="Copy the script to hosts that lack it.")
+@click.option("--env", "env", multiple=True, metavar="KEY[=VALUE]",
+              help="Also give remote processes KEY (this value, or the launcher's); repeatable.")
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
-        schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, plain,
-        ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync):
+        schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
+        clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, env):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
@@ -71,8 +77,10 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             batch_size=batch_size, lr=lr, seed=seed, log_every=log_every, run_dir=run_dir, servers=servers,
             schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
             resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
+            loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
+                        "eval_every": eval_every},
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-            python_path=python_path, sync=sync)
+            python_path=python_path, sync=sync, env=env)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:
@@ -88,9 +96,11 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
 def _register_commands() -> None:
     """``profile`` and ``bench`` live in their own modules (imported here, after ``main``)."""
     from hpar.launcher.commands.bench import bench
+    from hpar.launcher.commands.launch import launch
     from hpar.launcher.commands.profile import profile
     main.add_command(profile)
     main.add_command(bench)
+    main.add_command(launch)
 
 
 _register_commands()

@@ -14,6 +14,8 @@ go to the N-1 peers and theirs come back.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -21,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpar.strategies import checkpoint
 from hpar.strategies.tying import embedding_tables
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
+from hpar.strategies.loop import StepTools, evaluate_during_training, step_tools
 
 DENSE = "_dense_allreduce"   # ByteMeter name of DDP's gradient exchange
 
@@ -81,21 +84,27 @@ def sparse_allgather_bytes(grad: torch.Tensor, world_size: int) -> float:
     return float(own * (world_size - 1))
 
 
-def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Load this worker's checkpoint when the run resumes; returns the step to start from."""
+def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 tools: StepTools | None = None) -> int:
+    """Load this worker's checkpoint when the run resumes (model, optimizer, and the
+    scaler and schedule when ``tools`` is given); returns the step to start from."""
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
         return 0
     state = checkpoint.load_part(ctx.cfg.run_dir, step, "worker0")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
+    if tools is not None:
+        tools.load_state_dict(state.get("loop"))
     return step
 
 
 def train(ctx: WorkerContext) -> TrainResult:
-    """Train ``ctx.cfg.steps`` steps with DDP. Each worker draws its own batches from
-    ``data(rank, world_size, batch_size)``; gradients are averaged, so N workers equal one
-    process on the concatenated batches with a mean loss."""
+    """Train ``ctx.cfg.steps`` optimizer steps with DDP. Each worker draws its own batches
+    from ``data(rank, world_size, batch_size)``, ``--accumulate`` of them per step (DDP's
+    ``no_sync`` on all but the last); gradients are averaged, so N workers equal one process
+    on the concatenated N x accumulate batches with a mean loss, also with the script's
+    schedule, ``--clip-grad-norm`` and ``--precision`` (strategies/loop.py)."""
     cfg, job = ctx.cfg, ctx.job
     torch.manual_seed(cfg.seed)
     model = job.build_model().to(ctx.device)
@@ -104,32 +113,47 @@ def train(ctx: WorkerContext) -> TrainResult:
     if sparse:   # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
         torch.sparse.check_sparse_tensor_invariants.disable()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
-    ctx.start_step = resume_state(ctx, model, opt)
+    tools = step_tools(cfg, job, opt, ctx.device)
+    ctx.start_step = resume_state(ctx, model, opt, tools)
     counter = ByteMeter()
     # find_unused_parameters: a model may skip a branch (and its parameters) in some steps
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, find_unused_parameters=True)
     ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
     ddp.register_comm_hook((counter, ctx.world_size, ring_remote), counting_allreduce_hook)
     batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
-    for _ in range(ctx.start_step):  # same batches as an uninterrupted run
+    for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
         next(batches)
     meter = None
     for step in range(ctx.start_step, cfg.steps):
-        inputs, targets = next(batches)
-        if meter is None:
-            meter = StepMeter(ctx, batch_samples(inputs))
-        meter.start()
-        inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
+        if meter is not None:
+            meter.start()
         opt.zero_grad(set_to_none=True)
-        loss = job.compute_loss(ddp(inputs), targets)
-        loss.backward()
-        opt.step()
+        step_loss, logged = 0.0, {}
+        for micro in range(cfg.accumulate):
+            inputs, targets = next(batches)
+            if meter is None:
+                meter = StepMeter(ctx, batch_samples(inputs) * cfg.accumulate)
+            inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
+            sync = contextlib.nullcontext() if micro == cfg.accumulate - 1 else ddp.no_sync()
+            with sync:
+                with tools.autocast():
+                    output = ddp(inputs)
+                    loss = job.compute_loss(output, targets) / cfg.accumulate
+                tools.backward(loss)
+            step_loss += loss.item()
+            if ctx.rank == 0 and micro == cfg.accumulate - 1:
+                logged = job.run_log(step + 1, output, targets)
+        lr = tools.lr(opt)
+        stepped = tools.step(opt, lambda: list(model.parameters()))
         remote, (sent, recv) = counter.take_remote(), counter.take().get(DENSE, (0, 0))
-        meter.end(loss.item(), sent, recv, sent_remote=remote)
+        meter.end(step_loss, sent, recv, sent_remote=remote, logged=logged,
+                  extra={"lr": lr, **({} if stepped else {"skipped_step": 1})})
+        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: model, ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             if ctx.rank == 0:
                 checkpoint.save_part(cfg.run_dir, step + 1, "worker0",
-                                     {"model": model.state_dict(), "optimizer": opt.state_dict()})
+                                     {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                      "loop": tools.state_dict()})
             checkpoint.commit(cfg.run_dir, step + 1)
     losses = torch.tensor([meter.losses[0], meter.losses[-1]], dtype=torch.float64)
     dist.all_reduce(losses)

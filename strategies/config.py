@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline")
 # Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
 SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async", "torch-gpipe", "torch-1f1b")
+# Numeric precision of forward and backward (master weights and optimizer state stay fp32).
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class RunConfig:
     resume: bool = False
     plan: dict = field(default_factory=dict)   # the planner's Plan as JSON, may be empty
     eval: bool = True
+    precision: str = "fp32"        # autocast dtype of forward/backward: fp32 (off), bf16, fp16 (+ GradScaler)
+    clip_grad_norm: float = 0.0    # clip the global norm of the averaged gradient to this (0: off)
+    accumulate: int = 1            # micro-steps (batches per worker) per optimizer step
+    eval_every: int = 0            # call evaluate() every N optimizer steps during training (0: only at the ends)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -49,8 +55,17 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
-        if self.servers < 0 or self.checkpoint_every < 0:
-            raise ValueError("--servers and --checkpoint-every must not be negative")
+        if self.servers < 0 or self.checkpoint_every < 0 or self.eval_every < 0:
+            raise ValueError("--servers, --checkpoint-every and --eval-every must not be negative")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.clip_grad_norm < 0:
+            raise ValueError(f"--clip-grad-norm must not be negative (0 turns clipping off), got {self.clip_grad_norm}")
+        if self.accumulate < 1:
+            raise ValueError(f"--accumulate must be at least 1, got {self.accumulate}")
+        unsupported = not_supported(self)
+        if unsupported:
+            raise ValueError(unsupported)
         if self.strategy == "pipeline" and self.schedule == "torch-1f1b" and self.micro_batches < self.world_size:
             raise ValueError(f"--micro-batches {self.micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
                              f"at least one per stage ({self.world_size}); raise it or use --schedule torch-gpipe")
@@ -68,3 +83,28 @@ class RunConfig:
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
+
+
+def not_supported(cfg: RunConfig) -> str | None:
+    """Why this strategy cannot honour the training-loop flags it was given (one line naming
+    the flag and the way out), or None. The parameter servers do not take part in fp16's
+    inf/NaN check yet; a pipeline's micro-batches already accumulate within a step (raise
+    ``--micro-batches`` instead of ``--accumulate``)."""
+    if cfg.strategy in ("hybrid", "ps"):
+        if cfg.precision == "fp16":
+            return (f"--precision fp16 is not supported with --strategy {cfg.strategy} yet (the servers do not take "
+                    "part in the gradient scaler's inf/NaN check); use --precision bf16")
+    if cfg.strategy == "pipeline":
+        if cfg.accumulate > 1:
+            return ("--accumulate does not apply to --strategy pipeline: its micro-batches already accumulate "
+                    "within a step; raise --micro-batches and --batch-size instead")
+        if cfg.clip_grad_norm:
+            return "--clip-grad-norm is not supported with --strategy pipeline yet; drop the flag or use --strategy allreduce"
+        if cfg.eval and cfg.eval_every:
+            return ("--eval-every is not supported with --strategy pipeline yet (the stages' weights are gathered at the "
+                    "end); drop it: evaluate() runs before and after training")
+        if cfg.precision == "fp16":
+            return "--precision fp16 is not supported with --strategy pipeline yet; use --precision bf16"
+        if cfg.precision != "fp32" and cfg.schedule.startswith("torch-"):
+            return f"--precision {cfg.precision} is not supported with --schedule {cfg.schedule}; use hpar's own 1f1b or gpipe"
+    return None

@@ -36,6 +36,7 @@ class WorkerContext:
     pg_world_size: int = 1
     start_step: int = 0          # > 0 when resuming from a checkpoint
     host_of: tuple[int, ...] = ()
+    report_eval: Callable[[dict], None] = lambda metrics: None   # evaluate() results during training
 
     def is_remote(self, peer: int) -> bool:
         """Whether default-group rank ``peer`` runs on another host than this worker."""
@@ -119,7 +120,8 @@ class StepMeter:
     over the interval), ``samples_per_s`` (this process, over the interval), ``step_s``
     (mean seconds per step), ``bytes_sent``/``bytes_recv`` (mean bytes per step over the
     interval), ``bytes_sent_remote`` (the part of ``bytes_sent`` addressed to processes on
-    other hosts, when the runtime passes it), plus ``extra``'s keys. ``samples_per_step`` counts this process's samples
+    other hosts, when the runtime passes it), ``logged`` (the mean over the interval of the
+    script's ``log()`` metrics, when it has that hook), plus ``extra``'s keys. ``samples_per_step`` counts this process's samples
     (its data-parallel replica's, for a pipeline stage). Step times of the first ``warmup`` steps are excluded
     from :meth:`samples_per_s`.
     """
@@ -132,6 +134,7 @@ class StepMeter:
         self.recv: list[int] = []
         self.remote: list[float] = []
         self.ends: list[float] = []          # perf_counter() at the end of each step
+        self.logged: list[dict] = []
         self._t0 = time.perf_counter()
         self._first_start = None
 
@@ -141,12 +144,14 @@ class StepMeter:
             self._first_start = self._t0
 
     def end(self, loss: float, sent: int = 0, recv: int = 0, extra: dict | None = None,
-            sent_remote: float | None = None) -> None:
+            sent_remote: float | None = None, logged: dict | None = None) -> None:
         now = time.perf_counter()
         self.step_times.append(now - self._t0)
         self.ends.append(now)
         if self._first_start is None:
             self._first_start = self._t0
+        if logged:
+            self.logged.append(logged)
         self.losses.append(float(loss))
         self.sent.append(int(sent))
         self.recv.append(int(recv))
@@ -165,8 +170,10 @@ class StepMeter:
                 "bytes_sent": sum(self.sent[-k:]) / k,
                 "bytes_recv": sum(self.recv[-k:]) / k,
                 **({"bytes_sent_remote": sum(self.remote[-k:]) / k} if self.remote else {}),
+                **({"logged": _mean_dicts(self.logged)} if self.logged else {}),
                 **(extra or {}),
             })
+            self.logged = []
         self._t0 = time.perf_counter()
 
     def samples_per_s(self) -> float:
@@ -205,3 +212,9 @@ class StepMeter:
                            loss_last=self.losses[-1] if self.losses else float("nan"),
                            samples_per_s=self.samples_per_s() * replicas, step_times=list(self.step_times),
                            bytes_per_step=self.bytes_per_step(), extra={**self.interval_losses(), **(extra or {})})
+
+
+def _mean_dicts(dicts: list[dict]) -> dict:
+    """Key-wise mean of dicts of floats (a key counts only where present)."""
+    keys = {k for d in dicts for k in d}
+    return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in sorted(keys)}

@@ -6,7 +6,9 @@ A script is a plain Python file written for one device. It defines::
     data(rank: int, world_size: int, batch_size: int) -> Iterator[(inputs, targets)]
     loss(output, targets) -> scalar Tensor
     optimizer(params) -> torch.optim.Optimizer      # optional, default SGD(lr)
+    scheduler(optimizer) -> LRScheduler             # optional, stepped once per optimizer step
     evaluate(model) -> dict[str, float]             # optional
+    log(step, output, targets) -> dict[str, float]  # optional, extra per-step metrics
     HPAR = {"batch_size": 32, "steps": 200, "lr": 0.1}  # optional defaults
 
 Every problem is raised as :class:`JobError` (a ``ValueError``) whose message is one line
@@ -27,9 +29,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 REQUIRED = ("model", "data", "loss")
-OPTIONAL = ("optimizer", "evaluate")
+OPTIONAL = ("optimizer", "scheduler", "evaluate", "log")
 DEFAULT_KEYS = {"batch_size": int, "steps": int, "lr": float, "seed": int, "log_every": int,
-                "micro_batches": int, "checkpoint_every": int}
+                "micro_batches": int, "checkpoint_every": int, "precision": str, "clip_grad_norm": float,
+                "accumulate": int, "eval_every": int}
+ARITY = {"model": 0, "data": 3, "loss": 2, "optimizer": 1, "scheduler": 1, "evaluate": 1, "log": 3}
 
 
 class JobError(ValueError):
@@ -52,6 +56,8 @@ class Job:
     optimizer_fn: Callable[[Any], torch.optim.Optimizer] | None
     evaluate_fn: Callable[[torch.nn.Module], dict] | None
     defaults: dict = field(default_factory=dict)
+    scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None
+    log_fn: Callable[[int, Any, Any], dict] | None = None
 
     @property
     def name(self) -> str:
@@ -113,6 +119,26 @@ class Job:
             group["lr"] = lr
         return opt
 
+    def build_scheduler(self, opt: torch.optim.Optimizer):
+        """The user's ``scheduler(optimizer)`` (a ``torch.optim.lr_scheduler.LRScheduler``,
+        stepped once per optimizer step), or None when the script has none. Raises JobError."""
+        if self.scheduler_fn is None:
+            return None
+        sched = _call(self, "scheduler", opt)
+        if not isinstance(sched, torch.optim.lr_scheduler.LRScheduler):
+            raise JobError(f"{self.path}: scheduler() returned {type(sched).__name__}, expected a "
+                           "torch.optim.lr_scheduler.LRScheduler")
+        return sched
+
+    def run_log(self, step: int, output: Any, targets: Any) -> dict:
+        """``log(step, output, targets)`` as a dict of floats ({} when the script has none);
+        ``step`` is 1-based. Raises JobError for another return type."""
+        if self.log_fn is None:
+            return {}
+        with torch.no_grad():
+            result = _call(self, "log", step, output, targets)
+        return _float_dict(self, "log", result)
+
     def run_evaluate(self, model: torch.nn.Module) -> dict:
         """``evaluate(model)`` as a dict of floats ({} when the script has none)."""
         if self.evaluate_fn is None:
@@ -122,9 +148,16 @@ class Job:
         with torch.no_grad():
             result = _call(self, "evaluate", model)
         model.train(was_training)
-        if not isinstance(result, dict) or not all(isinstance(v, (int, float)) for v in result.values()):
-            raise JobError(f"{self.path}: evaluate() returned {type(result).__name__}, expected a dict of str to float")
-        return {str(k): float(v) for k, v in result.items()}
+        return _float_dict(self, "evaluate", result)
+
+
+def _float_dict(job: Job, name: str, result) -> dict:
+    """``result`` as {str: float} (0-d tensors accepted); JobError naming ``name()`` otherwise."""
+    ok = (int, float, torch.Tensor)
+    if not isinstance(result, dict) or not all(isinstance(v, ok) and not isinstance(v, bool) for v in result.values()) \
+            or any(isinstance(v, torch.Tensor) and v.numel() != 1 for v in result.values()):
+        raise JobError(f"{job.path}: {name}() returned {type(result).__name__}, expected a dict of str to float")
+    return {str(k): float(v) for k, v in result.items()}
 
 
 def _describe(exc: BaseException) -> str:
@@ -137,8 +170,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def _call(job: Job, name: str, *args):
-    fn = {"model": job.model_fn, "data": job.data_fn, "loss": job.loss_fn,
-          "optimizer": job.optimizer_fn, "evaluate": job.evaluate_fn}[name]
+    fn = {"model": job.model_fn, "data": job.data_fn, "loss": job.loss_fn, "optimizer": job.optimizer_fn,
+          "scheduler": job.scheduler_fn, "evaluate": job.evaluate_fn, "log": job.log_fn}[name]
     try:
         return fn(*args)
     except JobError:
@@ -179,7 +212,7 @@ def load_job(path: str) -> Job:
         raise JobError(f"{path}: importing the script raised {_describe(exc)}",
                        user_traceback=traceback.format_exc()) from exc
     fns = {}
-    arity = {"model": 0, "data": 3, "loss": 2, "optimizer": 1, "evaluate": 1}
+    arity = ARITY
     for name in REQUIRED + OPTIONAL:
         fn = getattr(module, name, None)
         if fn is None:
@@ -202,10 +235,15 @@ def load_job(path: str) -> Job:
     for key, value in defaults.items():
         if key not in DEFAULT_KEYS:
             raise JobError(f"{path}: HPAR has unknown key {key!r}; known keys: {', '.join(DEFAULT_KEYS)}")
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or (DEFAULT_KEYS[key] is int and not isinstance(value, int)):
+        want = DEFAULT_KEYS[key]
+        if want is str:
+            if not isinstance(value, str):
+                raise JobError(f"{path}: HPAR[{key!r}] is {value!r}, expected a string")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or (want is int and not isinstance(value, int)):
             raise JobError(f"{path}: HPAR[{key!r}] is {value!r}, expected {DEFAULT_KEYS[key].__name__}")
     return Job(path=path, model_fn=fns["model"], data_fn=fns["data"], loss_fn=fns["loss"],
-               optimizer_fn=fns["optimizer"], evaluate_fn=fns["evaluate"], defaults=dict(defaults))
+               optimizer_fn=fns["optimizer"], evaluate_fn=fns["evaluate"], defaults=dict(defaults),
+               scheduler_fn=fns["scheduler"], log_fn=fns["log"])
 
 
 def check_job(job: Job, batch_size: int) -> torch.nn.Module:
@@ -217,7 +255,7 @@ def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     inputs, targets = next(job.batches(0, 1, batch_size))
     output = call_user(job, "the model's forward", model, inputs)
     job.compute_loss(output, targets)
-    job.build_optimizer(model.parameters(), lr=0.01)
+    job.build_scheduler(job.build_optimizer(model.parameters(), lr=0.01))
     return model
 
 

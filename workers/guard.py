@@ -9,7 +9,9 @@ group, waits ``HPAR_GUARD_GRACE`` seconds (default 3) and sends SIGKILL. With
 ``HPAR_GUARD_HEARTBEAT=S`` (remote processes) S seconds without a byte on the pipe count as a
 closed pipe, so a host cut off from the launcher stops its processes too. Output is not copied:
 CMD inherits the guard's stdout and stderr. The guard exits with CMD's exit code, or 128+N when
-CMD died of signal N (printing an ``@hpar event`` line naming the signal first).
+CMD died of signal N (printing an ``@hpar event`` line naming the signal first). With
+``HPAR_GUARD_STATS=S`` (``hpar launch``, whose scripts report nothing) the guard prints a
+heartbeat with CMD's CPU, memory and GPU memory every S seconds.
 """
 from __future__ import annotations
 
@@ -44,6 +46,52 @@ def _kill_group(grace: float) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+def _report_stats(pid: int, every_s: float) -> None:
+    """Every ``every_s`` s an ``@hpar heartbeat`` line (workers/report.py) with the CPU percent
+    and resident memory of CMD and its children, and GPU memory where nvidia-smi lists them."""
+    import json
+    import psutil
+    try:
+        root = psutil.Process(pid)
+    except psutil.Error:
+        return
+    handles: dict[int, psutil.Process] = {}
+    while True:
+        time.sleep(every_s)
+        try:
+            procs = [root] + root.children(recursive=True)
+        except psutil.Error:
+            return
+        cpu = rss = 0.0
+        for p in procs:
+            handle = handles.setdefault(p.pid, p)  # cpu_percent measures since the previous call on a handle
+            try:
+                cpu += handle.cpu_percent(interval=None)
+                rss += handle.memory_info().rss
+            except psutil.Error:
+                continue
+        figures = {"time": time.time(), "cpu_percent": cpu, "rss_bytes": int(rss)}
+        gpu = _gpu_bytes({p.pid for p in procs})
+        if gpu is not None:
+            figures["gpu_bytes"] = gpu
+        print("@hpar heartbeat " + json.dumps(figures), flush=True)
+
+
+def _gpu_bytes(pids: set) -> int | None:
+    """GPU memory used by ``pids`` (nvidia-smi's compute apps), None without nvidia-smi."""
+    import shutil
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    used = [int(mib) * 2**20 for pid, _, mib in (line.partition(",") for line in out.splitlines())
+            if pid.strip().isdigit() and int(pid) in pids and mib.strip().isdigit()]
+    return sum(used)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m hpar.workers.guard CMD [ARGS...]", file=sys.stderr)
@@ -67,6 +115,9 @@ def main(argv: list[str]) -> int:
             _kill_group(grace)
 
     threading.Thread(target=watch_stdin, name="hpar-guard", daemon=True).start()
+    stats = float(os.environ.get("HPAR_GUARD_STATS", "0"))
+    if stats > 0:  # `hpar launch`: the script reports nothing itself, so the guard reports its figures
+        threading.Thread(target=_report_stats, args=(child.pid, stats), name="hpar-guard-stats", daemon=True).start()
     code = child.wait()
     if code < 0:
         print(f'@hpar event {{"kind":"signal","signal":{-code},"name":"{signal.Signals(-code).name}"}}', flush=True)

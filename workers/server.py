@@ -15,14 +15,17 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import ByteMeter, peer_is_remote
 from hpar.strategies.hybrid.runtime import make_groups
 from hpar.strategies.job import JobError, load_job
+from hpar.strategies.loop import clip_coefficient
 from hpar.strategies.hybrid.client import PSTable, ps_tables
 from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, Inbox, Request, nbytes, p2p, reply_tag
+from hpar.strategies.hybrid.schedule import ServerSchedule, group_index
 from hpar.strategies.hybrid.shard import ParamShard, table_view
 from hpar.workers import report
 from hpar.workers.worker import env_int, init_group, leave_group, run_entry
@@ -32,8 +35,10 @@ class Server:
     """Server ``index`` of ``num_servers``, holding its rows of every table."""
 
     def __init__(self, cfg: RunConfig, tables: list[PSTable], model: torch.nn.Module, index: int,
-                 num_workers: int, start_step: int = 0, host_of: tuple[int, ...] = (), pg_rank: int = 0):
+                 num_workers: int, start_step: int = 0, host_of: tuple[int, ...] = (), pg_rank: int = 0,
+                 schedule: ServerSchedule | None = None, group_of: dict[int, int] | None = None):
         self.cfg, self.tables, self.index, self.num_workers = cfg, {t.tid: t for t in tables}, index, num_workers
+        self.schedule, self.group_of = schedule, group_of or {}   # table id -> the user's param group
         params = dict(model.named_parameters())
         self.shards: dict[int, ParamShard] = {}
         for t in tables:
@@ -83,9 +88,34 @@ class Server:
     def _apply_table(self, tid: int) -> None:
         """Apply table ``tid``'s update of its current step (a no-op without pushes) and
         answer the pulls that waited for it."""
-        self.shards[tid].apply(self.num_workers)
+        shard = self.shards[tid]
+        spec = self.schedule.spec(self.group_of[tid], self.table_step[tid], shard.spec) if self.schedule else None
+        shard.apply(self.num_workers, spec)
         self.table_step[tid] += 1
         self.pushed[tid] = 0
+        self._answer_pending()
+
+    def _apply_clipped(self) -> None:
+        """``--clip-grad-norm``: the step's mean gradients of every open table, scaled by the
+        global clipping coefficient, applied. The global sum of squares is one AllReduce over
+        the default group: each server adds its shards' part, worker 0 the dense part
+        (strategies/hybrid/runtime.py makes the same call after its DONE)."""
+        open_tables = [tid for tid, at in self.table_step.items() if at == self.applied]
+        specs, grads = {}, {}
+        for tid in open_tables:
+            shard = self.shards[tid]
+            specs[tid] = self.schedule.spec(self.group_of[tid], self.applied, shard.spec) if self.schedule else None
+            grads[tid] = shard.mean_gradient(self.num_workers, specs[tid])
+        total = torch.tensor([sum(float(g[1].double().pow(2).sum()) for g in grads.values() if g is not None)],
+                             dtype=torch.float64)
+        dist.all_reduce(total)
+        coef = clip_coefficient(float(total), self.cfg.clip_grad_norm)
+        for tid in open_tables:
+            if grads[tid] is not None:
+                grads[tid][1].mul_(coef)
+            self.shards[tid].apply_gradient(grads[tid], specs[tid])
+            self.table_step[tid] += 1
+            self.pushed[tid] = 0
         self._answer_pending()
 
     def _apply_if_complete(self, tid: int) -> None:
@@ -93,7 +123,7 @@ class Server:
         (Pushes of a later step can already be complete with local aggregation, whose
         leader may push before its host's other worker's DONE arrives; they wait for the
         step to close, so a checkpoint never holds a table ahead of its step.)"""
-        if self.pushed[tid] == self.num_workers and self.table_step[tid] == self.applied:
+        if self.pushed[tid] == self.num_workers and self.table_step[tid] == self.applied and not self.cfg.clip_grad_norm:
             self._apply_table(tid)
 
     def _answer_pending(self) -> None:
@@ -108,6 +138,8 @@ class Server:
     def _close_step(self) -> None:
         """Every worker sent DONE for step ``applied``: apply the tables still open, report
         the step's bytes and checkpoint when due."""
+        if self.cfg.clip_grad_norm:
+            self._apply_clipped()
         for tid, at in self.table_step.items():
             if at == self.applied:
                 self._apply_table(tid)
@@ -191,7 +223,11 @@ def main() -> int:
     model = job.build_model()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
     tables = ps_tables(model, opt, cfg.strategy, cfg.plan, num_servers)
-    server = Server(cfg, tables, model, index, num_workers, host_of=host_of, pg_rank=pg_rank)
+    params = dict(model.named_parameters())
+    server = Server(cfg, tables, model, index, num_workers, host_of=host_of, pg_rank=pg_rank,
+                    schedule=ServerSchedule(job, opt),
+                    group_of={t.tid: group_index(opt, params[t.name]) for t in tables})
+    del params
     del model, opt
     step = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
     if step is not None:

@@ -100,7 +100,8 @@ def main() -> int:
         eval_first = job.run_evaluate(job.build_model().to(device))
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
                         device=device, report=lambda m: report.emit("metric", m),
-                        pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of)
+                        pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of,
+                        report_eval=lambda m: report.emit("eval", m))
     t0 = time.time()
     result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
     if rank == 0:

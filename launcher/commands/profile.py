@@ -42,7 +42,9 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops):
     """ClusterSpec from the flags (see the module docstring). Raises ValueError naming the flag."""
     from hpar.launcher.hosts.hostfile import parse_hosts
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency, probe_link
-    host_list = parse_hosts(hosts) if hosts else []
+    from hpar.launcher.hosts.slurm import allocation_hosts, in_allocation
+    # inside a Slurm allocation the hosts and their slots come from Slurm unless --hosts is given
+    host_list = parse_hosts(hosts) if hosts else (allocation_hosts() if in_allocation() else [])
     if device_tflops is not None and device_tflops <= 0:
         raise ValueError(f"--device-tflops must be positive, got {device_tflops}")
     flops = device_tflops * 1e12 if device_tflops is not None else None
@@ -130,7 +132,7 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
 
 @click.command()
 @click.argument("script", type=click.Path(dir_okay=False))
-@click.option("--gpus", type=int, default=None, help="Workers to plan for (default: every slot of --hosts, else 1).")
+@click.option("--gpus", type=int, default=None, help="Workers to plan for (default: every slot of --hosts or of the Slurm allocation, else 1).")
 @click.option("--hosts", default=None, help="Host file, inline 'a:2,b:2', or HxG (H hosts of G GPUs) for a projection.")
 @click.option("--servers", type=int, default=None, help="Parameter servers (default one per host).")
 @click.option("--bandwidth", default=None, help="Link bandwidth, e.g. 10Gbps, 25GB/s (default: measured on this machine).")
@@ -147,6 +149,9 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device_tflops, bat
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     try:
+        from hpar.launcher.commands.launch import not_profilable
+        if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
+            raise ValueError(not_profilable(script))
         job = load_job(script)
         bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))
         if bs < 1:

@@ -7,16 +7,20 @@ import os
 
 from rich.console import Console
 
-from hpar.launcher.hosts.hostfile import parse_hosts, place_workers
+from hpar.launcher.hosts.environ import describe as describe_env, parse_env_flags
+from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
+from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions, choose_device
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
+from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
 from hpar.strategies.pipeline.stage import check_pipeline
 
-FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0}
+FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
+             "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0}
 
 
 def read_plan(path: str) -> dict:
@@ -69,9 +73,18 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
-            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync):
-    """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts."""
+            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=()):
+    """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
+    ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
+    None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags."""
+    loop_flags = loop_flags or {}
     host_list = tuple(parse_hosts(hosts)) if hosts else ()
+    extra_env = parse_env_flags(env)
+    slurm = not host_list and in_allocation()
+    if slurm:  # launcher/hosts/slurm.py: hosts and slots from the allocation, processes by srun
+        host_list = tuple(allocation_hosts())
+        gpus = gpus if gpus is not None else total_slots(list(host_list))
+        console.print(f"hpar: {describe_allocation(list(host_list))}", markup=False)
     if max_restarts < 0 or stall_timeout < 0:
         raise ValueError("--max-restarts and --stall-timeout must not be negative")
     if resume_dir:
@@ -80,6 +93,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     else:
         if not script:
             raise ValueError("missing SCRIPT: `hpar run SCRIPT --gpus N` (or --resume RUN_DIR)")
+        from hpar.launcher.commands.launch import not_profilable
+        if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
+            raise ValueError(not_profilable(script))
         job = load_job(script)
         d = job.defaults
         gpus = gpus if gpus is not None else 1
@@ -115,7 +131,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             device=device, log_every=pick(log_every, "log_every"), servers=servers,
             schedule=schedule or plan.get("schedule") or "1f1b",
             micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
-            checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval)
+            checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
+            **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")})
+        check_precision(job, cfg, model)
         if cfg.strategy == "pipeline":
             check_pipeline(model, gpus, cfg.plan, cfg.micro_batches, bs)   # refuse a plan that cannot run, before any process
             stages = cfg.plan.get("stages") or []
@@ -125,10 +143,14 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     ssh_opts, master = None, "127.0.0.1"
-    if host_list and (ssh_local or any(not h.is_local for h in host_list)):
+    if slurm:
+        from hpar.launcher.hosts.preflight import resolve_master
+        master = resolve_master(place_workers(list(host_list), cfg.world_size))
+        console.print(f"hpar: {describe_env(extra_env)}", markup=False)
+    elif host_list and (ssh_local or any(not h.is_local for h in host_list)):
         from hpar.launcher.hosts.remote import prepare_remote
         ssh_opts, master = prepare_remote(console, host_list, cfg, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user,
-                                          ssh_local=ssh_local, python_path=python_path, sync=sync)
+                                          ssh_local=ssh_local, python_path=python_path, sync=sync, env=extra_env)
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, max_restarts=max_restarts,
-                         live=False if plain else None, sync=sync)
+                         live=False if plain else None, sync=sync, env=extra_env, slurm=slurm)
     return cfg, opts, master

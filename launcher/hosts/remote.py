@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from rich.console import Console
 
+from hpar.launcher.hosts.environ import describe
 from hpar.launcher.hosts.hostfile import Host, place_workers
 from hpar.launcher.hosts.preflight import preflight
 from hpar.launcher.procs.ssh import SSHOptions
@@ -26,16 +27,20 @@ def ssh_options(*, ssh_key=None, ssh_port=None, ssh_user=None, ssh_local=False, 
 
 
 def prepare_remote(console: Console, hosts: tuple[Host, ...], cfg, *, ssh_key=None, ssh_port=None, ssh_user=None,
-                   ssh_local=False, python_path=None, sync=False, master_port: int = 0) -> tuple[SSHOptions, str]:
+                   ssh_local=False, python_path=None, sync=False, master_port: int = 0,
+                   env: dict | None = None) -> tuple[SSHOptions, str]:
     """(SSHOptions carrying each host's interface, rendezvous address) for a run of ``cfg``
     over ``hosts``, after a passing preflight of the hosts that get workers. Prints the
-    preflight table and raises ValueError (one line naming every failed host) otherwise."""
+    preflight table (or summary) and the names of the variables forwarded to the hosts
+    (launcher/hosts/environ.py; ``env``: the ``--env`` values), and raises ValueError (one line naming every failed host) otherwise."""
     opts = ssh_options(ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
                        python_path=python_path)
     used = list(dict.fromkeys(place_workers(list(hosts), cfg.world_size)))
     report = preflight(used, cfg.script, opts, master_port, sync=sync)
     if not report.ok:
         console.print(report.table())
+        console.print(f"hpar: {describe(env)}", markup=False)
         raise ValueError(report.summary())
     console.print(f"hpar: {report.summary()}", markup=False)
+    console.print(f"hpar: {describe(env)}", markup=False)
     return replace(opts, ifnames=report.ifnames), report.master_addr

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import fabric
 import paramiko
 
+from hpar.launcher.hosts.environ import allowlisted
 from hpar.launcher.hosts.hostfile import Host
 from hpar.launcher.procs.local import LocalProcess, ProcessSpec
 
@@ -36,7 +37,6 @@ LOST_HOST = 255
 LINK_TIMEOUT_S = 3.0
 HEARTBEAT_S = 4.0  # the remote guard stops its group after this long without a heartbeat byte
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_PASS_THROUGH = ("PYTHONPATH",)
 # ``setsid -w`` for our purpose: run argv[1:] as the leader of a new session, wait, and exit
 # with its code, or 128+N when it died of signal N (``setsid -w`` itself returns N then).
 _SESSION = ("import os,sys\npid=os.fork()\nif pid==0:\n os.setsid()\n os.execvp(sys.argv[1],sys.argv[1:])\n"
@@ -124,12 +124,13 @@ def _keepalive(conn: fabric.Connection) -> None:
 def remote_command(spec: ProcessSpec, python: str | None = None, cwd: str | None = None) -> str:
     """The shell command that runs ``spec`` on a host: ``cd CWD && env K=V ... PY -c SETSID ARGV``,
     each piece shlex-quoted; ``python`` replaces the spec's interpreter (argv[0] and every
-    other occurrence of it). Raises ValueError for an environment name that is not an
+    other occurrence of it). The environment is the allowlisted part of the launcher's
+    (launcher/hosts/environ.py) under the spec's own variables. Raises ValueError for an environment name that is not an
     identifier."""
     argv = list(spec.argv)
     if python:
         argv = [python if a == spec.argv[0] else a for a in argv]
-    env = {k: os.environ[k] for k in _PASS_THROUGH if k in os.environ}
+    env = allowlisted()  # launcher/hosts/environ.py: the documented allowlist, never everything
     env.update(spec.env)
     for key in env:
         if not _ENV_KEY.match(key):

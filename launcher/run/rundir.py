@@ -9,6 +9,7 @@ Layout::
     RUN_DIR/summary.json       written once at the end (also after a failure)
     RUN_DIR/checkpoints/       see strategies/checkpoint.py
     RUN_DIR/model.pt           the trained model's state_dict (worker 0, at the end)
+    RUN_DIR/tensorboard/       TensorBoard event files, when tensorboard is installed
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import os
 from collections import deque
 
+from hpar.launcher.run.tensorboard import open_writer
 from hpar.strategies.checkpoint import atomic_write_bytes
 from hpar.strategies.config import RunConfig
 
@@ -35,6 +37,7 @@ class RunDir:
         self._logs: dict[str, object] = {}
         self._tails: dict[str, deque] = {}
         self._metrics = open(os.path.join(self.path, "metrics.jsonl"), "a", encoding="utf-8")
+        self._tensorboard = open_writer(self.path)
 
     @property
     def config_path(self) -> str:
@@ -61,11 +64,17 @@ class RunDir:
     def metric(self, record: dict) -> None:
         self._metrics.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._metrics.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.record(record)
 
     def write_summary(self, summary: dict) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.summary(summary)
         atomic_write_bytes(os.path.join(self.path, "summary.json"), json.dumps(summary, indent=2, sort_keys=True).encode())
 
     def close(self) -> None:
         for f in self._logs.values():
             f.close()
         self._metrics.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()

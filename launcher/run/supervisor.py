@@ -46,6 +46,15 @@ def describe_exit(code: int, signal_seen: int | None) -> str:
     return f"exit code {code}"
 
 
+def _start(p) -> Exception | None:
+    """Start ``p``; the exception instead of raising it."""
+    try:
+        p.start()
+    except Exception as exc:
+        return exc
+    return None
+
+
 class Supervisor:
     """Runs ``procs`` (objects with LocalProcess's methods) to completion or first failure."""
 
@@ -76,10 +85,12 @@ class Supervisor:
 
     def _run(self) -> Outcome:
         started = time.monotonic()
-        for p in self.procs:
-            try:
-                p.start()
-            except Exception as exc:  # e.g. SSH refused after preflight
+        # every start in parallel: a remote one is an SSH connection, whose cost must not add up
+        # over the hosts (launch at scale, BENCHMARKS.md)
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(self.procs)))) as pool:
+            errors = list(pool.map(_start, self.procs))
+        for p, exc in zip(self.procs, errors):
+            if exc is not None:  # e.g. SSH refused after preflight
                 self.progress.say(f"hpar: could not start {p.spec.label} on {p.spec.host}: {exc}")
                 return Outcome(EXIT_FAILED, p.spec.label, p.spec.host, f"could not start: {exc}")
             self._last_progress[id(p)] = started
@@ -157,6 +168,12 @@ class Supervisor:
             self.progress.update(spec.label, kind, payload)
             if kind == "metric":
                 self._last_progress[id(proc)] = time.monotonic()
+        elif kind == "eval":   # evaluate() during training (--eval-every), worker 0
+            self.rundir.metric({"kind": kind, "role": spec.role, "rank": spec.rank, "host": spec.host,
+                                "time": time.time(), **payload})
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in payload.items() if k != "step" and isinstance(v, (int, float)))
+            self.progress.say(f"hpar: evaluate at step {payload.get('step')}: {shown}")
+            self._last_progress[id(proc)] = time.monotonic()
         elif kind == "summary":
             self.summary = payload
         elif kind == "event":

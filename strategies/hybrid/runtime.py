@@ -30,6 +30,7 @@ and every worker's RNG state; ``server{i}`` parts hold the shards and their opti
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from hpar.strategies import checkpoint
 from hpar.strategies.hybrid import embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
+from hpar.strategies.loop import clip_coefficient, evaluate_during_training, step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
 
 
@@ -107,17 +109,18 @@ def _setup(ctx: WorkerContext):
     return model, tables, groups, client, clock, served, whole, dense, opt
 
 
-def _save(ctx: WorkerContext, step: int, model, opt, ps_names: set[str], groups: Groups) -> None:
+def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], groups: Groups) -> None:
     rng = [None] * ctx.world_size
     dist.all_gather_object(rng, torch.get_rng_state(), group=groups.workers)
     if ctx.rank == 0:
         dense = {k: v for k, v in model.state_dict().items() if k not in ps_names}
         checkpoint.save_part(ctx.cfg.run_dir, step, "worker0",
-                             {"model": dense, "optimizer": opt.state_dict() if opt else None, "rng": rng})
+                             {"model": dense, "optimizer": opt.state_dict() if opt else None, "rng": rng,
+                              "loop": tools.state_dict() if opt else None})
     checkpoint.commit(ctx.cfg.run_dir, step)
 
 
-def _resume(ctx: WorkerContext, model, opt) -> int:
+def _resume(ctx: WorkerContext, model, opt, tools) -> int:
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
         return 0
@@ -125,8 +128,38 @@ def _resume(ctx: WorkerContext, model, opt) -> int:
     model.load_state_dict(state["model"], strict=False)
     if opt is not None:
         opt.load_state_dict(state["optimizer"])
+        tools.load_state_dict(state.get("loop"))
     torch.set_rng_state(state["rng"][ctx.rank])
     return step
+
+
+def _clip_with_servers(ctx: WorkerContext, dense: list[torch.Tensor]) -> None:
+    """``--clip-grad-norm`` under hybrid/ps: one AllReduce over the default group (workers and
+    servers, after this worker's DONE) sums the squares of the whole averaged gradient (worker
+    0 adds the dense part, identical on every worker after DDP; each server its rows), then
+    the dense gradients are scaled by torch's clipping coefficient, as the servers do theirs."""
+    sq = sum(float(p.grad.double().pow(2).sum()) for p in dense if p.grad is not None) if ctx.rank == 0 else 0.0
+    total = torch.tensor([sq], dtype=torch.float64)
+    dist.all_reduce(total)
+    coef = clip_coefficient(float(total), ctx.cfg.clip_grad_norm)
+    for p in dense:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+
+
+def _model_copy(ctx: WorkerContext, model, client: PSClient, tables: list[PSTable], step: int) -> torch.nn.Module:
+    """Worker rank 0, for ``--eval-every``: a CPU copy of the model as of the start of
+    ``step``: the dense parameters and buffers from this worker, every PS-held row pulled
+    from the servers (its bytes are not counted as a training step's)."""
+    ps_names = {t.name for t in tables}
+    copy = ctx.job.build_model()
+    copy.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items() if k not in ps_names}, strict=False)
+    params = dict(copy.named_parameters())
+    for t in tables:
+        params[t.name].data.copy_(client.pull(t, None, step).reshape(params[t.name].shape))
+    client.bytes.take()
+    client.bytes.take_remote()
+    return copy
 
 
 def _gather_model(client: PSClient, tables: list[PSTable], served, whole, step: int) -> None:
@@ -144,7 +177,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     cfg, job = ctx.cfg, ctx.job
     model, tables, groups, client, clock, served, whole, dense, opt = _setup(ctx)
     ps_names = {t.name for t in tables}
-    ctx.start_step = _resume(ctx, model, opt)
+    tools = step_tools(cfg, job, opt, ctx.device)   # the servers replay the same schedule (hybrid/schedule.py)
+    ctx.start_step = _resume(ctx, model, opt, tools)
     local = LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, client.bytes) if groups.host else None
     net = model
     if dense:
@@ -154,51 +188,69 @@ def train(ctx: WorkerContext) -> TrainResult:
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         net.register_comm_hook((client.bytes, ctx.world_size, groups.workers, ring_remote), group_allreduce_hook)
     batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
-    for _ in range(ctx.start_step):  # same batches as an uninterrupted run
+    for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
         next(batches)
     meter, totals, steps_done = StepMeter(ctx, 0), {}, 0
     pending = []   # this step's sends to the servers
+    # Under --accumulate A, every micro-step pushes its rows, but only the last one counts its
+    # worker(s): the servers sum the pushes and apply the step once every worker's last is in.
+    counts = [1]
 
     def push(item) -> None:
         grads = item.gradients()
         if grads is not None:
-            pending.extend(client.push(item.table, grads[0], grads[1], clock.step))
+            pending.extend(client.push(item.table, grads[0], grads[1], clock.step, count=counts[0]))
     # without local aggregation (a collective), tables are pushed from inside backward
     clock.on_gradients = push if local is None else None
     for step in range(ctx.start_step, cfg.steps):
-        inputs, targets = next(batches)
-        meter.samples_per_step = batch_samples(inputs)
         meter.start()
         clock.step = step
-        inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
-        clock.leaves = embedding.batch_leaves(inputs)
-        embedding.prefetch(served, client, clock)
         for t, p in whole:
             p.data.copy_(client.pull(t, None, step).reshape(p.shape))
             p.grad = None
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-        loss = job.compute_loss(net(inputs), targets)
-        loss.backward()
+        step_loss, samples, push_s = 0.0, 0, 0.0
+        for micro in range(cfg.accumulate):
+            final = micro == cfg.accumulate - 1
+            counts[0] = 1 if final else 0
+            inputs, targets = next(batches)
+            samples += batch_samples(inputs)
+            inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
+            clock.leaves = embedding.batch_leaves(inputs)
+            embedding.prefetch(served, client, clock)
+            with (contextlib.nullcontext() if final or net is model else net.no_sync()):
+                with tools.autocast():
+                    output = net(inputs)
+                    loss = job.compute_loss(output, targets) / cfg.accumulate
+                loss.backward()
+            step_loss += loss.item()
+            t_push = time.perf_counter()
+            for item in served:
+                if local is not None:
+                    grads = local.reduce(item.table, item.gradients())
+                    if grads is not None:
+                        pending.extend(client.push(item.table, grads[0], grads[1], step,
+                                                   count=len(local.ranks) * counts[0]))
+                elif not item.pushed:
+                    push(item)
+                item.clear()
+            push_s += time.perf_counter() - t_push
+        meter.samples_per_step = samples
         t_push = time.perf_counter()
-        for item in served:
-            if local is not None:
-                grads = local.reduce(item.table, item.gradients())
-                if grads is not None:
-                    pending.extend(client.push(item.table, grads[0], grads[1], step, count=len(local.ranks)))
-            elif not item.pushed:
-                push(item)
-            item.clear()
         for t, p in whole:
             if p.grad is not None:
                 pending += client.push(t, None, p.grad.detach().to("cpu").reshape(t.rows, t.dim), step)
         pending += client.done(step)
+        if cfg.clip_grad_norm:   # the global norm spans the servers' rows: see workers/server.py
+            _clip_with_servers(ctx, dense)
+        lr = tools.lr(opt) if opt is not None else None
         if opt is not None:  # the dense update runs while the pushes are on the wire
-            opt.step()
+            tools.step(opt, lambda: dense, clip=False)
         for work in pending:
             work.wait()
         pending.clear()
-        push_s = time.perf_counter() - t_push
+        push_s += time.perf_counter() - t_push
         remote = client.bytes.take_remote()
         by_name = client.bytes.take()     # the PS tables' bytes and, under DENSE, the AllReduce's
         for k, (s, r) in by_name.items():
@@ -208,11 +260,15 @@ def train(ctx: WorkerContext) -> TrainResult:
         steps_done += 1
         sent = sum(s for s, _ in by_name.values())
         recv = sum(r for _, r in by_name.values())
-        meter.end(loss.item(), sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s},
-                  sent_remote=remote)
+        logged = job.run_log(step + 1, output, targets) if ctx.rank == 0 else {}
+        meter.end(step_loss, sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s,
+                                                  **({"lr": lr} if lr is not None else {})},
+                  sent_remote=remote, logged=logged)
         client.pull_s = 0.0
+        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(ctx, model, client, tables, step + 1),
+                                 ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            _save(ctx, step + 1, model, opt, ps_names, groups)
+            _save(ctx, step + 1, model, opt, tools, ps_names, groups)
     if ctx.rank == 0:
         _gather_model(client, tables, served, whole, cfg.steps)
         client.bytes.take()  # the final gather is not a training step

@@ -174,17 +174,35 @@ class ParamShard:
             self._ids.append(local_ids)
             self._grads.append(grad.reshape(local_ids.numel(), -1))
 
-    def apply(self, num_workers: int) -> None:
-        """Apply this step's update with the mean gradient over ``num_workers``; clears the
-        accumulated pushes. Does nothing when no worker pushed this step."""
-        if not self._pushed:
+    def apply(self, num_workers: int, spec: OptimizerSpec | None = None) -> None:
+        """Apply this step's update with the mean gradient over ``num_workers`` under
+        ``spec`` (this step's hyperparameters under an LR schedule; None: the shard's own);
+        clears the accumulated pushes. Does nothing when no worker pushed this step."""
+        spec = spec or self.spec
+        self.apply_gradient(self.mean_gradient(num_workers, spec), spec)
+
+    def apply_gradient(self, gradient: tuple[torch.Tensor | None, torch.Tensor] | None,
+                       spec: OptimizerSpec | None = None) -> None:
+        """Apply ``gradient`` (from :meth:`mean_gradient`, possibly scaled by a clipping
+        coefficient) under ``spec``; None (no push this step) leaves the shard alone."""
+        if gradient is None:
             return
-        self._pushed = False
         self.step += 1
+        self._update(gradient[0], gradient[1], spec or self.spec)
+
+    def mean_gradient(self, num_workers: int, spec: OptimizerSpec | None = None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """This step's gradient, the pushes summed and divided by ``num_workers``: ``(local
+        rows (k,), (k, dim))`` when touched rows suffice for ``spec``'s update, else ``(None,
+        (local_rows, dim))`` for every row; None when no worker pushed. Clears the pushes."""
+        spec = spec or self.spec
+        if not self._pushed:
+            return None
+        self._pushed = False
         ids_list, grads_list = self._ids, self._grads
         self._ids, self._grads = [], []
         dim = self.weight.shape[1]
-        if self.spec.touched_rows_suffice():
+        if spec.touched_rows_suffice():
             ids = torch.cat(ids_list) if ids_list else torch.empty(0, dtype=torch.int64)
             rows, inverse = torch.unique(ids, return_inverse=True)
             g = self.weight.new_zeros(rows.numel(), dim)
@@ -198,18 +216,17 @@ class ParamShard:
             for ids, grads in zip(ids_list, grads_list):
                 g.index_add_(0, ids, grads)
         g.div_(num_workers)
-        self._update(rows, g)
+        return rows, g
 
     def _state(self, key: str, fill: float = 0.0) -> torch.Tensor:
         if key not in self.state:
             self.state[key] = torch.full_like(self.weight, fill)
         return self.state[key]
 
-    def _update(self, rows: torch.Tensor | None, g: torch.Tensor) -> None:
+    def _update(self, rows: torch.Tensor | None, g: torch.Tensor, s: OptimizerSpec) -> None:
         """Run torch.optim's functional update (the code ``SGD``/``Adagrad``/``Adam(W).step``
         runs; fused kernels where torch has them) on ``rows`` (None: every row) with
-        gradient ``g``, then write the rows and their state back."""
-        s = self.spec
+        gradient ``g`` under ``s``, then write the rows and their state back."""
         p = self.weight if rows is None else self.weight.index_select(0, rows)
         picked: dict[str, torch.Tensor] = {}
 

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.loop import step_tools
 from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops
 from hpar.strategies.pipeline.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
@@ -91,6 +92,11 @@ def train(ctx: WorkerContext) -> TrainResult:
         if stage.optimizer is not None:
             stage.optimizer.load_state_dict(state["optimizer"])
     ctx.start_step = start or 0
+    # the script's schedule steps with every optimizer step of this stage: once per batch in
+    # the synchronous schedules, once per micro-batch update in the asynchronous ones
+    tools = step_tools(cfg, job, stage.optimizer, ctx.device) if stage.optimizer is not None else None
+    if start and tools is not None:
+        tools.load_state_dict(state.get("loop"))
     links = Links(ctx.rank, K, ctx.device, ctx.is_remote)
     batches = job.batches(0, 1, cfg.batch_size) if (stage.is_first or stage.is_last) else None
     for s in range(ctx.start_step):   # the same batches as an uninterrupted run
@@ -116,7 +122,8 @@ def train(ctx: WorkerContext) -> TrainResult:
                 feed(j // M)
             x = inputs.pop(j) if stage.is_first else links.recv_activation()
             t0 = time.perf_counter()
-            out = stage.forward(op, x, targets.pop(j) if stage.is_last else None)
+            with autocast:
+                out = stage.forward(op, x, targets.pop(j) if stage.is_last else None)
             compute[0] += time.perf_counter() - t0
             if stage.is_last:
                 step_losses.setdefault(j // M, []).append(out)
@@ -127,15 +134,20 @@ def train(ctx: WorkerContext) -> TrainResult:
             t0 = time.perf_counter()
             grad_in = stage.backward(op, g)
             if not sync:
-                stage.update()
+                update()
             compute[0] += time.perf_counter() - t0
             if not stage.is_first:
                 links.send_gradient(grad_in)
 
+    def update() -> None:
+        stage.update()
+        if tools is not None and tools.scheduler is not None:
+            tools.scheduler.step()
+
     def end_step(step: int) -> None:
         if sync:
             t0 = time.perf_counter()
-            stage.update()
+            update()
             compute[0] += time.perf_counter() - t0
         links.wait_sends(keep=4 * K + 8)
         loss = float("nan")
@@ -153,10 +165,12 @@ def train(ctx: WorkerContext) -> TrainResult:
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             checkpoint.save_part(cfg.run_dir, step + 1, part, {
                 "model": stage.module.state_dict(),
-                "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None})
+                "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None,
+                "loop": tools.state_dict() if tools is not None else None})
             checkpoint.commit(cfg.run_dir, step + 1)
 
     sync = is_synchronous(cfg.schedule)
+    autocast = step_tools(cfg, job, None, ctx.device).autocast()
     meter.start()
     if sync:
         ops = stage_ops(cfg.schedule, K, ctx.rank, M)

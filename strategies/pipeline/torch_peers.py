@@ -68,6 +68,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     module = stage_module(model, *ranges[k]).to(ctx.device)
     params = list(module.parameters())
     opt = job.build_optimizer(params, cfg.lr) if params else None
+    sched = job.build_scheduler(opt) if opt is not None else None
     io = _ActivationBytes(module)
     stage = PipelineStage(module, k, K, ctx.device)
     schedule_cls = ScheduleGPipe if cfg.schedule == "torch-gpipe" else Schedule1F1B
@@ -98,6 +99,8 @@ def train(ctx: WorkerContext) -> TrainResult:
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
         step_s.append(time.perf_counter() - t0)
         loss = float("nan")
         if last:

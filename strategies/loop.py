@@ -1,0 +1,145 @@
+"""The parts of a training step that every runtime shares: mixed precision, the gradient
+scaler, global-norm clipping, the learning-rate schedule, evaluation during training and the
+script's own per-step metrics.
+
+One optimizer step of a data-parallel worker under ``--accumulate A``::
+
+    for each of A micro-steps:                   # DDP's no_sync() on all but the last
+        with tools.autocast():                   # bf16 / fp16 forward (and backward)
+            loss = loss(model(inputs), targets) / A
+        tools.backward(loss)                     # GradScaler.scale(loss).backward() for fp16
+    tools.step(opt, params)                      # unscale, clip, step (skipped on inf/NaN), schedule
+
+Dividing each micro-step's mean loss by A makes the accumulated gradient the gradient of the
+mean loss over the A batches, so N workers x A micro-steps equal one process on the
+concatenation of all N*A batches (DDP averages over the N workers).
+
+Sources: torch.autocast and torch.amp.GradScaler (PyTorch's "Automatic Mixed Precision"
+recipe: unscale before clipping, ``scaler.step`` skips the step when any gradient is inf/NaN);
+``torch.nn.utils.clip_grad_norm_`` (the global 2-norm over all gradients, as on one process).
+Master weights and optimizer state stay in fp32: autocast only changes the dtype of the
+operations' outputs inside the forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from hpar.strategies.config import RunConfig
+from hpar.strategies.job import Job, JobError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepTools:
+    """The configured precision, scaler, clipping and schedule of one worker's optimizer.
+
+    ``scheduler`` is the script's ``scheduler(optimizer)`` result or None. ``scaler`` is a
+    ``torch.amp.GradScaler`` that is enabled only for ``--precision fp16``."""
+
+    cfg: RunConfig
+    device: torch.device
+    scaler: torch.amp.GradScaler
+    scheduler: Any
+    last_norm: float | None = None     # total gradient norm before clipping, when clipping
+
+    def autocast(self):
+        """Context for forward passes: ``torch.autocast`` on the worker's device type with
+        the run's dtype, or nothing for fp32."""
+        if self.cfg.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.precision])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled by the GradScaler under fp16."""
+        self.scaler.scale(loss).backward()
+
+    def step(self, opt: torch.optim.Optimizer, params: Callable[[], list[torch.Tensor]], clip: bool = True) -> bool:
+        """Unscale, clip by the global norm of ``params()``' gradients (``--clip-grad-norm``;
+        ``clip=False`` when the caller clipped by a norm that spans other processes), step the
+        optimizer (the scaler skips it when a gradient is inf/NaN), update the scale and step
+        the schedule. Returns whether the optimizer stepped."""
+        if self.cfg.clip_grad_norm and clip:
+            self.scaler.unscale_(opt)
+            self.last_norm = float(torch.nn.utils.clip_grad_norm_(params(), self.cfg.clip_grad_norm))
+        before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self.scaler.step(opt)
+        self.scaler.update()
+        stepped = before is None or self.scaler.get_scale() >= before
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return stepped
+
+    def lr(self, opt: torch.optim.Optimizer) -> float:
+        """The learning rate of the optimizer's first parameter group (what the next step uses)."""
+        return float(opt.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict:
+        """Scaler and schedule state, for checkpoints."""
+        return {"scaler": self.scaler.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if not state:
+            return
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
+def step_tools(cfg: RunConfig, job: Job, opt: torch.optim.Optimizer | None, device: torch.device) -> StepTools:
+    """StepTools for ``opt``: the script's schedule on it (none when ``opt`` is None, e.g. a
+    worker whose every parameter is on the servers), a GradScaler for fp16 on ``device``'s
+    type. Raises JobError when ``scheduler()`` fails or returns something else."""
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    return StepTools(cfg, device, scaler, job.build_scheduler(opt) if opt is not None else None)
+
+
+def evaluate_now(cfg: RunConfig, step: int) -> bool:
+    """Whether ``evaluate`` runs after optimizer step ``step`` (1-based) during training:
+    every ``--eval-every`` steps, except the last (the worker evaluates the final model)."""
+    return bool(cfg.eval and cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
+
+
+def evaluate_during_training(job: Job, cfg: RunConfig, rank: int, step: int,
+                             model: Callable[[], torch.nn.Module], report_eval: Callable[[dict], None]) -> dict:
+    """Run ``evaluate(model())`` on worker rank 0 after step ``step`` when ``--eval-every``
+    asks for it and report ``{"step": step, **metrics}``; the other ranks go on and meet rank 0
+    at the next collective (evaluate must finish within the process group's timeout, 300 s by
+    default, HPAR_PG_TIMEOUT). Runs under a forked RNG, so evaluating does not change the
+    random numbers training draws next. Returns the metrics ({} when nothing ran)."""
+    if rank != 0 or not evaluate_now(cfg, step):
+        return {}
+    with torch.random.fork_rng(devices=[]):
+        metrics = job.run_evaluate(model())
+    report_eval({"step": step, **metrics})
+    return metrics
+
+
+def check_precision(job: Job, cfg: RunConfig, model: torch.nn.Module) -> None:
+    """Dry run of one forward pass and the loss under the run's autocast on the CPU, before any
+    process starts (only for CPU runs: a CUDA worker's kernels differ). Raises JobError naming
+    ``--precision`` when the script's model cannot run at that precision here."""
+    if cfg.precision == "fp32" or cfg.device != "cpu":
+        return
+    inputs, targets = next(job.batches(0, 1, cfg.batch_size))
+    try:
+        with torch.autocast("cpu", dtype=DTYPES[cfg.precision]):
+            job.compute_loss(model(inputs), targets)
+    except Exception as exc:
+        raise JobError(f"{job.path}: the forward pass fails under --precision {cfg.precision} on CPU "
+                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                       "use --precision fp32, or keep that layer in fp32 with torch.autocast(..., enabled=False)") from exc
+
+
+def clip_coefficient(total_sq: float, max_norm: float) -> float:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` scales every gradient by, from the sum of
+    squares of all gradients: ``min(1, max_norm / (sqrt(total_sq) + 1e-6))``. For norms that
+    span processes (parameter servers, pipeline stages), whose parts are summed first."""
+    return min(1.0, max_norm / (math.sqrt(total_sq) + 1e-6))
