@@ -99,12 +99,8 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
     from hpar.launcher.run.runner import launch
     outcome = launch(cfg, opts, console, master)
     if outcome.exit_code == 0 and outcome.summary:
-        s = outcome.summary
-        num = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"   # None: not measured
-        ev = ", ".join(f"{k} {num((s.get('eval_first') or {}).get(k), '.4g')} -> {num(v, '.4g')}"
-                       for k, v in (s.get("eval_last") or {}).items())
-        console.print(f"hpar: done: {num(s.get('samples_per_s'), '.1f')} samples/s, loss {num(s.get('loss_first'), '.4f')} -> "
-                      f"{num(s.get('loss_last'), '.4f')}{'; ' + ev if ev else ''}; run dir {cfg.run_dir}", markup=False)
+        from hpar.launcher.run.progress import final_line
+        console.print(final_line(outcome.summary, cfg.run_dir), markup=False)
     sys.exit(outcome.exit_code)
 
 

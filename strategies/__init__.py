@@ -5,8 +5,10 @@
 
 Shared by every runtime: ``job`` (the user-script contract), ``config`` (the resolved run
 configuration), ``context`` (what a runtime gets and returns, the step and byte meters),
-``checkpoint`` (crash-safe files), ``groups`` (which process group, gloo or NCCL, carries
-what), ``devices`` (what moves between host and device, CUDA-event timing),
-``sparse_allgather`` (Horovod's padded AllGather of sparse gradients, for NCCL) and
-``allreduce`` (the DDP runtime, whose helpers hybrid reuses for its dense part). Nothing here imports ``hpar.launcher`` or ``hpar.workers``.
+``checkpoint`` (crash-safe files), ``layers`` (the one definition of the model's layers),
+``tying`` (shared parameters, which embedding tables are row-sparse), ``groups`` (which
+process group, gloo or NCCL, carries what), ``devices`` (what moves between host and device,
+CUDA-event timing), ``sparse_allgather`` (Horovod's padded AllGather of sparse gradients, for
+NCCL) and ``allreduce`` (the DDP runtime, whose helpers hybrid reuses for its dense part).
+Nothing here imports ``hpar.launcher`` or ``hpar.workers``.
 """

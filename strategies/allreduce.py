@@ -27,6 +27,7 @@ from hpar.strategies import checkpoint
 from hpar.strategies.devices import cpu_copy
 from hpar.strategies.groups import mean_over_workers, worker_groups
 from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
+from hpar.strategies.tying import embedding_tables
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.loop import StepTools, evaluate_during_training, step_tools
 
@@ -69,12 +70,16 @@ def counting_allreduce_hook(state, bucket):
 
 
 def set_sparse_gradients(model: torch.nn.Module, sparse: bool) -> list[str]:
-    """Set ``sparse=`` on every nn.Embedding/nn.EmbeddingBag; returns their weight names."""
+    """Set ``sparse=`` on every nn.Embedding/nn.EmbeddingBag whose weight is row-sparse
+    (``tying.embedding_tables``: a weight tied to a dense user, such as a tied output
+    projection, keeps dense gradients); returns the names of those weights."""
+    tables = {id(m) for _, m in embedding_tables(model)}
     names = []
     for name, module in model.named_modules():
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
-            module.sparse = sparse
-            names.append(f"{name}.weight" if name else "weight")
+            module.sparse = sparse and id(module) in tables
+            if id(module) in tables:
+                names.append(f"{name}.weight" if name else "weight")
     return names
 
 
@@ -119,7 +124,9 @@ def train(ctx: WorkerContext) -> TrainResult:
     ctx.start_step = resume_state(ctx, model, opt, tools)
     counter = ByteMeter()
     groups = worker_groups(ctx.world_size, cfg.device)
-    ddp = DDP(model, process_group=groups.dense, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    # find_unused_parameters: a model may skip a branch (and its parameters) in some steps
+    ddp = DDP(model, process_group=groups.dense, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+              find_unused_parameters=True)
     ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
     padded = sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
     ddp.register_comm_hook((counter, ctx.world_size, groups.dense, ring_remote),

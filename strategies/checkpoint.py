@@ -10,6 +10,10 @@ import tempfile
 import torch
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)   # read once at import: the process's umask, for files made by mkstemp
+
+
 def _atomic_write(path: str, write) -> None:
     """Call ``write(binary file)`` on a temp file beside ``path``, fsync it, and rename it over
     ``path``; on any failure the temp file is removed and ``path`` is left as it was."""
@@ -17,6 +21,7 @@ def _atomic_write(path: str, write) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)   # as open() would create it (mkstemp makes 0600): same as the logs beside it
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -7,7 +7,6 @@ interval, see :class:`StepMeter`) and returns the trained model on worker rank 0
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -136,15 +135,23 @@ class StepMeter:
         self.sent: list[int] = []
         self.recv: list[int] = []
         self.remote: list[float] = []
+        self.ends: list[float] = []          # perf_counter() at the end of each step
         self.logged: list[dict] = []
         self._t0 = time.perf_counter()
+        self._first_start = None
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
+        if self._first_start is None:
+            self._first_start = self._t0
 
     def end(self, loss: float, sent: int = 0, recv: int = 0, extra: dict | None = None,
             sent_remote: float | None = None, logged: dict | None = None) -> None:
-        self.step_times.append(time.perf_counter() - self._t0)
+        now = time.perf_counter()
+        self.step_times.append(now - self._t0)
+        self.ends.append(now)
+        if self._first_start is None:
+            self._first_start = self._t0
         if logged:
             self.logged.append(logged)
         self.losses.append(float(loss))
@@ -179,10 +186,28 @@ class StepMeter:
         self._t0 = time.perf_counter()
 
     def samples_per_s(self) -> float:
-        """This process's samples/s, from the median step time after warm-up."""
-        times = self.step_times[self.warmup:] or self.step_times
-        med = statistics.median(times) if times else 0.0
-        return self.samples_per_step / med if med > 0 else 0.0
+        """This process's samples/s over the measured window: samples of the steps after the
+        first ``warmup`` ones divided by the wall-clock seconds from the end of the last
+        warm-up step to the end of the last step (everything in between counts: data
+        loading, waiting for peers, logging). With ``warmup`` or fewer steps the window
+        starts at the first step."""
+        if not self.ends:
+            return 0.0
+        w = self.warmup if len(self.ends) > self.warmup else 0
+        t_from = self.ends[w - 1] if w else (self._first_start or self.ends[0] - self.step_times[0])
+        span = self.ends[-1] - t_from
+        return self.samples_per_step * (len(self.ends) - w) / span if span > 0 else 0.0
+
+    def interval_losses(self) -> dict:
+        """Mean loss of the first and of the last logging interval (as the progress lines
+        average them) and the interval length: ``loss_first_mean``, ``loss_last_mean``,
+        ``loss_mean_steps``. NaN losses (a pipeline stage without the loss) stay NaN."""
+        n, every = len(self.losses), max(1, self.ctx.cfg.log_every)
+        if not n:
+            return {}
+        k_first, k_last = min(every, n), (n % every or every) if n >= every else n
+        return {"loss_first_mean": sum(self.losses[:k_first]) / k_first,
+                "loss_last_mean": sum(self.losses[-k_last:]) / k_last, "loss_mean_steps": [k_first, k_last]}
 
     def bytes_per_step(self) -> dict:
         n = max(len(self.sent), 1)
@@ -195,7 +220,7 @@ class StepMeter:
                            loss_first=self.losses[0] if self.losses else float("nan"),
                            loss_last=self.losses[-1] if self.losses else float("nan"),
                            samples_per_s=self.samples_per_s() * replicas, step_times=list(self.step_times),
-                           bytes_per_step=self.bytes_per_step(), extra=extra or {})
+                           bytes_per_step=self.bytes_per_step(), extra={**self.interval_losses(), **(extra or {})})
 
 
 def _mean_dicts(dicts: list[dict]) -> dict:

@@ -1,4 +1,4 @@
-"""Load and check a user's training script (the user-script contract of DESIGN.md).
+"""Load and check a user's training script (the contract in README.md, "Your script").
 
 A script is a plain Python file written for one device. It defines::
 
@@ -151,7 +151,8 @@ def _float_dict(job: Job, name: str, result) -> dict:
 
 def _user_items(job: Job, it):
     """Items of the user's ``data()`` iterator; an exception raised while producing one (the
-    generator's body runs only now) is a JobError naming data(), with the user's traceback."""
+    generator's body runs only now) is a JobError naming the file, line and function of the
+    user's code where it was raised, with the user's traceback."""
     while True:
         try:
             item = next(it)
@@ -160,9 +161,21 @@ def _user_items(job: Job, it):
         except JobError:
             raise
         except Exception as exc:
-            raise JobError(f"{job.path}: data() raised {type(exc).__name__} while producing a batch: {exc}",
-                           user_traceback=traceback.format_exc()) from exc
+            frame = _user_frame(job, exc.__traceback__)
+            where = f"{job.path}:{frame.lineno}: {frame.name}()" if frame else f"{job.path}: data()"
+            inside = "" if frame is None or frame.name == "data" else " in data()"
+            raise JobError(f"{where} raised {type(exc).__name__} while producing a batch{inside}: "
+                           f"{_describe(exc).split(': ', 1)[-1]}", user_traceback=_user_traceback(job, exc)) from exc
         yield item
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` on one line, with the fix for a package the script needs but lacks."""
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        text += (f" (install the package that provides {exc.name!r}; for hpar's own examples: "
+                 "pip install -e '.[examples]')")
+    return text
 
 
 def _call(job: Job, name: str, *args):
@@ -173,7 +186,7 @@ def _call(job: Job, name: str, *args):
     except JobError:
         raise
     except Exception as exc:  # the user's own code failed: keep their traceback
-        raise JobError(f"{job.path}: {name}() raised {type(exc).__name__}: {exc}",
+        raise JobError(f"{job.path}: {name}() raised {_describe(exc)}",
                        user_traceback=traceback.format_exc()) from exc
 
 
@@ -209,7 +222,7 @@ def load_job(path: str) -> Job:
                        "code that runs it with `if __name__ == \"__main__\":`",
                        user_traceback=traceback.format_exc()) from None
     except Exception as exc:
-        raise JobError(f"{path}: importing the script raised {type(exc).__name__}: {exc}",
+        raise JobError(f"{path}: importing the script raised {_describe(exc)}",
                        user_traceback=traceback.format_exc()) from exc
     fns = {}
     arity = ARITY
@@ -253,7 +266,38 @@ def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     torch.manual_seed(0)
     model = job.build_model()
     inputs, targets = next(job.batches(0, 1, batch_size))
-    output = model(inputs)
+    output = call_user(job, "the model's forward", model, inputs)
     job.compute_loss(output, targets)
     job.build_scheduler(job.build_optimizer(model.parameters(), lr=0.01))
     return model
+
+
+def _user_frame(job: Job, tb) -> traceback.FrameSummary | None:
+    """The innermost frame of ``tb`` in the user's script (None if none is)."""
+    frames = [f for f in traceback.extract_tb(tb) if os.path.abspath(f.filename) == job.path]
+    return frames[-1] if frames else None
+
+
+def _user_traceback(job: Job, exc: BaseException) -> str:
+    """The traceback of ``exc`` from the first frame in the user's script on (hpar's and
+    torch's calling frames above it dropped; all of it when the script is not on the stack)."""
+    te = traceback.TracebackException.from_exception(exc)
+    first = next((i for i, f in enumerate(te.stack) if os.path.abspath(f.filename) == job.path), 0)
+    te.stack = traceback.StackSummary.from_list(list(te.stack)[first:])
+    return "".join(te.format())
+
+
+def call_user(job: Job, what: str, fn: Callable, *args):
+    """``fn(*args)`` where ``fn`` runs the user's code (their model's forward, a backward
+    through their layers). An exception becomes a JobError whose one line names the file,
+    line and function of the user's code where it was raised (``what`` when no frame of the
+    script is on the stack), with the user's traceback kept in ``user_traceback``."""
+    try:
+        return fn(*args)
+    except JobError:
+        raise
+    except Exception as exc:
+        frame = _user_frame(job, exc.__traceback__)
+        where = (f"{job.path}:{frame.lineno}: {frame.name}() raised" if frame
+                 else f"{job.path}: {what} raised")
+        raise JobError(f"{where} {_describe(exc)}", user_traceback=_user_traceback(job, exc)) from exc

@@ -199,3 +199,16 @@ def test_hybrid_and_ps_entries_run_the_planners_plan(tmp_path):
     assert hybrid["placement"]["emb.weight"] == "ps" and hybrid["placement"]["out.weight"] == "allreduce"
     cmd = run_command(script, "hybrid", cfg, 4, str(tmp_path / "run"), plan.plan_files["hybrid"])
     assert cmd[cmd.index("--plan") + 1] == plan.plan_files["hybrid"] and "--micro-batches" not in cmd
+
+
+def test_verdict_says_faster_only_beyond_the_spread_and_never_for_a_ran_as_row():
+    from hpar.launcher.bench.verdict import steps_warning, verdict
+    ar = Result("a.py", "allreduce", samples_per_s=100.0, step_s_p50=0.10, step_s_p90=0.12)
+    hy = Result("a.py", "hybrid", samples_per_s=110.0, step_s_p50=0.09, step_s_p90=0.10, extra={"ran_as": "allreduce"})
+    pipe = Result("a.py", "pipeline-1f1b", samples_per_s=105.0, step_s_p50=0.095, step_s_p90=0.10)
+    slow = Result("a.py", "ps", samples_per_s=50.0, step_s_p50=0.2, step_s_p90=0.21)
+    line = verdict([ar, hy, pipe, slow])
+    assert line.startswith("fastest: pipeline-1f1b, ") and "hybrid" not in line          # ran as allreduce: no contender
+    assert "1.05x allreduce (within the step-time spread 1.20x" in line and "2.10x ps" in line
+    assert "2.10x ps (" not in line                                                       # beyond the spread: faster
+    assert steps_warning(6) and steps_warning(30) is None

@@ -1,6 +1,7 @@
 """The planner on hand-made profiles: hybrid for an embedding-dominated model, allreduce for a
 dense CNN, pipeline for a deep sequence of wide layers on a slow link; each prediction is
 checked against a hand computation of the cost model's formulas."""
+import dataclasses
 import json
 
 import pytest
@@ -150,3 +151,25 @@ def test_fixed_share_of_compute_makes_fewer_micro_batches_faster():
     linear = estimate_pipeline(dataclasses.replace(prof, fixed_share=0.0), cluster)
     assert linear.micro_batches == 8           # compute proportional to the batch: the bubble decides
     assert linear.step_s == pytest.approx(9 * 2 * 0.05 / 8 + update, rel=1e-9)
+
+
+def test_hybrid_with_nothing_on_its_servers_never_wins_and_near_ties_go_simpler(monkeypatch):
+    """A dense CNN where the cost model puts hybrid (every parameter on AllReduce) a hair ahead
+    of allreduce: the plan is allreduce, hybrid is listed as not runnable in its own name;
+    predictions within TIE of each other go to the simpler strategy."""
+    from hpar.strategies.plan import costmodel, planner
+    from hpar.strategies.plan.costmodel import Estimate
+    real = costmodel.estimate_all
+
+    def hybrid_ahead(profile, cluster):
+        out = real(profile, cluster)
+        ar = next(e for e in out if e.strategy == "allreduce")
+        return [dataclasses.replace(e, step_s=ar.step_s * 0.999) if e.strategy == "hybrid" else e for e in out]
+    monkeypatch.setattr(planner, "estimate_all", hybrid_ahead)
+    plan = choose_plan(cnn_profile(), ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1.25e9, latency_s=0.0))
+    hybrid = next(c for c in plan.candidates if c.strategy == "hybrid")
+    assert plan.strategy == "allreduce" and not hybrid.available and "same as allreduce" in hybrid.note
+    assert plan.reason.startswith("allreduce: ") and plan.reason.count("allreduce:") == 1
+    est = lambda name, step: Estimate(name, step, 32, 0.0)
+    assert planner._fastest_simplest([est("pipeline", 0.098), est("allreduce", 0.1)]).strategy == "allreduce"
+    assert planner._fastest_simplest([est("pipeline", 0.05), est("allreduce", 0.1)]).strategy == "pipeline"

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hpar.launcher.bench.driver import Result
+from hpar.launcher.bench.verdict import verdict
 
 
 def _human(n: float | None, unit: str = "B") -> str:
@@ -91,12 +92,9 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
                 why.setdefault(r.reason, []).append(r.strategy)
         for reason, names in why.items():
             console.print(f"  n/a {', '.join(names)}: {reason}", markup=False)
-        ran = sorted((r for r in rows if r.samples_per_s), key=lambda r: -r.samples_per_s)
-        if len(ran) > 1:
-            console.print(f"fastest: {ran[0].strategy}, {ran[0].samples_per_s / ran[1].samples_per_s:.2f}x "
-                          f"{ran[1].strategy}; " + ", ".join(f"{ran[0].strategy}/{r.strategy} "
-                                                             f"{ran[0].samples_per_s / r.samples_per_s:.2f}x" for r in ran[2:]),
-                          markup=False)
+        line = verdict(rows)   # launcher/bench/verdict.py: faster only beyond the measured spread
+        if line:
+            console.print(line, markup=False)
 
 
 def finite_positive(x) -> bool:

@@ -134,6 +134,9 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
     where = f"emulated {n_emulated} hosts" + (f" at {link_rate}" if link_rate else "") if emulated else (hosts or "this machine")
     title = f"{gpus} workers, {where}, {steps} steps"
     report.print_tables(console, results, title)
+    from hpar.launcher.bench.verdict import steps_warning
+    if steps_warning(steps):
+        console.print(steps_warning(steps), markup=False)
     if emulated:
         for r in results:
             if r.counters:

@@ -17,7 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from hpar.strategies.job import JobError, load_job
+from hpar.strategies.job import JobError, check_job, load_job
 
 DEFAULT_BANDWIDTH = "10Gbps"
 DEFAULT_LATENCY = "50us"
@@ -127,7 +127,7 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
         extra = f" stages {plan.stages}, {plan.micro_batches} micro-batches, {plan.schedule}."
     elif plan.partitions:
         extra = " partitions " + ", ".join(f"{k}: {v}" for k, v in plan.partitions.items()) + "."
-    console.print(f"[bold]Plan: {plan.strategy}[/bold] - {plan.reason}{extra}", soft_wrap=True)
+    console.print(f"[bold]Plan:[/bold] {plan.reason}{extra}", soft_wrap=True)   # the reason starts with the name
 
 
 @click.command()
@@ -159,6 +159,7 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device_tflops, bat
         if timing_batch_size is not None and timing_batch_size < 1:
             raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
         cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops)
+        check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
         prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size)
         plan = choose_plan(prof, cluster)
     except JobError as exc:

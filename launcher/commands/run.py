@@ -18,6 +18,7 @@ from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
+from hpar.strategies.pipeline.stage import check_pipeline
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
              "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0}
@@ -68,9 +69,8 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
     plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
                     force=None if strategy == "auto" else strategy)
     if strategy == "auto":
-        console.print(f"hpar: --strategy auto chose {plan.strategy}: {plan.reason}", markup=False)
-        return plan.strategy, plan.to_dict()
-    return strategy, plan.to_dict()
+        console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
+    return plan.strategy, plan.to_dict()
 
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
@@ -141,6 +141,12 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable
             check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
+        if cfg.strategy == "pipeline":
+            check_pipeline(model, gpus, cfg.plan, cfg.micro_batches, bs)   # refuse a plan that cannot run, before any process
+            stages = cfg.plan.get("stages") or []
+            console.print(f"hpar: pipeline plan: {gpus} stages, layers "
+                          f"{', '.join(f'[{a}, {b})' for a, b in stages) or 'balanced on parameter counts'}, "
+                          f"{cfg.micro_batches} micro-batches, schedule {cfg.schedule}", markup=False)
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     if resume_dir:

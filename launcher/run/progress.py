@@ -24,6 +24,12 @@ def human_bytes(n: float | None) -> str:
     return f"{n:.1f} TB"
 
 
+def _num(value, spec: str) -> str:
+    """``value`` formatted with ``spec``, or "-" when it is not a number (a middle pipeline
+    stage reports no loss: only the last stage computes it)."""
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
 class Progress:
     """Shows the state of every process. ``live`` defaults to "stdout is a terminal"."""
 
@@ -58,8 +64,8 @@ class Progress:
             row.update(state="running", **{k: payload.get(k) for k in ("step", "loss", "samples_per_s", "bytes_sent", "bytes_recv")})
             if not self.live_mode:
                 self.say(f"[{row['host']} {label}] step {payload.get('step')}/{self.total_steps} "
-                         f"loss {payload.get('loss', float('nan')):.4f} "
-                         f"{payload.get('samples_per_s', 0.0):.1f} samples/s "
+                         f"loss {_num(payload.get('loss'), '.4f')} "
+                         f"{_num(payload.get('samples_per_s'), '.1f')} samples/s "
                          f"sent {human_bytes(payload.get('bytes_sent'))}/step")
         elif kind == "heartbeat":
             row.update({k: payload.get(k) for k in ("cpu_percent", "rss_bytes", "gpu_bytes")})
@@ -68,6 +74,14 @@ class Progress:
         elif kind == "state":
             row["state"] = payload["state"]
         self.refresh()
+
+    def mark_stopped(self) -> None:
+        """Every process still shown starting or running is marked ``stopped`` (the run ended:
+        Ctrl-C, a failure elsewhere), and the live table is redrawn at once."""
+        for row in self.rows.values():
+            if row.get("state") in ("starting", "running"):
+                row["state"] = "stopped"
+        self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -88,3 +102,30 @@ class Progress:
                       f"{r['cpu_percent']:.0f}" if isinstance(r.get("cpu_percent"), (int, float)) else "-",
                       human_bytes(r.get("rss_bytes")), human_bytes(r.get("gpu_bytes")), r.get("state", ""))
         return t
+
+
+def final_line(s: dict, run_dir: str) -> str:
+    """The line ``hpar run`` ends with: global samples/s of the measured window, worker 0's
+    training loss averaged over the first and the last logging interval (as the progress
+    lines average it), and ``evaluate()``'s figures before and after, each prefixed
+    ``eval`` so that an evaluate key named ``loss`` cannot be mistaken for the training loss."""
+    first, last = s.get("loss_first_mean", s.get("loss_first")), s.get("loss_last_mean", s.get("loss_last"))
+    steps = s.get("loss_mean_steps")
+    avg = f" (mean of the first {steps[0]} and last {steps[1]} steps)" if steps else ""
+    ev = ", ".join(f"eval {k} {_num((s.get('eval_first') or {}).get(k), '.4g')} -> {_num(v, '.4g')}"
+                   for k, v in (s.get("eval_last") or {}).items())
+    return (f"hpar: done: {_num(s.get('samples_per_s'), '.1f')} samples/s, training loss {_num(first, '.4f')} -> "
+            f"{_num(last, '.4f')}{avg}{'; ' + ev if ev else ''}; run dir {run_dir}")
+
+
+def last_reported(progress: "Progress") -> dict:
+    """``steps``: the furthest step any worker reported (0 before the first report) and
+    ``loss_last``: the loss reported with it (None without one): what summary.json says of a
+    run that failed or was stopped."""
+    rows = [r for label, r in progress.rows.items() if label.startswith("worker") and isinstance(r.get("step"), int)]
+    if not rows:
+        return {"steps": 0, "loss_last": None}
+    top = max(r["step"] for r in rows)
+    losses = [r.get("loss") for r in rows if r["step"] == top and isinstance(r.get("loss"), (int, float))]
+    return {"steps": top, "loss_last": losses[0] if losses else None}
+

@@ -15,7 +15,7 @@ from hpar.launcher.procs.local import LocalProcess, run_specs
 from hpar.launcher.run.batchcheck import BatchSizeCheck
 from hpar.launcher.run.figures import FirstFigures
 from hpar.launcher.run.health import heartbeat_interval
-from hpar.launcher.run.progress import Progress
+from hpar.launcher.run.progress import Progress, last_reported
 from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_host_local, port_taken
 from hpar.launcher.run.rundir import RunDir
 from hpar.launcher.run.supervisor import Outcome, Supervisor
@@ -122,8 +122,9 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                           markup=False)
             cfg = cfg.replace(resume=step is not None)
             time.sleep(1.0)
+        # stopped early: "steps" is the step it reached (the last one reported), not the one asked for
         summary = figures.apply(outcome.summary, previous) if outcome.summary else \
-            {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps": cfg.steps}
+            {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps_planned": cfg.steps, **last_reported(progress)}
         outcome.summary = summary if outcome.summary else None
         summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path)
         if outcome.exit_code != 0:

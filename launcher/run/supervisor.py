@@ -91,6 +91,7 @@ class Supervisor:
         finally:
             if not self._stopped:  # _fail stops everything before it reports
                 self.teardown()
+            self.progress.mark_stopped()   # the live view's final state: no row left "running"
             for s, h in old.items():
                 signal.signal(s, h)
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.context import ByteMeter
+from hpar.strategies.tying import dense_shared_embeddings, embedding_tables
 from hpar.strategies.hybrid.shard import OptimizerSpec, RowLayout, spec_from_group, table_view
 from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, PULL, PUSH, TAG_DATA, TAG_REQUEST, encode, nbytes, p2p, reply_tag
 
@@ -50,9 +51,9 @@ class PSTable:
 
 
 def embedding_weights(model: torch.nn.Module) -> set[str]:
-    """Names of the weights of every nn.Embedding / nn.EmbeddingBag in ``model``."""
-    return {f"{n}.weight" if n else "weight" for n, m in model.named_modules()
-            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+    """Names of the row-sparse embedding weights of ``model`` (``tying.embedding_tables``:
+    every nn.Embedding / nn.EmbeddingBag weight except one tied to a dense user)."""
+    return {f"{n}.weight" if n else "weight" for n, _ in embedding_tables(model)}
 
 
 def placement(model: torch.nn.Module, strategy: str, plan: dict) -> dict[str, str]:
@@ -70,6 +71,11 @@ def placement(model: torch.nn.Module, strategy: str, plan: dict) -> dict[str, st
         bad = sorted({v for v in given.values()} - {"ps", "allreduce"})
         if bad:
             raise ValueError(f"plan placement has {bad}; each parameter goes to 'ps' or 'allreduce'")
+        tied = dense_shared_embeddings(model)
+        served = sorted(n for n in tied if given.get(n) == "ps" and strategy == "hybrid")
+        if served:
+            raise ValueError(f"plan places {served[0]} on the servers, but it is tied to a dense user "
+                             f"({', '.join(tied[served[0]])}); keep it on allreduce (re-run `hpar profile`)")
         return {n: given.get(n, "allreduce") for n in names}
     emb = embedding_weights(model)
     return {n: ("ps" if n in emb else "allreduce") for n in names}

@@ -191,7 +191,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     net = model
     if dense:
         DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(ps_names))
-        net = DDP(model, process_group=groups.workers.dense,
+        net = DDP(model, process_group=groups.workers.dense, find_unused_parameters=True,   # branches unused in some steps
                   device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         net.register_comm_hook((client.bytes, ctx.world_size, groups.workers.dense, ring_remote), group_allreduce_hook)

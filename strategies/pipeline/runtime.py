@@ -250,7 +250,8 @@ def _finish(ctx: WorkerContext, stage: Stage, model: torch.nn.Module, ranges, me
     state = {}
     for part, _ in gathered:
         state.update(part)
-    model.load_state_dict(state)
+    unexpected = model.load_state_dict(state, strict=False).unexpected_keys   # buffers outside every layer keep their values
+    assert not unexpected, unexpected
     extra = {"schedule": ctx.cfg.schedule, "micro_batches": ctx.cfg.micro_batches,
              "stages": [figures for _, figures in gathered], "stage_layers": describe(ranges, model), **(more or {})}
     return meter.result(model.to("cpu"), extra=extra)

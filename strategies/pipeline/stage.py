@@ -7,24 +7,26 @@ forward, backward, stashing and prediction code.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
 
 from hpar.strategies.job import Job
+from hpar.strategies.layers import model_layers, stage_of
 from hpar.strategies.pipeline.partition import balanced_ranges
 from hpar.strategies.pipeline.schedules import Op
 from hpar.strategies.pipeline.prediction import PassWeights
 
 
 def sequential_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The layers of a model that is a sequence of layers: the named children of an
-    ``nn.Sequential``. Raises ValueError explaining why pipelining is not offered otherwise."""
-    if not isinstance(model, torch.nn.Sequential):
-        raise ValueError(f"--strategy pipeline: model() returned a {type(model).__name__}, not an nn.Sequential; "
-                         "pipelining needs the model as a sequence of layers (return nn.Sequential(...)) or use a data-parallel strategy")
-    return list(model.named_children())
+    """The model's layers (``strategies/layers.py``: ``hpar_layers()``, or the top-level
+    children of an ``nn.Sequential``), the same ones the profiler and planner count. Raises
+    ValueError explaining why pipelining is not offered otherwise."""
+    try:
+        return model_layers(model)
+    except ValueError as exc:
+        raise ValueError(f"--strategy pipeline: {exc}; return nn.Sequential(...) from model(), define "
+                         "hpar_layers(), or use a data-parallel strategy") from None
 
 
 def stage_ranges(model: torch.nn.Module, num_stages: int, plan: dict | None = None) -> tuple[tuple[int, int], ...]:
@@ -45,11 +47,25 @@ def stage_ranges(model: torch.nn.Module, num_stages: int, plan: dict | None = No
     return balanced_ranges(weights, num_stages)
 
 
-def stage_module(model: torch.nn.Module, start: int, end: int) -> torch.nn.Sequential:
-    """Layers ``[start, end)`` of the sequential ``model`` under their original names, so the
-    stage's state_dict keys equal the whole model's."""
-    layers = sequential_layers(model)
-    return torch.nn.Sequential(OrderedDict(layers[start:end]))
+def stage_module(model: torch.nn.Module, start: int, end: int) -> torch.nn.Module:
+    """Layers ``[start, end)`` of the model under their original names, so the stage's
+    state_dict keys equal the whole model's (``strategies/layers.stage_of``)."""
+    sequential_layers(model)   # the pipeline's error message for a model that is not a sequence
+    return stage_of(model, start, end)
+
+
+def check_pipeline(model: torch.nn.Module, num_stages: int, plan: dict | None, micro_batches: int,
+                   batch_size: int) -> tuple[tuple[int, int], ...]:
+    """What the pipeline runtime will check after its processes start, checked before: the
+    model is a sequence of layers, the plan's stages split them into ``num_stages`` contiguous
+    ranges (or they can be balanced), ``micro_batches`` divides ``batch_size``. Returns the
+    stage ranges; raises ValueError with the fix."""
+    if micro_batches < 1 or batch_size % micro_batches:
+        raise ValueError(f"--micro-batches {micro_batches} does not divide --batch-size {batch_size}; choose a divisor")
+    if len(sequential_layers(model)) < num_stages:
+        raise ValueError(f"--gpus {num_stages}: the model has only {len(sequential_layers(model))} layers, "
+                         "fewer than the pipeline's stages; use fewer --gpus or a data-parallel strategy")
+    return stage_ranges(model, num_stages, plan)
 
 
 def split_micro(obj: Any, num_micro: int) -> list[Any]:
@@ -111,7 +127,7 @@ class Stage:
             self.max_in_flight = max(self.max_in_flight, len(self.saved))
             return float(loss.detach())
         if not isinstance(out, torch.Tensor):
-            raise ValueError(f"--strategy pipeline: stage {self.index} (layers ending at {list(self.module._modules)[-1]!r}) outputs a {type(out).__name__}; activations between stages must be single tensors")
+            raise ValueError(f"--strategy pipeline: stage {self.index} (layers ending at {getattr(self.module, 'layer_names', list(self.module._modules))[-1]!r}) outputs a {type(out).__name__}; activations between stages must be single tensors")
         self.saved[op.micro] = (inputs, out)
         self.max_in_flight = max(self.max_in_flight, len(self.saved))
         return out.detach()

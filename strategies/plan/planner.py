@@ -97,11 +97,26 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
     return f"{best.strategy}: the fastest predicted step that can run{vs}."
 
 
+# Simplest first: fewer moving parts (no servers, no stages) win a near tie.
+SIMPLICITY = ("allreduce", "allreduce-sparse", "pipeline", "hybrid", "ps")
+TIE = 0.05   # predictions within 5% of each other are a tie (the cost model is not finer than that)
+
+
+def _fastest_simplest(estimates: list[Estimate]) -> Estimate:
+    """The estimate with the highest predicted samples/s, except that among those within
+    ``TIE`` (relative) of it the simplest strategy (``SIMPLICITY`` order) is taken."""
+    top = max(e.samples_per_s for e in estimates)
+    near = [e for e in estimates if e.samples_per_s >= top * (1 - TIE)]
+    rank = {name: i for i, name in enumerate(SIMPLICITY)}
+    return min(near, key=lambda e: (rank.get(e.strategy, len(SIMPLICITY)), -e.samples_per_s))
+
+
 def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 force: str | None = None) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and pick the highest samples/s among
-    those that fit the job; the others are still listed as candidates with a note. Ties keep
-    ``estimate_all``'s order. ``force`` (the user's ``--strategy``) takes that strategy's plan
+    those that fit the job; the others are still listed as candidates with a note. A hybrid
+    plan that places nothing on the servers is listed but cannot win (it would run as
+    allreduce); predictions within ``TIE`` of the fastest go to the simplest strategy. ``force`` (the user's ``--strategy``) takes that strategy's plan
     instead (its stages, micro-batches, placement). Raises ValueError when no strategy fits, or
     when the forced one does not fit, with the cost model's reason."""
     estimates = estimate_all(profile, cluster)
@@ -113,6 +128,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             why = ("every embedding table costs less on AllReduce" if any(p.embedding_module for p in profile.params)
                    else "no embedding table to place on servers")
             note = (note + "; " if note else "") + f"{why} (same as allreduce)"
+            available = False   # it would run as allreduce: never the winner in its own name
         measured_sparse = [p.name for p in profile.params if p.sparse and not p.embedding_module]
         if e.strategy == "hybrid" and measured_sparse:
             note = (note + "; " if note else "") + \
@@ -123,17 +139,17 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             ok.append(e)
     if not ok:
         raise ValueError("no strategy fits this job")
-    best = max(ok, key=lambda e: e.samples_per_s)
+    best = _fastest_simplest(ok)
     if force is not None:
         forced = [e for e in estimates if e.strategy == force]
         if not forced or not forced[0].feasible:
             why = forced[0].note if forced else "unknown strategy"
             raise ValueError(f"--strategy {force} does not fit this job: {why}")
         best = forced[0]
-    others = sorted((e for e in estimates if e.feasible and e is not best), key=lambda e: -e.samples_per_s)
+    others = sorted((e for e in ok if e is not best), key=lambda e: -e.samples_per_s)
     reason = _why(best, profile, cluster, others[0] if others else None)
-    fastest = max((e for e in estimates if e.feasible), key=lambda e: e.samples_per_s)
-    if fastest is not best:
+    fastest = _fastest_simplest([e for e in estimates if e.feasible])
+    if fastest is not best and fastest.samples_per_s > best.samples_per_s:
         reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
     uses_servers = best.strategy in ("hybrid", "ps")
     return Plan(strategy=best.strategy, placement=dict(best.placement), partitions=dict(best.partitions),

@@ -8,14 +8,17 @@ import time
 
 import torch
 from hpar.strategies.job import Job
+from hpar.strategies.tying import embedding_tables
 from torch import nn
 
 STEP_BUDGET_S = 0.5         # longest timed step before timing moves to a smaller batch
 
 
 def embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every nn.Embedding / nn.EmbeddingBag of ``model`` with its qualified name."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    """Every nn.Embedding / nn.EmbeddingBag of ``model`` whose weight is row-sparse, with its
+    qualified name (a weight tied to a dense user is measured as a dense parameter:
+    ``strategies/tying.py``)."""
+    return embedding_tables(model)
 
 
 def rows_touched(grad: torch.Tensor) -> tuple[float, torch.Tensor]:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 from hpar.strategies.job import Job, JobError
+from hpar.strategies.layers import model_layers
 from hpar.strategies.profile.hooks import (
     auto_timing_batch,
     fixed_share,
@@ -170,37 +171,24 @@ class Profile:
 
 
 def pipeline_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool, str]:
-    """The model's layers as ``(name, module)`` pairs, whether they form a sequence a
-    pipeline can cut, and why not when they do not.
-
-    A model is a sequence of layers when ``model.hpar_layers()`` exists and returns an
-    ``nn.Sequential`` whose forward equals the model's (its modules must be the model's own
-    submodules), or when the model is an ``nn.Sequential``. Nested ``nn.Sequential``s are
-    flattened (finer layers, same function), names are dotted paths in the model. The
-    pipeline runtime must use this same function so stage indices agree. Otherwise the
-    layers are the model's top-level children, not cuttable.
-    """
-    names = {id(m): n for n, m in model.named_modules()}
-    seq = None
-    if callable(getattr(model, "hpar_layers", None)):
-        seq = model.hpar_layers()
-        if not isinstance(seq, nn.Sequential):
-            raise JobError(f"hpar_layers() returned {type(seq).__name__}, expected an nn.Sequential of the model's layers")
-    elif isinstance(model, nn.Sequential):
-        seq = model
-    if seq is None:
-        children = list(model.named_children())
-        reason = (f"model is a {type(model).__name__}, not an nn.Sequential, and has no hpar_layers(); "
-                  "a pipeline needs a sequence of layers")
-        return children, False, reason
-
-    def flat(s: nn.Sequential):
-        for m in s.children():
-            yield from (flat(m) if isinstance(m, nn.Sequential) else [m])
-    layers = [(names.get(id(m), f"layer{i}"), m) for i, m in enumerate(flat(seq))]
-    if len(layers) < 2:
-        return layers, False, "the sequence has fewer than 2 layers"
-    return layers, True, ""
+    """The model's layers (``strategies/layers.py``: ``model.hpar_layers()``, or the top-level
+    children of an ``nn.Sequential``) as ``(name, module)`` pairs, whether a pipeline can cut
+    them, and why not. A model that is not a sequence is profiled by its top-level children
+    (not cuttable); ``hpar_layers()`` returning something unusable raises JobError."""
+    if callable(getattr(model, "hpar_layers", None)) or isinstance(model, nn.Sequential):
+        try:
+            layers = model_layers(model)
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
+        if len(layers) < 2:
+            return layers, False, "the sequence has fewer than 2 layers"
+        return layers, True, ""
+    children = list(model.named_children())
+    try:
+        model_layers(model)
+    except ValueError as exc:
+        return children, False, str(exc)
+    return children, False, "not a sequence of layers"
 
 
 def _median(xs):

@@ -1,0 +1,134 @@
+"""The zoo (tests/zoo/): everyday model shapes run through the real `hpar run` command, as a
+batch job would (stdout to a file, not a terminal), with every strategy hpar's planner offers
+for them: exit 0, a lower loss, no process left, hybrid equal to allreduce.
+
+Which strategies apply is asked of the planner in this process (the functions `hpar profile`
+runs: profile_job and choose_plan), not through `hpar profile` itself, to save a process
+start per model; tests/test_profile_cli.py covers the command. allreduce-sparse differs from
+allreduce only on embedding tables, so it runs on the models that have one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run_processes
+
+pytestmark = pytest.mark.multiprocess
+
+ZOO = os.path.join(REPO, "tests", "zoo")
+TABLES = {"tied_lm", "dict_bag"}                      # models with a row-sparse embedding table
+SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async", "torch-gpipe", "torch-1f1b")
+_RUNS: dict = {}
+_OFFERED: dict = {}
+
+
+def offered(name: str) -> set[str]:
+    """The strategies the planner marks as runnable for zoo model ``name`` on 2 workers."""
+    if name not in _OFFERED:
+        from hpar.launcher.commands.profile import build_cluster
+        from hpar.strategies.job import load_job
+        from hpar.strategies.plan.planner import choose_plan
+        from hpar.strategies.profile.profiler import profile_job
+        job = load_job(os.path.join(ZOO, f"{name}.py"))
+        cluster = build_cluster(2, None, None, "10Gbps", "50us", None)
+        plan = choose_plan(profile_job(job, job.defaults["batch_size"], 2, repeats=1, warmup=1), cluster)
+        _OFFERED[name] = {c.strategy for c in plan.candidates if c.available}
+    return _OFFERED[name]
+
+
+def hpar_run(tmp_path_factory, name: str, strategy: str, gpus: int = 2, *flags: str) -> dict:
+    """Run `hpar run tests/zoo/NAME.py` once per (name, strategy, flags) in this session, stdout
+    and stderr to files; returns exit code, summary, output and run dir. Fails if any process
+    of the run is left once the command returned."""
+    key = (name, strategy, gpus, flags)
+    if key not in _RUNS:
+        base = tmp_path_factory.mktemp(f"{name}-{strategy}")
+        run_dir, out = base / "run", base / "stdout.txt"
+        with open(out, "w") as f:
+            proc = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", os.path.join(ZOO, f"{name}.py"),
+                                   "--gpus", str(gpus), "--strategy", strategy, "--run-dir", str(run_dir), "--no-eval",
+                                   *flags], stdout=f, stderr=subprocess.STDOUT, timeout=240, cwd=str(base))
+        left = run_processes(str(run_dir))
+        for p in left:
+            p.kill()
+        summary_path = run_dir / "summary.json"
+        _RUNS[key] = {"rc": proc.returncode, "out": out.read_text(), "left": [p.pid for p in left],
+                      "summary": json.loads(summary_path.read_text()) if summary_path.exists() else {},
+                      "run_dir": run_dir}
+    return _RUNS[key]
+
+
+def check_trained(r: dict) -> None:
+    assert r["rc"] == 0, r["out"][-3000:]
+    assert not r["left"], f"processes left behind: {r['left']}"
+    s = r["summary"]
+    assert s["exit_code"] == 0 and s["loss_last"] < s["loss_first"], s
+
+
+# Every strategy the planner offers, once per model shape it matters for (each run starts 3-4
+# processes, so the set is kept small): allreduce-sparse and hybrid where there is an embedding
+# table; ps (every parameter on the servers) on the table models and on the frozen parameter.
+DATA_PARALLEL = [("tied_lm", "allreduce"), ("tied_lm", "allreduce-sparse"), ("tied_lm", "hybrid"), ("tied_lm", "ps"),
+                 ("dict_bag", "allreduce"), ("dict_bag", "allreduce-sparse"), ("dict_bag", "hybrid"), ("dict_bag", "ps"),
+                 ("frozen", "allreduce"), ("frozen", "ps"), ("sometimes_unused", "allreduce"), ("tuple_out", "allreduce")]
+PIPELINED = ("nested_cnn", "frozen", "pipe4")
+
+
+@pytest.mark.parametrize("name,strategy", DATA_PARALLEL, ids=[f"{n}-{s}" for n, s in DATA_PARALLEL])
+def test_zoo_data_parallel(tmp_path_factory, name, strategy):
+    if strategy != "hybrid":   # hybrid is offered by name only where it would use its servers; it runs everywhere
+        assert strategy in offered(name), f"the planner does not offer {strategy} for {name}: {offered(name)}"
+    check_trained(hpar_run(tmp_path_factory, name, strategy))
+
+
+def test_zoo_every_offered_strategy_is_covered():
+    """What the planner offers for each model is run here, except: allreduce-sparse and ps
+    where the model has no embedding table (allreduce-sparse is then allreduce; ps runs on
+    one dense model, frozen), and data parallelism on the pipeline-only shapes."""
+    for name in ("tied_lm", "dict_bag", "frozen", "sometimes_unused", "tuple_out", "nested_cnn", "pipe4"):
+        ran = {s for n, s in DATA_PARALLEL if n == name} | ({"pipeline"} if name in PIPELINED else set())
+        want = set(offered(name))
+        if name not in TABLES:
+            want -= {"allreduce-sparse"} | ({"ps"} if name != "frozen" else set())
+        if name in ("nested_cnn", "pipe4"):
+            want -= {"allreduce"}
+        assert want <= ran, (name, want - ran)
+        assert name not in PIPELINED or "pipeline" in offered(name)
+
+
+@pytest.mark.parametrize("name", ["tied_lm", "dict_bag"])
+def test_zoo_hybrid_equals_allreduce(tmp_path_factory, name):
+    """Hybrid (tables on the servers, the tied weight on AllReduce) trains the same model as
+    allreduce: both are synchronous SGD on the same batches."""
+    ar, hy = hpar_run(tmp_path_factory, name, "allreduce"), hpar_run(tmp_path_factory, name, "hybrid")
+    check_trained(ar)
+    check_trained(hy)
+    if name == "tied_lm":
+        assert "runs as allreduce" not in hy["out"], hy["out"][-2000:]   # the doc table is served
+    a = torch.load(ar["run_dir"] / "model.pt")
+    h = torch.load(hy["run_dir"] / "model.pt")
+    assert a.keys() == h.keys()
+    for k in a:
+        torch.testing.assert_close(h[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("name", ["nested_cnn", "frozen"])
+def test_zoo_pipeline(tmp_path_factory, name):
+    assert "pipeline" in offered(name)
+    r = hpar_run(tmp_path_factory, name, "pipeline")
+    check_trained(r)
+    assert "hpar: pipeline plan: 2 stages" in r["out"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_zoo_four_stage_pipeline(tmp_path_factory, schedule):
+    """4 stages (so 2 middle stages, which report no loss) with every schedule."""
+    r = hpar_run(tmp_path_factory, "pipe4", "pipeline", 4, "--schedule", schedule, "--micro-batches", "4")
+    check_trained(r)
+    assert "loss -" in r["out"]        # a middle stage's progress line, not a crash
