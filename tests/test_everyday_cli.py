@@ -121,7 +121,7 @@ def test_pipeline_plan_that_cannot_run_is_refused_before_start(tmp_path):
     run_dir = tmp_path / "run"
     rc, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--plan", str(plan), "--run-dir", str(run_dir))
     assert rc == 2, out
-    assert out.splitlines()[-1].startswith("hpar: plan stages [(0, 4), (4, 8)] do not split the model's 3 layers"), out
+    assert out.splitlines()[-1].startswith(f"hpar: {plan}: plan stages [(0, 4), (4, 8)] do not split the model's 3 layers"), out
     assert not (run_dir / "config.json").exists() and not run_processes(str(run_dir))
 
 
@@ -238,7 +238,8 @@ def test_samples_per_s_is_samples_over_the_wall_clock_of_the_measured_window():
     from types import SimpleNamespace
     from hpar.strategies.context import StepMeter
     reports = []
-    ctx = SimpleNamespace(cfg=SimpleNamespace(log_every=3, steps=6), start_step=0, report=reports.append)
+    ctx = SimpleNamespace(cfg=SimpleNamespace(log_every=3, steps=6), start_step=0, report=reports.append,
+                          on_step=None, event=None, rank=0)
     meter = StepMeter(ctx, samples_per_step=8, warmup=2)
     for loss in (6.0, 5.0, 4.0, 3.0, 2.0, 1.0):
         meter.start()

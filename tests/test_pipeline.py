@@ -178,7 +178,8 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
     run_dir = tmp_path / "run-1f1b-3"
     codes, _, _, logs = run_pipeline(tmp_path, world_size=3, steps=6, checkpoint_every=3)
     assert codes == [0] * 3, logs
-    assert sorted(os.listdir(run_dir / "checkpoints" / "step-6")) == ["stage0.pt", "stage1.pt", "stage2.pt"]
+    parts = sorted(f for f in os.listdir(run_dir / "checkpoints" / "step-6") if not f.endswith(".sha256"))
+    assert parts == ["stage0.pt", "stage1.pt", "stage2.pt"]   # each with its checksum beside it
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=3, steps=10, resume=True)
     assert codes == [0] * 3, logs
     assert_close_state(state, ref)

@@ -174,6 +174,29 @@ def test_update_probes_time_dense_and_sparse_steps_and_flag_optimizers_without_s
     assert sparse_update_cost(job_adam, rows=5000, dim=16, alpha=0.02, workers=2) is None
 
 
+class _Clock:
+    """A clock that only ``time.sleep`` moves: the sleeping jobs' steps then take exactly their
+    sleep, whatever the machine's load (the model's own compute counts as zero time)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def sleep_clock(monkeypatch):
+    import time
+    clock = _Clock()
+    monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(time, "sleep", clock.sleep)
+    return clock
+
+
 def _sleeping_job(tmp_path, seconds: str):
     """The tiny script with ``time.sleep(<seconds>)`` added to its forward (``x`` is the input)."""
     text = SCRIPT.replace("        return self.out(h[:, -1])",
@@ -184,7 +207,7 @@ def _sleeping_job(tmp_path, seconds: str):
     return load_job(str(path))
 
 
-def test_timing_batch_stays_full_when_a_fixed_cost_dominates_a_small_batch(tmp_path):
+def test_timing_batch_stays_full_when_a_fixed_cost_dominates_a_small_batch(tmp_path, sleep_clock):
     """A step of 0.1 s whatever the batch (a sampled softmax's negatives, say) fits the 0.5 s
     budget at full batch; scaling a batch-1 step by 32 would have called it 3.2 s."""
     from hpar.strategies.profile.hooks import auto_timing_batch
@@ -192,7 +215,7 @@ def test_timing_batch_stays_full_when_a_fixed_cost_dominates_a_small_batch(tmp_p
     assert auto_timing_batch(job, job.build_model(), 64, 1) == 64
 
 
-def test_fixed_share_separates_per_step_from_per_sample_cost(tmp_path):
+def test_fixed_share_separates_per_step_from_per_sample_cost(tmp_path, sleep_clock):
     """A step sleeping 0.06 s + 0.005 s per sample: at batch 16, 0.06 of its 0.14 s is fixed."""
     from hpar.strategies.profile.hooks import fixed_share
     job = _sleeping_job(tmp_path, "0.06 + 0.005 * x.shape[0]")

@@ -233,7 +233,7 @@ def test_bad_scripts_are_one_line_and_exit_2(tmp_path, text, args, message):
     res = hpar("run", script, "--run-dir", str(tmp_path / "run"), *args)
     assert res.returncode == 2, res.stdout + res.stderr
     first = res.stderr.splitlines()[0]
-    assert first.startswith(f"hpar: {script}: ") and message in first, first
+    assert first.startswith(f"hpar: {script}") and message in first, first   # FILE: or FILE:LINE:
     assert not (tmp_path / "run").exists()
 
 

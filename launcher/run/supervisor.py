@@ -120,8 +120,11 @@ class Supervisor:
                 code = p.poll()
                 if code is not None and id(p) not in exited:
                     exited[id(p)] = code
-                    deadline = time.monotonic() + 1.0   # read its last lines (the exit event) first
-                    while code == 0 and id(p) not in self._eof and time.monotonic() < deadline:
+                    # read its last lines (the exit event) first; an srun task's output shares the
+                    # step's stream (no end of file of its own) and may lag its exit status
+                    deadline = time.monotonic() + 5.0
+                    while (code == 0 and id(p) not in self._eof and not self.health.state[id(p)].exited_cleanly
+                           and time.monotonic() < deadline):
                         self._drain(timeout=0.05)
                     early = code == 0 and self._is_hpar(p) and not self.health.state[id(p)].exited_cleanly
                     self.progress.update(p.spec.label, "state", {"state": "done" if code == 0 and not early else "failed"})
@@ -149,8 +152,12 @@ class Supervisor:
 
     @staticmethod
     def _is_hpar(p) -> bool:
-        """Whether ``p`` runs hpar's own worker or server (which announce a clean exit)."""
-        return any(a in ("hpar.workers.worker", "hpar.workers.server") for a in p.spec.argv)
+        """Whether ``p`` runs hpar's own worker or server (which announce a clean exit). Not
+        for a task of a Slurm step: srun may drop a task's last output lines when it exits, so
+        a missing exit event there proves nothing (its exit status still counts)."""
+        from hpar.launcher.procs.srun import SrunProcess
+        return not isinstance(p, SrunProcess) and any(a in ("hpar.workers.worker", "hpar.workers.server")
+                                                      for a in p.spec.argv)
 
     def _hanging(self) -> bool:
         """Whether some live process has been silent, or a training worker without a step,
