@@ -49,11 +49,8 @@ class StepTools:
     last_norm: float | None = None     # total gradient norm before clipping, when clipping
 
     def autocast(self):
-        """Context for forward passes: ``torch.autocast`` on the worker's device type with
-        the run's dtype, or nothing for fp32."""
-        if self.cfg.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.precision])
+        """Context for forward passes (:func:`autocast`)."""
+        return autocast(self.cfg, self.device.type)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled by the GradScaler under fp16."""
@@ -93,6 +90,14 @@ class StepTools:
             self.scheduler.load_state_dict(state["scheduler"])
 
 
+def autocast(cfg: RunConfig, device_type: str):
+    """Context for forward passes: ``torch.autocast`` on ``device_type`` ("cpu", "cuda") with
+    the run's dtype, or nothing for fp32."""
+    if cfg.precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=DTYPES[cfg.precision])
+
+
 def step_tools(cfg: RunConfig, job: Job, opt: torch.optim.Optimizer | None, device: torch.device) -> StepTools:
     """StepTools for ``opt``: the script's schedule on it (none when ``opt`` is None, e.g. a
     worker whose every parameter is on the servers), a GradScaler for fp16 on ``device``'s
@@ -130,7 +135,7 @@ def check_precision(job: Job, cfg: RunConfig, model: torch.nn.Module) -> None:
         return
     inputs, targets = next(job.batches(0, 1, cfg.batch_size))
     try:
-        with torch.autocast("cpu", dtype=DTYPES[cfg.precision]):
+        with autocast(cfg, "cpu"):
             job.compute_loss(model(inputs), targets)
     except Exception as exc:
         raise JobError(f"{job.path}: the forward pass fails under --precision {cfg.precision} on CPU "

@@ -50,6 +50,7 @@ from hpar.strategies import checkpoint
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.devices import ComputeTimer
 from hpar.strategies.groups import worker_groups
+from hpar.strategies import loop
 from hpar.strategies.loop import step_tools
 from hpar.strategies.pipeline import guard
 from hpar.strategies.pipeline.comm import Links
@@ -185,7 +186,7 @@ def train(ctx: WorkerContext) -> TrainResult:
 
     schedule = cfg.schedule
     sync = is_synchronous(schedule)
-    autocast = step_tools(cfg, job, None, ctx.device).autocast()
+    autocast = loop.autocast(cfg, ctx.device.type)
     gcfg = guard.GuardConfig(cfg.on_divergence, cfg.divergence_factor)
     watch, cut = guard.LossWatch(gcfg), None
     meter.start()
