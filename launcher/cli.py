@@ -47,6 +47,8 @@ def main() -> None:
 @click.option("--servers", type=int, default=None, help="Parameter servers for hybrid/ps (default one per host).")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default=None, help="Pipeline schedule (default from the plan, else 1f1b).")
 @click.option("--micro-batches", type=int, default=None, help="Pipeline micro-batches per batch (default from the plan).")
+@click.option("--pipeline-replicas", type=int, default=None,
+              help="Pipeline x data parallelism: R replicas of --gpus/R stages (default: the planner's choice).")
 @click.option("--on-divergence", type=click.Choice(["off", "stop", "sync"]), default="off", show_default=True,
               help="Asynchronous pipelines: when the loss rises above --divergence-factor x its recent minimum, stop or fall back to synchronous 1f1b.")
 @click.option("--divergence-factor", type=float, default=2.0, show_default=True, help="Loss / recent minimum that trips --on-divergence.")
@@ -77,7 +79,7 @@ def main() -> None:
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor):
+        divergence_factor, pipeline_replicas):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
@@ -91,7 +93,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
                         "eval_every": eval_every},
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
             python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
-            on_divergence=on_divergence, divergence_factor=divergence_factor)
+            on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:

@@ -19,7 +19,7 @@ class RunConfig:
     """Everything a process of the run needs to know, besides its own rank.
 
     ``batch_size`` is per worker (per data-parallel replica), in samples. ``world_size`` is the
-    number of workers (GPUs or CPU processes; for ``pipeline`` the number of stages); the
+    number of workers (GPUs or CPU processes; for ``pipeline`` stages x ``replicas``); the
     parameter servers of ``hybrid``/``ps`` come on top of it (``servers``).
     """
 
@@ -46,6 +46,7 @@ class RunConfig:
     eval_every: int = 0            # call evaluate() every N optimizer steps during training (0: only at the ends)
     on_divergence: str = "off"      # asynchronous pipelines: off, stop or sync (strategies/pipeline/guard.py)
     divergence_factor: float = 2.0
+    replicas: int = 1              # pipeline x data parallelism: R replicas of K = world_size / R stages
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -67,12 +68,17 @@ class RunConfig:
             raise ValueError(f"--clip-grad-norm must not be negative (0 turns clipping off), got {self.clip_grad_norm}")
         if self.accumulate < 1:
             raise ValueError(f"--accumulate must be at least 1, got {self.accumulate}")
+        if self.replicas < 1 or self.world_size % self.replicas:
+            raise ValueError(f"--pipeline-replicas {self.replicas}: a pipeline plan is K stages x R replicas = --gpus "
+                             f"{self.world_size}; choose a divisor of --gpus")
+        if self.replicas > 1 and self.strategy != "pipeline":
+            raise ValueError(f"--pipeline-replicas {self.replicas} applies to --strategy pipeline only; drop it")
         unsupported = not_supported(self)
         if unsupported:
             raise ValueError(unsupported)
-        if self.strategy == "pipeline" and self.schedule == "torch-1f1b" and self.micro_batches < self.world_size:
+        if self.strategy == "pipeline" and self.schedule == "torch-1f1b" and self.micro_batches < self.pipeline_stages:
             raise ValueError(f"--micro-batches {self.micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
-                             f"at least one per stage ({self.world_size}); raise it or use --schedule torch-gpipe")
+                             f"at least one per stage ({self.pipeline_stages}); raise it or use --schedule torch-gpipe")
         if self.on_divergence != "off" or self.divergence_factor != 2.0:
             from hpar.strategies.pipeline.guard import GuardConfig
             GuardConfig(self.on_divergence, self.divergence_factor)
@@ -81,7 +87,12 @@ class RunConfig:
                                  "(--strategy pipeline --schedule async-*); drop it for this run")
         if self.strategy == "pipeline" and self.schedule == "async-2bw":
             from hpar.strategies.pipeline.schedules import check_2bw
-            check_2bw(self.world_size, self.micro_batches)
+            check_2bw(self.pipeline_stages, self.micro_batches)
+
+    @property
+    def pipeline_stages(self) -> int:
+        """K, the stages of a pipeline plan: ``world_size / replicas`` (strategies/pipeline/replicas.py)."""
+        return self.world_size // max(self.replicas, 1)
 
     @property
     def backend(self) -> str:
@@ -119,6 +130,9 @@ def not_supported(cfg: RunConfig) -> str | None:
                     "end); drop it: evaluate() runs before and after training")
         if cfg.precision == "fp16":
             return "--precision fp16 is not supported with --strategy pipeline yet; use --precision bf16"
+        if cfg.replicas > 1 and cfg.schedule.startswith("torch-"):
+            return (f"--pipeline-replicas {cfg.replicas} is not supported with --schedule {cfg.schedule} (torch's "
+                    "schedules run one pipeline); use hpar's own 1f1b or gpipe")
         if cfg.precision != "fp32" and cfg.schedule.startswith("torch-"):
             return f"--precision {cfg.precision} is not supported with --schedule {cfg.schedule}; use hpar's own 1f1b or gpipe"
     return None

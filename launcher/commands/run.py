@@ -13,6 +13,7 @@ from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_all
 from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.devices import choose_devices, describe, local_gpus
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_step
+from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
@@ -53,7 +54,7 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
 
 
 def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: str | None,
-             gpus: int, servers: int | None, schedule: str | None) -> tuple[str, dict]:
+             gpus: int, servers: int | None, schedule: str | None, pipeline_replicas: int | None = None) -> tuple[str, dict]:
     """(strategy, plan dict) from ``--plan``, or from the planner for ``auto`` and for
     ``pipeline`` (which needs its balanced stages); the data-parallel strategies named
     explicitly run with their defaults and no profiling."""
@@ -67,7 +68,7 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
         return strategy, {"strategy": strategy}
     from hpar.launcher.run.planning import plan_job
     plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
-                    force=None if strategy == "auto" else strategy)
+                    force=None if strategy == "auto" else strategy, pipeline_replicas=pipeline_replicas)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
     return plan.strategy, plan.to_dict()
@@ -77,7 +78,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
             no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
             ssh_known_hosts=None, ssh_accept_new=False, device="auto",
-            on_divergence="off", divergence_factor=2.0):
+            on_divergence="off", divergence_factor=2.0, pipeline_replicas=None):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags."""
@@ -112,9 +113,11 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         model = check_job(job, bs)
-        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule)
+        strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model)   # before the planner profiles
+        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, pipeline_replicas)
+        replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
-            check_plan_stages(plan, model, gpus, plan_file or "the planner's plan")
+            check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan")
         # placement() raises for a plan naming unknown parameters before anything starts
         if strategy == "hybrid" and "ps" not in placement(model, strategy, plan).values() and servers is None:
             console.print("hpar: hybrid would put no parameter on the servers (no embedding table, or the plan keeps "
@@ -136,17 +139,14 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
-            on_divergence=on_divergence, divergence_factor=divergence_factor)
+            on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas)
         check_precision(job, cfg, model)
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable
             check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
         if cfg.strategy == "pipeline":
-            check_pipeline(model, gpus, cfg.plan, cfg.micro_batches, bs)   # refuse a plan that cannot run, before any process
-            stages = cfg.plan.get("stages") or []
-            console.print(f"hpar: pipeline plan: {gpus} stages, layers "
-                          f"{', '.join(f'[{a}, {b})' for a, b in stages) or 'balanced on parameter counts'}, "
-                          f"{cfg.micro_batches} micro-batches, schedule {cfg.schedule}", markup=False)
+            check_pipeline(model, cfg.pipeline_stages, cfg.plan, cfg.micro_batches, bs)   # refuse a plan that cannot run, before any process
+            console.print(describe_plan(cfg), markup=False)
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     if resume_dir:

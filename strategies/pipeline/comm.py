@@ -7,7 +7,7 @@ Stage k sends activations to k+1 and gradients to k-1. Two channels (strategies/
 * ``host``: small CPU values over the default gloo group: the int64 header in front of each
   activation (dtype code, number of dimensions, shape: shapes may change from batch to batch,
   and the receiver reads it without a device synchronisation) and each step's mean loss, which
-  the last stage sends to stage 0 (rank 0 reports it).
+  the last stage sends to stage 0 of its pipeline (rank 0 reports it).
 
 Deadlock freedom (NCCL): a send between two GPUs does not complete until the peer's matching
 receive runs, and one pair's sends and receives run in order on one stream. With 1F1B, stage
@@ -77,13 +77,17 @@ class TorchTransport:
 
 
 class Links:
-    """The messages of stage ``rank`` of ``world_size`` stages on ``device``; ``is_remote``
-    tells whether a stage rank runs on another host; ``transport`` posts batches
-    (default: :class:`TorchTransport` over ``group``, the workers' dense group)."""
+    """The messages of stage ``rank`` of ``world_size`` stages on ``device``; ``ranks``: the
+    default-group ranks of this pipeline's stages 0..K-1 (default ``0..world_size-1``; one
+    replica's pipeline under pipeline x data parallelism, strategies/pipeline/replicas.py);
+    ``is_remote`` tells whether a default-group rank runs on another host; ``transport``
+    posts batches (default: :class:`TorchTransport` over ``group``, the workers' dense group)."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device,
-                 is_remote: Callable[[int], bool] = lambda rank: False, group=None, transport=None):
+                 is_remote: Callable[[int], bool] = lambda rank: False, group=None, transport=None,
+                 ranks: list[int] | None = None):
         self.rank, self.world_size, self.device, self.is_remote = rank, world_size, device, is_remote
+        self.peer = list(ranks) if ranks is not None else list(range(world_size))   # stage -> default-group rank
         self.transport = transport or TorchTransport(group)
         self.queue: list[P2P] = []            # sends not yet posted
         self.pending: list = []               # (work, tensor) of posted sends not yet awaited
@@ -100,41 +104,41 @@ class Links:
         header[0], header[1] = DTYPES.index(tensor.dtype), tensor.dim()
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         tensor = tensor.contiguous()
-        self._queue(header, self.rank + 1, TAG_HEADER, HOST)
-        self._queue(tensor, self.rank + 1, TAG_ACT, DENSE)
+        self._queue(header, self.peer[self.rank + 1], TAG_HEADER, HOST)
+        self._queue(tensor, self.peer[self.rank + 1], TAG_ACT, DENSE)
         self.out_shapes.append((tensor.shape, tensor.dtype))
 
     def recv_activation(self) -> torch.Tensor:
         """The next activation from the previous stage (posted with the queued sends)."""
         header = torch.empty(MAX_DIMS + 2, dtype=torch.int64)
-        self._post([P2P("recv", header, self.rank - 1, TAG_HEADER, HOST)])
+        self._post([P2P("recv", header, self.peer[self.rank - 1], TAG_HEADER, HOST)])
         dtype, ndim = DTYPES[int(header[0])], int(header[1])
         out = torch.empty(tuple(int(d) for d in header[2:2 + ndim]), dtype=dtype, device=self.device)
-        self._post([P2P("recv", out, self.rank - 1, TAG_ACT, DENSE)])
+        self._post([P2P("recv", out, self.peer[self.rank - 1], TAG_ACT, DENSE)])
         return out
 
     # --- gradients backward -------------------------------------------------------------
     def send_gradient(self, grad: torch.Tensor) -> None:
         """Queue the gradient of this stage's input for the previous stage."""
-        self._queue(grad.contiguous(), self.rank - 1, TAG_GRAD, DENSE)
+        self._queue(grad.contiguous(), self.peer[self.rank - 1], TAG_GRAD, DENSE)
 
     def recv_gradient(self) -> torch.Tensor:
         """The gradient of the oldest activation sent whose gradient has not come back
         (1F1B and GPipe run backwards in forward order)."""
         shape, dtype = self.out_shapes.popleft()
         grad = torch.empty(shape, dtype=dtype, device=self.device)
-        self._post([P2P("recv", grad, self.rank + 1, TAG_GRAD, DENSE)])
+        self._post([P2P("recv", grad, self.peer[self.rank + 1], TAG_GRAD, DENSE)])
         return grad
 
-    # --- loss to rank 0 (host channel) --------------------------------------------------
+    # --- loss to stage 0 (host channel) -------------------------------------------------
     def send_loss(self, loss: float) -> None:
         self.flush()
-        self._post([], [P2P("send", torch.tensor([loss], dtype=torch.float64), 0, TAG_LOSS, HOST)])
+        self._post([], [P2P("send", torch.tensor([loss], dtype=torch.float64), self.peer[0], TAG_LOSS, HOST)])
 
     def recv_loss(self) -> float:
         t = torch.empty(1, dtype=torch.float64)
         self.flush()
-        self._post([P2P("recv", t, self.world_size - 1, TAG_LOSS, HOST)])
+        self._post([P2P("recv", t, self.peer[-1], TAG_LOSS, HOST)])
         return float(t)
 
     # --- bookkeeping --------------------------------------------------------------------

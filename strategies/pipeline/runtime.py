@@ -4,10 +4,12 @@ backward with torch.distributed point-to-point messages.
 Stages: ``cfg.plan["stages"]`` (the planner's ``[start, end)`` layer ranges) when present,
 else contiguous ranges balanced on parameter counts (``stage.stage_ranges``). Every stage
 builds the whole model with ``torch.manual_seed(cfg.seed)`` and keeps its own layers, so
-the initial weights equal a single process's. world_size = number of stages (``--gpus``).
+the initial weights equal a single process's. world_size = K stages x R replicas
+(``--gpus``, ``cfg.replicas``; ranks, groups and gradient averaging of the replicas in
+``strategies/pipeline/replicas.py``; R = 1 by default).
 
 Data: the first stage takes the inputs and the last stage the targets of the same batches,
-both from ``job.batches(0, 1, cfg.batch_size)`` (one data-parallel replica). Each draw runs
+both from ``job.batches(r, R, cfg.batch_size)`` (replica r of R). Each draw runs
 under ``torch.random.fork_rng`` seeded by (seed, step), so a ``data()`` that uses torch's
 global RNG yields the same batches in both processes (other RNGs must be seeded by data()).
 A batch is split into ``cfg.micro_batches`` equal micro-batches along dim 0.
@@ -54,6 +56,7 @@ from hpar.strategies import loop
 from hpar.strategies.loop import step_tools
 from hpar.strategies.pipeline import guard
 from hpar.strategies.pipeline.comm import Links
+from hpar.strategies.pipeline.replicas import Grid, StageReplicas
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
 from hpar.strategies.pipeline.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
 from hpar.strategies.pipeline.prediction import mode_for_schedule
@@ -63,13 +66,15 @@ def build_stage(ctx: WorkerContext) -> tuple[Stage, torch.nn.Module, tuple]:
     """This process's Stage, the seeded whole model it was cut from, and the stage ranges.
     Raises ValueError for a non-sequential model, fewer layers than stages, a bad plan."""
     cfg = ctx.cfg
+    grid = Grid.of(cfg)
+    k, _ = grid.coords(ctx.rank)
     model = build_stages_model(ctx.job, cfg.seed)
-    ranges = stage_ranges(model, ctx.world_size, cfg.plan)
-    a, b = ranges[ctx.rank]
+    ranges = stage_ranges(model, grid.stages, cfg.plan)
+    a, b = ranges[k]
     module = stage_module(model, a, b).to(ctx.device)
     params = list(module.parameters())
     opt = ctx.job.build_optimizer(params, cfg.lr) if params else None
-    stage = Stage(ctx.job, module, opt, mode_for_schedule(cfg.schedule), ctx.rank, ctx.world_size,
+    stage = Stage(ctx.job, module, opt, mode_for_schedule(cfg.schedule), k, grid.stages,
                   1.0 / cfg.micro_batches)
     return stage, model, ranges
 
@@ -88,10 +93,11 @@ def train(ctx: WorkerContext) -> TrainResult:
         from hpar.strategies.pipeline import torch_peers
         return torch_peers.train(ctx)
     stage, model, ranges = build_stage(ctx)
-    M, K = cfg.micro_batches, ctx.world_size
+    grid = Grid.of(cfg)
+    M, K, (k, r) = cfg.micro_batches, grid.stages, grid.coords(ctx.rank)
     if cfg.batch_size % M:
         raise ValueError(f"--micro-batches {M} does not divide --batch-size {cfg.batch_size}; choose a divisor")
-    part = f"stage{ctx.rank}"
+    part = f"stage{k}"   # written by replica 0 (replicas are identical), read by every replica
     start = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
     if start:
         state = checkpoint.load_part(cfg.run_dir, start, part)
@@ -104,8 +110,10 @@ def train(ctx: WorkerContext) -> TrainResult:
     tools = step_tools(cfg, job, stage.optimizer, ctx.device) if stage.optimizer is not None else None
     if start and tools is not None:
         tools.load_state_dict(state.get("loop"))
-    links = Links(ctx.rank, K, ctx.device, ctx.is_remote, group=worker_groups(K, cfg.device).dense)
-    batches = job.batches(0, 1, cfg.batch_size) if (stage.is_first or stage.is_last) else None
+    links = Links(k, K, ctx.device, ctx.is_remote, group=worker_groups(ctx.world_size, cfg.device).dense,
+                  ranks=grid.pipeline_ranks(r))
+    replicas = StageReplicas(grid, ctx.rank, cfg.device, ctx.is_remote)   # after worker_groups, on every rank
+    batches = job.batches(r, grid.replicas, cfg.batch_size) if (stage.is_first or stage.is_last) else None
     for s in range(ctx.start_step):   # the same batches as an uninterrupted run
         if batches is not None:
             _draw(batches, cfg.seed, s)
@@ -147,40 +155,45 @@ def train(ctx: WorkerContext) -> TrainResult:
                 links.send_gradient(grad_in)
 
     def update() -> None:
+        replicas.average_gradients([p for _, p in stage.weights.named])
+        # gradients are final (replica-averaged): now step the optimizer
         stage.update()
         if tools is not None and tools.scheduler is not None:
             tools.scheduler.step()
 
     def end_step(step: int) -> None:
+        links.flush()   # the step's last sends go out before the replica AllReduce
         if sync:
             timer.start()
             update()
             timer.stop()
-        links.flush()
         links.wait_sends(keep=4 * K + 8)
         loss = float("nan")
         if stage.is_last:
-            loss = sum(step_losses[step]) / len(step_losses.pop(step))
+            loss = replicas.mean_loss(sum(step_losses[step]) / len(step_losses.pop(step)))
         if K > 1 and stage.is_last:
             links.send_loss(loss)
         elif K > 1 and stage.is_first:
             loss = links.recv_loss()
         sent, recv, idle, remote = links.take()
+        reduced, reduced_remote = replicas.take()
+        sent, recv, remote = sent + reduced, recv + reduced, remote + reduced_remote
         compute = timer.take()
         stats["compute_s"].append(compute); stats["idle_s"].append(idle)
         stats["sent"].append(sent); stats["recv"].append(recv)
-        meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute, "idle_s": idle}, sent_remote=remote)
+        meter.end(loss, sent, recv, {"stage": k, "compute_s": compute, "idle_s": idle}, sent_remote=remote)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            checkpoint.save_part(cfg.run_dir, step + 1, part, {
-                "model": stage.module.state_dict(),
-                "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None,
-                "loop": tools.state_dict() if tools is not None else None})
+            if r == 0:
+                checkpoint.save_part(cfg.run_dir, step + 1, part, {
+                    "model": stage.module.state_dict(),
+                    "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None,
+                    "loop": tools.state_dict() if tools is not None else None})
             checkpoint.commit(cfg.run_dir, step + 1)
         return loss
 
     def run_sync(first_step: int) -> None:
         for step in range(first_step, cfg.steps):
-            for op in stage_ops(schedule, K, ctx.rank, M):
+            for op in stage_ops(schedule, K, k, M):
                 run(op, step * M + op.micro)
             end_step(step)
 
@@ -194,7 +207,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         run_sync(ctx.start_step)
     else:
         first = ctx.start_step * M
-        ops, i = stage_ops(schedule, K, ctx.rank, (cfg.steps - ctx.start_step) * M), 0
+        ops, i = stage_ops(schedule, K, k, (cfg.steps - ctx.start_step) * M), 0
         while i < len(ops):
             op, i = ops[i], i + 1
             j = first + op.micro
@@ -204,7 +217,7 @@ def train(ctx: WorkerContext) -> TrainResult:
                 if gcfg.action != "off" and cut is None and _tripped(ctx, watch, j // M, loss):
                     cut = guard.cut_step(watch.tripped["step"], K, M)
                     if cut < cfg.steps:   # finish the first cut*M micro-batches: a prefix of ops plus cool-down
-                        ops = stage_ops(schedule, K, ctx.rank, (cut - ctx.start_step) * M)
+                        ops = stage_ops(schedule, K, k, (cut - ctx.start_step) * M)
         if cut is not None and cut < cfg.steps and gcfg.action == "sync":
             links.flush()
             links.wait_sends()
@@ -213,7 +226,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     links.flush()
     links.wait_sends()
     extra = {"divergence": guard.report(gcfg, watch.tripped, cut, cfg.steps)} if gcfg.action != "off" else {}
-    return _finish(ctx, stage, model, ranges, meter, stats, extra)
+    return _finish(ctx, grid, stage, model, ranges, meter, stats, extra)
 
 
 def _tripped(ctx: WorkerContext, watch: "guard.LossWatch", step: int, loss: float) -> bool:
@@ -232,15 +245,17 @@ def _tripped(ctx: WorkerContext, watch: "guard.LossWatch", step: int, loss: floa
     return bool(flag[0])
 
 
-def _finish(ctx: WorkerContext, stage: Stage, model: torch.nn.Module, ranges, meter: StepMeter, stats: dict,
-            more: dict | None = None) -> TrainResult:
-    """Gather the stages' state dicts and figures on rank 0; rank 0 returns the whole model."""
+def _finish(ctx: WorkerContext, grid: Grid, stage: Stage, model: torch.nn.Module, ranges, meter: StepMeter,
+            stats: dict, more: dict | None = None) -> TrainResult:
+    """Gather the stages' state dicts (replica 0's: the replicas are identical) and every
+    worker's figures on rank 0; rank 0 returns the whole model."""
     n = max(len(stats["sent"]), 1)
-    mine = {"stage": ctx.rank, "layers": list(ranges[ctx.rank]),
+    k, r = grid.coords(ctx.rank)
+    mine = {"stage": k, **({"replica": r} if grid.replicas > 1 else {}), "layers": list(ranges[k]),
             "compute_s": sum(stats["compute_s"]) / n, "idle_s": sum(stats["idle_s"]) / n,
             "bytes_sent": sum(stats["sent"]) / n, "bytes_recv": sum(stats["recv"]) / n,
             "max_in_flight": stage.max_in_flight, "weight_versions": stage.weights.most_versions}
-    payload = ({k: v.detach().cpu() for k, v in stage.module.state_dict().items()}, mine)
+    payload = ({name: v.detach().cpu() for name, v in stage.module.state_dict().items()} if r == 0 else {}, mine)
     gathered = [None] * ctx.world_size if ctx.rank == 0 else None
     if ctx.world_size > 1:
         dist.gather_object(payload, gathered, dst=0)
@@ -253,6 +268,7 @@ def _finish(ctx: WorkerContext, stage: Stage, model: torch.nn.Module, ranges, me
         state.update(part)
     unexpected = model.load_state_dict(state, strict=False).unexpected_keys   # buffers outside every layer keep their values
     assert not unexpected, unexpected
-    extra = {"schedule": ctx.cfg.schedule, "micro_batches": ctx.cfg.micro_batches,
+    extra = {"schedule": ctx.cfg.schedule, "micro_batches": ctx.cfg.micro_batches, "pipeline_stages": grid.stages,
+             "pipeline_replicas": grid.replicas, "pipeline_layout": grid.layout,
              "stages": [figures for _, figures in gathered], "stage_layers": describe(ranges, model), **(more or {})}
-    return meter.result(model.to("cpu"), extra=extra)
+    return meter.result(model.to("cpu"), replicas=grid.replicas, extra=extra)

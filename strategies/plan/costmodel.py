@@ -27,7 +27,6 @@ import math
 from dataclasses import dataclass, field
 
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.pipeline.partition import partition_stages
 from hpar.strategies.profile.profiler import ParamProfile, Profile
 
 INDEX_BYTES = 8            # int64 row id sent with every sparse row
@@ -53,6 +52,8 @@ class Estimate:
     micro_batches: int = 0
     feasible: bool = True
     note: str = ""
+    replicas: int = 1       # pipeline: R replicas of the K = len(stages) stages
+    layout: str = ""        # pipeline: rank layout (strategies/pipeline/replicas.py)
 
     @property
     def samples_per_s(self) -> float:
@@ -204,48 +205,17 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
                      "merge": merge, "update": update}, placement={p.name: "allreduce" for p in profile.params})
 
 
-def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b") -> Estimate:
-    """``pipeline`` with K = N stages (one worker each) and M micro-batches of one batch:
-    stages from ``partition.partition_stages`` (PipeDream's DP on per-micro-batch compute +
-    activation transfer); synchronous GPipe/1F1B step = (M + K - 1) * slowest stage time
-    (+ 2 lat per micro-batch), i.e. a bubble of (K-1)/(M+K-1) (Huang et al., "GPipe",
-    NeurIPS 2019; Narayanan et al., "PipeDream", SOSP 2019), + the slowest stage's update.
-    The loss and unattributed time go to the last layer. A micro-batch of B/M samples costs
-    ``fixed_share + (1 - fixed_share) / M`` of the batch's profiled compute (on a CPU a layer
-    streams its weights whatever the batch; 0 fixed share for projected devices). M in
-    {1, K, 2K, 4K} (at most the batch), the fastest. Infeasible (note says why) when the model is not a sequence of
-    layers or has fewer layers than N."""
-    c = cost_setting(profile, cluster)
-    k, layers = c.n, profile.layers
-    if not profile.is_sequential:
-        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False, note=profile.sequential_reason)
-    if k < 2:
-        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False, note="a pipeline needs at least 2 workers")
-    if len(layers) < k:
-        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False,
-                        note=f"{len(layers)} layers cannot fill {k} stages")
-    if cluster.device_flops:
-        comp, fixed = [l.flops / cluster.device_flops for l in layers], 0.0
-    else:
-        comp, fixed = [l.forward_s + l.backward_s for l in layers], profile.fixed_share
-    comp[-1] += max(0.0, c.fwd + c.bwd - sum(comp))
-    best = None
-    for m in sorted({min(f, profile.samples_per_batch) for f in (1, k, 2 * k, 4 * k)}):
-        per_micro = fixed + (1.0 - fixed) / m     # a micro-batch's share of the batch's compute
-        plan = partition_stages([x * per_micro for x in comp], [l.activation_bytes // m for l in layers],
-                                [l.param_bytes for l in layers], k, c.p2p_bw)
-        period = max(s + 2 * c.lat for s in plan.stage_s)
-        update = max(sum(l.param_bytes for l in layers[a:b]) for a, b in plan.ranges) * c.update_per_byte
-        step = (m + k - 1) * period + update
-        if best is None or step < best[0]:
-            best = (step, m, plan, period, update)
-    step, m, plan, period, update = best
-    sent = sum(m * ((layers[b - 1].activation_bytes // m if b < len(layers) else 0)
-                    + (layers[a - 1].activation_bytes // m if a > 0 else 0)) for a, b in plan.ranges) / k
-    return Estimate("pipeline", step, profile.samples_per_batch, sent,
-                    {"period": period, "bubble": (k - 1) / (m + k - 1), "update": update},
-                    placement={p.name: "allreduce" for p in profile.params},
-                    stages=tuple(tuple(r) for r in plan.ranges), micro_batches=m)
+def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
+                      replicas: int | None = None) -> Estimate:
+    """``pipeline``: the fastest synchronous plan of K stages x R replicas = N workers
+    (``replicas``: only that R), its layout and M micro-batches; the formulas, with sources,
+    are in ``strategies/plan/costmodel_pipeline.py``. With R = 1 it is the plain pipeline:
+    (M + K - 1) * slowest stage period (+ 2 lat per micro-batch) + the slowest stage's
+    update, a bubble of (K-1)/(M+K-1) (Huang et al., "GPipe", NeurIPS 2019; Narayanan et
+    al., "PipeDream", SOSP 2019). Infeasible (note says why) when the model is not a
+    sequence of layers or no split fits its layers."""
+    from hpar.strategies.plan.costmodel_pipeline import estimate_pipeline_grid
+    return estimate_pipeline_grid(profile, cluster, replicas)
 
 
 ASYNC_EXTRA_UPDATES = {"async": 0.0, "async-stash": 0.5, "async-predict": 0.5}
@@ -258,14 +228,16 @@ def estimate_async_pipeline(sync: Estimate, schedule: str) -> Estimate:
     (M updates per batch instead of one), and per forward a copy of the stage's weights
     (``async-stash``) or one out-of-place pass over the weights and the momentum
     (``async-predict``: W - s lr v), each costed as half an update (a copy or an axpy
-    against an SGD-momentum step's several passes over weights, gradient and buffer)."""
+    against an SGD-momentum step's several passes over weights, gradient and buffer); with
+    replicas, each of the M updates also waits for its replica AllReduce."""
     if not sync.feasible or schedule not in ASYNC_EXTRA_UPDATES:
         return sync
     m, period, update = sync.micro_batches, sync.breakdown["period"], sync.breakdown["update"]
-    step = m * (period + update * (1.0 + ASYNC_EXTRA_UPDATES[schedule]))
+    reduce = sync.breakdown.get("allreduce", 0.0)   # with replicas, every update averages its gradient
+    step = m * (period + update * (1.0 + ASYNC_EXTRA_UPDATES[schedule]) + reduce)
     return Estimate("pipeline", step, sync.samples_per_step, sync.bytes_per_step,
-                    {"period": period, "bubble": 0.0, "update": m * update}, sync.placement,
-                    stages=sync.stages, micro_batches=m)
+                    {"period": period, "bubble": 0.0, "update": m * update, "allreduce": m * reduce}, sync.placement,
+                    stages=sync.stages, micro_batches=m, replicas=sync.replicas, layout=sync.layout)
 
 
 def estimate_all(profile: Profile, cluster: ClusterSpec) -> list[Estimate]:

@@ -4,7 +4,8 @@ The Plan is what ``hpar profile --plan-out`` writes and what the run config's ``
 holds (``Plan.to_dict()``): the hybrid runtime reads ``placement`` (parameter name ->
 "allreduce" | "ps") and ``partitions`` (row partitions per PS-placed parameter), the
 pipeline runtime reads ``stages`` ([start, end) layer indices of
-``profile.pipeline_layers(model)``), ``micro_batches`` and ``schedule``.
+``profile.pipeline_layers(model)``: K stages), ``replicas`` (R; K x R = the workers),
+``layout`` (rank layout, strategies/pipeline/replicas.py), ``micro_batches`` and ``schedule``.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import json
 from dataclasses import dataclass, field
 
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.costmodel import Estimate, estimate_all
+from hpar.strategies.plan.costmodel import Estimate, estimate_all, estimate_pipeline
+from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.profile.profiler import Profile
 
 
@@ -49,6 +51,8 @@ class Plan:
     candidates: list[Candidate]
     predicted_step_s: float = 0.0
     samples_per_s: float = 0.0
+    replicas: int = 1        # pipeline: R replicas of the K stages
+    layout: str = ""         # pipeline: rank layout (strategies/pipeline/replicas.py)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -87,6 +91,10 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
         return (f"hybrid: embedding tables hold {share:.0%} of the parameter bytes and a batch touches "
                 f"at most {a:.2%} of their rows, so the servers move only touched rows while dense "
                 f"gradients use AllReduce{vs}.")
+    if best.strategy == "pipeline" and best.replicas > 1:
+        return (f"pipeline: {len(best.stages)} stages x {best.replicas} replicas: each replica AllReduce moves only "
+                f"a stage's share of the {_fmt_bytes(profile.total_bytes)} of parameters, and the stages "
+                f"exchange activations{vs}.")
     if best.strategy == "pipeline":
         return (f"pipeline: {_fmt_bytes(profile.total_bytes)} of parameters would cross a "
                 f"{_fmt_bytes(cluster.bandwidth_Bps)}/s link every step with data parallelism, while "
@@ -112,14 +120,18 @@ def _fastest_simplest(estimates: list[Estimate]) -> Estimate:
 
 
 def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
-                force: str | None = None) -> Plan:
+                force: str | None = None, pipeline_replicas: int | None = None) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and pick the highest samples/s among
     those that fit the job; the others are still listed as candidates with a note. A hybrid
     plan that places nothing on the servers is listed but cannot win (it would run as
     allreduce); predictions within ``TIE`` of the fastest go to the simplest strategy. ``force`` (the user's ``--strategy``) takes that strategy's plan
-    instead (its stages, micro-batches, placement). Raises ValueError when no strategy fits, or
-    when the forced one does not fit, with the cost model's reason."""
+    instead (its stages, micro-batches, placement); ``pipeline_replicas`` fixes the pipeline's R
+    (``--pipeline-replicas``). Raises ValueError when no strategy fits, or when the forced one
+    does not fit, with the cost model's reason."""
     estimates = estimate_all(profile, cluster)
+    if pipeline_replicas is not None:
+        estimates = [estimate_pipeline(profile, cluster, replicas=pipeline_replicas) if e.strategy == "pipeline" else e
+                     for e in estimates]
     candidates, ok = [], []
     for e in estimates:
         note = e.note
@@ -129,6 +141,8 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                    else "no embedding table to place on servers")
             note = (note + "; " if note else "") + f"{why} (same as allreduce)"
             available = False   # it would run as allreduce: never the winner in its own name
+        if e.strategy == "pipeline" and e.feasible:
+            note = describe_pipeline(e) + ("; " + note if note else "")
         measured_sparse = [p.name for p in profile.params if p.sparse and not p.embedding_module]
         if e.strategy == "hybrid" and measured_sparse:
             note = (note + "; " if note else "") + \
@@ -156,4 +170,5 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 servers=cluster.servers if uses_servers else 0, stages=[list(s) for s in best.stages],
                 micro_batches=best.micro_batches or 1, schedule=schedule,
                 reason=reason, candidates=candidates, predicted_step_s=best.step_s,
-                samples_per_s=best.samples_per_s)
+                samples_per_s=best.samples_per_s, replicas=best.replicas if best.strategy == "pipeline" else 1,
+                layout=best.layout if best.strategy == "pipeline" else "")

@@ -1,0 +1,51 @@
+"""``hpar run``'s checks and message for a pipeline plan of K stages x R replicas
+(``--pipeline-replicas R``, strategies/pipeline/replicas.py), made before any process starts."""
+from __future__ import annotations
+
+
+def check_replicas_flag(replicas: int | None, gpus: int, strategy: str, model) -> str:
+    """The strategy to plan for, after checking ``--pipeline-replicas`` (None: not given):
+    R must divide ``--gpus`` and leave K = gpus / R stages of at least one layer each;
+    ``--strategy auto`` with the flag means ``pipeline``. Raises ValueError (one line, the
+    flag and the fix) otherwise."""
+    if replicas is None:
+        return strategy
+    if strategy not in ("auto", "pipeline"):
+        raise ValueError(f"--pipeline-replicas {replicas} applies to --strategy pipeline only, not {strategy}; drop one")
+    if replicas < 1 or gpus % replicas:
+        raise ValueError(f"--pipeline-replicas {replicas}: a pipeline plan is K stages x R replicas = --gpus {gpus}; "
+                         f"choose a divisor of {gpus}")
+    from hpar.strategies.pipeline.stage import sequential_layers
+    layers = len(sequential_layers(model))
+    if gpus // replicas > layers:
+        raise ValueError(f"--pipeline-replicas {replicas}: --gpus {gpus} / {replicas} = {gpus // replicas} stages, but the "
+                         f"model has only {layers} layers; raise --pipeline-replicas or lower --gpus")
+    return "pipeline"
+
+
+def plan_replicas(plan: dict, flag: int | None, source: str) -> int:
+    """R of a pipeline plan: ``plan["replicas"]`` (1 when absent); ValueError naming ``source``
+    when ``--pipeline-replicas`` says otherwise (a plan file made for another split)."""
+    value = plan.get("replicas") or 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{source}: 'replicas' must be a positive integer, got {value!r}; write the plan with "
+                         "`hpar profile --plan-out`")
+    if flag is not None and flag != value:
+        raise ValueError(f"--pipeline-replicas {flag} contradicts {source} ({value} replicas); drop one")
+    return value
+
+
+def describe_plan(cfg) -> str:
+    """The line ``hpar run`` prints for a pipeline run: stages x replicas, the rank layout,
+    the layer ranges, micro-batches and schedule."""
+    from hpar.strategies.pipeline.replicas import Grid
+    grid = Grid.of(cfg)
+    stages = cfg.plan.get("stages") or []
+    layers = ", ".join(f"[{a}, {b})" for a, b in stages) or "balanced on parameter counts"
+    if grid.replicas == 1:
+        shape = f"{grid.stages} stages"
+    else:
+        rank = "r*K + k" if grid.layout == "stages-adjacent" else "k*R + r"
+        shape = f"{grid.stages} stages x {grid.replicas} replicas (rank = {rank}, {grid.layout})"
+    return (f"hpar: pipeline plan: {shape}, layers {layers}, {cfg.micro_batches} micro-batches per replica, "
+            f"schedule {cfg.schedule}")

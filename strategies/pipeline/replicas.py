@@ -1,0 +1,190 @@
+"""Pipeline x data parallelism: K stages x R replicas (PipeDream's and Megatron-LM's hybrid).
+
+A pipeline plan of ``world_size`` = K x R workers runs R copies (replicas) of a K-stage
+pipeline. Replica r trains on its own shard of the data (``data(r, R, batch_size)``:
+``--batch-size`` samples per replica, the same per-worker batch semantics as ``allreduce``),
+split into M micro-batches; the R replicas of stage k average that stage's gradients with an
+AllReduce over the stage's replica group before every optimizer step, so the R pipelines
+together equal one pipeline (and one process) on the concatenation of the R batches
+(Narayanan et al., "PipeDream", SOSP 2019, section 3.1, stage replication; Narayanan et al.,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021,
+section 2.2: pipeline x data parallelism).
+
+Rank layout (:class:`Grid`), fixed by the plan's ``layout``:
+
+* ``stages-adjacent`` (default): ``rank = r * K + k``. A pipeline's stages are consecutive
+  ranks, so with K dividing the GPUs per host each pipeline stays within one host
+  (activations over the fast intra-host link) and a stage's replicas are spread over hosts.
+* ``replicas-adjacent``: ``rank = k * R + r``. A stage's replicas are consecutive ranks, so
+  with R dividing the GPUs per host each replica AllReduce stays within one host and only
+  activations cross hosts. The planner (``strategies/plan/costmodel_pipeline.py``) takes
+  whichever is predicted cheaper.
+
+Process groups: for every stage k, in order k = 0..K-1 on every rank (``dist.new_group`` is a
+collective over the default group), a group of its R replicas on the dense backend of
+``strategies/groups.py`` (NCCL on CUDA, gloo on CPU) for the gradients, and on CUDA a second
+gloo group for the step's loss (a CPU float never goes to NCCL). Point-to-point messages
+stay within a replica (``comm.Links`` with the replica's ranks), so every send still meets a
+receive posted by the same neighbour stage as in a single pipeline.
+
+Why not DDP over the replica group: DDP decides at forward time whether the next backward
+reduces (``no_sync`` must wrap the forward), and its reducer fires on the first backward
+that follows. In 1F1B and GPipe the forward of a step's last micro-batch is followed by the
+backwards of earlier micro-batches, so DDP would reduce a partial sum; and the asynchronous
+schedules run their passes through ``torch.func.functional_call`` on leaf tensors, which
+DDP's parameter hooks never see. So the gradients are averaged here with a bucketed
+AllReduce (flattened buckets of at most ``BUCKET_BYTES``, all posted asynchronously, then
+awaited) after the backward that completes them: the step's last backward in gpipe/1f1b
+and async-2bw, every backward in async/async-stash/async-predict (whose every backward is
+an optimizer step). Replicas start from the same seeded weights and apply the same
+averaged gradients, so they stay identical: a checkpoint is written by replica 0 of each
+stage only, and every replica loads it on resume.
+
+Limit: a parameter without a gradient on a replica (unused in its forward) counts as a
+zero gradient in the average.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hpar.strategies.groups import DEFAULT_BACKEND, dense_backend
+
+LAYOUTS = ("stages-adjacent", "replicas-adjacent")
+BUCKET_BYTES = 25 << 20   # DDP's default bucket (bucket_cap_mb=25)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """K ``stages`` x R ``replicas`` of a pipeline plan on K x R workers, placed by ``layout``
+    (one of LAYOUTS, see the module docstring). Raises ValueError for counts below 1 or an
+    unknown layout."""
+
+    stages: int
+    replicas: int = 1
+    layout: str = "stages-adjacent"
+
+    def __post_init__(self):
+        if self.stages < 1 or self.replicas < 1:
+            raise ValueError(f"a pipeline plan needs at least 1 stage and 1 replica, got {self.stages} x {self.replicas}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"pipeline layout {self.layout!r}: choose one of {', '.join(LAYOUTS)}")
+
+    @classmethod
+    def of(cls, cfg) -> "Grid":
+        """The grid of a RunConfig: ``cfg.replicas`` replicas of ``cfg.pipeline_stages`` stages,
+        the layout from ``cfg.plan`` (default ``stages-adjacent``)."""
+        return cls(cfg.pipeline_stages, cfg.replicas, (cfg.plan or {}).get("layout") or LAYOUTS[0])
+
+    @property
+    def size(self) -> int:
+        return self.stages * self.replicas
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        """The worker rank of ``stage`` (0..K-1) of ``replica`` (0..R-1)."""
+        assert 0 <= stage < self.stages and 0 <= replica < self.replicas, (stage, replica)
+        if self.layout == "stages-adjacent":
+            return replica * self.stages + stage
+        return stage * self.replicas + replica
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of worker ``rank``."""
+        assert 0 <= rank < self.size, rank
+        if self.layout == "stages-adjacent":
+            return rank % self.stages, rank // self.stages
+        return rank // self.replicas, rank % self.replicas
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """Worker ranks of stages 0..K-1 of ``replica`` (its point-to-point peers)."""
+        return [self.rank_of(k, replica) for k in range(self.stages)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """Worker ranks of the R replicas of ``stage`` (its AllReduce group), replica order."""
+        return [self.rank_of(stage, r) for r in range(self.replicas)]
+
+
+class StageReplicas:
+    """This worker's stage replica group: gradient averaging and the step's mean loss.
+
+    Construct it on every worker in the same order relative to other ``new_group`` calls
+    (it creates one or two groups per stage, stage 0 first). ``rank``: this worker's rank;
+    ``device_type``: "cpu" or "cuda"; ``is_remote``: default-group rank -> whether it runs on
+    another host (for the bytes that leave the host). With one replica nothing is created and
+    every method is a no-op.
+    """
+
+    def __init__(self, grid: Grid, rank: int, device_type: str, is_remote=lambda rank: False):
+        self.grid = grid
+        self.stage, self.replica = grid.coords(rank)
+        self.n = grid.replicas
+        self.group = self.control = None
+        self.sent = 0.0          # bytes sent (= received) in gradient AllReduces since take()
+        self.sent_remote = 0.0   # the part addressed to another host
+        if self.n == 1:
+            return
+        backend = dense_backend(device_type)
+        for k in range(grid.stages):
+            ranks = grid.stage_ranks(k)
+            dense = dist.new_group(ranks, backend=backend)
+            control = dense if backend == DEFAULT_BACKEND else dist.new_group(ranks, backend=DEFAULT_BACKEND)
+            if k == self.stage:
+                self.group, self.control = dense, control
+        mine = grid.stage_ranks(self.stage)
+        self.ring_remote = is_remote(mine[(self.replica + 1) % self.n])   # gloo's and NCCL's ring successor
+
+    def average_gradients(self, params: list[torch.Tensor]) -> None:
+        """Replace each parameter's ``.grad`` by its mean over the stage's replicas (a missing
+        gradient counts as zeros): bucketed AllReduce, every bucket posted before any is
+        awaited. Every replica must pass the same parameters in the same order."""
+        if self.n == 1 or not params:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        pending = []
+        for bucket in _buckets(params):
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            pending.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+            nbytes = 2.0 * (self.n - 1) / self.n * flat.numel() * flat.element_size()
+            self.sent += nbytes
+            if self.ring_remote:
+                self.sent_remote += nbytes
+        for bucket, flat, work in pending:
+            work.wait()
+            flat.div_(self.n)
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+
+    def mean_loss(self, loss: float) -> float:
+        """The mean of ``loss`` over the stage's replicas (gloo, a CPU float64)."""
+        if self.n == 1:
+            return loss
+        t = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(t, group=self.control)
+        return float(t) / self.n
+
+    def take(self) -> tuple[float, float]:
+        """(bytes sent in AllReduces, of which to another host) since the last call; resets them.
+        A ring AllReduce of B bytes sends and receives 2(R-1)/R * B per member."""
+        out = (self.sent, self.sent_remote)
+        self.sent = self.sent_remote = 0.0
+        return out
+
+
+def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive parameters grouped by dtype and device into buckets of at most
+    ``BUCKET_BYTES`` (a larger parameter is a bucket of its own)."""
+    out, size, key = [], 0, None
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        k = (p.grad.dtype, p.grad.device)
+        if not out or k != key or size + nbytes > BUCKET_BYTES:
+            out.append([])
+            size, key = 0, k
+        out[-1].append(p)
+        size += nbytes
+    return out

@@ -1,0 +1,146 @@
+"""Predicted step time of a pipeline plan of K stages x R replicas (pipeline x data
+parallelism), and the choice of (K, R, layout, M). Pure functions of a Profile and a
+ClusterSpec, like ``strategies/plan/costmodel.py``, whose notation and helpers it uses.
+
+For every split N = K x R with 2 <= K <= layers (or the user's R), every rank layout of
+``strategies/pipeline/replicas.py`` (``stages-adjacent``: rank = r*K + k, a pipeline's stages
+on consecutive ranks, so within a host when K divides its GPUs; ``replicas-adjacent``: rank =
+k*R + r, a stage's replicas within a host) and M in {1, K, 2K, 4K} (at most the batch)::
+
+    step = (M + K - 1) * period + max_k (allreduce_k + update_k)
+
+* ``period``: the slowest stage's seconds per micro-batch from PipeDream's partition DP
+  (``pipeline/partition.py``: compute of a micro-batch, ``fixed_share + (1 - fixed_share)/M``
+  of the batch's, plus its activation out and gradient in) + 2 latencies; (M + K - 1)
+  periods is a synchronous step with a bubble of (K-1)/(M+K-1) (Huang et al., "GPipe",
+  NeurIPS 2019).
+* activations travel over the intra-host link when every stage boundary of every replica
+  stays within a host; otherwise over the inter-host link shared by the boundaries that
+  leave the busiest host at once (one bandwidth for all boundaries: the DP takes one, so the
+  slowest, an upper bound).
+* ``allreduce_k``: a ring AllReduce of stage k's parameter bytes over its R replicas
+  (``costmodel.ring_allreduce_s``): on one host at the host's collective bandwidth; across
+  hosts at the inter-host bandwidth divided by the number of ring edges (over all stages)
+  that leave the busiest host, since the stages' AllReduces share each host's link. It
+  runs after the step's last backward (no overlap, as strategies/pipeline/replicas.py does
+  it), as does the optimizer update of the stage's bytes.
+* samples per step: R x the batch (``--batch-size`` per replica, as ``allreduce``).
+
+Sources: PipeDream's planner (Narayanan et al., SOSP 2019, section 3.1: stage replication
+and its AllReduce cost), Megatron-LM's pipeline x data parallel placement (Narayanan et al.,
+SC 2021, section 3.3: pipeline stages across nodes, data parallel replicas as the cost model
+decides), the alpha-beta message cost of ``costmodel``.
+"""
+from __future__ import annotations
+
+from hpar.strategies.pipeline.partition import partition_stages
+from hpar.strategies.pipeline.replicas import LAYOUTS, Grid
+from hpar.strategies.plan.cluster import ClusterSpec
+from hpar.strategies.plan.costmodel import Estimate, cost_setting, ring_allreduce_s
+from hpar.strategies.profile.profiler import Profile
+
+
+def host_of(cluster: ClusterSpec) -> list[int]:
+    """Host index of every worker rank: ranks fill the hosts in order (as the launcher places them)."""
+    return [h for h, g in enumerate(cluster.gpus_per_host) for _ in range(g)]
+
+
+def activation_bandwidth(cluster: ClusterSpec, grid: Grid) -> float:
+    """Bytes/s of a stage boundary (see the module docstring): intra-host when no boundary of
+    any replica crosses hosts, else the inter-host bandwidth over the most boundary sends
+    that leave one host in one direction."""
+    host = host_of(cluster)
+    out_fwd, out_bwd = {}, {}
+    for r in range(grid.replicas):
+        for k in range(grid.stages - 1):
+            a, b = host[grid.rank_of(k, r)], host[grid.rank_of(k + 1, r)]
+            if a != b:
+                out_fwd[a] = out_fwd.get(a, 0) + 1
+                out_bwd[b] = out_bwd.get(b, 0) + 1
+    if not out_fwd:
+        return cluster.intra_Bps
+    return cluster.bandwidth_Bps / max(max(out_fwd.values()), max(out_bwd.values()))
+
+
+def allreduce_seconds(cluster: ClusterSpec, grid: Grid, stage_bytes: list[float]) -> list[float]:
+    """Seconds of each stage's replica AllReduce (see the module docstring)."""
+    if grid.replicas == 1:
+        return [0.0] * grid.stages
+    host = host_of(cluster)
+    edges, spans = {}, []
+    for k in range(grid.stages):
+        ranks = grid.stage_ranks(k)
+        crossing = [host[a] for a, b in zip(ranks, ranks[1:] + ranks[:1]) if host[a] != host[b]]
+        for h in crossing:
+            edges[h] = edges.get(h, 0) + 1
+        spans.append(bool(crossing))
+    share = max(edges.values()) if edges else 1
+    one_host = cluster.allreduce_Bps or cluster.intra_Bps
+    return [ring_allreduce_s(nbytes, grid.replicas, cluster.bandwidth_Bps / share if span else one_host,
+                             cluster.latency_s) for nbytes, span in zip(stage_bytes, spans)]
+
+
+def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batches: int) -> Estimate:
+    """The synchronous (gpipe/1f1b) Estimate of ``grid`` with ``micro_batches`` micro-batches
+    per replica's batch on ``cluster`` (module docstring). The profile must be a sequence of
+    at least ``grid.stages`` layers."""
+    c = cost_setting(profile, cluster)
+    layers, K, R, m = profile.layers, grid.stages, grid.replicas, micro_batches
+    if cluster.device_flops:
+        comp, fixed = [l.flops / cluster.device_flops for l in layers], 0.0
+    else:
+        comp, fixed = [l.forward_s + l.backward_s for l in layers], profile.fixed_share
+    comp[-1] += max(0.0, c.fwd + c.bwd - sum(comp))   # the loss and unattributed time go to the last layer
+    per_micro = fixed + (1.0 - fixed) / m     # a micro-batch's share of the batch's compute
+    plan = partition_stages([x * per_micro for x in comp], [l.activation_bytes // m for l in layers],
+                            [l.param_bytes for l in layers], K, activation_bandwidth(cluster, grid))
+    period = max(s + 2 * c.lat for s in plan.stage_s)
+    stage_bytes = [float(sum(l.param_bytes for l in layers[a:b])) for a, b in plan.ranges]
+    reduce = allreduce_seconds(cluster, grid, stage_bytes)
+    tail = max(ar + nbytes * c.update_per_byte for ar, nbytes in zip(reduce, stage_bytes))
+    step = (m + K - 1) * period + tail
+    acts = sum(m * ((layers[b - 1].activation_bytes // m if b < len(layers) else 0)
+                    + (layers[a - 1].activation_bytes // m if a > 0 else 0)) for a, b in plan.ranges) / K
+    reduced = sum(2 * (R - 1) / R * nbytes for nbytes in stage_bytes) / K
+    return Estimate("pipeline", step, R * profile.samples_per_batch, acts + reduced,
+                    {"period": period, "bubble": (K - 1) / (m + K - 1), "update": max(stage_bytes) * c.update_per_byte,
+                     "allreduce": max(reduce), "stages": K, "replicas": R},
+                    placement={p.name: "allreduce" for p in profile.params},
+                    stages=tuple(tuple(r) for r in plan.ranges), micro_batches=m, replicas=R, layout=grid.layout)
+
+
+def estimate_pipeline_grid(profile: Profile, cluster: ClusterSpec, replicas: int | None = None) -> Estimate:
+    """The fastest (highest samples/s) synchronous pipeline plan over K x R = N, both layouts
+    and M in {1, K, 2K, 4K}; ``replicas``: only that R (``--pipeline-replicas``). Infeasible
+    (``note`` says why) when the model is not a sequence of layers, N < 2 (without
+    ``replicas``), or no split has at most one stage per layer."""
+    n, layers = cluster.workers, profile.layers
+    if not profile.is_sequential:
+        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False, note=profile.sequential_reason)
+    if replicas is None and n < 2:
+        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False, note="a pipeline needs at least 2 workers")
+    if replicas is not None and (replicas < 1 or n % replicas):
+        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False,
+                        note=f"--pipeline-replicas {replicas} does not divide the {n} workers")
+    splits = [(n // replicas, replicas)] if replicas else [(k, n // k) for k in range(2, n + 1) if n % k == 0]
+    splits = [(k, r) for k, r in splits if k <= len(layers)]
+    if not splits:
+        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False,
+                        note=f"{len(layers)} layers cannot fill {n // (replicas or 1)} stages")
+    best = None
+    for k, r in splits:
+        for layout in (LAYOUTS if r > 1 else LAYOUTS[:1]):
+            for m in sorted({min(f, profile.samples_per_batch) for f in (1, k, 2 * k, 4 * k)}):
+                est = estimate_grid(profile, cluster, Grid(k, r, layout), m)
+                if best is None or est.samples_per_s > best.samples_per_s * (1 + 1e-12):
+                    best = est
+    return best
+
+
+def describe(est: Estimate) -> str:
+    """One line for the profile table: "K stages x R replicas (layout), M micro-batches"."""
+    where = {"stages-adjacent": "a pipeline's stages on adjacent ranks",
+             "replicas-adjacent": "a stage's replicas on adjacent ranks"}.get(est.layout, est.layout)
+    micro = f"{est.micro_batches} micro-batch{'es' if est.micro_batches != 1 else ''}"
+    return (f"{len(est.stages)} stages x {est.replicas} replicas ({where}), {micro}"
+            if est.replicas > 1 else f"{len(est.stages)} stages, {micro}")
