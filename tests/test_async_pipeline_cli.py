@@ -59,6 +59,7 @@ def test_async_predict_refuses_an_optimizer_without_a_rule_before_start(tmp_path
     assert len(lines) == 1 and "RMSprop" in lines[0] and "async-predict has no weight prediction rule" in lines[0], err
     assert "SGD, Adam or AdamW" in lines[0] and not run_dir.exists()
     code, out, err = hpar_to_file(tmp_path, "run", script, "--gpus", "4", "--strategy", "pipeline", "--schedule",
-                                  "async-2bw", "--micro-batches", "2", "--run-dir", str(run_dir), "--plain")
+                                  "async-2bw", "--micro-batches", "2", "--pipeline-replicas", "1",   # 4 stages
+                                  "--run-dir", str(run_dir), "--plain")
     assert code == 2 and "--micro-batches 2: --schedule async-2bw needs at least --gpus - 1 = 3" in err, out + err
     assert not run_dir.exists()

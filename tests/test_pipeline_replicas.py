@@ -98,3 +98,63 @@ def test_checkpoint_by_replica_zero_resumes_every_replica(tmp_path):
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, replicas=2, steps=10, resume=True)
     assert codes == [0] * 4, logs
     assert_close_state(state, ref)
+
+
+def grid_profile(param_bytes: int, activation_bytes: int):
+    """4 layers of 0.01 s forward + 0.02 s backward each, a batch of 32 samples."""
+    from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
+    params = [ParamProfile(f"{i}.weight", (param_bytes // 4,), param_bytes, False, 1.0, 1.0, False, layer=i)
+              for i in range(4)]
+    layers = [LayerProfile(str(i), 0.01, 0.02, 10**6, activation_bytes, param_bytes) for i in range(4)]
+    return Profile(params=tuple(params), layers=tuple(layers), batch_size=32, samples_per_batch=32, workers=4,
+                   is_sequential=True, sequential_reason="", compute_s=0.12, forward_s=0.04, backward_s=0.08,
+                   forward_flops=10**6, backward_flops=2 * 10**6, update_s_per_byte=1e-10, timing_batch_size=32)
+
+
+def test_planner_places_replicas_or_stages_within_a_host_where_that_is_cheaper():
+    """2 hosts x 2 GPUs, 1 GB/s between hosts, 10 GB/s within: with heavy parameters a
+    stage's replicas share a host (its AllReduce stays local, the activations cross hosts);
+    with heavy activations a pipeline's stages share a host. Checked against the formulas."""
+    from hpar.strategies.plan.cluster import ClusterSpec
+    from hpar.strategies.plan.costmodel import estimate_pipeline
+    from hpar.strategies.plan.costmodel_pipeline import estimate_grid
+    cluster = ClusterSpec(hosts=2, gpus_per_host=(2, 2), servers=2, bandwidth_Bps=1e9, latency_s=0.0,
+                          intra_host_Bps=1e10)
+    heavy_params = grid_profile(100_000_000, 1000)
+    est = estimate_grid(heavy_params, cluster, Grid(2, 2, "replicas-adjacent"), 2)
+    # stage of 2 layers, a micro-batch of half the batch: 0.03 s + 500 B over the shared inter-host link
+    period = 0.03 + 500 / (1e9 / 2)
+    # AllReduce of the stage's 200 MB between 2 replicas on one host (2(R-1)/R B / bw) + its update
+    tail = 2e8 / 1e10 + 2e8 * 1e-10
+    assert est.step_s == pytest.approx(3 * period + tail, rel=1e-9)
+    assert est.samples_per_step == 64 and est.stages == ((0, 2), (2, 4)) and est.replicas == 2
+    across = estimate_grid(heavy_params, cluster, Grid(2, 2, "stages-adjacent"), 2)
+    # each host holds one member of both stages' rings: they share its link
+    assert across.step_s == pytest.approx(3 * (0.03 + 500 / 1e10) + 2e8 / (1e9 / 2) + 2e8 * 1e-10, rel=1e-9)
+    forced = estimate_pipeline(heavy_params, cluster, replicas=2)
+    assert (forced.replicas, forced.layout) == (2, "replicas-adjacent")
+    assert estimate_pipeline(heavy_params, cluster).replicas == 1   # 200 MB stages: no replicas at all
+    heavy_acts = grid_profile(1000, 100_000_000)
+    assert estimate_pipeline(heavy_acts, cluster, replicas=2).layout == "stages-adjacent"
+
+
+@pytest.mark.timeout(300)
+def test_profile_prints_a_k_by_r_pipeline_plan_for_wide_on_48_gpus(tmp_path):
+    """`hpar profile --gpus 48 --hosts 8x6 examples/wide.py` (8 layers cannot fill 48 stages):
+    the pipeline candidate is K stages x R replicas with K x R = 48, in the table and --json."""
+    import json
+    from click.testing import CliRunner
+    from hpar.launcher.commands.profile import profile
+    wide = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "wide.py")
+    plan_out = tmp_path / "plan.json"
+    args = [wide, "--gpus", "48", "--hosts", "8x6", "--bandwidth", "100Gbps", "--device-tflops", "15",
+            "--timing-batch-size", "4"]
+    res = CliRunner().invoke(profile, args + ["--json", "--plan-out", str(plan_out)])
+    assert res.exit_code == 0, res.output
+    pipe = next(c for c in json.loads(res.stdout)["candidates"] if c["strategy"] == "pipeline")
+    k, r = pipe["breakdown"]["stages"], pipe["breakdown"]["replicas"]
+    assert pipe["available"] and k * r == 48 and 2 <= k <= 15 and r > 1, pipe
+    assert f"{k} stages x {r} replicas" in pipe["note"]
+    plan = json.loads(plan_out.read_text())
+    if plan["strategy"] == "pipeline":
+        assert len(plan["stages"]) == k and plan["replicas"] == r and plan["layout"]

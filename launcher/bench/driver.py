@@ -261,6 +261,11 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     profile = profile_job(job, bs, max(cluster.workers, cfg.project or 0))
     estimates = {e.strategy: e for e in estimate_all(profile, cluster)}
     projected = {e.strategy: e for e in estimate_all(profile, cluster_of(cfg.project))} if cfg.project else {}
+    # torch's schedules run one pipeline: with them in the bench, hpar's run the same (R = 1) stages
+    one_pipeline = 1 if any((BENCH_STRATEGIES[n][1] or "").startswith("torch-") for n in names) else None
+    if one_pipeline:
+        from hpar.strategies.plan.costmodel import estimate_pipeline
+        estimates["pipeline"] = estimate_pipeline(profile, cluster, replicas=1)
     reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, cfg.gpus))}
     # the planner's plan of each planned strategy, so that its runs execute what was
     # predicted (pipeline: stages and micro-batches, one plan for hpar's and torch's schedules
@@ -271,7 +276,8 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     for strategy in sorted({BENCH_STRATEGIES[n][0] for n in names if n not in reasons} & PLANNED):
         path = os.path.join(os.path.abspath(cfg.bench_dir),
                             f"{os.path.splitext(os.path.basename(script))[0]}-{strategy}-plan.json")
-        atomic_write_bytes(path, choose_plan(profile, cluster, force=strategy).to_json().encode())
+        atomic_write_bytes(path, choose_plan(profile, cluster, force=strategy, pipeline_replicas=one_pipeline
+                                             if strategy == "pipeline" else None).to_json().encode())
         plan_files[strategy] = path
     return ScriptPlan(bs, estimates, projected, reasons, plan_files)
 

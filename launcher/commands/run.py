@@ -13,7 +13,7 @@ from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_all
 from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.devices import choose_devices, describe, local_gpus
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_step
-from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas
+from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import check_job, load_job
@@ -114,7 +114,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         model = check_job(job, bs)
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model)   # before the planner profiles
-        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, pipeline_replicas)
+        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule,
+                                  planner_replicas(pipeline_replicas, schedule))
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan")

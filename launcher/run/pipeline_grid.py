@@ -23,6 +23,14 @@ def check_replicas_flag(replicas: int | None, gpus: int, strategy: str, model) -
     return "pipeline"
 
 
+def planner_replicas(flag: int | None, schedule: str | None) -> int | None:
+    """The R the planner must keep: the flag's, or 1 for torch.distributed.pipelining's
+    schedules (they run one pipeline), else None (the planner chooses)."""
+    if flag is None and (schedule or "").startswith("torch-"):
+        return 1
+    return flag
+
+
 def plan_replicas(plan: dict, flag: int | None, source: str) -> int:
     """R of a pipeline plan: ``plan["replicas"]`` (1 when absent); ValueError naming ``source``
     when ``--pipeline-replicas`` says otherwise (a plan file made for another split)."""
@@ -47,5 +55,5 @@ def describe_plan(cfg) -> str:
     else:
         rank = "r*K + k" if grid.layout == "stages-adjacent" else "k*R + r"
         shape = f"{grid.stages} stages x {grid.replicas} replicas (rank = {rank}, {grid.layout})"
-    return (f"hpar: pipeline plan: {shape}, layers {layers}, {cfg.micro_batches} micro-batches per replica, "
-            f"schedule {cfg.schedule}")
+    per = " per replica" if grid.replicas > 1 else ""
+    return f"hpar: pipeline plan: {shape}, layers {layers}, {cfg.micro_batches} micro-batches{per}, schedule {cfg.schedule}"

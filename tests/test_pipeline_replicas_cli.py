@@ -1,0 +1,79 @@
+"""`hpar run --strategy pipeline --gpus 4` as 2 stages x 2 replicas through the real launcher
+(stdout to a file): the plan line, exit code, the trained model against one process on the
+concatenated batch, nothing left behind; and the one-line refusals of --pipeline-replicas."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import TINY, run_processes, single_process_reference, write_script
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def hpar_to_file(tmp_path, *args, timeout=240):
+    """Run the real CLI with stdout and stderr to files; returns (exit code, stdout, stderr)."""
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], stdout=fo, stderr=fe,
+                              timeout=timeout).returncode
+    return code, out.read_text(), err.read_text()
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("pipedp")
+    script = write_script(tmp_path, TINY)
+    run_dir = str(tmp_path / "run")
+    code, out, err = hpar_to_file(tmp_path, "run", script, "--gpus", "4", "--strategy", "pipeline",
+                                  "--pipeline-replicas", "2", "--steps", "6", "--batch-size", "8", "--lr", "0.1",
+                                  "--run-dir", run_dir, "--plain")
+    return script, run_dir, code, out, err
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_two_stages_by_two_replicas_through_the_launcher(two_by_two):
+    script, run_dir, code, out, err = two_by_two
+    assert code == 0, out + err
+    assert not run_processes(run_dir)
+    line = next(l for l in out.splitlines() if l.startswith("hpar: pipeline plan:"))
+    assert "2 stages x 2 replicas (rank = r*K + k" in line or "2 stages x 2 replicas (rank = k*R + r" in line, line
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert (summary["pipeline_stages"], summary["pipeline_replicas"], summary["world_size"]) == (2, 2, 4)
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    assert config["replicas"] == 2 and config["plan"]["replicas"] == 2 and len(config["plan"]["stages"]) == 2
+    ref = single_process_reference(script, world_size=2, steps=6, batch_size=8, lr=0.1)
+    state = torch.load(os.path.join(run_dir, "model.pt"))
+    for k in ref:
+        assert torch.allclose(state[k], ref[k], rtol=1e-5, atol=1e-6), k
+    assert summary["eval_last"]["mse"] < summary["eval_first"]["mse"]
+
+
+@pytest.mark.timeout(120)
+def test_more_stages_than_layers_is_one_line_and_exit_2(tmp_path):
+    script = write_script(tmp_path, TINY)
+    run_dir = tmp_path / "run"
+    code, out, err = hpar_to_file(tmp_path, "run", script, "--strategy", "pipeline", "--gpus", "8",
+                                  "--pipeline-replicas", "1", "--run-dir", str(run_dir), "--plain")
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--pipeline-replicas 1: --gpus 8 / 1 = 8 stages, but the model has only 5 layers" in lines[0], err
+    assert not run_dir.exists() and not run_processes(str(run_dir))
+
+
+def test_replicas_flag_checks_before_planning(tmp_path):
+    from hpar.launcher.run.pipeline_grid import check_replicas_flag, plan_replicas, planner_replicas
+    from hpar.strategies.job import load_job
+    model = load_job(write_script(tmp_path, TINY)).build_model()
+    with pytest.raises(ValueError, match="--pipeline-replicas 3: a pipeline plan is K stages x R replicas = --gpus 4; choose a divisor of 4"):
+        check_replicas_flag(3, 4, "pipeline", model)
+    with pytest.raises(ValueError, match="--pipeline-replicas 2 applies to --strategy pipeline only, not allreduce"):
+        check_replicas_flag(2, 4, "allreduce", model)
+    assert check_replicas_flag(2, 4, "auto", model) == "pipeline" and check_replicas_flag(None, 4, "auto", model) == "auto"
+    with pytest.raises(ValueError, match="--pipeline-replicas 1 contradicts plan.json .2 replicas"):
+        plan_replicas({"replicas": 2}, 1, "plan.json")
+    assert plan_replicas({}, None, "plan.json") == 1
+    assert planner_replicas(None, "torch-1f1b") == 1 and planner_replicas(None, "1f1b") is None
