@@ -2,6 +2,7 @@
 1f1b with K = 2, R = 2 against one process on the concatenated batch, the asynchronous
 schedules with replicas, checkpoints written by replica 0 and resumed by every replica, and
 the planner's (K, R) choice."""
+import itertools
 import os
 
 import pytest
@@ -158,3 +159,80 @@ def test_profile_prints_a_k_by_r_pipeline_plan_for_wide_on_48_gpus(tmp_path):
     plan = json.loads(plan_out.read_text())
     if plan["strategy"] == "pipeline":
         assert len(plan["stages"]) == k and plan["replicas"] == r and plan["layout"]
+
+
+def grid_transcripts(schedule: str, grid: Grid, M: int, steps: int = 2) -> list[list]:
+    """Every worker's posted batches (indexed by rank), driving each replica's Links exactly as
+    runtime.train does, with each replica AllReduce (gradients; the last stage's loss) recorded
+    as one batch that sends to and receives from every other member of the stage's group: it
+    completes only when the whole group posts it, as a collective does."""
+    from test_pipeline_comm import Recorder
+    from hpar.strategies.pipeline.comm import P2P, Links
+    from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
+    out = [None] * grid.size
+    for rank in range(grid.size):
+        k, r = grid.coords(rank)
+        K, rec = grid.stages, Recorder()
+        links = Links(k, K, torch.device("cpu"), transport=rec, ranks=grid.pipeline_ranks(r))
+        act = torch.zeros(())
+
+        def collective(channel):
+            peers = [p for p in grid.stage_ranks(k) if p != rank]
+            rec.post([P2P(op, torch.zeros(1), p, 9, channel) for p in peers for op in ("send", "recv")])
+
+        def run(op, j):
+            if op.kind == "F":
+                if k > 0:
+                    links.recv_activation()
+                if k < K - 1:
+                    links.send_activation(act)
+            else:
+                if k < K - 1:
+                    links.recv_gradient()
+                if updates_after(schedule, j, M):
+                    collective("allreduce")
+                if k > 0:
+                    links.send_gradient(act)
+
+        def end_step():
+            links.flush()
+            if is_synchronous(schedule):
+                collective("allreduce")
+            if k == K - 1:
+                collective("loss")
+            if K > 1 and k == K - 1:
+                links.send_loss(0.0)
+            elif K > 1 and k == 0:
+                links.recv_loss()
+
+        if is_synchronous(schedule):
+            for _ in range(steps):
+                for op in stage_ops(schedule, K, k, M):
+                    run(op, op.micro)
+                end_step()
+        else:
+            for op in stage_ops(schedule, K, k, steps * M):
+                run(op, op.micro)
+                if op.kind == "B" and (op.micro + 1) % M == 0:
+                    end_step()
+        links.flush()
+        out[rank] = [b for b in rec.batches if b]
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "async-predict", "async-2bw"])
+def test_replicas_cannot_deadlock_and_messages_stay_within_a_replica(schedule):
+    """tests/test_pipeline_comm.py's model (a dense send blocks until its receive is posted)
+    over every worker of K x R grids, with the replica AllReduces as blocking collectives."""
+    from test_pipeline_comm import replay
+    for K, R, layout in itertools.product((2, 3, 4), (2, 3), ("stages-adjacent", "replicas-adjacent")):
+        grid = Grid(K, R, layout)
+        for M in (1, 2, 4):
+            if schedule == "async-2bw" and M < K - 1:
+                continue
+            per_rank = grid_transcripts(schedule, grid, M)
+            assert replay(per_rank), f"{schedule} {K}x{R} {layout} M={M} deadlocks"
+            for rank, batches in enumerate(per_rank):
+                k, r = grid.coords(rank)
+                peers = {peer for b in batches for op, peer, ch in b if ch in ("dense", "host")}
+                assert peers <= set(grid.pipeline_ranks(r)), (rank, peers)
