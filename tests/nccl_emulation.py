@@ -17,7 +17,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-ALLOWED = {"counting_allreduce_hook", "group_allreduce_hook", "padded_allgather_hook", "padded_allgather_mean", "post"}
+ALLOWED = {"counting_allreduce_hook", "group_allreduce_hook", "padded_allgather_hook", "padded_allgather_mean", "post",
+           "average_gradients"}   # the last: a pipeline stage's replica AllReduce of its device gradients
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "gather_object", "gather",
                "reduce", "send", "recv", "broadcast_object_list", "all_to_all", "reduce_scatter")
 # (isend/irecv stay unwrapped: dist.P2POp checks that its op *is* dist.isend or dist.irecv; their

@@ -236,3 +236,29 @@ def test_replicas_cannot_deadlock_and_messages_stay_within_a_replica(schedule):
                 k, r = grid.coords(rank)
                 peers = {peer for b in batches for op, peer, ch in b if ch in ("dense", "host")}
                 assert peers <= set(grid.pipeline_ranks(r)), (rank, peers)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_only_device_tensors_reach_nccl_groups_with_replicas(tmp_path):
+    """1 stage x 2 replicas (two processes: the replica code without the point-to-point links,
+    which tests/test_groups.py covers) with their NCCL groups (the workers' dense group and the
+    stage's replica group) emulated by gloo: only the gradient AllReduce reaches them; the
+    replicas' mean loss goes over gloo."""
+    import json
+    import torch.multiprocessing as mp
+    from nccl_emulation import child
+    from hpar.strategies.config import RunConfig
+    from hpar.strategies.plan.cluster import free_port
+    (tmp_path / "job.py").write_text(SCRIPT)
+    cfg = RunConfig(script=str(tmp_path / "job.py"), strategy="pipeline", world_size=2, replicas=2, steps=3,
+                    batch_size=8, lr=0.1, seed=0, run_dir=str(tmp_path / "run"), device="cuda", log_every=1,
+                    eval=False, schedule="1f1b", micro_batches=2)
+    os.makedirs(cfg.run_dir)
+    (tmp_path / "config.json").write_text(cfg.to_json())
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(child, args=(2, [(str(tmp_path / "config.json"), free_port())], str(out)), nprocs=2)
+    for rank in range(2):
+        r = json.loads((out / f"{rank}.json").read_text())["pipeline"]
+        assert r["violations"] == [], f"rank {rank}: {r['violations']}"
