@@ -222,10 +222,12 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
 
 
 def with_ratios(results: list[Result]) -> list[Result]:
-    """Each result with ``ratio`` = its samples/s over the fastest of its script's results."""
+    """Each result with ``ratio`` = its samples/s over the fastest of its script's results.
+    A row that ran as another strategy (``extra["ran_as"]``) is measured against the others
+    but never sets the fastest: it is not a contender in its own name (launcher/bench/verdict.py)."""
     best: dict[str, float] = {}
     for r in results:
-        if r.samples_per_s:
+        if r.samples_per_s and not (r.extra or {}).get("ran_as"):
             best[r.script] = max(best.get(r.script, 0.0), r.samples_per_s)
     return [dataclasses.replace(r, ratio=r.samples_per_s / best[r.script]) if r.samples_per_s and best.get(r.script)
             else r for r in results]
