@@ -13,7 +13,6 @@ it defaults to ``bandwidth_Bps`` because we cannot measure a GPU interconnect we
 """
 from __future__ import annotations
 
-import os
 import re
 import socket
 from dataclasses import dataclass
