@@ -310,7 +310,8 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None) -> list[
                 res = run()
             else:
                 res, counters = around_run(run)
-            res = dataclasses.replace(res, script=script, predicted_step_s=pred, projected=proj, counters=counters)
+            res = dataclasses.replace(res, script=script, predicted_step_s=pred, projected=proj, counters=counters,
+                                      extra={**res.extra, "batch_size": plan.batch_size})
             say(f"hpar bench: {stem} {name}: " + (res.reason or f"{res.samples_per_s:,.1f} samples/s"))
             results.append(res)
     return with_ratios(results)
