@@ -147,7 +147,14 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
         if cfg.strategy == "pipeline":
             check_pipeline(model, cfg.pipeline_stages, cfg.plan, cfg.micro_batches, bs)   # refuse a plan that cannot run, before any process
-            console.print(describe_plan(cfg), markup=False)
+            layers = None
+            if cfg.schedule.startswith("torch-"):   # strategies/pipeline/torch_peers.py (one pipeline: R = 1)
+                from hpar.strategies.pipeline.stage import sequential_layers
+                from hpar.strategies.pipeline.torch_peers import VIRTUAL_STAGES, check_peer
+                check_peer(cfg.schedule, len(sequential_layers(model)), gpus, cfg.micro_batches)
+                if VIRTUAL_STAGES[cfg.schedule] > 1:
+                    layers = f"{VIRTUAL_STAGES[cfg.schedule]} chunks per process balanced on parameter counts"
+            console.print(describe_plan(cfg, layers), markup=False)
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     if resume_dir:

@@ -43,13 +43,13 @@ def plan_replicas(plan: dict, flag: int | None, source: str) -> int:
     return value
 
 
-def describe_plan(cfg) -> str:
+def describe_plan(cfg, layers: str | None = None) -> str:
     """The line ``hpar run`` prints for a pipeline run: stages x replicas, the rank layout,
-    the layer ranges, micro-batches and schedule."""
+    the layer ranges (or ``layers``), micro-batches and schedule."""
     from hpar.strategies.pipeline.replicas import Grid
     grid = Grid.of(cfg)
     stages = cfg.plan.get("stages") or []
-    layers = ", ".join(f"[{a}, {b})" for a, b in stages) or "balanced on parameter counts"
+    layers = layers or ", ".join(f"[{a}, {b})" for a, b in stages) or "balanced on parameter counts"
     if grid.replicas == 1:
         shape = f"{grid.stages} stages"
     else:
