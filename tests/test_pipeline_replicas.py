@@ -52,7 +52,7 @@ def reference(tmp_path, replicas=2, steps=10, batch_size=8, micro=4, lr=0.1, see
         loss = job.compute_loss(model(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert split_micro(x, micro)   # the runtime's micro-batches divide the batch
     return model.state_dict(), losses
 

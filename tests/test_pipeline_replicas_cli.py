@@ -49,6 +49,18 @@ def test_pipeline_two_stages_by_two_replicas_through_the_launcher(two_by_two):
     state = torch.load(os.path.join(run_dir, "model.pt"))
     for k in ref:
         assert torch.allclose(state[k], ref[k], rtol=1e-5, atol=1e-6), k
+    # the reported loss of the last step: the mean over both replicas = the loss of the concatenated batch
+    ref5 = single_process_reference(script, world_size=2, steps=5, batch_size=8, lr=0.1)
+    from hpar.strategies.job import load_job
+    job = load_job(script)
+    model = job.build_model()
+    model.load_state_dict(ref5)
+    streams = [job.batches(r, 2, 8) for r in range(2)]
+    for _ in range(6):
+        pairs = [next(s) for s in streams]
+    with torch.no_grad():
+        last = float(job.compute_loss(model(torch.cat([p[0] for p in pairs])), torch.cat([p[1] for p in pairs])))
+    assert summary["loss_last"] == pytest.approx(last, rel=1e-5)
     assert summary["eval_last"]["mse"] < summary["eval_first"]["mse"]
 
 
