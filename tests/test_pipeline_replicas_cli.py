@@ -89,3 +89,15 @@ def test_replicas_flag_checks_before_planning(tmp_path):
         plan_replicas({"replicas": 2}, 1, "plan.json")
     assert plan_replicas({}, None, "plan.json") == 1
     assert planner_replicas(None, "torch-1f1b") == 1 and planner_replicas(None, "1f1b") is None
+
+
+def test_plan_line_names_stages_replicas_and_layout():
+    from hpar.launcher.run.pipeline_grid import describe_plan
+    from hpar.strategies.config import RunConfig
+    args = dict(script="j.py", strategy="pipeline", steps=1, batch_size=8, lr=0.1, seed=0, run_dir="r")
+    cfg = RunConfig(**args, world_size=4, replicas=2, micro_batches=1,
+                    plan={"stages": [[0, 4], [4, 5]], "replicas": 2, "layout": "replicas-adjacent"})
+    assert describe_plan(cfg) == ("hpar: pipeline plan: 2 stages x 2 replicas (rank = k*R + r, replicas-adjacent), "
+                                  "layers [0, 4), [4, 5), 1 micro-batch per replica, schedule 1f1b")
+    assert describe_plan(RunConfig(**args, world_size=2, micro_batches=4)) == \
+        "hpar: pipeline plan: 2 stages, layers balanced on parameter counts, 4 micro-batches, schedule 1f1b"

@@ -55,5 +55,6 @@ def describe_plan(cfg, layers: str | None = None) -> str:
     else:
         rank = "r*K + k" if grid.layout == "stages-adjacent" else "k*R + r"
         shape = f"{grid.stages} stages x {grid.replicas} replicas (rank = {rank}, {grid.layout})"
+    micro = f"{cfg.micro_batches} micro-batch{'es' if cfg.micro_batches != 1 else ''}"
     per = " per replica" if grid.replicas > 1 else ""
-    return f"hpar: pipeline plan: {shape}, layers {layers}, {cfg.micro_batches} micro-batches{per}, schedule {cfg.schedule}"
+    return f"hpar: pipeline plan: {shape}, layers {layers}, {micro}{per}, schedule {cfg.schedule}"
