@@ -88,7 +88,8 @@ class RunConfig:
                                  "(--strategy pipeline --schedule async-*); drop it for this run")
         if self.strategy == "pipeline" and self.schedule == "async-2bw":
             from hpar.strategies.pipeline.schedules import check_2bw
-            check_2bw(self.pipeline_stages, self.micro_batches)
+            check_2bw(self.pipeline_stages, self.micro_batches,
+                      "--gpus" if self.replicas == 1 else "stages (--gpus / --pipeline-replicas)")
 
     @property
     def pipeline_stages(self) -> int:

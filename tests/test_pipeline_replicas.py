@@ -32,6 +32,8 @@ def test_grid_layouts_cover_every_rank_once():
     assert RunConfig(**args, replicas=2).pipeline_stages == 2
     with pytest.raises(ValueError, match="--pipeline-replicas 2 is not supported with --schedule torch-1f1b"):
         RunConfig(**args, replicas=2, schedule="torch-1f1b")
+    with pytest.raises(ValueError, match=r"async-2bw needs at least stages \(--gpus / --pipeline-replicas\) - 1 = 3"):
+        RunConfig(**{**args, "world_size": 8}, replicas=2, schedule="async-2bw", micro_batches=2)
 
 
 def reference(tmp_path, replicas=2, steps=10, batch_size=8, micro=4, lr=0.1, seed=3):
