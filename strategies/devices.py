@@ -59,6 +59,21 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=t.is_pinned())
 
 
+def copy_to_host(t: torch.Tensor):
+    """``(host tensor, event)``: ``t`` itself and None when it is already on the CPU; for a
+    CUDA tensor a pinned host buffer filled by a non-blocking copy, and the CUDA event recorded
+    after it on the current stream (``event.query()`` says whether the copy is done,
+    ``event.synchronize()`` waits for it). The host does not wait here, so this may run inside
+    a backward hook; read the buffer only after the event completed."""
+    if t.device.type != "cuda":
+        return t, None
+    host = host_buffer(tuple(t.shape), t.dtype, t.device)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 class ComputeTimer:
     """Seconds of compute between :meth:`start` and :meth:`stop` calls: the host clock on the
     CPU; on CUDA, CUDA events on the current stream (the host clock would time kernel
