@@ -67,7 +67,13 @@ def copy_to_host(t: torch.Tensor):
     a backward hook; read the buffer only after the event completed."""
     if t.device.type != "cuda":
         return t, None
-    host = host_buffer(tuple(t.shape), t.dtype, t.device)
+    return async_copy_to_host(t)
+
+
+def async_copy_to_host(t: torch.Tensor):
+    """:func:`copy_to_host` for a tensor bound for the host from ``cuda``: a pinned buffer,
+    ``copy_(non_blocking=True)``, then a CUDA event recorded after the copy."""
+    host = host_buffer(tuple(t.shape), t.dtype, torch.device("cuda"))
     host.copy_(t, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
