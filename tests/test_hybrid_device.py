@@ -3,7 +3,6 @@ device and takes the dense initial state from server 0, so a served table is nev
 on it (tests/test_hybrid_memory.py checks the same through `hpar run` with a 2 GiB table); row
 gradients go to the host by a non-blocking copy into pinned memory; ids of the batch are read
 from the host copy of the batch."""
-import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode

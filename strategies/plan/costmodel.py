@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.roofline import FLOP_PER_BYTE, compute_seconds, layer_seconds, update_seconds_per_byte  # noqa: F401
+from hpar.strategies.plan.roofline import compute_seconds, layer_seconds, update_seconds_per_byte
 from hpar.strategies.pipeline.partition import partition_stages
 from hpar.strategies.profile.profiler import ParamProfile, Profile
 
