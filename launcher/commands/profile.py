@@ -39,10 +39,10 @@ def _human(n: float, unit: str = "B") -> str:
 
 
 def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps=None, measured_on=None):
-    """ClusterSpec from the flags (see the module docstring); ``measured_on``: the device the
-    profile measures on ("cuda": no CPU-core sharing in the cost model; None: "cuda" when this
-    machine has a GPU). Raises ValueError
-    naming the flag."""
+    """ClusterSpec from the flags (see the module docstring); ``device_mem_gbps``: the projected
+    device's memory bandwidth (GB/s); ``measured_on``: the device the profile measures on
+    ("cuda": no CPU-core sharing in the cost model; None: "cuda" when this machine has a GPU).
+    Raises ValueError naming the flag."""
     from hpar.launcher.hosts.hostfile import parse_hosts
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency, probe_link
     from hpar.launcher.hosts.slurm import allocation_hosts, in_allocation
