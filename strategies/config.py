@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 # Runtime strategies `hpar run --strategy` accepts (the planner's names).
 STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline")
 # Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
-SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b",
+             "torch-interleaved-1f1b", "torch-zbv")
 # Numeric precision of forward and backward (master weights and optimizer state stay fp32).
 PRECISIONS = ("fp32", "bf16", "fp16")
 

@@ -64,6 +64,15 @@ def test_ratios_are_per_script_and_skip_unrun():
     assert [r.ratio for r in rs] == [0.25, 1.0, None, 1.0]
 
 
+def test_a_row_that_ran_as_another_strategy_never_sets_the_fastest():
+    # a hybrid plan with nothing on its servers runs as allreduce: its (noisy) speed is not a
+    # second allreduce that may beat the first, so the ratios are against the real contenders
+    rs = with_ratios([Result("a.py", "allreduce", samples_per_s=100.0),
+                      Result("a.py", "hybrid", samples_per_s=110.0, extra={"ran_as": "allreduce"}),
+                      Result("a.py", "ps", samples_per_s=50.0)])
+    assert [r.ratio for r in rs] == [1.0, 1.1, 0.5]
+
+
 def test_emulate_spec():
     assert parse_emulate("emulate:2") == 2 and parse_emulate("a:2,b:2") is None and parse_emulate(None) is None
     with pytest.raises(ValueError, match="emulate:H"):

@@ -62,7 +62,8 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
 @click.option("--link-rate", default=None, help="Link bandwidth, e.g. 1gbit: the emulated hosts' cap and the cost model's link (default: probed).")
 @click.option("--latency", default=None, help="Link latency for the cost model, e.g. 50us (default: probed).")
 @click.option("--strategies", default=None, help="Comma-separated names (default: every one): hybrid, ps, allreduce, "
-              "allreduce-sparse, pipeline-gpipe, pipeline-1f1b, pipeline-async-stash, pipeline-async-predict, torch-gpipe, torch-1f1b.")
+              "allreduce-sparse, pipeline-gpipe, pipeline-1f1b, pipeline-async-stash, pipeline-async-predict, pipeline-async-2bw, torch-gpipe, torch-1f1b, "
+              "torch-interleaved-1f1b, torch-zbv.")
 @click.option("--steps", type=int, default=30, show_default=True, help="Training steps per strategy (the first 2 are warm-up).")
 @click.option("--batch-size", type=int, default=None, help="Samples per worker per step (default: the script's HPAR, else 32).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the model and the data, the same for every strategy.")

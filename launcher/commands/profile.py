@@ -3,8 +3,8 @@ print the chosen plan (rich tables, or one JSON object with ``--json``).
 
 The cluster may be one the user does not have (a projection): ``--hosts 8x6 --gpus 48
 --bandwidth 100Gbps --device-tflops 15``. Without ``--bandwidth``, when every host is this
-machine, the link is measured by a loopback probe between two gloo processes
-(``strategies.cluster.probe_link``); for remote hosts without ``--bandwidth`` hpar assumes
+machine, the link is measured by a loopback probe between two gloo endpoints
+(``strategies/plan/probe.py``); for remote hosts without ``--bandwidth`` hpar assumes
 10 Gbps and says so (it does not log in to hosts to profile).
 """
 from __future__ import annotations
@@ -44,7 +44,8 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, devic
     ("cuda": no CPU-core sharing in the cost model; None: "cuda" when this machine has a GPU).
     Raises ValueError naming the flag."""
     from hpar.launcher.hosts.hostfile import parse_hosts
-    from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency, probe_link
+    from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
+    from hpar.strategies.plan.probe import probe_link
     from hpar.launcher.hosts.slurm import allocation_hosts, in_allocation
     # inside a Slurm allocation the hosts and their slots come from Slurm unless --hosts is given
     host_list = parse_hosts(hosts) if hosts else (allocation_hosts() if in_allocation() else [])

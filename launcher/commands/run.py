@@ -144,8 +144,14 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if cfg.strategy == "pipeline":
             check_pipeline(model, gpus, cfg.plan, cfg.micro_batches, bs)   # refuse a plan that cannot run, before any process
             stages = cfg.plan.get("stages") or []
-            console.print(f"hpar: pipeline plan: {gpus} stages, layers "
-                          f"{', '.join(f'[{a}, {b})' for a, b in stages) or 'balanced on parameter counts'}, "
+            layers = f"{', '.join(f'[{a}, {b})' for a, b in stages) or 'balanced on parameter counts'}"
+            if cfg.schedule.startswith("torch-"):   # strategies/pipeline/torch_peers.py
+                from hpar.strategies.pipeline.stage import sequential_layers
+                from hpar.strategies.pipeline.torch_peers import VIRTUAL_STAGES, check_peer
+                check_peer(cfg.schedule, len(sequential_layers(model)), gpus, cfg.micro_batches)
+                if VIRTUAL_STAGES[cfg.schedule] > 1:
+                    layers = f"{VIRTUAL_STAGES[cfg.schedule]} chunks per process balanced on parameter counts"
+            console.print(f"hpar: pipeline plan: {gpus} stages, layers {layers}, "
                           f"{cfg.micro_batches} micro-batches, schedule {cfg.schedule}", markup=False)
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")

@@ -38,7 +38,8 @@ broadcasts its guard decision every step (``strategies/pipeline/guard.py``).
 
 Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
 for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
-their means per stage (gathered to rank 0).
+their means per stage (gathered to rank 0), with the stage's peak memory over the run
+(``peak_mem_bytes``, strategies/pipeline/memory.py).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from hpar.strategies import loop
 from hpar.strategies.loop import step_tools
 from hpar.strategies.pipeline import guard
 from hpar.strategies.pipeline.comm import Links
+from hpar.strategies.pipeline.memory import PeakMemory
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
 from hpar.strategies.pipeline.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
 from hpar.strategies.pipeline.prediction import mode_for_schedule
@@ -111,7 +113,8 @@ def train(ctx: WorkerContext) -> TrainResult:
             _draw(batches, cfg.seed, s)
     meter = StepMeter(ctx, cfg.batch_size)
     inputs, targets, step_losses = {}, {}, {}
-    stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": []}
+    stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": [], "memory": PeakMemory(ctx.device)}
+    stats["memory"].start()   # peak memory of the schedule: activations in flight, weight versions, optimizer state
     timer = ComputeTimer(ctx.device)   # CUDA events on a GPU
 
     def feed(step: int) -> None:
@@ -239,7 +242,8 @@ def _finish(ctx: WorkerContext, stage: Stage, model: torch.nn.Module, ranges, me
     mine = {"stage": ctx.rank, "layers": list(ranges[ctx.rank]),
             "compute_s": sum(stats["compute_s"]) / n, "idle_s": sum(stats["idle_s"]) / n,
             "bytes_sent": sum(stats["sent"]) / n, "bytes_recv": sum(stats["recv"]) / n,
-            "max_in_flight": stage.max_in_flight, "weight_versions": stage.weights.most_versions}
+            "max_in_flight": stage.max_in_flight, "weight_versions": stage.weights.most_versions,
+            "peak_mem_bytes": stats["memory"].peak_bytes()}
     payload = ({k: v.detach().cpu() for k, v in stage.module.state_dict().items()}, mine)
     gathered = [None] * ctx.world_size if ctx.rank == 0 else None
     if ctx.world_size > 1:

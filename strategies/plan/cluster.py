@@ -13,11 +13,8 @@ it defaults to ``bandwidth_Bps`` because we cannot measure a GPU interconnect we
 """
 from __future__ import annotations
 
-import os
 import re
 import socket
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -164,68 +161,3 @@ def free_port(addr: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
-
-
-def _probe_worker(rank: int, port: int, nbytes: int, pings: int, sends: int, queue) -> None:
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        small, big = torch.zeros(1), torch.zeros(nbytes // 4)
-        peer = 1 - rank
-
-        def round_trips(out: "torch.Tensor", back: "torch.Tensor", n: int) -> list[float]:
-            """Seconds of n exchanges: rank 0 sends ``out`` and receives ``back``."""
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                if rank == 0:
-                    dist.send(out, peer)
-                    dist.recv(back, peer)
-                else:
-                    dist.recv(out, peer)
-                    dist.send(back, peer)
-                times.append(time.perf_counter() - t0)
-            return times
-        rtts, sends_s, allreduce_s = round_trips(small, small, pings), round_trips(big, small, sends + 1), []
-        for _ in range(sends + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(big)
-            allreduce_s.append(time.perf_counter() - t0)
-        if rank == 0:
-            queue.put((statistics.median(rtts[2:]), statistics.median(sends_s[1:]), statistics.median(allreduce_s[1:])))
-    finally:
-        dist.destroy_process_group()
-
-
-def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
-               timeout_s: float = 60.0) -> tuple[float, float, float]:
-    """Measure (bandwidth_Bps, latency_s, allreduce_Bps) between two gloo processes on this
-    machine (loopback TCP): latency = half the median round trip of a 4-byte message,
-    bandwidth = ``nbytes`` over the median one-way time of a large message minus one
-    latency, allreduce_Bps = ``nbytes`` over the median time of a ``dist.all_reduce`` of
-    ``nbytes`` (the 2(N-1)/N * nbytes a ring moves for N = 2). Takes a few seconds, most of
-    it starting the processes. Raises RuntimeError if it fails."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_probe_worker, args=(r, port, nbytes, pings, sends, queue), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        rtt, one_way, allreduce = queue.get(timeout=timeout_s)
-    except Exception as exc:
-        raise RuntimeError(f"link probe failed ({type(exc).__name__}); pass --bandwidth and --latency") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    latency = rtt / 2
-    # a 2-process ring AllReduce moves 2(N-1)/N * nbytes = nbytes each way
-    return nbytes / max(one_way - rtt, 1e-9), latency, nbytes / max(allreduce, 1e-9)
