@@ -29,6 +29,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 
 def build_model(job, seed: int, meta: bool = True) -> tuple[torch.nn.Module, bool]:
@@ -38,7 +39,7 @@ def build_model(job, seed: int, meta: bool = True) -> tuple[torch.nn.Module, boo
     torch.manual_seed(seed)
     if meta:
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _NoInitOnMeta():
                 model = job.build_model()
         except Exception:   # a constructor that needs real values: the CPU build says what is wrong, if anything
             model = None
@@ -46,6 +47,24 @@ def build_model(job, seed: int, meta: bool = True) -> tuple[torch.nn.Module, boo
             return model, True
         torch.manual_seed(seed)
     return job.build_model(), False
+
+
+class _NoInitOnMeta(TorchFunctionMode):
+    """Initialisers (``torch.nn.init.*_``, in-place random fills) on a ``meta`` tensor return
+    it untouched: its values do not exist, and ``normal_`` on ``meta`` (nn.Embedding's init)
+    would import torch's Python decompositions, ~6 s per process, for nothing."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        target = args[0] if args else kwargs.get("tensor")    # torch.nn.init passes it by keyword
+        if (name.endswith("_") and isinstance(target, torch.Tensor) and target.is_meta
+                and (getattr(func, "__module__", "") == "torch.nn.init" or name in _RANDOM_FILLS)):
+            return target
+        return func(*args, **kwargs)
+
+
+_RANDOM_FILLS = {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_"}
 
 
 def _stray_meta_tensors(model: torch.nn.Module) -> bool:
