@@ -169,7 +169,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         elif K > 1 and stage.is_first:
             loss = links.recv_loss()
         sent, recv, idle, remote = links.take()
-        compute = timer.take()
+        compute, idle = timer.take_step(idle)    # on CUDA both from CUDA events
         stats["compute_s"].append(compute); stats["idle_s"].append(idle)
         stats["sent"].append(sent); stats["recv"].append(recv)
         meter.end(loss, sent, recv, {"stage": ctx.rank, "compute_s": compute, "idle_s": idle}, sent_remote=remote)
