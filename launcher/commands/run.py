@@ -54,7 +54,8 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
 
 
 def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: str | None,
-             gpus: int, servers: int | None, schedule: str | None, pipeline_replicas: int | None = None) -> tuple[str, dict]:
+             gpus: int, servers: int | None, schedule: str | None, device: str = "auto",
+             pipeline_replicas: int | None = None) -> tuple[str, dict]:
     """(strategy, plan dict) from ``--plan``, or from the planner for ``auto`` and for
     ``pipeline`` (which needs its balanced stages); the data-parallel strategies named
     explicitly run with their defaults and no profiling."""
@@ -68,7 +69,7 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
         return strategy, {"strategy": strategy}
     from hpar.launcher.run.planning import plan_job
     plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
-                    force=None if strategy == "auto" else strategy, pipeline_replicas=pipeline_replicas)
+                    force=None if strategy == "auto" else strategy, device=device, pipeline_replicas=pipeline_replicas)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
     return plan.strategy, plan.to_dict()
@@ -114,7 +115,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         model = check_job(job, bs)
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model)   # before the planner profiles
-        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule,
+        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
                                   planner_replicas(pipeline_replicas, schedule))
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
@@ -179,6 +180,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         chosen, per_host = choose_devices(rows, device)
         cfg = cfg.replace(device=chosen)
         console.print(f"hpar: {describe(chosen, per_host, cfg.servers)}", markup=False)
+        from hpar.launcher.run.planning import compute_mismatch
+        if compute_mismatch(cfg.plan, chosen):   # CPU figures for GPU workers are never taken silently
+            console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, max_restarts=max_restarts,
                          live=False if plain else None, sync=sync, env=extra_env, slurm=slurm)
     return cfg, opts, master

@@ -181,7 +181,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         sent, recv, idle, remote = links.take()
         reduced, reduced_remote = replicas.take()
         sent, recv, remote = sent + reduced, recv + reduced, remote + reduced_remote
-        compute = timer.take()
+        compute, idle = timer.take_step(idle)    # on CUDA both from CUDA events
         stats["compute_s"].append(compute); stats["idle_s"].append(idle)
         stats["sent"].append(sent); stats["recv"].append(recv)
         meter.end(loss, sent, recv, {"stage": k, "compute_s": compute, "idle_s": idle}, sent_remote=remote)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.devices import DeviceClock
 from hpar.strategies.groups import worker_groups
 from hpar.strategies.pipeline.memory import PeakMemory
 from hpar.strategies.pipeline.stage import build_stages_model, describe, stage_module, stage_ranges
@@ -138,6 +139,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     batches = job.batches(0, 1, cfg.batch_size) if (first or last) else None
     meter = StepMeter(ctx, cfg.batch_size)
     mem = PeakMemory(ctx.device)
+    clock = DeviceClock(ctx.device)
     step_s, cpu_s = [], []
     mem.start()
     meter.start()
@@ -145,7 +147,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         x = y = None
         if batches is not None:
             x, y = (move_to(t, ctx.device) for t in _draw(batches, cfg.seed, step))
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0 = clock.now(), time.process_time()   # on CUDA: after the queued kernels (synchronize)
         losses: list = []
         args = (x,) if first else ()
         schedule.step(*args, target=y if last else None, losses=losses if last else None)
@@ -154,7 +156,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             opt.zero_grad(set_to_none=True)
             if sched is not None:
                 sched.step()
-        step_s.append(time.perf_counter() - t0)
+        step_s.append(clock.now() - t0)
         cpu_s.append(time.process_time() - c0)
         loss = float(sum(l.detach() for l in losses) / len(losses)) if last else float("nan")
         holder = owner[-1]

@@ -34,6 +34,8 @@ class ClusterSpec:
     came from: "flags", "probe" or "default"), ``cores_per_host`` (CPU cores a host gives its
     hpar processes when they compute on the CPU, so that more processes than cores share
     them; None: workers have their own accelerator, or the hosts are not this machine),
+    ``device_mem_Bps`` (memory bytes/s of that device, ``--device-mem-gbps``: with
+    ``device_flops`` the roofline of strategies/plan/roofline.py; None: device_flops / 20),
     ``allreduce_Bps`` (the bandwidth a ring AllReduce between processes of one host achieves,
     ``2(N-1)/N * bytes / seconds``, its reductions and copies included; measured by the
     probe, where gloo on CPU reaches about 0.4 of the point-to-point figure; None: the
@@ -49,6 +51,7 @@ class ClusterSpec:
     source: str = "flags"
     cores_per_host: float | None = None
     allreduce_Bps: float | None = None
+    device_mem_Bps: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:
@@ -61,8 +64,18 @@ class ClusterSpec:
             raise ValueError(f"--latency must not be negative, got {self.latency_s} s")
         if self.cores_per_host is not None and not self.cores_per_host > 0:
             raise ValueError(f"cores per host must be positive, got {self.cores_per_host}")
-        if self.device_flops is not None and not self.device_flops > 0:
-            raise ValueError(f"--device-tflops must be positive, got {self.device_flops / 1e12}")
+        if self.device_mem_Bps is not None and self.device_flops is None:
+            raise ValueError("--device-mem-gbps needs --device-tflops too: a projected device has a compute rate "
+                             "and a memory bandwidth (roofline); add --device-tflops T")
+        if self.device_flops is not None:
+            self.device   # raises ValueError naming the flag for a rate that is not positive
+
+    @property
+    def device(self):
+        """The projected worker device (strategies/plan/roofline.DeviceSpec), or None: compute
+        as profiled."""
+        from hpar.strategies.plan.roofline import DeviceSpec
+        return DeviceSpec(self.device_flops, self.device_mem_Bps) if self.device_flops is not None else None
 
     @property
     def workers(self) -> int:
@@ -115,7 +128,8 @@ def parse_latency(text: str, flag: str = "--latency") -> float:
 def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | None,
                  bandwidth_Bps: float, latency_s: float, device_flops: float | None = None,
                  intra_host_Bps: float | None = None, source: str = "flags",
-                 cores_per_host: float | None = None, allreduce_Bps: float | None = None) -> ClusterSpec:
+                 cores_per_host: float | None = None, allreduce_Bps: float | None = None,
+                 device_mem_Bps: float | None = None) -> ClusterSpec:
     """A ClusterSpec from host slot counts (``slots``, None: this machine only) and
     ``--gpus`` (None: every slot). GPUs fill hosts in order, as the launcher places ranks;
     hosts left without a GPU are dropped. ``servers`` None means one per host used.
@@ -138,7 +152,7 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
                        servers=len(per_host) if servers is None else servers,
                        bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, device_flops=device_flops,
                        intra_host_Bps=intra_host_Bps, source=source, cores_per_host=cores_per_host,
-                       allreduce_Bps=allreduce_Bps)
+                       allreduce_Bps=allreduce_Bps, device_mem_Bps=device_mem_Bps)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:

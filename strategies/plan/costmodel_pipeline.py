@@ -37,6 +37,7 @@ from hpar.strategies.pipeline.partition import partition_stages
 from hpar.strategies.pipeline.replicas import LAYOUTS, Grid
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, cost_setting, ring_allreduce_s
+from hpar.strategies.plan.roofline import layer_seconds
 from hpar.strategies.profile.profiler import Profile
 
 
@@ -86,8 +87,8 @@ def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batc
     at least ``grid.stages`` layers."""
     c = cost_setting(profile, cluster)
     layers, K, R, m = profile.layers, grid.stages, grid.replicas, micro_batches
-    if cluster.device_flops:
-        comp, fixed = [l.flops / cluster.device_flops for l in layers], 0.0
+    if cluster.device is not None:   # a projected device: each layer's roofline time (strategies/plan/roofline.py)
+        comp, fixed = layer_seconds(profile, cluster.device), 0.0
     else:
         comp, fixed = [l.forward_s + l.backward_s for l in layers], profile.fixed_share
     comp[-1] += max(0.0, c.fwd + c.bwd - sum(comp))   # the loss and unattributed time go to the last layer
