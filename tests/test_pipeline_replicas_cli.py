@@ -66,13 +66,17 @@ def test_pipeline_two_stages_by_two_replicas_through_the_launcher(two_by_two):
 
 @pytest.mark.timeout(120)
 def test_more_stages_than_layers_is_one_line_and_exit_2(tmp_path):
+    """The `hpar run` command in this process (click's runner: no interpreter start), refused
+    before the planner profiles anything."""
+    from click.testing import CliRunner
+    from hpar.launcher.cli import main
     script = write_script(tmp_path, TINY)
     run_dir = tmp_path / "run"
-    code, out, err = hpar_to_file(tmp_path, "run", script, "--strategy", "pipeline", "--gpus", "8",
-                                  "--pipeline-replicas", "1", "--run-dir", str(run_dir), "--plain")
-    assert code == 2, out + err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "--pipeline-replicas 1: --gpus 8 / 1 = 8 stages, but the model has only 5 layers" in lines[0], err
+    res = CliRunner().invoke(main, ["run", script, "--strategy", "pipeline", "--gpus", "8", "--pipeline-replicas", "1",
+                                    "--run-dir", str(run_dir), "--plain"])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--pipeline-replicas 1: --gpus 8 / 1 = 8 stages, but the model has only 5 layers" in lines[0], res.stderr
     assert not run_dir.exists() and not run_processes(str(run_dir))
 
 
