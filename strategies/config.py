@@ -101,15 +101,10 @@ class RunConfig:
 
 def not_supported(cfg: RunConfig) -> str | None:
     """Why this strategy cannot honour the training-loop flags it was given (one line naming
-    the flag and the way out), or None. The parameter servers do not take part in fp16's
-    inf/NaN check yet; a pipeline's micro-batches already accumulate within a step (raise
+    the flag and the way out), or None. A pipeline's micro-batches already accumulate within a step (raise
     ``--micro-batches`` instead of ``--accumulate``); an asynchronous pipeline cannot skip a
     step on every stage (strategies/pipeline/stage_loop.py); torch's pipelining peers run
     neither clipping, evaluation during training nor autocast."""
-    if cfg.strategy in ("hybrid", "ps"):
-        if cfg.precision == "fp16":
-            return (f"--precision fp16 is not supported with --strategy {cfg.strategy} yet (the servers do not take "
-                    "part in the gradient scaler's inf/NaN check); use --precision bf16")
     if cfg.strategy == "pipeline":
         if cfg.accumulate > 1:
             return ("--accumulate does not apply to --strategy pipeline: its micro-batches already accumulate "
