@@ -104,7 +104,7 @@ def not_supported(cfg: RunConfig) -> str | None:
     the flag and the way out), or None. A pipeline's micro-batches already accumulate within a step (raise
     ``--micro-batches`` instead of ``--accumulate``); an asynchronous pipeline cannot skip a
     step on every stage (strategies/pipeline/stage_loop.py); torch's pipelining peers run
-    neither clipping, evaluation during training nor autocast."""
+    neither clipping, evaluation during training nor fp16 (bf16 autocast they do)."""
     if cfg.strategy == "pipeline":
         if cfg.accumulate > 1:
             return ("--accumulate does not apply to --strategy pipeline: its micro-batches already accumulate "
@@ -117,6 +117,7 @@ def not_supported(cfg: RunConfig) -> str | None:
             return (f"--precision fp16 is not supported with --schedule {cfg.schedule}: the stages of an asynchronous "
                     "pipeline apply an update at different times, so a step with inf/NaN cannot be skipped on every "
                     "stage; use --precision bf16 or --schedule 1f1b")
-        if cfg.precision != "fp32" and torch_peer:
-            return f"--precision {cfg.precision} is not supported with --schedule {cfg.schedule}; use hpar's own 1f1b or gpipe"
+        if cfg.precision == "fp16" and torch_peer:
+            return (f"--precision fp16 is not supported with --schedule {cfg.schedule} (torch's pipelining peer has no "
+                    "gradient scaler across its stages); use --precision bf16 or hpar's own 1f1b")
     return None

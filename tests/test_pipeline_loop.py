@@ -138,6 +138,21 @@ def test_fp16_step_with_inf_on_one_stage_is_skipped_on_every_stage(tmp_path):
     assert torch.equal(state["0.w"], torch.full((4,), 0.5))   # the inf gradient never reached the weights
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_torch_pipelining_peer_runs_its_stages_under_bf16_autocast(tmp_path):
+    """--schedule torch-gpipe --precision bf16: torch's PipelineStage runs each stage module under
+    autocast (bf16 activations between the stages); the weights follow fp32 one-process training
+    within bf16 tolerance, and differ from it (autocast did act)."""
+    script = write_script(tmp_path, PIPE)
+    codes, summary, state, logs = run_pipeline(tmp_path, PIPE, timeout=120, world_size=2, schedule="torch-gpipe",
+                                               steps=10, precision="bf16", eval=False)
+    assert codes == [0, 0], logs
+    want, _ = one_process(script, 10, 8, 4, 0.1, 3)
+    assert_close(state, want, rtol=5e-2)
+    assert any((state[k] - want[k]).abs().max() > 1e-5 for k in want)
+
+
 def test_async_schedules_clip_each_stage_by_its_share():
     """Asynchronous schedules clip per stage, the threshold scaled to the micro-batches an
     update holds: 1/M of a batch for async/stash/predict, the whole batch for 2bw."""
@@ -151,6 +166,7 @@ def test_async_schedules_clip_each_stage_by_its_share():
     ({"schedule": "async-stash", "precision": "fp16"}, "--precision fp16 is not supported with --schedule async-stash"),
     ({"schedule": "torch-1f1b", "clip_grad_norm": 1.0}, "--clip-grad-norm is not supported with --schedule torch-1f1b"),
     ({"schedule": "torch-gpipe", "eval_every": 5}, "--eval-every is not supported with --schedule torch-gpipe"),
+    ({"schedule": "torch-gpipe", "precision": "fp16"}, "--precision fp16 is not supported with --schedule torch-gpipe"),
 ])
 def test_pipeline_flags_that_cannot_be_honoured_are_refused(changes, message):
     """What the pipeline cannot honour is refused by the configuration, before anything starts

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.groups import worker_groups
+from hpar.strategies.loop import autocast
 from hpar.strategies.pipeline.stage import build_stages_model, describe, stage_module, stage_ranges
 
 
@@ -52,6 +53,20 @@ class _ActivationBytes:
         return out
 
 
+class _Autocast(torch.nn.Module):
+    """The stage module's forward under the run's ``torch.autocast`` (``--precision bf16``):
+    torch's PipelineStage runs the module it is given, so autocast goes inside it; the
+    activations it sends are then bf16, as in hpar's own schedules."""
+
+    def __init__(self, module: torch.nn.Module, cfg, device_type: str):
+        super().__init__()
+        self.inner, self.cfg, self.device_type = module, cfg, device_type
+
+    def forward(self, x):
+        with autocast(self.cfg, self.device_type):
+            return self.inner(x)
+
+
 def train(ctx: WorkerContext) -> TrainResult:
     """One torch PipelineStage per process; returns the whole model on rank 0.
     Raises ValueError as hpar's pipeline does (non-sequential model, fewer layers than
@@ -71,7 +86,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     opt = job.build_optimizer(params, cfg.lr) if params else None
     sched = job.build_scheduler(opt) if opt is not None else None
     io = _ActivationBytes(module)
-    stage = PipelineStage(module, k, K, ctx.device, group=worker_groups(K, cfg.device).dense)   # NCCL on CUDA
+    runner = _Autocast(module, cfg, ctx.device.type) if cfg.precision != "fp32" else module
+    stage = PipelineStage(runner, k, K, ctx.device, group=worker_groups(K, cfg.device).dense)   # NCCL on CUDA
     schedule_cls = ScheduleGPipe if cfg.schedule == "torch-gpipe" else Schedule1F1B
 
     def loss_fn(output, target):
