@@ -36,6 +36,10 @@ first batch after a resume runs on the checkpoint's weights). ``async-2bw`` step
 batch, after the backward of its last micro-batch. With ``--on-divergence`` the last stage
 broadcasts its guard decision every step (``strategies/pipeline/guard.py``).
 
+The training loop (``--clip-grad-norm``, fp16's scaler, the LR schedule, ``--eval-every``, the
+script's ``log()``): ``strategies/pipeline/stage_loop.py``, hooked where a stage steps its
+optimizer and at the end of each step.
+
 Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
 for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
 their means per stage (gathered to rank 0).

@@ -107,7 +107,6 @@ class StageStepper:
         self.cfg, self.tools, self.opt, self.group, self.device = cfg, tools, opt, group, device
         self.sync, self.micro_per_update = sync, micro_per_update
         self.params = [p for g in opt.param_groups for p in g["params"]]
-        self.skipped = 0          # steps skipped (inf/NaN) since the last take_skipped()
         self.last_norm: torch.Tensor | None = None   # norm before clipping, shape (1,), when clipping
 
     def step(self, stage) -> bool:
@@ -128,13 +127,7 @@ class StageStepper:
         stepped = before is None or scaler.get_scale() >= before
         if tools.scheduler is not None:
             tools.scheduler.step()
-        self.skipped += 0 if stepped else 1
         return stepped
-
-    def take_skipped(self) -> int:
-        """Steps skipped since the last call (for the progress report)."""
-        out, self.skipped = self.skipped, 0
-        return out
 
 
 def placeholder_optimizer(device: torch.device) -> torch.optim.Optimizer:
