@@ -10,7 +10,7 @@
 # Then, on one GPU: allreduce with 1 worker, allreduce-sparse, hybrid and ps with 1 GPU worker
 # and 1 CPU parameter server, a 2-stage pipeline when the machine has 2 GPUs (hpar runs one
 # GPU per worker, so on one GPU the pipeline row says why it is skipped), and `hpar profile`
-# of examples/wide.py and examples/lm.py. Prints a pass/fail table with samples/s (from each
+# of examples/wide.py and examples/lm.py, measured on the GPU (--device). Prints a pass/fail table with samples/s (from each
 # run's summary.json); exit status 1 when any row failed.
 #
 # Options: --device cuda|cpu (default cuda), --no-install, --no-tests, --steps N (default 30),
@@ -84,7 +84,7 @@ run_case() {  # name, script, hpar run arguments...
 }
 profile_case() {  # name, script
   want "$1" || return 0
-  if "$PY" -m hpar.launcher.cli profile "$2" --gpus 1 >"$OUT/$1.log" 2>&1; then
+  if "$PY" -m hpar.launcher.cli profile "$2" --gpus 1 --device "$DEVICE" >"$OUT/$1.log" 2>&1; then   # measured on the GPU
     row "$1" PASS "-" "$(grep -m1 -i 'chose\|plan' "$OUT/$1.log" | cut -c1-100)"
   else
     row "$1" FAIL "-" "see $OUT/$1.log"; KEEP=1

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 # Runtime strategies `hpar run --strategy` accepts (the planner's names).
 STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline")
 # Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
-SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b",
+             "torch-interleaved-1f1b", "torch-zbv")
 # Numeric precision of forward and backward (master weights and optimizer state stay fp32).
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -117,6 +118,8 @@ def not_supported(cfg: RunConfig) -> str | None:
             return (f"--precision fp16 is not supported with --schedule {cfg.schedule}: the stages of an asynchronous "
                     "pipeline apply an update at different times, so a step with inf/NaN cannot be skipped on every "
                     "stage; use --precision bf16 or --schedule 1f1b")
+        if cfg.precision == "bf16" and torch_peer and cfg.schedule not in ("torch-gpipe", "torch-1f1b"):
+            return f"--precision bf16 is not supported with --schedule {cfg.schedule}; use torch-gpipe, torch-1f1b or hpar's own 1f1b"
         if cfg.precision == "fp16" and torch_peer:
             return (f"--precision fp16 is not supported with --schedule {cfg.schedule} (torch's pipelining peer has no "
                     "gradient scaler across its stages); use --precision bf16 or hpar's own 1f1b")

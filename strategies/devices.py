@@ -59,6 +59,58 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=t.is_pinned())
 
 
+def copy_to_host(t: torch.Tensor):
+    """``(host tensor, event)``: ``t`` itself and None when it is already on the CPU; for a
+    CUDA tensor a pinned host buffer filled by a non-blocking copy, and the CUDA event recorded
+    after it on the current stream (``event.query()`` says whether the copy is done,
+    ``event.synchronize()`` waits for it). The host does not wait here, so this may run inside
+    a backward hook; read the buffer only after the event completed."""
+    if t.device.type != "cuda":
+        return t, None
+    return async_copy_to_host(t)
+
+
+def async_copy_to_host(t: torch.Tensor):
+    """:func:`copy_to_host` for a tensor bound for the host from ``cuda``: a pinned buffer,
+    ``copy_(non_blocking=True)``, then a CUDA event recorded after the copy."""
+    host = host_buffer(tuple(t.shape), t.dtype, torch.device("cuda"))
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+class DeviceClock:
+    """Time points on ``device``'s timeline: :meth:`mark` is the host clock on the CPU and a
+    CUDA event recorded on the current stream on CUDA (the host clock would time kernel
+    launches, not kernels); :meth:`between` gives the seconds between two marks (on CUDA it
+    waits for the later event). :meth:`now` is the host clock after the device finished
+    everything queued (synchronize, then read): for regions timed with a host clock."""
+
+    def __init__(self, device: torch.device):
+        import time
+        self.cuda, self._clock = device.type == "cuda", time.perf_counter
+
+    def mark(self):
+        if not self.cuda:
+            return self._clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def between(self, a, b) -> float:
+        """Seconds from mark ``a`` to mark ``b``."""
+        if not self.cuda:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1000.0
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return self._clock()
+
+
 class ComputeTimer:
     """Seconds of compute between :meth:`start` and :meth:`stop` calls: the host clock on the
     CPU; on CUDA, CUDA events on the current stream (the host clock would time kernel
@@ -68,6 +120,7 @@ class ComputeTimer:
         import time
         self._clock, self.cuda = time.perf_counter, device.type == "cuda"
         self.seconds, self.events, self._start = 0.0, [], None
+        self._step_mark = DeviceClock(device).mark() if self.cuda else None   # start of the step (take_step)
 
     def start(self) -> None:
         if self.cuda:
@@ -92,3 +145,17 @@ class ComputeTimer:
             self.events = []
         out, self.seconds = self.seconds, 0.0
         return out
+
+    def take_step(self, host_idle: float) -> tuple[float, float]:
+        """``(compute, idle)`` seconds since the previous call (or since construction), and
+        resets: compute as :meth:`take`; idle is ``host_idle`` (the host clock's waits for
+        peers) on the CPU, and on CUDA the stream time of the step not spent computing: the
+        span between this call's CUDA event and the previous one's, minus compute (receives
+        are stream waits on CUDA, which the host clock does not see)."""
+        compute = self.take()
+        if not self.cuda:
+            return compute, host_idle
+        clock = DeviceClock(torch.device("cuda"))
+        end = clock.mark()
+        span, self._step_mark = clock.between(self._step_mark, end), end
+        return compute, max(0.0, span - compute)

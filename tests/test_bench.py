@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -62,6 +65,15 @@ def test_ratios_are_per_script_and_skip_unrun():
     rs = with_ratios([Result("a.py", "allreduce", samples_per_s=50.0), Result("a.py", "hybrid", samples_per_s=200.0),
                       Result("a.py", "pipeline-1f1b", reason="not a sequence"), Result("b.py", "ps", samples_per_s=7.0)])
     assert [r.ratio for r in rs] == [0.25, 1.0, None, 1.0]
+
+
+def test_a_row_that_ran_as_another_strategy_never_sets_the_fastest():
+    # a hybrid plan with nothing on its servers runs as allreduce: its (noisy) speed is not a
+    # second allreduce that may beat the first, so the ratios are against the real contenders
+    rs = with_ratios([Result("a.py", "allreduce", samples_per_s=100.0),
+                      Result("a.py", "hybrid", samples_per_s=110.0, extra={"ran_as": "allreduce"}),
+                      Result("a.py", "ps", samples_per_s=50.0)])
+    assert [r.ratio for r in rs] == [1.0, 1.1, 0.5]
 
 
 def test_emulate_spec():
@@ -212,3 +224,56 @@ def test_verdict_says_faster_only_beyond_the_spread_and_never_for_a_ran_as_row()
     assert "1.05x allreduce (within the step-time spread 1.20x" in line and "2.10x ps" in line
     assert "2.10x ps (" not in line                                                       # beyond the spread: faster
     assert steps_warning(6) and steps_warning(30) is None
+
+
+SCALE_LM = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+HPAR = {"batch_size": 8, "lr": 0.1}
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.emb = nn.Embedding(2000, 8); self.out = nn.Linear(8, 4)
+    def forward(self, x): return self.out(self.emb(x).mean(1))
+def model(): return M()
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        x = torch.randint(0, 2000, (batch_size, 3), generator=g)
+        yield x, x[:, 0] % 4
+def loss(o, t): return F.cross_entropy(o, t)
+'''
+
+
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@pytest.mark.timeout(400)
+def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
+    """`hpar bench --scale 1,2` (launcher/bench/scale.py): a point per strategy and host count,
+    one worker per emulated host, with measured and predicted samples/s and bytes; the 1-host
+    point moves nothing between workers, the 2-host AllReduce does."""
+    import netns_hosts
+    reason = netns_hosts.testhosts.unavailable()
+    if reason:
+        pytest.skip(reason)
+    script = write_script(tmp_path, SCALE_LM, "lm.py")
+    out = tmp_path / "scale.json"
+    with open(tmp_path / "stdout.txt", "w") as f:
+        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "bench", script, "--scale", "1,2",
+                               "--strategies", "allreduce", "--steps", "4", "--link-rate", "100mbit",
+                               "--bench-dir", str(tmp_path / "b"), "--json", str(out)],
+                              stdout=f, stderr=subprocess.STDOUT, timeout=380).returncode
+    log = (tmp_path / "stdout.txt").read_text()
+    assert code == 0, log[-3000:]
+    assert "scaling, one worker per emulated host" in log and "cost model: mean absolute error" in log
+    points = json.load(open(out))["points"]
+    assert [(p["strategy"], p["workers"]) for p in points] == [("allreduce", 1), ("allreduce", 2)]
+    for p in points:
+        assert _finite_positive(p["samples_per_s"]) and _finite_positive(p["predicted_samples_per_s"]), p
+    assert not points[0]["bytes_sent"] and points[1]["bytes_sent"] > 2000 * 8 * 4   # the dense table is AllReduced
+    assert os.path.isdir(tmp_path / "b" / "hosts-1") and os.path.isdir(tmp_path / "b" / "hosts-2")
+
+
+def test_scale_flag_errors_are_one_line(tmp_path):
+    for args, flag in ((["--scale", "0,2"], "--scale"), (["--scale", "1,2", "--gpus", "4"], "drop --gpus")):
+        out = hpar("bench", write_script(tmp_path), "--bench-dir", str(tmp_path / "b"), *args, timeout=50)
+        assert out.returncode == 2 and flag in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert not (tmp_path / "b").exists()

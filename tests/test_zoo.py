@@ -132,3 +132,5 @@ def test_zoo_four_stage_pipeline(tmp_path_factory, schedule):
     r = hpar_run(tmp_path_factory, "pipe4", "pipeline", 4, "--schedule", schedule, "--micro-batches", "4")
     check_trained(r)
     assert "loss -" in r["out"]        # a middle stage's progress line, not a crash
+    stages = r["summary"]["stages"]    # what `hpar bench` reports per schedule: bubble and peak memory
+    assert len(stages) == 4 and all(isinstance(s["peak_mem_bytes"], int) and s["idle_s"] >= 0 for s in stages)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import ByteMeter, peer_is_remote
+from hpar.strategies.hybrid.build import broadcast_dense
 from hpar.strategies.hybrid.runtime import make_groups
 from hpar.strategies.job import JobError, load_job
 from hpar.strategies.loop import clip_coefficient
@@ -46,8 +47,9 @@ class Server:
         self.shards: dict[int, ParamShard] = {}
         for t in tables:
             rows = t.layout.server_rows(index)
-            if rows.numel():
-                self.shards[t.tid] = ParamShard(table_view(params[t.name].detach())[rows], t.spec)
+            if rows.numel():   # the model is dropped after this: its rows are taken, not copied again
+                view = table_view(params[t.name].detach())
+                self.shards[t.tid] = ParamShard(view if rows.numel() == view.shape[0] else view[rows], t.spec, copy=False)
         self.applied = start_step        # steps closed (every worker sent DONE)
         self.table_step = {tid: start_step for tid in self.shards}  # steps applied, per table
         self.pushed = {tid: 0 for tid in self.shards}  # workers whose gradients are in, per table
@@ -226,6 +228,7 @@ def main() -> int:
     model = job.build_model()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
     tables = ps_tables(model, opt, cfg.strategy, cfg.plan, num_servers)
+    broadcast_dense(model, {t.name for t in tables}, src=num_workers)   # the workers' initial dense state, from server 0
     params = dict(model.named_parameters())
     server = Server(cfg, tables, model, index, num_workers, host_of=host_of, pg_rank=pg_rank,
                     schedule=ServerSchedule(job, opt),

@@ -18,11 +18,12 @@ import dataclasses
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from hpar.launcher.bench.figures import bytes_per_worker_step, stage_figures
 
 PLANNED = {"pipeline", "hybrid", "ps"}   # strategies whose runs take the planner's plan
 
@@ -32,7 +33,9 @@ BENCH_STRATEGIES: dict[str, tuple[str, str | None]] = {
     "allreduce-sparse": ("allreduce-sparse", None),
     "pipeline-gpipe": ("pipeline", "gpipe"), "pipeline-1f1b": ("pipeline", "1f1b"),
     "pipeline-async-stash": ("pipeline", "async-stash"), "pipeline-async-predict": ("pipeline", "async-predict"),
+    "pipeline-async-2bw": ("pipeline", "async-2bw"),
     "torch-gpipe": ("pipeline", "torch-gpipe"), "torch-1f1b": ("pipeline", "torch-1f1b"),
+    "torch-interleaved-1f1b": ("pipeline", "torch-interleaved-1f1b"), "torch-zbv": ("pipeline", "torch-zbv"),
 }
 
 
@@ -111,38 +114,19 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
         if schedule == "torch-1f1b" and est is not None and est.micro_batches < gpus:
             return (f"the plan's {est.micro_batches} micro-batch(es) per batch are fewer than the {gpus} stages "
                     "torch's Schedule1F1B needs (scripts/bench_pipeline.py compares it at M = 4)")
+        if schedule.startswith("torch-") and est is not None:
+            from hpar.strategies.pipeline.torch_peers import check_peer
+            try:
+                check_peer(schedule, len(profile.layers), gpus, est.micro_batches)
+            except ValueError as exc:
+                return str(exc)
+        if schedule == "async-2bw" and est is not None:
+            from hpar.strategies.pipeline.schedules import check_2bw
+            try:
+                check_2bw(gpus, est.micro_batches)
+            except ValueError as exc:
+                return str(exc)
     return None
-
-
-def bytes_per_worker_step(metrics_path: str) -> dict | None:
-    """{"sent", "recv"}: mean bytes per worker per step from ``metrics.jsonl``, each worker's
-    interval means weighted by the steps of the interval, then averaged over workers.
-    None when the file holds no worker metric."""
-    per_rank: dict[int, list[tuple[int, float, float]]] = {}
-    try:
-        with open(metrics_path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("kind") == "metric" and rec.get("role") == "worker" and "bytes_sent" in rec:
-                    per_rank.setdefault(rec["rank"], []).append((rec["step"], rec["bytes_sent"], rec.get("bytes_recv", 0.0)))
-    except OSError:
-        return None
-    means = []
-    for recs in per_rank.values():
-        recs.sort()
-        prev, total, sent, recv = 0, 0, 0.0, 0.0
-        for step, s, r in recs:
-            k = max(step - prev, 0)
-            prev = step
-            total, sent, recv = total + k, sent + s * k, recv + r * k
-        if total:
-            means.append((sent / total, recv / total))
-    if not means:
-        return None
-    return {"sent": statistics.fmean(m[0] for m in means), "recv": statistics.fmean(m[1] for m in means)}
 
 
 def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str,
@@ -213,7 +197,7 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
         return Result(script, name, reason=f"run failed ({where}{cause})" if cause else f"run failed: {_last_error(log_path)}",
                       run_dir=run_dir, wall_s=wall)
     sent_recv = bytes_per_worker_step(os.path.join(run_dir, "metrics.jsonl")) or summary.get("bytes_per_step")
-    extra = {k: summary[k] for k in ("loss_first", "loss_last", "wall_s") if k in summary}
+    extra = {**{k: summary[k] for k in ("loss_first", "loss_last", "wall_s") if k in summary}, **stage_figures(summary)}
     if summary.get("strategy") not in (None, name, BENCH_STRATEGIES[name][0]):
         extra["ran_as"] = summary["strategy"]   # e.g. a hybrid plan with nothing on the servers
     return Result(script, name, samples_per_s=summary.get("samples_per_s"), step_s_p50=summary.get("step_s_p50"),
@@ -222,10 +206,12 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
 
 
 def with_ratios(results: list[Result]) -> list[Result]:
-    """Each result with ``ratio`` = its samples/s over the fastest of its script's results."""
+    """Each result with ``ratio`` = its samples/s over the fastest of its script's results.
+    A row that ran as another strategy (``extra["ran_as"]``) is measured against the others
+    but never sets the fastest: it is not a contender in its own name (launcher/bench/verdict.py)."""
     best: dict[str, float] = {}
     for r in results:
-        if r.samples_per_s:
+        if r.samples_per_s and not (r.extra or {}).get("ran_as"):
             best[r.script] = max(best.get(r.script, 0.0), r.samples_per_s)
     return [dataclasses.replace(r, ratio=r.samples_per_s / best[r.script]) if r.samples_per_s and best.get(r.script)
             else r for r in results]
@@ -324,7 +310,8 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None) -> list[
                 res = run()
             else:
                 res, counters = around_run(run)
-            res = dataclasses.replace(res, script=script, predicted_step_s=pred, projected=proj, counters=counters)
+            res = dataclasses.replace(res, script=script, predicted_step_s=pred, projected=proj, counters=counters,
+                                      extra={**res.extra, "batch_size": plan.batch_size})
             say(f"hpar bench: {stem} {name}: " + (res.reason or f"{res.samples_per_s:,.1f} samples/s"))
             results.append(res)
     return with_ratios(results)

@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # launcher/bench/ -> the checkout
 SAMPLE_S = 0.5
 # bytes of headers per packet on an emulated host's veth: Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12
 PACKET_HEADER_BYTES = 66

@@ -65,6 +65,9 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
         t = Table(title=f"{os.path.basename(script)}: {title}")
         cols = ["strategy", "samples/s", "step p50", "step p90", "sent/wkr/step", "recv/wkr/step",
                 "predicted step", "pred/meas", "x fastest"]
+        stage_cols = any("bubble" in (r.extra or {}) or "peak_mem_bytes" in (r.extra or {}) for r in rows)
+        if stage_cols:   # pipelines: idle over stage time, and the largest stage's peak memory
+            cols += ["bubble", "peak mem/stage"]
         if proj:
             cols += [f"PROJECTED {proj['gpus']} GPUs samples/s"]
         for c in cols:
@@ -76,15 +79,21 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
                 pj = r.projected or {}
                 p_cell = [f"{pj['samples_per_s']:,.0f} (projected)" if pj.get("samples_per_s") else
                           f"- ({pj.get('note') or 'n/a'})"]
+            s_cell = []
+            if stage_cols:
+                e = r.extra or {}
+                s_cell = [f"{e['bubble']:.0%}" if "bubble" in e else "-",
+                          _human(e.get("peak_mem_bytes")) if "peak_mem_bytes" in e else "-"]
             if r.reason:
-                t.add_row(r.strategy, "[yellow]n/a (below)[/yellow]", "", "", "", "", pred, "", "", *p_cell)
+                t.add_row(r.strategy, "[yellow]n/a (below)[/yellow]", "", "", "", "", pred, "", "",
+                          *(["", ""] if stage_cols else []), *p_cell)
                 continue
             b = r.bytes_per_step or {}
             err = (f"{r.predicted_step_s / r.step_s_p50:.2f}" if r.predicted_step_s and r.step_s_p50 else "-")
             label = r.strategy + (f" (ran as {r.extra['ran_as']})" if r.extra.get("ran_as") else "")
             t.add_row(label, f"{r.samples_per_s:,.1f}", _ms(r.step_s_p50), _ms(r.step_s_p90),
                       _human(b.get("sent")), _human(b.get("recv")), pred, err,
-                      f"{r.ratio:.2f}" if r.ratio else "-", *p_cell)
+                      f"{r.ratio:.2f}" if r.ratio else "-", *s_cell, *p_cell)
         console.print(t)
         why: dict[str, list[str]] = {}
         for r in rows:

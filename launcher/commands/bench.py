@@ -62,7 +62,8 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
 @click.option("--link-rate", default=None, help="Link bandwidth, e.g. 1gbit: the emulated hosts' cap and the cost model's link (default: probed).")
 @click.option("--latency", default=None, help="Link latency for the cost model, e.g. 50us (default: probed).")
 @click.option("--strategies", default=None, help="Comma-separated names (default: every one): hybrid, ps, allreduce, "
-              "allreduce-sparse, pipeline-gpipe, pipeline-1f1b, pipeline-async-stash, pipeline-async-predict, torch-gpipe, torch-1f1b.")
+              "allreduce-sparse, pipeline-gpipe, pipeline-1f1b, pipeline-async-stash, pipeline-async-predict, pipeline-async-2bw, torch-gpipe, torch-1f1b, "
+              "torch-interleaved-1f1b, torch-zbv.")
 @click.option("--steps", type=int, default=30, show_default=True, help="Training steps per strategy (the first 2 are warm-up).")
 @click.option("--batch-size", type=int, default=None, help="Samples per worker per step (default: the script's HPAR, else 32).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the model and the data, the same for every strategy.")
@@ -74,9 +75,18 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
 @click.option("--bench-dir", default=None, help="Where the runs go (default runs/bench-<timestamp>).")
 @click.option("--ssh-key", default=None, help="SSH private key for --hosts (not needed with emulate:H).")
 @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True, help="Seconds one strategy may run.")
+@click.option("--scale", default=None, help="Scaling curves: run on each of these numbers of emulated hosts, one "
+              "worker per host (e.g. 1,2,4,8; root), beside the cost model's predictions.")
 def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_size, seed, json_out, plot_out, project,
-          device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s):
+          device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s, scale):
     """Run every strategy that applies to SCRIPT(s) and compare them (table, --json, --plot)."""
+    if scale is not None:
+        given = [f for f, v in (("--gpus", "gpus"), ("--hosts", "hosts"), ("--project", "project"))
+                 if click.get_current_context().get_parameter_source(v).name != "DEFAULT"]
+        if given:
+            _fail(f"--scale sets the hosts and workers (one per emulated host); drop {', '.join(given)}")
+        return _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out,
+                            plot_out, bench_dir, timeout_s)
     from hpar.launcher.bench import report
     from hpar.launcher.bench.driver import BenchConfig, parse_strategies, run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster, parse_emulate
@@ -155,4 +165,57 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
         console.print(f"hpar bench: results written to {json_out}", markup=False)
     if plot_out:
         report.plot(results, plot_out, title)
+        console.print(f"hpar bench: plot written to {plot_out}", markup=False)
+
+
+def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out, plot_out,
+                 bench_dir, timeout_s) -> None:
+    """``hpar bench --scale``: one bench per host count on emulated hosts (launcher/bench/scale.py)."""
+    from hpar.launcher.bench import report
+    from hpar.launcher.bench.driver import BenchConfig, parse_strategies, run_bench
+    from hpar.launcher.bench.emulate import EmulatedCluster
+    from hpar.launcher.bench.scale import parse_scale, plot_scale, points, print_scale
+    from hpar.strategies.plan.cluster import parse_bandwidth
+    console = Console(soft_wrap=False, width=max(Console().width, 140))
+    try:
+        counts = parse_scale(scale)
+        names = parse_strategies(strategies)
+        if steps < 4:
+            raise ValueError(f"--steps must be at least 4 (2 warm-up steps, then measured ones), got {steps}")
+        for s in scripts:
+            if not os.path.isfile(s):
+                raise ValueError(f"{s}: no such script; pass the path of a training script")
+        bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
+        if plot_out:
+            import importlib.util
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ValueError("--plot needs matplotlib: pip install 'hpar[plot]' (or matplotlib)")
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        bench_dir = os.path.abspath(bench_dir or os.path.join("runs", f"bench-{stamp}"))
+        pts = []
+        for n in counts:
+            with EmulatedCluster(n, n, bw) as em:
+                cfg = BenchConfig(scripts=tuple(scripts), gpus=n, strategies=names, steps=steps,
+                                  bench_dir=os.path.join(bench_dir, f"hosts-{n}"), batch_size=batch_size, seed=seed,
+                                  hosts=em.host_file, ssh_key=em.key, bandwidth_Bps=bw, timeout_s=timeout_s)
+                cluster_of = _cluster_factory(None, em.host_file, bw, latency, None, n, n)
+                results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
+                                    around_run=em.around_run)
+            pts += points(n, results)
+    except JobError as exc:
+        _fail(str(exc), exc.user_traceback)
+    except (ValueError, RuntimeError, PermissionError) as exc:
+        _fail(str(exc))
+    print_scale(console, pts)
+    title = "one worker per emulated host" + (f" at {link_rate}" if link_rate else "") + f", {steps} steps"
+    if json_out:
+        doc = {"command": report.command_line(), "machine": report.machine(),
+               "settings": {"scale": list(counts), "link_rate": link_rate, "latency": latency, "steps": steps,
+                            "batch_size": batch_size, "seed": seed, "bench_dir": bench_dir},
+               "points": [dataclasses.asdict(p) for p in pts]}
+        with open(json_out, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+        console.print(f"hpar bench: results written to {json_out}", markup=False)
+    if plot_out:
+        plot_scale(pts, plot_out, title)
         console.print(f"hpar bench: plot written to {plot_out}", markup=False)

@@ -3,8 +3,8 @@ print the chosen plan (rich tables, or one JSON object with ``--json``).
 
 The cluster may be one the user does not have (a projection): ``--hosts 8x6 --gpus 48
 --bandwidth 100Gbps --device-tflops 15``. Without ``--bandwidth``, when every host is this
-machine, the link is measured by a loopback probe between two gloo processes
-(``strategies.cluster.probe_link``); for remote hosts without ``--bandwidth`` hpar assumes
+machine, the link is measured by a loopback probe between two gloo endpoints
+(``strategies/plan/probe.py``); for remote hosts without ``--bandwidth`` hpar assumes
 10 Gbps and says so (it does not log in to hosts to profile).
 """
 from __future__ import annotations
@@ -38,16 +38,23 @@ def _human(n: float, unit: str = "B") -> str:
     return f"{n:.3g} P{unit}"
 
 
-def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops):
-    """ClusterSpec from the flags (see the module docstring). Raises ValueError naming the flag."""
+def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps=None, measured_on=None):
+    """ClusterSpec from the flags (see the module docstring); ``device_mem_gbps``: the projected
+    device's memory bandwidth (GB/s); ``measured_on``: the device the profile measures on
+    ("cuda": no CPU-core sharing in the cost model; None: "cuda" when this machine has a GPU).
+    Raises ValueError naming the flag."""
     from hpar.launcher.hosts.hostfile import parse_hosts
-    from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency, probe_link
+    from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
+    from hpar.strategies.plan.probe import probe_link
     from hpar.launcher.hosts.slurm import allocation_hosts, in_allocation
     # inside a Slurm allocation the hosts and their slots come from Slurm unless --hosts is given
     host_list = parse_hosts(hosts) if hosts else (allocation_hosts() if in_allocation() else [])
     if device_tflops is not None and device_tflops <= 0:
         raise ValueError(f"--device-tflops must be positive, got {device_tflops}")
+    if device_mem_gbps is not None and device_mem_gbps <= 0:
+        raise ValueError(f"--device-mem-gbps must be positive, got {device_mem_gbps}")
     flops = device_tflops * 1e12 if device_tflops is not None else None
+    mem = device_mem_gbps * 1e9 if device_mem_gbps is not None else None
     local = all(h.is_local for h in host_list)
     allreduce_bw = None
     if bandwidth is not None:
@@ -63,9 +70,10 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops):
     slots = [h.slots for h in host_list] or None
     import torch
     # workers on this machine's CPU share its cores (cost model: strategies.costmodel.cpu_share)
-    cores = float(os.cpu_count() or 1) if local and flops is None and not torch.cuda.is_available() else None
+    on_cpu = measured_on == "cpu" if measured_on else not torch.cuda.is_available()
+    cores = float(os.cpu_count() or 1) if local and flops is None and on_cpu else None
     return make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores,
-                        allreduce_Bps=allreduce_bw)
+                        allreduce_Bps=allreduce_bw, device_mem_Bps=mem)
 
 
 def report(profile, cluster, plan) -> dict:
@@ -83,14 +91,17 @@ def report(profile, cluster, plan) -> dict:
     return {"parameters": params, "layers": layers, "candidates": cands, "plan": plan_d,
             "cluster": {"hosts": cluster.hosts, "gpus_per_host": list(cluster.gpus_per_host), "workers": cluster.workers,
                         "servers": cluster.servers, "bandwidth_Bps": cluster.bandwidth_Bps,
-                        "latency_s": cluster.latency_s, "device_flops": cluster.device_flops, "source": cluster.source,
+                        "latency_s": cluster.latency_s, "device_flops": cluster.device_flops,
+                        "device_mem_Bps": cluster.device_mem_Bps, "source": cluster.source,
                         "cores_per_host": cluster.cores_per_host, "allreduce_Bps": cluster.allreduce_Bps},
-            "profile": {"batch_size": profile.batch_size, "samples_per_batch": profile.samples_per_batch,
+            "profile": {"device": profile.device, "batch_size": profile.batch_size,
+                        "samples_per_batch": profile.samples_per_batch,
                         "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,
                         "backward_flops": profile.backward_flops, "is_sequential": profile.is_sequential,
                         "sequential_reason": profile.sequential_reason, "timing_batch_size": profile.timing_batch_size,
                         "profile_s": profile.profile_s, "update_s_per_byte": profile.update_s_per_byte,
-                        "sparse_update_s_per_byte": profile.sparse_update_s_per_byte}}
+                        "sparse_update_s_per_byte": profile.sparse_update_s_per_byte,
+                        "host_update_s_per_byte": profile.host_update_s_per_byte}}
 
 
 def print_tables(console: Console, profile, cluster, plan) -> None:
@@ -104,7 +115,7 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
                   plan.placement.get(p.name, "allreduce"))
     console.print(t)
     t = Table(title=f"Layers ({'a sequence' if profile.is_sequential else profile.sequential_reason}; "
-                    f"batch {profile.batch_size}, 1 CPU thread)")
+                    f"batch {profile.batch_size}, {'1 CPU thread' if profile.device == 'cpu' else profile.device})")
     for col in ("#", "layer", "forward", "backward", "FLOPs", "activations", "params"):
         t.add_column(col, justify="left" if col == "layer" else "right")
     for i, l in enumerate(profile.layers):
@@ -112,7 +123,7 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
                   _human(l.activation_bytes), _human(l.param_bytes))
     console.print(t)
     link = (f"{_human(cluster.bandwidth_Bps)}/s, {cluster.latency_s * 1e6:.0f} us ({cluster.source})")
-    dev = f", device {cluster.device_flops / 1e12:g} TFLOP/s" if cluster.device_flops else ", compute as profiled"
+    dev = f", compute {plan.compute}"
     t = Table(title=f"Candidates: {cluster.workers} workers on {cluster.hosts} host(s), {cluster.servers} server(s), link {link}{dev}")
     for col in ("strategy", "step", "samples/s", "sent/worker/step", "runs", "note"):
         t.add_column(col, justify="right" if col in ("step", "samples/s", "sent/worker/step") else "left")
@@ -137,16 +148,22 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
 @click.option("--servers", type=int, default=None, help="Parameter servers (default one per host).")
 @click.option("--bandwidth", default=None, help="Link bandwidth, e.g. 10Gbps, 25GB/s (default: measured on this machine).")
 @click.option("--latency", default=None, help=f"Per-message latency, e.g. 50us, 1ms (default: measured, else {DEFAULT_LATENCY}).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Measure on this device: the workers' (auto: cuda when this machine sees a GPU).")
 @click.option("--device-tflops", type=float, default=None, help="Compute from FLOPs at this many TFLOP/s per worker (projection to GPUs).")
+@click.option("--device-mem-gbps", type=float, default=None,
+              help="With --device-tflops: the device's memory bandwidth in GB/s; each layer then costs "
+                   "max(FLOPs / TFLOP/s, bytes moved / bandwidth) (roofline).")
 @click.option("--batch-size", type=int, default=None, help="Samples per worker per step (default: the script's HPAR, else 32).")
 @click.option("--timing-batch-size", type=int, default=None, help="Time compute on smaller batches and scale linearly (large models).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Write the plan as JSON for `hpar run --plan`.")
-def profile(script, gpus, hosts, servers, bandwidth, latency, device_tflops, batch_size, timing_batch_size,
-            as_json, plan_out):
+def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tflops, device_mem_gbps, batch_size,
+            timing_batch_size, as_json, plan_out):
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
     from hpar.strategies.checkpoint import atomic_write_bytes
     from hpar.strategies.plan.planner import choose_plan
+    from hpar.strategies.profile.device import profile_device
     from hpar.strategies.profile.profiler import profile_job
     try:
         from hpar.launcher.commands.launch import not_profilable
@@ -158,9 +175,11 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device_tflops, bat
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         if timing_batch_size is not None and timing_batch_size < 1:
             raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
-        cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops)
+        measure_on = profile_device(device)
+        cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps,
+                                measured_on=measure_on.type)
         check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
-        prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size)
+        prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on)
         plan = choose_plan(prof, cluster)
     except JobError as exc:
         _fail(str(exc), exc.user_traceback)

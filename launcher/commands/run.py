@@ -53,7 +53,7 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
 
 
 def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: str | None,
-             gpus: int, servers: int | None, schedule: str | None) -> tuple[str, dict]:
+             gpus: int, servers: int | None, schedule: str | None, device: str = "auto") -> tuple[str, dict]:
     """(strategy, plan dict) from ``--plan``, or from the planner for ``auto`` and for
     ``pipeline`` (which needs its balanced stages); the data-parallel strategies named
     explicitly run with their defaults and no profiling."""
@@ -67,7 +67,7 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
         return strategy, {"strategy": strategy}
     from hpar.launcher.run.planning import plan_job
     plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
-                    force=None if strategy == "auto" else strategy)
+                    force=None if strategy == "auto" else strategy, device=device)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
     return plan.strategy, plan.to_dict()
@@ -112,7 +112,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         model = check_job(job, bs)
-        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule)
+        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device)
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus, plan_file or "the planner's plan")
         # placement() raises for a plan naming unknown parameters before anything starts
@@ -144,8 +144,14 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if cfg.strategy == "pipeline":
             check_pipeline(model, gpus, cfg.plan, cfg.micro_batches, bs)   # refuse a plan that cannot run, before any process
             stages = cfg.plan.get("stages") or []
-            console.print(f"hpar: pipeline plan: {gpus} stages, layers "
-                          f"{', '.join(f'[{a}, {b})' for a, b in stages) or 'balanced on parameter counts'}, "
+            layers = f"{', '.join(f'[{a}, {b})' for a, b in stages) or 'balanced on parameter counts'}"
+            if cfg.schedule.startswith("torch-"):   # strategies/pipeline/torch_peers.py
+                from hpar.strategies.pipeline.stage import sequential_layers
+                from hpar.strategies.pipeline.torch_peers import VIRTUAL_STAGES, check_peer
+                check_peer(cfg.schedule, len(sequential_layers(model)), gpus, cfg.micro_batches)
+                if VIRTUAL_STAGES[cfg.schedule] > 1:
+                    layers = f"{VIRTUAL_STAGES[cfg.schedule]} chunks per process balanced on parameter counts"
+            console.print(f"hpar: pipeline plan: {gpus} stages, layers {layers}, "
                           f"{cfg.micro_batches} micro-batches, schedule {cfg.schedule}", markup=False)
         if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
@@ -171,6 +177,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         chosen, per_host = choose_devices(rows, device)
         cfg = cfg.replace(device=chosen)
         console.print(f"hpar: {describe(chosen, per_host, cfg.servers)}", markup=False)
+        from hpar.launcher.run.planning import compute_mismatch
+        if compute_mismatch(cfg.plan, chosen):   # CPU figures for GPU workers are never taken silently
+            console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, max_restarts=max_restarts,
                          live=False if plain else None, sync=sync, env=extra_env, slurm=slurm)
     return cfg, opts, master

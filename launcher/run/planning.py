@@ -3,13 +3,30 @@ from __future__ import annotations
 
 
 def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: int | None,
-             schedule: str = "1f1b", force: str | None = None):
+             schedule: str = "1f1b", force: str | None = None, device: str = "auto"):
     """Profile ``job`` (strategies/profile/profiler.py) for ``gpus`` workers on the hosts of
     ``hosts_spec`` (link figures probed on this machine, or hpar profile's defaults for remote
-    hosts) and return the planner's Plan (strategies/plan/planner.py). Raises JobError/ValueError."""
+    hosts) and return the planner's Plan (strategies/plan/planner.py). ``device`` (``--device``):
+    the profile measures on this machine's GPU unless it is ``cpu`` or there is none; the plan's
+    ``compute`` says which, and ``hpar run`` warns when its workers use another device
+    (:func:`compute_mismatch`). Raises JobError/ValueError."""
     from hpar.launcher.commands.profile import build_cluster
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
-    cluster = build_cluster(gpus, hosts_spec, servers, None, None, None)
-    profile = profile_job(job, batch_size, cluster.workers)
+    from hpar.strategies.profile.device import profile_device
+    measure_on = profile_device("cpu" if device == "cpu" else "auto")
+    cluster = build_cluster(gpus, hosts_spec, servers, None, None, None, measured_on=measure_on.type)
+    profile = profile_job(job, batch_size, cluster.workers, device=measure_on)
     return choose_plan(profile, cluster, schedule=schedule, force=force)
+
+
+def compute_mismatch(plan: dict, device: str) -> str | None:
+    """One line for ``hpar run`` when the plan's compute times were measured on another device
+    than its workers use (a CPU profile for GPU workers); None otherwise (no profile behind the
+    plan, a projection, or the same device)."""
+    source = (plan or {}).get("compute") or ""
+    if not source.startswith("measured on ") or source == f"measured on {device}":
+        return None
+    return (f"warning: the plan's compute times were {source}, the workers run on {device}; for a plan measured on "
+            f"the workers' device run `hpar profile --device {device} --plan-out plan.json` there and "
+            "`hpar run --plan plan.json`")

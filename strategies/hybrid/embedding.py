@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hpar.strategies.devices import copy_to_host
 from hpar.strategies.hybrid.client import PSClient, PSTable, coalesce, dedup
 
 
@@ -79,15 +80,19 @@ class ServedEmbedding:
 
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(unique ids (k,), summed row gradients (k, dim))`` of this step, on CPU, or
+        None when no lookup of this step reached the loss (waits for the copy to the host)."""
+        copy = self.host_gradients()
+        return None if copy is None else copy.result()
+
+    def host_gradients(self) -> "HostGradients | None":
+        """This step's row gradients on their way to the host (:class:`HostGradients`: on CUDA
+        a non-blocking copy into pinned memory, so a backward hook does not wait for it), or
         None when no lookup of this step reached the loss."""
         recs = [(ids, rows.grad) for ids, rows in self.records if rows.grad is not None]
         if not recs:
             return None
-        ids = torch.cat([i for i, _ in recs])
-        grads = torch.cat([g for _, g in recs]).to("cpu")
-        if len(recs) == 1:
-            return ids, grads
-        return coalesce(ids, grads)
+        host, event = copy_to_host(torch.cat([g for _, g in recs]))
+        return HostGradients(torch.cat([i for i, _ in recs]), host, event, len(recs) > 1)
 
     def clear(self) -> None:
         """Forget this step's rows; consume a prefetched answer the forward did not use
@@ -97,6 +102,28 @@ class ServedEmbedding:
         if self.prefetched is not None:
             self.prefetched[3]()
             self.prefetched = None
+
+
+@dataclass
+class HostGradients:
+    """Row gradients of one served table copied to the host: ``ids`` (host int64, one per
+    row, repeated where several lookups hit a row: ``merge``), ``rows`` (host; on CUDA a pinned
+    buffer that a non-blocking copy fills until ``event`` completes; ``event`` None on CPU)."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    event: object = None
+    merge: bool = False
+
+    def ready(self) -> bool:
+        """Whether :meth:`result` can return without waiting for the device."""
+        return self.event is None or self.event.query()
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(unique ids (k,), summed rows (k, dim))`` on the host, after the copy completed."""
+        if self.event is not None:
+            self.event.synchronize()
+        return coalesce(self.ids, self.rows) if self.merge else (self.ids, self.rows)
 
 
 def _local_padding(padding_idx: int | None, uids: torch.Tensor) -> int | None:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint
-from hpar.strategies.hybrid import embedding
+from hpar.strategies.hybrid import build, embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.devices import rng_state, set_rng_state, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
@@ -94,12 +94,13 @@ def group_allreduce_hook(state, bucket):
 
 
 def _setup(ctx: WorkerContext):
-    """Build the model on the CPU, hand its served tables to the parameter server (their
-    weights emptied) and only then move it to the worker's device: a served table is never
-    materialised on the device (tables larger than GPU memory are what servers are for)."""
+    """Build the model on the ``meta`` device, hand its served tables to the parameter server
+    (their weights emptied), give the rest storage on the worker's device and the initial
+    values from server 0 (hybrid/build.py): a served table is never materialised on a worker,
+    neither on its device nor in its host memory (tables larger than a GPU's, or a worker's,
+    memory are what servers are for)."""
     cfg, job = ctx.cfg, ctx.job
-    torch.manual_seed(cfg.seed)
-    model = job.build_model()
+    model, on_meta = build.build_model(job, cfg.seed)
     set_sparse_gradients(model, False)
     full_opt = job.build_optimizer(model.parameters(), cfg.lr)
     servers = cfg.servers or 1
@@ -109,7 +110,11 @@ def _setup(ctx: WorkerContext):
     client = PSClient(tables, ctx.world_size, servers, ctx.is_remote, pin=ctx.device.type == "cuda")
     clock = embedding.StepClock()
     served = embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
-    model.to(ctx.device)
+    if on_meta:
+        model.to_empty(device=ctx.device)   # storage for the dense part only: the tables are empty
+    else:
+        model.to(ctx.device)
+    build.broadcast_dense(model, {t.name for t in tables}, src=ctx.world_size)   # from server 0
     params = dict(model.named_parameters())
     whole = [(t, params[t.name]) for t in tables if t.kind == "whole"]
     ps_names = {t.name for t in tables}
@@ -205,6 +210,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     # worker(s): the servers sum the pushes and apply the step once every worker's last is in.
     counts = [1]
 
+    copies = []   # (table, HostGradients): gradients on their way to the host, pushed once there
     # fp16: the step's pushes are held until every worker agrees the step is finite (hybrid/fp16.py)
     held = [] if cfg.precision == "fp16" else None
     scaled_opt = (opt or fp16.placeholder_optimizer(ctx.device)) if held is not None else None
@@ -217,8 +223,16 @@ def train(ctx: WorkerContext) -> TrainResult:
         else:
             pending.extend(client.push(table, grads[0], grads[1], clock.step, count=count))
 
-    def push(item) -> None:
-        send(item.table, item.gradients(), counts[0])
+    def push(item) -> None:   # may run inside backward: never waits for the device
+        grads = item.host_gradients()
+        if grads is not None:
+            copies.append((item.table, grads))
+        send_copied(wait=False)
+
+    def send_copied(wait: bool) -> None:
+        while copies and (wait or copies[0][1].ready()):
+            table, grads = copies.pop(0)
+            send(table, grads.result(), counts[0])
     # without local aggregation (a collective), tables are pushed from inside backward
     clock.on_gradients = push if local is None and held is None else None
     for step in range(ctx.start_step, cfg.steps):
@@ -252,6 +266,7 @@ def train(ctx: WorkerContext) -> TrainResult:
                 elif not item.pushed:
                     push(item)
                 item.clear()
+            send_copied(wait=True)
             push_s += time.perf_counter() - t_push
         meter.samples_per_step = samples
         t_push = time.perf_counter()
@@ -295,6 +310,8 @@ def train(ctx: WorkerContext) -> TrainResult:
                                  ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             _save(ctx, step + 1, model, opt, tools, ps_names, groups)
+    peaks = [None] * ctx.world_size   # each worker's peak RSS in training, before rank 0 gathers the tables
+    dist.all_gather_object(peaks, build.peak_rss_bytes(), group=groups.workers.control)
     if ctx.rank == 0:
         model.to("cpu")     # the whole model, served tables included, is assembled on the host
         _gather_model(client, tables, served, whole, cfg.steps)
@@ -307,7 +324,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
                                groups.workers, ctx.world_size)
     result = meter.result(model if ctx.rank == 0 else None, replicas=ctx.world_size,
-                          extra={"by_param": by_param, "servers": cfg.servers or 1,
+                          extra={"by_param": by_param, "servers": cfg.servers or 1, "worker_peak_rss_bytes": peaks,
                                  "ps_params": sorted(ps_names)})
     result.loss_first, result.loss_last = losses
     return result

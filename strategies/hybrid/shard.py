@@ -149,9 +149,9 @@ class ParamShard:
     workers) and runs the optimizer (see the module docstring for the semantics).
     """
 
-    def __init__(self, weight: torch.Tensor, spec: OptimizerSpec):
+    def __init__(self, weight: torch.Tensor, spec: OptimizerSpec, copy: bool = True):
         assert weight.dim() == 2
-        self.weight = weight.detach().clone()
+        self.weight = weight.detach().clone() if copy else weight.detach()   # copy=False: the caller hands it over
         self.spec = spec
         self.step = 0
         self.state: dict[str, torch.Tensor] = {}

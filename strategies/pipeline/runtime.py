@@ -42,7 +42,8 @@ optimizer and at the end of each step.
 
 Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
 for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
-their means per stage (gathered to rank 0).
+their means per stage (gathered to rank 0), with the stage's peak memory over the run
+(``peak_mem_bytes``, strategies/pipeline/memory.py).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ from hpar.strategies import loop
 from hpar.strategies.pipeline import stage_loop
 from hpar.strategies.pipeline import guard
 from hpar.strategies.pipeline.comm import Links
+from hpar.strategies.pipeline.memory import PeakMemory
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
 from hpar.strategies.pipeline.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
 from hpar.strategies.pipeline.prediction import mode_for_schedule
@@ -124,7 +126,8 @@ def train(ctx: WorkerContext) -> TrainResult:
             _draw(batches, cfg.seed, s)
     meter = StepMeter(ctx, cfg.batch_size)
     inputs, targets, step_losses = {}, {}, {}
-    stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": []}
+    stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": [], "memory": PeakMemory(ctx.device)}
+    stats["memory"].start()   # peak memory of the schedule: activations in flight, weight versions, optimizer state
     timer = ComputeTimer(ctx.device)   # CUDA events on a GPU
 
     def feed(step: int) -> None:
@@ -180,7 +183,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         elif K > 1 and stage.is_first:
             loss = links.recv_loss()
         sent, recv, idle, remote = links.take()
-        compute = timer.take()
+        compute, idle = timer.take_step(idle)    # on CUDA both from CUDA events
         stats["compute_s"].append(compute); stats["idle_s"].append(idle)
         stats["sent"].append(sent); stats["recv"].append(recv)
         logged = job.run_log(step + 1, stage.output, last_targets[0]) if stage.keep_output else {}
@@ -262,7 +265,8 @@ def _finish(ctx: WorkerContext, stage: Stage, model: torch.nn.Module, ranges, me
     mine = {"stage": ctx.rank, "layers": list(ranges[ctx.rank]),
             "compute_s": sum(stats["compute_s"]) / n, "idle_s": sum(stats["idle_s"]) / n,
             "bytes_sent": sum(stats["sent"]) / n, "bytes_recv": sum(stats["recv"]) / n,
-            "max_in_flight": stage.max_in_flight, "weight_versions": stage.weights.most_versions}
+            "max_in_flight": stage.max_in_flight, "weight_versions": stage.weights.most_versions,
+            "peak_mem_bytes": stats["memory"].peak_bytes()}
     payload = ({k: v.detach().cpu() for k, v in stage.module.state_dict().items()}, mine)
     gathered = [None] * ctx.world_size if ctx.rank == 0 else None
     if ctx.world_size > 1:

@@ -1,13 +1,26 @@
-"""The peers of hpar's pipeline: torch.distributed.pipelining's ScheduleGPipe and
-Schedule1F1B on the same stages and micro-batches (``--schedule torch-gpipe|torch-1f1b``).
+"""The peers of hpar's pipeline: torch.distributed.pipelining's schedules on the same model,
+batches and micro-batches (``--schedule torch-gpipe|torch-1f1b|torch-interleaved-1f1b|torch-zbv``).
 
-Same stage cut (``stage.stage_ranges``), same seeded initial weights, same batches (first
-stage: inputs, last stage: targets, from ``job.batches(0, 1, batch_size)``), same
-micro-batch count; torch splits the batch into micro-batches itself, runs the passes and
-scales gradients by 1/M (``scale_grads=True``), then every stage takes one optimizer step.
-So these runs are the same math as hpar's ``gpipe``/``1f1b`` and differ only in the
-runtime, which is what the benchmark compares. Reports the same per-stage figures where
-torch exposes them (compute and idle are not separated: ``compute_s`` is the step time).
+``torch-gpipe`` and ``torch-1f1b`` (ScheduleGPipe, Schedule1F1B) run one stage per process
+on hpar's stage cut (``stage.stage_ranges``). ``torch-interleaved-1f1b``
+(ScheduleInterleaved1F1B, Narayanan et al., SC 2021) and ``torch-zbv`` (ScheduleZBVZeroBubble,
+Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 6) run two virtual stages
+per process: the layers are cut into 2K contiguous chunks balanced like hpar's stages, and
+process k holds chunks k and k+K (interleaved, the "loop" placement) or k and 2K-1-k (ZB-V's
+"V" placement, so process 0 holds the first and the last chunk). Every chunk starts from the
+same seeded initial weights as a single process; the first chunk's process takes the
+inputs and the last chunk's the targets of ``job.batches(0, 1, batch_size)``. torch splits
+the batch into micro-batches itself, runs the passes and scales gradients by 1/M
+(``scale_grads=True``); every process then takes one optimizer step. So these runs are the
+same math as hpar's ``gpipe``/``1f1b`` and differ only in the schedule and runtime, which is
+what the benchmark compares.
+
+Per-stage figures as hpar's own schedules report them: ``compute_s`` and ``idle_s`` per step
+(the bubble), bytes that crossed the process boundary, and ``peak_mem_bytes``
+(strategies/pipeline/memory.py). torch does not expose when a schedule waits, so on CPU
+compute is the process's CPU time over the step (``time.process_time``: blocked in a gloo
+receive costs none) and idle the rest of the wall-clock step; on CUDA the split is not
+measured (None) and ``compute_s`` is the step time.
 """
 from __future__ import annotations
 
@@ -17,7 +30,9 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.devices import DeviceClock
 from hpar.strategies.groups import worker_groups
+from hpar.strategies.pipeline.memory import PeakMemory
 from hpar.strategies.loop import autocast
 from hpar.strategies.pipeline.stage import build_stages_model, describe, stage_module, stage_ranges
 
@@ -53,6 +68,44 @@ class _ActivationBytes:
         return out
 
 
+#: schedule -> number of virtual stages (chunks) per process
+VIRTUAL_STAGES = {"torch-gpipe": 1, "torch-1f1b": 1, "torch-interleaved-1f1b": 2, "torch-zbv": 2}
+
+
+def chunk_ranks(schedule: str, num_ranks: int) -> list[int]:
+    """The process (rank) of each chunk, in layer order: ``[0, 1, .., K-1]`` for one stage per
+    process, ``[0..K-1, 0..K-1]`` for interleaved 1F1B, ``[0..K-1, K-1..0]`` for ZB-V."""
+    K = num_ranks
+    if VIRTUAL_STAGES[schedule] == 1:
+        return list(range(K))
+    if schedule == "torch-interleaved-1f1b":
+        return list(range(K)) * 2
+    return list(range(K)) + list(range(K - 1, -1, -1))
+
+
+def check_peer(schedule: str, num_layers: int, num_ranks: int, micro_batches: int) -> None:
+    """ValueError with the fix when torch's ``schedule`` cannot run this model on ``num_ranks``
+    processes with ``micro_batches`` micro-batches (checked before any process starts)."""
+    chunks = VIRTUAL_STAGES[schedule] * num_ranks
+    if num_layers < chunks:
+        raise ValueError(f"--schedule {schedule} cuts the model into {chunks} chunks ({VIRTUAL_STAGES[schedule]} per "
+                         f"process) but it has {num_layers} layers; use fewer --gpus or --schedule torch-1f1b")
+    if schedule == "torch-1f1b" and micro_batches < num_ranks:
+        raise ValueError(f"--micro-batches {micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
+                         f"at least one per stage ({num_ranks}); raise it or use --schedule torch-gpipe")
+    rounds = max(1, micro_batches // num_ranks)
+    if schedule == "torch-interleaved-1f1b" and micro_batches % rounds:
+        raise ValueError(f"--micro-batches {micro_batches}: ScheduleInterleaved1F1B needs a multiple of "
+                         f"{rounds} (micro-batches // processes); use {rounds * (micro_batches // rounds)}")
+
+
+def _schedule(cfg, stages: list, loss_fn):
+    from torch.distributed import pipelining as pp
+    cls = {"torch-gpipe": pp.ScheduleGPipe, "torch-1f1b": pp.Schedule1F1B,
+           "torch-interleaved-1f1b": pp.ScheduleInterleaved1F1B, "torch-zbv": pp.ScheduleZBVZeroBubble}[cfg.schedule]
+    return cls(stages[0] if len(stages) == 1 else stages, cfg.micro_batches, loss_fn=loss_fn)
+
+
 class _Autocast(torch.nn.Module):
     """The stage module's forward under the run's ``torch.autocast`` (``--precision bf16``):
     torch's PipelineStage runs the module it is given, so autocast goes inside it; the
@@ -68,10 +121,11 @@ class _Autocast(torch.nn.Module):
 
 
 def train(ctx: WorkerContext) -> TrainResult:
-    """One torch PipelineStage per process; returns the whole model on rank 0.
-    Raises ValueError as hpar's pipeline does (non-sequential model, fewer layers than
-    stages, micro-batches that do not divide the batch); checkpoints are not supported."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """The chunks of this process as torch PipelineStages under torch's schedule; returns the
+    whole model on rank 0. Raises ValueError as hpar's pipeline does (non-sequential model,
+    fewer layers than chunks, micro-batches that do not divide the batch); checkpoints are
+    not supported."""
+    from torch.distributed.pipelining import PipelineStage
 
     cfg, job = ctx.cfg, ctx.job
     if cfg.batch_size % cfg.micro_batches:
@@ -79,64 +133,71 @@ def train(ctx: WorkerContext) -> TrainResult:
     if cfg.checkpoint_every or cfg.resume:
         raise ValueError(f"--schedule {cfg.schedule}: checkpoints are only supported by hpar's own schedules; drop --checkpoint-every/--resume")
     model = build_stages_model(job, cfg.seed)
-    ranges = stage_ranges(model, ctx.world_size, cfg.plan)
     k, K = ctx.rank, ctx.world_size
-    module = stage_module(model, *ranges[k]).to(ctx.device)
-    params = list(module.parameters())
+    owner = chunk_ranks(cfg.schedule, K)
+    n = len(owner)
+    ranges = stage_ranges(model, n, cfg.plan if n == K else None)
+    mine = [c for c in range(n) if owner[c] == k]
+    modules = [stage_module(model, *ranges[c]).to(ctx.device) for c in mine]
+    params = [p for m in modules for p in m.parameters()]
     opt = job.build_optimizer(params, cfg.lr) if params else None
     sched = job.build_scheduler(opt) if opt is not None else None
-    io = _ActivationBytes(module)
-    runner = _Autocast(module, cfg, ctx.device.type) if cfg.precision != "fp32" else module
-    stage = PipelineStage(runner, k, K, ctx.device, group=worker_groups(K, cfg.device).dense)   # NCCL on CUDA
-    schedule_cls = ScheduleGPipe if cfg.schedule == "torch-gpipe" else Schedule1F1B
+    ios = [_ActivationBytes(m) for m in modules]
+    group = worker_groups(K, cfg.device).dense   # NCCL on CUDA
+    runners = [_Autocast(m, cfg, ctx.device.type) if cfg.precision != "fp32" else m for m in modules]
+    stages = [PipelineStage(r, c, n, ctx.device, group=group) for r, c in zip(runners, mine)]
 
     def loss_fn(output, target):
         return job.compute_loss(output, target)
 
-    schedule = schedule_cls(stage, cfg.micro_batches, loss_fn=loss_fn)
-    first, last = k == 0, k == K - 1
+    schedule = _schedule(cfg, stages, loss_fn)
+    first, last = 0 in mine, n - 1 in mine
     batches = job.batches(0, 1, cfg.batch_size) if (first or last) else None
     meter = StepMeter(ctx, cfg.batch_size)
-    step_s = []
+    mem = PeakMemory(ctx.device)
+    clock = DeviceClock(ctx.device)
+    step_s, cpu_s = [], []
+    mem.start()
     meter.start()
     for step in range(cfg.steps):
         x = y = None
         if batches is not None:
             x, y = (move_to(t, ctx.device) for t in _draw(batches, cfg.seed, step))
-        t0 = time.perf_counter()
+        t0, c0 = clock.now(), time.process_time()   # on CUDA: after the queued kernels (synchronize)
         losses: list = []
-        if first and last:
-            schedule.step(x, target=y, losses=losses)
-        elif first:
-            schedule.step(x)
-        elif last:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
+        args = (x,) if first else ()
+        schedule.step(*args, target=y if last else None, losses=losses if last else None)
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             if sched is not None:
                 sched.step()
-        step_s.append(time.perf_counter() - t0)
-        loss = float("nan")
-        if last:
-            loss = float(sum(l.detach() for l in losses) / len(losses))
-        if K > 1:
+        step_s.append(clock.now() - t0)
+        cpu_s.append(time.process_time() - c0)
+        loss = float(sum(l.detach() for l in losses) / len(losses)) if last else float("nan")
+        holder = owner[-1]
+        if holder != 0:
             t = torch.tensor([loss], dtype=torch.float64)   # a CPU value: over the default (gloo) group
-            if last:
+            if k == holder:
                 dist.send(t, 0)
-            elif first:
-                dist.recv(t, K - 1)
+            elif k == 0:
+                dist.recv(t, holder)
                 loss = float(t)
-        # what crossed the stage boundaries: activations out and their gradients back in
-        # (same sizes), counted from the stage's own inputs and outputs
-        into, out = io.take()
-        fwd, bwd = (out if not last else 0), (into if not first else 0)
-        remote = (fwd if not last and ctx.is_remote(k + 1) else 0) + (bwd if not first and ctx.is_remote(k - 1) else 0)
-        meter.end(loss, fwd + bwd, fwd + bwd, extra={"stage": k}, sent_remote=remote)
-    mine = {"stage": k, "layers": list(ranges[k]), "compute_s": sum(step_s) / len(step_s)}
-    payload = ({n: v.detach().cpu() for n, v in module.state_dict().items()}, mine)
+        sent = remote = 0
+        for io, c in zip(ios, mine):   # activations to the next chunk, their gradients back
+            into, out = io.take()
+            for nbytes, nb in ((out, c + 1), (into, c - 1)):
+                if 0 <= nb < n and owner[nb] != k:
+                    sent += nbytes
+                    remote += nbytes if ctx.is_remote(owner[nb]) else 0
+        meter.end(loss, sent, sent, extra={"stage": k}, sent_remote=remote)
+    wall = sum(step_s) / len(step_s)
+    split = ctx.device.type == "cpu"
+    figures = {"stage": k, "layers": [list(ranges[c]) for c in mine] if len(mine) > 1 else list(ranges[k]),
+               "compute_s": sum(cpu_s) / len(cpu_s) if split else wall,
+               "idle_s": max(0.0, wall - sum(cpu_s) / len(cpu_s)) if split else None,
+               "peak_mem_bytes": mem.peak_bytes()}
+    payload = ({n_: v.detach().cpu() for m in modules for n_, v in m.state_dict().items()}, figures)
     gathered = [None] * K if k == 0 else None
     if K > 1:
         dist.gather_object(payload, gathered, dst=0)

@@ -13,11 +13,8 @@ it defaults to ``bandwidth_Bps`` because we cannot measure a GPU interconnect we
 """
 from __future__ import annotations
 
-import os
 import re
 import socket
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,6 +34,8 @@ class ClusterSpec:
     came from: "flags", "probe" or "default"), ``cores_per_host`` (CPU cores a host gives its
     hpar processes when they compute on the CPU, so that more processes than cores share
     them; None: workers have their own accelerator, or the hosts are not this machine),
+    ``device_mem_Bps`` (memory bytes/s of that device, ``--device-mem-gbps``: with
+    ``device_flops`` the roofline of strategies/plan/roofline.py; None: device_flops / 20),
     ``allreduce_Bps`` (the bandwidth a ring AllReduce between processes of one host achieves,
     ``2(N-1)/N * bytes / seconds``, its reductions and copies included; measured by the
     probe, where gloo on CPU reaches about 0.4 of the point-to-point figure; None: the
@@ -52,6 +51,7 @@ class ClusterSpec:
     source: str = "flags"
     cores_per_host: float | None = None
     allreduce_Bps: float | None = None
+    device_mem_Bps: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:
@@ -64,8 +64,18 @@ class ClusterSpec:
             raise ValueError(f"--latency must not be negative, got {self.latency_s} s")
         if self.cores_per_host is not None and not self.cores_per_host > 0:
             raise ValueError(f"cores per host must be positive, got {self.cores_per_host}")
-        if self.device_flops is not None and not self.device_flops > 0:
-            raise ValueError(f"--device-tflops must be positive, got {self.device_flops / 1e12}")
+        if self.device_mem_Bps is not None and self.device_flops is None:
+            raise ValueError("--device-mem-gbps needs --device-tflops too: a projected device has a compute rate "
+                             "and a memory bandwidth (roofline); add --device-tflops T")
+        if self.device_flops is not None:
+            self.device   # raises ValueError naming the flag for a rate that is not positive
+
+    @property
+    def device(self):
+        """The projected worker device (strategies/plan/roofline.DeviceSpec), or None: compute
+        as profiled."""
+        from hpar.strategies.plan.roofline import DeviceSpec
+        return DeviceSpec(self.device_flops, self.device_mem_Bps) if self.device_flops is not None else None
 
     @property
     def workers(self) -> int:
@@ -118,7 +128,8 @@ def parse_latency(text: str, flag: str = "--latency") -> float:
 def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | None,
                  bandwidth_Bps: float, latency_s: float, device_flops: float | None = None,
                  intra_host_Bps: float | None = None, source: str = "flags",
-                 cores_per_host: float | None = None, allreduce_Bps: float | None = None) -> ClusterSpec:
+                 cores_per_host: float | None = None, allreduce_Bps: float | None = None,
+                 device_mem_Bps: float | None = None) -> ClusterSpec:
     """A ClusterSpec from host slot counts (``slots``, None: this machine only) and
     ``--gpus`` (None: every slot). GPUs fill hosts in order, as the launcher places ranks;
     hosts left without a GPU are dropped. ``servers`` None means one per host used.
@@ -141,7 +152,7 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
                        servers=len(per_host) if servers is None else servers,
                        bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, device_flops=device_flops,
                        intra_host_Bps=intra_host_Bps, source=source, cores_per_host=cores_per_host,
-                       allreduce_Bps=allreduce_Bps)
+                       allreduce_Bps=allreduce_Bps, device_mem_Bps=device_mem_Bps)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
@@ -150,68 +161,3 @@ def free_port(addr: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
-
-
-def _probe_worker(rank: int, port: int, nbytes: int, pings: int, sends: int, queue) -> None:
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        small, big = torch.zeros(1), torch.zeros(nbytes // 4)
-        peer = 1 - rank
-
-        def round_trips(out: "torch.Tensor", back: "torch.Tensor", n: int) -> list[float]:
-            """Seconds of n exchanges: rank 0 sends ``out`` and receives ``back``."""
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                if rank == 0:
-                    dist.send(out, peer)
-                    dist.recv(back, peer)
-                else:
-                    dist.recv(out, peer)
-                    dist.send(back, peer)
-                times.append(time.perf_counter() - t0)
-            return times
-        rtts, sends_s, allreduce_s = round_trips(small, small, pings), round_trips(big, small, sends + 1), []
-        for _ in range(sends + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(big)
-            allreduce_s.append(time.perf_counter() - t0)
-        if rank == 0:
-            queue.put((statistics.median(rtts[2:]), statistics.median(sends_s[1:]), statistics.median(allreduce_s[1:])))
-    finally:
-        dist.destroy_process_group()
-
-
-def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
-               timeout_s: float = 60.0) -> tuple[float, float, float]:
-    """Measure (bandwidth_Bps, latency_s, allreduce_Bps) between two gloo processes on this
-    machine (loopback TCP): latency = half the median round trip of a 4-byte message,
-    bandwidth = ``nbytes`` over the median one-way time of a large message minus one
-    latency, allreduce_Bps = ``nbytes`` over the median time of a ``dist.all_reduce`` of
-    ``nbytes`` (the 2(N-1)/N * nbytes a ring moves for N = 2). Takes a few seconds, most of
-    it starting the processes. Raises RuntimeError if it fails."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_probe_worker, args=(r, port, nbytes, pings, sends, queue), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        rtt, one_way, allreduce = queue.get(timeout=timeout_s)
-    except Exception as exc:
-        raise RuntimeError(f"link probe failed ({type(exc).__name__}); pass --bandwidth and --latency") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    latency = rtt / 2
-    # a 2-process ring AllReduce moves 2(N-1)/N * nbytes = nbytes each way
-    return nbytes / max(one_way - rtt, 1e-9), latency, nbytes / max(allreduce, 1e-9)

@@ -5,12 +5,13 @@ Notation: N workers, H hosts, G = most workers on one host, S servers, B bytes, 
 link bandwidth (bytes/s) and ``lat`` the per-message latency of :class:`ClusterSpec`.
 Messages cost lat + B/bw (Hockney's alpha-beta model, Parallel Computing 1994).
 
-Compute: the profiled one-thread CPU seconds, or FLOPs / ``device_flops`` when the cluster
-gives a device speed (projection to GPUs; element-wise ops that FLOPs do not count are then
-ignored). An optimizer update of B parameter bytes costs ``B * profile.update_s_per_byte`` on
-CPU (workers and parameter servers, which are CPU processes as in Parallax); on a projected
-device it is memory bound, 3 bytes moved per parameter byte (read weight and gradient, write
-weight) at ``device_flops / FLOP_PER_BYTE`` bytes/s.
+Compute: the profiled seconds (on the device the profile measured on), or, when the cluster
+gives a device (``--device-tflops``, ``--device-mem-gbps``), each layer's roofline time
+max(FLOPs / FLOP/s, bytes moved / memory bytes/s) (strategies/plan/roofline.py: memory-bound
+layers are no longer free). An optimizer update of B parameter bytes costs
+``B * profile.update_s_per_byte`` as profiled (parameter servers: the profile's host figure,
+they are CPU processes as in Parallax); on a projected device it is memory bound, 3 bytes
+moved per parameter byte (read weight and gradient, write weight) at its memory bandwidth.
 
 Overlap (wait-free backpropagation: Zhang et al., "Poseidon", USENIX ATC 2017; Li et al.,
 "PyTorch Distributed", VLDB 2020): a gradient is sent as soon as backward produced it, so
@@ -27,12 +28,12 @@ import math
 from dataclasses import dataclass, field
 
 from hpar.strategies.plan.cluster import ClusterSpec
+from hpar.strategies.plan.roofline import compute_seconds, layer_seconds, update_seconds_per_byte
 from hpar.strategies.pipeline.partition import partition_stages
 from hpar.strategies.profile.profiler import ParamProfile, Profile
 
 INDEX_BYTES = 8            # int64 row id sent with every sparse row
 BUCKET_BYTES = 25 << 20    # DDP's default gradient bucket (bucket_cap_mb=25)
-FLOP_PER_BYTE = 20.0       # FLOP/s : memory bytes/s of a GPU (H100 fp32 67 TF / 3.35 TB/s)
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,9 @@ def cpu_share(cluster: ClusterSpec) -> float:
 def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False) -> CostSetting:
     """The CostSetting of ``profile`` on ``cluster`` (``with_servers``: the hybrid/ps
     strategies, whose servers take cores on the hosts)."""
-    if cluster.device_flops:
-        fwd = profile.forward_flops / cluster.device_flops
-        bwd = profile.backward_flops / cluster.device_flops
-        upd = 3.0 * FLOP_PER_BYTE / cluster.device_flops
+    if cluster.device is not None:   # a projected device: roofline of its FLOP/s and memory bandwidth
+        fwd, bwd = compute_seconds(profile, cluster.device)
+        upd = update_seconds_per_byte(cluster.device)
     else:
         fwd, bwd, upd = profile.forward_s, profile.backward_s, profile.update_s_per_byte
     # the sparse update (coalesce: a sort, then sparse kernels) is only ever timed on this CPU;
@@ -145,7 +145,8 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
     busy_cores = load is not None and load >= 1.0
     return CostSetting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
                        cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
-                       k * profile.update_s_per_byte, p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps)
+                       k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
+                       p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps)
 
 
 def split_tail(params, first_layer: int = 0):
@@ -224,8 +225,8 @@ def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1
     if len(layers) < k:
         return Estimate("pipeline", 0.0, 0, 0.0, feasible=False,
                         note=f"{len(layers)} layers cannot fill {k} stages")
-    if cluster.device_flops:
-        comp, fixed = [l.flops / cluster.device_flops for l in layers], 0.0
+    if cluster.device is not None:
+        comp, fixed = layer_seconds(profile, cluster.device), 0.0
     else:
         comp, fixed = [l.forward_s + l.backward_s for l in layers], profile.fixed_share
     comp[-1] += max(0.0, c.fwd + c.bwd - sum(comp))

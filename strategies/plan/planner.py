@@ -36,7 +36,8 @@ class Candidate:
 class Plan:
     """The chosen strategy and everything its runtime needs. ``stages`` is a list of
     [start, end) layer index pairs (pipeline only), ``servers`` the parameter-server count
-    (hybrid and ps only, else 0), ``reason`` one sentence, ``candidates`` every strategy."""
+    (hybrid and ps only, else 0), ``reason`` one sentence, ``candidates`` every strategy,
+    ``compute`` where the predicted compute times come from (:func:`compute_source`)."""
 
     strategy: str
     placement: dict[str, str]
@@ -49,6 +50,7 @@ class Plan:
     candidates: list[Candidate]
     predicted_step_s: float = 0.0
     samples_per_s: float = 0.0
+    compute: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -95,6 +97,16 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
         return (f"allreduce: the gradients are dense ({share:.0%} of the bytes in embedding tables) and "
                 f"AllReduce of {_fmt_bytes(profile.total_bytes)} overlaps backward{vs}.")
     return f"{best.strategy}: the fastest predicted step that can run{vs}."
+
+
+def compute_source(profile: Profile, cluster: ClusterSpec) -> str:
+    """Where the plan's compute times come from: ``"measured on cpu"`` / ``"measured on cuda"``
+    (the profile's device), or ``"projected: T TFLOP/s"`` (plus ``", M GB/s"`` with a memory
+    bandwidth) when the cluster describes its devices (strategies/plan/roofline.py)."""
+    if cluster.device_flops is None:
+        return f"measured on {profile.device}"
+    mem = f", {cluster.device_mem_Bps / 1e9:g} GB/s" if cluster.device_mem_Bps else ""
+    return f"projected: {cluster.device_flops / 1e12:g} TFLOP/s{mem} (from a profile on {profile.device})"
 
 
 # Simplest first: fewer moving parts (no servers, no stages) win a near tie.
@@ -156,4 +168,4 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 servers=cluster.servers if uses_servers else 0, stages=[list(s) for s in best.stages],
                 micro_batches=best.micro_batches or 1, schedule=schedule,
                 reason=reason, candidates=candidates, predicted_step_s=best.step_s,
-                samples_per_s=best.samples_per_s)
+                samples_per_s=best.samples_per_s, compute=compute_source(profile, cluster))

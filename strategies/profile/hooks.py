@@ -42,9 +42,13 @@ def _tensors(obj):
 
 class LayerTimer:
     """Forward/backward seconds and output bytes per layer through module and tensor hooks
-    (see the module docstring); also counts embedding-module calls per forward pass."""
+    (see the module docstring); also counts embedding-module calls per forward pass. Time
+    points come from ``clock`` (strategies/devices.DeviceClock: CUDA events on a GPU, whose
+    hooks only queue work; the host clock on the CPU)."""
 
-    def __init__(self, layers, emb_modules):
+    def __init__(self, layers, emb_modules, clock=None):
+        from hpar.strategies.devices import DeviceClock
+        self.clock = clock or DeviceClock(torch.device("cpu"))
         self.layers, self.embs = [m for _, m in layers], list(emb_modules)
         self.activation_bytes = [0] * len(self.layers)
         self.max_calls = 0
@@ -56,9 +60,9 @@ class LayerTimer:
         if getattr(self, "_calls", None) and sum(self._calls.values()) > 0:   # a forward pass ran
             self.max_calls = max(self.max_calls, max(self._calls.values()))
             self.min_calls = min(self.min_calls, min(self._calls.values()))
-        self._f = [0.0] * len(self.layers)
-        self._t = [0.0] * len(self.layers)
-        self._b: dict[int, float] = {}
+        self._f = [[] for _ in self.layers]       # (start, end) marks of each forward call
+        self._t = [None] * len(self.layers)
+        self._b: dict = {}                        # layer -> mark of its output gradient
         self._calls = {id(m): 0 for m in self.embs}
 
     def __enter__(self):
@@ -79,25 +83,30 @@ class LayerTimer:
         self._calls[id(mod)] += 1
 
     def _pre(self, i):
-        self._t[i] = time.perf_counter()
+        self._t[i] = self.clock.mark()
 
     def _post(self, i, out):
-        self._f[i] += time.perf_counter() - self._t[i]
+        self._f[i].append((self._t[i], self.clock.mark()))
         ts = list(_tensors(out))
         self.activation_bytes[i] = sum(t.numel() * t.element_size() for t in ts)
         for t in ts:
             if t.requires_grad:
-                t.register_hook(lambda g, i=i: self._b.setdefault(i, time.perf_counter()) and None)
+                t.register_hook(lambda g, i=i: self._grad_ready(i))
+
+    def _grad_ready(self, i):
+        if i not in self._b:
+            self._b[i] = self.clock.mark()
 
     def forward_s(self) -> list[float]:
-        return list(self._f)
+        return [sum(self.clock.between(a, b) for a, b in calls) for calls in self._f]
 
-    def backward_s(self, t_end: float) -> list[float]:
-        """Seconds from each layer's output-gradient event to the next event (or t_end)."""
-        ev = sorted((t, i) for i, t in self._b.items())
+    def backward_s(self, end) -> list[float]:
+        """Seconds from each layer's output-gradient event to the next event (or ``end``, a
+        mark of ``clock`` taken when backward returned)."""
+        to_end = sorted(((self.clock.between(m, end), i) for i, m in self._b.items()), reverse=True)
         out = [0.0] * len(self.layers)
-        for k, (t, i) in enumerate(ev):
-            out[i] = (ev[k + 1][0] if k + 1 < len(ev) else t_end) - t
+        for k, (t, i) in enumerate(to_end):      # earliest event first
+            out[i] = t - (to_end[k + 1][0] if k + 1 < len(to_end) else 0.0)
         return out
 
     def embedding_calls_once(self) -> bool:
@@ -168,16 +177,25 @@ def auto_timing_batch(job: Job, model: nn.Module, batch_size: int, workers: int)
     return batch_size if est <= STEP_BUDGET_S else max(big, int(batch_size * STEP_BUDGET_S / est))
 
 
+def _now(model: nn.Module) -> float:
+    """The host clock once ``model``'s device has finished its queued work (synchronize
+    around a timed region on CUDA)."""
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type == "cuda":
+        torch.cuda.synchronize(p.device)
+    return time.perf_counter()
+
+
 def warm_step_s(job: Job, model: nn.Module, batch: int, workers: int, repeats: int = 1) -> float:
     """Median seconds of ``repeats`` forward+loss+backward steps on rank 0's first batch of
     ``batch`` samples, after one untimed step (lazy initialisation); gradients are cleared."""
     inputs, targets = next(job.batches(0, workers, batch))
     times = []
     for i in range(repeats + 1):
-        t0 = time.perf_counter()
+        t0 = _now(model)
         job.compute_loss(model(inputs), targets).backward()
         if i:
-            times.append(time.perf_counter() - t0)
+            times.append(_now(model) - t0)
         model.zero_grad(set_to_none=True)
     return sorted(times)[len(times) // 2]
 

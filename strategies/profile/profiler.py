@@ -3,8 +3,10 @@
 :func:`profile_job` returns a :class:`Profile`, a frozen value the cost model and planner
 read (``strategies/plan/costmodel.py``, ``strategies/plan/planner.py``). Everything is measured on a
 fresh deep copy of ``job.build_model()`` (the user's model object, its ``sparse=`` flags,
-the global torch RNG state and the thread count are left as they were), on CPU with
-``torch.set_num_threads(1)`` because every hpar worker process runs with one thread.
+the global torch RNG state and the thread count are left as they were), with
+``torch.set_num_threads(1)`` because every hpar CPU worker process runs with one thread, on the
+device the workers use (``device``: the CPU, or a GPU timed with CUDA events; the profile
+records which, see strategies/profile/device.py).
 
 What is measured and how:
 
@@ -50,7 +52,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+from hpar.strategies.devices import DeviceClock
 from hpar.strategies.job import Job, JobError
+from hpar.strategies.profile.device import OnDevice
 from hpar.strategies.layers import model_layers
 from hpar.strategies.profile.hooks import (
     auto_timing_batch,
@@ -124,7 +128,9 @@ class LayerProfile:
 @dataclass(frozen=True)
 class Profile:
     """A measured job. ``compute_s`` = forward (with loss) + backward seconds of one
-    worker's batch on one CPU thread; ``forward_flops``/``backward_flops`` per batch;
+    worker's batch on ``device`` ("cpu": one CPU thread; "cuda": one GPU); ``update_s_per_byte``
+    the optimizer there, ``host_update_s_per_byte`` on one CPU thread (the parameter servers';
+    None: measured on the CPU already); ``forward_flops``/``backward_flops`` per batch;
     ``samples_per_batch`` = leading dimension of one batch's inputs; ``workers`` = N the
     sparsity was measured for; ``fixed_share`` the part of ``compute_s`` that a smaller
     batch does not shrink (``hooks.fixed_share``)."""
@@ -147,6 +153,8 @@ class Profile:
     sparse_update_s_per_byte: float | None = None
     sparse_gradients_ok: bool = True
     fixed_share: float = 0.0
+    device: str = "cpu"
+    host_update_s_per_byte: float | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -216,8 +224,11 @@ def _pooled_layer_times(layers, activation_bytes, lay_f, lay_b) -> tuple[list[fl
 
 
 def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmup: int = 2,
-                timing_batch_size: int | None = None, max_sparsity_workers: int = 16) -> Profile:
-    """Profile ``job`` for ``workers`` (N) data-parallel workers of ``batch_size`` each.
+                timing_batch_size: int | None = None, max_sparsity_workers: int = 16,
+                device: torch.device | str = "cpu") -> Profile:
+    """Profile ``job`` for ``workers`` (N) data-parallel workers of ``batch_size`` each, the
+    model and batches on ``device`` (CUDA: timed with CUDA events and synchronize, see
+    strategies/profile/device.py).
 
     Returns a :class:`Profile` (see the module docstring for the method). Raises JobError
     when the user's functions fail, ValueError for a non-positive ``batch_size``,
@@ -231,31 +242,33 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        model = copy.deepcopy(job.build_model()).cpu().train()
+        dev = torch.device(device)
+        clock, on_dev = DeviceClock(dev), OnDevice(job, dev)
+        model = copy.deepcopy(job.build_model()).to(dev).train()
         embs = embedding_modules(model)
         for _, m in embs:
             m.sparse = True          # profile copy only: cheap gradients for huge tables
         layers, is_seq, reason = pipeline_layers(model)
-        timer = LayerTimer(layers, [m for _, m in embs])
+        timer = LayerTimer(layers, [m for _, m in embs], clock)
         tbs = min(timing_batch_size or batch_size, batch_size)
         if timing_batch_size is None:
-            tbs = auto_timing_batch(job, model, batch_size, workers)
-        batches = job.batches(0, workers, tbs)
+            tbs = auto_timing_batch(on_dev, model, batch_size, workers)
+        batches = on_dev.batches(0, workers, tbs)
         fwd, bwd, lay_f, lay_b, grad_rows = [], [], [], [], {}
         with timer:
             for i in range(warmup + repeats):
                 inputs, targets = next(batches)
                 model.zero_grad(set_to_none=True)
                 timer.reset()
-                t0 = time.perf_counter()
+                t0 = clock.mark()
                 loss = job.compute_loss(model(inputs), targets)
-                t1 = time.perf_counter()
+                t1 = clock.mark()
                 loss.backward()
-                t2 = time.perf_counter()
+                t2 = clock.mark()
                 if i < warmup:
                     continue
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
+                fwd.append(clock.between(t0, t1))
+                bwd.append(clock.between(t1, t2))
                 lay_f.append(timer.forward_s())
                 lay_b.append(timer.backward_s(t2))
                 for name, p in model.named_parameters():
@@ -266,17 +279,19 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         model.zero_grad(set_to_none=True)
         flops = count_flops(model, layers, lambda: job.compute_loss(model(inputs), targets))
         scale = batch_size / tbs
-        emb_stats = embedding_sparsity(job, model, embs, batch_size, workers,
+        emb_stats = embedding_sparsity(on_dev, model, embs, batch_size, workers,
                                         max_sparsity_workers, stop_early=calls_once)
         samples = emb_stats.pop("__samples__")
-        fixed = fixed_share(job, model, tbs, workers)
+        fixed = fixed_share(on_dev, model, tbs, workers)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        update = dense_update_cost(job, model_bytes)
+        update = dense_update_cost(job, model_bytes, device=dev)
+        host_update = dense_update_cost(job, model_bytes) if dev.type != "cpu" else None
         sparse_update, sparse_ok = None, True
         if embs:
             name, table = max(((n, m.weight) for n, m in embs), key=lambda nm: nm[1].numel())
             key = f"{name}.weight" if name else "weight"
-            sparse_update = sparse_update_cost(job, table.shape[0], table.shape[1], emb_stats[key]["alpha"], workers)
+            sparse_update = sparse_update_cost(job, table.shape[0], table.shape[1], emb_stats[key]["alpha"], workers,
+                                               device=dev)
             sparse_ok = sparse_update is not None
     finally:
         torch.set_num_threads(threads)
@@ -319,4 +334,5 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
                    update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
-                   sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed)
+                   sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
+                   device=dev.type, host_update_s_per_byte=host_update)

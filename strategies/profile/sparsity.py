@@ -43,7 +43,7 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
 
     def hook(module, args):
         name = names[[m for _, m in embs].index(module)]
-        ids = args[0].reshape(-1).unique()
+        ids = args[0].reshape(-1).unique().to("cpu")   # the counts live on the host, whatever the device
         hit = torch.zeros(module.weight.shape[0], dtype=torch.bool)
         hit[ids] = True
         cur[name] |= hit

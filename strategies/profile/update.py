@@ -1,6 +1,7 @@
 """Optimizer update costs for the profile: the user's optimizer timed on probe parameters.
 
-Two figures, both on one CPU thread (as hpar workers and servers run):
+Two figures, on the profiled device (one CPU thread, as hpar's CPU workers and servers run,
+or a GPU, timed with a synchronize around each step):
 
 * ``dense_update_cost``: seconds per parameter byte of one ``opt.step()`` on a dense probe as
   large as the model's parameters (clamped to [4 MiB, 64 MiB]): a probe that fits the caches
@@ -35,27 +36,36 @@ def _optimizer(job: Job, params: list[nn.Parameter]):
         return torch.optim.SGD(params, lr=1e-3)
 
 
-def _median_step_s(opt, repeats: int) -> float:
+def _now(device: torch.device) -> float:
+    """The host clock after ``device`` finished its queued work (synchronize around a timed
+    region on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _median_step_s(opt, repeats: int, device: torch.device = torch.device("cpu")) -> float:
     times = []
     for _ in range(repeats + 1):    # the first step creates the optimizer state
-        t0 = time.perf_counter()
+        t0 = _now(device)
         opt.step()
-        times.append(time.perf_counter() - t0)
+        times.append(_now(device) - t0)
     return statistics.median(times[1:])
 
 
-def dense_update_cost(job: Job, model_bytes: int, repeats: int = 3) -> float:
+def dense_update_cost(job: Job, model_bytes: int, repeats: int = 3, device: torch.device | str = "cpu") -> float:
     """Seconds per parameter byte of the user's optimizer (plain SGD if ``optimizer()``
     fails on a bare parameter list) stepping a float32 probe of ``model_bytes`` clamped to
-    [MIN_PROBE_BYTES, MAX_PROBE_BYTES]. Takes up to about half a second."""
+    [MIN_PROBE_BYTES, MAX_PROBE_BYTES] on ``device``. Takes up to about half a second."""
+    device = torch.device(device)
     numel = max(MIN_PROBE_BYTES, min(int(model_bytes), MAX_PROBE_BYTES)) // 4
-    p = nn.Parameter(torch.randn(numel))
-    p.grad = torch.randn(numel)
-    return _median_step_s(_optimizer(job, [p]), repeats) / (numel * 4)
+    p = nn.Parameter(torch.randn(numel, device=device))
+    p.grad = torch.randn(numel, device=device)
+    return _median_step_s(_optimizer(job, [p]), repeats, device) / (numel * 4)
 
 
 def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int,
-                       repeats: int = 3, seed: int = 0) -> float | None:
+                       repeats: int = 3, seed: int = 0, device: torch.device | str = "cpu") -> float | None:
     """Seconds per byte of gathered gradient rows (``workers`` x ``alpha`` x rows x dim x 4)
     of the user's optimizer stepping a ``(rows, dim)`` float32 table (rows capped at
     MAX_PROBE_ROWS, alpha kept) whose gradient is ``workers`` uncoalesced sparse pushes of
@@ -64,9 +74,10 @@ def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int
     rows = max(1, min(int(rows), MAX_PROBE_ROWS))
     touched = max(1, round(alpha * rows))
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.cat([torch.randperm(rows, generator=gen)[:touched] for _ in range(max(1, workers))])
-    values = torch.randn(ids.numel(), dim, generator=gen)
-    p = nn.Parameter(torch.zeros(rows, dim))
+    device = torch.device(device)
+    ids = torch.cat([torch.randperm(rows, generator=gen)[:touched] for _ in range(max(1, workers))]).to(device)
+    values = torch.randn(ids.numel(), dim, generator=gen).to(device)
+    p = nn.Parameter(torch.zeros(rows, dim, device=device))
     opt = _optimizer(job, [p])
 
     def step():
@@ -80,7 +91,7 @@ def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int
         return None
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _now(device)
         step()
-        times.append(time.perf_counter() - t0)
+        times.append(_now(device) - t0)
     return statistics.median(times) / (ids.numel() * dim * 4)

@@ -1,0 +1,54 @@
+"""What a bench entry's run directory says beyond summary.json's headline figures: bytes per
+worker per step from metrics.jsonl, and a pipeline's bubble and peak memory per stage."""
+from __future__ import annotations
+
+import json
+import statistics
+
+
+def bytes_per_worker_step(metrics_path: str) -> dict | None:
+    """{"sent", "recv"}: mean bytes per worker per step from ``metrics.jsonl``, each worker's
+    interval means weighted by the steps of the interval, then averaged over workers.
+    None when the file holds no worker metric."""
+    per_rank: dict[int, list[tuple[int, float, float]]] = {}
+    try:
+        with open(metrics_path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("kind") == "metric" and rec.get("role") == "worker" and "bytes_sent" in rec:
+                    per_rank.setdefault(rec["rank"], []).append((rec["step"], rec["bytes_sent"], rec.get("bytes_recv", 0.0)))
+    except OSError:
+        return None
+    means = []
+    for recs in per_rank.values():
+        recs.sort()
+        prev, total, sent, recv = 0, 0, 0.0, 0.0
+        for step, s, r in recs:
+            k = max(step - prev, 0)
+            prev = step
+            total, sent, recv = total + k, sent + s * k, recv + r * k
+        if total:
+            means.append((sent / total, recv / total))
+    if not means:
+        return None
+    return {"sent": statistics.fmean(m[0] for m in means), "recv": statistics.fmean(m[1] for m in means)}
+
+
+def stage_figures(summary: dict) -> dict:
+    """A pipeline run's bubble and memory from its summary's per-stage figures: ``bubble`` =
+    idle over (compute + idle) summed over the stages (the fraction of stage time spent
+    waiting), ``peak_mem_bytes`` = the largest stage's peak (strategies/pipeline/memory.py).
+    Empty for other strategies; a figure a runtime did not measure is left out."""
+    stages = summary.get("stages") or []
+    out = {}
+    idle = [s.get("idle_s") for s in stages]
+    compute = [s.get("compute_s") for s in stages]
+    if stages and all(isinstance(v, (int, float)) for v in idle + compute) and sum(idle) + sum(compute) > 0:
+        out["bubble"] = sum(idle) / (sum(idle) + sum(compute))
+    peaks = [s.get("peak_mem_bytes") for s in stages]
+    if stages and all(isinstance(v, int) for v in peaks):
+        out["peak_mem_bytes"] = max(peaks)
+    return out

@@ -1,0 +1,89 @@
+"""The loopback link probe: what two gloo endpoints on this machine measure between them, for
+the cost model of workers that share this host (strategies/plan/cluster.py's link model).
+
+The two endpoints are two ``ProcessGroupGloo`` objects of a two-rank group, each driven by
+its own thread of this process over a ``HashStore``. Their messages take the same path as
+those of two worker processes: gloo's TCP transport over the loopback interface (the tensors
+are copied into and out of the kernel's socket buffers; gloo releases the GIL while it
+waits). Starting two processes instead cost 5-15 s per ``hpar run`` on this project's 2-core
+test machine, most of it importing torch twice, for the same figures.
+"""
+from __future__ import annotations
+
+import datetime
+import statistics
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+_SMALL_TAG, _BIG_TAG = 0, 1
+
+
+def _exchange(pg, rank: int, out: torch.Tensor, back: torch.Tensor, n: int) -> list[float]:
+    """Seconds of ``n`` exchanges between the two ranks of ``pg``: rank 0 sends ``out`` and
+    receives ``back``, rank 1 the reverse."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        if rank == 0:
+            pg.send([out], 1, _BIG_TAG).wait()
+            pg.recv([back], 1, _SMALL_TAG).wait()
+        else:
+            pg.recv([out], 0, _BIG_TAG).wait()
+            pg.send([back], 0, _SMALL_TAG).wait()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _endpoint(pg, rank: int, nbytes: int, pings: int, sends: int, out: dict) -> None:
+    try:
+        small, big = torch.zeros(1), torch.zeros(nbytes // 4)
+        rtts = _exchange(pg, rank, small, small.clone(), pings)
+        one_way = _exchange(pg, rank, big, small.clone(), sends + 1)
+        allreduce = []
+        for _ in range(sends + 1):
+            pg.allreduce([small]).wait()   # both ranks start the timed AllReduce together
+            t0 = time.perf_counter()
+            pg.allreduce([big]).wait()
+            allreduce.append(time.perf_counter() - t0)
+        if rank == 0:   # the first exchanges pay for connection set-up and page faults
+            out["figures"] = (statistics.median(rtts[2:]), statistics.median(one_way[1:]),
+                              statistics.median(allreduce[1:]))
+    except Exception as exc:  # reported by probe_link in the caller's thread
+        out[f"error{rank}"] = exc
+
+
+def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
+               timeout_s: float = 60.0) -> tuple[float, float, float]:
+    """Measure (bandwidth_Bps, latency_s, allreduce_Bps) of gloo over loopback TCP on this
+    machine: latency = half the median round trip of a 4-byte message, bandwidth = ``nbytes``
+    over the median one-way time of a large message minus one latency, allreduce_Bps =
+    ``nbytes`` over the median time of an AllReduce of ``nbytes`` (the 2(N-1)/N * nbytes a
+    ring moves for N = 2). Takes about a second. Raises RuntimeError if it fails."""
+    store, timeout = dist.HashStore(), datetime.timedelta(seconds=timeout_s)
+    pgs: list = [None, None]
+    out: dict = {}
+
+    def connect(rank: int) -> None:
+        try:
+            pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        except Exception as exc:
+            out[f"error{rank}"] = exc
+
+    def run(target, per_rank) -> None:
+        threads = [threading.Thread(target=target, args=per_rank(r), daemon=True) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+        errors = [v for k, v in out.items() if k.startswith("error")]
+        if errors or any(t.is_alive() for t in threads):
+            why = type(errors[0]).__name__ if errors else "timeout"
+            raise RuntimeError(f"link probe failed ({why}); pass --bandwidth and --latency")
+
+    run(connect, lambda r: (r,))
+    run(_endpoint, lambda r: (pgs[r], r, nbytes, pings, sends, out))
+    rtt, one_way, allreduce = out["figures"]
+    return nbytes / max(one_way - rtt, 1e-9), rtt / 2, nbytes / max(allreduce, 1e-9)

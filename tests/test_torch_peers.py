@@ -1,0 +1,102 @@
+"""torch.distributed.pipelining's schedules as hpar's peers (strategies/pipeline/torch_peers.py):
+the interleaved 1F1B and ZB-V zero-bubble schedules run through `hpar run` with two chunks per
+process, train the same math as hpar's 1F1B, and report the bubble and peak memory per stage
+that `hpar bench` prints."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, hpar, run_processes
+from hpar.launcher.bench.figures import stage_figures
+from hpar.strategies.pipeline.torch_peers import check_peer, chunk_ranks
+
+PIPE = os.path.join(REPO, "tests", "zoo", "pipe4.py")   # 8 layers: 2 processes x 2 chunks x 2 layers
+SCHEDULES = ("torch-interleaved-1f1b", "torch-zbv")
+
+
+def test_chunk_placement():
+    assert chunk_ranks("torch-1f1b", 3) == [0, 1, 2]
+    assert chunk_ranks("torch-interleaved-1f1b", 3) == [0, 1, 2, 0, 1, 2]    # the "loop" placement
+    assert chunk_ranks("torch-zbv", 3) == [0, 1, 2, 2, 1, 0]                 # the "V": rank 0 holds first and last
+
+
+@pytest.mark.parametrize("schedule, layers, ranks, micro, flag", [
+    ("torch-zbv", 7, 4, 4, "8 chunks"),
+    ("torch-interleaved-1f1b", 4, 4, 4, "8 chunks"),
+    ("torch-1f1b", 8, 4, 2, "--micro-batches 2"),
+    ("torch-interleaved-1f1b", 8, 2, 5, "multiple of 2"),
+])
+def test_check_peer_refuses_with_the_fix(schedule, layers, ranks, micro, flag):
+    with pytest.raises(ValueError, match=flag):
+        check_peer(schedule, layers, ranks, micro)
+    check_peer("torch-zbv", 8, 4, 4)   # enough layers: no error
+
+
+def test_stage_figures_from_a_summary():
+    summary = {"stages": [{"compute_s": 3.0, "idle_s": 1.0, "peak_mem_bytes": 10},
+                          {"compute_s": 2.0, "idle_s": 2.0, "peak_mem_bytes": 30}]}
+    assert stage_figures(summary) == {"bubble": pytest.approx(3 / 8), "peak_mem_bytes": 30}
+    assert stage_figures({"stages": [{"compute_s": 1.0, "idle_s": None, "peak_mem_bytes": None}]}) == {}
+    assert stage_figures({"strategy": "allreduce"}) == {}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """hpar's 1F1B on 2 stages, simulated in this process (tests/test_pipeline.py checks the
+    simulator against the multi-process runtime bit for bit)."""
+    from hpar.strategies.job import load_job
+    from hpar.strategies.pipeline.sim import simulate
+    job = load_job(PIPE)
+    return simulate(job, "1f1b", 2, steps=6, batch_size=8, micro_batches=4, lr=job.defaults["lr"]).model
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One `hpar run --gpus 2` of the 8-layer zoo model per schedule, stdout to a file."""
+    out = {}
+    for schedule in SCHEDULES:
+        base = tmp_path_factory.mktemp(schedule)
+        run_dir, log = base / "run", base / "stdout.txt"
+        with open(log, "w") as f:
+            proc = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", PIPE, "--gpus", "2",
+                                   "--strategy", "pipeline", "--schedule", schedule, "--micro-batches", "4",
+                                   "--steps", "6", "--run-dir", str(run_dir), "--no-eval"],
+                                  stdout=f, stderr=subprocess.STDOUT, timeout=240, cwd=str(base))
+        left = run_processes(str(run_dir))
+        for p in left:
+            p.kill()
+        out[schedule] = {"rc": proc.returncode, "log": log.read_text(), "left": left, "run_dir": run_dir}
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_two_chunks_per_process_train_the_same_model_as_1f1b(runs, reference, schedule):
+    r = runs[schedule]
+    assert r["rc"] == 0, r["log"][-2000:]
+    assert not r["left"], f"processes left: {r['left']}"
+    assert "2 chunks per process" in r["log"]
+    got = torch.load(r["run_dir"] / "model.pt")
+    want = reference.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:   # same micro-batches, same 1/M scaling, one optimizer step per batch
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    summary = json.loads((r["run_dir"] / "summary.json").read_text())
+    stages = summary["stages"]
+    assert [s["stage"] for s in stages] == [0, 1] and all(len(s["layers"]) == 2 for s in stages)
+    figures = stage_figures(summary)
+    assert 0.0 <= figures["bubble"] < 1.0 and figures["peak_mem_bytes"] >= 0
+
+
+def test_too_few_layers_for_two_chunks_is_refused_before_anything_starts(tmp_path):
+    r = hpar("run", PIPE, "--gpus", "8", "--strategy", "pipeline", "--schedule", "torch-zbv", "--micro-batches", "8",
+             "--batch-size", "8", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--schedule torch-zbv cuts the model into 16 chunks" in r.stderr + r.stdout
+    assert not (tmp_path / "run" / "config.json").exists()
