@@ -114,27 +114,28 @@ class RunConfig:
 
 def not_supported(cfg: RunConfig) -> str | None:
     """Why this strategy cannot honour the training-loop flags it was given (one line naming
-    the flag and the way out), or None. The parameter servers do not take part in fp16's
-    inf/NaN check yet; a pipeline's micro-batches already accumulate within a step (raise
-    ``--micro-batches`` instead of ``--accumulate``)."""
-    if cfg.strategy in ("hybrid", "ps"):
-        if cfg.precision == "fp16":
-            return (f"--precision fp16 is not supported with --strategy {cfg.strategy} yet (the servers do not take "
-                    "part in the gradient scaler's inf/NaN check); use --precision bf16")
+    the flag and the way out), or None. A pipeline's micro-batches already accumulate within a step (raise
+    ``--micro-batches`` instead of ``--accumulate``); an asynchronous pipeline cannot skip a
+    step on every stage (strategies/pipeline/stage_loop.py); torch's pipelining peers run
+    neither clipping, evaluation during training nor fp16 (bf16 autocast they do)."""
     if cfg.strategy == "pipeline":
         if cfg.accumulate > 1:
             return ("--accumulate does not apply to --strategy pipeline: its micro-batches already accumulate "
                     "within a step; raise --micro-batches and --batch-size instead")
-        if cfg.clip_grad_norm:
-            return "--clip-grad-norm is not supported with --strategy pipeline yet; drop the flag or use --strategy allreduce"
-        if cfg.eval and cfg.eval_every:
-            return ("--eval-every is not supported with --strategy pipeline yet (the stages' weights are gathered at the "
-                    "end); drop it: evaluate() runs before and after training")
-        if cfg.precision == "fp16":
-            return "--precision fp16 is not supported with --strategy pipeline yet; use --precision bf16"
         if cfg.replicas > 1 and cfg.schedule.startswith("torch-"):
             return (f"--pipeline-replicas {cfg.replicas} is not supported with --schedule {cfg.schedule} (torch's "
                     "schedules run one pipeline); use hpar's own 1f1b or gpipe")
-        if cfg.precision != "fp32" and cfg.schedule.startswith("torch-"):
-            return f"--precision {cfg.precision} is not supported with --schedule {cfg.schedule}; use hpar's own 1f1b or gpipe"
+        torch_peer = cfg.schedule.startswith("torch-")
+        if torch_peer and (cfg.clip_grad_norm or (cfg.eval and cfg.eval_every)):
+            flag = "--clip-grad-norm" if cfg.clip_grad_norm else "--eval-every"
+            return f"{flag} is not supported with --schedule {cfg.schedule} (torch's pipelining peer); use hpar's own 1f1b or gpipe"
+        if cfg.precision == "fp16" and cfg.schedule not in ("gpipe", "1f1b") and not torch_peer:
+            return (f"--precision fp16 is not supported with --schedule {cfg.schedule}: the stages of an asynchronous "
+                    "pipeline apply an update at different times, so a step with inf/NaN cannot be skipped on every "
+                    "stage; use --precision bf16 or --schedule 1f1b")
+        if cfg.precision == "bf16" and torch_peer and cfg.schedule not in ("torch-gpipe", "torch-1f1b"):
+            return f"--precision bf16 is not supported with --schedule {cfg.schedule}; use torch-gpipe, torch-1f1b or hpar's own 1f1b"
+        if cfg.precision == "fp16" and torch_peer:
+            return (f"--precision fp16 is not supported with --schedule {cfg.schedule} (torch's pipelining peer has no "
+                    "gradient scaler across its stages); use --precision bf16 or hpar's own 1f1b")
     return None

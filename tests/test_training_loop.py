@@ -193,7 +193,7 @@ def test_contract_hooks_are_checked(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "hybrid", "--precision", "fp16"], "--precision fp16 is not supported with --strategy hybrid"),
+    (["--strategy", "pipeline", "--schedule", "async", "--precision", "fp16"], "--precision fp16 is not supported with --schedule async"),
     (["--strategy", "pipeline", "--accumulate", "2"], "--accumulate does not apply to --strategy pipeline"),
     (["--strategy", "allreduce", "--accumulate", "0"], "--accumulate must be at least 1"),
     (["--strategy", "allreduce", "--clip-grad-norm", "-1"], "--clip-grad-norm must not be negative"),

@@ -6,7 +6,7 @@ Optional: needs the ``tensorboard`` package (``pip install 'hpar[tensorboard]'``
 
 Scalars (x axis: the optimizer step): ``train/loss`` (worker 0's mean training loss over the
 logging interval), ``train/samples_per_s`` (worker 0's), ``train/lr``, ``train/<key>`` for the
-script's ``log()`` metrics, and ``eval/<key>`` for every ``evaluate()`` result (before
+script's ``log()`` metrics (from worker 0, or a pipeline's last stage), and ``eval/<key>`` for every ``evaluate()`` result (before
 training at step 0, during training with ``--eval-every``, and after the last step).
 """
 from __future__ import annotations
@@ -22,18 +22,23 @@ class TensorBoardSink:
         self.writer = writer
 
     def record(self, record: dict) -> None:
-        """One record as RunDir.metric gets it (``kind``, ``role``, ``rank``, payload keys)."""
-        if record.get("role") != "worker" or record.get("rank") != 0:
-            return
+        """One record as RunDir.metric gets it (``kind``, ``role``, ``rank``, payload keys).
+        The script's ``log()`` metrics come from the one worker that calls it: worker 0, or a
+        pipeline's last stage (which holds the output and targets)."""
         step = record.get("step")
-        if step is None:
+        if record.get("role") != "worker" or step is None:
+            return
+        if record.get("kind") == "metric" and record.get("logged"):
+            for key, value in record["logged"].items():
+                self.writer.add_scalar(f"train/{key}", value, step)
+        if record.get("rank") != 0:
+            if record.get("logged"):
+                self.writer.flush()
             return
         if record.get("kind") == "metric":
             for key in ("loss", "samples_per_s", "lr"):
                 if isinstance(record.get(key), (int, float)):
                     self.writer.add_scalar(f"train/{key}", record[key], step)
-            for key, value in (record.get("logged") or {}).items():
-                self.writer.add_scalar(f"train/{key}", value, step)
         elif record.get("kind") == "eval":
             self.add_eval(record, step)
         self.writer.flush()

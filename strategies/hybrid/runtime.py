@@ -46,6 +46,7 @@ from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_group
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.loop import clip_coefficient, evaluate_during_training, step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
+from hpar.strategies.hybrid import fp16
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,17 @@ def train(ctx: WorkerContext) -> TrainResult:
     counts = [1]
 
     copies = []   # (table, HostGradients): gradients on their way to the host, pushed once there
+    # fp16: the step's pushes are held until every worker agrees the step is finite (hybrid/fp16.py)
+    held = [] if cfg.precision == "fp16" else None
+    scaled_opt = (opt or fp16.placeholder_optimizer(ctx.device)) if held is not None else None
+
+    def send(table, grads, count: int) -> None:
+        if grads is None:
+            return
+        if held is not None:
+            held.append((table, grads, count))
+        else:
+            pending.extend(client.push(table, grads[0], grads[1], clock.step, count=count))
 
     def push(item) -> None:   # may run inside backward: never waits for the device
         grads = item.host_gradients()
@@ -220,10 +232,9 @@ def train(ctx: WorkerContext) -> TrainResult:
     def send_copied(wait: bool) -> None:
         while copies and (wait or copies[0][1].ready()):
             table, grads = copies.pop(0)
-            ids, rows = grads.result()
-            pending.extend(client.push(table, ids, rows, clock.step, count=counts[0]))
+            send(table, grads.result(), counts[0])
     # without local aggregation (a collective), tables are pushed from inside backward
-    clock.on_gradients = push if local is None else None
+    clock.on_gradients = push if local is None and held is None else None
     for step in range(ctx.start_step, cfg.steps):
         meter.start()
         clock.step = step
@@ -246,15 +257,12 @@ def train(ctx: WorkerContext) -> TrainResult:
                 with tools.autocast():
                     output = net(inputs)
                     loss = job.compute_loss(output, targets) / cfg.accumulate
-                loss.backward()
+                tools.backward(loss)   # scaled under fp16
             step_loss += loss.item()
             t_push = time.perf_counter()
             for item in served:
                 if local is not None:
-                    grads = local.reduce(item.table, item.gradients())
-                    if grads is not None:
-                        pending.extend(client.push(item.table, grads[0], grads[1], step,
-                                                   count=len(local.ranks) * counts[0]))
+                    send(item.table, local.reduce(item.table, item.gradients()), len(local.ranks) * counts[0])
                 elif not item.pushed:
                     push(item)
                 item.clear()
@@ -264,13 +272,21 @@ def train(ctx: WorkerContext) -> TrainResult:
         t_push = time.perf_counter()
         for t, p in whole:
             if p.grad is not None:
-                pending += client.push(t, None, p.grad.detach().to("cpu").reshape(t.rows, t.dim), step)
+                send(t, (None, p.grad.detach().to("cpu").reshape(t.rows, t.dim)), 1)
+        skipped = held is not None and fp16.unscale_and_agree(tools.scaler, scaled_opt, [g for _, (_, g), _ in held],
+                                                               groups.workers.control)
+        for table, (ids, g), count in ([] if skipped else held or []):   # a skipped step pushes nothing
+            pending += client.push(table, ids, g, step, count=count)
+        if held:
+            held.clear()
         pending += client.done(step)
         if cfg.clip_grad_norm:   # the global norm spans the servers' rows: see workers/server.py
             _clip_with_servers(ctx, dense)
         lr = tools.lr(opt) if opt is not None else None
         if opt is not None:  # the dense update runs while the pushes are on the wire
             tools.step(opt, lambda: dense, clip=False)
+        elif scaled_opt is not None:   # ps under fp16: the scaler's update, on every worker alike
+            tools.step(scaled_opt, lambda: [], clip=False)
         for work in pending:
             work.wait()
         pending.clear()
@@ -286,7 +302,8 @@ def train(ctx: WorkerContext) -> TrainResult:
         recv = sum(r for _, r in by_name.values())
         logged = job.run_log(step + 1, output, targets) if ctx.rank == 0 else {}
         meter.end(step_loss, sent, recv, extra={"pull_s": client.pull_s, "push_s": push_s,
-                                                  **({"lr": lr} if lr is not None else {})},
+                                                  **({"lr": lr} if lr is not None else {}),
+                                                  **({"skipped_step": 1} if skipped else {})},
                   sent_remote=remote, logged=logged)
         client.pull_s = 0.0
         evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(ctx, model, client, tables, step + 1),

@@ -175,8 +175,9 @@ class PassWeights:
         return len(self.leaves)
 
     # --- updates --------------------------------------------------------------------------
-    def step(self) -> None:
-        """One optimizer step with the accumulated ``.grad``, then clear them."""
+    def step(self, opt_step=None) -> None:
+        """One optimizer step with the accumulated ``.grad``, then clear them. ``opt_step``:
+        what steps the optimizer (default ``optimizer.step``; the GradScaler's ``step`` under fp16)."""
         if self.mode == "2bw":
             self._retire_versions()
         if self.optimizer is None:
@@ -184,7 +185,7 @@ class PassWeights:
         if self.mode == "predict" and needs_last_grad(self.optimizer):
             # plain SGD's v is the last gradient: keep a reference (no copy)
             self._last_grad.update({n: p.grad for n, p in self.named if p.grad is not None})
-        self.optimizer.step()
+        (opt_step or self.optimizer.step)()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _retire_versions(self) -> None:

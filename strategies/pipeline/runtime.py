@@ -38,6 +38,10 @@ first batch after a resume runs on the checkpoint's weights). ``async-2bw`` step
 batch, after the backward of its last micro-batch. With ``--on-divergence`` the last stage
 broadcasts its guard decision every step (``strategies/pipeline/guard.py``).
 
+The training loop (``--clip-grad-norm``, fp16's scaler, the LR schedule, ``--eval-every``, the
+script's ``log()``): ``strategies/pipeline/stage_loop.py``, hooked where a stage steps its
+optimizer and at the end of each step.
+
 Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
 for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
 their means per stage (gathered to rank 0), with the stage's peak memory over the run
@@ -54,7 +58,7 @@ from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_
 from hpar.strategies.devices import ComputeTimer
 from hpar.strategies.groups import worker_groups
 from hpar.strategies import loop
-from hpar.strategies.loop import step_tools
+from hpar.strategies.pipeline import stage_loop
 from hpar.strategies.pipeline import guard
 from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.replicas import Grid, StageReplicas
@@ -108,12 +112,20 @@ def train(ctx: WorkerContext) -> TrainResult:
             stage.optimizer.load_state_dict(state["optimizer"])
     ctx.start_step = start or 0
     # the script's schedule steps with every optimizer step of this stage: once per batch in
-    # the synchronous schedules, once per micro-batch update in the asynchronous ones
-    tools = step_tools(cfg, job, stage.optimizer, ctx.device) if stage.optimizer is not None else None
-    if start and tools is not None:
+    # the synchronous schedules, once per micro-batch update in the asynchronous ones;
+    # clipping and fp16's inf/NaN check span the stages (strategies/pipeline/stage_loop.py)
+    groups = worker_groups(ctx.world_size, cfg.device)
+    tools = stage_loop.stage_tools(cfg, job, stage.optimizer, ctx.device, groups.dense)
+    if start:
         tools.load_state_dict(state.get("loop"))
-    links = Links(k, K, ctx.device, ctx.is_remote, group=worker_groups(ctx.world_size, cfg.device).dense,
-                  ranks=grid.pipeline_ranks(r))
+    stepper = stage_loop.StageStepper(cfg, tools, stage.optimizer or stage_loop.placeholder_optimizer(ctx.device),
+                                      groups.dense, ctx.device, is_synchronous(cfg.schedule),
+                                      M if cfg.schedule == "async-2bw" else 1, copies=grid.replicas)
+    if stage.is_last:
+        stage.scale_loss = stage_loop.scale_loss(tools)
+        stage.keep_output = job.log_fn is not None
+    last_targets = [None]   # the last stage: targets of the latest micro-batch, for log()
+    links = Links(k, K, ctx.device, ctx.is_remote, group=groups.dense, ranks=grid.pipeline_ranks(r))
     replicas = StageReplicas(grid, ctx.rank, cfg.device, ctx.is_remote)   # after worker_groups, on every rank
     batches = job.batches(r, grid.replicas, cfg.batch_size) if (stage.is_first or stage.is_last) else None
     for s in range(ctx.start_step):   # the same batches as an uninterrupted run
@@ -139,9 +151,11 @@ def train(ctx: WorkerContext) -> TrainResult:
             if (stage.is_first or stage.is_last) and j not in (inputs if stage.is_first else targets):
                 feed(j // M)
             x = inputs.pop(j) if stage.is_first else links.recv_activation()
+            if stage.is_last:
+                last_targets[0] = targets.pop(j)
             timer.start()
             with autocast:
-                out = stage.forward(op, x, targets.pop(j) if stage.is_last else None)
+                out = stage.forward(op, x, last_targets[0])
             timer.stop()
             if stage.is_last:
                 step_losses.setdefault(j // M, []).append(out)
@@ -159,13 +173,12 @@ def train(ctx: WorkerContext) -> TrainResult:
 
     def update() -> None:
         replicas.average_gradients([p for _, p in stage.weights.named])
-        # gradients are final (replica-averaged): now step the optimizer
-        stage.update()
-        if tools is not None and tools.scheduler is not None:
-            tools.scheduler.step()
+        # gradients are final (replica-averaged): now unscale, clip and step the optimizer
+        stepped[0] &= stepper.step(stage)
 
     def end_step(step: int) -> None:
-        links.flush()   # the step's last sends go out before the replica AllReduce
+        links.flush()   # the step's last sends go out before its collectives (replica AllReduce, clipping norm)
+        lr = tools.lr(stage.optimizer) if stage.optimizer is not None else None
         if sync:
             timer.start()
             update()
@@ -184,14 +197,21 @@ def train(ctx: WorkerContext) -> TrainResult:
         compute, idle = timer.take_step(idle)    # on CUDA both from CUDA events
         stats["compute_s"].append(compute); stats["idle_s"].append(idle)
         stats["sent"].append(sent); stats["recv"].append(recv)
-        meter.end(loss, sent, recv, {"stage": k, "compute_s": compute, "idle_s": idle}, sent_remote=remote)
+        logged = job.run_log(step + 1, stage.output, last_targets[0]) if stage.keep_output else {}
+        meter.end(loss, sent, recv, {"stage": k, "compute_s": compute, "idle_s": idle,
+                                     **({"lr": lr} if lr is not None else {}),
+                                     **({} if stepped[0] else {"skipped_step": 1})}, sent_remote=remote, logged=logged)
+        stepped[0] = True
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            if r == 0:
+            if r == 0:   # replicas are identical: replica 0 writes the stage's part
                 checkpoint.save_part(cfg.run_dir, step + 1, part, {
                     "model": stage.module.state_dict(),
                     "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None,
-                    "loop": tools.state_dict() if tools is not None else None})
+                    "loop": tools.state_dict()})
             checkpoint.commit(cfg.run_dir, step + 1)
+        if loop.evaluate_now(cfg, step + 1):   # every stage sends its weights; stage 0 evaluates
+            whole = stage_loop.gather_model(model, stage.module, ctx.rank, groups.control)
+            loop.evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: whole, ctx.report_eval)
         return loss
 
     def run_sync(first_step: int) -> None:
@@ -202,6 +222,7 @@ def train(ctx: WorkerContext) -> TrainResult:
 
     schedule = cfg.schedule
     sync = is_synchronous(schedule)
+    stepped = [True]   # whether every optimizer step of this stage in the current batch went through
     autocast = loop.autocast(cfg, ctx.device.type)
     gcfg = guard.GuardConfig(cfg.on_divergence, cfg.divergence_factor)
     watch, cut = guard.LossWatch(gcfg), None
@@ -225,6 +246,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             links.flush()
             links.wait_sends()
             schedule, sync, stage.weights.mode = "1f1b", True, "sync"
+            stepper.sync, stepper.micro_per_update = True, M
             run_sync(cut)
     links.flush()
     links.wait_sends()

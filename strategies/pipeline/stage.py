@@ -103,6 +103,9 @@ class Stage:
         self.weights = PassWeights(module, optimizer, mode, max(1, round(1 / loss_scale)))
         self.saved: dict[int, tuple[Any, Any]] = {}
         self.max_in_flight = 0   # most micro-batches held between forward and backward
+        self.scale_loss = None   # last stage, fp16: the GradScaler's scale() on each loss before backward
+        self.keep_output = False  # last stage: keep the last micro-batch's output (the script's log())
+        self.output = None
 
     @property
     def is_first(self) -> bool:
@@ -123,7 +126,10 @@ class Stage:
         out = self.weights.forward(op.micro, op.distance, inputs)
         if self.is_last:
             loss = self.job.compute_loss(out, targets)
-            self.saved[op.micro] = (inputs, loss * self.loss_scale)
+            scaled = loss * self.loss_scale
+            self.saved[op.micro] = (inputs, scaled if self.scale_loss is None else self.scale_loss(scaled))
+            if self.keep_output:
+                self.output = out.detach()
             self.max_in_flight = max(self.max_in_flight, len(self.saved))
             return float(loss.detach())
         if not isinstance(out, torch.Tensor):
@@ -141,9 +147,10 @@ class Stage:
             return None
         return inputs.grad if inputs.grad is not None else torch.zeros_like(inputs)
 
-    def update(self) -> None:
-        """Optimizer step with the gradients gathered since the last one."""
-        self.weights.step()
+    def update(self, opt_step=None) -> None:
+        """Optimizer step with the gradients gathered since the last one (``opt_step``: see
+        ``PassWeights.step``)."""
+        self.weights.step(opt_step)
 
 
 def build_stages_model(job: Job, seed: int) -> torch.nn.Module:

@@ -33,6 +33,7 @@ from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_
 from hpar.strategies.devices import DeviceClock
 from hpar.strategies.groups import worker_groups
 from hpar.strategies.pipeline.memory import PeakMemory
+from hpar.strategies.loop import autocast
 from hpar.strategies.pipeline.stage import build_stages_model, describe, stage_module, stage_ranges
 
 
@@ -105,6 +106,20 @@ def _schedule(cfg, stages: list, loss_fn):
     return cls(stages[0] if len(stages) == 1 else stages, cfg.micro_batches, loss_fn=loss_fn)
 
 
+class _Autocast(torch.nn.Module):
+    """The stage module's forward under the run's ``torch.autocast`` (``--precision bf16``):
+    torch's PipelineStage runs the module it is given, so autocast goes inside it; the
+    activations it sends are then bf16, as in hpar's own schedules."""
+
+    def __init__(self, module: torch.nn.Module, cfg, device_type: str):
+        super().__init__()
+        self.inner, self.cfg, self.device_type = module, cfg, device_type
+
+    def forward(self, x):
+        with autocast(self.cfg, self.device_type):
+            return self.inner(x)
+
+
 def train(ctx: WorkerContext) -> TrainResult:
     """The chunks of this process as torch PipelineStages under torch's schedule; returns the
     whole model on rank 0. Raises ValueError as hpar's pipeline does (non-sequential model,
@@ -129,7 +144,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     sched = job.build_scheduler(opt) if opt is not None else None
     ios = [_ActivationBytes(m) for m in modules]
     group = worker_groups(K, cfg.device).dense   # NCCL on CUDA
-    stages = [PipelineStage(m, c, n, ctx.device, group=group) for m, c in zip(modules, mine)]
+    runners = [_Autocast(m, cfg, ctx.device.type) if cfg.precision != "fp32" else m for m in modules]
+    stages = [PipelineStage(r, c, n, ctx.device, group=group) for r, c in zip(runners, mine)]
 
     def loss_fn(output, target):
         return job.compute_loss(output, target)
