@@ -36,9 +36,10 @@ def test_grid_layouts_cover_every_rank_once():
         RunConfig(**{**args, "world_size": 8}, replicas=2, schedule="async-2bw", micro_batches=2)
 
 
-def reference(tmp_path, replicas=2, steps=10, batch_size=8, micro=4, lr=0.1, seed=3):
+def reference(tmp_path, replicas=2, steps=10, batch_size=8, micro=4, lr=0.1, seed=3, clip=0.0):
     """One process, each step on the concatenation of the R replicas' batches (mean loss
-    over the R x M equal micro-batches = mean over the concatenated batch)."""
+    over the R x M equal micro-batches = mean over the concatenated batch); ``clip`` > 0:
+    torch's clip_grad_norm_ on the whole model before each step."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     job = load_job(str(script))
@@ -53,19 +54,24 @@ def reference(tmp_path, replicas=2, steps=10, batch_size=8, micro=4, lr=0.1, see
         opt.zero_grad()
         loss = job.compute_loss(model(x), y)
         loss.backward()
+        if clip:
+            clipped = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) > clip
         opt.step()
         losses.append(float(loss.detach()))
+    assert not clip or clipped, "the clipping threshold must bind for the test to mean anything"
     assert split_micro(x, micro)   # the runtime's micro-batches divide the batch
     return model.state_dict(), losses
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("schedule,layout", [("gpipe", "stages-adjacent"), ("1f1b", "replicas-adjacent")])
-def test_two_stages_by_two_replicas_equal_one_process_on_the_concatenated_batch(tmp_path, schedule, layout):
-    ref, ref_losses = reference(tmp_path)
+@pytest.mark.parametrize("schedule,layout,clip", [("gpipe", "stages-adjacent", 0.0), ("1f1b", "replicas-adjacent", 0.3)])
+def test_two_stages_by_two_replicas_equal_one_process_on_the_concatenated_batch(tmp_path, schedule, layout, clip):
+    """With clipping, the norm spans every stage of the replica-averaged gradient (each
+    stage's sum of squares counted once, not once per replica)."""
+    ref, ref_losses = reference(tmp_path, clip=clip)
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, replicas=2, schedule=schedule,
-                                               plan={"layout": layout})
+                                               plan={"layout": layout}, clip_grad_norm=clip)
     assert codes == [0] * 4, logs
     assert_close_state(state, ref)
     assert summary["loss_first"] == pytest.approx(ref_losses[0], rel=1e-5)
