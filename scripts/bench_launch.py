@@ -85,7 +85,7 @@ def one_run(made, per_host: int, work: str) -> dict:
     os.rmdir(run_dir)
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--hosts", hosts, "--gpus",
-                             str(world), "--strategy", "allreduce", "--ssh-key", made.key, "--plain", "--no-eval",
+                             str(world), "--strategy", "allreduce", "--ssh-key", made.key, "--ssh-known-hosts", made.known_hosts, "--plain", "--no-eval",
                              "--run-dir", run_dir], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)
     preflight = None

@@ -8,7 +8,7 @@ process group; the channel's stdin stays open and carries one heartbeat byte a s
 when the launcher's connection goes away the guard stops its group: at EOF (the launcher
 exited or was killed) or after ``HEARTBEAT_S`` seconds of silence (a dead link, a frozen
 launcher; ``HPAR_GUARD_HEARTBEAT``). Signals go to the recorded
-group only (``kill -SIG -- -PGID`` over a second connection). On the launcher's side, TCP
+group only (``kill -SIG -- -PGID`` in a second channel of the same connection). On the launcher's side, TCP
 keepalives and ``TCP_USER_TIMEOUT`` turn a dead link into a closed channel within
 ``LINK_TIMEOUT_S`` seconds; ``poll()`` then reports ``LOST_HOST`` (255, as ssh does).
 """
@@ -31,6 +31,7 @@ import paramiko
 
 from hpar.launcher.hosts.environ import allowlisted
 from hpar.launcher.hosts.hostfile import Host
+from hpar.launcher.procs import ssh_control
 from hpar.launcher.procs.local import LocalProcess, ProcessSpec
 
 LOST_HOST = 255
@@ -273,23 +274,30 @@ class RemoteProcess:
         broke."""
         return self._code if self._done.is_set() else None
 
-    def _group_command(self, shell: str) -> int | None:
-        """Run ``shell`` on the host over a second connection; its exit code, None if the host
-        is unreachable."""
+    def control(self, shell: str, timeout: float = CONTROL_TIMEOUT_S) -> tuple[int, str] | None:
+        """Run ``shell`` on the host: (exit code, output), or None if the host is unreachable.
+        It goes over the connection this process was started with (one more channel, no new
+        handshake: launcher/procs/ssh_control.py), or a new one where that one is gone."""
         if _is_dead(self.host):
             return None  # its guards stop their groups by themselves (no heartbeat)
-        timeout = min(self.opts.connect_timeout, CONTROL_TIMEOUT_S)
+        transport = self._conn.client.get_transport() if self._conn is not None else None
+        if ssh_control.usable(transport):
+            return ssh_control.exec_on(transport, shell, timeout)
         try:
-            conn = connect(self.host, replace(self.opts, retries=0, connect_timeout=timeout))
+            conn = connect(self.host, replace(self.opts, retries=0,
+                                              connect_timeout=min(self.opts.connect_timeout, CONTROL_TIMEOUT_S)))
         except SSHError:
             _mark_dead(self.host)
             return None
         try:
-            return conn.run(shell, hide=True, warn=True, in_stream=False).exited
-        except (OSError, paramiko.SSHException, EOFError):
-            return None
+            return ssh_control.exec_on(conn.client.get_transport(), shell, timeout)
         finally:
             conn.close()
+
+    def _group_command(self, shell: str) -> int | None:
+        """Run ``shell`` on the host (see :meth:`control`); its exit code, None if unreachable."""
+        done = self.control(shell)
+        return None if done is None else done[0]
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the recorded remote process group (no-op before it is known, after

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from hpar.launcher.run import stacks
+from hpar.launcher.run import stacks, teardown
 from hpar.launcher.run.health import Health
 from hpar.launcher.run.progress import Progress
 from hpar.launcher.run.rundir import RunDir
@@ -142,6 +142,9 @@ class Supervisor:
                     self._drain(timeout=0.0)
                 candidates = failed + [p for p in self.procs if id(p) not in exited and p.poll() not in (None, 0)]
                 first = min(candidates, key=self._blame_order)
+                if first.host_lost:   # the link, the host or its sshd: its guards stop their groups there
+                    return self._fail(first, f"lost the connection to its host {first.spec.host} (link or host down, "
+                                             "or sshd gone); its processes there stop by themselves (guard heartbeat)")
                 return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
             if len(exited) == len(self.procs):
                 self._drain(timeout=0.0)
@@ -307,24 +310,13 @@ class Supervisor:
         return Outcome(EXIT_FAILED, p.spec.label, p.spec.host, cause, self.summary)
 
     def teardown(self) -> None:
-        """SIGTERM (and SIGCONT, so that a stopped process acts on it) to every recorded
-        process group still alive, wait ``grace`` s, SIGKILL the rest,
-        and wait (up to 5 s more) until every group is gone. Each check or signal of a remote
-        group is an SSH command, so they run concurrently, not one process after another."""
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            def still_alive(procs: list) -> list:
-                return [p for p, up in zip(procs, pool.map(lambda q: q.group_alive(), procs)) if up]
-            alive = still_alive([p for p in self.procs if p.pgid is not None])
-            list(pool.map(lambda q: q.terminate(), alive))
-            deadline = time.monotonic() + self.grace
-            while alive and time.monotonic() < deadline:
-                time.sleep(0.1)
-                alive = still_alive(alive)
-            list(pool.map(lambda q: q.kill(), alive))
-            deadline = time.monotonic() + 5.0
-            while alive and time.monotonic() < deadline:
-                time.sleep(0.05)
-                alive = still_alive(alive)
+        """Stop every recorded process group still alive, on every host at once (SIGTERM and
+        SIGCONT, so that a stopped process acts on it, ``grace`` s, SIGKILL, up to 5 s more),
+        returning as soon as nothing is left: one command per remote host, not one SSH
+        connection per process and round (launcher/run/teardown.py)."""
+        left = teardown.stop_all(self.procs, self.grace)
+        for host, labels in left.items():
+            self.progress.say(f"hpar: could not confirm that {', '.join(labels)} on {host} stopped")
         for p in self.procs:
             p.close_stdin()
         self._stopped = True

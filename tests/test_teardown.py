@@ -1,0 +1,124 @@
+"""Teardown per host (launcher/run/teardown.py, workers/stopgroups.py): one command per host
+stops every group hpar started there, hosts in parallel, done as soon as nothing is left."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hpar.launcher.procs.local import ProcessSpec
+from hpar.launcher.run import teardown
+from hpar.workers import stopgroups
+
+# a process group whose leader ignores SIGTERM (only SIGKILL ends it), with a child in the group
+STUBBORN = ("import signal, subprocess, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            "print('ready', flush=True)\ntime.sleep(600)")
+PLAIN = "import time\nprint('ready', flush=True)\ntime.sleep(600)"
+
+
+def _group(code: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _gone(p: subprocess.Popen) -> bool:
+    p.poll()
+    return not stopgroups.alive_groups({p.pid})
+
+
+def test_stop_groups_terms_waits_kills_and_returns_early():
+    plain, stubborn, stopped = _group(PLAIN), _group(STUBBORN), _group(PLAIN)
+    os.killpg(stopped.pid, signal.SIGSTOP)   # must act on SIGTERM at once (SIGCONT follows it)
+    try:
+        assert stopgroups.alive_groups({plain.pid, stubborn.pid, stopped.pid}) == {plain.pid, stubborn.pid, stopped.pid}
+        t0 = time.monotonic()
+        left = stopgroups.stop_groups({plain.pid, stopped.pid}, grace=30, kill_wait=5)
+        assert left == set() and time.monotonic() - t0 < 10   # gone on SIGTERM: no wait for the grace
+        assert plain.wait(5) == -signal.SIGTERM and stopped.wait(5) == -signal.SIGTERM
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "hpar.workers.stopgroups", "--grace", "0.5", "--kill-wait", "5",
+                              str(stubborn.pid)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == "@hpar left", out
+        assert stubborn.wait(5) == -signal.SIGKILL and _gone(stubborn)   # its child too: the whole group
+        with pytest.raises(ValueError, match="refusing process group 1"):
+            stopgroups.stop_groups({1}, 0, 0)
+    finally:
+        for p in (plain, stubborn, stopped):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+class FakeRemote:
+    """Stands in for RemoteProcess: ``control`` runs the command in a shell on this machine
+    (the real command line: cd, env, the session wrapper, stopgroups), after every host's
+    teardown has begun (a barrier: hosts one after another would wait in vain)."""
+
+    calls: list = []
+
+    def __init__(self, host: str, rank: int, group: subprocess.Popen, barrier: threading.Barrier):
+        from hpar.launcher.hosts.hostfile import Host
+        from hpar.launcher.procs.ssh import SSHOptions
+        self.spec = ProcessSpec("worker", rank, host, (sys.executable, "-m", "hpar.workers.guard"))
+        self.host, self.opts, self.group, self.barrier = Host(host), SSHOptions(), group, barrier
+        self.pid = self.pgid = group.pid
+
+    def control(self, shell: str, timeout: float):
+        FakeRemote.calls.append((self.spec.host, shell))
+        self.barrier.wait()
+        out = subprocess.run(shell, shell=True, capture_output=True, text=True, timeout=timeout)
+        return out.returncode, out.stdout + out.stderr
+
+
+def test_stop_all_sends_one_command_per_host_at_once():
+    hosts = [f"10.0.0.{i}" for i in range(2, 6)]
+    barrier = threading.Barrier(len(hosts), timeout=20)
+    groups = [_group(STUBBORN if i == 0 else PLAIN) for i in range(2 * len(hosts))]
+    FakeRemote.calls = []
+    procs = [FakeRemote(hosts[i // 2], i, g, barrier) for i, g in enumerate(groups)]
+    try:
+        t0 = time.monotonic()
+        left = teardown.stop_all(procs, grace=1.0)
+        took = time.monotonic() - t0
+        assert left == {}
+        assert sorted(h for h, _ in FakeRemote.calls) == hosts    # one command per host, not per process
+        for host, shell in FakeRemote.calls:
+            pgids = [str(p.pgid) for p in procs if p.spec.host == host]
+            assert shell.endswith(" ".join(sorted(pgids, key=int))), shell
+            assert "hpar.workers.stopgroups" in shell and "--grace 1" in shell
+        assert all(g.wait(5) in (-signal.SIGTERM, -signal.SIGKILL) for g in groups)
+        assert all(_gone(g) for g in groups)
+        assert took < 15, took   # the stubborn group's 1 s grace, not one grace per host
+    finally:
+        for g in groups:
+            if g.poll() is None:
+                os.killpg(g.pid, signal.SIGKILL)
+                g.wait()
+
+
+def test_stop_host_reports_an_unreachable_host_and_a_failed_command():
+    class Unreachable(FakeRemote):
+        def control(self, shell, timeout):
+            return None
+
+    class Broken(FakeRemote):
+        def control(self, shell, timeout):
+            return 127, "python: not found"
+
+    group = _group(PLAIN)
+    try:
+        barrier = threading.Barrier(1)
+        assert teardown.stop_host([Unreachable("h", 0, group, barrier)], 1.0, 1.0) == []   # its guards stop it
+        assert teardown.stop_host([Broken("h", 3, group, barrier)], 1.0, 1.0) == ["worker 3"]
+        assert teardown.stop_all([Broken("h", 3, group, barrier)], 1.0) == {"h": ["worker 3"]}
+    finally:
+        os.killpg(group.pid, signal.SIGKILL)
+        group.wait()
+
