@@ -31,7 +31,7 @@ import paramiko
 
 from hpar.launcher.hosts.environ import allowlisted
 from hpar.launcher.hosts.hostfile import Host
-from hpar.launcher.procs import ssh_control
+from hpar.launcher.procs import ssh_control, ssh_pool
 from hpar.launcher.procs.local import LocalProcess, ProcessSpec
 
 LOST_HOST = 255
@@ -216,10 +216,12 @@ class RemoteProcess:
         """Connect and start the process. Raises SSHError when the host cannot be reached."""
         spec = replace(self.spec, env={"HPAR_GUARD_HEARTBEAT": str(HEARTBEAT_S), **self.spec.env})
         command = remote_command(spec, self.opts.python or self.spec.argv[0])
-        self._conn = connect(self.host, self.opts)
-        transport = self._conn.client.get_transport()
-        assert transport is not None
-        self._channel = transport.open_session()
+        self._conn = ssh_pool.connection(self.host, self.opts, for_process=True)   # one per host, shared
+        try:
+            self._channel = self._conn.client.get_transport().open_session()
+        except paramiko.ChannelException:   # the host allows fewer sessions per connection (MaxSessions)
+            self._conn = connect(self.host, self.opts)
+            self._channel = self._conn.client.get_transport().open_session()
         self._channel.set_combine_stderr(True)
         self._channel.exec_command(command)
         threading.Thread(target=self._read, name=f"hpar-ssh-{self.spec.label}", daemon=True).start()
@@ -283,16 +285,13 @@ class RemoteProcess:
         transport = self._conn.client.get_transport() if self._conn is not None else None
         if ssh_control.usable(transport):
             return ssh_control.exec_on(transport, shell, timeout)
-        try:
-            conn = connect(self.host, replace(self.opts, retries=0,
-                                              connect_timeout=min(self.opts.connect_timeout, CONTROL_TIMEOUT_S)))
+        try:   # its connection broke: another one (a host that does not answer is skipped from now on)
+            conn = ssh_pool.connection(self.host, replace(self.opts, retries=0, connect_timeout=min(
+                self.opts.connect_timeout, CONTROL_TIMEOUT_S)))
         except SSHError:
             _mark_dead(self.host)
             return None
-        try:
-            return ssh_control.exec_on(conn.client.get_transport(), shell, timeout)
-        finally:
-            conn.close()
+        return ssh_control.exec_on(conn.client.get_transport(), shell, timeout)
 
     def _group_command(self, shell: str) -> int | None:
         """Run ``shell`` on the host (see :meth:`control`); its exit code, None if unreachable."""
@@ -331,9 +330,10 @@ class RemoteProcess:
                 pass
 
     def close(self) -> None:
-        """Drop the connection (the remote group then stops itself)."""
+        """Drop the connection, shared with the host's other processes (their remote groups
+        then stop themselves, as when the launcher dies)."""
         if self._conn is not None:
-            self._conn.close()
+            ssh_pool.forget(self._conn)
 
 
 def make_process(spec: ProcessSpec, hosts_by_name: dict[str, Host], opts: SSHOptions,

@@ -96,9 +96,9 @@ class Supervisor:
                 signal.signal(s, h)
 
     def _run(self) -> Outcome:
-        # every start in parallel: a remote one is an SSH connection, whose cost must not add up
-        # over the hosts (launch at scale, BENCHMARKS.md)
-        with ThreadPoolExecutor(max_workers=max(1, min(32, len(self.procs)))) as pool:
+        # every start at once: a remote one is a channel on its host's connection (opened by the
+        # preflight, launcher/procs/ssh_pool.py), whose cost must not add up over the hosts
+        with ThreadPoolExecutor(max_workers=max(1, min(256, len(self.procs)))) as pool:
             errors = list(pool.map(_start, self.procs))
         for p, exc in zip(self.procs, errors):
             if exc is not None:  # e.g. SSH refused after preflight
