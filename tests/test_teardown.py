@@ -122,3 +122,49 @@ def test_stop_host_reports_an_unreachable_host_and_a_failed_command():
         os.killpg(group.pid, signal.SIGKILL)
         group.wait()
 
+
+
+def test_one_ssh_connection_per_host_shared_refilled_and_replaced(monkeypatch):
+    """launcher/procs/ssh_pool.py: the preflight, the processes and the teardown of a host share
+    one connection (up to 8 processes on it), other hosts connect at the same time (a barrier
+    that a pool serialising the hosts would never pass), and a broken one is replaced."""
+    from types import SimpleNamespace
+    from hpar.launcher.hosts.hostfile import Host
+    from hpar.launcher.procs import ssh, ssh_pool
+
+    made = []
+    barrier = threading.Barrier(2, timeout=10)
+
+    class Conn:
+        def __init__(self, host):
+            self.alive = True
+            transport = SimpleNamespace(is_active=lambda: self.alive, is_authenticated=lambda: True)
+            self.client = SimpleNamespace(get_transport=lambda: transport)
+            made.append((host.name, self))
+            if len(made) <= 2:
+                barrier.wait()   # the first two connections, to two hosts, are made together
+
+        is_connected = property(lambda self: self.alive)
+
+        def close(self):
+            self.alive = False
+
+    monkeypatch.setattr(ssh, "connect", lambda host, opts: Conn(host))
+    opts = ssh.SSHOptions(key="k")
+    a, b = Host("pool-test-a"), Host("pool-test-b")
+    first = {}
+    threads = [threading.Thread(target=lambda h=h: first.setdefault(h.name, ssh_pool.connection(h, opts))) for h in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 2 and first["pool-test-a"] is not first["pool-test-b"]
+    shared = [ssh_pool.connection(a, opts, for_process=True) for _ in range(ssh_pool.MAX_PROCESSES)]
+    assert all(c is first["pool-test-a"] for c in shared) and len(made) == 2
+    ninth = ssh_pool.connection(a, opts, for_process=True)   # sshd's MaxSessions: a second connection
+    assert ninth is not first["pool-test-a"] and len(made) == 3
+    assert ssh_pool.connection(a, opts) is first["pool-test-a"]   # control commands: any open one
+    first["pool-test-a"].close()   # broken: the next user gets an open one, or a new one
+    assert ssh_pool.connection(a, opts) is ninth
+    ssh_pool.forget(ninth)
+    assert not ninth.alive and ssh_pool.connection(a, opts) not in (ninth, first["pool-test-a"]) and len(made) == 4

@@ -7,10 +7,10 @@ to 128+N as the guard's own exit codes do). It makes the guard the leader of its
 process group; the channel's stdin stays open and carries one heartbeat byte a second, so
 when the launcher's connection goes away the guard stops its group: at EOF (the launcher
 exited or was killed) or after ``HEARTBEAT_S`` seconds of silence (a dead link, a frozen
-launcher; ``HPAR_GUARD_HEARTBEAT``). Signals go to the recorded
-group only (``kill -SIG -- -PGID`` in a second channel of the same connection). On the launcher's side, TCP
-keepalives and ``TCP_USER_TIMEOUT`` turn a dead link into a closed channel within
-``LINK_TIMEOUT_S`` seconds; ``poll()`` then reports ``LOST_HOST`` (255, as ssh does).
+launcher; ``HPAR_GUARD_HEARTBEAT``). Each process is a channel of its host's one connection
+(launcher/procs/ssh_pool.py); signals go to the recorded group only, in another channel of it
+(launcher/procs/ssh_control.py). TCP keepalives and ``TCP_USER_TIMEOUT`` turn a dead link into
+a closed channel within ``LINK_TIMEOUT_S`` s; ``poll()`` then reports ``LOST_HOST`` (255, as ssh).
 """
 from __future__ import annotations
 
@@ -42,9 +42,7 @@ _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # with its code, or 128+N when it died of signal N (``setsid -w`` itself returns N then).
 _SESSION = ("import os,sys\npid=os.fork()\nif pid==0:\n os.setsid()\n os.execvp(sys.argv[1],sys.argv[1:])\n"
             "code=os.waitstatus_to_exitcode(os.waitpid(pid,0)[1])\nsys.exit(128-code if code<0 else code)")
-
-
-CONTROL_TIMEOUT_S = 3.0  # connect timeout for kill/ps commands during teardown
+CONTROL_TIMEOUT_S = 3.0  # connect (and answer) timeout for a control command (a signal, a check)
 DEAD_FOR_S = 30.0  # after a lost connection, control commands skip the host this long
 _dead: dict[str, float] = {}
 _dead_lock = threading.Lock()
@@ -278,25 +276,21 @@ class RemoteProcess:
 
     def control(self, shell: str, timeout: float = CONTROL_TIMEOUT_S) -> tuple[int, str] | None:
         """Run ``shell`` on the host: (exit code, output), or None if the host is unreachable.
-        It goes over the connection this process was started with (one more channel, no new
-        handshake: launcher/procs/ssh_control.py), or a new one where that one is gone."""
+        It is one more channel on the host's open connection (no new handshake), or on a new one
+        where that one broke (launcher/procs/ssh_pool.py, ssh_control.py)."""
         if _is_dead(self.host):
             return None  # its guards stop their groups by themselves (no heartbeat)
-        transport = self._conn.client.get_transport() if self._conn is not None else None
-        if ssh_control.usable(transport):
-            return ssh_control.exec_on(transport, shell, timeout)
-        try:   # its connection broke: another one (a host that does not answer is skipped from now on)
+        try:
             conn = ssh_pool.connection(self.host, replace(self.opts, retries=0, connect_timeout=min(
                 self.opts.connect_timeout, CONTROL_TIMEOUT_S)))
         except SSHError:
-            _mark_dead(self.host)
+            _mark_dead(self.host)   # skipped from now on (DEAD_FOR_S)
             return None
         return ssh_control.exec_on(conn.client.get_transport(), shell, timeout)
 
     def _group_command(self, shell: str) -> int | None:
-        """Run ``shell`` on the host (see :meth:`control`); its exit code, None if unreachable."""
-        done = self.control(shell)
-        return None if done is None else done[0]
+        """:meth:`control`'s exit code (None: unreachable)."""
+        return (self.control(shell) or (None,))[0]
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the recorded remote process group (no-op before it is known, after

@@ -1,7 +1,7 @@
-"""Control commands on a host over an SSH connection that is already open: the one a
-RemoteProcess (launcher/procs/ssh.py) was started with. A command is one more channel on that
-connection, so a signal or the teardown's check costs no new TCP connection, key exchange or
-authentication (OpenSSH's ControlMaster idea, with paramiko's transport as the master).
+"""Control commands on a host over an SSH connection that is already open: the host's shared
+one (launcher/procs/ssh_pool.py), which its processes were started with. A command is one more
+channel on that connection, so a signal or the teardown's command costs no new TCP connection,
+key exchange or authentication (OpenSSH's ControlMaster idea, paramiko's transport the master).
 """
 from __future__ import annotations
 
@@ -10,16 +10,12 @@ import socket
 import paramiko
 
 
-def usable(transport: paramiko.Transport | None) -> bool:
-    """Whether ``transport`` is connected and authenticated (channels can be opened on it)."""
-    return transport is not None and transport.is_active() and transport.is_authenticated()
-
-
 def exec_on(transport: paramiko.Transport, command: str, timeout: float) -> tuple[int, str] | None:
     """Run the shell ``command`` on the host of ``transport`` in a channel of its own and wait
-    for it (``timeout`` seconds in all). Returns (exit code, stdout and stderr as text), or None
-    when the channel cannot be opened, the connection breaks or the command does not end in
-    time (the host is then as good as unreachable)."""
+    for it (at most ``timeout`` seconds for the channel, for each piece of output and for the
+    exit status). Returns (exit code, stdout and stderr as text), or None when the channel cannot
+    be opened, the connection breaks or the command falls silent for longer (the host is then as
+    good as unreachable)."""
     try:
         channel = transport.open_session(timeout=timeout)
     except (OSError, EOFError, paramiko.SSHException):
