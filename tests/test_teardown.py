@@ -168,3 +168,29 @@ def test_one_ssh_connection_per_host_shared_refilled_and_replaced(monkeypatch):
     assert ssh_pool.connection(a, opts) is ninth
     ssh_pool.forget(ninth)
     assert not ninth.alive and ssh_pool.connection(a, opts) not in (ninth, first["pool-test-a"]) and len(made) == 4
+
+
+def test_guard_stops_its_group_when_the_heartbeat_stops():
+    """A cut link (issue 18): the launcher's heartbeat bytes stop, but the connection is not
+    closed (an sshd without ClientAlive keeps the session for hours). The guard stops its group
+    by itself after HPAR_GUARD_HEARTBEAT s of silence, a SIGTERM-proof child included."""
+    env = dict(os.environ, HPAR_GUARD_HEARTBEAT="1", HPAR_GUARD_GRACE="0.5")
+    guard = subprocess.Popen([sys.executable, "-m", "hpar.workers.guard", sys.executable, "-c", STUBBORN],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        assert '"kind":"started"' in guard.stdout.readline()
+        assert guard.stdout.readline().strip() == "ready"
+        for _ in range(3):   # heartbeats keep it alive
+            guard.stdin.write("\n")
+            guard.stdin.flush()
+            time.sleep(0.5)
+        assert guard.poll() is None
+        t0 = time.monotonic()   # silence now, with stdin still open
+        guard.wait(timeout=30)
+        assert time.monotonic() - t0 < 15
+        from runprocs import wait_for
+        assert wait_for(lambda: not stopgroups.alive_groups({guard.pid}), 10)   # the whole group is gone
+    finally:
+        if guard.poll() is None:
+            os.killpg(guard.pid, signal.SIGKILL)
+            guard.wait()
