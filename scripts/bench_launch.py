@@ -12,7 +12,9 @@ Per run (the tiny 5-layer MLP of the tests, ``--strategy allreduce``, over SSH):
 - ``teardown_s``: a SIGKILL to one worker on the last host to the moment no process of the run
   is left on any host (polled in the hosts' namespaces every 50 ms, apart from the launcher);
   ``detect_s``: to the launcher's "failed" line (printed once its teardown has seen every
-  process group gone), ``launcher_exit_s``: to the launcher's own exit.
+  process group gone), ``launcher_exit_s``: to the launcher's own exit;
+- ``ssh_connections``: the SSH connections the hosts' sshd accepted during the run (preflight,
+  start and teardown; their logs' "Accepted publickey" lines).
 
 The projection fits ``a + b * H`` (least squares over the H measured) to each figure's median and
 evaluates it at ``--project`` hosts. On one machine every emulated host shares the same cores, so
@@ -71,6 +73,15 @@ def _alive_in(namespaces: list[str]) -> list[int]:
     return out
 
 
+def accepted(made) -> int:
+    """SSH connections the test hosts' sshd have accepted so far (from their logs)."""
+    total = 0
+    for i in range(len(made.hosts)):
+        with open(os.path.join(made.directory, f"sshd-{i}.log"), errors="replace") as f:
+            total += sum("Accepted publickey" in line for line in f)
+    return total
+
+
 def one_run(made, per_host: int, work: str) -> dict:
     """Start a run over ``made``'s hosts, time it, SIGKILL a worker on the last host, time the
     teardown. Returns the three figures (seconds)."""
@@ -83,6 +94,7 @@ def one_run(made, per_host: int, work: str) -> dict:
     world = per_host * len(made.addresses)
     run_dir = tempfile.mkdtemp(prefix="run-", dir=work)
     os.rmdir(run_dir)
+    connections = accepted(made)
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--hosts", hosts, "--gpus",
                              str(world), "--strategy", "allreduce", "--ssh-key", made.key, "--ssh-known-hosts", made.known_hosts, "--plain", "--no-eval",
@@ -133,7 +145,7 @@ def one_run(made, per_host: int, work: str) -> dict:
         gone = gone[0]
         return {"preflight_s": preflight - t0, "startup_s": started - preflight, "teardown_s": gone - killed,
                 "detect_s": (detected or exited) - killed, "launcher_exit_s": exited - killed,
-                "exit_code": proc.wait(), "processes": world}
+                "exit_code": proc.wait(), "processes": world, "ssh_connections": accepted(made) - connections}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -170,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             testhosts.down(prefix)
         results[h] = runs
-        for key in ("preflight_s", "startup_s", "teardown_s", "detect_s", "launcher_exit_s"):
+        for key in ("preflight_s", "startup_s", "teardown_s", "detect_s", "launcher_exit_s", "ssh_connections"):
             values = [r[key] for r in runs]
             print(f"{h} hosts x {args.per_host}: {key} median {statistics.median(values):.2f} "
                   f"(min {min(values):.2f}, max {max(values):.2f})", flush=True)

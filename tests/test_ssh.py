@@ -180,6 +180,7 @@ def test_teardown_is_one_command_per_host_on_the_open_connection(hosts):
             proc.start()
             _wait_for(q, "tick")
         accepted = _accepted(hosts, 1)
+        assert accepted >= 1   # the log counts connections (sshd's LogLevel INFO)
         calls = []
         for proc, _ in procs:   # count the control commands each process's connection runs
             proc.control = (lambda real: lambda shell, timeout=3.0: calls.append(shell) or real(shell, timeout))(proc.control)
