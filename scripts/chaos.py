@@ -1,6 +1,7 @@
 """Chaos run: N random faults in a row against real `hpar run`s on this machine.
 
     python scripts/chaos.py --faults 100 [--seed 0] [--strategies allreduce,hybrid] [--out chaos.json]
+    python scripts/chaos.py --emulate 2 --faults 10 [--kinds link_cut,worker_kill]
 
 Each fault goes into a fresh run or into the resume of the run the previous fault interrupted
 (a chain); a chain ends with a clean resume to the last step. Faults: SIGKILL of a worker, a
@@ -170,8 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategies", default="allreduce,hybrid")
     ap.add_argument("--out", default=None, help="JSON report file")
     ap.add_argument("--work", default=None, help="directory for the runs (default: a temporary one, removed)")
+    ap.add_argument("--kinds", default=",".join(FAULTS), help="the faults to draw from (comma-separated)")
     ap.add_argument("--emulate", type=int, default=0, metavar="H", help="run over SSH on H test hosts (root), with link cuts")
     args = ap.parse_args(argv)
+    unknown = set(args.kinds.split(",")) - set(FAULTS)
+    if unknown or (args.kinds == "link_cut" and not args.emulate):
+        ap.error(f"--kinds: {', '.join(sorted(unknown)) or 'link_cut'} is not a fault here (link_cut needs --emulate H)")
     rng = random.Random(args.seed)
     work = args.work or tempfile.mkdtemp(prefix="hpar-chaos-")
     os.makedirs(work, exist_ok=True)
@@ -215,7 +220,7 @@ def chaos(args, rng: random.Random, work: str) -> int:
         reference[s] = os.path.join(d, "model.pt")
     records, chains, chain = [], 0, None   # chain: (strategy, run dir, on tmpfs)
     for i in range(args.faults):
-        kinds = [k for k in FAULTS if (k != "disk_full" or root) and (k != "server_kill" or "hybrid" in strategies)
+        kinds = [k for k in args.kinds.split(",") if (k != "disk_full" or root) and (k != "server_kill" or "hybrid" in strategies)
                  and (k != "link_cut" or CUT)]
         kind = rng.choice(kinds)
         from hpar.strategies import checkpoint
