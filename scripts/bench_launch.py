@@ -158,7 +158,9 @@ def idle_run(made, per_host: int) -> dict:
     """The launcher's own share of a teardown, without the processes' own exit: ``per_host``
     guarded idle processes (no torch) per host, started over SSH as `hpar run` starts its workers,
     then stopped by the launcher's teardown (launcher/run/teardown.py, grace 5 s): the seconds
-    from its call to its return, what is left on the hosts after it, the SSH connections it made."""
+    from its call to its return, each host's command (call to answer; ``overlap``: their sum over
+    the teardown's time, 1 if the hosts went one after another), what is left on the hosts after
+    it, and the SSH connections it made."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
     from hpar.launcher.hosts.hostfile import Host
@@ -177,6 +179,18 @@ def idle_run(made, per_host: int) -> dict:
         up += lines.get(timeout=120)[1] == "up"
     assert all(p.pgid for p in procs), "a process did not report its group"
     connections = accepted(made)
+    per_host: list[float] = []   # each host's command, from its call to its answer
+
+    def timed(real):
+        def control(shell, timeout=3.0):
+            start = time.monotonic()
+            try:
+                return real(shell, timeout)
+            finally:
+                per_host.append(time.monotonic() - start)
+        return control
+    for p in procs:
+        p.control = timed(p.control)
     t0 = time.monotonic()
     left = teardown.stop_all(procs, grace=5.0)
     took = time.monotonic() - t0
@@ -184,7 +198,8 @@ def idle_run(made, per_host: int) -> dict:
     for p in procs:
         p.close()
     return {"teardown_s": took, "not_confirmed": left, "left_on_hosts": len(leftover),
-            "ssh_connections": accepted(made) - connections}
+            "ssh_connections": accepted(made) - connections, "host_commands": len(per_host),
+            "host_command_median_s": statistics.median(per_host), "overlap": sum(per_host) / took}
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -219,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             testhosts.down(prefix)
         results[h] = runs
-        keys = ("teardown_s", "left_on_hosts", "ssh_connections") if args.idle else (
+        keys = ("teardown_s", "host_command_median_s", "overlap", "host_commands", "left_on_hosts",
+                "ssh_connections") if args.idle else (
             "preflight_s", "startup_s", "teardown_s", "detect_s", "launcher_exit_s", "ssh_connections")
         for key in keys:
             values = [r[key] for r in runs]

@@ -14,6 +14,7 @@ thread per process.
 """
 from __future__ import annotations
 
+import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -55,12 +56,12 @@ def stop_host(procs: list, grace: float, kill_wait: float) -> list[str]:
     """Stop the recorded groups of ``procs`` (RemoteProcess objects, all on one host) with one
     command on that host; returns the labels of those whose group may still be alive: none
     when the host reported nothing left or could not be reached (its guards stop themselves)."""
-    from hpar.launcher.procs.local import ProcessSpec
-    from hpar.launcher.procs.ssh import remote_command
+    from hpar.launcher.hosts.environ import allowlisted
     first = procs[0]
     python = first.opts.python or first.spec.argv[0]
-    spec = ProcessSpec("control", 0, first.spec.host, (python, *stop_command([p.pgid for p in procs], grace, kill_wait)))
-    done = first.control(remote_command(spec, python), timeout=grace + kill_wait + 10.0)
+    env = [f"{k}={v}" for k, v in allowlisted().items() if k == "PYTHONPATH"]   # where hpar may be found
+    argv = ["env", *env, python, *stop_command([p.pgid for p in procs], grace, kill_wait)]
+    done = first.control(" ".join(shlex.quote(a) for a in argv), timeout=grace + kill_wait + 10.0)
     if done is None:
         return []   # unreachable: its guards stop their groups once the launcher's heartbeat stops
     code, out = done
