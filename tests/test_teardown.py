@@ -194,3 +194,34 @@ def test_guard_stops_its_group_when_the_heartbeat_stops():
         if guard.poll() is None:
             os.killpg(guard.pid, signal.SIGKILL)
             guard.wait()
+
+
+def test_control_command_waits_for_a_free_ssh_session():
+    """sshd refuses a channel beyond MaxSessions (10 by default) while the host's processes hold
+    theirs: the control command asks again instead of calling the host unreachable."""
+    import paramiko
+    from types import SimpleNamespace
+    from hpar.launcher.procs import ssh_control
+
+    class Channel:
+        def __init__(self):
+            self.out = [b"@hpar left ", b""]
+            self.status_event, self.exit_status = SimpleNamespace(wait=lambda timeout: True), 0
+        set_combine_stderr = settimeout = exec_command = close = lambda self, *a: None
+
+        def recv(self, n):
+            return self.out.pop(0)
+
+    class Transport:
+        def __init__(self, refusals):
+            self.refusals = refusals
+
+        def open_session(self, timeout):
+            if self.refusals:
+                self.refusals -= 1
+                raise paramiko.ChannelException(1, "Administratively prohibited")
+            return Channel()
+
+    assert ssh_control.exec_on(Transport(3), "true", 5.0) == (0, "@hpar left ")
+    t0 = time.monotonic()
+    assert ssh_control.exec_on(Transport(10**6), "true", 0.5) is None and time.monotonic() - t0 < 5

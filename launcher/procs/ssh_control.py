@@ -6,6 +6,7 @@ key exchange or authentication (OpenSSH's ControlMaster idea, paramiko's transpo
 from __future__ import annotations
 
 import socket
+import time
 
 import paramiko
 
@@ -13,13 +14,21 @@ import paramiko
 def exec_on(transport: paramiko.Transport, command: str, timeout: float) -> tuple[int, str] | None:
     """Run the shell ``command`` on the host of ``transport`` in a channel of its own and wait
     for it (at most ``timeout`` seconds for the channel, for each piece of output and for the
-    exit status). Returns (exit code, stdout and stderr as text), or None when the channel cannot
-    be opened, the connection breaks or the command falls silent for longer (the host is then as
-    good as unreachable)."""
-    try:
-        channel = transport.open_session(timeout=timeout)
-    except (OSError, EOFError, paramiko.SSHException):
-        return None
+    exit status). A channel the host refuses for now (sshd's ``MaxSessions``, 10 by default: the
+    host's processes hold most of them) is asked for again until ``timeout``. Returns (exit code,
+    stdout and stderr as text), or None when the channel cannot be opened, the connection breaks
+    or the command falls silent for longer (the host is then as good as unreachable)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            channel = transport.open_session(timeout=timeout)
+            break
+        except paramiko.ChannelException:   # sshd's MaxSessions (10 by default) reached: wait for a free one
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        except (OSError, EOFError, paramiko.SSHException):
+            return None
     try:
         channel.set_combine_stderr(True)
         channel.settimeout(timeout)
