@@ -239,15 +239,6 @@ def long_run(hosts, tmp_path):
         testhosts.set_link(hosts.prefix, 1, True)
 
 
-def _communicate(proc: subprocess.Popen) -> list[str]:
-    """Read the launcher's output in a thread (so that it never blocks on a full pipe while the
-    test polls the hosts); the list gets its whole output once it has exited."""
-    import threading
-    out: list[str] = []
-    threading.Thread(target=lambda: out.append(proc.communicate(timeout=60)[0]), daemon=True).start()
-    return out
-
-
 @real_run(120)
 def test_sigkill_of_a_remote_worker_stops_everything(hosts, long_run):
     """Nothing is left on any host within 10 s of a worker's SIGKILL (issue 17; `hpar launch`:
@@ -255,15 +246,17 @@ def test_sigkill_of_a_remote_worker_stops_everything(hosts, long_run):
     _wait_training(long_run)
     victims = _worker_pids(hosts, 1)
     assert len(victims) == 2, victims
-    out = _communicate(long_run)
-    os.kill(victims[0], signal.SIGKILL)
-    killed = time.monotonic()
-    assert netns_hosts.leftovers(hosts, wait=10) == {}   # polled every 0.2 s
-    gone = time.monotonic() - killed
-    long_run.wait(timeout=60)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as reader:   # the launcher's output, read while the test polls the hosts
+        output = reader.submit(long_run.communicate, timeout=60)
+        os.kill(victims[0], signal.SIGKILL)
+        killed = time.monotonic()
+        assert netns_hosts.leftovers(hosts, wait=10) == {}   # polled every 0.2 s
+        gone = time.monotonic() - killed
+        out = output.result()[0]
     assert long_run.returncode == 1
-    assert f"worker 2 on {hosts.addresses[1]} failed: killed by SIGKILL" in out[0] \
-        or f"worker 3 on {hosts.addresses[1]} failed: killed by SIGKILL" in out[0], out[0][-2000:]
+    assert f"worker 2 on {hosts.addresses[1]} failed: killed by SIGKILL" in out \
+        or f"worker 3 on {hosts.addresses[1]} failed: killed by SIGKILL" in out, out[-2000:]
     assert gone < 10, f"nothing may be left 10 s after the kill ({gone:.1f} s)"
 
 
