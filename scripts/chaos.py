@@ -264,7 +264,8 @@ def chaos(args, rng: random.Random, work: str) -> int:
                 import testhosts
                 testhosts.set_link(CUT[0].prefix, CUT[1], True)
                 lost = CUT[0].addresses[CUT[1]]
-                rec.update(cut_host=lost, host_named=launcher.first_line(f"lost the connection to its host {lost}") is not None)
+                rec.update(cut_host=lost, host_named=launcher.first_line(f" on {lost} failed: ") is not None,
+                           said_lost=launcher.first_line(f"lost the connection to its host {lost}") is not None)
             gone = gone and wait_for(lambda: not run_processes(run_dir), 15)
             left = run_processes(run_dir)
             for p in left:

@@ -3,6 +3,7 @@ stops every group hpar started there, hosts in parallel, done as soon as nothing
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -225,3 +226,39 @@ def test_control_command_waits_for_a_free_ssh_session():
     assert ssh_control.exec_on(Transport(3), "true", 5.0) == (0, "@hpar left ")
     t0 = time.monotonic()
     assert ssh_control.exec_on(Transport(10**6), "true", 0.5) is None and time.monotonic() - t0 < 5
+
+
+def test_a_stall_on_a_cut_off_host_is_named_as_the_lost_host(tmp_path):
+    """With --stall-timeout shorter than the SSH link timeout, a cut link first shows as a
+    silent process; once the connection is found broken (while the stacks are asked for), the
+    failure names the lost host, not a stall."""
+    from rich.console import Console
+    from hpar.launcher.run.progress import Progress
+    from hpar.launcher.run.rundir import RunDir
+    from hpar.launcher.run.supervisor import Supervisor
+
+    class Fake:
+        def __init__(self, rank, host):
+            self.spec = ProcessSpec("worker", rank, host, ("python",))
+            self.pid = self.pgid = None
+            self.host_lost = False
+
+        def poll(self):
+            return 255 if self.host_lost else None
+
+        def signal(self, sig):   # the stack request finds the connection broken
+            self.host_lost = self.spec.host == "node2"
+
+        def group_alive(self):
+            return False
+
+        terminate = kill = close_stdin = lambda self: None
+
+    procs = [Fake(0, "node1"), Fake(1, "node2")]
+    rundir = RunDir(str(tmp_path / "run"))
+    with Progress([(p.spec.label, p.spec.host) for p in procs], 10, live=False, console=Console(quiet=True)) as progress:
+        sup = Supervisor(procs, queue.Queue(), rundir, progress, stall_timeout=4.0)
+        outcome = sup._stall([(id(procs[1]), "stalled: silent for 4 s (--stall-timeout)")])
+    rundir.close()
+    assert outcome.exit_code == 1 and outcome.failed == "worker 1" and outcome.host == "node2"
+    assert outcome.cause.startswith("lost the connection to its host node2"), outcome.cause

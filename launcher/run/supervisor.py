@@ -55,6 +55,12 @@ def describe_exit(code: int, signal_seen: int | None) -> str:
     return f"exit code {code}"
 
 
+def _lost_host(p) -> str:
+    """The failure of a process whose host stopped answering (its SSH connection broke)."""
+    return (f"lost the connection to its host {p.spec.host} (link or host down, or sshd gone); its processes "
+            "there stop by themselves (guard heartbeat)")
+
+
 def _start(p) -> Exception | None:
     """Start ``p``; the exception instead of raising it."""
     try:
@@ -143,8 +149,7 @@ class Supervisor:
                 candidates = failed + [p for p in self.procs if id(p) not in exited and p.poll() not in (None, 0)]
                 first = min(candidates, key=self._blame_order)
                 if first.host_lost:   # the link, the host or its sshd: its guards stop their groups there
-                    return self._fail(first, f"lost the connection to its host {first.spec.host} (link or host down, "
-                                             "or sshd gone); its processes there stop by themselves (guard heartbeat)")
+                    return self._fail(first, _lost_host(first))
                 return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
             if len(exited) == len(self.procs):
                 self._drain(timeout=0.0)
@@ -181,6 +186,9 @@ class Supervisor:
         found elsewhere than in torch while its peers wait there), SIGKILL it, stop the rest."""
         by_id, by_label = {id(p): p for p in self.procs}, {p.spec.label: p for p in self.procs}
         odd, mute = self._diagnose()
+        lost = [p for p in self.procs if p.host_lost]
+        if lost:   # silent because its host is cut off (found while the stacks were asked for)
+            return self._fail(lost[0], _lost_host(lost[0]))
         key, cause = stalled[0]
         if not cause.startswith("stalled: silent"):
             if mute:      # gave no stack while others did: stopped or frozen
