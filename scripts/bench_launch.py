@@ -12,7 +12,11 @@ Per run (the tiny 5-layer MLP of the tests, ``--strategy allreduce``, over SSH):
 - ``teardown_s``: a SIGKILL to one worker on the last host to the moment no process of the run
   is left on any host (polled in the hosts' namespaces every 50 ms, apart from the launcher);
   ``detect_s``: to the launcher's "failed" line (printed once its teardown has seen every
-  process group gone), ``launcher_exit_s``: to the launcher's own exit.
+  process group gone), ``launcher_exit_s``: to the launcher's own exit;
+- ``ssh_connections``: the SSH connections the hosts' sshd accepted during the run (preflight,
+  start and teardown; their logs' "Accepted publickey" lines).
+
+With ``--idle``, only the launcher's own share of the teardown is measured (``idle_run``).
 
 The projection fits ``a + b * H`` (least squares over the H measured) to each figure's median and
 evaluates it at ``--project`` hosts. On one machine every emulated host shares the same cores, so
@@ -71,6 +75,15 @@ def _alive_in(namespaces: list[str]) -> list[int]:
     return out
 
 
+def accepted(made) -> int:
+    """SSH connections the test hosts' sshd have accepted so far (from their logs)."""
+    total = 0
+    for i in range(len(made.hosts)):
+        with open(os.path.join(made.directory, f"sshd-{i}.log"), errors="replace") as f:
+            total += sum("Accepted publickey" in line for line in f)
+    return total
+
+
 def one_run(made, per_host: int, work: str) -> dict:
     """Start a run over ``made``'s hosts, time it, SIGKILL a worker on the last host, time the
     teardown. Returns the three figures (seconds)."""
@@ -83,9 +96,10 @@ def one_run(made, per_host: int, work: str) -> dict:
     world = per_host * len(made.addresses)
     run_dir = tempfile.mkdtemp(prefix="run-", dir=work)
     os.rmdir(run_dir)
+    connections = accepted(made)
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--hosts", hosts, "--gpus",
-                             str(world), "--strategy", "allreduce", "--ssh-key", made.key, "--plain", "--no-eval",
+                             str(world), "--strategy", "allreduce", "--ssh-key", made.key, "--ssh-known-hosts", made.known_hosts, "--plain", "--no-eval",
                              "--run-dir", run_dir], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)
     preflight = None
@@ -133,11 +147,59 @@ def one_run(made, per_host: int, work: str) -> dict:
         gone = gone[0]
         return {"preflight_s": preflight - t0, "startup_s": started - preflight, "teardown_s": gone - killed,
                 "detect_s": (detected or exited) - killed, "launcher_exit_s": exited - killed,
-                "exit_code": proc.wait(), "processes": world}
+                "exit_code": proc.wait(), "processes": world, "ssh_connections": accepted(made) - connections}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def idle_run(made, per_host: int) -> dict:
+    """The launcher's own share of a teardown, without the processes' own exit: ``per_host``
+    guarded idle processes (no torch) per host, started over SSH as `hpar run` starts its workers,
+    then stopped by the launcher's teardown (launcher/run/teardown.py, grace 5 s): the seconds
+    from its call to its return, each host's command (call to answer; ``overlap``: their sum over
+    the teardown's time, 1 if the hosts went one after another), what is left on the hosts after
+    it, and the SSH connections it made."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+    from hpar.launcher.hosts.hostfile import Host
+    from hpar.launcher.procs.local import ProcessSpec
+    from hpar.launcher.procs.ssh import RemoteProcess, SSHOptions
+    from hpar.launcher.run import teardown
+    lines: queue.Queue = queue.Queue()
+    opts = SSHOptions(key=made.key, known_hosts=made.known_hosts)
+    py, idle = sys.executable, "import time; print('up', flush=True); time.sleep(600)"
+    procs = [RemoteProcess(ProcessSpec("worker", i * per_host + j, a, (py, "-m", "hpar.workers.guard", py, "-c", idle)),
+                           Host(a, user="root"), opts, lines) for i, a in enumerate(made.addresses) for j in range(per_host)]
+    with ThreadPoolExecutor(64) as pool:
+        list(pool.map(lambda p: p.start(), procs))
+    up, deadline = 0, time.monotonic() + 120
+    while up < len(procs) and time.monotonic() < deadline:
+        up += lines.get(timeout=120)[1] == "up"
+    assert all(p.pgid for p in procs), "a process did not report its group"
+    connections = accepted(made)
+    per_host: list[float] = []   # each host's command, from its call to its answer
+
+    def timed(real):
+        def control(shell, timeout=3.0):
+            start = time.monotonic()
+            try:
+                return real(shell, timeout)
+            finally:
+                per_host.append(time.monotonic() - start)
+        return control
+    for p in procs:
+        p.control = timed(p.control)
+    t0 = time.monotonic()
+    left = teardown.stop_all(procs, grace=5.0)
+    took = time.monotonic() - t0
+    leftover = _alive_in([h.namespace for h in made.hosts])
+    for p in procs:
+        p.close()
+    return {"teardown_s": took, "not_confirmed": left, "left_on_hosts": len(leftover),
+            "ssh_connections": accepted(made) - connections, "host_commands": len(per_host),
+            "host_command_median_s": statistics.median(per_host), "overlap": sum(per_host) / took}
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -155,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--project", type=int, default=48)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--idle", action="store_true", help="only the launcher's teardown of idle processes (idle_run)")
     args = parser.parse_args(argv)
     reason = testhosts.unavailable()
     if reason:
@@ -166,16 +229,20 @@ def main(argv: list[str] | None = None) -> int:
         made = testhosts.up(h, prefix=prefix, net=250 + index % 6)  # above the tests' 100..249
         try:
             with tempfile.TemporaryDirectory() as work:
-                runs = [one_run(made, args.per_host, work) for _ in range(args.repeats)]
+                runs = [(idle_run if args.idle else one_run)(made, args.per_host, *([] if args.idle else [work]))
+                        for _ in range(args.repeats)]
         finally:
             testhosts.down(prefix)
         results[h] = runs
-        for key in ("preflight_s", "startup_s", "teardown_s", "detect_s", "launcher_exit_s"):
+        keys = ("teardown_s", "host_command_median_s", "overlap", "host_commands", "left_on_hosts",
+                "ssh_connections") if args.idle else (
+            "preflight_s", "startup_s", "teardown_s", "detect_s", "launcher_exit_s", "ssh_connections")
+        for key in keys:
             values = [r[key] for r in runs]
             print(f"{h} hosts x {args.per_host}: {key} median {statistics.median(values):.2f} "
                   f"(min {min(values):.2f}, max {max(values):.2f})", flush=True)
     projection = {}
-    for key in ("preflight_s", "startup_s", "teardown_s"):
+    for key in (("teardown_s",) if args.idle else ("preflight_s", "startup_s", "teardown_s")):
         xs = [float(h) for h in results]
         ys = [statistics.median(r[key] for r in results[h]) for h in results]
         a, b = fit(xs, ys)

@@ -1,13 +1,17 @@
 """Chaos run: N random faults in a row against real `hpar run`s on this machine.
 
     python scripts/chaos.py --faults 100 [--seed 0] [--strategies allreduce,hybrid] [--out chaos.json]
+    python scripts/chaos.py --emulate 2 --faults 10 [--kinds link_cut,worker_kill]
 
 Each fault goes into a fresh run or into the resume of the run the previous fault interrupted
 (a chain); a chain ends with a clean resume to the last step. Faults: SIGKILL of a worker, a
 server (hybrid) or a guard; SIGSTOP of a worker (caught by --stall-timeout); SIGKILL, SIGINT or
 SIGTERM to the launcher; SIGKILL of the worker writing a checkpoint (while its ``.tmp-*`` file
-exists); a full disk under the run directory (a small tmpfs, as root). A link cut needs the
-emulated hosts of ``hpar bench --hosts emulate:H`` and is not part of this local run.
+exists); a full disk under the run directory (a small tmpfs, as root). With ``--emulate H``
+(root, iproute2, openssh-server) every run goes over SSH to H network-namespace test hosts
+(scripts/testhosts.py), one worker per host, and one more fault joins: a link cut (one host's
+veth set down mid-run; the launcher must name the lost host and stop; the link comes back once
+the launcher has exited and must find nothing of the run left on that host).
 
 Checked after every fault: no process of the run is left (15 s at most), every committed
 checkpoint verifies and loads, and at the end of each chain the model equals, bit for bit, the
@@ -28,10 +32,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 
 import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runprocs import Launcher, run_processes, wait_for  # noqa: E402  (shared with the tests)
 
 STEPS, EVERY = 24, 3
 SCRIPT = textwrap.dedent('''
@@ -54,20 +60,10 @@ SCRIPT = textwrap.dedent('''
     def optimizer(params): return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 ''')
 FAULTS = ("worker_kill", "server_kill", "guard_kill", "worker_stop", "launcher_kill", "launcher_int",
-          "launcher_term", "checkpoint_kill", "disk_full")
+          "launcher_term", "checkpoint_kill", "disk_full", "link_cut")
 STALL = 4.0
-
-
-def run_processes(run_dir: str) -> list[psutil.Process]:
-    """Live processes started for the run (found by HPAR_CONFIG in their environment)."""
-    want, found = os.path.join(run_dir, "config.json"), []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get("HPAR_CONFIG") == want and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+HOSTS: list[str] = []   # with --emulate: the --hosts/--ssh-* arguments of every run
+CUT: list = []          # with --emulate: the test hosts (testhosts.TestHosts), and the index of a cut link
 
 
 def find(run_dir: str, module: str, rank: str | None = None, guard: bool = False) -> psutil.Process | None:
@@ -77,47 +73,12 @@ def find(run_dir: str, module: str, rank: str | None = None, guard: bool = False
             cmd, env = p.cmdline(), p.environ()
         except psutil.Error:
             continue
+        if cmd[1:2] == ["-c"]:
+            continue   # over SSH: the session wrapper above the guard (launcher/procs/ssh.py)
         is_guard = cmd[1:3] == ["-m", "hpar.workers.guard"]
         if module in cmd and is_guard == guard and (rank is None or env.get("RANK", env.get("HPAR_SERVER_INDEX")) == rank):
             return p
     return None
-
-
-class Launcher:
-    """One `hpar run` in the background; its output lines are kept with their arrival times."""
-
-    def __init__(self, args: list[str], log: str):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        self.lines: list[tuple[float, str]] = []
-        self.log = open(log, "a")
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip()))
-            self.log.write(line)
-        self.log.flush()
-
-    def first_line(self, *needles: str) -> float | None:
-        return next((t for t, line in list(self.lines) if any(n in line for n in needles)), None)
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 def steps_done(run_dir: str) -> int:
@@ -157,7 +118,7 @@ def same_model(a: str, b: str) -> bool:
 
 
 def run_args(script: str, strategy: str, run_dir: str, resume: bool) -> list[str]:
-    common = ["--plain", "--stall-timeout", str(STALL)]
+    common = ["--plain", "--stall-timeout", str(STALL), *HOSTS]
     if resume:
         return ["--resume", run_dir, *common]
     return [script, "--gpus", "2", "--strategy", strategy, "--checkpoint-every", str(EVERY), "--no-eval",
@@ -185,6 +146,12 @@ def inject(kind: str, strategy: str, run_dir: str, launcher: Launcher, rng: rand
         writer.send_signal(signal.SIGKILL)
         if not caught:
             return "no checkpoint write caught in 20 s (killed anyway)"
+    elif kind == "link_cut":
+        import testhosts
+        made = CUT[0]
+        index = rng.randrange(len(made.hosts))
+        testhosts.set_link(made.prefix, index, False)
+        CUT[1:] = [index]
     elif kind == "disk_full":
         filler = os.path.join(run_dir, "filler")
         with open(filler, "wb") as f:
@@ -204,10 +171,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategies", default="allreduce,hybrid")
     ap.add_argument("--out", default=None, help="JSON report file")
     ap.add_argument("--work", default=None, help="directory for the runs (default: a temporary one, removed)")
+    ap.add_argument("--kinds", default=",".join(FAULTS), help="the faults to draw from (comma-separated)")
+    ap.add_argument("--emulate", type=int, default=0, metavar="H", help="run over SSH on H test hosts (root), with link cuts")
     args = ap.parse_args(argv)
+    unknown = set(args.kinds.split(",")) - set(FAULTS)
+    if unknown or (args.kinds == "link_cut" and not args.emulate):
+        ap.error(f"--kinds: {', '.join(sorted(unknown)) or 'link_cut'} is not a fault here (link_cut needs --emulate H)")
     rng = random.Random(args.seed)
     work = args.work or tempfile.mkdtemp(prefix="hpar-chaos-")
     os.makedirs(work, exist_ok=True)
+    if args.emulate:
+        return emulated(args, work)
+    return chaos(args, rng, work)
+
+
+def emulated(args, work: str) -> int:
+    """The chaos run over ``args.emulate`` test hosts, which are removed afterwards."""
+    import testhosts
+    reason = testhosts.unavailable()
+    if reason:
+        print(f"chaos: --emulate: {reason}", file=sys.stderr)
+        return 2
+    prefix = f"ch{os.getpid() % 10000}"
+    made = testhosts.up(args.emulate, prefix=prefix, net=255)
+    try:
+        hosts = os.path.join(work, "hosts.txt")
+        with open(hosts, "w") as f:
+            f.writelines(f"root@{a}:22 slots=1\n" for a in made.addresses)
+        HOSTS[:] = ["--hosts", hosts, "--ssh-key", made.key, "--ssh-known-hosts", made.known_hosts]
+        CUT[:] = [made]
+        return chaos(args, random.Random(args.seed), work)
+    finally:
+        testhosts.down(prefix)
+
+
+def chaos(args, rng: random.Random, work: str) -> int:
+    """Inject ``args.faults`` faults in a row (see the module docstring); 0 when every check passed."""
     script = os.path.join(work, "chaos_job.py")
     open(script, "w").write(SCRIPT)
     log = os.path.join(work, "launchers.log")
@@ -221,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         reference[s] = os.path.join(d, "model.pt")
     records, chains, chain = [], 0, None   # chain: (strategy, run dir, on tmpfs)
     for i in range(args.faults):
-        kinds = [k for k in FAULTS if (k != "disk_full" or root) and (k != "server_kill" or "hybrid" in strategies)]
+        kinds = [k for k in args.kinds.split(",") if (k != "disk_full" or root) and (k != "server_kill" or "hybrid" in strategies)
+                 and (k != "link_cut" or CUT)]
         kind = rng.choice(kinds)
         from hpar.strategies import checkpoint
         if chain is not None and not chain[2] and checkpoint.usable_step(chain[1])[0] is None:
@@ -260,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
             gone = wait_for(lambda: not run_processes(run_dir), 135)
             t_gone = time.monotonic()
             code = launcher.wait(120)
+            if kind == "link_cut":   # back up once the launcher is done: nothing may be left there
+                import testhosts
+                testhosts.set_link(CUT[0].prefix, CUT[1], True)
+                lost = CUT[0].addresses[CUT[1]]
+                rec.update(cut_host=lost, host_named=launcher.first_line(f" on {lost} failed: ") is not None,
+                           said_lost=launcher.first_line(f"lost the connection to its host {lost}") is not None)
             gone = gone and wait_for(lambda: not run_processes(run_dir), 15)
             left = run_processes(run_dir)
             for p in left:
@@ -309,6 +315,7 @@ def report(records: list[dict], chains: int, args, work: str) -> int:
         "detection_s": {"median": statistics.median(det), "max": max(det)} if det else None,
         "teardown_s": {"median": statistics.median(tear), "max": max(tear)} if tear else None,
         "by_fault": {k: sum(1 for r in done if r["fault"] == k) for k in FAULTS},
+        "lost_host_not_named": sum(1 for r in done if r.get("host_named") is False),
     }
     print(json.dumps(figures, indent=2))
     if args.out:
@@ -316,7 +323,7 @@ def report(records: list[dict], chains: int, args, work: str) -> int:
             json.dump({"figures": figures, "faults": records}, f, indent=2)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    ok = (figures["orphans"] == 0 and figures["checkpoint_problems"] == 0 and figures["processes_not_gone_in_15s"] == 0
+    ok = (figures["orphans"] == 0 and figures["lost_host_not_named"] == 0 and figures["checkpoint_problems"] == 0 and figures["processes_not_gone_in_15s"] == 0
           and all(c["bit_identical"] for c in results))
     return 0 if ok else 1
 

@@ -7,12 +7,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
-import psutil
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from runprocs import run_processes, wait_for  # noqa: E402,F401  (shared with scripts/chaos.py)
 
 TINY = '''
 import torch, torch.nn as nn
@@ -76,30 +76,6 @@ def hpar(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """Run ``python -m hpar.launcher.cli ARGS`` and capture its output (text)."""
     return subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], capture_output=True, text=True,
                           timeout=timeout, **kw)
-
-
-def run_processes(run_dir: str) -> list[psutil.Process]:
-    """Every live process started for the run in ``run_dir`` (found by HPAR_CONFIG)."""
-    want = os.path.join(os.path.abspath(run_dir), "config.json")
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get("HPAR_CONFIG") == want and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.1):
-    """Poll ``predicate`` until it returns something truthy or ``timeout`` s pass."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 @pytest.fixture

@@ -159,6 +159,46 @@ def test_dropped_connection_stops_the_remote_group(hosts):
     assert netns_hosts.leftovers(hosts, wait=10) == {}
 
 
+def _accepted(hosts, index: int) -> int:
+    """Connections the test host's sshd has accepted so far (its log, LogLevel INFO)."""
+    import os
+    with open(os.path.join(hosts.directory, f"sshd-{index}.log"), errors="replace") as f:
+        return sum("Accepted publickey" in line for line in f)
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(60)
+def test_teardown_is_one_command_per_host_on_the_open_connection(hosts):
+    """Two guarded processes on one host, one ignoring SIGTERM: the teardown stops both with one
+    command in a new channel of a connection already open (sshd accepts no new connection), and
+    returns once nothing is left there."""
+    from hpar.launcher.run import teardown
+    stubborn = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + LOOP
+    procs = [_remote(hosts, 1, code, env={"HPAR_GUARD_GRACE": "30"}) for code in (LOOP, stubborn)]
+    try:
+        for proc, q in procs:
+            proc.start()
+            _wait_for(q, "tick")
+        accepted = _accepted(hosts, 1)
+        assert accepted >= 1   # the log counts connections (sshd's LogLevel INFO)
+        calls = []
+        for proc, _ in procs:   # count the control commands each process's connection runs
+            proc.control = (lambda real: lambda shell, timeout=3.0: calls.append(shell) or real(shell, timeout))(proc.control)
+        t0 = time.monotonic()
+        assert teardown.stop_all([p for p, _ in procs], grace=1.0) == {}
+        took = time.monotonic() - t0
+        assert len(calls) == 1 and "hpar.workers.stopgroups" in calls[0], calls
+        assert netns_hosts.leftovers(hosts) == {}   # at once: the command returned when nothing was left
+        assert _accepted(hosts, 1) == accepted
+        assert took < 10, took
+        for p, q in procs:   # the guards report their end (SIGTERM: the guard leads the group)
+            _drain(q, 10)
+            assert p.poll() == -signal.SIGTERM
+    finally:
+        for proc, _ in procs:
+            proc.close()
+
+
 @pytest.mark.netns
 @pytest.mark.timeout(30)
 def test_wrong_key_is_refused(hosts, tmp_path):

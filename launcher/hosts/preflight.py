@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from hpar.launcher.hosts.hostfile import Host
-from hpar.launcher.procs.ssh import SSHError, SSHOptions, connect
+from hpar.launcher.procs import ssh_pool
+from hpar.launcher.procs.ssh import SSHError, SSHOptions
 
 # Runs on each host as ``PY -c PROBE SCRIPT PORT ADDR``; prints one JSON line.
 PROBE = r"""
@@ -181,7 +182,7 @@ def _check(host: Host, script: str, opts: SSHOptions, master_port: int, master: 
             return HostCheck(host.name, False, f"python {python} failed: {_last(out.stderr)}")
         return _row(host, json.loads(out.stdout), want, script, master_port, first)
     try:
-        conn = connect(host, opts)
+        conn = ssh_pool.connection(host, opts)   # kept open: the host's processes start over it
     except SSHError as e:
         return HostCheck(host.name, False, str(e))
     try:
@@ -198,9 +199,8 @@ def _check(host: Host, script: str, opts: SSHOptions, master_port: int, master: 
             result["script"] = want["script"]
         return _row(host, result, want, script, master_port, first)
     except Exception as e:  # a host that breaks mid-check is one failed row, not a crash
+        ssh_pool.forget(conn)
         return HostCheck(host.name, False, f"check failed: {type(e).__name__}: {_last(str(e))}")
-    finally:
-        conn.close()
 
 
 def _last(text: str) -> str:
@@ -220,7 +220,7 @@ def preflight(hosts: list[Host], script: str, opts: SSHOptions, master_port: int
     with open(script, "rb") as f:
         want = dict(launcher_versions(), script=hashlib.sha256(f.read()).hexdigest())
     master = resolve_master(hosts)
-    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+    with ThreadPoolExecutor(max_workers=min(256, len(hosts))) as pool:   # every host at once
         futures = [pool.submit(_check, host, script, opts, master_port, master, i == 0, sync, want)
                    for i, host in enumerate(hosts)]
         rows = tuple(f.result() for f in futures)

@@ -7,10 +7,10 @@ to 128+N as the guard's own exit codes do). It makes the guard the leader of its
 process group; the channel's stdin stays open and carries one heartbeat byte a second, so
 when the launcher's connection goes away the guard stops its group: at EOF (the launcher
 exited or was killed) or after ``HEARTBEAT_S`` seconds of silence (a dead link, a frozen
-launcher; ``HPAR_GUARD_HEARTBEAT``). Signals go to the recorded
-group only (``kill -SIG -- -PGID`` over a second connection). On the launcher's side, TCP
-keepalives and ``TCP_USER_TIMEOUT`` turn a dead link into a closed channel within
-``LINK_TIMEOUT_S`` seconds; ``poll()`` then reports ``LOST_HOST`` (255, as ssh does).
+launcher; ``HPAR_GUARD_HEARTBEAT``). Each process is a channel of its host's one connection
+(launcher/procs/ssh_pool.py); signals go to the recorded group only, in another channel of it
+(launcher/procs/ssh_control.py). TCP keepalives and ``TCP_USER_TIMEOUT`` turn a dead link into
+a closed channel within ``LINK_TIMEOUT_S`` s; ``poll()`` then reports ``LOST_HOST`` (255, as ssh).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import paramiko
 
 from hpar.launcher.hosts.environ import allowlisted
 from hpar.launcher.hosts.hostfile import Host
+from hpar.launcher.procs import ssh_control, ssh_pool
 from hpar.launcher.procs.local import LocalProcess, ProcessSpec
 
 LOST_HOST = 255
@@ -41,9 +42,7 @@ _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # with its code, or 128+N when it died of signal N (``setsid -w`` itself returns N then).
 _SESSION = ("import os,sys\npid=os.fork()\nif pid==0:\n os.setsid()\n os.execvp(sys.argv[1],sys.argv[1:])\n"
             "code=os.waitstatus_to_exitcode(os.waitpid(pid,0)[1])\nsys.exit(128-code if code<0 else code)")
-
-
-CONTROL_TIMEOUT_S = 3.0  # connect timeout for kill/ps commands during teardown
+CONTROL_TIMEOUT_S = 3.0  # connect (and answer) timeout for a control command (a signal, a check)
 DEAD_FOR_S = 30.0  # after a lost connection, control commands skip the host this long
 _dead: dict[str, float] = {}
 _dead_lock = threading.Lock()
@@ -215,10 +214,12 @@ class RemoteProcess:
         """Connect and start the process. Raises SSHError when the host cannot be reached."""
         spec = replace(self.spec, env={"HPAR_GUARD_HEARTBEAT": str(HEARTBEAT_S), **self.spec.env})
         command = remote_command(spec, self.opts.python or self.spec.argv[0])
-        self._conn = connect(self.host, self.opts)
-        transport = self._conn.client.get_transport()
-        assert transport is not None
-        self._channel = transport.open_session()
+        self._conn = ssh_pool.connection(self.host, self.opts, for_process=True)   # one per host, shared
+        try:
+            self._channel = self._conn.client.get_transport().open_session()
+        except paramiko.ChannelException:   # the host allows fewer sessions per connection (MaxSessions)
+            self._conn = connect(self.host, self.opts)
+            self._channel = self._conn.client.get_transport().open_session()
         self._channel.set_combine_stderr(True)
         self._channel.exec_command(command)
         threading.Thread(target=self._read, name=f"hpar-ssh-{self.spec.label}", daemon=True).start()
@@ -273,23 +274,23 @@ class RemoteProcess:
         broke."""
         return self._code if self._done.is_set() else None
 
-    def _group_command(self, shell: str) -> int | None:
-        """Run ``shell`` on the host over a second connection; its exit code, None if the host
-        is unreachable."""
+    def control(self, shell: str, timeout: float = CONTROL_TIMEOUT_S) -> tuple[int, str] | None:
+        """Run ``shell`` on the host: (exit code, output), or None if the host is unreachable.
+        It is one more channel on the host's open connection (no new handshake), or on a new one
+        where that one broke (launcher/procs/ssh_pool.py, ssh_control.py)."""
         if _is_dead(self.host):
             return None  # its guards stop their groups by themselves (no heartbeat)
-        timeout = min(self.opts.connect_timeout, CONTROL_TIMEOUT_S)
         try:
-            conn = connect(self.host, replace(self.opts, retries=0, connect_timeout=timeout))
+            conn = ssh_pool.connection(self.host, replace(self.opts, retries=0, connect_timeout=min(
+                self.opts.connect_timeout, CONTROL_TIMEOUT_S)))
         except SSHError:
-            _mark_dead(self.host)
+            _mark_dead(self.host)   # skipped from now on (DEAD_FOR_S)
             return None
-        try:
-            return conn.run(shell, hide=True, warn=True, in_stream=False).exited
-        except (OSError, paramiko.SSHException, EOFError):
-            return None
-        finally:
-            conn.close()
+        return ssh_control.exec_on(conn.client.get_transport(), shell, timeout)
+
+    def _group_command(self, shell: str) -> int | None:
+        """:meth:`control`'s exit code (None: unreachable)."""
+        return (self.control(shell) or (None,))[0]
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the recorded remote process group (no-op before it is known, after
@@ -323,9 +324,10 @@ class RemoteProcess:
                 pass
 
     def close(self) -> None:
-        """Drop the connection (the remote group then stops itself)."""
+        """Drop the connection, shared with the host's other processes (their remote groups
+        then stop themselves, as when the launcher dies)."""
         if self._conn is not None:
-            self._conn.close()
+            ssh_pool.forget(self._conn)
 
 
 def make_process(spec: ProcessSpec, hosts_by_name: dict[str, Host], opts: SSHOptions,

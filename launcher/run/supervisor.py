@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from hpar.launcher.run import stacks
+from hpar.launcher.run import stacks, teardown
 from hpar.launcher.run.health import Health
 from hpar.launcher.run.progress import Progress
 from hpar.launcher.run.rundir import RunDir
@@ -53,6 +53,12 @@ def describe_exit(code: int, signal_seen: int | None) -> str:
         except ValueError:
             return f"killed by signal {sig}"
     return f"exit code {code}"
+
+
+def _lost_host(p) -> str:
+    """The failure of a process whose host stopped answering (its SSH connection broke)."""
+    return (f"lost the connection to its host {p.spec.host} (link or host down, or sshd gone); its processes "
+            "there stop by themselves (guard heartbeat)")
 
 
 def _start(p) -> Exception | None:
@@ -96,9 +102,9 @@ class Supervisor:
                 signal.signal(s, h)
 
     def _run(self) -> Outcome:
-        # every start in parallel: a remote one is an SSH connection, whose cost must not add up
-        # over the hosts (launch at scale, BENCHMARKS.md)
-        with ThreadPoolExecutor(max_workers=max(1, min(32, len(self.procs)))) as pool:
+        # every start at once: a remote one is a channel on its host's connection (opened by the
+        # preflight, launcher/procs/ssh_pool.py), whose cost must not add up over the hosts
+        with ThreadPoolExecutor(max_workers=max(1, min(256, len(self.procs)))) as pool:
             errors = list(pool.map(_start, self.procs))
         for p, exc in zip(self.procs, errors):
             if exc is not None:  # e.g. SSH refused after preflight
@@ -142,6 +148,8 @@ class Supervisor:
                     self._drain(timeout=0.0)
                 candidates = failed + [p for p in self.procs if id(p) not in exited and p.poll() not in (None, 0)]
                 first = min(candidates, key=self._blame_order)
+                if first.host_lost:   # the link, the host or its sshd: its guards stop their groups there
+                    return self._fail(first, _lost_host(first))
                 return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
             if len(exited) == len(self.procs):
                 self._drain(timeout=0.0)
@@ -178,6 +186,9 @@ class Supervisor:
         found elsewhere than in torch while its peers wait there), SIGKILL it, stop the rest."""
         by_id, by_label = {id(p): p for p in self.procs}, {p.spec.label: p for p in self.procs}
         odd, mute = self._diagnose()
+        lost = [p for p in self.procs if p.host_lost]
+        if lost:   # silent because its host is cut off (found while the stacks were asked for)
+            return self._fail(lost[0], _lost_host(lost[0]))
         key, cause = stalled[0]
         if not cause.startswith("stalled: silent"):
             if mute:      # gave no stack while others did: stopped or frozen
@@ -307,24 +318,13 @@ class Supervisor:
         return Outcome(EXIT_FAILED, p.spec.label, p.spec.host, cause, self.summary)
 
     def teardown(self) -> None:
-        """SIGTERM (and SIGCONT, so that a stopped process acts on it) to every recorded
-        process group still alive, wait ``grace`` s, SIGKILL the rest,
-        and wait (up to 5 s more) until every group is gone. Each check or signal of a remote
-        group is an SSH command, so they run concurrently, not one process after another."""
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            def still_alive(procs: list) -> list:
-                return [p for p, up in zip(procs, pool.map(lambda q: q.group_alive(), procs)) if up]
-            alive = still_alive([p for p in self.procs if p.pgid is not None])
-            list(pool.map(lambda q: q.terminate(), alive))
-            deadline = time.monotonic() + self.grace
-            while alive and time.monotonic() < deadline:
-                time.sleep(0.1)
-                alive = still_alive(alive)
-            list(pool.map(lambda q: q.kill(), alive))
-            deadline = time.monotonic() + 5.0
-            while alive and time.monotonic() < deadline:
-                time.sleep(0.05)
-                alive = still_alive(alive)
+        """Stop every recorded process group still alive, on every host at once (SIGTERM and
+        SIGCONT, so that a stopped process acts on it, ``grace`` s, SIGKILL, up to 5 s more),
+        returning as soon as nothing is left: one command per remote host, not one SSH
+        connection per process and round (launcher/run/teardown.py)."""
+        left = teardown.stop_all(self.procs, self.grace)
+        for host, labels in left.items():
+            self.progress.say(f"hpar: could not confirm that {', '.join(labels)} on {host} stopped")
         for p in self.procs:
             p.close_stdin()
         self._stopped = True
