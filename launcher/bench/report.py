@@ -111,16 +111,23 @@ def finite_positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
-def plot(results: list[Result], path: str, title: str) -> None:
-    """Write a PNG: per script, bars of samples/s (left) and bytes sent/received per worker per
-    step (right) for every strategy; a strategy that did not run gets an empty slot labelled
-    "n/a". Raises ValueError naming ``--plot`` when matplotlib is missing."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend. Raises ValueError naming ``--plot``
+    when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'hpar[plot]' (or matplotlib)") from None
+    return plt
+
+
+def plot(results: list[Result], path: str, title: str) -> None:
+    """Write a PNG: per script, bars of samples/s (left) and bytes sent/received per worker per
+    step (right) for every strategy; a strategy that did not run gets an empty slot labelled
+    "n/a". Raises ValueError naming ``--plot`` when matplotlib is missing."""
+    plt = pyplot()
     scripts = list(dict.fromkeys(r.script for r in results))
     fig, axes = plt.subplots(len(scripts), 2, figsize=(12, 3.8 * len(scripts)), squeeze=False)
     for row, script in enumerate(scripts):

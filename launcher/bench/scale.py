@@ -101,12 +101,8 @@ def plot_scale(pts: list[ScalePoint], path: str, title: str) -> None:
     """A PNG: per script, samples/s against workers (measured: solid with dots; predicted:
     dashed, same colour) and bytes sent per worker per step against workers. Raises ValueError
     naming ``--plot`` when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'hpar[plot]' (or matplotlib)") from None
+    from hpar.launcher.bench.report import pyplot
+    plt = pyplot()
     scripts = list(dict.fromkeys(p.script for p in pts))
     fig, axes = plt.subplots(len(scripts), 2, figsize=(12, 3.8 * len(scripts)), squeeze=False)
     for row, script in enumerate(scripts):
