@@ -125,7 +125,7 @@ def test_bench_tiny_job_json_and_plot(tmp_path):
         for key in ("samples_per_s", "step_s_p50", "step_s_p90", "predicted_step_s", "ratio"):
             assert _finite_positive(r[key]), (name, key, r[key])
         assert r["step_s_p90"] >= r["step_s_p50"]
-        assert r["ratio"] <= 1.0
+        assert r["ratio"] <= 1.0 or r["extra"].get("ran_as")   # a "ran as" row is no contender: it may read above 1
         assert _finite_positive(r["bytes_per_step"]["sent"]) and _finite_positive(r["bytes_per_step"]["recv"])
         assert r["projected"]["projected"] is True and _finite_positive(r["projected"]["samples_per_s"])
         summary = json.loads((bench_dir / "job" / name / "summary.json").read_text())
@@ -135,7 +135,7 @@ def test_bench_tiny_job_json_and_plot(tmp_path):
         assert summary["strategy"] == ran_as and r["extra"].get("ran_as", name) == ran_as
         assert summary["steps"] == 6 and summary["world_size"] == 2
         assert run_processes(str(bench_dir / "job" / name)) == []
-    assert max(by_name[n]["ratio"] for n in ran) == 1.0
+    assert max(by_name[n]["ratio"] for n in ran if not by_name[n]["extra"].get("ran_as")) == 1.0
     pipe = by_name["pipeline-1f1b"]
     assert pipe["samples_per_s"] is None and "sequence" in pipe["reason"]
     assert not (bench_dir / "job" / "pipeline-1f1b").exists()

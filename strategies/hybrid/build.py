@@ -6,10 +6,13 @@ not build the table even once. The user's ``model()`` builds every table in full
 Hence:
 
 * a **worker** builds the model on PyTorch's ``meta`` device (``with torch.device("meta")``:
-  shapes and dtypes, no storage, no initialisation), empties the served tables
+  shapes and dtypes, no storage, no initialisation) from a throwaway import of the script,
+  so that tensors ``model()`` leaves in the script's module (a cached corpus that ``data()``
+  reads) are not meta in the import the run uses, empties the served tables
   (``embedding.attach``), gives the rest real, uninitialised storage on its device with
-  ``Module.to_empty`` and receives the initial values of every parameter and buffer that the
-  servers do not hold (the *dense state*) from server 0;
+  ``Module.to_empty`` (ties kept: :func:`to_empty_keeping_ties`) and receives the initial
+  values of every parameter and buffer that the servers do not hold (the *dense state*),
+  and the CPU random generator's state after ``model()``, from server 0;
 * **server 0** (a host process that builds the whole model on the CPU with the run's seed
   anyway, to cut its shards) broadcasts that dense state over the default gloo group
   (one flat CPU tensor per dtype, :func:`broadcast_dense`).
@@ -38,15 +41,29 @@ def build_model(job, seed: int, meta: bool = True) -> tuple[torch.nn.Module, boo
     the CPU. JobError from the user's code is raised from the CPU build, as theirs."""
     torch.manual_seed(seed)
     if meta:
-        try:
+        from hpar.strategies.job import load_job
+        try:   # a throwaway import of the script: what model() caches in its module (a corpus) would be meta
             with torch.device("meta"), _NoInitOnMeta():
-                model = job.build_model()
+                model = load_job(job.path).build_model()
         except Exception:   # a constructor that needs real values: the CPU build says what is wrong, if anything
             model = None
         if model is not None and not _stray_meta_tensors(model):
             return model, True
         torch.manual_seed(seed)
     return job.build_model(), False
+
+
+def to_empty_keeping_ties(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device=device)`` that keeps tied parameters tied: ``to_empty`` gives
+    every holder of a shared ``meta`` parameter its own new tensor, so each tie (found with
+    ``strategies/tying.holders`` before the move) is restored to the first holder's."""
+    from hpar.strategies.tying import holders
+    ties = [hs for hs in holders(model).values() if len(hs) > 1]
+    model.to_empty(device=device)
+    for (path, module), *others in ties:
+        shared = getattr(module, path.rsplit(".", 1)[-1])
+        for other_path, other in others:
+            setattr(other, other_path.rsplit(".", 1)[-1], shared)
 
 
 class _NoInitOnMeta(TorchFunctionMode):
@@ -105,7 +122,13 @@ def broadcast_dense(model: torch.nn.Module, ps_names: set[str], src: int) -> int
                 for t in group:
                     t.copy_(flat[at: at + t.numel()].view(t.shape))
                     at += t.numel()
-    return sent
+    # the CPU generator as a process that ran model()'s initialisers leaves it (a meta build
+    # skips them), so that dropout and the like draw what they draw under allreduce
+    rng = torch.get_rng_state()
+    dist.broadcast(rng, src)
+    if dist.get_rank() != src:
+        torch.set_rng_state(rng)
+    return sent + rng.numel()
 
 
 def peak_rss_bytes() -> int:

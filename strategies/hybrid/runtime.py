@@ -111,7 +111,7 @@ def _setup(ctx: WorkerContext):
     clock = embedding.StepClock()
     served = embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
     if on_meta:
-        model.to_empty(device=ctx.device)   # storage for the dense part only: the tables are empty
+        build.to_empty_keeping_ties(model, ctx.device)   # storage for the dense part only: the tables are empty
     else:
         model.to(ctx.device)
     build.broadcast_dense(model, {t.name for t in tables}, src=ctx.world_size)   # from server 0
