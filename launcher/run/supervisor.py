@@ -121,24 +121,28 @@ class Supervisor:
                     self._diagnose()   # Ctrl-C on a hung run: say where every process stands
                 return Outcome(EXIT_INTERRUPTED if self._stop_signal == signal.SIGINT else EXIT_TERMINATED,
                                cause=f"launcher received {name}")
-            failed = []
+            failed, newly = [], []
             for p in self.procs:
                 code = p.poll()
                 if code is not None and id(p) not in exited:
                     exited[id(p)] = code
-                    # read its last lines (the exit event) first; an srun task's output shares the
-                    # step's stream (no end of file of its own) and may lag its exit status
-                    deadline = time.monotonic() + 5.0
-                    while (code == 0 and id(p) not in self._eof and not self.health.state[id(p)].exited_cleanly
-                           and time.monotonic() < deadline):
-                        self._drain(timeout=0.05)
-                    early = code == 0 and self._is_hpar(p) and not self.health.state[id(p)].exited_cleanly
-                    self.progress.update(p.spec.label, "state", {"state": "done" if code == 0 and not early else "failed"})
-                    if early:
-                        return self._fail(p, "exited with code 0 before the end of training (sys.exit(0) or "
-                                             "os._exit(0) in the script?)")
-                    if code != 0:
-                        failed.append(p)
+                    newly.append((p, code))
+            # read their last lines (the exit events) first, one deadline for all of them; an
+            # srun task's output shares the step's stream (no end of file of its own) and may
+            # lag its exit status
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and any(
+                    code == 0 and id(p) not in self._eof and not self.health.state[id(p)].exited_cleanly
+                    for p, code in newly):
+                self._drain(timeout=0.05)
+            for p, code in newly:
+                early = code == 0 and self._is_hpar(p) and not self.health.state[id(p)].exited_cleanly
+                self.progress.update(p.spec.label, "state", {"state": "done" if code == 0 and not early else "failed"})
+                if early:
+                    return self._fail(p, "exited with code 0 before the end of training (sys.exit(0) or "
+                                         "os._exit(0) in the script?)")
+                if code != 0:
+                    failed.append(p)
             if failed:
                 # a peer's crash makes the others fail too (gloo aborts them with SIGABRT on a
                 # closed connection): wait for the exits still in flight, blame the root cause;
