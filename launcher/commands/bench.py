@@ -30,6 +30,24 @@ def _fail(message: str, detail: str | None = None) -> None:
     sys.exit(2)
 
 
+def _check_common(scripts, steps: int, timeout_s: float, plot_out, bench_dir) -> str:
+    """The checks every ``hpar bench`` makes before it runs anything (ValueError naming the
+    flag or the script); returns the absolute bench directory (default runs/bench-<UTC time>)."""
+    if steps < 4:
+        raise ValueError(f"--steps must be at least 4 (2 warm-up steps, then measured ones), got {steps}")
+    if timeout_s <= 0:
+        raise ValueError(f"--timeout must be positive, got {timeout_s}")
+    for s in scripts:
+        if not os.path.isfile(s):
+            raise ValueError(f"{s}: no such script; pass the path of a training script")
+    if plot_out:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install 'hpar[plot]' (or matplotlib)")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return os.path.abspath(bench_dir or os.path.join("runs", f"bench-{stamp}"))
+
+
 def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps: float | None,
                      latency: str | None, device_tflops: float | None, bench_gpus: int,
                      emulated_hosts: int | None = None):
@@ -96,26 +114,14 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
         names = parse_strategies(strategies)
         if gpus < 1:
             raise ValueError(f"--gpus must be at least 1, got {gpus}")
-        if steps < 4:
-            raise ValueError(f"--steps must be at least 4 (2 warm-up steps, then measured ones), got {steps}")
         if project < 0 or (gpus_per_host is not None and gpus_per_host < 1):
             raise ValueError("--project and --gpus-per-host must be positive")
-        if timeout_s <= 0:
-            raise ValueError(f"--timeout must be positive, got {timeout_s}")
-        for s in scripts:
-            if not os.path.isfile(s):
-                raise ValueError(f"{s}: no such script; pass the path of a training script")
+        bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir)
         bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
         n_emulated = parse_emulate(hosts)
         if n_emulated is None and hosts:
             from hpar.launcher.hosts.hostfile import parse_hosts, place_workers
             place_workers(list(parse_hosts(hosts)), gpus)
-        if plot_out:
-            import importlib.util
-            if importlib.util.find_spec("matplotlib") is None:
-                raise ValueError("--plot needs matplotlib: pip install 'hpar[plot]' (or matplotlib)")
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        bench_dir = os.path.abspath(bench_dir or os.path.join("runs", f"bench-{stamp}"))
         emulated = EmulatedCluster(n_emulated, gpus, bw) if n_emulated else None
     except JobError as exc:
         _fail(str(exc), exc.user_traceback)
@@ -180,18 +186,8 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
     try:
         counts = parse_scale(scale)
         names = parse_strategies(strategies)
-        if steps < 4:
-            raise ValueError(f"--steps must be at least 4 (2 warm-up steps, then measured ones), got {steps}")
-        for s in scripts:
-            if not os.path.isfile(s):
-                raise ValueError(f"{s}: no such script; pass the path of a training script")
+        bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir)
         bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
-        if plot_out:
-            import importlib.util
-            if importlib.util.find_spec("matplotlib") is None:
-                raise ValueError("--plot needs matplotlib: pip install 'hpar[plot]' (or matplotlib)")
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        bench_dir = os.path.abspath(bench_dir or os.path.join("runs", f"bench-{stamp}"))
         pts = []
         for n in counts:
             with EmulatedCluster(n, n, bw) as em:
