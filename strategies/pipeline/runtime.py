@@ -64,7 +64,7 @@ from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.replicas import Grid, StageReplicas
 from hpar.strategies.pipeline.memory import PeakMemory
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
-from hpar.strategies.pipeline.stage import Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
+from hpar.strategies.pipeline.stage import draw_batch, Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
 from hpar.strategies.pipeline.prediction import mode_for_schedule
 
 
@@ -83,12 +83,6 @@ def build_stage(ctx: WorkerContext) -> tuple[Stage, torch.nn.Module, tuple]:
     stage = Stage(ctx.job, module, opt, mode_for_schedule(cfg.schedule), k, grid.stages,
                   1.0 / cfg.micro_batches)
     return stage, model, ranges
-
-
-def _draw(batches, seed: int, step: int):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 1_000_003 + step)
-        return next(batches)
 
 
 def train(ctx: WorkerContext) -> TrainResult:
@@ -130,7 +124,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     batches = job.batches(r, grid.replicas, cfg.batch_size) if (stage.is_first or stage.is_last) else None
     for s in range(ctx.start_step):   # the same batches as an uninterrupted run
         if batches is not None:
-            _draw(batches, cfg.seed, s)
+            draw_batch(batches, cfg.seed, s)
     meter = StepMeter(ctx, cfg.batch_size)
     inputs, targets, step_losses = {}, {}, {}
     stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": [], "memory": PeakMemory(ctx.device)}
@@ -138,7 +132,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     timer = ComputeTimer(ctx.device)   # CUDA events on a GPU
 
     def feed(step: int) -> None:
-        x, y = _draw(batches, cfg.seed, step)
+        x, y = draw_batch(batches, cfg.seed, step)
         for i, (xm, ym) in enumerate(zip(split_micro(move_to(x, ctx.device), M), split_micro(move_to(y, ctx.device), M))):
             if stage.is_first:
                 inputs[step * M + i] = xm

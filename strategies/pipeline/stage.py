@@ -68,6 +68,15 @@ def check_pipeline(model: torch.nn.Module, num_stages: int, plan: dict | None, m
     return stage_ranges(model, num_stages, plan)
 
 
+def draw_batch(batches, seed: int, step: int):
+    """The next ``(inputs, targets)`` of ``batches`` drawn under torch's global RNG seeded by
+    (``seed``, ``step``) and restored afterwards, so that the first stage (inputs) and the last
+    (targets) of every pipeline runtime draw the same batch from their own iterators."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + step)
+        return next(batches)
+
+
 def split_micro(obj: Any, num_micro: int) -> list[Any]:
     """Split a batch (tensor, or tuple/list/dict of tensors, along dim 0) into ``num_micro``
     equal micro-batches. Raises ValueError naming ``--micro-batches`` when it does not divide."""

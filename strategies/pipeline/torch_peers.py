@@ -34,13 +34,7 @@ from hpar.strategies.devices import DeviceClock
 from hpar.strategies.groups import worker_groups
 from hpar.strategies.pipeline.memory import PeakMemory
 from hpar.strategies.loop import autocast
-from hpar.strategies.pipeline.stage import build_stages_model, describe, stage_module, stage_ranges
-
-
-def _draw(batches, seed: int, step: int):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 1_000_003 + step)
-        return next(batches)
+from hpar.strategies.pipeline.stage import draw_batch, build_stages_model, describe, stage_module, stage_ranges
 
 
 class _ActivationBytes:
@@ -162,7 +156,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     for step in range(cfg.steps):
         x = y = None
         if batches is not None:
-            x, y = (move_to(t, ctx.device) for t in _draw(batches, cfg.seed, step))
+            x, y = (move_to(t, ctx.device) for t in draw_batch(batches, cfg.seed, step))
         t0, c0 = clock.now(), time.process_time()   # on CUDA: after the queued kernels (synchronize)
         losses: list = []
         args = (x,) if first else ()
