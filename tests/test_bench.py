@@ -266,10 +266,23 @@ def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
     assert "scaling, one worker per emulated host" in log and "cost model: mean absolute error" in log
     points = json.load(open(out))["points"]
     assert [(p["strategy"], p["workers"]) for p in points] == [("allreduce", 1), ("allreduce", 2)]
+    assert json.load(open(out))["rankings"] == []   # one strategy: nothing to rank
     for p in points:
         assert _finite_positive(p["samples_per_s"]) and _finite_positive(p["predicted_samples_per_s"]), p
     assert not points[0]["bytes_sent"] and points[1]["bytes_sent"] > 2000 * 8 * 4   # the dense table is AllReduced
     assert os.path.isdir(tmp_path / "b" / "hosts-1") and os.path.isdir(tmp_path / "b" / "hosts-2")
+
+
+def test_scale_rankings_compare_measured_and_predicted_orders():
+    from hpar.launcher.bench.scale import ScalePoint, rankings
+    P = lambda strategy, n, meas, pred, ran_as=None: ScalePoint("lm.py", strategy, n, meas, pred, 1.0, 1.0, None, ran_as)
+    pts = [P("hybrid", 4, 300.0, 280.0), P("allreduce-sparse", 4, 150.0, 160.0), P("allreduce", 4, 20.0, 25.0),
+           P("hybrid", 8, 500.0, 200.0), P("allreduce-sparse", 8, 180.0, 260.0), P("allreduce", 8, 10.0, None),
+           P("hybrid", 1, 90.0, 95.0), P("ps", 1, 100.0, 99.0, ran_as="allreduce")]
+    rows = rankings(pts)
+    assert [(r["workers"], r["measured"], r["predicted"], r["agree"]) for r in rows] == [
+        (4, ["hybrid", "allreduce-sparse", "allreduce"], ["hybrid", "allreduce-sparse", "allreduce"], True),
+        (8, ["hybrid", "allreduce-sparse"], ["allreduce-sparse", "hybrid"], False)]   # 1 worker: a single contender
 
 
 def test_scale_flag_errors_are_one_line(tmp_path):

@@ -66,6 +66,25 @@ def points(workers: int, results: list[Result]) -> list[ScalePoint]:
     return out
 
 
+def rankings(pts: list[ScalePoint]) -> list[dict]:
+    """Per script and worker count with at least two strategies measured and predicted: the
+    strategies fastest first as measured (samples/s) and as the cost model predicts, and
+    whether the two orders agree. Rows of ``{"script", "workers", "measured", "predicted",
+    "agree"}``; a strategy that ran as another ("ran as allreduce") is left out."""
+    out = []
+    for script in dict.fromkeys(p.script for p in pts):
+        for n in sorted({p.workers for p in pts if p.script == script}):
+            here = [p for p in pts if p.script == script and p.workers == n and not p.ran_as
+                    and p.samples_per_s and p.predicted_samples_per_s]
+            if len(here) < 2:
+                continue
+            measured = [p.strategy for p in sorted(here, key=lambda p: -p.samples_per_s)]
+            predicted = [p.strategy for p in sorted(here, key=lambda p: -p.predicted_samples_per_s)]
+            out.append({"script": script, "workers": n, "measured": measured, "predicted": predicted,
+                        "agree": measured == predicted})
+    return out
+
+
 def print_scale(console, pts: list[ScalePoint]) -> None:
     """One table per script: a row per strategy and host count with measured and predicted
     samples/s, the prediction's error, bytes per worker per step, and the speed-up over the
@@ -95,6 +114,12 @@ def print_scale(console, pts: list[ScalePoint]) -> None:
         if errors:
             console.print(f"  cost model: mean absolute error {100 * sum(errors) / len(errors):.0f}% over "
                           f"{len(errors)} points", markup=False)
+        for r in rankings([p for p in pts if p.script == script]):
+            speed = {p.strategy: p.samples_per_s for p in pts if p.script == script and p.workers == r["workers"]}
+            order = " > ".join(f"{s} {speed[s]:,.0f}" for s in r["measured"])
+            verdict = "the same" if r["agree"] else " > ".join(r["predicted"])
+            console.print(f"  {r['workers']} workers: measured {order} samples/s; predicted order {verdict}",
+                          markup=False)
 
 
 def plot_scale(pts: list[ScalePoint], path: str, title: str) -> None:

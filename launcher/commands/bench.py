@@ -180,7 +180,7 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
     from hpar.launcher.bench import report
     from hpar.launcher.bench.driver import BenchConfig, parse_strategies, run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster
-    from hpar.launcher.bench.scale import parse_scale, plot_scale, points, print_scale
+    from hpar.launcher.bench.scale import parse_scale, plot_scale, points, print_scale, rankings
     from hpar.strategies.plan.cluster import parse_bandwidth
     console = Console(soft_wrap=False, width=max(Console().width, 140))
     try:
@@ -208,7 +208,7 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
         doc = {"command": report.command_line(), "machine": report.machine(),
                "settings": {"scale": list(counts), "link_rate": link_rate, "latency": latency, "steps": steps,
                             "batch_size": batch_size, "seed": seed, "bench_dir": bench_dir},
-               "points": [dataclasses.asdict(p) for p in pts]}
+               "points": [dataclasses.asdict(p) for p in pts], "rankings": rankings(pts)}
         with open(json_out, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
         console.print(f"hpar bench: results written to {json_out}", markup=False)
