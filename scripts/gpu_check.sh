@@ -92,7 +92,9 @@ profile_case() {  # name, script
 }
 
 if [ "$TESTS" = 1 ] && want tests; then
-  if "$PY" -m pytest -q -x >"$OUT/tests.log" 2>&1; then
+  # pyproject's addopts run the suite in two processes (pytest-xdist); without xdist, in one
+  XDIST=(); "$PY" -c "import xdist" 2>/dev/null || XDIST=(-o "addopts=--durations=20")
+  if "$PY" -m pytest -q -x "${XDIST[@]}" >"$OUT/tests.log" 2>&1; then
     row tests PASS "-" "$(tail -1 "$OUT/tests.log")"
   else
     row tests FAIL "-" "$(tail -1 "$OUT/tests.log") (log: $OUT/tests.log)"; KEEP=1
