@@ -63,7 +63,7 @@ class StepTools:
         the schedule. Returns whether the optimizer stepped."""
         if self.cfg.clip_grad_norm and clip:
             self.scaler.unscale_(opt)
-            self.last_norm = float(torch.nn.utils.clip_grad_norm_(params(), self.cfg.clip_grad_norm))
+            self.last_norm = float(clip_grad_norm(params(), self.cfg.clip_grad_norm))
         before = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.step(opt)
         self.scaler.update()
@@ -88,6 +88,31 @@ class StepTools:
             self.scaler.load_state_dict(state["scaler"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm over all gradients, each multiplied by
+    min(1, max_norm / (norm + 1e-6))) that also takes sparse COO gradients, which torch's
+    raises on (an ``nn.Embedding(sparse=True)`` under ``allreduce-sparse``). A sparse gradient
+    is coalesced first (rows gathered from several workers summed), so its norm is that of the
+    dense gradient it stands for and the result equals one process's. Returns the total norm
+    before clipping (0-dim tensor)."""
+    params = [p for p in params if p.grad is not None]
+    sparse = [p for p in params if p.grad.is_sparse]
+    if not sparse:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    for p in sparse:
+        p.grad = p.grad.coalesce()
+    dense = [p.grad for p in params if not p.grad.is_sparse]
+    parts = [torch.linalg.vector_norm(g) for g in dense] + [torch.linalg.vector_norm(p.grad.values()) for p in sparse]
+    device = parts[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in parts]))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in dense:
+        g.mul_(coef.to(g.device))
+    for p in sparse:
+        p.grad = p.grad * coef.to(p.grad.device)
+    return total
 
 
 def autocast(cfg: RunConfig, device_type: str):

@@ -235,6 +235,24 @@ def evaluate(model):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_allreduce_sparse_clips_sparse_gradients_like_one_process(tmp_path):
+    """allreduce-sparse makes the embedding's gradient sparse (rows gathered from every
+    worker), which torch's clip_grad_norm_ refuses (`examples/lm.py --strategy
+    allreduce-sparse` crashed at its first step): hpar's clipping coalesces it, so 2 workers x 2
+    micro-steps with a schedule and clipping equal one process on the 4 concatenated batches."""
+    script = write_script(tmp_path, EMBED_SCHEDULED.replace("torch.optim.Adam(params, lr=0.1)",
+                                                            "torch.optim.SGD(params, lr=0.1, momentum=0.9)"))
+    code, run_dir, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", "allreduce-sparse",
+                                 "--accumulate", "2", "--clip-grad-norm", "0.3")
+    assert code == 0, out
+    want, _ = reference(script, 2, 12, 4, 0.1, accumulate=2, clip=0.3)
+    close(torch.load(os.path.join(run_dir, "model.pt")), want)
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["strategy"] == "allreduce-sparse" and summary["steps"] == 12
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["hybrid", "ps"])
 def test_parameter_servers_follow_the_schedule(tmp_path, strategy):
     """The servers replay the script's schedule (one-cycle, Adam), sum each worker's pushes of
