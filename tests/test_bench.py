@@ -2,6 +2,7 @@
 bench of a tiny job with 2 workers (JSON shape, positive finite numbers, reasons, PNG)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -185,6 +186,9 @@ def test_pipeline_entries_run_the_planned_micro_batches(tmp_path):
     assert cmd[cmd.index("--plan") + 1] == str(plan) and cmd[cmd.index("--micro-batches") + 1] == "1"
     assert cmd[cmd.index("--schedule") + 1] == "1f1b"
     assert "--micro-batches" not in run_command("wide.py", "allreduce", cfg, 32, str(tmp_path / "run"))
+    assert "--precision" not in cmd   # the script's own precision
+    cmd = run_command("wide.py", "allreduce", dataclasses.replace(cfg, precision="fp32"), 32, str(tmp_path / "run"))
+    assert cmd[cmd.index("--precision") + 1] == "fp32"   # `hpar bench --precision fp32`
 
 
 def test_socket_total_counts_growth_new_sockets_and_survives_closed_ones():

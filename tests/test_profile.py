@@ -221,3 +221,39 @@ def test_fixed_share_separates_per_step_from_per_sample_cost(tmp_path, sleep_clo
     job = _sleeping_job(tmp_path, "0.06 + 0.005 * x.shape[0]")
     assert fixed_share(job, job.build_model(), 16, 1) == pytest.approx(0.06 / 0.14, abs=0.08)
     assert fixed_share(job, job.build_model(), 3, 1) == 0.0      # no quarter batch to compare with
+
+
+DTYPE_SPY = """
+import torch, torch.nn as nn
+HPAR = {"precision": "bf16"}
+SEEN = []
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+    def forward(self, x):
+        h = self.a(x)
+        SEEN.append(h.dtype)
+        return self.b(h)
+def model(): return M()
+def data(rank, world_size, batch_size):
+    while True:
+        x = torch.randn(batch_size, 4)
+        yield x, x.sum(1, keepdim=True)
+def loss(o, t): return ((o.float() - t) ** 2).mean()
+"""
+
+
+@pytest.mark.parametrize("precision, dtype", [(None, torch.bfloat16), ("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_forward_passes_are_timed_under_the_workers_precision(tmp_path, precision, dtype):
+    """bf16 autocast on a CPU without bf16 units ran examples/lm.py 6-7x slower than fp32, so
+    a profile timed in fp32 mispredicted its runs: the timed forwards use the run's
+    --precision (None: the script's HPAR, here bf16)."""
+    path = tmp_path / "spy.py"
+    path.write_text(DTYPE_SPY)
+    job = load_job(str(path))
+    seen = job.model_fn.__globals__["SEEN"]
+    profile_job(job, 8, 1, repeats=2, warmup=1, timing_batch_size=8, precision=precision)
+    assert seen[:3] == [dtype] * 3, seen[:3]
+    with pytest.raises(ValueError, match="--precision"):
+        profile_job(job, 8, 1, precision="fp8")

@@ -43,7 +43,8 @@ BENCH_STRATEGIES: dict[str, tuple[str, str | None]] = {
 class BenchConfig:
     """What to bench. ``hosts`` is a host spec for ``hpar run --hosts`` (None: this machine);
     ``bandwidth_Bps``/``latency_s`` None: probe the loopback link for the cost model;
-    ``project`` > 0 adds the cost model's projection to that many GPUs."""
+    ``project`` > 0 adds the cost model's projection to that many GPUs; ``precision`` (None:
+    the script's) is every run's ``--precision`` and the profile's."""
 
     scripts: tuple[str, ...]
     gpus: int
@@ -59,6 +60,7 @@ class BenchConfig:
     project: int = 0
     device_tflops: float | None = None
     timeout_s: float = 600.0
+    precision: str | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_d
         if strategy == "pipeline":
             with open(plan_file, encoding="utf-8") as f:
                 cmd += ["--micro-batches", str(json.load(f)["micro_batches"])]
+    if cfg.precision:
+        cmd += ["--precision", cfg.precision]
     if cfg.hosts:
         cmd += ["--hosts", cfg.hosts]
     if cfg.ssh_key:
@@ -244,7 +248,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
         raise ValueError(f"--batch-size must be at least 1, got {bs}")
     check_job(job, bs)
     cluster = cluster_of(cfg.gpus)
-    profile = profile_job(job, bs, max(cluster.workers, cfg.project or 0))
+    profile = profile_job(job, bs, max(cluster.workers, cfg.project or 0), precision=cfg.precision)
     estimates = {e.strategy: e for e in estimate_all(profile, cluster)}
     projected = {e.strategy: e for e in estimate_all(profile, cluster_of(cfg.project))} if cfg.project else {}
     # torch's schedules run one pipeline: with them in the bench, hpar's run the same (R = 1) stages

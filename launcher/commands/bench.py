@@ -85,6 +85,8 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
 @click.option("--steps", type=int, default=30, show_default=True, help="Training steps per strategy (the first 2 are warm-up).")
 @click.option("--batch-size", type=int, default=None, help="Samples per worker per step (default: the script's HPAR, else 32).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the model and the data, the same for every strategy.")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Every run's --precision, and the profile's (default: the script's HPAR, else fp32).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, help="Write a PNG of throughput and bytes here (matplotlib).")
 @click.option("--project", type=int, default=0, help="Add the cost model's projection to N GPUs (marked projected).")
@@ -95,8 +97,8 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
 @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True, help="Seconds one strategy may run.")
 @click.option("--scale", default=None, help="Scaling curves: run on each of these numbers of emulated hosts, one "
               "worker per host (e.g. 1,2,4,8; root), beside the cost model's predictions.")
-def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_size, seed, json_out, plot_out, project,
-          device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s, scale):
+def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_size, seed, precision, json_out, plot_out,
+          project, device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s, scale):
     """Run every strategy that applies to SCRIPT(s) and compare them (table, --json, --plot)."""
     if scale is not None:
         given = [f for f, v in (("--gpus", "gpus"), ("--hosts", "hosts"), ("--project", "project"))
@@ -104,7 +106,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
         if given:
             _fail(f"--scale sets the hosts and workers (one per emulated host); drop {', '.join(given)}")
         return _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out,
-                            plot_out, bench_dir, timeout_s)
+                            plot_out, bench_dir, timeout_s, precision)
     from hpar.launcher.bench import report
     from hpar.launcher.bench.driver import BenchConfig, parse_strategies, run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster, parse_emulate
@@ -135,7 +137,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
             cfg = BenchConfig(scripts=tuple(scripts), gpus=gpus, strategies=names, steps=steps, bench_dir=bench_dir,
                               batch_size=batch_size, seed=seed, hosts=run_hosts,
                               ssh_key=emulated.key if emulated else ssh_key, bandwidth_Bps=bw, project=project,
-                              device_tflops=device_tflops, timeout_s=timeout_s)
+                              device_tflops=device_tflops, timeout_s=timeout_s, precision=precision)
             cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated)
             results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
                                 around_run=emulated.around_run if emulated else None)
@@ -175,7 +177,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
 
 
 def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out, plot_out,
-                 bench_dir, timeout_s) -> None:
+                 bench_dir, timeout_s, precision=None) -> None:
     """``hpar bench --scale``: one bench per host count on emulated hosts (launcher/bench/scale.py)."""
     from hpar.launcher.bench import report
     from hpar.launcher.bench.driver import BenchConfig, parse_strategies, run_bench
@@ -193,7 +195,8 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
             with EmulatedCluster(n, n, bw) as em:
                 cfg = BenchConfig(scripts=tuple(scripts), gpus=n, strategies=names, steps=steps,
                                   bench_dir=os.path.join(bench_dir, f"hosts-{n}"), batch_size=batch_size, seed=seed,
-                                  hosts=em.host_file, ssh_key=em.key, bandwidth_Bps=bw, timeout_s=timeout_s)
+                                  hosts=em.host_file, ssh_key=em.key, bandwidth_Bps=bw, timeout_s=timeout_s,
+                                  precision=precision)
                 cluster_of = _cluster_factory(None, em.host_file, bw, latency, None, n, n)
                 results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
                                     around_run=em.around_run)
@@ -207,6 +210,7 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
     if json_out:
         doc = {"command": report.command_line(), "machine": report.machine(),
                "settings": {"scale": list(counts), "link_rate": link_rate, "latency": latency, "steps": steps,
+                            "precision": precision,
                             "batch_size": batch_size, "seed": seed, "bench_dir": bench_dir},
                "points": [dataclasses.asdict(p) for p in pts], "rankings": rankings(pts)}
         with open(json_out, "w", encoding="utf-8") as f:

@@ -55,7 +55,7 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
 
 def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: str | None,
              gpus: int, servers: int | None, schedule: str | None, device: str = "auto",
-             pipeline_replicas: int | None = None) -> tuple[str, dict]:
+             pipeline_replicas: int | None = None, precision: str | None = None) -> tuple[str, dict]:
     """(strategy, plan dict) from ``--plan``, or from the planner for ``auto`` and for
     ``pipeline`` (which needs its balanced stages); the data-parallel strategies named
     explicitly run with their defaults and no profiling."""
@@ -69,7 +69,8 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
         return strategy, {"strategy": strategy}
     from hpar.launcher.run.planning import plan_job
     plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
-                    force=None if strategy == "auto" else strategy, device=device, pipeline_replicas=pipeline_replicas)
+                    force=None if strategy == "auto" else strategy, device=device, pipeline_replicas=pipeline_replicas,
+                    precision=precision)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
     return plan.strategy, plan.to_dict()
@@ -116,7 +117,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         model = check_job(job, bs)
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model)   # before the planner profiles
         strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
-                                  planner_replicas(pipeline_replicas, schedule))
+                                  planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"))
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan")

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: int | None,
              schedule: str = "1f1b", force: str | None = None, device: str = "auto",
-             pipeline_replicas: int | None = None):
+             pipeline_replicas: int | None = None, precision: str | None = None):
     """Profile ``job`` (strategies/profile/profiler.py) for ``gpus`` workers on the hosts of
     ``hosts_spec`` (link figures probed on this machine, or hpar profile's defaults for remote
     hosts) and return the planner's Plan (strategies/plan/planner.py). ``device`` (``--device``):
     the profile measures on this machine's GPU unless it is ``cpu`` or there is none; the plan's
     ``compute`` says which, and ``hpar run`` warns when its workers use another device
     (:func:`compute_mismatch`); ``pipeline_replicas``: the pipeline's R fixed by
-    ``--pipeline-replicas``. Raises JobError/ValueError."""
+    ``--pipeline-replicas``; ``precision``: the workers' ``--precision`` (None: the script's),
+    under which the forward passes are timed. Raises JobError/ValueError."""
     from hpar.launcher.commands.profile import build_cluster
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     from hpar.strategies.profile.device import profile_device
     measure_on = profile_device("cpu" if device == "cpu" else "auto")
     cluster = build_cluster(gpus, hosts_spec, servers, None, None, None, measured_on=measure_on.type)
-    profile = profile_job(job, batch_size, cluster.workers, device=measure_on)
+    profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision)
     return choose_plan(profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas)
 
 

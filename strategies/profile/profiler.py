@@ -44,6 +44,7 @@ Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_lay
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -223,12 +224,26 @@ def _pooled_layer_times(layers, activation_bytes, lay_f, lay_b) -> tuple[list[fl
     return fwd, bwd
 
 
+def precision_context(precision: str, device_type: str):
+    """A factory of the forward's context for ``precision``: ``torch.autocast`` with bf16 or
+    fp16 on ``device_type``, nothing for fp32 (as strategies/loop.autocast does for a run).
+    Raises ValueError naming ``--precision`` for another value."""
+    from hpar.strategies.loop import DTYPES
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision not in DTYPES:
+        raise ValueError(f"--precision {precision!r}: choose one of fp32, {', '.join(DTYPES)}")
+    return lambda: torch.autocast(device_type, dtype=DTYPES[precision])
+
+
 def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmup: int = 2,
                 timing_batch_size: int | None = None, max_sparsity_workers: int = 16,
-                device: torch.device | str = "cpu") -> Profile:
+                device: torch.device | str = "cpu", precision: str | None = None) -> Profile:
     """Profile ``job`` for ``workers`` (N) data-parallel workers of ``batch_size`` each, the
     model and batches on ``device`` (CUDA: timed with CUDA events and synchronize, see
-    strategies/profile/device.py).
+    strategies/profile/device.py). Forward passes are timed under the workers' autocast
+    (``precision``: fp32, bf16, fp16; None: the script's ``HPAR["precision"]``, else fp32),
+    since bf16 on a CPU without bf16 units can be several times slower than fp32.
 
     Returns a :class:`Profile` (see the module docstring for the method). Raises JobError
     when the user's functions fail, ValueError for a non-positive ``batch_size``,
@@ -237,6 +252,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
     if batch_size < 1 or workers < 1 or repeats < 1:
         raise ValueError(f"--batch-size, --gpus and repeats must be at least 1, got {batch_size}, {workers}, {repeats}")
     t_start = time.perf_counter()
+    cast = precision_context(precision or job.defaults.get("precision") or "fp32", torch.device(device).type)
     rng = torch.get_rng_state()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -261,7 +277,8 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                 model.zero_grad(set_to_none=True)
                 timer.reset()
                 t0 = clock.mark()
-                loss = job.compute_loss(model(inputs), targets)
+                with cast():
+                    loss = job.compute_loss(model(inputs), targets)
                 t1 = clock.mark()
                 loss.backward()
                 t2 = clock.mark()
