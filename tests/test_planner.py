@@ -48,10 +48,11 @@ def test_embedding_dominated_model_gets_hybrid():
     assert got["allreduce-sparse"].predicted_step_s == pytest.approx(ars, rel=1e-9)
     # hybrid: a worker pulls 10% of the rows; a host pushes the union of its 4 workers' rows
     # (log-interpolated between 1 and 16 workers: 0.1 + 0.5 * 0.4 = 0.3); a server on each of
-    # the 4 hosts shares its host's link, 3/4 of the traffic leaves the host.
+    # the 4 hosts shares its host's full-duplex link, its bytes going the other way than its
+    # host's workers' (so the busier direction counts, not the sum); 3/4 of the traffic leaves the host.
     pull_w, push_h = 0.1 * 1e5 * row, 0.3 * 1e5 * row
-    pull = (4 * pull_w + n * pull_w / 4) * 0.75 / bw
-    push = (push_h + 4 * push_h / 4) * 0.75 / bw
+    pull = max(4 * pull_w, n * pull_w / 4) * 0.75 / bw
+    push = max(push_h, 4 * push_h / 4) * 0.75 / bw
     server = (4 * push_h + 0.5 * 102.4e6) * UPB / 4
     hy = pull + 0.05 + max(0.1, ring(4e6, n, bw)) + push + max(server, 4e6 * UPB)
     assert got["hybrid"].predicted_step_s == pytest.approx(hy, rel=1e-9)

@@ -43,10 +43,12 @@ def server_imbalance(p: ParamProfile, partitions: int, servers: int) -> float:
 def _ps_link_s(c: CostSetting, per_host_bytes: float, per_server_bytes: float, colocated: bool) -> float:
     """Seconds to move one direction of PS traffic: the busiest of a host's link (its
     workers' bytes) and a server's link (its share of all workers' bytes). A server on a
-    worker host (Parallax's one per host) shares that host's link; the (H-1)/H of the traffic
-    that leaves the host crosses it. On one host everything goes at ``bw`` (intra-host)."""
+    worker host (Parallax's one per host) shares that host's full-duplex link, but its bytes
+    go the other way (a pull brings rows to the workers and takes them out of the servers; a
+    push the reverse), so the two overlap; the (H-1)/H of the traffic that leaves the host
+    crosses it. On one host everything goes at ``bw`` (intra-host)."""
     if c.h > 1 and colocated:
-        return (per_host_bytes + per_server_bytes) * (c.h - 1) / c.h / c.p2p_bw
+        return max(per_host_bytes, per_server_bytes) * (c.h - 1) / c.h / c.p2p_bw
     return max(per_host_bytes, per_server_bytes) / c.p2p_bw
 
 
