@@ -115,6 +115,18 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     return total
 
 
+def precision_context(precision: str, device_type: str):
+    """A factory of the forward's context for ``precision``: ``torch.autocast`` with bf16 or
+    fp16 on ``device_type``, nothing for fp32 (as :func:`autocast` does for a run); the profiler
+    times forward passes under it.
+    Raises ValueError naming ``--precision`` for another value."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision not in DTYPES:
+        raise ValueError(f"--precision {precision!r}: choose one of fp32, {', '.join(DTYPES)}")
+    return lambda: torch.autocast(device_type, dtype=DTYPES[precision])
+
+
 def autocast(cfg: RunConfig, device_type: str):
     """Context for forward passes: ``torch.autocast`` on ``device_type`` ("cpu", "cuda") with
     the run's dtype, or nothing for fp32."""

@@ -44,7 +44,6 @@ Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_lay
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -57,6 +56,7 @@ from hpar.strategies.devices import DeviceClock
 from hpar.strategies.job import Job, JobError
 from hpar.strategies.profile.device import OnDevice
 from hpar.strategies.layers import model_layers
+from hpar.strategies.loop import precision_context
 from hpar.strategies.profile.hooks import (
     auto_timing_batch,
     fixed_share,
@@ -222,18 +222,6 @@ def _pooled_layer_times(layers, activation_bytes, lay_f, lay_b) -> tuple[list[fl
         for li in members:
             fwd[li], bwd[li] = f, b
     return fwd, bwd
-
-
-def precision_context(precision: str, device_type: str):
-    """A factory of the forward's context for ``precision``: ``torch.autocast`` with bf16 or
-    fp16 on ``device_type``, nothing for fp32 (as strategies/loop.autocast does for a run).
-    Raises ValueError naming ``--precision`` for another value."""
-    from hpar.strategies.loop import DTYPES
-    if precision == "fp32":
-        return contextlib.nullcontext
-    if precision not in DTYPES:
-        raise ValueError(f"--precision {precision!r}: choose one of fp32, {', '.join(DTYPES)}")
-    return lambda: torch.autocast(device_type, dtype=DTYPES[precision])
 
 
 def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmup: int = 2,
