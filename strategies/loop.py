@@ -117,8 +117,8 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
 
 def precision_context(precision: str, device_type: str):
     """A factory of the forward's context for ``precision``: ``torch.autocast`` with bf16 or
-    fp16 on ``device_type``, nothing for fp32 (as :func:`autocast` does for a run); the profiler
-    times forward passes under it.
+    fp16 on ``device_type``, nothing for fp32: what :func:`autocast` enters for a run, and what
+    the profiler times forward passes under.
     Raises ValueError naming ``--precision`` for another value."""
     if precision == "fp32":
         return contextlib.nullcontext
@@ -130,9 +130,7 @@ def precision_context(precision: str, device_type: str):
 def autocast(cfg: RunConfig, device_type: str):
     """Context for forward passes: ``torch.autocast`` on ``device_type`` ("cpu", "cuda") with
     the run's dtype, or nothing for fp32."""
-    if cfg.precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=DTYPES[cfg.precision])
+    return precision_context(cfg.precision, device_type)()
 
 
 def step_tools(cfg: RunConfig, job: Job, opt: torch.optim.Optimizer | None, device: torch.device) -> StepTools:
