@@ -81,6 +81,8 @@ def test_tables_and_projection(scripts):
     (["--bandwidth", "1Gbps", "--gpus", "9", "--hosts", "2x2"], "--gpus"),
     (["--bandwidth", "1Gbps", "--hosts", "a:b"], "--hosts"),
     (["--bandwidth", "1Gbps", "--device-tflops", "-1"], "--device-tflops"),
+    (["--bandwidth", "1Gbps", "--hosts", "emulate:0"], "emulate:H"),
+    (["--bandwidth", "1Gbps", "--hosts", "emulate:4", "--gpus", "2"], "at least one GPU per host"),
 ])
 def test_bad_flags_exit_2_with_one_line(scripts, args, message):
     res = CliRunner().invoke(profile, [str(scripts / "mlp.py")] + args)
@@ -102,3 +104,28 @@ def test_local_cluster_is_probed_for_link_and_allreduce_figures():
     assert c.source == "probe" and c.hosts == 1 and c.workers == 2
     assert 0 < c.bandwidth_Bps < 1e12 and 0 <= c.latency_s < 0.1
     assert 0 < c.allreduce_Bps < 1e12 and c.collective_Bps == c.allreduce_Bps
+
+
+@pytest.mark.timeout(180)
+def test_profile_of_the_benchs_emulated_cluster_picks_hybrid_for_the_lm(tmp_path):
+    """`hpar profile --hosts emulate:8` describes the cluster `hpar bench --hosts emulate:8` runs on
+    (no namespaces needed to plan for it): 8 hosts of one worker sharing this machine's cores, the
+    link at --bandwidth, loopback within a host; at 50 Mbit/s the LM's plan is hybrid, as measured
+    (BENCHMARKS.md, section 14)."""
+    import os
+    import subprocess
+    import sys
+    lm = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "lm.py")
+    out = tmp_path / "profile.json"
+    with open(out, "w") as f:
+        res = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "profile", lm, "--gpus", "8", "--hosts",
+                              "emulate:8", "--bandwidth", "50mbit", "--precision", "fp32", "--json"],
+                             stdout=f, stderr=subprocess.PIPE, text=True, timeout=170)
+    assert res.returncode == 0, res.stderr
+    d = json.loads(out.read_text())
+    c = d["cluster"]
+    assert c["hosts"] == 8 and c["gpus_per_host"] == [1] * 8 and c["bandwidth_Bps"] == pytest.approx(6.25e6)
+    assert c["cores_per_host"] == pytest.approx((os.cpu_count() or 1) / 8)
+    assert d["plan"]["strategy"] == "hybrid"
+    speed = {x["strategy"]: x["samples_per_s"] for x in d["candidates"]}
+    assert speed["hybrid"] > 1.5 * speed["allreduce-sparse"] and speed["allreduce-sparse"] > 3 * speed["allreduce"]

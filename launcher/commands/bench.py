@@ -54,17 +54,12 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
     """gpus -> ClusterSpec for the cost model: the bench's hosts for the bench's GPU count;
     for a projection, hosts of ``gpus_per_host`` (or of the bench's busiest host) GPUs each.
     The link is ``bandwidth_Bps`` or one loopback probe (``profile_cli.build_cluster``).
-    ``emulated_hosts`` H: the hosts are this machine's namespaces, sharing its cores (each
-    gets cpu_count / H in the cost model) and its loopback (a host's processes talk over it:
-    its probed rate is the intra-host bandwidth, not the capped link's)."""
+    ``emulated_hosts`` H: the hosts are this machine's namespaces (``hpar profile --hosts
+    emulate:H`` describes the same cluster: shared cores, loopback within a host)."""
     from hpar.launcher.commands.profile import build_cluster
     from hpar.strategies.plan.cluster import make_cluster
     bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
-    base = build_cluster(bench_gpus, hosts, None, bw, latency, None)
-    if emulated_hosts:
-        from hpar.strategies.plan.probe import probe_link
-        base = dataclasses.replace(base, cores_per_host=(os.cpu_count() or 1) / emulated_hosts,
-                                   intra_host_Bps=probe_link()[0])
+    base = build_cluster(bench_gpus, f"emulate:{emulated_hosts}" if emulated_hosts else hosts, None, bw, latency, None)
 
     def cluster_of(gpus: int):
         flops = device_tflops * 1e12 if device_tflops and gpus != bench_gpus else None

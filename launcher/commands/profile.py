@@ -5,7 +5,9 @@ The cluster may be one the user does not have (a projection): ``--hosts 8x6 --gp
 --bandwidth 100Gbps --device-tflops 15``. Without ``--bandwidth``, when every host is this
 machine, the link is measured by a loopback probe between two gloo endpoints
 (``strategies/plan/probe.py``); for remote hosts without ``--bandwidth`` hpar assumes
-10 Gbps and says so (it does not log in to hosts to profile).
+10 Gbps and says so (it does not log in to hosts to profile). ``--hosts emulate:H`` is the
+cluster ``hpar bench --hosts emulate:H`` runs on: H hosts that share this machine's cores and
+talk within a host over its loopback, their link capped at ``--bandwidth``.
 """
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, devic
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
     from hpar.strategies.plan.probe import probe_link
     from hpar.launcher.hosts.slurm import allocation_hosts, in_allocation
+    from hpar.launcher.bench.emulate import parse_emulate
+    emulated = parse_emulate(hosts)
+    if emulated:
+        return _emulated_cluster(emulated, gpus, servers, bandwidth, latency)
     # inside a Slurm allocation the hosts and their slots come from Slurm unless --hosts is given
     host_list = parse_hosts(hosts) if hosts else (allocation_hosts() if in_allocation() else [])
     if device_tflops is not None and device_tflops <= 0:
@@ -74,6 +80,25 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, devic
     cores = float(os.cpu_count() or 1) if local and flops is None and on_cpu else None
     return make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores,
                         allreduce_Bps=allreduce_bw, device_mem_Bps=mem)
+
+
+def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):
+    """``--hosts emulate:H`` (launcher/bench/emulate.py): ``ceil(gpus / H)`` workers on each of H
+    network namespaces of this machine, each host's link capped at ``bandwidth`` (None: not
+    capped, the loopback's rate). The hosts share this machine's cores (cpu_count / H each)
+    and their processes talk to each other over its loopback (the probed intra-host rate)."""
+    from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
+    from hpar.strategies.plan.probe import probe_link
+    gpus = gpus or hosts
+    if gpus < hosts:
+        raise ValueError(f"--hosts emulate:{hosts} with --gpus {gpus}: give at least one GPU per host")
+    loop_bw, loop_lat, _ = probe_link()
+    bw = parse_bandwidth(bandwidth, "--bandwidth") if bandwidth is not None else loop_bw
+    lat = parse_latency(latency) if latency is not None else loop_lat
+    slots = [-(-gpus // hosts)] * hosts
+    return make_cluster(slots, gpus, servers, bw, lat, None, intra_host_Bps=loop_bw,
+                        source="flags" if bandwidth is not None else "probe",
+                        cores_per_host=(os.cpu_count() or 1) / hosts)
 
 
 def report(profile, cluster, plan) -> dict:
@@ -144,7 +169,8 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
 @click.command()
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.option("--gpus", type=int, default=None, help="Workers to plan for (default: every slot of --hosts or of the Slurm allocation, else 1).")
-@click.option("--hosts", default=None, help="Host file, inline 'a:2,b:2', or HxG (H hosts of G GPUs) for a projection.")
+@click.option("--hosts", default=None, help="Host file, inline 'a:2,b:2', HxG (H hosts of G GPUs) for a projection, "
+                                          "or emulate:H (hpar bench's emulated hosts).")
 @click.option("--servers", type=int, default=None, help="Parameter servers (default one per host).")
 @click.option("--bandwidth", default=None, help="Link bandwidth, e.g. 10Gbps, 25GB/s (default: measured on this machine).")
 @click.option("--latency", default=None, help=f"Per-message latency, e.g. 50us, 1ms (default: measured, else {DEFAULT_LATENCY}).")
@@ -156,10 +182,12 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
                    "max(FLOPs / TFLOP/s, bytes moved / bandwidth) (roofline).")
 @click.option("--batch-size", type=int, default=None, help="Samples per worker per step (default: the script's HPAR, else 32).")
 @click.option("--timing-batch-size", type=int, default=None, help="Time compute on smaller batches and scale linearly (large models).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="Time the forward passes under the workers' precision (default: the script's HPAR, else fp32).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Write the plan as JSON for `hpar run --plan`.")
 def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tflops, device_mem_gbps, batch_size,
-            timing_batch_size, as_json, plan_out):
+            timing_batch_size, precision, as_json, plan_out):
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
     from hpar.strategies.checkpoint import atomic_write_bytes
     from hpar.strategies.plan.planner import choose_plan
@@ -179,7 +207,8 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tfl
         cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps,
                                 measured_on=measure_on.type)
         check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
-        prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on)
+        prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
+                           precision=precision)
         plan = choose_plan(prof, cluster)
     except JobError as exc:
         _fail(str(exc), exc.user_traceback)
