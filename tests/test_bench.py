@@ -275,6 +275,10 @@ def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
         assert _finite_positive(p["samples_per_s"]) and _finite_positive(p["predicted_samples_per_s"]), p
     assert not points[0]["bytes_sent"] and points[1]["bytes_sent"] > 2000 * 8 * 4   # the dense table is AllReduced
     assert os.path.isdir(tmp_path / "b" / "hosts-1") and os.path.isdir(tmp_path / "b" / "hosts-2")
+    # the cost model's link on 2 hosts is the emulated link as measured: TCP gets at most the cap
+    probe = json.load(open(out))["settings"]["link_probe"]
+    assert probe["1"] is None and 0.5 * 12.5e6 < probe["2"]["bandwidth_Bps"] < 1.05 * 12.5e6, probe
+    assert "emulated link measured at" in log
 
 
 def test_emulated_hosts_talk_within_a_host_over_loopback_not_the_capped_link():
@@ -286,6 +290,9 @@ def test_emulated_hosts_talk_within_a_host_over_loopback_not_the_capped_link():
     c = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2)(2)
     assert c.hosts == 2 and c.bandwidth_Bps == 6.25e6 and c.intra_Bps > 10 * 6.25e6
     assert c.cores_per_host == pytest.approx((os.cpu_count() or 1) / 2)
+    # with the link as measured between the hosts, the model takes it (and its latency) over the cap
+    m = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2, (5.9e6, 1e-4, 5.8e6))(2)
+    assert m.bandwidth_Bps == 5.9e6 and m.latency_s == 1e-4 and m.source == "probe between emulated hosts"
 
 
 def test_scale_rankings_compare_measured_and_predicted_orders():

@@ -156,6 +156,35 @@ class EmulatedCluster:
         if self._th is not None and self.made is not None:
             self._th.down(self.prefix)
 
+    def probe_link(self, timeout_s: float = 60.0) -> tuple[float, float, float] | None:
+        """(bandwidth_Bps, latency_s, allreduce_Bps) measured between hosts 0 and 1 by two gloo
+        processes, one in each namespace (strategies/plan/probe.py's ``probe_peer``): what TCP
+        through the capped links delivers, for the cost model. None with fewer than two hosts.
+        Raises RuntimeError when the probe fails or outlives ``timeout_s``."""
+        import sys
+        if self.n_hosts < 2:
+            return None
+        addr = self.made.hosts[0].address
+        port = 29400 + int(self.prefix[2:])
+        procs = [subprocess.Popen(["ip", "netns", "exec", self.made.hosts[r].namespace, "env", "GLOO_SOCKET_IFNAME=eth0",
+                                   "OMP_NUM_THREADS=1", sys.executable, "-m", "hpar.strategies.plan.probe", addr,
+                                   str(port), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True) for r in (0, 1)]
+        try:
+            out, err = procs[0].communicate(timeout=timeout_s)
+            procs[1].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the link probe between emulated hosts took over {timeout_s:.0f} s") from None
+        finally:
+            for p in procs:   # only the probe's own process groups
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+        if procs[0].returncode != 0 or not out.strip():
+            raise RuntimeError(f"the link probe between emulated hosts failed: {(err.strip().splitlines() or ['?'])[-1]}")
+        d = json.loads(out.strip().splitlines()[-1])
+        return d["bandwidth_Bps"], d["latency_s"], d["allreduce_Bps"]
+
     @property
     def key(self) -> str:
         return self.made.key

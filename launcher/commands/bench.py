@@ -48,18 +48,33 @@ def _check_common(scripts, steps: int, timeout_s: float, plot_out, bench_dir) ->
     return os.path.abspath(bench_dir or os.path.join("runs", f"bench-{stamp}"))
 
 
+def _probe(em, console) -> tuple[float, float, float] | None:
+    """The emulated link as measured, announced on the console (None on one host)."""
+    link = em.probe_link()
+    if link is not None:
+        cap = f" (cap {em.bandwidth_Bps / 1e6:.2f} MB/s)" if em.bandwidth_Bps else ""
+        console.print(f"hpar bench: emulated link measured at {link[0] / 1e6:.2f} MB/s{cap}, "
+                      f"latency {link[1] * 1e6:.0f} us", markup=False)
+    return link
+
+
 def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps: float | None,
                      latency: str | None, device_tflops: float | None, bench_gpus: int,
-                     emulated_hosts: int | None = None):
+                     emulated_hosts: int | None = None, link: tuple[float, float, float] | None = None):
     """gpus -> ClusterSpec for the cost model: the bench's hosts for the bench's GPU count;
     for a projection, hosts of ``gpus_per_host`` (or of the bench's busiest host) GPUs each.
     The link is ``bandwidth_Bps`` or one loopback probe (``profile_cli.build_cluster``).
     ``emulated_hosts`` H: the hosts are this machine's namespaces (``hpar profile --hosts
-    emulate:H`` describes the same cluster: shared cores, loopback within a host)."""
+    emulate:H`` describes the same cluster: shared cores, loopback within a host). ``link``: the
+    emulated link as measured (``EmulatedCluster.probe_link``), which the cost model then uses
+    instead of the cap (its latency unless ``latency`` is given)."""
     from hpar.launcher.commands.profile import build_cluster
     from hpar.strategies.plan.cluster import make_cluster
     bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
     base = build_cluster(bench_gpus, f"emulate:{emulated_hosts}" if emulated_hosts else hosts, None, bw, latency, None)
+    if link is not None:
+        base = dataclasses.replace(base, bandwidth_Bps=link[0], latency_s=base.latency_s if latency else link[1],
+                                   source="probe between emulated hosts")
 
     def cluster_of(gpus: int):
         flops = device_tflops * 1e12 if device_tflops and gpus != bench_gpus else None
@@ -136,10 +151,12 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
                               batch_size=batch_size, seed=seed, hosts=run_hosts,
                               ssh_key=emulated.key if emulated else ssh_key, bandwidth_Bps=bw, project=project,
                               device_tflops=device_tflops, timeout_s=timeout_s, precision=precision)
-            cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated)
+            link = _probe(emulated, console) if emulated else None
+            cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated, link)
             results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
                                 around_run=emulated.around_run if emulated else None)
-            emulation = emulated.describe() if emulated else None
+            emulation = {**emulated.describe(), "link_probe": None if link is None else dict(
+                zip(("bandwidth_Bps", "latency_s", "allreduce_Bps"), link))} if emulated else None
         finally:
             if emulated:
                 emulated.__exit__(None, None, None)
@@ -188,14 +205,16 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
         names = parse_strategies(strategies)
         bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir)
         bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
-        pts = []
+        pts, links = [], {}
         for n in counts:
             with EmulatedCluster(n, n, bw) as em:
                 cfg = BenchConfig(scripts=tuple(scripts), gpus=n, strategies=names, steps=steps,
                                   bench_dir=os.path.join(bench_dir, f"hosts-{n}"), batch_size=batch_size, seed=seed,
                                   hosts=em.host_file, ssh_key=em.key, bandwidth_Bps=bw, timeout_s=timeout_s,
                                   precision=precision)
-                cluster_of = _cluster_factory(None, em.host_file, bw, latency, None, n, n)
+                link = _probe(em, console)
+                links[n] = None if link is None else dict(zip(("bandwidth_Bps", "latency_s", "allreduce_Bps"), link))
+                cluster_of = _cluster_factory(None, em.host_file, bw, latency, None, n, n, link)
                 results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
                                     around_run=em.around_run)
             pts += points(n, results)
@@ -209,7 +228,8 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
         doc = {"command": report.command_line(), "machine": report.machine(),
                "settings": {"scale": list(counts), "link_rate": link_rate, "latency": latency, "steps": steps,
                             "precision": precision,
-                            "batch_size": batch_size, "seed": seed, "bench_dir": bench_dir},
+                            "batch_size": batch_size, "seed": seed, "bench_dir": bench_dir,
+                            "link_probe": {str(n): v for n, v in links.items()}},
                "points": [dataclasses.asdict(p) for p in pts], "rankings": rankings(pts)}
         with open(json_out, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)

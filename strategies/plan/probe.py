@@ -7,6 +7,10 @@ those of two worker processes: gloo's TCP transport over the loopback interface 
 are copied into and out of the kernel's socket buffers; gloo releases the GIL while it
 waits). Starting two processes instead cost 5-15 s per ``hpar run`` on this project's 2-core
 test machine, most of it importing torch twice, for the same figures.
+
+Between two hosts the endpoints must be two processes: :func:`probe_peer` is one of them
+(``python -m hpar.strategies.plan.probe ADDR PORT RANK``), used by ``hpar bench`` to measure
+the link of its emulated hosts (launcher/bench/emulate.py) instead of trusting the cap.
 """
 from __future__ import annotations
 
@@ -87,3 +91,31 @@ def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
     run(_endpoint, lambda r: (pgs[r], r, nbytes, pings, sends, out))
     rtt, one_way, allreduce = out["figures"]
     return nbytes / max(one_way - rtt, 1e-9), rtt / 2, nbytes / max(allreduce, 1e-9)
+
+
+def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: int = 20, sends: int = 4,
+               timeout_s: float = 60.0) -> tuple[float, float, float] | None:
+    """One endpoint of :func:`probe_link`'s measurement between two processes (two hosts): rank
+    0 hosts the rendezvous store at ``addr:port``. Returns rank 0's (bandwidth_Bps, latency_s,
+    allreduce_Bps), None on rank 1. ``nbytes`` 2 MiB and 4 sends take about 2 s at 50 Mbit/s.
+    Raises RuntimeError if the exchange fails."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(addr, port, 2, rank == 0, timeout=timeout)
+    pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    out: dict = {}
+    _endpoint(pg, rank, nbytes, pings, sends, out)
+    errors = [v for k, v in out.items() if k.startswith("error")]
+    if errors:
+        raise RuntimeError(f"link probe failed ({type(errors[0]).__name__})")
+    if rank:
+        return None
+    rtt, one_way, allreduce = out["figures"]
+    return nbytes / max(one_way - rtt, 1e-9), rtt / 2, nbytes / max(allreduce, 1e-9)
+
+
+if __name__ == "__main__":   # python -m hpar.strategies.plan.probe ADDR PORT RANK: rank 0 prints JSON
+    import json
+    import sys
+    figures = probe_peer(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    if figures is not None:
+        print(json.dumps(dict(zip(("bandwidth_Bps", "latency_s", "allreduce_Bps"), figures))))
