@@ -312,3 +312,17 @@ def test_scale_flag_errors_are_one_line(tmp_path):
         out = hpar("bench", write_script(tmp_path), "--bench-dir", str(tmp_path / "b"), *args, timeout=50)
         assert out.returncode == 2 and flag in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert not (tmp_path / "b").exists()
+
+
+def test_emulated_hosts_share_the_cores_out_and_every_run_gets_them():
+    """Every emulated host sees all of this machine's cores; `hpar run` would give each host's
+    processes all of them (8 hosts: 8x too many OpenMP threads, cnn.py's allreduce 7x slower). The
+    bench passes cpu_count / (workers + one server per host) threads, at least 1, to every run."""
+    from hpar.launcher.bench.driver import BenchConfig, run_command
+    from hpar.launcher.bench.emulate import EmulatedCluster
+    assert EmulatedCluster(8, 8, None).threads == max(1, (os.cpu_count() or 1) // 16)
+    assert EmulatedCluster(1, 1, None).threads == max(1, (os.cpu_count() or 1) // 2)
+    cfg = BenchConfig(scripts=("lm.py",), gpus=8, strategies=("allreduce",), steps=4, bench_dir="b", threads=1)
+    cmd = run_command("lm.py", "allreduce", cfg, 32, "r")
+    assert cmd[cmd.index("--env") + 1] == "OMP_NUM_THREADS=1"
+    assert "--env" not in run_command("lm.py", "allreduce", dataclasses.replace(cfg, threads=None), 32, "r")

@@ -1,6 +1,7 @@
 """Host list parsing and worker placement (launcher/hosts/hostfile.py): no processes, no network."""
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -184,3 +185,37 @@ def test_place_workers_errors_name_gpus(gpus, problem):
         place_workers([Host("a", 2), Host("b", 2)], gpus)
     assert str(info.value).startswith("--gpus")
     assert problem in str(info.value)
+
+
+def test_cpu_threads_come_from_the_host_that_runs_the_process(monkeypatch):
+    """Threads per CPU process (launcher/run/runner.py's thread_env, workers/worker.py's
+    cpu_threads): this machine's cores over its hpar processes for local ones; for a remote host
+    the count of processes, divided into that host's cores there; the user's --env
+    OMP_NUM_THREADS over both (hosts that share one machine's cores, as hpar bench's emulated ones)."""
+    from types import SimpleNamespace
+    from hpar.launcher.hosts.hostfile import Host
+    from hpar.launcher.run.runner import LaunchOptions, thread_env
+    from hpar.workers.worker import cpu_threads
+    spec = lambda: SimpleNamespace(env={})
+    local, remote = Host("localhost", 4), Host("node7", 4)
+    s = spec()
+    thread_env(s, local, 3, LaunchOptions())
+    assert s.env == {"HPAR_THREADS": str(max(1, (os.cpu_count() or 1) // 3))}
+    s = spec()
+    thread_env(s, remote, 3, LaunchOptions())
+    assert s.env == {"HPAR_PROCS_ON_HOST": "3"}
+    s = spec()
+    thread_env(s, local, 1, LaunchOptions(slurm=True))   # a Slurm node counts its own cores
+    assert s.env == {"HPAR_PROCS_ON_HOST": "1"}
+    for host in (local, remote):
+        s = spec()
+        thread_env(s, host, 3, LaunchOptions(env={"OMP_NUM_THREADS": "5"}))
+        assert s.env == {"HPAR_THREADS": "5"}
+    monkeypatch.delenv("HPAR_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("HPAR_PROCS_ON_HOST", "3")
+    assert cpu_threads() == 5
+    monkeypatch.setenv("HPAR_PROCS_ON_HOST", "40")
+    assert cpu_threads() == 1
+    monkeypatch.setenv("HPAR_THREADS", "2")
+    assert cpu_threads() == 2

@@ -189,6 +189,14 @@ def test_run_spreads_workers_over_two_hosts(hosts, tmp_path):
     assert len(last) == 6
     for m in last.values():
         assert 0 < m["bytes_sent_remote"] < m["bytes_sent"], m
+    # CPU threads: each host's own cores over the 3 hpar processes placed on it (2 workers, 1 server),
+    # counted on that host; the heartbeats in metrics.jsonl say what each process got
+    threads = {}
+    for line in open(run_dir / "metrics.jsonl"):
+        m = json.loads(line)
+        if m["kind"] == "heartbeat":
+            threads[(m["role"], m["rank"])] = m["threads"]
+    assert len(threads) == 6 and set(threads.values()) == {max(1, (os.cpu_count() or 1) // 3)}, threads
     assert "preflight: 2 host(s) ok" in text
     assert netns_hosts.leftovers(hosts, wait=5) == {}
 

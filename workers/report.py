@@ -96,19 +96,21 @@ def install_stack_dump() -> None:
     faulthandler.register(getattr(signal, STACK_SIGNAL), all_threads=True, chain=False)
 
 
-def start_heartbeat(every_s: float | None = None, device=None) -> threading.Event:
+def start_heartbeat(every_s: float | None = None, device=None, threads: int | None = None) -> threading.Event:
     """Emit a ``heartbeat`` line every ``every_s`` seconds (default ``HPAR_HEARTBEAT_S``, else
     2) from a daemon thread; set the returned event to stop it. The launcher counts a process
     whose heartbeats stop as stalled, whatever its step (launcher/run/health.py). ``device``:
-    the worker's torch.device (GPU memory figures)."""
+    the worker's torch.device (GPU memory figures); ``threads``: its CPU threads, in every
+    heartbeat (metrics.jsonl then says what each process got)."""
     every_s = every_s or float(os.environ.get("HPAR_HEARTBEAT_S", "2"))
     stop = threading.Event()
     _process()  # prime the CPU counter
+    extra = {"threads": threads} if threads is not None else {}
 
     def beat():
-        emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **process_figures()})
+        emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **process_figures(), **extra})
         while not stop.wait(every_s):
-            emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **process_figures(device)})
+            emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **process_figures(device), **extra})
 
     threading.Thread(target=beat, name="hpar-heartbeat", daemon=True).start()
     return stop

@@ -32,7 +32,7 @@ from hpar.strategies.hybrid.client import PSTable, ps_tables
 from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, Inbox, Request, nbytes, p2p, reply_tag
 from hpar.strategies.hybrid.schedule import ServerSchedule, group_index
 from hpar.strategies.hybrid.shard import ParamShard, table_view
-from hpar.workers.worker import env_int, init_group, leave_group, run_entry
+from hpar.workers.worker import cpu_threads, env_int, init_group, leave_group, run_entry
 
 
 class Server:
@@ -219,8 +219,8 @@ def main() -> int:
     num_workers, index = env_int("WORLD_SIZE"), env_int("HPAR_SERVER_INDEX")
     num_servers = env_int("HPAR_NUM_SERVERS", cfg.servers or 1)
     pg_rank, pg_world = env_int("HPAR_PG_RANK", num_workers + index), env_int("HPAR_PG_WORLD_SIZE", num_workers + num_servers)
-    torch.set_num_threads(max(1, int(os.environ.get("HPAR_THREADS", "1"))))
-    stop_beat = report.start_heartbeat()
+    torch.set_num_threads(cpu_threads())
+    stop_beat = report.start_heartbeat(threads=torch.get_num_threads())
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
     make_groups(num_workers, cfg.device, host_of, cfg.plan)   # a member of none but the default (gloo) group

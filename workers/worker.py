@@ -85,13 +85,23 @@ def run_entry(main, prefix: str, user_errors: tuple) -> None:
     report.exit_process(code)
 
 
+def cpu_threads() -> int:
+    """CPU threads of this process: ``HPAR_THREADS`` when the launcher set it (this machine's
+    cores over its processes here, or the user's ``--env OMP_NUM_THREADS``), else this host's
+    own cores over ``HPAR_PROCS_ON_HOST``, the hpar processes the launcher placed on it (a
+    remote host's core count is only known on that host)."""
+    if os.environ.get("HPAR_THREADS"):
+        return max(1, int(os.environ["HPAR_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("HPAR_PROCS_ON_HOST", "1"))))
+
+
 def worker_device(cfg: RunConfig, local_rank: int) -> torch.device:
     """This worker's device: GPU ``LOCAL_RANK`` of the host's visible ones (one GPU per
-    worker) on CUDA, else the CPU with HPAR_THREADS threads."""
+    worker) on CUDA, else the CPU with :func:`cpu_threads` threads."""
     if cfg.device == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    torch.set_num_threads(max(1, int(os.environ.get("HPAR_THREADS", "1"))))
+    torch.set_num_threads(cpu_threads())
     return torch.device("cpu")
 
 
@@ -100,7 +110,7 @@ def main() -> int:
     rank, world_size, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK", 0)
     pg_rank, pg_world = env_int("HPAR_PG_RANK", rank), env_int("HPAR_PG_WORLD_SIZE", world_size)
     device = worker_device(cfg, local_rank)
-    stop_beat = report.start_heartbeat(device=device)
+    stop_beat = report.start_heartbeat(device=device, threads=torch.get_num_threads() if device.type == "cpu" else None)
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
     eval_first = {}

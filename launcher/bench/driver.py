@@ -44,7 +44,8 @@ class BenchConfig:
     """What to bench. ``hosts`` is a host spec for ``hpar run --hosts`` (None: this machine);
     ``bandwidth_Bps``/``latency_s`` None: probe the loopback link for the cost model;
     ``project`` > 0 adds the cost model's projection to that many GPUs; ``precision`` (None:
-    the script's) is every run's ``--precision`` and the profile's."""
+    the script's) is every run's ``--precision`` and the profile's; ``threads`` (None: ``hpar
+    run``'s default) every process's CPU threads."""
 
     scripts: tuple[str, ...]
     gpus: int
@@ -61,6 +62,7 @@ class BenchConfig:
     device_tflops: float | None = None
     timeout_s: float = 600.0
     precision: str | None = None
+    threads: int | None = None     # every process's CPU threads (--env OMP_NUM_THREADS); None: hpar run's default
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,8 @@ def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_d
         cmd += ["--hosts", cfg.hosts]
     if cfg.ssh_key:
         cmd += ["--ssh-key", cfg.ssh_key]
+    if cfg.threads:
+        cmd += ["--env", f"OMP_NUM_THREADS={cfg.threads}"]
     return cmd
 
 

@@ -189,9 +189,19 @@ class EmulatedCluster:
     def key(self) -> str:
         return self.made.key
 
+    @property
+    def threads(self) -> int:
+        """CPU threads per process: every emulated host sees all of this machine's cores, so
+        ``hpar run`` would give each host's processes all of them, and H hosts would run H
+        times too many threads (OpenMP's spinning threads then take turns on the cores: cnn.py's
+        allreduce steps on 8 hosts ran 7x slower). The cores are shared out instead: cpu_count over
+        every worker and one server per host (hybrid's and ps's), at least 1."""
+        return max(1, (os.cpu_count() or 1) // (self.n_hosts * (self.slots + 1)))
+
     def describe(self) -> dict:
-        """The emulation for the JSON: hosts, slots, link rate, addresses."""
+        """The emulation for the JSON: hosts, slots, link rate, threads per process, addresses."""
         return {"hosts": self.n_hosts, "workers_per_host": self.slots, "link_Bps": self.bandwidth_Bps,
+                "threads_per_process": self.threads,
                 "addresses": self.made.addresses if self.made else []}
 
     def sample(self) -> Sample:

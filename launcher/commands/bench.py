@@ -150,7 +150,8 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
             cfg = BenchConfig(scripts=tuple(scripts), gpus=gpus, strategies=names, steps=steps, bench_dir=bench_dir,
                               batch_size=batch_size, seed=seed, hosts=run_hosts,
                               ssh_key=emulated.key if emulated else ssh_key, bandwidth_Bps=bw, project=project,
-                              device_tflops=device_tflops, timeout_s=timeout_s, precision=precision)
+                              device_tflops=device_tflops, timeout_s=timeout_s, precision=precision,
+                              threads=emulated.threads if emulated else None)
             link = _probe(emulated, console) if emulated else None
             cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated, link)
             results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
@@ -211,7 +212,7 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
                 cfg = BenchConfig(scripts=tuple(scripts), gpus=n, strategies=names, steps=steps,
                                   bench_dir=os.path.join(bench_dir, f"hosts-{n}"), batch_size=batch_size, seed=seed,
                                   hosts=em.host_file, ssh_key=em.key, bandwidth_Bps=bw, timeout_s=timeout_s,
-                                  precision=precision)
+                                  precision=precision, threads=em.threads)
                 link = _probe(em, console)
                 links[n] = None if link is None else dict(zip(("bandwidth_Bps", "latency_s", "allreduce_Bps"), link))
                 cluster_of = _cluster_factory(None, em.host_file, bw, latency, None, n, n, link)

@@ -50,6 +50,20 @@ def placement(cfg: RunConfig, hosts: tuple[Host, ...]) -> tuple[list[Host], list
     return workers, [used[i % len(used)] for i in range(cfg.servers)]
 
 
+def thread_env(spec, host: Host, procs_on_host: int, opts: LaunchOptions) -> None:
+    """CPU threads of a process (workers/worker.py's ``cpu_threads``): the user's ``--env
+    OMP_NUM_THREADS`` when given (e.g. hosts that share one machine's cores); else on this
+    machine its cores over the hpar processes on it; on another host (over SSH or Slurm) that
+    host's own cores over ``HPAR_PROCS_ON_HOST``, counted there, since its core count can differ."""
+    user = opts.env.get("OMP_NUM_THREADS", "")
+    if user.isdigit() and int(user) > 0:
+        spec.env.setdefault("HPAR_THREADS", user)
+    elif host.is_local and not opts.slurm:
+        spec.env.setdefault("HPAR_THREADS", str(max(1, (os.cpu_count() or 1) // procs_on_host)))
+    else:
+        spec.env.setdefault("HPAR_PROCS_ON_HOST", str(procs_on_host))
+
+
 def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue.Queue, master: str, port: int):
     worker_hosts, server_hosts = placement(cfg, opts.hosts)
     python = getattr(opts.ssh, "python", None)
@@ -61,8 +75,7 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
         per_host[s.host] = per_host.get(s.host, 0) + 1
     procs = []
     for spec in specs:
-        threads = max(1, (os.cpu_count() or 1) // per_host[spec.host])
-        spec.env.setdefault("HPAR_THREADS", str(threads))
+        thread_env(spec, by_name[spec.host], per_host[spec.host], opts)
         spec.env.setdefault("HPAR_HEARTBEAT_S", str(heartbeat_interval(opts.stall_timeout)))
         for key, value in opts.env.items():  # hpar's own variables win
             spec.env.setdefault(key, value)
