@@ -46,6 +46,14 @@ def parse_emulate(hosts: str | None) -> int | None:
     return int(text)
 
 
+def slots_per_host(hosts: int, gpus: int) -> int:
+    """Workers on each of ``hosts`` emulated hosts for ``gpus`` workers: ceil(gpus / hosts).
+    Raises ValueError when some host would have none."""
+    if gpus < hosts:
+        raise ValueError(f"--hosts emulate:{hosts} with --gpus {gpus}: give at least one GPU per host")
+    return math.ceil(gpus / hosts)
+
+
 def testhosts_module():
     """scripts/testhosts.py of this repository, imported by path. Raises ValueError when the
     checkout has no scripts/ folder (an installed, non-editable hpar)."""
@@ -123,9 +131,7 @@ class EmulatedCluster:
 
     def __init__(self, hosts: int, gpus: int, bandwidth_Bps: float | None):
         self.n_hosts, self.gpus, self.bandwidth_Bps = hosts, gpus, bandwidth_Bps
-        self.slots = math.ceil(gpus / hosts)
-        if gpus < hosts:
-            raise ValueError(f"--hosts emulate:{hosts} with --gpus {gpus}: give at least one GPU per host")
+        self.slots = slots_per_host(hosts, gpus)
         self._th = None
         self.made = None
         self._sockets: dict[str, dict[str, int]] = {}   # last socket reading per host
@@ -156,8 +162,8 @@ class EmulatedCluster:
         if self._th is not None and self.made is not None:
             self._th.down(self.prefix)
 
-    def probe_link(self, timeout_s: float = 60.0) -> tuple[float, float, float] | None:
-        """(bandwidth_Bps, latency_s, allreduce_Bps) measured between hosts 0 and 1 by two gloo
+    def probe_link(self, timeout_s: float = 60.0):
+        """The link's LinkFigures (strategies/plan/probe.py) measured between hosts 0 and 1 by two gloo
         processes, one in each namespace (strategies/plan/probe.py's ``probe_peer``): what TCP
         through the capped links delivers, for the cost model. None with fewer than two hosts.
         Raises RuntimeError when the probe fails or outlives ``timeout_s``."""
@@ -182,8 +188,8 @@ class EmulatedCluster:
                     p.wait()
         if procs[0].returncode != 0 or not out.strip():
             raise RuntimeError(f"the link probe between emulated hosts failed: {(err.strip().splitlines() or ['?'])[-1]}")
-        d = json.loads(out.strip().splitlines()[-1])
-        return d["bandwidth_Bps"], d["latency_s"], d["allreduce_Bps"]
+        from hpar.strategies.plan.probe import LinkFigures
+        return LinkFigures(**json.loads(out.strip().splitlines()[-1]))
 
     @property
     def key(self) -> str:

@@ -48,8 +48,8 @@ def _check_common(scripts, steps: int, timeout_s: float, plot_out, bench_dir) ->
     return os.path.abspath(bench_dir or os.path.join("runs", f"bench-{stamp}"))
 
 
-def _probe(em, console) -> tuple[float, float, float] | None:
-    """The emulated link as measured, announced on the console (None on one host)."""
+def _probe(em, console):
+    """The emulated link's LinkFigures as measured, announced on the console (None on one host)."""
     link = em.probe_link()
     if link is not None:
         cap = f" (cap {em.bandwidth_Bps / 1e6:.2f} MB/s)" if em.bandwidth_Bps else ""
@@ -60,13 +60,13 @@ def _probe(em, console) -> tuple[float, float, float] | None:
 
 def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps: float | None,
                      latency: str | None, device_tflops: float | None, bench_gpus: int,
-                     emulated_hosts: int | None = None, link: tuple[float, float, float] | None = None):
+                     emulated_hosts: int | None = None, link=None):
     """gpus -> ClusterSpec for the cost model: the bench's hosts for the bench's GPU count;
     for a projection, hosts of ``gpus_per_host`` (or of the bench's busiest host) GPUs each.
     The link is ``bandwidth_Bps`` or one loopback probe (``profile_cli.build_cluster``).
     ``emulated_hosts`` H: the hosts are this machine's namespaces (``hpar profile --hosts
     emulate:H`` describes the same cluster: shared cores, loopback within a host). ``link``: the
-    emulated link as measured (``EmulatedCluster.probe_link``), which the cost model then uses
+    emulated link's (bandwidth, latency, ...) as measured (``EmulatedCluster.probe_link``), which the cost model then uses
     instead of the cap (its latency unless ``latency`` is given)."""
     from hpar.launcher.commands.profile import build_cluster
     from hpar.strategies.plan.cluster import make_cluster
@@ -156,8 +156,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
             cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated, link)
             results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
                                 around_run=emulated.around_run if emulated else None)
-            emulation = {**emulated.describe(), "link_probe": None if link is None else dict(
-                zip(("bandwidth_Bps", "latency_s", "allreduce_Bps"), link))} if emulated else None
+            emulation = {**emulated.describe(), "link_probe": None if link is None else link._asdict()} if emulated else None
         finally:
             if emulated:
                 emulated.__exit__(None, None, None)
@@ -214,7 +213,7 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
                                   hosts=em.host_file, ssh_key=em.key, bandwidth_Bps=bw, timeout_s=timeout_s,
                                   precision=precision, threads=em.threads)
                 link = _probe(em, console)
-                links[n] = None if link is None else dict(zip(("bandwidth_Bps", "latency_s", "allreduce_Bps"), link))
+                links[n] = None if link is None else link._asdict()
                 cluster_of = _cluster_factory(None, em.host_file, bw, latency, None, n, n, link)
                 results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
                                     around_run=em.around_run)

@@ -87,15 +87,14 @@ def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):
     network namespaces of this machine, each host's link capped at ``bandwidth`` (None: not
     capped, the loopback's rate). The hosts share this machine's cores (cpu_count / H each)
     and their processes talk to each other over its loopback (the probed intra-host rate)."""
+    from hpar.launcher.bench.emulate import slots_per_host
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
     from hpar.strategies.plan.probe import probe_link
     gpus = gpus or hosts
-    if gpus < hosts:
-        raise ValueError(f"--hosts emulate:{hosts} with --gpus {gpus}: give at least one GPU per host")
+    slots = [slots_per_host(hosts, gpus)] * hosts
     loop_bw, loop_lat, _ = probe_link()
     bw = parse_bandwidth(bandwidth, "--bandwidth") if bandwidth is not None else loop_bw
     lat = parse_latency(latency) if latency is not None else loop_lat
-    slots = [-(-gpus // hosts)] * hosts
     return make_cluster(slots, gpus, servers, bw, lat, None, intra_host_Bps=loop_bw,
                         source="flags" if bandwidth is not None else "probe",
                         cores_per_host=(os.cpu_count() or 1) / hosts)

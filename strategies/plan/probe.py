@@ -18,11 +18,26 @@ import datetime
 import statistics
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 _SMALL_TAG, _BIG_TAG = 0, 1
+
+
+class LinkFigures(NamedTuple):
+    """A probe's figures: ``bandwidth_Bps`` one way (bytes/s), ``latency_s`` (half a small
+    message's round trip) and ``allreduce_Bps`` (bytes over the time of a two-rank AllReduce)."""
+    bandwidth_Bps: float
+    latency_s: float
+    allreduce_Bps: float
+
+
+def _figures(out: dict, nbytes: int) -> LinkFigures:
+    """LinkFigures from rank 0's median times (``out["figures"]``) of ``nbytes`` messages."""
+    rtt, one_way, allreduce = out["figures"]
+    return LinkFigures(nbytes / max(one_way - rtt, 1e-9), rtt / 2, nbytes / max(allreduce, 1e-9))
 
 
 def _exchange(pg, rank: int, out: torch.Tensor, back: torch.Tensor, n: int) -> list[float]:
@@ -60,7 +75,7 @@ def _endpoint(pg, rank: int, nbytes: int, pings: int, sends: int, out: dict) -> 
 
 
 def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
-               timeout_s: float = 60.0) -> tuple[float, float, float]:
+               timeout_s: float = 60.0) -> LinkFigures:
     """Measure (bandwidth_Bps, latency_s, allreduce_Bps) of gloo over loopback TCP on this
     machine: latency = half the median round trip of a 4-byte message, bandwidth = ``nbytes``
     over the median one-way time of a large message minus one latency, allreduce_Bps =
@@ -89,12 +104,11 @@ def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
 
     run(connect, lambda r: (r,))
     run(_endpoint, lambda r: (pgs[r], r, nbytes, pings, sends, out))
-    rtt, one_way, allreduce = out["figures"]
-    return nbytes / max(one_way - rtt, 1e-9), rtt / 2, nbytes / max(allreduce, 1e-9)
+    return _figures(out, nbytes)
 
 
 def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: int = 20, sends: int = 4,
-               timeout_s: float = 60.0) -> tuple[float, float, float] | None:
+               timeout_s: float = 60.0) -> LinkFigures | None:
     """One endpoint of :func:`probe_link`'s measurement between two processes (two hosts): rank
     0 hosts the rendezvous store at ``addr:port``. Returns rank 0's (bandwidth_Bps, latency_s,
     allreduce_Bps), None on rank 1. ``nbytes`` 2 MiB and 4 sends take about 2 s at 50 Mbit/s.
@@ -107,10 +121,7 @@ def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: in
     errors = [v for k, v in out.items() if k.startswith("error")]
     if errors:
         raise RuntimeError(f"link probe failed ({type(errors[0]).__name__})")
-    if rank:
-        return None
-    rtt, one_way, allreduce = out["figures"]
-    return nbytes / max(one_way - rtt, 1e-9), rtt / 2, nbytes / max(allreduce, 1e-9)
+    return None if rank else _figures(out, nbytes)
 
 
 if __name__ == "__main__":   # python -m hpar.strategies.plan.probe ADDR PORT RANK: rank 0 prints JSON
@@ -118,4 +129,4 @@ if __name__ == "__main__":   # python -m hpar.strategies.plan.probe ADDR PORT RA
     import sys
     figures = probe_peer(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
     if figures is not None:
-        print(json.dumps(dict(zip(("bandwidth_Bps", "latency_s", "allreduce_Bps"), figures))))
+        print(json.dumps(figures._asdict()))
