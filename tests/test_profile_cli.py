@@ -83,6 +83,7 @@ def test_tables_and_projection(scripts):
     (["--bandwidth", "1Gbps", "--device-tflops", "-1"], "--device-tflops"),
     (["--bandwidth", "1Gbps", "--hosts", "emulate:0"], "emulate:H"),
     (["--bandwidth", "1Gbps", "--hosts", "emulate:4", "--gpus", "2"], "at least one GPU per host"),
+    (["--bandwidth", "1Gbps", "--hosts", "emulate:2", "--device-tflops", "15"], "--device-tflops"),
 ])
 def test_bad_flags_exit_2_with_one_line(scripts, args, message):
     res = CliRunner().invoke(profile, [str(scripts / "mlp.py")] + args)

@@ -52,6 +52,9 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, devic
     from hpar.launcher.bench.emulate import parse_emulate
     emulated = parse_emulate(hosts)
     if emulated:
+        if device_tflops is not None or device_mem_gbps is not None:
+            raise ValueError(f"--hosts {hosts} runs on this machine's CPU; drop --device-tflops/--device-mem-gbps "
+                             "(they project to a device you do not have)")
         return _emulated_cluster(emulated, gpus, servers, bandwidth, latency)
     # inside a Slurm allocation the hosts and their slots come from Slurm unless --hosts is given
     host_list = parse_hosts(hosts) if hosts else (allocation_hosts() if in_allocation() else [])
