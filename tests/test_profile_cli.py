@@ -111,8 +111,11 @@ def test_local_cluster_is_probed_for_link_and_allreduce_figures():
 def test_profile_of_the_benchs_emulated_cluster_picks_hybrid_for_the_lm(tmp_path):
     """`hpar profile --hosts emulate:8` describes the cluster `hpar bench --hosts emulate:8` runs on
     (no namespaces needed to plan for it): 8 hosts of one worker sharing this machine's cores, the
-    link at --bandwidth, loopback within a host; at 50 Mbit/s the LM's plan is hybrid, as measured
-    (BENCHMARKS.md, section 14)."""
+    link at --bandwidth, loopback within a host; on a link-bound cluster the LM's plan is hybrid, as
+    measured at 50 Mbit/s (BENCHMARKS.md, section 14). The test plans at 10 Mbit/s: its compute is
+    timed while the other test process loads the machine, and at 50 Mbit/s a CI run under that load
+    predicted hybrid only 1.06x allreduce-sparse (1.85x on a quiet machine); at 10 Mbit/s the link
+    dominates the step either way (2.3x loaded and quiet)."""
     import os
     import subprocess
     import sys
@@ -120,12 +123,12 @@ def test_profile_of_the_benchs_emulated_cluster_picks_hybrid_for_the_lm(tmp_path
     out = tmp_path / "profile.json"
     with open(out, "w") as f:
         res = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "profile", lm, "--gpus", "8", "--hosts",
-                              "emulate:8", "--bandwidth", "50mbit", "--precision", "fp32", "--json"],
+                              "emulate:8", "--bandwidth", "10mbit", "--precision", "fp32", "--json"],
                              stdout=f, stderr=subprocess.PIPE, text=True, timeout=170)
     assert res.returncode == 0, res.stderr
     d = json.loads(out.read_text())
     c = d["cluster"]
-    assert c["hosts"] == 8 and c["gpus_per_host"] == [1] * 8 and c["bandwidth_Bps"] == pytest.approx(6.25e6)
+    assert c["hosts"] == 8 and c["gpus_per_host"] == [1] * 8 and c["bandwidth_Bps"] == pytest.approx(1.25e6)
     assert c["cores_per_host"] == pytest.approx((os.cpu_count() or 1) / 8)
     assert d["plan"]["strategy"] == "hybrid"
     speed = {x["strategy"]: x["samples_per_s"] for x in d["candidates"]}
