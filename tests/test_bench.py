@@ -90,6 +90,7 @@ def test_emulate_spec():
     (["--gpus", "0"], "--gpus"),
     (["--link-rate", "fast"], "--link-rate"),
     (["--hosts", "emulate:0"], "emulate:H"),
+    (["--repeat", "0"], "--repeat"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_flags_are_one_line_errors(tmp_path, args, flag):
@@ -225,7 +226,7 @@ def test_verdict_says_faster_only_beyond_the_spread_and_never_for_a_ran_as_row()
     slow = Result("a.py", "ps", samples_per_s=50.0, step_s_p50=0.2, step_s_p90=0.21)
     line = verdict([ar, hy, pipe, slow])
     assert line.startswith("fastest: pipeline-1f1b, ") and "hybrid" not in line          # ran as allreduce: no contender
-    assert "1.05x allreduce (within the step-time spread 1.20x" in line and "2.10x ps" in line
+    assert "1.05x allreduce (within the spread 1.20x" in line and "2.10x ps" in line
     assert "2.10x ps (" not in line                                                       # beyond the spread: faster
     assert steps_warning(6) and steps_warning(30) is None
 
@@ -305,6 +306,65 @@ def test_scale_rankings_compare_measured_and_predicted_orders():
     assert [(r["workers"], r["measured"], r["predicted"], r["agree"]) for r in rows] == [
         (4, ["hybrid", "allreduce-sparse", "allreduce"], ["hybrid", "allreduce-sparse", "allreduce"], True),
         (8, ["hybrid", "allreduce-sparse"], ["allreduce-sparse", "hybrid"], False)]   # 1 worker: a single contender
+
+
+def test_repeated_runs_give_the_median_run_and_their_spread():
+    """``--repeat``: a strategy's entry is its median run (the slower middle one for an even
+    count), with every run's samples/s; a failed run fails the entry, saying which; the
+    verdict's spread takes the runs' max/min; the scale's rankings ask only the order of
+    strategies whose runs do not overlap."""
+    from hpar.launcher.bench.figures import combine_runs
+    from hpar.launcher.bench.scale import ScalePoint, rankings
+    from hpar.launcher.bench.verdict import spread, verdict
+    runs = [Result("a.py", "hybrid", samples_per_s=v, run_dir=f"r{i}") for i, v in enumerate((120.0, 80.0, 100.0, 90.0))]
+    one = combine_runs(runs)
+    assert one.samples_per_s == 90.0 and one.run_dir == "r3" and one.extra["runs_samples_per_s"] == [120.0, 80.0, 100.0, 90.0]
+    assert spread(one) == pytest.approx(1.5)
+    assert combine_runs(runs[:1]) is runs[0]
+    failed = combine_runs([runs[0], dataclasses.replace(runs[1], samples_per_s=None, reason="timed out after 5 s")])
+    assert failed.reason == "run 2 of 2: timed out after 5 s" and failed.samples_per_s is None
+    # 1.2x apart but runs spread 1.5x: no winner declared
+    other = Result("a.py", "allreduce", samples_per_s=75.0, step_s_p50=0.1, step_s_p90=0.1)
+    assert "within the spread 1.50x" in verdict([one, other])
+    P = lambda strategy, meas, pred, runs: ScalePoint("lm.py", strategy, 4, meas, pred, 1.0, 1.0, runs=runs)
+    overlap = [P("hybrid", 100.0, 90.0, (95.0, 100.0, 130.0)), P("ps", 98.0, 120.0, (80.0, 98.0, 99.0)),
+               P("allreduce", 10.0, 11.0, (9.0, 10.0, 12.0))]
+    row, = rankings(overlap)
+    assert row["measured"] == ["hybrid", "ps", "allreduce"] and row["predicted"] == ["ps", "hybrid", "allreduce"]
+    assert row["agree"] is False and row["agree_beyond_spread"] is True   # hybrid and ps overlap: a tie
+    assert overlap[0].within_spread is False and overlap[1].within_spread is False and overlap[2].within_spread is True
+    apart = [P("hybrid", 100.0, 90.0, (95.0, 100.0)), P("ps", 50.0, 120.0, (40.0, 50.0))]
+    assert rankings(apart)[0]["agree_beyond_spread"] is False
+    assert ScalePoint("lm.py", "ps", 4, 50.0, 60.0, 1.0, 1.0).within_spread is None   # no repeats
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bench_repeat_runs_each_strategy_in_rounds(tmp_path):
+    """The real `hpar bench --repeat 2`, stdout to a file: each strategy runs twice (its own run
+    directories), the table shows the median and the spread, the JSON keeps both runs, and no
+    process is left."""
+    script = write_script(tmp_path, TINY_TREE)
+    bench_dir, out_json = tmp_path / "bench", tmp_path / "out.json"
+    with open(tmp_path / "stdout.txt", "w") as f:
+        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "bench", script, "--gpus", "2", "--steps", "4",
+                               "--strategies", "allreduce,ps", "--repeat", "2", "--json", str(out_json),
+                               "--bench-dir", str(bench_dir)], stdout=f, stderr=subprocess.STDOUT, timeout=280).returncode
+    log = (tmp_path / "stdout.txt").read_text()
+    assert code == 0, log[-3000:]
+    doc = json.loads(out_json.read_text())
+    assert doc["settings"]["repeat"] == 2
+    order = [line.split("hpar bench: job ", 1)[1].split(":")[0] for line in log.splitlines()
+             if line.startswith("hpar bench: job ") and line.endswith("running (2 workers, 4 steps, batch 8)")]
+    assert order == ["allreduce-run1", "ps-run1", "allreduce-run2", "ps-run2"]   # rounds: every strategy once each
+    for r in doc["results"]:
+        runs = r["extra"]["runs_samples_per_s"]
+        assert len(runs) == 2 and all(_finite_positive(x) for x in runs) and r["samples_per_s"] == min(runs), r
+        assert r["run_dir"] in {str(bench_dir / "job" / f"{r['strategy']}-run{i}") for i in (1, 2)}
+        assert f"{min(runs):,.0f}-{max(runs):,.0f}" in log
+        for i in (1, 2):
+            assert json.loads((bench_dir / "job" / f"{r['strategy']}-run{i}" / "summary.json").read_text())["steps"] == 4
+            assert run_processes(str(bench_dir / "job" / f"{r['strategy']}-run{i}")) == []
 
 
 def test_scale_flag_errors_are_one_line(tmp_path):

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from hpar.launcher.bench.figures import bytes_per_worker_step, stage_figures
+from hpar.launcher.bench.figures import bytes_per_worker_step, combine_runs, stage_figures
 
 PLANNED = {"pipeline", "hybrid", "ps"}   # strategies whose runs take the planner's plan
 
@@ -45,7 +45,8 @@ class BenchConfig:
     ``bandwidth_Bps``/``latency_s`` None: probe the loopback link for the cost model;
     ``project`` > 0 adds the cost model's projection to that many GPUs; ``precision`` (None:
     the script's) is every run's ``--precision`` and the profile's; ``threads`` (None: ``hpar
-    run``'s default) every process's CPU threads."""
+    run``'s default) every process's CPU threads; ``repeat`` runs of every strategy, in rounds
+    (every strategy once per round, so that a slow spell of the machine hits all of them)."""
 
     scripts: tuple[str, ...]
     gpus: int
@@ -63,6 +64,7 @@ class BenchConfig:
     timeout_s: float = 600.0
     precision: str | None = None
     threads: int | None = None     # every process's CPU threads (--env OMP_NUM_THREADS); None: hpar run's default
+    repeat: int = 1     # runs of every strategy, interleaved (round r runs every strategy once)
 
 
 @dataclass(frozen=True)
@@ -307,6 +309,26 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None) -> list[
         stem = os.path.splitext(os.path.basename(script))[0]
         say(f"hpar bench: profiling {script}")
         plan = plan_script(script, cfg, cfg.strategies, cluster_of)
+        runs: dict[str, list[Result]] = {}
+        for round_ in range(cfg.repeat):
+            for name in cfg.strategies:
+                if name in plan.reasons:
+                    continue
+                suffix = f"-run{round_ + 1}" if cfg.repeat > 1 else ""
+                run_dir = os.path.join(cfg.bench_dir, stem, name + suffix)
+                os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+                say(f"hpar bench: {stem} {name}{suffix}: running ({cfg.gpus} workers, {cfg.steps} steps, "
+                    f"batch {plan.batch_size})")
+                plan_file = plan.plan_files.get(BENCH_STRATEGIES[name][0])
+                run = lambda: run_strategy(os.path.abspath(script), name, cfg, plan.batch_size, run_dir, plan_file)
+                counters = None
+                if around_run is None:
+                    res = run()
+                else:
+                    res, counters = around_run(run)
+                res = dataclasses.replace(res, counters=counters)
+                say(f"hpar bench: {stem} {name}{suffix}: " + (res.reason or f"{res.samples_per_s:,.1f} samples/s"))
+                runs.setdefault(name, []).append(res)
         for name in cfg.strategies:
             pred = _prediction(plan.estimates, name)
             proj = _projection(plan, name, cfg.project)
@@ -314,18 +336,7 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None) -> list[
                 say(f"hpar bench: {stem} {name}: skipped ({plan.reasons[name]})")
                 results.append(Result(script, name, predicted_step_s=pred, reason=plan.reasons[name], projected=proj))
                 continue
-            run_dir = os.path.join(cfg.bench_dir, stem, name)
-            os.makedirs(os.path.dirname(run_dir), exist_ok=True)
-            say(f"hpar bench: {stem} {name}: running ({cfg.gpus} workers, {cfg.steps} steps, batch {plan.batch_size})")
-            plan_file = plan.plan_files.get(BENCH_STRATEGIES[name][0])
-            run = lambda: run_strategy(os.path.abspath(script), name, cfg, plan.batch_size, run_dir, plan_file)
-            counters = None
-            if around_run is None:
-                res = run()
-            else:
-                res, counters = around_run(run)
-            res = dataclasses.replace(res, script=script, predicted_step_s=pred, projected=proj, counters=counters,
-                                      extra={**res.extra, "batch_size": plan.batch_size})
-            say(f"hpar bench: {stem} {name}: " + (res.reason or f"{res.samples_per_s:,.1f} samples/s"))
-            results.append(res)
+            res = combine_runs(runs[name])
+            results.append(dataclasses.replace(res, script=script, predicted_step_s=pred, projected=proj,
+                                               extra={**res.extra, "batch_size": plan.batch_size}))
     return with_ratios(results)

@@ -1,7 +1,9 @@
 """What a bench entry's run directory says beyond summary.json's headline figures: bytes per
-worker per step from metrics.jsonl, and a pipeline's bubble and peak memory per stage."""
+worker per step from metrics.jsonl, and a pipeline's bubble and peak memory per stage; and
+one entry's figures from its repeated runs (``hpar bench --repeat``)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 
@@ -52,3 +54,21 @@ def stage_figures(summary: dict) -> dict:
     if stages and all(isinstance(v, int) for v in peaks):
         out["peak_mem_bytes"] = max(peaks)
     return out
+
+
+def combine_runs(runs: list):
+    """One bench Result (launcher/bench/driver.py) from the repeated runs of one strategy: the run with the median samples/s
+    (for an even count the slower of the middle two), its bytes, step times and run
+    directory, with every run's samples/s in ``extra["runs_samples_per_s"]`` (run order)
+    when there are several. A failed run makes the whole a failure: its reason, naming
+    which run failed."""
+    assert runs, "at least one run"
+    for i, r in enumerate(runs):
+        if r.reason:
+            where = f"run {i + 1} of {len(runs)}: " if len(runs) > 1 else ""
+            return dataclasses.replace(r, reason=where + r.reason)
+    if len(runs) == 1:
+        return runs[0]
+    ordered = sorted(runs, key=lambda r: r.samples_per_s)
+    median = ordered[(len(ordered) - 1) // 2]
+    return dataclasses.replace(median, extra={**median.extra, "runs_samples_per_s": [r.samples_per_s for r in runs]})

@@ -91,7 +91,9 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
             b = r.bytes_per_step or {}
             err = (f"{r.predicted_step_s / r.step_s_p50:.2f}" if r.predicted_step_s and r.step_s_p50 else "-")
             label = r.strategy + (f" (ran as {r.extra['ran_as']})" if r.extra.get("ran_as") else "")
-            t.add_row(label, f"{r.samples_per_s:,.1f}", _ms(r.step_s_p50), _ms(r.step_s_p90),
+            runs = [x for x in (r.extra or {}).get("runs_samples_per_s") or () if x]
+            spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
+            t.add_row(label, f"{r.samples_per_s:,.1f}{spread}", _ms(r.step_s_p50), _ms(r.step_s_p90),
                       _human(b.get("sent")), _human(b.get("recv")), pred, err,
                       f"{r.ratio:.2f}" if r.ratio else "-", *s_cell, *p_cell)
         console.print(t)

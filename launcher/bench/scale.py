@@ -45,6 +45,20 @@ class ScalePoint:
     bytes_recv: float | None
     reason: str | None = None
     ran_as: str | None = None     # a hybrid plan with nothing on its servers runs as allreduce
+    runs: tuple[float, ...] = ()  # every repeated run's samples/s (``--repeat``); samples_per_s is their median
+
+    @property
+    def low_high(self) -> tuple[float, float] | None:
+        """(slowest, fastest) samples/s over the repeated runs, or None with fewer than two."""
+        return (min(self.runs), max(self.runs)) if len(self.runs) > 1 else None
+
+    @property
+    def within_spread(self) -> bool | None:
+        """Whether the prediction lies between the slowest and fastest repeated run (None
+        without repeats or a prediction)."""
+        if self.low_high is None or not self.predicted_samples_per_s:
+            return None
+        return self.low_high[0] <= self.predicted_samples_per_s <= self.low_high[1]
 
     @property
     def error(self) -> float | None:
@@ -62,15 +76,25 @@ def points(workers: int, results: list[Result]) -> list[ScalePoint]:
         pred = workers * bs / r.predicted_step_s if bs and r.predicted_step_s else None
         b = r.bytes_per_step or {}
         out.append(ScalePoint(r.script, r.strategy, workers, r.samples_per_s if not r.reason else None, pred,
-                              b.get("sent"), b.get("recv"), r.reason, (r.extra or {}).get("ran_as")))
+                              b.get("sent"), b.get("recv"), r.reason, (r.extra or {}).get("ran_as"),
+                              tuple((r.extra or {}).get("runs_samples_per_s") or ())))
     return out
+
+
+def _apart(a: ScalePoint, b: ScalePoint) -> bool:
+    """Whether a's and b's repeated runs do not overlap (without repeats: always)."""
+    if a.low_high is None or b.low_high is None:
+        return True
+    return a.low_high[0] > b.low_high[1] or b.low_high[0] > a.low_high[1]
 
 
 def rankings(pts: list[ScalePoint]) -> list[dict]:
     """Per script and worker count with at least two strategies measured and predicted: the
     strategies fastest first as measured (samples/s) and as the cost model predicts, and
     whether the two orders agree. Rows of ``{"script", "workers", "measured", "predicted",
-    "agree"}``; a strategy that ran as another ("ran as allreduce") is left out."""
+    "agree", "agree_beyond_spread"}``: the latter only asks the order of the pairs whose
+    repeated runs do not overlap (with ``--repeat``; otherwise it equals ``agree``). A
+    strategy that ran as another ("ran as allreduce") is left out."""
     out = []
     for script in dict.fromkeys(p.script for p in pts):
         for n in sorted({p.workers for p in pts if p.script == script}):
@@ -80,8 +104,11 @@ def rankings(pts: list[ScalePoint]) -> list[dict]:
                 continue
             measured = [p.strategy for p in sorted(here, key=lambda p: -p.samples_per_s)]
             predicted = [p.strategy for p in sorted(here, key=lambda p: -p.predicted_samples_per_s)]
+            rank = {s: i for i, s in enumerate(predicted)}
+            beyond = all(rank[a.strategy] < rank[b.strategy] for a in here for b in here
+                         if a.samples_per_s > b.samples_per_s and _apart(a, b))
             out.append({"script": script, "workers": n, "measured": measured, "predicted": predicted,
-                        "agree": measured == predicted})
+                        "agree": measured == predicted, "agree_beyond_spread": beyond})
     return out
 
 
@@ -103,8 +130,9 @@ def print_scale(console, pts: list[ScalePoint]) -> None:
                 if p.reason:
                     t.add_row(strategy, str(p.workers), f"n/a: {p.reason[:60]}", "", "", "", "", "")
                     continue
+                spread = f" ({p.low_high[0]:,.0f}-{p.low_high[1]:,.0f})" if p.low_high else ""
                 t.add_row(strategy + (f" (ran as {p.ran_as})" if p.ran_as else ""), str(p.workers),
-                          f"{p.samples_per_s:,.1f}",
+                          f"{p.samples_per_s:,.1f}{spread}",
                           f"{p.predicted_samples_per_s:,.1f}" if p.predicted_samples_per_s else "-",
                           f"{p.error + 1:.2f}" if p.error is not None else "-",
                           _human(p.bytes_sent), _human(p.bytes_recv),
@@ -112,18 +140,23 @@ def print_scale(console, pts: list[ScalePoint]) -> None:
         console.print(t)
         errors = [abs(p.error) for p in pts if p.script == script and p.error is not None]
         if errors:
+            within = [p.within_spread for p in pts if p.script == script and p.within_spread is not None]
             console.print(f"  cost model: mean absolute error {100 * sum(errors) / len(errors):.0f}% over "
-                          f"{len(errors)} points", markup=False)
+                          f"{len(errors)} points" + (f" (against the median run; {sum(within)} of {len(within)} "
+                                                      f"predictions between the slowest and fastest run)"
+                                                      if within else ""), markup=False)
         for r in rankings([p for p in pts if p.script == script]):
             speed = {p.strategy: p.samples_per_s for p in pts if p.script == script and p.workers == r["workers"]}
             order = " > ".join(f"{s} {speed[s]:,.0f}" for s in r["measured"])
-            verdict = "the same" if r["agree"] else " > ".join(r["predicted"])
+            verdict = "the same" if r["agree"] else " > ".join(r["predicted"]) + (
+                " (the same where the runs do not overlap)" if r["agree_beyond_spread"] else "")
             console.print(f"  {r['workers']} workers: measured {order} samples/s; predicted order {verdict}",
                           markup=False)
 
 
 def plot_scale(pts: list[ScalePoint], path: str, title: str) -> None:
-    """A PNG: per script, samples/s against workers (measured: solid with dots; predicted:
+    """A PNG: per script, samples/s against workers (measured: solid with dots, the median
+    run, a vertical line from the slowest to the fastest run with ``--repeat``; predicted:
     dashed, same colour) and bytes sent per worker per step against workers. Raises ValueError
     naming ``--plot`` when matplotlib is missing."""
     from hpar.launcher.bench.report import pyplot
@@ -137,6 +170,10 @@ def plot_scale(pts: list[ScalePoint], path: str, title: str) -> None:
             ran = [p for p in mine if p.samples_per_s]
             axes[row][0].plot([p.workers for p in ran], [p.samples_per_s for p in ran], "o-", color=colour,
                               label=f"{strategy} measured")
+            spread = [p for p in ran if p.low_high]
+            if spread:   # the slowest to the fastest repeated run
+                axes[row][0].vlines([p.workers for p in spread], [p.low_high[0] for p in spread],
+                                    [p.low_high[1] for p in spread], color=colour, linewidth=1)
             pred = [p for p in mine if p.predicted_samples_per_s]
             axes[row][0].plot([p.workers for p in pred], [p.predicted_samples_per_s for p in pred], "--",
                               color=colour, label=f"{strategy} predicted")
