@@ -201,7 +201,8 @@ def test_socket_total_counts_growth_new_sockets_and_survives_closed_ones():
 
 
 def test_hybrid_and_ps_entries_run_the_planners_plan(tmp_path):
-    """The prediction next to hybrid's measurement is for the planned placement and partitions."""
+    """The prediction next to hybrid's measurement is for the planned placement and partitions, and
+    the profile and cluster it was computed from are saved beside the plans."""
     from conftest import embed_script
     from hpar.launcher.bench.driver import BenchConfig, plan_script, run_command
     from hpar.strategies.plan.cluster import ClusterSpec
@@ -216,6 +217,14 @@ def test_hybrid_and_ps_entries_run_the_planners_plan(tmp_path):
     assert hybrid["placement"]["emb.weight"] == "ps" and hybrid["placement"]["out.weight"] == "allreduce"
     cmd = run_command(script, "hybrid", cfg, 4, str(tmp_path / "run"), plan.plan_files["hybrid"])
     assert cmd[cmd.index("--plan") + 1] == plan.plan_files["hybrid"] and "--micro-batches" not in cmd
+    # the profile and cluster the predictions came from are kept: the same estimate comes back from them
+    from hpar.strategies.plan.costmodel_ps import estimate_hybrid
+    from hpar.strategies.profile.profiler import Profile
+    stem = os.path.splitext(os.path.basename(script))[0]
+    saved = json.load(open(tmp_path / "bench" / f"{stem}-profile.json"))
+    cluster = ClusterSpec(**{**saved["cluster"], "gpus_per_host": tuple(saved["cluster"]["gpus_per_host"])})
+    again = estimate_hybrid(Profile.from_dict(saved["profile"]), cluster)
+    assert again.step_s == pytest.approx(plan.estimates["hybrid"].step_s) and again.placement == hybrid["placement"]
 
 
 def test_verdict_says_faster_only_beyond_the_spread_and_never_for_a_ran_as_row():

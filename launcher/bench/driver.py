@@ -268,10 +268,13 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     # alike; hybrid/ps: placement and partitions) rather than each run re-profiling
     from hpar.strategies.checkpoint import atomic_write_bytes
     from hpar.strategies.plan.planner import choose_plan
+    stem = os.path.splitext(os.path.basename(script))[0]
+    # what the predictions were made from, so that a later cost model can be checked on these runs
+    atomic_write_bytes(os.path.join(os.path.abspath(cfg.bench_dir), f"{stem}-profile.json"),
+                       json.dumps({"profile": profile.to_dict(), "cluster": dataclasses.asdict(cluster)}).encode())
     plan_files = {}
     for strategy in sorted({BENCH_STRATEGIES[n][0] for n in names if n not in reasons} & PLANNED):
-        path = os.path.join(os.path.abspath(cfg.bench_dir),
-                            f"{os.path.splitext(os.path.basename(script))[0]}-{strategy}-plan.json")
+        path = os.path.join(os.path.abspath(cfg.bench_dir), f"{stem}-{strategy}-plan.json")
         atomic_write_bytes(path, choose_plan(profile, cluster, force=strategy, pipeline_replicas=one_pipeline
                                              if strategy == "pipeline" else None).to_json().encode())
         plan_files[strategy] = path
