@@ -4,7 +4,10 @@ Usage: ``python scripts/bench_markdown.py out.json [more.json ...]``. For each f
 command, date, machine and torch version, then one table per script with samples/s, step time
 p50/p90, bytes per worker per step, the predicted step time and its ratio to the measured one,
 and the ratio to the fastest strategy; strategies that did not run show their reason. When the
-bench ran on an emulated cluster, the byte check against the kernel's counters follows.
+bench ran on an emulated cluster, the byte check against the kernel's counters follows. A
+``--scale`` document gives one table of samples/s per script and worker count (median run,
+slowest-fastest with ``--repeat``, prediction and predicted/measured), the cost model's mean
+error per script, and the measured and predicted orders per point.
 """
 from __future__ import annotations
 
@@ -21,8 +24,51 @@ def _ms(s) -> str:
     return "-" if s is None else f"{s * 1e3:.1f} ms"
 
 
+def _point(p: dict | None) -> str:
+    """One scale table cell: median samples/s (slowest-fastest run) (prediction, pred/meas)."""
+    if p is None:
+        return "-"
+    if p.get("reason"):
+        return f"n/a ({p['reason'][:40]})"
+    runs = p.get("runs") or []
+    spread = f" [{min(runs):,.0f}-{max(runs):,.0f}]" if len(runs) > 1 else ""
+    pred = p.get("predicted_samples_per_s")
+    tail = f" ({pred:,.0f}, {pred / p['samples_per_s']:.2f})" if pred else ""
+    return f"{p['samples_per_s']:,.0f}{spread}{tail}" + (f" ran as {p['ran_as']}" if p.get("ran_as") else "")
+
+
+def render_scale(doc: dict) -> str:
+    """Markdown for one ``hpar bench --scale`` document (launcher/bench/scale.py)."""
+    m = doc.get("machine", {})
+    command = doc["command"] if isinstance(doc["command"], str) else " ".join(doc["command"])
+    pts = doc["points"]
+    strategies = list(dict.fromkeys(p["strategy"] for p in pts))
+    out = [f"Command: `{command.replace(os.getcwd() + os.sep, '')}`  ",
+           f"Machine: {m.get('cpu_count', '?')} x {m.get('cpu_model', '?')}, torch {m.get('torch')}.", "",
+           "samples/s, all workers: median run [slowest-fastest run] (prediction, predicted/measured)", "",
+           "| script | workers | " + " | ".join(strategies) + " |", "|---|---:|" + "---|" * len(strategies)]
+    for script in dict.fromkeys(p["script"] for p in pts):
+        mine = [p for p in pts if p["script"] == script]
+        for n in sorted({p["workers"] for p in mine}):
+            cell = {p["strategy"]: p for p in mine if p["workers"] == n}
+            out.append(f"| {os.path.basename(script)} | {n} | " + " | ".join(_point(cell.get(s)) for s in strategies) + " |")
+    out.append("")
+    for script in dict.fromkeys(p["script"] for p in pts):
+        errs = [abs(p["predicted_samples_per_s"] / p["samples_per_s"] - 1) for p in pts if p["script"] == script
+                and p.get("samples_per_s") and p.get("predicted_samples_per_s")]
+        rows = [r for r in doc.get("rankings", []) if r["script"] == script]
+        if errs:
+            out.append(f"- {os.path.basename(script)}: mean absolute error {100 * sum(errs) / len(errs):.0f}% over "
+                       f"{len(errs)} points; order as measured at {sum(r['agree'] for r in rows)} of {len(rows)} points"
+                       + (f", where the runs do not overlap at {sum(r.get('agree_beyond_spread', r['agree']) for r in rows)}"
+                          if any("agree_beyond_spread" in r for r in rows) else ""))
+    return "\n".join(out)
+
+
 def render(doc: dict) -> str:
     """Markdown for one bench document (see launcher/bench_report.document)."""
+    if "points" in doc:
+        return render_scale(doc)
     m = doc.get("machine", {})
     command = doc["command"] if isinstance(doc["command"], str) else " ".join(doc["command"])
     command = command.replace(os.getcwd() + os.sep, "")

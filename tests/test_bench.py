@@ -395,3 +395,30 @@ def test_emulated_hosts_share_the_cores_out_and_every_run_gets_them():
     cmd = run_command("lm.py", "allreduce", cfg, 32, "r")
     assert cmd[cmd.index("--env") + 1] == "OMP_NUM_THREADS=1"
     assert "--env" not in run_command("lm.py", "allreduce", dataclasses.replace(cfg, threads=None), 32, "r")
+
+
+def test_bench_markdown_renders_a_scale_document(tmp_path):
+    """`python scripts/bench_markdown.py scale.json` (the tables of BENCHMARKS.md): one row per
+    script and worker count, the median run with the slowest-fastest range, the prediction and
+    predicted/measured, and per script the model's mean error and the orders."""
+    doc = {"command": "hpar bench lm.py --scale 1,2 --repeat 2", "machine": {"cpu_count": 2, "cpu_model": "X", "torch": "t"},
+           "points": [
+               {"script": "/a/lm.py", "strategy": "hybrid", "workers": 1, "samples_per_s": 100.0,
+                "predicted_samples_per_s": 150.0, "runs": [100.0, 120.0], "reason": None, "ran_as": None},
+               {"script": "/a/lm.py", "strategy": "allreduce", "workers": 1, "samples_per_s": 50.0,
+                "predicted_samples_per_s": 50.0, "runs": [50.0, 55.0], "reason": None, "ran_as": None},
+               {"script": "/a/lm.py", "strategy": "hybrid", "workers": 2, "samples_per_s": None,
+                "predicted_samples_per_s": 90.0, "runs": [], "reason": "timed out after 600 s", "ran_as": None}],
+           "rankings": [{"script": "/a/lm.py", "workers": 1, "measured": ["hybrid", "allreduce"],
+                         "predicted": ["hybrid", "allreduce"], "agree": True, "agree_beyond_spread": True}]}
+    path = tmp_path / "scale.json"
+    path.write_text(json.dumps(doc))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "bench_markdown.py"), str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "| script | workers | hybrid | allreduce |" in lines
+    assert "| lm.py | 1 | 100 [100-120] (150, 1.50) | 50 [50-55] (50, 1.00) |" in lines
+    assert "| lm.py | 2 | n/a (timed out after 600 s) | - |" in lines
+    assert "- lm.py: mean absolute error 25% over 2 points; order as measured at 1 of 1 points, where the runs do not overlap at 1" in lines
