@@ -422,3 +422,29 @@ def test_bench_markdown_renders_a_scale_document(tmp_path):
     assert "| lm.py | 1 | 100 [100-120] (150, 1.50) | 50 [50-55] (50, 1.00) |" in lines
     assert "| lm.py | 2 | n/a (timed out after 600 s) | - |" in lines
     assert "- lm.py: mean absolute error 25% over 2 points; order as measured at 1 of 1 points, where the runs do not overlap at 1" in lines
+
+
+def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
+    """`python scripts/repredict.py scale.json`: each measured point's prediction recomputed from
+    the profile and cluster the bench saved, equal to the bench's own while the model is unchanged."""
+    from conftest import embed_script
+    from hpar.launcher.bench.driver import BenchConfig, plan_script
+    from hpar.strategies.plan.cluster import ClusterSpec
+    script = write_script(tmp_path, embed_script())
+    cfg = BenchConfig(scripts=(script,), gpus=2, strategies=("hybrid", "allreduce"), steps=4,
+                      bench_dir=str(tmp_path / "b" / "hosts-2"))
+    plan = plan_script(script, cfg, cfg.strategies,
+                       lambda g: ClusterSpec(hosts=2, gpus_per_host=(1, 1), servers=2, bandwidth_Bps=1e7, latency_s=1e-4))
+    pred = {s: 2 * plan.batch_size / plan.estimates[s].step_s for s in ("hybrid", "allreduce")}
+    doc = {"settings": {"bench_dir": str(tmp_path / "b")}, "points": [
+        {"script": script, "strategy": s, "workers": 2, "samples_per_s": pred[s] / 2, "predicted_samples_per_s": pred[s],
+         "ran_as": None} for s in ("hybrid", "allreduce")]}
+    (tmp_path / "scale.json").write_text(json.dumps(doc))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "repredict.py"), str(tmp_path / "scale.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for s in ("hybrid", "allreduce"):
+        cell = f"{pred[s]:,.0f} (2.00)"
+        assert f"| {s} | {pred[s] / 2:,.0f} | {cell} | {cell} |" in out.stdout, out.stdout
+    assert "mean absolute error then 100% over 2, now 100% over 2 points" in out.stdout
