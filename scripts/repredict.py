@@ -10,12 +10,15 @@ order of strategies differs from the measured one. Nothing is run: it takes seco
 A change to the cost model checked this way has seen these points; say so beside any figure
 it gives (BENCHMARKS.md), and confirm with a fresh run.
 
-Usage: ``python scripts/repredict.py scale.json [--bench-dir DIR]`` (default: the bench
-directory recorded in the JSON's settings).
+Usage: ``python scripts/repredict.py scale.json [--bench-dir DIR] [--request-cpu-s S|probe]``
+(default: the bench directory recorded in the JSON's settings). ``--request-cpu-s`` gives
+clusters saved without a measured request CPU one (``probe``: measure it now with
+strategies/plan/probe.probe_requests).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -34,11 +37,12 @@ def load_saved(path: str) -> tuple[Profile, ClusterSpec]:
     return Profile.from_dict(saved["profile"]), ClusterSpec(**cluster)
 
 
-def repredict(doc: dict, bench_dir: str) -> list[dict]:
+def repredict(doc: dict, bench_dir: str, request_cpu_s: float | None = None) -> list[dict]:
     """For every measured point of a ``--scale`` document: ``{"script", "strategy", "workers",
     "measured", "then", "now"}`` in samples/s over all workers (``then``: the bench's
     prediction; ``now``: the current cost model's, None when a saved profile is missing or
-    the strategy is infeasible)."""
+    the strategy is infeasible). ``request_cpu_s`` fills a saved cluster's missing
+    ``request_cpu_s``."""
     rows, cache = [], {}
     for p in doc["points"]:
         if not p.get("samples_per_s"):
@@ -49,6 +53,8 @@ def repredict(doc: dict, bench_dir: str) -> list[dict]:
         if os.path.isfile(path):
             if path not in cache:
                 profile, cluster = load_saved(path)
+                if request_cpu_s is not None and cluster.request_cpu_s is None:
+                    cluster = dataclasses.replace(cluster, request_cpu_s=request_cpu_s)
                 cache[path] = (profile, {e.strategy: e for e in estimate_all(profile, cluster)})
             profile, estimates = cache[path]
             est = estimates.get(BENCH_STRATEGIES[p["strategy"]][0])
@@ -68,10 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("scale_json")
     ap.add_argument("--bench-dir", default=None)
+    ap.add_argument("--request-cpu-s", default=None)
     args = ap.parse_args(argv)
     doc = json.load(open(args.scale_json, encoding="utf-8"))
     bench_dir = args.bench_dir or doc["settings"]["bench_dir"]
-    rows = repredict(doc, bench_dir)
+    request = args.request_cpu_s
+    if request == "probe":
+        from hpar.strategies.plan.probe import probe_requests
+        request = probe_requests()
+        print(f"request CPU measured now: {request * 1e6:.0f} us")
+    rows = repredict(doc, bench_dir, None if request is None else float(request))
     print("| script | workers | strategy | measured | predicted then (x) | predicted now (x) |")
     print("|---|---:|---|---:|---:|---:|")
     for r in rows:
@@ -85,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             if len(here) > 1 and [r["strategy"] for r in sorted(here, key=lambda r: -r["measured"])] != \
                     [r["strategy"] for r in sorted(here, key=lambda r: -r["now"])]:
                 wrong.append(n)
+        if not any(r["now"] for r in mine):
+            print(f"- {script}: mean absolute error then {_mape(mine, 'then')} points; no saved profiles to predict now")
+            continue
         print(f"- {script}: mean absolute error then {_mape(mine, 'then')}, now {_mape(mine, 'now')} points; "
               f"predicted order differs from the measured one at {wrong or 'no'} workers")
     return 0

@@ -131,6 +131,39 @@ def test_servers_on_busy_cores_add_their_cpu_time_to_the_step():
     assert s_shared.step_s > s_own.step_s
 
 
+def test_requests_cost_their_measured_cpu_on_busy_cores_only():
+    """ClusterSpec.request_cpu_s (strategies/plan/probe.probe_requests): on busy cores every
+    request a worker sends (a pull and a push per server holding rows of a table, a DONE per
+    server) takes its two ends' CPU times the host's load; with spare cores, or unmeasured,
+    nothing is charged; a table whose requests cost more than its AllReduce goes to AllReduce."""
+    from dataclasses import replace
+    from hpar.strategies.plan.costmodel_ps import estimate_hybrid, estimate_ps
+    emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
+                       union_curve=((1, 0.05), (2, 0.1)))
+    lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
+    prof = Profile(params=(emb, lin), layers=(LayerProfile("emb", .01, .01, 0, 10, emb.bytes),
+                                              LayerProfile("out", .02, .03, 10**6, 10, lin.bytes)),
+                   batch_size=32, samples_per_batch=32, workers=4, is_sequential=False, sequential_reason="x",
+                   compute_s=0.07, forward_s=0.03, backward_s=0.04, forward_flops=10**6, backward_flops=2 * 10**6,
+                   update_s_per_byte=1e-10, timing_batch_size=32)
+    # 4 emulated hosts of one worker on 2 cores: load 2 (cpu_share), busy cores
+    busy = make_cluster([1] * 4, 4, None, 1e7, 1e-4, cores_per_host=0.5)
+    measured = replace(busy, request_cpu_s=2e-4)
+    base, charged = estimate_hybrid(prof, busy), estimate_hybrid(prof, measured)
+    assert base.breakdown["requests"] == 0.0 and base.placement["emb.weight"] == "ps"
+    parts = charged.partitions["emb.weight"]
+    per_worker = 2 * min(4, parts) + 4        # a pull and a push to each holder, a DONE to each server
+    assert charged.breakdown["requests"] == pytest.approx(per_worker * 2 * 2e-4)
+    assert charged.step_s == pytest.approx(base.step_s + charged.breakdown["requests"])
+    # ps: the dense weight is on the servers too, one more table's pulls and pushes
+    assert estimate_ps(prof, measured).breakdown["requests"] == pytest.approx((per_worker + 2 * 4) * 2 * 2e-4)
+    # spare cores: a request waits for the link (latency), its CPU runs beside the others
+    spare = make_cluster([1] * 4, 4, None, 1e7, 1e-4, cores_per_host=8.0, request_cpu_s=2e-4)
+    assert estimate_hybrid(prof, spare).breakdown["requests"] == 0.0
+    # requests dearer than the table's own AllReduce: the table goes to AllReduce
+    assert estimate_hybrid(prof, replace(busy, request_cpu_s=0.05)).placement["emb.weight"] == "allreduce"
+
+
 def test_allreduce_sparse_uses_the_profiled_sparse_update_and_needs_sparse_gradients():
     import dataclasses
     emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.15, True, layer=0,

@@ -1,5 +1,6 @@
 """`hpar profile` through click's CliRunner on tiny scripts (link figures from flags; one test runs the loopback probe)."""
 import json
+import os
 import textwrap
 
 import pytest
@@ -105,6 +106,9 @@ def test_local_cluster_is_probed_for_link_and_allreduce_figures():
     assert c.source == "probe" and c.hosts == 1 and c.workers == 2
     assert 0 < c.bandwidth_Bps < 1e12 and 0 <= c.latency_s < 0.1
     assert 0 < c.allreduce_Bps < 1e12 and c.collective_Bps == c.allreduce_Bps
+    # CPU workers sharing this machine's cores: a parameter-server request's CPU is measured too
+    assert c.cores_per_host == (os.cpu_count() or 1) and 1e-6 < c.request_cpu_s < 0.05
+    assert build_cluster(2, None, None, "1Gbps", None, 100.0).request_cpu_s is None   # a projected GPU: not charged
 
 
 @pytest.mark.timeout(180)
@@ -130,6 +134,9 @@ def test_profile_of_the_benchs_emulated_cluster_picks_hybrid_for_the_lm(tmp_path
     c = d["cluster"]
     assert c["hosts"] == 8 and c["gpus_per_host"] == [1] * 8 and c["bandwidth_Bps"] == pytest.approx(1.25e6)
     assert c["cores_per_host"] == pytest.approx((os.cpu_count() or 1) / 8)
+    assert 1e-6 < c["request_cpu_s"] < 0.05   # measured; its charge is in the PS strategies' breakdown
+    hybrid = next(x for x in d["candidates"] if x["strategy"] == "hybrid")
+    assert hybrid["breakdown"]["requests"] > 0
     assert d["plan"]["strategy"] == "hybrid"
     speed = {x["strategy"]: x["samples_per_s"] for x in d["candidates"]}
     # the margin depends on how loaded the machine is while the profile times compute (2.3x quiet,

@@ -47,7 +47,7 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, devic
     Raises ValueError naming the flag."""
     from hpar.launcher.hosts.hostfile import parse_hosts
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
-    from hpar.strategies.plan.probe import probe_link
+    from hpar.strategies.plan.probe import probe_link, probe_requests
     from hpar.launcher.hosts.slurm import allocation_hosts, in_allocation
     from hpar.launcher.bench.emulate import parse_emulate
     emulated = parse_emulate(hosts)
@@ -81,18 +81,21 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, devic
     # workers on this machine's CPU share its cores (cost model: strategies.costmodel.cpu_share)
     on_cpu = measured_on == "cpu" if measured_on else not torch.cuda.is_available()
     cores = float(os.cpu_count() or 1) if local and flops is None and on_cpu else None
+    # a request's CPU matters where the processes share busy cores: only then is it measured
+    request_cpu = probe_requests() if cores is not None else None
     return make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores,
-                        allreduce_Bps=allreduce_bw, device_mem_Bps=mem)
+                        allreduce_Bps=allreduce_bw, device_mem_Bps=mem, request_cpu_s=request_cpu)
 
 
 def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):
     """``--hosts emulate:H`` (launcher/bench/emulate.py): ``ceil(gpus / H)`` workers on each of H
     network namespaces of this machine, each host's link capped at ``bandwidth`` (None: not
     capped, the loopback's rate). The hosts share this machine's cores (cpu_count / H each)
-    and their processes talk to each other over its loopback (the probed intra-host rate)."""
+    and their processes talk to each other over its loopback (the probed intra-host rate); a
+    parameter-server request's CPU is measured too (strategies/plan/probe.probe_requests)."""
     from hpar.launcher.bench.emulate import slots_per_host
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
-    from hpar.strategies.plan.probe import probe_link
+    from hpar.strategies.plan.probe import probe_link, probe_requests
     gpus = gpus or hosts
     slots = [slots_per_host(hosts, gpus)] * hosts
     loop_bw, loop_lat, _ = probe_link()
@@ -100,7 +103,7 @@ def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):
     lat = parse_latency(latency) if latency is not None else loop_lat
     return make_cluster(slots, gpus, servers, bw, lat, None, intra_host_Bps=loop_bw,
                         source="flags" if bandwidth is not None else "probe",
-                        cores_per_host=(os.cpu_count() or 1) / hosts)
+                        cores_per_host=(os.cpu_count() or 1) / hosts, request_cpu_s=probe_requests())
 
 
 def report(profile, cluster, plan) -> dict:
@@ -120,7 +123,8 @@ def report(profile, cluster, plan) -> dict:
                         "servers": cluster.servers, "bandwidth_Bps": cluster.bandwidth_Bps,
                         "latency_s": cluster.latency_s, "device_flops": cluster.device_flops,
                         "device_mem_Bps": cluster.device_mem_Bps, "source": cluster.source,
-                        "cores_per_host": cluster.cores_per_host, "allreduce_Bps": cluster.allreduce_Bps},
+                        "cores_per_host": cluster.cores_per_host, "allreduce_Bps": cluster.allreduce_Bps,
+                        "request_cpu_s": cluster.request_cpu_s},
             "profile": {"device": profile.device, "batch_size": profile.batch_size,
                         "samples_per_batch": profile.samples_per_batch,
                         "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,

@@ -39,7 +39,10 @@ class ClusterSpec:
     ``allreduce_Bps`` (the bandwidth a ring AllReduce between processes of one host achieves,
     ``2(N-1)/N * bytes / seconds``, its reductions and copies included; measured by the
     probe, where gloo on CPU reaches about 0.4 of the point-to-point figure; None: the
-    intra-host bandwidth)."""
+    intra-host bandwidth), ``request_cpu_s`` (CPU seconds a small parameter-server request
+    costs its worker and server together, measured by strategies/plan/probe.probe_requests on
+    this machine; the cost model charges it where processes share busy cores; None: not
+    measured, not charged)."""
 
     hosts: int
     gpus_per_host: tuple[int, ...]
@@ -52,6 +55,7 @@ class ClusterSpec:
     cores_per_host: float | None = None
     allreduce_Bps: float | None = None
     device_mem_Bps: float | None = None
+    request_cpu_s: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:
@@ -129,7 +133,7 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
                  bandwidth_Bps: float, latency_s: float, device_flops: float | None = None,
                  intra_host_Bps: float | None = None, source: str = "flags",
                  cores_per_host: float | None = None, allreduce_Bps: float | None = None,
-                 device_mem_Bps: float | None = None) -> ClusterSpec:
+                 device_mem_Bps: float | None = None, request_cpu_s: float | None = None) -> ClusterSpec:
     """A ClusterSpec from host slot counts (``slots``, None: this machine only) and
     ``--gpus`` (None: every slot). GPUs fill hosts in order, as the launcher places ranks;
     hosts left without a GPU are dropped. ``servers`` None means one per host used.
@@ -152,7 +156,7 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
                        servers=len(per_host) if servers is None else servers,
                        bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, device_flops=device_flops,
                        intra_host_Bps=intra_host_Bps, source=source, cores_per_host=cores_per_host,
-                       allreduce_Bps=allreduce_Bps, device_mem_Bps=device_mem_Bps)
+                       allreduce_Bps=allreduce_Bps, device_mem_Bps=device_mem_Bps, request_cpu_s=request_cpu_s)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:

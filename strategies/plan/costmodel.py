@@ -91,7 +91,11 @@ class CostSetting:
     """What every estimate needs, from a profile and a cluster: workers ``n``, the most workers
     on one host ``g``, hosts ``h``, servers ``s``; bandwidths in bytes/s, latency and
     compute in seconds per step (forward ``fwd``, backward ``bwd``, scaled to the cluster's
-    devices and cores), update costs in seconds per byte."""
+    devices and cores), update costs in seconds per byte; ``request_cpu`` the step time a
+    parameter-server request takes where the processes share busy cores: the measured CPU of
+    its two ends (``ClusterSpec.request_cpu_s``) times the host's load (``cpu_share``): a host
+    pays for its workers' requests and, with the servers spread as the workers are, for as
+    many answers; 0 with spare cores (a request then waits for the link: the latency)."""
 
     n: int
     g: int
@@ -107,6 +111,7 @@ class CostSetting:
     sparse_update_per_byte: float   # worker update per byte of gathered sparse gradient rows
     overlap: bool   # a spare core for every process: communication (and servers) run beside backward
     intra_bw: float  # bandwidth between processes of one host (copies through its kernel)
+    request_cpu: float = 0.0   # seconds a parameter-server request adds to the step on busy cores
 
     def under_backward(self, comm: float) -> float:
         """Seconds of backward plus the communication that runs during it."""
@@ -144,10 +149,12 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
     k, load = cpu_share(cluster), cpu_load(cluster, with_servers)
     p2p = cluster.bandwidth_Bps if cluster.hosts > 1 else cluster.intra_Bps
     busy_cores = load is not None and load >= 1.0
+    # on busy cores a request's CPU (both ends, measured) is taken from the host's share of them
+    request = k * cluster.request_cpu_s if busy_cores and cluster.request_cpu_s else 0.0
     return CostSetting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
                        cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
                        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
-                       p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps)
+                       p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, request)
 
 
 def split_tail(params, first_layer: int = 0):

@@ -7,7 +7,10 @@ a worker pulls ``alpha * rows`` (row, id) pairs and pushes as many gradient rows
 with servers on other hosts: a host pushes the union of its workers' rows once, Parallax's
 local aggregation); a server sums its share of the pushes and updates the touched rows.
 Servers are CPU processes, as in Parallax; where they share the cores of CPU workers, their
-CPU time (the estimate's ``server_cpu``) lengthens the step (:func:`_ps_estimate`).
+CPU time (the estimate's ``server_cpu``) lengthens the step (:func:`_ps_estimate`), and so does
+every request's own CPU (``requests``: the measured CPU of a small request's two ends, per
+request a worker sends, CostSetting.request_cpu): with many small tables on many servers the
+requests, not their bytes, set the pace.
 """
 from __future__ import annotations
 
@@ -82,7 +85,9 @@ class OnPS:
     """One parameter's costs on the servers, per step: ``pull``/``push`` seconds (a
     worker's wait), ``server`` seconds a server spends summing and updating it, ``traffic``
     bytes a server receives and sends for it, ``sent`` bytes a worker sends for it, and its
-    ``partitions`` (sparse parameters only, else None)."""
+    ``partitions`` (sparse parameters only, else None); ``requests`` a worker sends for it per
+    step (a pull and a push to every server holding rows of it; a host's pushes once with
+    local aggregation)."""
     param: ParamProfile
     partitions: int | None
     pull: float
@@ -90,6 +95,7 @@ class OnPS:
     server: float
     traffic: float
     sent: float
+    requests: float = 0.0
 
 
 def on_ps(p: ParamProfile, c: CostSetting, hybrid: bool) -> OnPS:
@@ -105,8 +111,10 @@ def on_ps(p: ParamProfile, c: CostSetting, hybrid: bool) -> OnPS:
     n_push = push_h * c.h
     parts, t_pull, t_push = choose_partitions(p, c, c.g * pull_w, push_h, c.n * pull_w, n_push)
     touched = p.union_for(c.n) * p.bytes if p.sparse else p.bytes
+    holders = min(c.s, parts if p.sparse else c.s, p.rows)   # servers with rows of p (RowLayout)
+    aggregated = hybrid and p.sparse and c.h > 1 and c.g > 1
     return OnPS(p, parts if p.sparse else None, t_pull, t_push, (n_push + touched) * c.server_per_byte / c.s,
-                (c.n * pull_w + n_push) / c.s, push_h / c.g)
+                (c.n * pull_w + n_push) / c.s, push_h / c.g, holders * (1 + (1 / c.g if aggregated else 1)))
 
 
 def allreduce_cost(p: ParamProfile, c: CostSetting) -> float:
@@ -129,7 +137,7 @@ def _placed(profile: Profile, c: CostSetting, hybrid: bool) -> list[OnPS]:
         if hybrid and not p.embedding_module:
             continue
         t = on_ps(p, c, hybrid)
-        if not hybrid or t.pull + t.push + t.server < allreduce_cost(p, c):
+        if not hybrid or t.pull + t.push + t.server + t.requests * c.request_cpu < allreduce_cost(p, c):
             terms.append(t)
     return terms
 
@@ -158,16 +166,18 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
     dense_update = sum(p.bytes * (2 if p.embedding_module else 1) for p in on_ar) * c.update_per_byte
     pull = sum(t.pull for t in terms)
     busy = server_busy(terms, c)
+    # a worker's requests per step: pulls and pushes, and a DONE to every server
+    requests = (sum(t.requests for t in terms) + c.s if terms else 0.0) * c.request_cpu
     if c.overlap:
         step = (pull + c.fwd + max(c.bwd, ar_over + push_over + server_over) + ar_tail + push_tail
                 + max(server_tail, dense_update))
     else:
-        step = pull + c.fwd + c.bwd + ar_over + push_over + ar_tail + push_tail + dense_update + busy
+        step = pull + c.fwd + c.bwd + ar_over + push_over + ar_tail + push_tail + dense_update + busy + requests
     sent = sum(t.sent for t in terms) + (2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0)
     return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
                     {"pull": pull, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over + push_over,
                      "comm_tail": ar_tail + push_tail, "server_update": server_over + server_tail,
-                     "update": dense_update, "server_cpu": busy},
+                     "update": dense_update, "server_cpu": busy, "requests": requests},
                     placement={p.name: ("ps" if p.name in placed else "allreduce") for p in profile.params},
                     partitions={t.param.name: t.partitions for t in terms if t.partitions is not None})
 

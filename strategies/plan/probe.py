@@ -11,6 +11,10 @@ test machine, most of it importing torch twice, for the same figures.
 Between two hosts the endpoints must be two processes: :func:`probe_peer` is one of them
 (``python -m hpar.strategies.plan.probe ADDR PORT RANK``), used by ``hpar bench`` to measure
 the link of its emulated hosts (launcher/bench/emulate.py) instead of trusting the cap.
+
+:func:`probe_requests` measures the CPU a small parameter-server request costs its two ends:
+what a request costs in time when the processes share busy cores (the cost model's
+``request_cpu_s``, strategies/plan/costmodel_ps.py).
 """
 from __future__ import annotations
 
@@ -74,13 +78,22 @@ def _endpoint(pg, rank: int, nbytes: int, pings: int, sends: int, out: dict) -> 
         out[f"error{rank}"] = exc
 
 
-def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
-               timeout_s: float = 60.0) -> LinkFigures:
-    """Measure (bandwidth_Bps, latency_s, allreduce_Bps) of gloo over loopback TCP on this
-    machine: latency = half the median round trip of a 4-byte message, bandwidth = ``nbytes``
-    over the median one-way time of a large message minus one latency, allreduce_Bps =
-    ``nbytes`` over the median time of an AllReduce of ``nbytes`` (the 2(N-1)/N * nbytes a
-    ring moves for N = 2). Takes about a second. Raises RuntimeError if it fails."""
+def _in_threads(calls, timeout_s: float, out: dict) -> None:
+    """Run ``calls`` ([(function, args)]) in threads and join them; raises RuntimeError when
+    one stored an ``error*`` entry in ``out`` or outlived ``timeout_s``."""
+    threads = [threading.Thread(target=f, args=a, daemon=True) for f, a in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    errors = [v for k, v in out.items() if k.startswith("error")]
+    if errors or any(t.is_alive() for t in threads):
+        why = type(errors[0]).__name__ if errors else "timeout"
+        raise RuntimeError(f"link probe failed ({why}); pass --bandwidth and --latency")
+
+
+def _loopback_pair(timeout_s: float) -> list:
+    """The two ProcessGroupGloo endpoints of a two-rank group over a HashStore, in this process."""
     store, timeout = dist.HashStore(), datetime.timedelta(seconds=timeout_s)
     pgs: list = [None, None]
     out: dict = {}
@@ -90,21 +103,67 @@ def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
             pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, timeout)
         except Exception as exc:
             out[f"error{rank}"] = exc
+    _in_threads([(connect, (r,)) for r in range(2)], timeout_s, out)
+    return pgs
 
-    def run(target, per_rank) -> None:
-        threads = [threading.Thread(target=target, args=per_rank(r), daemon=True) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout_s)
-        errors = [v for k, v in out.items() if k.startswith("error")]
-        if errors or any(t.is_alive() for t in threads):
-            why = type(errors[0]).__name__ if errors else "timeout"
-            raise RuntimeError(f"link probe failed ({why}); pass --bandwidth and --latency")
 
-    run(connect, lambda r: (r,))
-    run(_endpoint, lambda r: (pgs[r], r, nbytes, pings, sends, out))
+def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
+               timeout_s: float = 60.0) -> LinkFigures:
+    """Measure (bandwidth_Bps, latency_s, allreduce_Bps) of gloo over loopback TCP on this
+    machine: latency = half the median round trip of a 4-byte message, bandwidth = ``nbytes``
+    over the median one-way time of a large message minus one latency, allreduce_Bps =
+    ``nbytes`` over the median time of an AllReduce of ``nbytes`` (the 2(N-1)/N * nbytes a
+    ring moves for N = 2). Takes about a second. Raises RuntimeError if it fails."""
+    pgs, out = _loopback_pair(timeout_s), {}
+    _in_threads([(_endpoint, (pgs[r], r, nbytes, pings, sends, out)) for r in range(2)], timeout_s, out)
     return _figures(out, nbytes)
+
+
+def probe_requests(requests: int = 300, rows: int = 64, dim: int = 16, timeout_s: float = 60.0) -> float:
+    """CPU seconds one small parameter-server request costs the worker and the server
+    together, in the threads that make and answer it: the worker encodes a pull of ``rows``
+    row ids (strategies/hybrid/wire.py's one-message format), posts the answer's receive and
+    sends; the server receives it, decodes the header and ids, looks up the rows and sends them
+    back. Both endpoints are threads of this process over loopback gloo; each one's
+    ``time.thread_time`` over ``requests`` requests after 20 warm-up ones (gloo's own I/O
+    threads are not counted: their CPU readings vary several-fold from run to run). On this
+    project's 2-vCPU test machine: 0.2-0.25 ms. Raises RuntimeError if it fails."""
+    from hpar.strategies.hybrid.wire import HEADER_BYTES, PULL, TAG_REQUEST, encode, reply_tag
+    pgs, out, warm = _loopback_pair(timeout_s), {}, 20
+    table = torch.randn(4 * rows, dim)
+
+    def worker(pg) -> None:
+        try:
+            ids = torch.randperm(4 * rows)[:rows]
+            for i in range(warm + requests):
+                if i == warm:
+                    out["worker_cpu"] = time.thread_time()
+                answer = torch.empty(rows, dim)
+                reply = pg.recv([answer], 1, reply_tag(0))
+                msg, _ = encode(PULL, 0, rows, i, 1, (ids,))
+                pg.send([msg], 1, TAG_REQUEST).wait()
+                reply.wait()
+            out["worker_cpu"] = time.thread_time() - out["worker_cpu"]
+        except Exception as exc:
+            out["error0"] = exc
+
+    def server(pg) -> None:
+        try:
+            buf = torch.empty(HEADER_BYTES + 8 * rows, dtype=torch.uint8)
+            for i in range(warm + requests):
+                if i == warm:
+                    out["server_cpu"] = time.thread_time()
+                pg.recv([buf], 0, TAG_REQUEST).wait()
+                op, tid, n, step, count, inline = buf[:HEADER_BYTES].view(torch.int64).tolist()
+                assert op == PULL and inline and n == rows, "the probe's own request"
+                local = torch.empty(n, dtype=torch.int64)
+                local.view(torch.uint8).copy_(buf[HEADER_BYTES:])
+                pg.send([table.index_select(0, local).contiguous()], 0, reply_tag(tid)).wait()
+            out["server_cpu"] = time.thread_time() - out["server_cpu"]
+        except Exception as exc:
+            out["error1"] = exc
+    _in_threads([(worker, (pgs[0],)), (server, (pgs[1],))], timeout_s, out)
+    return (out["worker_cpu"] + out["server_cpu"]) / requests
 
 
 def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: int = 20, sends: int = 4,
