@@ -223,3 +223,26 @@ def test_hybrid_places_each_embedding_where_it_costs_less():
     assert e.placement == {"big.weight": "ps", "lin.weight": "allreduce", "bias.weight": "allreduce"}
     assert set(e.partitions) == {"big.weight"}
     assert e.breakdown["update"] == pytest.approx((40_000 + 2 * 4000) * 1e-10)
+
+
+def test_link_probe_latency_is_the_least_of_three_rounds(monkeypatch):
+    """strategies/plan/probe.py: the small round trips run in three rounds across the probe; a
+    round held up by other work on the cores (a one-off 2 ms reading against 0.07 ms) does not
+    set the latency."""
+    from hpar.strategies.plan import probe
+
+    class Done:
+        def wait(self):
+            return True
+
+    class FakeGroup:
+        def allreduce(self, tensors):
+            return Done()
+    rounds = iter([[9.0, 9.0] + [4e-3] * 10, [1.0] * 5, [9.0, 9.0] + [1.4e-4] * 10, [9.0, 9.0] + [3e-3] * 10])
+    monkeypatch.setattr(probe, "_exchange", lambda pg, rank, out, back, n: next(rounds))
+    out = {}
+    probe._endpoint(FakeGroup(), 0, 4096, 12, 4, out)
+    assert "error0" not in out, out
+    figures = probe._figures(out, 4096)
+    assert figures.latency_s == pytest.approx(0.7e-4)     # half the quiet round's median
+    assert figures.bandwidth_Bps == pytest.approx(4096 / (1.0 - 1.4e-4))

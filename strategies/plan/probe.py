@@ -63,16 +63,22 @@ def _exchange(pg, rank: int, out: torch.Tensor, back: torch.Tensor, n: int) -> l
 def _endpoint(pg, rank: int, nbytes: int, pings: int, sends: int, out: dict) -> None:
     try:
         small, big = torch.zeros(1), torch.zeros(nbytes // 4)
-        rtts = _exchange(pg, rank, small, small.clone(), pings)
+        # small round trips in three rounds spread over the probe: the latency is the least of
+        # the rounds' medians, so a passing spell of other work on the cores spoils one round,
+        # not the reading (the 2-host probe of one bench read 2.0 ms, of the next 0.07 ms)
+        ping = lambda: _exchange(pg, rank, small, small.clone(), pings)[2:]   # the first pay for set-up
+        rtt_rounds = [ping()]
         one_way = _exchange(pg, rank, big, small.clone(), sends + 1)
+        rtt_rounds.append(ping())
         allreduce = []
         for _ in range(sends + 1):
             pg.allreduce([small]).wait()   # both ranks start the timed AllReduce together
             t0 = time.perf_counter()
             pg.allreduce([big]).wait()
             allreduce.append(time.perf_counter() - t0)
-        if rank == 0:   # the first exchanges pay for connection set-up and page faults
-            out["figures"] = (statistics.median(rtts[2:]), statistics.median(one_way[1:]),
+        rtt_rounds.append(ping())
+        if rank == 0:   # the first large exchanges pay for page faults
+            out["figures"] = (min(statistics.median(r) for r in rtt_rounds), statistics.median(one_way[1:]),
                               statistics.median(allreduce[1:]))
     except Exception as exc:  # reported by probe_link in the caller's thread
         out[f"error{rank}"] = exc
@@ -110,7 +116,8 @@ def _loopback_pair(timeout_s: float) -> list:
 def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
                timeout_s: float = 60.0) -> LinkFigures:
     """Measure (bandwidth_Bps, latency_s, allreduce_Bps) of gloo over loopback TCP on this
-    machine: latency = half the median round trip of a 4-byte message, bandwidth = ``nbytes``
+    machine: latency = half the median round trip of a 4-byte message (the least of three
+    rounds' medians, taken before, between and after the large transfers), bandwidth = ``nbytes``
     over the median one-way time of a large message minus one latency, allreduce_Bps =
     ``nbytes`` over the median time of an AllReduce of ``nbytes`` (the 2(N-1)/N * nbytes a
     ring moves for N = 2). Takes about a second. Raises RuntimeError if it fails."""
