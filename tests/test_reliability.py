@@ -74,6 +74,17 @@ def test_resume_after_the_final_checkpoint_and_from_a_damaged_one(tmp_path, reap
     assert resumed["loss_last"] == first["loss_last"]
     assert not run_processes(run_dir)
 
+    # 3. flags that would change the resumed run's size or plan: one line, exit 2, nothing touched
+    latest = open(os.path.join(run_dir, "checkpoints", "latest")).read()
+    code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--gpus", "4", "--strategy", "hybrid", "--plain",
+                        name="refused.txt")
+    assert code == 2, out
+    assert out.splitlines() == [f"hpar: --resume {run_dir}: a resumed run keeps the size and plan it was started with "
+                                "(its config.json and plan.json), so --gpus, --strategy cannot change it; drop them, "
+                                "or start a new run with --run-dir"], out
+    assert open(os.path.join(run_dir, "checkpoints", "latest")).read() == latest
+    assert state_equal(torch.load(os.path.join(run_dir, "model.pt")), model)
+
 
 @pytest.mark.timeout(300)
 def test_hybrid_resume_after_the_final_checkpoint(tmp_path, reap_run):

@@ -85,6 +85,15 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags."""
     loop_flags = loop_flags or {}
+    if resume_dir:
+        given = [flag for flag, value in (("--gpus", gpus), ("--plan", plan_file), ("--servers", servers),
+                                          ("--batch-size", batch_size), ("--schedule", schedule),
+                                          ("--micro-batches", micro_batches), ("--pipeline-replicas", pipeline_replicas))
+                 if value is not None] + (["--strategy"] if strategy != "auto" else [])
+        if given:
+            raise ValueError(f"--resume {resume_dir}: a resumed run keeps the size and plan it was started with "
+                             f"(its config.json and plan.json), so {', '.join(given)} cannot change it; drop "
+                             f"{'them' if len(given) > 1 else 'it'}, or start a new run with --run-dir")
     host_list = tuple(parse_hosts(hosts)) if hosts else ()
     extra_env = parse_env_flags(env)
     slurm = not host_list and in_allocation()
