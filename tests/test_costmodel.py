@@ -160,8 +160,33 @@ def test_requests_cost_their_measured_cpu_on_busy_cores_only():
     # spare cores: a request waits for the link (latency), its CPU runs beside the others
     spare = make_cluster([1] * 4, 4, None, 1e7, 1e-4, cores_per_host=8.0, request_cpu_s=2e-4)
     assert estimate_hybrid(prof, spare).breakdown["requests"] == 0.0
-    # requests dearer than the table's own AllReduce: the table goes to AllReduce
-    assert estimate_hybrid(prof, replace(busy, request_cpu_s=0.05)).placement["emb.weight"] == "allreduce"
+    # requests dearer than the table's own AllReduce, even on one server: the table goes to AllReduce
+    assert estimate_hybrid(prof, replace(busy, request_cpu_s=0.5)).placement["emb.weight"] == "allreduce"
+
+
+def test_small_tables_go_to_fewer_servers_when_requests_cost_cpu():
+    """choose_partitions tries fewer partitions than servers: a small table's bytes fit one
+    server's link, so where each request costs CPU (busy cores, measured request_cpu_s) it is
+    kept on fewer servers (fewer requests per worker); a large table stays spread; without a
+    request cost the per-message latency keeps one partition per server at least."""
+    from dataclasses import replace
+    from hpar.strategies.plan.costmodel_ps import estimate_hybrid
+    small = ParamProfile("cat.weight", (1_000, 16), 64_000, True, 0.15, 0.5, True, layer=0,
+                         union_curve=((1, 0.15), (8, 0.5)))
+    big = ParamProfile("user.weight", (1_000_000, 64), 256_000_000, True, 0.2, 0.8, True, layer=0,
+                       union_curve=((1, 0.2), (8, 0.8)))
+    lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
+    prof = Profile(params=(small, big, lin),
+                   layers=(LayerProfile("emb", .001, .001, 0, 10, small.bytes + big.bytes),
+                           LayerProfile("out", .002, .003, 10**6, 10, lin.bytes)),
+                   batch_size=256, samples_per_batch=256, workers=8, is_sequential=False, sequential_reason="x",
+                   compute_s=0.007, forward_s=0.003, backward_s=0.004, forward_flops=10**6, backward_flops=2 * 10**6,
+                   update_s_per_byte=1e-10, timing_batch_size=256)
+    busy = make_cluster([1] * 8, 8, None, 6.25e6, 7e-5, cores_per_host=0.25)
+    charged = estimate_hybrid(prof, replace(busy, request_cpu_s=2.3e-4))
+    assert charged.partitions["cat.weight"] < 8 <= charged.partitions["user.weight"]
+    free = estimate_hybrid(prof, busy)
+    assert free.partitions["cat.weight"] >= 8 and free.breakdown["requests"] == 0.0
 
 
 def test_allreduce_sparse_uses_the_profiled_sparse_update_and_needs_sparse_gradients():

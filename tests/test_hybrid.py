@@ -127,11 +127,13 @@ def config(tmp_path, script, strategy="hybrid", world=2, servers=1, steps=20, **
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("opt,world,servers", [("momentum", 2, 1), ("momentum", 3, 2), ("adagrad", 2, 2), ("adagrad", 3, 1)])
-def test_hybrid_matches_single_process(tmp_path, opt, world, servers):
+@pytest.mark.parametrize("opt,world,servers,partitions", [
+    ("momentum", 2, 1, {}), ("momentum", 3, 2, {"user.weight": 3}),
+    ("adagrad", 2, 2, {"user.weight": 1, "items.weight": 1}),   # each table whole, on its own server
+    ("adagrad", 3, 1, {})])
+def test_hybrid_matches_single_process(tmp_path, opt, world, servers, partitions):
     script = write_job(tmp_path, opt)
-    cfg = config(tmp_path, script, world=world, servers=servers,
-                 plan={"partitions": {"user.weight": 3}} if servers == 2 else {})
+    cfg = config(tmp_path, script, world=world, servers=servers, plan={"partitions": partitions} if partitions else {})
     # 3 workers and 2 servers as two hosts: workers 0,1 and server 0 on host 0, worker 2 and
     # server 1 on host 1, so host 0's workers aggregate their sparse gradients locally
     hosts = (0, 0, 1, 0, 1) if (world, servers) == (3, 2) else None
@@ -178,6 +180,32 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path):
     launch(resumed)
     got = torch.load(os.path.join(first.run_dir, "model.pt"))
     assert_same(got, single_process_reference(script, 2, 10, first.batch_size, first.lr))
+
+
+def test_a_checkpoint_with_another_row_layout_is_refused(tmp_path):
+    """A server's checkpoint records each table's partitions and first server; resuming it
+    under another layout (another plan's partitions, or one written before tables started on
+    different servers) is a ValueError naming the table, not rows loaded onto wrong servers."""
+    from hpar.strategies.hybrid.client import ps_tables
+    from hpar.workers.server import Server
+    script = write_job(tmp_path, "adagrad")
+    job = load_job(script)
+
+    def server(partitions):
+        torch.manual_seed(0)
+        model = job.build_model()
+        tables = ps_tables(model, job.build_optimizer(model.parameters(), 0.1), "hybrid",
+                           {"partitions": partitions}, 2)
+        return Server(config(tmp_path, script, servers=2), tables, model, index=1, num_workers=2)
+
+    saved = server({"user.weight": 2}).state_dict()
+    assert saved["layouts"]["items.weight"] == [2, 1]       # table 1 starts on server 1
+    server({"user.weight": 2}).load_state_dict(saved)
+    with pytest.raises(ValueError, match="table user.weight was saved as 2 partition"):
+        server({"user.weight": 1}).load_state_dict(saved)
+    older = {k: v for k, v in saved.items() if k != "layouts"}   # before first servers: all on server 0
+    with pytest.raises(ValueError, match="table items.weight .* from server 0"):
+        server({"user.weight": 2}).load_state_dict(older)
 
 
 def _resolve(tmp_path, script: str, plan, strategy: str, servers):

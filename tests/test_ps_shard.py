@@ -6,9 +6,10 @@ import torch
 from hpar.strategies.hybrid.shard import OptimizerSpec, ParamShard, RowLayout, spec_from_group, table_view
 
 
-@pytest.mark.parametrize("rows,parts,servers", [(10, 1, 1), (10, 3, 2), (7, 7, 3), (100, 5, 2), (5, 2, 4)])
-def test_layout_covers_every_row_once(rows, parts, servers):
-    lay = RowLayout.make(rows, parts, servers)
+@pytest.mark.parametrize("rows,parts,servers,first", [(10, 1, 1, 0), (10, 3, 2, 0), (7, 7, 3, 2), (100, 5, 2, 1),
+                                                      (5, 2, 4, 0), (5, 2, 4, 3), (12, 1, 4, 2)])
+def test_layout_covers_every_row_once(rows, parts, servers, first):
+    lay = RowLayout.make(rows, parts, servers, first)
     held = [lay.server_rows(s) for s in range(servers)]
     allrows = torch.sort(torch.cat(held)).values
     assert torch.equal(allrows, torch.arange(rows))
@@ -22,6 +23,20 @@ def test_layout_clamps_partitions_and_round_robin():
     lay = RowLayout.make(4, 10, 2)
     assert lay.num_partitions == 4
     assert lay.server_of(torch.tensor([0, 1, 2, 3])).tolist() == [0, 1, 0, 1]
+
+
+def test_layout_starts_at_its_first_server_and_fewer_partitions_use_fewer_servers():
+    """ps_tables gives table t first server t % S: a table kept whole (P = 1) lives on one
+    server, and partitions go round-robin from the first server on."""
+    whole = RowLayout.make(12, 1, 4, first_server=6)     # 6 % 4
+    assert whole.first_server == 2
+    assert [whole.server_rows(s).numel() for s in range(4)] == [0, 0, 12, 0]
+    assert torch.equal(whole.local_index(2, torch.tensor([11, 0, 5])), torch.tensor([11, 0, 5]))
+    three = RowLayout.make(9, 3, 4, first_server=3)
+    assert three.server_of(torch.tensor([0, 3, 6, 8])).tolist() == [3, 0, 1, 1]
+    assert torch.equal(three.local_index(1, torch.tensor([8, 6])), torch.tensor([2, 0]))
+    with pytest.raises(AssertionError, match="wrong server"):
+        three.local_index(0, torch.tensor([0]))
 
 
 def _run_both(make_opt, steps=6, rows=12, dim=3, parts=3, servers=2, workers=2, mode="exact", seed=0):

@@ -118,6 +118,27 @@ def test_zoo_hybrid_equals_allreduce(tmp_path_factory, name):
         torch.testing.assert_close(h[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+def test_zoo_tables_kept_whole_spread_over_the_servers(tmp_path_factory):
+    """A plan that keeps every table whole (one partition each, what the planner picks for small
+    tables where requests cost CPU) on 2 servers: `hpar run --strategy ps` puts tables 0 and 2
+    on server 0 and tables 1 and 3 on server 1 (each table starts on its own server), and
+    trains the same model as allreduce."""
+    base = tmp_path_factory.mktemp("whole-tables")
+    plan = base / "plan.json"
+    plan.write_text(json.dumps({"strategy": "ps", "partitions": {n: 1 for n in
+                                                                   ("emb.weight", "doc.weight", "mix.weight", "mix.bias")}}))
+    ps = hpar_run(tmp_path_factory, "tied_lm", "ps", 2, "--servers", "2", "--plan", str(plan))
+    check_trained(ps)
+    for server in (0, 1):
+        log = (ps["run_dir"] / "logs" / f"server-{server}.log").read_text()
+        assert f'"server":{server},"message":"serving 2 table shard(s) from step 0"' in log, log[-1500:]
+    ar = hpar_run(tmp_path_factory, "tied_lm", "allreduce")
+    check_trained(ar)
+    a, p = torch.load(ar["run_dir"] / "model.pt"), torch.load(ps["run_dir"] / "model.pt")
+    for k in a:
+        torch.testing.assert_close(p[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
 @pytest.mark.parametrize("name", ["nested_cnn", "frozen"])
 def test_zoo_pipeline(tmp_path_factory, name):
     assert "pipeline" in offered(name)

@@ -65,10 +65,24 @@ class Server:
     def part(self) -> str:
         return f"server{self.index}"
 
+    def _layouts(self) -> dict[str, list[int]]:
+        return {t.name: [t.layout.num_partitions, t.layout.first_server] for t in self.tables.values()}
+
     def state_dict(self) -> dict:
-        return {"applied": self.applied, "shards": {self.tables[tid].name: s.state_dict() for tid, s in self.shards.items()}}
+        return {"applied": self.applied, "layouts": self._layouts(),
+                "shards": {self.tables[tid].name: s.state_dict() for tid, s in self.shards.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output. Raises ValueError when the checkpoint's row
+        layout (partitions and first server per table) is not this run's: its rows would land
+        on the wrong servers. (Checkpoints without layouts were written with partition 0 of
+        every table on server 0.)"""
+        saved = state.get("layouts") or {t.name: [t.layout.num_partitions, 0] for t in self.tables.values()}
+        for name, layout in self._layouts().items():
+            if list(saved.get(name, layout)) != layout:
+                raise ValueError(f"checkpoint of step {state['applied']}: table {name} was saved as "
+                                 f"{saved[name][0]} partition(s) from server {saved[name][1]}, this run has "
+                                 f"{layout[0]} from server {layout[1]}; resume with the plan and --servers it was written with")
         for tid, shard in self.shards.items():
             shard.load_state_dict(state["shards"][self.tables[tid].name])
         self.applied = int(state["applied"])

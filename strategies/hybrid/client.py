@@ -87,7 +87,9 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
 
     ``opt`` is the user's optimizer over all of ``model``'s parameters: each table takes its
     param group's rule (ValueError if the PS cannot run it). Partitions per parameter come
-    from ``plan["partitions"]`` (default: one per server); ``plan["sparse_optimizer"]``
+    from ``plan["partitions"]`` (default: one per server; fewer than the servers keeps a small
+    table on fewer servers, so a worker sends it fewer requests), and table ``t``'s partition 0
+    lives on server ``t % S``, spreading the tables over the servers; ``plan["sparse_optimizer"]``
     picks ``"exact"`` (default) or ``"lazy"`` semantics (see ps_shard).
     """
     if num_servers < 1:
@@ -106,7 +108,7 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
         view = table_view(p.detach())
         parts = int(plan.get("partitions", {}).get(name, num_servers))
         tables.append(PSTable(len(tables), name, tuple(p.shape), view.shape[0], view.shape[1],
-                              "rows" if name in emb else "whole", RowLayout.make(view.shape[0], parts, num_servers),
+                              "rows" if name in emb else "whole", RowLayout.make(view.shape[0], parts, num_servers, len(tables)),
                               spec_from_group(opt, group_of[id(p)], mode), p.dtype))
     return tables
 

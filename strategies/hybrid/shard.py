@@ -4,8 +4,11 @@ A PS-placed parameter is viewed as a table of ``rows x dim`` (an embedding weigh
 any other tensor with its first dimension as rows and the rest flattened). Its rows are cut
 into ``P`` contiguous row ranges (partitions, as Parallax's partitioner does, Kim et al.,
 "Parallax: Sparsity-aware Data Parallel Training of Deep Neural Networks", EuroSys 2019),
-and partition ``p`` lives on server ``p % S`` (round-robin). A server keeps the partitions it
-owns concatenated in one local tensor (:class:`RowLayout` maps global row ids to local ones).
+and partition ``p`` lives on server ``(p + first) % S`` (round-robin from the table's first
+server; tables start on different servers, as TensorFlow places variables round-robin over
+its PS tasks, so a small table kept whole, ``P < S``, does not land on server 0 with all the
+others). A server keeps the partitions it owns concatenated in one local tensor
+(:class:`RowLayout` maps global row ids to local ones).
 
 Optimizers (:class:`ParamShard.apply`) run torch.optim's own functional updates of ``SGD``
 (momentum, dampening, nesterov, weight decay), ``Adagrad`` and ``Adam``/``AdamW``, with the
@@ -41,22 +44,31 @@ MODES = ("exact", "lazy")
 class RowLayout:
     """How ``num_rows`` rows are cut into ``num_partitions`` contiguous ranges spread
     round-robin over ``num_servers`` servers. Partition ``p`` holds rows
-    ``[p*R//P, (p+1)*R//P)`` and lives on server ``p % S``."""
+    ``[p*R//P, (p+1)*R//P)`` and lives on server ``(p + first_server) % S``; with fewer
+    partitions than servers, only ``P`` servers hold rows of the table."""
 
     num_rows: int
     num_partitions: int
     num_servers: int
+    first_server: int = 0
 
     def __post_init__(self):
         assert self.num_rows >= 1 and self.num_servers >= 1
         assert 1 <= self.num_partitions <= self.num_rows
+        assert 0 <= self.first_server < self.num_servers
         p = torch.arange(self.num_partitions + 1, dtype=torch.int64)
         object.__setattr__(self, "_bounds", p * self.num_rows // self.num_partitions)
+        object.__setattr__(self, "_owners", self._server_of_partition(p[:-1]))
+        object.__setattr__(self, "_shifts", {})   # server -> local row id minus global, per partition
 
     @staticmethod
-    def make(num_rows: int, partitions: int, num_servers: int) -> "RowLayout":
-        """A layout with ``partitions`` clamped to ``[1, num_rows]``."""
-        return RowLayout(num_rows, max(1, min(int(partitions), num_rows)), num_servers)
+    def make(num_rows: int, partitions: int, num_servers: int, first_server: int = 0) -> "RowLayout":
+        """A layout with ``partitions`` clamped to ``[1, num_rows]``, its partition 0 on
+        server ``first_server % num_servers``."""
+        return RowLayout(num_rows, max(1, min(int(partitions), num_rows)), num_servers, first_server % num_servers)
+
+    def _server_of_partition(self, part: torch.Tensor) -> torch.Tensor:
+        return (part + self.first_server) % self.num_servers
 
     def bounds(self) -> torch.Tensor:
         """int64 tensor of P+1 partition boundaries (row ids); do not modify it."""
@@ -68,25 +80,32 @@ class RowLayout:
 
     def server_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Owning server index of every global row id in ``ids``."""
-        return self.partition_of(ids) % self.num_servers
+        return self._server_of_partition(self.partition_of(ids))
 
     def server_rows(self, server: int) -> torch.Tensor:
         """Global row ids server ``server`` holds, in its local order (1-D int64)."""
         b = self.bounds().tolist()
-        parts = [torch.arange(b[p], b[p + 1]) for p in range(server, self.num_partitions, self.num_servers)]
+        first = (server - self.first_server) % self.num_servers
+        parts = [torch.arange(b[p], b[p + 1]) for p in range(first, self.num_partitions, self.num_servers)]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def local_index(self, server: int, ids: torch.Tensor) -> torch.Tensor:
         """Local row index on ``server`` of global ``ids`` that it owns (asserted)."""
         if self.num_servers == 1:
             return ids
-        b = self.bounds()
         part = self.partition_of(ids)
-        assert bool((part % self.num_servers == server).all()), "row ids sent to the wrong server"
-        sizes = b[1:] - b[:-1]
-        owned = (torch.arange(self.num_partitions) % self.num_servers == server).to(torch.int64)
-        local_start = torch.cumsum(sizes * owned, 0) - sizes * owned
-        return local_start[part] + ids - b[part]
+        assert bool((self._owners[part] == server).all()), "row ids sent to the wrong server"
+        return ids + self._shift(server)[part]
+
+    def _shift(self, server: int) -> torch.Tensor:
+        """Per partition, ``server``'s local index of a row minus its global id (computed
+        once per server: a request's ids map with one gather and one add)."""
+        if server not in self._shifts:
+            b = self.bounds()
+            sizes = b[1:] - b[:-1]
+            owned = (self._owners == server).to(torch.int64)
+            self._shifts[server] = torch.cumsum(sizes * owned, 0) - sizes * owned - b[:-1]
+        return self._shifts[server]
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,12 @@ PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)
 def server_imbalance(p: ParamProfile, partitions: int, servers: int) -> float:
     """Load of the busiest server over the mean (>= 1) when p's rows are cut into
     ``partitions`` contiguous ranges placed round-robin on ``servers`` (``ps_shard.RowLayout``),
-    from the profiled share of row touches per row bucket (``row_mass``); 1 without it."""
-    mass = p.row_mass
-    if not mass or servers <= 1:
+    from the profiled share of row touches per row bucket (``row_mass``; evenly without it).
+    With fewer partitions than servers the busiest server holds a whole partition: at least
+    ``servers / partitions``."""
+    if servers <= 1:
         return 1.0
+    mass = p.row_mass or [1.0] * max(partitions, 1)    # unprofiled: rows touched evenly
     nb = len(mass)
     load = [0.0] * servers
     for part in range(partitions):
@@ -63,21 +65,27 @@ def choose_partitions(p: ParamProfile, c: CostSetting, pull_host: float, push_ho
     partition count and picks the minimum instead of trying counts with restarted jobs; here
     t(P) = link time with the busiest server's share scaled by :func:`server_imbalance`
     + per-message overhead 2 * N * ceil(P/S) * lat (each worker sends one pull and one push
-    request per partition; a server handles its partitions' requests one after another).
-    P runs over S * {1, 2, 4, ..., 64}, at most the row count."""
+    request per partition; a server handles its partitions' requests one after another)
+    + the CPU of a worker's requests, one pull and one push to each of the min(P, S) servers
+    holding rows (``c.request_cpu``; it decides the count, while the returned times leave it to
+    the step's ``requests`` term). P runs over {1, 2, 4, ...} below S (a small table on
+    fewer servers: fewer requests, more bytes on the busiest server) and S * {1, 2, 4, ..., 64},
+    at most the row count."""
     colocated = c.s <= c.h
+    counts = [2 ** k for k in range(max(c.s - 1, 0).bit_length()) if 2 ** k < c.s] + [c.s * f for f in PARTITION_FACTORS]
     best = None
-    for f in PARTITION_FACTORS:
-        parts = min(c.s * f, p.rows)
+    for count in counts:
+        parts = min(count, p.rows)
         imb = server_imbalance(p, parts, c.s)
         overhead = c.n * math.ceil(parts / c.s) * c.lat     # per direction
         pull = _ps_link_s(c, pull_host, pull_total * imb / c.s, colocated) + overhead
         push = _ps_link_s(c, push_host, push_total * imb / c.s, colocated) + overhead
-        if best is None or pull + push < best[1] + best[2] - 1e-12:
-            best = (parts, pull, push)
+        cost = pull + push + 2 * min(parts, c.s) * c.request_cpu   # (the step charges requests apart)
+        if best is None or cost < best[0] - 1e-12:
+            best = (cost, parts, pull, push)
         if parts == p.rows:
             break
-    return best
+    return best[1:]
 
 
 @dataclass(frozen=True)
