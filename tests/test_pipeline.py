@@ -210,11 +210,11 @@ def test_non_sequential_model_is_refused_with_reason(tmp_path):
 def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):
     from hpar.strategies.pipeline.stage import stage_ranges
     job = load_job(str((tmp_path / "job.py").write_text(SCRIPT) and tmp_path / "job.py"))
-    with pytest.raises(ValueError, match="--gpus 6"):
+    with pytest.raises(ValueError, match=r"6 pipeline stages \(--gpus / --pipeline-replicas\)"):
         stage_ranges(job.build_model(), 6)
     with pytest.raises(ValueError, match="--micro-batches 3"):
         split_micro(torch.zeros(8, 5), 3)
-    with pytest.raises(ValueError, match="--gpus 2"):
+    with pytest.raises(ValueError, match=r"into 2 contiguous stages \(--gpus / --pipeline-replicas\)"):
         stage_ranges(job.build_model(), 2, {"stages": [[0, 2], [3, 5]]})
     assert stage_ranges(job.build_model(), 2, {"stages": [[0, 1], [1, 5]]}) == ((0, 1), (1, 5))
     from hpar.strategies.config import RunConfig

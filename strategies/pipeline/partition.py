@@ -97,9 +97,9 @@ def partition_stages(compute_s: Sequence[float], activation_bytes: Sequence[int]
     if len(activation_bytes) != n or len(param_bytes) != n:
         raise ValueError(f"partition_stages: compute_s, activation_bytes and param_bytes must have one entry per layer, got {n}, {len(activation_bytes)}, {len(param_bytes)}")
     if num_stages < 1:
-        raise ValueError(f"--gpus {num_stages}: a pipeline needs at least 1 stage")
+        raise ValueError(f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): a pipeline needs at least 1 stage")
     if n < num_stages:
-        raise ValueError(f"--gpus {num_stages}: the model has only {n} layers, fewer than the {num_stages} pipeline stages; use --gpus {n} or fewer, or split the model into more layers")
+        raise ValueError(f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): the model has only {n} layers; use {n} stages or fewer (lower --gpus or raise --pipeline-replicas), or split the model into more layers")
     if any(c < 0 for c in compute_s) or any(x < 0 for x in activation_bytes) or any(x < 0 for x in param_bytes):
         raise ValueError("partition_stages: layer times and byte counts must not be negative; check the profile")
     if not bandwidth_Bps > 0:

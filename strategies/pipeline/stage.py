@@ -41,7 +41,7 @@ def stage_ranges(model: torch.nn.Module, num_stages: int, plan: dict | None = No
         ok = (len(ranges) == num_stages and ranges[0][0] == 0 and ranges[-1][1] == n
               and all(a < b for a, b in ranges) and all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:])))
         if not ok:
-            raise ValueError(f"plan stages {list(ranges)} do not split the model's {n} layers into --gpus {num_stages} contiguous stages; re-run `hpar profile` for this model and --gpus")
+            raise ValueError(f"plan stages {list(ranges)} do not split the model's {n} layers into {num_stages} contiguous stages (--gpus / --pipeline-replicas); re-run `hpar profile` for this model and --gpus")
         return ranges
     weights = [1 + sum(p.numel() for p in layer.parameters()) for _, layer in layers]
     return balanced_ranges(weights, num_stages)
@@ -63,8 +63,9 @@ def check_pipeline(model: torch.nn.Module, num_stages: int, plan: dict | None, m
     if micro_batches < 1 or batch_size % micro_batches:
         raise ValueError(f"--micro-batches {micro_batches} does not divide --batch-size {batch_size}; choose a divisor")
     if len(sequential_layers(model)) < num_stages:
-        raise ValueError(f"--gpus {num_stages}: the model has only {len(sequential_layers(model))} layers, "
-                         "fewer than the pipeline's stages; use fewer --gpus or a data-parallel strategy")
+        raise ValueError(f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): the model has only "
+                         f"{len(sequential_layers(model))} layers; use fewer stages (lower --gpus or raise "
+                         "--pipeline-replicas) or a data-parallel strategy")
     return stage_ranges(model, num_stages, plan)
 
 
