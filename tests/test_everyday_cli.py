@@ -250,3 +250,22 @@ def test_samples_per_s_is_samples_over_the_wall_clock_of_the_measured_window():
     got = meter.result(None).extra
     assert got["loss_first_mean"] == 5.0 and got["loss_last_mean"] == 2.0 and got["loss_mean_steps"] == [3, 3]
     assert [r["loss"] for r in reports] == [5.0, 2.0]        # the progress lines' averaging
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores for hpar's own thread count to differ from 1")
+def test_exported_omp_num_threads_sets_the_workers_threads(tmp_path, reap_run):
+    """`OMP_NUM_THREADS=1 hpar run ...` (exported, as in a batch script): the worker runs 1 CPU
+    thread (its heartbeats say so); without it, hpar gives a lone worker every core."""
+    script = write_script(tmp_path, TINY)
+    threads = {}
+    for name, value in (("exported", "1"), ("default", None)):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | ({"OMP_NUM_THREADS": value} if value else {})
+        run_dir = tmp_path / name
+        reap_run(str(run_dir))
+        rc, out = run_cli(tmp_path, "run", script, "--gpus", "1", "--strategy", "allreduce", "--steps", "3", "--no-eval",
+                          "--plain", "--run-dir", str(run_dir), env=env)
+        assert rc == 0, out
+        beats = [json.loads(line.split(" ", 2)[2]) for line in (run_dir / "logs" / "worker-0.log").read_text().splitlines()
+                 if line.startswith("@hpar heartbeat ")]
+        threads[name] = {b["threads"] for b in beats}
+    assert threads == {"exported": {1}, "default": {os.cpu_count()}}, threads

@@ -198,6 +198,7 @@ def test_cpu_threads_come_from_the_host_that_runs_the_process(monkeypatch):
     from hpar.workers.worker import cpu_threads
     spec = lambda: SimpleNamespace(env={})
     local, remote = Host("localhost", 4), Host("node7", 4)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     s = spec()
     thread_env(s, local, 3, LaunchOptions())
     assert s.env == {"HPAR_THREADS": str(max(1, (os.cpu_count() or 1) // 3))}
@@ -211,6 +212,17 @@ def test_cpu_threads_come_from_the_host_that_runs_the_process(monkeypatch):
         s = spec()
         thread_env(s, host, 3, LaunchOptions(env={"OMP_NUM_THREADS": "5"}))
         assert s.env == {"HPAR_THREADS": "5"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")   # exported in the launcher's shell: every host, --env wins
+    for host, opts, want in ((local, LaunchOptions(), "3"), (remote, LaunchOptions(), "3"),
+                             (local, LaunchOptions(slurm=True), "3"), (remote, LaunchOptions(env={"OMP_NUM_THREADS": "5"}), "5")):
+        s = spec()
+        thread_env(s, host, 2, opts)
+        assert s.env == {"HPAR_THREADS": want}
+    monkeypatch.setenv("OMP_NUM_THREADS", "")   # empty or not a count: hpar's own choice
+    s = spec()
+    thread_env(s, remote, 3, LaunchOptions())
+    assert s.env == {"HPAR_PROCS_ON_HOST": "3"}
+    monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.delenv("HPAR_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setenv("HPAR_PROCS_ON_HOST", "3")

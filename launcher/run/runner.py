@@ -51,11 +51,13 @@ def placement(cfg: RunConfig, hosts: tuple[Host, ...]) -> tuple[list[Host], list
 
 
 def thread_env(spec, host: Host, procs_on_host: int, opts: LaunchOptions) -> None:
-    """CPU threads of a process (workers/worker.py's ``cpu_threads``): the user's ``--env
-    OMP_NUM_THREADS`` when given (e.g. hosts that share one machine's cores); else on this
-    machine its cores over the hpar processes on it; on another host (over SSH or Slurm) that
-    host's own cores over ``HPAR_PROCS_ON_HOST``, counted there, since its core count can differ."""
-    user = opts.env.get("OMP_NUM_THREADS", "")
+    """CPU threads of a process (workers/worker.py's ``cpu_threads``): the user's
+    ``OMP_NUM_THREADS``, from ``--env`` or else from the launcher's environment (which every
+    process inherits or is forwarded, launcher/hosts/environ.py), when it is a positive count
+    (e.g. hosts that share one machine's cores); else on this machine its cores over the hpar
+    processes on it; on another host (over SSH or Slurm) that host's own cores over
+    ``HPAR_PROCS_ON_HOST``, counted there, since its core count can differ."""
+    user = opts.env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS", "")
     if user.isdigit() and int(user) > 0:
         spec.env.setdefault("HPAR_THREADS", user)
     elif host.is_local and not opts.slurm:
