@@ -14,12 +14,14 @@
 # run's summary.json); exit status 1 when any row failed.
 #
 # Options: --device cuda|cpu (default cuda), --no-install, --no-tests, --steps N (default 30),
+# --wheels DIR (default ../shared/wheels-py312; a device machine that gets only the checkout
+# takes a copy inside it, e.g. .whl/ listed in .git/info/exclude), --pytest-workers N (default 2),
 # --only NAME (one row: tests, allreduce, allreduce-sparse, hybrid, ps, pipeline, profile-wide,
 # profile-lm), --python PATH (default python3), --keep (keep the run directories).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-DEVICE=cuda INSTALL=1 TESTS=1 STEPS=30 ONLY="" PY=python3 KEEP=0
+DEVICE=cuda INSTALL=1 TESTS=1 STEPS=30 ONLY="" PY=python3 KEEP=0 WHEELS=../shared/wheels-py312 NPROC=2
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
@@ -29,7 +31,9 @@ while [ $# -gt 0 ]; do
     --only) ONLY="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
     --keep) KEEP=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --wheels) WHEELS="$2"; shift 2 ;;
+    --pytest-workers) NPROC="$2"; shift 2 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -40,14 +44,13 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   exit 2
 fi
 if [ "$INSTALL" = 1 ]; then
-  WHEELS=../shared/wheels-py312
   if [ -d "$WHEELS" ]; then
     "$PY" -m pip install -q --no-index --find-links "$WHEELS" fabric rich psutil pytest pytest-timeout \
       || { echo "gpu_check: installing from $WHEELS failed" >&2; exit 2; }
   else
     echo "gpu_check: $WHEELS not found; assuming fabric, rich, psutil and pytest are installed"
   fi
-  "$PY" -m pip install -q --no-deps -e . || { echo "gpu_check: pip install -e . failed" >&2; exit 2; }
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . || { echo "gpu_check: pip install -e . failed" >&2; exit 2; }
 fi
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$DEVICE" = cuda ] && [ "$GPUS" -lt 1 ]; then
@@ -92,9 +95,9 @@ profile_case() {  # name, script
 }
 
 if [ "$TESTS" = 1 ] && want tests; then
-  # pyproject's addopts run the suite in two processes (pytest-xdist); without xdist, in one
-  XDIST=(); "$PY" -c "import xdist" 2>/dev/null || XDIST=(-o "addopts=--durations=20")
-  if "$PY" -m pytest -q -x "${XDIST[@]}" >"$OUT/tests.log" 2>&1; then
+  # the suite in --pytest-workers processes (pytest-xdist); without xdist, in one
+  XDIST=(-n "$NPROC"); "$PY" -c "import xdist" 2>/dev/null || XDIST=(-o "addopts=--durations=20")
+  if "$PY" -m pytest -q "${XDIST[@]}" >"$OUT/tests.log" 2>&1; then
     row tests PASS "-" "$(tail -1 "$OUT/tests.log")"
   else
     row tests FAIL "-" "$(tail -1 "$OUT/tests.log") (log: $OUT/tests.log)"; KEEP=1

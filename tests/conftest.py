@@ -10,6 +10,11 @@ import textwrap
 
 import pytest
 
+# This is the CPU suite: its runs put 2-4 workers on one machine, which hpar refuses on GPUs (one
+# GPU per worker), and it checks CPU-only figures. On a machine with GPUs they are hidden from
+# the tests and everything they start; scripts/gpu_check.sh runs the GPU checks.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from runprocs import run_processes, wait_for  # noqa: E402,F401  (shared with scripts/chaos.py)
