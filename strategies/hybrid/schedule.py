@@ -36,6 +36,7 @@ class ServerSchedule:
             return None
         while len(self.groups) <= step:
             self.groups.append([{k: v for k, v in g.items() if k != "params"} for g in self.shadow.param_groups])
+            self.shadow.step()        # no gradients: changes nothing, but orders the step before the schedule's
             self.scheduler.step()
         return spec_from_group(self.shadow, self.groups[step][group], base.mode)
 

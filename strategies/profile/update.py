@@ -81,9 +81,9 @@ def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int
     opt = _optimizer(job, [p])
 
     def step():
-        p.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), values, (rows, dim), check_invariants=False)
-        with warnings.catch_warnings():   # torch's sparse optimizers warn about invariant checks
+        with warnings.catch_warnings():   # torch warns about skipped sparse invariant checks (some versions)
             warnings.simplefilter("ignore", UserWarning)
+            p.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), values, (rows, dim), check_invariants=False)
             opt.step()
     try:
         step()
