@@ -123,7 +123,7 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
         if schedule.startswith("torch-") and est is not None:
             from hpar.strategies.pipeline.torch_peers import check_peer
             try:
-                check_peer(schedule, len(profile.layers), gpus, est.micro_batches)
+                check_peer(schedule, len(profile.layers), gpus, est.micro_batches, profile.device)
             except ValueError as exc:
                 return str(exc)
         if schedule == "async-2bw" and est is not None:

@@ -162,7 +162,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             if cfg.schedule.startswith("torch-"):   # strategies/pipeline/torch_peers.py (one pipeline: R = 1)
                 from hpar.strategies.pipeline.stage import sequential_layers
                 from hpar.strategies.pipeline.torch_peers import VIRTUAL_STAGES, check_peer
-                check_peer(cfg.schedule, len(sequential_layers(model)), gpus, cfg.micro_batches)
+                check_peer(cfg.schedule, len(sequential_layers(model)), gpus, cfg.micro_batches, cfg.device)
                 if VIRTUAL_STAGES[cfg.schedule] > 1:
                     layers = f"{VIRTUAL_STAGES[cfg.schedule]} chunks per process balanced on parameter counts"
             console.print(describe_plan(cfg, layers), markup=False)

@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.devices import DeviceClock
@@ -77,9 +78,11 @@ def chunk_ranks(schedule: str, num_ranks: int) -> list[int]:
     return list(range(K)) + list(range(K - 1, -1, -1))
 
 
-def check_peer(schedule: str, num_layers: int, num_ranks: int, micro_batches: int) -> None:
+def check_peer(schedule: str, num_layers: int, num_ranks: int, micro_batches: int, device: str = "cpu",
+               torch_version: str = torch.__version__) -> None:
     """ValueError with the fix when torch's ``schedule`` cannot run this model on ``num_ranks``
-    processes with ``micro_batches`` micro-batches (checked before any process starts)."""
+    processes with ``micro_batches`` micro-batches on ``device`` ("cpu": gloo, "cuda": NCCL)
+    under ``torch_version`` (checked before any process starts)."""
     chunks = VIRTUAL_STAGES[schedule] * num_ranks
     if num_layers < chunks:
         raise ValueError(f"--schedule {schedule} cuts the model into {chunks} chunks ({VIRTUAL_STAGES[schedule]} per "
@@ -91,6 +94,11 @@ def check_peer(schedule: str, num_layers: int, num_ranks: int, micro_batches: in
     if schedule == "torch-interleaved-1f1b" and micro_batches % rounds:
         raise ValueError(f"--micro-batches {micro_batches}: ScheduleInterleaved1F1B needs a multiple of "
                          f"{rounds} (micro-batches // processes); use {rounds * (micro_batches // rounds)}")
+    if schedule == "torch-zbv" and device == "cpu" and TorchVersion(torch_version) < (2, 12):
+        # torch 2.11's ZB-V opens its links with a send from the process holding the V's turn to
+        # itself, which gloo refuses ("Pair is not connected"); 2.12 and 2.13 run it
+        raise ValueError(f"--schedule torch-zbv on CPU (gloo) needs torch 2.12 or later (this is torch {torch_version}, "
+                         "whose ZB-V sends from a process to itself); upgrade torch or use --schedule torch-interleaved-1f1b")
 
 
 def _schedule(cfg, stages: list, loss_fn):
@@ -100,10 +108,12 @@ def _schedule(cfg, stages: list, loss_fn):
     return cls(stages[0] if len(stages) == 1 else stages, cfg.micro_batches, loss_fn=loss_fn)
 
 
-class _Autocast(torch.nn.Module):
-    """The stage module's forward under the run's ``torch.autocast`` (``--precision bf16``):
-    torch's PipelineStage runs the module it is given, so autocast goes inside it; the
-    activations it sends are then bf16, as in hpar's own schedules."""
+class _StageRunner(torch.nn.Module):
+    """What torch's PipelineStage runs for one chunk: the chunk's forward under the run's
+    ``torch.autocast`` (``--precision bf16``; the activations it sends are then bf16, as in
+    hpar's own schedules), returning a new tensor where the chunk hands its input back
+    unchanged (a chunk of ``nn.Identity``): some torch versions (2.11) then find no input
+    gradient to send back and stop with "has gradients None"; a view carries it."""
 
     def __init__(self, module: torch.nn.Module, cfg, device_type: str):
         super().__init__()
@@ -111,7 +121,8 @@ class _Autocast(torch.nn.Module):
 
     def forward(self, x):
         with autocast(self.cfg, self.device_type):
-            return self.inner(x)
+            out = self.inner(x)
+        return out.view_as(out) if out is x else out
 
 
 def train(ctx: WorkerContext) -> TrainResult:
@@ -138,7 +149,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     sched = job.build_scheduler(opt) if opt is not None else None
     ios = [_ActivationBytes(m) for m in modules]
     group = worker_groups(K, cfg.device).dense   # NCCL on CUDA
-    runners = [_Autocast(m, cfg, ctx.device.type) if cfg.precision != "fp32" else m for m in modules]
+    runners = [_StageRunner(m, cfg, ctx.device.type) for m in modules]
     stages = [PipelineStage(r, c, n, ctx.device, group=group) for r, c in zip(runners, mine)]
 
     def loss_fn(output, target):
