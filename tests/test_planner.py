@@ -174,3 +174,18 @@ def test_hybrid_with_nothing_on_its_servers_never_wins_and_near_ties_go_simpler(
     est = lambda name, step: Estimate(name, step, 32, 0.0)
     assert planner._fastest_simplest([est("pipeline", 0.098), est("allreduce", 0.1)]).strategy == "allreduce"
     assert planner._fastest_simplest([est("pipeline", 0.05), est("allreduce", 0.1)]).strategy == "pipeline"
+
+
+def test_allreduce_reason_says_why_on_one_worker_and_on_an_embedding_model():
+    """One worker exchanges nothing; an embedding-heavy model that AllReduce still wins on is
+    not called dense (the reason seen on a 1-GPU machine said "dense (98% ... embedding)")."""
+    emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.9, 1.0, True, layer=0,
+                       union_curve=((1, 0.9), (16, 1.0)))
+    dense = ParamProfile("fc.weight", (100, 100), 40_000, False, 1.0, 1.0, False, layer=1)
+    prof = make_profile([emb, dense], [LayerProfile("emb", .01, .01, 0, 10, emb.bytes),
+                                       LayerProfile("fc", .04, .09, 10**9, 10, dense.bytes)], 0.05, 0.1)
+    one = choose_plan(prof, ClusterSpec(hosts=1, gpus_per_host=(1,), servers=1, bandwidth_Bps=1.25e9, latency_s=0.0))
+    assert one.strategy == "allreduce" and "one worker" in one.reason
+    four = choose_plan(prof, ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1.25e10, latency_s=0.0))
+    assert four.strategy == "allreduce", four.reason
+    assert "embedding tables hold 98%" in four.reason and "dense" not in four.reason

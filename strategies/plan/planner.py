@@ -101,6 +101,13 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
         return (f"pipeline: {_fmt_bytes(profile.total_bytes)} of parameters would cross a "
                 f"{_fmt_bytes(cluster.bandwidth_Bps)}/s link every step with data parallelism, while "
                 f"the {len(best.stages)} stages only exchange activations{vs}.")
+    if best.strategy == "allreduce" and cluster.workers == 1:
+        return (f"allreduce: one worker, so no gradient is exchanged and the plan without servers "
+                f"or stages is the single-device step{vs}.")
+    if best.strategy == "allreduce" and share >= 0.5:
+        return (f"allreduce: embedding tables hold {share:.0%} of the parameter bytes, but AllReduce of "
+                f"{_fmt_bytes(profile.total_bytes)}, overlapped with backward, is predicted faster "
+                f"than moving their touched rows{vs}.")
     if best.strategy == "allreduce":
         return (f"allreduce: the gradients are dense ({share:.0%} of the bytes in embedding tables) and "
                 f"AllReduce of {_fmt_bytes(profile.total_bytes)} overlaps backward{vs}.")
