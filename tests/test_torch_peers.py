@@ -15,11 +15,11 @@ from torch.torch_version import TorchVersion
 
 from conftest import REPO, hpar, run_processes
 from hpar.launcher.bench.figures import stage_figures
-from hpar.strategies.pipeline.torch_peers import check_peer, chunk_ranks
+from hpar.strategies.pipeline.torch_peers import ZBV_GLOO_MIN_TORCH, check_peer, chunk_ranks
 
 PIPE = os.path.join(REPO, "tests", "zoo", "pipe4.py")   # 8 layers: 2 processes x 2 chunks x 2 layers
 SCHEDULES = ("torch-interleaved-1f1b", "torch-zbv")
-ZBV_ON_GLOO = TorchVersion(torch.__version__) >= (2, 12)   # check_peer refuses it before (self-send)
+ZBV_ON_GLOO = TorchVersion(torch.__version__) >= ZBV_GLOO_MIN_TORCH   # check_peer refuses it before (self-send)
 
 
 def test_chunk_placement():

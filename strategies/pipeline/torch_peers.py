@@ -78,6 +78,9 @@ def chunk_ranks(schedule: str, num_ranks: int) -> list[int]:
     return list(range(K)) + list(range(K - 1, -1, -1))
 
 
+ZBV_GLOO_MIN_TORCH = (2, 12)   # torch 2.11's ZB-V sends from a process to itself, which gloo refuses
+
+
 def check_peer(schedule: str, num_layers: int, num_ranks: int, micro_batches: int, device: str = "cpu",
                torch_version: str = torch.__version__) -> None:
     """ValueError with the fix when torch's ``schedule`` cannot run this model on ``num_ranks``
@@ -94,7 +97,7 @@ def check_peer(schedule: str, num_layers: int, num_ranks: int, micro_batches: in
     if schedule == "torch-interleaved-1f1b" and micro_batches % rounds:
         raise ValueError(f"--micro-batches {micro_batches}: ScheduleInterleaved1F1B needs a multiple of "
                          f"{rounds} (micro-batches // processes); use {rounds * (micro_batches // rounds)}")
-    if schedule == "torch-zbv" and device == "cpu" and TorchVersion(torch_version) < (2, 12):
+    if schedule == "torch-zbv" and device == "cpu" and TorchVersion(torch_version) < ZBV_GLOO_MIN_TORCH:
         # torch 2.11's ZB-V opens its links with a send from the process holding the V's turn to
         # itself, which gloo refuses ("Pair is not connected"); 2.12 and 2.13 run it
         raise ValueError(f"--schedule torch-zbv on CPU (gloo) needs torch 2.12 or later (this is torch {torch_version}, "
