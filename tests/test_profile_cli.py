@@ -142,3 +142,22 @@ def test_profile_of_the_benchs_emulated_cluster_picks_hybrid_for_the_lm(tmp_path
     # the margin depends on how loaded the machine is while the profile times compute (2.3x quiet,
     # 1.4x in a CI run under the other test process), so only the order is checked
     assert speed["hybrid"] > speed["allreduce-sparse"] > 3 * speed["allreduce"]
+
+
+def test_profile_on_one_worker_says_nothing_is_exchanged(tmp_path):
+    """The real `hpar profile --gpus 1` on the tied-weight LM of tests/zoo, stdout to a file as in
+    a batch job: exit 0, the plan is allreduce and its reason says one worker exchanges nothing
+    (on the 1-GPU machine it called this embedding-heavy model "dense"), no process left."""
+    import subprocess
+    import sys
+    import psutil
+    zoo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "tied_lm.py")
+    out = tmp_path / "stdout.txt"
+    with open(out, "w") as f:
+        res = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "profile", zoo, "--gpus", "1"],
+                             stdout=f, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    plan = next(line for line in out.read_text().splitlines() if line.startswith("Plan: "))
+    assert plan.startswith("Plan: allreduce: one worker, so no gradient is exchanged"), plan
+    assert "dense" not in plan
+    assert psutil.Process().children(recursive=True) == []
