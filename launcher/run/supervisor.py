@@ -30,6 +30,10 @@ from hpar.workers import report
 
 EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 130, 143
 
+# what gloo and NCCL print when a peer vanished: a process that says so failed because of it
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+             "NCCL communicator was aborted", "Broken pipe")
+
 
 @dataclass
 class Outcome:
@@ -80,6 +84,8 @@ class Supervisor:
         self.summary: dict | None = None
         self.on_event = on_event   # called with (proc, event payload) for every event line
         self._signal_of: dict[int, int] = {}
+        self._peer_lost: set[int] = set()   # processes whose output says a peer vanished
+        self._exit_seen: dict[int, int] = {}   # order in which exits were seen
         self.health = Health([id(p) for p in procs], [p.spec.role for p in procs], total_steps, stall_timeout)
         self._stacks: dict[int, list[str]] | None = None   # dumps being read back, by process
         self._eof: set[int] = set()                         # processes whose output has ended
@@ -126,6 +132,7 @@ class Supervisor:
                 code = p.poll()
                 if code is not None and id(p) not in exited:
                     exited[id(p)] = code
+                    self._exit_seen.setdefault(id(p), len(self._exit_seen))
                     newly.append((p, code))
             # read their last lines (the exit events) first, one deadline for all of them; an
             # srun task's output shares the step's stream (no end of file of its own) and may
@@ -151,7 +158,9 @@ class Supervisor:
                     time.sleep(1.0)
                     self._drain(timeout=0.0)
                 candidates = failed + [p for p in self.procs if id(p) not in exited and p.poll() not in (None, 0)]
-                first = min(candidates, key=self._blame_order)
+                for p in candidates:
+                    self._exit_seen.setdefault(id(p), len(self._exit_seen))
+                first = min(candidates, key=lambda p: (self._blame_order(p), self._exit_seen[id(p)]))
                 if first.host_lost:   # the link, the host or its sshd: its guards stop their groups there
                     return self._fail(first, _lost_host(first))
                 return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
@@ -251,13 +260,15 @@ class Supervisor:
         return self._blame_order(p) == 0 or p.host_lost
 
     def _blame_order(self, p) -> int:
-        """0: killed by a signal from outside (SIGKILL, SIGTERM, SIGSEGV, ...); 1: SIGABRT
-        (how gloo ends a process whose peer vanished); 2: a non-zero exit code."""
+        """0: killed by a signal from outside (SIGKILL, SIGTERM, SIGSEGV, ...); 1: a non-zero
+        exit code; 2: a consequence of another failure: SIGABRT (how gloo ends a process whose
+        peer vanished) or an exit after its output said a peer vanished (``PEER_LOST``). Ties
+        go to the exit seen first."""
         code = p.poll()
         sig = -code if code is not None and code < 0 else self._signal_of.get(id(p))
         if sig is None:
-            return 2
-        return 1 if sig == signal.SIGABRT else 0
+            return 2 if id(p) in self._peer_lost else 1
+        return 2 if sig == signal.SIGABRT else 0
 
     def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -276,6 +287,8 @@ class Supervisor:
         self.rundir.log_line(spec.log_name, line)
         self.health.line(id(proc))
         parsed = report.parse(line)
+        if parsed is None and any(m in line for m in PEER_LOST):
+            self._peer_lost.add(id(proc))
         if parsed is None:
             if self._stacks is not None and id(proc) in self._stacks:
                 self._stacks[id(proc)].append(line)   # a stack dump: to RUN_DIR/stacks, not the screen
