@@ -94,3 +94,65 @@ def test_encode_puts_payload_behind_the_header():
     big, separate = ps_wire.encode(ps_wire.PUSH, 4, 3, 9, 1, (ids, rows), inline_max=8)
     assert big.numel() == ps_wire.HEADER_BYTES and big.view(torch.int64)[-1] == 0
     assert [torch.equal(a, b) for a, b in zip(separate, (ids, rows))] == [True, True]
+
+
+def _inbox_child(rank: int, port: int, depth: int, out, go):
+    """Ranks 0 and 1 are workers, rank 2 a server taking one request with ``depth`` receives posted."""
+    import threading
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    try:
+        if rank < 2:
+            isend = ps_wire.p2p()[0]
+            first = isend(ps_wire.encode(ps_wire.PULL, 0, 0, 0, 1, ())[0], 2, ps_wire.TAG_REQUEST)
+            done = threading.Event()   # (a gloo send's is_completed() stays False until wait())
+            waiter = threading.Thread(target=lambda: (first.wait(), done.set()), daemon=True)
+            waiter.start()
+            out.put(("sent", rank, done.wait(5.0)))
+            go.wait(60)       # the server took one request and waited for both reports
+            waiter.join(60)
+            later = [isend(ps_wire.encode(op, 0, 0, step, 1, ())[0], 2, ps_wire.TAG_REQUEST)
+                     for op, step in ((ps_wire.PUSH, 1), (ps_wire.DONE, 2), (ps_wire.FINISH, 3))]
+            for w in later:
+                w.wait()
+        else:
+            inbox = ps_wire.Inbox(2, depth)
+            got = [inbox.next()]
+            go.wait(60)
+            while len(got) < 8:
+                got.append(inbox.next())
+            out.put(("server", [(r.src, r.step) for r in got], len(inbox._posted)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_server_with_two_receives_posted_takes_both_workers_requests_at_once():
+    """With depth 2 both workers' first requests cross into the server while it handles one
+    (gloo completes a send only once its receive is posted); with depth 1 the second waits.
+    Either way each worker's requests come out in the order it sent them, and no receive is
+    left posted after the last FINISH."""
+    ctx = mp.get_context("spawn")
+    for depth, both_sent in ((2, True), (1, False)):
+        out, go = ctx.Queue(), ctx.Event()
+        port = free_port()
+        procs = [ctx.Process(target=_inbox_child, args=(r, port, depth, out, go)) for r in range(3)]
+        for p in procs:
+            p.start()
+        try:
+            sent = [out.get(timeout=60) for _ in range(2)]
+            go.set()
+            _, order, left_posted = out.get(timeout=60)
+            for p in procs:
+                p.join(timeout=30)
+                assert p.exitcode == 0
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        assert all(done for *_, done in sent) is both_sent, (depth, sent)
+        for rank in (0, 1):
+            assert [step for src, step in order if src == rank] == [0, 1, 2, 3], order
+        assert left_posted == 0

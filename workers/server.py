@@ -29,7 +29,7 @@ from hpar.strategies.hybrid.runtime import make_groups
 from hpar.strategies.job import JobError, load_job
 from hpar.strategies.loop import clip_coefficient
 from hpar.strategies.hybrid.client import PSTable, ps_tables
-from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PUSH, Inbox, Request, nbytes, p2p, reply_tag
+from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, HEADER_BYTES, INBOX_DEPTH, PULL, PUSH, Inbox, Request, nbytes, p2p, reply_tag
 from hpar.strategies.hybrid.schedule import ServerSchedule, group_index
 from hpar.strategies.hybrid.shard import ParamShard, table_view
 from hpar.workers.worker import cpu_threads, env_int, init_group, leave_group, run_entry
@@ -60,7 +60,7 @@ class Server:
         self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}   # bytes since the last report
         self.is_remote = lambda rank: peer_is_remote(host_of, pg_rank, rank)
         self._isend = p2p()[0]
-        self.inbox = Inbox()
+        self.inbox = Inbox(num_workers, min(num_workers, INBOX_DEPTH))
 
     def part(self) -> str:
         return f"server{self.index}"

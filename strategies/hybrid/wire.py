@@ -17,7 +17,9 @@ unless the receive was posted first). A server can post the receive of a separat
 only after it has read the header, so every separate payload cost one more such exchange,
 three per push; on a host whose cores are all busy each exchange waits for two processes to
 be scheduled. Pull answers need none: the worker posts the answer's receive before it sends
-the request. (Measured in BENCHMARKS.md, section 1.)
+the request. (Measured in BENCHMARKS.md, section 1.) For the same reason a server keeps a
+receive posted for up to ``INBOX_DEPTH`` requests (:class:`Inbox`): with one, the requests of
+different workers crossed the links into a server one at a time (BENCHMARKS.md, section 14).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ TAG_REQUEST, TAG_DATA, TAG_REPLY = 11, 12, 1000
 HEADER_FIELDS = 6
 HEADER_BYTES = HEADER_FIELDS * 8
 INLINE_MAX = 4 << 20      # bytes of payload carried in the request message itself
+INBOX_DEPTH = 16          # a server's receives posted at once (one buffer of INLINE_MAX each)
 CONTROL = "_control"      # byte-count key of DONE/FINISH messages
 
 
@@ -85,21 +88,41 @@ class Request:
 
 
 class Inbox:
-    """A server's receive side: one buffer of ``HEADER_BYTES + INLINE_MAX`` bytes, refilled
-    by every :meth:`next` (so payloads are copied out before the next request)."""
+    """A server's receive side: up to ``depth`` receives from any of ``workers`` workers
+    posted at once, each into its own buffer of ``HEADER_BYTES + INLINE_MAX`` bytes, so that
+    that many requests cross the links into the server together instead of one after another
+    (gloo moves a message only once its receive is posted). :meth:`next` takes the oldest
+    posted receive (gloo matches one sender's messages to posted receives in the order it sent
+    them, so its requests are handled in that order) and, on the following call, posts that
+    buffer again once its payload was copied out. Never more receives are posted than workers
+    still to send FINISH, each of which sends at least that: none is left posted at the end."""
 
-    def __init__(self):
-        self.buf = torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8)
-        self._header = self.buf[:HEADER_BYTES].view(torch.int64)
-        self._offset = HEADER_BYTES
+    def __init__(self, workers: int = 1, depth: int = 1):
+        assert workers >= 1 and depth >= 1
         self._irecv = p2p()[1]
+        self._open = workers     # workers whose FINISH was not taken yet
+        self._depth = min(depth, workers)
+        self._posted: list[tuple[torch.Tensor, object]] = []   # (buffer, Work), oldest first
+        self.buf: torch.Tensor | None = None
+        self._offset = HEADER_BYTES
+
+    def _post(self, buf: torch.Tensor) -> None:
+        self._posted.append((buf, dist.group.WORLD.recv_anysource([buf], TAG_REQUEST)))
 
     def next(self) -> Request:
         """Block until the next request from any worker arrives; returns its header."""
-        work = dist.group.WORLD.recv_anysource([self.buf], TAG_REQUEST)
+        if self.buf is None:   # the first call: post them all
+            for _ in range(self._depth):
+                self._post(torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8))
+        elif len(self._posted) < self._open:   # the last request's payload was taken: reuse its buffer
+            self._post(self.buf)
+        assert self._posted, "a request after every worker's FINISH"
+        self.buf, work = self._posted.pop(0)
         work.wait()
         self._offset = HEADER_BYTES
-        op, tid, n, step, count, inline = self._header.tolist()
+        op, tid, n, step, count, inline = self.buf[:HEADER_BYTES].view(torch.int64).tolist()
+        if op == FINISH:
+            self._open -= 1
         return Request(work.source_rank(), op, tid, n, step, count, bool(inline))
 
     def take(self, req: Request, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
