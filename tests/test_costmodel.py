@@ -89,6 +89,25 @@ def test_allreduce_sparse_estimate_by_hand():
     assert e.samples_per_step == 32
 
 
+def test_allreduce_sparse_gathers_at_the_probed_allgather_rate_between_hosts():
+    """The sparse AllGather is priced at the AllGather rate probed between two hosts (gloo
+    sends and receives it on one connection, slower than the one-way link); the dense
+    AllReduce keeps the link's rate, and without a probed figure nothing changes."""
+    emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.15, True, layer=0,
+                       union_curve=((1, 0.05), (4, 0.15)))
+    lin = ParamProfile("lin", (100, 100), 40_000, False, 1.0, 1.0, False, layer=1)
+    prof = Profile((emb, lin), (LayerProfile("emb", 0, 0, 0, 1, 4_000_000), LayerProfile("lin", 0, 0, 1, 1, 40_000)),
+                   8, 8, 4, False, "x", 0.3, 0.1, 0.2, 10, 20, 1e-9, 8)
+    plain = make_cluster([1] * 4, 4, None, 1e8, 1e-4)
+    probed = make_cluster([1] * 4, 4, None, 1e8, 1e-4, allgather_Bps=0.5e8)
+    assert plain.gather_Bps == 1e8 and probed.gather_Bps == 0.5e8
+    assert make_cluster(None, 4, None, 1e8, 1e-4, allreduce_Bps=2e7, allgather_Bps=0.5e8).gather_Bps == 2e7   # one host
+    a, b = estimate_allreduce_sparse(prof, plain), estimate_allreduce_sparse(prof, probed)
+    assert b.breakdown["comm_tail"] - a.breakdown["comm_tail"] == pytest.approx(3 * 500 * 408 / 1e8)   # twice as long
+    assert b.breakdown["comm_overlap"] == pytest.approx(a.breakdown["comm_overlap"])   # the dense ring: the link
+    assert b.bytes_per_step == a.bytes_per_step
+
+
 def test_servers_on_busy_cores_add_their_cpu_time_to_the_step():
     from hpar.strategies.plan.costmodel import cpu_load, cpu_share, estimate_allreduce_sparse
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid
@@ -262,6 +281,9 @@ def test_link_probe_latency_is_the_least_of_three_rounds(monkeypatch):
 
     class FakeGroup:
         def allreduce(self, tensors):
+            return Done()
+
+        def allgather(self, outputs, inputs):
             return Done()
     rounds = iter([[9.0, 9.0] + [4e-3] * 10, [1.0] * 5, [9.0, 9.0] + [1.4e-4] * 10, [9.0, 9.0] + [3e-3] * 10])
     monkeypatch.setattr(probe, "_exchange", lambda pg, rank, out, back, n: next(rounds))

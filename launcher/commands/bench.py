@@ -76,6 +76,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
     base = build_cluster(bench_gpus, f"emulate:{emulated_hosts}" if emulated_hosts else hosts, None, bw, latency, None)
     if link is not None:
         base = dataclasses.replace(base, bandwidth_Bps=link[0], latency_s=base.latency_s if latency else link[1],
+                                   allgather_Bps=getattr(link, "allgather_Bps", None),
                                    source="probe between emulated hosts")
 
     def cluster_of(gpus: int):
@@ -84,7 +85,8 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
             return base
         g = gpus_per_host or base.max_gpus_per_host
         return make_cluster([g] * -(-gpus // g), gpus, None, base.bandwidth_Bps, base.latency_s, flops,
-                            source=base.source, allreduce_Bps=None if flops else base.allreduce_Bps)
+                            source=base.source, allreduce_Bps=None if flops else base.allreduce_Bps,
+                            allgather_Bps=base.allgather_Bps)
     return cluster_of
 
 

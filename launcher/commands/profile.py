@@ -70,7 +70,7 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, devic
         bw, source = parse_bandwidth(bandwidth), "flags"
         lat = parse_latency(latency or DEFAULT_LATENCY)
     elif local:
-        bw, lat, allreduce_bw = probe_link()
+        bw, lat, allreduce_bw = probe_link()[:3]
         source = "probe"
         if latency is not None:
             lat = parse_latency(latency)
@@ -98,7 +98,7 @@ def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):
     from hpar.strategies.plan.probe import probe_link, probe_requests
     gpus = gpus or hosts
     slots = [slots_per_host(hosts, gpus)] * hosts
-    loop_bw, loop_lat, _ = probe_link()
+    loop_bw, loop_lat = probe_link()[:2]
     bw = parse_bandwidth(bandwidth, "--bandwidth") if bandwidth is not None else loop_bw
     lat = parse_latency(latency) if latency is not None else loop_lat
     return make_cluster(slots, gpus, servers, bw, lat, None, intra_host_Bps=loop_bw,
@@ -124,7 +124,7 @@ def report(profile, cluster, plan) -> dict:
                         "latency_s": cluster.latency_s, "device_flops": cluster.device_flops,
                         "device_mem_Bps": cluster.device_mem_Bps, "source": cluster.source,
                         "cores_per_host": cluster.cores_per_host, "allreduce_Bps": cluster.allreduce_Bps,
-                        "request_cpu_s": cluster.request_cpu_s},
+                        "allgather_Bps": cluster.allgather_Bps, "request_cpu_s": cluster.request_cpu_s},
             "profile": {"device": profile.device, "batch_size": profile.batch_size,
                         "samples_per_batch": profile.samples_per_batch,
                         "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,

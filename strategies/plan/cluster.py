@@ -39,7 +39,10 @@ class ClusterSpec:
     ``allreduce_Bps`` (the bandwidth a ring AllReduce between processes of one host achieves,
     ``2(N-1)/N * bytes / seconds``, its reductions and copies included; measured by the
     probe, where gloo on CPU reaches about 0.4 of the point-to-point figure; None: the
-    intra-host bandwidth), ``request_cpu_s`` (CPU seconds a small parameter-server request
+    intra-host bandwidth), ``allgather_Bps`` (between hosts: the rate at which a two-rank
+    AllGather moves each rank's bytes, both directions busy at once, as measured between two
+    hosts by the probe; gloo gets less than the one-way link there; None: the link's
+    bandwidth), ``request_cpu_s`` (CPU seconds a small parameter-server request
     costs its worker and server together, measured by strategies/plan/probe.probe_requests on
     this machine; the cost model charges it where processes share busy cores; None: not
     measured, not charged)."""
@@ -56,6 +59,7 @@ class ClusterSpec:
     allreduce_Bps: float | None = None
     device_mem_Bps: float | None = None
     request_cpu_s: float | None = None
+    allgather_Bps: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:
@@ -101,6 +105,14 @@ class ClusterSpec:
         intra-host one."""
         return self.bandwidth_Bps if self.hosts > 1 else (self.allreduce_Bps or self.intra_Bps)
 
+    @property
+    def gather_Bps(self) -> float:
+        """Bandwidth of a ring AllGather over all workers (sparse gradients): the measured
+        ``allgather_Bps`` when the ring spans hosts and it was probed, else :attr:`collective_Bps`.
+        The probe measures two hosts, whose AllGather sends and receives on one connection; a
+        wider ring's neighbours are two peers (an assumption the scaling runs check)."""
+        return (self.allgather_Bps or self.bandwidth_Bps) if self.hosts > 1 else self.collective_Bps
+
 
 def parse_bandwidth(text: str, flag: str = "--bandwidth") -> float:
     """``"10Gbps"``, ``"10Gbit"``, ``"10gbit/s"``, ``"100Mb/s"`` (bits), ``"25GB/s"``,
@@ -133,7 +145,8 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
                  bandwidth_Bps: float, latency_s: float, device_flops: float | None = None,
                  intra_host_Bps: float | None = None, source: str = "flags",
                  cores_per_host: float | None = None, allreduce_Bps: float | None = None,
-                 device_mem_Bps: float | None = None, request_cpu_s: float | None = None) -> ClusterSpec:
+                 device_mem_Bps: float | None = None, request_cpu_s: float | None = None,
+                 allgather_Bps: float | None = None) -> ClusterSpec:
     """A ClusterSpec from host slot counts (``slots``, None: this machine only) and
     ``--gpus`` (None: every slot). GPUs fill hosts in order, as the launcher places ranks;
     hosts left without a GPU are dropped. ``servers`` None means one per host used.
@@ -156,7 +169,8 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
                        servers=len(per_host) if servers is None else servers,
                        bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, device_flops=device_flops,
                        intra_host_Bps=intra_host_Bps, source=source, cores_per_host=cores_per_host,
-                       allreduce_Bps=allreduce_Bps, device_mem_Bps=device_mem_Bps, request_cpu_s=request_cpu_s)
+                       allreduce_Bps=allreduce_Bps, device_mem_Bps=device_mem_Bps, request_cpu_s=request_cpu_s,
+                       allgather_Bps=allgather_Bps)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:

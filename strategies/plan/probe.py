@@ -32,16 +32,20 @@ _SMALL_TAG, _BIG_TAG = 0, 1
 
 class LinkFigures(NamedTuple):
     """A probe's figures: ``bandwidth_Bps`` one way (bytes/s), ``latency_s`` (half a small
-    message's round trip) and ``allreduce_Bps`` (bytes over the time of a two-rank AllReduce)."""
+    message's round trip), ``allreduce_Bps`` (bytes over the time of a two-rank AllReduce) and
+    ``allgather_Bps`` (a rank's bytes over the time of a two-rank AllGather, in which each rank
+    sends its bytes while it receives the other's; None in figures saved before it existed)."""
     bandwidth_Bps: float
     latency_s: float
     allreduce_Bps: float
+    allgather_Bps: float | None = None
 
 
 def _figures(out: dict, nbytes: int) -> LinkFigures:
     """LinkFigures from rank 0's median times (``out["figures"]``) of ``nbytes`` messages."""
-    rtt, one_way, allreduce = out["figures"]
-    return LinkFigures(nbytes / max(one_way - rtt, 1e-9), rtt / 2, nbytes / max(allreduce, 1e-9))
+    rtt, one_way, allreduce, allgather = out["figures"]
+    return LinkFigures(nbytes / max(one_way - rtt, 1e-9), rtt / 2, nbytes / max(allreduce, 1e-9),
+                       nbytes / max(allgather, 1e-9))
 
 
 def _exchange(pg, rank: int, out: torch.Tensor, back: torch.Tensor, n: int) -> list[float]:
@@ -70,16 +74,21 @@ def _endpoint(pg, rank: int, nbytes: int, pings: int, sends: int, out: dict) -> 
         rtt_rounds = [ping()]
         one_way = _exchange(pg, rank, big, small.clone(), sends + 1)
         rtt_rounds.append(ping())
-        allreduce = []
+        allreduce, allgather = [], []
+        gathered = [torch.empty_like(big), torch.empty_like(big)]
         for _ in range(sends + 1):
-            pg.allreduce([small]).wait()   # both ranks start the timed AllReduce together
+            pg.allreduce([small]).wait()   # both ranks start the timed collective together
             t0 = time.perf_counter()
             pg.allreduce([big]).wait()
             allreduce.append(time.perf_counter() - t0)
+            pg.allreduce([small]).wait()
+            t0 = time.perf_counter()
+            pg.allgather([gathered], [big]).wait()   # both directions busy at once, as a sparse AllGather's
+            allgather.append(time.perf_counter() - t0)
         rtt_rounds.append(ping())
         if rank == 0:   # the first large exchanges pay for page faults
             out["figures"] = (min(statistics.median(r) for r in rtt_rounds), statistics.median(one_way[1:]),
-                              statistics.median(allreduce[1:]))
+                              statistics.median(allreduce[1:]), statistics.median(allgather[1:]))
     except Exception as exc:  # reported by probe_link in the caller's thread
         out[f"error{rank}"] = exc
 
@@ -115,12 +124,13 @@ def _loopback_pair(timeout_s: float) -> list:
 
 def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
                timeout_s: float = 60.0) -> LinkFigures:
-    """Measure (bandwidth_Bps, latency_s, allreduce_Bps) of gloo over loopback TCP on this
+    """Measure (bandwidth_Bps, latency_s, allreduce_Bps, allgather_Bps) of gloo over loopback TCP on this
     machine: latency = half the median round trip of a 4-byte message (the least of three
     rounds' medians, taken before, between and after the large transfers), bandwidth = ``nbytes``
     over the median one-way time of a large message minus one latency, allreduce_Bps =
     ``nbytes`` over the median time of an AllReduce of ``nbytes`` (the 2(N-1)/N * nbytes a
-    ring moves for N = 2). Takes about a second. Raises RuntimeError if it fails."""
+    ring moves for N = 2), allgather_Bps = ``nbytes`` over the median time of an AllGather in
+    which each rank contributes ``nbytes``. Takes about a second. Raises RuntimeError if it fails."""
     pgs, out = _loopback_pair(timeout_s), {}
     _in_threads([(_endpoint, (pgs[r], r, nbytes, pings, sends, out)) for r in range(2)], timeout_s, out)
     return _figures(out, nbytes)
@@ -176,8 +186,8 @@ def probe_requests(requests: int = 300, rows: int = 64, dim: int = 16, timeout_s
 def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: int = 20, sends: int = 4,
                timeout_s: float = 60.0) -> LinkFigures | None:
     """One endpoint of :func:`probe_link`'s measurement between two processes (two hosts): rank
-    0 hosts the rendezvous store at ``addr:port``. Returns rank 0's (bandwidth_Bps, latency_s,
-    allreduce_Bps), None on rank 1. ``nbytes`` 2 MiB and 4 sends take about 2 s at 50 Mbit/s.
+    0 hosts the rendezvous store at ``addr:port``. Returns rank 0's LinkFigures, None on rank 1.
+    ``nbytes`` 2 MiB and 4 sends take about 4 s at 50 Mbit/s.
     Raises RuntimeError if the exchange fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, 2, rank == 0, timeout=timeout)
