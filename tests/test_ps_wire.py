@@ -1,5 +1,6 @@
 """The parameter server's wire format between two real gloo processes: requests carried in
 one message and requests too large for it, sent in parts, decode to the same tensors."""
+import contextlib
 import multiprocessing as mp
 import os
 
@@ -56,15 +57,16 @@ def _child(rank: int, port: int, out):
         dist.destroy_process_group()
 
 
-def test_requests_decode_inline_and_in_parts():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, port, out)) for r in range(2)]
+
+@contextlib.contextmanager
+def _children(ctx, target, n: int, *args):
+    """n spawned processes running ``target(rank, *args)``; on leaving the block each must have
+    exited 0, and any still alive is killed (only these processes)."""
+    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(n)]
     for p in procs:
         p.start()
     try:
-        got = out.get(timeout=60)
+        yield procs
         for p in procs:
             p.join(timeout=30)
             assert p.exitcode == 0
@@ -73,6 +75,13 @@ def test_requests_decode_inline_and_in_parts():
             if p.is_alive():
                 p.kill()
                 p.join()
+
+def test_requests_decode_inline_and_in_parts():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    with _children(ctx, _child, 2, port, out):
+        got = out.get(timeout=60)
     assert len(got) == len(CASES)
     for (op, tid, n, dim, inline_max), (src, gop, gtid, gn, step, count, inline, ids, rows) in zip(CASES, got):
         assert (src, gop, gtid, gn, step, count) == (0, op, tid, n, 7, 2)
@@ -138,20 +147,10 @@ def test_a_server_with_two_receives_posted_takes_both_workers_requests_at_once()
     for depth, both_sent in ((2, True), (1, False)):
         out, go = ctx.Queue(), ctx.Event()
         port = free_port()
-        procs = [ctx.Process(target=_inbox_child, args=(r, port, depth, out, go)) for r in range(3)]
-        for p in procs:
-            p.start()
-        try:
+        with _children(ctx, _inbox_child, 3, port, depth, out, go):
             sent = [out.get(timeout=60) for _ in range(2)]
             go.set()
             _, order, left_posted = out.get(timeout=60)
-            for p in procs:
-                p.join(timeout=30)
-                assert p.exitcode == 0
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
         assert all(done for *_, done in sent) is both_sent, (depth, sent)
         for rank in (0, 1):
             assert [step for src, step in order if src == rank] == [0, 1, 2, 3], order
