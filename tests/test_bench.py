@@ -288,6 +288,10 @@ def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
     # the cost model's link on 2 hosts is the emulated link as measured: TCP gets at most the cap
     probe = json.load(open(out))["settings"]["link_probe"]
     assert probe["1"] is None and 0.5 * 12.5e6 < probe["2"]["bandwidth_Bps"] < 1.05 * 12.5e6, probe
+    # and a two-rank AllGather through it (both directions at once), which prices allreduce-sparse
+    assert 0.2 * 12.5e6 < probe["2"]["allgather_Bps"] < 1.05 * 12.5e6, probe
+    saved = json.load(open(tmp_path / "b" / "hosts-2" / "lm-profile.json"))["cluster"]
+    assert saved["allgather_Bps"] == probe["2"]["allgather_Bps"] and saved["bandwidth_Bps"] == probe["2"]["bandwidth_Bps"]
     assert "emulated link measured at" in log
 
 
@@ -301,8 +305,11 @@ def test_emulated_hosts_talk_within_a_host_over_loopback_not_the_capped_link():
     assert c.hosts == 2 and c.bandwidth_Bps == 6.25e6 and c.intra_Bps > 10 * 6.25e6
     assert c.cores_per_host == pytest.approx((os.cpu_count() or 1) / 2)
     # with the link as measured between the hosts, the model takes it (and its latency) over the cap
-    m = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2, (5.9e6, 1e-4, 5.8e6))(2)
+    from hpar.strategies.plan.probe import LinkFigures
+    link = LinkFigures(5.9e6, 1e-4, 5.8e6, 3.1e6)
+    m = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2, link)(2)
     assert m.bandwidth_Bps == 5.9e6 and m.latency_s == 1e-4 and m.source == "probe between emulated hosts"
+    assert m.allgather_Bps == 3.1e6 and m.gather_Bps == 3.1e6   # and the AllGather as measured
 
 
 def test_scale_rankings_compare_measured_and_predicted_orders():

@@ -57,7 +57,6 @@ def _child(rank: int, port: int, out):
         dist.destroy_process_group()
 
 
-
 @contextlib.contextmanager
 def _children(ctx, target, n: int, *args):
     """n spawned processes running ``target(rank, *args)``; on leaving the block each must have
@@ -75,6 +74,7 @@ def _children(ctx, target, n: int, *args):
             if p.is_alive():
                 p.kill()
                 p.join()
+
 
 def test_requests_decode_inline_and_in_parts():
     ctx = mp.get_context("spawn")

@@ -76,7 +76,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
     base = build_cluster(bench_gpus, f"emulate:{emulated_hosts}" if emulated_hosts else hosts, None, bw, latency, None)
     if link is not None:
         base = dataclasses.replace(base, bandwidth_Bps=link[0], latency_s=base.latency_s if latency else link[1],
-                                   allgather_Bps=getattr(link, "allgather_Bps", None),
+                                   allgather_Bps=link.allgather_Bps,
                                    source="probe between emulated hosts")
 
     def cluster_of(gpus: int):

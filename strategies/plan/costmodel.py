@@ -111,8 +111,8 @@ class CostSetting:
     sparse_update_per_byte: float   # worker update per byte of gathered sparse gradient rows
     overlap: bool   # a spare core for every process: communication (and servers) run beside backward
     intra_bw: float  # bandwidth between processes of one host (copies through its kernel)
+    gather_bw: float  # bandwidth of a ring AllGather of sparse gradients (ClusterSpec.gather_Bps)
     request_cpu: float = 0.0   # seconds a parameter-server request adds to the step on busy cores
-    gather_bw: float = 0.0     # bandwidth of a ring AllGather (sparse gradients); 0: ``bw``
 
     def under_backward(self, comm: float) -> float:
         """Seconds of backward plus the communication that runs during it."""
@@ -155,7 +155,7 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
     return CostSetting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
                        cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
                        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
-                       p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, request, cluster.gather_Bps)
+                       p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request)
 
 
 def split_tail(params, first_layer: int = 0):
@@ -197,7 +197,7 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
                         note="the optimizer does not take sparse gradients (use SGD, Adagrad or SparseAdam)")
     d_over, d_tail = split_tail(dense)
     s_over, s_tail = split_tail(sparse)
-    ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw or c.bw, c.lat) for p in ps)
+    ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat) for p in ps)
     over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
     tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail)
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)

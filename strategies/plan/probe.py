@@ -34,7 +34,7 @@ class LinkFigures(NamedTuple):
     """A probe's figures: ``bandwidth_Bps`` one way (bytes/s), ``latency_s`` (half a small
     message's round trip), ``allreduce_Bps`` (bytes over the time of a two-rank AllReduce) and
     ``allgather_Bps`` (a rank's bytes over the time of a two-rank AllGather, in which each rank
-    sends its bytes while it receives the other's; None in figures saved before it existed)."""
+    sends its bytes while it receives the other's; None where it was not measured)."""
     bandwidth_Bps: float
     latency_s: float
     allreduce_Bps: float
@@ -45,7 +45,7 @@ def _figures(out: dict, nbytes: int) -> LinkFigures:
     """LinkFigures from rank 0's median times (``out["figures"]``) of ``nbytes`` messages."""
     rtt, one_way, allreduce, allgather = out["figures"]
     return LinkFigures(nbytes / max(one_way - rtt, 1e-9), rtt / 2, nbytes / max(allreduce, 1e-9),
-                       nbytes / max(allgather, 1e-9))
+                       None if allgather is None else nbytes / max(allgather, 1e-9))
 
 
 def _exchange(pg, rank: int, out: torch.Tensor, back: torch.Tensor, n: int) -> list[float]:
@@ -64,7 +64,16 @@ def _exchange(pg, rank: int, out: torch.Tensor, back: torch.Tensor, n: int) -> l
     return times
 
 
-def _endpoint(pg, rank: int, nbytes: int, pings: int, sends: int, out: dict) -> None:
+def _timed(pg, small: torch.Tensor, start) -> float:
+    """Seconds of the collective that ``start()`` begins (its work handle is waited on), both
+    ranks starting it together: an AllReduce of ``small`` first lines them up."""
+    pg.allreduce([small]).wait()
+    t0 = time.perf_counter()
+    start().wait()
+    return time.perf_counter() - t0
+
+
+def _endpoint(pg, rank: int, nbytes: int, pings: int, sends: int, out: dict, allgather: bool = False) -> None:
     try:
         small, big = torch.zeros(1), torch.zeros(nbytes // 4)
         # small round trips in three rounds spread over the probe: the latency is the least of
@@ -74,21 +83,15 @@ def _endpoint(pg, rank: int, nbytes: int, pings: int, sends: int, out: dict) -> 
         rtt_rounds = [ping()]
         one_way = _exchange(pg, rank, big, small.clone(), sends + 1)
         rtt_rounds.append(ping())
-        allreduce, allgather = [], []
-        gathered = [torch.empty_like(big), torch.empty_like(big)]
-        for _ in range(sends + 1):
-            pg.allreduce([small]).wait()   # both ranks start the timed collective together
-            t0 = time.perf_counter()
-            pg.allreduce([big]).wait()
-            allreduce.append(time.perf_counter() - t0)
-            pg.allreduce([small]).wait()
-            t0 = time.perf_counter()
-            pg.allgather([gathered], [big]).wait()   # both directions busy at once, as a sparse AllGather's
-            allgather.append(time.perf_counter() - t0)
+        allreduce = [_timed(pg, small, lambda: pg.allreduce([big])) for _ in range(sends + 1)]
+        gather = None
+        if allgather:   # both directions busy at once, as in a sparse gradient's AllGather
+            gathered = [torch.empty_like(big), torch.empty_like(big)]
+            gather = [_timed(pg, small, lambda: pg.allgather([gathered], [big])) for _ in range(sends + 1)]
         rtt_rounds.append(ping())
         if rank == 0:   # the first large exchanges pay for page faults
             out["figures"] = (min(statistics.median(r) for r in rtt_rounds), statistics.median(one_way[1:]),
-                              statistics.median(allreduce[1:]), statistics.median(allgather[1:]))
+                              statistics.median(allreduce[1:]), statistics.median(gather[1:]) if gather else None)
     except Exception as exc:  # reported by probe_link in the caller's thread
         out[f"error{rank}"] = exc
 
@@ -123,16 +126,17 @@ def _loopback_pair(timeout_s: float) -> list:
 
 
 def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
-               timeout_s: float = 60.0) -> LinkFigures:
+               timeout_s: float = 60.0, allgather: bool = False) -> LinkFigures:
     """Measure (bandwidth_Bps, latency_s, allreduce_Bps, allgather_Bps) of gloo over loopback TCP on this
     machine: latency = half the median round trip of a 4-byte message (the least of three
     rounds' medians, taken before, between and after the large transfers), bandwidth = ``nbytes``
     over the median one-way time of a large message minus one latency, allreduce_Bps =
     ``nbytes`` over the median time of an AllReduce of ``nbytes`` (the 2(N-1)/N * nbytes a
     ring moves for N = 2), allgather_Bps = ``nbytes`` over the median time of an AllGather in
-    which each rank contributes ``nbytes``. Takes about a second. Raises RuntimeError if it fails."""
+    which each rank contributes ``nbytes`` (only with ``allgather``, else None: the cost model
+    uses it between hosts, :func:`probe_peer`). Takes about a second. Raises RuntimeError if it fails."""
     pgs, out = _loopback_pair(timeout_s), {}
-    _in_threads([(_endpoint, (pgs[r], r, nbytes, pings, sends, out)) for r in range(2)], timeout_s, out)
+    _in_threads([(_endpoint, (pgs[r], r, nbytes, pings, sends, out, allgather)) for r in range(2)], timeout_s, out)
     return _figures(out, nbytes)
 
 
@@ -193,7 +197,7 @@ def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: in
     store = dist.TCPStore(addr, port, 2, rank == 0, timeout=timeout)
     pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
     out: dict = {}
-    _endpoint(pg, rank, nbytes, pings, sends, out)
+    _endpoint(pg, rank, nbytes, pings, sends, out, allgather=True)
     errors = [v for k, v in out.items() if k.startswith("error")]
     if errors:
         raise RuntimeError(f"link probe failed ({type(errors[0]).__name__})")
