@@ -149,6 +149,9 @@ def test_hybrid_matches_single_process(tmp_path, opt, world, servers, partitions
     assert 0 < by["user.weight"]["recv"] <= 4 * 4 * 4
     assert summary["bytes_per_step"]["sent"] > 0
     assert ("_local_aggregation" in by) == (hosts is not None)
+    # user and items are looked up with batch tensors: from step 1 on, their rows were
+    # requested during the step before (not with local aggregation, which pushes after backward)
+    assert summary["pulls_ahead"] == (0 if hosts else 2 * (cfg.steps - 1))
 
 
 def load_init(script):
@@ -250,3 +253,59 @@ def test_a_plan_naming_unknown_parameters_fails_before_anything_starts(tmp_path)
     with pytest.raises(ValueError, match="unknown parameters"):
         _resolve(tmp_path, script, plan, "auto", None)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_next_steps_rows_are_requested_once_this_steps_last_table_is_pushed():
+    """PullAhead reads the next batch after this step's forward (not before: data() and the
+    model draw random numbers in their usual order), sends the pulls of the modules fed from
+    batch tensors only when every module looked up this step has pushed, and the next step's
+    prefetch takes those answers instead of pulling again."""
+    from types import SimpleNamespace
+    from hpar.strategies.hybrid import embedding
+
+    class Client:
+        def __init__(self):
+            self.pulls = []
+
+        def pull_async(self, table, ids, step):
+            self.pulls.append((table.name, ids.tolist(), step))
+            return lambda: torch.zeros(ids.numel(), table.dim)
+
+    drawn = []
+
+    def batches():
+        for i in range(3):
+            drawn.append(i)
+            yield (torch.tensor([i + 2, 1, i + 2]), torch.tensor([5])), torch.zeros(1)
+
+    fed = embedding.ServedEmbedding(None, SimpleNamespace(name="fed", rows=10, dim=2), source="/0")
+    derived = embedding.ServedEmbedding(None, SimpleNamespace(name="derived", rows=10, dim=2))
+    client = Client()
+    ahead = embedding.PullAhead([fed, derived], client, batches())
+    first = next(ahead)
+    assert drawn == [0]
+    fed.records = derived.records = [(torch.tensor([1]), torch.zeros(1, 2))]   # step 0's lookups
+    ahead.plan(1)
+    assert drawn == [0, 1] and client.pulls == []          # read, nothing sent yet
+    fed.pushed = True
+    ahead.send()
+    assert client.pulls == []                              # derived has not pushed
+    derived.pushed = True
+    ahead.send()
+    assert client.pulls == [("fed", [1, 3], 1)] and ahead.sent == 1
+    fed.clear()
+    derived.clear()
+    assert fed.ahead is not None                           # clear() keeps the next step's answer
+    second = next(ahead)
+    assert second is not first and drawn == [0, 1]         # the batch read ahead, not a new one
+    clock = embedding.StepClock()
+    clock.set_batch(second[0], second[0])
+    embedding.prefetch([fed, derived], client, clock)
+    assert len(client.pulls) == 1 and fed.prefetched[0] is second[0][0] and fed.ahead is None
+    ahead.plan(2)
+    ahead.send(force=True)                                 # after backward, whatever was pushed
+    assert client.pulls[-1] == ("fed", [1, 4], 2)
+    next(ahead)
+    ahead.plan(3)                                          # no batch left: nothing planned
+    ahead.send(force=True)
+    assert ahead.sent == 2 and drawn == [0, 1, 2]

@@ -271,6 +271,9 @@ def test_parameter_servers_follow_the_schedule(tmp_path, strategy):
     assert sorted(evals) == [4, 8]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert len({summary["eval_first"]["mean_out"], evals[4], evals[8], summary["eval_last"]["mean_out"]}) == 4
+    # the embedding's rows of steps 1-11 were requested during the step before, except after
+    # the evaluations of steps 4 and 8 (the whole-table pulls share the reply tags)
+    assert summary["pulls_ahead"] == 9
     # the PS bytes of a step do not include the evaluation's pull of every row
     by_step = [m["bytes_recv"] for m in rows if m["kind"] == "metric" and m["role"] == "worker" and m["rank"] == 0]
     assert max(by_step) < 200 * 8 * 4

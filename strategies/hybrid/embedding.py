@@ -76,6 +76,7 @@ class ServedEmbedding:
     source: str | None = None       # batch path this module's input came from, once seen
     follows: "ServedEmbedding | None" = None  # module whose input this one reused, once seen
     prefetched: tuple | None = None  # (input tensor, unique ids, inverse, waiter)
+    ahead: tuple | None = None      # the same for the next step, requested during this one (PullAhead)
     pushed: bool = False            # this step's gradients were handed over early
 
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -179,10 +180,69 @@ def prefetch(served: list[ServedEmbedding], client: PSClient, clock: StepClock) 
     clock.seen = []
     for item in served:
         t = clock.leaves.get(item.source) if item.source is not None else None
+        if item.ahead is not None:   # requested during the previous step (PullAhead)
+            item.prefetched, item.ahead = item.ahead, None
+            assert item.prefetched[0] is t, "rows pulled ahead for another batch"
+            continue
         if t is None:
             continue
         uids, inverse = _dedup_checked(item, t)
         item.prefetched = (t, uids, inverse, client.pull_async(item.table, uids, clock.step))
+
+
+class PullAhead:
+    """The batch iterator of a worker, and the pull of the next step's rows sent while this
+    step is still on the wire.
+
+    A step's link is busy twice: the pulls before the forward bring rows in, and the pushes
+    and the dense AllReduce in backward take gradients out. The next step's pull needs only
+    the next batch's ids and this step's update, which a server applies as soon as every
+    worker's push of the table is in (workers/server.py defers a pull until then). So once
+    this worker pushed its last table, the requests for the next batch's rows (the modules
+    :func:`prefetch` serves from batch tensors) go out at once, and their answers come while
+    the dense AllReduce, the clipping and the optimizer step finish, instead of after them.
+    The rows are the same either way (synchronous semantics are the server's).
+
+    The next batch is read from ``batches`` after this step's forward, on the calling thread,
+    so ``data()`` and the model draw random numbers in the same order as without it."""
+
+    def __init__(self, served: list[ServedEmbedding], client: PSClient, batches):
+        self.served, self.client, self.batches = served, client, iter(batches)
+        self.peeked = None    # the next (inputs, targets), read early
+        self.planned = []     # [(ServedEmbedding, host ids tensor, unique ids, inverse)] for step ``step``
+        self.step = None
+        self.sent = 0         # tables whose rows were requested a step ahead, over the run
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.peeked is not None:
+            batch, self.peeked = self.peeked, None
+            return batch
+        return next(self.batches)
+
+    def plan(self, step: int) -> None:
+        """After step ``step - 1``'s forward: read the next batch and deduplicate the ids of
+        every module fed straight from a batch tensor (nothing is sent yet)."""
+        if self.peeked is None:
+            self.peeked = next(self.batches, None)
+        if self.peeked is None:
+            return
+        leaves = batch_leaves(self.peeked[0])
+        self.planned = [(item, leaves[item.source], *_dedup_checked(item, leaves[item.source]))
+                        for item in self.served if item.source in leaves and item.ahead is None]
+        self.step = step
+
+    def send(self, force: bool = False) -> None:
+        """Request the planned rows once every module looked up this step has handed its
+        gradients over (from the push hook), or now with ``force``."""
+        if not self.planned or not (force or all(it.pushed for it in self.served if it.records)):
+            return
+        for item, t, uids, inverse in self.planned:
+            item.ahead = (t, uids, inverse, self.client.pull_async(item.table, uids, self.step))
+        self.sent += len(self.planned)
+        self.planned = []
 
 
 def attach(model: torch.nn.Module, tables: list[PSTable], client: PSClient, clock: StepClock) -> list[ServedEmbedding]:

@@ -14,7 +14,8 @@ parameter lives on the servers, dense ones pulled and pushed whole (TensorFlow-P
 
 Round trips: rows of embeddings fed straight from the batch, or with the same tensor as
 another served embedding, are requested before they are needed (embedding.prefetch),
-so a step's pulls share one server wake-up. A table's push leaves from inside backward as soon
+so a step's pulls share one server wake-up; those fed from the batch are requested during the
+step before, once its last push left (embedding.PullAhead). A table's push leaves from inside backward as soon
 as its gradients are complete, and the server applies a table once every worker's push is in,
 so the sampled-softmax tables are updated while the workers still run the LSTM's backward;
 pushes and DONE are asynchronous and overlap the dense optimizer step. Workers on one host
@@ -44,7 +45,7 @@ from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successo
 from hpar.strategies.devices import rng_state, set_rng_state, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
-from hpar.strategies.loop import clip_coefficient, evaluate_during_training, step_tools
+from hpar.strategies.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
 from hpar.strategies.hybrid import fp16
 
@@ -184,6 +185,14 @@ def _gather_model(client: PSClient, tables: list[PSTable], served, whole, step: 
         p.data.copy_(weights[t.name].reshape(p.shape))
 
 
+def _pull_ahead(cfg, step: int) -> bool:
+    """Whether step ``step``'s rows may be requested during the step before (PullAhead):
+    not past the last step, not for a step after which rank 0 pulls whole tables for
+    evaluation (its answers would share the reply tags), and not with ``"pull_ahead": false``
+    in the plan (for A/B measurements)."""
+    return step < cfg.steps and not evaluate_now(cfg, step) and (cfg.plan or {}).get("pull_ahead", True)
+
+
 def train(ctx: WorkerContext) -> TrainResult:
     """Train ``cfg.steps`` synchronous steps with dense parameters on AllReduce (``hybrid``)
     or nothing on AllReduce (``ps``), PS tables on the servers. Returns the whole trained
@@ -201,7 +210,7 @@ def train(ctx: WorkerContext) -> TrainResult:
                   device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         net.register_comm_hook((client.bytes, ctx.world_size, groups.workers.dense, ring_remote), group_allreduce_hook)
-    batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
+    batches = embedding.PullAhead(served, client, job.batches(ctx.rank, ctx.world_size, cfg.batch_size))
     for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
         next(batches)
     meter, totals, steps_done = StepMeter(ctx, 0), {}, 0
@@ -228,6 +237,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         if grads is not None:
             copies.append((item.table, grads))
         send_copied(wait=False)
+        batches.send()   # once this step's last table is pushed: the next step's rows
 
     def send_copied(wait: bool) -> None:
         while copies and (wait or copies[0][1].ready()):
@@ -257,6 +267,8 @@ def train(ctx: WorkerContext) -> TrainResult:
                 with tools.autocast():
                     output = net(inputs)
                     loss = job.compute_loss(output, targets) / cfg.accumulate
+                if final and clock.on_gradients is not None and _pull_ahead(cfg, step + 1):
+                    batches.plan(step + 1)
                 tools.backward(loss)   # scaled under fp16
             step_loss += loss.item()
             t_push = time.perf_counter()
@@ -267,6 +279,7 @@ def train(ctx: WorkerContext) -> TrainResult:
                     push(item)
                 item.clear()
             send_copied(wait=True)
+            batches.send(force=True)
             push_s += time.perf_counter() - t_push
         meter.samples_per_step = samples
         t_push = time.perf_counter()
@@ -325,6 +338,6 @@ def train(ctx: WorkerContext) -> TrainResult:
                                groups.workers, ctx.world_size)
     result = meter.result(model if ctx.rank == 0 else None, replicas=ctx.world_size,
                           extra={"by_param": by_param, "servers": cfg.servers or 1, "worker_peak_rss_bytes": peaks,
-                                 "ps_params": sorted(ps_names)})
+                                 "ps_params": sorted(ps_names), "pulls_ahead": batches.sent})
     result.loss_first, result.loss_last = losses
     return result

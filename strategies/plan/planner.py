@@ -55,6 +55,7 @@ class Plan:
     compute: str = ""
     replicas: int = 1        # pipeline: R replicas of the K stages
     layout: str = ""         # pipeline: rank layout (strategies/pipeline/replicas.py)
+    pull_ahead: bool = True  # hybrid/ps: request the next step's rows during this one (hybrid/embedding.py)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
