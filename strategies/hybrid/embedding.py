@@ -179,15 +179,19 @@ def prefetch(served: list[ServedEmbedding], client: PSClient, clock: StepClock) 
     input turns out to be another tensor pulls as usual; the rows are the same either way."""
     clock.seen = []
     for item in served:
-        t = clock.leaves.get(item.source) if item.source is not None else None
         if item.ahead is not None:   # requested during the previous step (PullAhead)
             item.prefetched, item.ahead = item.ahead, None
-            assert item.prefetched[0] is t, "rows pulled ahead for another batch"
-            continue
-        if t is None:
-            continue
-        uids, inverse = _dedup_checked(item, t)
+            assert item.prefetched[0] is clock.leaves.get(item.source), "rows pulled ahead for another batch"
+    for item, t, uids, inverse in _fed_from_batch([it for it in served if it.prefetched is None], clock.leaves):
         item.prefetched = (t, uids, inverse, client.pull_async(item.table, uids, clock.step))
+
+
+def _fed_from_batch(served: list[ServedEmbedding], leaves: dict) -> list[tuple]:
+    """``[(module, its ids tensor, unique ids, inverse)]`` for every module of ``served``
+    whose input was, on an earlier step, the batch tensor at its ``source`` path in
+    ``leaves`` (:func:`batch_leaves` of this batch)."""
+    return [(item, leaves[item.source], *_dedup_checked(item, leaves[item.source]))
+            for item in served if item.source in leaves]
 
 
 class PullAhead:
@@ -229,9 +233,7 @@ class PullAhead:
             self.peeked = next(self.batches, None)
         if self.peeked is None:
             return
-        leaves = batch_leaves(self.peeked[0])
-        self.planned = [(item, leaves[item.source], *_dedup_checked(item, leaves[item.source]))
-                        for item in self.served if item.source in leaves and item.ahead is None]
+        self.planned = _fed_from_batch([it for it in self.served if it.ahead is None], batch_leaves(self.peeked[0]))
         self.step = step
 
     def send(self, force: bool = False) -> None:
