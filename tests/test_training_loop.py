@@ -281,6 +281,24 @@ def test_parameter_servers_follow_the_schedule(tmp_path, strategy):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_a_plan_can_turn_the_pull_ahead_off(tmp_path):
+    """`"pull_ahead": false` in a plan file (how BENCHMARKS.md's A/B was run): `hpar run
+    --strategy hybrid --plan` then requests no rows a step early, and trains the same model."""
+    from hpar.strategies.plan.planner import Plan
+    script = write_script(tmp_path, EMBED_SCHEDULED)
+    plan = tmp_path / "plan.json"
+    plan.write_text(Plan(strategy="hybrid", placement={}, partitions={}, servers=1, stages=[], micro_batches=1,
+                         schedule="1f1b", reason="", candidates=[], pull_ahead=False).to_json())
+    code, run_dir, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", "hybrid", "--plan", str(plan),
+                                 "--no-eval")
+    assert code == 0, out
+    want, _ = reference(script, 2, 12, 4, 0.1)
+    close(torch.load(os.path.join(run_dir, "model.pt")), want)
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["pulls_ahead"] == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["1f1b", "torch-gpipe"])
 def test_pipeline_stages_follow_the_schedule(tmp_path, schedule):
     """Each stage steps the script's schedule once per batch: 2 stages equal one process."""
