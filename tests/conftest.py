@@ -3,6 +3,7 @@ every process that belongs to a run (by the HPAR_CONFIG path in its environment)
 single-process training every synchronous strategy must reproduce."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -64,6 +65,11 @@ def loss(o, t): return ((o - t) ** 2).mean()
 def embed_script(steps: int = 10, sleep: float = 0.0) -> str:
     """EMBED_TINY with ``steps`` steps and ``sleep`` seconds per batch."""
     return EMBED_TINY.replace("STEPS", str(steps)).replace("SLEEP", repr(sleep))
+
+
+def finite_positive(x) -> bool:
+    """Whether ``x`` is an int or float, finite and above 0 (figures a run reports)."""
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
 def write_script(tmp_path, text: str = TINY, name: str = "job.py") -> str:

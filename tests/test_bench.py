@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import hpar, run_processes, write_script
+from conftest import finite_positive, hpar, run_processes, write_script
 from hpar.launcher.bench.driver import BENCH_STRATEGIES, Result, bytes_per_worker_step, parse_strategies, with_ratios
 from hpar.launcher.bench.emulate import parse_emulate, rate_arg
 
@@ -101,10 +100,6 @@ def test_bad_flags_are_one_line_errors(tmp_path, args, flag):
     assert not (tmp_path / "b").exists()
 
 
-def _finite_positive(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_bench_tiny_job_json_and_plot(tmp_path):
@@ -125,11 +120,11 @@ def test_bench_tiny_job_json_and_plot(tmp_path):
         r = by_name[name]
         assert r["reason"] is None, r
         for key in ("samples_per_s", "step_s_p50", "step_s_p90", "predicted_step_s", "ratio"):
-            assert _finite_positive(r[key]), (name, key, r[key])
+            assert finite_positive(r[key]), (name, key, r[key])
         assert r["step_s_p90"] >= r["step_s_p50"]
         assert r["ratio"] <= 1.0 or r["extra"].get("ran_as")   # a "ran as" row is no contender: it may read above 1
-        assert _finite_positive(r["bytes_per_step"]["sent"]) and _finite_positive(r["bytes_per_step"]["recv"])
-        assert r["projected"]["projected"] is True and _finite_positive(r["projected"]["samples_per_s"])
+        assert finite_positive(r["bytes_per_step"]["sent"]) and finite_positive(r["bytes_per_step"]["recv"])
+        assert r["projected"]["projected"] is True and finite_positive(r["projected"]["samples_per_s"])
         summary = json.loads((bench_dir / "job" / name / "summary.json").read_text())
         ran_as = name
         if name == "hybrid" and "ps" not in json.loads((bench_dir / "job-hybrid-plan.json").read_text())["placement"].values():
@@ -240,90 +235,6 @@ def test_verdict_says_faster_only_beyond_the_spread_and_never_for_a_ran_as_row()
     assert steps_warning(6) and steps_warning(30) is None
 
 
-SCALE_LM = '''
-import torch, torch.nn as nn, torch.nn.functional as F
-HPAR = {"batch_size": 8, "lr": 0.1}
-class M(nn.Module):
-    def __init__(self):
-        super().__init__(); self.emb = nn.Embedding(2000, 8); self.out = nn.Linear(8, 4)
-    def forward(self, x): return self.out(self.emb(x).mean(1))
-def model(): return M()
-def data(rank, world_size, batch_size):
-    g = torch.Generator().manual_seed(rank)
-    while True:
-        x = torch.randint(0, 2000, (batch_size, 3), generator=g)
-        yield x, x[:, 0] % 4
-def loss(o, t): return F.cross_entropy(o, t)
-'''
-
-
-@pytest.mark.multiprocess
-@pytest.mark.netns
-@pytest.mark.timeout(400)
-def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
-    """`hpar bench --scale 1,2` (launcher/bench/scale.py): a point per strategy and host count,
-    one worker per emulated host, with measured and predicted samples/s and bytes; the 1-host
-    point moves nothing between workers, the 2-host AllReduce does."""
-    import netns_hosts
-    reason = netns_hosts.testhosts.unavailable()
-    if reason:
-        pytest.skip(reason)
-    script = write_script(tmp_path, SCALE_LM, "lm.py")
-    out = tmp_path / "scale.json"
-    with open(tmp_path / "stdout.txt", "w") as f:
-        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "bench", script, "--scale", "1,2",
-                               "--strategies", "allreduce", "--steps", "4", "--link-rate", "100mbit",
-                               "--bench-dir", str(tmp_path / "b"), "--json", str(out)],
-                              stdout=f, stderr=subprocess.STDOUT, timeout=380).returncode
-    log = (tmp_path / "stdout.txt").read_text()
-    assert code == 0, log[-3000:]
-    assert "scaling, one worker per emulated host" in log and "cost model: mean absolute error" in log
-    points = json.load(open(out))["points"]
-    assert [(p["strategy"], p["workers"]) for p in points] == [("allreduce", 1), ("allreduce", 2)]
-    assert json.load(open(out))["rankings"] == []   # one strategy: nothing to rank
-    for p in points:
-        assert _finite_positive(p["samples_per_s"]) and _finite_positive(p["predicted_samples_per_s"]), p
-    assert not points[0]["bytes_sent"] and points[1]["bytes_sent"] > 2000 * 8 * 4   # the dense table is AllReduced
-    assert os.path.isdir(tmp_path / "b" / "hosts-1") and os.path.isdir(tmp_path / "b" / "hosts-2")
-    # the cost model's link on 2 hosts is the emulated link as measured: TCP gets at most the cap
-    probe = json.load(open(out))["settings"]["link_probe"]
-    assert probe["1"] is None and 0.5 * 12.5e6 < probe["2"]["bandwidth_Bps"] < 1.05 * 12.5e6, probe
-    # and a two-rank AllGather through it (both directions at once), which prices allreduce-sparse
-    assert 0.2 * 12.5e6 < probe["2"]["allgather_Bps"] < 1.05 * 12.5e6, probe
-    saved = json.load(open(tmp_path / "b" / "hosts-2" / "lm-profile.json"))["cluster"]
-    assert saved["allgather_Bps"] == probe["2"]["allgather_Bps"] and saved["bandwidth_Bps"] == probe["2"]["bandwidth_Bps"]
-    assert "emulated link measured at" in log
-
-
-def test_emulated_hosts_talk_within_a_host_over_loopback_not_the_capped_link():
-    """On emulated hosts a worker and its host's server share this machine's loopback: the
-    cost model's intra-host rate is the probed loopback, not --link-rate (the capped rate made
-    every hybrid step pay a server 'copying' its traffic at 50 Mbit/s: 0.36 s of CPU that was
-    not there), and the hosts share this machine's cores."""
-    from hpar.launcher.commands.bench import _cluster_factory
-    c = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2)(2)
-    assert c.hosts == 2 and c.bandwidth_Bps == 6.25e6 and c.intra_Bps > 10 * 6.25e6
-    assert c.cores_per_host == pytest.approx((os.cpu_count() or 1) / 2)
-    # with the link as measured between the hosts, the model takes it (and its latency) over the cap
-    from hpar.strategies.plan.probe import LinkFigures
-    link = LinkFigures(5.9e6, 1e-4, 5.8e6, 3.1e6)
-    m = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2, link)(2)
-    assert m.bandwidth_Bps == 5.9e6 and m.latency_s == 1e-4 and m.source == "probe between emulated hosts"
-    assert m.allgather_Bps == 3.1e6 and m.gather_Bps == 3.1e6   # and the AllGather as measured
-
-
-def test_scale_rankings_compare_measured_and_predicted_orders():
-    from hpar.launcher.bench.scale import ScalePoint, rankings
-    P = lambda strategy, n, meas, pred, ran_as=None: ScalePoint("lm.py", strategy, n, meas, pred, 1.0, 1.0, None, ran_as)
-    pts = [P("hybrid", 4, 300.0, 280.0), P("allreduce-sparse", 4, 150.0, 160.0), P("allreduce", 4, 20.0, 25.0),
-           P("hybrid", 8, 500.0, 200.0), P("allreduce-sparse", 8, 180.0, 260.0), P("allreduce", 8, 10.0, None),
-           P("hybrid", 1, 90.0, 95.0), P("ps", 1, 100.0, 99.0, ran_as="allreduce")]
-    rows = rankings(pts)
-    assert [(r["workers"], r["measured"], r["predicted"], r["agree"]) for r in rows] == [
-        (4, ["hybrid", "allreduce-sparse", "allreduce"], ["hybrid", "allreduce-sparse", "allreduce"], True),
-        (8, ["hybrid", "allreduce-sparse"], ["allreduce-sparse", "hybrid"], False)]   # 1 worker: a single contender
-
-
 def test_repeated_runs_give_the_median_run_and_their_spread():
     """``--repeat``: a strategy's entry is its median run (the slower middle one for an even
     count), with every run's samples/s; a failed run fails the entry, saying which; the
@@ -375,83 +286,9 @@ def test_bench_repeat_runs_each_strategy_in_rounds(tmp_path):
     assert order == ["allreduce-run1", "ps-run1", "allreduce-run2", "ps-run2"]   # rounds: every strategy once each
     for r in doc["results"]:
         runs = r["extra"]["runs_samples_per_s"]
-        assert len(runs) == 2 and all(_finite_positive(x) for x in runs) and r["samples_per_s"] == min(runs), r
+        assert len(runs) == 2 and all(finite_positive(x) for x in runs) and r["samples_per_s"] == min(runs), r
         assert r["run_dir"] in {str(bench_dir / "job" / f"{r['strategy']}-run{i}") for i in (1, 2)}
         assert f"{min(runs):,.0f}-{max(runs):,.0f}" in log
         for i in (1, 2):
             assert json.loads((bench_dir / "job" / f"{r['strategy']}-run{i}" / "summary.json").read_text())["steps"] == 4
             assert run_processes(str(bench_dir / "job" / f"{r['strategy']}-run{i}")) == []
-
-
-def test_scale_flag_errors_are_one_line(tmp_path):
-    for args, flag in ((["--scale", "0,2"], "--scale"), (["--scale", "1,2", "--gpus", "4"], "drop --gpus")):
-        out = hpar("bench", write_script(tmp_path), "--bench-dir", str(tmp_path / "b"), *args, timeout=50)
-        assert out.returncode == 2 and flag in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
-        assert not (tmp_path / "b").exists()
-
-
-def test_emulated_hosts_share_the_cores_out_and_every_run_gets_them():
-    """Every emulated host sees all of this machine's cores; `hpar run` would give each host's
-    processes all of them (8 hosts: 8x too many OpenMP threads, cnn.py's allreduce 7x slower). The
-    bench passes cpu_count / (workers + one server per host) threads, at least 1, to every run."""
-    from hpar.launcher.bench.driver import BenchConfig, run_command
-    from hpar.launcher.bench.emulate import EmulatedCluster
-    assert EmulatedCluster(8, 8, None).threads == max(1, (os.cpu_count() or 1) // 16)
-    assert EmulatedCluster(1, 1, None).threads == max(1, (os.cpu_count() or 1) // 2)
-    cfg = BenchConfig(scripts=("lm.py",), gpus=8, strategies=("allreduce",), steps=4, bench_dir="b", threads=1)
-    cmd = run_command("lm.py", "allreduce", cfg, 32, "r")
-    assert cmd[cmd.index("--env") + 1] == "OMP_NUM_THREADS=1"
-    assert "--env" not in run_command("lm.py", "allreduce", dataclasses.replace(cfg, threads=None), 32, "r")
-
-
-def test_bench_markdown_renders_a_scale_document(tmp_path):
-    """`python scripts/bench_markdown.py scale.json` (the tables of BENCHMARKS.md): one row per
-    script and worker count, the median run with the slowest-fastest range, the prediction and
-    predicted/measured, and per script the model's mean error and the orders."""
-    doc = {"command": "hpar bench lm.py --scale 1,2 --repeat 2", "machine": {"cpu_count": 2, "cpu_model": "X", "torch": "t"},
-           "points": [
-               {"script": "/a/lm.py", "strategy": "hybrid", "workers": 1, "samples_per_s": 100.0,
-                "predicted_samples_per_s": 150.0, "runs": [100.0, 120.0], "reason": None, "ran_as": None},
-               {"script": "/a/lm.py", "strategy": "allreduce", "workers": 1, "samples_per_s": 50.0,
-                "predicted_samples_per_s": 50.0, "runs": [50.0, 55.0], "reason": None, "ran_as": None},
-               {"script": "/a/lm.py", "strategy": "hybrid", "workers": 2, "samples_per_s": None,
-                "predicted_samples_per_s": 90.0, "runs": [], "reason": "timed out after 600 s", "ran_as": None}],
-           "rankings": [{"script": "/a/lm.py", "workers": 1, "measured": ["hybrid", "allreduce"],
-                         "predicted": ["hybrid", "allreduce"], "agree": True, "agree_beyond_spread": True}]}
-    path = tmp_path / "scale.json"
-    path.write_text(json.dumps(doc))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "bench_markdown.py"), str(path)],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert "| script | workers | hybrid | allreduce |" in lines
-    assert "| lm.py | 1 | 100 [100-120] (150, 1.50) | 50 [50-55] (50, 1.00) |" in lines
-    assert "| lm.py | 2 | n/a (timed out after 600 s) | - |" in lines
-    assert "- lm.py: mean absolute error 25% over 2 points; order as measured at 1 of 1 points, where the runs do not overlap at 1" in lines
-
-
-def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
-    """`python scripts/repredict.py scale.json`: each measured point's prediction recomputed from
-    the profile and cluster the bench saved, equal to the bench's own while the model is unchanged."""
-    from conftest import embed_script
-    from hpar.launcher.bench.driver import BenchConfig, plan_script
-    from hpar.strategies.plan.cluster import ClusterSpec
-    script = write_script(tmp_path, embed_script())
-    cfg = BenchConfig(scripts=(script,), gpus=2, strategies=("hybrid", "allreduce"), steps=4,
-                      bench_dir=str(tmp_path / "b" / "hosts-2"))
-    plan = plan_script(script, cfg, cfg.strategies,
-                       lambda g: ClusterSpec(hosts=2, gpus_per_host=(1, 1), servers=2, bandwidth_Bps=1e7, latency_s=1e-4))
-    pred = {s: 2 * plan.batch_size / plan.estimates[s].step_s for s in ("hybrid", "allreduce")}
-    doc = {"settings": {"bench_dir": str(tmp_path / "b")}, "points": [
-        {"script": script, "strategy": s, "workers": 2, "samples_per_s": pred[s] / 2, "predicted_samples_per_s": pred[s],
-         "ran_as": None} for s in ("hybrid", "allreduce")]}
-    (tmp_path / "scale.json").write_text(json.dumps(doc))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "repredict.py"), str(tmp_path / "scale.json")],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    for s in ("hybrid", "allreduce"):
-        cell = f"{pred[s]:,.0f} (2.00)"
-        assert f"| {s} | {pred[s] / 2:,.0f} | {cell} | {cell} |" in out.stdout, out.stdout
-    assert "mean absolute error then 100% over 2, now 100% over 2 points" in out.stdout
