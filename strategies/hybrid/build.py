@@ -8,7 +8,9 @@ Hence:
 * a **worker** builds the model on PyTorch's ``meta`` device (``with torch.device("meta")``:
   shapes and dtypes, no storage, no initialisation) from a throwaway import of the script,
   so that tensors ``model()`` leaves in the script's module (a cached corpus that ``data()``
-  reads) are not meta in the import the run uses, empties the served tables
+  reads) are not meta in the import the run uses (the throwaway import itself runs outside
+  ``meta``, so the module's own tensor constants, which the forward may read, are real),
+  empties the served tables
   (``embedding.attach``), gives the rest real, uninitialised storage on its device with
   ``Module.to_empty`` (ties kept: :func:`to_empty_keeping_ties`) and receives the initial
   values of every parameter and buffer that the servers do not hold (the *dense state*),
@@ -43,8 +45,9 @@ def build_model(job, seed: int, meta: bool = True) -> tuple[torch.nn.Module, boo
     if meta:
         from hpar.strategies.job import load_job
         try:   # a throwaway import of the script: what model() caches in its module (a corpus) would be meta
+            throwaway = load_job(job.path)   # imported as usual: its module's constants stay real tensors
             with torch.device("meta"), _NoInitOnMeta():
-                model = load_job(job.path).build_model()
+                model = throwaway.build_model()
         except Exception:   # a constructor that needs real values: the CPU build says what is wrong, if anything
             model = None
         if model is not None and not _stray_meta_tensors(model):

@@ -75,6 +75,8 @@ class ServedEmbedding:
     records: list = field(default_factory=list)   # [(unique ids, pulled rows leaf)]
     source: str | None = None       # batch path this module's input came from, once seen
     follows: "ServedEmbedding | None" = None  # module whose input this one reused, once seen
+    covers: str | None = None       # batch path whose ids the input included on its first step
+    checked: bool = False           # whether ``covers`` was looked for
     prefetched: tuple | None = None  # (input tensor, unique ids, inverse, waiter)
     ahead: tuple | None = None      # the same for the next step, requested during this one (PullAhead)
     pushed: bool = False            # this step's gradients were handed over early
@@ -144,11 +146,15 @@ def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torc
             served.source = next((p for p, t in clock.leaves.items() if t is host_ids), None)
             served.follows = next((it for t, it in clock.seen if t is ids and it is not served), None)
         uids, inverse = _dedup_checked(served, host_ids)
-        wait = client.pull_async(served.table, uids, clock.step)
+        if not served.checked and served.source is None and served.follows is None:
+            served.covers, served.checked = covering_leaf(uids, clock.leaves, served.table.rows), True
+        wait = _complete(client, served, uids, pre, clock.step)
         for other in items:   # modules that looked up this same tensor on earlier steps
-            if (other.follows is served and other.prefetched is None and uids.numel()
-                    and int(uids[-1]) < other.table.rows):
-                other.prefetched = (host_ids, uids, inverse, client.pull_async(other.table, uids, clock.step))
+            if other.follows is served and uids.numel() and int(uids[-1]) < other.table.rows:
+                other.covers = other.covers or served.covers
+                if other.prefetched is None or other.prefetched[0] is not host_ids:
+                    other.prefetched = (host_ids, uids, inverse, _complete(client, other, uids, other.prefetched,
+                                                                           clock.step))
         rows = wait()
     clock.seen.append((ids, served))
     rows = rows.to(ids.device, non_blocking=rows.is_pinned()).requires_grad_()   # pinned: async copy up
@@ -156,6 +162,45 @@ def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torc
     if clock.on_gradients is not None:
         rows.register_post_accumulate_grad_hook(lambda _, item=served: _grad_ready(item, clock))
     return uids, inverse.to(ids.device, non_blocking=True), rows
+
+
+def covering_leaf(uids: torch.Tensor, leaves: dict, rows: int) -> str | None:
+    """The path of the batch tensor (``leaves``: :func:`batch_leaves`) with the most distinct
+    ids, all of them among ``uids`` (sorted unique ids a module just looked up; ids in
+    ``[0, rows)``), or None. Sampled softmax is the case: its candidates are the batch's
+    target words plus sampled ones, so the targets' rows can be requested ahead."""
+    best, size = None, 0
+    for path, t in leaves.items():
+        u = torch.unique(t.to("cpu", torch.int64))
+        if size < u.numel() <= uids.numel() and int(u[0]) >= 0 and int(u[-1]) < rows:
+            pos = torch.searchsorted(uids, u).clamp_(max=uids.numel() - 1)
+            if bool((uids[pos] == u).all()):
+                best, size = path, u.numel()
+    return best
+
+
+def _complete(client: PSClient, item: ServedEmbedding, uids: torch.Tensor, pre: tuple | None, step: int):
+    """A function returning rows ``uids`` (sorted unique) of ``item``'s table: the rows among
+    those requested ahead (``pre``: ``(tensor, its unique ids, inverse, waiter)``, e.g. the
+    targets' rows of a sampled softmax, :attr:`ServedEmbedding.covers`) taken from that answer,
+    only the others pulled now (nothing is sent when every row is there)."""
+    if pre is None:
+        return client.pull_async(item.table, uids, step)
+    have, answer = pre[1], pre[3]
+    if have.numel():
+        pos = torch.searchsorted(have, uids).clamp_(max=have.numel() - 1)
+        hit = have[pos] == uids
+    else:
+        pos, hit = torch.zeros_like(uids), torch.zeros(uids.numel(), dtype=torch.bool)
+    missing = client.pull_async(item.table, uids[~hit], step)
+
+    def wait() -> torch.Tensor:
+        part, rest = answer(), missing()
+        rows = torch.empty(uids.numel(), item.table.dim, dtype=part.dtype, pin_memory=getattr(client, "pin", False))
+        rows[hit] = part[pos[hit]]
+        rows[~hit] = rest
+        return rows
+    return wait
 
 
 def _grad_ready(item: ServedEmbedding, clock: StepClock) -> None:
@@ -176,12 +221,16 @@ def prefetch(served: list[ServedEmbedding], client: PSClient, clock: StepClock) 
     """Before the forward of ``clock.step``: request at once the rows of every module whose
     input was, on an earlier step, a tensor of the batch itself (``clock.leaves``), so the
     servers answer them in one wake-up instead of one round trip per module. A module whose
-    input turns out to be another tensor pulls as usual; the rows are the same either way."""
+    input included a batch tensor's ids on its first step (``covers``: a sampled softmax's
+    candidates hold the batch's targets) gets that tensor's rows now and pulls only the others
+    at lookup. A module whose input turns out to be another tensor pulls as usual; the rows
+    are the same either way."""
     clock.seen = []
     for item in served:
         if item.ahead is not None:   # requested during the previous step (PullAhead)
             item.prefetched, item.ahead = item.ahead, None
-            assert item.prefetched[0] is clock.leaves.get(item.source), "rows pulled ahead for another batch"
+            path = item.source if item.source is not None else item.covers   # "" is a batch that is one tensor
+            assert item.prefetched[0] is clock.leaves.get(path), "rows pulled ahead for another batch"
     for item, t, uids, inverse in _fed_from_batch([it for it in served if it.prefetched is None], clock.leaves):
         item.prefetched = (t, uids, inverse, client.pull_async(item.table, uids, clock.step))
 
@@ -189,9 +238,17 @@ def prefetch(served: list[ServedEmbedding], client: PSClient, clock: StepClock) 
 def _fed_from_batch(served: list[ServedEmbedding], leaves: dict) -> list[tuple]:
     """``[(module, its ids tensor, unique ids, inverse)]`` for every module of ``served``
     whose input was, on an earlier step, the batch tensor at its ``source`` path in
-    ``leaves`` (:func:`batch_leaves` of this batch)."""
-    return [(item, leaves[item.source], *_dedup_checked(item, leaves[item.source]))
-            for item in served if item.source in leaves]
+    ``leaves`` (:func:`batch_leaves` of this batch), or included its ids (``covers``; left
+    out when this batch's ids there are not rows of the table)."""
+    out = []
+    for item in served:
+        if item.source in leaves:
+            out.append((item, leaves[item.source], *_dedup_checked(item, leaves[item.source])))
+        elif item.covers in leaves:
+            uids, inverse = dedup(leaves[item.covers].to("cpu", torch.int64))
+            if uids.numel() and int(uids[0]) >= 0 and int(uids[-1]) < item.table.rows:
+                out.append((item, leaves[item.covers], uids, inverse))
+    return out
 
 
 class PullAhead:
