@@ -155,3 +155,43 @@ def test_a_server_with_two_receives_posted_takes_both_workers_requests_at_once()
         for rank in (0, 1):
             assert [step for src, step in order if src == rank] == [0, 1, 2, 3], order
         assert left_posted == 0
+
+
+def _owed_child(rank: int, port: int, out):
+    """Ranks 0 and 1 are workers of a 3-step run sending a pull, DONE of steps 0-2 and FINISH
+    at once; rank 2 a server allowed 8 receives posted."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    try:
+        if rank < 2:
+            isend = ps_wire.p2p()[0]
+            sends = [(ps_wire.PULL, 0)] + [(ps_wire.DONE, step) for step in range(3)] + [(ps_wire.FINISH, 0)]
+            for work in [isend(ps_wire.encode(op, 0, 0, step, 1, ())[0], 2, ps_wire.TAG_REQUEST)
+                         for op, step in sends]:
+                work.wait()
+        else:
+            inbox = ps_wire.Inbox(2, 8, steps=3)
+            got, most = [], 0
+            while len(got) < 10:
+                got.append(inbox.next())
+                most = max(most, len(inbox._posted) + 1)   # posted when this one was taken
+            out.put(([(r.src, r.op, r.step) for r in got], most, len(inbox._posted)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_server_posts_as_many_receives_as_the_workers_still_owe():
+    """Once a worker sent DONE for step 0 of 3, it owes two more DONEs and its FINISH, so the
+    server posts up to 6 receives for 2 workers (not 2); each worker's requests still come
+    out in the order it sent them, and none is left posted after the last FINISH."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with _children(ctx, _owed_child, 3, free_port(), out):
+        order, most, left_posted = out.get(timeout=60)
+    for rank in (0, 1):
+        assert [(op, step) for src, op, step in order if src == rank] == [
+            (ps_wire.PULL, 0), (ps_wire.DONE, 0), (ps_wire.DONE, 1), (ps_wire.DONE, 2), (ps_wire.FINISH, 0)]
+    assert 2 < most <= 6 and left_posted == 0

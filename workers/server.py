@@ -60,7 +60,7 @@ class Server:
         self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}   # bytes since the last report
         self.is_remote = lambda rank: peer_is_remote(host_of, pg_rank, rank)
         self._isend = p2p()[0]
-        self.inbox = Inbox(num_workers, min(num_workers, INBOX_DEPTH))
+        self.inbox = Inbox(num_workers, INBOX_DEPTH, cfg.steps)
 
     def part(self) -> str:
         return f"server{self.index}"

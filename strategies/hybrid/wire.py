@@ -94,36 +94,53 @@ class Inbox:
     (gloo moves a message only once its receive is posted). :meth:`next` takes the oldest
     posted receive (gloo matches one sender's messages to posted receives in the order it sent
     them, so its requests are handled in that order) and, on the following call, posts that
-    buffer again once its payload was copied out. Never more receives are posted than workers
-    still to send FINISH, each of which sends at least that: none is left posted at the end."""
+    buffer again once its payload was copied out.
 
-    def __init__(self, workers: int = 1, depth: int = 1):
+    Never more receives are posted than messages the workers still owe for sure, so none is
+    left posted at the end: each worker owes its FINISH and, once it sent DONE for step ``t``
+    of a run of ``steps`` steps (every worker sends DONE to every server every step), the
+    DONEs of steps ``t+1 .. steps-1`` too. Each message taken lowers that count by at most
+    one, as it takes one posted receive. Without ``steps``, a worker owes its FINISH only."""
+
+    def __init__(self, workers: int = 1, depth: int = 1, steps: int | None = None):
         assert workers >= 1 and depth >= 1
         self._irecv = p2p()[1]
-        self._open = workers     # workers whose FINISH was not taken yet
-        self._depth = min(depth, workers)
+        self._depth = depth
+        self._steps = steps
+        self._owed: dict[int, int] = {}   # sender rank -> messages it still sends for sure, once it sent one
+        self._unseen = workers            # workers not heard from: each owes its FINISH
         self._posted: list[tuple[torch.Tensor, object]] = []   # (buffer, Work), oldest first
+        self._spare: list[torch.Tensor] = []
         self.buf: torch.Tensor | None = None
         self._offset = HEADER_BYTES
 
     def _post(self, buf: torch.Tensor) -> None:
         self._posted.append((buf, dist.group.WORLD.recv_anysource([buf], TAG_REQUEST)))
 
+    def owed(self) -> int:
+        """Messages the workers will still send for sure (see the class docstring)."""
+        return self._unseen + sum(self._owed.values())
+
     def next(self) -> Request:
         """Block until the next request from any worker arrives; returns its header."""
-        if self.buf is None:   # the first call: post them all
-            for _ in range(self._depth):
-                self._post(torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8))
-        elif len(self._posted) < self._open:   # the last request's payload was taken: reuse its buffer
-            self._post(self.buf)
+        if self.buf is not None:   # the last request's payload was taken: its buffer is free
+            self._spare.append(self.buf)
+        while len(self._posted) < min(self._depth, self.owed()):
+            self._post(self._spare.pop() if self._spare else torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8))
         assert self._posted, "a request after every worker's FINISH"
         self.buf, work = self._posted.pop(0)
         work.wait()
         self._offset = HEADER_BYTES
         op, tid, n, step, count, inline = self.buf[:HEADER_BYTES].view(torch.int64).tolist()
+        src = work.source_rank()
+        if src not in self._owed:
+            self._unseen -= 1
+            self._owed[src] = 1
         if op == FINISH:
-            self._open -= 1
-        return Request(work.source_rank(), op, tid, n, step, count, bool(inline))
+            self._owed[src] = 0
+        elif op == DONE and self._steps is not None:
+            self._owed[src] = self._steps - step   # the DONEs of steps step+1 .. steps-1, then FINISH
+        return Request(src, op, tid, n, step, count, bool(inline))
 
     def take(self, req: Request, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The request's next payload tensor (its own memory), from the message or, for a
