@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -90,6 +91,7 @@ def test_emulate_spec():
     (["--link-rate", "fast"], "--link-rate"),
     (["--hosts", "emulate:0"], "emulate:H"),
     (["--repeat", "0"], "--repeat"),
+    (["--min-seconds", "-1"], "--min-seconds"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_flags_are_one_line_errors(tmp_path, args, flag):
@@ -109,7 +111,7 @@ def test_bench_tiny_job_json_and_plot(tmp_path):
     bench_dir, out_json, out_png = tmp_path / "bench", tmp_path / "out.json", tmp_path / "out.png"
     out = hpar("bench", script, "--gpus", "2", "--steps", "6", "--strategies", ",".join(names), "--link-rate", "10gbit",
                "--project", "8", "--json", str(out_json), "--plot", str(out_png), "--bench-dir", str(bench_dir),
-               timeout=400)
+               "--min-seconds", "0.3", timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = json.loads(out_json.read_text())
     assert doc["torch"] and doc["machine"]["cpu_count"] >= 1 and doc["machine"]["memory_bytes"] > 0
@@ -130,7 +132,9 @@ def test_bench_tiny_job_json_and_plot(tmp_path):
         if name == "hybrid" and "ps" not in json.loads((bench_dir / "job-hybrid-plan.json").read_text())["placement"].values():
             ran_as = "allreduce"   # the plan keeps every parameter on AllReduce: no idle server
         assert summary["strategy"] == ran_as and r["extra"].get("ran_as", name) == ran_as
-        assert summary["steps"] == 6 and summary["world_size"] == 2
+        # --min-seconds 0.3: enough steps for 0.3 s at the predicted step time (a few ms here)
+        want_steps = max(6, 2 + math.ceil(0.3 / r["predicted_step_s"]))
+        assert summary["steps"] == r["extra"]["steps"] == want_steps > 6 and summary["world_size"] == 2
         assert run_processes(str(bench_dir / "job" / name)) == []
     assert max(by_name[n]["ratio"] for n in ran if not by_name[n]["extra"].get("ran_as")) == 1.0
     pipe = by_name["pipeline-1f1b"]
@@ -193,6 +197,17 @@ def test_socket_total_counts_growth_new_sockets_and_survives_closed_ones():
     # "a b" grew by 50, "c d" closed (its last bytes are lost, the total does not drop), "e f" is new
     assert socket_total({"a b": 100, "c d": 400}, {"a b": 150, "e f": 30}) == 80
     assert socket_total({"a b": 100}, {"a b": 20}) == 20     # same addresses, a new connection
+
+
+def test_min_seconds_gives_a_strategy_predicted_fast_more_steps():
+    from hpar.launcher.bench.driver import MAX_STEPS, BenchConfig, run_command, steps_for
+    cfg = BenchConfig(scripts=("a.py",), gpus=2, strategies=("allreduce",), steps=30, bench_dir="b", min_seconds=5.0)
+    assert steps_for(cfg, 0.005) == 1002 and steps_for(cfg, 0.5) == 30 and steps_for(cfg, None) == 30
+    assert steps_for(cfg, 1e-6) == MAX_STEPS
+    assert steps_for(dataclasses.replace(cfg, min_seconds=0.0), 0.005) == 30
+    cmd = run_command("a.py", "allreduce", cfg, 4, "r", steps=1002)
+    assert cmd[cmd.index("--steps") + 1] == "1002" and cmd[cmd.index("--log-every") + 1] == "10"
+    assert run_command("a.py", "allreduce", cfg, 4, "r")[cmd.index("--steps") + 1] == "30"
 
 
 def test_hybrid_and_ps_entries_run_the_planners_plan(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -65,6 +66,20 @@ class BenchConfig:
     precision: str | None = None
     threads: int | None = None     # every process's CPU threads (--env OMP_NUM_THREADS); None: hpar run's default
     repeat: int = 1     # runs of every strategy, interleaved (round r runs every strategy once)
+    min_seconds: float = 0.0   # more steps for a strategy predicted faster: see steps_for
+
+
+MAX_STEPS = 5000   # steps_for's ceiling
+
+
+def steps_for(cfg: BenchConfig, predicted_step_s: float | None) -> int:
+    """Steps of one strategy's run: ``cfg.steps``, or more so that the steps after the 2
+    warm-up ones take ``cfg.min_seconds`` at the predicted step time (at most MAX_STEPS): a
+    model that steps in milliseconds is otherwise measured over a fraction of a second, in
+    which one slow step (a log line, a heartbeat) moves samples/s by tens of percent."""
+    if not cfg.min_seconds or not predicted_step_s:
+        return cfg.steps
+    return max(cfg.steps, min(MAX_STEPS, 2 + math.ceil(cfg.min_seconds / predicted_step_s)))
 
 
 @dataclass(frozen=True)
@@ -136,15 +151,17 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
 
 
 def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str,
-                plan_file: str | None = None) -> list[str]:
+                plan_file: str | None = None, steps: int | None = None) -> list[str]:
     """The ``hpar run`` command line of one strategy (no evaluation; plain progress lines);
     ``plan_file`` fixes the planned placement and partitions (hybrid, ps) or stages and
     micro-batches (pipeline entries: passed as ``--micro-batches`` too, so that a script's own
-    HPAR value does not override the plan the prediction is for)."""
+    HPAR value does not override the plan the prediction is for); ``steps`` (default
+    ``cfg.steps``) the run's steps."""
     strategy, schedule = BENCH_STRATEGIES[name]
+    steps = steps or cfg.steps
     cmd = [sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", str(cfg.gpus), "--strategy", strategy,
-           "--steps", str(cfg.steps), "--batch-size", str(batch_size), "--seed", str(cfg.seed),
-           "--log-every", str(max(1, min(10, cfg.steps // 4))), "--run-dir", run_dir, "--plain", "--no-eval"]
+           "--steps", str(steps), "--batch-size", str(batch_size), "--seed", str(cfg.seed),
+           "--log-every", str(max(1, min(10, steps // 4))), "--run-dir", run_dir, "--plain", "--no-eval"]
     if schedule:
         cmd += ["--schedule", schedule]
     if plan_file:
@@ -173,7 +190,7 @@ def _last_error(log_path: str) -> str:
 
 
 def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str,
-                 plan_file: str | None = None) -> Result:
+                 plan_file: str | None = None, steps: int | None = None) -> Result:
     """Train ``name`` on ``script`` with ``hpar run`` in a subprocess (its output goes to
     ``run_dir + ".log"``) and read the measured figures back. A run that fails or passes
     ``cfg.timeout_s`` gives a Result with ``reason``; its process group is stopped (SIGTERM,
@@ -181,7 +198,7 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
     log_path = run_dir + ".log"
     t0 = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(run_command(script, name, cfg, batch_size, run_dir, plan_file), stdout=log,
+        proc = subprocess.Popen(run_command(script, name, cfg, batch_size, run_dir, plan_file, steps), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             code = proc.wait(timeout=cfg.timeout_s)
@@ -207,7 +224,8 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
         return Result(script, name, reason=f"run failed ({where}{cause})" if cause else f"run failed: {_last_error(log_path)}",
                       run_dir=run_dir, wall_s=wall)
     sent_recv = bytes_per_worker_step(os.path.join(run_dir, "metrics.jsonl")) or summary.get("bytes_per_step")
-    extra = {**{k: summary[k] for k in ("loss_first", "loss_last", "wall_s") if k in summary}, **stage_figures(summary)}
+    extra = {**{k: summary[k] for k in ("loss_first", "loss_last", "wall_s", "steps") if k in summary},
+             **stage_figures(summary)}
     if summary.get("strategy") not in (None, name, BENCH_STRATEGIES[name][0]):
         extra["ran_as"] = summary["strategy"]   # e.g. a hybrid plan with nothing on the servers
     return Result(script, name, samples_per_s=summary.get("samples_per_s"), step_s_p50=summary.get("step_s_p50"),
@@ -320,10 +338,12 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None) -> list[
                 suffix = f"-run{round_ + 1}" if cfg.repeat > 1 else ""
                 run_dir = os.path.join(cfg.bench_dir, stem, name + suffix)
                 os.makedirs(os.path.dirname(run_dir), exist_ok=True)
-                say(f"hpar bench: {stem} {name}{suffix}: running ({cfg.gpus} workers, {cfg.steps} steps, "
+                steps = steps_for(cfg, _prediction(plan.estimates, name))
+                say(f"hpar bench: {stem} {name}{suffix}: running ({cfg.gpus} workers, {steps} steps, "
                     f"batch {plan.batch_size})")
                 plan_file = plan.plan_files.get(BENCH_STRATEGIES[name][0])
-                run = lambda: run_strategy(os.path.abspath(script), name, cfg, plan.batch_size, run_dir, plan_file)
+                run = lambda: run_strategy(os.path.abspath(script), name, cfg, plan.batch_size, run_dir, plan_file,
+                                           steps)
                 counters = None
                 if around_run is None:
                     res = run()

@@ -30,7 +30,8 @@ def _fail(message: str, detail: str | None = None) -> None:
     sys.exit(2)
 
 
-def _check_common(scripts, steps: int, timeout_s: float, plot_out, bench_dir, repeat: int = 1) -> str:
+def _check_common(scripts, steps: int, timeout_s: float, plot_out, bench_dir, repeat: int = 1,
+                  min_seconds: float = 0.0) -> str:
     """The checks every ``hpar bench`` makes before it runs anything (ValueError naming the
     flag or the script); returns the absolute bench directory (default runs/bench-<UTC time>)."""
     if steps < 4:
@@ -39,6 +40,8 @@ def _check_common(scripts, steps: int, timeout_s: float, plot_out, bench_dir, re
         raise ValueError(f"--timeout must be positive, got {timeout_s}")
     if repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    if min_seconds < 0:
+        raise ValueError(f"--min-seconds must be 0 or more, got {min_seconds}")
     for s in scripts:
         if not os.path.isfile(s):
             raise ValueError(f"{s}: no such script; pass the path of a training script")
@@ -114,10 +117,12 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
 @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True, help="Seconds one strategy may run.")
 @click.option("--repeat", type=int, default=1, show_default=True,
               help="Runs of every strategy, in rounds; the table shows the median run and the spread.")
+@click.option("--min-seconds", type=float, default=0.0, show_default=True,
+              help="Give each strategy enough steps for this many seconds at its predicted step time (0: --steps).")
 @click.option("--scale", default=None, help="Scaling curves: run on each of these numbers of emulated hosts, one "
               "worker per host (e.g. 1,2,4,8; root), beside the cost model's predictions.")
 def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_size, seed, precision, json_out, plot_out,
-          project, device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s, repeat, scale):
+          project, device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s, repeat, min_seconds, scale):
     """Run every strategy that applies to SCRIPT(s) and compare them (table, --json, --plot)."""
     if scale is not None:
         given = [f for f, v in (("--gpus", "gpus"), ("--hosts", "hosts"), ("--project", "project"))
@@ -125,7 +130,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
         if given:
             _fail(f"--scale sets the hosts and workers (one per emulated host); drop {', '.join(given)}")
         return _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out,
-                            plot_out, bench_dir, timeout_s, precision, repeat)
+                            plot_out, bench_dir, timeout_s, precision, repeat, min_seconds)
     from hpar.launcher.bench import report
     from hpar.launcher.bench.driver import BenchConfig, parse_strategies, run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster, parse_emulate
@@ -137,7 +142,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
             raise ValueError(f"--gpus must be at least 1, got {gpus}")
         if project < 0 or (gpus_per_host is not None and gpus_per_host < 1):
             raise ValueError("--project and --gpus-per-host must be positive")
-        bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir, repeat)
+        bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir, repeat, min_seconds)
         bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
         n_emulated = parse_emulate(hosts)
         if n_emulated is None and hosts:
@@ -157,7 +162,8 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
                               batch_size=batch_size, seed=seed, hosts=run_hosts,
                               ssh_key=emulated.key if emulated else ssh_key, bandwidth_Bps=bw, project=project,
                               device_tflops=device_tflops, timeout_s=timeout_s, precision=precision,
-                              threads=emulated.threads if emulated else None, repeat=repeat)
+                              threads=emulated.threads if emulated else None, repeat=repeat,
+                              min_seconds=min_seconds)
             link = _probe(emulated, console) if emulated else None
             cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated, link)
             results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
@@ -185,7 +191,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
                               f"{c['hpar_remote_bytes_per_step']:,.0f}, interfaces {c['interface_bytes_per_step']:,.0f} "
                               f"(payload {c['interface_payload_bytes_per_step']:,.0f}: "
                               f"{c['interface_over_hpar_remote'] or 0:.2f}x)", markup=False)
-    settings = {"gpus": gpus, "steps": steps, "repeat": repeat, "batch_size": batch_size, "seed": seed, "hosts": hosts,
+    settings = {"gpus": gpus, "steps": steps, "min_seconds": min_seconds, "repeat": repeat, "batch_size": batch_size, "seed": seed, "hosts": hosts,
                 "link_rate": link_rate, "project": project or None, "device_tflops": device_tflops, "bench_dir": bench_dir}
     if json_out:
         doc = report.document(results, report.command_line(), settings, emulation)
@@ -198,7 +204,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
 
 
 def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out, plot_out,
-                 bench_dir, timeout_s, precision=None, repeat=1) -> None:
+                 bench_dir, timeout_s, precision=None, repeat=1, min_seconds=0.0) -> None:
     """``hpar bench --scale``: one bench per host count on emulated hosts (launcher/bench/scale.py)."""
     from hpar.launcher.bench import report
     from hpar.launcher.bench.driver import BenchConfig, parse_strategies, run_bench
@@ -209,7 +215,7 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
     try:
         counts = parse_scale(scale)
         names = parse_strategies(strategies)
-        bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir, repeat)
+        bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir, repeat, min_seconds)
         bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
         pts, links = [], {}
         for n in counts:
@@ -217,7 +223,7 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
                 cfg = BenchConfig(scripts=tuple(scripts), gpus=n, strategies=names, steps=steps,
                                   bench_dir=os.path.join(bench_dir, f"hosts-{n}"), batch_size=batch_size, seed=seed,
                                   hosts=em.host_file, ssh_key=em.key, bandwidth_Bps=bw, timeout_s=timeout_s,
-                                  precision=precision, threads=em.threads, repeat=repeat)
+                                  precision=precision, threads=em.threads, repeat=repeat, min_seconds=min_seconds)
                 link = _probe(em, console)
                 links[n] = None if link is None else link._asdict()
                 cluster_of = _cluster_factory(None, em.host_file, bw, latency, None, n, n, link)
@@ -233,7 +239,7 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
     if json_out:
         doc = {"command": report.command_line(), "machine": report.machine(),
                "settings": {"scale": list(counts), "link_rate": link_rate, "latency": latency, "steps": steps,
-                            "precision": precision, "repeat": repeat,
+                            "precision": precision, "repeat": repeat, "min_seconds": min_seconds,
                             "batch_size": batch_size, "seed": seed, "bench_dir": bench_dir,
                             "link_probe": {str(n): v for n, v in links.items()}},
                "points": [dataclasses.asdict(p) for p in pts], "rankings": rankings(pts)}
