@@ -290,3 +290,31 @@ def test_link_probe_latency_is_the_least_of_three_rounds(monkeypatch):
     figures = probe._figures(out, 4096)
     assert figures.latency_s == pytest.approx(0.7e-4)     # half the quiet round's median
     assert figures.bandwidth_Bps == pytest.approx(4096 / (1.0 - 1.4e-4))
+
+
+def test_every_strategy_pays_the_batch_draw_and_served_tables_their_dedup():
+    """Profile.data_s (a worker draws its batch) lengthens every strategy's step, times the
+    host's load; a table on the servers adds its ids' dedup (ParamProfile.dedup_s) to hybrid
+    and ps, and a table on AllReduce does not."""
+    from dataclasses import replace
+    from hpar.strategies.plan.costmodel import estimate_all
+    emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
+                       union_curve=((1, 0.05), (2, 0.1)), dedup_s=3e-4)
+    lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
+    prof = Profile(params=(emb, lin), layers=(LayerProfile("emb", .01, .01, 0, 10, emb.bytes),
+                                              LayerProfile("out", .02, .03, 10**6, 10, lin.bytes)),
+                   batch_size=32, samples_per_batch=32, workers=2, is_sequential=True, sequential_reason="",
+                   compute_s=0.07, forward_s=0.03, backward_s=0.04, forward_flops=10**6, backward_flops=2 * 10**6,
+                   update_s_per_byte=1e-10, timing_batch_size=32)
+    for cores, load in ((None, 1.0), (1, 2.0)):    # 2 workers on 1 core: everything on it takes twice as long
+        cluster = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=1e-5,
+                              cores_per_host=cores)
+        before = {e.strategy: e for e in estimate_all(prof, cluster)}
+        after = {e.strategy: e for e in estimate_all(replace(prof, data_s=2e-3), cluster)}
+        for name in ("allreduce", "allreduce-sparse", "ps", "hybrid", "pipeline"):
+            assert after[name].breakdown["data"] == pytest.approx(load * 2e-3), name
+            assert after[name].step_s == pytest.approx(before[name].step_s + load * 2e-3), name
+        assert after["hybrid"].placement["emb.weight"] == "ps"
+        assert after["hybrid"].breakdown["lookup"] == pytest.approx(load * 3e-4)
+        no_dedup = estimate_all(replace(prof, params=(replace(emb, dedup_s=0.0), lin)), cluster)
+        assert before["hybrid"].step_s - no_dedup[3].step_s == pytest.approx(load * 3e-4)

@@ -165,3 +165,33 @@ def test_profile_on_one_worker_says_nothing_is_exchanged(tmp_path):
     assert plan.startswith("Plan: allreduce: one worker, so no gradient is exchanged"), plan
     assert "dense" not in plan
     assert set(psutil.Process().children(recursive=True)) - before == set()
+
+
+def test_a_slow_data_pipeline_and_the_served_tables_dedup_are_in_every_prediction(tmp_path):
+    """The real `hpar profile --json`, stdout to a file: a data() that takes 10 ms per batch
+    shows as the profile's data_s and as every strategy's "data" term; hybrid adds the dedup
+    of its served table's ids ("lookup"); exit 0, no process left."""
+    import subprocess
+    import sys
+    import psutil
+    script = tmp_path / "slow_data.py"
+    slow = LM.replace("    while True:\n", "    while True:\n        __import__('time').sleep(0.01)\n")
+    assert slow != LM
+    script.write_text(slow)
+    out = tmp_path / "stdout.json"
+    before = set(psutil.Process().children(recursive=True))
+    with open(out, "w") as f:
+        res = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "profile", str(script), "--gpus", "2",
+                              "--hosts", "2x1", "--bandwidth", "1Gbps", "--latency", "20us", "--json"],
+                             stdout=f, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    d = json.loads(out.read_text())
+    assert 0.009 < d["profile"]["data_s"] < 0.1
+    emb = next(p for p in d["parameters"] if p["name"] == "emb.weight")
+    assert emb["dedup_s"] > 0
+    for c in d["candidates"]:
+        if c["available"]:
+            assert c["breakdown"]["data"] >= d["profile"]["data_s"], c["strategy"]
+    hybrid = next(c for c in d["candidates"] if c["strategy"] == "hybrid")
+    assert hybrid["breakdown"]["lookup"] >= emb["dedup_s"]     # the table is on the servers
+    assert set(psutil.Process().children(recursive=True)) - before == set()

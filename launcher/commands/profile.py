@@ -110,7 +110,8 @@ def report(profile, cluster, plan) -> dict:
     """The ``--json`` object: parameters, layers, candidates, plan, cluster, profile totals."""
     params = [{"name": p.name, "shape": list(p.shape), "bytes": p.bytes, "sparse": p.sparse,
                "alpha": p.alpha, "union_alpha": p.union_alpha, "embedding_module": p.embedding_module,
-               "layer": p.layer, "placement": plan.placement.get(p.name, "allreduce")} for p in profile.params]
+               "layer": p.layer, "placement": plan.placement.get(p.name, "allreduce"), "dedup_s": p.dedup_s}
+              for p in profile.params]
     layers = [{"name": l.name, "forward_s": l.forward_s, "backward_s": l.backward_s, "flops": l.flops,
                "activation_bytes": l.activation_bytes, "param_bytes": l.param_bytes} for l in profile.layers]
     cands = [{"strategy": c.strategy, "predicted_step_s": c.predicted_step_s, "samples_per_s": c.samples_per_s,
@@ -125,7 +126,7 @@ def report(profile, cluster, plan) -> dict:
                         "device_mem_Bps": cluster.device_mem_Bps, "source": cluster.source,
                         "cores_per_host": cluster.cores_per_host, "allreduce_Bps": cluster.allreduce_Bps,
                         "allgather_Bps": cluster.allgather_Bps, "request_cpu_s": cluster.request_cpu_s},
-            "profile": {"device": profile.device, "batch_size": profile.batch_size,
+            "profile": {"device": profile.device, "batch_size": profile.batch_size, "data_s": profile.data_s,
                         "samples_per_batch": profile.samples_per_batch,
                         "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,
                         "backward_flops": profile.backward_flops, "is_sequential": profile.is_sequential,

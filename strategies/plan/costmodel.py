@@ -16,7 +16,8 @@ moved per parameter byte (read weight and gradient, write weight) at its memory 
 Overlap (wait-free backpropagation: Zhang et al., "Poseidon", USENIX ATC 2017; Li et al.,
 "PyTorch Distributed", VLDB 2020): a gradient is sent as soon as backward produced it, so
 communication of every layer but the first runs under the rest of backward, and
-``step = forward + max(backward, overlappable comm) + comm of layer 0's gradients + update``;
+``step = data + forward + max(backward, overlappable comm) + comm of layer 0's gradients + update``
+(``data``: drawing the batch, Profile.data_s);
 layer 0's gradients are the last ones backward produces, so their exchange cannot hide.
 Pulls from parameter servers happen before forward and do not overlap. Workers computing on
 a CPU whose cores they fill (``cpu_share`` >= 1) get no overlap: gloo reduces and copies
@@ -113,6 +114,7 @@ class CostSetting:
     intra_bw: float  # bandwidth between processes of one host (copies through its kernel)
     gather_bw: float  # bandwidth of a ring AllGather of sparse gradients (ClusterSpec.gather_Bps)
     request_cpu: float = 0.0   # seconds a parameter-server request adds to the step on busy cores
+    data: float = 0.0   # seconds a worker draws its batch per step (Profile.data_s, times the host's load)
 
     def under_backward(self, comm: float) -> float:
         """Seconds of backward plus the communication that runs during it."""
@@ -155,7 +157,8 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
     return CostSetting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
                        cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
                        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
-                       p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request)
+                       p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request,
+                       k * profile.data_s)
 
 
 def split_tail(params, first_layer: int = 0):
@@ -173,10 +176,10 @@ def estimate_allreduce(profile: Profile, cluster: ClusterSpec) -> Estimate:
     ar_tail = ring_allreduce_s(sum(p.bytes for p in tail), c.n, c.bw, c.lat)
     emb = sum(p.bytes for p in profile.params if p.embedding_module)
     update = profile.total_bytes * c.update_per_byte + emb * c.update_per_byte
-    step = c.fwd + c.under_backward(ar_over) + ar_tail + update
+    step = c.data + c.fwd + c.under_backward(ar_over) + ar_tail + update
     sent = 2 * (c.n - 1) / c.n * profile.total_bytes if c.n > 1 else 0.0
     return Estimate("allreduce", step, c.n * profile.samples_per_batch, sent,
-                    {"forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over, "comm_tail": ar_tail,
+                    {"data": c.data, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over, "comm_tail": ar_tail,
                      "update": update}, placement={p.name: "allreduce" for p in profile.params})
 
 
@@ -207,11 +210,11 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
         merge = gathered * c.update_per_byte
         sparse_update = sum(p.union_for(c.n) * p.bytes for p in sparse) * c.update_per_byte
     update = sum(p.bytes for p in dense) * c.update_per_byte + sparse_update
-    step = c.fwd + c.under_backward(over) + tail + merge + update
+    step = c.data + c.fwd + c.under_backward(over) + tail + merge + update
     sent = (2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0) + \
         sum((c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse)
     return Estimate("allreduce-sparse", step, c.n * profile.samples_per_batch, sent,
-                    {"forward": c.fwd, "backward": c.bwd, "comm_overlap": over, "comm_tail": tail,
+                    {"data": c.data, "forward": c.fwd, "backward": c.bwd, "comm_overlap": over, "comm_tail": tail,
                      "merge": merge, "update": update}, placement={p.name: "allreduce" for p in profile.params})
 
 
@@ -244,9 +247,10 @@ def estimate_async_pipeline(sync: Estimate, schedule: str) -> Estimate:
         return sync
     m, period, update = sync.micro_batches, sync.breakdown["period"], sync.breakdown["update"]
     reduce = sync.breakdown.get("allreduce", 0.0)   # with replicas, every update averages its gradient
-    step = m * (period + update * (1.0 + ASYNC_EXTRA_UPDATES[schedule]) + reduce)
+    data = sync.breakdown.get("data", 0.0)
+    step = data + m * (period + update * (1.0 + ASYNC_EXTRA_UPDATES[schedule]) + reduce)
     return Estimate("pipeline", step, sync.samples_per_step, sync.bytes_per_step,
-                    {"period": period, "bubble": 0.0, "update": m * update, "allreduce": m * reduce}, sync.placement,
+                    {"data": data, "period": period, "bubble": 0.0, "update": m * update, "allreduce": m * reduce}, sync.placement,
                     stages=sync.stages, micro_batches=m, replicas=sync.replicas, layout=sync.layout)
 
 

@@ -10,7 +10,8 @@ Servers are CPU processes, as in Parallax; where they share the cores of CPU wor
 CPU time (the estimate's ``server_cpu``) lengthens the step (:func:`_ps_estimate`), and so does
 every request's own CPU (``requests``: the measured CPU of a small request's two ends, per
 request a worker sends, CostSetting.request_cpu): with many small tables on many servers the
-requests, not their bytes, set the pace.
+requests, not their bytes, set the pace. A worker also deduplicates each served table's ids
+on its own thread every step (``lookup``: ParamProfile.dedup_s, measured by the profiler).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import math
 from dataclasses import dataclass
 
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.costmodel import CostSetting, Estimate, cost_setting, ring_allreduce_s, sparse_bytes, split_tail
+from hpar.strategies.plan.costmodel import (CostSetting, Estimate, cost_setting, cpu_share, ring_allreduce_s,
+                                            sparse_bytes, split_tail)
 from hpar.strategies.profile.profiler import ParamProfile, Profile
 
 PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)
@@ -176,14 +178,17 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
     busy = server_busy(terms, c)
     # a worker's requests per step: pulls and pushes, and a DONE to every server
     requests = (sum(t.requests for t in terms) + c.s if terms else 0.0) * c.request_cpu
+    # the worker deduplicates each served table's ids on its own thread, whatever the cores
+    lookup = cpu_share(cluster) * sum(t.param.dedup_s for t in terms if t.partitions is not None)
     if c.overlap:
-        step = (pull + c.fwd + max(c.bwd, ar_over + push_over + server_over) + ar_tail + push_tail
+        step = (c.data + lookup + pull + c.fwd + max(c.bwd, ar_over + push_over + server_over) + ar_tail + push_tail
                 + max(server_tail, dense_update))
     else:
-        step = pull + c.fwd + c.bwd + ar_over + push_over + ar_tail + push_tail + dense_update + busy + requests
+        step = (c.data + lookup + pull + c.fwd + c.bwd + ar_over + push_over + ar_tail + push_tail + dense_update
+                + busy + requests)
     sent = sum(t.sent for t in terms) + (2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0)
     return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
-                    {"pull": pull, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over + push_over,
+                    {"data": c.data, "lookup": lookup, "pull": pull, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over + push_over,
                      "comm_tail": ar_tail + push_tail, "server_update": server_over + server_tail,
                      "update": dense_update, "server_cpu": busy, "requests": requests},
                     placement={p.name: ("ps" if p.name in placed else "allreduce") for p in profile.params},

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from hpar.strategies.devices import DeviceClock
 from hpar.strategies.job import Job, JobError
-from hpar.strategies.profile.device import OnDevice
+from hpar.strategies.profile.device import data_seconds, OnDevice
 from hpar.strategies.layers import model_layers
 from hpar.strategies.loop import precision_context
 from hpar.strategies.profile.hooks import (
@@ -91,6 +91,7 @@ class ParamProfile:
     layer: int = -1
     union_curve: tuple[tuple[int, float], ...] = ()
     row_mass: tuple[float, ...] = ()
+    dedup_s: float = 0.0    # embeddings: seconds to deduplicate one batch's ids on the host
 
     @property
     def rows(self) -> int:
@@ -134,7 +135,8 @@ class Profile:
     None: measured on the CPU already); ``forward_flops``/``backward_flops`` per batch;
     ``samples_per_batch`` = leading dimension of one batch's inputs; ``workers`` = N the
     sparsity was measured for; ``fixed_share`` the part of ``compute_s`` that a smaller
-    batch does not shrink (``hooks.fixed_share``)."""
+    batch does not shrink (``hooks.fixed_share``); ``data_s`` the seconds a worker takes to
+    draw one batch from ``data()`` and move it to the device."""
 
     params: tuple[ParamProfile, ...]
     layers: tuple[LayerProfile, ...]
@@ -156,6 +158,7 @@ class Profile:
     fixed_share: float = 0.0
     device: str = "cpu"
     host_update_s_per_byte: float | None = None
+    data_s: float = 0.0     # seconds to draw one batch and move it to the device (device.data_seconds)
 
     @property
     def total_bytes(self) -> int:
@@ -288,6 +291,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                                         max_sparsity_workers, stop_early=calls_once)
         samples = emb_stats.pop("__samples__")
         fixed = fixed_share(on_dev, model, tbs, workers)
+        data_s = data_seconds(on_dev, batch_size, workers)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         update = dense_update_cost(job, model_bytes, device=dev)
         host_update = dense_update_cost(job, model_bytes) if dev.type != "cpu" else None
@@ -313,7 +317,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         if name in emb_names:
             st = emb_stats[name]
             pp = ParamProfile(name, tuple(p.shape), nbytes, True, st["alpha"], st["union"], True,
-                              layer_of.get(id(p), -1), st["curve"], st["mass"])
+                              layer_of.get(id(p), -1), st["curve"], st["mass"], st["dedup_s"])
         elif name in grad_rows and _median([f for f, _ in grad_rows[name]]) < SPARSE_ROW_FRACTION:
             fr = [f for f, _ in grad_rows[name]]
             union = float(torch.stack([m for _, m in grad_rows[name]]).any(0).float().mean())
@@ -340,4 +344,4 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
                    update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
-                   device=dev.type, host_update_s_per_byte=host_update)
+                   device=dev.type, host_update_s_per_byte=host_update, data_s=data_s)

@@ -7,8 +7,12 @@ EuroSys 2019: pull and push the touched rows only).
 """
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 from hpar.strategies.context import batch_samples
+from hpar.strategies.hybrid.client import dedup
 from hpar.strategies.job import Job
 from torch import nn
 
@@ -29,7 +33,9 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
     touches, ``curve`` ((k, fraction touched by the union of k workers' batches), ...) up to
     N, extrapolated beyond ``max_workers`` with independent per-row touch probabilities
     (union(n) = mean_r 1 - (1 - p_r)^n, shifted to meet the last measured point), ``union``
-    its last value, ``mass`` the share of touches per contiguous row bucket (ROW_BUCKETS).
+    its last value, ``mass`` the share of touches per contiguous row bucket (ROW_BUCKETS),
+    ``dedup_s`` the median seconds to deduplicate one batch's ids on the host (what a worker
+    does per step for a table on the parameter servers, strategies/hybrid/client.dedup).
     ``stop_early`` ends each forward once every module has seen its ids (valid when each is
     called once per forward). Raises JobError from the user's data() or forward."""
     R = min(workers, max_workers)
@@ -40,9 +46,14 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
     curves = {n: [] for n in names}
     seen: set = set()
     samples = 0
+    dedup_s = {n: [] for n in names}
 
     def hook(module, args):
         name = names[[m for _, m in embs].index(module)]
+        if name not in seen:   # what a served table's lookup does first on a worker: dedup its ids on the host
+            t0 = time.perf_counter()
+            dedup(args[0].detach().to("cpu", torch.int64))
+            dedup_s[name].append(time.perf_counter() - t0)
         ids = args[0].reshape(-1).unique().to("cpu")   # the counts live on the host, whatever the device
         hit = torch.zeros(module.weight.shape[0], dtype=torch.bool)
         hit[ids] = True
@@ -88,5 +99,6 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
         mass = torch.stack([c[edges[i]:edges[i + 1]].sum() for i in range(buckets)])
         mass = mass / mass.sum().clamp_min(1)
         out[n] = {"alpha": sum(per_worker[n]) / len(per_worker[n]), "union": curve[-1][1], "curve": tuple(curve),
-                  "mass": tuple(round(float(x), 6) for x in mass)}
+                  "mass": tuple(round(float(x), 6) for x in mass),
+                  "dedup_s": statistics.median(dedup_s[n]) if dedup_s[n] else 0.0}
     return out
