@@ -12,6 +12,12 @@ DDP ignores it; :func:`detach` restores a full weight and the class's forward.
 Several calls of one module in a step (e.g. sampled softmax looking up targets and
 negatives) each pull their rows; their gradients are summed per row before the push.
 
+Rows ahead of the lookup: a module whose input was a batch tensor on an earlier step gets its
+rows requested before the forward (:func:`prefetch`), or during the step before
+(:class:`PullAhead`); one whose input included every id of a batch tensor on its first step
+(``ServedEmbedding.covers``: a sampled softmax's candidates hold the batch's targets) gets that
+tensor's rows the same way and pulls only the others at lookup (:func:`_complete`).
+
 Early pushes: with ``StepClock.on_gradients`` set, a module's gradients are handed over
 from inside the backward pass as soon as every lookup of this step has its gradient
 (a post-accumulate-grad hook on the pulled rows), so the push of an output embedding
