@@ -261,7 +261,7 @@ def test_the_next_steps_rows_are_requested_once_this_steps_last_table_is_pushed(
     batch tensors only when every module looked up this step has pushed, and the next step's
     prefetch takes those answers instead of pulling again."""
     from types import SimpleNamespace
-    from hpar.strategies.hybrid import embedding
+    from hpar.strategies.hybrid import ahead, embedding
 
     class Client:
         def __init__(self):
@@ -281,31 +281,31 @@ def test_the_next_steps_rows_are_requested_once_this_steps_last_table_is_pushed(
     fed = embedding.ServedEmbedding(None, SimpleNamespace(name="fed", rows=10, dim=2), source="/0")
     derived = embedding.ServedEmbedding(None, SimpleNamespace(name="derived", rows=10, dim=2))
     client = Client()
-    ahead = embedding.PullAhead([fed, derived], client, batches())
-    first = next(ahead)
+    pulls = ahead.PullAhead([fed, derived], client, batches())
+    first = next(pulls)
     assert drawn == [0]
     fed.records = derived.records = [(torch.tensor([1]), torch.zeros(1, 2))]   # step 0's lookups
-    ahead.plan(1)
+    pulls.plan(1)
     assert drawn == [0, 1] and client.pulls == []          # read, nothing sent yet
     fed.pushed = True
-    ahead.send()
+    pulls.send()
     assert client.pulls == []                              # derived has not pushed
     derived.pushed = True
-    ahead.send()
-    assert client.pulls == [("fed", [1, 3], 1)] and ahead.sent == 1
+    pulls.send()
+    assert client.pulls == [("fed", [1, 3], 1)] and pulls.sent == 1
     fed.clear()
     derived.clear()
     assert fed.ahead is not None                           # clear() keeps the next step's answer
-    second = next(ahead)
+    second = next(pulls)
     assert second is not first and drawn == [0, 1]         # the batch read ahead, not a new one
     clock = embedding.StepClock()
     clock.set_batch(second[0], second[0])
-    embedding.prefetch([fed, derived], client, clock)
+    ahead.prefetch([fed, derived], client, clock)
     assert len(client.pulls) == 1 and fed.prefetched[0] is second[0][0] and fed.ahead is None
-    ahead.plan(2)
-    ahead.send(force=True)                                 # after backward, whatever was pushed
+    pulls.plan(2)
+    pulls.send(force=True)                                 # after backward, whatever was pushed
     assert client.pulls[-1] == ("fed", [1, 4], 2)
-    next(ahead)
-    ahead.plan(3)                                          # no batch left: nothing planned
-    ahead.send(force=True)
-    assert ahead.sent == 2 and drawn == [0, 1, 2]
+    next(pulls)
+    pulls.plan(3)                                          # no batch left: nothing planned
+    pulls.send(force=True)
+    assert pulls.sent == 2 and drawn == [0, 1, 2]

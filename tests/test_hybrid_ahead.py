@@ -1,6 +1,6 @@
 """Rows requested before the lookup that needs them: a sampled softmax's output table, whose
 candidates hold the batch's target words, gets the targets' rows with the step's first pulls
-(or a step ahead) and pulls only the sampled rows at lookup (strategies/hybrid/embedding.py)."""
+and pulls only the sampled rows at lookup (strategies/hybrid/ahead.py)."""
 import json
 import os
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpar.strategies.hybrid import embedding
+from hpar.strategies.hybrid import ahead, embedding
 from hpar.strategies.plan.planner import Plan
 
 from conftest import write_script
@@ -65,9 +65,9 @@ def test_the_covering_batch_tensor_is_the_largest_whose_ids_were_all_looked_up()
     looked_up = torch.tensor([0, 2, 3, 5, 7, 9])
     leaves = {"/0": torch.tensor([[2, 3], [3, 11]]),   # 11 was not looked up
               "/1": torch.tensor([3, 5, 5]), "/2": torch.tensor([9, 2, 7, 5]), "/3": torch.tensor([-1, 2])}
-    assert embedding.covering_leaf(looked_up, leaves, rows=12) == "/2"
-    assert embedding.covering_leaf(looked_up, leaves, rows=9) == "/1"     # /2 holds row 9 of a 9-row table
-    assert embedding.covering_leaf(torch.tensor([1, 4]), leaves, rows=12) is None
+    assert ahead.covering_leaf(looked_up, leaves, rows=12) == "/2"
+    assert ahead.covering_leaf(looked_up, leaves, rows=9) == "/1"     # /2 holds row 9 of a 9-row table
+    assert ahead.covering_leaf(torch.tensor([1, 4]), leaves, rows=12) is None
 
 
 def test_rows_requested_ahead_are_used_and_only_the_others_pulled():
@@ -80,12 +80,12 @@ def test_rows_requested_ahead_are_used_and_only_the_others_pulled():
     have = torch.tensor([4, 9, 20])
     pre = (targets, have, None, lambda: have.float().unsqueeze(1).expand(3, 2).clone())
     uids = torch.tensor([0, 4, 7, 9, 20, 31])
-    rows = embedding._complete(client, item, uids, pre, step=3)()
+    rows = ahead.complete(client, item, uids, pre, step=3)()
     assert client.pulls == [("out", [0, 7, 31], 3)]
     assert torch.equal(rows, uids.float().unsqueeze(1).expand(6, 2))
-    rows = embedding._complete(client, item, torch.tensor([9, 20]), pre, step=4)()
+    rows = ahead.complete(client, item, torch.tensor([9, 20]), pre, step=4)()
     assert client.pulls[-1] == ("out", [], 4) and torch.equal(rows[:, 0], torch.tensor([9.0, 20.0]))
-    embedding._complete(client, item, uids, None, step=5)()
+    ahead.complete(client, item, uids, None, step=5)()
     assert client.pulls[-1] == ("out", uids.tolist(), 5)
 
 
@@ -94,7 +94,7 @@ def test_rows_requested_ahead_are_used_and_only_the_others_pulled():
 def test_a_sampled_output_table_gets_its_targets_rows_ahead_and_trains_the_same_model(tmp_path):
     """`hpar run --strategy hybrid` on the sampled model above: the output table and its bias
     (looked up with the unique candidates, not a batch tensor) get the targets' rows with the
-    next step's pulls, and the model and every table's
+    step's first pulls, and the model and every table's
     bytes equal a run with the pull-ahead turned off (which still asks for the targets' rows
     before the forward) and one process on the concatenated batches."""
     script = write_script(tmp_path, SAMPLED)
@@ -103,10 +103,9 @@ def test_a_sampled_output_table_gets_its_targets_rows_ahead_and_trains_the_same_
     want, _ = reference(script, 2, 10, 4, 0.1)
     close(torch.load(os.path.join(run_dir, "model.pt")), want)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
-    # rank 0 asked a step ahead for the words' rows of steps 1-9, the output table's targets
-    # rows of steps 1-9 (seen covering on step 0) and the bias's of steps 2-9 (it reuses the
-    # output table's candidates: seen on step 0, covering learnt from the table on step 1)
-    assert summary["pulls_ahead"] == 9 + 9 + 8
+    # rank 0 asked a step ahead for the words' rows of steps 1-9 only: the targets' rows go
+    # with the step's first pulls, before its forward, not a step ahead
+    assert summary["pulls_ahead"] == 9
     plan = tmp_path / "plan.json"
     plan.write_text(Plan(strategy="hybrid", placement={}, partitions={}, servers=1, stages=[], micro_batches=1,
                          schedule="1f1b", reason="", candidates=[], pull_ahead=False).to_json())

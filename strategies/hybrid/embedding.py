@@ -13,10 +13,11 @@ Several calls of one module in a step (e.g. sampled softmax looking up targets a
 negatives) each pull their rows; their gradients are summed per row before the push.
 
 Rows ahead of the lookup: a module whose input was a batch tensor on an earlier step gets its
-rows requested before the forward (:func:`prefetch`), or during the step before
-(:class:`PullAhead`); one whose input included every id of a batch tensor on its first step
+rows requested before the forward (``ahead.prefetch``), or during the step before
+(``ahead.PullAhead``); one whose input included every id of a batch tensor on its first step
 (``ServedEmbedding.covers``: a sampled softmax's candidates hold the batch's targets) gets that
-tensor's rows the same way and pulls only the others at lookup (:func:`_complete`).
+tensor's rows before the forward, not a step ahead (their answers would share the links with
+the step's AllReduce), and pulls only the others at lookup (``ahead.complete``).
 
 Early pushes: with ``StepClock.on_gradients`` set, a module's gradients are handed over
 from inside the backward pass as soon as every lookup of this step has its gradient
@@ -32,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from hpar.strategies.devices import copy_to_host
-from hpar.strategies.hybrid.client import PSClient, PSTable, coalesce, dedup
+from hpar.strategies.hybrid.ahead import batch_leaves, complete, covering_leaf, dedup_checked
+from hpar.strategies.hybrid.client import PSClient, PSTable, coalesce
 
 
 @dataclass
@@ -56,20 +58,6 @@ class StepClock:
     def on_host(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` on the host: the batch's own host tensor when ``ids`` is a batch tensor."""
         return self.host.get(id(ids), ids)
-
-
-def batch_leaves(inputs, path: str = "") -> dict:
-    """``{path: tensor}`` of every integer tensor in a (nested) tuple/list/dict batch."""
-    if isinstance(inputs, torch.Tensor):
-        return {path: inputs} if not inputs.is_floating_point() else {}
-    out = {}
-    if isinstance(inputs, (tuple, list)):
-        for i, x in enumerate(inputs):
-            out.update(batch_leaves(x, f"{path}/{i}"))
-    elif isinstance(inputs, dict):
-        for k, x in inputs.items():
-            out.update(batch_leaves(x, f"{path}/{k}"))
-    return out
 
 
 @dataclass
@@ -151,15 +139,15 @@ def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torc
         if served.source is None and served.follows is None:
             served.source = next((p for p, t in clock.leaves.items() if t is host_ids), None)
             served.follows = next((it for t, it in clock.seen if t is ids and it is not served), None)
-        uids, inverse = _dedup_checked(served, host_ids)
+        uids, inverse = dedup_checked(served, host_ids)
         if not served.checked and served.source is None and served.follows is None:
             served.covers, served.checked = covering_leaf(uids, clock.leaves, served.table.rows), True
-        wait = _complete(client, served, uids, pre, clock.step)
+        wait = complete(client, served, uids, pre, clock.step)
         for other in items:   # modules that looked up this same tensor on earlier steps
             if other.follows is served and uids.numel() and int(uids[-1]) < other.table.rows:
                 other.covers = other.covers or served.covers
                 if other.prefetched is None or other.prefetched[0] is not host_ids:
-                    other.prefetched = (host_ids, uids, inverse, _complete(client, other, uids, other.prefetched,
+                    other.prefetched = (host_ids, uids, inverse, complete(client, other, uids, other.prefetched,
                                                                            clock.step))
         rows = wait()
     clock.seen.append((ids, served))
@@ -170,144 +158,11 @@ def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torc
     return uids, inverse.to(ids.device, non_blocking=True), rows
 
 
-def covering_leaf(uids: torch.Tensor, leaves: dict, rows: int) -> str | None:
-    """The path of the batch tensor (``leaves``: :func:`batch_leaves`) with the most distinct
-    ids, all of them among ``uids`` (sorted unique ids a module just looked up; ids in
-    ``[0, rows)``), or None. Sampled softmax is the case: its candidates are the batch's
-    target words plus sampled ones, so the targets' rows can be requested ahead."""
-    best, size = None, 0
-    for path, t in leaves.items():
-        u = torch.unique(t.to("cpu", torch.int64))
-        if size < u.numel() <= uids.numel() and int(u[0]) >= 0 and int(u[-1]) < rows:
-            pos = torch.searchsorted(uids, u).clamp_(max=uids.numel() - 1)
-            if bool((uids[pos] == u).all()):
-                best, size = path, u.numel()
-    return best
-
-
-def _complete(client: PSClient, item: ServedEmbedding, uids: torch.Tensor, pre: tuple | None, step: int):
-    """A function returning rows ``uids`` (sorted unique) of ``item``'s table: the rows among
-    those requested ahead (``pre``: ``(tensor, its unique ids, inverse, waiter)``, e.g. the
-    targets' rows of a sampled softmax, :attr:`ServedEmbedding.covers`) taken from that answer,
-    only the others pulled now (nothing is sent when every row is there)."""
-    if pre is None:
-        return client.pull_async(item.table, uids, step)
-    have, answer = pre[1], pre[3]
-    if have.numel():
-        pos = torch.searchsorted(have, uids).clamp_(max=have.numel() - 1)
-        hit = have[pos] == uids
-    else:
-        pos, hit = torch.zeros_like(uids), torch.zeros(uids.numel(), dtype=torch.bool)
-    missing = client.pull_async(item.table, uids[~hit], step)
-
-    def wait() -> torch.Tensor:
-        part, rest = answer(), missing()
-        rows = torch.empty(uids.numel(), item.table.dim, dtype=part.dtype, pin_memory=getattr(client, "pin", False))
-        rows[hit] = part[pos[hit]]
-        rows[~hit] = rest
-        return rows
-    return wait
-
-
 def _grad_ready(item: ServedEmbedding, clock: StepClock) -> None:
     """Backward hook: hand the module's gradients over once every lookup has one."""
     if not item.pushed and all(rows.grad is not None for _, rows in item.records):
         item.pushed = True
         clock.on_gradients(item)
-
-
-def _dedup_checked(served: ServedEmbedding, ids: torch.Tensor):
-    uids, inverse = dedup(ids.detach().to("cpu", torch.int64))
-    if uids.numel() and (int(uids[0]) < 0 or int(uids[-1]) >= served.table.rows):
-        raise IndexError(f"{served.table.name}: index out of range [0, {served.table.rows}) in the embedding input")
-    return uids, inverse
-
-
-def prefetch(served: list[ServedEmbedding], client: PSClient, clock: StepClock) -> None:
-    """Before the forward of ``clock.step``: request at once the rows of every module whose
-    input was, on an earlier step, a tensor of the batch itself (``clock.leaves``), so the
-    servers answer them in one wake-up instead of one round trip per module. A module whose
-    input included a batch tensor's ids on its first step (``covers``: a sampled softmax's
-    candidates hold the batch's targets) gets that tensor's rows now and pulls only the others
-    at lookup. A module whose input turns out to be another tensor pulls as usual; the rows
-    are the same either way."""
-    clock.seen = []
-    for item in served:
-        if item.ahead is not None:   # requested during the previous step (PullAhead)
-            item.prefetched, item.ahead = item.ahead, None
-            path = item.source if item.source is not None else item.covers   # "" is a batch that is one tensor
-            assert item.prefetched[0] is clock.leaves.get(path), "rows pulled ahead for another batch"
-    for item, t, uids, inverse in _fed_from_batch([it for it in served if it.prefetched is None], clock.leaves):
-        item.prefetched = (t, uids, inverse, client.pull_async(item.table, uids, clock.step))
-
-
-def _fed_from_batch(served: list[ServedEmbedding], leaves: dict) -> list[tuple]:
-    """``[(module, its ids tensor, unique ids, inverse)]`` for every module of ``served``
-    whose input was, on an earlier step, the batch tensor at its ``source`` path in
-    ``leaves`` (:func:`batch_leaves` of this batch), or included its ids (``covers``; left
-    out when this batch's ids there are not rows of the table)."""
-    out = []
-    for item in served:
-        if item.source in leaves:
-            out.append((item, leaves[item.source], *_dedup_checked(item, leaves[item.source])))
-        elif item.covers in leaves:
-            uids, inverse = dedup(leaves[item.covers].to("cpu", torch.int64))
-            if uids.numel() and int(uids[0]) >= 0 and int(uids[-1]) < item.table.rows:
-                out.append((item, leaves[item.covers], uids, inverse))
-    return out
-
-
-class PullAhead:
-    """The batch iterator of a worker, and the pull of the next step's rows sent while this
-    step is still on the wire.
-
-    A step's link is busy twice: the pulls before the forward bring rows in, and the pushes
-    and the dense AllReduce in backward take gradients out. The next step's pull needs only
-    the next batch's ids and this step's update, which a server applies as soon as every
-    worker's push of the table is in (workers/server.py defers a pull until then). So once
-    this worker pushed its last table, the requests for the next batch's rows (the modules
-    :func:`prefetch` serves from batch tensors) go out at once, and their answers come while
-    the dense AllReduce, the clipping and the optimizer step finish, instead of after them.
-    The rows are the same either way (synchronous semantics are the server's).
-
-    The next batch is read from ``batches`` after this step's forward, on the calling thread,
-    so ``data()`` and the model draw random numbers in the same order as without it."""
-
-    def __init__(self, served: list[ServedEmbedding], client: PSClient, batches):
-        self.served, self.client, self.batches = served, client, iter(batches)
-        self.peeked = None    # the next (inputs, targets), read early
-        self.planned = []     # [(ServedEmbedding, host ids tensor, unique ids, inverse)] for step ``step``
-        self.step = None
-        self.sent = 0         # tables whose rows were requested a step ahead, over the run
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.peeked is not None:
-            batch, self.peeked = self.peeked, None
-            return batch
-        return next(self.batches)
-
-    def plan(self, step: int) -> None:
-        """After step ``step - 1``'s forward: read the next batch and deduplicate the ids of
-        every module fed straight from a batch tensor (nothing is sent yet)."""
-        if self.peeked is None:
-            self.peeked = next(self.batches, None)
-        if self.peeked is None:
-            return
-        self.planned = _fed_from_batch([it for it in self.served if it.ahead is None], batch_leaves(self.peeked[0]))
-        self.step = step
-
-    def send(self, force: bool = False) -> None:
-        """Request the planned rows once every module looked up this step has handed its
-        gradients over (from the push hook), or now with ``force``."""
-        if not self.planned or not (force or all(it.pushed for it in self.served if it.records)):
-            return
-        for item, t, uids, inverse in self.planned:
-            item.ahead = (t, uids, inverse, self.client.pull_async(item.table, uids, self.step))
-        self.sent += len(self.planned)
-        self.planned = []
 
 
 def attach(model: torch.nn.Module, tables: list[PSTable], client: PSClient, clock: StepClock) -> list[ServedEmbedding]:

@@ -13,9 +13,9 @@ done with the step; the servers apply the step once every worker is done. ``ps``
 parameter lives on the servers, dense ones pulled and pushed whole (TensorFlow-PS style).
 
 Round trips: rows of embeddings fed straight from the batch, or with the same tensor as
-another served embedding, are requested before they are needed (embedding.prefetch),
+another served embedding, are requested before they are needed (ahead.prefetch),
 so a step's pulls share one server wake-up; those fed from the batch are requested during the
-step before, once its last push left (embedding.PullAhead). A table's push leaves from inside backward as soon
+step before, once its last push left (ahead.PullAhead). A table's push leaves from inside backward as soon
 as its gradients are complete, and the server applies a table once every worker's push is in,
 so the sampled-softmax tables are updated while the workers still run the LSTM's backward;
 pushes and DONE are asynchronous and overlap the dense optimizer step. Workers on one host
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint
-from hpar.strategies.hybrid import build, embedding
+from hpar.strategies.hybrid import ahead, build, embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.devices import rng_state, set_rng_state, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
@@ -210,7 +210,7 @@ def train(ctx: WorkerContext) -> TrainResult:
                   device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         net.register_comm_hook((client.bytes, ctx.world_size, groups.workers.dense, ring_remote), group_allreduce_hook)
-    batches = embedding.PullAhead(served, client, job.batches(ctx.rank, ctx.world_size, cfg.batch_size))
+    batches = ahead.PullAhead(served, client, job.batches(ctx.rank, ctx.world_size, cfg.batch_size))
     for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
         next(batches)
     meter, totals, steps_done = StepMeter(ctx, 0), {}, 0
@@ -262,7 +262,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             host_inputs = inputs
             inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
             clock.set_batch(host_inputs, inputs)     # ids are read on the host, never copied back
-            embedding.prefetch(served, client, clock)
+            ahead.prefetch(served, client, clock)
             with (contextlib.nullcontext() if final or net is model else net.no_sync()):
                 with tools.autocast():
                     output = net(inputs)
