@@ -25,12 +25,23 @@ CASES = [  # (op, tid, n, dim, inline_max): the last is too large for one messag
 ]
 
 
-def _child(rank: int, port: int, out):
+@contextlib.contextmanager
+def _gloo(rank: int, port: int, world_size: int):
+    """This spawned child as ``rank`` of a gloo group of ``world_size`` on 127.0.0.1:``port``
+    (one CPU thread); a barrier, then the group is destroyed, on leaving the block."""
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _child(rank: int, port: int, out):
+    with _gloo(rank, port, 2):
         if rank == 0:
             isend = ps_wire.p2p()[0]
             works = []
@@ -52,9 +63,6 @@ def _child(rank: int, port: int, out):
                 got.append((req.src, req.op, req.tid, req.n, req.step, req.count, req.inline,
                             None if ids is None else ids.tolist(), None if rows is None else rows.tolist()))
             out.put(got)  # plain lists: a tensor would share memory with a process about to exit
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -108,11 +116,7 @@ def test_encode_puts_payload_behind_the_header():
 def _inbox_child(rank: int, port: int, depth: int, out, go):
     """Ranks 0 and 1 are workers, rank 2 a server taking one request with ``depth`` receives posted."""
     import threading
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=3)
-    try:
+    with _gloo(rank, port, 3):
         if rank < 2:
             isend = ps_wire.p2p()[0]
             first = isend(ps_wire.encode(ps_wire.PULL, 0, 0, 0, 1, ())[0], 2, ps_wire.TAG_REQUEST)
@@ -133,9 +137,6 @@ def _inbox_child(rank: int, port: int, depth: int, out, go):
             while len(got) < 8:
                 got.append(inbox.next())
             out.put(("server", [(r.src, r.step) for r in got], len(inbox._posted)))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_server_with_two_receives_posted_takes_both_workers_requests_at_once():
@@ -160,11 +161,7 @@ def test_a_server_with_two_receives_posted_takes_both_workers_requests_at_once()
 def _owed_child(rank: int, port: int, out):
     """Ranks 0 and 1 are workers of a 3-step run sending a pull, DONE of steps 0-2 and FINISH
     at once; rank 2 a server allowed 8 receives posted."""
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=3)
-    try:
+    with _gloo(rank, port, 3):
         if rank < 2:
             isend = ps_wire.p2p()[0]
             sends = [(ps_wire.PULL, 0)] + [(ps_wire.DONE, step) for step in range(3)] + [(ps_wire.FINISH, 0)]
@@ -178,9 +175,6 @@ def _owed_child(rank: int, port: int, out):
                 got.append(inbox.next())
                 most = max(most, len(inbox._posted) + 1)   # posted when this one was taken
             out.put(([(r.src, r.op, r.step) for r in got], most, len(inbox._posted)))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_server_posts_as_many_receives_as_the_workers_still_owe():
