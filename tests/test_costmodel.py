@@ -108,18 +108,24 @@ def test_allreduce_sparse_gathers_at_the_probed_allgather_rate_between_hosts():
     assert b.bytes_per_step == a.bytes_per_step
 
 
+def _emb_and_dense(workers: int, sequential: bool = False, dedup_s: float = 0.0) -> Profile:
+    """A profile of two layers: a 10,000 x 64 embedding (layer 0; a batch touches 5% of its
+    rows, 2 workers' batches 10%; ``dedup_s`` its ids' dedup) and a 64 x 64 dense weight (layer
+    1); 30 ms forward and 40 ms backward per batch of 32, updates at 1e-10 s per byte."""
+    emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
+                       union_curve=((1, 0.05), (2, 0.1)), dedup_s=dedup_s)
+    lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
+    return Profile(params=(emb, lin), layers=(LayerProfile("emb", .01, .01, 0, 10, emb.bytes),
+                                              LayerProfile("out", .02, .03, 10**6, 10, lin.bytes)),
+                   batch_size=32, samples_per_batch=32, workers=workers, is_sequential=sequential,
+                   sequential_reason="" if sequential else "x", compute_s=0.07, forward_s=0.03, backward_s=0.04,
+                   forward_flops=10**6, backward_flops=2 * 10**6, update_s_per_byte=1e-10, timing_batch_size=32)
+
+
 def test_servers_on_busy_cores_add_their_cpu_time_to_the_step():
     from hpar.strategies.plan.costmodel import cpu_load, cpu_share, estimate_allreduce_sparse
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid
-    from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
-    emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
-                       union_curve=((1, 0.05), (2, 0.1)))
-    lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
-    prof = Profile(params=(emb, lin), layers=(LayerProfile("emb", .01, .01, 0, 10, emb.bytes),
-                                              LayerProfile("out", .02, .03, 10**6, 10, lin.bytes)),
-                   batch_size=32, samples_per_batch=32, workers=2, is_sequential=False, sequential_reason="x",
-                   compute_s=0.07, forward_s=0.03, backward_s=0.04, forward_flops=10**6, backward_flops=2 * 10**6,
-                   update_s_per_byte=1e-10, timing_batch_size=32)
+    prof = _emb_and_dense(workers=2)
     shared = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0, cores_per_host=2)
     own = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0)
     # 2 workers on 2 cores: compute runs at full speed, but no core is left for the server
@@ -157,14 +163,7 @@ def test_requests_cost_their_measured_cpu_on_busy_cores_only():
     nothing is charged; a table whose requests cost more than its AllReduce goes to AllReduce."""
     from dataclasses import replace
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid, estimate_ps
-    emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
-                       union_curve=((1, 0.05), (2, 0.1)))
-    lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
-    prof = Profile(params=(emb, lin), layers=(LayerProfile("emb", .01, .01, 0, 10, emb.bytes),
-                                              LayerProfile("out", .02, .03, 10**6, 10, lin.bytes)),
-                   batch_size=32, samples_per_batch=32, workers=4, is_sequential=False, sequential_reason="x",
-                   compute_s=0.07, forward_s=0.03, backward_s=0.04, forward_flops=10**6, backward_flops=2 * 10**6,
-                   update_s_per_byte=1e-10, timing_batch_size=32)
+    prof = _emb_and_dense(workers=4)
     # 4 emulated hosts of one worker on 2 cores: load 2 (cpu_share), busy cores
     busy = make_cluster([1] * 4, 4, None, 1e7, 1e-4, cores_per_host=0.5)
     measured = replace(busy, request_cpu_s=2e-4)
@@ -298,14 +297,8 @@ def test_every_strategy_pays_the_batch_draw_and_served_tables_their_dedup():
     and ps, and a table on AllReduce does not."""
     from dataclasses import replace
     from hpar.strategies.plan.costmodel import estimate_all
-    emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
-                       union_curve=((1, 0.05), (2, 0.1)), dedup_s=3e-4)
-    lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
-    prof = Profile(params=(emb, lin), layers=(LayerProfile("emb", .01, .01, 0, 10, emb.bytes),
-                                              LayerProfile("out", .02, .03, 10**6, 10, lin.bytes)),
-                   batch_size=32, samples_per_batch=32, workers=2, is_sequential=True, sequential_reason="",
-                   compute_s=0.07, forward_s=0.03, backward_s=0.04, forward_flops=10**6, backward_flops=2 * 10**6,
-                   update_s_per_byte=1e-10, timing_batch_size=32)
+    prof = _emb_and_dense(workers=2, sequential=True, dedup_s=3e-4)
+    emb, lin = prof.params
     for cores, load in ((None, 1.0), (1, 2.0)):    # 2 workers on 1 core: everything on it takes twice as long
         cluster = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=1e-5,
                               cores_per_host=cores)
