@@ -11,9 +11,10 @@ from (``Plan.compute``), so CPU figures are never taken for a GPU's silently.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
+
+from hpar.strategies.devices import DeviceClock
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -52,18 +53,12 @@ def data_seconds(on_dev: OnDevice, batch_size: int, workers: int, draws: int = 8
     pipeline's share of a step, which a worker pays whatever the strategy (a synthetic click
     stream drawn from Zipf laws: about 0.4 ms of a 5 ms step here). The first draw, which
     may build caches, is not counted. Raises JobError from the user's ``data()``."""
-    clock = _sync(on_dev.device)
+    clock = DeviceClock(on_dev.device)   # now(): the host clock once the device's copies are done
     batches = on_dev.batches(0, workers, batch_size)
     next(batches)
     times = []
     for _ in range(draws):
-        t0 = time.perf_counter()
+        t0 = clock.now()
         next(batches)
-        clock()
-        times.append(time.perf_counter() - t0)
+        times.append(clock.now() - t0)
     return statistics.median(times)
-
-
-def _sync(device: torch.device):
-    """A function that waits for ``device``'s queued work (a no-op on the CPU)."""
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
