@@ -29,11 +29,16 @@ def batch_leaves(inputs, path: str = "") -> dict:
     return out
 
 
+def in_rows(uids: torch.Tensor, rows: int) -> bool:
+    """Whether the sorted ids ``uids`` all index rows of a ``rows``-row table (True when empty)."""
+    return not uids.numel() or (int(uids[0]) >= 0 and int(uids[-1]) < rows)
+
+
 def dedup_checked(served, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sorted unique ids, inverse)`` of ``ids`` on the host (strategies/hybrid/client.dedup).
     Raises IndexError naming the table for an id outside its rows (as nn.Embedding would)."""
     uids, inverse = dedup(ids.detach().to("cpu", torch.int64))
-    if uids.numel() and (int(uids[0]) < 0 or int(uids[-1]) >= served.table.rows):
+    if not in_rows(uids, served.table.rows):
         raise IndexError(f"{served.table.name}: index out of range [0, {served.table.rows}) in the embedding input")
     return uids, inverse
 
@@ -46,7 +51,7 @@ def covering_leaf(uids: torch.Tensor, leaves: dict, rows: int) -> str | None:
     best, size = None, 0
     for path, t in leaves.items():
         u = torch.unique(t.to("cpu", torch.int64))
-        if size < u.numel() <= uids.numel() and int(u[0]) >= 0 and int(u[-1]) < rows:
+        if size < u.numel() <= uids.numel() and in_rows(u, rows):
             pos = torch.searchsorted(uids, u).clamp_(max=uids.numel() - 1)
             if bool((uids[pos] == u).all()):
                 best, size = path, u.numel()
@@ -107,7 +112,7 @@ def fed_from_batch(served: list, leaves: dict, covering: bool = True) -> list[tu
             out.append((item, leaves[item.source], *dedup_checked(item, leaves[item.source])))
         elif covering and item.covers in leaves:
             uids, inverse = dedup(leaves[item.covers].to("cpu", torch.int64))
-            if uids.numel() and int(uids[0]) >= 0 and int(uids[-1]) < item.table.rows:
+            if uids.numel() and in_rows(uids, item.table.rows):
                 out.append((item, leaves[item.covers], uids, inverse))
     return out
 

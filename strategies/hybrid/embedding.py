@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from hpar.strategies.devices import copy_to_host
-from hpar.strategies.hybrid.ahead import batch_leaves, complete, covering_leaf, dedup_checked
+from hpar.strategies.hybrid.ahead import batch_leaves, complete, covering_leaf, dedup_checked, in_rows
 from hpar.strategies.hybrid.client import PSClient, PSTable, coalesce
 
 
@@ -144,7 +144,7 @@ def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torc
             served.covers, served.checked = covering_leaf(uids, clock.leaves, served.table.rows), True
         wait = complete(client, served, uids, pre, clock.step)
         for other in items:   # modules that looked up this same tensor on earlier steps
-            if other.follows is served and uids.numel() and int(uids[-1]) < other.table.rows:
+            if other.follows is served and uids.numel() and in_rows(uids, other.table.rows):
                 other.covers = other.covers or served.covers
                 if other.prefetched is None or other.prefetched[0] is not host_ids:
                     other.prefetched = (host_ids, uids, inverse, complete(client, other, uids, other.prefetched,
