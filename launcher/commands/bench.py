@@ -191,7 +191,8 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
                               f"{c['hpar_remote_bytes_per_step']:,.0f}, interfaces {c['interface_bytes_per_step']:,.0f} "
                               f"(payload {c['interface_payload_bytes_per_step']:,.0f}: "
                               f"{c['interface_over_hpar_remote'] or 0:.2f}x)", markup=False)
-    settings = {"gpus": gpus, "steps": steps, "min_seconds": min_seconds, "repeat": repeat, "batch_size": batch_size, "seed": seed, "hosts": hosts,
+    settings = {"gpus": gpus, "steps": steps, "min_seconds": min_seconds, "repeat": repeat, "batch_size": batch_size,
+                "seed": seed, "hosts": hosts,
                 "link_rate": link_rate, "project": project or None, "device_tflops": device_tflops, "bench_dir": bench_dir}
     if json_out:
         doc = report.document(results, report.command_line(), settings, emulation)

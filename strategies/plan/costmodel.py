@@ -250,7 +250,8 @@ def estimate_async_pipeline(sync: Estimate, schedule: str) -> Estimate:
     data = sync.breakdown.get("data", 0.0)
     step = data + m * (period + update * (1.0 + ASYNC_EXTRA_UPDATES[schedule]) + reduce)
     return Estimate("pipeline", step, sync.samples_per_step, sync.bytes_per_step,
-                    {"data": data, "period": period, "bubble": 0.0, "update": m * update, "allreduce": m * reduce}, sync.placement,
+                    {"data": data, "period": period, "bubble": 0.0, "update": m * update, "allreduce": m * reduce},
+                    sync.placement,
                     stages=sync.stages, micro_batches=m, replicas=sync.replicas, layout=sync.layout)
 
 

@@ -104,7 +104,8 @@ def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batc
                     + (layers[a - 1].activation_bytes // m if a > 0 else 0)) for a, b in plan.ranges) / K
     reduced = sum(2 * (R - 1) / R * nbytes for nbytes in stage_bytes) / K
     return Estimate("pipeline", step, R * profile.samples_per_batch, acts + reduced,
-                    {"data": c.data, "period": period, "bubble": (K - 1) / (m + K - 1), "update": max(stage_bytes) * c.update_per_byte,
+                    {"data": c.data, "period": period, "bubble": (K - 1) / (m + K - 1),
+                     "update": max(stage_bytes) * c.update_per_byte,
                      "allreduce": max(reduce), "stages": K, "replicas": R},
                     placement={p.name: "allreduce" for p in profile.params},
                     stages=tuple(tuple(r) for r in plan.ranges), micro_batches=m, replicas=R, layout=grid.layout)

@@ -188,7 +188,8 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
                 + busy + requests)
     sent = sum(t.sent for t in terms) + (2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0)
     return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
-                    {"data": c.data, "lookup": lookup, "pull": pull, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over + push_over,
+                    {"data": c.data, "lookup": lookup, "pull": pull, "forward": c.fwd, "backward": c.bwd,
+                     "comm_overlap": ar_over + push_over,
                      "comm_tail": ar_tail + push_tail, "server_update": server_over + server_tail,
                      "update": dense_update, "server_cpu": busy, "requests": requests},
                     placement={p.name: ("ps" if p.name in placed else "allreduce") for p in profile.params},
