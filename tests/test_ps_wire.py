@@ -113,8 +113,9 @@ def test_encode_puts_payload_behind_the_header():
     assert [torch.equal(a, b) for a, b in zip(separate, (ids, rows))] == [True, True]
 
 
-def _inbox_child(rank: int, port: int, depth: int, out, go):
-    """Ranks 0 and 1 are workers, rank 2 a server taking one request with ``depth`` receives posted."""
+def _inbox_child(rank: int, port: int, out, go):
+    """Ranks 0 and 1 are workers, rank 2 a server taking one request with one receive posted
+    per worker."""
     import threading
     with _gloo(rank, port, 3):
         if rank < 2:
@@ -131,31 +132,59 @@ def _inbox_child(rank: int, port: int, depth: int, out, go):
             for w in later:
                 w.wait()
         else:
-            inbox = ps_wire.Inbox(2, depth)
+            inbox = ps_wire.Inbox(2, 1)
             got = [inbox.next()]
             go.wait(60)
             while len(got) < 8:
                 got.append(inbox.next())
-            out.put(("server", [(r.src, r.step) for r in got], len(inbox._posted)))
+            out.put(("server", [(r.src, r.step) for r in got], inbox.posted()))
 
 
-def test_a_server_with_two_receives_posted_takes_both_workers_requests_at_once():
-    """With depth 2 both workers' first requests cross into the server while it handles one
-    (gloo completes a send only once its receive is posted); with depth 1 the second waits.
-    Either way each worker's requests come out in the order it sent them, and no receive is
-    left posted after the last FINISH."""
+def test_a_server_takes_every_workers_first_request_at_once():
+    """With a receive posted for each worker, both workers' first requests cross into the
+    server while it handles one (gloo completes a send only once its receive is posted; with
+    one receive from any sender, the second waited). Each worker's requests come out in the
+    order it sent them, and no receive is left posted after the last FINISH."""
     ctx = mp.get_context("spawn")
-    for depth, both_sent in ((2, True), (1, False)):
-        out, go = ctx.Queue(), ctx.Event()
-        port = free_port()
-        with _children(ctx, _inbox_child, 3, port, depth, out, go):
-            sent = [out.get(timeout=60) for _ in range(2)]
-            go.set()
-            _, order, left_posted = out.get(timeout=60)
-        assert all(done for *_, done in sent) is both_sent, (depth, sent)
-        for rank in (0, 1):
-            assert [step for src, step in order if src == rank] == [0, 1, 2, 3], order
-        assert left_posted == 0
+    out, go = ctx.Queue(), ctx.Event()
+    with _children(ctx, _inbox_child, 3, free_port(), out, go):
+        sent = [out.get(timeout=60) for _ in range(2)]
+        go.set()
+        _, order, left_posted = out.get(timeout=60)
+    assert all(done for *_, done in sent), sent
+    for rank in (0, 1):
+        assert [step for src, step in order if src == rank] == [0, 1, 2, 3], order
+    assert left_posted == 0
+
+
+def _lost_child(rank: int, port: int, out):
+    """Rank 0 a worker that sends one request and dies; rank 1 a server waiting for more."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if rank == 0:
+        ps_wire.p2p()[0](ps_wire.encode(ps_wire.PULL, 0, 0, 0, 1, ())[0], 1, ps_wire.TAG_REQUEST).wait()
+        os._exit(0)   # no FINISH, no goodbye: the connection closes under the server
+    inbox = ps_wire.Inbox(1, 4)
+    first = inbox.next()
+    try:
+        inbox.next()
+        out.put((first.op, "returned"))
+    except RuntimeError as exc:
+        out.put((first.op, type(exc).__name__))
+    out.close()
+    out.join_thread()   # the queue's feeder thread delivers before the hard exit
+    os._exit(0)         # (the group cannot be left cleanly: its peer is gone)
+
+
+def test_a_server_whose_worker_is_lost_raises_instead_of_waiting():
+    """The receives are waited on in threads: a lost worker's connection error still reaches
+    the server's loop as the exception gloo raised."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with _children(ctx, _lost_child, 2, free_port(), out):
+        first_op, outcome = out.get(timeout=60)
+    assert (first_op, outcome) == (ps_wire.PULL, "RuntimeError")
 
 
 def _owed_child(rank: int, port: int, out):
@@ -173,8 +202,8 @@ def _owed_child(rank: int, port: int, out):
             got, most = [], 0
             while len(got) < 10:
                 got.append(inbox.next())
-                most = max(most, len(inbox._posted) + 1)   # posted when this one was taken
-            out.put(([(r.src, r.op, r.step) for r in got], most, len(inbox._posted)))
+                most = max(most, inbox.posted() + 1)   # posted when this one was taken
+            out.put(([(r.src, r.op, r.step) for r in got], most, inbox.posted()))
 
 
 def test_a_server_posts_as_many_receives_as_the_workers_still_owe():

@@ -17,12 +17,15 @@ unless the receive was posted first). A server can post the receive of a separat
 only after it has read the header, so every separate payload cost one more such exchange,
 three per push; on a host whose cores are all busy each exchange waits for two processes to
 be scheduled. Pull answers need none: the worker posts the answer's receive before it sends
-the request. (Measured in BENCHMARKS.md, section 1.) For the same reason a server keeps a
-receive posted for up to ``INBOX_DEPTH`` requests (:class:`Inbox`): with one, the requests of
-different workers crossed the links into a server one at a time (BENCHMARKS.md, section 14).
+the request. (Measured in BENCHMARKS.md, section 1.) For the same reason a server keeps up
+to ``INBOX_DEPTH`` receives posted for each worker, each naming its sender (:class:`Inbox`):
+with one receive from any sender, the requests of different workers crossed the links into a
+server one at a time, each after a round trip (BENCHMARKS.md, section 14).
 """
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +36,7 @@ TAG_REQUEST, TAG_DATA, TAG_REPLY = 11, 12, 1000
 HEADER_FIELDS = 6
 HEADER_BYTES = HEADER_FIELDS * 8
 INLINE_MAX = 4 << 20      # bytes of payload carried in the request message itself
-INBOX_DEPTH = 16          # a server's receives posted at once (one buffer of INLINE_MAX each)
+INBOX_DEPTH = 8           # a server's receives posted per worker (one buffer of INLINE_MAX each)
 CONTROL = "_control"      # byte-count key of DONE/FINISH messages
 
 
@@ -88,56 +91,82 @@ class Request:
 
 
 class Inbox:
-    """A server's receive side: up to ``depth`` receives from any of ``workers`` workers
-    posted at once, each into its own buffer of ``HEADER_BYTES + INLINE_MAX`` bytes, so that
-    that many requests cross the links into the server together instead of one after another
-    (gloo moves a message only once its receive is posted). :meth:`next` takes the oldest
-    posted receive (gloo matches one sender's messages to posted receives in the order it sent
-    them, so its requests are handled in that order) and, on the following call, posts that
-    buffer again once its payload was copied out.
+    """A server's receive side: up to ``depth`` receives posted for each of the ``workers``
+    workers (default-group ranks ``0..workers-1``), each into its own buffer of
+    ``HEADER_BYTES + INLINE_MAX`` bytes, so that the requests of every worker cross the links
+    into the server while it handles one (gloo moves a message only once its receive is posted).
 
-    Never more receives are posted than messages the workers still owe for sure, so none is
-    left posted at the end: each worker owes its FINISH and, once it sent DONE for step ``t``
-    of a run of ``steps`` steps (every worker sends DONE to every server every step), the
-    DONEs of steps ``t+1 .. steps-1`` too. Each message taken lowers that count by at most
-    one, as it takes one posted receive. Without ``steps``, a worker owes its FINISH only."""
+    Receives name their sender: gloo then tells the sender its receive is ready when it is
+    posted, and the request goes out as soon as it is made. A receive from any sender costs a
+    round trip more per request (the sender announces the message, the receiver's answer
+    releases it; gloo/transport/tcp/context.cc ``recvFromAny``), on a host whose cores are
+    busy one more wait for two processes to be scheduled (BENCHMARKS.md, section 14). Gloo
+    receives have no futures, so one thread per worker waits for that worker's receives in
+    the order they were posted (gloo matches one sender's messages to them in the order it
+    sent them) and queues each arrival; :meth:`next` takes the arrivals in the order they
+    came, and on the following call posts that buffer again once its payload was copied out.
+
+    Never more receives are posted for a worker than the messages it still owes for sure, so
+    none is left posted at the end: each worker owes its FINISH and, once it sent DONE for
+    step ``t`` of a run of ``steps`` steps (every worker sends DONE to every server every
+    step), the DONEs of steps ``t+1 .. steps-1`` too. Without ``steps``, a worker owes its
+    FINISH only. A worker's waiting thread ends with its FINISH."""
 
     def __init__(self, workers: int = 1, depth: int = 1, steps: int | None = None):
         assert workers >= 1 and depth >= 1
         self._irecv = p2p()[1]
         self._depth = depth
         self._steps = steps
-        self._owed: dict[int, int] = {}   # sender rank -> messages it still sends for sure, once it sent one
-        self._unseen = workers            # workers not heard from: each owes its FINISH
-        self._posted: list[tuple[torch.Tensor, object]] = []   # (buffer, Work), oldest first
+        self._owed = [1] * workers      # messages each worker still sends for sure: its FINISH at least
+        self._posted = [0] * workers    # receives posted per worker and not yet taken
+        self._arrived: queue.SimpleQueue = queue.SimpleQueue()   # (sender, buffer, error) in arrival order
+        self._to_wait = [queue.SimpleQueue() for _ in range(workers)]   # per worker: (buffer, Work), None to end
+        for src in range(workers):
+            threading.Thread(target=self._wait_loop, args=(src,), name=f"hpar-inbox-{src}", daemon=True).start()
         self._spare: list[torch.Tensor] = []
         self.buf: torch.Tensor | None = None
         self._offset = HEADER_BYTES
 
-    def _post(self, buf: torch.Tensor) -> None:
-        self._posted.append((buf, dist.group.WORLD.recv_anysource([buf], TAG_REQUEST)))
+    def _wait_loop(self, src: int) -> None:
+        """Worker ``src``'s thread: wait for its receives in posted order, queue each arrival
+        (a failed receive too, with its error, and then end)."""
+        while (item := self._to_wait[src].get()) is not None:
+            buf, work = item
+            try:
+                work.wait()
+            except Exception as exc:   # raised in the server's thread by next()
+                self._arrived.put((src, buf, exc))
+                return
+            self._arrived.put((src, buf, None))
 
     def owed(self) -> int:
         """Messages the workers will still send for sure (see the class docstring)."""
-        return self._unseen + sum(self._owed.values())
+        return sum(self._owed)
+
+    def posted(self) -> int:
+        """Receives posted and not yet taken, over all workers."""
+        return sum(self._posted)
 
     def next(self) -> Request:
-        """Block until the next request from any worker arrives; returns its header."""
+        """Block until the next request from any worker arrives; returns its header. Raises
+        the receive's error (a worker's connection lost) as gloo raised it."""
         if self.buf is not None:   # the last request's payload was taken: its buffer is free
             self._spare.append(self.buf)
-        while len(self._posted) < min(self._depth, self.owed()):
-            self._post(self._spare.pop() if self._spare else torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8))
-        assert self._posted, "a request after every worker's FINISH"
-        self.buf, work = self._posted.pop(0)
-        work.wait()
+        for src, owed in enumerate(self._owed):
+            while self._posted[src] < min(self._depth, owed):
+                buf = self._spare.pop() if self._spare else torch.empty(HEADER_BYTES + INLINE_MAX, dtype=torch.uint8)
+                self._to_wait[src].put((buf, self._irecv(buf, src, TAG_REQUEST)))
+                self._posted[src] += 1
+        assert any(self._posted), "a request after every worker's FINISH"
+        src, self.buf, error = self._arrived.get()
+        if error is not None:
+            raise error
+        self._posted[src] -= 1
         self._offset = HEADER_BYTES
         op, tid, n, step, count, inline = self.buf[:HEADER_BYTES].view(torch.int64).tolist()
-        src = work.source_rank()
-        if src not in self._owed:
-            self._unseen -= 1
-            self._owed[src] = 1
         if op == FINISH:
             self._owed[src] = 0
+            self._to_wait[src].put(None)
         elif op == DONE and self._steps is not None:
             self._owed[src] = self._steps - step   # the DONEs of steps step+1 .. steps-1, then FINISH
         return Request(src, op, tid, n, step, count, bool(inline))
