@@ -190,7 +190,7 @@ def test_a_checkpoint_with_another_row_layout_is_refused(tmp_path):
     under another layout (another plan's partitions, or one written before tables started on
     different servers) is a ValueError naming the table, not rows loaded onto wrong servers."""
     from hpar.strategies.hybrid.client import ps_tables
-    from hpar.workers.server import Server
+    from hpar.strategies.hybrid.server import Server
     script = write_job(tmp_path, "adagrad")
     job = load_job(script)
 

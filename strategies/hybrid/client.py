@@ -128,17 +128,18 @@ def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 class PSClient:
-    """A worker's connection to the S servers (pg ranks ``num_workers .. num_workers+S-1``)."""
+    """A worker's connection to the S servers (ranks ``num_workers .. num_workers+S-1`` of
+    ``group``, default: the default group)."""
 
     def __init__(self, tables: list[PSTable], num_workers: int, num_servers: int,
-                 is_remote: Callable[[int], bool] = lambda rank: False, pin: bool = False):
+                 is_remote: Callable[[int], bool] = lambda rank: False, pin: bool = False, group=None):
         self.tables, self.num_workers, self.num_servers = tables, num_workers, num_servers
         self.pin = pin                # answers land in pinned host memory (CUDA workers: async copies up)
         self.is_remote = is_remote    # default-group rank -> on another host than this worker
         self.bytes = ByteMeter()
         self.pull_s = 0.0    # seconds spent waiting in pulls since the caller last reset it
         self._server_rows = {t.tid: [t.layout.server_rows(s) for s in range(num_servers)] for t in tables}
-        self._isend, self._irecv = p2p()
+        self._isend, self._irecv = p2p(group)
 
     def server_rank(self, server: int) -> int:
         return self.num_workers + server

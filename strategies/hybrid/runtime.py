@@ -293,7 +293,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         if held:
             held.clear()
         pending += client.done(step)
-        if cfg.clip_grad_norm:   # the global norm spans the servers' rows: see workers/server.py
+        if cfg.clip_grad_norm:   # the global norm spans the servers' rows: see strategies/hybrid/server.py
             _clip_with_servers(ctx, dense)
         lr = tools.lr(opt) if opt is not None else None
         if opt is not None:  # the dense update runs while the pushes are on the wire

@@ -110,19 +110,22 @@ class Inbox:
     none is left posted at the end: each worker owes its FINISH and, once it sent DONE for
     step ``t`` of a run of ``steps`` steps (every worker sends DONE to every server every
     step), the DONEs of steps ``t+1 .. steps-1`` too. Without ``steps``, a worker owes its
-    FINISH only. A worker's waiting thread ends with its FINISH."""
+    FINISH only. A worker's waiting thread ends with its FINISH. ``group``: the process group
+    of the requests (default: the default group)."""
 
-    def __init__(self, workers: int = 1, depth: int = 1, steps: int | None = None):
+    def __init__(self, workers: int = 1, depth: int = 1, steps: int | None = None, group=None):
         assert workers >= 1 and depth >= 1
-        self._irecv = p2p()[1]
+        self._irecv = p2p(group)[1]
         self._depth = depth
         self._steps = steps
         self._owed = [1] * workers      # messages each worker still sends for sure: its FINISH at least
         self._posted = [0] * workers    # receives posted per worker and not yet taken
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()   # (sender, buffer, error) in arrival order
         self._to_wait = [queue.SimpleQueue() for _ in range(workers)]   # per worker: (buffer, Work), None to end
-        for src in range(workers):
-            threading.Thread(target=self._wait_loop, args=(src,), name=f"hpar-inbox-{src}", daemon=True).start()
+        self._threads = [threading.Thread(target=self._wait_loop, args=(src,), name=f"hpar-inbox-{src}", daemon=True)
+                         for src in range(workers)]
+        for thread in self._threads:
+            thread.start()
         self._spare: list[torch.Tensor] = []
         self.buf: torch.Tensor | None = None
         self._offset = HEADER_BYTES
@@ -138,6 +141,13 @@ class Inbox:
                 self._arrived.put((src, buf, exc))
                 return
             self._arrived.put((src, buf, None))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """After every worker's FINISH: wait for the waiting threads to end (each was told to at
+        its worker's FINISH), so none holds the process group when it is destroyed."""
+        assert not any(self._owed), "closing the inbox before every worker's FINISH"
+        for thread in self._threads:
+            thread.join(timeout_s)
 
     def owed(self) -> int:
         """Messages the workers will still send for sure (see the class docstring)."""

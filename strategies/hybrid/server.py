@@ -1,0 +1,224 @@
+"""A parameter server: its shard of every table and the loop that answers the workers
+(the process around it is workers/server.py).
+
+It answers the wire protocol of strategies/hybrid/client.py (strategies/hybrid/wire.py)
+until every worker has finished: pulls (deferred until the previous step is applied),
+pushes (accumulated; a table's update is applied as soon as pushes from all workers are in),
+DONE (close the step once all workers are done: apply the tables not yet applied, checkpoint
+when due). Bytes per step by table go out through the ``emit`` it is given (``metric``).
+The request probe runs one in a thread to measure what a request costs (strategies/plan/probe.py).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from hpar.strategies import checkpoint
+from hpar.strategies.config import RunConfig
+from hpar.strategies.context import ByteMeter, peer_is_remote
+from hpar.strategies.hybrid.client import PSTable
+from hpar.strategies.hybrid.schedule import ServerSchedule
+from hpar.strategies.hybrid.shard import ParamShard, table_view
+from hpar.strategies.hybrid.wire import (CONTROL, DONE, FINISH, HEADER_BYTES, INBOX_DEPTH, PULL, PUSH, Inbox, Request,
+                                         nbytes, p2p, reply_tag)
+from hpar.strategies.loop import clip_coefficient
+
+
+class Server:
+    """Server ``index`` of ``num_servers``, holding its rows of every table. ``group`` is the
+    process group of its requests and answers (default: the default group, where workers hold
+    ranks ``0..num_workers-1``); ``emit(kind, payload)`` takes its ``metric`` lines."""
+
+    def __init__(self, cfg: RunConfig, tables: list[PSTable], model: torch.nn.Module, index: int,
+                 num_workers: int, start_step: int = 0, host_of: tuple[int, ...] = (), pg_rank: int = 0,
+                 schedule: ServerSchedule | None = None, group_of: dict[int, int] | None = None,
+                 group=None, emit: Callable[[str, dict], None] = lambda kind, payload: None):
+        self.cfg, self.tables, self.index, self.num_workers = cfg, {t.tid: t for t in tables}, index, num_workers
+        self.schedule, self.group_of = schedule, group_of or {}   # table id -> the user's param group
+        params = dict(model.named_parameters())
+        self.shards: dict[int, ParamShard] = {}
+        for t in tables:
+            rows = t.layout.server_rows(index)
+            if rows.numel():   # the model is dropped after this: its rows are taken, not copied again
+                view = table_view(params[t.name].detach())
+                self.shards[t.tid] = ParamShard(view if rows.numel() == view.shape[0] else view[rows], t.spec, copy=False)
+        self.applied = start_step        # steps closed (every worker sent DONE)
+        self.table_step = {tid: start_step for tid in self.shards}  # steps applied, per table
+        self.pushed = {tid: 0 for tid in self.shards}  # workers whose gradients are in, per table
+        self.done: dict[int, int] = {}
+        self.pending: list[tuple[int, int, torch.Tensor | None, int]] = []  # (src, table, local ids, step)
+        self.bytes = ByteMeter()
+        self.totals: dict[str, list[float]] = {}
+        self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}   # bytes since the last report
+        self.is_remote = lambda rank: peer_is_remote(host_of, pg_rank, rank)
+        self.emit = emit   # (kind, payload): the process's report lines (workers/report.emit)
+        self._isend = p2p(group)[0]
+        self.inbox = Inbox(num_workers, INBOX_DEPTH, cfg.steps, group)
+
+    def part(self) -> str:
+        return f"server{self.index}"
+
+    def _layouts(self) -> dict[str, list[int]]:
+        return {t.name: [t.layout.num_partitions, t.layout.first_server] for t in self.tables.values()}
+
+    def state_dict(self) -> dict:
+        return {"applied": self.applied, "layouts": self._layouts(),
+                "shards": {self.tables[tid].name: s.state_dict() for tid, s in self.shards.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output. Raises ValueError when the checkpoint's row
+        layout (partitions and first server per table) is not this run's: its rows would land
+        on the wrong servers. (Checkpoints without layouts were written with partition 0 of
+        every table on server 0.)"""
+        saved = state.get("layouts") or {t.name: [t.layout.num_partitions, 0] for t in self.tables.values()}
+        for name, layout in self._layouts().items():
+            if list(saved.get(name, layout)) != layout:
+                raise ValueError(f"checkpoint of step {state['applied']}: table {name} was saved as "
+                                 f"{saved[name][0]} partition(s) from server {saved[name][1]}, this run has "
+                                 f"{layout[0]} from server {layout[1]}; resume with the plan and --servers it was written with")
+        for tid, shard in self.shards.items():
+            shard.load_state_dict(state["shards"][self.tables[tid].name])
+        self.applied = int(state["applied"])
+        self.table_step = {tid: self.applied for tid in self.shards}
+
+    def _reply(self, src: int, tid: int, local: torch.Tensor | None) -> None:
+        rows = self.shards[tid].lookup(local).contiguous()
+        self.bytes.add(self.tables[tid].name, sent=nbytes(rows), remote=self.is_remote(src))
+        self._isend(rows, src, reply_tag(tid)).wait()
+
+    def _take(self, req: Request, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = self.inbox.take(req, shape, dtype)
+        self.bytes.add(self.tables[req.tid].name, recv=nbytes(t))
+        return t
+
+    def _local_ids(self, req: Request) -> torch.Tensor | None:
+        """The request's row ids as this server's local row indices; None for every row."""
+        if req.n < 0:
+            return None
+        return self.tables[req.tid].layout.local_index(self.index, self._take(req, (req.n,), torch.int64))
+
+    def _apply_table(self, tid: int) -> None:
+        """Apply table ``tid``'s update of its current step (a no-op without pushes) and
+        answer the pulls that waited for it."""
+        shard = self.shards[tid]
+        spec = self.schedule.spec(self.group_of[tid], self.table_step[tid], shard.spec) if self.schedule else None
+        shard.apply(self.num_workers, spec)
+        self.table_step[tid] += 1
+        self.pushed[tid] = 0
+        self._answer_pending()
+
+    def _apply_clipped(self) -> None:
+        """``--clip-grad-norm``: the step's mean gradients of every open table, scaled by the
+        global clipping coefficient, applied. The global sum of squares is one AllReduce over
+        the default group: each server adds its shards' part, worker 0 the dense part
+        (strategies/hybrid/runtime.py makes the same call after its DONE)."""
+        open_tables = [tid for tid, at in self.table_step.items() if at == self.applied]
+        specs, grads = {}, {}
+        for tid in open_tables:
+            shard = self.shards[tid]
+            specs[tid] = self.schedule.spec(self.group_of[tid], self.applied, shard.spec) if self.schedule else None
+            grads[tid] = shard.mean_gradient(self.num_workers, specs[tid])
+        total = torch.tensor([sum(float(g[1].double().pow(2).sum()) for g in grads.values() if g is not None)],
+                             dtype=torch.float64)
+        dist.all_reduce(total)
+        coef = clip_coefficient(float(total), self.cfg.clip_grad_norm)
+        for tid in open_tables:
+            if grads[tid] is not None:
+                grads[tid][1].mul_(coef)
+            self.shards[tid].apply_gradient(grads[tid], specs[tid])
+            self.table_step[tid] += 1
+            self.pushed[tid] = 0
+        self._answer_pending()
+
+    def _apply_if_complete(self, tid: int) -> None:
+        """Apply table ``tid`` early when all workers' gradients of the open step are in.
+        (Pushes of a later step can already be complete with local aggregation, whose
+        leader may push before its host's other worker's DONE arrives; they wait for the
+        step to close, so a checkpoint never holds a table ahead of its step.)"""
+        if self.pushed[tid] == self.num_workers and self.table_step[tid] == self.applied and not self.cfg.clip_grad_norm:
+            self._apply_table(tid)
+
+    def _answer_pending(self) -> None:
+        still = []
+        for src, tid, local, at in self.pending:
+            if at <= self.table_step[tid]:
+                self._reply(src, tid, local)
+            else:
+                still.append((src, tid, local, at))
+        self.pending = still
+
+    def _close_step(self) -> None:
+        """Every worker sent DONE for step ``applied``: apply the tables still open, report
+        the step's bytes and checkpoint when due."""
+        if self.cfg.clip_grad_norm:
+            self._apply_clipped()
+        for tid, at in self.table_step.items():
+            if at == self.applied:
+                self._apply_table(tid)
+        self.applied += 1
+        step = self.applied
+        self._count_step(self.bytes.take(), self.bytes.take_remote())
+        if step % self.cfg.log_every == 0 or step == self.cfg.steps:
+            self._report(step)
+        if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
+            checkpoint.save_part(self.cfg.run_dir, step, self.part(), self.state_dict())
+            checkpoint.commit(self.cfg.run_dir, step)
+        for tid in self.shards:
+            self._apply_if_complete(tid)
+
+    def _count_step(self, by_name: dict, remote: float) -> None:
+        it = self.interval
+        it["steps"] += 1
+        it["remote"] += remote
+        for k, (s, r) in by_name.items():
+            for acc in (self.totals.setdefault(k, [0.0, 0.0]), it["by_param"].setdefault(k, [0.0, 0.0])):
+                acc[0] += s
+                acc[1] += r
+
+    def _report(self, step: int) -> None:
+        """One ``metric`` line: bytes per step (sent, received, sent to other hosts, and by
+        parameter), averaged over the steps closed since the previous report."""
+        it, n = self.interval, max(self.interval["steps"], 1)
+        self.emit("metric", {"step": step, "server": self.index,
+                             "bytes_sent": sum(s for s, _ in it["by_param"].values()) / n,
+                               "bytes_recv": sum(r for _, r in it["by_param"].values()) / n,
+                               "bytes_sent_remote": it["remote"] / n,
+                               "by_param": {k: {"sent": s / n, "recv": r / n} for k, (s, r) in it["by_param"].items()}})
+        self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}
+
+    def serve(self) -> None:
+        """Answer requests until every worker sent FINISH."""
+        finished = 0
+        while finished < self.num_workers:
+            req = self.inbox.next()
+            op, tid, step = req.op, req.tid, req.step
+            self.bytes.add(CONTROL if op in (DONE, FINISH) else self.tables[tid].name, recv=HEADER_BYTES)
+            if op == PULL:
+                local = self._local_ids(req)
+                if step <= self.table_step[tid]:
+                    self._reply(req.src, tid, local)
+                else:
+                    self.pending.append((req.src, tid, local, step))
+            elif op == PUSH:
+                # a worker pushes table T for step t only after its pull of T for step t,
+                # answered once T's step t-1 was applied: pushes never run ahead of T's step
+                assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
+                table, shard = self.tables[tid], self.shards[tid]
+                local = self._local_ids(req)
+                rows = shard.weight.shape[0] if local is None else local.numel()
+                shard.add_grad(local, self._take(req, (rows, table.dim), table.dtype))
+                self.pushed[tid] += req.count
+                self._apply_if_complete(tid)
+            elif op == DONE:
+                self.done[step] = self.done.get(step, 0) + 1
+                while self.done.get(self.applied, 0) == self.num_workers:
+                    del self.done[self.applied]
+                    self._close_step()
+            elif op == FINISH:
+                finished += 1
+            else:
+                raise AssertionError(f"unknown op {op} from rank {req.src}")
+        assert not self.pending, "a pull was left unanswered"
+        self.inbox.close()
