@@ -43,9 +43,9 @@ class ClusterSpec:
     AllGather moves each rank's bytes, both directions busy at once, as measured between two
     hosts by the probe; gloo gets less than the one-way link there; None: the link's
     bandwidth), ``request_cpu_s`` (CPU seconds a small parameter-server request
-    costs its worker and server together, measured by strategies/plan/probe.probe_requests on
-    this machine; the cost model charges it where processes share busy cores; None: not
-    measured, not charged)."""
+    costs its worker and server together, hpar's own client and server code included,
+    measured by strategies/plan/probe.probe_requests on this machine; the cost model charges
+    it where processes share busy cores; None: not measured, not charged)."""
 
     hosts: int
     gpus_per_host: tuple[int, ...]

@@ -12,9 +12,9 @@ Between two hosts the endpoints must be two processes: :func:`probe_peer` is one
 (``python -m hpar.strategies.plan.probe ADDR PORT RANK``), used by ``hpar bench`` to measure
 the link of its emulated hosts (launcher/bench/emulate.py) instead of trusting the cap.
 
-:func:`probe_requests` measures the CPU a small parameter-server request costs its two ends:
-what a request costs in time when the processes share busy cores (the cost model's
-``request_cpu_s``, strategies/plan/costmodel_ps.py).
+:func:`probe_requests` measures the CPU a small parameter-server request costs, with hpar's
+own client and server at both ends: what a request costs in time when the processes share
+busy cores (the cost model's ``request_cpu_s``, strategies/plan/costmodel_ps.py).
 """
 from __future__ import annotations
 
@@ -140,51 +140,59 @@ def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
     return _figures(out, nbytes)
 
 
-def probe_requests(requests: int = 300, rows: int = 64, dim: int = 16, timeout_s: float = 60.0) -> float:
-    """CPU seconds one small parameter-server request costs the worker and the server
-    together, in the threads that make and answer it: the worker encodes a pull of ``rows``
-    row ids (strategies/hybrid/wire.py's one-message format), posts the answer's receive and
-    sends; the server receives it, decodes the header and ids, looks up the rows and sends them
-    back. Both endpoints are threads of this process over loopback gloo; each one's
-    ``time.thread_time`` over ``requests`` requests after 20 warm-up ones (gloo's own I/O
-    threads are not counted: their CPU readings vary several-fold from run to run). On this
-    project's 2-vCPU test machine: 0.2-0.25 ms. Raises RuntimeError if it fails."""
-    from hpar.strategies.hybrid.wire import HEADER_BYTES, PULL, TAG_REQUEST, encode, reply_tag
-    pgs, out, warm = _loopback_pair(timeout_s), {}, 20
-    table = torch.randn(4 * rows, dim)
+def probe_requests(steps: int = 150, rows: int = 64, dim: int = 16, rounds: int = 3, timeout_s: float = 60.0) -> float:
+    """CPU seconds one parameter-server request costs, all of it: hpar's own client
+    (strategies/hybrid/client.py) and server (strategies/hybrid/server.py) serve an embedding
+    table of ``4 * rows`` rows of ``dim`` floats (SGD) between two threads of this process over
+    loopback gloo; each step the client pulls ``rows`` rows, pushes their gradients and sends
+    DONE (three requests), and the server answers, adds and applies them. The figure is the
+    process's CPU time (``time.process_time``: both ends, gloo's I/O threads and the system
+    time of their sockets) over ``steps`` steps after 20 warm-up ones, per request; the median
+    of ``rounds`` rounds, with one intra-op thread. Dedup of the ids and the update's bytes are
+    left out (the cost model has terms of their own for them). On this project's 2-vCPU test
+    machine: 0.6-0.8 ms (the old probe of the wire format alone read 0.2-0.25 ms).
+    Raises RuntimeError if it fails."""
+    from torch import nn
+    from hpar.strategies.config import RunConfig
+    from hpar.strategies.hybrid.client import PSClient, ps_tables
+    from hpar.strategies.hybrid.server import Server
+    pgs, warm, threads = _loopback_pair(timeout_s), 20, torch.get_num_threads()
+    total = warm + steps
+    cfg = RunConfig(script="<request probe>", strategy="hybrid", world_size=1, steps=total, batch_size=rows,
+                    lr=0.1, seed=0, run_dir="", log_every=total)
+    per_request = []
+    for _ in range(rounds):
+        model = nn.Sequential(nn.Embedding(4 * rows, dim))
+        tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", {}, 1)
+        out: dict = {}
 
-    def worker(pg) -> None:
-        try:
-            ids = torch.randperm(4 * rows)[:rows]
-            for i in range(warm + requests):
-                if i == warm:
-                    out["worker_cpu"] = time.thread_time()
-                answer = torch.empty(rows, dim)
-                reply = pg.recv([answer], 1, reply_tag(0))
-                msg, _ = encode(PULL, 0, rows, i, 1, (ids,))
-                pg.send([msg], 1, TAG_REQUEST).wait()
-                reply.wait()
-            out["worker_cpu"] = time.thread_time() - out["worker_cpu"]
-        except Exception as exc:
-            out["error0"] = exc
+        def worker(pg) -> None:
+            try:
+                client, table = PSClient(tables, 1, 1, group=pg), tables[0]
+                for step in range(total):
+                    if step == warm:
+                        out["cpu"] = time.process_time()
+                    ids = torch.randperm(4 * rows)[:rows].sort().values
+                    grads = torch.ones_like(client.pull(table, ids, step))
+                    for work in client.push(table, ids, grads, step) + client.done(step):
+                        work.wait()
+                out["cpu"] = time.process_time() - out["cpu"]
+                client.finish()
+            except Exception as exc:
+                out["error0"] = exc
 
-    def server(pg) -> None:
+        def server(pg) -> None:
+            try:
+                Server(cfg, tables, model, 0, 1, group=pg).serve()
+            except Exception as exc:
+                out["error1"] = exc
+        torch.set_num_threads(1)   # as each process on busy cores has (an idle intra-op thread spins)
         try:
-            buf = torch.empty(HEADER_BYTES + 8 * rows, dtype=torch.uint8)
-            for i in range(warm + requests):
-                if i == warm:
-                    out["server_cpu"] = time.thread_time()
-                pg.recv([buf], 0, TAG_REQUEST).wait()
-                op, tid, n, step, count, inline = buf[:HEADER_BYTES].view(torch.int64).tolist()
-                assert op == PULL and inline and n == rows, "the probe's own request"
-                local = torch.empty(n, dtype=torch.int64)
-                local.view(torch.uint8).copy_(buf[HEADER_BYTES:])
-                pg.send([table.index_select(0, local).contiguous()], 0, reply_tag(tid)).wait()
-            out["server_cpu"] = time.thread_time() - out["server_cpu"]
-        except Exception as exc:
-            out["error1"] = exc
-    _in_threads([(worker, (pgs[0],)), (server, (pgs[1],))], timeout_s, out)
-    return (out["worker_cpu"] + out["server_cpu"]) / requests
+            _in_threads([(worker, (pgs[0],)), (server, (pgs[1],))], timeout_s, out)
+        finally:
+            torch.set_num_threads(threads)
+        per_request.append(out["cpu"] / (3 * steps))
+    return statistics.median(per_request)
 
 
 def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: int = 20, sends: int = 4,
