@@ -122,7 +122,7 @@ def _emb_and_dense(workers: int, sequential: bool = False, dedup_s: float = 0.0)
                    forward_flops=10**6, backward_flops=2 * 10**6, update_s_per_byte=1e-10, timing_batch_size=32)
 
 
-def test_servers_on_busy_cores_add_their_cpu_time_to_the_step():
+def test_on_busy_cores_the_step_is_a_workers_path_or_the_hosts_cpu_work_over_their_cores():
     from hpar.strategies.plan.costmodel import cpu_load, cpu_share, estimate_allreduce_sparse
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid
     prof = _emb_and_dense(workers=2)
@@ -144,8 +144,23 @@ def test_servers_on_busy_cores_add_their_cpu_time_to_the_step():
     h_shared, h_own = estimate_hybrid(prof, shared), estimate_hybrid(prof, own)
     assert h_shared.breakdown["server_cpu"] == pytest.approx(busy)
     assert h_shared.breakdown["forward"] == pytest.approx(0.03)
-    # busy cores: the server's whole CPU time lengthens the step
-    assert h_shared.step_s == pytest.approx(link + 0.03 + 0.04 + ar + link + dense + busy)
+    # busy cores: the worker's path (compute, pull, AllReduce and push on the link, update),
+    # since the host's CPU work, 2 workers' and the server's, fits its 2 cores in less
+    serial = link + 0.03 + 0.04 + ar + link + dense
+    assert (2 * (0.07 + dense) + busy) / 2 < serial
+    assert h_shared.step_s == pytest.approx(serial)
+    # 2 workers and their server on half a core (emulated hosts): compute runs at 1/4 speed,
+    # and the requests' CPU (0.2 ms, 0.8 at a quarter of a core) outweighs the links
+    crowded = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0,
+                          cores_per_host=0.5, request_cpu_s=2e-4)
+    h = estimate_hybrid(prof, crowded)
+    assert h.placement["emb.weight"] == "ps"
+    worker = 4 * (0.03 + 0.04) + h.breakdown["update"]
+    requests = h.breakdown["requests"]
+    assert requests == pytest.approx((2 + 1) * 4 * 2e-4)   # a pull, a push and a DONE, at 4x
+    assert h.step_s == pytest.approx((2 * (worker + requests) + h.breakdown["server_cpu"]) / 4 / 0.5)
+    links = h.breakdown["pull"] + h.breakdown["comm_overlap"] + h.breakdown["comm_tail"]
+    assert h.step_s > worker + links + requests / 2
     # a core for the server: the embedding's update (last pushed) is waited for, beside the dense update
     assert h_own.step_s == pytest.approx(link + 0.03 + max(0.04, ar) + link + max(server, dense))
     # 2 workers on 2 cores: compute is not slowed, but the exchange no longer hides under backward
@@ -171,8 +186,15 @@ def test_requests_cost_their_measured_cpu_on_busy_cores_only():
     assert base.breakdown["requests"] == 0.0 and base.placement["emb.weight"] == "ps"
     parts = charged.partitions["emb.weight"]
     per_worker = 2 * min(4, parts) + 4        # a pull and a push to each holder, a DONE to each server
-    assert charged.breakdown["requests"] == pytest.approx(per_worker * 2 * 2e-4)
-    assert charged.step_s == pytest.approx(base.step_s + charged.breakdown["requests"])
+    requests = charged.breakdown["requests"]
+    assert requests == pytest.approx(per_worker * 2 * 2e-4)
+    # the worker's own end of its requests on its path; both ends in the hosts' CPU work
+    b = charged.breakdown
+    own = b["data"] + b["lookup"] + b["forward"] + b["backward"] + b["update"]
+    path = own + b["pull"] + b["comm_overlap"] + b["comm_tail"]
+    assert base.step_s == pytest.approx(max(path, own + b["server_cpu"]))
+    assert charged.step_s == pytest.approx(max(path + requests / 2, own + requests + b["server_cpu"]))
+    assert charged.step_s > base.step_s
     # ps: the dense weight is on the servers too, one more table's pulls and pushes
     assert estimate_ps(prof, measured).breakdown["requests"] == pytest.approx((per_worker + 2 * 4) * 2 * 2e-4)
     # spare cores: a request waits for the link (latency), its CPU runs beside the others

@@ -7,10 +7,11 @@ a worker pulls ``alpha * rows`` (row, id) pairs and pushes as many gradient rows
 with servers on other hosts: a host pushes the union of its workers' rows once, Parallax's
 local aggregation); a server sums its share of the pushes and updates the touched rows.
 Servers are CPU processes, as in Parallax; where they share the cores of CPU workers, their
-CPU time (the estimate's ``server_cpu``) lengthens the step (:func:`_ps_estimate`), and so does
-every request's own CPU (``requests``: the measured CPU of a small request's two ends, per
-request a worker sends, CostSetting.request_cpu): with many small tables on many servers the
-requests, not their bytes, set the pace. A worker also deduplicates each served table's ids
+CPU time (the estimate's ``server_cpu``) and every request's own CPU (``requests``: the
+measured CPU of a request's two ends, hpar's client and server included, per request a worker
+sends, CostSetting.request_cpu) are CPU work the hosts' cores must fit into a step
+(:func:`cpu_bound`): with many small tables on many servers the requests, not their bytes,
+set the pace. A worker also deduplicates each served table's ids
 on its own thread every step (``lookup``: ParamProfile.dedup_s, measured by the profiler).
 """
 from __future__ import annotations
@@ -139,6 +140,18 @@ def server_busy(terms: list[OnPS], c: CostSetting) -> float:
     return sum(t.server + t.traffic / c.intra_bw for t in terms)
 
 
+def cpu_bound(c: CostSetting, cluster: ClusterSpec, worker_cpu: float, server_cpu: float) -> float:
+    """Seconds per step the CPU work of one host's processes takes on its cores
+    (``ClusterSpec.cores_per_host``): its ``c.g`` workers' ``worker_cpu`` each (seconds per step
+    at their share of the cores, as CostSetting scales them) and its ``c.s / c.h`` servers'
+    ``server_cpu`` each, brought back to one core's seconds and divided by the cores. With
+    every process on a core of its own this is at most the step; where the hosts' cores are
+    fewer than their processes (this project's emulated hosts share 2 vCPUs), it is what the
+    step cannot be shorter than."""
+    k = cpu_share(cluster)
+    return (c.g * worker_cpu + c.s / c.h * server_cpu) / k / cluster.cores_per_host
+
+
 def _placed(profile: Profile, c: CostSetting, hybrid: bool) -> list[OnPS]:
     """The parameters on the servers: all of them for ``ps``; for ``hybrid`` each embedding
     whose PS costs (pull + push + server work) are below :func:`allreduce_cost`."""
@@ -158,8 +171,10 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
     Servers and cores: with a spare core for every process (``c.overlap``) a server works
     beside the workers: the updates of tables pushed early run under backward, and only the
     last table's (layer 0's) update is waited for. When a host's servers share cores its
-    workers keep busy, the whole of a server's CPU time (:func:`server_busy`) is added to the
-    step: it preempts a worker, and a synchronous step waits for the slowest worker."""
+    workers keep busy, the step is the longer of a worker's own path (its CPU work at its share
+    of the cores, its waits on the links, and its end of each request: half the measured
+    ``request_cpu``) and :func:`cpu_bound`, the CPU work of a host's processes, its servers'
+    included, over the host's cores."""
     hybrid = strategy == "hybrid"
     c = cost_setting(profile, cluster, with_servers=True)
     terms = _placed(profile, c, hybrid)
@@ -184,8 +199,11 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
         step = (c.data + lookup + pull + c.fwd + max(c.bwd, ar_over + push_over + server_over) + ar_tail + push_tail
                 + max(server_tail, dense_update))
     else:
-        step = (c.data + lookup + pull + c.fwd + c.bwd + ar_over + push_over + ar_tail + push_tail + dense_update
-                + busy + requests)
+        # busy cores: the worker's path (its CPU at its share of the cores, the links, its own
+        # half of each request) or, where more, the hosts' CPU work over their cores
+        own = c.data + lookup + c.fwd + c.bwd + dense_update
+        serial = own + pull + ar_over + push_over + ar_tail + push_tail + requests / 2
+        step = max(serial, cpu_bound(c, cluster, own + requests, busy))
     sent = sum(t.sent for t in terms) + (2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0)
     return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
                     {"data": c.data, "lookup": lookup, "pull": pull, "forward": c.fwd, "backward": c.bwd,
