@@ -10,10 +10,11 @@ order of strategies differs from the measured one. Nothing is run: it takes seco
 A change to the cost model checked this way has seen these points; say so beside any figure
 it gives (BENCHMARKS.md), and confirm with a fresh run.
 
-Usage: ``python scripts/repredict.py scale.json [--bench-dir DIR] [--request-cpu-s S|probe]``
-(default: the bench directory recorded in the JSON's settings). ``--request-cpu-s`` gives
-clusters saved without a measured request CPU one (``probe``: measure it now with
-strategies/plan/probe.probe_requests).
+Usage: ``python scripts/repredict.py scale.json [--bench-dir DIR] [--request-cpu-s S|probe]
+[--replace-request-cpu]`` (default: the bench directory recorded in the JSON's settings).
+``--request-cpu-s`` gives clusters saved without a measured request CPU one (``probe``:
+measure it now with strategies/plan/probe.probe_requests); with ``--replace-request-cpu``
+every saved cluster gets it (benches saved before the request probe measured what it does now).
 """
 from __future__ import annotations
 
@@ -37,12 +38,12 @@ def load_saved(path: str) -> tuple[Profile, ClusterSpec]:
     return Profile.from_dict(saved["profile"]), ClusterSpec(**cluster)
 
 
-def repredict(doc: dict, bench_dir: str, request_cpu_s: float | None = None) -> list[dict]:
+def repredict(doc: dict, bench_dir: str, request_cpu_s: float | None = None, replace: bool = False) -> list[dict]:
     """For every measured point of a ``--scale`` document: ``{"script", "strategy", "workers",
     "measured", "then", "now"}`` in samples/s over all workers (``then``: the bench's
     prediction; ``now``: the current cost model's, None when a saved profile is missing or
     the strategy is infeasible). ``request_cpu_s`` fills a saved cluster's missing
-    ``request_cpu_s``."""
+    ``request_cpu_s``, or with ``replace`` takes the place of every saved one."""
     rows, cache = [], {}
     for p in doc["points"]:
         if not p.get("samples_per_s"):
@@ -53,7 +54,7 @@ def repredict(doc: dict, bench_dir: str, request_cpu_s: float | None = None) -> 
         if os.path.isfile(path):
             if path not in cache:
                 profile, cluster = load_saved(path)
-                if request_cpu_s is not None and cluster.request_cpu_s is None:
+                if request_cpu_s is not None and (replace or cluster.request_cpu_s is None):
                     cluster = dataclasses.replace(cluster, request_cpu_s=request_cpu_s)
                 cache[path] = (profile, {e.strategy: e for e in estimate_all(profile, cluster)})
             profile, estimates = cache[path]
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("scale_json")
     ap.add_argument("--bench-dir", default=None)
     ap.add_argument("--request-cpu-s", default=None)
+    ap.add_argument("--replace-request-cpu", action="store_true",
+                    help="use --request-cpu-s for every saved cluster, not only those without one")
     args = ap.parse_args(argv)
     doc = json.load(open(args.scale_json, encoding="utf-8"))
     bench_dir = args.bench_dir or doc["settings"]["bench_dir"]
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         from hpar.strategies.plan.probe import probe_requests
         request = probe_requests()
         print(f"request CPU measured now: {request * 1e6:.0f} us")
-    rows = repredict(doc, bench_dir, None if request is None else float(request))
+    rows = repredict(doc, bench_dir, None if request is None else float(request), args.replace_request_cpu)
     print("| script | workers | strategy | measured | predicted then (x) | predicted now (x) |")
     print("|---|---:|---|---:|---:|---:|")
     for r in rows:

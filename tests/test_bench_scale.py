@@ -155,7 +155,8 @@ def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
     cfg = BenchConfig(scripts=(script,), gpus=2, strategies=("hybrid", "allreduce"), steps=4,
                       bench_dir=str(tmp_path / "b" / "hosts-2"))
     plan = plan_script(script, cfg, cfg.strategies,
-                       lambda g: ClusterSpec(hosts=2, gpus_per_host=(1, 1), servers=2, bandwidth_Bps=1e7, latency_s=1e-4))
+                       lambda g: ClusterSpec(hosts=2, gpus_per_host=(1, 1), servers=2, bandwidth_Bps=1e7,
+                                             latency_s=1e-4, cores_per_host=0.5, request_cpu_s=1e-4))
     pred = {s: 2 * plan.batch_size / plan.estimates[s].step_s for s in ("hybrid", "allreduce")}
     doc = {"settings": {"bench_dir": str(tmp_path / "b")}, "points": [
         {"script": script, "strategy": s, "workers": 2, "samples_per_s": pred[s] / 2, "predicted_samples_per_s": pred[s],
@@ -169,3 +170,46 @@ def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
         cell = f"{pred[s]:,.0f} (2.00)"
         assert f"| {s} | {pred[s] / 2:,.0f} | {cell} | {cell} |" in out.stdout, out.stdout
     assert "mean absolute error then 100% over 2, now 100% over 2 points" in out.stdout
+    # a request CPU measured again, for every saved cluster: hybrid's requests cost more, allreduce has none
+    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "repredict.py"), str(tmp_path / "scale.json"),
+                          "--request-cpu-s", "0.01", "--replace-request-cpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split(" | ")[2]: line for line in out.stdout.splitlines() if line.count(" | ") == 5}
+    assert f"{pred['allreduce']:,.0f} (2.00) | {pred['allreduce']:,.0f} (2.00) |" in rows["allreduce"]
+    now = float(rows["hybrid"].split(" | ")[-1].split(" (")[0].replace(",", ""))
+    assert now < pred["hybrid"] / 2
+
+
+def test_bench_cpu_sums_the_heartbeats_of_the_training_window_by_role(tmp_path):
+    """`python scripts/bench_cpu.py BENCH_DIR`: per run, each process's mean CPU percent over
+    the heartbeats sent while the workers trained (steps 2 .. steps-2), summed by role, and the
+    CPU seconds per step that makes at the run's step time; start-up and shut-down beats, and
+    runs without a summary, are left out."""
+    run = tmp_path / "hosts-2" / "job" / "hybrid"
+    run.mkdir(parents=True)
+    (tmp_path / "hosts-2" / "job" / "ps").mkdir()            # no summary: no row
+    (run / "summary.json").write_text(json.dumps({"steps": 20, "samples_per_s": 64.0}))
+    (run / "config.json").write_text(json.dumps({"batch_size": 16, "world_size": 2}))   # 0.5 s a step
+    beat = lambda role, rank, t, step, pct: json.dumps({"kind": "heartbeat", "role": role, "rank": rank, "time": t,
+                                                         "at_step": step, "cpu_percent": pct})
+    lines = [beat("worker", 0, 0.0, 0, 300.0), beat("server", 0, 0.5, 0, 300.0),       # start-up: before the window
+             beat("worker", 0, 1.0, 2, 40.0), beat("worker", 1, 1.5, 3, 50.0), beat("server", 0, 2.0, 0, 10.0),
+             beat("worker", 0, 3.0, 10, 60.0), beat("worker", 1, 3.5, 12, 70.0), beat("server", 0, 4.0, 0, 30.0),
+             beat("worker", 0, 6.0, 18, 80.0), json.dumps({"kind": "metric", "step": 10}),
+             beat("worker", 1, 9.0, 20, 400.0)]                                          # the last steps: after it
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    try:
+        import bench_cpu
+    finally:
+        sys.path.pop(0)
+    got = bench_cpu.run_cpu(str(run))
+    assert got["workers_pct"] == pytest.approx(60.0 + 60.0) and got["servers_pct"] == pytest.approx(20.0)
+    assert got["step_s"] == pytest.approx(0.5) and got["worker_cpu_s"] == pytest.approx(0.6)
+    assert got["server_cpu_s"] == pytest.approx(0.1) and got["processes"] == 3
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "bench_cpu.py"), str(tmp_path), "--cores", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[2:] == ["| hosts-2/job/hybrid | 500.0 | 120 | 20 | 600.0 + 100.0 | 70% |"]
