@@ -5,7 +5,7 @@ on the CPU reaches NCCL:
 
 * the **default group** (every worker and every parameter server) is always **gloo**: the
   rendezvous, ``all_gather_object`` of host indices, checkpoint barriers, the parameter
-  servers' pull/push messages (CPU tensors, ``recv_anysource``, which NCCL lacks), pipeline
+  servers' pull/push messages (CPU tensors: servers never touch CUDA), pipeline
   headers and losses. A process without CUDA, or with a torch built without NCCL, joins it.
 * the workers' **dense group** (worker ranks ``0..N-1``) carries tensors that live on the
   worker's device: DDP's gradient buckets, the padded AllGather of sparse gradients, pipeline
