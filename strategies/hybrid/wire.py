@@ -149,10 +149,6 @@ class Inbox:
         for thread in self._threads:
             thread.join(timeout_s)
 
-    def owed(self) -> int:
-        """Messages the workers will still send for sure (see the class docstring)."""
-        return sum(self._owed)
-
     def posted(self) -> int:
         """Receives posted and not yet taken, over all workers."""
         return sum(self._posted)
