@@ -172,9 +172,10 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
     beside the workers: the updates of tables pushed early run under backward, and only the
     last table's (layer 0's) update is waited for. When a host's servers share cores its
     workers keep busy, the step is the longer of a worker's own path (its CPU work at its share
-    of the cores, its waits on the links, and its end of each request: half the measured
-    ``request_cpu``) and :func:`cpu_bound`, the CPU work of a host's processes, its servers'
-    included, over the host's cores."""
+    of the cores, its waits on the links, and both ends of each request, the measured
+    ``request_cpu``: it does its own end, and waits for the server's, since the next pull is
+    answered only once the server has taken the step's pushes) and :func:`cpu_bound`, the CPU
+    work of a host's processes, its servers' included, over the host's cores."""
     hybrid = strategy == "hybrid"
     c = cost_setting(profile, cluster, with_servers=True)
     terms = _placed(profile, c, hybrid)
@@ -199,10 +200,10 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
         step = (c.data + lookup + pull + c.fwd + max(c.bwd, ar_over + push_over + server_over) + ar_tail + push_tail
                 + max(server_tail, dense_update))
     else:
-        # busy cores: the worker's path (its CPU at its share of the cores, the links, its own
-        # half of each request) or, where more, the hosts' CPU work over their cores
+        # busy cores: the worker's path (its CPU at its share of the cores, the links, both
+        # ends of each request) or, where more, the hosts' CPU work over their cores
         own = c.data + lookup + c.fwd + c.bwd + dense_update
-        serial = own + pull + ar_over + push_over + ar_tail + push_tail + requests / 2
+        serial = own + pull + ar_over + push_over + ar_tail + push_tail + requests
         step = max(serial, cpu_bound(c, cluster, own + requests, busy))
     sent = sum(t.sent for t in terms) + (2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0)
     return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
