@@ -162,7 +162,7 @@ def test_on_busy_cores_the_step_is_a_workers_path_or_the_hosts_cpu_work_over_the
     # the longer of the worker's path (both ends of its requests) and the host's CPU work
     cpu = (2 * (worker + requests) + h.breakdown["server_cpu"]) / 4 / 0.5
     assert h.step_s == pytest.approx(max(worker + links + requests, cpu))
-    assert h.step_s > worker + links + 0.9 * requests
+    assert h.step_s > worker + links + requests / 2
     # a core for the server: the embedding's update (last pushed) is waited for, beside the dense update
     assert h_own.step_s == pytest.approx(link + 0.03 + max(0.04, ar) + link + max(server, dense))
     # 2 workers on 2 cores: compute is not slowed, but the exchange no longer hides under backward
