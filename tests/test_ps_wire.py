@@ -218,3 +218,63 @@ def test_a_server_posts_as_many_receives_as_the_workers_still_owe():
         assert [(op, step) for src, op, step in order if src == rank] == [
             (ps_wire.PULL, 0), (ps_wire.DONE, 0), (ps_wire.DONE, 1), (ps_wire.DONE, 2), (ps_wire.FINISH, 0)]
     assert 2 < most <= 6 and left_posted == 0
+
+
+def _early_child(rank: int, port: int, out, sent):
+    """Ranks 0 and 1 are workers of a one-table SGD job, rank 2 its server. Worker 1 finishes
+    step 0 and pushes nothing for step 1 (it looked up no row of this server, but a push goes to
+    every server holding rows) before worker 0's push of step 0 is sent."""
+    import time
+    from torch import nn
+    from hpar.strategies.config import RunConfig
+    from hpar.strategies.hybrid.client import PSClient, ps_tables
+    from hpar.strategies.hybrid.server import Server
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8, 2))
+    tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", {}, 1)
+    with _gloo(rank, port, 3):
+        if rank == 2:
+            cfg = RunConfig(script="<test>", strategy="hybrid", world_size=2, steps=2, batch_size=1, lr=0.1,
+                            seed=0, run_dir="", log_every=2)
+            server = Server(cfg, tables, model, 0, 2)
+            server.serve()
+            out.put(("server", server.shards[0].weight.tolist(), server.table_step[0]))
+            return
+        client, table, ones = PSClient(tables, 2, 1), tables[0], torch.ones(1, 2)
+        if rank == 1:
+            for w in client.push(table, torch.tensor([1]), ones, 0) + client.done(0):
+                w.wait()
+            for w in client.push(table, torch.empty(0, dtype=torch.int64), torch.empty(0, 2), 1):
+                w.wait()
+            sent.set()
+            for w in client.done(1):
+                w.wait()
+        else:
+            sent.wait(60)
+            time.sleep(0.5)   # the server has taken worker 1's push of step 1 by now
+            for w in client.push(table, torch.tensor([2]), ones, 0) + client.done(0):
+                w.wait()
+            out.put(("pulled", client.pull(table, torch.tensor([1, 2]), 1).tolist()))
+            for w in client.push(table, torch.tensor([1]), ones, 1) + client.done(1):
+                w.wait()
+        client.finish()
+
+
+def test_a_push_ahead_of_its_table_waits_for_the_step_before():
+    """A worker's empty push of step t+1 (to a server holding rows of the table that it pulled
+    none of) can reach the server before another worker's push of step t: the server keeps it
+    until the table's step t is applied, instead of failing, and every update comes out as the
+    mean of the workers' gradients of its own step (SGD, lr 0.1, two workers)."""
+    ctx = mp.get_context("spawn")
+    out, sent = ctx.Queue(), ctx.Event()
+    torch.manual_seed(0)
+    w0 = torch.nn.Embedding(8, 2).weight.detach()
+    with _children(ctx, _early_child, 3, free_port(), out, sent):
+        got = dict((k, v) for k, *v in (out.get(timeout=60) for _ in range(2)))
+    after0 = w0.clone()
+    after0[[1, 2]] -= 0.1 * 0.5
+    assert torch.allclose(torch.tensor(got["pulled"][0]), after0[[1, 2]])
+    final = after0.clone()
+    final[1] -= 0.1 * 0.5
+    weights, at = got["server"]
+    assert at == 2 and torch.allclose(torch.tensor(weights), final)

@@ -49,6 +49,11 @@ class Server:
         self.pushed = {tid: 0 for tid in self.shards}  # workers whose gradients are in, per table
         self.done: dict[int, int] = {}
         self.pending: list[tuple[int, int, torch.Tensor | None, int]] = []  # (src, table, local ids, step)
+        # pushes of a step the table has not reached (tid, step, local ids, rows, count): a push goes to
+        # every server holding rows of the table, also one whose rows the worker did not pull this
+        # step; such an empty push has no answered pull before it, and can arrive while another
+        # worker's push of the step before is still on its way
+        self.early: list[tuple[int, int, torch.Tensor | None, torch.Tensor, int]] = []
         self.bytes = ByteMeter()
         self.totals: dict[str, list[float]] = {}
         self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}   # bytes since the last report
@@ -107,6 +112,7 @@ class Server:
         shard.apply(self.num_workers, spec)
         self.table_step[tid] += 1
         self.pushed[tid] = 0
+        self._take_early()
         self._answer_pending()
 
     def _apply_clipped(self) -> None:
@@ -130,6 +136,7 @@ class Server:
             self.shards[tid].apply_gradient(grads[tid], specs[tid])
             self.table_step[tid] += 1
             self.pushed[tid] = 0
+        self._take_early()
         self._answer_pending()
 
     def _apply_if_complete(self, tid: int) -> None:
@@ -139,6 +146,15 @@ class Server:
         step to close, so a checkpoint never holds a table ahead of its step.)"""
         if self.pushed[tid] == self.num_workers and self.table_step[tid] == self.applied and not self.cfg.clip_grad_norm:
             self._apply_table(tid)
+
+    def _take_early(self) -> None:
+        """Add the early pushes of the step each table is now at (the table was just applied;
+        the step's own early apply, if due, follows from :meth:`_close_step`)."""
+        now = [e for e in self.early if e[1] == self.table_step[e[0]]]
+        self.early = [e for e in self.early if e[1] != self.table_step[e[0]]]
+        for tid, _, local, grads, count in now:
+            self.shards[tid].add_grad(local, grads)
+            self.pushed[tid] += count
 
     def _answer_pending(self) -> None:
         still = []
@@ -202,15 +218,16 @@ class Server:
                 else:
                     self.pending.append((req.src, tid, local, step))
             elif op == PUSH:
-                # a worker pushes table T for step t only after its pull of T for step t,
-                # answered once T's step t-1 was applied: pushes never run ahead of T's step
-                assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
-                table, shard = self.tables[tid], self.shards[tid]
                 local = self._local_ids(req)
-                rows = shard.weight.shape[0] if local is None else local.numel()
-                shard.add_grad(local, self._take(req, (rows, table.dim), table.dtype))
-                self.pushed[tid] += req.count
-                self._apply_if_complete(tid)
+                rows = self.shards[tid].weight.shape[0] if local is None else local.numel()
+                grads = self._take(req, (rows, self.tables[tid].dim), self.tables[tid].dtype)
+                if step > self.table_step[tid]:
+                    self.early.append((tid, step, local, grads, req.count))
+                else:
+                    assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
+                    self.shards[tid].add_grad(local, grads)
+                    self.pushed[tid] += req.count
+                    self._apply_if_complete(tid)
             elif op == DONE:
                 self.done[step] = self.done.get(step, 0) + 1
                 while self.done.get(self.applied, 0) == self.num_workers:
@@ -221,4 +238,5 @@ class Server:
             else:
                 raise AssertionError(f"unknown op {op} from rank {req.src}")
         assert not self.pending, "a pull was left unanswered"
+        assert not self.early, "a push was left unapplied"
         self.inbox.close()
