@@ -137,6 +137,7 @@ def _inbox_child(rank: int, port: int, out, go):
             go.wait(60)
             while len(got) < 8:
                 got.append(inbox.next())
+            inbox.close()   # its waiting threads end before the group is destroyed (else gloo may abort)
             out.put(("server", [(r.src, r.step) for r in got], inbox.posted()))
 
 
