@@ -68,7 +68,7 @@ class LM1BShape(nn.Module):
     def forward(self, inputs):
         tokens, targets = inputs
         flat = targets.reshape(-1)
-        sampled = log_uniform((NUM_SAMPLED,))
+        sampled = log_uniform((NUM_SAMPLED,)).to(flat.device)
         ids = torch.cat([flat, sampled])
         w, b = self.softmax_w(ids), self.softmax_b(ids).squeeze(1)   # looked up first, see above
         h, _ = self.lstm(self.embedding(tokens))
@@ -93,4 +93,4 @@ def data(rank, world_size, batch_size):
 
 
 def loss(output, targets):
-    return F.cross_entropy(output, torch.zeros(output.shape[0], dtype=torch.long))
+    return F.cross_entropy(output, torch.zeros(output.shape[0], dtype=torch.long, device=output.device))

@@ -63,3 +63,17 @@ def test_lm_sampled_negatives_follow_the_targets_device():
     with pytest.raises((Reached, NotImplementedError)) as info:
         model((tokens.to("meta"), targets.to("meta")))
     assert info.type is Reached or "unique" in str(info.value), info.value
+
+
+def test_lm1b_shape_forward_and_loss_stay_on_the_models_device():
+    """examples/lm1b_shape.py draws its sampled negatives and the loss's targets inside
+    forward and loss(): they follow the batch's device (on a GPU the profile once failed with
+    "Expected all tensors to be on the same device"). The model is built on ``meta`` (its
+    3.3 GB tables cost nothing there); the batch comes from data() on the CPU and is moved."""
+    job = load_job(os.path.join(EXAMPLES, "lm1b_shape.py"))
+    with torch.device("meta"):
+        model = job.build_model()
+    (tokens, targets), y = next(job.batches(0, 1, 2))
+    out = model((tokens.to("meta"), targets.to("meta")))
+    assert out.device.type == "meta" and out.shape == (2 * 20, 1 + 8192)
+    assert job.compute_loss(out, y.to("meta")).device.type == "meta"
