@@ -297,7 +297,21 @@ def call_user(job: Job, what: str, fn: Callable, *args):
     except JobError:
         raise
     except Exception as exc:
-        frame = _user_frame(job, exc.__traceback__)
-        where = (f"{job.path}:{frame.lineno}: {frame.name}() raised" if frame
-                 else f"{job.path}: {what} raised")
-        raise JobError(f"{where} {_describe(exc)}", user_traceback=_user_traceback(job, exc)) from exc
+        raise user_error(job, exc, what) from exc
+
+
+def user_error(job: Job, exc: BaseException, what: str, during: str = "") -> JobError:
+    """The JobError for ``exc`` raised by the user's code: one line naming the file, line and
+    function of the innermost frame in the script (``what`` when none is on the stack), then
+    ``during`` in brackets when given (e.g. "while profiling on cuda:0"); the user's
+    traceback in ``user_traceback``."""
+    frame = _user_frame(job, exc.__traceback__)
+    where = f"{job.path}:{frame.lineno}: {frame.name}() raised" if frame else f"{job.path}: {what} raised"
+    tail = f" ({during})" if during else ""
+    return JobError(f"{where} {_describe(exc)}{tail}", user_traceback=_user_traceback(job, exc))
+
+
+def raised_in_script(job: Job, exc: BaseException) -> bool:
+    """Whether a frame of the user's script is on ``exc``'s traceback (their code raised it,
+    or called what raised it)."""
+    return _user_frame(job, exc.__traceback__) is not None

@@ -29,6 +29,27 @@ def data(rank, world_size, batch_size):
 def loss(o, t): return ((o - t) ** 2).mean()
 '''
 
+# Passes the pre-start check (one forward pass) and fails later, as a forward that makes a
+# tensor on the CPU fails only once the profile runs it on a GPU.
+RAISES_WHILE_PROFILING = '''
+import torch, torch.nn as nn
+CALLS = [0]
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+    def forward(self, x):
+        CALLS[0] += 1
+        if CALLS[0] > 2:
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return self.fc(x)
+def model(): return Net()
+def data(rank, world_size, batch_size):
+    while True:
+        yield torch.randn(batch_size, 4), torch.randn(batch_size, 1)
+def loss(o, t): return ((o - t) ** 2).mean()
+'''
+
 # Blocks of layers (each an nn.Sequential): 3 layers at the top level, 8 modules flattened.
 NESTED = '''
 import torch, torch.nn as nn
@@ -269,3 +290,16 @@ def test_exported_omp_num_threads_sets_the_workers_threads(tmp_path, reap_run):
                  if line.startswith("@hpar heartbeat ")]
         threads[name] = {b["threads"] for b in beats}
     assert threads == {"exported": {1}, "default": {os.cpu_count()}}, threads
+
+
+def test_exception_in_users_forward_while_profiling_is_theirs(tmp_path):
+    """A forward that passes the pre-start check and fails while `hpar profile` times it (as one
+    that makes a tensor on the CPU fails only on a GPU): one line naming their file, line and
+    function and where it ran, their traceback after it, exit 2."""
+    script = write_script(tmp_path, RAISES_WHILE_PROFILING)
+    rc, out = run_cli(tmp_path, "profile", script, "--gpus", "1", "--device", "cpu")
+    assert rc == 2, out
+    first = out.splitlines()[0]
+    assert first == (f"hpar: {script}:11: forward() raised RuntimeError: Expected all tensors to be on the same "
+                     "device (while profiling on cpu)"), out
+    assert f'File "{script}", line 11, in forward' in out and "launcher" not in out, out

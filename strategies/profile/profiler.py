@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 from hpar.strategies.devices import DeviceClock
-from hpar.strategies.job import Job, JobError
+from hpar.strategies.job import Job, JobError, raised_in_script, user_error
 from hpar.strategies.profile.device import data_seconds, OnDevice
 from hpar.strategies.layers import model_layers
 from hpar.strategies.loop import precision_context
@@ -302,6 +302,10 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             sparse_update = sparse_update_cost(job, table.shape[0], table.shape[1], emb_stats[key]["alpha"], workers,
                                                device=dev)
             sparse_ok = sparse_update is not None
+    except Exception as exc:   # the user's code failed here though check_job passed (e.g. only on the GPU)
+        if not raised_in_script(job, exc):
+            raise
+        raise user_error(job, exc, "the model", f"while profiling on {device}") from exc
     finally:
         torch.set_num_threads(threads)
         torch.set_rng_state(rng)
