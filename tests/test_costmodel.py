@@ -211,7 +211,7 @@ def test_small_tables_go_to_fewer_servers_when_requests_cost_cpu():
     """choose_partitions tries fewer partitions than servers: a small table's bytes fit one
     server's link, so where each request costs CPU (busy cores, measured request_cpu_s) it is
     kept on fewer servers (fewer requests per worker); a large table stays spread; without a
-    request cost the per-message latency keeps one partition per server at least."""
+    request cost the busiest server's share (S/P at best with P < S) keeps one partition per server at least."""
     from dataclasses import replace
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid
     small = ParamProfile("cat.weight", (1_000, 16), 64_000, True, 0.15, 0.5, True, layer=0,
@@ -230,6 +230,32 @@ def test_small_tables_go_to_fewer_servers_when_requests_cost_cpu():
     assert charged.partitions["cat.weight"] < 8 <= charged.partitions["user.weight"]
     free = estimate_hybrid(prof, busy)
     assert free.partitions["cat.weight"] >= 8 and free.breakdown["requests"] == 0.0
+
+
+def test_a_skewed_table_is_cut_finely_whatever_the_latency():
+    """A frequency-sorted vocabulary puts most touched rows in its first rows. hpar's client
+    sends one request per server holding rows, whatever the partition count, so latency does
+    not make partitions dear: the planner cuts the table as finely as it tries (S * 64) at a
+    link latency of 1 ms as at 1 us, and the pull's latency term is N * lat, not N * P/S * lat."""
+    from hpar.strategies.plan.costmodel import cost_setting
+    from hpar.strategies.plan.costmodel_ps import estimate_hybrid, on_ps
+    mass = (0.4,) + (0.6 / 255,) * 255           # 40% of the touched rows in the first 1/256
+    emb = ParamProfile("emb.weight", (1_000_000, 64), 256_000_000, True, 0.01, 0.05, True, layer=0,
+                       union_curve=((1, 0.01), (8, 0.05)), row_mass=mass)
+    lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
+    prof = Profile(params=(emb, lin),
+                   layers=(LayerProfile("emb", .001, .001, 0, 10, emb.bytes), LayerProfile("out", .002, .003, 10**6, 10, lin.bytes)),
+                   batch_size=256, samples_per_batch=256, workers=8, is_sequential=False, sequential_reason="x",
+                   compute_s=0.007, forward_s=0.003, backward_s=0.004, forward_flops=10**6, backward_flops=2 * 10**6,
+                   update_s_per_byte=1e-10, timing_batch_size=256)
+    for lat in (1e-6, 1e-3):
+        cluster = make_cluster([1] * 8, 8, None, 1.25e9, lat)
+        assert estimate_hybrid(prof, cluster).partitions["emb.weight"] == 8 * 64
+        c = cost_setting(prof, cluster, with_servers=True)
+        fine = on_ps(emb, c, True)
+        bytes_s = max(8 * emb.alpha * 1_000_000 * (256 + 8) * server_imbalance(emb, 512, 8) / 8,
+                      emb.alpha * 1_000_000 * (256 + 8)) * 7 / 8 / 1.25e9
+        assert fine.pull == pytest.approx(bytes_s + 8 * lat, rel=1e-6)
 
 
 def test_allreduce_sparse_uses_the_profiled_sparse_update_and_needs_sparse_gradients():

@@ -67,8 +67,11 @@ def choose_partitions(p: ParamProfile, c: CostSetting, pull_host: float, push_ho
     Parallax (Kim et al., EuroSys 2019, section 4.2) models the step time as a function of the
     partition count and picks the minimum instead of trying counts with restarted jobs; here
     t(P) = link time with the busiest server's share scaled by :func:`server_imbalance`
-    + per-message overhead 2 * N * ceil(P/S) * lat (each worker sends one pull and one push
-    request per partition; a server handles its partitions' requests one after another)
+    + per-message overhead 2 * N * lat, the same for every P: a server takes one pull and one
+    push of the table from each of the N workers, since hpar's client sends one request per
+    server holding rows, all of that server's partitions in it (Parallax's TensorFlow runtime
+    sent one per partition, which made many partitions dear; charging that here made the
+    planner keep a frequency-sorted vocabulary's head on one server, BENCHMARKS.md 16)
     + the CPU of a worker's requests, one pull and one push to each of the min(P, S) servers
     holding rows (``c.request_cpu``; it decides the count, while the returned times leave it to
     the step's ``requests`` term). P runs over {1, 2, 4, ...} below S (a small table on
@@ -80,7 +83,7 @@ def choose_partitions(p: ParamProfile, c: CostSetting, pull_host: float, push_ho
     for count in counts:
         parts = min(count, p.rows)
         imb = server_imbalance(p, parts, c.s)
-        overhead = c.n * math.ceil(parts / c.s) * c.lat     # per direction
+        overhead = c.n * c.lat     # per direction: N requests to each holding server, whatever P
         pull = _ps_link_s(c, pull_host, pull_total * imb / c.s, colocated) + overhead
         push = _ps_link_s(c, push_host, push_total * imb / c.s, colocated) + overhead
         cost = pull + push + 2 * min(parts, c.s) * c.request_cpu   # (the step charges requests apart)
