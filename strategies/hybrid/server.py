@@ -3,7 +3,9 @@
 
 It answers the wire protocol of strategies/hybrid/client.py (strategies/hybrid/wire.py)
 until every worker has finished: pulls (deferred until the previous step is applied),
-pushes (accumulated; a table's update is applied as soon as pushes from all workers are in),
+pushes (accumulated; a table's update is applied as soon as pushes from all workers are in;
+a push of a step the table has not reached, which an empty push to a server the worker pulled
+no rows from can be, overtaking another worker's push of the step before, waits for that step),
 DONE (close the step once all workers are done: apply the tables not yet applied, checkpoint
 when due). Bytes per step by table go out through the ``emit`` it is given (``metric``).
 The request probe runs one in a thread to measure what a request costs (strategies/plan/probe.py).
@@ -153,8 +155,12 @@ class Server:
         now = [e for e in self.early if e[1] == self.table_step[e[0]]]
         self.early = [e for e in self.early if e[1] != self.table_step[e[0]]]
         for tid, _, local, grads, count in now:
-            self.shards[tid].add_grad(local, grads)
-            self.pushed[tid] += count
+            self._add_push(tid, local, grads, count)
+
+    def _add_push(self, tid: int, local: torch.Tensor | None, grads: torch.Tensor, count: int) -> None:
+        """Add one push (``count`` workers' gradients of rows ``local``, None: all) to table ``tid``."""
+        self.shards[tid].add_grad(local, grads)
+        self.pushed[tid] += count
 
     def _answer_pending(self) -> None:
         still = []
@@ -225,8 +231,7 @@ class Server:
                     self.early.append((tid, step, local, grads, req.count))
                 else:
                     assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
-                    self.shards[tid].add_grad(local, grads)
-                    self.pushed[tid] += req.count
+                    self._add_push(tid, local, grads, req.count)
                     self._apply_if_complete(tid)
             elif op == DONE:
                 self.done[step] = self.done.get(step, 0) + 1
