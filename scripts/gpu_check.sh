@@ -10,14 +10,15 @@
 # Then, on one GPU: allreduce with 1 worker, allreduce-sparse, hybrid and ps with 1 GPU worker
 # and 1 CPU parameter server, a 2-stage pipeline when the machine has 2 GPUs (hpar runs one
 # GPU per worker, so on one GPU the pipeline row says why it is skipped), and `hpar profile`
-# of examples/wide.py and examples/lm.py, measured on the GPU (--device). Prints a pass/fail table with samples/s (from each
-# run's summary.json); exit status 1 when any row failed.
+# of examples/wide.py and examples/lm.py, measured on the GPU (--device), and of
+# examples/lm1b_shape.py (3.3 GB of tables) for 8 workers on 25 Gbit/s. Prints a pass/fail
+# table with samples/s (from each run's summary.json); exit status 1 when any row failed.
 #
 # Options: --device cuda|cpu (default cuda), --no-install, --no-tests, --steps N (default 30),
 # --wheels DIR (default ../shared/wheels-py312; a device machine that gets only the checkout
 # takes a copy inside it, e.g. .whl/ listed in .git/info/exclude), --pytest-workers N (default 2),
 # --only NAME (one row: tests, allreduce, allreduce-sparse, hybrid, ps, pipeline, profile-wide,
-# profile-lm), --python PATH (default python3), --keep (keep the run directories).
+# profile-lm, profile-lm1b), --python PATH (default python3), --keep (keep the run directories).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,7 +34,7 @@ while [ $# -gt 0 ]; do
     --keep) KEEP=1; shift ;;
     --wheels) WHEELS="$2"; shift 2 ;;
     --pytest-workers) NPROC="$2"; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -85,12 +86,14 @@ run_case() {  # name, script, hpar run arguments...
     KEEP=1
   fi
 }
-profile_case() {  # name, script
+profile_case() {  # name, script, cluster flags (default --gpus 1)
   want "$1" || return 0
-  if "$PY" -m hpar.launcher.cli profile "$2" --gpus 1 --device "$DEVICE" >"$OUT/$1.log" 2>&1; then   # measured on the GPU
-    row "$1" PASS "-" "$(grep -m1 -i 'chose\|plan' "$OUT/$1.log" | cut -c1-100)"
+  local name="$1" script="$2"; shift 2
+  [ $# -gt 0 ] || set -- --gpus 1
+  if "$PY" -m hpar.launcher.cli profile "$script" "$@" --device "$DEVICE" >"$OUT/$name.log" 2>&1; then   # measured on the GPU
+    row "$name" PASS "-" "$(grep -m1 -i 'chose\|plan' "$OUT/$name.log" | cut -c1-100)"
   else
-    row "$1" FAIL "-" "see $OUT/$1.log"; KEEP=1
+    row "$name" FAIL "-" "see $OUT/$name.log"; KEEP=1
   fi
 }
 
@@ -114,6 +117,7 @@ elif want pipeline; then
 fi
 profile_case profile-wide examples/wide.py
 profile_case profile-lm examples/lm.py
+profile_case profile-lm1b examples/lm1b_shape.py --gpus 8 --hosts 8x1 --bandwidth 25Gbps
 
 echo
 echo "hpar gpu_check on $NAME ($DEVICE), $(date -u '+%Y-%m-%d %H:%M UTC')"
