@@ -63,8 +63,11 @@ def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
     assert probe["1"] is None and 0.5 * 12.5e6 < probe["2"]["bandwidth_Bps"] < 1.05 * 12.5e6, probe
     # and a two-rank AllGather through it (both directions at once), which prices allreduce-sparse
     assert 0.2 * 12.5e6 < probe["2"]["allgather_Bps"] < 1.05 * 12.5e6, probe
+    # and the fixed time of a sparse gradient's exchange over both hosts (gloo's sparse AllReduce of one row)
+    assert 0 < probe["2"]["sparse_round_s"] < 1.0, probe
     saved = json.load(open(tmp_path / "b" / "hosts-2" / "lm-profile.json"))["cluster"]
     assert saved["allgather_Bps"] == probe["2"]["allgather_Bps"] and saved["bandwidth_Bps"] == probe["2"]["bandwidth_Bps"]
+    assert saved["sparse_round_s"] == probe["2"]["sparse_round_s"]
     assert "emulated link measured at" in log
 
 
@@ -83,6 +86,9 @@ def test_emulated_hosts_talk_within_a_host_over_loopback_not_the_capped_link():
     m = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2, link)(2)
     assert m.bandwidth_Bps == 5.9e6 and m.latency_s == 1e-4 and m.source == "probe between emulated hosts"
     assert m.allgather_Bps == 3.1e6 and m.gather_Bps == 3.1e6   # and the AllGather as measured
+    assert m.sparse_round_s is None   # not probed here
+    m = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2, link._replace(sparse_round_s=0.01))
+    assert m(2).sparse_round_s == 0.01 and m(4).sparse_round_s is None   # measured over 2 hosts: not for a projection to 4
 
 
 def test_scale_rankings_compare_measured_and_predicted_orders():

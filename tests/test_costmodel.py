@@ -274,6 +274,9 @@ def test_allreduce_sparse_uses_the_profiled_sparse_update_and_needs_sparse_gradi
     assert e.step_s == pytest.approx(0.1 + max(0.2, ar) + ag + update)
     no = estimate_allreduce_sparse(dataclasses.replace(prof, sparse_update_s_per_byte=None, sparse_gradients_ok=False), c)
     assert not no.feasible and "sparse gradients" in no.note
+    # a measured exchange time (ClusterSpec.sparse_round_s) replaces the two rounds of N-1 latencies
+    probed = estimate_allreduce_sparse(prof, dataclasses.replace(c, sparse_round_s=0.036))
+    assert probed.step_s == pytest.approx(0.1 + max(0.2, ar) + ag - 2 * 3 * 1e-4 + 0.036 + update)
 
 
 def test_single_host_collectives_use_the_measured_allreduce_bandwidth_and_ps_traffic_the_link():

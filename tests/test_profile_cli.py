@@ -114,6 +114,29 @@ def test_local_cluster_is_probed_for_link_and_allreduce_figures():
     assert build_cluster(2, None, None, "1Gbps", None, 100.0).request_cpu_s is None   # a projected GPU: not charged
 
 
+@pytest.mark.timeout(120)
+def test_sparse_round_probe_times_gloos_sparse_allreduce_over_all_ranks():
+    """probe_sparse_round (one process per emulated host in `hpar bench`) here as 3 threads
+    over loopback: rank 0 gets the mean seconds of a one-row sparse AllReduce, the others None."""
+    import threading
+    from hpar.strategies.plan.cluster import free_port
+    from hpar.strategies.plan.probe import probe_sparse_round
+    port, out = free_port(), {}
+
+    def rank(r):
+        try:
+            out[r] = probe_sparse_round("127.0.0.1", port, r, 3, reps=4, timeout_s=60)
+        except Exception as exc:   # reported below
+            out[r] = exc
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert out[1] is None and out[2] is None, out
+    assert isinstance(out[0], float) and 0 < out[0] < 1.0, out
+
+
 @pytest.mark.timeout(180)
 def test_profile_of_the_benchs_emulated_cluster_picks_hybrid_for_the_lm(tmp_path):
     """`hpar profile --hosts emulate:8` describes the cluster `hpar bench --hosts emulate:8` runs on

@@ -162,34 +162,46 @@ class EmulatedCluster:
         if self._th is not None and self.made is not None:
             self._th.down(self.prefix)
 
-    def probe_link(self, timeout_s: float = 60.0):
-        """The link's LinkFigures (strategies/plan/probe.py) measured between hosts 0 and 1 by two gloo
-        processes, one in each namespace (strategies/plan/probe.py's ``probe_peer``): what TCP
-        through the capped links delivers, for the cost model. None with fewer than two hosts.
-        Raises RuntimeError when the probe fails or outlives ``timeout_s``."""
+    def _probe_processes(self, ranks: int, args: list[str], timeout_s: float) -> str:
+        """Run ``python -m hpar.strategies.plan.probe ADDR PORT RANK *args`` in the namespaces of
+        hosts 0 .. ``ranks``-1 (rank 0 hosts the store) and return rank 0's last line of output.
+        Raises RuntimeError naming the probe when one fails or outlives ``timeout_s``; kills only
+        the probe's own process groups."""
         import sys
-        if self.n_hosts < 2:
-            return None
-        addr = self.made.hosts[0].address
-        port = 29400 + int(self.prefix[2:])
+        addr, port = self.made.hosts[0].address, 29400 + int(self.prefix[2:])
         procs = [subprocess.Popen(["ip", "netns", "exec", self.made.hosts[r].namespace, "env", "GLOO_SOCKET_IFNAME=eth0",
                                    "OMP_NUM_THREADS=1", sys.executable, "-m", "hpar.strategies.plan.probe", addr,
-                                   str(port), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True) for r in (0, 1)]
+                                   str(port), str(r), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True) for r in range(ranks)]
+        what = f"the {'sparse AllReduce' if args else 'link'} probe between emulated hosts"
         try:
             out, err = procs[0].communicate(timeout=timeout_s)
-            procs[1].wait(timeout=timeout_s)
+            for p in procs[1:]:
+                p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the link probe between emulated hosts took over {timeout_s:.0f} s") from None
+            raise RuntimeError(f"{what} took over {timeout_s:.0f} s") from None
         finally:
-            for p in procs:   # only the probe's own process groups
+            for p in procs:
                 if p.poll() is None:
                     os.killpg(p.pid, 9)
                     p.wait()
         if procs[0].returncode != 0 or not out.strip():
-            raise RuntimeError(f"the link probe between emulated hosts failed: {(err.strip().splitlines() or ['?'])[-1]}")
+            raise RuntimeError(f"{what} failed: {(err.strip().splitlines() or ['?'])[-1]}")
+        return out.strip().splitlines()[-1]
+
+    def probe_link(self, timeout_s: float = 60.0):
+        """The link's LinkFigures (strategies/plan/probe.py) measured between hosts 0 and 1 by two gloo
+        processes, one in each namespace (strategies/plan/probe.py's ``probe_peer``): what TCP
+        through the capped links delivers, for the cost model; with ``sparse_round_s``, the fixed
+        time of a sparse gradient's exchange over all the hosts, one process on each
+        (``probe_sparse_round``). None with fewer than two hosts.
+        Raises RuntimeError when a probe fails or outlives ``timeout_s``."""
+        if self.n_hosts < 2:
+            return None
         from hpar.strategies.plan.probe import LinkFigures
-        return LinkFigures(**json.loads(out.strip().splitlines()[-1]))
+        link = LinkFigures(**json.loads(self._probe_processes(2, [], timeout_s)))
+        sparse = json.loads(self._probe_processes(self.n_hosts, [str(self.n_hosts)], timeout_s))
+        return link._replace(sparse_round_s=sparse["sparse_round_s"])
 
     @property
     def key(self) -> str:

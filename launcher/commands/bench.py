@@ -59,7 +59,9 @@ def _probe(em, console):
     if link is not None:
         cap = f" (cap {em.bandwidth_Bps / 1e6:.2f} MB/s)" if em.bandwidth_Bps else ""
         console.print(f"hpar bench: emulated link measured at {link[0] / 1e6:.2f} MB/s{cap}, "
-                      f"latency {link[1] * 1e6:.0f} us", markup=False)
+                      f"latency {link[1] * 1e6:.0f} us"
+                      + (f", a sparse gradient's exchange over {em.n_hosts} hosts {link.sparse_round_s * 1e3:.1f} ms"
+                         if link.sparse_round_s is not None else ""), markup=False)
     return link
 
 
@@ -79,7 +81,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
     base = build_cluster(bench_gpus, f"emulate:{emulated_hosts}" if emulated_hosts else hosts, None, bw, latency, None)
     if link is not None:
         base = dataclasses.replace(base, bandwidth_Bps=link[0], latency_s=base.latency_s if latency else link[1],
-                                   allgather_Bps=link.allgather_Bps,
+                                   allgather_Bps=link.allgather_Bps, sparse_round_s=link.sparse_round_s,
                                    source="probe between emulated hosts")
 
     def cluster_of(gpus: int):

@@ -45,7 +45,10 @@ class ClusterSpec:
     bandwidth), ``request_cpu_s`` (CPU seconds a small parameter-server request
     costs its worker and server together, hpar's own client and server code included,
     measured by strategies/plan/probe.probe_requests on this machine; the cost model charges
-    it where processes share busy cores; None: not measured, not charged)."""
+    it where processes share busy cores; None: not measured, not charged), ``sparse_round_s``
+    (seconds of one sparse gradient's exchange over all the workers, bytes aside: gloo's sparse
+    AllReduce of a one-row gradient, measured over the emulated hosts by
+    strategies/plan/probe.probe_sparse_round; None: the cost model's two rounds of N-1 latencies)."""
 
     hosts: int
     gpus_per_host: tuple[int, ...]
@@ -60,6 +63,7 @@ class ClusterSpec:
     device_mem_Bps: float | None = None
     request_cpu_s: float | None = None
     allgather_Bps: float | None = None
+    sparse_round_s: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:

@@ -72,13 +72,17 @@ def ring_allreduce_s(nbytes: float, n: int, bw: float, lat: float) -> float:
     return buckets * 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
 
 
-def ring_allgather_s(nbytes_each: float, n: int, bw: float, lat: float, rounds: int = 2) -> float:
+def ring_allgather_s(nbytes_each: float, n: int, bw: float, lat: float, rounds: int = 2,
+                     fixed_s: float | None = None) -> float:
     """Seconds of a ring AllGather where each of ``n`` workers contributes ``nbytes_each``:
     rounds * (n-1) * lat + (n-1) * nbytes_each / bw (Thakur et al. 2005). ``rounds`` = 2 for
-    a sparse gradient (indices, then values; gloo's sparse allreduce)."""
+    a sparse gradient (indices, then values; gloo's sparse allreduce). ``fixed_s``, where
+    measured (ClusterSpec.sparse_round_s), replaces the latency term: the whole exchange's
+    time for a tiny gradient over the ``n`` workers."""
     if n <= 1 or nbytes_each <= 0:
         return 0.0
-    return rounds * (n - 1) * lat + (n - 1) * nbytes_each / bw
+    fixed = rounds * (n - 1) * lat if fixed_s is None else fixed_s
+    return fixed + (n - 1) * nbytes_each / bw
 
 
 def sparse_bytes(p: ParamProfile, fraction: float) -> float:
@@ -115,6 +119,7 @@ class CostSetting:
     gather_bw: float  # bandwidth of a ring AllGather of sparse gradients (ClusterSpec.gather_Bps)
     request_cpu: float = 0.0   # seconds a parameter-server request adds to the step on busy cores
     data: float = 0.0   # seconds a worker draws its batch per step (Profile.data_s, times the host's load)
+    sparse_round: float | None = None   # seconds of one sparse gradient's exchange, bytes aside (ClusterSpec.sparse_round_s)
 
     def under_backward(self, comm: float) -> float:
         """Seconds of backward plus the communication that runs during it."""
@@ -158,7 +163,7 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
                        cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
                        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
                        p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request,
-                       k * profile.data_s)
+                       k * profile.data_s, cluster.sparse_round_s)
 
 
 def split_tail(params, first_layer: int = 0):
@@ -187,7 +192,9 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     """``allreduce-sparse`` (DDP with sparse embedding gradients, Horovod's default for
     IndexedSlices): dense params by ring AllReduce, each embedding's (ids, rows) by ring
     AllGather: a worker sends (N-1) * alpha * rows * (row bytes + 8), growing with N, at the
-    measured AllGather rate between hosts (``ClusterSpec.gather_Bps``) where it was probed.
+    measured AllGather rate between hosts (``ClusterSpec.gather_Bps``) where it was probed,
+    each exchange with its fixed time over the N workers (``ClusterSpec.sparse_round_s``,
+    probed; else two rounds of N-1 latencies).
     Every worker then sums the N gathered gradients and updates the union of touched rows:
     the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
     unprofiled, a dense-rate sum of the gathered rows and update of their union.
@@ -200,7 +207,8 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
                         note="the optimizer does not take sparse gradients (use SGD, Adagrad or SparseAdam)")
     d_over, d_tail = split_tail(dense)
     s_over, s_tail = split_tail(sparse)
-    ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat) for p in ps)
+    ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat, fixed_s=c.sparse_round)
+                        for p in ps)
     over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
     tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail)
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)

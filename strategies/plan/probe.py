@@ -11,6 +11,9 @@ test machine, most of it importing torch twice, for the same figures.
 Between two hosts the endpoints must be two processes: :func:`probe_peer` is one of them
 (``python -m hpar.strategies.plan.probe ADDR PORT RANK``), used by ``hpar bench`` to measure
 the link of its emulated hosts (launcher/bench/emulate.py) instead of trusting the cap.
+:func:`probe_sparse_round` is one of N processes, one per host (``... ADDR PORT RANK N``): the
+fixed time of one sparse-gradient exchange over all N workers, which grows with N faster than
+N - 1 latencies where the processes share busy cores (BENCHMARKS.md 14).
 
 :func:`probe_requests` measures the CPU a small parameter-server request costs, with hpar's
 own client and server at both ends: what a request costs in time when the processes share
@@ -34,11 +37,14 @@ class LinkFigures(NamedTuple):
     """A probe's figures: ``bandwidth_Bps`` one way (bytes/s), ``latency_s`` (half a small
     message's round trip), ``allreduce_Bps`` (bytes over the time of a two-rank AllReduce) and
     ``allgather_Bps`` (a rank's bytes over the time of a two-rank AllGather, in which each rank
-    sends its bytes while it receives the other's; None where it was not measured)."""
+    sends its bytes while it receives the other's; None where it was not measured) and
+    ``sparse_round_s`` (seconds of gloo's sparse AllReduce of a one-row gradient over all the
+    hosts' workers, :func:`probe_sparse_round`; None where it was not measured)."""
     bandwidth_Bps: float
     latency_s: float
     allreduce_Bps: float
     allgather_Bps: float | None = None
+    sparse_round_s: float | None = None
 
 
 def _figures(out: dict, nbytes: int) -> LinkFigures:
@@ -212,9 +218,38 @@ def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: in
     return None if rank else _figures(out, nbytes)
 
 
-if __name__ == "__main__":   # python -m hpar.strategies.plan.probe ADDR PORT RANK: rank 0 prints JSON
+def probe_sparse_round(addr: str, port: int, rank: int, world: int, reps: int = 20,
+                       timeout_s: float = 60.0) -> float | None:
+    """One of ``world`` processes (one per host) measuring the fixed cost of a sparse-gradient
+    exchange: the mean seconds, on rank 0, of gloo's sparse AllReduce (what DDP runs for an
+    embedding's sparse gradient: an AllGather of the sizes, then of the row ids, then of the
+    rows) of a one-row gradient of 64 floats over the ``world`` ranks, each timed after a
+    small AllReduce lines the ranks up; the first two pay for set-up. The mean, not the
+    median: the times are bimodal (over 2 emulated hosts 1 ms or 7-12 ms) and a step pays
+    their expectation. Rank 0 hosts the rendezvous store at ``addr:port``. Returns the
+    seconds on rank 0, None on the others. On this project's emulated hosts (2 cores): 1-4 ms
+    over 2 hosts, 9-12 ms over 4, 36 ms over 8, where the cost model's two rounds of N - 1
+    latencies gave 0.2, 0.6 and 2 ms. Raises RuntimeError if the exchange fails."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(addr, port, world, rank == 0, timeout=timeout)
+    try:
+        pg = dist.ProcessGroupGloo(store, rank, world, timeout)
+        small = torch.zeros(1)
+        grad = torch.sparse_coo_tensor(torch.tensor([[rank]]), torch.ones(1, 64), (world, 64), check_invariants=True)
+        times = [_timed(pg, small, lambda: pg.allreduce([grad.clone()])) for _ in range(reps + 2)]
+    except Exception as exc:
+        raise RuntimeError(f"sparse AllReduce probe failed ({type(exc).__name__})") from exc
+    return statistics.fmean(times[2:]) if rank == 0 else None
+
+
+if __name__ == "__main__":   # python -m hpar.strategies.plan.probe ADDR PORT RANK [WORLD]: rank 0 prints JSON
     import json
     import sys
-    figures = probe_peer(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
-    if figures is not None:
-        print(json.dumps(figures._asdict()))
+    if len(sys.argv) > 4:
+        seconds = probe_sparse_round(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        if seconds is not None:
+            print(json.dumps({"sparse_round_s": seconds}))
+    else:
+        figures = probe_peer(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+        if figures is not None:
+            print(json.dumps(figures._asdict()))
