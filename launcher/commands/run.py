@@ -20,6 +20,7 @@ from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
 from hpar.strategies.pipeline.stage import check_pipeline
+from hpar.strategies.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
              "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0}
@@ -134,6 +135,10 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if strategy == "hybrid" and "ps" not in placement(model, strategy, plan).values() and servers is None:
             console.print("hpar: hybrid would put no parameter on the servers (no embedding table, or the plan keeps "
                           "them on AllReduce), so it runs as allreduce (no parameter server to start)", markup=False)
+            strategy = "allreduce"
+        if strategy == "allreduce-sparse" and not embedding_tables(model):
+            console.print("hpar: allreduce-sparse has no embedding table to give sparse gradients, so it runs as "
+                          "allreduce (the same program)", markup=False)
             strategy = "allreduce"
         used_hosts = len({h.name for h in place_workers(list(host_list), gpus)}) if host_list else 1
         if servers is None:

@@ -143,8 +143,8 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 force: str | None = None, pipeline_replicas: int | None = None) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and pick the highest samples/s among
     those that fit the job; the others are still listed as candidates with a note. A hybrid
-    plan that places nothing on the servers is listed but cannot win (it would run as
-    allreduce); predictions within ``TIE`` of the fastest go to the simplest strategy. ``force`` (the user's ``--strategy``) takes that strategy's plan
+    plan that places nothing on the servers, or allreduce-sparse without an embedding table, is
+    listed but cannot win (it would run as allreduce); predictions within ``TIE`` of the fastest go to the simplest strategy. ``force`` (the user's ``--strategy``) takes that strategy's plan
     instead (its stages, micro-batches, placement); ``pipeline_replicas`` fixes the pipeline's R
     (``--pipeline-replicas``). Raises ValueError when no strategy fits, or when the forced one
     does not fit, with the cost model's reason."""
@@ -161,6 +161,9 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                    else "no embedding table to place on servers")
             note = (note + "; " if note else "") + f"{why} (same as allreduce)"
             available = False   # it would run as allreduce: never the winner in its own name
+        if e.strategy == "allreduce-sparse" and e.feasible and not any(p.embedding_module for p in profile.params):
+            note = (note + "; " if note else "") + "no embedding table to give sparse gradients (same as allreduce)"
+            available = False   # `hpar run` runs it as allreduce
         if e.strategy == "pipeline" and e.feasible:
             note = describe_pipeline(e) + ("; " + note if note else "")
         measured_sparse = [p.name for p in profile.params if p.sparse and not p.embedding_module]
