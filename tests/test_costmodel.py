@@ -277,6 +277,10 @@ def test_allreduce_sparse_uses_the_profiled_sparse_update_and_needs_sparse_gradi
     # a measured exchange time (ClusterSpec.sparse_round_s) replaces the two rounds of N-1 latencies
     probed = estimate_allreduce_sparse(prof, dataclasses.replace(c, sparse_round_s=0.036))
     assert probed.step_s == pytest.approx(0.1 + max(0.2, ar) + ag - 2 * 3 * 1e-4 + 0.036 + update)
+    # three tables: their exchanges are in flight together, two at a time (gloo's work threads)
+    three = dataclasses.replace(prof, params=(emb, dataclasses.replace(emb, name="e2"), dataclasses.replace(emb, name="e3"), lin))
+    fixed = [estimate_allreduce_sparse(three, dataclasses.replace(c, sparse_round_s=r)).breakdown["comm_tail"] for r in (0.0, 0.036)]
+    assert fixed[1] - fixed[0] == pytest.approx(2 * 0.036)
 
 
 def test_single_host_collectives_use_the_measured_allreduce_bandwidth_and_ps_traffic_the_link():

@@ -34,6 +34,7 @@ from hpar.strategies.profile.profiler import ParamProfile, Profile
 
 INDEX_BYTES = 8            # int64 row id sent with every sparse row
 BUCKET_BYTES = 25 << 20    # DDP's default gradient bucket (bucket_cap_mb=25)
+GLOO_THREADS = 2           # work threads of a gloo process group (ProcessGroupGloo.Options' default)
 
 
 @dataclass(frozen=True)
@@ -192,9 +193,12 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     """``allreduce-sparse`` (DDP with sparse embedding gradients, Horovod's default for
     IndexedSlices): dense params by ring AllReduce, each embedding's (ids, rows) by ring
     AllGather: a worker sends (N-1) * alpha * rows * (row bytes + 8), growing with N, at the
-    measured AllGather rate between hosts (``ClusterSpec.gather_Bps``) where it was probed,
-    each exchange with its fixed time over the N workers (``ClusterSpec.sparse_round_s``,
-    probed; else two rounds of N-1 latencies).
+    measured AllGather rate between hosts (``ClusterSpec.gather_Bps``) where it was probed.
+    Fixed costs: two rounds of N-1 latencies per table, or, where the exchange's fixed time over
+    the N workers was probed (``ClusterSpec.sparse_round_s``), that time once per wave of
+    ``GLOO_THREADS`` tables, at the end of backward (the exchanges are in flight together: four
+    recsys-like tables over 8 emulated hosts took 181 ms in flight against 232 ms one after
+    another, 122 ms of it bytes; BENCHMARKS.md 14).
     Every worker then sums the N gathered gradients and updates the union of touched rows:
     the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
     unprofiled, a dense-rate sum of the gathered rows and update of their union.
@@ -207,10 +211,14 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
                         note="the optimizer does not take sparse gradients (use SGD, Adagrad or SparseAdam)")
     d_over, d_tail = split_tail(dense)
     s_over, s_tail = split_tail(sparse)
-    ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat, fixed_s=c.sparse_round)
-                        for p in ps)
+    probed = c.sparse_round is not None and c.n > 1
+    ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat,
+                                         fixed_s=0.0 if probed else None) for p in ps)
+    # the step's exchanges are in flight together (DDP launches each as its gradient is ready),
+    # run by gloo's GLOO_THREADS work threads: their fixed times overlap in waves of that many
+    rounds = math.ceil(len(sparse) / GLOO_THREADS) * c.sparse_round if probed else 0.0
     over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
-    tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail)
+    tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail) + rounds
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
     if profile.sparse_update_s_per_byte:
         merge, sparse_update = 0.0, gathered * c.sparse_update_per_byte
