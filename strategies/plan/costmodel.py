@@ -77,9 +77,8 @@ def ring_allgather_s(nbytes_each: float, n: int, bw: float, lat: float, rounds: 
                      fixed_s: float | None = None) -> float:
     """Seconds of a ring AllGather where each of ``n`` workers contributes ``nbytes_each``:
     rounds * (n-1) * lat + (n-1) * nbytes_each / bw (Thakur et al. 2005). ``rounds`` = 2 for
-    a sparse gradient (indices, then values; gloo's sparse allreduce). ``fixed_s``, where
-    measured (ClusterSpec.sparse_round_s), replaces the latency term: the whole exchange's
-    time for a tiny gradient over the ``n`` workers."""
+    a sparse gradient (indices, then values; gloo's sparse allreduce). ``fixed_s`` replaces the
+    latency term (0.0: the caller charges a measured fixed time itself, ClusterSpec.sparse_round_s)."""
     if n <= 1 or nbytes_each <= 0:
         return 0.0
     fixed = rounds * (n - 1) * lat if fixed_s is None else fixed_s
