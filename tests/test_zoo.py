@@ -9,8 +9,12 @@ allreduce only on embedding tables, so it runs on the models that have one.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -42,23 +46,50 @@ def offered(name: str) -> set[str]:
     return _OFFERED[name]
 
 
+@contextlib.contextmanager
+def _locked(path):
+    """An exclusive lock on file ``path`` (fcntl) while the block runs."""
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _runs_dir(tmp_path_factory) -> pathlib.Path:
+    """Where the zoo's runs go: one directory for the whole session, shared by pytest-xdist's
+    test processes (their base temp dirs sit in the session's), so that a run two tests need is
+    made once even when the two land on different test processes."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "zoo-runs"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
 def hpar_run(tmp_path_factory, name: str, strategy: str, gpus: int = 2, *flags: str) -> dict:
-    """Run `hpar run tests/zoo/NAME.py` once per (name, strategy, flags) in this session, stdout
-    and stderr to files; returns exit code, summary, output and run dir. Fails if any process
-    of the run is left once the command returned."""
+    """Run `hpar run tests/zoo/NAME.py` once per (name, strategy, flags) in this session (over
+    all test processes), stdout and stderr to files; returns exit code, summary, output and run
+    dir. Fails if any process of the run is left once the command returned."""
     key = (name, strategy, gpus, flags)
     if key not in _RUNS:
-        base = tmp_path_factory.mktemp(f"{name}-{strategy}")
-        run_dir, out = base / "run", base / "stdout.txt"
-        with open(out, "w") as f:
-            proc = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", os.path.join(ZOO, f"{name}.py"),
-                                   "--gpus", str(gpus), "--strategy", strategy, "--run-dir", str(run_dir), "--no-eval",
-                                   *flags], stdout=f, stderr=subprocess.STDOUT, timeout=240, cwd=str(base))
-        left = run_processes(str(run_dir))
-        for p in left:
-            p.kill()
+        slug = f"{name}-{strategy}-{gpus}-" + hashlib.sha1(repr(flags).encode()).hexdigest()[:8]
+        base = _runs_dir(tmp_path_factory) / slug
+        run_dir, out, result = base / "run", base / "stdout.txt", base / "result.json"
+        with _locked(_runs_dir(tmp_path_factory) / f"{slug}.lock"):
+            if not result.exists():
+                base.mkdir()
+                with open(out, "w") as f:
+                    proc = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", os.path.join(ZOO, f"{name}.py"),
+                                           "--gpus", str(gpus), "--strategy", strategy, "--run-dir", str(run_dir),
+                                           "--no-eval", *flags], stdout=f, stderr=subprocess.STDOUT, timeout=240,
+                                          cwd=str(base))
+                left = run_processes(str(run_dir))
+                for p in left:
+                    p.kill()
+                result.write_text(json.dumps({"rc": proc.returncode, "left": [p.pid for p in left]}))
         summary_path = run_dir / "summary.json"
-        _RUNS[key] = {"rc": proc.returncode, "out": out.read_text(), "left": [p.pid for p in left],
+        _RUNS[key] = {**json.loads(result.read_text()), "out": out.read_text(),
                       "summary": json.loads(summary_path.read_text()) if summary_path.exists() else {},
                       "run_dir": run_dir}
     return _RUNS[key]
