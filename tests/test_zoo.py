@@ -78,7 +78,7 @@ def hpar_run(tmp_path_factory, name: str, strategy: str, gpus: int = 2, *flags: 
         run_dir, out, result = base / "run", base / "stdout.txt", base / "result.json"
         with _locked(_runs_dir(tmp_path_factory) / f"{slug}.lock"):
             if not result.exists():
-                base.mkdir()
+                base.mkdir(exist_ok=True)   # a run that raised (its timeout) left it without a result
                 with open(out, "w") as f:
                     proc = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", os.path.join(ZOO, f"{name}.py"),
                                            "--gpus", str(gpus), "--strategy", strategy, "--run-dir", str(run_dir),
