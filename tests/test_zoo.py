@@ -99,7 +99,10 @@ def check_trained(r: dict) -> None:
     assert r["rc"] == 0, r["out"][-3000:]
     assert not r["left"], f"processes left behind: {r['left']}"
     s = r["summary"]
-    assert s["exit_code"] == 0 and s["loss_last"] < s["loss_first"], s
+    # the means over the first and last steps, as `hpar run` prints them: one step's loss on a
+    # batch of 8 with dropout is noise (nested_cnn's pipeline once read 1.05 -> 1.41 while its
+    # means went 0.98 -> 0.71)
+    assert s["exit_code"] == 0 and s["loss_last_mean"] < s["loss_first_mean"], s
 
 
 # Every strategy the planner offers, once per model shape it matters for (each run starts 3-4
