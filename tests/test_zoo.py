@@ -74,9 +74,10 @@ def hpar_run(tmp_path_factory, name: str, strategy: str, gpus: int = 2, *flags: 
     key = (name, strategy, gpus, flags)
     if key not in _RUNS:
         slug = f"{name}-{strategy}-{gpus}-" + hashlib.sha1(repr(flags).encode()).hexdigest()[:8]
-        base = _runs_dir(tmp_path_factory) / slug
+        runs = _runs_dir(tmp_path_factory)
+        base = runs / slug
         run_dir, out, result = base / "run", base / "stdout.txt", base / "result.json"
-        with _locked(_runs_dir(tmp_path_factory) / f"{slug}.lock"):
+        with _locked(runs / f"{slug}.lock"):
             if not result.exists():
                 base.mkdir(exist_ok=True)   # a run that raised (its timeout) left it without a result
                 with open(out, "w") as f:
