@@ -89,14 +89,31 @@ def hpar(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
                           timeout=timeout, **kw)
 
 
+def hpar_to_file(out, *args: str, timeout: float = 240, cwd=None, env=None) -> tuple[int, str]:
+    """Run ``python -m hpar.launcher.cli ARGS`` with stdout and stderr to the file ``out`` and
+    stdin closed, as a batch job or CI runs it; returns (exit code, the output)."""
+    with open(out, "w") as f:
+        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], stdout=f, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, timeout=timeout, cwd=cwd, env=env).returncode
+    with open(out) as f:
+        return code, f.read()
+
+
+def kill_left(run_dir) -> list:
+    """Kill every process of the run in ``run_dir`` that is still alive; returns them (psutil
+    processes: a test fails on any, since a finished `hpar` command must leave none)."""
+    left = run_processes(str(run_dir))
+    for p in left:
+        p.kill()
+    return left
+
+
 @pytest.fixture
 def reap_run():
     """Register run dirs; after the test, fail if any of their processes is alive (and kill it)."""
     dirs: list[str] = []
     yield dirs.append
-    leftovers = [p for d in dirs for p in run_processes(d)]
-    for p in leftovers:
-        p.kill()
+    leftovers = [p for d in dirs for p in kill_left(d)]
     assert not leftovers, f"processes left behind: {[p.pid for p in leftovers]}"
 
 

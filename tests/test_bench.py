@@ -6,12 +6,10 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import finite_positive, hpar, run_processes, write_script
+from conftest import finite_positive, hpar, hpar_to_file, run_processes, write_script
 from hpar.launcher.bench.driver import BENCH_STRATEGIES, Result, bytes_per_worker_step, parse_strategies, with_ratios
 from hpar.launcher.bench.emulate import parse_emulate, rate_arg
 
@@ -288,11 +286,9 @@ def test_bench_repeat_runs_each_strategy_in_rounds(tmp_path):
     process is left."""
     script = write_script(tmp_path, TINY_TREE)
     bench_dir, out_json = tmp_path / "bench", tmp_path / "out.json"
-    with open(tmp_path / "stdout.txt", "w") as f:
-        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "bench", script, "--gpus", "2", "--steps", "4",
-                               "--strategies", "allreduce,ps", "--repeat", "2", "--json", str(out_json),
-                               "--bench-dir", str(bench_dir)], stdout=f, stderr=subprocess.STDOUT, timeout=280).returncode
-    log = (tmp_path / "stdout.txt").read_text()
+    code, log = hpar_to_file(tmp_path / "stdout.txt", "bench", script, "--gpus", "2", "--steps", "4", "--strategies",
+                             "allreduce,ps", "--repeat", "2", "--json", str(out_json), "--bench-dir", str(bench_dir),
+                             timeout=280)
     assert code == 0, log[-3000:]
     doc = json.loads(out_json.read_text())
     assert doc["settings"]["repeat"] == 2

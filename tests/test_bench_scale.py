@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import finite_positive, hpar, write_script
+from conftest import finite_positive, hpar, hpar_to_file, write_script
 
 SCALE_LM = '''
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -43,12 +43,9 @@ def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
         pytest.skip(reason)
     script = write_script(tmp_path, SCALE_LM, "lm.py")
     out = tmp_path / "scale.json"
-    with open(tmp_path / "stdout.txt", "w") as f:
-        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "bench", script, "--scale", "1,2",
-                               "--strategies", "allreduce", "--steps", "4", "--link-rate", "100mbit",
-                               "--bench-dir", str(tmp_path / "b"), "--json", str(out)],
-                              stdout=f, stderr=subprocess.STDOUT, timeout=380).returncode
-    log = (tmp_path / "stdout.txt").read_text()
+    code, log = hpar_to_file(tmp_path / "stdout.txt", "bench", script, "--scale", "1,2", "--strategies", "allreduce",
+                             "--steps", "4", "--link-rate", "100mbit", "--bench-dir", str(tmp_path / "b"),
+                             "--json", str(out), timeout=380)
     assert code == 0, log[-3000:]
     assert "scaling, one worker per emulated host" in log and "cost model: mean absolute error" in log
     points = json.load(open(out))["points"]

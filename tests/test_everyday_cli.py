@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, run_processes, single_process_reference, write_script
+from conftest import REPO, TINY, hpar_to_file, run_processes, single_process_reference, write_script
 
 RAISES_IN_FORWARD = '''
 import torch, torch.nn as nn
@@ -95,11 +93,7 @@ def loss(o, t): return ((o - t) ** 2).mean()
 
 def run_cli(tmp_path, *args, env=None) -> tuple[int, str]:
     """`hpar ARGS` with stdout and stderr to a file (as a batch job): (exit code, output)."""
-    out = tmp_path / "out.txt"
-    with open(out, "w") as f:
-        rc = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], stdout=f, stderr=subprocess.STDOUT,
-                            timeout=240, cwd=str(tmp_path), env=env).returncode
-    return rc, out.read_text()
+    return hpar_to_file(tmp_path / "out.txt", *args, cwd=str(tmp_path), env=env)
 
 
 def test_exception_in_users_forward_is_theirs(tmp_path):

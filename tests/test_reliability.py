@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import TINY, embed_script, hpar, run_processes, wait_for, write_script
+from conftest import TINY, embed_script, hpar, hpar_to_file, run_processes, wait_for, write_script
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -27,11 +27,7 @@ HANG = TINY.replace('HPAR = {"steps": 20', 'import os, time\nHPAR = {"steps": 10
 
 def run_cli(tmp_path, *args, name="out.txt", timeout=180):
     """`hpar ARGS` with stdout and stderr to a file; returns (exit code, output)."""
-    out = tmp_path / name
-    with open(out, "w") as f:
-        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], stdout=f,
-                              stderr=subprocess.STDOUT, timeout=timeout).returncode
-    return code, out.read_text()
+    return hpar_to_file(tmp_path / name, *args, timeout=timeout)
 
 
 def state_equal(a: dict, b: dict) -> bool:

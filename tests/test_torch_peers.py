@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch.torch_version import TorchVersion
 
-from conftest import REPO, hpar, run_processes
+from conftest import REPO, hpar, hpar_to_file, kill_left
 from hpar.launcher.bench.figures import stage_figures
 from hpar.strategies.pipeline.torch_peers import ZBV_GLOO_MIN_TORCH, check_peer, chunk_ranks
 
@@ -73,16 +71,11 @@ def run_schedule(tmp_path_factory, schedule: str) -> dict:
     (each test runs its own schedule only: a module fixture running them all was run again by
     every pytest-xdist process that drew one of these tests)."""
     base = tmp_path_factory.mktemp(schedule)
-    run_dir, log = base / "run", base / "stdout.txt"
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", PIPE, "--gpus", "2",
-                               "--strategy", "pipeline", "--schedule", schedule, "--micro-batches", "4",
-                               "--steps", "6", "--run-dir", str(run_dir), "--no-eval"],
-                              stdout=f, stderr=subprocess.STDOUT, timeout=240, cwd=str(base))
-    left = run_processes(str(run_dir))
-    for p in left:
-        p.kill()
-    return {"rc": proc.returncode, "log": log.read_text(), "left": left, "run_dir": run_dir}
+    run_dir = base / "run"
+    rc, log = hpar_to_file(base / "stdout.txt", "run", PIPE, "--gpus", "2", "--strategy", "pipeline", "--schedule",
+                           schedule, "--micro-batches", "4", "--steps", "6", "--run-dir", str(run_dir), "--no-eval",
+                           cwd=str(base))
+    return {"rc": rc, "log": log, "left": kill_left(run_dir), "run_dir": run_dir}
 
 
 @pytest.mark.multiprocess

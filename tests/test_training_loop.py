@@ -13,7 +13,7 @@ from hpar.strategies.config import RunConfig
 from hpar.strategies.job import JobError, load_job
 from hpar.strategies.loop import step_tools
 
-from conftest import _concat, hpar, run_processes, write_script
+from conftest import _concat, hpar, hpar_to_file, kill_left, write_script
 
 LOOP = '''
 import torch, torch.nn as nn
@@ -77,12 +77,9 @@ def run_cli(tmp_path, script: str, *args: str, name: str = "run") -> tuple[int, 
     """``hpar run SCRIPT ARGS`` with stdout and stderr to a file, as in a batch job; returns
     (exit code, run dir, the output). Fails the test if a process of the run is left."""
     run_dir = str(tmp_path / name)
-    out = tmp_path / f"{name}.out"
-    with open(out, "w") as f:
-        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--run-dir", run_dir, *args],
-                              stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=240).returncode
-    assert not run_processes(run_dir), "processes left behind"
-    return code, run_dir, out.read_text()
+    code, out = hpar_to_file(tmp_path / f"{name}.out", "run", script, "--run-dir", run_dir, *args)
+    assert not kill_left(run_dir), "processes left behind"
+    return code, run_dir, out
 
 
 def close(got: dict, want: dict, rtol: float = 1e-5) -> None:

@@ -15,13 +15,11 @@ import hashlib
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, run_processes
+from conftest import REPO, hpar_to_file, kill_left
 
 pytestmark = pytest.mark.multiprocess
 
@@ -80,15 +78,9 @@ def hpar_run(tmp_path_factory, name: str, strategy: str, gpus: int = 2, *flags: 
         with _locked(runs / f"{slug}.lock"):
             if not result.exists():
                 base.mkdir(exist_ok=True)   # a run that raised (its timeout) left it without a result
-                with open(out, "w") as f:
-                    proc = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", os.path.join(ZOO, f"{name}.py"),
-                                           "--gpus", str(gpus), "--strategy", strategy, "--run-dir", str(run_dir),
-                                           "--no-eval", *flags], stdout=f, stderr=subprocess.STDOUT, timeout=240,
-                                          cwd=str(base))
-                left = run_processes(str(run_dir))
-                for p in left:
-                    p.kill()
-                result.write_text(json.dumps({"rc": proc.returncode, "left": [p.pid for p in left]}))
+                rc, _ = hpar_to_file(out, "run", os.path.join(ZOO, f"{name}.py"), "--gpus", str(gpus), "--strategy",
+                                     strategy, "--run-dir", str(run_dir), "--no-eval", *flags, cwd=str(base))
+                result.write_text(json.dumps({"rc": rc, "left": [p.pid for p in kill_left(run_dir)]}))
         summary_path = run_dir / "summary.json"
         _RUNS[key] = {**json.loads(result.read_text()), "out": out.read_text(),
                       "summary": json.loads(summary_path.read_text()) if summary_path.exists() else {},
