@@ -14,7 +14,7 @@ import time
 import pytest
 
 import netns_hosts
-from conftest import REPO, TINY, run_processes, wait_for, write_script
+from conftest import REPO, TINY, hpar_to_file, run_processes, wait_for, write_script
 
 DDP = os.path.join(REPO, "examples", "ddp_digits.py")
 
@@ -38,11 +38,8 @@ dist.destroy_process_group()
 def launch(*args: str, log: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
     """``hpar launch ARGS`` as a subprocess, stdout and stderr to the file ``log``; returns the
     output."""
-    with open(log, "w") as out:
-        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "launch", *args], stdout=out,
-                              stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO,
-                              env=env or dict(os.environ)).returncode
-    return subprocess.CompletedProcess(args, code, open(log).read(), "")
+    code, text = hpar_to_file(log, "launch", *args, timeout=timeout, cwd=REPO, env=env)
+    return subprocess.CompletedProcess(args, code, text, "")
 
 
 @pytest.mark.multiprocess

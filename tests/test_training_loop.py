@@ -3,8 +3,6 @@ evaluation during training, the log() hook, TensorBoard), through the real `hpar
 exact against one process on the concatenated batches."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -148,10 +146,8 @@ def test_bf16_autocast_follows_fp32_and_resume_keeps_the_schedule(tmp_path):
     code, part, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", "allreduce", "--steps", "5",
                               "--checkpoint-every", "5", "--no-eval", name="part")
     assert code == 0, out
-    with open(tmp_path / "resume.out", "w") as f:
-        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", "--resume", part, "--steps", "10"],
-                              stdout=f, stderr=subprocess.STDOUT, timeout=240).returncode
-    assert code == 0, (tmp_path / "resume.out").read_text()
+    code, out = hpar_to_file(tmp_path / "resume.out", "run", "--resume", part, "--steps", "10")
+    assert code == 0, out
     close(torch.load(os.path.join(part, "model.pt")), torch.load(os.path.join(whole, "model.pt")), rtol=1e-6)
 
 
