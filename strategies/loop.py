@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -68,8 +69,7 @@ class StepTools:
         self.scaler.step(opt)
         self.scaler.update()
         stepped = before is None or self.scaler.get_scale() >= before
-        if self.scheduler is not None:
-            self.scheduler.step()
+        step_schedule(self.scheduler, stepped)
         return stepped
 
     def lr(self, opt: torch.optim.Optimizer) -> float:
@@ -88,6 +88,21 @@ class StepTools:
             self.scaler.load_state_dict(state["scaler"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def step_schedule(scheduler, stepped: bool) -> None:
+    """``scheduler.step()`` (nothing when ``scheduler`` is None), once per training step
+    whether or not the GradScaler skipped the optimizer step, as torch's mixed-precision recipe
+    does and every hpar runtime (and the servers' replay of the schedule) does alike. When the
+    very first step was skipped, torch warns that ``lr_scheduler.step()`` came before
+    ``optimizer.step()`` (it only sees that the optimizer never stepped); that warning is
+    silenced for skipped steps only, where it is a false alarm."""
+    if scheduler is None:
+        return
+    with warnings.catch_warnings():
+        if not stepped:
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
+        scheduler.step()
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:

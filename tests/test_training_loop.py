@@ -3,13 +3,14 @@ evaluation during training, the log() hook, TensorBoard), through the real `hpar
 exact against one process on the concatenated batches."""
 import json
 import os
+import warnings
 
 import pytest
 import torch
 
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import JobError, load_job
-from hpar.strategies.loop import step_tools
+from hpar.strategies.loop import step_schedule, step_tools
 
 from conftest import _concat, hpar, hpar_to_file, kill_left, write_script
 
@@ -153,7 +154,9 @@ def test_bf16_autocast_follows_fp32_and_resume_keeps_the_schedule(tmp_path):
 
 def test_fp16_scaler_skips_a_step_with_an_inf_gradient(tmp_path):
     """fp16: GradScaler's inf/NaN check skips the optimizer step (weights unchanged), and
-    the schedule still advances; a finite step goes through."""
+    the schedule still advances, without torch's "lr_scheduler.step() before
+    optimizer.step()" warning, a false alarm after a skipped step (it still warns where the
+    optimizer stepped no more than that); a finite step goes through."""
     cfg = RunConfig(script="x", strategy="allreduce", world_size=1, steps=2, batch_size=1, lr=0.1, seed=0,
                     run_dir="r", precision="fp16")
     w = torch.nn.Parameter(torch.ones(3))
@@ -161,13 +164,19 @@ def test_fp16_scaler_skips_a_step_with_an_inf_gradient(tmp_path):
     job = load_job(write_script(tmp_path, LOOP))
     tools = step_tools(cfg, job, opt, torch.device("cpu"))
     tools.backward((w * torch.tensor([1.0, float("inf"), 0.0])).sum())
-    assert tools.step(opt, lambda: [w]) is False
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert tools.step(opt, lambda: [w]) is False
+    assert not [x for x in seen if "lr_scheduler.step()" in str(x.message)], [str(x.message) for x in seen]
     assert torch.equal(w.detach(), torch.ones(3))
     opt.zero_grad()
     tools.backward(w.sum())
     assert tools.step(opt, lambda: [w]) is True
     assert torch.all(w.detach() < 1)
     assert tools.scheduler.last_epoch == 2
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    with pytest.warns(UserWarning, match=r"lr_scheduler\.step\(\)` before"):
+        step_schedule(torch.optim.lr_scheduler.LambdaLR(other, lambda s: 1.0), stepped=True)
 
 
 def test_contract_hooks_are_checked(tmp_path):

@@ -55,7 +55,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from hpar.strategies.config import RunConfig
 from hpar.strategies.devices import cpu_copy
-from hpar.strategies.loop import StepTools
+from hpar.strategies.loop import StepTools, step_schedule
 
 
 def grad_sq_sum(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -129,8 +129,7 @@ class StageStepper:
         stage.update(opt_step=lambda: scaler.step(self.opt))
         scaler.update()
         stepped = before is None or scaler.get_scale() >= before
-        if tools.scheduler is not None:
-            tools.scheduler.step()
+        step_schedule(tools.scheduler, stepped)
         return stepped
 
 
