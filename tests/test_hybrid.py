@@ -202,13 +202,31 @@ def test_a_checkpoint_with_another_row_layout_is_refused(tmp_path):
         return Server(config(tmp_path, script, servers=2), tables, model, index=1, num_workers=2)
 
     saved = server({"user.weight": 2}).state_dict()
-    assert saved["layouts"]["items.weight"] == [2, 1]       # table 1 starts on server 1
+    # table 1 starts on server 1; with no planned count its 40 rows are 40 partitions (under 2 x 64)
+    assert saved["layouts"]["items.weight"] == [40, 1]
     server({"user.weight": 2}).load_state_dict(saved)
     with pytest.raises(ValueError, match="table user.weight was saved as 2 partition"):
         server({"user.weight": 1}).load_state_dict(saved)
     older = {k: v for k, v in saved.items() if k != "layouts"}   # before first servers: all on server 0
     with pytest.raises(ValueError, match="table items.weight .* from server 0"):
         server({"user.weight": 2}).load_state_dict(older)
+
+
+def test_an_embedding_without_a_planned_count_is_cut_finely_and_a_whole_table_once_per_server():
+    """`hpar run --strategy hybrid/ps` without --plan: an embedding table gets 64 partitions per
+    server (a vocabulary's frequent head, its first rows, lands on every server, not all on one),
+    a table kept whole one per server, and a planned count still wins."""
+    from torch import nn
+    from hpar.strategies.hybrid.client import ps_tables
+    model = nn.Sequential(nn.Embedding(1000, 2), nn.Linear(2, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tables = {t.name: t for t in ps_tables(model, opt, "ps", {}, 4)}
+    assert tables["0.weight"].layout.num_partitions == 4 * 64
+    assert tables["1.weight"].layout.num_partitions == 4 and tables["1.weight"].kind == "whole"
+    head = tables["0.weight"].layout.server_of(torch.arange(16))    # the 16 most frequent words
+    assert sorted(set(head.tolist())) == [0, 1, 2, 3]
+    planned = {t.name: t for t in ps_tables(model, opt, "ps", {"partitions": {"0.weight": 4}}, 4)}
+    assert set(planned["0.weight"].layout.server_of(torch.arange(16)).tolist()) == {0}
 
 
 def _resolve(tmp_path, script: str, plan, strategy: str, servers):

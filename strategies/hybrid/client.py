@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from hpar.strategies.context import ByteMeter
 from hpar.strategies.tying import dense_shared_embeddings, embedding_tables
-from hpar.strategies.hybrid.shard import OptimizerSpec, RowLayout, spec_from_group, table_view
+from hpar.strategies.hybrid.shard import ROW_PARTITIONS_PER_SERVER, OptimizerSpec, RowLayout, spec_from_group, table_view
 from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, PULL, PUSH, TAG_DATA, TAG_REQUEST, encode, nbytes, p2p, reply_tag
 
 
@@ -87,8 +87,11 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
 
     ``opt`` is the user's optimizer over all of ``model``'s parameters: each table takes its
     param group's rule (ValueError if the PS cannot run it). Partitions per parameter come
-    from ``plan["partitions"]`` (default: one per server; fewer than the servers keeps a small
-    table on fewer servers, so a worker sends it fewer requests), and table ``t``'s partition 0
+    from ``plan["partitions"]`` (fewer than the servers keeps a small table on fewer servers,
+    so a worker sends it fewer requests). Without a planned count, an embedding table is cut
+    into ``ROW_PARTITIONS_PER_SERVER`` partitions per server (at most one row each): a request
+    goes to each server whatever the count, and fine slices spread a frequency-sorted
+    vocabulary's head over every server; a table kept whole, one per server. Table ``t``'s partition 0
     lives on server ``t % S``, spreading the tables over the servers; ``plan["sparse_optimizer"]``
     picks ``"exact"`` (default) or ``"lazy"`` semantics (see ps_shard).
     """
@@ -106,7 +109,8 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
         if id(p) not in group_of:
             raise ValueError(f"optimizer(): parameter {name} is in no param group; pass every parameter to the optimizer")
         view = table_view(p.detach())
-        parts = int(plan.get("partitions", {}).get(name, num_servers))
+        default = num_servers * ROW_PARTITIONS_PER_SERVER if name in emb else num_servers
+        parts = int(plan.get("partitions", {}).get(name, default))
         tables.append(PSTable(len(tables), name, tuple(p.shape), view.shape[0], view.shape[1],
                               "rows" if name in emb else "whole", RowLayout.make(view.shape[0], parts, num_servers, len(tables)),
                               spec_from_group(opt, group_of[id(p)], mode), p.dtype))

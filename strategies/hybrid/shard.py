@@ -39,6 +39,12 @@ from torch.optim import adagrad, adam, sgd
 
 MODES = ("exact", "lazy")
 
+# The partitions per server of an embedding table without a planned count (the finest count the
+# planner tries, strategies/plan/costmodel_ps.py). With one per server, lm.py's frequency-sorted
+# vocabulary on 8 servers puts 5.3x the mean touched rows on the busiest one (the profile's
+# estimate); with 64, 1.3x (1.33x measured over 40 steps of 8 workers; BENCHMARKS.md 14).
+ROW_PARTITIONS_PER_SERVER = 64
+
 
 @dataclass(frozen=True)
 class RowLayout:

@@ -24,7 +24,7 @@ from hpar.strategies.plan.costmodel import (CostSetting, Estimate, cost_setting,
                                             sparse_bytes, split_tail)
 from hpar.strategies.profile.profiler import ParamProfile, Profile
 
-PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)
+PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)   # up to hybrid/shard.py ROW_PARTITIONS_PER_SERVER, the runtime's default
 
 
 def server_imbalance(p: ParamProfile, partitions: int, servers: int) -> float:
