@@ -162,9 +162,8 @@ def _user_items(job: Job, it):
             raise
         except Exception as exc:
             frame = _user_frame(job, exc.__traceback__)
-            where = f"{job.path}:{frame.lineno}: {frame.name}()" if frame else f"{job.path}: data()"
             inside = "" if frame is None or frame.name == "data" else " in data()"
-            raise JobError(f"{where} raised {type(exc).__name__} while producing a batch{inside}: "
+            raise JobError(f"{_where(job, frame, 'data()')} raised {type(exc).__name__} while producing a batch{inside}: "
                            f"{_describe(exc).split(': ', 1)[-1]}", user_traceback=_user_traceback(job, exc)) from exc
         yield item
 
@@ -185,9 +184,8 @@ def _call(job: Job, name: str, *args):
         return fn(*args)
     except JobError:
         raise
-    except Exception as exc:  # the user's own code failed: keep their traceback
-        raise JobError(f"{job.path}: {name}() raised {_describe(exc)}",
-                       user_traceback=traceback.format_exc()) from exc
+    except Exception as exc:  # the user's own code failed: name where, keep their traceback
+        raise user_error(job, exc, f"{name}()") from exc
 
 
 def load_job(path: str) -> Job:
@@ -278,6 +276,11 @@ def _user_frame(job: Job, tb) -> traceback.FrameSummary | None:
     return frames[-1] if frames else None
 
 
+def _where(job: Job, frame: traceback.FrameSummary | None, what: str) -> str:
+    """``FILE:LINE: function()`` of ``frame`` in the user's script, ``FILE: what`` without one."""
+    return f"{job.path}:{frame.lineno}: {frame.name}()" if frame else f"{job.path}: {what}"
+
+
 def _user_traceback(job: Job, exc: BaseException) -> str:
     """The traceback of ``exc`` from the first frame in the user's script on (hpar's and
     torch's calling frames above it dropped; all of it when the script is not on the stack)."""
@@ -305,10 +308,9 @@ def user_error(job: Job, exc: BaseException, what: str, during: str = "") -> Job
     function of the innermost frame in the script (``what`` when none is on the stack), then
     ``during`` in brackets when given (e.g. "while profiling on cuda:0"); the user's
     traceback in ``user_traceback``."""
-    frame = _user_frame(job, exc.__traceback__)
-    where = f"{job.path}:{frame.lineno}: {frame.name}() raised" if frame else f"{job.path}: {what} raised"
+    where = _where(job, _user_frame(job, exc.__traceback__), what)
     tail = f" ({during})" if during else ""
-    return JobError(f"{where} {_describe(exc)}{tail}", user_traceback=_user_traceback(job, exc))
+    return JobError(f"{where} raised {_describe(exc)}{tail}", user_traceback=_user_traceback(job, exc))
 
 
 def raised_in_script(job: Job, exc: BaseException) -> bool:
