@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import (CostSetting, Estimate, cost_setting, cpu_share, ring_allreduce_s,
                                             sparse_bytes, split_tail)
+from hpar.strategies.hybrid.shard import ROW_PARTITIONS_PER_SERVER
 from hpar.strategies.profile.profiler import ParamProfile, Profile
 
-PARTITION_FACTORS = (1, 2, 4, 8, 16, 32, 64)   # up to hybrid/shard.py ROW_PARTITIONS_PER_SERVER, the runtime's default
+# 1, 2, 4, ... up to the runtime's default for a table without a planned count
+PARTITION_FACTORS = tuple(2 ** k for k in range(ROW_PARTITIONS_PER_SERVER.bit_length()))
 
 
 def server_imbalance(p: ParamProfile, partitions: int, servers: int) -> float:
