@@ -87,11 +87,10 @@ def test_fp16_skips_a_step_whose_pushed_rows_are_inf_on_every_worker_and_server(
     assert stepped == [True, True, True, False, True, True, True, True]   # the marker's step only
     close(torch.load(os.path.join(run_dir, "model.pt")), want, rtol=1e-3)
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
-    for rank in (0, 1):
-        skipped = [m["step"] - 1 for m in rows if m["kind"] == "metric" and m["role"] == "worker"
-                   and m["rank"] == rank and m.get("skipped_step")]
+    workers = [[m for m in rows if m["kind"] == "metric" and m["role"] == "worker" and m["rank"] == r] for r in (0, 1)]
+    for rank, mine in enumerate(workers):
+        skipped = [m["step"] - 1 for m in mine if m.get("skipped_step")]
         assert skipped == [i for i, ok in enumerate(stepped) if not ok], rank
     # the loss curve: each step's mean over the 2 workers' batches is one process's loss
-    per_rank = [[m["loss"] for m in rows if m["kind"] == "metric" and m["role"] == "worker" and m["rank"] == r]
-                for r in (0, 1)]
+    per_rank = [[m["loss"] for m in mine] for mine in workers]
     assert [(a + b) / 2 for a, b in zip(*per_rank)] == pytest.approx(losses, rel=1e-3), per_rank
