@@ -15,6 +15,21 @@ SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "asyn
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+def check_loop_flags(precision: str | None = None, clip_grad_norm: float | None = None,
+                     accumulate: int | None = None, eval_every: int | None = None) -> None:
+    """Raise ValueError naming the flag and its valid range for a training-loop value out of
+    range; None is a value not given. RunConfig checks its own values here, and ``hpar run``
+    the flags it was given before it loads the script or profiles anything."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if clip_grad_norm is not None and clip_grad_norm < 0:
+        raise ValueError(f"--clip-grad-norm must not be negative (0 turns clipping off), got {clip_grad_norm}")
+    if accumulate is not None and accumulate < 1:
+        raise ValueError(f"--accumulate must be at least 1, got {accumulate}")
+    if eval_every is not None and eval_every < 0:
+        raise ValueError(f"--eval-every must not be negative (0: only before and after training), got {eval_every}")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a process of the run needs to know, besides its own rank.
@@ -61,14 +76,10 @@ class RunConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose cpu or cuda")
-        if self.servers < 0 or self.checkpoint_every < 0 or self.eval_every < 0:
-            raise ValueError("--servers, --checkpoint-every and --eval-every must not be negative")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
-        if self.clip_grad_norm < 0:
-            raise ValueError(f"--clip-grad-norm must not be negative (0 turns clipping off), got {self.clip_grad_norm}")
-        if self.accumulate < 1:
-            raise ValueError(f"--accumulate must be at least 1, got {self.accumulate}")
+        if self.servers < 0 or self.checkpoint_every < 0:
+            raise ValueError("--servers and --checkpoint-every must not be negative")
+        check_loop_flags(precision=self.precision, clip_grad_norm=self.clip_grad_norm, accumulate=self.accumulate,
+                         eval_every=self.eval_every)
         if self.replicas < 1 or self.world_size % self.replicas:
             raise ValueError(f"--pipeline-replicas {self.replicas}: a pipeline plan is K stages x R replicas = --gpus "
                              f"{self.world_size}; choose a divisor of --gpus")

@@ -15,7 +15,7 @@ from hpar.launcher.run.devices import choose_devices, describe, local_gpus
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_step
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
-from hpar.strategies.config import RunConfig
+from hpar.strategies.config import RunConfig, check_loop_flags
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
@@ -86,6 +86,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags."""
     loop_flags = loop_flags or {}
+    check_loop_flags(**loop_flags)   # before the script is loaded and profiled
     if resume_dir:
         given = [flag for flag, value in (("--gpus", gpus), ("--plan", plan_file), ("--servers", servers),
                                           ("--batch-size", batch_size), ("--schedule", schedule),
