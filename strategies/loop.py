@@ -65,8 +65,14 @@ class StepTools:
         if self.cfg.clip_grad_norm and clip:
             self.scaler.unscale_(opt)
             self.last_norm = float(clip_grad_norm(params(), self.cfg.clip_grad_norm))
+        return self.scaled_step(lambda: self.scaler.step(opt))
+
+    def scaled_step(self, opt_step: Callable[[], None]) -> bool:
+        """Run ``opt_step`` (``scaler.step(opt)``, or a stage's update around it), update the
+        scale and step the schedule. Returns whether the optimizer stepped: the scaler skips a
+        step with an inf/NaN gradient and then lowers the scale (always True without fp16)."""
         before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        self.scaler.step(opt)
+        opt_step()
         self.scaler.update()
         stepped = before is None or self.scaler.get_scale() >= before
         step_schedule(self.scheduler, stepped)

@@ -55,7 +55,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from hpar.strategies.config import RunConfig
 from hpar.strategies.devices import cpu_copy
-from hpar.strategies.loop import StepTools, step_schedule
+from hpar.strategies.loop import StepTools
 
 
 def grad_sq_sum(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -125,12 +125,7 @@ class StageStepper:
             self.last_norm = clip_across_stages(params, cfg.clip_grad_norm, self.group, self.device, self.copies)
         elif cfg.clip_grad_norm and params:
             self.last_norm = torch.nn.utils.clip_grad_norm_(params, async_clip_threshold(cfg, self.micro_per_update))
-        before = scaler.get_scale() if scaler.is_enabled() else None
-        stage.update(opt_step=lambda: scaler.step(self.opt))
-        scaler.update()
-        stepped = before is None or scaler.get_scale() >= before
-        step_schedule(tools.scheduler, stepped)
-        return stepped
+        return tools.scaled_step(lambda: stage.update(opt_step=lambda: scaler.step(self.opt)))
 
 
 def placeholder_optimizer(device: torch.device) -> torch.optim.Optimizer:
