@@ -210,17 +210,18 @@ def test_flags_a_strategy_cannot_honour_are_refused_before_anything_starts(tmp_p
     assert not os.path.exists(tmp_path / "r" / "config.json")
 
 
-
 def test_a_bad_loop_flag_is_refused_before_the_planner_profiles(tmp_path):
     """--strategy auto profiles the script before it picks a plan; a loop flag out of range is
-    refused before that (no "chose" line), with the same one line and exit 2."""
+    refused before that: the whole output (stdout and stderr to a file, as in a batch job) is
+    the one error line, no "chose" line, exit 2, no run directory."""
     from conftest import embed_script
     script = write_script(tmp_path, embed_script(steps=4))
-    res = hpar("run", script, "--gpus", "2", "--run-dir", str(tmp_path / "r"), "--plain", "--accumulate", "0")
-    assert res.returncode == 2, res.stdout + res.stderr
-    lines = [l for l in res.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "--accumulate must be at least 1, got 0" in lines[0], res.stderr
-    assert "chose" not in res.stdout and not os.path.exists(tmp_path / "r")
+    code, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--run-dir", str(tmp_path / "r"),
+                             "--accumulate", "0")
+    assert code == 2, out
+    lines = [l for l in out.splitlines() if l.strip()]
+    assert len(lines) == 1 and "--accumulate must be at least 1, got 0" in lines[0], out
+    assert not os.path.exists(tmp_path / "r")
 
 
 EMBED_SCHEDULED = """
