@@ -92,6 +92,9 @@ def test_hybrid_resume_after_the_final_checkpoint(tmp_path, reap_run):
     assert code == 0, out
     first = json.load(open(os.path.join(run_dir, "summary.json")))
     model = torch.load(os.path.join(run_dir, "model.pt"))
+    # no --plan: the server cut the 1000-row table into ROW_PARTITIONS_PER_SERVER (64) partitions
+    from hpar.strategies.checkpoint import load_part
+    assert load_part(run_dir, 4, "server0")["layouts"]["emb.weight"] == [64, 0]
     code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--plain", name="resume.txt")
     assert code == 0, out
     assert "Traceback" not in out
