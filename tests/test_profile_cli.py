@@ -115,6 +115,35 @@ def test_local_cluster_is_probed_for_link_and_allreduce_figures():
 
 
 @pytest.mark.timeout(120)
+def test_sparse_exchange_probe_times_a_jobs_tables_in_flight_together():
+    """probe_sparse_exchange (one process per emulated host in `hpar bench`) here as 3 threads
+    over loopback, with two tables at a job's sizes (rows a batch touches, dim, table rows):
+    rank 0 gets the mean seconds, the others None; more rows take longer."""
+    import threading
+    from hpar.strategies.plan.cluster import free_port
+    from hpar.strategies.plan.probe import probe_sparse_exchange
+
+    def run(tables):
+        port, out = free_port(), {}
+
+        def rank(r):
+            try:
+                out[r] = probe_sparse_exchange("127.0.0.1", port, r, 3, tables, reps=2, timeout_s=60)
+            except Exception as exc:   # reported below
+                out[r] = exc
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert out[1] is None and out[2] is None, out
+        assert isinstance(out[0], float) and 0 < out[0] < 5.0, out
+        return out[0]
+    small = run([(4, 8, 100), (2, 8, 50)])
+    assert run([(20_000, 256, 40_000), (2, 8, 50)]) > small   # 20 MB a rank against a few hundred bytes
+
+
+@pytest.mark.timeout(120)
 def test_sparse_round_probe_times_gloos_sparse_allreduce_over_all_ranks():
     """probe_sparse_round (one process per emulated host in `hpar bench`) here as 3 threads
     over loopback: rank 0 gets the mean seconds of a one-row sparse AllReduce, the others None."""

@@ -258,11 +258,13 @@ class ScriptPlan:
     plan_files: dict = field(default_factory=dict)   # hpar run --strategy -> plan file
 
 
-def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_of) -> ScriptPlan:
+def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_of, refine=None) -> ScriptPlan:
     """Profile ``script`` once (``profile_job`` for the bench's workers, or the projection's
     when larger, since the union of touched rows is measured per worker count) and estimate
-    every strategy on ``cluster_of(gpus)`` (a ClusterSpec factory) with ``estimate_all``.
-    Raises JobError/ValueError for a bad script or flags."""
+    every strategy on ``cluster_of(gpus)`` (a ClusterSpec factory) with ``estimate_all``;
+    ``refine(profile, cluster)``, when given, returns the bench's cluster with what was
+    measured for this job (the emulated hosts' sparse exchange). Raises JobError/ValueError
+    for a bad script or flags."""
     from hpar.strategies.plan.costmodel import estimate_all
     from hpar.strategies.job import check_job, load_job
     from hpar.strategies.profile.profiler import profile_job
@@ -273,6 +275,8 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     check_job(job, bs)
     cluster = cluster_of(cfg.gpus)
     profile = profile_job(job, bs, max(cluster.workers, cfg.project or 0), precision=cfg.precision)
+    if refine is not None:
+        cluster = refine(profile, cluster)
     estimates = {e.strategy: e for e in estimate_all(profile, cluster)}
     projected = {e.strategy: e for e in estimate_all(profile, cluster_of(cfg.project))} if cfg.project else {}
     # torch's schedules run one pipeline: with them in the bench, hpar's run the same (R = 1) stages
@@ -319,9 +323,10 @@ def _projection(plan: ScriptPlan, name: str, gpus: int) -> dict | None:
             "bytes_per_step": est.bytes_per_step, "note": est.note}
 
 
-def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None) -> list[Result]:
+def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None, refine=None) -> list[Result]:
     """Bench every script and strategy of ``cfg`` in order; returns the Results with ratios.
-    ``cluster_of(gpus)`` builds the cost model's ClusterSpec; ``say`` prints progress lines;
+    ``cluster_of(gpus)`` builds the cost model's ClusterSpec (``refine``: :func:`plan_script`'s);
+    ``say`` prints progress lines;
     ``around_run(run)`` (optional, e.g. the emulated cluster's counter sampler) wraps each
     strategy's run: it calls ``run()`` and returns (Result, counters dict or None)."""
     os.makedirs(cfg.bench_dir, exist_ok=True)
@@ -329,7 +334,7 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None) -> list[
     for script in cfg.scripts:
         stem = os.path.splitext(os.path.basename(script))[0]
         say(f"hpar bench: profiling {script}")
-        plan = plan_script(script, cfg, cfg.strategies, cluster_of)
+        plan = plan_script(script, cfg, cfg.strategies, cluster_of, refine)
         runs: dict[str, list[Result]] = {}
         for round_ in range(cfg.repeat):
             for name in cfg.strategies:

@@ -173,7 +173,7 @@ class EmulatedCluster:
                                    "OMP_NUM_THREADS=1", sys.executable, "-m", "hpar.strategies.plan.probe", addr,
                                    str(port), str(r), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   start_new_session=True) for r in range(ranks)]
-        what = f"the {'sparse AllReduce' if args else 'link'} probe between emulated hosts"
+        what = f"the {('sparse exchange' if len(args) > 1 else 'sparse AllReduce') if args else 'link'} probe between emulated hosts"
         try:
             out, err = procs[0].communicate(timeout=timeout_s)
             for p in procs[1:]:
@@ -202,6 +202,19 @@ class EmulatedCluster:
         link = LinkFigures(**json.loads(self._probe_processes(2, [], timeout_s)))
         sparse = json.loads(self._probe_processes(self.n_hosts, [str(self.n_hosts)], timeout_s))
         return link._replace(sparse_round_s=sparse["sparse_round_s"])
+
+    def probe_exchange(self, profile, timeout_s: float = 180.0) -> float | None:
+        """Seconds of ``profile``'s whole sparse-gradient exchange over all the hosts, one process
+        on each, at the job's own sizes (strategies/plan/probe.probe_sparse_exchange: per
+        embedding table, the rows one worker's batch touches, ``alpha`` x rows); None with fewer
+        than two hosts or no embedding table. Raises RuntimeError when the probe fails or
+        outlives ``timeout_s``."""
+        tables = [[max(1, round(p.alpha * p.rows)), math.prod(p.shape[1:]), p.rows]
+                  for p in profile.params if p.embedding_module]
+        if self.n_hosts < 2 or not tables:
+            return None
+        out = self._probe_processes(self.n_hosts, [str(self.n_hosts), json.dumps(tables)], timeout_s)
+        return json.loads(out)["sparse_exchange_s"]
 
     @property
     def key(self) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import sys
@@ -63,6 +64,21 @@ def _probe(em, console):
                       + (f", a sparse gradient's exchange over {em.n_hosts} hosts {link.sparse_round_s * 1e3:.1f} ms"
                          if link.sparse_round_s is not None else ""), markup=False)
     return link
+
+
+def _with_exchange(em, console, profile, cluster):
+    """``cluster`` with the job's sparse-gradient exchange as measured over the emulated hosts
+    at its own sizes (``EmulatedCluster.probe_exchange``), announced on the console; unchanged
+    without an embedding table, on one host, or with more workers than hosts (the probe runs
+    one process per host)."""
+    if cluster.workers != em.n_hosts:
+        return cluster
+    seconds = em.probe_exchange(profile)
+    if seconds is None:
+        return cluster
+    console.print(f"hpar bench: this script's sparse gradient exchange over {em.n_hosts} hosts, "
+                  f"measured at its own sizes: {seconds * 1e3:.1f} ms", markup=False)
+    return dataclasses.replace(cluster, sparse_exchange_s=seconds)
 
 
 def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps: float | None,
@@ -169,7 +185,8 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
             link = _probe(emulated, console) if emulated else None
             cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated, link)
             results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
-                                around_run=emulated.around_run if emulated else None)
+                                around_run=emulated.around_run if emulated else None,
+                                refine=functools.partial(_with_exchange, emulated, console) if emulated else None)
             emulation = {**emulated.describe(), "link_probe": None if link is None else link._asdict()} if emulated else None
         finally:
             if emulated:
@@ -231,7 +248,7 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
                 links[n] = None if link is None else link._asdict()
                 cluster_of = _cluster_factory(None, em.host_file, bw, latency, None, n, n, link)
                 results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
-                                    around_run=em.around_run)
+                                    around_run=em.around_run, refine=functools.partial(_with_exchange, em, console))
             pts += points(n, results)
     except JobError as exc:
         _fail(str(exc), exc.user_traceback)

@@ -48,7 +48,11 @@ class ClusterSpec:
     it where processes share busy cores; None: not measured, not charged), ``sparse_round_s``
     (seconds of one sparse gradient's exchange over all the workers, bytes aside: gloo's sparse
     AllReduce of a one-row gradient, measured over the emulated hosts by
-    strategies/plan/probe.probe_sparse_round; None: the cost model's two rounds of N-1 latencies)."""
+    strategies/plan/probe.probe_sparse_round; None: the cost model's two rounds of N-1 latencies),
+    ``sparse_exchange_s`` (seconds of one job's whole sparse-gradient exchange over all the
+    workers at the profiled sizes, every table in flight together, measured over the emulated
+    hosts by strategies/plan/probe.probe_sparse_exchange for the job ``hpar bench`` profiled;
+    it replaces the AllGather terms of that job's allreduce-sparse estimate; None: not measured)."""
 
     hosts: int
     gpus_per_host: tuple[int, ...]
@@ -64,6 +68,7 @@ class ClusterSpec:
     request_cpu_s: float | None = None
     allgather_Bps: float | None = None
     sparse_round_s: float | None = None
+    sparse_exchange_s: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:

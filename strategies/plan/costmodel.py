@@ -120,6 +120,7 @@ class CostSetting:
     request_cpu: float = 0.0   # seconds a parameter-server request adds to the step on busy cores
     data: float = 0.0   # seconds a worker draws its batch per step (Profile.data_s, times the host's load)
     sparse_round: float | None = None   # seconds of one sparse gradient's exchange, bytes aside (ClusterSpec.sparse_round_s)
+    sparse_exchange: float | None = None   # seconds of this job's whole sparse exchange, measured (ClusterSpec.sparse_exchange_s)
 
     def under_backward(self, comm: float) -> float:
         """Seconds of backward plus the communication that runs during it."""
@@ -163,7 +164,7 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
                        cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
                        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
                        p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request,
-                       k * profile.data_s, cluster.sparse_round_s)
+                       k * profile.data_s, cluster.sparse_round_s, cluster.sparse_exchange_s)
 
 
 def split_tail(params, first_layer: int = 0):
@@ -197,7 +198,9 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     the N workers was probed (``ClusterSpec.sparse_round_s``), that time once per wave of
     ``GLOO_THREADS`` tables, at the end of backward (the exchanges are in flight together: four
     recsys-like tables over 8 emulated hosts took 181 ms in flight against 232 ms one after
-    another, 122 ms of it bytes; BENCHMARKS.md 14).
+    another, 122 ms of it bytes; BENCHMARKS.md 14). Where this job's whole exchange was
+    measured at its own sizes (``ClusterSpec.sparse_exchange_s``, ``hpar bench`` on emulated
+    hosts), that time replaces the AllGathers and their fixed times, at the end of backward.
     Every worker then sums the N gathered gradients and updates the union of touched rows:
     the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
     unprofiled, a dense-rate sum of the gathered rows and update of their union.
@@ -210,14 +213,16 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
                         note="the optimizer does not take sparse gradients (use SGD, Adagrad or SparseAdam)")
     d_over, d_tail = split_tail(dense)
     s_over, s_tail = split_tail(sparse)
+    measured = c.sparse_exchange is not None and c.n > 1 and bool(sparse)
     probed = c.sparse_round is not None and c.n > 1
-    ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat,
-                                         fixed_s=0.0 if probed else None) for p in ps)
+    ag = lambda ps: 0.0 if measured else sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat,
+                                                              fixed_s=0.0 if probed else None) for p in ps)
     # the step's exchanges are in flight together (DDP launches each as its gradient is ready),
     # run by gloo's GLOO_THREADS work threads: their fixed times overlap in waves of that many
-    rounds = math.ceil(len(sparse) / GLOO_THREADS) * c.sparse_round if probed else 0.0
+    rounds = math.ceil(len(sparse) / GLOO_THREADS) * c.sparse_round if probed and not measured else 0.0
+    exchange = c.sparse_exchange if measured else 0.0
     over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
-    tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail) + rounds
+    tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail) + rounds + exchange
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
     if profile.sparse_update_s_per_byte:
         merge, sparse_update = 0.0, gathered * c.sparse_update_per_byte

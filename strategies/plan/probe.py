@@ -13,7 +13,9 @@ Between two hosts the endpoints must be two processes: :func:`probe_peer` is one
 the link of its emulated hosts (launcher/bench/emulate.py) instead of trusting the cap.
 :func:`probe_sparse_round` is one of N processes, one per host (``... ADDR PORT RANK N``): the
 fixed time of one sparse-gradient exchange over all N workers, which grows with N faster than
-N - 1 latencies where the processes share busy cores (BENCHMARKS.md 14).
+N - 1 latencies where the processes share busy cores (BENCHMARKS.md 14);
+:func:`probe_sparse_exchange` (``... ADDR PORT RANK N TABLES``) times a profiled job's whole
+exchange at its own sizes.
 
 :func:`probe_requests` measures the CPU a small parameter-server request costs, with hpar's
 own client and server at both ends: what a request costs in time when the processes share
@@ -242,10 +244,57 @@ def probe_sparse_round(addr: str, port: int, rank: int, world: int, reps: int = 
     return statistics.fmean(times[2:]) if rank == 0 else None
 
 
-if __name__ == "__main__":   # python -m hpar.strategies.plan.probe ADDR PORT RANK [WORLD]: rank 0 prints JSON
+def probe_sparse_exchange(addr: str, port: int, rank: int, world: int, tables: list[tuple[int, int, int]],
+                          reps: int = 3, timeout_s: float = 120.0) -> float | None:
+    """One of ``world`` processes (one per host) timing a job's sparse-gradient exchange at its
+    own sizes: per table ``(rows, dim, table_rows)``, a COO gradient of ``rows`` distinct rows of
+    ``dim`` floats of a ``table_rows``-row table (the rows one worker's batch touches, from the
+    profile), all the tables' gloo sparse AllReduces in flight together, as DDP launches them
+    at the end of backward. Returns the mean seconds on rank 0 over ``reps`` exchanges after
+    one warm-up (each after a small AllReduce lines the ranks up and a 0.1 s pause, so the
+    links start idle as after a step's compute), None on the others.
+
+    Why, where :func:`probe_sparse_round` and the two-rank AllGather rate already price an
+    exchange: over the emulated hosts the measured whole exchange of examples/recsys.py's four
+    small tables took 32-306 ms over 2-8 hosts where bytes at the AllGather rate plus the
+    fixed rounds gave 60-424 ms, and examples/lm.py's two large ones 0.54-3.1 s against 0.56-3.9
+    s (BENCHMARKS.md 14): a link's rate depends on the messages' sizes and how many are in
+    flight (on the emulated hosts tbf lets a short message after an idle spell pass at once),
+    which one figure per link cannot carry. Raises RuntimeError if the exchange fails."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(addr, port, world, rank == 0, timeout=timeout)
+    try:
+        pg = dist.ProcessGroupGloo(store, rank, world, timeout)
+        small, g = torch.zeros(1), torch.Generator().manual_seed(rank)
+
+        def grads() -> list[torch.Tensor]:
+            return [torch.sparse_coo_tensor(torch.randperm(n, generator=g)[:min(rows, n)].sort().values[None],
+                                            torch.ones(min(rows, n), dim), (n, dim), check_invariants=True)
+                    for rows, dim, n in tables]
+
+        def exchange() -> float:
+            batch = grads()
+            time.sleep(0.1)
+            pg.allreduce([small]).wait()
+            t0 = time.perf_counter()
+            for work in [pg.allreduce([x]) for x in batch]:
+                work.wait()
+            return time.perf_counter() - t0
+        times = [exchange() for _ in range(reps + 1)]
+    except Exception as exc:
+        raise RuntimeError(f"sparse exchange probe failed ({type(exc).__name__})") from exc
+    return statistics.fmean(times[1:]) if rank == 0 else None
+
+
+if __name__ == "__main__":   # python -m hpar.strategies.plan.probe ADDR PORT RANK [WORLD [TABLES]]: rank 0 prints JSON
     import json
     import sys
-    if len(sys.argv) > 4:
+    if len(sys.argv) > 5:   # TABLES: JSON [[rows, dim, table_rows], ...] (probe_sparse_exchange)
+        seconds = probe_sparse_exchange(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                                        [tuple(t) for t in json.loads(sys.argv[5])])
+        if seconds is not None:
+            print(json.dumps({"sparse_exchange_s": seconds}))
+    elif len(sys.argv) > 4:
         seconds = probe_sparse_round(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
         if seconds is not None:
             print(json.dumps({"sparse_round_s": seconds}))
