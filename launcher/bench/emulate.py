@@ -173,7 +173,7 @@ class EmulatedCluster:
                                    "OMP_NUM_THREADS=1", sys.executable, "-m", "hpar.strategies.plan.probe", addr,
                                    str(port), str(r), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   start_new_session=True) for r in range(ranks)]
-        what = f"the {('sparse exchange' if len(args) > 1 else 'sparse AllReduce') if args else 'link'} probe between emulated hosts"
+        what = f"the {('link', 'sparse AllReduce', 'sparse exchange')[min(len(args), 2)]} probe between emulated hosts"
         try:
             out, err = procs[0].communicate(timeout=timeout_s)
             for p in procs[1:]:

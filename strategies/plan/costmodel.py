@@ -213,16 +213,18 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
                         note="the optimizer does not take sparse gradients (use SGD, Adagrad or SparseAdam)")
     d_over, d_tail = split_tail(dense)
     s_over, s_tail = split_tail(sparse)
-    measured = c.sparse_exchange is not None and c.n > 1 and bool(sparse)
     probed = c.sparse_round is not None and c.n > 1
-    ag = lambda ps: 0.0 if measured else sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat,
-                                                              fixed_s=0.0 if probed else None) for p in ps)
-    # the step's exchanges are in flight together (DDP launches each as its gradient is ready),
-    # run by gloo's GLOO_THREADS work threads: their fixed times overlap in waves of that many
-    rounds = math.ceil(len(sparse) / GLOO_THREADS) * c.sparse_round if probed and not measured else 0.0
-    exchange = c.sparse_exchange if measured else 0.0
-    over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
-    tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail) + rounds + exchange
+    ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat,
+                                         fixed_s=0.0 if probed else None) for p in ps)
+    if c.sparse_exchange is not None and c.n > 1 and sparse:   # the whole exchange, measured at its sizes
+        sparse_over, sparse_tail = 0.0, c.sparse_exchange
+    else:
+        # the step's exchanges are in flight together (DDP launches each as its gradient is ready),
+        # run by gloo's GLOO_THREADS work threads: their fixed times overlap in waves of that many
+        rounds = math.ceil(len(sparse) / GLOO_THREADS) * c.sparse_round if probed else 0.0
+        sparse_over, sparse_tail = ag(s_over), ag(s_tail) + rounds
+    over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + sparse_over
+    tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + sparse_tail
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
     if profile.sparse_update_s_per_byte:
         merge, sparse_update = 0.0, gathered * c.sparse_update_per_byte
