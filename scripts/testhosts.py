@@ -121,8 +121,14 @@ def _rate_bits(rate: str) -> int:
 
 
 def _cap(rate_bits: int, device: str, namespace: str | None) -> None:
-    """tbf on ``device``'s egress; burst covers one 250 Hz timer tick (at least 32 KiB)."""
-    burst = max(rate_bits // 8 // 250, 32 * 1024)
+    """tbf on ``device``'s egress. Its bucket holds one millisecond of the line (two full
+    Ethernet frames at least): what a bucket holds passes at once after an idle spell, so a
+    larger one lets short messages beat the rate. At 25 Mbit/s the old 32 KiB bucket sent a
+    32 KB message in 1.1 ms where the line takes 10.5 ms; with 3,125 bytes it takes 10.3 ms,
+    and 4 MB transfers keep their rate (2.97 against 3.00 MB/s; BENCHMARKS.md 14). The kernel's
+    tbf times its queue with high-resolution timers and splits GSO packets larger than the
+    bucket, so a small one holds the rate."""
+    burst = max(rate_bits // 8 // 1000, 2 * 1514)
     cmd = ["tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{rate_bits}bit",
            "burst", str(burst), "latency", "100ms"]
     _sh(*(["ip", "netns", "exec", namespace] if namespace else []), *cmd)
