@@ -124,7 +124,7 @@ def _cap(rate_bits: int, device: str, namespace: str | None) -> None:
     """tbf on ``device``'s egress. Its bucket holds one millisecond of the line (two full
     Ethernet frames at least): what a bucket holds passes at once after an idle spell, so a
     larger one lets short messages beat the rate. At 25 Mbit/s the old 32 KiB bucket sent a
-    32 KB message in 1.1 ms where the line takes 10.5 ms; with 3,125 bytes it takes 10.3 ms,
+    32 KB message in 1.1 ms where the line takes 10.5 ms; with 3,028 bytes it took 10.3 ms,
     and 4 MB transfers keep their rate (2.97 against 3.00 MB/s; BENCHMARKS.md 14). The kernel's
     tbf times its queue with high-resolution timers and splits GSO packets larger than the
     bucket, so a small one holds the rate."""
