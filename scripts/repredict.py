@@ -31,9 +31,12 @@ from hpar.strategies.profile.profiler import Profile
 
 
 def load_saved(path: str) -> tuple[Profile, ClusterSpec]:
-    """The (Profile, ClusterSpec) an ``hpar bench`` saved in ``path``."""
+    """The (Profile, ClusterSpec) an ``hpar bench`` saved in ``path`` (fields the ClusterSpec no
+    longer has are left out)."""
     saved = json.load(open(path, encoding="utf-8"))
-    cluster = dict(saved["cluster"])
+    known = {f.name for f in dataclasses.fields(ClusterSpec)}
+    cluster = {k: v for k, v in saved["cluster"].items() if k in known}   # a bench before 2026-11-27's
+    # gradient_exchange_s saved its sparse-only sparse_exchange_s, which the model no longer reads
     cluster["gpus_per_host"] = tuple(cluster["gpus_per_host"])
     return Profile.from_dict(saved["profile"]), ClusterSpec(**cluster)
 

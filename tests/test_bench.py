@@ -82,6 +82,23 @@ def test_emulate_spec():
     assert rate_arg(1.25e8) == "1000000000bit"
 
 
+def test_exchange_items_follow_backward_with_tables_alone_and_dense_layers_in_ddp_buckets():
+    """What the gradient exchange probe puts in flight for allreduce-sparse, in the order
+    backward produces it: examples/lm.py's shape (an input embedding at layer 0, dense layers,
+    a tied-free output table and bias at the top) gives the top tables first, one bucket of the
+    dense layers, then the input table; dense layers beyond 25 MB split into buckets."""
+    from hpar.launcher.bench.emulate import exchange_items
+    from hpar.strategies.profile.profiler import ParamProfile, Profile
+    table = lambda name, layer, shape, alpha: ParamProfile(name, shape, 4 * math.prod(shape), True, alpha, alpha, True, layer)
+    dense = lambda name, layer, n: ParamProfile(name, (n,), 4 * n, False, 1.0, 1.0, False, layer)
+    params = (table("emb", 0, (1000, 16), 0.05), table("out_w", 3, (1000, 16), 0.1), table("out_b", 4, (1000,), 0.1),
+              dense("lstm", 1, 300), dense("proj", 2, 20))
+    prof = Profile(params, (), 8, 8, 4, False, "x", 0.3, 0.1, 0.2, 10, 20, 1e-9, 8)
+    assert exchange_items(prof) == [[100, 1, 1000], [100, 16, 1000], [320], [50, 16, 1000]]
+    big = dataclasses.replace(prof, params=(dense("a", 1, 4_000_000), dense("b", 2, 4_000_000), dense("c", 3, 1)))
+    assert exchange_items(big) == [[4_000_001], [4_000_000]]   # 16 MB + 16 MB > DDP's 25 MB bucket
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--strategies", "allreduce,nope"], "--strategies"),
     (["--steps", "2"], "--steps"),

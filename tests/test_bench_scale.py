@@ -65,10 +65,11 @@ def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
     saved = json.load(open(tmp_path / "b" / "hosts-2" / "lm-profile.json"))["cluster"]
     assert saved["allgather_Bps"] == probe["2"]["allgather_Bps"] and saved["bandwidth_Bps"] == probe["2"]["bandwidth_Bps"]
     assert saved["sparse_round_s"] == probe["2"]["sparse_round_s"]
-    # and the script's own exchange (its embedding table at the rows a batch touches) over both hosts
-    assert 0 < saved["sparse_exchange_s"] < 1.0, saved
-    assert json.load(open(tmp_path / "b" / "hosts-1" / "lm-profile.json"))["cluster"]["sparse_exchange_s"] is None
-    assert "this script's sparse gradient exchange over 2 hosts, measured at its own sizes" in log
+    # and the script's own exchange (its embedding table at the rows a batch touches, its dense
+    # buckets beside it) over both hosts
+    assert 0 < saved["gradient_exchange_s"] < 1.0, saved
+    assert json.load(open(tmp_path / "b" / "hosts-1" / "lm-profile.json"))["cluster"]["gradient_exchange_s"] is None
+    assert "this script's gradient exchange (sparse tables and dense buckets) over 2 hosts, measured at its own sizes" in log
     assert "emulated link measured at" in log
 
 

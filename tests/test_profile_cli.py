@@ -138,13 +138,15 @@ def rank0_of_three_threads(probe, limit_s: float) -> float:
 
 
 @pytest.mark.timeout(120)
-def test_sparse_exchange_probe_times_a_jobs_tables_in_flight_together():
-    """probe_sparse_exchange with two tables at a job's sizes (rows a batch touches, dim, table
-    rows): rank 0 gets the mean seconds of the exchange; more rows take longer."""
-    from hpar.strategies.plan.probe import probe_sparse_exchange
-    exchange = lambda tables: lambda *where: probe_sparse_exchange(*where, tables, reps=2, timeout_s=60)
-    small = rank0_of_three_threads(exchange([(4, 8, 100), (2, 8, 50)]), 5.0)
-    assert rank0_of_three_threads(exchange([(20_000, 256, 40_000), (2, 8, 50)]), 5.0) > small   # 20 MB a rank
+def test_gradient_exchange_probe_times_a_jobs_tables_and_dense_buckets_in_flight_together():
+    """probe_gradient_exchange with two tables at a job's sizes (rows a batch touches, dim, table
+    rows) and a dense bucket between them: rank 0 gets the mean seconds of the exchange; more
+    rows, or a larger dense bucket, take longer."""
+    from hpar.strategies.plan.probe import probe_gradient_exchange
+    exchange = lambda items: lambda *where: probe_gradient_exchange(*where, items, reps=2, timeout_s=60)
+    small = rank0_of_three_threads(exchange([[4, 8, 100], [64], [2, 8, 50]]), 5.0)
+    assert rank0_of_three_threads(exchange([[20_000, 256, 40_000], [64], [2, 8, 50]]), 5.0) > small   # 20 MB a rank
+    assert rank0_of_three_threads(exchange([[4, 8, 100], [5_000_000], [2, 8, 50]]), 5.0) > small   # 20 MB dense
 
 
 @pytest.mark.timeout(120)

@@ -67,18 +67,19 @@ def _probe(em, console):
 
 
 def _with_exchange(em, console, profile, cluster):
-    """``cluster`` with the job's sparse-gradient exchange as measured over the emulated hosts
-    at its own sizes (``EmulatedCluster.probe_exchange``), announced on the console; unchanged
-    without an embedding table, on one host, or with more workers than hosts (the probe runs
-    one process per host)."""
+    """``cluster`` with the job's allreduce-sparse gradient exchange (sparse tables and dense
+    buckets in flight together) as measured over the emulated hosts at its own sizes
+    (``EmulatedCluster.probe_exchange``), announced on the console; unchanged without an
+    embedding table, on one host, or with more workers than hosts (the probe runs one process
+    per host)."""
     if cluster.workers != em.n_hosts:
         return cluster
     seconds = em.probe_exchange(profile)
     if seconds is None:
         return cluster
-    console.print(f"hpar bench: this script's sparse gradient exchange over {em.n_hosts} hosts, "
-                  f"measured at its own sizes: {seconds * 1e3:.1f} ms", markup=False)
-    return dataclasses.replace(cluster, sparse_exchange_s=seconds)
+    console.print(f"hpar bench: this script's gradient exchange (sparse tables and dense buckets) over "
+                  f"{em.n_hosts} hosts, measured at its own sizes: {seconds * 1e3:.1f} ms", markup=False)
+    return dataclasses.replace(cluster, gradient_exchange_s=seconds)
 
 
 def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps: float | None,

@@ -49,10 +49,12 @@ class ClusterSpec:
     (seconds of one sparse gradient's exchange over all the workers, bytes aside: gloo's sparse
     AllReduce of a one-row gradient, measured over the emulated hosts by
     strategies/plan/probe.probe_sparse_round; None: the cost model's two rounds of N-1 latencies),
-    ``sparse_exchange_s`` (seconds of one job's whole sparse-gradient exchange over all the
-    workers at the profiled sizes, every table in flight together, measured over the emulated
-    hosts by strategies/plan/probe.probe_sparse_exchange for the job ``hpar bench`` profiled;
-    it replaces the AllGather terms of that job's allreduce-sparse estimate; None: not measured)."""
+    ``gradient_exchange_s`` (seconds of one job's whole allreduce-sparse gradient exchange over
+    all the workers at the profiled sizes, as DDP runs it: every embedding table's sparse
+    AllReduce and the dense buckets' AllReduce in flight together, measured over the emulated
+    hosts by strategies/plan/probe.probe_gradient_exchange for the job ``hpar bench`` profiled;
+    it replaces the AllReduce and AllGather terms of that job's allreduce-sparse estimate; None:
+    not measured)."""
 
     hosts: int
     gpus_per_host: tuple[int, ...]
@@ -68,7 +70,7 @@ class ClusterSpec:
     request_cpu_s: float | None = None
     allgather_Bps: float | None = None
     sparse_round_s: float | None = None
-    sparse_exchange_s: float | None = None
+    gradient_exchange_s: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:

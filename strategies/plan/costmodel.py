@@ -120,7 +120,7 @@ class CostSetting:
     request_cpu: float = 0.0   # seconds a parameter-server request adds to the step on busy cores
     data: float = 0.0   # seconds a worker draws its batch per step (Profile.data_s, times the host's load)
     sparse_round: float | None = None   # seconds of one sparse gradient's exchange, bytes aside (ClusterSpec.sparse_round_s)
-    sparse_exchange: float | None = None   # seconds of this job's whole sparse exchange, measured (ClusterSpec.sparse_exchange_s)
+    gradient_exchange: float | None = None   # seconds of this job's whole allreduce-sparse exchange, measured (ClusterSpec.gradient_exchange_s)
 
     def under_backward(self, comm: float) -> float:
         """Seconds of backward plus the communication that runs during it."""
@@ -164,7 +164,7 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
                        cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
                        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
                        p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request,
-                       k * profile.data_s, cluster.sparse_round_s, cluster.sparse_exchange_s)
+                       k * profile.data_s, cluster.sparse_round_s, cluster.gradient_exchange_s)
 
 
 def split_tail(params, first_layer: int = 0):
@@ -199,8 +199,10 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     ``GLOO_THREADS`` tables, at the end of backward (the exchanges are in flight together: four
     recsys-like tables over 8 emulated hosts took 181 ms in flight against 232 ms one after
     another, 122 ms of it bytes; BENCHMARKS.md 14). Where this job's whole exchange was
-    measured at its own sizes (``ClusterSpec.sparse_exchange_s``, ``hpar bench`` on emulated
-    hosts), that time replaces the AllGathers and their fixed times, at the end of backward.
+    measured at its own sizes (``ClusterSpec.gradient_exchange_s``, ``hpar bench`` on emulated
+    hosts: the sparse tables and the dense buckets in flight together, which over a slow link
+    took longer than the two apart), that time replaces the AllReduce, the AllGathers and their
+    fixed times, at the end of backward.
     Every worker then sums the N gathered gradients and updates the union of touched rows:
     the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
     unprofiled, a dense-rate sum of the gathered rows and update of their union.
@@ -216,15 +218,14 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     probed = c.sparse_round is not None and c.n > 1
     ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat,
                                          fixed_s=0.0 if probed else None) for p in ps)
-    if c.sparse_exchange is not None and c.n > 1 and sparse:   # the whole exchange, measured at its sizes
-        sparse_over, sparse_tail = 0.0, c.sparse_exchange
+    if c.gradient_exchange is not None and c.n > 1 and sparse:   # the whole exchange, dense too, measured
+        over, tail = 0.0, c.gradient_exchange
     else:
         # the step's exchanges are in flight together (DDP launches each as its gradient is ready),
         # run by gloo's GLOO_THREADS work threads: their fixed times overlap in waves of that many
         rounds = math.ceil(len(sparse) / GLOO_THREADS) * c.sparse_round if probed else 0.0
-        sparse_over, sparse_tail = ag(s_over), ag(s_tail) + rounds
-    over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + sparse_over
-    tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + sparse_tail
+        over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
+        tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail) + rounds
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
     if profile.sparse_update_s_per_byte:
         merge, sparse_update = 0.0, gathered * c.sparse_update_per_byte

@@ -14,8 +14,8 @@ the link of its emulated hosts (launcher/bench/emulate.py) instead of trusting t
 :func:`probe_sparse_round` is one of N processes, one per host (``... ADDR PORT RANK N``): the
 fixed time of one sparse-gradient exchange over all N workers, which grows with N faster than
 N - 1 latencies where the processes share busy cores (BENCHMARKS.md 14);
-:func:`probe_sparse_exchange` (``... ADDR PORT RANK N TABLES``) times a profiled job's whole
-exchange at its own sizes.
+:func:`probe_gradient_exchange` (``... ADDR PORT RANK N ITEMS``) times a profiled job's whole
+allreduce-sparse exchange (sparse tables and dense buckets in flight together) at its own sizes.
 
 :func:`probe_requests` measures the CPU a small parameter-server request costs, with hpar's
 own client and server at both ends: what a request costs in time when the processes share
@@ -244,36 +244,40 @@ def probe_sparse_round(addr: str, port: int, rank: int, world: int, reps: int = 
     return statistics.fmean(times[2:]) if rank == 0 else None
 
 
-def probe_sparse_exchange(addr: str, port: int, rank: int, world: int, tables: list[tuple[int, int, int]],
-                          reps: int = 3, timeout_s: float = 120.0) -> float | None:
-    """One of ``world`` processes (one per host) timing a job's sparse-gradient exchange at its
-    own sizes: per table ``(rows, dim, table_rows)``, a COO gradient of ``rows`` distinct rows of
-    ``dim`` floats of a ``table_rows``-row table (the rows one worker's batch touches, from the
-    profile), all the tables' gloo sparse AllReduces in flight together, as DDP launches them
-    at the end of backward. Returns the mean seconds on rank 0 over ``reps`` exchanges after
-    one warm-up (each after a small AllReduce lines the ranks up and a 0.1 s pause, so the
-    links start idle as after a step's compute), None on the others.
+def probe_gradient_exchange(addr: str, port: int, rank: int, world: int, items: list[list[int]],
+                            reps: int = 5, timeout_s: float = 120.0) -> float | None:
+    """One of ``world`` processes (one per host) timing allreduce-sparse's whole gradient
+    exchange at a job's own sizes, as DDP runs it: ``items`` in the order backward produces
+    them, each either ``[rows, dim, table_rows]`` (an embedding table's COO gradient of
+    ``rows`` distinct rows of ``dim`` floats, the rows one worker's batch touches: gloo's sparse
+    AllReduce) or ``[elements]`` (a bucket of dense float gradients: gloo's ring AllReduce), all
+    in flight together. Returns the mean seconds on rank 0 over ``reps`` exchanges after one
+    warm-up (the mean: over the emulated links an exchange's time varies by 20% from one to the
+    next, and a step pays its expectation; each exchange after a small AllReduce lines the
+    ranks up and a 0.1 s pause, so the links start idle as after a step's compute), None on
+    the others.
 
     Why, where :func:`probe_sparse_round` and the two-rank AllGather rate already price an
-    exchange: over the emulated hosts the measured whole exchange of examples/recsys.py's four
-    small tables took 32-306 ms over 2-8 hosts where bytes at the AllGather rate plus the
-    fixed rounds gave 60-424 ms, and examples/lm.py's two large ones 0.54-3.1 s against 0.56-3.9
-    s (BENCHMARKS.md 14): a link's rate depends on the messages' sizes and how many are in
-    flight (on the emulated hosts tbf lets a short message after an idle spell pass at once),
-    which one figure per link cannot carry. Raises RuntimeError if the exchange fails."""
+    exchange: a link's rate depends on the messages' sizes and how many are in flight, which
+    one figure per link cannot carry. Over the emulated hosts at 25 Mbit/s examples/lm.py's
+    sparse tables alone took 0.59, 1.27 and 2.95 s over 2, 4 and 8 hosts and its 643 KB dense
+    bucket alone 0.22, 0.35 and 0.39 s, but the two in flight together 0.93, 1.89 and 3.98 s,
+    0.13-0.64 s more than the sum (BENCHMARKS.md 14). Raises RuntimeError if the exchange fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, world, rank == 0, timeout=timeout)
     try:
         pg = dist.ProcessGroupGloo(store, rank, world, timeout)
         small, g = torch.zeros(1), torch.Generator().manual_seed(rank)
 
-        def grads() -> list[torch.Tensor]:
-            return [torch.sparse_coo_tensor(torch.randperm(n, generator=g)[:min(rows, n)].sort().values[None],
-                                            torch.ones(min(rows, n), dim), (n, dim), check_invariants=True)
-                    for rows, dim, n in tables]
+        def grad(item: list[int]) -> torch.Tensor:
+            if len(item) == 1:
+                return torch.ones(item[0])
+            rows, dim, n = item
+            ids = torch.randperm(n, generator=g)[:min(rows, n)].sort().values[None]
+            return torch.sparse_coo_tensor(ids, torch.ones(ids.shape[1], dim), (n, dim), check_invariants=True)
 
         def exchange() -> float:
-            batch = grads()
+            batch = [grad(item) for item in items]
             time.sleep(0.1)
             pg.allreduce([small]).wait()
             t0 = time.perf_counter()
@@ -282,18 +286,18 @@ def probe_sparse_exchange(addr: str, port: int, rank: int, world: int, tables: l
             return time.perf_counter() - t0
         times = [exchange() for _ in range(reps + 1)]
     except Exception as exc:
-        raise RuntimeError(f"sparse exchange probe failed ({type(exc).__name__})") from exc
+        raise RuntimeError(f"gradient exchange probe failed ({type(exc).__name__})") from exc
     return statistics.fmean(times[1:]) if rank == 0 else None
 
 
-if __name__ == "__main__":   # python -m hpar.strategies.plan.probe ADDR PORT RANK [WORLD [TABLES]]: rank 0 prints JSON
+if __name__ == "__main__":   # python -m hpar.strategies.plan.probe ADDR PORT RANK [WORLD [ITEMS]]: rank 0 prints JSON
     import json
     import sys
-    if len(sys.argv) > 5:   # TABLES: JSON [[rows, dim, table_rows], ...] (probe_sparse_exchange)
-        seconds = probe_sparse_exchange(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
-                                        [tuple(t) for t in json.loads(sys.argv[5])])
+    if len(sys.argv) > 5:   # ITEMS: JSON [[rows, dim, table_rows] or [elements], ...] (probe_gradient_exchange)
+        seconds = probe_gradient_exchange(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                                          json.loads(sys.argv[5]))
         if seconds is not None:
-            print(json.dumps({"sparse_exchange_s": seconds}))
+            print(json.dumps({"gradient_exchange_s": seconds}))
     elif len(sys.argv) > 4:
         seconds = probe_sparse_round(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
         if seconds is not None:
