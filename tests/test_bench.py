@@ -87,7 +87,7 @@ def test_exchange_items_follow_backward_with_tables_alone_and_dense_layers_in_dd
     backward produces it: examples/lm.py's shape (an input embedding at layer 0, dense layers,
     a tied-free output table and bias at the top) gives the top tables first, one bucket of the
     dense layers, then the input table; dense layers beyond 25 MB split into buckets."""
-    from hpar.launcher.bench.emulate import exchange_items
+    from hpar.strategies.plan.probe import exchange_items
     from hpar.strategies.profile.profiler import ParamProfile, Profile
     table = lambda name, layer, shape, alpha: ParamProfile(name, shape, 4 * math.prod(shape), True, alpha, alpha, True, layer)
     dense = lambda name, layer, n: ParamProfile(name, (n,), 4 * n, False, 1.0, 1.0, False, layer)

@@ -124,29 +124,6 @@ class Sample:
     if_packets: dict = field(default_factory=dict)
 
 
-def exchange_items(profile) -> list[list[int]]:
-    """What DDP exchanges per step for allreduce-sparse, in the order backward produces it
-    (last layer first): an embedding table as ``[rows a batch touches (alpha x rows), row
-    floats, table rows]``, each on its own, and the dense parameters between them as buckets
-    ``[elements]`` of at most DDP's 25 MB (a run of dense layers shares buckets, as DDP fills
-    them in that order)."""
-    from hpar.strategies.plan.costmodel import BUCKET_BYTES
-    items: list[list[int]] = []
-    bucket = 0   # float elements of the dense bucket being filled
-    for p in sorted(profile.params, key=lambda p: -p.layer):
-        if not p.embedding_module:
-            if bucket and 4 * bucket + p.bytes > BUCKET_BYTES:
-                items.append([bucket])
-                bucket = 0
-            bucket += p.bytes // 4
-            continue
-        if bucket:
-            items.append([bucket])
-            bucket = 0
-        items.append([max(1, round(p.alpha * p.rows)), math.prod(p.shape[1:]), p.rows])
-    return items + ([[bucket]] if bucket else [])
-
-
 class EmulatedCluster:
     """Context manager: ``with EmulatedCluster(2, 4, 1.25e8) as em: ...`` makes the hosts,
     writes ``em.host_file`` (``root@ADDR:22 slots=S``) and ``em.key``; leaving removes them.
@@ -229,9 +206,10 @@ class EmulatedCluster:
     def probe_exchange(self, profile, timeout_s: float = 180.0) -> float | None:
         """Seconds of ``profile``'s whole allreduce-sparse gradient exchange over all the hosts,
         one process on each, at the job's own sizes (strategies/plan/probe.probe_gradient_exchange):
-        :func:`exchange_items`. None with fewer than two hosts or no embedding table (the job
+        :func:`~hpar.strategies.plan.probe.exchange_items`. None with fewer than two hosts or no embedding table (the job
         then runs allreduce-sparse as allreduce). Raises RuntimeError when the probe fails or
         outlives ``timeout_s``."""
+        from hpar.strategies.plan.probe import exchange_items
         items = exchange_items(profile)
         if self.n_hosts < 2 or not any(len(item) == 3 for item in items):
             return None

@@ -24,6 +24,7 @@ busy cores (the cost model's ``request_cpu_s``, strategies/plan/costmodel_ps.py)
 from __future__ import annotations
 
 import datetime
+import math
 import statistics
 import threading
 import time
@@ -31,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from hpar.strategies.plan.costmodel import BUCKET_BYTES
 
 _SMALL_TAG, _BIG_TAG = 0, 1
 
@@ -242,6 +245,28 @@ def probe_sparse_round(addr: str, port: int, rank: int, world: int, reps: int = 
     except Exception as exc:
         raise RuntimeError(f"sparse AllReduce probe failed ({type(exc).__name__})") from exc
     return statistics.fmean(times[2:]) if rank == 0 else None
+
+
+def exchange_items(profile) -> list[list[int]]:
+    """What DDP exchanges per step for allreduce-sparse, in the order backward produces it
+    (last layer first): an embedding table as ``[rows a batch touches (alpha x rows), row
+    floats, table rows]``, each on its own, and the dense parameters between them as buckets
+    ``[elements]`` of at most DDP's 25 MB (a run of dense layers shares buckets, as DDP fills
+    them in that order)."""
+    items: list[list[int]] = []
+    bucket = 0   # float elements of the dense bucket being filled
+    for p in sorted(profile.params, key=lambda p: -p.layer):
+        if not p.embedding_module:
+            if bucket and 4 * bucket + p.bytes > BUCKET_BYTES:
+                items.append([bucket])
+                bucket = 0
+            bucket += p.bytes // 4
+            continue
+        if bucket:
+            items.append([bucket])
+            bucket = 0
+        items.append([max(1, round(p.alpha * p.rows)), math.prod(p.shape[1:]), p.rows])
+    return items + ([[bucket]] if bucket else [])
 
 
 def probe_gradient_exchange(addr: str, port: int, rank: int, world: int, items: list[list[int]],
