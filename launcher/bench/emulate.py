@@ -205,10 +205,10 @@ class EmulatedCluster:
 
     def probe_exchange(self, profile, timeout_s: float = 180.0) -> float | None:
         """Seconds of ``profile``'s whole allreduce-sparse gradient exchange over all the hosts,
-        one process on each, at the job's own sizes (strategies/plan/probe.probe_gradient_exchange):
-        :func:`~hpar.strategies.plan.probe.exchange_items`. None with fewer than two hosts or no embedding table (the job
-        then runs allreduce-sparse as allreduce). Raises RuntimeError when the probe fails or
-        outlives ``timeout_s``."""
+        one process on each, at the job's own sizes (strategies/plan/probe.probe_gradient_exchange
+        of what ``exchange_items`` lists). None with fewer than two hosts or no embedding table
+        (the job then runs allreduce-sparse as allreduce). Raises RuntimeError when the probe
+        fails or outlives ``timeout_s``."""
         from hpar.strategies.plan.probe import exchange_items
         items = exchange_items(profile)
         if self.n_hosts < 2 or not any(len(item) == 3 for item in items):

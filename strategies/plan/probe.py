@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.plan.costmodel import BUCKET_BYTES
+from hpar.strategies.profile.profiler import Profile
 
 _SMALL_TAG, _BIG_TAG = 0, 1
 
@@ -247,7 +248,7 @@ def probe_sparse_round(addr: str, port: int, rank: int, world: int, reps: int = 
     return statistics.fmean(times[2:]) if rank == 0 else None
 
 
-def exchange_items(profile) -> list[list[int]]:
+def exchange_items(profile: Profile) -> list[list[int]]:
     """What DDP exchanges per step for allreduce-sparse, in the order backward produces it
     (last layer first): an embedding table as ``[rows a batch touches (alpha x rows), row
     floats, table rows]``, each on its own, and the dense parameters between them as buckets
