@@ -213,14 +213,14 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     if sparse and not profile.sparse_gradients_ok:
         return Estimate("allreduce-sparse", 0.0, 0, 0.0, feasible=False,
                         note="the optimizer does not take sparse gradients (use SGD, Adagrad or SparseAdam)")
-    d_over, d_tail = split_tail(dense)
-    s_over, s_tail = split_tail(sparse)
-    probed = c.sparse_round is not None and c.n > 1
-    ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat,
-                                         fixed_s=0.0 if probed else None) for p in ps)
     if c.gradient_exchange is not None and c.n > 1 and sparse:   # the whole exchange, dense too, measured
         over, tail = 0.0, c.gradient_exchange
     else:
+        d_over, d_tail = split_tail(dense)
+        s_over, s_tail = split_tail(sparse)
+        probed = c.sparse_round is not None and c.n > 1
+        ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat,
+                                             fixed_s=0.0 if probed else None) for p in ps)
         # the step's exchanges are in flight together (DDP launches each as its gradient is ready),
         # run by gloo's GLOO_THREADS work threads: their fixed times overlap in waves of that many
         rounds = math.ceil(len(sparse) / GLOO_THREADS) * c.sparse_round if probed else 0.0

@@ -255,19 +255,19 @@ def exchange_items(profile: Profile) -> list[list[int]]:
     ``[elements]`` of at most DDP's 25 MB (a run of dense layers shares buckets, as DDP fills
     them in that order)."""
     items: list[list[int]] = []
-    bucket = 0   # float elements of the dense bucket being filled
+    bucket = 0   # bytes of the dense bucket being filled (float32: 4 bytes an element)
     for p in sorted(profile.params, key=lambda p: -p.layer):
         if not p.embedding_module:
-            if bucket and 4 * bucket + p.bytes > BUCKET_BYTES:
-                items.append([bucket])
+            if bucket and bucket + p.bytes > BUCKET_BYTES:
+                items.append([bucket // 4])
                 bucket = 0
-            bucket += p.bytes // 4
+            bucket += p.bytes
             continue
         if bucket:
-            items.append([bucket])
+            items.append([bucket // 4])
             bucket = 0
         items.append([max(1, round(p.alpha * p.rows)), math.prod(p.shape[1:]), p.rows])
-    return items + ([[bucket]] if bucket else [])
+    return items + ([[bucket // 4]] if bucket else [])
 
 
 def probe_gradient_exchange(addr: str, port: int, rank: int, world: int, items: list[list[int]],
