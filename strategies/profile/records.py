@@ -1,0 +1,120 @@
+"""The profile's records: what ``hpar profile`` measured of a job, per parameter, per layer
+and for the whole step (strategies/profile/profiler.py measures them; the cost model in
+strategies/plan/ reads them). Plain frozen dataclasses, saved as JSON with ``to_dict`` and
+read back with ``from_dict``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParamProfile:
+    """One parameter. ``bytes`` = numel * element size; ``alpha``/``union_alpha`` are
+    fractions of rows (first dimension) in [0, 1], 1.0 for dense parameters; ``union_curve``
+    holds (k workers, union fraction) pairs; ``row_mass`` splits the rows into equal
+    contiguous buckets and gives the share of all row touches in each (sums to 1; says how
+    hot rows sit, which decides server load under row-range partitioning);
+    ``layer`` indexes ``Profile.layers`` (-1: none)."""
+
+    name: str
+    shape: tuple[int, ...]
+    bytes: int
+    sparse: bool
+    alpha: float
+    union_alpha: float
+    embedding_module: bool
+    layer: int = -1
+    union_curve: tuple[tuple[int, float], ...] = ()
+    row_mass: tuple[float, ...] = ()
+    dedup_s: float = 0.0    # embeddings: seconds to deduplicate one batch's ids on the host
+
+    @property
+    def rows(self) -> int:
+        return int(self.shape[0]) if self.shape else 1
+
+    def union_for(self, k: int) -> float:
+        """Fraction of rows touched by the union of k workers' batches (log-linear
+        interpolation in k between measured points; alpha for k=1)."""
+        if not self.sparse or k <= 1 or not self.union_curve:
+            return self.alpha if k <= 1 else self.union_alpha
+        pts = sorted(self.union_curve)
+        if k >= pts[-1][0]:
+            return pts[-1][1]
+        lo = max((p for p in pts if p[0] <= k), default=(1, self.alpha))
+        hi = min(p for p in pts if p[0] >= k)
+        if hi[0] == lo[0]:
+            return hi[1]
+        t = (math.log(k) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
+        return lo[1] + t * (hi[1] - lo[1])
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer (a pipeline layer or a top-level child). Seconds per batch of
+    ``Profile.batch_size``; ``flops`` = forward + backward; ``activation_bytes`` = bytes of
+    the layer's output tensors (what a pipeline stage boundary after it would send)."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    flops: int
+    activation_bytes: int
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A measured job. ``compute_s`` = forward (with loss) + backward seconds of one
+    worker's batch on ``device`` ("cpu": one CPU thread; "cuda": one GPU); ``update_s_per_byte``
+    the optimizer there, ``host_update_s_per_byte`` on one CPU thread (the parameter servers';
+    None: measured on the CPU already); ``forward_flops``/``backward_flops`` per batch;
+    ``samples_per_batch`` = leading dimension of one batch's inputs; ``workers`` = N the
+    sparsity was measured for; ``fixed_share`` the part of ``compute_s`` that a smaller
+    batch does not shrink (``hooks.fixed_share``); ``data_s`` the seconds a worker takes to
+    draw one batch from ``data()`` and move it to the device."""
+
+    params: tuple[ParamProfile, ...]
+    layers: tuple[LayerProfile, ...]
+    batch_size: int
+    samples_per_batch: int
+    workers: int
+    is_sequential: bool
+    sequential_reason: str
+    compute_s: float
+    forward_s: float
+    backward_s: float
+    forward_flops: int
+    backward_flops: int
+    update_s_per_byte: float
+    timing_batch_size: int
+    profile_s: float = 0.0
+    sparse_update_s_per_byte: float | None = None
+    sparse_gradients_ok: bool = True
+    fixed_share: float = 0.0
+    device: str = "cpu"
+    host_update_s_per_byte: float | None = None
+    data_s: float = 0.0     # seconds to draw one batch and move it to the device (device.data_seconds)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.bytes for p in self.params)
+
+    @property
+    def flops(self) -> int:
+        return self.forward_flops + self.backward_flops
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        d = dict(d)
+        d["params"] = tuple(ParamProfile(**{**p, "shape": tuple(p["shape"]),
+                                            "union_curve": tuple(tuple(x) for x in p.get("union_curve", ())),
+                                            "row_mass": tuple(p.get("row_mass", ()))})
+                            for p in d["params"])
+        d["layers"] = tuple(LayerProfile(**l) for l in d["layers"])
+        return cls(**d)
