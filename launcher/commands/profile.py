@@ -133,7 +133,6 @@ def report(profile, cluster, plan) -> dict:
                         "sequential_reason": profile.sequential_reason, "timing_batch_size": profile.timing_batch_size,
                         "profile_s": profile.profile_s, "update_s_per_byte": profile.update_s_per_byte,
                         "sparse_update_s_per_byte": profile.sparse_update_s_per_byte,
-                        "sparse_update_fixed_s": profile.sparse_update_fixed_s,
                         "host_update_s_per_byte": profile.host_update_s_per_byte}}
 
 

@@ -121,7 +121,6 @@ class CostSetting:
     data: float = 0.0   # seconds a worker draws its batch per step (Profile.data_s, times the host's load)
     sparse_round: float | None = None   # seconds of one sparse gradient's exchange, bytes aside (ClusterSpec.sparse_round_s)
     gradient_exchange: float | None = None   # seconds of this job's whole allreduce-sparse exchange, measured (ClusterSpec.gradient_exchange_s)
-    sparse_update_fixed: float = 0.0   # worker update per sparse table, bytes aside (Profile.sparse_update_fixed_s)
 
     def under_backward(self, comm: float) -> float:
         """Seconds of backward plus the communication that runs during it."""
@@ -165,8 +164,7 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
                        cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
                        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
                        p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request,
-                       k * profile.data_s, cluster.sparse_round_s, cluster.gradient_exchange_s,
-                       k * profile.sparse_update_fixed_s if profile.sparse_update_s_per_byte else 0.0)
+                       k * profile.data_s, cluster.sparse_round_s, cluster.gradient_exchange_s)
 
 
 def split_tail(params, first_layer: int = 0):
@@ -206,9 +204,8 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     took longer than the two apart), that time replaces the AllReduce, the AllGathers and their
     fixed times, at the end of backward.
     Every worker then sums the N gathered gradients and updates the union of touched rows:
-    the profiled sparse update (torch's coalesce and sparse kernels), a fixed time per table
-    plus a time per gathered byte, or, unprofiled, a dense-rate sum of the gathered rows and
-    update of their union.
+    the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
+    unprofiled, a dense-rate sum of the gathered rows and update of their union.
     Infeasible when the optimizer rejects sparse gradients."""
     c = cost_setting(profile, cluster)
     dense = [p for p in profile.params if not p.embedding_module]
@@ -231,7 +228,7 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
         tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail) + rounds
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
     if profile.sparse_update_s_per_byte:
-        merge, sparse_update = 0.0, len(sparse) * c.sparse_update_fixed + gathered * c.sparse_update_per_byte
+        merge, sparse_update = 0.0, gathered * c.sparse_update_per_byte
     else:
         merge = gathered * c.update_per_byte
         sparse_update = sum(p.union_for(c.n) * p.bytes for p in sparse) * c.update_per_byte

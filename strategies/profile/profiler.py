@@ -35,11 +35,10 @@ What is measured and how:
   at full batch within the 30 s budget); left None, it is ``batch_size`` unless one step
   would exceed ``hooks.STEP_BUDGET_S`` (extrapolated from warm steps at 1/32 and
   1/8 of the batch). Sparsity is always measured at ``batch_size``.
-* ``update_s_per_byte``, and ``sparse_update_fixed_s`` + ``sparse_update_s_per_byte``: the
-  user's optimizer on a dense probe of the model's size, and per table and per byte on sparse
-  gradients shaped like the largest embedding's gathered pushes
-  (``strategies/profile/update.py``); the sparse figures are None without an embedding or
-  when the optimizer rejects sparse gradients (``sparse_gradients_ok`` False).
+* ``update_s_per_byte`` and ``sparse_update_s_per_byte``: the user's optimizer on a dense
+  probe of the model's size and on a sparse gradient shaped like the largest embedding's
+  gathered pushes (``strategies/profile/update.py``); the latter is None without an
+  embedding or when the optimizer rejects sparse gradients (``sparse_gradients_ok`` False).
 
 Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
 """
@@ -236,7 +235,5 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
                    update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
-                   sparse_update_s_per_byte=sparse_update and sparse_update.s_per_byte,
-                   sparse_update_fixed_s=sparse_update.fixed_s if sparse_update else 0.0,
-                   sparse_gradients_ok=sparse_ok, fixed_share=fixed,
+                   sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s)

@@ -92,7 +92,6 @@ class Profile:
     timing_batch_size: int
     profile_s: float = 0.0
     sparse_update_s_per_byte: float | None = None
-    sparse_update_fixed_s: float = 0.0     # seconds per table of a sparse update, bytes aside
     sparse_gradients_ok: bool = True
     fixed_share: float = 0.0
     device: str = "cpu"
