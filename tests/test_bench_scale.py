@@ -116,7 +116,8 @@ def test_emulated_hosts_share_the_cores_out_and_every_run_gets_them():
     """Every emulated host sees all of this machine's cores; `hpar run` would give each host's
     processes all of them (8 hosts: 8x too many OpenMP threads, cnn.py's allreduce 7x slower). The
     bench passes cpu_count / (workers + one server per host) threads, at least 1, to every run."""
-    from hpar.launcher.bench.driver import BenchConfig, run_command
+    from hpar.launcher.bench.config import BenchConfig
+    from hpar.launcher.bench.driver import run_command
     from hpar.launcher.bench.emulate import EmulatedCluster
     assert EmulatedCluster(8, 8, None).threads == max(1, (os.cpu_count() or 1) // 16)
     assert EmulatedCluster(1, 1, None).threads == max(1, (os.cpu_count() or 1) // 2)

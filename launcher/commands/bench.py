@@ -151,7 +151,8 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
         return _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out,
                             plot_out, bench_dir, timeout_s, precision, repeat, min_seconds)
     from hpar.launcher.bench import report
-    from hpar.launcher.bench.driver import BenchConfig, parse_strategies, run_bench
+    from hpar.launcher.bench.config import BenchConfig, parse_strategies
+    from hpar.launcher.bench.driver import run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster, parse_emulate
     from hpar.strategies.plan.cluster import parse_bandwidth
     console = Console(soft_wrap=False, width=max(Console().width, 140))
@@ -228,7 +229,8 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
                  bench_dir, timeout_s, precision=None, repeat=1, min_seconds=0.0) -> None:
     """``hpar bench --scale``: one bench per host count on emulated hosts (launcher/bench/scale.py)."""
     from hpar.launcher.bench import report
-    from hpar.launcher.bench.driver import BenchConfig, parse_strategies, run_bench
+    from hpar.launcher.bench.config import BenchConfig, parse_strategies
+    from hpar.launcher.bench.driver import run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster
     from hpar.launcher.bench.scale import parse_scale, plot_scale, points, print_scale, rankings
     from hpar.strategies.plan.cluster import parse_bandwidth

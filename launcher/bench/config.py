@@ -1,0 +1,76 @@
+"""What ``hpar bench`` runs: the bench strategies (``hpar run --strategy`` and ``--schedule``
+of each name), the bench's settings (:class:`BenchConfig`), the ``--strategies`` list, and how
+many steps each strategy's run takes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PLANNED = {"pipeline", "hybrid", "ps"}   # strategies whose runs take the planner's plan
+
+# bench name -> (hpar run --strategy, --schedule or None)
+BENCH_STRATEGIES: dict[str, tuple[str, str | None]] = {
+    "hybrid": ("hybrid", None), "ps": ("ps", None), "allreduce": ("allreduce", None),
+    "allreduce-sparse": ("allreduce-sparse", None),
+    "pipeline-gpipe": ("pipeline", "gpipe"), "pipeline-1f1b": ("pipeline", "1f1b"),
+    "pipeline-async-stash": ("pipeline", "async-stash"), "pipeline-async-predict": ("pipeline", "async-predict"),
+    "pipeline-async-2bw": ("pipeline", "async-2bw"),
+    "torch-gpipe": ("pipeline", "torch-gpipe"), "torch-1f1b": ("pipeline", "torch-1f1b"),
+    "torch-interleaved-1f1b": ("pipeline", "torch-interleaved-1f1b"), "torch-zbv": ("pipeline", "torch-zbv"),
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to bench. ``hosts`` is a host spec for ``hpar run --hosts`` (None: this machine);
+    ``bandwidth_Bps``/``latency_s`` None: probe the loopback link for the cost model;
+    ``project`` > 0 adds the cost model's projection to that many GPUs; ``precision`` (None:
+    the script's) is every run's ``--precision`` and the profile's; ``threads`` (None: ``hpar
+    run``'s default) every process's CPU threads; ``repeat`` runs of every strategy, in rounds
+    (every strategy once per round, so that a slow spell of the machine hits all of them)."""
+
+    scripts: tuple[str, ...]
+    gpus: int
+    strategies: tuple[str, ...]
+    steps: int
+    bench_dir: str
+    batch_size: int | None = None
+    seed: int = 0
+    hosts: str | None = None
+    ssh_key: str | None = None
+    bandwidth_Bps: float | None = None
+    latency_s: float | None = None
+    project: int = 0
+    device_tflops: float | None = None
+    timeout_s: float = 600.0
+    precision: str | None = None
+    threads: int | None = None     # every process's CPU threads (--env OMP_NUM_THREADS); None: hpar run's default
+    repeat: int = 1     # runs of every strategy, interleaved (round r runs every strategy once)
+    min_seconds: float = 0.0   # more steps for a strategy predicted faster: see steps_for
+
+
+MAX_STEPS = 5000   # steps_for's ceiling
+
+
+def steps_for(cfg: BenchConfig, predicted_step_s: float | None) -> int:
+    """Steps of one strategy's run: ``cfg.steps``, or more so that the steps after the 2
+    warm-up ones take ``cfg.min_seconds`` at the predicted step time (at most MAX_STEPS): a
+    model that steps in milliseconds is otherwise measured over a fraction of a second, in
+    which one slow step (a log line, a heartbeat) moves samples/s by tens of percent."""
+    if not cfg.min_seconds or not predicted_step_s:
+        return cfg.steps
+    return max(cfg.steps, min(MAX_STEPS, 2 + math.ceil(cfg.min_seconds / predicted_step_s)))
+
+
+def parse_strategies(text: str | None) -> tuple[str, ...]:
+    """``"hybrid,allreduce"`` -> names in BENCH_STRATEGIES (None or "all": every one).
+    Raises ValueError naming ``--strategies`` and the valid names for an unknown one."""
+    if not text or text.strip() == "all":
+        return tuple(BENCH_STRATEGIES)
+    names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    bad = [n for n in names if n not in BENCH_STRATEGIES]
+    if bad or not names:
+        raise ValueError(f"--strategies: unknown {', '.join(bad) or 'empty list'}; "
+                         f"choose from {', '.join(BENCH_STRATEGIES)}")
+    return names

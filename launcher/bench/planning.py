@@ -1,0 +1,117 @@
+"""One script's plan in ``hpar bench``: the script profiled once, every strategy estimated by
+the cost model for the bench's cluster (and a projection's), the planner's plan of each
+planned strategy written for its runs, and why a strategy cannot run this job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from hpar.launcher.bench.config import BENCH_STRATEGIES, PLANNED, BenchConfig
+
+def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None:
+    """Why strategy ``name`` cannot run this job (None when it can): model not a sequence of layers, too few workers or layers for a pipeline, fewer planned
+    micro-batches than stages for torch's 1F1B."""
+    strategy, schedule = BENCH_STRATEGIES[name]
+    if strategy == "pipeline":
+        if not profile.is_sequential:
+            return f"not a sequence of layers: {profile.sequential_reason}"
+        est = estimates.get("pipeline")
+        if est is not None and not est.feasible:
+            return est.note
+        if schedule == "torch-1f1b" and est is not None and est.micro_batches < gpus:
+            return (f"the plan's {est.micro_batches} micro-batch(es) per batch are fewer than the {gpus} stages "
+                    "torch's Schedule1F1B needs (scripts/bench_pipeline.py compares it at M = 4)")
+        if schedule.startswith("torch-") and est is not None:
+            from hpar.strategies.pipeline.torch_peers import check_peer
+            try:
+                check_peer(schedule, len(profile.layers), gpus, est.micro_batches, profile.device)
+            except ValueError as exc:
+                return str(exc)
+        if schedule == "async-2bw" and est is not None:
+            from hpar.strategies.pipeline.schedules import check_2bw
+            try:
+                check_2bw(gpus, est.micro_batches)
+            except ValueError as exc:
+                return str(exc)
+    return None
+
+
+@dataclass(frozen=True)
+class ScriptPlan:
+    """One script's profile-based view: its batch size, the cost model's estimates for the
+    bench's cluster (by cost-model strategy name), those for ``project`` GPUs, and why each
+    bench strategy cannot run (name -> reason)."""
+
+    batch_size: int
+    estimates: dict
+    projected: dict
+    reasons: dict
+    plan_files: dict = field(default_factory=dict)   # hpar run --strategy -> plan file
+
+
+def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_of, refine=None) -> ScriptPlan:
+    """Profile ``script`` once (``profile_job`` for the bench's workers, or the projection's
+    when larger, since the union of touched rows is measured per worker count) and estimate
+    every strategy on ``cluster_of(gpus)`` (a ClusterSpec factory) with ``estimate_all``;
+    ``refine(profile, cluster)``, when given, returns the bench's cluster with what was
+    measured for this job (the emulated hosts' sparse exchange). Raises JobError/ValueError
+    for a bad script or flags."""
+    from hpar.strategies.plan.costmodel import estimate_all
+    from hpar.strategies.job import check_job, load_job
+    from hpar.strategies.profile.profiler import profile_job
+    job = load_job(script)
+    bs = cfg.batch_size if cfg.batch_size is not None else int(job.defaults.get("batch_size", 32))
+    if bs < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {bs}")
+    check_job(job, bs)
+    cluster = cluster_of(cfg.gpus)
+    profile = profile_job(job, bs, max(cluster.workers, cfg.project or 0), precision=cfg.precision)
+    if refine is not None:
+        cluster = refine(profile, cluster)
+    estimates = {e.strategy: e for e in estimate_all(profile, cluster)}
+    projected = {e.strategy: e for e in estimate_all(profile, cluster_of(cfg.project))} if cfg.project else {}
+    # torch's schedules run one pipeline: with them in the bench, hpar's run the same (R = 1) stages
+    one_pipeline = 1 if any((BENCH_STRATEGIES[n][1] or "").startswith("torch-") for n in names) else None
+    if one_pipeline:
+        from hpar.strategies.plan.costmodel import estimate_pipeline
+        estimates["pipeline"] = estimate_pipeline(profile, cluster, replicas=1)
+    reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, cfg.gpus))}
+    # the planner's plan of each planned strategy, so that its runs execute what was
+    # predicted (pipeline: stages and micro-batches, one plan for hpar's and torch's schedules
+    # alike; hybrid/ps: placement and partitions) rather than each run re-profiling
+    from hpar.strategies.checkpoint import atomic_write_bytes
+    from hpar.strategies.plan.planner import choose_plan
+    stem = os.path.splitext(os.path.basename(script))[0]
+    # what the predictions were made from, so that a later cost model can be checked on these runs
+    atomic_write_bytes(os.path.join(os.path.abspath(cfg.bench_dir), f"{stem}-profile.json"),
+                       json.dumps({"profile": profile.to_dict(), "cluster": dataclasses.asdict(cluster)}).encode())
+    plan_files = {}
+    for strategy in sorted({BENCH_STRATEGIES[n][0] for n in names if n not in reasons} & PLANNED):
+        path = os.path.join(os.path.abspath(cfg.bench_dir), f"{stem}-{strategy}-plan.json")
+        atomic_write_bytes(path, choose_plan(profile, cluster, force=strategy, pipeline_replicas=one_pipeline
+                                             if strategy == "pipeline" else None).to_json().encode())
+        plan_files[strategy] = path
+    return ScriptPlan(bs, estimates, projected, reasons, plan_files)
+
+
+def prediction(estimates: dict, name: str) -> float | None:
+    from hpar.strategies.plan.costmodel import estimate_async_pipeline
+    strategy, schedule = BENCH_STRATEGIES[name]
+    est = estimates.get(strategy)
+    if est is not None and strategy == "pipeline" and schedule:
+        est = estimate_async_pipeline(est, schedule)
+    return est.step_s if est is not None and est.feasible and est.step_s > 0 else None
+
+
+def projection(plan: ScriptPlan, name: str, gpus: int) -> dict | None:
+    if not plan.projected:
+        return None
+    est = plan.projected.get(BENCH_STRATEGIES[name][0])
+    if est is None or not est.feasible:
+        return {"gpus": gpus, "projected": True, "step_s": None, "samples_per_s": None,
+                "note": est.note if est is not None else "no estimate"}
+    return {"gpus": gpus, "projected": True, "step_s": est.step_s, "samples_per_s": est.samples_per_s,
+            "bytes_per_step": est.bytes_per_step, "note": est.note}
