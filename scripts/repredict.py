@@ -24,21 +24,23 @@ import json
 import os
 import sys
 
-from hpar.launcher.bench.driver import BENCH_STRATEGIES
+from hpar.launcher.bench.config import BENCH_STRATEGIES
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import estimate_all
 from hpar.strategies.profile.profiler import Profile
 
 
 def load_saved(path: str) -> tuple[Profile, ClusterSpec]:
-    """The (Profile, ClusterSpec) an ``hpar bench`` saved in ``path`` (fields the ClusterSpec no
-    longer has are left out)."""
+    """The (Profile, ClusterSpec) an ``hpar bench`` saved in ``path``; fields the Profile or the
+    ClusterSpec no longer has are left out (a bench before 2026-11-27's gradient_exchange_s saved
+    its sparse-only sparse_exchange_s, and the run of f130106 a sparse update's fixed part, which
+    the model does not read)."""
     saved = json.load(open(path, encoding="utf-8"))
     known = {f.name for f in dataclasses.fields(ClusterSpec)}
-    cluster = {k: v for k, v in saved["cluster"].items() if k in known}   # a bench before 2026-11-27's
-    # gradient_exchange_s saved its sparse-only sparse_exchange_s, which the model no longer reads
+    cluster = {k: v for k, v in saved["cluster"].items() if k in known}
     cluster["gpus_per_host"] = tuple(cluster["gpus_per_host"])
-    return Profile.from_dict(saved["profile"]), ClusterSpec(**cluster)
+    fields = {f.name for f in dataclasses.fields(Profile)}
+    return Profile.from_dict({k: v for k, v in saved["profile"].items() if k in fields}), ClusterSpec(**cluster)
 
 
 def repredict(doc: dict, bench_dir: str, request_cpu_s: float | None = None, replace: bool = False) -> list[dict]:

@@ -158,7 +158,8 @@ def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
     """`python scripts/repredict.py scale.json`: each measured point's prediction recomputed from
     the profile and cluster the bench saved, equal to the bench's own while the model is unchanged."""
     from conftest import embed_script
-    from hpar.launcher.bench.driver import BenchConfig, plan_script
+    from hpar.launcher.bench.config import BenchConfig
+    from hpar.launcher.bench.planning import plan_script
     from hpar.strategies.plan.cluster import ClusterSpec
     script = write_script(tmp_path, embed_script())
     cfg = BenchConfig(scripts=(script,), gpus=2, strategies=("hybrid", "allreduce"), steps=4,
@@ -179,6 +180,14 @@ def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
         cell = f"{pred[s]:,.0f} (2.00)"
         assert f"| {s} | {pred[s] / 2:,.0f} | {cell} | {cell} |" in out.stdout, out.stdout
     assert "mean absolute error then 100% over 2, now 100% over 2 points" in out.stdout
+    # a profile saved by another version, with a field this Profile lacks, still loads (and predicts the same)
+    saved = next((tmp_path / "b" / "hosts-2").glob("*-profile.json"))
+    doc_saved = json.loads(saved.read_text())
+    doc_saved["profile"]["sparse_update_fixed_s"] = 3e-4
+    saved.write_text(json.dumps(doc_saved))
+    again = subprocess.run([sys.executable, os.path.join(repo, "scripts", "repredict.py"), str(tmp_path / "scale.json")],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout == out.stdout, again.stderr
     # a request CPU measured again, for every saved cluster: hybrid's requests cost more, allreduce has none
     out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "repredict.py"), str(tmp_path / "scale.json"),
                           "--request-cpu-s", "0.01", "--replace-request-cpu"],
