@@ -231,6 +231,25 @@ def test_worker_exiting_0_early_is_named_and_new_session_children_are_stopped(tm
     assert wait_for(lambda: not run_processes(run_dir), 10), [p.cmdline() for p in run_processes(run_dir)]
 
 
+@pytest.mark.parametrize("body, code, announced, stderr", [
+    ("return 0", 0, True, ""), ("sys.exit(0)", 0, False, ""), ("sys.exit()", 0, False, ""),
+    ("sys.exit(3)", 3, False, ""), ("sys.exit('bye')", 1, False, "bye"),
+], ids=["returns-0", "exit-0", "exit-none", "exit-3", "exit-message"])
+def test_a_sys_exit_in_the_users_code_ends_the_worker_with_its_code_unannounced(body, code, announced, stderr):
+    """workers/worker.run_entry: a SystemExit out of the worker's main (the user's ``sys.exit()``
+    mid-training) ends the process at once with its code and no ``exit`` event, so the launcher
+    reports an early exit; through interpreter finalization, with gloo's threads alive, it
+    aborted now and then (SIGABRT) and the launcher reported a crash instead."""
+    prog = ("import atexit, sys\nfrom hpar.workers.worker import run_entry\n"
+            "atexit.register(lambda: print('finalized', flush=True))\n"
+            f"def main():\n    {body}\nrun_entry(main, 'hpar', ())\n")
+    out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=120)
+    assert out.returncode == code, out.stderr
+    assert "finalized" not in out.stdout    # ended at once, as a finished worker does (report.exit_process)
+    assert ('"kind": "exit"' in out.stdout or '"kind":"exit"' in out.stdout) == announced, out.stdout
+    assert stderr in out.stderr
+
+
 @pytest.mark.parametrize("text, args, message", [
     ("import sys\nsys.exit(0)\n", (), "the script called sys.exit(0) while being imported"),
     (SHORT.replace("x = torch.randn(batch_size, 4, generator=g)", "x = torch.empty(batch_size, 1 << 40)"),

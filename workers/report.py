@@ -116,11 +116,12 @@ def start_heartbeat(every_s: float | None = None, device=None, threads: int | No
     return stop
 
 
-def exit_process(code: int) -> None:
+def exit_process(code: int, announce: bool = True) -> None:
     """Flush stdout/stderr and end the process at once with exit status ``code``.
 
-    Code 0 is announced first with an ``exit`` event: a worker that leaves with 0 without it
-    (``sys.exit(0)`` in the user's code) ended early, and the launcher says so.
+    Code 0 is announced first with an ``exit`` event (``announce``): a worker that leaves with
+    0 without it (``sys.exit(0)`` in the user's code, which ends here with ``announce=False``)
+    ended early, and the launcher says so.
 
     Called by worker and server processes after their process group is destroyed and every
     file they write is renamed into place. Skipping interpreter finalization is deliberate:
@@ -129,7 +130,7 @@ def exit_process(code: int) -> None:
     exception", SIGABRT; see pytorch/pytorch PR 179291), which the launcher must read as a
     failure.
     """
-    if code == 0:
+    if code == 0 and announce:
         emit("event", {"kind": "exit", "code": 0})
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -74,7 +74,11 @@ def leave_group(stop_beat) -> None:
 def run_entry(main, prefix: str, user_errors: tuple) -> None:
     """Run an entry point's ``main()`` and end the process with its code
     (``report.exit_process``); an exception of ``user_errors`` is printed as one line
-    ``PREFIX: message`` (then the user's own traceback, if any) with exit code 2."""
+    ``PREFIX: message`` (then the user's own traceback, if any) with exit code 2. A
+    ``sys.exit()`` from the user's code (SystemExit out of ``main``) ends the process with its
+    code, unannounced (the launcher then reports an early exit), also without interpreter
+    finalization: with the process group still up, that aborts now and then (SIGABRT, see
+    ``report.exit_process``) and the launcher would report a crash instead."""
     try:
         code = main()
     except user_errors as exc:
@@ -82,6 +86,11 @@ def run_entry(main, prefix: str, user_errors: tuple) -> None:
         if getattr(exc, "user_traceback", None):
             print(exc.user_traceback, file=sys.stderr)
         sys.exit(2)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            report.exit_process(exc.code or 0, announce=False)
+        print(exc.code, file=sys.stderr)   # sys.exit("message"): Python's own way, status 1
+        report.exit_process(1, announce=False)
     report.exit_process(code)
 
 
