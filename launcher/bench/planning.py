@@ -11,9 +11,12 @@ from dataclasses import dataclass, field
 
 from hpar.launcher.bench.config import BENCH_STRATEGIES, PLANNED, BenchConfig
 
+
 def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None:
-    """Why strategy ``name`` cannot run this job (None when it can): model not a sequence of layers, too few workers or layers for a pipeline, fewer planned
-    micro-batches than stages for torch's 1F1B."""
+    """Why bench strategy ``name`` cannot run this job (None when it can): the model is not a
+    sequence of layers, the pipeline's estimate is infeasible (too few layers for the workers),
+    or torch's schedules or PipeDream-2BW's refuse the planned stages and micro-batches
+    (Schedule1F1B needs at least as many micro-batches as stages)."""
     strategy, schedule = BENCH_STRATEGIES[name]
     if strategy == "pipeline":
         if not profile.is_sequential:
@@ -98,6 +101,9 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
 
 
 def prediction(estimates: dict, name: str) -> float | None:
+    """The cost model's seconds per step for bench strategy ``name`` from ``estimates`` (by
+    cost-model strategy; an asynchronous pipeline schedule from its synchronous estimate),
+    None where it has none or it is infeasible."""
     from hpar.strategies.plan.costmodel import estimate_async_pipeline
     strategy, schedule = BENCH_STRATEGIES[name]
     est = estimates.get(strategy)
@@ -107,6 +113,8 @@ def prediction(estimates: dict, name: str) -> float | None:
 
 
 def projection(plan: ScriptPlan, name: str, gpus: int) -> dict | None:
+    """The cost model's projection of bench strategy ``name`` to ``gpus`` GPUs (``step_s`` in
+    seconds, ``samples_per_s``, ``bytes_per_step`` per worker, ``note``), None without one."""
     if not plan.projected:
         return None
     est = plan.projected.get(BENCH_STRATEGIES[name][0])
