@@ -1,7 +1,8 @@
 """The profiler: measure a user's job on the device its workers will use.
 
-- ``profiler``: :func:`profile_job` and the :class:`Profile` value the cost model reads
-  (per-parameter sparsity and bytes, per-layer forward/backward time, FLOPs, activation bytes).
+- ``profiler``: :func:`profile_job`, which measures the job.
+- ``records``: the :class:`Profile` value the cost model reads (per-parameter sparsity and
+  bytes, per-layer forward/backward time, FLOPs, activation bytes), saved as JSON.
 - ``hooks``: the instruments (module and tensor hooks for layer timing, FLOP counting).
 - ``sparsity``: rows of each embedding table a batch touches, and their union over workers
   (Parallax's alpha, Kim et al., EuroSys 2019, section 4).
