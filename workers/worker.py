@@ -87,10 +87,11 @@ def run_entry(main, prefix: str, user_errors: tuple) -> None:
             print(exc.user_traceback, file=sys.stderr)
         sys.exit(2)
     except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            report.exit_process(exc.code or 0, announce=False)
-        print(exc.code, file=sys.stderr)   # sys.exit("message"): Python's own way, status 1
-        report.exit_process(1, announce=False)
+        code = 0 if exc.code is None else exc.code
+        if not isinstance(code, int):   # sys.exit("message"): printed, status 1, as Python does
+            print(code, file=sys.stderr)
+            code = 1
+        report.exit_process(code, announce=False)
     report.exit_process(code)
 
 
