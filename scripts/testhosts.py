@@ -1,6 +1,6 @@
 """Test hosts on one machine: K network namespaces on a bridge, each with its own OpenSSH server.
 
-    python scripts/testhosts.py up K [--rate 1gbit] [--prefix hpt] [--net 0]
+    python scripts/testhosts.py up K [--rate 1gbit [--queue fifo|fair]] [--prefix hpt] [--net 0]
     python scripts/testhosts.py down [--prefix hpt]
     python scripts/testhosts.py link I up|down [--prefix hpt]
 
@@ -8,7 +8,8 @@
 a namespace ``<prefix>h<i>`` joined to it by a veth pair (``<prefix>v<i>`` on the bridge,
 ``eth0`` inside) with the address 10.77.NET.(i+2), running ``/usr/sbin/sshd`` with a throwaway
 config, a throwaway host key and a throwaway client key authorized for root. ``--rate`` caps
-each host's link in both directions (``tc qdisc ... tbf`` on both ends of its veth). It writes
+each host's link in both directions (``tc`` on both ends of its veth), behind a first-in
+first-out queue or, with ``--queue fair``, a per-flow fair one (scripts/linkqueue.py). It writes
 a host file (``root@ADDR:22 slots=1`` per line), an ssh config, a known_hosts file with the
 hosts' key (pass it with ``--ssh-known-hosts`` or ``HPAR_SSH_KNOWN_HOSTS``) and the key under
 hpar-testhosts-<prefix>/ in $HPAR_TESTHOSTS_DIR (default: the temporary directory) and prints them as JSON. The namespaces have no default route:
@@ -34,6 +35,9 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # also when imported by path
+import linkqueue  # noqa: E402
 
 SSHD = "/usr/sbin/sshd"
 
@@ -120,18 +124,13 @@ def _rate_bits(rate: str) -> int:
     return int(float(match.group(1)) * scale)
 
 
-def _cap(rate_bits: int, device: str, namespace: str | None) -> None:
-    """tbf on ``device``'s egress. Its bucket holds one millisecond of the line (two full
-    Ethernet frames at least): what a bucket holds passes at once after an idle spell, so a
-    larger one lets short messages beat the rate. At 25 Mbit/s the old 32 KiB bucket sent a
-    32 KB message in 1.1 ms where the line takes 10.5 ms; with 3,028 bytes it took 10.3 ms,
-    and 4 MB transfers keep their rate (2.97 against 3.00 MB/s; BENCHMARKS.md 14). The kernel's
-    tbf times its queue with high-resolution timers and splits GSO packets larger than the
-    bucket, so a small one holds the rate."""
-    burst = max(rate_bits // 8 // 1000, 2 * 1514)
-    cmd = ["tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{rate_bits}bit",
-           "burst", str(burst), "latency", "100ms"]
-    _sh(*(["ip", "netns", "exec", namespace] if namespace else []), *cmd)
+def _cap(rate_bits: int, device: str, namespace: str | None, queue: str) -> None:
+    """Cap ``device``'s egress at ``rate_bits`` bits/s behind the queue ``queue``
+    (scripts/linkqueue.py), in one ``tc -batch``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".tc") as batch:
+        batch.write("\n".join(linkqueue.commands(queue, rate_bits, device)) + "\n")
+        batch.flush()
+        _sh(*(["ip", "netns", "exec", namespace] if namespace else []), "tc", "-batch", batch.name)
 
 
 def _sshd_config(directory: str, address: str, index: int) -> str:
@@ -180,12 +179,15 @@ def _start_sshd(namespace: str, config: str, log: str, address: str, timeout: fl
     raise RuntimeError(f"sshd in {namespace} did not accept connections within {timeout} s; see {log}")
 
 
-def up(k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0) -> TestHosts:
-    """Create ``k`` test hosts (removing any left from an earlier ``up`` with this prefix).
-    Raises PermissionError without root, ValueError for bad arguments, RuntimeError when a
-    command fails (after removing what it made)."""
+def up(k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0, queue: str = "fifo") -> TestHosts:
+    """Create ``k`` test hosts (removing any left from an earlier ``up`` with this prefix), each
+    link capped at ``rate`` behind the queue ``queue`` (scripts/linkqueue.py). Raises
+    PermissionError without root, ValueError for bad arguments, RuntimeError when a command
+    fails (after removing what it made)."""
     _check_names(prefix, net, k)
     rate_bits = _rate_bits(rate) if rate else None
+    if rate_bits:
+        linkqueue.commands(queue, rate_bits, "eth0")   # ValueError before anything is made
     if os.geteuid() != 0:
         raise PermissionError("testhosts: needs root (run as root or with sudo)")
     down(prefix)
@@ -218,8 +220,8 @@ def up(k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0) -> Te
             _sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
             _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
             if rate_bits:
-                _cap(rate_bits, veth, None)
-                _cap(rate_bits, "eth0", ns)
+                _cap(rate_bits, veth, None, queue)
+                _cap(rate_bits, "eth0", ns, queue)
             config = _sshd_config(directory, address, i)
             pid = _start_sshd(ns, config, f"{directory}/sshd-{i}.log", address)
             state["sshd_pids"].append(pid)
@@ -308,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("k", type=int)
     p_up.add_argument("--rate", default=None, help="cap each host's link, e.g. 1gbit")
     p_up.add_argument("--net", type=int, default=0, help="third octet of 10.77.NET.0/24")
+    p_up.add_argument("--queue", choices=linkqueue.QUEUES, default="fifo",
+                      help="the queue behind --rate: fifo (tbf) or fair (per-flow, small packets first; see linkqueue.py)")
     p_down = sub.add_parser("down", help="remove the test hosts")
     p_link = sub.add_parser("link", help="take a host's link down or up")
     p_link.add_argument("index", type=int)
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "up":
-            print(up(args.k, rate=args.rate, prefix=args.prefix, net=args.net).to_json())
+            print(up(args.k, rate=args.rate, prefix=args.prefix, net=args.net, queue=args.queue).to_json())
         elif args.command == "down":
             down(args.prefix)
         else:

@@ -24,7 +24,7 @@ import testhosts  # noqa: E402
 _COUNTER = itertools.count()
 
 
-def make_hosts(k: int, rate: str | None = None):
+def make_hosts(k: int, rate: str | None = None, queue: str = "fifo"):
     """Yield a TestHosts of ``k`` hosts with a prefix and subnet unique to this process (so
     parallel test runs do not collide); skip with the reason where they cannot be made; remove
     everything afterwards, also on failure."""
@@ -35,7 +35,7 @@ def make_hosts(k: int, rate: str | None = None):
     net = 100 + (os.getpid() * 7 + n) % 150
     prefix = f"t{net}x{n % 10}"
     try:
-        made = testhosts.up(k, rate=rate, prefix=prefix, net=net)
+        made = testhosts.up(k, rate=rate, prefix=prefix, net=net, queue=queue)
     except Exception:
         testhosts.down(prefix)
         raise
