@@ -52,8 +52,10 @@ def commands(queue: str, rate_bits: int, device: str) -> list[str]:
         lines += [f"class add dev {device} parent 1:1 classid 1:{0x10 + k:x} htb rate {max(rate_bits // (FLOWS + 2), 8000)}bit "
                   f"ceil {rate_bits}bit {share} prio 1",
                   f"qdisc add dev {device} parent 1:{0x10 + k:x} bfifo limit {limit}"]
-    # small packets first: the IP total length's top six bits are zero
-    lines.append(f"filter add dev {device} parent 1: prio 1 protocol ip u32 match u16 0x0000 0xfc00 at 2 flowid 1:2")
+    # small packets first: the IP total length's bits from SMALL_BYTES up are zero
+    assert SMALL_BYTES & (SMALL_BYTES - 1) == 0, "SMALL_BYTES must be a power of two"
+    lines.append(f"filter add dev {device} parent 1: prio 1 protocol ip u32 match u16 0x0000 "
+                 f"0x{0xffff & ~(SMALL_BYTES - 1):04x} at 2 flowid 1:2")
     # level 2: table 0x100+k holds the packets whose source port hashed to k; it hashes the
     # destination port into bucket m, whose packets go to class k XOR m
     for k in range(FLOWS):

@@ -3,6 +3,7 @@ two real test hosts, where a TCP transfer's data and its ACKs land in the classe
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,7 +69,7 @@ def test_a_transfer_over_a_fair_queue_arrives_with_its_acks_served_first(fair_ho
             if subprocess.run(["ip", "netns", "exec", h1.namespace, "ss", "-ltn", "sport = :5001"],
                               capture_output=True, text=True).stdout.count("LISTEN"):
                 break
-            subprocess.run(["sleep", "0.05"])
+            time.sleep(0.05)
         subprocess.run(["ip", "netns", "exec", h0.namespace, sys.executable, "-c", SENDER.format(addr=addr)],
                        check=True, timeout=60)
         assert receiver.communicate(timeout=60)[0].strip() == "300000"
