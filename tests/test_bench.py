@@ -107,6 +107,8 @@ def test_exchange_items_follow_backward_with_tables_alone_and_dense_layers_in_dd
     (["--gpus", "0"], "--gpus"),
     (["--link-rate", "fast"], "--link-rate"),
     (["--hosts", "emulate:0"], "emulate:H"),
+    (["--link-queue", "fair"], "--link-queue"),
+    (["--hosts", "emulate:2", "--link-queue", "fair"], "--link-rate"),
     (["--repeat", "0"], "--repeat"),
     (["--min-seconds", "-1"], "--min-seconds"),
 ])

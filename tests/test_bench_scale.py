@@ -36,7 +36,8 @@ def loss(o, t): return F.cross_entropy(o, t)
 def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
     """`hpar bench --scale 1,2` (launcher/bench/scale.py): a point per strategy and host count,
     one worker per emulated host, with measured and predicted samples/s and bytes; the 1-host
-    point moves nothing between workers, the 2-host AllReduce does."""
+    point moves nothing between workers, the 2-host AllReduce does. The links run behind the
+    per-flow fair queue (--link-queue fair, scripts/linkqueue.py), as the kernel reports."""
     import netns_hosts
     reason = netns_hosts.testhosts.unavailable()
     if reason:
@@ -44,10 +45,13 @@ def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
     script = write_script(tmp_path, SCALE_LM, "lm.py")
     out = tmp_path / "scale.json"
     code, log = hpar_to_file(tmp_path / "stdout.txt", "bench", script, "--scale", "1,2", "--strategies", "allreduce",
-                             "--steps", "4", "--link-rate", "100mbit", "--bench-dir", str(tmp_path / "b"),
+                             "--steps", "4", "--link-rate", "100mbit", "--link-queue", "fair", "--bench-dir", str(tmp_path / "b"),
                              "--json", str(out), timeout=380)
     assert code == 0, log[-3000:]
     assert "scaling, one worker per emulated host" in log and "cost model: mean absolute error" in log
+    settings = json.load(open(out))["settings"]
+    assert settings["link_queue"] == "fair"
+    assert [settings["emulation"][n]["root_qdisc"] for n in ("1", "2")] == ["htb", "htb"], settings["emulation"]
     points = json.load(open(out))["points"]
     assert [(p["strategy"], p["workers"]) for p in points] == [("allreduce", 1), ("allreduce", 2)]
     assert json.load(open(out))["rankings"] == []   # one strategy: nothing to rank
@@ -106,7 +110,8 @@ def test_scale_rankings_compare_measured_and_predicted_orders():
 
 
 def test_scale_flag_errors_are_one_line(tmp_path):
-    for args, flag in ((["--scale", "0,2"], "--scale"), (["--scale", "1,2", "--gpus", "4"], "drop --gpus")):
+    for args, flag in ((["--scale", "0,2"], "--scale"), (["--scale", "1,2", "--gpus", "4"], "drop --gpus"),
+                       (["--scale", "1,2", "--link-queue", "fair"], "give --link-rate")):
         out = hpar("bench", write_script(tmp_path), "--bench-dir", str(tmp_path / "b"), *args, timeout=50)
         assert out.returncode == 2 and flag in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert not (tmp_path / "b").exists()

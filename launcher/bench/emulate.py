@@ -1,7 +1,9 @@
-"""``hpar bench --hosts emulate:H [--link-rate 1gbit]``: an emulated cluster on this machine.
+"""``hpar bench --hosts emulate:H [--link-rate 1gbit [--link-queue fair]]``: an emulated cluster on this machine.
 
 H test hosts are made with ``scripts/testhosts.py`` (network namespaces on a bridge, each with
-its own sshd, every host's link capped both ways with ``tc tbf`` at ``--link-rate``); it lives
+its own sshd, every host's link capped both ways at ``--link-rate``, behind a first-in first-out
+queue (``tc tbf``) or, with ``--link-queue fair``, a per-flow fair one that sends small packets
+first, as a Linux host's default queue does (scripts/linkqueue.py)); it lives
 in the repository's scripts/ folder, not in the package, so it is imported by path from the
 repository this module belongs to. Workers go ``ceil(G/H)`` per host over SSH, exactly as
 ``hpar run --hosts`` places them. Everything made is removed when the bench ends, also on
@@ -127,10 +129,14 @@ class Sample:
 class EmulatedCluster:
     """Context manager: ``with EmulatedCluster(2, 4, 1.25e8) as em: ...`` makes the hosts,
     writes ``em.host_file`` (``root@ADDR:22 slots=S``) and ``em.key``; leaving removes them.
-    Raises ValueError (one line) without root or the tools ``testhosts.unavailable`` names."""
+    ``queue``: the links' queue behind the cap, ``"fifo"`` or ``"fair"`` (scripts/linkqueue.py).
+    Raises ValueError (one line) without root or the tools ``testhosts.unavailable`` names, and
+    for a ``"fair"`` queue without a cap (``bandwidth_Bps`` None)."""
 
-    def __init__(self, hosts: int, gpus: int, bandwidth_Bps: float | None):
-        self.n_hosts, self.gpus, self.bandwidth_Bps = hosts, gpus, bandwidth_Bps
+    def __init__(self, hosts: int, gpus: int, bandwidth_Bps: float | None, queue: str = "fifo"):
+        self.n_hosts, self.gpus, self.bandwidth_Bps, self.queue = hosts, gpus, bandwidth_Bps, queue
+        if queue != "fifo" and not bandwidth_Bps:
+            raise ValueError(f"--link-queue {queue} is the queue behind the emulated link's cap: give --link-rate too")
         self.slots = slots_per_host(hosts, gpus)
         self._th = None
         self.made = None
@@ -148,7 +154,7 @@ class EmulatedCluster:
         self.prefix = f"hb{net}"
         rate = rate_arg(self.bandwidth_Bps) if self.bandwidth_Bps else None
         try:
-            self.made = self._th.up(self.n_hosts, rate=rate, prefix=self.prefix, net=net)
+            self.made = self._th.up(self.n_hosts, rate=rate, prefix=self.prefix, net=net, queue=self.queue)
         except BaseException:
             self._th.down(self.prefix)
             raise
@@ -230,10 +236,21 @@ class EmulatedCluster:
         return max(1, (os.cpu_count() or 1) // (self.n_hosts * (self.slots + 1)))
 
     def describe(self) -> dict:
-        """The emulation for the JSON: hosts, slots, link rate, threads per process, addresses."""
+        """The emulation for the JSON: hosts, slots, link rate and queue, threads per process, addresses."""
         return {"hosts": self.n_hosts, "workers_per_host": self.slots, "link_Bps": self.bandwidth_Bps,
-                "threads_per_process": self.threads,
-                "addresses": self.made.addresses if self.made else []}
+                "link_queue": self.queue if self.bandwidth_Bps else None, "threads_per_process": self.threads,
+                "root_qdisc": self.root_qdisc(), "addresses": self.made.addresses if self.made else []}
+
+    def root_qdisc(self) -> str | None:
+        """The kind of the root queue on host 0's link as the kernel reports it (``tc qdisc
+        show``: ``tbf`` for the first-in first-out queue, ``htb`` for the fair one), None before
+        the hosts exist or without a cap."""
+        if not self.made or not self.bandwidth_Bps:
+            return None
+        out = subprocess.run(["ip", "netns", "exec", self.made.hosts[0].namespace, "tc", "qdisc", "show", "dev", "eth0"],
+                             capture_output=True, text=True).stdout
+        root = next((line.split() for line in out.splitlines() if " root " in f" {line} "), None)
+        return root[1] if root and len(root) > 1 else None
 
     def sample(self) -> Sample:
         """One reading of every host's counters."""

@@ -112,11 +112,21 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
     return cluster_of
 
 
+def _link_words(link_rate: str | None, link_queue: str) -> str:
+    """`` at 25mbit`` (`` at 25mbit, fair queues``) for the titles; empty without a cap."""
+    if not link_rate:
+        return ""
+    return f" at {link_rate}" + (", fair queues" if link_queue == "fair" else "")
+
+
 @click.command()
 @click.argument("scripts", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--gpus", type=int, default=2, show_default=True, help="Workers per run (pipeline: stages).")
 @click.option("--hosts", default=None, help="Host file, inline 'a:2,b:2', or emulate:H for H test hosts on this machine (root).")
 @click.option("--link-rate", default=None, help="Link bandwidth, e.g. 1gbit: the emulated hosts' cap and the cost model's link (default: probed).")
+@click.option("--link-queue", type=click.Choice(["fifo", "fair"]), default="fifo", show_default=True,
+              help="Emulated hosts only: the queue behind --link-rate, first in first out (tbf) or fair per flow "
+              "with small packets first (as a Linux host's default fq_codel).")
 @click.option("--latency", default=None, help="Link latency for the cost model, e.g. 50us (default: probed).")
 @click.option("--strategies", default=None, help="Comma-separated names (default: every one): hybrid, ps, allreduce, "
               "allreduce-sparse, pipeline-gpipe, pipeline-1f1b, pipeline-async-stash, pipeline-async-predict, pipeline-async-2bw, torch-gpipe, torch-1f1b, "
@@ -140,7 +150,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
               help="Give each strategy enough steps for this many seconds at its predicted step time (0: --steps).")
 @click.option("--scale", default=None, help="Scaling curves: run on each of these numbers of emulated hosts, one "
               "worker per host (e.g. 1,2,4,8; root), beside the cost model's predictions.")
-def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_size, seed, precision, json_out, plot_out,
+def bench(scripts, gpus, hosts, link_rate, link_queue, latency, strategies, steps, batch_size, seed, precision, json_out, plot_out,
           project, device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s, repeat, min_seconds, scale):
     """Run every strategy that applies to SCRIPT(s) and compare them (table, --json, --plot)."""
     if scale is not None:
@@ -149,7 +159,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
         if given:
             _fail(f"--scale sets the hosts and workers (one per emulated host); drop {', '.join(given)}")
         return _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out,
-                            plot_out, bench_dir, timeout_s, precision, repeat, min_seconds)
+                            plot_out, bench_dir, timeout_s, precision, repeat, min_seconds, link_queue)
     from hpar.launcher.bench import report
     from hpar.launcher.bench.config import BenchConfig, parse_strategies
     from hpar.launcher.bench.driver import run_bench
@@ -165,10 +175,12 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
         bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir, repeat, min_seconds)
         bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
         n_emulated = parse_emulate(hosts)
+        if link_queue != "fifo" and not n_emulated:
+            raise ValueError(f"--link-queue {link_queue} shapes emulated links: use it with --hosts emulate:H or --scale")
         if n_emulated is None and hosts:
             from hpar.launcher.hosts.hostfile import parse_hosts, place_workers
             place_workers(list(parse_hosts(hosts)), gpus)
-        emulated = EmulatedCluster(n_emulated, gpus, bw) if n_emulated else None
+        emulated = EmulatedCluster(n_emulated, gpus, bw, link_queue) if n_emulated else None
     except JobError as exc:
         _fail(str(exc), exc.user_traceback)
     except ValueError as exc:
@@ -197,7 +209,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
         _fail(str(exc), exc.user_traceback)
     except (ValueError, RuntimeError, PermissionError) as exc:
         _fail(str(exc))
-    where = f"emulated {n_emulated} hosts" + (f" at {link_rate}" if link_rate else "") if emulated else (hosts or "this machine")
+    where = f"emulated {n_emulated} hosts{_link_words(link_rate, link_queue)}" if emulated else (hosts or "this machine")
     title = f"{gpus} workers, {where}, {steps} steps"
     report.print_tables(console, results, title)
     from hpar.launcher.bench.verdict import steps_warning
@@ -213,8 +225,8 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
                               f"(payload {c['interface_payload_bytes_per_step']:,.0f}: "
                               f"{c['interface_over_hpar_remote'] or 0:.2f}x)", markup=False)
     settings = {"gpus": gpus, "steps": steps, "min_seconds": min_seconds, "repeat": repeat, "batch_size": batch_size,
-                "seed": seed, "hosts": hosts,
-                "link_rate": link_rate, "project": project or None, "device_tflops": device_tflops, "bench_dir": bench_dir}
+                "seed": seed, "hosts": hosts, "link_rate": link_rate, "link_queue": link_queue if emulated else None,
+                "project": project or None, "device_tflops": device_tflops, "bench_dir": bench_dir}
     if json_out:
         doc = report.document(results, report.command_line(), settings, emulation)
         with open(json_out, "w", encoding="utf-8") as f:
@@ -226,7 +238,7 @@ def bench(scripts, gpus, hosts, link_rate, latency, strategies, steps, batch_siz
 
 
 def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out, plot_out,
-                 bench_dir, timeout_s, precision=None, repeat=1, min_seconds=0.0) -> None:
+                 bench_dir, timeout_s, precision=None, repeat=1, min_seconds=0.0, link_queue="fifo") -> None:
     """``hpar bench --scale``: one bench per host count on emulated hosts (launcher/bench/scale.py)."""
     from hpar.launcher.bench import report
     from hpar.launcher.bench.config import BenchConfig, parse_strategies
@@ -240,15 +252,16 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
         names = parse_strategies(strategies)
         bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir, repeat, min_seconds)
         bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
-        pts, links = [], {}
+        pts, links, emulations = [], {}, {}
         for n in counts:
-            with EmulatedCluster(n, n, bw) as em:
+            with EmulatedCluster(n, n, bw, link_queue) as em:
                 cfg = BenchConfig(scripts=tuple(scripts), gpus=n, strategies=names, steps=steps,
                                   bench_dir=os.path.join(bench_dir, f"hosts-{n}"), batch_size=batch_size, seed=seed,
                                   hosts=em.host_file, ssh_key=em.key, bandwidth_Bps=bw, timeout_s=timeout_s,
                                   precision=precision, threads=em.threads, repeat=repeat, min_seconds=min_seconds)
                 link = _probe(em, console)
                 links[n] = None if link is None else link._asdict()
+                emulations[n] = em.describe()
                 cluster_of = _cluster_factory(None, em.host_file, bw, latency, None, n, n, link)
                 results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
                                     around_run=em.around_run, refine=functools.partial(_with_exchange, em, console))
@@ -258,13 +271,14 @@ def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_si
     except (ValueError, RuntimeError, PermissionError) as exc:
         _fail(str(exc))
     print_scale(console, pts)
-    title = "one worker per emulated host" + (f" at {link_rate}" if link_rate else "") + f", {steps} steps"
+    title = f"one worker per emulated host{_link_words(link_rate, link_queue)}, {steps} steps"
     if json_out:
         doc = {"command": report.command_line(), "machine": report.machine(),
-               "settings": {"scale": list(counts), "link_rate": link_rate, "latency": latency, "steps": steps,
-                            "precision": precision, "repeat": repeat, "min_seconds": min_seconds,
+               "settings": {"scale": list(counts), "link_rate": link_rate, "link_queue": link_queue, "latency": latency,
+                            "steps": steps, "precision": precision, "repeat": repeat, "min_seconds": min_seconds,
                             "batch_size": batch_size, "seed": seed, "bench_dir": bench_dir,
-                            "link_probe": {str(n): v for n, v in links.items()}},
+                            "link_probe": {str(n): v for n, v in links.items()},
+                            "emulation": {str(n): v for n, v in emulations.items()}},
                "points": [dataclasses.asdict(p) for p in pts], "rankings": rankings(pts)}
         with open(json_out, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
