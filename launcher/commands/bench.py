@@ -6,7 +6,8 @@
     hpar bench examples/lm.py --gpus 2 --project 48 --device-tflops 15
 
 ``--link-rate`` is the link the cost model predicts for (no loopback probe then) and, with
-``--hosts emulate:H``, the cap on every emulated host's link. ``--project N`` adds the cost
+``--hosts emulate:H``, the cap on every emulated host's link, behind the queue ``--link-queue``
+names (first in first out, or fair per flow). ``--project N`` adds the cost
 model's projection to N GPUs (hosts of as many GPUs as the bench's), marked PROJECTED.
 """
 from __future__ import annotations
