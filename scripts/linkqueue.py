@@ -39,9 +39,10 @@ def commands(queue: str, rate_bits: int, device: str) -> list[str]:
         raise ValueError(f"--queue: {queue!r} must be one of {', '.join(QUEUES)}")
     if rate_bits < 8000:
         raise ValueError(f"--rate: {rate_bits} bit/s is below 8kbit")
-    burst, limit = burst_bytes(rate_bits), max(rate_bits // 8 // 10, 2 * 1514)   # 100 ms of the line
+    burst = burst_bytes(rate_bits)
     if queue == "fifo":
         return [f"qdisc replace dev {device} root tbf rate {rate_bits}bit burst {burst} latency 100ms"]
+    limit = max(rate_bits // 8 // 10, 2 * 1514)   # each leaf queue: 100 ms of the line
     share = f"burst {burst} cburst {burst} quantum 1514"
     lines = [f"qdisc replace dev {device} root handle 1: htb default {0x10 + FLOWS:x}",   # not TCP: the last class
              f"class add dev {device} parent 1: classid 1:1 htb rate {rate_bits}bit ceil {rate_bits}bit "
