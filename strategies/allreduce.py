@@ -29,6 +29,7 @@ from hpar.strategies.groups import mean_over_workers, worker_groups
 from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
 from hpar.strategies.tying import embedding_tables
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
+from hpar.strategies.forward import call_model
 from hpar.strategies.loop import StepTools, evaluate_during_training, step_tools
 
 DENSE = "_dense_allreduce"   # ByteMeter name of DDP's gradient exchange
@@ -148,7 +149,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             sync = contextlib.nullcontext() if micro == cfg.accumulate - 1 else ddp.no_sync()
             with sync:
                 with tools.autocast():
-                    output = ddp(inputs)
+                    output = call_model(ddp, inputs)
                     loss = job.compute_loss(output, targets) / cfg.accumulate
                 tools.backward(loss)
             step_loss += loss.item()

@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from hpar.strategies.forward import call_model
+
 REQUIRED = ("model", "data", "loss")
 OPTIONAL = ("optimizer", "scheduler", "evaluate", "log")
 DEFAULT_KEYS = {"batch_size": int, "steps": int, "lr": float, "seed": int, "log_every": int,
@@ -264,7 +266,7 @@ def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     torch.manual_seed(0)
     model = job.build_model()
     inputs, targets = next(job.batches(0, 1, batch_size))
-    output = call_user(job, "the model's forward", model, inputs)
+    output = call_user(job, "the model's forward", call_model, model, inputs)
     job.compute_loss(output, targets)
     job.build_scheduler(job.build_optimizer(model.parameters(), lr=0.01))
     return model

@@ -6,7 +6,7 @@ One optimizer step of a data-parallel worker under ``--accumulate A``::
 
     for each of A micro-steps:                   # DDP's no_sync() on all but the last
         with tools.autocast():                   # bf16 / fp16 forward (and backward)
-            loss = loss(model(inputs), targets) / A
+            loss = loss(model(inputs), targets) / A   # model(**inputs) for a dict of its forward's names (forward.py)
         tools.backward(loss)                     # GradScaler.scale(loss).backward() for fp16
     tools.step(opt, params)                      # unscale, clip, step (skipped on inf/NaN), schedule
 
@@ -32,6 +32,7 @@ import torch
 
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import Job, JobError
+from hpar.strategies.forward import call_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -192,7 +193,7 @@ def check_precision(job: Job, cfg: RunConfig, model: torch.nn.Module) -> None:
     inputs, targets = next(job.batches(0, 1, cfg.batch_size))
     try:
         with autocast(cfg, "cpu"):
-            job.compute_loss(model(inputs), targets)
+            job.compute_loss(call_model(model, inputs), targets)
     except Exception as exc:
         raise JobError(f"{job.path}: the forward pass fails under --precision {cfg.precision} on CPU "
                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "

@@ -45,6 +45,7 @@ from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successo
 from hpar.strategies.devices import rng_state, set_rng_state, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
+from hpar.strategies.forward import call_model
 from hpar.strategies.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
 from hpar.strategies.hybrid import fp16
@@ -265,7 +266,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             ahead.prefetch(served, client, clock)
             with (contextlib.nullcontext() if final or net is model else net.no_sync()):
                 with tools.autocast():
-                    output = net(inputs)
+                    output = call_model(net, inputs)
                     loss = job.compute_loss(output, targets) / cfg.accumulate
                 if final and clock.on_gradients is not None and _pull_ahead(cfg, step + 1):
                     batches.plan(step + 1)

@@ -8,6 +8,7 @@ import time
 
 import torch
 from hpar.strategies.job import Job
+from hpar.strategies.forward import call_model
 from hpar.strategies.tying import embedding_tables
 from torch import nn
 
@@ -193,7 +194,7 @@ def warm_step_s(job: Job, model: nn.Module, batch: int, workers: int, repeats: i
     times = []
     for i in range(repeats + 1):
         t0 = _now(model)
-        job.compute_loss(model(inputs), targets).backward()
+        job.compute_loss(call_model(model, inputs), targets).backward()
         if i:
             times.append(_now(model) - t0)
         model.zero_grad(set_to_none=True)

@@ -51,6 +51,7 @@ import time
 import torch
 from hpar.strategies.devices import DeviceClock
 from hpar.strategies.job import Job, JobError, raised_in_script, user_error
+from hpar.strategies.forward import call_model
 from hpar.strategies.profile.device import data_seconds, OnDevice
 from hpar.strategies.layers import model_layers
 from hpar.strategies.loop import precision_context
@@ -157,7 +158,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                 timer.reset()
                 t0 = clock.mark()
                 with cast():
-                    loss = job.compute_loss(model(inputs), targets)
+                    loss = job.compute_loss(call_model(model, inputs), targets)
                 t1 = clock.mark()
                 loss.backward()
                 t2 = clock.mark()
@@ -173,7 +174,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             calls_once = timer.embedding_calls_once()
         inputs, targets = next(batches)
         model.zero_grad(set_to_none=True)
-        flops = count_flops(model, layers, lambda: job.compute_loss(model(inputs), targets))
+        flops = count_flops(model, layers, lambda: job.compute_loss(call_model(model, inputs), targets))
         scale = batch_size / tbs
         emb_stats = embedding_sparsity(on_dev, model, embs, batch_size, workers,
                                         max_sparsity_workers, stop_early=calls_once)

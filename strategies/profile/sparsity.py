@@ -14,6 +14,7 @@ import torch
 from hpar.strategies.context import batch_samples
 from hpar.strategies.hybrid.client import dedup
 from hpar.strategies.job import Job
+from hpar.strategies.forward import call_model
 from torch import nn
 
 ROW_BUCKETS = 256           # resolution of ParamProfile.row_mass
@@ -73,7 +74,7 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
             seen.clear()
             with torch.no_grad():
                 try:
-                    model(inputs)
+                    call_model(model, inputs)
                 except _StopForward:
                     pass
             for n in names:
