@@ -11,7 +11,13 @@ The layers of a model are, in order:
 * otherwise, when the model is an ``nn.Sequential``, its top-level children (a child that is
   itself an ``nn.Sequential`` block, e.g. ``Sequential(conv, bn, relu, pool)``, is one layer).
 
-Any other model is not a sequence of layers, and no pipeline is offered for it.
+* otherwise, the layers torch.distributed.pipelining's tracer cuts it into between its
+  repeated blocks (a ``transformers`` GPT-2, BERT or Llama, a ResNet, an
+  ``nn.TransformerEncoder`` model: ``strategies/traced.py``); these need one micro-batch of
+  inputs (``example``) to trace the forward on, and pass tuples of tensors between them.
+
+A model wrapped by ``torch.compile`` (or DDP) is cut as the module inside. A model none of
+these routes can cut is not offered a pipeline.
 """
 from __future__ import annotations
 
@@ -19,12 +25,28 @@ from collections import OrderedDict
 
 from torch import nn
 
+from hpar.strategies.forward import inner_module
+from hpar.strategies.traced import traced_layers
 
-def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+
+def is_declared_sequence(model: nn.Module) -> bool:
+    """Whether the model says its layers itself: ``hpar_layers()``, or an ``nn.Sequential``."""
+    model = inner_module(model)
+    return callable(getattr(model, "hpar_layers", None)) or isinstance(model, nn.Sequential)
+
+
+def model_layers(model: nn.Module, example=None) -> list[tuple[str, nn.Module]]:
     """The model's layers as ``(dotted name in the model, module)`` pairs (see the module
-    docstring). Raises ValueError, saying why and what to change, when the model is not a
-    sequence of layers, ``hpar_layers()`` returns something else, names a module that is not
-    the model's own, repeats one, or leaves a trainable parameter outside every layer."""
+    docstring); ``example``: one micro-batch of inputs, needed for a model that is not a
+    declared sequence (it is traced). Raises ValueError, saying why and what to change, when
+    the model cannot be cut, ``hpar_layers()`` returns something else, names a module that is
+    not the model's own, repeats one, or leaves a trainable parameter outside every layer."""
+    model = inner_module(model)
+    if not is_declared_sequence(model):
+        if example is None:
+            raise ValueError(f"model is a {type(model).__name__}, not an nn.Sequential, and has no hpar_layers(); "
+                             "its layers come from tracing it on a micro-batch")
+        return traced_layers(model, example).layers
     names = {id(m): n for n, m in model.named_modules() if n}
     if callable(getattr(model, "hpar_layers", None)):
         seq = model.hpar_layers()
@@ -45,10 +67,7 @@ def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             raise ValueError(f"hpar_layers() leaves parameter {missing[0]!r} outside every layer; "
                              "include the module that owns it")
         return layers
-    if isinstance(model, nn.Sequential):
-        return list(model.named_children())
-    raise ValueError(f"model is a {type(model).__name__}, not an nn.Sequential, and has no hpar_layers(); "
-                     "a pipeline needs a sequence of layers")
+    return list(model.named_children())
 
 
 class StageModule(nn.Module):
@@ -74,14 +93,17 @@ class StageModule(nn.Module):
         return inputs
 
 
-def stage_of(model: nn.Module, start: int, end: int) -> nn.Module:
+def stage_of(model: nn.Module, start: int, end: int, example=None) -> nn.Module:
     """Layers ``[start, end)`` of ``model`` (:func:`model_layers`) as one module whose
     state_dict keys equal the whole model's. Raises ValueError as model_layers does."""
-    layers = model_layers(model)
+    layers = model_layers(model, example)
     assert 0 <= start < end <= len(layers), (start, end, len(layers))
+    model = inner_module(model)
+    if not is_declared_sequence(model):
+        return traced_layers(model, example).stage(start, end)
     if isinstance(model, nn.Sequential) and not callable(getattr(model, "hpar_layers", None)):
         return nn.Sequential(OrderedDict(layers[start:end]))
     return StageModule(layers[start:end])
 
 
-__all__ = ["model_layers", "stage_of", "StageModule"]
+__all__ = ["model_layers", "stage_of", "StageModule", "is_declared_sequence"]

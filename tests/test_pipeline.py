@@ -203,8 +203,8 @@ def test_non_sequential_model_is_refused_with_reason(tmp_path):
         def data(r, w, b): yield torch.zeros(b, 2), torch.zeros(b, 2)
         def loss(o, t): return (o - t).pow(2).mean()
     ''')
-    with pytest.raises(ValueError, match="not an nn.Sequential.*sequence of layers"):
-        stage_ranges(job.build_model(), 2)
+    with pytest.raises(ValueError, match="not a sequence of layers and it has no repeated blocks.*hpar_layers()"):
+        stage_ranges(job.build_model(), 2, example=torch.zeros(4, 2))
 
 
 def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):

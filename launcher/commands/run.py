@@ -19,7 +19,8 @@ from hpar.strategies.config import RunConfig, check_loop_flags
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
-from hpar.strategies.pipeline.stage import check_pipeline
+from hpar.strategies.layers import is_declared_sequence
+from hpar.strategies.pipeline.stage import check_pipeline, split_micro
 from hpar.strategies.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
@@ -126,12 +127,14 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         model = check_job(job, bs)
-        strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model)   # before the planner profiles
+        # a model that is not a declared sequence is cut by tracing it on a batch (strategies/traced.py)
+        traced_on = None if is_declared_sequence(model) else next(job.batches(0, 1, bs))[0]
+        strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
         strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
                                   planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"))
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
-            check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan")
+            check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan", traced_on)
         # placement() raises for a plan naming unknown parameters before anything starts
         if strategy == "hybrid" and "ps" not in placement(model, strategy, plan).values() and servers is None:
             console.print("hpar: hybrid would put no parameter on the servers (no embedding table, or the plan keeps "
@@ -163,10 +166,15 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             from hpar.strategies.pipeline.velocity import check_predictable
             check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
         if cfg.strategy == "pipeline":
-            check_pipeline(model, cfg.pipeline_stages, cfg.plan, cfg.micro_batches, bs)   # refuse a plan that cannot run, before any process
+            example = None if traced_on is None else split_micro(traced_on, cfg.micro_batches)[0]
+            check_pipeline(model, cfg.pipeline_stages, cfg.plan, cfg.micro_batches, bs, example)   # refuse a plan that cannot run, before any process
             layers = None
             if cfg.schedule.startswith("torch-"):   # strategies/pipeline/torch_peers.py (one pipeline: R = 1)
                 from hpar.strategies.pipeline.stage import sequential_layers
+                if traced_on is not None:
+                    raise ValueError(f"--schedule {cfg.schedule}: torch.distributed.pipelining's schedules run here on "
+                                     "an nn.Sequential or hpar_layers() only; this model is cut by tracing, which "
+                                     "hpar's own schedules run (gpipe, 1f1b, async, async-stash, async-predict, async-2bw)")
                 from hpar.strategies.pipeline.torch_peers import VIRTUAL_STAGES, check_peer
                 check_peer(cfg.schedule, len(sequential_layers(model)), gpus, cfg.micro_batches, cfg.device)
                 if VIRTUAL_STAGES[cfg.schedule] > 1:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 
-def check_replicas_flag(replicas: int | None, gpus: int, strategy: str, model) -> str:
+def check_replicas_flag(replicas: int | None, gpus: int, strategy: str, model, example=None) -> str:
     """The strategy to plan for, after checking ``--pipeline-replicas`` (None: not given):
-    R must divide ``--gpus`` and leave K = gpus / R stages of at least one layer each;
+    R must divide ``--gpus`` and leave K = gpus / R stages of at least one layer each
+    (``example``: inputs to trace a model that is not a declared sequence on);
     ``--strategy auto`` with the flag means ``pipeline``. Raises ValueError (one line, the
     flag and the fix) otherwise."""
     if replicas is None:
@@ -16,7 +17,7 @@ def check_replicas_flag(replicas: int | None, gpus: int, strategy: str, model) -
         raise ValueError(f"--pipeline-replicas {replicas}: a pipeline plan is K stages x R replicas = --gpus {gpus}; "
                          f"choose a divisor of {gpus}")
     from hpar.strategies.pipeline.stage import sequential_layers
-    layers = len(sequential_layers(model))
+    layers = len(sequential_layers(model, example))
     if gpus // replicas > layers:
         raise ValueError(f"--pipeline-replicas {replicas}: --gpus {gpus} / {replicas} = {gpus // replicas} stages, but the "
                          f"model has only {layers} layers; raise --pipeline-replicas or lower --gpus")

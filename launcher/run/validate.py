@@ -27,9 +27,10 @@ def check_run_dir(path: str, flag: str = "--run-dir") -> None:
         raise ValueError(f"{flag} {path}: cannot write in {probe_dir} ({exc.strerror}); pick a writable directory") from None
 
 
-def check_plan_stages(plan: dict, model, world_size: int, source: str) -> None:
+def check_plan_stages(plan: dict, model, world_size: int, source: str, example=None) -> None:
     """ValueError naming ``source`` when ``plan["stages"]`` is not ``world_size`` contiguous
-    ``[start, end)`` layer ranges covering ``model``'s layers."""
+    ``[start, end)`` layer ranges covering ``model``'s layers (``example``: inputs to trace a
+    model that is not a declared sequence on)."""
     stages = plan.get("stages")
     if not stages:
         return
@@ -40,7 +41,7 @@ def check_plan_stages(plan: dict, model, world_size: int, source: str) -> None:
                          "write the plan with `hpar profile --plan-out`")
     from hpar.strategies.pipeline.stage import stage_ranges
     try:
-        stage_ranges(model, world_size, plan)
+        stage_ranges(model, world_size, plan, example)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
 

@@ -37,9 +37,21 @@ import torch
 import torch.distributed as dist
 
 MAX_DIMS = 8
+MAX_TENSORS = 16   # tensors of one tuple activation (a traced model's live values)
+TUPLE = 99         # header code of a tuple activation
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool, torch.uint8)
 TAG_HEADER, TAG_ACT, TAG_GRAD, TAG_LOSS = 1, 2, 3, 4
 DENSE, HOST = "dense", "host"
+
+
+def _header(tensor: torch.Tensor, stage: int) -> torch.Tensor:
+    """dtype code, number of dimensions, shape: MAX_DIMS + 2 int64 values in host memory."""
+    if tensor.dtype not in DTYPES or tensor.dim() > MAX_DIMS:
+        raise ValueError(f"--strategy pipeline: stage {stage} outputs a {tensor.dtype} tensor of {tensor.dim()} dims; activations must have at most {MAX_DIMS} dims and a standard dtype")
+    header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)
+    header[0], header[1] = DTYPES.index(tensor.dtype), tensor.dim()
+    header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header
 
 
 @dataclass(frozen=True)
@@ -96,39 +108,68 @@ class Links:
         self.idle = 0.0
 
     # --- activations forward ------------------------------------------------------------
-    def send_activation(self, tensor: torch.Tensor) -> None:
-        """Queue ``tensor`` (any dtype in DTYPES, at most MAX_DIMS dims) for the next stage."""
-        if tensor.dtype not in DTYPES or tensor.dim() > MAX_DIMS:
-            raise ValueError(f"--strategy pipeline: stage {self.rank} outputs a {tensor.dtype} tensor of {tensor.dim()} dims; activations must have at most {MAX_DIMS} dims and a standard dtype")
-        header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)      # host memory: read without a device sync
-        header[0], header[1] = DTYPES.index(tensor.dtype), tensor.dim()
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        tensor = tensor.contiguous()
+    def send_activation(self, value) -> None:
+        """Queue ``value`` for the next stage: a tensor (any dtype in DTYPES, at most MAX_DIMS
+        dims), or a tuple of at most MAX_TENSORS of them (a traced model's live values), whose
+        tensors with ``requires_grad`` get a gradient back."""
+        if isinstance(value, tuple):
+            if not 0 < len(value) <= MAX_TENSORS:
+                raise ValueError(f"--strategy pipeline: stage {self.rank} outputs {len(value)} tensors; at most "
+                                 f"{MAX_TENSORS} may cross a stage boundary")
+            header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)
+            header[0], header[1] = TUPLE, len(value)
+            rows = torch.zeros(len(value), MAX_DIMS + 3, dtype=torch.int64)
+            for i, t in enumerate(value):
+                rows[i, 0] = int(t.requires_grad)
+                rows[i, 1:] = _header(t, self.rank)
+            self._queue(header, self.peer[self.rank + 1], TAG_HEADER, HOST)
+            self._queue(rows.flatten(), self.peer[self.rank + 1], TAG_HEADER, HOST)
+            for t in value:
+                self._queue(t.detach().contiguous(), self.peer[self.rank + 1], TAG_ACT, DENSE)
+            self.out_shapes.append([(t.shape, t.dtype) for t in value if t.requires_grad])
+            return
+        header = _header(value, self.rank)                         # host memory: read without a device sync
+        tensor = value.contiguous()
         self._queue(header, self.peer[self.rank + 1], TAG_HEADER, HOST)
         self._queue(tensor, self.peer[self.rank + 1], TAG_ACT, DENSE)
         self.out_shapes.append((tensor.shape, tensor.dtype))
 
-    def recv_activation(self) -> torch.Tensor:
-        """The next activation from the previous stage (posted with the queued sends)."""
+    def recv_activation(self):
+        """The next activation from the previous stage (posted with the queued sends): a
+        tensor, or a tuple whose tensors that need a gradient back have ``requires_grad``."""
         header = torch.empty(MAX_DIMS + 2, dtype=torch.int64)
         self._post([P2P("recv", header, self.peer[self.rank - 1], TAG_HEADER, HOST)])
+        if int(header[0]) != TUPLE:
+            return self._recv_tensor(header)
+        rows = torch.empty(int(header[1]) * (MAX_DIMS + 3), dtype=torch.int64)
+        self._post([P2P("recv", rows, self.peer[self.rank - 1], TAG_HEADER, HOST)])
+        rows = rows.view(int(header[1]), MAX_DIMS + 3)
+        return tuple(self._recv_tensor(row[1:]).requires_grad_(bool(row[0])) for row in rows)
+
+    def _recv_tensor(self, header: torch.Tensor) -> torch.Tensor:
         dtype, ndim = DTYPES[int(header[0])], int(header[1])
         out = torch.empty(tuple(int(d) for d in header[2:2 + ndim]), dtype=dtype, device=self.device)
         self._post([P2P("recv", out, self.peer[self.rank - 1], TAG_ACT, DENSE)])
         return out
 
     # --- gradients backward -------------------------------------------------------------
-    def send_gradient(self, grad: torch.Tensor) -> None:
-        """Queue the gradient of this stage's input for the previous stage."""
-        self._queue(grad.contiguous(), self.peer[self.rank - 1], TAG_GRAD, DENSE)
+    def send_gradient(self, grad) -> None:
+        """Queue the gradient of this stage's input for the previous stage (a tuple: one per
+        received tensor that needed one, in order)."""
+        for g in (grad if isinstance(grad, tuple) else (grad,)):
+            self._queue(g.contiguous(), self.peer[self.rank - 1], TAG_GRAD, DENSE)
 
-    def recv_gradient(self) -> torch.Tensor:
+    def recv_gradient(self):
         """The gradient of the oldest activation sent whose gradient has not come back
-        (1F1B and GPipe run backwards in forward order)."""
-        shape, dtype = self.out_shapes.popleft()
-        grad = torch.empty(shape, dtype=dtype, device=self.device)
-        self._post([P2P("recv", grad, self.peer[self.rank + 1], TAG_GRAD, DENSE)])
-        return grad
+        (1F1B and GPipe run backwards in forward order); a tuple for a tuple activation."""
+        shapes = self.out_shapes.popleft()
+        many = isinstance(shapes, list)
+        grads = []
+        for shape, dtype in (shapes if many else [shapes]):
+            grad = torch.empty(shape, dtype=dtype, device=self.device)
+            self._post([P2P("recv", grad, self.peer[self.rank + 1], TAG_GRAD, DENSE)])
+            grads.append(grad)
+        return tuple(grads) if many else grads[0]
 
     # --- loss to stage 0 (host channel) -------------------------------------------------
     def send_loss(self, loss: float) -> None:

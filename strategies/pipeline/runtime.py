@@ -64,25 +64,31 @@ from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.replicas import Grid, StageReplicas
 from hpar.strategies.pipeline.memory import PeakMemory
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
-from hpar.strategies.pipeline.stage import draw_batch, Stage, build_stages_model, describe, split_micro, stage_module, stage_ranges
+from hpar.strategies.layers import is_declared_sequence
+from hpar.strategies.pipeline.stage import (draw_batch, Stage, build_stages_model, describe, example_micro_batch,
+                                            sequential_layers, split_micro, stage_module, stage_ranges)
+from hpar.strategies.pipeline.ties import TiedGradients, check_schedule, shared_across_stages
 from hpar.strategies.pipeline.prediction import mode_for_schedule
 
 
-def build_stage(ctx: WorkerContext) -> tuple[Stage, torch.nn.Module, tuple]:
-    """This process's Stage, the seeded whole model it was cut from, and the stage ranges.
+def build_stage(ctx: WorkerContext) -> tuple[Stage, torch.nn.Module, tuple, object]:
+    """This process's Stage, the seeded whole model it was cut from, the stage ranges and the
+    micro-batch a model that is not a declared sequence was traced on (None otherwise).
     Raises ValueError for a non-sequential model, fewer layers than stages, a bad plan."""
     cfg = ctx.cfg
     grid = Grid.of(cfg)
     k, _ = grid.coords(ctx.rank)
     model = build_stages_model(ctx.job, cfg.seed)
-    ranges = stage_ranges(model, grid.stages, cfg.plan)
+    example = None if is_declared_sequence(model) else \
+        example_micro_batch(ctx.job, cfg.batch_size, cfg.micro_batches, cfg.seed)   # the same trace on every stage
+    ranges = stage_ranges(model, grid.stages, cfg.plan, example)
     a, b = ranges[k]
-    module = stage_module(model, a, b).to(ctx.device)
+    module = stage_module(model, a, b, example).to(ctx.device)
     params = list(module.parameters())
     opt = ctx.job.build_optimizer(params, cfg.lr) if params else None
     stage = Stage(ctx.job, module, opt, mode_for_schedule(cfg.schedule), k, grid.stages,
                   1.0 / cfg.micro_batches)
-    return stage, model, ranges
+    return stage, model, ranges, example
 
 
 def train(ctx: WorkerContext) -> TrainResult:
@@ -92,7 +98,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     if cfg.schedule.startswith("torch-"):
         from hpar.strategies.pipeline import torch_peers
         return torch_peers.train(ctx)
-    stage, model, ranges = build_stage(ctx)
+    stage, model, ranges, example = build_stage(ctx)
     grid = Grid.of(cfg)
     M, K, (k, r) = cfg.micro_batches, grid.stages, grid.coords(ctx.rank)
     if cfg.batch_size % M:
@@ -121,6 +127,10 @@ def train(ctx: WorkerContext) -> TrainResult:
     last_targets = [None]   # the last stage: targets of the latest micro-batch, for log()
     links = Links(k, K, ctx.device, ctx.is_remote, group=groups.dense, ranks=grid.pipeline_ranks(r))
     replicas = StageReplicas(grid, ctx.rank, cfg.device, ctx.is_remote)   # after worker_groups, on every rank
+    shared = shared_across_stages(sequential_layers(model, example), ranges)   # tied weights on several stages
+    check_schedule(shared, cfg.schedule)
+    ties = TiedGradients(shared, stage.module, grid, k, r, cfg.device)   # after StageReplicas, on every rank
+    stepper.norm_params = ties.counted(stepper.params)
     batches = job.batches(r, grid.replicas, cfg.batch_size) if (stage.is_first or stage.is_last) else None
     for s in range(ctx.start_step):   # the same batches as an uninterrupted run
         if batches is not None:
@@ -166,6 +176,7 @@ def train(ctx: WorkerContext) -> TrainResult:
                 links.send_gradient(grad_in)
 
     def update() -> None:
+        tied_bytes[0] += ties.sum_gradients()   # one logical parameter across stages (strategies/pipeline/ties.py)
         replicas.average_gradients([p for _, p in stage.weights.named])
         # gradients are final (replica-averaged): now unscale, clip and step the optimizer
         stepped[0] &= stepper.step(stage)
@@ -187,7 +198,8 @@ def train(ctx: WorkerContext) -> TrainResult:
             loss = links.recv_loss()
         sent, recv, idle, remote = links.take()
         reduced, reduced_remote = replicas.take()
-        sent, recv, remote = sent + reduced, recv + reduced, remote + reduced_remote
+        sent, recv, remote = sent + reduced + tied_bytes[0], recv + reduced + tied_bytes[0], remote + reduced_remote
+        tied_bytes[0] = 0
         compute, idle = timer.take_step(idle)    # on CUDA both from CUDA events
         stats["compute_s"].append(compute); stats["idle_s"].append(idle)
         stats["sent"].append(sent); stats["recv"].append(recv)
@@ -217,6 +229,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     schedule = cfg.schedule
     sync = is_synchronous(schedule)
     stepped = [True]   # whether every optimizer step of this stage in the current batch went through
+    tied_bytes = [0]   # bytes of the tied-gradient AllReduces in the current batch
     autocast = loop.autocast(cfg, ctx.device.type)
     gcfg = guard.GuardConfig(cfg.on_divergence, cfg.divergence_factor)
     watch, cut = guard.LossWatch(gcfg), None
@@ -245,7 +258,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     links.flush()
     links.wait_sends()
     extra = {"divergence": guard.report(gcfg, watch.tripped, cut, cfg.steps)} if gcfg.action != "off" else {}
-    return _finish(ctx, grid, stage, model, ranges, meter, stats, extra)
+    return _finish(ctx, grid, stage, model, ranges, meter, stats, extra, example)
 
 
 def _tripped(ctx: WorkerContext, watch: "guard.LossWatch", step: int, loss: float) -> bool:
@@ -265,7 +278,7 @@ def _tripped(ctx: WorkerContext, watch: "guard.LossWatch", step: int, loss: floa
 
 
 def _finish(ctx: WorkerContext, grid: Grid, stage: Stage, model: torch.nn.Module, ranges, meter: StepMeter,
-            stats: dict, more: dict | None = None) -> TrainResult:
+            stats: dict, more: dict | None = None, example=None) -> TrainResult:
     """Gather the stages' state dicts (replica 0's: the replicas are identical) and every
     worker's figures on rank 0; rank 0 returns the whole model."""
     n = max(len(stats["sent"]), 1)
@@ -290,5 +303,5 @@ def _finish(ctx: WorkerContext, grid: Grid, stage: Stage, model: torch.nn.Module
     assert not unexpected, unexpected
     extra = {"schedule": ctx.cfg.schedule, "micro_batches": ctx.cfg.micro_batches, "pipeline_stages": grid.stages,
              "pipeline_replicas": grid.replicas, "pipeline_layout": grid.layout,
-             "stages": [figures for _, figures in gathered], "stage_layers": describe(ranges, model), **(more or {})}
+             "stages": [figures for _, figures in gathered], "stage_layers": describe(ranges, model, example), **(more or {})}
     return meter.result(model.to("cpu"), replicas=grid.replicas, extra=extra)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch.utils._pytree import tree_map
 
 from hpar.strategies.job import Job
 from hpar.strategies.layers import model_layers, stage_of
@@ -18,23 +19,33 @@ from hpar.strategies.pipeline.schedules import Op
 from hpar.strategies.pipeline.prediction import PassWeights
 
 
-def sequential_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The model's layers (``strategies/layers.py``: ``hpar_layers()``, or the top-level
-    children of an ``nn.Sequential``), the same ones the profiler and planner count. Raises
-    ValueError explaining why pipelining is not offered otherwise."""
+def sequential_layers(model: torch.nn.Module, example=None) -> list[tuple[str, torch.nn.Module]]:
+    """The model's layers (``strategies/layers.py``: ``hpar_layers()``, the top-level
+    children of an ``nn.Sequential``, or the blocks torch's tracer cuts it between, traced
+    on ``example``, one micro-batch of inputs), the same ones the profiler and planner count.
+    Raises ValueError explaining why pipelining is not offered otherwise."""
     try:
-        return model_layers(model)
+        return model_layers(model, example)
     except ValueError as exc:
         raise ValueError(f"--strategy pipeline: {exc}; return nn.Sequential(...) from model(), define "
                          "hpar_layers(), or use a data-parallel strategy") from None
 
 
-def stage_ranges(model: torch.nn.Module, num_stages: int, plan: dict | None = None) -> tuple[tuple[int, int], ...]:
+def example_micro_batch(job: Job, batch_size: int, micro_batches: int, seed: int = 0, replica: int = 0,
+                        replicas: int = 1):
+    """The inputs of the first micro-batch of replica ``replica``'s first batch (drawn as the
+    run draws it, :func:`draw_batch`): what a traced model's layers are traced on."""
+    inputs, _ = draw_batch(job.batches(replica, replicas, batch_size), seed, 0)
+    return split_micro(inputs, micro_batches)[0]
+
+
+def stage_ranges(model: torch.nn.Module, num_stages: int, plan: dict | None = None,
+                 example=None) -> tuple[tuple[int, int], ...]:
     """``[start, end)`` layer ranges of the stages: ``plan["stages"]`` when the planner gave
     them, else contiguous ranges balanced on parameter count (+1 per layer, so layers
     without parameters also spread). Raises ValueError for fewer layers than stages or a plan
     that does not cover the layers with ``num_stages`` contiguous ranges."""
-    layers = sequential_layers(model)
+    layers = sequential_layers(model, example)
     n = len(layers)
     if plan and plan.get("stages"):
         ranges = tuple((int(a), int(b)) for a, b in plan["stages"])
@@ -47,26 +58,28 @@ def stage_ranges(model: torch.nn.Module, num_stages: int, plan: dict | None = No
     return balanced_ranges(weights, num_stages)
 
 
-def stage_module(model: torch.nn.Module, start: int, end: int) -> torch.nn.Module:
+def stage_module(model: torch.nn.Module, start: int, end: int, example=None) -> torch.nn.Module:
     """Layers ``[start, end)`` of the model under their original names, so the stage's
     state_dict keys equal the whole model's (``strategies/layers.stage_of``)."""
-    sequential_layers(model)   # the pipeline's error message for a model that is not a sequence
-    return stage_of(model, start, end)
+    sequential_layers(model, example)   # the pipeline's error message for a model that cannot be cut
+    return stage_of(model, start, end, example)
 
 
 def check_pipeline(model: torch.nn.Module, num_stages: int, plan: dict | None, micro_batches: int,
-                   batch_size: int) -> tuple[tuple[int, int], ...]:
+                   batch_size: int, example=None) -> tuple[tuple[int, int], ...]:
     """What the pipeline runtime will check after its processes start, checked before: the
-    model is a sequence of layers, the plan's stages split them into ``num_stages`` contiguous
-    ranges (or they can be balanced), ``micro_batches`` divides ``batch_size``. Returns the
-    stage ranges; raises ValueError with the fix."""
+    model can be cut into layers (``example``: one micro-batch, for a traced model), the
+    plan's stages split them into ``num_stages`` contiguous ranges (or they can be balanced),
+    ``micro_batches`` divides ``batch_size``. Returns the stage ranges; raises ValueError
+    with the fix."""
     if micro_batches < 1 or batch_size % micro_batches:
         raise ValueError(f"--micro-batches {micro_batches} does not divide --batch-size {batch_size}; choose a divisor")
-    if len(sequential_layers(model)) < num_stages:
+    count = len(sequential_layers(model, example))
+    if count < num_stages:
         raise ValueError(f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): the model has only "
-                         f"{len(sequential_layers(model))} layers; use fewer stages (lower --gpus or raise "
+                         f"{count} layers; use fewer stages (lower --gpus or raise "
                          "--pipeline-replicas) or a data-parallel strategy")
-    return stage_ranges(model, num_stages, plan)
+    return stage_ranges(model, num_stages, plan, example)
 
 
 def draw_batch(batches, seed: int, step: int):
@@ -102,8 +115,8 @@ class Stage:
     in the asynchronous ones each update uses 1/M of a micro-batch-mean gradient, so with
     SGD the user's per-batch lr moves the weights by the same amount per sample (an
     update of lr/M per micro-batch, the linear scaling rule of Goyal et al. 2017).
-    Activations between stages must be single tensors; the first stage's input may be
-    anything the model accepts.
+    Activations between stages are tensors (a traced model's: tuples of tensors); the first
+    stage's input may be anything the model accepts.
     """
 
     def __init__(self, job: Job, module: torch.nn.Module, optimizer: torch.optim.Optimizer, mode: str,
@@ -126,35 +139,40 @@ class Stage:
         return self.index == self.num_stages - 1
 
     def forward(self, op: Op, inputs: Any, targets: Any = None) -> Any:
-        """Forward of ``op.micro``. Returns the output activation (detached, to send on), or on
-        the last stage the micro-batch's mean loss as a float."""
-        if not self.is_first:
-            if not isinstance(inputs, torch.Tensor):
-                raise ValueError(f"--strategy pipeline: stage {self.index} received a {type(inputs).__name__}; activations between stages must be single tensors")
-            if inputs.is_floating_point():
-                inputs.requires_grad_(True)
+        """Forward of ``op.micro``. Returns the output activation (detached, to send on: a
+        tensor, or a traced model's tuple of tensors, those that need a gradient back still
+        marked ``requires_grad``), or on the last stage the micro-batch's mean loss as a float."""
+        if not self.is_first and isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+            inputs.requires_grad_(True)   # a tuple arrives marked (strategies/pipeline/comm.py)
         out = self.weights.forward(op.micro, op.distance, inputs)
         if self.is_last:
             loss = self.job.compute_loss(out, targets)
             scaled = loss * self.loss_scale
             self.saved[op.micro] = (inputs, scaled if self.scale_loss is None else self.scale_loss(scaled))
             if self.keep_output:
-                self.output = out.detach()
+                self.output = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
             self.max_in_flight = max(self.max_in_flight, len(self.saved))
             return float(loss.detach())
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"--strategy pipeline: stage {self.index} (layers ending at {getattr(self.module, 'layer_names', list(self.module._modules))[-1]!r}) outputs a {type(out).__name__}; activations between stages must be single tensors")
+        if not (isinstance(out, torch.Tensor) or isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)):
+            raise ValueError(f"--strategy pipeline: stage {self.index} (layers ending at {getattr(self.module, 'layer_names', list(self.module._modules))[-1]!r}) outputs a {type(out).__name__}; activations between stages must be tensors")
         self.saved[op.micro] = (inputs, out)
         self.max_in_flight = max(self.max_in_flight, len(self.saved))
+        if isinstance(out, tuple):
+            return tuple(t.detach().requires_grad_(t.requires_grad) for t in out)
         return out.detach()
 
-    def backward(self, op: Op, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Backward of ``op.micro`` (``grad_output`` from the next stage; None on the last).
-        Returns the gradient of the stage's input (None on the first stage)."""
+    def backward(self, op: Op, grad_output: Any = None) -> Any:
+        """Backward of ``op.micro`` (``grad_output`` from the next stage, a tuple for a tuple
+        activation: one gradient per tensor that needs one; None on the last). Returns the
+        gradient of the stage's input in the same form (None on the first stage)."""
         inputs, out = self.saved.pop(op.micro)
+        if isinstance(out, tuple):
+            out = [t for t in out if t.requires_grad]
         self.weights.backward(op.micro, op.distance, out, None if self.is_last else grad_output)
         if self.is_first:
             return None
+        if isinstance(inputs, tuple):
+            return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad)
         return inputs.grad if inputs.grad is not None else torch.zeros_like(inputs)
 
     def update(self, opt_step=None) -> None:
@@ -169,9 +187,9 @@ def build_stages_model(job: Job, seed: int) -> torch.nn.Module:
     return job.build_model()
 
 
-def describe(ranges: Sequence[tuple[int, int]], model: torch.nn.Module) -> list[dict]:
+def describe(ranges: Sequence[tuple[int, int]], model: torch.nn.Module, example=None) -> list[dict]:
     """JSON-friendly stage description: layer range, layer names, parameter count."""
-    layers = sequential_layers(model)
+    layers = sequential_layers(model, example)
     return [{"stage": k, "layers": [a, b], "names": [n for n, _ in layers[a:b]],
              "params": sum(p.numel() for _, m in layers[a:b] for p in m.parameters())}
             for k, (a, b) in enumerate(ranges)]

@@ -69,15 +69,18 @@ def grad_sq_sum(params: list[torch.Tensor], device: torch.device) -> torch.Tenso
 
 
 def clip_across_stages(params: list[torch.Tensor], max_norm: float, group, device: torch.device,
-                       copies: int = 1) -> torch.Tensor:
+                       copies: int = 1, counted: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Clip this stage's gradients by the global 2-norm over every stage of ``group``: the
     sums of squares are AllReduced (SUM) over ``group``, then every gradient is multiplied by
     ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does on one
     process. ``copies``: how many ranks of ``group`` hold each stage's (replica-averaged,
     hence equal) gradient, R for a pipeline of R replicas over all K x R workers; the sum is
     divided by it. A collective: every stage of ``group`` calls it, also one without
-    parameters (``params`` empty). Returns the total norm before clipping, shape (1,), on ``device``."""
-    sq = grad_sq_sum(params, device)
+    parameters (``params`` empty). ``counted``: the parameters whose gradients this stage counts
+    in the norm (default ``params``; a weight shared with an earlier stage is counted there
+    only, strategies/pipeline/ties.py). Returns the total norm before clipping, shape (1,), on
+    ``device``."""
+    sq = grad_sq_sum(params if counted is None else counted, device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
     norm = (sq / copies).sqrt()
@@ -111,6 +114,7 @@ class StageStepper:
         self.cfg, self.tools, self.opt, self.group, self.device = cfg, tools, opt, group, device
         self.sync, self.micro_per_update, self.copies = sync, micro_per_update, copies
         self.params = [p for g in opt.param_groups for p in g["params"]]
+        self.norm_params = self.params   # those this stage counts in the global norm (ties.TiedGradients.counted)
         self.last_norm: torch.Tensor | None = None   # norm before clipping, shape (1,), when clipping
 
     def step(self, stage) -> bool:
@@ -122,7 +126,8 @@ class StageStepper:
         if scaler.is_enabled():
             scaler.unscale_(self.opt)      # ShardedGradScaler: found-inf AllReduced over the stages
         if cfg.clip_grad_norm and self.sync:
-            self.last_norm = clip_across_stages(params, cfg.clip_grad_norm, self.group, self.device, self.copies)
+            self.last_norm = clip_across_stages(params, cfg.clip_grad_norm, self.group, self.device, self.copies,
+                                                counted=self.norm_params if params else [])
         elif cfg.clip_grad_norm and params:
             self.last_norm = torch.nn.utils.clip_grad_norm_(params, async_clip_threshold(cfg, self.micro_per_update))
         return tools.scaled_step(lambda: stage.update(opt_step=lambda: scaler.step(self.opt)))

@@ -163,6 +163,20 @@ def count_flops(model: nn.Module, layers, step) -> dict:
     return {"forward": fwd, "backward": total - fwd, "layers": per_layer}
 
 
+def traced_layer_flops(layers, inputs) -> list[int]:
+    """FLOPs of one step per layer of a traced model (``strategies/traced.py``): each layer's
+    forward counted on its own (torch's FlopCounterMode), times 3 for forward plus backward
+    (the backward of a matmul costs two of its forwards), as for fused RNN kernels above."""
+    from torch.utils.flop_counter import FlopCounterMode
+    out = []
+    with torch.no_grad():
+        for _, layer in layers:
+            with FlopCounterMode(display=False) as fc:
+                inputs = layer(inputs)
+            out.append(3 * fc.get_total_flops())
+    return out
+
+
 def auto_timing_batch(job: Job, model: nn.Module, batch_size: int, workers: int) -> int:
     """``batch_size``, or a smaller batch when one step would exceed STEP_BUDGET_S. Times a
     warm step at batch b1 = max(1, batch_size // 32) and at b2 = min(batch_size, 4 b1) and

@@ -49,17 +49,22 @@ import statistics
 import time
 
 import torch
+from torch.utils._pytree import tree_flatten
+
 from hpar.strategies.devices import DeviceClock
 from hpar.strategies.job import Job, JobError, raised_in_script, user_error
 from hpar.strategies.forward import call_model
 from hpar.strategies.profile.device import data_seconds, OnDevice
-from hpar.strategies.layers import model_layers
+from hpar.strategies.forward import inner_module
+from hpar.strategies.layers import is_declared_sequence, model_layers
+from hpar.strategies.traced import TracedStage, why_not_traceable
 from hpar.strategies.loop import precision_context
 from hpar.strategies.profile.hooks import (
     auto_timing_batch,
     fixed_share,
     LayerTimer,
     count_flops,
+    traced_layer_flops,
     embedding_modules,
     rows_touched,
 )
@@ -71,12 +76,15 @@ from torch import nn
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
 
 
-def pipeline_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool, str]:
-    """The model's layers (``strategies/layers.py``: ``model.hpar_layers()``, or the top-level
-    children of an ``nn.Sequential``) as ``(name, module)`` pairs, whether a pipeline can cut
-    them, and why not. A model that is not a sequence is profiled by its top-level children
-    (not cuttable); ``hpar_layers()`` returning something unusable raises JobError."""
-    if callable(getattr(model, "hpar_layers", None)) or isinstance(model, nn.Sequential):
+def pipeline_layers(model: nn.Module, examples=()) -> tuple[list[tuple[str, nn.Module]], bool, str]:
+    """The model's layers (``strategies/layers.py``: ``model.hpar_layers()``, the top-level
+    children of an ``nn.Sequential``, or the blocks torch's tracer cuts it between, traced on
+    the first of ``examples``, the inputs of the batches to be timed) as ``(name, module)``
+    pairs, whether a pipeline can cut them, and why not. A model that cannot be cut is
+    profiled by its top-level children; ``hpar_layers()`` returning something unusable
+    raises JobError. A traced model whose ``examples`` change shape cannot be cut (its graph
+    is specialised to one shape)."""
+    if is_declared_sequence(model):
         try:
             layers = model_layers(model)
         except ValueError as exc:
@@ -84,12 +92,25 @@ def pipeline_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool
         if len(layers) < 2:
             return layers, False, "the sequence has fewer than 2 layers"
         return layers, True, ""
-    children = list(model.named_children())
+    children = list(inner_module(model).named_children())
+    shapes = {tuple(tuple(t.shape) for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)) for x in examples}
+    if len(shapes) > 1:
+        return children, False, ("its batches change shape (a traced pipeline needs one shape; pad sequences to one "
+                                 "length) and it has no hpar_layers()")
+    reason = why_not_traceable(model)
+    if reason or not examples:
+        return children, False, f"not a sequence of layers: {reason or 'no batch to trace it on'}"
     try:
-        model_layers(model)
+        return model_layers(model, examples[0]), True, ""
     except ValueError as exc:
         return children, False, str(exc)
-    return children, False, "not a sequence of layers"
+
+
+def _compose(layers: list[tuple[str, nn.Module]], inputs):
+    """The layers applied in order to ``inputs``: the model's forward, cut."""
+    for _, layer in layers:
+        inputs = layer(inputs)
+    return inputs
 
 
 def _median(xs):
@@ -144,21 +165,23 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         embs = embedding_modules(model)
         for _, m in embs:
             m.sparse = True          # profile copy only: cheap gradients for huge tables
-        layers, is_seq, reason = pipeline_layers(model)
-        timer = LayerTimer(layers, [m for _, m in embs], clock)
         tbs = min(timing_batch_size or batch_size, batch_size)
         if timing_batch_size is None:
             tbs = auto_timing_batch(on_dev, model, batch_size, workers)
         batches = on_dev.batches(0, workers, tbs)
+        timed = [next(batches) for _ in range(warmup + repeats)]
+        layers, is_seq, reason = pipeline_layers(model, [x for x, _ in timed])
+        traced = is_seq and isinstance(layers[0][1], TracedStage)
+        run = (lambda x: _compose(layers, x)) if traced else (lambda x: call_model(model, x))
+        timer = LayerTimer(layers, [m for _, m in embs], clock)
         fwd, bwd, lay_f, lay_b, grad_rows = [], [], [], [], {}
         with timer:
-            for i in range(warmup + repeats):
-                inputs, targets = next(batches)
+            for i, (inputs, targets) in enumerate(timed):
                 model.zero_grad(set_to_none=True)
                 timer.reset()
                 t0 = clock.mark()
                 with cast():
-                    loss = job.compute_loss(call_model(model, inputs), targets)
+                    loss = job.compute_loss(run(inputs), targets)
                 t1 = clock.mark()
                 loss.backward()
                 t2 = clock.mark()
@@ -172,9 +195,11 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                     if p.grad is not None and p.dim() >= 2 and not p.grad.is_sparse:
                         grad_rows.setdefault(name, []).append(rows_touched(p.grad))
             calls_once = timer.embedding_calls_once()
-        inputs, targets = next(batches)
+        inputs, targets = timed[-1]
         model.zero_grad(set_to_none=True)
-        flops = count_flops(model, layers, lambda: job.compute_loss(call_model(model, inputs), targets))
+        flops = count_flops(model, [] if traced else layers, lambda: job.compute_loss(run(inputs), targets))
+        if traced:
+            flops["layers"] = traced_layer_flops(layers, inputs)
         scale = batch_size / tbs
         emb_stats = embedding_sparsity(on_dev, model, embs, batch_size, workers,
                                         max_sparsity_workers, stop_early=calls_once)
