@@ -118,18 +118,23 @@ def reap_run():
 
 
 def _concat(parts):
-    """Concatenate along dim 0 a list of batches: tensors, or tuples/lists of them."""
+    """Concatenate along dim 0 a list of batches: tensors, or tuples/lists/dicts of them."""
     import torch
     if isinstance(parts[0], torch.Tensor):
         return torch.cat(parts)
+    if isinstance(parts[0], dict):
+        return {k: _concat([p[k] for p in parts]) for k in parts[0]}
     return type(parts[0])(_concat([p[k] for p in parts]) for k in range(len(parts[0])))
 
 
 def single_process_reference(script: str, world_size: int, steps: int, batch_size: int, lr: float,
-                             seed: int = 0) -> dict:
+                             seed: int = 0, losses: list | None = None) -> dict:
     """One process trained ``steps`` steps, each on the concatenation of every rank's batch
-    (mean loss): what N synchronous data-parallel workers must equal. Returns its state_dict."""
+    (mean loss): what N synchronous data-parallel workers must equal. Returns its state_dict;
+    appends each step's loss to ``losses`` when given. The model is called as hpar calls it
+    (``model(**inputs)`` for a dict of its forward's names, strategies/forward.py)."""
     import torch
+    from hpar.strategies.forward import call_model
     from hpar.strategies.job import load_job
     job = load_job(script)
     torch.manual_seed(seed)
@@ -139,6 +144,9 @@ def single_process_reference(script: str, world_size: int, steps: int, batch_siz
     for _ in range(steps):
         pairs = [next(s) for s in streams]
         opt.zero_grad()
-        job.compute_loss(model(_concat([p[0] for p in pairs])), _concat([p[1] for p in pairs])).backward()
+        loss = job.compute_loss(call_model(model, _concat([p[0] for p in pairs])), _concat([p[1] for p in pairs]))
+        loss.backward()
         opt.step()
+        if losses is not None:
+            losses.append(float(loss))
     return model.state_dict()

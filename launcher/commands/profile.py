@@ -146,7 +146,7 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
                   f"{p.alpha:.4f}" if p.sparse else "", f"{p.union_alpha:.4f}" if p.sparse else "",
                   plan.placement.get(p.name, "allreduce"))
     console.print(t)
-    t = Table(title=f"Layers ({'a sequence' if profile.is_sequential else profile.sequential_reason}; "
+    t = Table(title=f"Layers ({'a pipeline can cut between them' if profile.is_sequential else profile.sequential_reason}; "
                     f"batch {profile.batch_size}, {'1 CPU thread' if profile.device == 'cpu' else profile.device})")
     for col in ("#", "layer", "forward", "backward", "FLOPs", "activations", "params"):
         t.add_column(col, justify="left" if col == "layer" else "right")

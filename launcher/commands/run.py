@@ -20,7 +20,8 @@ from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
 from hpar.strategies.layers import is_declared_sequence
-from hpar.strategies.pipeline.stage import check_pipeline, split_micro
+from hpar.strategies.pipeline.stage import check_pipeline, sequential_layers, split_micro
+from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages
 from hpar.strategies.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
@@ -167,10 +168,10 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
         if cfg.strategy == "pipeline":
             example = None if traced_on is None else split_micro(traced_on, cfg.micro_batches)[0]
-            check_pipeline(model, cfg.pipeline_stages, cfg.plan, cfg.micro_batches, bs, example)   # refuse a plan that cannot run, before any process
+            ranges = check_pipeline(model, cfg.pipeline_stages, cfg.plan, cfg.micro_batches, bs, example)   # refuse a plan that cannot run, before any process
+            check_schedule(shared_across_stages(sequential_layers(model, example), ranges), cfg.schedule)
             layers = None
             if cfg.schedule.startswith("torch-"):   # strategies/pipeline/torch_peers.py (one pipeline: R = 1)
-                from hpar.strategies.pipeline.stage import sequential_layers
                 if traced_on is not None:
                     raise ValueError(f"--schedule {cfg.schedule}: torch.distributed.pipelining's schedules run here on "
                                      "an nn.Sequential or hpar_layers() only; this model is cut by tracing, which "

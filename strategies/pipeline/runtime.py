@@ -206,6 +206,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         logged = job.run_log(step + 1, stage.output, last_targets[0]) if stage.keep_output else {}
         meter.end(loss, sent, recv, {"stage": k, "compute_s": compute, "idle_s": idle,
                                      **({"lr": lr} if lr is not None else {}),
+                                     **({"grad_norm": float(stepper.last_norm)} if sync and stepper.last_norm is not None else {}),
                                      **({} if stepped[0] else {"skipped_step": 1})}, sent_remote=remote, logged=logged)
         stepped[0] = True
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:

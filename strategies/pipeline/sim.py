@@ -15,7 +15,10 @@ import torch
 
 from hpar.strategies.job import Job
 from hpar.strategies.pipeline.schedules import execution_order, is_synchronous, stage_ops, updates_after, check_2bw
-from hpar.strategies.pipeline.stage import Stage, split_micro, stage_module, stage_ranges
+from hpar.strategies.layers import is_declared_sequence
+from hpar.strategies.pipeline.stage import Stage, example_micro_batch, split_micro, stage_module, stage_ranges
+from hpar.strategies.pipeline.stage import sequential_layers as stage_layers
+from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages
 from hpar.strategies.pipeline.guard import GuardConfig, LossWatch, cut_step, report
 from hpar.strategies.pipeline.prediction import mode_for_schedule
 
@@ -58,13 +61,16 @@ def _simulate(job: Job, schedule: str, num_stages: int, steps: int, sync_steps: 
     """``steps`` steps under ``schedule``, then ``sync_steps`` under 1f1b on the same stages."""
     torch.manual_seed(seed)
     model = job.build_model()
-    ranges = stage_ranges(model, num_stages)
+    example = None if is_declared_sequence(model) else example_micro_batch(job, batch_size, micro_batches, seed)
+    ranges = stage_ranges(model, num_stages, example=example)
     sync = is_synchronous(schedule)
     mode = mode_for_schedule(schedule)
-    stages = []
+    check_schedule(shared_across_stages(stage_layers(model, example), ranges), schedule)
+    stages, stepped = [], set()   # a weight tied across stages is one tensor here: stepped by its first stage
     for k, (a, b) in enumerate(ranges):
-        module = stage_module(model, a, b)
-        params = list(module.parameters())
+        module = stage_module(model, a, b, example)
+        params = [p for p in module.parameters() if id(p) not in stepped]
+        stepped.update(id(p) for p in params)
         opt = job.build_optimizer(params, lr) if params else None
         stages.append(Stage(job, module, opt, mode, k, num_stages, 1.0 / micro_batches))
     batches = job.batches(0, 1, batch_size)

@@ -140,9 +140,11 @@ def estimate_pipeline_grid(profile: Profile, cluster: ClusterSpec, replicas: int
 
 
 def describe(est: Estimate) -> str:
-    """One line for the profile table: "K stages x R replicas (layout), M micro-batches"."""
+    """One line for the profile table: "K stages x R replicas (layout), M micro-batches,
+    layers [a, b) ..." (each stage's layer range)."""
     where = {"stages-adjacent": "a pipeline's stages on adjacent ranks",
              "replicas-adjacent": "a stage's replicas on adjacent ranks"}.get(est.layout, est.layout)
     micro = f"{est.micro_batches} micro-batch{'es' if est.micro_batches != 1 else ''}"
-    return (f"{len(est.stages)} stages x {est.replicas} replicas ({where}), {micro}"
-            if est.replicas > 1 else f"{len(est.stages)} stages, {micro}")
+    split = "layers " + " ".join(f"[{a}, {b})" for a, b in est.stages)
+    return (f"{len(est.stages)} stages x {est.replicas} replicas ({where}), {micro}, {split}"
+            if est.replicas > 1 else f"{len(est.stages)} stages, {micro}, {split}")
