@@ -21,9 +21,9 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint
+from hpar.strategies.ddp import unused_error_named, wrap
 from hpar.strategies.devices import cpu_copy
 from hpar.strategies.groups import mean_over_workers, worker_groups
 from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
@@ -124,9 +124,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     ctx.start_step = resume_state(ctx, model, opt, tools)
     counter = ByteMeter()
     groups = worker_groups(ctx.world_size, cfg.device)
-    # find_unused_parameters: a model may skip a branch (and its parameters) in some steps
-    ddp = DDP(model, process_group=groups.dense, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-              find_unused_parameters=True)
+    ddp = wrap(model, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/ddp.py
     ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
     padded = sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
     ddp.register_comm_hook((counter, ctx.world_size, groups.dense, ring_remote),
@@ -147,7 +145,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
             sync = contextlib.nullcontext() if micro == cfg.accumulate - 1 else ddp.no_sync()
             with sync:
-                with tools.autocast():
+                with tools.autocast(), unused_error_named(ddp):
                     output = ddp(inputs)
                     loss = job.compute_loss(output, targets) / cfg.accumulate
                 tools.backward(loss)

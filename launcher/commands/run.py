@@ -15,7 +15,8 @@ from hpar.launcher.run.devices import choose_devices, describe, local_gpus
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_step
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
-from hpar.strategies.config import RunConfig, check_loop_flags
+from hpar.strategies.config import FIND_UNUSED_MODES, RunConfig, check_loop_flags
+from hpar.strategies.ddp import DDP_STRATEGIES, find_unused
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
@@ -23,7 +24,8 @@ from hpar.strategies.pipeline.stage import check_pipeline
 from hpar.strategies.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
-             "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0}
+             "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0,
+             "find_unused_parameters": "auto"}
 
 
 def read_plan(path: str) -> dict:
@@ -77,14 +79,39 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
     return plan.strategy, plan.to_dict()
 
 
+def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict, model, batch_size: int,
+                    gpus: int) -> bool:
+    """DDP's ``find_unused_parameters`` for this run (strategies/ddp.py): ``on``/``off`` as
+    given; ``auto``: whether a parameter DDP holds (hybrid's served tables left out) got no
+    gradient in a profiled step, from the plan's ``unused_params`` where the planner profiled,
+    else from a few forward/backward steps here (strategies/profile/unused.py); said in one
+    line when on. False for a strategy without DDP (ps, pipeline)."""
+    if strategy not in DDP_STRATEGIES:
+        return False
+    if mode != "auto":
+        return find_unused(mode, ())
+    unused = plan.get("unused_params")
+    if unused is None:
+        from hpar.strategies.profile.unused import unused_parameters
+        unused = unused_parameters(job, batch_size, gpus)
+    served = [n for n, where in placement(model, strategy, plan).items() if where == "ps"] if strategy == "hybrid" else []
+    held = sorted(set(unused) - set(served))
+    if held:
+        console.print(f"hpar: DDP looks for unused parameters every step (find_unused_parameters): {', '.join(held[:4])}"
+                      f"{', ...' if len(held) > 4 else ''} got no gradient in a profiled step", markup=False)
+    return bool(held)
+
+
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
             no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
             ssh_known_hosts=None, ssh_accept_new=False, device="auto",
-            on_divergence="off", divergence_factor=2.0, pipeline_replicas=None):
+            on_divergence="off", divergence_factor=2.0, pipeline_replicas=None, find_unused_parameters=None):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
-    None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags."""
+    None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags;
+    ``find_unused_parameters``: auto, on or off (None: the script's HPAR, else auto), which a
+    resumed run may change (it is how a run that failed on an unused parameter goes on)."""
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
     if resume_dir:
@@ -108,6 +135,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     if resume_dir:
         cfg = resumed_config(resume_dir, script, steps, say=lambda m: console.print(m, markup=False))
         job = load_job(cfg.script)
+        if find_unused_parameters in ("on", "off"):
+            cfg = cfg.replace(find_unused_parameters=find_unused(find_unused_parameters, ()))
     else:
         if not script:
             raise ValueError("missing SCRIPT: `hpar run SCRIPT --gpus N` (or --resume RUN_DIR)")
@@ -126,6 +155,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         model = check_job(job, bs)
+        strategy_flag = strategy
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model)   # before the planner profiles
         strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
                                   planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"))
@@ -149,6 +179,12 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if strategy not in SERVER_STRATEGIES and servers:
             raise ValueError(f"--servers {servers} only applies to --strategy hybrid or ps, not {strategy}")
         pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
+        unused_mode = pick(find_unused_parameters, "find_unused_parameters")
+        if unused_mode not in FIND_UNUSED_MODES:
+            raise ValueError(f"--find-unused-parameters {unused_mode!r} (HPAR): choose one of {', '.join(FIND_UNUSED_MODES)}")
+        if find_unused_parameters not in (None, "auto") and strategy_flag != "auto" and strategy not in DDP_STRATEGIES:
+            raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
+                             f"(only {', '.join(DDP_STRATEGIES)} do); drop it")
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
@@ -157,7 +193,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
-            on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas)
+            on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas,
+            find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, model, bs, gpus))
         check_precision(job, cfg, model)
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable

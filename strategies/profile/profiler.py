@@ -30,6 +30,8 @@ What is measured and how:
   1-(1-p_r)^n, shifted to agree with the last measured point). Any other parameter whose
   measured gradient has non-zero values in fewer than ``SPARSE_ROW_FRACTION`` of its rows
   (first dimension) is reported sparse too, with alpha from the timed batches.
+* unused parameters: the trainable ones left without a gradient by any of the warm-up and
+  timed steps (``Profile.unused_params``; DDP's ``find_unused_parameters``, strategies/ddp.py).
 * ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
   times, FLOPs and activation bytes linearly to ``batch_size`` (for models too large to run
   at full batch within the 30 s budget); left None, it is ``batch_size`` unless one step
@@ -64,6 +66,7 @@ from hpar.strategies.profile.hooks import (
 )
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
 from hpar.strategies.profile.sparsity import embedding_sparsity
+from hpar.strategies.profile.unused import missing_gradients
 from hpar.strategies.profile.update import dense_update_cost, sparse_update_cost
 from torch import nn
 
@@ -149,7 +152,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         if timing_batch_size is None:
             tbs = auto_timing_batch(on_dev, model, batch_size, workers)
         batches = on_dev.batches(0, workers, tbs)
-        fwd, bwd, lay_f, lay_b, grad_rows = [], [], [], [], {}
+        fwd, bwd, lay_f, lay_b, grad_rows, unused = [], [], [], [], {}, set()
         with timer:
             for i in range(warmup + repeats):
                 inputs, targets = next(batches)
@@ -161,6 +164,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                 t1 = clock.mark()
                 loss.backward()
                 t2 = clock.mark()
+                unused |= missing_gradients(model)
                 if i < warmup:
                     continue
                 fwd.append(clock.between(t0, t1))
@@ -236,4 +240,5 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
                    update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
-                   device=dev.type, host_update_s_per_byte=host_update, data_s=data_s)
+                   device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
+                   unused_params=tuple(sorted(unused)))
