@@ -79,6 +79,22 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
     return plan.strategy, plan.to_dict()
 
 
+def default_micro_batches(console: Console, plan: dict, batch_size: int, stages: int) -> int:
+    """Micro-batches per batch when neither ``--micro-batches`` nor the script's HPAR gives
+    them: the plan's (the planner's choice divides the batch it profiled), else 4, moved to
+    the nearest divisor of ``batch_size`` of at least ``stages`` where there is one
+    (``schedules.micro_batch_count``; said in one line when it moves)."""
+    from hpar.strategies.pipeline.schedules import micro_batch_count
+    want = plan.get("micro_batches") or 4
+    if batch_size % want == 0:
+        return want
+    m = micro_batch_count(want, batch_size, min(want, stages))
+    if plan.get("micro_batches"):
+        console.print(f"hpar: the plan's {want} micro-batches do not divide --batch-size {batch_size}; using {m}",
+                      markup=False)
+    return m
+
+
 def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict, model, batch_size: int,
                     gpus: int) -> bool:
     """DDP's ``find_unused_parameters`` for this run (strategies/ddp.py): ``on``/``off`` as
@@ -190,7 +206,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
             device="cpu" if device == "auto" else device, log_every=pick(log_every, "log_every"), servers=servers,
             schedule=schedule or plan.get("schedule") or "1f1b",
-            micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
+            micro_batches=micro_batches or d.get("micro_batches") or default_micro_batches(console, plan, bs, gpus // replicas),
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
             on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas,
