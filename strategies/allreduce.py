@@ -6,6 +6,8 @@ backward (what Horovod does with ``sparse_as_dense``). Embedding layers are swit
 gradients. ``allreduce-sparse``: embedding layers produce sparse gradients, which DDP on gloo
 exchanges with AllGather (what Horovod does by default for ``IndexedSlices``); on NCCL, which
 has no sparse AllReduce, with the padded AllGather of ``strategies/sparse_allgather.py``.
+A table whose optimizer has no sparse kernel (Adam, AdamW, RMSprop, ...) is exchanged so too
+and its gradient made dense right before the step (``strategies/sparse_grads.py``).
 Gradients go over the workers' dense group (NCCL on CUDA), the final losses over the gloo
 control group (``strategies/groups.py``).
 
@@ -27,6 +29,7 @@ from hpar.strategies.ddp import unused_error_named, wrap
 from hpar.strategies.devices import cpu_copy
 from hpar.strategies.groups import mean_over_workers, worker_groups
 from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
+from hpar.strategies.sparse_grads import dense_before_step, densify
 from hpar.strategies.tying import embedding_tables
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.loop import StepTools, evaluate_during_training, step_tools
@@ -116,10 +119,13 @@ def train(ctx: WorkerContext) -> TrainResult:
     torch.manual_seed(cfg.seed)
     model = job.build_model().to(ctx.device)
     sparse = cfg.strategy == "allreduce-sparse"
-    set_sparse_gradients(model, sparse)
+    tables = set_sparse_gradients(model, sparse)
     if sparse:   # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
         torch.sparse.check_sparse_tensor_invariants.disable()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    # a table whose optimizer has no sparse kernel (Adam, AdamW, ...): exchanged sparse, made dense to step
+    to_dense = [p for _, p in dense_before_step(opt, [(n, named[n]) for n in tables])] if sparse else []
     tools = step_tools(cfg, job, opt, ctx.device)
     ctx.start_step = resume_state(ctx, model, opt, tools)
     counter = ByteMeter()
@@ -153,6 +159,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             if ctx.rank == 0 and micro == cfg.accumulate - 1:
                 logged = job.run_log(step + 1, output, targets)
         lr = tools.lr(opt)
+        densify(to_dense)
         stepped = tools.step(opt, lambda: list(model.parameters()))
         remote, (sent, recv) = counter.take_remote(), counter.take().get(DENSE, (0, 0))
         meter.end(step_loss, sent, recv, sent_remote=remote, logged=logged,

@@ -319,7 +319,7 @@ def test_default_micro_batches_divide_the_batch():
     moves, saying so), else 4, each moved to the nearest divisor of at least the stages."""
     import io
     from rich.console import Console
-    from hpar.launcher.commands.run import default_micro_batches
+    from hpar.launcher.run.strategy_settings import default_micro_batches
     said = io.StringIO()
     console = Console(file=said, width=200)
     assert default_micro_batches(console, {"strategy": "pipeline", "micro_batches": 8}, 32, 3) == 8 and not said.getvalue()

@@ -17,6 +17,7 @@ from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, 
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
 from hpar.strategies.config import FIND_UNUSED_MODES, RunConfig, check_loop_flags
 from hpar.strategies.ddp import DDP_STRATEGIES, find_unused
+from hpar.launcher.run.strategy_settings import check_optimizer, ddp_find_unused, default_micro_batches
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
@@ -77,45 +78,6 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
     return plan.strategy, plan.to_dict()
-
-
-def default_micro_batches(console: Console, plan: dict, batch_size: int, stages: int) -> int:
-    """Micro-batches per batch when neither ``--micro-batches`` nor the script's HPAR gives
-    them: the plan's (the planner's choice divides the batch it profiled), else 4, moved to
-    the nearest divisor of ``batch_size`` of at least ``stages`` where there is one
-    (``schedules.micro_batch_count``; said in one line when it moves)."""
-    from hpar.strategies.pipeline.schedules import micro_batch_count
-    want = plan.get("micro_batches") or 4
-    if batch_size % want == 0:
-        return want
-    m = micro_batch_count(want, batch_size, min(want, stages))
-    if plan.get("micro_batches"):
-        console.print(f"hpar: the plan's {want} micro-batches do not divide --batch-size {batch_size}; using {m}",
-                      markup=False)
-    return m
-
-
-def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict, model, batch_size: int,
-                    gpus: int) -> bool:
-    """DDP's ``find_unused_parameters`` for this run (strategies/ddp.py): ``on``/``off`` as
-    given; ``auto``: whether a parameter DDP holds (hybrid's served tables left out) got no
-    gradient in a profiled step, from the plan's ``unused_params`` where the planner profiled,
-    else from a few forward/backward steps here (strategies/profile/unused.py); said in one
-    line when on. False for a strategy without DDP (ps, pipeline)."""
-    if strategy not in DDP_STRATEGIES:
-        return False
-    if mode != "auto":
-        return find_unused(mode, ())
-    unused = plan.get("unused_params")
-    if unused is None:
-        from hpar.strategies.profile.unused import unused_parameters
-        unused = unused_parameters(job, batch_size, gpus)
-    served = [n for n, where in placement(model, strategy, plan).items() if where == "ps"] if strategy == "hybrid" else []
-    held = sorted(set(unused) - set(served))
-    if held:
-        console.print(f"hpar: DDP looks for unused parameters every step (find_unused_parameters): {', '.join(held[:4])}"
-                      f"{', ...' if len(held) > 4 else ''} got no gradient in a profiled step", markup=False)
-    return bool(held)
 
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
@@ -201,6 +163,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if find_unused_parameters not in (None, "auto") and strategy_flag != "auto" and strategy not in DDP_STRATEGIES:
             raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
                              f"(only {', '.join(DDP_STRATEGIES)} do); drop it")
+        check_optimizer(console, job, model, strategy, plan, servers, pick(lr, "lr"))
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),

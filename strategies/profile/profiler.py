@@ -40,7 +40,9 @@ What is measured and how:
 * ``update_s_per_byte`` and ``sparse_update_s_per_byte``: the user's optimizer on a dense
   probe of the model's size and on a sparse gradient shaped like the largest embedding's
   gathered pushes (``strategies/profile/update.py``); the latter is None without an
-  embedding or when the optimizer rejects sparse gradients (``sparse_gradients_ok`` False).
+  embedding or when the optimizer takes no sparse gradients (``sparse_gradients_ok`` False:
+  ``allreduce-sparse`` makes them dense before its step). ``server_optimizer_note`` says
+  why the parameter servers cannot apply the optimizer ("" where they can).
 
 Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
 """
@@ -67,7 +69,7 @@ from hpar.strategies.profile.hooks import (
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
 from hpar.strategies.profile.sparsity import embedding_sparsity
 from hpar.strategies.profile.unused import missing_gradients
-from hpar.strategies.profile.update import dense_update_cost, sparse_update_cost
+from hpar.strategies.profile.update import dense_update_cost, server_optimizer_problem, sparse_update_cost
 from torch import nn
 
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
@@ -194,6 +196,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             sparse_update = sparse_update_cost(job, table.shape[0], table.shape[1], emb_stats[key]["alpha"], workers,
                                                device=dev)
             sparse_ok = sparse_update is not None
+        server_note = server_optimizer_problem(job, model)
     except Exception as exc:   # the user's code failed here though check_job passed (e.g. only on the GPU)
         if not raised_in_script(job, exc):
             raise
@@ -241,4 +244,4 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
-                   unused_params=tuple(sorted(unused)))
+                   unused_params=tuple(sorted(unused)), server_optimizer_note=server_note)

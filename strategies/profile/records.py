@@ -97,6 +97,7 @@ class Profile:
     device: str = "cpu"
     host_update_s_per_byte: float | None = None
     data_s: float = 0.0     # seconds to draw one batch and move it to the device (device.data_seconds)
+    server_optimizer_note: str = ""   # why the parameter servers cannot apply the optimizer ("": they can)
     unused_params: tuple[str, ...] = ()   # trainable parameters without a gradient in a profiled step (profile/unused.py)
 
     @property
