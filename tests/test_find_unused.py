@@ -24,6 +24,7 @@ def test_probe_sees_a_branch_skipped_every_other_step():
     job = load_job(os.path.join(ZOO, "sometimes_unused.py"))
     assert unused_parameters(job, 8, 2) == BRANCH
     assert unused_parameters(job, 8, 2, steps=1) == ()   # the first batch takes the branch
+    assert unused_parameters(job, 8, 2, budget_s=0.0) == BRANCH   # past its time budget it still runs 2 steps
 
 
 def test_probe_leaves_out_frozen_parameters_and_finds_none_in_a_plain_model():
@@ -69,3 +70,13 @@ def test_ddp_error_becomes_one_line_naming_the_parameters_and_the_flag():
     line = unused_message(text, names)
     assert "\n" not in line and "(1.weight on worker 1)" in line and line.endswith("run with --find-unused-parameters on")
     assert unused_message("some other DDP error", names) is None
+
+
+def test_probe_on_the_checked_model_leaves_it_as_it_was():
+    """`hpar run` probes the model its pre-start check built: gradients cleared, sparse= flags
+    and train/eval mode restored."""
+    job = load_job(os.path.join(ZOO, "tied_lm.py"))
+    model = job.build_model().eval()
+    assert unused_parameters(job, 8, 2, model=model) == ()
+    assert not model.training and not model.emb.sparse and not model.doc.sparse
+    assert all(p.grad is None for p in model.parameters())

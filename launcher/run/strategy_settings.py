@@ -31,8 +31,9 @@ def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict,
     """DDP's ``find_unused_parameters`` for this run (strategies/ddp.py): ``on``/``off`` as
     given; ``auto``: whether a parameter DDP holds (hybrid's served tables left out) got no
     gradient in a profiled step, from the plan's ``unused_params`` where the planner profiled,
-    else from a few forward/backward steps here (strategies/profile/unused.py); said in one
-    line when on. False for a strategy without DDP (ps, pipeline)."""
+    else from a few forward/backward steps here on ``model`` (check_job's, built with seed 0;
+    strategies/profile/unused.py); said in one line when on. False for a strategy without DDP
+    (ps, pipeline)."""
     if strategy not in DDP_STRATEGIES:
         return False
     if mode != "auto":
@@ -40,7 +41,7 @@ def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict,
     unused = plan.get("unused_params")
     if unused is None:
         from hpar.strategies.profile.unused import unused_parameters
-        unused = unused_parameters(job, batch_size, gpus)
+        unused = unused_parameters(job, batch_size, gpus, model=model)   # check_job's model, seed 0
     served = [n for n, where in placement(model, strategy, plan).items() if where == "ps"] if strategy == "hybrid" else []
     held = sorted(set(unused) - set(served))
     if held:

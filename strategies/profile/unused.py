@@ -13,11 +13,14 @@ runs :func:`unused_parameters`, a few forward/backward steps on a model of its o
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from hpar.strategies.job import Job, call_user
 from torch import nn
 
 PROBE_STEPS = 4   # batches unused_parameters runs: a branch skipped every other step shows in 2
+PROBE_BUDGET_S = 10.0   # ... but no more than 2 once this many seconds have passed
 
 
 def missing_gradients(model: nn.Module) -> set[str]:
@@ -27,23 +30,34 @@ def missing_gradients(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if p.requires_grad and p.grad is None}
 
 
-def unused_parameters(job: Job, batch_size: int, world_size: int, steps: int = PROBE_STEPS) -> tuple[str, ...]:
+def unused_parameters(job: Job, batch_size: int, world_size: int, steps: int = PROBE_STEPS,
+                      model: nn.Module | None = None, budget_s: float = PROBE_BUDGET_S) -> tuple[str, ...]:
     """Sorted names of the trainable parameters that got no gradient in at least one of
-    ``steps`` forward/backward passes (mean loss of ``loss()``) on worker 0's first batches
-    (``data(0, world_size, batch_size)``), run on the CPU on a model built with seed 0 (the
-    caller's torch RNG state is restored). Embedding tables take sparse gradients here (cheap
-    for large tables; which rows does not matter). No optimizer step: the parameters stay as
-    built. Raises JobError when the user's code does (its file and line)."""
+    ``steps`` forward/backward passes (the loss of ``loss()``) on worker 0's first batches
+    (``data(0, world_size, batch_size)``) on the CPU, with ``model`` (as built with seed 0,
+    e.g. by ``job.check_job``: its gradients are cleared and its ``sparse=`` flags restored
+    after) or a model built here with seed 0; the caller's torch RNG state is restored.
+    Embedding tables take sparse gradients here (cheap for large tables; which rows does not
+    matter). No optimizer step. Stops after 2 steps once ``budget_s`` seconds have passed (a
+    model that takes seconds a step). Raises JobError when the user's code does."""
     rng = torch.get_rng_state()
+    if model is None:
+        torch.manual_seed(0)
+        model = job.build_model()
+    tables = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    flags = [m.sparse for m in tables]
+    training = model.training
+    t0 = time.perf_counter()
     try:
         torch.manual_seed(0)
-        model = job.build_model().train()
-        for m in model.modules():
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-                m.sparse = True
+        model.train()
+        for m in tables:
+            m.sparse = True
         batches = job.batches(0, world_size, batch_size)
         unused: set[str] = set()
-        for _ in range(steps):
+        for i in range(steps):
+            if i >= 2 and time.perf_counter() - t0 > budget_s:
+                break
             inputs, targets = next(batches)
             model.zero_grad(set_to_none=True)
             loss = job.compute_loss(call_user(job, "the model's forward", model, inputs), targets)
@@ -51,4 +65,8 @@ def unused_parameters(job: Job, batch_size: int, world_size: int, steps: int = P
             unused |= missing_gradients(model)
         return tuple(sorted(unused))
     finally:
+        model.zero_grad(set_to_none=True)
+        model.train(training)
+        for m, flag in zip(tables, flags):
+            m.sparse = flag
         torch.set_rng_state(rng)
