@@ -10,7 +10,7 @@ import sys
 import click
 from rich.console import Console
 
-from hpar.strategies.config import PRECISIONS, SCHEDULES, STRATEGIES
+from hpar.strategies.config import FIND_UNUSED_MODES, PRECISIONS, SCHEDULES, STRATEGIES
 from hpar.strategies.job import JobError
 
 EXIT_USAGE = 2
@@ -61,6 +61,9 @@ def main() -> None:
 @click.option("--clip-grad-norm", type=float, default=None, help="Clip the global norm of the averaged gradient to X (default: HPAR, else off).")
 @click.option("--accumulate", type=int, default=None, help="Batches per worker per optimizer step (default: HPAR, else 1).")
 @click.option("--eval-every", type=int, default=None, help="Call evaluate() every N steps during training (default: HPAR, else 0: only before and after).")
+@click.option("--find-unused-parameters", type=click.Choice(FIND_UNUSED_MODES), default=None,
+              help="DDP's find_unused_parameters: auto (default) turns it on only when a profiled step left a "
+                   "parameter without a gradient; on or off forces it.")
 @click.option("--plain", is_flag=True, help="Plain progress lines even on a terminal.")
 @click.option("--ssh-key", default=None, help="SSH private key file.")
 @click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
@@ -79,7 +82,7 @@ def main() -> None:
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor, pipeline_replicas):
+        divergence_factor, pipeline_replicas, find_unused_parameters):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
@@ -93,7 +96,8 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
                         "eval_every": eval_every},
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
             python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
-            on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas)
+            on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
+            find_unused_parameters=find_unused_parameters)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:

@@ -9,6 +9,8 @@ configuration), ``context`` (what a runtime gets and returns, the step and byte 
 ``tying`` (shared parameters, which embedding tables are row-sparse), ``groups`` (which
 process group, gloo or NCCL, carries what), ``devices`` (what moves between host and device,
 CUDA-event timing), ``sparse_allgather`` (Horovod's padded AllGather of sparse gradients, for
-NCCL) and ``allreduce`` (the DDP runtime, whose helpers hybrid reuses for its dense part).
+NCCL), ``allreduce`` (the DDP runtime, whose helpers hybrid reuses for its dense part), ``ddp``
+(DDP's find_unused_parameters and its unused-parameter error, for both) and ``sparse_grads``
+(which optimizers take sparse gradients; the others' made dense before the step).
 Nothing here imports ``hpar.launcher`` or ``hpar.workers``.
 """

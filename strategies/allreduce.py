@@ -6,6 +6,8 @@ backward (what Horovod does with ``sparse_as_dense``). Embedding layers are swit
 gradients. ``allreduce-sparse``: embedding layers produce sparse gradients, which DDP on gloo
 exchanges with AllGather (what Horovod does by default for ``IndexedSlices``); on NCCL, which
 has no sparse AllReduce, with the padded AllGather of ``strategies/sparse_allgather.py``.
+A table whose optimizer has no sparse kernel (Adam, AdamW, RMSprop, ...) is exchanged so too
+and its gradient made dense right before the step (``strategies/sparse_grads.py``).
 Gradients go over the workers' dense group (NCCL on CUDA), the final losses over the gloo
 control group (``strategies/groups.py``).
 
@@ -21,12 +23,13 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint
+from hpar.strategies.ddp import unused_error_named, wrap
 from hpar.strategies.devices import cpu_copy
 from hpar.strategies.groups import mean_over_workers, worker_groups
 from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
+from hpar.strategies.sparse_grads import dense_before_step, densify
 from hpar.strategies.tying import embedding_tables
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.forward import call_model
@@ -117,17 +120,18 @@ def train(ctx: WorkerContext) -> TrainResult:
     torch.manual_seed(cfg.seed)
     model = job.build_model().to(ctx.device)
     sparse = cfg.strategy == "allreduce-sparse"
-    set_sparse_gradients(model, sparse)
+    tables = set_sparse_gradients(model, sparse)
     if sparse:   # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
         torch.sparse.check_sparse_tensor_invariants.disable()
     opt = job.build_optimizer(model.parameters(), cfg.lr)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    # a table whose optimizer has no sparse kernel (Adam, AdamW, ...): exchanged sparse, made dense to step
+    to_dense = [p for _, p in dense_before_step(opt, [(n, named[n]) for n in tables])] if sparse else []
     tools = step_tools(cfg, job, opt, ctx.device)
     ctx.start_step = resume_state(ctx, model, opt, tools)
     counter = ByteMeter()
     groups = worker_groups(ctx.world_size, cfg.device)
-    # find_unused_parameters: a model may skip a branch (and its parameters) in some steps
-    ddp = DDP(model, process_group=groups.dense, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-              find_unused_parameters=True)
+    ddp = wrap(model, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/ddp.py
     ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
     padded = sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
     ddp.register_comm_hook((counter, ctx.world_size, groups.dense, ring_remote),
@@ -148,7 +152,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
             sync = contextlib.nullcontext() if micro == cfg.accumulate - 1 else ddp.no_sync()
             with sync:
-                with tools.autocast():
+                with tools.autocast(), unused_error_named(ddp):
                     output = call_model(ddp, inputs)
                     loss = job.compute_loss(output, targets) / cfg.accumulate
                 tools.backward(loss)
@@ -156,6 +160,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             if ctx.rank == 0 and micro == cfg.accumulate - 1:
                 logged = job.run_log(step + 1, output, targets)
         lr = tools.lr(opt)
+        densify(to_dense)
         stepped = tools.step(opt, lambda: list(model.parameters()))
         remote, (sent, recv) = counter.take_remote(), counter.take().get(DENSE, (0, 0))
         meter.end(step_loss, sent, recv, sent_remote=remote, logged=logged,

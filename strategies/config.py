@@ -13,6 +13,8 @@ SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "asyn
              "torch-interleaved-1f1b", "torch-zbv")
 # Numeric precision of forward and backward (master weights and optimizer state stay fp32).
 PRECISIONS = ("fp32", "bf16", "fp16")
+# hpar run --find-unused-parameters: DDP's find_unused_parameters from the profile, or forced (strategies/ddp.py).
+FIND_UNUSED_MODES = ("auto", "on", "off")
 
 
 def check_loop_flags(precision: str | None = None, clip_grad_norm: float | None = None,
@@ -63,6 +65,7 @@ class RunConfig:
     on_divergence: str = "off"      # asynchronous pipelines: off, stop or sync (strategies/pipeline/guard.py)
     divergence_factor: float = 2.0
     replicas: int = 1              # pipeline x data parallelism: R replicas of K = world_size / R stages
+    find_unused_parameters: bool = False   # DDP's (allreduce, allreduce-sparse, hybrid): see strategies/ddp.py
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:

@@ -297,3 +297,33 @@ def test_exception_in_users_forward_while_profiling_is_theirs(tmp_path):
     assert first == (f"hpar: {script}:11: forward() raised RuntimeError: Expected all tensors to be on the same "
                      "device (while profiling on cpu)"), out
     assert f'File "{script}", line 11, in forward' in out and "launcher" not in out, out
+
+
+def test_pipeline_on_three_workers_chooses_micro_batches_that_divide_the_batch(tmp_path, reap_run):
+    """examples/cnn.py (BatchNorm blocks, batch 32) as a 3-stage pipeline with no
+    --micro-batches: the planner's M divides the batch (it tried 3, 6 and 12 before, and `hpar
+    run` refused its own choice of 3)."""
+    run_dir = tmp_path / "run"
+    reap_run(str(run_dir))
+    rc, out = run_cli(tmp_path, "run", os.path.join(REPO, "examples", "cnn.py"), "--gpus", "3", "--strategy", "pipeline",
+                      "--steps", "2", "--log-every", "1", "--run-dir", str(run_dir), "--no-eval")
+    assert rc == 0, out
+    line = next(l for l in out.splitlines() if l.startswith("hpar: pipeline plan: 3 stages"))
+    micro = int(line.split(" micro-batch")[0].rsplit(" ", 1)[1])
+    assert micro in (1, 2, 4, 8, 16, 32), line
+    assert json.loads((run_dir / "config.json").read_text())["micro_batches"] == micro
+
+
+def test_default_micro_batches_divide_the_batch():
+    """Without --micro-batches or HPAR's: the plan's M (a plan file made for another batch size
+    moves, saying so), else 4, each moved to the nearest divisor of at least the stages."""
+    import io
+    from rich.console import Console
+    from hpar.launcher.run.strategy_settings import default_micro_batches
+    said = io.StringIO()
+    console = Console(file=said, width=200)
+    assert default_micro_batches(console, {"strategy": "pipeline", "micro_batches": 8}, 32, 3) == 8 and not said.getvalue()
+    assert default_micro_batches(console, {"strategy": "pipeline", "micro_batches": 3}, 32, 3) == 4
+    assert "the plan's 3 micro-batches do not divide --batch-size 32; using 4" in said.getvalue()
+    assert default_micro_batches(console, {"strategy": "pipeline"}, 30, 2) == 5   # 3 and 5 tie: the larger
+    assert default_micro_batches(console, {"strategy": "pipeline"}, 32, 2) == 4

@@ -189,3 +189,26 @@ def test_allreduce_reason_says_why_on_one_worker_and_on_an_embedding_model():
     four = choose_plan(prof, ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1.25e10, latency_s=0.0))
     assert four.strategy == "allreduce", four.reason
     assert "embedding tables hold 98%" in four.reason and "dense" not in four.reason
+
+
+def test_micro_batches_divide_the_batch():
+    """The micro-batches the planner tries ({1, K, 2K, 4K}) move to the nearest divisor of the
+    batch, at least K where the batch has one: 3 stages and a batch of 32 (a plan of 3 micro-
+    batches would be refused by `hpar run` itself) try 1, 4, 8, 16."""
+    from hpar.strategies.plan.costmodel import estimate_pipeline
+    from hpar.strategies.pipeline.schedules import micro_batch_count
+    assert [micro_batch_count(f, 32, min(f, 3)) for f in (1, 3, 6, 12)] == [1, 4, 8, 16]
+    assert [micro_batch_count(f, 30, min(f, 4)) for f in (1, 4, 8, 16)] == [1, 5, 10, 15]   # 8: 6 and 10 tie, the larger
+    assert micro_batch_count(3, 7, 3) == 7 and micro_batch_count(4, 2, 3) == 2   # none >= K in a batch of 2: the nearest
+    assert micro_batch_count(64, 32, 3) == 32
+    params = [ParamProfile(f"{i}.weight", (100, 100), 40_000, False, 1.0, 1.0, False, layer=i) for i in range(3)]
+    layers = [LayerProfile(str(i), 0.02, 0.03, 10**6, 4096, 40_000) for i in range(3)]
+    cluster = ClusterSpec(hosts=1, gpus_per_host=(3,), servers=1, bandwidth_Bps=1e9, latency_s=0.0)
+    seen = []
+    for share in (0.0, 0.3, 0.6, 0.9):   # each fixed share of compute favours another M
+        prof = dataclasses.replace(make_profile(params, layers, 0.06, 0.09, samples=32, sequential=True),
+                                   fixed_share=share)
+        est = estimate_pipeline(prof, cluster)
+        assert len(est.stages) == 3 and 32 % est.micro_batches == 0, (share, est.micro_batches)
+        seen.append(est.micro_batches)
+    assert seen[0] == 16 and seen[-1] == 1, seen

@@ -104,6 +104,16 @@ def check_trained(r: dict) -> None:
     assert s["exit_code"] == 0 and s["loss_last_mean"] < s["loss_first_mean"], s
 
 
+DDP_WARNING = "find_unused_parameters=True was specified in DDP constructor"
+
+
+def ddp_warned(r: dict) -> bool:
+    """Whether torch's warning of a needless find_unused_parameters=True is in the run's
+    output or in one of its rank logs."""
+    logs = sorted((r["run_dir"] / "logs").glob("*.log")) if (r["run_dir"] / "logs").exists() else []
+    return DDP_WARNING in r["out"] or any(DDP_WARNING in log.read_text(errors="replace") for log in logs)
+
+
 # Every strategy the planner offers, once per model shape it matters for (each run starts 3-4
 # processes, so the set is kept small): allreduce-sparse and hybrid where there is an embedding
 # table; ps (every parameter on the servers) on the table models and on the frozen parameter.
@@ -117,7 +127,27 @@ PIPELINED = ("nested_cnn", "frozen", "pipe4")
 def test_zoo_data_parallel(tmp_path_factory, name, strategy):
     if strategy != "hybrid":   # hybrid is offered by name only where it would use its servers; it runs everywhere
         assert strategy in offered(name), f"the planner does not offer {strategy} for {name}: {offered(name)}"
-    check_trained(hpar_run(tmp_path_factory, name, strategy))
+    r = hpar_run(tmp_path_factory, name, strategy)
+    check_trained(r)
+    # DDP looks for unused parameters only where a profiled step left one without a gradient
+    # (strategies/ddp.py); torch then warns on the first step, which used the branch
+    assert ddp_warned(r) == (name == "sometimes_unused"), r["out"][-2000:]
+    assert ("DDP looks for unused parameters every step" in r["out"]) == (name == "sometimes_unused"), r["out"][-2000:]
+
+
+def test_zoo_find_unused_parameters_forced(tmp_path_factory):
+    """--find-unused-parameters on reaches DDP (torch's warning shows it, on a model without an
+    unused parameter); off, on the model whose branch is skipped every other step, ends the run
+    with one line naming the flag (exit 1, the worker's 2), no traceback, nothing left."""
+    on = hpar_run(tmp_path_factory, "tuple_out", "allreduce", 2, "--find-unused-parameters", "on")
+    check_trained(on)
+    assert ddp_warned(on), on["out"][-2000:]
+    off = hpar_run(tmp_path_factory, "sometimes_unused", "allreduce", 2, "--find-unused-parameters", "off")
+    assert off["rc"] == 1 and not off["left"], off["out"][-3000:]
+    hint = [l for l in off["out"].splitlines() if "find_unused_parameters is off" in l]
+    assert hint and hint[-1].strip().endswith("run with --find-unused-parameters on"), off["out"][-3000:]
+    assert "(extra.weight, extra.bias on worker" in hint[-1] and "Traceback" not in off["out"], off["out"][-3000:]
+    assert "failed: exit code 2" in off["out"] and off["out"].rstrip().splitlines()[-1] == hint[-1], off["out"][-3000:]
 
 
 def test_zoo_allreduce_sparse_without_a_table_runs_as_allreduce(tmp_path_factory):

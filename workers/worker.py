@@ -85,7 +85,7 @@ def run_entry(main, prefix: str, user_errors: tuple) -> None:
         print(f"{prefix}: {exc}", file=sys.stderr)
         if getattr(exc, "user_traceback", None):
             print(exc.user_traceback, file=sys.stderr)
-        sys.exit(2)
+        report.exit_process(2, announce=False)   # as below: gloo's threads may still be up
     except SystemExit as exc:
         code = 0 if exc.code is None else exc.code
         if not isinstance(code, int):   # sys.exit("message"): printed, status 1, as Python does

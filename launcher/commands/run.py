@@ -15,7 +15,9 @@ from hpar.launcher.run.devices import choose_devices, describe, local_gpus
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_step
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
-from hpar.strategies.config import RunConfig, check_loop_flags
+from hpar.strategies.config import FIND_UNUSED_MODES, RunConfig, check_loop_flags
+from hpar.strategies.ddp import DDP_STRATEGIES, find_unused
+from hpar.launcher.run.strategy_settings import check_optimizer, ddp_find_unused, default_micro_batches
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
@@ -25,7 +27,8 @@ from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages
 from hpar.strategies.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
-             "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0}
+             "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0,
+             "find_unused_parameters": "auto"}
 
 
 def read_plan(path: str) -> dict:
@@ -83,10 +86,12 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
             no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
             ssh_known_hosts=None, ssh_accept_new=False, device="auto",
-            on_divergence="off", divergence_factor=2.0, pipeline_replicas=None):
+            on_divergence="off", divergence_factor=2.0, pipeline_replicas=None, find_unused_parameters=None):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
-    None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags."""
+    None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags;
+    ``find_unused_parameters``: auto, on or off (None: the script's HPAR, else auto), which a
+    resumed run may change (it is how a run that failed on an unused parameter goes on)."""
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
     if resume_dir:
@@ -110,6 +115,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     if resume_dir:
         cfg = resumed_config(resume_dir, script, steps, say=lambda m: console.print(m, markup=False))
         job = load_job(cfg.script)
+        if find_unused_parameters in ("on", "off"):
+            cfg = cfg.replace(find_unused_parameters=find_unused(find_unused_parameters, ()))
     else:
         if not script:
             raise ValueError("missing SCRIPT: `hpar run SCRIPT --gpus N` (or --resume RUN_DIR)")
@@ -130,6 +137,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         model = check_job(job, bs)
         # a model that is not a declared sequence is cut by tracing it on a batch (strategies/traced.py)
         traced_on = None if is_declared_sequence(model) else next(job.batches(0, 1, bs))[0]
+        strategy_flag = strategy
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
         strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
                                   planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"))
@@ -153,15 +161,23 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if strategy not in SERVER_STRATEGIES and servers:
             raise ValueError(f"--servers {servers} only applies to --strategy hybrid or ps, not {strategy}")
         pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
+        unused_mode = pick(find_unused_parameters, "find_unused_parameters")
+        if unused_mode not in FIND_UNUSED_MODES:
+            raise ValueError(f"--find-unused-parameters {unused_mode!r} (HPAR): choose one of {', '.join(FIND_UNUSED_MODES)}")
+        if find_unused_parameters not in (None, "auto") and strategy_flag != "auto" and strategy not in DDP_STRATEGIES:
+            raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
+                             f"(only {', '.join(DDP_STRATEGIES)} do); drop it")
+        check_optimizer(console, job, model, strategy, plan, servers, pick(lr, "lr"))
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
             device="cpu" if device == "auto" else device, log_every=pick(log_every, "log_every"), servers=servers,
             schedule=schedule or plan.get("schedule") or "1f1b",
-            micro_batches=micro_batches or d.get("micro_batches") or plan.get("micro_batches") or 4,
+            micro_batches=micro_batches or d.get("micro_batches") or default_micro_batches(console, plan, bs, gpus // replicas),
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
-            on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas)
+            on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas,
+            find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, model, bs, gpus))
         check_precision(job, cfg, model)
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable

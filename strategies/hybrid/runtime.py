@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies import checkpoint
 from hpar.strategies.hybrid import ahead, build, embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
+from hpar.strategies.ddp import unused_error_named, wrap
 from hpar.strategies.devices import rng_state, set_rng_state, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
@@ -206,9 +206,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     local = LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, client.bytes) if groups.host else None
     net = model
     if dense:
-        DDP._set_params_and_buffers_to_ignore_for_model(model, sorted(ps_names))
-        net = DDP(model, process_group=groups.workers.dense, find_unused_parameters=True,   # branches unused in some steps
-                  device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        net = wrap(model, groups.workers.dense, ctx.device, cfg.find_unused_parameters, ignore=ps_names)
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         net.register_comm_hook((client.bytes, ctx.world_size, groups.workers.dense, ring_remote), group_allreduce_hook)
     batches = ahead.PullAhead(served, client, job.batches(ctx.rank, ctx.world_size, cfg.batch_size))
@@ -265,7 +263,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             clock.set_batch(host_inputs, inputs)     # ids are read on the host, never copied back
             ahead.prefetch(served, client, clock)
             with (contextlib.nullcontext() if final or net is model else net.no_sync()):
-                with tools.autocast():
+                with tools.autocast(), (unused_error_named(net) if net is not model else contextlib.nullcontext()):
                     output = call_model(net, inputs)
                     loss = job.compute_loss(output, targets) / cfg.accumulate
                 if final and clock.on_gradients is not None and _pull_ahead(cfg, step + 1):

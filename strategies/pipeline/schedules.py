@@ -121,6 +121,18 @@ def check_2bw(num_stages: int, num_micro: int, stages: str = "--gpus") -> None:
                          "micro-batches per batch (PipeDream-2BW's delay of one); raise --micro-batches")
 
 
+def micro_batch_count(target: int, batch_size: int, at_least: int = 1) -> int:
+    """The micro-batches per batch nearest ``target`` that divide ``batch_size`` (the runtime
+    cuts a batch into equal micro-batches, stage.split_micro), taken among the divisors of at
+    least ``at_least`` where there is one: the stages K, so that each stage has a micro-batch
+    in flight and the bubble stays (K-1)/(M+K-1) at most half; ties go to the larger count
+    (the smaller bubble). E.g. 3 stages and a batch of 32: target 3 gives 4, 6 gives 8."""
+    assert batch_size >= 1 and target >= 1
+    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+    pool = [d for d in divisors if d >= at_least] or divisors
+    return min(pool, key=lambda d: (abs(d - target), -d))
+
+
 def execution_order(per_stage: list[tuple[Op, ...]]) -> list[list[tuple[int, Op]]]:
     """Replay the stages' orders in unit time ticks: at each tick every stage runs its next
     pass if its inputs are ready (F j at stage k needs F j of stage k-1 from an earlier

@@ -205,14 +205,13 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     fixed times, at the end of backward.
     Every worker then sums the N gathered gradients and updates the union of touched rows:
     the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
-    unprofiled, a dense-rate sum of the gathered rows and update of their union.
-    Infeasible when the optimizer rejects sparse gradients."""
+    unprofiled, a dense-rate sum of the gathered rows and update of their union; where the
+    optimizer takes no sparse gradients (Adam, AdamW, ...), a dense-rate sum of the gathered
+    rows into a dense table and a dense update of every table (strategies/sparse_grads.py)."""
     c = cost_setting(profile, cluster)
     dense = [p for p in profile.params if not p.embedding_module]
     sparse = [p for p in profile.params if p.embedding_module]
-    if sparse and not profile.sparse_gradients_ok:
-        return Estimate("allreduce-sparse", 0.0, 0, 0.0, feasible=False,
-                        note="the optimizer does not take sparse gradients (use SGD, Adagrad or SparseAdam)")
+    densified = bool(sparse) and not profile.sparse_gradients_ok
     if c.gradient_exchange is not None and c.n > 1 and sparse:   # the whole exchange, dense too, measured
         over, tail = 0.0, c.gradient_exchange
     else:
@@ -227,7 +226,9 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
         over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
         tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail) + rounds
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
-    if profile.sparse_update_s_per_byte:
+    if densified:   # strategies/sparse_grads.py: the gathered rows summed into a dense table, stepped whole
+        merge, sparse_update = gathered * c.update_per_byte, sum(p.bytes for p in sparse) * c.update_per_byte
+    elif profile.sparse_update_s_per_byte:
         merge, sparse_update = 0.0, gathered * c.sparse_update_per_byte
     else:
         merge = gathered * c.update_per_byte
@@ -238,7 +239,8 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
         sum((c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse)
     return Estimate("allreduce-sparse", step, c.n * profile.samples_per_batch, sent,
                     {"data": c.data, "forward": c.fwd, "backward": c.bwd, "comm_overlap": over, "comm_tail": tail,
-                     "merge": merge, "update": update}, placement={p.name: "allreduce" for p in profile.params})
+                     "merge": merge, "update": update}, placement={p.name: "allreduce" for p in profile.params},
+                    note="the optimizer takes no sparse gradients: the gathered rows are made dense to step" if densified else "")
 
 
 def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",

@@ -5,7 +5,8 @@ ClusterSpec, like ``strategies/plan/costmodel.py``, whose notation and helpers i
 For every split N = K x R with 2 <= K <= layers (or the user's R), every rank layout of
 ``strategies/pipeline/replicas.py`` (``stages-adjacent``: rank = r*K + k, a pipeline's stages
 on consecutive ranks, so within a host when K divides its GPUs; ``replicas-adjacent``: rank =
-k*R + r, a stage's replicas within a host) and M in {1, K, 2K, 4K} (at most the batch)::
+k*R + r, a stage's replicas within a host) and M in {1, K, 2K, 4K}, each moved to the nearest
+divisor of the batch (at least K where the batch has one)::
 
     step = (M + K - 1) * period + max_k (allreduce_k + update_k)
 
@@ -33,7 +34,10 @@ decides), the alpha-beta message cost of ``costmodel``.
 """
 from __future__ import annotations
 
+import math
+
 from hpar.strategies.pipeline.partition import partition_stages
+from hpar.strategies.pipeline.schedules import micro_batch_count
 from hpar.strategies.pipeline.replicas import LAYOUTS, Grid
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, cost_setting, ring_allreduce_s
@@ -113,7 +117,8 @@ def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batc
 
 def estimate_pipeline_grid(profile: Profile, cluster: ClusterSpec, replicas: int | None = None) -> Estimate:
     """The fastest (highest samples/s) synchronous pipeline plan over K x R = N, both layouts
-    and M in {1, K, 2K, 4K}; ``replicas``: only that R (``--pipeline-replicas``). Infeasible
+    and M in {1, K, 2K, 4K}, each moved to the nearest divisor of the batch (at least K where
+    the batch has one: ``schedules.micro_batch_count``); ``replicas``: only that R (``--pipeline-replicas``). Infeasible
     (``note`` says why) when the model is not a sequence of layers, N < 2 (without
     ``replicas``), or no split has at most one stage per layer."""
     n, layers = cluster.workers, profile.layers
@@ -129,10 +134,10 @@ def estimate_pipeline_grid(profile: Profile, cluster: ClusterSpec, replicas: int
     if not splits:
         return Estimate("pipeline", 0.0, 0, 0.0, feasible=False,
                         note=f"{len(layers)} layers cannot fill {n // (replicas or 1)} stages")
-    best = None
+    best, batch = None, math.gcd(profile.batch_size, profile.samples_per_batch or profile.batch_size)
     for k, r in splits:
         for layout in (LAYOUTS if r > 1 else LAYOUTS[:1]):
-            for m in sorted({min(f, profile.samples_per_batch) for f in (1, k, 2 * k, 4 * k)}):
+            for m in sorted({micro_batch_count(f, batch, min(f, k)) for f in (1, k, 2 * k, 4 * k)}):
                 est = estimate_grid(profile, cluster, Grid(k, r, layout), m)
                 if best is None or est.samples_per_s > best.samples_per_s * (1 + 1e-12):
                     best = est

@@ -226,7 +226,7 @@ def estimate_ps(profile: Profile, cluster: ClusterSpec) -> Estimate:
     a server aggregates its share of the N pushes and updates (Li et al., "Scaling distributed
     machine learning with the parameter server", OSDI 2014). step = pull + fwd + backward
     (with the pushes of other layers under it) + push of layer 0 + server update of layer 0."""
-    return _ps_estimate(profile, cluster, "ps")
+    return _server_refusal(profile, "ps") or _ps_estimate(profile, cluster, "ps")
 
 
 def estimate_hybrid(profile: Profile, cluster: ClusterSpec) -> Estimate:
@@ -235,4 +235,12 @@ def estimate_hybrid(profile: Profile, cluster: ClusterSpec) -> Estimate:
     whose requests cost more than its bytes); everything else by ring AllReduce. The
     AllReduce and the pushes share the link under backward; the server update of the last
     table pushed (layer 0's) overlaps the workers' dense update."""
-    return _ps_estimate(profile, cluster, "hybrid")
+    return _server_refusal(profile, "hybrid") or _ps_estimate(profile, cluster, "hybrid")
+
+
+def _server_refusal(profile: Profile, strategy: str) -> Estimate | None:
+    """An infeasible Estimate where the parameter servers cannot apply the user's optimizer
+    (``Profile.server_optimizer_note``, one line with the fix), else None."""
+    if not profile.server_optimizer_note:
+        return None
+    return Estimate(strategy, 0.0, 0, 0.0, feasible=False, note=profile.server_optimizer_note)

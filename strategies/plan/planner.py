@@ -5,7 +5,8 @@ holds (``Plan.to_dict()``): the hybrid runtime reads ``placement`` (parameter na
 "allreduce" | "ps") and ``partitions`` (row partitions per PS-placed parameter), the
 pipeline runtime reads ``stages`` ([start, end) layer indices of
 ``profile.pipeline_layers(model)``: K stages), ``replicas`` (R; K x R = the workers),
-``layout`` (rank layout, strategies/pipeline/replicas.py), ``micro_batches`` and ``schedule``.
+``layout`` (rank layout, strategies/pipeline/replicas.py), ``micro_batches`` and ``schedule``;
+``hpar run`` reads ``unused_params`` (what decides DDP's ``find_unused_parameters``).
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class Plan:
     replicas: int = 1        # pipeline: R replicas of the K stages
     layout: str = ""         # pipeline: rank layout (strategies/pipeline/replicas.py)
     pull_ahead: bool = True  # hybrid/ps: request the next step's rows during this one (hybrid/embedding.py)
+    unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/ddp.py
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -195,4 +197,4 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 reason=reason, candidates=candidates, predicted_step_s=best.step_s,
                 samples_per_s=best.samples_per_s, compute=compute_source(profile, cluster),
                 replicas=best.replicas if best.strategy == "pipeline" else 1,
-                layout=best.layout if best.strategy == "pipeline" else "")
+                layout=best.layout if best.strategy == "pipeline" else "", unused_params=list(profile.unused_params))

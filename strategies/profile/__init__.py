@@ -6,7 +6,10 @@
 - ``hooks``: the instruments (module and tensor hooks for layer timing, FLOP counting).
 - ``sparsity``: rows of each embedding table a batch touches, and their union over workers
   (Parallax's alpha, Kim et al., EuroSys 2019, section 4).
-- ``update``: the user's optimizer timed on dense and on sparse gradients.
+- ``update``: the user's optimizer timed on dense and on sparse gradients, and whether the
+  parameter servers can apply it.
+- ``unused``: which trainable parameters a step leaves without a gradient (DDP's
+  find_unused_parameters).
 
 May import ``hpar.strategies.job`` and ``context`` and torch; never the runtimes, the planner,
 ``hpar.launcher`` or ``hpar.workers``.

@@ -30,6 +30,8 @@ What is measured and how:
   1-(1-p_r)^n, shifted to agree with the last measured point). Any other parameter whose
   measured gradient has non-zero values in fewer than ``SPARSE_ROW_FRACTION`` of its rows
   (first dimension) is reported sparse too, with alpha from the timed batches.
+* unused parameters: the trainable ones left without a gradient by any of the warm-up and
+  timed steps (``Profile.unused_params``; DDP's ``find_unused_parameters``, strategies/ddp.py).
 * ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
   times, FLOPs and activation bytes linearly to ``batch_size`` (for models too large to run
   at full batch within the 30 s budget); left None, it is ``batch_size`` unless one step
@@ -38,7 +40,9 @@ What is measured and how:
 * ``update_s_per_byte`` and ``sparse_update_s_per_byte``: the user's optimizer on a dense
   probe of the model's size and on a sparse gradient shaped like the largest embedding's
   gathered pushes (``strategies/profile/update.py``); the latter is None without an
-  embedding or when the optimizer rejects sparse gradients (``sparse_gradients_ok`` False).
+  embedding or when the optimizer takes no sparse gradients (``sparse_gradients_ok`` False:
+  ``allreduce-sparse`` makes them dense before its step). ``server_optimizer_note`` says
+  why the parameter servers cannot apply the optimizer ("" where they can).
 
 Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
 """
@@ -70,7 +74,8 @@ from hpar.strategies.profile.hooks import (
 )
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
 from hpar.strategies.profile.sparsity import embedding_sparsity
-from hpar.strategies.profile.update import dense_update_cost, sparse_update_cost
+from hpar.strategies.profile.unused import missing_gradients
+from hpar.strategies.profile.update import dense_update_cost, server_optimizer_problem, sparse_update_cost
 from torch import nn
 
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
@@ -174,7 +179,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         traced = is_seq and isinstance(layers[0][1], TracedStage)
         run = (lambda x: _compose(layers, x)) if traced else (lambda x: call_model(model, x))
         timer = LayerTimer(layers, [m for _, m in embs], clock)
-        fwd, bwd, lay_f, lay_b, grad_rows = [], [], [], [], {}
+        fwd, bwd, lay_f, lay_b, grad_rows, unused = [], [], [], [], {}, set()
         with timer:
             for i, (inputs, targets) in enumerate(timed):
                 model.zero_grad(set_to_none=True)
@@ -185,6 +190,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                 t1 = clock.mark()
                 loss.backward()
                 t2 = clock.mark()
+                unused |= missing_gradients(model)
                 if i < warmup:
                     continue
                 fwd.append(clock.between(t0, t1))
@@ -216,6 +222,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             sparse_update = sparse_update_cost(job, table.shape[0], table.shape[1], emb_stats[key]["alpha"], workers,
                                                device=dev)
             sparse_ok = sparse_update is not None
+        server_note = server_optimizer_problem(job, model)
     except Exception as exc:   # the user's code failed here though check_job passed (e.g. only on the GPU)
         if not raised_in_script(job, exc):
             raise
@@ -262,4 +269,5 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
                    update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
-                   device=dev.type, host_update_s_per_byte=host_update, data_s=data_s)
+                   device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
+                   unused_params=tuple(sorted(unused)), server_optimizer_note=server_note)

@@ -97,6 +97,8 @@ class Profile:
     device: str = "cpu"
     host_update_s_per_byte: float | None = None
     data_s: float = 0.0     # seconds to draw one batch and move it to the device (device.data_seconds)
+    server_optimizer_note: str = ""   # why the parameter servers cannot apply the optimizer ("": they can)
+    unused_params: tuple[str, ...] = ()   # trainable parameters without a gradient in a profiled step (profile/unused.py)
 
     @property
     def total_bytes(self) -> int:
@@ -117,4 +119,5 @@ class Profile:
                                             "row_mass": tuple(p.get("row_mass", ()))})
                             for p in d["params"])
         d["layers"] = tuple(LayerProfile(**l) for l in d["layers"])
+        d["unused_params"] = tuple(d.get("unused_params", ()))
         return cls(**d)

@@ -12,7 +12,11 @@ or a GPU, timed with a synchronize around each step):
   embeddings hands it over: N workers' (ids, rows) concatenated, uncoalesced, so the
   optimizer's own coalesce is timed too. torch's sparse kernels (coalesce, sparse_mask) cost
   several times the dense per-byte figure, which is why ``allreduce-sparse`` needs its own
-  number. None when the optimizer rejects sparse gradients (e.g. ``torch.optim.Adam``).
+  number. None when the optimizer takes no sparse gradient (``strategies/sparse_grads.py``:
+  e.g. ``torch.optim.Adam``; ``allreduce-sparse`` then makes the gathered rows dense to step).
+
+And :func:`server_optimizer_problem`: whether the parameter servers of ``hybrid`` and ``ps``
+can apply the optimizer at all (strategies/hybrid/shard.py).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import warnings
 
 import torch
 from hpar.strategies.job import Job, JobError
+from hpar.strategies.sparse_grads import takes_sparse_gradients
 from torch import nn
 
 MIN_PROBE_BYTES = 4 << 20
@@ -69,8 +74,8 @@ def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int
     """Seconds per byte of gathered gradient rows (``workers`` x ``alpha`` x rows x dim x 4)
     of the user's optimizer stepping a ``(rows, dim)`` float32 table (rows capped at
     MAX_PROBE_ROWS, alpha kept) whose gradient is ``workers`` uncoalesced sparse pushes of
-    ``alpha * rows`` random rows each. None when the optimizer raises on a sparse gradient
-    (it cannot run ``allreduce-sparse``)."""
+    ``alpha * rows`` random rows each. None when the optimizer takes no sparse gradient
+    (``sparse_grads.takes_sparse_gradients``)."""
     rows = max(1, min(int(rows), MAX_PROBE_ROWS))
     touched = max(1, round(alpha * rows))
     gen = torch.Generator().manual_seed(seed)
@@ -79,6 +84,8 @@ def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int
     values = torch.randn(ids.numel(), dim, generator=gen).to(device)
     p = nn.Parameter(torch.zeros(rows, dim, device=device))
     opt = _optimizer(job, [p])
+    if not takes_sparse_gradients(opt, p):
+        return None
 
     def step():
         with warnings.catch_warnings():   # torch warns about skipped sparse invariant checks (some versions)
@@ -87,7 +94,7 @@ def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int
             opt.step()
     try:
         step()
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError):   # not at this size or on this device after all
         return None
     times = []
     for _ in range(repeats):
@@ -95,3 +102,21 @@ def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int
         step()
         times.append(_now(device) - t0)
     return statistics.median(times) / (ids.numel() * dim * 4)
+
+
+def server_optimizer_problem(job: Job, model: nn.Module) -> str:
+    """Why the parameter servers cannot apply the user's optimizer over ``model``'s parameters
+    (each param group's rule, ``hybrid.shard.spec_from_group``: SGD, Adagrad, Adam and AdamW
+    without amsgrad or maximize), as one line with the fix; "" when they can, or when
+    ``optimizer()`` fails on the model's parameters (the pre-start check reports that)."""
+    from hpar.strategies.hybrid.shard import spec_from_group
+    try:
+        opt = job.build_optimizer(list(model.parameters()), lr=1e-3)
+    except JobError:
+        return ""
+    for group in opt.param_groups:
+        try:
+            spec_from_group(opt, group)
+        except ValueError as exc:
+            return str(exc)
+    return ""

@@ -1,6 +1,8 @@
-"""A Hugging Face GPT-2 built from a small config (random init, no download): its output
-projection ``lm_head`` is tied to the token embedding ``transformer.wte`` (one parameter),
-trained with AdamW, as people train it. Dropout is off so that runs compare exactly."""
+"""A Hugging Face GPT-2 built from a small config (random init, no download), as people bring
+it: its output projection ``lm_head`` is tied to the token embedding ``transformer.wte`` (one
+parameter, dense), its position table ``wpe`` is an untied nn.Embedding of which a sequence
+touches half the rows (row-sparse: ``allreduce-sparse`` gives it sparse gradients, which AdamW
+cannot step), and it trains with AdamW. Dropout is off so that runs compare exactly."""
 import torch, torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -9,7 +11,7 @@ VOCAB, SEQ = 64, 12
 
 
 def model():
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=2,
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=32, n_layer=4, n_head=2,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                       bos_token_id=0, eos_token_id=0))
 
