@@ -17,6 +17,7 @@ import time
 
 import torch
 from hpar.strategies.job import Job, call_user
+from hpar.strategies.forward import call_model
 from torch import nn
 
 PROBE_STEPS = 4   # batches unused_parameters runs: a branch skipped every other step shows in 2
@@ -60,7 +61,7 @@ def unused_parameters(job: Job, batch_size: int, world_size: int, steps: int = P
                 break
             inputs, targets = next(batches)
             model.zero_grad(set_to_none=True)
-            loss = job.compute_loss(call_user(job, "the model's forward", model, inputs), targets)
+            loss = job.compute_loss(call_user(job, "the model's forward", call_model, model, inputs), targets)
             call_user(job, "the backward pass", loss.backward)
             unused |= missing_gradients(model)
         return tuple(sorted(unused))
