@@ -144,3 +144,41 @@ def test_bert_dict_batches_under_allreduce_equal_one_process(tmp_path_factory):
     got = torch.load(r["run_dir"] / "model.pt")
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@needs_hf
+def test_hf_gpt2_example_pipeline_equals_one_process_and_loads_with_from_pretrained(tmp_path):
+    """examples/hf_gpt2.py (GPT-2 on WikiText-2) on 4 pipeline stages with 1f1b trains what one
+    process trains (`--strategy allreduce --gpus 1`): every step's loss, and the weights; the run
+    leaves RUN_DIR/hf, which GPT2LMHeadModel.from_pretrained loads into a model whose
+    evaluate() gives the run's final validation loss."""
+    from conftest import REPO, hpar_to_file, kill_left
+    script = os.path.join(REPO, "examples", "hf_gpt2.py")
+    runs = {}
+    for name, flags in (("pipeline", ("--gpus", "4", "--strategy", "pipeline", "--schedule", "1f1b",
+                                      "--pipeline-replicas", "1")),
+                        ("one", ("--gpus", "1", "--strategy", "allreduce", "--no-eval"))):
+        run_dir = tmp_path / name
+        rc, out = hpar_to_file(tmp_path / f"{name}.txt", "run", script, *flags, "--steps", "4", "--log-every", "1",
+                               "--run-dir", str(run_dir), cwd=str(tmp_path), timeout=400)
+        assert rc == 0, out[-3000:]
+        assert not kill_left(run_dir)
+        runs[name] = run_dir
+    pipe, one = _metric_losses(runs["pipeline"]), _metric_losses(runs["one"])
+    assert sorted(pipe) == sorted(one) == [1, 2, 3, 4]
+    for step in one:
+        assert pipe[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), step
+    a, b = torch.load(runs["pipeline"] / "model.pt"), torch.load(runs["one"] / "model.pt")
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4, msg=k)   # AdamW: 4 steps of ~lr each
+    from transformers import GPT2LMHeadModel
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hf_gpt2_example", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    loaded = GPT2LMHeadModel.from_pretrained(str(runs["pipeline"] / "hf")).eval()
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight   # tied again by from_pretrained
+    with torch.no_grad():
+        got = example.evaluate(loaded)
+    summary = json.loads((runs["pipeline"] / "summary.json").read_text())
+    assert got["val_loss"] == pytest.approx(summary["eval_last"]["val_loss"], rel=1e-6)

@@ -25,6 +25,7 @@ from hpar.strategies.context import WorkerContext
 from hpar.strategies.devices import cpu_state_dict, model_to_cpu
 from hpar.strategies.groups import join_default_group
 from hpar.strategies.job import JobError, load_job
+from hpar.strategies.hf import is_pretrained, save_pretrained_dir
 
 RUNTIMES = {
     "allreduce": "hpar.strategies.allreduce",
@@ -143,6 +144,8 @@ def main() -> int:
         model = model_to_cpu(result.model)    # every strategy hands evaluate() and model.pt the CPU model
         eval_last = job.run_evaluate(model) if cfg.eval else {}
         atomic_save(cpu_state_dict(model), os.path.join(cfg.run_dir, "model.pt"))
+        if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/hf.py)
+            save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
         report.emit("summary", {
             "strategy": cfg.strategy, "world_size": world_size, "steps": cfg.steps,
             "samples_per_s": result.samples_per_s, "loss_first": result.loss_first,

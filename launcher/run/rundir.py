@@ -9,6 +9,7 @@ Layout::
     RUN_DIR/summary.json       written once at the end (also after a failure)
     RUN_DIR/checkpoints/       see strategies/checkpoint.py
     RUN_DIR/model.pt           the trained model's state_dict (worker 0, at the end)
+    RUN_DIR/hf/                a transformers model's save_pretrained directory (from_pretrained loads it)
     RUN_DIR/tensorboard/       TensorBoard event files, when tensorboard is installed
 """
 from __future__ import annotations
