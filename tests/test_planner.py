@@ -212,3 +212,21 @@ def test_micro_batches_divide_the_batch():
         assert len(est.stages) == 3 and 32 % est.micro_batches == 0, (share, est.micro_batches)
         seen.append(est.micro_batches)
     assert seen[0] == 16 and seen[-1] == 1, seen
+
+
+def test_weight_tied_across_stages_withdraws_the_asynchronous_pipeline():
+    """A weight held by the first and the last layer (GPT-2's tied lm_head) lands on two stages
+    of any split: under an asynchronous schedule the pipeline is not offered, with the reason;
+    under 1f1b it is (the stages sum its gradient: strategies/pipeline/ties.py)."""
+    params, layers = [], []
+    for i in range(8):
+        params.append(ParamProfile(f"{i}.weight", (5000, 2500), 50_000_000, False, 1.0, 1.0, False, layer=i))
+        layers.append(LayerProfile(str(i), 0.02, 0.03, 10**9, 65_536, 50_000_000))
+    prof = dataclasses.replace(make_profile(params, layers, 0.16, 0.24, sequential=True),
+                               shared_params=(("0.weight", (0, 7)),))
+    cluster = ClusterSpec(hosts=4, gpus_per_host=(1, 1, 1, 1), servers=4, bandwidth_Bps=1.25e8, latency_s=0.0)
+    assert choose_plan(prof, cluster).strategy == "pipeline"
+    plan = choose_plan(prof, cluster, schedule="async-predict")
+    pipe = next(c for c in plan.candidates if c.strategy == "pipeline")
+    assert plan.strategy != "pipeline" and not pipe.available
+    assert "parameter '0.weight' is shared by stages 0, 3" in pipe.note and "1f1b" in pipe.note, pipe.note

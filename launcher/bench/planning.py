@@ -15,8 +15,9 @@ from hpar.launcher.bench.config import BENCH_STRATEGIES, PLANNED, BenchConfig
 def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None:
     """Why bench strategy ``name`` cannot run this job (None when it can): the model is not a
     sequence of layers, the pipeline's estimate is infeasible (too few layers for the workers),
-    or torch's schedules or PipeDream-2BW's refuse the planned stages and micro-batches
-    (Schedule1F1B needs at least as many micro-batches as stages)."""
+    torch's schedules meet a traced model, an asynchronous schedule meets a weight tied across
+    the planned stages, or torch's schedules or PipeDream-2BW's refuse the planned stages and
+    micro-batches (Schedule1F1B needs at least as many micro-batches as stages)."""
     strategy, schedule = BENCH_STRATEGIES[name]
     if strategy == "pipeline":
         if not profile.is_sequential:
@@ -24,6 +25,15 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
         est = estimates.get("pipeline")
         if est is not None and not est.feasible:
             return est.note
+        if schedule.startswith("torch-") and profile.traced:
+            return ("torch.distributed.pipelining's schedules run here on an nn.Sequential or hpar_layers() only; "
+                    "this model is cut by tracing")
+        if est is not None:
+            from hpar.strategies.pipeline.ties import schedule_problem, stages_of
+            problem = schedule_problem({n: stages_of(held, est.stages) for n, held in profile.shared_params
+                                        if len(stages_of(held, est.stages)) > 1}, schedule)
+            if problem:
+                return problem.split(": ", 1)[1]
         if schedule == "torch-1f1b" and est is not None and est.micro_batches < gpus:
             return (f"the plan's {est.micro_batches} micro-batch(es) per batch are fewer than the {gpus} stages "
                     "torch's Schedule1F1B needs (scripts/bench_pipeline.py compares it at M = 4)")

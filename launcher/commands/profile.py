@@ -130,7 +130,9 @@ def report(profile, cluster, plan) -> dict:
                         "samples_per_batch": profile.samples_per_batch,
                         "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,
                         "backward_flops": profile.backward_flops, "is_sequential": profile.is_sequential,
-                        "sequential_reason": profile.sequential_reason, "timing_batch_size": profile.timing_batch_size,
+                        "sequential_reason": profile.sequential_reason, "traced": profile.traced,
+                        "shared_params": [[n, list(held)] for n, held in profile.shared_params],
+                        "timing_batch_size": profile.timing_batch_size,
                         "profile_s": profile.profile_s, "update_s_per_byte": profile.update_s_per_byte,
                         "sparse_update_s_per_byte": profile.sparse_update_s_per_byte,
                         "host_update_s_per_byte": profile.host_update_s_per_byte}}

@@ -48,15 +48,29 @@ def shared_across_stages(layers, ranges) -> dict[str, tuple[tuple[int, ...], tor
     return {name: (tuple(stages), p) for name, stages, p in held.values() if len(stages) > 1}
 
 
+def stages_of(layers_held: tuple[int, ...], ranges) -> tuple[int, ...]:
+    """The stages (``ranges``: ``[start, end)`` layer ranges) holding the layers ``layers_held``."""
+    return tuple(sorted({k for k, (a, b) in enumerate(ranges) for i in layers_held if a <= i < b}))
+
+
+def schedule_problem(shared: dict, schedule: str) -> str:
+    """Why ``schedule`` cannot run a pipeline whose ``shared`` parameters (name -> stages
+    holding it, or (stages, parameter)) span several stages ("" when it can): an asynchronous
+    schedule steps the stages at different times (module docstring)."""
+    if not shared or schedule in ("gpipe", "1f1b"):
+        return ""
+    name, stages = next(iter(shared.items()))
+    stages = stages[0] if isinstance(stages[0], tuple) else stages
+    return (f"--schedule {schedule}: parameter {name!r} is shared by stages {', '.join(map(str, stages))} (tied "
+            "weights); an asynchronous schedule steps the stages at different times, so the copies cannot stay one "
+            "parameter; use --schedule 1f1b or gpipe, or untie the weights")
+
+
 def check_schedule(shared: dict, schedule: str) -> None:
-    """ValueError (one line, the fix) for an asynchronous ``schedule`` when a parameter is
-    shared across stages (module docstring)."""
-    if shared and schedule not in ("gpipe", "1f1b"):
-        name, (stages, _) = next(iter(shared.items()))
-        raise ValueError(f"--schedule {schedule}: parameter {name!r} is shared by stages "
-                         f"{', '.join(map(str, stages))} (tied weights); an asynchronous schedule steps the stages "
-                         "at different times, so the copies cannot stay one parameter; use --schedule 1f1b or gpipe, "
-                         "or untie the weights")
+    """ValueError (one line, the fix) for :func:`schedule_problem`."""
+    problem = schedule_problem(shared, schedule)
+    if problem:
+        raise ValueError(problem)
 
 
 class TiedGradients:
@@ -99,4 +113,4 @@ class TiedGradients:
         return [p for p in params if id(p) not in self.not_counted]
 
 
-__all__ = ["shared_across_stages", "check_schedule", "TiedGradients"]
+__all__ = ["shared_across_stages", "stages_of", "schedule_problem", "check_schedule", "TiedGradients"]

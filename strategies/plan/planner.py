@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, estimate_all, estimate_pipeline
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
+from hpar.strategies.pipeline.ties import schedule_problem, stages_of
 from hpar.strategies.profile.profiler import Profile
 
 
@@ -168,6 +169,10 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             available = False   # `hpar run` runs it as allreduce
         if e.strategy == "pipeline" and e.feasible:
             note = describe_pipeline(e) + ("; " + note if note else "")
+            problem = schedule_problem({n: stages_of(held, e.stages) for n, held in profile.shared_params
+                                        if len(stages_of(held, e.stages)) > 1}, schedule)
+            if problem:   # a tied weight across stages under an asynchronous schedule (pipeline/ties.py)
+                note, available = problem.split(": ", 1)[1], False
         measured_sparse = [p.name for p in profile.params if p.sparse and not p.embedding_module]
         if e.strategy == "hybrid" and measured_sparse:
             note = (note + "; " if note else "") + \

@@ -62,6 +62,7 @@ from hpar.strategies.profile.device import data_seconds, OnDevice
 from hpar.strategies.forward import inner_module
 from hpar.strategies.layers import is_declared_sequence, model_layers
 from hpar.strategies.traced import TracedStage, why_not_traceable
+from hpar.strategies.pipeline.ties import shared_across_stages
 from hpar.strategies.loop import precision_context
 from hpar.strategies.profile.hooks import (
     auto_timing_batch,
@@ -270,4 +271,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
-                   unused_params=tuple(sorted(unused)), server_optimizer_note=server_note)
+                   unused_params=tuple(sorted(unused)), server_optimizer_note=server_note, traced=traced,
+                   shared_params=tuple((n, held) for n, (held, _) in
+                                       shared_across_stages(layers, [(i, i + 1) for i in range(len(layers))]).items())
+                   if is_seq else ())

@@ -99,6 +99,8 @@ class Profile:
     data_s: float = 0.0     # seconds to draw one batch and move it to the device (device.data_seconds)
     server_optimizer_note: str = ""   # why the parameter servers cannot apply the optimizer ("": they can)
     unused_params: tuple[str, ...] = ()   # trainable parameters without a gradient in a profiled step (profile/unused.py)
+    traced: bool = False   # the layers come from torch's tracer (strategies/traced.py), not a declared sequence
+    shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (parameter, the layers holding it): tied weights
 
     @property
     def total_bytes(self) -> int:
@@ -120,4 +122,5 @@ class Profile:
                             for p in d["params"])
         d["layers"] = tuple(LayerProfile(**l) for l in d["layers"])
         d["unused_params"] = tuple(d.get("unused_params", ()))
+        d["shared_params"] = tuple((n, tuple(ls)) for n, ls in d.get("shared_params", ()))
         return cls(**d)
