@@ -13,12 +13,62 @@ same weights (within 3e-7 of the uncompiled run) for allreduce and hybrid by han
 """
 from __future__ import annotations
 
+import json
 import os
 
+import pytest
+import torch
+
 from conftest import write_script
-from test_zoo import ZOO
+from test_zoo import ZOO, check_trained, hpar_run
 
 NAMES = {"bag.weight", "dense.weight", "dense.bias", "head.weight", "head.bias"}
+# allreduce and hybrid evaluate, also after step 6 (a copy of the compiled model: under hybrid
+# one that model() built, with every served row pulled); the other two run with --no-eval, as the zoo does
+RUNS = {"allreduce": (("--eval-every", "6"), True), "allreduce-sparse": ((), False),
+        "hybrid": (("--eval-every", "6"), True), "ps": ((), False)}
+
+
+def compiled_run(tmp_path_factory, strategy: str) -> dict:
+    flags, evaluate = RUNS[strategy]
+    return hpar_run(tmp_path_factory, "compiled_bag", strategy, 2, *flags, evaluate=evaluate)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", list(RUNS))
+def test_compiled_model_trains_as_the_uncompiled_one(tmp_path_factory, strategy):
+    """Exit 0, a lower loss, no process left, and model.pt equal to dict_bag's (the same net,
+    not compiled) under allreduce, keys included: the user's names, so a compiled and an
+    uncompiled run save the same state_dict."""
+    r = compiled_run(tmp_path_factory, strategy)
+    check_trained(r)
+    plain = hpar_run(tmp_path_factory, "dict_bag", "allreduce")
+    check_trained(plain)
+    want, got = torch.load(plain["run_dir"] / "model.pt"), torch.load(r["run_dir"] / "model.pt")
+    assert set(got) == set(want) == NAMES, sorted(got)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+    for key in ("loss_first_mean", "loss_last_mean"):
+        assert r["summary"][key] == pytest.approx(plain["summary"][key], rel=1e-4), key
+    if strategy in ("hybrid", "ps"):   # the table is served, under the name the user wrote
+        assert "bag.weight" in r["summary"]["ps_params"] and "runs as allreduce" not in r["out"], r["out"][-2000:]
+
+
+@pytest.mark.multiprocess
+def test_compiled_model_evaluates_during_and_after_hybrid_as_allreduce(tmp_path_factory):
+    """evaluate(model) gets the compiled model, under hybrid too: before training, at step 6 a
+    copy that model() built with the servers' rows pulled in, and at the end the model with its
+    tables back; each equals allreduce's figure."""
+    hy, ar = compiled_run(tmp_path_factory, "hybrid"), compiled_run(tmp_path_factory, "allreduce")
+    check_trained(hy)
+    check_trained(ar)
+    for key in ("eval_first", "eval_last"):
+        assert hy["summary"][key]["mse"] == pytest.approx(ar["summary"][key]["mse"], rel=1e-4), key
+    during = [[m for m in map(json.loads, (r["run_dir"] / "metrics.jsonl").read_text().splitlines())
+               if m.get("kind") == "eval"] for r in (hy, ar)]
+    assert [e["step"] for e in during[0]] == [e["step"] for e in during[1]] == [6], during
+    assert during[0][0]["mse"] == pytest.approx(during[1][0]["mse"], rel=1e-4)
+    assert hy["summary"]["eval_first"]["mse"] > during[0][0]["mse"] > hy["summary"]["eval_last"]["mse"]
 
 
 def test_profile_and_plan_name_parameters_as_the_user_wrote_them():
