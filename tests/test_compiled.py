@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from conftest import write_script
+from conftest import hpar, run_processes, write_script
 from test_zoo import ZOO, check_trained, hpar_run
 
 NAMES = {"bag.weight", "dense.weight", "dense.bias", "head.weight", "head.bias"}
@@ -110,3 +110,50 @@ def test_compiled_sequential_is_profiled_by_its_layers_but_not_offered_as_a_pipe
     assert [layer.name for layer in profile.layers] == ["0", "1", "2"]
     assert not profile.is_sequential and profile.sequential_reason == COMPILED_PIPELINE
     assert {p.name for p in profile.params} == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+FULLGRAPH = '''
+import torch, torch.nn as nn
+HPAR = {"steps": 4, "batch_size": 4}
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 4)
+        self.out = nn.Linear(4, 1)
+    def forward(self, x):
+        return self.out(self.emb(x)).squeeze(1)
+def model():
+    return torch.compile(M(), backend="eager", fullgraph=True)
+def data(rank, world_size, batch_size):
+    while True:
+        yield torch.randint(0, 100, (batch_size,)), torch.randn(batch_size)
+def loss(output, targets):
+    return ((output - targets) ** 2).mean()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_fullgraph_with_a_served_table_is_refused_before_start(tmp_path):
+    """torch.compile(..., fullgraph=True) forbids the graph break at a served table's lookup:
+    `hpar run --strategy hybrid` says so in one line, exit 2, before any process starts."""
+    run_dir = str(tmp_path / "run")
+    res = hpar("run", write_script(tmp_path, FULLGRAPH), "--gpus", "2", "--strategy",
+               "hybrid", "--run-dir", run_dir, "--plain")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "hpar: model() is compiled with fullgraph=True, but the parameter servers serve emb.weight, whose rows are "
+        "pulled in a graph break inside the forward; compile without fullgraph=True (the rest of the forward stays "
+        "compiled) or use --strategy allreduce or allreduce-sparse"]
+    assert not os.path.exists(os.path.join(run_dir, "config.json")) and not run_processes(run_dir)
+
+
+def test_check_fullgraph_only_refuses_a_served_table_under_fullgraph():
+    from hpar.strategies.hybrid.embedding import check_fullgraph
+    from torch import nn
+    net = nn.Sequential(nn.Embedding(10, 2), nn.Linear(2, 1))
+    served, kept = {"0.weight": "ps", "1.weight": "allreduce"}, {"0.weight": "allreduce", "1.weight": "ps"}
+    with pytest.raises(ValueError, match="serve 0.weight"):
+        check_fullgraph(torch.compile(net, backend="eager", fullgraph=True), served)
+    check_fullgraph(torch.compile(net, backend="eager", fullgraph=True), kept)   # a dense layer on the servers: no lookup
+    check_fullgraph(torch.compile(net, backend="eager"), served)
+    check_fullgraph(net, served)

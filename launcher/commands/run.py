@@ -22,6 +22,7 @@ from hpar.strategies.forward import inner_module
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
+from hpar.strategies.hybrid.embedding import check_fullgraph
 from hpar.strategies.layers import is_declared_sequence
 from hpar.strategies.pipeline.stage import check_pipeline, sequential_layers, split_micro
 from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages
@@ -156,6 +157,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             console.print("hpar: allreduce-sparse has no embedding table to give sparse gradients, so it runs as "
                           "allreduce (the same program)", markup=False)
             strategy = "allreduce"
+        if strategy in SERVER_STRATEGIES:
+            check_fullgraph(model, placement(inner, strategy, plan))
         used_hosts = len({h.name for h in place_workers(list(host_list), gpus)}) if host_list else 1
         if servers is None:
             servers = plan.get("servers") or used_hosts if strategy in SERVER_STRATEGIES else 0

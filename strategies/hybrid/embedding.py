@@ -33,7 +33,8 @@ rest of the user's forward stays compiled. The lookup's output (and through it t
 rows' gradient and their post-accumulate-grad hook) joins the compiled graphs through autograd
 as any input does; uncompiled, the wrapper costs under 1 us a lookup. hpar does its surgery on
 the module the user wrote (the compiled wrapper's ``_orig_mod``,
-``strategies/forward.inner_module``), whose parameter names are the user's.
+``strategies/forward.inner_module``), whose parameter names are the user's; a model compiled
+with ``fullgraph=True``, which forbids the break, is refused before start (:func:`check_fullgraph`).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ import torch.nn.functional as F
 
 from hpar.strategies.devices import copy_to_host
 from hpar.strategies.hybrid.ahead import batch_leaves, complete, covering_leaf, dedup_checked, in_rows
-from hpar.strategies.hybrid.client import PSClient, PSTable, coalesce
+from hpar.strategies.forward import inner_module
+from hpar.strategies.hybrid.client import PSClient, PSTable, coalesce, embedding_weights
 
 
 @dataclass
@@ -209,6 +211,24 @@ def attach(model: torch.nn.Module, tables: list[PSTable], client: PSClient, cloc
         module.weight.data = module.weight.data.new_empty(0, table.dim)
         served.append(item)
     return served
+
+
+def check_fullgraph(model: torch.nn.Module, place: dict[str, str]) -> None:
+    """Raise ValueError (one line, for the launcher to print before anything starts) when
+    ``model``, as ``model()`` returned it, was compiled with ``torch.compile(...,
+    fullgraph=True)`` and ``place`` (``client.placement`` of the module inside) serves an
+    embedding table from the parameter servers: its lookup is a graph break (see the module
+    docstring), which dynamo refuses under ``fullgraph`` ("Skip calling
+    torch.compiler.disable()d function") in every worker."""
+    wrapper, fullgraph = model, False
+    while isinstance(wrapper, torch.nn.Module):
+        fullgraph = fullgraph or bool(getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False))
+        wrapper = getattr(wrapper, "_orig_mod", None)
+    served = sorted(n for n in embedding_weights(inner_module(model)) if place.get(n) == "ps")
+    if fullgraph and served:
+        raise ValueError(f"model() is compiled with fullgraph=True, but the parameter servers serve {served[0]}, whose "
+                         "rows are pulled in a graph break inside the forward; compile without fullgraph=True (the "
+                         "rest of the forward stays compiled) or use --strategy allreduce or allreduce-sparse")
 
 
 def detach(served: list[ServedEmbedding], weights: dict[str, torch.Tensor] | None = None) -> None:
