@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from conftest import hpar, run_processes, write_script
+from conftest import hpar, hpar_to_file, run_processes, write_script
 from test_zoo import ZOO, check_trained, hpar_run
 
 NAMES = {"bag.weight", "dense.weight", "dense.bias", "head.weight", "head.bias"}
@@ -89,6 +89,18 @@ def test_profile_and_plan_name_parameters_as_the_user_wrote_them():
     assert next(p for p in profile.params if p.name == "bag.weight").sparse
     plan = choose_plan(profile, build_cluster(2, None, None, "10Gbps", "50us", None))
     assert set(plan.placement) == NAMES
+
+
+@pytest.mark.timeout(120)
+def test_hpar_profile_shows_and_plans_the_names_the_user_wrote(tmp_path):
+    """The real `hpar profile`, stdout to a file: the parameter table and the plan file name
+    the compiled model's parameters as the user wrote them."""
+    plan = tmp_path / "plan.json"
+    rc, out = hpar_to_file(tmp_path / "out.txt", "profile", os.path.join(ZOO, "compiled_bag.py"), "--gpus", "2",
+                           "--bandwidth", "10Gbps", "--latency", "50us", "--plan-out", str(plan))
+    assert rc == 0, out
+    assert "_orig_mod" not in out and all(name in out for name in NAMES), out
+    assert set(json.loads(plan.read_text())["placement"]) == NAMES
 
 
 def test_compiled_sequential_is_profiled_by_its_layers_but_not_offered_as_a_pipeline(tmp_path):
