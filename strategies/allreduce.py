@@ -32,7 +32,7 @@ from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_excha
 from hpar.strategies.sparse_grads import dense_before_step, densify
 from hpar.strategies.tying import embedding_tables
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
-from hpar.strategies.forward import call_model
+from hpar.strategies.forward import call_model, inner_module
 from hpar.strategies.loop import StepTools, evaluate_during_training, step_tools
 
 DENSE = "_dense_allreduce"   # ByteMeter name of DDP's gradient exchange
@@ -115,10 +115,16 @@ def train(ctx: WorkerContext) -> TrainResult:
     from ``data(rank, world_size, batch_size)``, ``--accumulate`` of them per step (DDP's
     ``no_sync`` on all but the last); gradients are averaged, so N workers equal one process
     on the concatenated N x accumulate batches with a mean loss, also with the script's
-    schedule, ``--clip-grad-norm`` and ``--precision`` (strategies/loop.py)."""
+    schedule, ``--clip-grad-norm`` and ``--precision`` (strategies/loop.py).
+
+    DDP wraps the model as ``model()`` returned it (a ``torch.compile`` wrapper runs the
+    forward compiled; DDP's hooks and AllReduce run outside it, on the gradients), while the
+    embeddings' ``sparse=`` flags and checkpoints go to the module the user wrote
+    (:func:`inner_module`), so a compiled run's state carries the user's parameter names."""
     cfg, job = ctx.cfg, ctx.job
     torch.manual_seed(cfg.seed)
-    model = job.build_model().to(ctx.device)
+    outer = job.build_model().to(ctx.device)
+    model = inner_module(outer)
     sparse = cfg.strategy == "allreduce-sparse"
     tables = set_sparse_gradients(model, sparse)
     if sparse:   # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
@@ -131,7 +137,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     ctx.start_step = resume_state(ctx, model, opt, tools)
     counter = ByteMeter()
     groups = worker_groups(ctx.world_size, cfg.device)
-    ddp = wrap(model, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/ddp.py
+    ddp = wrap(outer, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/ddp.py
     ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
     padded = sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
     ddp.register_comm_hook((counter, ctx.world_size, groups.dense, ring_remote),
@@ -165,7 +171,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         remote, (sent, recv) = counter.take_remote(), counter.take().get(DENSE, (0, 0))
         meter.end(step_loss, sent, recv, sent_remote=remote, logged=logged,
                   extra={"lr": lr, **({} if stepped else {"skipped_step": 1})})
-        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: cpu_copy(model), ctx.report_eval)
+        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: cpu_copy(outer), ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             if ctx.rank == 0:
                 checkpoint.save_part(cfg.run_dir, step + 1, "worker0",
@@ -176,7 +182,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         meter = StepMeter(ctx, 0)
     losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
                                groups, ctx.world_size)
-    result = meter.result(model if ctx.rank == 0 else None, replicas=ctx.world_size)
+    result = meter.result(outer if ctx.rank == 0 else None, replicas=ctx.world_size)
     result.loss_first, result.loss_last = losses
     set_sparse_gradients(model, False)
     return result

@@ -22,6 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpar.strategies.config import FIND_UNUSED_MODES
+from hpar.strategies.forward import inner_module
 from hpar.strategies.job import JobError
 
 REDUCTION_ERROR = "Expected to have finished reduction in the prior iteration"
@@ -44,8 +45,13 @@ def find_unused(mode: str, unused: Iterable[str], ignored: Iterable[str] = ()) -
 def wrap(model: torch.nn.Module, group, device: torch.device, find_unused_parameters: bool,
          ignore: Iterable[str] = ()) -> DDP:
     """``model`` in DDP over ``group`` (one device per process: ``device`` on CUDA), the
-    parameters named in ``ignore`` left out (hybrid's served tables)."""
-    ignore = sorted(ignore)
+    parameters named in ``ignore`` left out (hybrid's served tables). ``model`` is what the
+    forward runs through (a ``torch.compile`` wrapper stays, so DDP's hooks run outside the
+    compiled region); ``ignore`` names parameters as the user wrote them, in the module inside
+    (``forward.inner_module``), and DDP gets them by its own names (``_orig_mod.`` first)."""
+    wanted = set(ignore)
+    ids = {id(p) for n, p in inner_module(model).named_parameters() if n in wanted}
+    ignore = sorted(n for n, p in model.named_parameters() if id(p) in ids)
     if ignore:
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
     return DDP(model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None,
@@ -55,14 +61,16 @@ def wrap(model: torch.nn.Module, group, device: torch.device, find_unused_parame
 def reducer_names(ddp: DDP) -> list[str]:
     """The names of the parameters DDP reduces, in its reducer's order (the indices its
     errors give): trainable ones of ``named_modules`` order, tied ones once, ignored ones out
-    (as DDP's ``_build_params_for_reducer`` lists them)."""
+    (as DDP's ``_build_params_for_reducer`` lists them); named as the user wrote them (inside
+    a ``torch.compile`` wrapper)."""
+    user = {id(p): n for n, p in inner_module(ddp.module).named_parameters()}
     names, seen = [], set()
     for module_name, module in ddp.module.named_modules():
         for param_name, p in module.named_parameters(recurse=False):
             if not p.requires_grad or f"{module_name}.{param_name}" in ddp.parameters_to_ignore or id(p) in seen:
                 continue
             seen.add(id(p))
-            names.append(f"{module_name}.{param_name}" if module_name else param_name)
+            names.append(user.get(id(p), f"{module_name}.{param_name}" if module_name else param_name))
     return names
 
 

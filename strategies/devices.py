@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from hpar.strategies.forward import inner_module
+
 
 def model_to_cpu(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` moved to the CPU (in place, as ``Module.to``), for ``evaluate`` and ``model.pt``."""
@@ -24,8 +26,10 @@ def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 def cpu_state_dict(model: torch.nn.Module) -> dict:
     """``model.state_dict()`` with every tensor copied to the CPU (a checkpoint or ``model.pt``
-    must load on a machine without the GPU it was trained on)."""
-    return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    must load on a machine without the GPU it was trained on), taken from the module the user
+    wrote inside a ``torch.compile`` or DDP wrapper (``forward.inner_module``), so its keys are
+    the user's parameter names, the same for a compiled and an uncompiled run of one model."""
+    return {k: v.detach().to("cpu") for k, v in inner_module(model).state_dict().items()}
 
 
 def rng_state(device: torch.device) -> dict:

@@ -71,13 +71,14 @@ def _runs_dir(tmp_path_factory) -> pathlib.Path:
     return shared
 
 
-def hpar_run(tmp_path_factory, name: str, strategy: str, gpus: int = 2, *flags: str) -> dict:
+def hpar_run(tmp_path_factory, name: str, strategy: str, gpus: int = 2, *flags: str, evaluate: bool = False) -> dict:
     """Run `hpar run tests/zoo/NAME.py` once per (name, strategy, flags) in this session (over
     all test processes), stdout and stderr to files; returns exit code, summary, output and run
-    dir. Fails if any process of the run is left once the command returned."""
-    key = (name, strategy, gpus, flags)
+    dir. Fails if any process of the run is left once the command returned. ``--no-eval``
+    unless ``evaluate``."""
+    key = (name, strategy, gpus, flags, evaluate)
     if key not in _RUNS:
-        slug = f"{name}-{strategy}-{gpus}-" + hashlib.sha1(repr(flags).encode()).hexdigest()[:8]
+        slug = f"{name}-{strategy}-{gpus}-" + hashlib.sha1(repr((flags, evaluate)).encode()).hexdigest()[:8]
         runs = _runs_dir(tmp_path_factory)
         base = runs / slug
         run_dir, out, result = base / "run", base / "stdout.txt", base / "result.json"
@@ -85,7 +86,8 @@ def hpar_run(tmp_path_factory, name: str, strategy: str, gpus: int = 2, *flags: 
             if not result.exists():
                 base.mkdir(exist_ok=True)   # a run that raised (its timeout) left it without a result
                 rc, _ = hpar_to_file(out, "run", os.path.join(ZOO, f"{name}.py"), "--gpus", str(gpus), "--strategy",
-                                     strategy, "--run-dir", str(run_dir), "--no-eval", *flags, cwd=str(base))
+                                     strategy, "--run-dir", str(run_dir), *(() if evaluate else ("--no-eval",)), *flags,
+                                     cwd=str(base))
                 result.write_text(json.dumps({"rc": rc, "left": [p.pid for p in kill_left(run_dir)]}))
         summary_path = run_dir / "summary.json"
         _RUNS[key] = {**json.loads(result.read_text()), "out": out.read_text(),

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 from hpar.strategies import checkpoint
 from hpar.strategies.config import RunConfig
+from hpar.strategies.forward import inner_module
 from hpar.strategies.hybrid.build import broadcast_dense
 from hpar.strategies.hybrid.client import ps_tables
 from hpar.strategies.hybrid.runtime import make_groups
@@ -40,7 +41,7 @@ def main() -> int:
     host_of = init_group(cfg, pg_rank, pg_world)
     make_groups(num_workers, cfg.device, host_of, cfg.plan)   # a member of none but the default (gloo) group
     torch.manual_seed(cfg.seed)
-    model = job.build_model()
+    model = inner_module(job.build_model())   # a torch.compile wrapper's module: the user's names, never run here
     opt = job.build_optimizer(model.parameters(), cfg.lr)
     tables = ps_tables(model, opt, cfg.strategy, cfg.plan, num_servers)
     broadcast_dense(model, {t.name for t in tables}, src=num_workers)   # the workers' initial dense state, from server 0

@@ -18,9 +18,11 @@ from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
 from hpar.strategies.config import FIND_UNUSED_MODES, RunConfig, check_loop_flags
 from hpar.strategies.ddp import DDP_STRATEGIES, find_unused
 from hpar.launcher.run.strategy_settings import check_optimizer, ddp_find_unused, default_micro_batches
+from hpar.strategies.forward import inner_module
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
 from hpar.strategies.hybrid.client import placement
+from hpar.strategies.hybrid.embedding import check_fullgraph
 from hpar.strategies.layers import is_declared_sequence
 from hpar.strategies.pipeline.stage import check_pipeline, sequential_layers, split_micro
 from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages
@@ -144,15 +146,19 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan", traced_on)
-        # placement() raises for a plan naming unknown parameters before anything starts
-        if strategy == "hybrid" and "ps" not in placement(model, strategy, plan).values() and servers is None:
+        # placement() raises for a plan naming unknown parameters before anything starts; parameters are named
+        # as the user wrote them, inside a torch.compile wrapper, as the profile and the workers name them
+        inner = inner_module(model)
+        if strategy == "hybrid" and "ps" not in placement(inner, strategy, plan).values() and servers is None:
             console.print("hpar: hybrid would put no parameter on the servers (no embedding table, or the plan keeps "
                           "them on AllReduce), so it runs as allreduce (no parameter server to start)", markup=False)
             strategy = "allreduce"
-        if strategy == "allreduce-sparse" and not embedding_tables(model):
+        if strategy == "allreduce-sparse" and not embedding_tables(inner):
             console.print("hpar: allreduce-sparse has no embedding table to give sparse gradients, so it runs as "
                           "allreduce (the same program)", markup=False)
             strategy = "allreduce"
+        if strategy in SERVER_STRATEGIES:
+            check_fullgraph(model, placement(inner, strategy, plan))
         used_hosts = len({h.name for h in place_workers(list(host_list), gpus)}) if host_list else 1
         if servers is None:
             servers = plan.get("servers") or used_hosts if strategy in SERVER_STRATEGIES else 0
@@ -167,7 +173,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if find_unused_parameters not in (None, "auto") and strategy_flag != "auto" and strategy not in DDP_STRATEGIES:
             raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
                              f"(only {', '.join(DDP_STRATEGIES)} do); drop it")
-        check_optimizer(console, job, model, strategy, plan, servers, pick(lr, "lr"))
+        check_optimizer(console, job, inner, strategy, plan, servers, pick(lr, "lr"))
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
@@ -177,7 +183,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
             on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas,
-            find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, model, bs, gpus))
+            find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus))
         check_precision(job, cfg, model)
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable

@@ -23,6 +23,18 @@ Early pushes: with ``StepClock.on_gradients`` set, a module's gradients are hand
 from inside the backward pass as soon as every lookup of this step has its gradient
 (a post-accumulate-grad hook on the pulled rows), so the push of an output embedding
 (sampled softmax) overlaps the backward of the layers below it.
+
+Compiled models: a ``model()`` that returns ``torch.compile(net)`` calls the served forward
+from inside the compiled region, and dynamo would trace into the pull (the client's
+``pg.recv`` on a gloo group is an object it cannot trace, ``UnsafeScriptObjectError``). The
+served forward is therefore wrapped in ``torch.compiler.disable``: a graph break, so the pull,
+the dedup and the lookup in the pulled rows run eagerly, as they do without compilation, and the
+rest of the user's forward stays compiled. The lookup's output (and through it the pulled
+rows' gradient and their post-accumulate-grad hook) joins the compiled graphs through autograd
+as any input does; uncompiled, the wrapper costs under 1 us a lookup. hpar does its surgery on
+the module the user wrote (the compiled wrapper's ``_orig_mod``,
+``strategies/forward.inner_module``), whose parameter names are the user's; a model compiled
+with ``fullgraph=True``, which forbids the break, is refused before start (:func:`check_fullgraph`).
 """
 from __future__ import annotations
 
@@ -34,7 +46,8 @@ import torch.nn.functional as F
 
 from hpar.strategies.devices import copy_to_host
 from hpar.strategies.hybrid.ahead import batch_leaves, complete, covering_leaf, dedup_checked, in_rows
-from hpar.strategies.hybrid.client import PSClient, PSTable, coalesce
+from hpar.strategies.forward import inner_module
+from hpar.strategies.hybrid.client import PSClient, PSTable, coalesce, embedding_weights
 
 
 @dataclass
@@ -193,11 +206,29 @@ def attach(model: torch.nn.Module, tables: list[PSTable], client: PSClient, cloc
                 uids, inverse, rows = _pull(_item, client, clock, input, served)
                 return F.embedding(inverse, rows, _local_padding(self.padding_idx, uids), None,
                                    self.norm_type, False, False)
-        module.forward = types.MethodType(forward, module)
+        module.forward = types.MethodType(torch.compiler.disable(forward), module)   # see the module docstring
         module.weight.requires_grad_(False)
         module.weight.data = module.weight.data.new_empty(0, table.dim)
         served.append(item)
     return served
+
+
+def check_fullgraph(model: torch.nn.Module, place: dict[str, str]) -> None:
+    """Raise ValueError (one line, for the launcher to print before anything starts) when
+    ``model``, as ``model()`` returned it, was compiled with ``torch.compile(...,
+    fullgraph=True)`` and ``place`` (``client.placement`` of the module inside) serves an
+    embedding table from the parameter servers: its lookup is a graph break (see the module
+    docstring), which dynamo refuses under ``fullgraph`` ("Skip calling
+    torch.compiler.disable()d function") in every worker."""
+    wrapper, fullgraph = model, False
+    while isinstance(wrapper, torch.nn.Module):
+        fullgraph = fullgraph or bool(getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False))
+        wrapper = getattr(wrapper, "_orig_mod", None)
+    served = sorted(n for n in embedding_weights(inner_module(model)) if place.get(n) == "ps")
+    if fullgraph and served:
+        raise ValueError(f"model() is compiled with fullgraph=True, but the parameter servers serve {served[0]}, whose "
+                         "rows are pulled in a graph break inside the forward; compile without fullgraph=True (the "
+                         "rest of the forward stays compiled) or use --strategy allreduce or allreduce-sparse")
 
 
 def detach(served: list[ServedEmbedding], weights: dict[str, torch.Tensor] | None = None) -> None:

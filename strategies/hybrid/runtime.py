@@ -45,7 +45,7 @@ from hpar.strategies.ddp import unused_error_named, wrap
 from hpar.strategies.devices import rng_state, set_rng_state, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
-from hpar.strategies.forward import call_model
+from hpar.strategies.forward import call_model, inner_module
 from hpar.strategies.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
 from hpar.strategies.hybrid import fp16
@@ -100,9 +100,11 @@ def _setup(ctx: WorkerContext):
     (their weights emptied), give the rest storage on the worker's device and the initial
     values from server 0 (hybrid/build.py): a served table is never materialised on a worker,
     neither on its device nor in its host memory (tables larger than a GPU's, or a worker's,
-    memory are what servers are for)."""
+    memory are what servers are for). The forward runs through ``outer``, as ``model()`` returned
+    it (a ``torch.compile`` wrapper stays); surgery and names use the module inside (:func:`inner_module`)."""
     cfg, job = ctx.cfg, ctx.job
-    model, on_meta = build.build_model(job, cfg.seed)
+    outer, on_meta = build.build_model(job, cfg.seed)
+    model = inner_module(outer)
     set_sparse_gradients(model, False)
     full_opt = job.build_optimizer(model.parameters(), cfg.lr)
     servers = cfg.servers or 1
@@ -122,7 +124,7 @@ def _setup(ctx: WorkerContext):
     ps_names = {t.name for t in tables}
     dense = [p for n, p in model.named_parameters() if n not in ps_names]
     opt = job.build_optimizer(dense, cfg.lr) if dense else None
-    return model, tables, groups, client, clock, served, whole, dense, opt
+    return outer, model, tables, groups, client, clock, served, whole, dense, opt
 
 
 def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], groups: Groups) -> None:
@@ -168,9 +170,10 @@ def _model_copy(ctx: WorkerContext, model, client: PSClient, tables: list[PSTabl
     ``step``: the dense parameters and buffers from this worker, every PS-held row pulled
     from the servers (its bytes are not counted as a training step's)."""
     ps_names = {t.name for t in tables}
-    copy = ctx.job.build_model()
-    copy.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items() if k not in ps_names}, strict=False)
-    params = dict(copy.named_parameters())
+    copy = ctx.job.build_model()   # as model() returns it, for evaluate(); named by the module inside
+    inner_module(copy).load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items() if k not in ps_names},
+                                       strict=False)
+    params = dict(inner_module(copy).named_parameters())
     for t in tables:
         params[t.name].data.copy_(client.pull(t, None, step).reshape(params[t.name].shape))
     client.bytes.take()
@@ -199,14 +202,14 @@ def train(ctx: WorkerContext) -> TrainResult:
     or nothing on AllReduce (``ps``), PS tables on the servers. Returns the whole trained
     model on worker rank 0 and bytes per step per worker (also ``extra["by_param"]``)."""
     cfg, job = ctx.cfg, ctx.job
-    model, tables, groups, client, clock, served, whole, dense, opt = _setup(ctx)
+    outer, model, tables, groups, client, clock, served, whole, dense, opt = _setup(ctx)   # model: the module inside
     ps_names = {t.name for t in tables}
     tools = step_tools(cfg, job, opt, ctx.device)   # the servers replay the same schedule (hybrid/schedule.py)
     ctx.start_step = _resume(ctx, model, opt, tools)
     local = LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, client.bytes) if groups.host else None
-    net = model
+    net = outer
     if dense:
-        net = wrap(model, groups.workers.dense, ctx.device, cfg.find_unused_parameters, ignore=ps_names)
+        net = wrap(outer, groups.workers.dense, ctx.device, cfg.find_unused_parameters, ignore=ps_names)
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         net.register_comm_hook((client.bytes, ctx.world_size, groups.workers.dense, ring_remote), group_allreduce_hook)
     batches = ahead.PullAhead(served, client, job.batches(ctx.rank, ctx.world_size, cfg.batch_size))
@@ -262,8 +265,8 @@ def train(ctx: WorkerContext) -> TrainResult:
             inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
             clock.set_batch(host_inputs, inputs)     # ids are read on the host, never copied back
             ahead.prefetch(served, client, clock)
-            with (contextlib.nullcontext() if final or net is model else net.no_sync()):
-                with tools.autocast(), (unused_error_named(net) if net is not model else contextlib.nullcontext()):
+            with (contextlib.nullcontext() if final or net is outer else net.no_sync()):
+                with tools.autocast(), (unused_error_named(net) if net is not outer else contextlib.nullcontext()):
                     output = call_model(net, inputs)
                     loss = job.compute_loss(output, targets) / cfg.accumulate
                 if final and clock.on_gradients is not None and _pull_ahead(cfg, step + 1):
@@ -335,7 +338,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     by_param = {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(totals.items())}
     losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
                                groups.workers, ctx.world_size)
-    result = meter.result(model if ctx.rank == 0 else None, replicas=ctx.world_size,
+    result = meter.result(outer if ctx.rank == 0 else None, replicas=ctx.world_size,
                           extra={"by_param": by_param, "servers": cfg.servers or 1, "worker_peak_rss_bytes": peaks,
                                  "ps_params": sorted(ps_names), "pulls_ahead": batches.sent})
     result.loss_first, result.loss_last = losses
