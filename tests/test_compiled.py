@@ -103,11 +103,11 @@ def test_hpar_profile_shows_and_plans_the_names_the_user_wrote(tmp_path):
     assert set(json.loads(plan.read_text())["placement"]) == NAMES
 
 
-def test_compiled_sequential_is_profiled_by_its_layers_but_not_offered_as_a_pipeline(tmp_path):
+def test_compiled_sequential_is_profiled_by_its_layers_and_offered_as_a_pipeline(tmp_path):
     """A compiled nn.Sequential: the profile times its layers (the children of the module
-    inside), and says why no pipeline is offered (hpar's pipeline cuts model()'s result)."""
+    inside), a pipeline can cut them, and the names are the user's."""
     from hpar.strategies.job import load_job
-    from hpar.strategies.profile.profiler import COMPILED_PIPELINE, profile_job
+    from hpar.strategies.profile.profiler import profile_job
     script = write_script(tmp_path, '''
         import torch, torch.nn as nn
         def model():
@@ -120,7 +120,7 @@ def test_compiled_sequential_is_profiled_by_its_layers_but_not_offered_as_a_pipe
         ''')
     profile = profile_job(load_job(script), 8, 2, repeats=1, warmup=1)
     assert [layer.name for layer in profile.layers] == ["0", "1", "2"]
-    assert not profile.is_sequential and profile.sequential_reason == COMPILED_PIPELINE
+    assert profile.is_sequential and not profile.traced
     assert {p.name for p in profile.params} == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 

@@ -182,3 +182,16 @@ def test_hf_gpt2_example_pipeline_equals_one_process_and_loads_with_from_pretrai
         got = example.evaluate(loaded)
     summary = json.loads((runs["pipeline"] / "summary.json").read_text())
     assert got["val_loss"] == pytest.approx(summary["eval_last"]["val_loss"], rel=1e-6)
+
+
+def test_compiled_model_is_cut_into_a_pipeline_as_the_module_inside(tmp_path_factory):
+    """model() returning torch.compile(ResNet()): the pipeline cuts the module inside the
+    wrapper (its stages run eagerly) and trains the same weights, under the same names, as the
+    uncompiled ResNet's pipeline."""
+    flags = ("--schedule", "1f1b", "--micro-batches", "1", "--pipeline-replicas", "1")
+    compiled, plain = (hpar_run(tmp_path_factory, name, "pipeline", 4, *flags) for name in ("compiled_resnet", "resnet"))
+    check_trained(compiled)
+    a, b = torch.load(compiled["run_dir"] / "model.pt"), torch.load(plain["run_dir"] / "model.pt")
+    assert a.keys() == b.keys() and not any("_orig_mod" in k for k in a)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)

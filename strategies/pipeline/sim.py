@@ -16,7 +16,7 @@ import torch
 from hpar.strategies.job import Job
 from hpar.strategies.pipeline.schedules import execution_order, is_synchronous, stage_ops, updates_after, check_2bw
 from hpar.strategies.layers import is_declared_sequence
-from hpar.strategies.pipeline.stage import Stage, example_micro_batch, split_micro, stage_module, stage_ranges
+from hpar.strategies.pipeline.stage import Stage, build_stages_model, example_micro_batch, split_micro, stage_module, stage_ranges
 from hpar.strategies.pipeline.stage import sequential_layers as stage_layers
 from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages
 from hpar.strategies.pipeline.guard import GuardConfig, LossWatch, cut_step, report
@@ -59,8 +59,7 @@ def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: i
 def _simulate(job: Job, schedule: str, num_stages: int, steps: int, sync_steps: int, batch_size: int,
               micro_batches: int, lr: float, seed: int) -> SimResult:
     """``steps`` steps under ``schedule``, then ``sync_steps`` under 1f1b on the same stages."""
-    torch.manual_seed(seed)
-    model = job.build_model()
+    model = build_stages_model(job, seed)
     example = None if is_declared_sequence(model) else example_micro_batch(job, batch_size, micro_batches, seed)
     ranges = stage_ranges(model, num_stages, example=example)
     sync = is_synchronous(schedule)

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_map
 
+from hpar.strategies.forward import inner_module
 from hpar.strategies.job import Job
 from hpar.strategies.layers import model_layers, stage_of
 from hpar.strategies.pipeline.partition import balanced_ranges
@@ -182,9 +183,12 @@ class Stage:
 
 
 def build_stages_model(job: Job, seed: int) -> torch.nn.Module:
-    """The whole model exactly as a single process builds it (seeded), for slicing."""
+    """The whole model exactly as a single process builds it (seeded), for slicing: the module
+    the user wrote, inside a ``torch.compile`` wrapper (a pipeline's stages are pieces of it and
+    run eagerly), so that stage state dicts, the gathered model and ``model.pt`` carry the
+    user's parameter names."""
     torch.manual_seed(seed)
-    return job.build_model()
+    return inner_module(job.build_model())
 
 
 def describe(ranges: Sequence[tuple[int, int]], model: torch.nn.Module, example=None) -> list[dict]:

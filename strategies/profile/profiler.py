@@ -53,8 +53,7 @@ them; and the per-layer timers, the embeddings' id hooks and the FLOP counter ne
 boundaries that compilation fuses away (profiled through the wrapper, dynamo traced the hooks
 and recompiled up to its limit, and the plan predicted a 72 ms step for tests/zoo/dict_bag.py's
 model, 0.6 ms when profiled eagerly). So compute figures are those of the eager model, which
-compilation is meant to make faster. Such a model is neither traced nor offered as a pipeline
-(``COMPILED_PIPELINE``): the pipeline's stages are cut from ``model()``'s result.
+compilation is meant to make faster. A pipeline cuts ``net`` too (its stages run eagerly).
 """
 from __future__ import annotations
 
@@ -90,8 +89,6 @@ from hpar.strategies.profile.update import dense_update_cost, server_optimizer_p
 from torch import nn
 
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
-COMPILED_PIPELINE = ("the model is compiled (torch.compile), and hpar's pipeline does not cut a compiled model yet; "
-                     "return the module itself from model() to run it as a pipeline")
 
 
 def pipeline_layers(model: nn.Module, examples=()) -> tuple[list[tuple[str, nn.Module]], bool, str]:
@@ -189,10 +186,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             tbs = auto_timing_batch(on_dev, model, batch_size, workers)
         batches = on_dev.batches(0, workers, tbs)
         timed = [next(batches) for _ in range(warmup + repeats)]
-        compiled = built is not inner_module(built)   # not cut into a pipeline yet, so not traced either
-        layers, is_seq, reason = pipeline_layers(model, [] if compiled else [x for x, _ in timed])
-        if compiled:
-            is_seq, reason = False, COMPILED_PIPELINE
+        layers, is_seq, reason = pipeline_layers(model, [x for x, _ in timed])
         traced = is_seq and isinstance(layers[0][1], TracedStage)
         run = (lambda x: _compose(layers, x)) if traced else (lambda x: call_model(model, x))
         timer = LayerTimer(layers, [m for _, m in embs], clock)
