@@ -1,4 +1,5 @@
-"""The ``hpar`` command line: ``hpar run``, ``hpar profile``, ``hpar bench``, ``hpar launch``.
+"""The ``hpar`` command line: ``hpar run``, ``hpar profile``, ``hpar bench``, ``hpar launch``,
+``hpar export``.
 
 User errors (a bad script, flag, host file or plan) print one line ``hpar: <message>`` on
 stderr and exit with code 2 before any process starts.
@@ -113,11 +114,13 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
 def _register_commands() -> None:
     """``profile`` and ``bench`` live in their own modules (imported here, after ``main``)."""
     from hpar.launcher.commands.bench import bench
+    from hpar.launcher.commands.export import export
     from hpar.launcher.commands.launch import launch
     from hpar.launcher.commands.profile import profile
     main.add_command(profile)
     main.add_command(bench)
     main.add_command(launch)
+    main.add_command(export)
 
 
 _register_commands()

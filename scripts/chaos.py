@@ -100,20 +100,21 @@ def checkpoints_ok(run_dir: str) -> list[str]:
         if latest is not None and step <= latest:
             why = checkpoint.verify_step(run_dir, step)
             if why is None:
-                for name in os.listdir(checkpoint.step_dir(run_dir, step)):
-                    if name.endswith(".pt"):
-                        try:
-                            checkpoint.load(os.path.join(checkpoint.step_dir(run_dir, step), name))
-                        except Exception as exc:
-                            why = f"{name}: {exc}"
+                from hpar.strategies import state
+                try:   # every process's state, read back whole (torch.distributed.checkpoint)
+                    state.read_all(checkpoint.step_dir(run_dir, step))
+                except Exception as exc:
+                    why = f"{checkpoint.step_dir(run_dir, step)}: {exc}"
             if why:
                 problems.append(why)
     return problems
 
 
 def same_model(a: str, b: str) -> bool:
+    """Whether runs ``a`` and ``b`` left bitwise equal final models (RUN_DIR/model)."""
     import torch
-    x, y = torch.load(a), torch.load(b)
+    from hpar.strategies import state
+    x, y = (state.read_all(os.path.join(d, state.FINAL)) for d in (a, b))
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
@@ -217,7 +218,7 @@ def chaos(args, rng: random.Random, work: str) -> int:
         d = os.path.join(work, f"reference-{s}")
         code = Launcher(run_args(script, s, d, False), log).wait(600)
         assert code == 0, f"the uninterrupted {s} run failed ({code}); see {log}"
-        reference[s] = os.path.join(d, "model.pt")
+        reference[s] = d
     records, chains, chain = [], 0, None   # chain: (strategy, run dir, on tmpfs)
     for i in range(args.faults):
         kinds = [k for k in args.kinds.split(",") if (k != "disk_full" or root) and (k != "server_kill" or "hybrid" in strategies)
@@ -294,7 +295,7 @@ def finish_chain(chain, script: str, log: str, reference: dict) -> dict:
         if not resume:   # faulted before its first checkpoint: start again in a new directory
             run_dir = run_dir.rstrip("/") + "-again"
         code = Launcher(run_args(script, strategy, run_dir, resume), log).wait(600)
-        equal = code == 0 and same_model(os.path.join(run_dir, "model.pt"), reference[strategy])
+        equal = code == 0 and same_model(run_dir, reference[strategy])
         return {"exit_code": code, "bit_identical": equal, "orphans": len(run_processes(run_dir))}
     finally:
         if tmpfs:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies import checkpoint
+from hpar.strategies import state as run_state
 from hpar.strategies.ddp import unused_error_named, wrap
 from hpar.strategies.devices import cpu_copy
 from hpar.strategies.groups import mean_over_workers, worker_groups
@@ -97,16 +98,13 @@ def sparse_allgather_bytes(grad: torch.Tensor, world_size: int) -> float:
 
 def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer,
                  tools: StepTools | None = None) -> int:
-    """Load this worker's checkpoint when the run resumes (model, optimizer, and the
-    scaler and schedule when ``tools`` is given); returns the step to start from."""
+    """Load this worker's state from the run's latest checkpoint when it resumes (model,
+    optimizer by parameter name, loop state, random generators: strategies/state.py; any
+    checkpoint of the run, whatever its number of workers); returns the step to start from."""
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
         return 0
-    state = checkpoint.load_part(ctx.cfg.run_dir, step, "worker0")
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    if tools is not None:
-        tools.load_state_dict(state.get("loop"))
+    run_state.restore_process(ctx.cfg.run_dir, step, model, opt, tools, ctx.device, f"worker{ctx.rank}", "workers")
     return step
 
 
@@ -173,13 +171,11 @@ def train(ctx: WorkerContext) -> TrainResult:
                   extra={"lr": lr, **({} if stepped else {"skipped_step": 1})})
         evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: cpu_copy(outer), ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            if ctx.rank == 0:
-                checkpoint.save_part(cfg.run_dir, step + 1, "worker0",
-                                     {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                      "loop": tools.state_dict()})
-            checkpoint.commit(cfg.run_dir, step + 1)
+            run_state.save(cfg.run_dir, step + 1, run_state.process_entries(model, opt, tools, ctx.device,
+                                                                           f"worker{ctx.rank}", "workers"))
     if meter is None:   # resumed at the last step: nothing left to train
         meter = StepMeter(ctx, 0)
+    run_state.write_final(cfg.run_dir, run_state.model_entries(model))   # replicas: DCP writes one copy
     losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
                                groups, ctx.world_size)
     result = meter.result(outer if ctx.rank == 0 else None, replicas=ctx.world_size)

@@ -50,6 +50,28 @@ def remove_temp_files(directory: str) -> list[str]:
     return removed
 
 
+def remove_incomplete_steps(run_dir: str) -> list[str]:
+    """Remove the ``checkpoints/step-N`` directories newer than ``latest`` (a save that did not
+    complete: its processes may have written part of it) and a final model's unfinished
+    ``.tmp-model``; returns their paths. Call only while no process of the run writes."""
+    import shutil
+    removed = []
+    tmp_model = os.path.join(run_dir, ".tmp-model")   # the final model's, before its rename (strategies/state.py)
+    if os.path.isdir(tmp_model):
+        shutil.rmtree(tmp_model, ignore_errors=True)
+        removed.append(tmp_model)
+    try:
+        latest = latest_step(run_dir)
+    except ValueError:
+        return removed   # a damaged `latest`: usable_step() decides what is left
+    for step in steps_on_disk(run_dir):
+        if latest is None or step > latest:
+            path = step_dir(run_dir, step)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace)."""
     _atomic_write(path, lambda f: f.write(data))
@@ -118,9 +140,13 @@ def verify_step(run_dir: str, step: int) -> str | None:
     written before checksums existed must load instead), else why not (naming the file)."""
     directory = step_dir(run_dir, step)
     try:
-        parts = sorted(n for n in os.listdir(directory) if n.endswith(".pt"))
+        names = os.listdir(directory)
     except OSError as exc:
         return f"{directory}: {exc.strerror}"
+    if ".metadata" in names or any(n.endswith(".distcp") for n in names):   # torch.distributed.checkpoint's
+        from hpar.strategies.state import verify
+        return verify(directory)
+    parts = sorted(n for n in names if n.endswith(".pt"))
     if not parts:
         return f"{directory}: no checkpoint part"
     for name in parts:

@@ -80,7 +80,9 @@ class ByteMeter:
 @dataclass
 class TrainResult:
     """What a runtime hands back. ``model`` is the whole trained model on worker rank 0
-    (None elsewhere); losses are the mean training loss of the first and last step;
+    (None elsewhere, and under hybrid/ps, whose servers hold the tables: the runtime then
+    evaluates the model itself, ``eval_last``; every runtime writes the trained model where it
+    lives, strategies/state.write_final); losses are the mean training loss of the first and last step;
     ``bytes_per_step`` is {"sent": mean bytes, "recv": mean bytes} per worker per step for
     gradient/parameter/activation exchange; ``extra`` goes into summary.json as is."""
 
@@ -91,6 +93,7 @@ class TrainResult:
     step_times: list[float]
     bytes_per_step: dict
     extra: dict = field(default_factory=dict)
+    eval_last: dict | None = None   # worker 0: evaluate() already run by the runtime (hybrid/ps: tables served)
 
 
 def move_to(obj: Any, device: torch.device) -> Any:

@@ -117,6 +117,14 @@ def reap_run():
     assert not leftovers, f"processes left behind: {[p.pid for p in leftovers]}"
 
 
+def final_state(run_dir) -> dict:
+    """The trained model's state_dict a run left: RUN_DIR/model (torch.distributed.checkpoint,
+    every process's part: strategies/state.py), read whole in this process."""
+    from hpar.strategies import state
+    saved = state.read_all(os.path.join(str(run_dir), "model"))
+    return {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+
+
 def _concat(parts):
     """Concatenate along dim 0 a list of batches: tensors, or tuples/lists/dicts of them."""
     import torch

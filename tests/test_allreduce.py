@@ -7,7 +7,7 @@ import torch
 
 from hpar.strategies.job import load_job
 
-from conftest import hpar, single_process_reference
+from conftest import hpar, single_process_reference, final_state
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -33,7 +33,7 @@ def test_two_workers_match_single_process(tiny_script, tmp_path, reap_run):
     n_params = sum(p.numel() for p in load_job(tiny_script).build_model().parameters())
     # ring AllReduce: 2(N-1)/N of the gradient bytes, sent and received by each worker
     assert summary["bytes_per_step"]["sent"] == pytest.approx(2 * 1 / 2 * n_params * 4)
-    got = torch.load(os.path.join(run_dir, "model.pt"))
+    got = final_state(run_dir)
     want = single_process_reference(tiny_script, 2, 20, 8, 0.1, 3)
     assert_close_state(got, want)
     metrics = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -56,7 +56,7 @@ def test_allreduce_sparse_matches_and_counts_allgather_bytes(tmp_path, reap_run)
     reap_run(run_dir)
     res = hpar("run", script, "--gpus", "2", "--strategy", "allreduce-sparse", "--run-dir", run_dir, "--plain")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert_close_state(torch.load(os.path.join(run_dir, "model.pt")), single_process_reference(script, 2, 10, 4, 0.1, 0))
+    assert_close_state(final_state(run_dir), single_process_reference(script, 2, 10, 4, 0.1, 0))
     # expected bytes per step: ring AllReduce of the 9 dense floats, plus an AllGather of this
     # worker's unique embedding rows (int64 index + 8 float32 values each) to 1 peer
     job = load_job(script)

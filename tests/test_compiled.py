@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from conftest import hpar, hpar_to_file, run_processes, write_script
+from conftest import hpar, hpar_to_file, run_processes, write_script, final_state
 from test_zoo import ZOO, check_trained, hpar_run
 
 NAMES = {"bag.weight", "dense.weight", "dense.bias", "head.weight", "head.bias"}
@@ -44,7 +44,7 @@ def test_compiled_model_trains_as_the_uncompiled_one(tmp_path_factory, strategy)
     check_trained(r)
     plain = hpar_run(tmp_path_factory, "dict_bag", "allreduce")
     check_trained(plain)
-    want, got = torch.load(plain["run_dir"] / "model.pt"), torch.load(r["run_dir"] / "model.pt")
+    want, got = final_state(plain["run_dir"]), final_state(r["run_dir"])
     assert set(got) == set(want) == NAMES, sorted(got)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import TINY, embed_script, run_processes, wait_for, write_script
+from conftest import TINY, embed_script, run_processes, wait_for, write_script, final_state
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -106,6 +106,6 @@ def test_max_restarts_resumes_and_finishes(tmp_path):
         assert "restart 1/1 from step" in out
         summary = json.load(open(os.path.join(run_dir, "summary.json")))
         assert summary["exit_code"] == 0 and summary["restarts"] == 1
-        got = torch.load(os.path.join(run_dir, "model.pt"))
+        got = final_state(run_dir)
         assert_close_state(got, single_process_reference(os.path.join(str(tmp_path), "job.py"), 2, 40, 8, 0.1, 0))
         assert not run_processes(run_dir)

@@ -15,7 +15,7 @@ from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import load_job
 
-from conftest import single_process_reference
+from conftest import single_process_reference, final_state
 
 JOB = textwrap.dedent('''
     """Tiny two-table model for the hybrid tests (synthetic data)."""
@@ -139,7 +139,7 @@ def test_hybrid_matches_single_process(tmp_path, opt, world, servers, partitions
     hosts = (0, 0, 1, 0, 1) if (world, servers) == (3, 2) else None
     out = launch(cfg, hosts=hosts)
     want = single_process_reference(script, world, cfg.steps, cfg.batch_size, cfg.lr)
-    got = torch.load(os.path.join(cfg.run_dir, "model.pt"))
+    got = final_state(cfg.run_dir)
     assert not torch.allclose(got["user.weight"], load_init(script)["user.weight"])
     assert_same(got, want)
     summary = out["summary"]
@@ -165,7 +165,7 @@ def test_ps_strategy_matches_single_process(tmp_path):
     script = write_job(tmp_path, "momentum")
     cfg = config(tmp_path, script, strategy="ps", world=2, servers=2, steps=12)
     out = launch(cfg)
-    got = torch.load(os.path.join(cfg.run_dir, "model.pt"))
+    got = final_state(cfg.run_dir)
     assert_same(got, single_process_reference(script, 2, cfg.steps, cfg.batch_size, cfg.lr))
     assert "_dense_allreduce" not in out["summary"]["by_param"]
     assert "mlp.0.weight" in out["summary"]["by_param"]
@@ -178,38 +178,56 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path):
     first = config(tmp_path, script, world=2, servers=2, steps=6, checkpoint_every=3, name="ck")
     launch(first)
     assert open(os.path.join(first.run_dir, "checkpoints", "latest")).read().strip() == "6"
-    assert os.path.exists(os.path.join(first.run_dir, "checkpoints", "step-3", "server1.pt"))
+    files = os.listdir(os.path.join(first.run_dir, "checkpoints", "step-3"))
+    assert {f"__{r}_0.distcp" for r in range(4)} <= set(files) and ".metadata" in files   # 2 workers, 2 servers
     resumed = first.replace(steps=10, resume=True)
     launch(resumed)
-    got = torch.load(os.path.join(first.run_dir, "model.pt"))
+    got = final_state(first.run_dir)
     assert_same(got, single_process_reference(script, 2, 10, first.batch_size, first.lr))
 
 
-def test_a_checkpoint_with_another_row_layout_is_refused(tmp_path):
-    """A server's checkpoint records each table's partitions and first server; resuming it
-    under another layout (another plan's partitions, or one written before tables started on
-    different servers) is a ValueError naming the table, not rows loaded onto wrong servers."""
+def test_a_checkpoint_reshards_onto_another_row_layout(tmp_path):
+    """A server writes each table as a ShardedTensor of the parameter's shape, one shard per
+    partition at its row offset (strategies/hybrid/shard_state.py), so a server with another
+    layout (another plan's partitions) reads its rows back: the same rows, optimizer slots and
+    update counts (torch.distributed.checkpoint reshards)."""
+    import torch.distributed as dist
     from hpar.strategies.hybrid.client import ps_tables
     from hpar.strategies.hybrid.server import Server
     script = write_job(tmp_path, "adagrad")
     job = load_job(script)
 
-    def server(partitions):
-        torch.manual_seed(0)
+    def server(partitions, seed=0):
+        torch.manual_seed(seed)
         model = job.build_model()
         tables = ps_tables(model, job.build_optimizer(model.parameters(), 0.1), "hybrid",
-                           {"partitions": partitions}, 2)
-        return Server(config(tmp_path, script, servers=2), tables, model, index=1, num_workers=2)
+                           {"partitions": partitions}, 1)
+        return Server(config(tmp_path, script, servers=1), tables, model, index=0, num_workers=2)
 
-    saved = server({"user.weight": 2}).state_dict()
-    # table 1 starts on server 1; with no planned count its 40 rows are 40 partitions (under 2 x 64)
-    assert saved["layouts"]["items.weight"] == [40, 1]
-    server({"user.weight": 2}).load_state_dict(saved)
-    with pytest.raises(ValueError, match="table user.weight was saved as 2 partition"):
-        server({"user.weight": 1}).load_state_dict(saved)
-    older = {k: v for k, v in saved.items() if k != "layouts"}   # before first servers: all on server 0
-    with pytest.raises(ValueError, match="table items.weight .* from server 0"):
-        server({"user.weight": 2}).load_state_dict(older)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)   # ShardedTensor needs one
+    try:
+        _reshard(tmp_path, server)
+    finally:
+        dist.destroy_process_group()
+
+
+def _reshard(tmp_path, server):
+    from hpar.strategies import state
+    from hpar.strategies.hybrid.shard_state import set_steps
+    old = server({"user.weight": 2})
+    for shard in old.shards.values():   # an update's state: Adagrad's sum and the step count
+        shard.add_grad(None, torch.ones_like(shard.weight))
+        shard.apply(2)
+    path = str(tmp_path / "ck")
+    state.write(path, old._entries())
+    new = server({"user.weight": 5}, seed=1)
+    assert {t.name: t.layout.num_partitions for t in new.tables.values()}["user.weight"] == 5
+    entries = new._entries(state.saved_keys(path))
+    state.read(path, entries)
+    set_steps(new.tables, new.shards, entries)
+    for tid, shard in old.shards.items():
+        assert torch.equal(new.shards[tid].weight, shard.weight)
+        assert torch.equal(new.shards[tid].state["sum"], shard.state["sum"]) and new.shards[tid].step == 1
 
 
 def test_an_embedding_without_a_planned_count_is_cut_finely_and_a_whole_table_once_per_server():

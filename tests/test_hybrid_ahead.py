@@ -11,7 +11,7 @@ import torch
 from hpar.strategies.hybrid import ahead, embedding
 from hpar.strategies.plan.planner import Plan
 
-from conftest import write_script
+from conftest import write_script, final_state
 from test_training_loop import close, reference, run_cli
 
 # Context words -> hidden; the output table and its bias score each sample's target word
@@ -101,7 +101,7 @@ def test_a_sampled_output_table_gets_its_targets_rows_ahead_and_trains_the_same_
     code, run_dir, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", "hybrid", "--no-eval")
     assert code == 0, out
     want, _ = reference(script, 2, 10, 4, 0.1)
-    close(torch.load(os.path.join(run_dir, "model.pt")), want)
+    close(final_state(run_dir), want)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     # rank 0 asked a step ahead for the words' rows of steps 1-9 only: the targets' rows go
     # with the step's first pulls, before its forward, not a step ahead
@@ -113,5 +113,5 @@ def test_a_sampled_output_table_gets_its_targets_rows_ahead_and_trains_the_same_
                                  "--no-eval", name="off")
     assert code == 0, out
     off = json.load(open(os.path.join(off_dir, "summary.json")))
-    close(torch.load(os.path.join(off_dir, "model.pt")), want)
+    close(final_state(off_dir), want)
     assert off["pulls_ahead"] == 0 and off["by_param"] == summary["by_param"]

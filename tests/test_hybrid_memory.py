@@ -1,7 +1,10 @@
-"""A served table is never materialised on a worker (issue 13, item 8), through the real
-`hpar run`: a model with a 2 GiB embedding table trains with hybrid on 1 worker and 1 server,
-and the worker's peak RSS during training (summary.json ``worker_peak_rss_bytes``, from
-getrusage before worker 0 gathers the trained tables for model.pt) stays far below the table."""
+"""A served table is never materialised on a worker, through the real `hpar run`: a model
+with a 2 GiB embedding table trains with hybrid on 2 workers and 1 server, evaluates (its
+lookups read the served rows on demand) and writes its final model where it lives (the server
+its table, the workers the dense layers: RUN_DIR/model, torch.distributed.checkpoint), and
+every worker's peak RSS over the whole run (summary.json ``worker_peak_rss_bytes``, getrusage
+after the final model is written) stays under 1.5 GiB, where worker 0 used to peak at 2.4 GiB
+assembling the table for model.pt."""
 from __future__ import annotations
 
 import json
@@ -35,26 +38,31 @@ def data(rank, world_size, batch_size):
         yield torch.randint(0, {ROWS}, (batch_size, 4), generator=g), torch.randn(batch_size, generator=g)
 def loss(o, t):
     return ((o - t) ** 2).mean()
+def evaluate(model):
+    ids = torch.randint(0, {ROWS}, (64, 4), generator=torch.Generator().manual_seed(9))
+    return {{"mse": float((model(ids) ** 2).mean())}}
 '''
 
 
-# slow: worker 0 must still assemble the trained 2 GiB table and write it to model.pt (the
-# contract), and the launcher's pre-start check and the server build it once each: 55-80 s on
-# the shared 2-core machine, which no smaller run can cut without shrinking the table
+# slow: the launcher's pre-start check and the server build the 2 GiB table once each (the
+# user's model() builds it): about a minute on the shared 2-core machine
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-def test_a_2gib_table_trains_without_ever_being_on_a_worker(tmp_path):
+@pytest.mark.timeout(300)
+def test_a_2gib_table_trains_evaluates_and_is_saved_without_ever_being_on_a_worker(tmp_path):
     script = write_script(tmp_path, BIG_TABLE)
     run_dir = str(tmp_path / "run")
-    res = hpar("run", script, "--gpus", "1", "--strategy", "hybrid", "--servers", "1", "--device", "cpu",
-               "--no-eval", "--plain", "--run-dir", run_dir, timeout=220)
+    res = hpar("run", script, "--gpus", "2", "--strategy", "hybrid", "--servers", "1", "--device", "cpu",
+               "--plain", "--run-dir", run_dir, timeout=280)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     peaks = summary["worker_peak_rss_bytes"]
-    assert len(peaks) == 1 and peaks[0] > 0, peaks
-    # the worker holds torch, the dense layers and a few pulled rows; the table alone is 2 GiB
-    assert peaks[0] < TABLE_BYTES / 2, f"the worker's peak RSS {peaks[0] / 2**30:.2f} GiB: the table was built there"
-    assert summary["steps"] == 3 and math.isfinite(summary["loss_last"])
+    assert len(peaks) == 2 and all(p > 0 for p in peaks), peaks
+    # each worker holds torch, the dense layers and a few pulled rows; the table alone is 2 GiB
+    assert max(peaks) < 1.5e9, f"a worker's peak RSS {max(peaks) / 2**30:.2f} GiB: the table was built there"
+    assert summary["steps"] == 3 and math.isfinite(summary["loss_last"]) and math.isfinite(summary["eval_last"]["mse"])
     assert summary["ps_params"] == ["items.weight"]
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(os.path.join(run_dir, "model")).read_metadata().state_dict_metadata
+    assert tuple(saved["model.items.weight"].size) == (ROWS, DIM) and "model.mlp.0.weight" in saved
     assert not run_processes(run_dir)

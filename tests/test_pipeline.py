@@ -6,6 +6,8 @@ import os
 import textwrap
 
 import pytest
+
+from conftest import final_state
 import torch
 
 from hpar.strategies.plan.cluster import free_port
@@ -90,7 +92,7 @@ def run_pipeline(tmp_path, script_text=SCRIPT, timeout=60, **overrides):
     for line in logs[0].splitlines():
         if line.startswith("@hpar summary "):
             summary = json.loads(line[len("@hpar summary "):])
-    state = torch.load(run_dir / "model.pt") if (run_dir / "model.pt").exists() else None
+    state = final_state(run_dir) if (run_dir / "model").exists() else None
     return codes, summary, state, logs
 
 
@@ -178,8 +180,10 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
     run_dir = tmp_path / "run-1f1b-3"
     codes, _, _, logs = run_pipeline(tmp_path, world_size=3, steps=6, checkpoint_every=3)
     assert codes == [0] * 3, logs
-    parts = sorted(f for f in os.listdir(run_dir / "checkpoints" / "step-6") if not f.endswith(".sha256"))
-    assert parts == ["stage0.pt", "stage1.pt", "stage2.pt"]   # each with its checksum beside it
+    files = sorted(os.listdir(run_dir / "checkpoints" / "step-6"))
+    parts = [f for f in files if not f.endswith(".sha256")]
+    assert parts == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]   # one file per stage
+    assert all(f + ".sha256" in files for f in parts)   # each with its checksum beside it
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=3, steps=10, resume=True)
     assert codes == [0] * 3, logs
     assert_close_state(state, ref)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY, run_processes, single_process_reference, write_script
+from conftest import TINY, run_processes, single_process_reference, write_script, final_state
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -46,7 +46,7 @@ def test_pipeline_two_stages_by_two_replicas_through_the_launcher(two_by_two):
     config = json.load(open(os.path.join(run_dir, "config.json")))
     assert config["replicas"] == 2 and config["plan"]["replicas"] == 2 and len(config["plan"]["stages"]) == 2
     ref = single_process_reference(script, world_size=2, steps=6, batch_size=8, lr=0.1)
-    state = torch.load(os.path.join(run_dir, "model.pt"))
+    state = final_state(run_dir)
     for k in ref:
         assert torch.allclose(state[k], ref[k], rtol=1e-5, atol=1e-6), k
     # the reported loss of the last step: the mean over both replicas = the loss of the concatenated batch

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from conftest import hpar
+from conftest import hpar, final_state
 from conftest import single_process_reference
 from test_allreduce import assert_close_state
 
@@ -28,7 +28,7 @@ def test_pipeline_1f1b_through_the_launcher(tiny_script, tmp_path, reap_run):
     assert [list(s["layers"]) for s in stages] == plan["stages"], "the plan printed is the plan run"
     # synchronous 1F1B = one process on the same batch (mean over equal micro-batches)
     want = single_process_reference(tiny_script, 1, 10, 8, 0.1, 0)
-    assert_close_state(torch.load(os.path.join(run_dir, "model.pt")), want)
+    assert_close_state(final_state(run_dir), want)
     for rank in (0, 1):
         assert os.path.getsize(os.path.join(run_dir, "logs", f"worker-{rank}.log")) > 0
     assert summary["eval_last"]["mse"] < summary["eval_first"]["mse"]

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import slurm_cluster
-from conftest import REPO, TINY, run_processes, single_process_reference, wait_for, write_script
+from conftest import REPO, TINY, run_processes, single_process_reference, wait_for, write_script, final_state
 from hpar.launcher.hosts.hostfile import Host
 from hpar.launcher.hosts.slurm import allocation_hosts, expand_nodelist, expand_tasks_per_node
 
@@ -135,7 +135,7 @@ def test_run_inside_salloc_matches_one_process(slurm, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["world_size"] == 2
     import torch
-    got = torch.load(run_dir / "model.pt")
+    got = final_state(run_dir)
     want = single_process_reference(script, 2, 20, 8, 0.1)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import torch
 from hpar.strategies.job import load_job
 from hpar.strategies.sparse_allgather import padded_allgather_bytes, sparse_exchange
 
-from conftest import embed_script, hpar, run_processes, single_process_reference, write_script
+from conftest import embed_script, hpar, run_processes, single_process_reference, write_script, final_state
 
 
 def test_nccl_gets_the_padded_allgather():
@@ -32,7 +32,7 @@ def test_padded_allgather_matches_single_process_and_counts_bytes(tmp_path, reap
     res = hpar("run", script, "--gpus", "2", "--plan", str(plan), "--run-dir", run_dir, "--plain", timeout=200)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "hpar: devices: localhost: 2 CPU worker(s) (gloo among workers)" in res.stdout
-    got = torch.load(os.path.join(run_dir, "model.pt"))
+    got = final_state(run_dir)
     want = single_process_reference(script, 2, 10, 4, 0.1, 0)
     for k in want:
         assert torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-7), k

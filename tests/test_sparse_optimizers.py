@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from conftest import REPO, hpar_to_file, run_processes, write_script
+from conftest import REPO, hpar_to_file, run_processes, write_script, final_state
 from hpar.strategies.sparse_grads import densify, takes_sparse_gradients
 
 ZOO = os.path.join(REPO, "tests", "zoo")
@@ -125,7 +125,7 @@ def test_allreduce_sparse_with_adamw_equals_allreduce(tmp_path, reap_run):
     assert len(dense) == 20 and dense.keys() == sparse.keys()
     for key in dense:
         assert sparse[key] == pytest.approx(dense[key], rel=1e-5), key
-    a, b = torch.load(dense_dir / "model.pt"), torch.load(sparse_dir / "model.pt")
+    a, b = final_state(dense_dir), final_state(sparse_dir)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
     sent = [json.loads((d / "summary.json").read_text())["bytes_per_step"]["sent"] for d in (dense_dir, sparse_dir)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.torch_version import TorchVersion
 
-from conftest import REPO, hpar, hpar_to_file, kill_left
+from conftest import REPO, hpar, hpar_to_file, kill_left, final_state
 from hpar.launcher.bench.figures import stage_figures
 from hpar.strategies.pipeline.torch_peers import ZBV_GLOO_MIN_TORCH, check_peer, chunk_ranks
 
@@ -87,7 +87,7 @@ def test_two_chunks_per_process_train_the_same_model_as_1f1b(tmp_path_factory, r
     assert r["rc"] == 0, r["log"][-2000:]
     assert not r["left"], f"processes left: {r['left']}"
     assert "2 chunks per process" in r["log"]
-    got = torch.load(r["run_dir"] / "model.pt")
+    got = final_state(r["run_dir"])
     want = reference.state_dict()
     assert got.keys() == want.keys()
     for name in want:   # same micro-batches, same 1/M scaling, one optimizer step per batch

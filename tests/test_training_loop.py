@@ -12,7 +12,7 @@ from hpar.strategies.config import RunConfig
 from hpar.strategies.job import JobError, load_job
 from hpar.strategies.loop import step_schedule, step_tools
 
-from conftest import _concat, hpar, hpar_to_file, kill_left, write_script
+from conftest import _concat, hpar, hpar_to_file, kill_left, write_script, final_state
 
 LOOP = '''
 import torch, torch.nn as nn
@@ -104,7 +104,7 @@ def test_schedule_clipping_accumulation_match_one_process(tmp_path):
                                  "--accumulate", "2", "--clip-grad-norm", "0.5", "--eval-every", "5")
     assert code == 0, out
     want, losses = reference(script, 2, 20, 8, 0.1, seed=3, accumulate=2, clip=0.5)
-    close(torch.load(os.path.join(run_dir, "model.pt")), want)
+    close(final_state(run_dir), want)
     # worker 0's logged loss is its own share; the mean over both workers is the reference's
     assert worker0_losses(run_dir)[5] == pytest.approx(sum(losses[:5]) / 5, rel=0.5)
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -146,7 +146,7 @@ def test_bf16_autocast_follows_fp32_and_resume_keeps_the_schedule(tmp_path):
     assert code == 0, out
     code, out = hpar_to_file(tmp_path / "resume.out", "run", "--resume", part, "--steps", "10")
     assert code == 0, out
-    close(torch.load(os.path.join(part, "model.pt")), torch.load(os.path.join(run_dir, "model.pt")), rtol=1e-6)
+    close(final_state(part), final_state(run_dir), rtol=1e-6)
 
 
 def test_fp16_scaler_skips_a_step_with_an_inf_gradient(tmp_path):
@@ -265,7 +265,7 @@ def test_allreduce_sparse_clips_sparse_gradients_like_one_process(tmp_path):
                                  "--accumulate", "2", "--clip-grad-norm", "0.3")
     assert code == 0, out
     want, _ = reference(script, 2, 12, 4, 0.1, accumulate=2, clip=0.3)
-    close(torch.load(os.path.join(run_dir, "model.pt")), want)
+    close(final_state(run_dir), want)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["strategy"] == "allreduce-sparse" and summary["steps"] == 12
 
@@ -284,7 +284,7 @@ def test_parameter_servers_follow_the_schedule(tmp_path, strategy):
                                  "--accumulate", "2", "--clip-grad-norm", "0.3")
     assert code == 0, out
     want, _ = reference(script, 2, 12, 4, 0.1, accumulate=2, clip=0.3)
-    close(torch.load(os.path.join(run_dir, "model.pt")), want)
+    close(final_state(run_dir), want)
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
     evals = {m["step"]: m["mean_out"] for m in rows if m["kind"] == "eval"}
     assert sorted(evals) == [4, 8]
@@ -312,7 +312,7 @@ def test_a_plan_can_turn_the_pull_ahead_off(tmp_path):
                                  "--no-eval")
     assert code == 0, out
     want, _ = reference(script, 2, 12, 4, 0.1)
-    close(torch.load(os.path.join(run_dir, "model.pt")), want)
+    close(final_state(run_dir), want)
     assert json.load(open(os.path.join(run_dir, "summary.json")))["pulls_ahead"] == 0
 
 
@@ -326,7 +326,7 @@ def test_pipeline_stages_follow_the_schedule(tmp_path, schedule):
                                  "--micro-batches", "2", "--no-eval")
     assert code == 0, out
     want, _ = reference(script, 1, 20, 8, 0.1)
-    close(torch.load(os.path.join(run_dir, "model.pt")), want)
+    close(final_state(run_dir), want)
 
 
 def test_a_model_that_cannot_run_at_the_precision_is_refused_before_anything_starts(tmp_path):

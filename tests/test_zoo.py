@@ -19,7 +19,7 @@ import pathlib
 import pytest
 import torch
 
-from conftest import REPO, hpar_to_file, kill_left
+from conftest import REPO, hpar_to_file, kill_left, final_state
 
 pytestmark = pytest.mark.multiprocess
 
@@ -187,8 +187,8 @@ def test_zoo_hybrid_equals_allreduce(tmp_path_factory, name):
     check_trained(hy)
     if name == "tied_lm":
         assert "runs as allreduce" not in hy["out"], hy["out"][-2000:]   # the doc table is served
-    a = torch.load(ar["run_dir"] / "model.pt")
-    h = torch.load(hy["run_dir"] / "model.pt")
+    a = final_state(ar["run_dir"])
+    h = final_state(hy["run_dir"])
     assert a.keys() == h.keys()
     for k in a:
         torch.testing.assert_close(h[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
@@ -210,7 +210,7 @@ def test_zoo_tables_kept_whole_spread_over_the_servers(tmp_path_factory):
         assert f'"server":{server},"message":"serving 2 table shard(s) from step 0"' in log, log[-1500:]
     ar = hpar_run(tmp_path_factory, "tied_lm", "allreduce")
     check_trained(ar)
-    a, p = torch.load(ar["run_dir"] / "model.pt"), torch.load(ps["run_dir"] / "model.pt")
+    a, p = final_state(ar["run_dir"]), final_state(ps["run_dir"])
     for k in a:
         torch.testing.assert_close(p[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
 

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from conftest import single_process_reference
+from conftest import single_process_reference, final_state
 from test_zoo import ZOO, check_trained, hpar_run
 
 pytestmark = pytest.mark.multiprocess
@@ -76,7 +76,7 @@ def test_synchronous_pipeline_equals_one_process(tmp_path_factory, name, flags, 
     assert r["summary"]["pipeline_replicas"] == replicas, r["summary"]
     lr = {"hf_llama": 0.05, "hf_bert": 0.05}.get(name, 0.05)
     ref = single_process_reference(os.path.join(ZOO, f"{name}.py"), replicas, STEPS, BATCH, lr)
-    got = torch.load(r["run_dir"] / "model.pt")
+    got = final_state(r["run_dir"])
     assert got.keys() == ref.keys()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
@@ -86,11 +86,12 @@ def test_synchronous_pipeline_equals_one_process(tmp_path_factory, name, flags, 
 def test_gpt2_tied_across_stages_stays_one_parameter(tmp_path_factory):
     """GPT-2's lm_head is its token embedding: on 4 stages the first and the last hold it. With
     AdamW and clipping, every step's loss and gradient norm equal one process's, and the two
-    copies (stage 0's transformer.wte.weight, stage 3's lm_head.weight, as each checkpoints it)
-    are bitwise equal after every step."""
+    copies (stage 0's transformer.wte.weight, stage 3's lm_head.weight, each written by its
+    stage under its own name in the checkpoint) are bitwise equal after every step."""
     r = hpar_run(tmp_path_factory, "hf_gpt2", "pipeline", 4, "--schedule", "1f1b", "--micro-batches", "4",
                  "--pipeline-replicas", "1", "--clip-grad-norm", "0.5", "--log-every", "1", "--checkpoint-every", "1")
     check_trained(r)
+    from hpar.strategies import state
     from hpar.strategies.job import load_job
     job = load_job(os.path.join(ZOO, "hf_gpt2.py"))
     torch.manual_seed(0)
@@ -107,9 +108,8 @@ def test_gpt2_tied_across_stages_stays_one_parameter(tmp_path_factory):
         opt.step()
         assert metrics[step]["loss"] == pytest.approx(float(loss), rel=1e-4), step
         assert metrics[step]["grad_norm"] == pytest.approx(float(norm), rel=1e-4), step
-        parts = r["run_dir"] / "checkpoints" / f"step-{step}"
-        first = torch.load(parts / "stage0.pt", weights_only=False)["model"]["transformer.wte.weight"]
-        last = torch.load(parts / "stage3.pt", weights_only=False)["model"]["lm_head.weight"]
+        saved = state.read_all(str(r["run_dir"] / "checkpoints" / f"step-{step}"))
+        first, last = saved["model.transformer.wte.weight"], saved["model.lm_head.weight"]   # stage 0's, stage 3's
         assert torch.equal(first, last), step
 
 
@@ -141,7 +141,7 @@ def test_bert_dict_batches_under_allreduce_equal_one_process(tmp_path_factory):
     r = hpar_run(tmp_path_factory, "hf_bert", "allreduce", 2)
     check_trained(r)
     ref = single_process_reference(os.path.join(ZOO, "hf_bert.py"), 2, STEPS, BATCH, 0.05)
-    got = torch.load(r["run_dir"] / "model.pt")
+    got = final_state(r["run_dir"])
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
 
@@ -168,7 +168,7 @@ def test_hf_gpt2_example_pipeline_equals_one_process_and_loads_with_from_pretrai
     assert sorted(pipe) == sorted(one) == [1, 2, 3, 4]
     for step in one:
         assert pipe[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), step
-    a, b = torch.load(runs["pipeline"] / "model.pt"), torch.load(runs["one"] / "model.pt")
+    a, b = final_state(runs["pipeline"]), final_state(runs["one"])
     for k in b:
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4, msg=k)   # AdamW: 4 steps of ~lr each
     from transformers import GPT2LMHeadModel
@@ -191,7 +191,7 @@ def test_compiled_model_is_cut_into_a_pipeline_as_the_module_inside(tmp_path_fac
     flags = ("--schedule", "1f1b", "--micro-batches", "1", "--pipeline-replicas", "1")
     compiled, plain = (hpar_run(tmp_path_factory, name, "pipeline", 4, *flags) for name in ("compiled_resnet", "resnet"))
     check_trained(compiled)
-    a, b = torch.load(compiled["run_dir"] / "model.pt"), torch.load(plain["run_dir"] / "model.pt")
+    a, b = final_state(compiled["run_dir"]), final_state(plain["run_dir"])
     assert a.keys() == b.keys() and not any("_orig_mod" in k for k in a)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -53,9 +53,10 @@ def main() -> int:
     del model, opt
     step = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
     if step is not None:
-        server.load_state_dict(checkpoint.load_part(cfg.run_dir, step, server.part()))
+        server.restore(cfg.run_dir, step)
     report.emit("event", {"server": index, "message": f"serving {len(server.shards)} table shard(s) from step {server.applied}"})
     server.serve()
+    server.write_final()   # its rows of every table, with the workers' dense part: RUN_DIR/model
     n = max(server.applied - (step or 0), 1)
     report.emit("event", {"server": index, "message": "finished",
                           "bytes_per_step": {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(server.totals.items())}})

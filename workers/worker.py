@@ -19,10 +19,9 @@ report.install_stack_dump()   # first, so that a stall during start-up can be di
 import torch  # noqa: E402
 import torch.distributed as dist
 
-from hpar.strategies.checkpoint import atomic_save
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import WorkerContext
-from hpar.strategies.devices import cpu_state_dict, model_to_cpu
+from hpar.strategies.devices import model_to_cpu
 from hpar.strategies.groups import join_default_group
 from hpar.strategies.job import JobError, load_job
 from hpar.strategies.hf import is_pretrained, save_pretrained_dir
@@ -125,7 +124,7 @@ def main() -> int:
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
     eval_first = {}
-    if rank == 0 and cfg.eval and not cfg.resume:
+    if rank == 0 and cfg.eval and not cfg.resume and cfg.strategy not in ("hybrid", "ps"):   # those: in the runtime
         torch.manual_seed(cfg.seed)
         report.emit("event", {"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
         eval_first = job.run_evaluate(job.build_model())   # evaluate() gets the model on the CPU
@@ -138,14 +137,16 @@ def main() -> int:
                         report_eval=lambda m: report.emit("eval", m))
     t0 = time.time()
     result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
-    if rank == 0:
-        assert result.model is not None, "the runtime must return the whole model on rank 0"
+    if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/state.py)
+        assert result.model is not None or result.eval_last is not None, "rank 0 evaluates the whole model"
         report.emit("event", {"kind": "phase", "phase": "evaluate"})
-        model = model_to_cpu(result.model)    # every strategy hands evaluate() and model.pt the CPU model
-        eval_last = job.run_evaluate(model) if cfg.eval else {}
-        atomic_save(cpu_state_dict(model), os.path.join(cfg.run_dir, "model.pt"))
-        if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/hf.py)
-            save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
+        eval_last = result.eval_last
+        if result.model is not None:
+            model = model_to_cpu(result.model)    # every strategy hands evaluate() the CPU model
+            if eval_last is None:
+                eval_last = job.run_evaluate(model) if cfg.eval else {}
+            if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/hf.py)
+                save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
         report.emit("summary", {
             "strategy": cfg.strategy, "world_size": world_size, "steps": cfg.steps,
             "samples_per_s": result.samples_per_s, "loss_first": result.loss_first,

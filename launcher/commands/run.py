@@ -13,6 +13,7 @@ from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_all
 from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.devices import choose_devices, describe, local_gpus
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_step
+from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
 from hpar.strategies.config import FIND_UNUSED_MODES, RunConfig, check_loop_flags
@@ -96,15 +97,17 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     resumed run may change (it is how a run that failed on an unused parameter goes on)."""
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
+    reshaped = None
     if resume_dir:
         given = [flag for flag, value in (("--gpus", gpus), ("--plan", plan_file), ("--servers", servers),
                                           ("--batch-size", batch_size), ("--schedule", schedule),
                                           ("--micro-batches", micro_batches), ("--pipeline-replicas", pipeline_replicas))
                  if value is not None] + (["--strategy"] if strategy != "auto" else [])
-        if given:
-            raise ValueError(f"--resume {resume_dir}: a resumed run keeps the size and plan it was started with "
-                             f"(its config.json and plan.json), so {', '.join(given)} cannot change it; drop "
-                             f"{'them' if len(given) > 1 else 'it'}, or start a new run with --run-dir")
+        if given:   # resume at another size or plan: planned afresh from the run's own settings (launcher/run/reshape.py)
+            reshaped = resumed_config(resume_dir, script, steps, say=lambda m: console.print(m, markup=False))
+            script, run_dir, resume_dir = reshaped.script, reshaped.run_dir, None
+            strategy = reshaped.strategy if strategy == "auto" and not plan_file else strategy
+            servers = servers if servers is not None or strategy != reshaped.strategy else (reshaped.servers or None)
     host_list = tuple(parse_hosts(hosts)) if hosts else ()
     extra_env = parse_env_flags(env)
     slurm = not host_list and in_allocation()
@@ -127,7 +130,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(not_profilable(script))
         check_run_dir(os.path.abspath(run_dir or default_run_dir()))
         job = load_job(script)
-        d = job.defaults
+        d = job.defaults if reshaped is None else {**job.defaults, **old_settings(reshaped)}
         gpus = gpus if gpus is not None else 1
         if gpus < 1:
             raise ValueError(f"--gpus must be at least 1, got {gpus}")
@@ -203,7 +206,10 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
                 if VIRTUAL_STAGES[cfg.schedule] > 1:
                     layers = f"{VIRTUAL_STAGES[cfg.schedule]} chunks per process balanced on parameter counts"
             console.print(describe_plan(cfg, layers), markup=False)
-        if os.path.exists(os.path.join(cfg.run_dir, "config.json")):
+        if reshaped is not None:
+            cfg = cfg.replace(resume=True)
+            console.print(f"hpar: {describe_reshape(reshaped, cfg)}", markup=False)
+        elif os.path.exists(os.path.join(cfg.run_dir, "config.json")):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     if resume_dir:
         check_run_dir(cfg.run_dir, "--resume")

@@ -105,6 +105,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
     try:
         while True:
             checkpoint.remove_temp_files(rundir.path)   # left by a process killed mid-write
+            checkpoint.remove_incomplete_steps(rundir.path)
             rundir.write_config(cfg)
             lines: queue.Queue = queue.Queue()
             with Rendezvous(master, first_host_local(opts.hosts), avoid=used_ports) as rdv:  # launcher/run/rendezvous.py

@@ -163,8 +163,11 @@ def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torc
                     other.prefetched = (host_ids, uids, inverse, complete(client, other, uids, other.prefetched,
                                                                            clock.step))
         rows = wait()
+    rows = rows.to(ids.device, non_blocking=rows.is_pinned())   # pinned: async copy up
+    if not torch.is_grad_enabled():   # evaluate(): nothing to push, nothing to remember
+        return uids, inverse.to(ids.device, non_blocking=True), rows
     clock.seen.append((ids, served))
-    rows = rows.to(ids.device, non_blocking=rows.is_pinned()).requires_grad_()   # pinned: async copy up
+    rows.requires_grad_()
     served.records.append((uids, rows))
     if clock.on_gradients is not None:
         rows.register_post_accumulate_grad_hook(lambda _, item=served: _grad_ready(item, clock))

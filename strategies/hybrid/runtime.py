@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies import checkpoint
+from hpar.strategies import state as run_state
 from hpar.strategies.hybrid import ahead, build, embedding
 from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.ddp import unused_error_named, wrap
-from hpar.strategies.devices import rng_state, set_rng_state, to_device
+from hpar.strategies.devices import cpu_copy, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.forward import call_model, inner_module
@@ -127,27 +128,19 @@ def _setup(ctx: WorkerContext):
     return outer, model, tables, groups, client, clock, served, whole, dense, opt
 
 
-def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], groups: Groups) -> None:
-    rng = [None] * ctx.world_size
-    dist.all_gather_object(rng, rng_state(ctx.device), group=groups.workers.control)
-    if ctx.rank == 0:
-        dense = {k: v for k, v in model.state_dict().items() if k not in ps_names}
-        checkpoint.save_part(ctx.cfg.run_dir, step, "worker0",
-                             {"model": dense, "optimizer": opt.state_dict() if opt else None, "rng": rng,
-                              "loop": tools.state_dict() if opt else None})
-    checkpoint.commit(ctx.cfg.run_dir, step)
+def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str]) -> None:
+    """This worker's state (its dense part: the servers write the tables) in the step's
+    checkpoint, with the servers' (strategies/state.py); a collective over the default group."""
+    run_state.save(ctx.cfg.run_dir, step, run_state.process_entries(
+        model, opt, tools if opt else None, ctx.device, f"worker{ctx.rank}", "workers", frozenset(ps_names)))
 
 
-def _resume(ctx: WorkerContext, model, opt, tools) -> int:
+def _resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str]) -> int:
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
         return 0
-    state = checkpoint.load_part(ctx.cfg.run_dir, step, "worker0")
-    model.load_state_dict(state["model"], strict=False)
-    if opt is not None:
-        opt.load_state_dict(state["optimizer"])
-        tools.load_state_dict(state.get("loop"))
-    set_rng_state(state["rng"][ctx.rank], ctx.device)
+    run_state.restore_process(ctx.cfg.run_dir, step, model, opt, tools if opt else None, ctx.device,
+                              f"worker{ctx.rank}", "workers", frozenset(ps_names))
     return step
 
 
@@ -165,28 +158,25 @@ def _clip_with_servers(ctx: WorkerContext, dense: list[torch.Tensor]) -> None:
             p.grad.mul_(coef)
 
 
-def _model_copy(ctx: WorkerContext, model, client: PSClient, tables: list[PSTable], step: int) -> torch.nn.Module:
-    """Worker rank 0, for ``--eval-every``: a CPU copy of the model as of the start of
-    ``step``: the dense parameters and buffers from this worker, every PS-held row pulled
-    from the servers (its bytes are not counted as a training step's)."""
-    ps_names = {t.name for t in tables}
-    copy = ctx.job.build_model()   # as model() returns it, for evaluate(); named by the module inside
-    inner_module(copy).load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items() if k not in ps_names},
-                                       strict=False)
+def _model_copy(outer, client: PSClient, whole, clock: embedding.StepClock, step: int) -> torch.nn.Module:
+    """Worker rank 0, for evaluate() (``--eval-every`` and the final one): a CPU copy of the
+    model as ``model()`` returns it, at the start of ``step``: the dense parameters and buffers
+    from this worker, the tables kept whole pulled now, and the served embeddings still
+    served (``embedding.attach``: each lookup pulls its rows from the servers as of ``step``,
+    recording nothing under no_grad), so no process ever holds a whole served table. Its
+    bytes are not counted as a training step's."""
+    copy = cpu_copy(outer)
     params = dict(inner_module(copy).named_parameters())
-    for t in tables:
+    for t, _ in whole:
         params[t.name].data.copy_(client.pull(t, None, step).reshape(params[t.name].shape))
-    client.bytes.take()
-    client.bytes.take_remote()
+    clock.step = step
     return copy
 
 
-def _gather_model(client: PSClient, tables: list[PSTable], served, whole, step: int) -> None:
-    """Worker rank 0: pull every PS-held row (as of the end of training) into the model."""
-    weights = {t.name: client.pull(t, None, step) for t in tables}
-    embedding.detach(served, weights)
-    for t, p in whole:
-        p.data.copy_(weights[t.name].reshape(p.shape))
+def _done_evaluating(client: PSClient) -> None:
+    """Forget the bytes of evaluate()'s pulls (they are not a training step's)."""
+    client.bytes.take()
+    client.bytes.take_remote()
 
 
 def _pull_ahead(cfg, step: int) -> bool:
@@ -205,7 +195,13 @@ def train(ctx: WorkerContext) -> TrainResult:
     outer, model, tables, groups, client, clock, served, whole, dense, opt = _setup(ctx)   # model: the module inside
     ps_names = {t.name for t in tables}
     tools = step_tools(cfg, job, opt, ctx.device)   # the servers replay the same schedule (hybrid/schedule.py)
-    ctx.start_step = _resume(ctx, model, opt, tools)
+    ctx.start_step = _resume(ctx, model, opt, tools, ps_names)
+    if ctx.rank == 0 and cfg.eval and not cfg.resume and ctx.event is not None:   # the served rows on demand, at step 0
+        ctx.event({"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
+        with torch.random.fork_rng(devices=[]):
+            ctx.event({"kind": "first_eval", "eval": job.run_evaluate(_model_copy(outer, client, whole, clock, 0))})
+        _done_evaluating(client)
+        ctx.event({"kind": "phase", "phase": "train"})
     local = LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, client.bytes) if groups.host else None
     net = outer
     if dense:
@@ -321,25 +317,31 @@ def train(ctx: WorkerContext) -> TrainResult:
                                                   **({"skipped_step": 1} if skipped else {})},
                   sent_remote=remote, logged=logged)
         client.pull_s = 0.0
-        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(ctx, model, client, tables, step + 1),
+        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(outer, client, whole, clock, step + 1),
                                  ctx.report_eval)
+        _done_evaluating(client)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            _save(ctx, step + 1, model, opt, tools, ps_names, groups)
-    peaks = [None] * ctx.world_size   # each worker's peak RSS in training, before rank 0 gathers the tables
-    dist.all_gather_object(peaks, build.peak_rss_bytes(), group=groups.workers.control)
-    if ctx.rank == 0:
-        model.to("cpu")     # the whole model, served tables included, is assembled on the host
-        _gather_model(client, tables, served, whole, cfg.steps)
-        client.bytes.take()  # the final gather is not a training step
-    else:
-        embedding.detach(served)
+            _save(ctx, step + 1, model, opt, tools, ps_names)
+    eval_last = None
+    if ctx.rank == 0:   # while the servers still answer: evaluate() reads served rows on demand
+        if ctx.event is not None:
+            ctx.event({"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
+        eval_last = job.run_evaluate(_model_copy(outer, client, whole, clock, cfg.steps)) if cfg.eval else {}
+        _done_evaluating(client)
     client.finish()
+    # the dense part where it lives (every worker holds it: DCP writes one copy); the servers write the tables
+    run_state.write_final(cfg.run_dir, {k: v for k, v in run_state.model_entries(model).items()
+                                        if k[len("model."):] not in ps_names})
+    embedding.detach(served)
+    peaks = [None] * ctx.world_size   # each worker's peak RSS over the run: training, evaluate(), the final write
+    dist.all_gather_object(peaks, build.peak_rss_bytes(), group=groups.workers.control)
     n = max(steps_done, 1)
     by_param = {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(totals.items())}
     losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
                                groups.workers, ctx.world_size)
-    result = meter.result(outer if ctx.rank == 0 else None, replicas=ctx.world_size,
+    result = meter.result(None, replicas=ctx.world_size,
                           extra={"by_param": by_param, "servers": cfg.servers or 1, "worker_peak_rss_bytes": peaks,
                                  "ps_params": sorted(ps_names), "pulls_ahead": batches.sent})
     result.loss_first, result.loss_last = losses
+    result.eval_last = eval_last
     return result

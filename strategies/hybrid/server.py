@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies import checkpoint
+from hpar.strategies import state as run_state
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import ByteMeter, peer_is_remote
 from hpar.strategies.hybrid.client import PSTable
 from hpar.strategies.hybrid.schedule import ServerSchedule
 from hpar.strategies.hybrid.shard import ParamShard, table_view
+from hpar.strategies.hybrid.shard_state import server_entries, set_steps
 from hpar.strategies.hybrid.wire import (CONTROL, DONE, FINISH, HEADER_BYTES, INBOX_DEPTH, PULL, PUSH, Inbox, Request,
                                          nbytes, p2p, reply_tag)
 from hpar.strategies.loop import clip_coefficient
@@ -64,31 +66,24 @@ class Server:
         self._isend = p2p(group)[0]
         self.inbox = Inbox(num_workers, INBOX_DEPTH, cfg.steps, group)
 
-    def part(self) -> str:
-        return f"server{self.index}"
+    def _entries(self, keys: set[str] | None = None) -> dict:
+        """This server's tables and slots in the checkpoint namespace (shard_state.py)."""
+        return server_entries(self.tables, self.shards, self.index, lambda s: self.num_workers + s, keys)
 
-    def _layouts(self) -> dict[str, list[int]]:
-        return {t.name: [t.layout.num_partitions, t.layout.first_server] for t in self.tables.values()}
+    def write_final(self) -> None:
+        """Write this server's rows of every table into the run's final model (a collective
+        with the workers, once they finished: strategies/state.write_final)."""
+        run_state.write_final(self.cfg.run_dir, {k: v for k, v in self._entries().items() if k.startswith("model.")})
 
-    def state_dict(self) -> dict:
-        return {"applied": self.applied, "layouts": self._layouts(),
-                "shards": {self.tables[tid].name: s.state_dict() for tid, s in self.shards.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output. Raises ValueError when the checkpoint's row
-        layout (partitions and first server per table) is not this run's: its rows would land
-        on the wrong servers. (Checkpoints without layouts were written with partition 0 of
-        every table on server 0.)"""
-        saved = state.get("layouts") or {t.name: [t.layout.num_partitions, 0] for t in self.tables.values()}
-        for name, layout in self._layouts().items():
-            if list(saved.get(name, layout)) != layout:
-                raise ValueError(f"checkpoint of step {state['applied']}: table {name} was saved as "
-                                 f"{saved[name][0]} partition(s) from server {saved[name][1]}, this run has "
-                                 f"{layout[0]} from server {layout[1]}; resume with the plan and --servers it was written with")
-        for tid, shard in self.shards.items():
-            shard.load_state_dict(state["shards"][self.tables[tid].name])
-        self.applied = int(state["applied"])
-        self.table_step = {tid: self.applied for tid in self.shards}
+    def restore(self, run_dir: str, step: int) -> None:
+        """Load the rows this server holds now, in its layout, from checkpoint ``step``
+        (whatever numbers of servers and partitions wrote it: DCP reshards)."""
+        path = checkpoint.step_dir(run_dir, step)
+        entries = self._entries(run_state.saved_keys(path))
+        run_state.read(path, entries)
+        set_steps(self.tables, self.shards, entries)
+        self.applied = step
+        self.table_step = {tid: step for tid in self.shards}
 
     def _reply(self, src: int, tid: int, local: torch.Tensor | None) -> None:
         rows = self.shards[tid].lookup(local).contiguous()
@@ -185,8 +180,7 @@ class Server:
         if step % self.cfg.log_every == 0 or step == self.cfg.steps:
             self._report(step)
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
-            checkpoint.save_part(self.cfg.run_dir, step, self.part(), self.state_dict())
-            checkpoint.commit(self.cfg.run_dir, step)
+            run_state.save(self.cfg.run_dir, step, self._entries())
         for tid in self.shards:
             self._apply_if_complete(tid)
 

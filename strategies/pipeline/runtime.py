@@ -49,11 +49,13 @@ their means per stage (gathered to rank 0), with the stage's peak memory over th
 """
 from __future__ import annotations
 
+import os
 
 import torch
 import torch.distributed as dist
 
 from hpar.strategies import checkpoint
+from hpar.strategies import state as run_state
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.devices import ComputeTimer
 from hpar.strategies.groups import worker_groups
@@ -103,13 +105,10 @@ def train(ctx: WorkerContext) -> TrainResult:
     M, K, (k, r) = cfg.micro_batches, grid.stages, grid.coords(ctx.rank)
     if cfg.batch_size % M:
         raise ValueError(f"--micro-batches {M} does not divide --batch-size {cfg.batch_size}; choose a divisor")
-    part = f"stage{k}"   # written by replica 0 (replicas are identical), read by every replica
+    # every process writes its stage's state (replicas hold equal copies: DCP writes one) and
+    # reads the names its stage holds now, whatever stages wrote them (strategies/state.py)
+    part, loop_part = f"stage{k}-r{r}", f"stage{k}"
     start = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
-    if start:
-        state = checkpoint.load_part(cfg.run_dir, start, part)
-        stage.module.load_state_dict(state["model"])
-        if stage.optimizer is not None:
-            stage.optimizer.load_state_dict(state["optimizer"])
     ctx.start_step = start or 0
     # the script's schedule steps with every optimizer step of this stage: once per batch in
     # the synchronous schedules, once per micro-batch update in the asynchronous ones;
@@ -117,7 +116,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     groups = worker_groups(ctx.world_size, cfg.device)
     tools = stage_loop.stage_tools(cfg, job, stage.optimizer, ctx.device, groups.dense)
     if start:
-        tools.load_state_dict(state.get("loop"))
+        run_state.restore_process(cfg.run_dir, start, stage.module, stage.optimizer, tools, ctx.device, part, loop_part)
     stepper = stage_loop.StageStepper(cfg, tools, stage.optimizer or stage_loop.placeholder_optimizer(ctx.device),
                                       groups.dense, ctx.device, is_synchronous(cfg.schedule),
                                       M if cfg.schedule == "async-2bw" else 1, copies=grid.replicas)
@@ -210,12 +209,8 @@ def train(ctx: WorkerContext) -> TrainResult:
                                      **({} if stepped[0] else {"skipped_step": 1})}, sent_remote=remote, logged=logged)
         stepped[0] = True
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            if r == 0:   # replicas are identical: replica 0 writes the stage's part
-                checkpoint.save_part(cfg.run_dir, step + 1, part, {
-                    "model": stage.module.state_dict(),
-                    "optimizer": stage.optimizer.state_dict() if stage.optimizer is not None else None,
-                    "loop": tools.state_dict()})
-            checkpoint.commit(cfg.run_dir, step + 1)
+            run_state.save(cfg.run_dir, step + 1, run_state.process_entries(
+                stage.module, stage.optimizer, tools, ctx.device, part, loop_part))
         if loop.evaluate_now(cfg, step + 1):   # every stage sends its weights; stage 0 evaluates
             whole = stage_loop.gather_model(model, stage.module, ctx.rank, groups.control)
             loop.evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: whole, ctx.report_eval)
@@ -278,6 +273,13 @@ def _tripped(ctx: WorkerContext, watch: "guard.LossWatch", step: int, loss: floa
     return bool(flag[0])
 
 
+def read_whole(run_dir: str, model: torch.nn.Module) -> None:
+    """Fill ``model`` from the run's final model (RUN_DIR/model) in this process: the names
+    the stages wrote (buffers outside every layer keep their values)."""
+    saved = run_state.saved_keys(os.path.join(run_dir, run_state.FINAL))
+    run_state.read_final(run_dir, {k: v for k, v in run_state.model_entries(model).items() if k in saved})
+
+
 def _finish(ctx: WorkerContext, grid: Grid, stage: Stage, model: torch.nn.Module, ranges, meter: StepMeter,
             stats: dict, more: dict | None = None, example=None) -> TrainResult:
     """Gather the stages' state dicts (replica 0's: the replicas are identical) and every
@@ -289,20 +291,18 @@ def _finish(ctx: WorkerContext, grid: Grid, stage: Stage, model: torch.nn.Module
             "bytes_sent": sum(stats["sent"]) / n, "bytes_recv": sum(stats["recv"]) / n,
             "max_in_flight": stage.max_in_flight, "weight_versions": stage.weights.most_versions,
             "peak_mem_bytes": stats["memory"].peak_bytes()}
-    payload = ({name: v.detach().cpu() for name, v in stage.module.state_dict().items()} if r == 0 else {}, mine)
+    # every stage writes its layers where they are (replicas: one copy), then stage 0 of replica 0
+    # reads the whole model back for evaluate() (it built the whole model to cut its stage)
+    run_state.write_final(ctx.cfg.run_dir, run_state.model_entries(stage.module))
     gathered = [None] * ctx.world_size if ctx.rank == 0 else None
     if ctx.world_size > 1:
-        dist.gather_object(payload, gathered, dst=0)
+        dist.gather_object(mine, gathered, dst=0)
     else:
-        gathered = [payload]
+        gathered = [mine]
     if ctx.rank != 0:
         return meter.result(None)
-    state = {}
-    for part, _ in gathered:
-        state.update(part)
-    unexpected = model.load_state_dict(state, strict=False).unexpected_keys   # buffers outside every layer keep their values
-    assert not unexpected, unexpected
+    read_whole(ctx.cfg.run_dir, model)
     extra = {"schedule": ctx.cfg.schedule, "micro_batches": ctx.cfg.micro_batches, "pipeline_stages": grid.stages,
              "pipeline_replicas": grid.replicas, "pipeline_layout": grid.layout,
-             "stages": [figures for _, figures in gathered], "stage_layers": describe(ranges, model, example), **(more or {})}
+             "stages": gathered, "stage_layers": describe(ranges, model, example), **(more or {})}
     return meter.result(model.to("cpu"), replicas=grid.replicas, extra=extra)

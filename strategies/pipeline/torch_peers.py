@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
+from hpar.strategies import state as run_state
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.devices import DeviceClock
 from hpar.strategies.groups import worker_groups
@@ -205,18 +206,16 @@ def train(ctx: WorkerContext) -> TrainResult:
                "compute_s": sum(cpu_s) / len(cpu_s) if split else wall,
                "idle_s": max(0.0, wall - sum(cpu_s) / len(cpu_s)) if split else None,
                "peak_mem_bytes": mem.peak_bytes()}
-    payload = ({n_: v.detach().cpu() for m in modules for n_, v in m.state_dict().items()}, figures)
+    run_state.write_final(cfg.run_dir, {k_: v for m in modules for k_, v in run_state.model_entries(m).items()})
     gathered = [None] * K if k == 0 else None
     if K > 1:
-        dist.gather_object(payload, gathered, dst=0)
+        dist.gather_object(figures, gathered, dst=0)
     else:
-        gathered = [payload]
+        gathered = [figures]
     if k != 0:
         return meter.result(None)
-    state = {}
-    for part, _ in gathered:
-        state.update(part)
-    model.load_state_dict(state)
+    from hpar.strategies.pipeline.runtime import read_whole
+    read_whole(cfg.run_dir, model)
     extra = {"schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
-             "stages": [f for _, f in gathered], "stage_layers": describe(ranges, model)}
+             "stages": gathered, "stage_layers": describe(ranges, model)}
     return meter.result(model.to("cpu"), extra=extra)

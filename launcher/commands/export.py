@@ -1,0 +1,27 @@
+"""``hpar export RUN_DIR --format torch|safetensors|hf --out PATH``: a run's trained model, which
+it wrote where it lived (RUN_DIR/model), as one file or directory people load
+(strategies/export.py)."""
+from __future__ import annotations
+
+import click
+
+from hpar.strategies.export import FORMATS
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="torch", show_default=True,
+              help="torch: one torch.save file; safetensors: model.safetensors; hf: a transformers "
+                   "save_pretrained directory (from_pretrained loads it).")
+@click.option("--out", required=True, help="The file (torch) or directory (safetensors, hf) to write.")
+@click.option("--script", default=None, help="hf: the script whose model() to fill (default: the run's).")
+def export(run_dir, fmt, out, script):
+    """Write RUN_DIR's trained model as FORMAT at OUT."""
+    from hpar.launcher.cli import fail
+    from hpar.strategies.export import export as run_export
+    from hpar.strategies.job import JobError
+    try:
+        written = run_export(run_dir, fmt, out, script)
+    except (ValueError, JobError) as exc:
+        fail(str(exc), getattr(exc, "user_traceback", None))
+    click.echo(f"hpar: wrote {written}")

@@ -1,0 +1,53 @@
+"""``hpar run --resume RUN_DIR`` with another size or plan (``--gpus``, ``--hosts``,
+``--servers``, ``--strategy``, ``--plan``, ``--pipeline-replicas``, ``--batch-size``, ...).
+
+The run is planned afresh for the new shape, as a new run of the same script would be, but
+with the old run's own settings (its steps, learning rate, seed, batch size, precision,
+clipping, ...: :func:`old_settings`) where no flag says otherwise, and it resumes from the
+run's latest checkpoint: every process reads what it holds in the new shape from it
+(torch.distributed.checkpoint reshards: strategies/state.py), tables re-partitioned over the
+new servers, stages re-cut. The new shape's batches continue at the checkpoint's step. With
+the same global batch (samples per optimizer step over all workers) the synchronous
+strategies continue as an uninterrupted run of the new shape would from that state; a
+changed global batch is said in one line (:func:`describe_reshape`).
+"""
+from __future__ import annotations
+
+from hpar.strategies.config import RunConfig
+
+KEPT = ("steps", "batch_size", "lr", "seed", "log_every", "checkpoint_every", "precision", "clip_grad_norm",
+        "accumulate", "eval_every")
+
+
+def old_settings(cfg: RunConfig) -> dict:
+    """The settings of the run being resumed, as the defaults of its new shape (``HPAR``'s keys)."""
+    return {key: getattr(cfg, key) for key in KEPT}
+
+
+def global_batch(cfg: RunConfig) -> int:
+    """Samples per optimizer step over all workers: each data-parallel worker's (a pipeline
+    replica's) batch, times the replicas, times ``--accumulate``."""
+    width = cfg.replicas if cfg.strategy == "pipeline" else cfg.world_size
+    return cfg.batch_size * width * cfg.accumulate
+
+
+def shape(cfg: RunConfig) -> str:
+    """A run's shape in words: ``4 workers (allreduce)``, ``2 workers, 2 servers (hybrid)``,
+    ``4 stages x 1 replica (pipeline)``."""
+    if cfg.strategy == "pipeline":
+        return f"{cfg.world_size // cfg.replicas} stages x {cfg.replicas} replica{'s' if cfg.replicas > 1 else ''} (pipeline)"
+    servers = f", {cfg.servers} server{'s' if cfg.servers != 1 else ''}" if cfg.servers else ""
+    return f"{cfg.world_size} worker{'s' if cfg.world_size != 1 else ''}{servers} ({cfg.strategy})"
+
+
+def describe_reshape(old: RunConfig, new: RunConfig) -> str:
+    """The line ``hpar run`` prints for a resume at another shape."""
+    line = f"resuming {shape(old)} as {shape(new)}"
+    a, b = global_batch(old), global_batch(new)
+    if a == b:
+        return line + f"; the global batch stays {a} samples"
+    return (line + f"; the global batch changes from {a} to {b} samples per step, so the run does not continue as "
+            "the old shape would (--batch-size sets each worker's)")
+
+
+__all__ = ["old_settings", "global_batch", "describe_reshape", "shape"]

@@ -1,0 +1,246 @@
+"""Checkpoints written where the state lives, with torch.distributed.checkpoint (DCP).
+
+Every process of a run (the workers, and the parameter servers of ``hybrid``/``ps``) calls
+:func:`save` at the same step with the state it holds, and DCP writes it in parallel, each
+process its own file, with no process gathering another's. All processes share one namespace:
+
+==========================  ================================================================
+``model.<name>``            a parameter or persistent buffer under the name the user's model
+                            gives it. Replicas (DDP's workers, a pipeline stage's replicas, a
+                            weight tied across stages) hold equal copies: DCP writes one. A
+                            table that parameter servers hold in row ranges is a
+                            ``ShardedTensor`` of the parameter's shape, one shard per range
+                            (its row offset), so a load with another layout reshards it.
+``optim.<key>``             optimizer state by parameter name (torch's flattened
+                            ``get_optimizer_state_dict``: ``state.<name>.exp_avg``, ...); a
+                            server's slots are row-sharded like its tables.
+``loop.<part>``             the training loop's state (LR schedule, GradScaler) of a part
+``rng.<process>``           each process's random generators (unique keys: DCP keeps one copy
+                            of equal keys, torch issues 120356 and 146566)
+``meta``                    step, strategy and sizes of the run that wrote it
+==========================  ================================================================
+
+Layout on disk: ``RUN_DIR/checkpoints/step-N/`` holds DCP's files (``__<rank>_<i>.distcp``
+and ``.metadata``) and a ``<file>.sha256`` beside each, written by the process that wrote the
+file; ``RUN_DIR/checkpoints/latest`` names the newest complete step and is only rewritten once
+every process has written (a barrier), so a crash mid-save leaves the previous checkpoint as
+it was, and ``--resume`` never sees a partial step (``checkpoint.usable_step`` checks every
+checksum). DCP's load reads each requested tensor's overlap with what was saved, so a run may
+resume with another number of workers, servers or stages (``strategies/reshard.py``).
+
+Sources: torch.distributed.checkpoint (``dcp.save``/``dcp.load``, ``FileSystemWriter``);
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for name-keyed
+optimizer state (the docs name pipeline parallelism as where id-keyed state breaks).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from hpar.strategies.checkpoint import atomic_write_bytes, file_sha256, step_dir
+
+# ShardedTensor is the DCP type whose shards may sit at any row offsets (a server holds
+# partitions p, p+S, p+2S, ...: DTensor's Shard(0) has one contiguous block per rank)
+warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def write(path: str, state: dict) -> None:
+    """``dcp.save`` of ``state`` into directory ``path`` (a collective over the default group,
+    or this process alone without one), then a SHA-256 beside each file this process wrote."""
+    os.makedirs(path, exist_ok=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+    rank = _rank()
+    mine = glob.glob(os.path.join(path, f"__{rank}_*.distcp")) + ([os.path.join(path, ".metadata")] if rank == 0 else [])
+    for f in mine:
+        atomic_write_bytes(f + ".sha256", file_sha256(f).encode())
+
+
+def read(path: str, state: dict) -> None:
+    """``dcp.load`` into ``state`` in place (its tensors keep their storage; other values are
+    replaced): every process asks for what it holds now, in the layout it has now. Each
+    process reads on its own (``no_dist``: DCP plans the reads from the saved metadata in
+    this process), so loads need no common order across workers and servers."""
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+
+
+def save(run_dir: str, step: int, state: dict) -> None:
+    """Write this process's ``state`` (the namespace in the module docstring) for ``step``;
+    a collective over the default group, then ``latest`` points at ``step``."""
+    write(step_dir(run_dir, step), state)
+    from hpar.strategies import checkpoint
+    checkpoint.commit(run_dir, step)
+
+
+FINAL, FINAL_TMP = "model", ".tmp-model"   # RUN_DIR/model: the trained model, written as a checkpoint
+
+
+def write_final(run_dir: str, entries: dict) -> None:
+    """The trained model, written where it lives: every process of the run calls this (a
+    collective over the default group) with its ``model.<name>`` entries (and nothing else);
+    DCP writes them into ``RUN_DIR/.tmp-model``, which worker 0 renames to ``RUN_DIR/model``
+    once every process has written (an older one is replaced only then). ``hpar export``
+    turns it into one torch file, safetensors or a ``save_pretrained`` directory."""
+    import shutil
+    tmp, final = os.path.join(run_dir, FINAL_TMP), os.path.join(run_dir, FINAL)
+    write(tmp, entries)
+    if dist.is_initialized():
+        dist.barrier()
+    if _rank() == 0:
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+
+
+def read_final(run_dir: str, entries: dict) -> None:
+    """Fill ``entries`` (``model.<name>`` keys) from ``RUN_DIR/model`` in this process."""
+    read(os.path.join(run_dir, FINAL), entries)
+
+
+def load(run_dir: str, step: int, state: dict) -> None:
+    """Fill ``state`` from checkpoint ``step`` (a collective over the default group). Raises
+    ValueError naming the directory when a requested key was not saved."""
+    path = step_dir(run_dir, step)
+    try:
+        read(path, state)
+    except Exception as exc:   # DCP wraps a rank's failure in a CheckpointException
+        text = str(exc).replace("\n", " ")
+        if "Missing key" in text or "missing" in text.lower():
+            raise ValueError(f"{path}: the checkpoint lacks state this run needs ({text[:300]}); resume it with "
+                             "the script it was written by") from None
+        raise
+
+
+OPTIONS = None   # StateDictOptions(flatten_optimizer_state_dict=True), made on first use
+
+
+def _options():
+    global OPTIONS
+    if OPTIONS is None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+    return OPTIONS
+
+
+def model_entries(module: torch.nn.Module) -> dict:
+    """``model.<name>`` entries of ``module``'s state dict (its live tensors: a load fills them)."""
+    return {f"model.{k}": v for k, v in module.state_dict().items()}
+
+
+def optim_entries(module: torch.nn.Module, opt: torch.optim.Optimizer | None, for_load: bool = False) -> dict:
+    """``optim.<key>`` entries of ``opt`` (over parameters of ``module``) keyed by parameter
+    name. Empty before the optimizer's first step, unless ``for_load``: torch then makes its
+    state with a step at learning rate 0 (``_init_optim_state``), which a load overwrites; at
+    a save that step would count in Adam's bias correction, so nothing is saved instead."""
+    if opt is None or not (opt.state or for_load):
+        return {}
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    return {f"optim.{k}": v for k, v in get_optimizer_state_dict(module, opt, options=_options()).items()}
+
+
+def set_optim(module: torch.nn.Module, opt: torch.optim.Optimizer | None, entries: dict) -> None:
+    """Load :func:`optim_entries` (as filled by :func:`read`) into ``opt``."""
+    loaded = {k[len("optim."):]: v for k, v in entries.items() if k.startswith("optim.")}
+    if opt is None or not loaded:
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    set_optimizer_state_dict(module, opt, loaded, options=_options())
+
+
+def has(keys: set[str], prefix: str) -> bool:
+    """Whether a checkpoint's ``keys`` (:func:`saved_keys`, flattened) hold entry ``prefix``."""
+    return any(k == prefix or k.startswith(prefix + ".") for k in keys)
+
+
+def rng_key(part: str) -> str:
+    """The key of process ``part``'s random generators ("worker3", "server0", "stage1-r0")."""
+    return f"rng.{part}"
+
+
+def process_entries(module: torch.nn.Module, opt, tools, device: torch.device, part: str, loop: str,
+                    skip: frozenset = frozenset()) -> dict:
+    """What one training process holds, in the checkpoint namespace: ``module``'s state (but
+    the names in ``skip``: tables the servers hold), ``opt``'s state by name, ``tools``'
+    loop state under ``loop.<loop>`` (equal on the replicas that share ``loop``) and its
+    random generators under ``rng.<part>``."""
+    from hpar.strategies.devices import rng_state
+    entries = {k: v for k, v in model_entries(module).items() if k[len("model."):] not in skip}
+    entries.update(optim_entries(module, opt))
+    if tools is not None:
+        entries[f"loop.{loop}"] = tools.state_dict()
+    entries[rng_key(part)] = rng_state(device)
+    return entries
+
+
+def restore_process(run_dir: str, step: int, module: torch.nn.Module, opt, tools, device: torch.device,
+                    part: str, loop: str, skip: frozenset = frozenset()) -> list[str]:
+    """Load :func:`process_entries`' state of checkpoint ``step`` into this process. What the
+    checkpoint lacks for this process is left as it is and named in the returned list (a
+    process that did not exist when it was written has no random generators there; its
+    loop state comes from ``loop.<loop>``, else from the first part's)."""
+    from hpar.strategies.devices import rng_state, set_rng_state
+    path = step_dir(run_dir, step)
+    keys = saved_keys(path)
+    entries = {k: v for k, v in model_entries(module).items() if k[len("model."):] not in skip}
+    if opt is not None and opt.param_groups and any(k.startswith("optim.") for k in keys):
+        entries.update({k: v for k, v in optim_entries(module, opt, for_load=True).items() if k in keys})
+    missing = []
+    loop_key = f"loop.{loop}" if has(keys, f"loop.{loop}") else next(
+        (k.split(".")[0] + "." + k.split(".")[1] for k in sorted(keys) if k.startswith("loop.")), None)
+    if tools is not None and loop_key is not None:
+        entries[loop_key] = tools.state_dict()
+    if has(keys, rng_key(part)):
+        entries[rng_key(part)] = rng_state(device)
+    else:
+        missing.append(rng_key(part))
+    read(path, entries)
+    set_optim(module, opt, entries)
+    if tools is not None and loop_key is not None:
+        tools.load_state_dict(entries[loop_key])
+    if rng_key(part) in entries:
+        set_rng_state(entries[rng_key(part)], device)
+    return missing
+
+
+def read_all(path: str) -> dict:
+    """Everything the DCP checkpoint in ``path`` holds, in this process (shards joined into
+    whole tensors; torch's ``dcp_to_torch_save`` through a temp file). For tools and tests:
+    it holds the whole state in memory."""
+    import tempfile
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory(prefix="hpar-read-") as tmp:
+        dcp_to_torch_save(path, os.path.join(tmp, "state.pt"))
+        return torch.load(os.path.join(tmp, "state.pt"), weights_only=False)
+
+
+def saved_keys(path: str) -> set[str]:
+    """The keys of the DCP checkpoint in directory ``path`` (read from its metadata)."""
+    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def verify(path: str) -> str | None:
+    """None when the DCP checkpoint in ``path`` has its metadata and every file matches the
+    SHA-256 beside it, else why not (naming the file)."""
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        return f"{path}: no .metadata (the checkpoint was not completed)"
+    for sha in sorted(glob.glob(os.path.join(path, "*.sha256")) + glob.glob(os.path.join(path, ".*.sha256"))):
+        target = sha[: -len(".sha256")]
+        try:
+            if file_sha256(target) != open(sha).read().strip():
+                return f"{target}: checksum mismatch (truncated or altered)"
+        except OSError as exc:
+            return f"{target}: {exc.strerror}"
+    return None
+
+
+__all__ = ["write", "read", "save", "load", "write_final", "read_final", "FINAL", "FINAL_TMP", "model_entries", "optim_entries", "set_optim", "has", "rng_key",
+           "process_entries", "restore_process", "read_all", "saved_keys", "verify"]
