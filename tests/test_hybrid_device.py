@@ -68,7 +68,7 @@ def test_a_worker_builds_no_served_table_and_takes_the_dense_state_from_server_0
     ctx = WorkerContext(job=load_job(script), cfg=cfg, rank=0, world_size=1, local_rank=0,
                         device=torch.device("cpu"), report=lambda m: None)
     with _Allocations() as allocs:
-        model, tables, *_ = runtime._setup(ctx)
+        _, model, tables, *_ = runtime._setup(ctx)   # (the model as model() returned it, the module inside, ...)
     assert [t.name for t in tables] == ["table.weight"] and broadcasts == [1]   # server 0 is default-group rank 1
     table_bytes = 5000 * 16 * 4
     real = [(n, f) for d, n, f in allocs.seen if d != "meta"]

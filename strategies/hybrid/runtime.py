@@ -49,6 +49,7 @@ from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch
 from hpar.strategies.forward import call_model, inner_module
 from hpar.strategies.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
+from hpar.strategies.tying import shared_parameters
 from hpar.strategies.hybrid import fp16
 
 
@@ -128,11 +129,18 @@ def _setup(ctx: WorkerContext):
     return outer, model, tables, groups, client, clock, served, whole, dense, opt
 
 
+def served_names(model, ps_names: set[str]) -> frozenset:
+    """Every name under which the model's state_dict holds a parameter the servers hold (a
+    tied weight has several): the servers write those, not the workers."""
+    shared = shared_parameters(model)
+    return frozenset(ps_names) | {alias for n in ps_names for alias in shared.get(n, [])}
+
+
 def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str]) -> None:
     """This worker's state (its dense part: the servers write the tables) in the step's
     checkpoint, with the servers' (strategies/state.py); a collective over the default group."""
     run_state.save(ctx.cfg.run_dir, step, run_state.process_entries(
-        model, opt, tools if opt else None, ctx.device, f"worker{ctx.rank}", "workers", frozenset(ps_names)))
+        model, opt, tools if opt else None, ctx.device, f"worker{ctx.rank}", "workers", served_names(model, ps_names)))
 
 
 def _resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str]) -> int:
@@ -140,7 +148,7 @@ def _resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str]) -> int:
     if step is None:
         return 0
     run_state.restore_process(ctx.cfg.run_dir, step, model, opt, tools if opt else None, ctx.device,
-                              f"worker{ctx.rank}", "workers", frozenset(ps_names))
+                              f"worker{ctx.rank}", "workers", served_names(model, ps_names))
     return step
 
 
@@ -330,8 +338,9 @@ def train(ctx: WorkerContext) -> TrainResult:
         _done_evaluating(client)
     client.finish()
     # the dense part where it lives (every worker holds it: DCP writes one copy); the servers write the tables
+    on_servers = served_names(model, ps_names)
     run_state.write_final(cfg.run_dir, {k: v for k, v in run_state.model_entries(model).items()
-                                        if k[len("model."):] not in ps_names})
+                                        if k[len("model."):] not in on_servers})
     embedding.detach(served)
     peaks = [None] * ctx.world_size   # each worker's peak RSS over the run: training, evaluate(), the final write
     dist.all_gather_object(peaks, build.peak_rss_bytes(), group=groups.workers.control)

@@ -25,6 +25,7 @@ from hpar.strategies.hybrid.client import PSTable
 from hpar.strategies.hybrid.schedule import ServerSchedule
 from hpar.strategies.hybrid.shard import ParamShard, table_view
 from hpar.strategies.hybrid.shard_state import server_entries, set_steps
+from hpar.strategies.tying import shared_parameters
 from hpar.strategies.hybrid.wire import (CONTROL, DONE, FINISH, HEADER_BYTES, INBOX_DEPTH, PULL, PUSH, Inbox, Request,
                                          nbytes, p2p, reply_tag)
 from hpar.strategies.loop import clip_coefficient
@@ -42,6 +43,8 @@ class Server:
         self.cfg, self.tables, self.index, self.num_workers = cfg, {t.tid: t for t in tables}, index, num_workers
         self.schedule, self.group_of = schedule, group_of or {}   # table id -> the user's param group
         params = dict(model.named_parameters())
+        shared = shared_parameters(model)   # a table's other names (tied weights), written with it
+        self.aliases = {t.name: [n for n in shared.get(t.name, []) if n != t.name] for t in tables}
         self.shards: dict[int, ParamShard] = {}
         for t in tables:
             rows = t.layout.server_rows(index)
@@ -68,7 +71,7 @@ class Server:
 
     def _entries(self, keys: set[str] | None = None) -> dict:
         """This server's tables and slots in the checkpoint namespace (shard_state.py)."""
-        return server_entries(self.tables, self.shards, self.index, lambda s: self.num_workers + s, keys)
+        return server_entries(self.tables, self.shards, self.index, lambda s: self.num_workers + s, keys, self.aliases)
 
     def write_final(self) -> None:
         """Write this server's rows of every table into the run's final model (a collective

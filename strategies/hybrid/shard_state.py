@@ -54,14 +54,19 @@ def row_sharded(shape: tuple[int, ...], layout, server: int, local: torch.Tensor
         shards, ShardedTensorMetadata(metas, torch.Size(shape), props), process_group=None)
 
 
-def server_entries(tables: dict, shards: dict, server: int, pg_rank_of, keys: set[str] | None = None) -> dict:
+def server_entries(tables: dict, shards: dict, server: int, pg_rank_of, keys: set[str] | None = None,
+                   aliases: dict[str, list[str]] | None = None) -> dict:
     """This server's tables and optimizer slots in the checkpoint namespace. ``keys``: for a
     load, the checkpoint's keys (a slot is asked for only where it was saved, and a slot the
-    shard has not made yet is made, zero, to be filled)."""
+    shard has not made yet is made, zero, to be filled). ``aliases``: a table's other names in
+    the model's state_dict (a tied weight: ``out.weight`` for ``emb.weight``), written too
+    (not read: the first name is)."""
     out = {}
     for tid, shard in shards.items():
         t = tables[tid]
         out[f"model.{t.name}"] = row_sharded(t.shape, t.layout, server, shard.weight, pg_rank_of)
+        for other in (aliases or {}).get(t.name, []) if keys is None else []:
+            out[f"model.{other}"] = row_sharded(t.shape, t.layout, server, shard.weight, pg_rank_of)
         for slot in SLOTS[t.spec.kind]:
             key = f"optim.state.{t.name}.{slot}"
             if keys is None and slot not in shard.state:

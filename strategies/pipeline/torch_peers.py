@@ -206,7 +206,8 @@ def train(ctx: WorkerContext) -> TrainResult:
                "compute_s": sum(cpu_s) / len(cpu_s) if split else wall,
                "idle_s": max(0.0, wall - sum(cpu_s) / len(cpu_s)) if split else None,
                "peak_mem_bytes": mem.peak_bytes()}
-    run_state.write_final(cfg.run_dir, {k_: v for m in modules for k_, v in run_state.model_entries(m).items()})
+    from hpar.strategies.pipeline.runtime import final_entries, read_whole
+    run_state.write_final(cfg.run_dir, {k_: v for m in modules for k_, v in final_entries(m, model).items()})
     gathered = [None] * K if k == 0 else None
     if K > 1:
         dist.gather_object(figures, gathered, dst=0)
@@ -214,7 +215,6 @@ def train(ctx: WorkerContext) -> TrainResult:
         gathered = [figures]
     if k != 0:
         return meter.result(None)
-    from hpar.strategies.pipeline.runtime import read_whole
     read_whole(cfg.run_dir, model)
     extra = {"schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
              "stages": gathered, "stage_layers": describe(ranges, model)}
