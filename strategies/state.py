@@ -34,8 +34,10 @@ optimizer state (the docs name pipeline parallelism as where id-keyed state brea
 """
 from __future__ import annotations
 
+import errno
 import glob
 import os
+import shutil
 import warnings
 
 import torch
@@ -54,11 +56,52 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+class DiskFull(RuntimeError):
+    """A state write ran out of space; ``str(err)`` is the one line to show (the process entry
+    points print it and exit 2; the launcher names the process)."""
+
+
+def _no_space(exc: BaseException, path: str) -> bool:
+    """Whether ``exc`` comes from a full disk: ENOSPC in its chain (DCP wraps every rank's
+    failure in one CheckpointException), or torch.save's zip writer failing ("unexpected pos",
+    its message for a short write) while the filesystem of ``path`` has under 1 MiB free."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen or not isinstance(e, BaseException):
+            continue
+        seen.add(id(e))
+        text = str(e)
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in text:
+            return True
+        if "unexpected pos" in text:
+            try:
+                return shutil.disk_usage(path).free < (1 << 20)
+            except OSError:
+                return False
+        failures = getattr(e, "failures", None) or {}
+        todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()] + [e.__cause__, e.__context__]
+    return False
+
+
 def write(path: str, state: dict) -> None:
     """``dcp.save`` of ``state`` into directory ``path`` (a collective over the default group,
-    or this process alone without one), then a SHA-256 beside each file this process wrote."""
-    os.makedirs(path, exist_ok=True)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+    or this process alone without one), then a SHA-256 beside each file this process wrote.
+    Raises :class:`DiskFull` (naming ``path``) when the disk is full: nothing that was
+    complete before is touched (``latest`` moves only after a whole checkpoint is written)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+        _checksums(path)
+    except BaseException as exc:   # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (Exception, dcp.api.CheckpointException)) and _no_space(exc, path):
+            raise DiskFull(f"no space left on device writing {path}; the last complete checkpoint is intact: free "
+                           "space, then `hpar run --resume RUN_DIR`") from None
+        raise
+
+
+def _checksums(path: str) -> None:
+    """A SHA-256 beside each file this process wrote into ``path``."""
     rank = _rank()
     mine = glob.glob(os.path.join(path, f"__{rank}_*.distcp")) + ([os.path.join(path, ".metadata")] if rank == 0 else [])
     for f in mine:
@@ -112,7 +155,7 @@ def load(run_dir: str, step: int, state: dict) -> None:
     path = step_dir(run_dir, step)
     try:
         read(path, state)
-    except Exception as exc:   # DCP wraps a rank's failure in a CheckpointException
+    except (Exception, dcp.api.CheckpointException) as exc:   # DCP wraps a rank's failure in a CheckpointException
         text = str(exc).replace("\n", " ")
         if "Missing key" in text or "missing" in text.lower():
             raise ValueError(f"{path}: the checkpoint lacks state this run needs ({text[:300]}); resume it with "
@@ -242,5 +285,5 @@ def verify(path: str) -> str | None:
     return None
 
 
-__all__ = ["write", "read", "save", "load", "write_final", "read_final", "FINAL", "FINAL_TMP", "model_entries", "optim_entries", "set_optim", "has", "rng_key",
+__all__ = ["DiskFull", "write", "read", "save", "load", "write_final", "read_final", "FINAL", "FINAL_TMP", "model_entries", "optim_entries", "set_optim", "has", "rng_key",
            "process_entries", "restore_process", "read_all", "saved_keys", "verify"]

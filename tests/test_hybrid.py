@@ -180,6 +180,15 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path):
     assert open(os.path.join(first.run_dir, "checkpoints", "latest")).read().strip() == "6"
     files = os.listdir(os.path.join(first.run_dir, "checkpoints", "step-3"))
     assert {f"__{r}_0.distcp" for r in range(4)} <= set(files) and ".metadata" in files   # 2 workers, 2 servers
+    # each served table is one key whose chunks (one per partition, from both servers) cover every
+    # row once: DCP keeps one copy of a key that several ranks write whole, so per-server tables
+    # saved as plain tensors under one name would lose a server's rows without an error
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(os.path.join(first.run_dir, "checkpoints", "step-3")).read_metadata().state_dict_metadata
+    for name in ("model.user.weight", "model.items.weight"):
+        rows = sorted((c.offsets[0], c.sizes[0]) for c in saved[name].chunks)
+        assert rows[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(rows, rows[1:])), (name, rows)
+        assert rows[-1][0] + rows[-1][1] == saved[name].size[0] and len(rows) > 1, (name, rows)
     resumed = first.replace(steps=10, resume=True)
     launch(resumed)
     got = final_state(first.run_dir)

@@ -195,3 +195,26 @@ def test_compiled_model_is_cut_into_a_pipeline_as_the_module_inside(tmp_path_fac
     assert a.keys() == b.keys() and not any("_orig_mod" in k for k in a)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@needs_hf
+def test_hpar_export_hf_loads_with_from_pretrained(tmp_path_factory, tmp_path):
+    """`hpar export RUN_DIR --format hf` of the GPT-2 pipeline run (each stage wrote its part of
+    RUN_DIR/model): GPT2LMHeadModel.from_pretrained loads it, tied again, and its logits on a
+    fixed batch equal the trained model's (the script's model() with the run's final state)."""
+    from conftest import hpar_to_file
+    from hpar.strategies.job import load_job
+    from transformers import GPT2LMHeadModel
+    r = hpar_run(tmp_path_factory, "hf_gpt2", "pipeline", 4, "--schedule", "1f1b", "--micro-batches", "4",
+                 "--pipeline-replicas", "1", "--clip-grad-norm", "0.5", "--log-every", "1", "--checkpoint-every", "1")
+    check_trained(r)
+    rc, out = hpar_to_file(tmp_path / "export.txt", "export", str(r["run_dir"]), "--format", "hf", "--out",
+                           str(tmp_path / "hf"))
+    assert rc == 0, out
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    trained = load_job(os.path.join(ZOO, "hf_gpt2.py")).build_model().eval()
+    trained.load_state_dict(final_state(r["run_dir"]))
+    ids = torch.arange(24).view(2, 12) % 64
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trained(ids).logits, rtol=0, atol=0)

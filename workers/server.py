@@ -27,6 +27,7 @@ from hpar.strategies.hybrid.runtime import make_groups
 from hpar.strategies.hybrid.schedule import ServerSchedule, group_index
 from hpar.strategies.hybrid.server import Server
 from hpar.strategies.job import JobError, load_job
+from hpar.strategies.state import DiskFull
 from hpar.workers.worker import cpu_threads, env_int, init_group, leave_group, run_entry
 
 
@@ -65,4 +66,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    run_entry(main, "hpar server", (JobError, ValueError))
+    run_entry(main, "hpar server", (JobError, ValueError, DiskFull))

@@ -24,6 +24,7 @@ from hpar.strategies.context import WorkerContext
 from hpar.strategies.devices import model_to_cpu
 from hpar.strategies.groups import join_default_group
 from hpar.strategies.job import JobError, load_job
+from hpar.strategies.state import DiskFull
 from hpar.strategies.hf import is_pretrained, save_pretrained_dir
 
 RUNTIMES = {
@@ -160,4 +161,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    run_entry(main, "hpar", (JobError,))
+    run_entry(main, "hpar", (JobError, DiskFull))
