@@ -2,19 +2,17 @@
 device, and how, so that CUDA workers need no host synchronisation where none is due.
 
 Who moves what (the contract in README.md): hpar moves each batch to the worker's device
-(``context.move_to``); the model hpar hands to ``evaluate(model)`` and saves as ``model.pt`` is
-on the CPU in every strategy (:func:`model_to_cpu`); served embedding tables stay on the
+(``context.move_to``); the model hpar hands to ``evaluate(model)`` is on the CPU in every strategy (:func:`model_to_cpu`); served embedding tables stay on the
 parameter servers and on the host, never whole on a worker's device.
 """
 from __future__ import annotations
 
 import torch
 
-from hpar.strategies.forward import inner_module
 
 
 def model_to_cpu(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` moved to the CPU (in place, as ``Module.to``), for ``evaluate`` and ``model.pt``."""
+    """``model`` moved to the CPU (in place, as ``Module.to``), for ``evaluate``."""
     return model.to("cpu")
 
 
@@ -22,14 +20,6 @@ def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` on the CPU (``evaluate`` during training; the original stays put)."""
     import copy
     return copy.deepcopy(model).to("cpu")
-
-
-def cpu_state_dict(model: torch.nn.Module) -> dict:
-    """``model.state_dict()`` with every tensor copied to the CPU (a checkpoint or ``model.pt``
-    must load on a machine without the GPU it was trained on), taken from the module the user
-    wrote inside a ``torch.compile`` or DDP wrapper (``forward.inner_module``), so its keys are
-    the user's parameter names, the same for a compiled and an uncompiled run of one model."""
-    return {k: v.detach().to("cpu") for k, v in inner_module(model).state_dict().items()}
 
 
 def rng_state(device: torch.device) -> dict:

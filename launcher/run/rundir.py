@@ -8,7 +8,7 @@ Layout::
     RUN_DIR/metrics.jsonl      one JSON line per process per logging interval or heartbeat
     RUN_DIR/summary.json       written once at the end (also after a failure)
     RUN_DIR/checkpoints/       see strategies/checkpoint.py
-    RUN_DIR/model.pt           the trained model's state_dict (worker 0, at the end)
+    RUN_DIR/model/             the trained model, written where it lives (strategies/state.py)
     RUN_DIR/hf/                a transformers model's save_pretrained directory (from_pretrained loads it)
     RUN_DIR/tensorboard/       TensorBoard event files, when tensorboard is installed
 """

@@ -185,7 +185,7 @@ class Stage:
 def build_stages_model(job: Job, seed: int) -> torch.nn.Module:
     """The whole model exactly as a single process builds it (seeded), for slicing: the module
     the user wrote, inside a ``torch.compile`` wrapper (a pipeline's stages are pieces of it and
-    run eagerly), so that stage state dicts, the gathered model and ``model.pt`` carry the
+    run eagerly), so that stage state dicts, and the saved model carry the
     user's parameter names."""
     torch.manual_seed(seed)
     return inner_module(job.build_model())

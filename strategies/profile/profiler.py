@@ -48,7 +48,7 @@ Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_lay
 
 Compiled models: when ``model()`` returns ``torch.compile(net)``, the profile measures ``net``
 itself (``forward.inner_module``), run eagerly. Its parameters are then named as the user wrote
-them (no ``_orig_mod.`` prefix), as the plan's placement, the runtimes and ``model.pt`` name
+them (no ``_orig_mod.`` prefix), as the plan's placement, the runtimes and the saved model name
 them; and the per-layer timers, the embeddings' id hooks and the FLOP counter need the module
 boundaries that compilation fuses away (profiled through the wrapper, dynamo traced the hooks
 and recompiled up to its limit, and the plan predicted a 72 ms step for tests/zoo/dict_bag.py's
