@@ -56,6 +56,8 @@ def main() -> None:
 @click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every N steps (0: never).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, help="Continue the run in this run directory from its last checkpoint.")
 @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart the whole job from the last checkpoint after a failure, at most N times.")
+@click.option("--min-hosts", type=int, default=0, help="With --max-restarts: a restart goes on with the hosts that "
+              "answer when at least N do, resuming at that size (0: every host must answer).")
 @click.option("--stall-timeout", type=float, default=0.0, help="Seconds without progress after which a process counts as stalled (0: off).")
 @click.option("--no-eval", is_flag=True, help="Skip evaluate() before and after training.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="autocast precision of forward/backward (default: HPAR, else fp32); fp16 adds a GradScaler.")
@@ -83,9 +85,10 @@ def main() -> None:
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor, pipeline_replicas, find_unused_parameters):
+        divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
+    from hpar.launcher.run.elastic import with_min_hosts
     console = Console(soft_wrap=True)
     try:
         cfg, opts, master = run_command.resolve(
@@ -99,6 +102,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
             on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
             find_unused_parameters=find_unused_parameters)
+        opts = with_min_hosts(opts, min_hosts)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:

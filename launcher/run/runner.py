@@ -13,6 +13,7 @@ from rich.console import Console
 from hpar.launcher.hosts.hostfile import Host, place_workers
 from hpar.launcher.procs.local import LocalProcess, run_specs
 from hpar.launcher.run.batchcheck import BatchSizeCheck
+from hpar.launcher.run.elastic import shrink
 from hpar.launcher.run.figures import FirstFigures
 from hpar.launcher.run.health import heartbeat_interval
 from hpar.launcher.run.progress import Progress, last_reported
@@ -39,6 +40,7 @@ class LaunchOptions:
     sync: bool = False
     env: dict = field(default_factory=dict)  # --env values: every process gets them (launcher/hosts/environ.py)
     slurm: bool = False                      # inside a Slurm allocation: one srun step (launcher/procs/srun.py)
+    min_hosts: int = 0                       # --min-hosts: restarts go on with the hosts that answer (launcher/run/elastic.py)
 
 
 def placement(cfg: RunConfig, hosts: tuple[Host, ...]) -> tuple[list[Host], list[Host]]:
@@ -94,6 +96,24 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
     return procs
 
 
+def _elastic(cfg: RunConfig, opts: LaunchOptions, master: str, console: Console, attempt: int,
+             elastic: list[dict]) -> tuple[RunConfig, LaunchOptions, str, bool]:
+    """Before restart ``attempt`` with ``--min-hosts``: check the hosts again and go on with
+    those that answer (launcher/run/elastic.py); returns the restart's config, options and
+    rendezvous address, and whether to restart at all."""
+    from hpar.launcher.hosts.preflight import preflight, resolve_master
+    report = preflight(list(opts.hosts), cfg.script, opts.ssh, 0)
+    answering = {row.host: row.problem for row in report.rows}
+    if not any(answering.values()):
+        return cfg, opts, master, True
+    plan = shrink(cfg, opts.hosts, answering, opts.min_hosts)
+    console.print(f"hpar: {plan.describe()}", markup=False)
+    elastic.append(plan.record(attempt))
+    if plan.cfg is None:
+        return cfg, opts, master, False
+    return plan.cfg, replace(opts, hosts=plan.kept), resolve_master(list(plan.kept)), True
+
+
 def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = "127.0.0.1") -> Outcome:
     """Run ``cfg`` to the end (with up to ``opts.max_restarts`` restarts from the last
     checkpoint). Writes RUN_DIR/summary.json with ``exit_code`` in every case."""
@@ -102,6 +122,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
     figures = FirstFigures(rundir.path, cfg.world_size, cfg.strategy)
     attempt = 0
     used_ports: set[int] = set()
+    elastic: list[dict] = []   # the restarts that left hosts out (--min-hosts)
     try:
         while True:
             checkpoint.remove_temp_files(rundir.path)   # left by a process killed mid-write
@@ -128,6 +149,10 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             if outcome.exit_code == 0 or interrupted or attempt >= opts.max_restarts:
                 break
             attempt += 1
+            if opts.min_hosts and opts.ssh is not None and opts.hosts:
+                cfg, opts, master, go_on = _elastic(cfg, opts, master, console, attempt, elastic)
+                if not go_on:
+                    break
             try:
                 step = resume_step(cfg.run_dir, lambda m: console.print(m, markup=False))
             except ValueError as exc:
@@ -142,7 +167,8 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
         summary = figures.apply(outcome.summary, previous) if outcome.summary else \
             {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps_planned": cfg.steps, **last_reported(progress)}
         outcome.summary = summary if outcome.summary else None
-        summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path)
+        summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path,
+                       **({"elastic": elastic} if elastic else {}))
         if outcome.exit_code != 0:
             summary.update(failed=outcome.failed, failed_host=outcome.host, cause=outcome.cause)
         try:
