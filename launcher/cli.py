@@ -56,6 +56,10 @@ def main() -> None:
 @click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every N steps (0: never).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, help="Continue the run in this run directory from its last checkpoint.")
 @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart the whole job from the last checkpoint after a failure, at most N times.")
+@click.option("--tune", type=click.Choice(("auto", "on", "off")), default="auto", show_default=True,
+              help="--strategy auto: run a short trial of each of the cost model's best candidates and train with "
+                   "the fastest measured (auto: when the trials take under 5%% of the run; off: the model's choice).")
+@click.option("--tune-steps", type=int, default=8, show_default=True, help="Measured steps of each --tune trial (after 2 warm-up steps).")
 @click.option("--min-hosts", type=int, default=0, help="With --max-restarts: a restart goes on with the hosts that "
               "answer when at least N do, resuming at that size (0: every host must answer).")
 @click.option("--stall-timeout", type=float, default=0.0, help="Seconds without progress after which a process counts as stalled (0: off).")
@@ -85,29 +89,40 @@ def main() -> None:
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts):
+        divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts, tune, tune_steps):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     from hpar.launcher.run.elastic import with_min_hosts
+    from hpar.launcher.run.tuning import tune as tune_run
     console = Console(soft_wrap=True)
+    kw = dict(script=script, gpus=gpus, hosts=hosts, strategy=strategy, plan_file=plan_file, steps=steps,
+              batch_size=batch_size, lr=lr, seed=seed, log_every=log_every, run_dir=run_dir, servers=servers,
+              schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
+              resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
+              loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
+                          "eval_every": eval_every},
+              plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
+              python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new,
+              device=device, on_divergence=on_divergence, divergence_factor=divergence_factor,
+              pipeline_replicas=pipeline_replicas, find_unused_parameters=find_unused_parameters)
+    from hpar.launcher.run.runner import launch
     try:
-        cfg, opts, master = run_command.resolve(
-            console, script=script, gpus=gpus, hosts=hosts, strategy=strategy, plan_file=plan_file, steps=steps,
-            batch_size=batch_size, lr=lr, seed=seed, log_every=log_every, run_dir=run_dir, servers=servers,
-            schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
-            resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
-            loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
-                        "eval_every": eval_every},
-            plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-            python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
-            on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
-            find_unused_parameters=find_unused_parameters)
+        if tune_steps < 1:
+            raise ValueError(f"--tune-steps must be at least 1, got {tune_steps}")
+        cfg, opts, master = run_command.resolve(console, **kw)
         opts = with_min_hosts(opts, min_hosts)
+        if strategy == "auto" and not plan_file and not resume_dir:   # launcher/run/tuning.py
+            def resolve_for(con, chosen, path, directory, n, trial):
+                over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
+                if trial:
+                    over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
+                c, o, m = run_command.resolve(con, **{**kw, **over})
+                return c, (o if trial else with_min_hosts(o, min_hosts)), m
+            cfg, opts, master = tune_run(console, cfg, opts, master, tune, tune_steps, resolve_for, launch)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:
         fail(str(exc))
-    from hpar.launcher.run.runner import launch
     outcome = launch(cfg, opts, console, master)
     if outcome.exit_code == 0 and outcome.summary:
         from hpar.launcher.run.progress import final_line

@@ -1,6 +1,8 @@
 """The planner as ``hpar run`` uses it: profile the job, describe the cluster, choose a plan."""
 from __future__ import annotations
 
+import dataclasses
+
 
 def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: int | None,
              schedule: str = "1f1b", force: str | None = None, device: str = "auto",
@@ -20,7 +22,18 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: i
     measure_on = profile_device("cpu" if device == "cpu" else "auto")
     cluster = build_cluster(gpus, hosts_spec, servers, None, None, None, measured_on=measure_on.type)
     profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision)
-    return choose_plan(profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas)
+    plan = choose_plan(profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas)
+    if force is not None:
+        return plan
+    alternatives = {}   # the plans --tune may try (launcher/run/tuning.py)
+    for c in plan.candidates:
+        if c.available and c.strategy != plan.strategy:
+            try:
+                alt = choose_plan(profile, cluster, schedule=schedule, force=c.strategy, pipeline_replicas=pipeline_replicas)
+            except ValueError:
+                continue
+            alternatives[c.strategy] = {k: v for k, v in alt.to_dict().items() if k != "candidates"}
+    return dataclasses.replace(plan, alternatives=alternatives)
 
 
 def compute_mismatch(plan: dict, device: str) -> str | None:

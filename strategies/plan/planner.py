@@ -58,6 +58,7 @@ class Plan:
     replicas: int = 1        # pipeline: R replicas of the K stages
     layout: str = ""         # pipeline: rank layout (strategies/pipeline/replicas.py)
     pull_ahead: bool = True  # hybrid/ps: request the next step's rows during this one (hybrid/embedding.py)
+    alternatives: dict = field(default_factory=dict)   # hpar run --strategy auto: the other candidates' plans (--tune)
     unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/ddp.py
 
     def to_dict(self) -> dict:
