@@ -237,8 +237,8 @@ def restore_process(run_dir: str, step: int, module: torch.nn.Module, opt, tools
     if opt is not None and opt.param_groups and any(k.startswith("optim.") for k in keys):
         entries.update({k: v for k, v in optim_entries(module, opt, for_load=True).items() if k in keys})
     missing = []
-    loop_key = f"loop.{loop}" if has(keys, f"loop.{loop}") else next(
-        (k.split(".")[0] + "." + k.split(".")[1] for k in sorted(keys) if k.startswith("loop.")), None)
+    parts = sorted({".".join(k.split(".")[:2]) for k in keys if k.startswith("loop.")})   # "loop.<part>"
+    loop_key = f"loop.{loop}" if f"loop.{loop}" in parts else (parts[0] if parts else None)
     if tools is not None and loop_key is not None:
         entries[loop_key] = tools.state_dict()
     if has(keys, rng_key(part)):
