@@ -56,6 +56,9 @@ def main() -> None:
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, help="Continue the run in this run directory from its last checkpoint.")
 @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart the whole job from the last checkpoint after a failure, at most N times.")
 @click.option("--stall-timeout", type=float, default=0.0, help="Seconds without progress after which a process counts as stalled (0: off).")
+@click.option("--phase-timeout", type=float, default=None,
+              help="Seconds a process may spend in evaluate(), drawing its first batch, writing a checkpoint or the "
+                   "model, or a server on one request (default: --stall-timeout; 0: off).")
 @click.option("--no-eval", is_flag=True, help="Skip evaluate() before and after training.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="autocast precision of forward/backward (default: HPAR, else fp32); fp16 adds a GradScaler.")
 @click.option("--clip-grad-norm", type=float, default=None, help="Clip the global norm of the averaged gradient to X (default: HPAR, else off).")
@@ -82,7 +85,7 @@ def main() -> None:
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor, pipeline_replicas, find_unused_parameters):
+        divergence_factor, pipeline_replicas, find_unused_parameters, phase_timeout):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
@@ -97,7 +100,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
             python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
             on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
-            find_unused_parameters=find_unused_parameters)
+            find_unused_parameters=find_unused_parameters, phase_timeout=phase_timeout)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:

@@ -9,6 +9,8 @@ import tempfile
 
 import torch
 
+from hpar.strategies import activity
+
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)   # read once at import: the process's umask, for files made by mkstemp
@@ -93,7 +95,7 @@ class _Hashing:
 def save_part(run_dir: str, step: int, part: str, state: dict) -> None:
     """Write this process's ``state`` for ``step`` (atomically), with ``<part>.pt.sha256``
     beside it (the SHA-256 of the file, written after it) for :func:`verify_step`. Call
-    :func:`commit` next."""
+    :func:`commit` next. The write has the phase deadline (strategies/activity.py)."""
     path = os.path.join(step_dir(run_dir, step), f"{part}.pt")
     digest = []
 
@@ -101,8 +103,9 @@ def save_part(run_dir: str, step: int, part: str, state: dict) -> None:
         h = _Hashing(f)
         torch.save(state, h)
         digest.append(h.sha.hexdigest())
-    _atomic_write(path, write)
-    atomic_write_bytes(path + ".sha256", digest[0].encode())
+    with activity.doing(f"writing the checkpoint of step {step} ({part}.pt)"):
+        _atomic_write(path, write)
+        atomic_write_bytes(path + ".sha256", digest[0].encode())
 
 
 def file_sha256(path: str) -> str:
@@ -176,7 +179,8 @@ def commit(run_dir: str, step: int) -> None:
     global rank 0 points ``latest`` at ``step``."""
     import torch.distributed as dist
     if dist.is_initialized():
-        dist.barrier()
+        with activity.doing(None):   # waiting for the slowest writer is no deadline of this process's
+            dist.barrier()
         if dist.get_rank() != 0:
             return
     atomic_write_bytes(os.path.join(run_dir, "checkpoints", "latest"), str(step).encode())

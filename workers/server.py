@@ -55,6 +55,7 @@ def main() -> int:
     if step is not None:
         server.load_state_dict(checkpoint.load_part(cfg.run_dir, step, server.part()))
     report.emit("event", {"server": index, "message": f"serving {len(server.shards)} table shard(s) from step {server.applied}"})
+    report.emit("event", {"kind": "phase", "phase": "serve"})   # started: each request has a deadline now
     server.serve()
     n = max(server.applied - (step or 0), 1)
     report.emit("event", {"server": index, "message": "finished",

@@ -19,6 +19,7 @@ report.install_stack_dump()   # first, so that a stall during start-up can be di
 import torch  # noqa: E402
 import torch.distributed as dist
 
+from hpar.strategies import activity
 from hpar.strategies.checkpoint import atomic_save
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import WorkerContext
@@ -121,14 +122,16 @@ def main() -> int:
     rank, world_size, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK", 0)
     pg_rank, pg_world = env_int("HPAR_PG_RANK", rank), env_int("HPAR_PG_WORLD_SIZE", world_size)
     device = worker_device(cfg, local_rank)
+    activity.announce_with(lambda change: report.emit("event", change))   # the end of an activity is seen at once
     stop_beat = report.start_heartbeat(device=device, threads=torch.get_num_threads() if device.type == "cpu" else None)
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
     eval_first = {}
     if rank == 0 and cfg.eval and not cfg.resume:
         torch.manual_seed(cfg.seed)
-        report.emit("event", {"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
-        eval_first = job.run_evaluate(job.build_model())   # evaluate() gets the model on the CPU
+        report.emit("event", {"kind": "phase", "phase": "evaluate"})   # not a step stall (launcher/run/health.py)
+        with activity.doing("in evaluate() before training"):   # but it has the phase deadline
+            eval_first = job.run_evaluate(job.build_model())   # evaluate() gets the model on the CPU
         report.emit("event", {"kind": "first_eval", "eval": eval_first})
     report.emit("event", {"kind": "phase", "phase": "train"})
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
@@ -142,10 +145,13 @@ def main() -> int:
         assert result.model is not None, "the runtime must return the whole model on rank 0"
         report.emit("event", {"kind": "phase", "phase": "evaluate"})
         model = model_to_cpu(result.model)    # every strategy hands evaluate() and model.pt the CPU model
-        eval_last = job.run_evaluate(model) if cfg.eval else {}
-        atomic_save(cpu_state_dict(model), os.path.join(cfg.run_dir, "model.pt"))
+        with activity.doing("in evaluate() after the last step"):
+            eval_last = job.run_evaluate(model) if cfg.eval else {}
+        with activity.doing("writing model.pt"):
+            atomic_save(cpu_state_dict(model), os.path.join(cfg.run_dir, "model.pt"))
         if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/hf.py)
-            save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
+            with activity.doing("writing RUN_DIR/hf (save_pretrained)"):
+                save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
         report.emit("summary", {
             "strategy": cfg.strategy, "world_size": world_size, "steps": cfg.steps,
             "samples_per_s": result.samples_per_s, "loss_first": result.loss_first,

@@ -88,7 +88,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
             no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
             ssh_known_hosts=None, ssh_accept_new=False, device="auto",
-            on_divergence="off", divergence_factor=2.0, pipeline_replicas=None, find_unused_parameters=None):
+            on_divergence="off", divergence_factor=2.0, pipeline_replicas=None, find_unused_parameters=None,
+            phase_timeout=None):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags;
@@ -112,8 +113,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         host_list = tuple(allocation_hosts())
         gpus = gpus if gpus is not None else total_slots(list(host_list))
         console.print(f"hpar: {describe_allocation(list(host_list))}", markup=False)
-    if max_restarts < 0 or stall_timeout < 0:
-        raise ValueError("--max-restarts and --stall-timeout must not be negative")
+    if max_restarts < 0 or stall_timeout < 0 or (phase_timeout or 0) < 0:
+        raise ValueError("--max-restarts, --stall-timeout and --phase-timeout must not be negative")
     if resume_dir:
         cfg = resumed_config(resume_dir, script, steps, say=lambda m: console.print(m, markup=False))
         job = load_job(cfg.script)
@@ -230,6 +231,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         from hpar.launcher.run.planning import compute_mismatch
         if compute_mismatch(cfg.plan, chosen):   # CPU figures for GPU workers are never taken silently
             console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
-    opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, max_restarts=max_restarts,
+    opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, phase_timeout=phase_timeout,
+                         max_restarts=max_restarts,
                          live=False if plain else None, sync=sync, env=extra_env, slurm=slurm)
     return cfg, opts, master

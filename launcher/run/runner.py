@@ -33,6 +33,7 @@ class LaunchOptions:
     hosts: tuple[Host, ...] = ()
     ssh: object | None = None          # launcher.ssh.SSHOptions when SSH is used
     stall_timeout: float = 0.0
+    phase_timeout: float | None = None  # evaluate(), first batch, checkpoint and model writes, server requests (None: stall_timeout)
     max_restarts: int = 0
     grace: float = 5.0
     live: bool | None = None
@@ -78,7 +79,7 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
     procs = []
     for spec in specs:
         thread_env(spec, by_name[spec.host], per_host[spec.host], opts)
-        spec.env.setdefault("HPAR_HEARTBEAT_S", str(heartbeat_interval(opts.stall_timeout)))
+        spec.env.setdefault("HPAR_HEARTBEAT_S", str(heartbeat_interval(opts.stall_timeout, opts.phase_timeout)))
         for key, value in opts.env.items():  # hpar's own variables win
             spec.env.setdefault(key, value)
     if opts.slurm:
@@ -115,7 +116,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                     sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
                     hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event))
                     sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
-                                     total_steps=cfg.steps, on_event=hooks)
+                                     total_steps=cfg.steps, on_event=hooks, phase_timeout=opts.phase_timeout)
                     outcome = sup.run()
             checkpoint.remove_temp_files(rundir.path)
             used_ports.add(rdv.port)

@@ -6,6 +6,8 @@ progress, and polls exit codes. The first failure (a non-zero exit, a death by s
 process that made no progress for ``stall_timeout`` seconds, or Ctrl-C/SIGTERM to the launcher)
 stops every other process: SIGTERM to each recorded process group, ``grace`` seconds, then
 SIGKILL. The failure is reported with host, process, cause and the last lines of its log.
+Outside the steps (``evaluate()``, a worker's first batch, checkpoint and model writes, a
+server's request) a process that stays busy past ``phase_timeout`` stalls too.
 
 Stalls are told per process (launcher/run/health.py); before a stalled run is torn down every
 process's Python stack is taken and summarised (launcher/run/stacks.py), then the stalled
@@ -78,7 +80,8 @@ class Supervisor:
     """Runs ``procs`` (objects with LocalProcess's methods) to completion or first failure."""
 
     def __init__(self, procs: list, lines: "queue.Queue", rundir: RunDir, progress: Progress,
-                 stall_timeout: float = 0.0, grace: float = 5.0, total_steps: int = 0, on_event=None):
+                 stall_timeout: float = 0.0, grace: float = 5.0, total_steps: int = 0, on_event=None,
+                 phase_timeout: float | None = None):
         self.procs, self.lines, self.rundir, self.progress = procs, lines, rundir, progress
         self.stall_timeout, self.grace = stall_timeout, grace
         self.summary: dict | None = None
@@ -86,7 +89,8 @@ class Supervisor:
         self._signal_of: dict[int, int] = {}
         self._peer_lost: set[int] = set()   # processes whose output says a peer vanished
         self._exit_seen: dict[int, int] = {}   # order in which exits were seen
-        self.health = Health([id(p) for p in procs], [p.spec.role for p in procs], total_steps, stall_timeout)
+        self.health = Health([id(p) for p in procs], [p.spec.role for p in procs], total_steps, stall_timeout,
+                             phase_timeout)
         self._stacks: dict[int, list[str]] | None = None   # dumps being read back, by process
         self._eof: set[int] = set()                         # processes whose output has ended
         self._stop_signal: int | None = None
@@ -181,14 +185,14 @@ class Supervisor:
                                                       for a in p.spec.argv)
 
     def _hanging(self) -> bool:
-        """Whether some live process has been silent, or a training worker without a step,
-        for 5 s or more (Ctrl-C then takes the stacks first)."""
+        """Whether some live process has been silent, busy with one thing outside the steps, or
+        a training worker without a step, for 5 s or more (Ctrl-C then takes the stacks first)."""
         now = time.monotonic()
         for p in self.procs:
             s = self.health.state[id(p)]
             if p.poll() is not None or s.first_beat is None:
                 continue
-            if self.health.silent(id(p), now) > 5 or (
+            if self.health.silent(id(p), now) > 5 or s.busy_for(now) > 5 or (
                     s.role == "worker" and s.phase == "train" and s.step_time and now - s.step_time > 5
                     and s.step < self.health.total_steps):
                 return True
@@ -203,7 +207,9 @@ class Supervisor:
         if lost:   # silent because its host is cut off (found while the stacks were asked for)
             return self._fail(lost[0], _lost_host(lost[0]))
         key, cause = stalled[0]
-        if not cause.startswith("stalled: silent"):
+        # a silent process, or one stuck past the phase deadline in what it said it was doing, is
+        # the culprit whatever the stacks show; otherwise the stacks decide
+        if not cause.startswith("stalled: silent") and not self.health.state[key].doing:
             if mute:      # gave no stack while others did: stopped or frozen
                 key = id(by_label[mute[0]])
                 cause = (f"stalled: silent for {self.health.silent(key):.0f} s and no answer to the stack "
@@ -320,6 +326,8 @@ class Supervisor:
                 if self.health.state[id(proc)].phase == "evaluate":
                     self.health.evaluated()
                 self.health.phase(id(proc), payload.get("phase", ""))
+            elif what == "doing":   # strategies/activity.py: a worker's change of activity, seen at once
+                self.health.activity(id(proc), payload.get("what"))
             elif what == "exit" and payload.get("code") == 0:
                 self.health.state[id(proc)].exited_cleanly = True
             if self.on_event is not None:

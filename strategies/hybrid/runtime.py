@@ -32,6 +32,7 @@ and every worker's RNG state; ``server{i}`` parts hold the shards and their opti
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successo
 from hpar.strategies.ddp import unused_error_named, wrap
 from hpar.strategies.devices import rng_state, set_rng_state, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
+from hpar.strategies.first_batch import first_batch
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.forward import call_model, inner_module
 from hpar.strategies.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
@@ -212,9 +214,10 @@ def train(ctx: WorkerContext) -> TrainResult:
         net = wrap(outer, groups.workers.dense, ctx.device, cfg.find_unused_parameters, ignore=ps_names)
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         net.register_comm_hook((client.bytes, ctx.world_size, groups.workers.dense, ring_remote), group_allreduce_hook)
-    batches = ahead.PullAhead(served, client, job.batches(ctx.rank, ctx.world_size, cfg.batch_size))
-    for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
-        next(batches)
+    drawn = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
+    # past the batches trained on before the checkpoint (the same data as an uninterrupted run)
+    first = [first_batch(lambda i: next(drawn), ctx.start_step * cfg.accumulate)] if ctx.start_step < cfg.steps else []
+    batches = ahead.PullAhead(served, client, itertools.chain(first, drawn))
     meter, totals, steps_done = StepMeter(ctx, 0), {}, 0
     pending = []   # this step's sends to the servers
     # Under --accumulate A, every micro-step pushes its rows, but only the last one counts its

@@ -35,6 +35,7 @@ from hpar.strategies.devices import DeviceClock
 from hpar.strategies.groups import worker_groups
 from hpar.strategies.pipeline.memory import PeakMemory
 from hpar.strategies.loop import autocast
+from hpar.strategies.first_batch import first_batch
 from hpar.strategies.pipeline.stage import draw_batch, build_stages_model, describe, stage_module, stage_ranges
 
 
@@ -167,10 +168,11 @@ def train(ctx: WorkerContext) -> TrainResult:
     step_s, cpu_s = [], []
     mem.start()
     meter.start()
+    drawn = {0: first_batch(lambda s: draw_batch(batches, cfg.seed, s))} if batches is not None else {}
     for step in range(cfg.steps):
         x = y = None
         if batches is not None:
-            x, y = (move_to(t, ctx.device) for t in draw_batch(batches, cfg.seed, step))
+            x, y = (move_to(t, ctx.device) for t in (drawn.pop(step) if step in drawn else draw_batch(batches, cfg.seed, step)))
         t0, c0 = clock.now(), time.process_time()   # on CUDA: after the queued kernels (synchronize)
         losses: list = []
         args = (x,) if first else ()
