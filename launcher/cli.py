@@ -88,29 +88,31 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
         divergence_factor, pipeline_replicas, find_unused_parameters, phase_timeout):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
+    from hpar.launcher.run.leftovers import ended_at_exit
     console = Console(soft_wrap=True)
-    try:
-        cfg, opts, master = run_command.resolve(
-            console, script=script, gpus=gpus, hosts=hosts, strategy=strategy, plan_file=plan_file, steps=steps,
-            batch_size=batch_size, lr=lr, seed=seed, log_every=log_every, run_dir=run_dir, servers=servers,
-            schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
-            resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
-            loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
-                        "eval_every": eval_every},
-            plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-            python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
-            on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
-            find_unused_parameters=find_unused_parameters, phase_timeout=phase_timeout)
-    except JobError as exc:
-        fail(str(exc), exc.user_traceback)
-    except ValueError as exc:
-        fail(str(exc))
-    from hpar.launcher.run.runner import launch
-    outcome = launch(cfg, opts, console, master)
-    if outcome.exit_code == 0 and outcome.summary:
-        from hpar.launcher.run.progress import final_line
-        console.print(final_line(outcome.summary, cfg.run_dir), markup=False)
-    sys.exit(outcome.exit_code)
+    with ended_at_exit(lambda line: console.print(line, markup=False)):   # what the script left running in the launcher
+        try:
+            cfg, opts, master = run_command.resolve(
+                console, script=script, gpus=gpus, hosts=hosts, strategy=strategy, plan_file=plan_file, steps=steps,
+                batch_size=batch_size, lr=lr, seed=seed, log_every=log_every, run_dir=run_dir, servers=servers,
+                schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
+                resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
+                loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
+                            "eval_every": eval_every},
+                plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
+                python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
+                on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
+                find_unused_parameters=find_unused_parameters, phase_timeout=phase_timeout)
+        except JobError as exc:
+            fail(str(exc), exc.user_traceback)
+        except ValueError as exc:
+            fail(str(exc))
+        from hpar.launcher.run.runner import launch
+        outcome = launch(cfg, opts, console, master)
+        if outcome.exit_code == 0 and outcome.summary:
+            from hpar.launcher.run.progress import final_line
+            console.print(final_line(outcome.summary, cfg.run_dir), markup=False)
+        sys.exit(outcome.exit_code)
 
 
 def _register_commands() -> None:

@@ -57,6 +57,36 @@ def test_stop_groups_terms_waits_kills_and_returns_early():
                 p.wait()
 
 
+# a group leader (as a guard is) whose child left for a session of its own and ignores SIGTERM
+ESCAPED = ("import subprocess, sys, time\n"
+           "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+           "print(1, flush=True); time.sleep(600)', 'escaped-helper'], start_new_session=True, stdout=subprocess.PIPE)\n"
+           "c.stdout.readline()\nprint('ready', c.pid, flush=True)\ntime.sleep(600)")
+
+
+def test_stop_groups_also_ends_what_left_the_group():
+    """workers/stopgroups.py: a process the group's processes started in a session of its own
+    is found from the tree before anything is signalled, stopped with the group (SIGKILL after
+    the grace, since it ignores SIGTERM) and reported; nothing found by name."""
+    leader = subprocess.Popen([sys.executable, "-c", ESCAPED], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    ready, child = leader.stdout.readline().split()
+    import psutil
+    helper = psutil.Process(int(child))
+    try:
+        assert ready == "ready" and os.getpgid(helper.pid) != leader.pid
+        ended = {}
+        t0 = time.monotonic()
+        assert stopgroups.stop_groups({leader.pid}, grace=0.5, kill_wait=5, ended=ended) == set()
+        assert time.monotonic() - t0 < 5
+        helper.wait(5)
+        assert not helper.is_running() and leader.wait(5) == -signal.SIGTERM
+        assert list(ended) == [leader.pid] and ended[leader.pid][0].startswith(f"{helper.pid} (")
+        assert "escaped-helper" in ended[leader.pid][0]
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
+
+
 class FakeRemote:
     """Stands in for RemoteProcess: ``control`` runs the command in a shell on this machine
     (the real command line: cd, env, the session wrapper, stopgroups), after every host's

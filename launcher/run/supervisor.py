@@ -25,17 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from hpar.launcher.run import stacks, teardown
+from hpar.launcher.run.blame import PEER_LOST, blame_order, describe_exit, lost_host
 from hpar.launcher.run.health import Health
 from hpar.launcher.run.progress import Progress
 from hpar.launcher.run.rundir import RunDir
 from hpar.workers import report
 
 EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 130, 143
-
-# what gloo and NCCL print when a peer vanished: a process that says so failed because of it
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-             "NCCL communicator was aborted", "Broken pipe")
-
 
 @dataclass
 class Outcome:
@@ -47,24 +43,6 @@ class Outcome:
     host: str | None = None
     cause: str | None = None
     summary: dict | None = None
-
-
-def describe_exit(code: int, signal_seen: int | None) -> str:
-    """'exit code N' or 'killed by SIGNAME' for a process's exit status (the guard reports a
-    child's death by signal N as exit code 128+N after an event naming the signal)."""
-    sig = -code if code < 0 else (signal_seen if signal_seen and code == 128 + signal_seen else None)
-    if sig:
-        try:
-            return f"killed by {signal.Signals(sig).name}"
-        except ValueError:
-            return f"killed by signal {sig}"
-    return f"exit code {code}"
-
-
-def _lost_host(p) -> str:
-    """The failure of a process whose host stopped answering (its SSH connection broke)."""
-    return (f"lost the connection to its host {p.spec.host} (link or host down, or sshd gone); its processes "
-            "there stop by themselves (guard heartbeat)")
 
 
 def _start(p) -> Exception | None:
@@ -95,6 +73,7 @@ class Supervisor:
         self._eof: set[int] = set()                         # processes whose output has ended
         self._stop_signal: int | None = None
         self._stopped = False
+        self._ended: dict[str, list[str]] = {}   # by process label: what its guard ended outside its group
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
@@ -107,6 +86,7 @@ class Supervisor:
         finally:
             if not self._stopped:  # _fail stops everything before it reports
                 self.teardown()
+            self._say_ended()
             self.progress.mark_stopped()   # the live view's final state: no row left "running"
             for s, h in old.items():
                 signal.signal(s, h)
@@ -166,10 +146,10 @@ class Supervisor:
                     self._exit_seen.setdefault(id(p), len(self._exit_seen))
                 first = min(candidates, key=lambda p: (self._blame_order(p), self._exit_seen[id(p)]))
                 if first.host_lost:   # the link, the host or its sshd: its guards stop their groups there
-                    return self._fail(first, _lost_host(first))
+                    return self._fail(first, lost_host(first.spec.host))
                 return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
             if len(exited) == len(self.procs):
-                self._drain(timeout=0.0)
+                self._drain_to_end(2.0)   # the guards' last lines: what they ended outside their groups
                 return Outcome(0, summary=self.summary)
             stalled = self.health.stalled([id(p) for p in self.procs if id(p) not in exited])
             if stalled:
@@ -205,7 +185,7 @@ class Supervisor:
         odd, mute = self._diagnose()
         lost = [p for p in self.procs if p.host_lost]
         if lost:   # silent because its host is cut off (found while the stacks were asked for)
-            return self._fail(lost[0], _lost_host(lost[0]))
+            return self._fail(lost[0], lost_host(lost[0].spec.host))
         key, cause = stalled[0]
         # a silent process, or one stuck past the phase deadline in what it said it was doing, is
         # the culprit whatever the stacks show; otherwise the stacks decide
@@ -260,21 +240,34 @@ class Supervisor:
         self.progress.say(f"hpar: stacks ({os.path.join(self.rundir.path, 'stacks')}):\n" + "\n".join(summary))
         return odd, (list(no_stack) if dumps else [])
 
+    def _drain_to_end(self, seconds: float) -> None:
+        """Read output until every process's own stream has ended (not an srun task's: the
+        step's stream is shared), ``seconds`` at most."""
+        from hpar.launcher.procs.srun import SrunProcess
+        deadline = time.monotonic() + seconds
+        self._drain(timeout=0.0)
+        while time.monotonic() < deadline and any(id(p) not in self._eof and not isinstance(p, SrunProcess)
+                                                  for p in self.procs):
+            self._drain(timeout=0.05)
+
+    def _say_ended(self) -> None:
+        """One line naming what was ended of the processes the run's processes had started in
+        sessions of their own: by their guards when they exited, or with their groups."""
+        from hpar.workers.descendants import ended_line
+        for p in self.procs:
+            for pid, item in getattr(p, "ended", {}).items():
+                if not any(i.split()[0] == str(pid) for i in self._ended.get(p.spec.label, [])):
+                    self._ended.setdefault(p.spec.label, []).append(item)
+        line = ended_line({f"started by {label}": items for label, items in self._ended.items()})
+        if line:
+            self.progress.say(line)
+
     def _is_root_cause(self, p) -> bool:
-        """True for a failure nothing else can have caused: a signal from outside or a lost
-        connection to the process's host."""
+        """A failure nothing else can have caused: a signal from outside, a lost host."""
         return self._blame_order(p) == 0 or p.host_lost
 
-    def _blame_order(self, p) -> int:
-        """0: killed by a signal from outside (SIGKILL, SIGTERM, SIGSEGV, ...); 1: a non-zero
-        exit code; 2: a consequence of another failure: SIGABRT (how gloo ends a process whose
-        peer vanished) or an exit after its output said a peer vanished (``PEER_LOST``). Ties
-        go to the exit seen first."""
-        code = p.poll()
-        sig = -code if code is not None and code < 0 else self._signal_of.get(id(p))
-        if sig is None:
-            return 2 if id(p) in self._peer_lost else 1
-        return 2 if sig == signal.SIGABRT else 0
+    def _blame_order(self, p) -> int:   # launcher/run/blame.py: 0 for the likeliest root cause
+        return blame_order(p.poll(), self._signal_of.get(id(p)), id(p) in self._peer_lost)
 
     def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -328,6 +321,8 @@ class Supervisor:
                 self.health.phase(id(proc), payload.get("phase", ""))
             elif what == "doing":   # strategies/activity.py: a worker's change of activity, seen at once
                 self.health.activity(id(proc), payload.get("what"))
+            elif what == "ended" and isinstance(payload.get("processes"), list):   # workers/guard.py
+                self._ended.setdefault(spec.label, []).extend(str(x) for x in payload["processes"])
             elif what == "exit" and payload.get("code") == 0:
                 self.health.state[id(proc)].exited_cleanly = True
             if self.on_event is not None:

@@ -1,0 +1,63 @@
+"""What happens around the training loop, through the real `hpar run` (issue 51): a helper the
+script starts in a session of its own, in the launcher's checks and in every worker, is gone
+when hpar exits, whether the run finishes or fails, and hpar names what it ended."""
+import os
+
+import psutil
+import pytest
+
+from conftest import TINY, hpar_to_file, run_processes, wait_for, write_script
+
+pytestmark = [pytest.mark.multiprocess]
+
+SHORT = TINY.replace('"steps": 20', '"steps": 6').replace('"log_every": 5', '"log_every": 2')
+
+# every call of data() (the launcher's checks, each worker) starts a helper in a session of its
+# own, as some data loaders and tokenizer servers do, and records its pid in PIDS
+ESCAPING = SHORT.replace("def data(rank, world_size, batch_size):", '''import os, subprocess, sys
+def data(rank, world_size, batch_size):
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "hpar-test-helper"],
+                              start_new_session=True)
+    open(os.path.join(PIDS, str(helper.pid)), "w").close()
+    if rank == 1 and os.environ.get("RANK") == "1" and FAIL:
+        raise RuntimeError("worker 1 fails after starting its helper")''')
+
+
+def helpers_alive(pid_dir) -> list[int]:
+    """The recorded helpers that still run (by pid, checked to be the helper: pids are reused)."""
+    alive = []
+    for name in os.listdir(pid_dir):
+        try:
+            p = psutil.Process(int(name))
+            if p.status() != psutil.STATUS_ZOMBIE and "hpar-test-helper" in p.cmdline():
+                alive.append(p.pid)
+        except psutil.Error:
+            continue
+    return alive
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fail", [False, True], ids=["finishes", "fails"])
+def test_helpers_in_sessions_of_their_own_end_with_the_run(tmp_path, reap_run, fail):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    script = write_script(tmp_path, ESCAPING.replace("PIDS", repr(str(pid_dir))).replace("FAIL", str(fail)))
+    run_dir = str(tmp_path / "run")
+    reap_run(run_dir)
+    try:
+        code, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--strategy", "allreduce",
+                                 "--run-dir", run_dir, "--plain", "--no-eval")
+        left = helpers_alive(pid_dir)
+    finally:
+        for pid in helpers_alive(pid_dir):
+            psutil.Process(pid).kill()
+    assert code == (1 if fail else 0), out
+    assert len(os.listdir(pid_dir)) >= 3, "the launcher's check and both workers started one"
+    assert left == [], f"helpers outlived hpar: {left}\n{out}"
+    lines = [line for line in out.splitlines() if line.startswith("hpar: ended ")]
+    assert len(lines) == 2, out
+    assert "; started by worker 0: " in lines[0] and "; started by worker 1: " in lines[0], out
+    assert "started by the script in the launcher's checks: " in lines[1] and "hpar-test-helper" in lines[1], out
+    if fail:
+        assert "hpar: worker 1 on localhost failed: exit code" in out, out
+    assert wait_for(lambda: not run_processes(run_dir), 10)
