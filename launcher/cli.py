@@ -67,6 +67,9 @@ def main() -> None:
 @click.option("--find-unused-parameters", type=click.Choice(FIND_UNUSED_MODES), default=None,
               help="DDP's find_unused_parameters: auto (default) turns it on only when a profiled step left a "
                    "parameter without a gradient; on or off forces it.")
+@click.option("--allow-unequal-batches", is_flag=True, default=None,
+              help="Train although the workers' first batches differ in size (each worker's mean gradient then "
+                   "weighs the same, as DDP does); refused otherwise.")
 @click.option("--plain", is_flag=True, help="Plain progress lines even on a terminal.")
 @click.option("--ssh-key", default=None, help="SSH private key file.")
 @click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
@@ -85,7 +88,7 @@ def main() -> None:
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor, pipeline_replicas, find_unused_parameters, phase_timeout):
+        divergence_factor, pipeline_replicas, find_unused_parameters, phase_timeout, allow_unequal_batches):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     from hpar.launcher.run.leftovers import ended_at_exit
@@ -102,7 +105,8 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
                 plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
                 python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
                 on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
-                find_unused_parameters=find_unused_parameters, phase_timeout=phase_timeout)
+                find_unused_parameters=find_unused_parameters, phase_timeout=phase_timeout,
+                allow_unequal_batches=allow_unequal_batches)
         except JobError as exc:
             fail(str(exc), exc.user_traceback)
         except ValueError as exc:

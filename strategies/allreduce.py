@@ -32,7 +32,7 @@ from hpar.strategies.groups import mean_over_workers, worker_groups
 from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
 from hpar.strategies.sparse_grads import dense_before_step, densify
 from hpar.strategies.tying import embedding_tables
-from hpar.strategies.first_batch import first_batch
+from hpar.strategies.first_batch import check_first_batch, first_batch
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.forward import call_model, inner_module
 from hpar.strategies.loop import StepTools, evaluate_during_training, step_tools
@@ -147,6 +147,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     drawn = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
     # past the batches trained on before the checkpoint (the same data as an uninterrupted run)
     first = [first_batch(lambda i: next(drawn), ctx.start_step * cfg.accumulate)] if ctx.start_step < cfg.steps else []
+    if first:
+        check_first_batch(ctx, first[0][0], groups.control)   # equal sizes on every worker, before any step
     batches = itertools.chain(first, drawn)
     meter = None
     for step in range(ctx.start_step, cfg.steps):

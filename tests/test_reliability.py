@@ -199,12 +199,12 @@ SLOW_START = SHORT.replace("def evaluate(model):", "def evaluate(model):\n    im
 def test_startup_and_evaluate_are_not_stalls_and_unequal_batches_are_named(tmp_path, reap_run):
     # --stall-timeout 2: start-up (importing torch, joining the group) and a 4 s evaluate() both
     # take longer than that; neither is a step stall, and --phase-timeout 60 gives evaluate() its
-    # time. Rank 1 draws 6 samples, rank 0 8: warned once.
+    # time. Rank 1 draws 6 samples, rank 0 8: --allow-unequal-batches trains them, warned once.
     script = write_script(tmp_path, SLOW_START)
     run_dir = str(tmp_path / "run")
     reap_run(run_dir)
     code, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--strategy", "allreduce", "--run-dir", run_dir,
-                        "--plain", "--stall-timeout", "2", "--phase-timeout", "60")
+                        "--plain", "--stall-timeout", "2", "--phase-timeout", "60", "--allow-unequal-batches")
     assert code == 0, out
     assert out.count("workers draw batches of different sizes (worker 0: 8, worker 1: 6)") == 1, out
     assert not run_processes(run_dir)

@@ -1,12 +1,15 @@
 """What happens around the training loop, through the real `hpar run` (issue 51): a helper the
 script starts in a session of its own, in the launcher's checks and in every worker, is gone
-when hpar exits, whether the run finishes or fails, and hpar names what it ended."""
+when hpar exits, whether the run finishes or fails, and hpar names what it ended; first batches
+that break exactness (sizes that differ between workers, or that a pipeline's micro-batches do
+not divide) are refused before training in one line, exit 2."""
+import json
 import os
 
 import psutil
 import pytest
 
-from conftest import TINY, hpar_to_file, run_processes, wait_for, write_script
+from conftest import TINY, embed_script, hpar_to_file, run_processes, wait_for, write_script
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -61,3 +64,42 @@ def test_helpers_in_sessions_of_their_own_end_with_the_run(tmp_path, reap_run, f
     if fail:
         assert "hpar: worker 1 on localhost failed: exit code" in out, out
     assert wait_for(lambda: not run_processes(run_dir), 10)
+
+
+# rank 1's batches are one sample short (as a data() that splits a dataset unevenly)
+UNEQUAL = SHORT.replace("x = torch.randn(batch_size, 4, generator=g)", "x = torch.randn(batch_size - rank, 4, generator=g)")
+UNEQUAL_EMBED = embed_script(steps=4).replace("torch.randint(0, 1000, (batch_size,), generator=g), torch.randn(batch_size, generator=g)",
+                                              "torch.randint(0, 1000, (batch_size - rank,), generator=g), "
+                                              "torch.randn(batch_size - rank, generator=g)")
+# 6 samples where 4 micro-batches were planned for 8 (the launcher's own check draws 8)
+SHORT_BATCH = SHORT.replace("x = torch.randn(batch_size, 4, generator=g)",
+                            "x = torch.randn(6 if os.environ.get('RANK') else batch_size, 4, generator=g)").replace(
+    "import torch, torch.nn as nn", "import os, torch, torch.nn as nn")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("text, flags, line", [
+    (UNEQUAL, ("--strategy", "allreduce"), "hpar: workers' first batches differ in size (worker 0: 8, worker 1: 7 samples): "
+     "gradients are averaged per worker, so this is not one process on the concatenated batch; make data(rank, "
+     "world_size, batch_size) yield 8 samples on every rank, or pass --allow-unequal-batches to train so (each "
+     "worker's mean gradient weighs the same, as DDP does)"),
+    (UNEQUAL_EMBED, ("--strategy", "hybrid"), "hpar: workers' first batches differ in size (worker 0: 4, worker 1: 3 samples)"),
+    (SHORT_BATCH, ("--strategy", "pipeline", "--micro-batches", "4"), "hpar: first batches that --micro-batches 4 does "
+     "not divide (worker 0: 6, worker 1: 6 samples): make data() yield --batch-size (8) samples, or choose "
+     "--micro-batches that divides them"),
+], ids=["allreduce", "hybrid", "pipeline"])
+def test_first_batches_that_break_exactness_are_refused_in_one_line(tmp_path, reap_run, text, flags, line):
+    script = write_script(tmp_path, text)
+    run_dir = str(tmp_path / "run")
+    reap_run(run_dir)
+    code, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--run-dir", run_dir, "--plain",
+                             "--no-eval", "--max-restarts", "2", *flags)
+    assert code == 2, out
+    refused = [l for l in out.splitlines() if "first batches" in l]
+    assert len(refused) == 1 and refused[0].startswith(line), out   # once, from the launcher: not per worker
+    assert "Traceback" not in out and "restart" not in out, "refused, not crashed, and no restart can help"
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["exit_code"] == 2 and summary["steps"] == 0, summary   # before any step
+    assert not os.path.exists(os.path.join(run_dir, "model.pt"))
+    assert wait_for(lambda: not run_processes(run_dir), 10)
+

@@ -84,7 +84,8 @@ def run_entry(main, prefix: str, user_errors: tuple) -> None:
     try:
         code = main()
     except user_errors as exc:
-        print(f"{prefix}: {exc}", file=sys.stderr)
+        if not getattr(exc, "announced", False):   # else the launcher prints it, once (strategies/first_batch.py)
+            print(f"{prefix}: {exc}", file=sys.stderr)
         if getattr(exc, "user_traceback", None):
             print(exc.user_traceback, file=sys.stderr)
         report.exit_process(2, announce=False)   # as below: gloo's threads may still be up

@@ -30,7 +30,7 @@ from hpar.strategies.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
              "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0,
-             "find_unused_parameters": "auto"}
+             "find_unused_parameters": "auto", "allow_unequal_batches": False}
 
 
 def read_plan(path: str) -> dict:
@@ -89,12 +89,13 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
             ssh_known_hosts=None, ssh_accept_new=False, device="auto",
             on_divergence="off", divergence_factor=2.0, pipeline_replicas=None, find_unused_parameters=None,
-            phase_timeout=None):
+            phase_timeout=None, allow_unequal_batches=None):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags;
     ``find_unused_parameters``: auto, on or off (None: the script's HPAR, else auto), which a
-    resumed run may change (it is how a run that failed on an unused parameter goes on)."""
+    resumed run may change (it is how a run that failed on an unused parameter goes on), as it may
+    ``allow_unequal_batches`` (True: the flag given; None: the script's HPAR, else refused)."""
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
     if resume_dir:
@@ -120,6 +121,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         job = load_job(cfg.script)
         if find_unused_parameters in ("on", "off"):
             cfg = cfg.replace(find_unused_parameters=find_unused(find_unused_parameters, ()))
+        if allow_unequal_batches:
+            cfg = cfg.replace(allow_unequal_batches=True)
     else:
         if not script:
             raise ValueError("missing SCRIPT: `hpar run SCRIPT --gpus N` (or --resume RUN_DIR)")
@@ -184,7 +187,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
             on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas,
-            find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus))
+            find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus),
+            allow_unequal_batches=bool(pick(allow_unequal_batches, "allow_unequal_batches")))
         check_precision(job, cfg, model)
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable

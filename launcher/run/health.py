@@ -155,6 +155,18 @@ class Health:
                 stuck.append((k, f"stalled: no step for {self.timeout:.0f} s (--stall-timeout) after step {s.step}"))
         return silent + [(k, why) for _, k, why in sorted(overdue, key=lambda o: -o[0])] + stuck
 
+    def hanging(self, alive: list) -> bool:
+        """Whether a process of ``alive`` has been silent, busy with one thing outside the steps,
+        or a training worker without a step, for 5 s or more (Ctrl-C then takes the stacks first)."""
+        now = time.monotonic()
+        for k in alive:
+            s = self.state[k]
+            if s.first_beat is not None and (self.silent(k, now) > 5 or s.busy_for(now) > 5 or (
+                    s.role == "worker" and s.phase == "train" and s.step_time and now - s.step_time > 5
+                    and s.step < self.total_steps)):
+                return True
+        return False
+
     def evaluated(self) -> None:
         """An evaluation (or another worker's activity with a deadline) ended: step timers
         restart from now (nobody could step during it)."""

@@ -125,7 +125,8 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                               markup=False)
                 continue
             interrupted = outcome.exit_code in (130, 143)
-            if outcome.exit_code == 0 or interrupted or attempt >= opts.max_restarts:
+            refused = outcome.exit_code == 2   # the script's input (strategies/first_batch.py): a restart cannot help
+            if outcome.exit_code == 0 or interrupted or refused or attempt >= opts.max_restarts:
                 break
             attempt += 1
             try:

@@ -31,7 +31,7 @@ from hpar.launcher.run.progress import Progress
 from hpar.launcher.run.rundir import RunDir
 from hpar.workers import report
 
-EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 130, 143
+EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 
 @dataclass
 class Outcome:
@@ -74,6 +74,7 @@ class Supervisor:
         self._stop_signal: int | None = None
         self._stopped = False
         self._ended: dict[str, list[str]] = {}   # by process label: what its guard ended outside its group
+        self._refused: tuple | None = None   # (process, message): it refused its input before training
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
@@ -104,10 +105,12 @@ class Supervisor:
         exited: dict[int, int] = {}
         while True:
             self._drain(timeout=0.2)
+            if self._refused:   # a worker refused its first batch: stop everyone now (strategies/first_batch.py)
+                return self._fail(self._refused[0], self._refused[1])
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
                 self.progress.say(f"hpar: {name} received, stopping every process")
-                if self._hanging():
+                if self.health.hanging([id(p) for p in self.procs if p.poll() is None]):
                     self._diagnose()   # Ctrl-C on a hung run: say where every process stands
                 return Outcome(EXIT_INTERRUPTED if self._stop_signal == signal.SIGINT else EXIT_TERMINATED,
                                cause=f"launcher received {name}")
@@ -163,20 +166,6 @@ class Supervisor:
         from hpar.launcher.procs.srun import SrunProcess
         return not isinstance(p, SrunProcess) and any(a in ("hpar.workers.worker", "hpar.workers.server")
                                                       for a in p.spec.argv)
-
-    def _hanging(self) -> bool:
-        """Whether some live process has been silent, busy with one thing outside the steps, or
-        a training worker without a step, for 5 s or more (Ctrl-C then takes the stacks first)."""
-        now = time.monotonic()
-        for p in self.procs:
-            s = self.health.state[id(p)]
-            if p.poll() is not None or s.first_beat is None:
-                continue
-            if self.health.silent(id(p), now) > 5 or s.busy_for(now) > 5 or (
-                    s.role == "worker" and s.phase == "train" and s.step_time and now - s.step_time > 5
-                    and s.step < self.health.total_steps):
-                return True
-        return False
 
     def _stall(self, stalled: list) -> Outcome:
         """Take every process's stack, blame the stalled process (the silent one, else the one
@@ -291,7 +280,7 @@ class Supervisor:
         if parsed is None:
             if self._stacks is not None and id(proc) in self._stacks:
                 self._stacks[id(proc)].append(line)   # a stack dump: to RUN_DIR/stacks, not the screen
-            else:
+            elif not self._refused:   # after a refusal, the peers' complaints go to their logs only
                 self.progress.say(f"[{spec.host} {spec.label}] {line}")
             return
         kind, payload = parsed
@@ -321,6 +310,8 @@ class Supervisor:
                 self.health.phase(id(proc), payload.get("phase", ""))
             elif what == "doing":   # strategies/activity.py: a worker's change of activity, seen at once
                 self.health.activity(id(proc), payload.get("what"))
+            elif what == "refused":
+                self._refused = self._refused or (proc, str(payload.get("message")))
             elif what == "ended" and isinstance(payload.get("processes"), list):   # workers/guard.py
                 self._ended.setdefault(spec.label, []).extend(str(x) for x in payload["processes"])
             elif what == "exit" and payload.get("code") == 0:
@@ -331,6 +322,9 @@ class Supervisor:
     def _fail(self, p, cause: str) -> Outcome:
         self.teardown()
         self._drain(timeout=0.2)
+        if self._refused:   # the user's input, refused before training: one line, as before start (exit 2)
+            self.progress.say(f"hpar: {self._refused[1]}")
+            return Outcome(EXIT_REFUSED, p.spec.label, p.spec.host, self._refused[1], self.summary)
         tail = self.rundir.tail(p.spec.log_name, 10)
         self.progress.say(f"hpar: {p.spec.label} on {p.spec.host} failed: {cause}; stopped every other process")
         if tail:

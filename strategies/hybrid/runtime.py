@@ -45,7 +45,7 @@ from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successo
 from hpar.strategies.ddp import unused_error_named, wrap
 from hpar.strategies.devices import rng_state, set_rng_state, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
-from hpar.strategies.first_batch import first_batch
+from hpar.strategies.first_batch import check_first_batch, first_batch
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.forward import call_model, inner_module
 from hpar.strategies.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
@@ -217,6 +217,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     drawn = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
     # past the batches trained on before the checkpoint (the same data as an uninterrupted run)
     first = [first_batch(lambda i: next(drawn), ctx.start_step * cfg.accumulate)] if ctx.start_step < cfg.steps else []
+    if first:
+        check_first_batch(ctx, first[0][0], groups.workers.control)   # equal sizes on every worker, before any step
     batches = ahead.PullAhead(served, client, itertools.chain(first, drawn))
     meter, totals, steps_done = StepMeter(ctx, 0), {}, 0
     pending = []   # this step's sends to the servers

@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from hpar.strategies import checkpoint
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
-from hpar.strategies.first_batch import first_batch
+from hpar.strategies.first_batch import check_first_batch, first_batch
 from hpar.strategies.devices import ComputeTimer
 from hpar.strategies.groups import worker_groups
 from hpar.strategies import loop
@@ -136,6 +136,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     drawn = {}   # the first batch, drawn before the schedule starts, past those trained on before the checkpoint
     if batches is not None and ctx.start_step < cfg.steps:
         drawn[ctx.start_step] = first_batch(lambda s: draw_batch(batches, cfg.seed, s), ctx.start_step)
+    if ctx.start_step < cfg.steps:   # every stage: M divides it, the replicas' are equal (a collective)
+        check_first_batch(ctx, drawn[ctx.start_step][0] if drawn else None, groups.control, M, replica=r)
     meter = StepMeter(ctx, cfg.batch_size)
     inputs, targets, step_losses = {}, {}, {}
     stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": [], "memory": PeakMemory(ctx.device)}
