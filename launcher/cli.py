@@ -107,6 +107,9 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
                 on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
                 find_unused_parameters=find_unused_parameters, phase_timeout=phase_timeout,
                 allow_unequal_batches=allow_unequal_batches)
+        except run_command.NothingToDo as done:   # --resume of a finished run: its own figures, exit 0
+            console.print(str(done), markup=False)
+            sys.exit(0)
         except JobError as exc:
             fail(str(exc), exc.user_traceback)
         except ValueError as exc:

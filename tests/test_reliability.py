@@ -50,6 +50,7 @@ def test_resume_after_the_final_checkpoint_and_from_a_damaged_one(tmp_path, reap
     # 1. resume a run that ended with its final checkpoint: nothing left to train, same result
     code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--plain", name="resume.txt")
     assert code == 0, out
+    assert out.startswith("hpar: nothing to do: the run finished at step 6: "), out
     assert "loss -" not in out and "nan" not in out, out
     again = json.load(open(os.path.join(run_dir, "summary.json")))
     for key in ("loss_first", "loss_last", "eval_first", "eval_last"):
@@ -57,7 +58,9 @@ def test_resume_after_the_final_checkpoint_and_from_a_damaged_one(tmp_path, reap
     assert state_equal(torch.load(os.path.join(run_dir, "model.pt")), model)
     assert not os.path.exists(junk), "temp files left by a fault are removed at the next start"
 
-    # 2. the newest checkpoint is truncated: its checksum fails, resume falls back to step 3
+    # 2. killed after its last checkpoint, before model.pt (so not finished), and the newest
+    # checkpoint is truncated: its checksum fails, resume falls back to step 3
+    os.unlink(os.path.join(run_dir, "model.pt"))
     part = os.path.join(run_dir, "checkpoints", "step-6", "worker0.pt")
     data = open(part, "rb").read()
     open(part, "wb").write(data[: len(data) - 10])
@@ -95,6 +98,7 @@ def test_hybrid_resume_after_the_final_checkpoint(tmp_path, reap_run):
     # no --plan: the server cut the 1000-row table into ROW_PARTITIONS_PER_SERVER (64) partitions
     from hpar.strategies.checkpoint import load_part
     assert load_part(run_dir, 4, "server0")["layouts"]["emb.weight"] == [64, 0]
+    os.unlink(os.path.join(run_dir, "model.pt"))   # killed after its final checkpoint: resumed at its last step
     code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--plain", name="resume.txt")
     assert code == 0, out
     assert "Traceback" not in out

@@ -103,3 +103,26 @@ def test_first_batches_that_break_exactness_are_refused_in_one_line(tmp_path, re
     assert not os.path.exists(os.path.join(run_dir, "model.pt"))
     assert wait_for(lambda: not run_processes(run_dir), 10)
 
+
+@pytest.mark.timeout(300)
+def test_resuming_a_finished_run_says_so_with_its_own_figures(tmp_path, reap_run):
+    script = write_script(tmp_path, SHORT)
+    run_dir = str(tmp_path / "run")
+    reap_run(run_dir)
+    code, out = hpar_to_file(tmp_path / "first.txt", "run", script, "--gpus", "2", "--strategy", "allreduce",
+                             "--checkpoint-every", "3", "--run-dir", run_dir, "--plain")
+    assert code == 0, out
+    done = out.splitlines()[-1]
+    assert done.startswith("hpar: done: "), out
+    files = {name: open(os.path.join(run_dir, name), "rb").read() for name in ("summary.json", "metrics.jsonl", "model.pt")}
+
+    code, out = hpar_to_file(tmp_path / "again.txt", "run", "--resume", run_dir, "--plain")
+    assert code == 0, out
+    # the run's own figures (its summary's), not a resumed attempt's 0 samples/s and checkpoint loss
+    assert out.splitlines() == [done.replace("hpar: done: ", "hpar: nothing to do: the run finished at step 6: ")], out
+    assert all(open(os.path.join(run_dir, name), "rb").read() == data for name, data in files.items()), \
+        "nothing started, nothing rewritten"
+
+    code, out = hpar_to_file(tmp_path / "more.txt", "run", "--resume", run_dir, "--plain", "--steps", "8")
+    assert code == 0 and "step 8/8" in out and out.splitlines()[-1].startswith("hpar: done: "), out
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["steps"] == 8

@@ -12,9 +12,10 @@ from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
 from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.devices import choose_devices, describe, local_gpus
-from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_step
+from hpar.launcher.run.validate import check_plan_stages, check_run_dir, finished, resume_step
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
+from hpar.strategies import checkpoint
 from hpar.strategies.config import FIND_UNUSED_MODES, RunConfig, check_loop_flags
 from hpar.strategies.ddp import DDP_STRATEGIES, find_unused
 from hpar.launcher.run.strategy_settings import check_optimizer, ddp_find_unused, default_micro_batches
@@ -47,15 +48,27 @@ def read_plan(path: str) -> dict:
     return plan
 
 
+class NothingToDo(Exception):
+    """``--resume`` of a run that already finished the steps asked for; ``str()`` is the line
+    to print (the run's own figures, from its summary.json), and nothing starts (exit 0)."""
+
+
 def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=print) -> RunConfig:
     """The config of the run in ``resume_dir``, set to resume from its last complete checkpoint
-    (checked before anything starts: launcher/run/validate.py)."""
+    (checked before anything starts: launcher/run/validate.py). Raises NothingToDo when that
+    run finished at ``steps`` (default: its own) or beyond."""
     path = os.path.join(resume_dir, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"--resume {resume_dir}: no config.json there; pass the run directory of an earlier `hpar run`")
     cfg = RunConfig.from_json(open(path, encoding="utf-8").read())
     if script and os.path.abspath(script) != cfg.script:
         raise ValueError(f"--resume {resume_dir}: that run trained {cfg.script}, not {os.path.abspath(script)}")
+    summary = finished(resume_dir, steps or cfg.steps)
+    if summary is not None:
+        from hpar.launcher.run.progress import final_line
+        checkpoint.remove_temp_files(resume_dir)   # as every start does: what a killed write left
+        raise NothingToDo(final_line(summary, os.path.abspath(resume_dir),
+                                     f"nothing to do: the run finished at step {summary['steps']}"))
     if resume_step(resume_dir, say) is None:
         raise ValueError(f"--resume {resume_dir}: no checkpoint there; start runs with --checkpoint-every N to resume them")
     return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))
