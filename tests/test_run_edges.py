@@ -126,3 +126,16 @@ def test_resuming_a_finished_run_says_so_with_its_own_figures(tmp_path, reap_run
     code, out = hpar_to_file(tmp_path / "more.txt", "run", "--resume", run_dir, "--plain", "--steps", "8")
     assert code == 0 and "step 8/8" in out and out.splitlines()[-1].startswith("hpar: done: "), out
     assert json.load(open(os.path.join(run_dir, "summary.json")))["steps"] == 8
+
+
+@pytest.mark.timeout(240)
+def test_hybrid_evaluates_and_checkpoints_on_the_same_step(tmp_path, reap_run):
+    """Found by the phase deadline: worker 0 evaluated (pulling whole tables) while the server
+    waited in the checkpoint's commit barrier for the workers; now the checkpoint comes first."""
+    script = write_script(tmp_path, embed_script(steps=6) + "\ndef evaluate(model):\n    return {'w': float(model.emb.weight.sum())}\n")
+    run_dir = str(tmp_path / "run")
+    reap_run(run_dir)
+    code, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--strategy", "hybrid", "--run-dir",
+                             run_dir, "--plain", "--eval-every", "3", "--checkpoint-every", "3", "--stall-timeout", "20")
+    assert code == 0, out
+    assert "hpar: evaluate at step 3: w " in out and os.path.exists(os.path.join(run_dir, "checkpoints", "step-3"))

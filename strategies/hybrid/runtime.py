@@ -326,10 +326,12 @@ def train(ctx: WorkerContext) -> TrainResult:
                                                   **({"skipped_step": 1} if skipped else {})},
                   sent_remote=remote, logged=logged)
         client.pull_s = 0.0
-        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(ctx, model, client, tables, step + 1),
-                                 ctx.report_eval)
+        # the checkpoint first: the servers wait in its commit barrier, where they could not
+        # answer the evaluation's pulls of whole tables (a deadlock when both fall on a step)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             _save(ctx, step + 1, model, opt, tools, ps_names, groups)
+        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(ctx, model, client, tables, step + 1),
+                                 ctx.report_eval)
     peaks = [None] * ctx.world_size   # each worker's peak RSS in training, before rank 0 gathers the tables
     dist.all_gather_object(peaks, build.peak_rss_bytes(), group=groups.workers.control)
     if ctx.rank == 0:
