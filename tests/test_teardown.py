@@ -2,6 +2,7 @@
 stops every group hpar started there, hosts in parallel, done as soon as nothing is left."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -82,6 +83,10 @@ def test_stop_groups_also_ends_what_left_the_group():
         assert not helper.is_running() and leader.wait(5) == -signal.SIGTERM
         assert list(ended) == [leader.pid] and ended[leader.pid][0].startswith(f"{helper.pid} (")
         assert "escaped-helper" in ended[leader.pid][0]
+        # over SSH the same report comes back as a line of the host's stop command (launcher/run/teardown.py)
+        remote = type("Remote", (), {"pgid": leader.pid, "ended": {}})()
+        teardown.record_ended([remote], "@hpar ended " + json.dumps({str(leader.pid): ended[leader.pid]}) + "\n@hpar left")
+        assert remote.ended == {helper.pid: ended[leader.pid][0]}
     finally:
         for p in psutil.Process().children(recursive=True):
             p.kill()
