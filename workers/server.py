@@ -39,6 +39,7 @@ def main() -> int:
     stop_beat = report.start_heartbeat(threads=torch.get_num_threads())
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
+    report.emit("event", {"kind": "phase", "phase": "serve"})   # past the rendezvous (launcher/run/health.py)
     make_groups(num_workers, cfg.device, host_of, cfg.plan)   # a member of none but the default (gloo) group
     torch.manual_seed(cfg.seed)
     model = inner_module(job.build_model())   # a torch.compile wrapper's module: the user's names, never run here
@@ -55,7 +56,6 @@ def main() -> int:
     if step is not None:
         server.load_state_dict(checkpoint.load_part(cfg.run_dir, step, server.part()))
     report.emit("event", {"server": index, "message": f"serving {len(server.shards)} table shard(s) from step {server.applied}"})
-    report.emit("event", {"kind": "phase", "phase": "serve"})   # started: each request has a deadline now
     server.serve()
     n = max(server.applied - (step or 0), 1)
     report.emit("event", {"server": index, "message": "finished",

@@ -19,8 +19,9 @@ kinds of stall follow from that, per process, so the process that stopped is the
   server handling one request. Its heartbeats say what and for how long
   (strategies/activity.py); while a worker is busy so, its peers wait for it and their step
   clocks stand still, as during ``evaluate()``.
-- **not started**: no rendezvous (no ``train`` phase or server ``serve`` phase, no activity)
-  within ``startup_timeout`` of its start.
+- **not started**: not past the rendezvous (no ``train`` or ``evaluate`` phase of a worker, no
+  ``serve`` phase of a server, announced once it joined the group) within ``startup_timeout``
+  of its start.
 
 When several processes stall at once (peers of a stuck rank wait in a collective), the silent
 one is blamed, then an overdue one (it knows what it is stuck in); otherwise the stacks decide
