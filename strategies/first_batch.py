@@ -74,6 +74,15 @@ def refuse(ctx: WorkerContext, message: str, announce: bool = True) -> None:
     raise BatchRefused(message)
 
 
+def _samples(inputs: Any) -> int | None:
+    """The batch's samples (strategies/context.batch_samples), None for no batch or one whose
+    samples cannot be counted (a pipeline's first stage takes any object; nothing to check)."""
+    try:
+        return None if inputs is None else batch_samples(inputs)
+    except ValueError:
+        return None
+
+
 def check_first_batch(ctx: WorkerContext, inputs: Any, group, micro_batches: int = 1,
                       replica: int | None = None) -> None:
     """Check this worker's first batch (``inputs``; None on a pipeline stage that draws none)
@@ -83,7 +92,7 @@ def check_first_batch(ctx: WorkerContext, inputs: Any, group, micro_batches: int
     first stage's size is the replica's). Raises BatchRefused naming ranks and sizes (see the
     module docstring); worker 0 announces it."""
     cfg = ctx.cfg
-    mine = (ctx.rank, replica if replica is not None else ctx.rank, None if inputs is None else batch_samples(inputs))
+    mine = (ctx.rank, replica if replica is not None else ctx.rank, _samples(inputs))
     everyone = [None] * ctx.world_size
     if ctx.world_size > 1:
         dist.all_gather_object(everyone, mine, group=group)
