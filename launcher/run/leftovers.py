@@ -25,6 +25,6 @@ def ended_at_exit(say):
         yield
     finally:
         left = outside_group(os.getpid(), os.getpgrp())
-        line = ended_line({"started by the script in the launcher's checks": end(left)})
+        line = ended_line({"started by the script in the launcher (its checks, the profile)": end(left)})
         if line:
             say(line)
