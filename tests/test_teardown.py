@@ -232,6 +232,26 @@ def test_guard_stops_its_group_when_the_heartbeat_stops():
             guard.wait()
 
 
+def test_guard_told_to_stop_ends_what_left_its_group():
+    """A SIGTERM to the guard's group (what srun's scancel and a remote stop send): the worker
+    goes with the group; its helper in a session of its own, which ignores SIGTERM, is SIGKILLed
+    by the guard after 1 s and named in an ``ended`` event, before the guard itself goes."""
+    guard = subprocess.Popen([sys.executable, "-m", "hpar.workers.guard", sys.executable, "-c", ESCAPED],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    import psutil
+    try:
+        assert '"kind":"started"' in guard.stdout.readline()
+        ready, child = guard.stdout.readline().split()
+        helper = psutil.Process(int(child))
+        os.killpg(guard.pid, signal.SIGTERM)
+        helper.wait(10)
+        assert guard.wait(10) == -signal.SIGTERM
+        assert '"kind": "ended"' in guard.stdout.read() and not helper.is_running()
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
+
+
 def test_control_command_waits_for_a_free_ssh_session():
     """sshd refuses a channel beyond MaxSessions (10 by default) while the host's processes hold
     theirs: the control command asks again instead of calling the host unreachable."""

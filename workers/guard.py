@@ -42,11 +42,9 @@ def _on_sigterm(signum, frame) -> None:
     (Installed in the main thread: signal.signal cannot be called from the watcher thread.)"""
     if _STOPPING.is_set():
         return
-    for p in _outside_group():   # its group gets this SIGTERM from the sender; these would not
-        try:
-            p.send_signal(signal.SIGTERM)
-        except Exception:
-            pass
+    # its group gets this SIGTERM from the sender; what left the group would not, and once the
+    # guard is gone it is nobody's: ended here (SIGKILL after 1 s), under srun as over SSH
+    _stop_leftovers()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -93,15 +91,18 @@ def _kill_group(grace: float) -> None:
 
 
 def _stop_leftovers(wait_s: float = 1.0) -> None:
-    """CMD has exited: stop what it started in sessions of its own (SIGTERM, then SIGKILL after
-    ``wait_s``) and tell the launcher which in an ``ended`` event (it names them in one line);
-    the launcher stops what is left in the group."""
+    """CMD has exited, or the guard is told to stop: stop what CMD started in sessions of its
+    own (SIGTERM, then SIGKILL after ``wait_s``) and tell the launcher which in an ``ended``
+    event (it names them in one line); the launcher stops what is left in the group."""
     extra = _outside_group()
     if not extra:
         return
     from hpar.workers.descendants import end
     ended = end(extra, wait_s)
-    print("@hpar event " + json.dumps({"kind": "ended", "processes": ended}), flush=True)
+    try:
+        print("@hpar event " + json.dumps({"kind": "ended", "processes": ended}), flush=True)
+    except OSError:   # nobody reads any more (the launcher is gone)
+        pass
 
 
 def _report_stats(pid: int, every_s: float) -> None:
