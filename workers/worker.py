@@ -127,14 +127,17 @@ def main() -> int:
     stop_beat = report.start_heartbeat(device=device, threads=torch.get_num_threads() if device.type == "cpu" else None)
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
+    # past the rendezvous: from here the start-up bound runs to the first step (launcher/run/health.py)
+    report.emit("event", {"kind": "phase", "phase": "train"})
     eval_first = {}
     if rank == 0 and cfg.eval and not cfg.resume:
         torch.manual_seed(cfg.seed)
-        report.emit("event", {"kind": "phase", "phase": "evaluate"})   # not a step stall (launcher/run/health.py)
+        initial = job.build_model()   # building it is start-up, not evaluate()'s time
+        report.emit("event", {"kind": "phase", "phase": "evaluate"})   # the peers wait: not their stall
         with activity.doing("in evaluate() before training"):   # but it has the phase deadline
-            eval_first = job.run_evaluate(job.build_model())   # evaluate() gets the model on the CPU
+            eval_first = job.run_evaluate(initial)   # evaluate() gets the model on the CPU
         report.emit("event", {"kind": "first_eval", "eval": eval_first})
-    report.emit("event", {"kind": "phase", "phase": "train"})
+        report.emit("event", {"kind": "phase", "phase": "train"})
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
                         device=device, report=lambda m: report.emit("metric", m),
                         pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of,
