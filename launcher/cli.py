@@ -63,6 +63,9 @@ def main() -> None:
 @click.option("--min-hosts", type=int, default=0, help="With --max-restarts: a restart goes on with the hosts that "
               "answer when at least N do, resuming at that size (0: every host must answer).")
 @click.option("--stall-timeout", type=float, default=0.0, help="Seconds without progress after which a process counts as stalled (0: off).")
+@click.option("--phase-timeout", type=float, default=None,
+              help="Seconds a process may spend in evaluate(), drawing its first batch, writing a checkpoint or the "
+                   "model, or a server on one request (default: --stall-timeout; 0: off).")
 @click.option("--no-eval", is_flag=True, help="Skip evaluate() before and after training.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="autocast precision of forward/backward (default: HPAR, else fp32); fp16 adds a GradScaler.")
 @click.option("--clip-grad-norm", type=float, default=None, help="Clip the global norm of the averaged gradient to X (default: HPAR, else off).")
@@ -71,6 +74,9 @@ def main() -> None:
 @click.option("--find-unused-parameters", type=click.Choice(FIND_UNUSED_MODES), default=None,
               help="DDP's find_unused_parameters: auto (default) turns it on only when a profiled step left a "
                    "parameter without a gradient; on or off forces it.")
+@click.option("--allow-unequal-batches", is_flag=True, default=None,
+              help="Train although the workers' first batches differ in size (each worker's mean gradient then "
+                   "weighs the same, as DDP does); refused otherwise.")
 @click.option("--plain", is_flag=True, help="Plain progress lines even on a terminal.")
 @click.option("--ssh-key", default=None, help="SSH private key file.")
 @click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
@@ -89,10 +95,12 @@ def main() -> None:
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts, tune, tune_steps):
+        divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts, tune, tune_steps, phase_timeout,
+        allow_unequal_batches):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     from hpar.launcher.run.elastic import with_min_hosts
+    from hpar.launcher.run.leftovers import ended_at_exit
     from hpar.launcher.run.tuning import tune as tune_run
     console = Console(soft_wrap=True)
     kw = dict(script=script, gpus=gpus, hosts=hosts, strategy=strategy, plan_file=plan_file, steps=steps,
@@ -104,30 +112,35 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
               plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
               python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new,
               device=device, on_divergence=on_divergence, divergence_factor=divergence_factor,
-              pipeline_replicas=pipeline_replicas, find_unused_parameters=find_unused_parameters)
+              pipeline_replicas=pipeline_replicas, find_unused_parameters=find_unused_parameters,
+              phase_timeout=phase_timeout, allow_unequal_batches=allow_unequal_batches)
     from hpar.launcher.run.runner import launch
-    try:
-        if tune_steps < 1:
-            raise ValueError(f"--tune-steps must be at least 1, got {tune_steps}")
-        cfg, opts, master = run_command.resolve(console, **kw)
-        opts = with_min_hosts(opts, min_hosts)
-        if strategy == "auto" and not plan_file and not resume_dir:   # launcher/run/tuning.py
-            def resolve_for(con, chosen, path, directory, n, trial):
-                over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
-                if trial:
-                    over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
-                c, o, m = run_command.resolve(con, **{**kw, **over})
-                return c, (o if trial else with_min_hosts(o, min_hosts)), m
-            cfg, opts, master = tune_run(console, cfg, opts, master, tune, tune_steps, resolve_for, launch)
-    except JobError as exc:
-        fail(str(exc), exc.user_traceback)
-    except ValueError as exc:
-        fail(str(exc))
-    outcome = launch(cfg, opts, console, master)
-    if outcome.exit_code == 0 and outcome.summary:
-        from hpar.launcher.run.progress import final_line
-        console.print(final_line(outcome.summary, cfg.run_dir), markup=False)
-    sys.exit(outcome.exit_code)
+    with ended_at_exit(lambda line: console.print(line, markup=False)):   # what the script left running in the launcher
+        try:
+            if tune_steps < 1:
+                raise ValueError(f"--tune-steps must be at least 1, got {tune_steps}")
+            cfg, opts, master = run_command.resolve(console, **kw)
+            opts = with_min_hosts(opts, min_hosts)
+            if strategy == "auto" and not plan_file and not resume_dir:   # launcher/run/tuning.py
+                def resolve_for(con, chosen, path, directory, n, trial):
+                    over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
+                    if trial:
+                        over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
+                    c, o, m = run_command.resolve(con, **{**kw, **over})
+                    return c, (o if trial else with_min_hosts(o, min_hosts)), m
+                cfg, opts, master = tune_run(console, cfg, opts, master, tune, tune_steps, resolve_for, launch)
+        except run_command.NothingToDo as done:   # --resume of a finished run: its own figures, exit 0
+            console.print(str(done), markup=False)
+            sys.exit(0)
+        except JobError as exc:
+            fail(str(exc), exc.user_traceback)
+        except ValueError as exc:
+            fail(str(exc))
+        outcome = launch(cfg, opts, console, master)
+        if outcome.exit_code == 0 and outcome.summary:
+            from hpar.launcher.run.progress import final_line
+            console.print(final_line(outcome.summary, cfg.run_dir), markup=False)
+        sys.exit(outcome.exit_code)
 
 
 def _register_commands() -> None:

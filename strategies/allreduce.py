@@ -20,6 +20,7 @@ go to the N-1 peers and theirs come back.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from hpar.strategies.groups import mean_over_workers, worker_groups
 from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
 from hpar.strategies.sparse_grads import dense_before_step, densify
 from hpar.strategies.tying import embedding_tables
+from hpar.strategies.first_batch import check_first_batch, first_batch
 from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.forward import call_model, inner_module
 from hpar.strategies.loop import StepTools, evaluate_during_training, step_tools
@@ -140,9 +142,12 @@ def train(ctx: WorkerContext) -> TrainResult:
     padded = sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
     ddp.register_comm_hook((counter, ctx.world_size, groups.dense, ring_remote),
                            padded_allgather_hook if padded else counting_allreduce_hook)
-    batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
-    for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
-        next(batches)
+    drawn = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
+    # past the batches trained on before the checkpoint (the same data as an uninterrupted run)
+    first = [first_batch(lambda i: next(drawn), ctx.start_step * cfg.accumulate)] if ctx.start_step < cfg.steps else []
+    if first:
+        check_first_batch(ctx, first[0][0], groups.control)   # equal sizes on every worker, before any step
+    batches = itertools.chain(first, drawn)
     meter = None
     for step in range(ctx.start_step, cfg.steps):
         if meter is not None:

@@ -66,6 +66,7 @@ class RunConfig:
     divergence_factor: float = 2.0
     replicas: int = 1              # pipeline x data parallelism: R replicas of K = world_size / R stages
     find_unused_parameters: bool = False   # DDP's (allreduce, allreduce-sparse, hybrid): see strategies/ddp.py
+    allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/first_batch.py)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from hpar.strategies import activity
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import Job, JobError
 from hpar.strategies.forward import call_model
@@ -174,11 +175,13 @@ def evaluate_during_training(job: Job, cfg: RunConfig, rank: int, step: int,
     """Run ``evaluate(model())`` on worker rank 0 after step ``step`` when ``--eval-every``
     asks for it and report ``{"step": step, **metrics}``; the other ranks go on and meet rank 0
     at the next collective (evaluate must finish within the process group's timeout, 300 s by
-    default, HPAR_PG_TIMEOUT). Runs under a forked RNG, so evaluating does not change the
-    random numbers training draws next. Returns the metrics ({} when nothing ran)."""
+    default, HPAR_PG_TIMEOUT), and within the launcher's phase deadline (strategies/activity.py:
+    the model copy, which under hybrid/ps pulls every served row, included). Runs under a forked
+    RNG, so evaluating does not change the random numbers training draws next. Returns the
+    metrics ({} when nothing ran)."""
     if rank != 0 or not evaluate_now(cfg, step):
         return {}
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), activity.doing(f"in evaluate() after step {step}"):
         metrics = job.run_evaluate(model())
     report_eval({"step": step, **metrics})
     return metrics

@@ -119,8 +119,9 @@ def read(path: str, state: dict) -> None:
 def save(run_dir: str, step: int, state: dict) -> None:
     """Write this process's ``state`` (the namespace in the module docstring) for ``step``;
     a collective over the default group, then ``latest`` points at ``step``."""
-    write(step_dir(run_dir, step), state)
-    from hpar.strategies import checkpoint
+    from hpar.strategies import activity, checkpoint
+    with activity.doing(f"writing the checkpoint of step {step}"):
+        write(step_dir(run_dir, step), state)
     checkpoint.commit(run_dir, step)
 
 
@@ -135,9 +136,12 @@ def write_final(run_dir: str, entries: dict) -> None:
     turns it into one torch file, safetensors or a ``save_pretrained`` directory."""
     import shutil
     tmp, final = os.path.join(run_dir, FINAL_TMP), os.path.join(run_dir, FINAL)
-    write(tmp, entries)
+    from hpar.strategies import activity
+    with activity.doing("writing the trained model (RUN_DIR/model)"):
+        write(tmp, entries)
     if dist.is_initialized():
-        dist.barrier()
+        with activity.doing(None):   # waiting for the slowest writer is no deadline of this process's
+            dist.barrier()
     if _rank() == 0:
         if os.path.isdir(final):
             shutil.rmtree(final)

@@ -40,6 +40,7 @@ def main() -> int:
     stop_beat = report.start_heartbeat(threads=torch.get_num_threads())
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
+    report.emit("event", {"kind": "phase", "phase": "serve"})   # past the rendezvous (launcher/run/health.py)
     make_groups(num_workers, cfg.device, host_of, cfg.plan)   # a member of none but the default (gloo) group
     torch.manual_seed(cfg.seed)
     model = inner_module(job.build_model())   # a torch.compile wrapper's module: the user's names, never run here

@@ -202,27 +202,30 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tfl
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.device import profile_device
     from hpar.strategies.profile.profiler import profile_job
-    try:
-        from hpar.launcher.commands.launch import not_profilable
-        if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
-            raise ValueError(not_profilable(script))
-        job = load_job(script)
-        bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))
-        if bs < 1:
-            raise ValueError(f"--batch-size must be at least 1, got {bs}")
-        if timing_batch_size is not None and timing_batch_size < 1:
-            raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
-        measure_on = profile_device(device)
-        cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps,
-                                measured_on=measure_on.type)
-        check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
-        prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
-                           precision=precision)
-        plan = choose_plan(prof, cluster)
-    except JobError as exc:
-        _fail(str(exc), exc.user_traceback)
-    except (ValueError, RuntimeError) as exc:
-        _fail(str(exc))
+    from hpar.launcher.run.leftovers import ended_at_exit
+    # what the script's data() or model() left running in a session of its own is ended (on stderr: --json)
+    with ended_at_exit(lambda line: click.echo(line, err=True)):
+        try:
+            from hpar.launcher.commands.launch import not_profilable
+            if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
+                raise ValueError(not_profilable(script))
+            job = load_job(script)
+            bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))
+            if bs < 1:
+                raise ValueError(f"--batch-size must be at least 1, got {bs}")
+            if timing_batch_size is not None and timing_batch_size < 1:
+                raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
+            measure_on = profile_device(device)
+            cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps,
+                                    measured_on=measure_on.type)
+            check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
+            prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
+                               precision=precision)
+            plan = choose_plan(prof, cluster)
+        except JobError as exc:
+            _fail(str(exc), exc.user_traceback)
+        except (ValueError, RuntimeError) as exc:
+            _fail(str(exc))
     if plan_out:
         atomic_write_bytes(plan_out, (plan.to_json() + "\n").encode())
     if as_json:

@@ -34,6 +34,7 @@ class LaunchOptions:
     hosts: tuple[Host, ...] = ()
     ssh: object | None = None          # launcher.ssh.SSHOptions when SSH is used
     stall_timeout: float = 0.0
+    phase_timeout: float | None = None  # evaluate(), first batch, checkpoint and model writes, server requests (None: stall_timeout)
     max_restarts: int = 0
     grace: float = 5.0
     live: bool | None = None
@@ -80,7 +81,7 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
     procs = []
     for spec in specs:
         thread_env(spec, by_name[spec.host], per_host[spec.host], opts)
-        spec.env.setdefault("HPAR_HEARTBEAT_S", str(heartbeat_interval(opts.stall_timeout)))
+        spec.env.setdefault("HPAR_HEARTBEAT_S", str(heartbeat_interval(opts.stall_timeout, opts.phase_timeout)))
         for key, value in opts.env.items():  # hpar's own variables win
             spec.env.setdefault(key, value)
     if opts.slurm:
@@ -137,7 +138,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                     sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
                     hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event))
                     sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
-                                     total_steps=cfg.steps, on_event=hooks)
+                                     total_steps=cfg.steps, on_event=hooks, phase_timeout=opts.phase_timeout)
                     outcome = sup.run()
             checkpoint.remove_temp_files(rundir.path)
             used_ports.add(rdv.port)
@@ -146,7 +147,8 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                               markup=False)
                 continue
             interrupted = outcome.exit_code in (130, 143)
-            if outcome.exit_code == 0 or interrupted or attempt >= opts.max_restarts:
+            refused = outcome.exit_code == 2   # the script's input (strategies/first_batch.py): a restart cannot help
+            if outcome.exit_code == 0 or interrupted or refused or attempt >= opts.max_restarts:
                 break
             attempt += 1
             if opts.min_hosts and opts.ssh is not None and opts.hosts:
