@@ -112,6 +112,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     ``allow_unequal_batches`` (True: the flag given; None: the script's HPAR, else refused)."""
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
+    if gpus is not None and gpus < 1:   # also before a resume looks at the run (a finished one included)
+        raise ValueError(f"--gpus must be at least 1, got {gpus}")
     reshaped = None
     if resume_dir:
         given = [flag for flag, value in (("--gpus", gpus), ("--plan", plan_file), ("--servers", servers),
