@@ -19,6 +19,7 @@ report.install_stack_dump()   # first, so that a stall during start-up can be di
 import torch  # noqa: E402
 import torch.distributed as dist
 
+from hpar.strategies import memory
 from hpar.strategies.checkpoint import atomic_save
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import WorkerContext
@@ -130,6 +131,7 @@ def main() -> int:
         report.emit("event", {"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
         eval_first = job.run_evaluate(job.build_model())   # evaluate() gets the model on the CPU
         report.emit("event", {"kind": "first_eval", "eval": eval_first})
+    memory.start_process(device)   # peak memory from here to the last step (strategies/memory.py)
     report.emit("event", {"kind": "phase", "phase": "train"})
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
                         device=device, report=lambda m: report.emit("metric", m),
@@ -138,6 +140,7 @@ def main() -> int:
                         report_eval=lambda m: report.emit("eval", m))
     t0 = time.time()
     result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
+    report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures()})
     if rank == 0:
         assert result.model is not None, "the runtime must return the whole model on rank 0"
         report.emit("event", {"kind": "phase", "phase": "evaluate"})
