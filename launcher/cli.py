@@ -64,6 +64,11 @@ def main() -> None:
 @click.option("--find-unused-parameters", type=click.Choice(FIND_UNUSED_MODES), default=None,
               help="DDP's find_unused_parameters: auto (default) turns it on only when a profiled step left a "
                    "parameter without a gradient; on or off forces it.")
+@click.option("--worker-memory", type=float, default=None, metavar="GB",
+              help="Memory of each worker's device in GB (10^9 bytes); default: the GPU's, or this host's RAM over its processes.")
+@click.option("--server-memory", type=float, default=None, metavar="GB",
+              help="Host memory of each parameter server in GB; default: this host's RAM over its processes.")
+@click.option("--force", is_flag=True, help="Run a strategy even when its predicted peak memory does not fit.")
 @click.option("--plain", is_flag=True, help="Plain progress lines even on a terminal.")
 @click.option("--ssh-key", default=None, help="SSH private key file.")
 @click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
@@ -82,7 +87,7 @@ def main() -> None:
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor, pipeline_replicas, find_unused_parameters):
+        divergence_factor, pipeline_replicas, find_unused_parameters, worker_memory, server_memory, force):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     console = Console(soft_wrap=True)
@@ -97,7 +102,8 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
             python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
             on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
-            find_unused_parameters=find_unused_parameters)
+            find_unused_parameters=find_unused_parameters, worker_memory=worker_memory, server_memory=server_memory,
+            force=force)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)
     except ValueError as exc:

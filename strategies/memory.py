@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 import torch
 
@@ -53,13 +54,21 @@ def status_bytes(field: str) -> int | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """The C library (None where it cannot be loaded)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def release_freed_memory() -> None:
     """glibc's ``malloc_trim(0)``: return the heap's free pages to the system, so that the
     resident set counts live memory (nothing where the C library has no such call)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
+        _libc().malloc_trim(0)
+    except AttributeError:
         pass
 
 
@@ -77,9 +86,8 @@ _M_MMAP_THRESHOLD = -3      # mallopt's parameter number (malloc.h)
 def limit_retention() -> None:
     """Fix glibc's mmap threshold at MMAP_THRESHOLD (module docstring); nothing elsewhere."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    except (OSError, AttributeError):
+        _libc().mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except AttributeError:
         pass
 
 

@@ -112,3 +112,75 @@ def test_every_worker_and_server_reports_its_peak(tmp_path):
     assert summary["peak_bytes"]["worker"] == max(r["peak_bytes"] for r in reports if r["role"] == "worker")
     assert summary["peak_bytes"]["worker"] > 3.5 * dense
     assert summary["peak_bytes"]["server"] > 1.8 * table
+
+
+WIDE = '''
+import torch, torch.nn as nn
+HPAR = {"steps": 6, "batch_size": 16, "lr": 0.01, "log_every": 3}
+def model():
+    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)])
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        x = torch.randn(batch_size, 1024, generator=g)
+        yield x, x
+def loss(o, t): return ((o - t) ** 2).mean()
+def optimizer(params): return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+'''
+
+
+def _profile_json(tmp_path, script, *args):
+    code, out = hpar_to_file(tmp_path / "profile.out", "profile", script, "--gpus", "2", "--bandwidth", "1Gbps",
+                             "--json", *args)
+    assert code == 0, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+def test_profile_predicts_every_candidates_peaks_and_plans_what_fits(tmp_path):
+    """hpar profile --json gives every candidate's predicted peak per worker (per server for
+    hybrid/ps) and whether it fits; with --worker-memory between the pipeline's need and
+    allreduce's, allreduce is not runnable for its memory, with the one reason, and the plan
+    takes a strategy that fits, saying why."""
+    script = write_script(tmp_path, WIDE)
+    free = _profile_json(tmp_path, script)
+    cands = {c["strategy"]: c for c in free["candidates"]}
+    assert all(c["memory"]["worker_peak_bytes"] > 0 for c in cands.values())
+    assert cands["ps"]["memory"]["server_peak_bytes"] > 0 and cands["allreduce"]["memory"]["server_peak_bytes"] is None
+    need = lambda c: c["memory"]["worker_peak_bytes"] + c["memory"]["overhead_bytes"]
+    weights = 6 * 4 * (1024 * 1024 + 1024)
+    assert cands["allreduce"]["memory"]["worker_terms"]["params"] == weights
+    assert need(cands["allreduce"]) - need(cands["pipeline"]) > weights   # buckets, and the stage's half
+    cap = (need(cands["allreduce"]) + need(cands["pipeline"])) / 2 / 1e9
+    tight = _profile_json(tmp_path, script, "--worker-memory", f"{cap:.4f}")
+    cands = {c["strategy"]: c for c in tight["candidates"]}
+    assert not cands["allreduce"]["available"] and cands["allreduce"]["memory"]["fits"] is False
+    assert cands["allreduce"]["note"] == f"needs {need(cands['allreduce']) / 1e9:.3g} GB per worker, {cap:.3g} GB available"
+    assert cands["pipeline"]["memory"]["fits"] is True
+    assert tight["plan"]["strategy"] in ("pipeline", "ps") and tight["cluster"]["worker_memory_bytes"] == pytest.approx(cap * 1e9, rel=1e-3)
+    assert tight["plan"]["memory"]["fits"] is True
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_run_refuses_a_strategy_that_does_not_fit_unless_forced(tmp_path):
+    """--strategy allreduce with a --worker-memory below its predicted need: one line, exit 2,
+    no process; with --force it runs, and summary.json has the prediction beside the peaks."""
+    script = write_script(tmp_path, WIDE)
+    run_dir = str(tmp_path / "run")
+    code, out = hpar_to_file(tmp_path / "refused.out", "run", script, "--gpus", "2", "--strategy", "allreduce",
+                             "--worker-memory", "0.05", "--run-dir", run_dir)
+    assert code == 2, out
+    refusal = [line for line in out.splitlines() if "GB per worker" in line]
+    assert len(refusal) == 1 and refusal[0].startswith("hpar: --strategy allreduce needs ")
+    assert refusal[0].endswith("0.05 GB available (--worker-memory); choose a strategy that fits (hpar profile "
+                               "lists them), or --force to run it anyway")
+    assert not os.path.exists(os.path.join(run_dir, "config.json"))
+    code, out = hpar_to_file(tmp_path / "forced.out", "run", script, "--gpus", "2", "--strategy", "allreduce",
+                             "--worker-memory", "0.05", "--force", "--run-dir", run_dir, "--no-eval")
+    assert not kill_left(run_dir), "processes left behind"
+    assert code == 0, out
+    assert "running it anyway (--force)" in out
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    predicted, measured = summary["predicted_peak_bytes"]["worker"], summary["peak_bytes"]["worker"]
+    assert predicted > 4 * 6 * 4 * 1024 * 1024 and measured > 0 and summary["predicted_peak_bytes"]["server"] is None

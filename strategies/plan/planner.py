@@ -6,7 +6,10 @@ holds (``Plan.to_dict()``): the hybrid runtime reads ``placement`` (parameter na
 pipeline runtime reads ``stages`` ([start, end) layer indices of
 ``profile.pipeline_layers(model)``: K stages), ``replicas`` (R; K x R = the workers),
 ``layout`` (rank layout, strategies/pipeline/replicas.py), ``micro_batches`` and ``schedule``;
-``hpar run`` reads ``unused_params`` (what decides DDP's ``find_unused_parameters``).
+``hpar run`` reads ``unused_params`` (what decides DDP's ``find_unused_parameters``) and
+records ``memory`` (the chosen plan's predicted peaks, strategies/plan/memory.py) in summary.json.
+A candidate whose predicted peak does not fit the cluster's memory (``--worker-memory``,
+``--server-memory``) is listed as not runnable with the one reason, and never chosen.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, estimate_all, estimate_pipeline
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
+from hpar.strategies.plan.memory import predict as predict_memory, refusal
 from hpar.strategies.pipeline.ties import schedule_problem, stages_of
 from hpar.strategies.profile.profiler import Profile
 
@@ -25,7 +29,9 @@ from hpar.strategies.profile.profiler import Profile
 class Candidate:
     """One strategy as predicted: seconds per step, samples/s over all workers, bytes one
     worker sends per step; ``available`` False when hpar cannot run it for this job (no
-    runtime yet, or the job does not fit it), with ``note`` saying why."""
+    runtime yet, or the job does not fit it), with ``note`` saying why; ``memory``: its
+    predicted peaks (``MemoryEstimate.to_dict``: ``worker_peak_bytes``, ``server_peak_bytes``,
+    ``fits``, the terms)."""
 
     strategy: str
     predicted_step_s: float
@@ -34,6 +40,7 @@ class Candidate:
     available: bool
     note: str = ""
     breakdown: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Plan:
     layout: str = ""         # pipeline: rank layout (strategies/pipeline/replicas.py)
     pull_ahead: bool = True  # hybrid/ps: request the next step's rows during this one (hybrid/embedding.py)
     unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/ddp.py
+    memory: dict = field(default_factory=dict)   # the chosen candidate's predicted peaks (strategies/plan/memory.py)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -143,19 +151,20 @@ def _fastest_simplest(estimates: list[Estimate]) -> Estimate:
 
 
 def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
-                force: str | None = None, pipeline_replicas: int | None = None) -> Plan:
-    """Predict every strategy (``costmodel.estimate_all``) and pick the highest samples/s among
-    those that fit the job; the others are still listed as candidates with a note. A hybrid
+                force: str | None = None, pipeline_replicas: int | None = None, allow_misfit: bool = False) -> Plan:
+    """Predict every strategy (``costmodel.estimate_all``) and its peak memory
+    (``plan/memory.predict``) and pick the highest samples/s among those that fit the job and
+    the cluster's memory; the others are still listed as candidates with a note. A hybrid
     plan that places nothing on the servers, or allreduce-sparse without an embedding table, is
     listed but cannot win (it would run as allreduce); predictions within ``TIE`` of the fastest go to the simplest strategy. ``force`` (the user's ``--strategy``) takes that strategy's plan
     instead (its stages, micro-batches, placement); ``pipeline_replicas`` fixes the pipeline's R
     (``--pipeline-replicas``). Raises ValueError when no strategy fits, or when the forced one
-    does not fit, with the cost model's reason."""
+    does not fit (its memory too, unless ``allow_misfit``: ``hpar run --force``), with the reason."""
     estimates = estimate_all(profile, cluster)
     if pipeline_replicas is not None:
         estimates = [estimate_pipeline(profile, cluster, replicas=pipeline_replicas) if e.strategy == "pipeline" else e
                      for e in estimates]
-    candidates, ok = [], []
+    candidates, ok, misfits, memory = [], [], {}, {}
     for e in estimates:
         note = e.note
         available = e.feasible
@@ -177,29 +186,43 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         if e.strategy == "hybrid" and measured_sparse:
             note = (note + "; " if note else "") + \
                 f"sparse non-embedding parameters stay on AllReduce: {', '.join(measured_sparse[:3])}"
+        mem = predict_memory(profile, cluster, e, schedule) if e.feasible else None
+        memory[e.strategy] = mem
+        misfit = mem.misfit(cluster) if mem is not None else ""
+        if misfit:   # the one reason it is not runnable (strategies/plan/memory.py)
+            misfits[e.strategy] = misfit
+            note, available = misfit, False
         candidates.append(Candidate(e.strategy, e.step_s, e.samples_per_s, e.bytes_per_step, available,
-                                    note, dict(e.breakdown)))
+                                    note, dict(e.breakdown), mem.to_dict(cluster) if mem is not None else {}))
         if available:
             ok.append(e)
-    if not ok:
-        raise ValueError("no strategy fits this job")
-    best = _fastest_simplest(ok)
     if force is not None:
         forced = [e for e in estimates if e.strategy == force]
         if not forced or not forced[0].feasible:
             why = forced[0].note if forced else "unknown strategy"
             raise ValueError(f"--strategy {force} does not fit this job: {why}")
+        if force in misfits and not allow_misfit:
+            raise ValueError(refusal(force, misfits[force]))
         best = forced[0]
+    elif not ok:
+        raise ValueError("no strategy fits this job" + (": " + "; ".join(f"{k} {v}" for k, v in misfits.items())
+                                                       if misfits else ""))
+    else:
+        best = _fastest_simplest(ok)
     others = sorted((e for e in ok if e is not best), key=lambda e: -e.samples_per_s)
     reason = _why(best, profile, cluster, others[0] if others else None)
     fastest = _fastest_simplest([e for e in estimates if e.feasible])
     if fastest is not best and fastest.samples_per_s > best.samples_per_s:
-        reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
+        why = f", but {misfits[fastest.strategy]}" if fastest.strategy in misfits else "; --strategy chose this one"
+        reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s{why}.)"
     uses_servers = best.strategy in ("hybrid", "ps")
+    chosen = memory.get(best.strategy)
     return Plan(strategy=best.strategy, placement=dict(best.placement), partitions=dict(best.partitions),
                 servers=cluster.servers if uses_servers else 0, stages=[list(s) for s in best.stages],
                 micro_batches=best.micro_batches or 1, schedule=schedule,
                 reason=reason, candidates=candidates, predicted_step_s=best.step_s,
                 samples_per_s=best.samples_per_s, compute=compute_source(profile, cluster),
                 replicas=best.replicas if best.strategy == "pipeline" else 1,
-                layout=best.layout if best.strategy == "pipeline" else "", unused_params=list(profile.unused_params))
+                layout=best.layout if best.strategy == "pipeline" else "", unused_params=list(profile.unused_params),
+                memory=chosen.to_dict(cluster) if chosen is not None else {})
+
