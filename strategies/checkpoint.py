@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import tempfile
 
 import torch
@@ -35,10 +36,15 @@ def _atomic_write(path: str, write) -> None:
 
 def remove_temp_files(directory: str) -> list[str]:
     """Remove the ``.tmp-*`` files :func:`_atomic_write` left under ``directory`` (a process
-    killed mid-write cannot remove its own); returns their paths. Call only while no process
-    of the run writes (before it starts, after teardown)."""
+    killed mid-write cannot remove its own), and the ``.tmp-*`` directories of an unfinished
+    :func:`save_sharded`; returns their paths. Call only while no process of the run writes
+    (before it starts, after teardown)."""
     removed = []
-    for root, _, files in os.walk(directory):
+    for root, dirs, files in os.walk(directory):
+        for name in [d for d in dirs if d.startswith(".tmp-")]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(os.path.join(root, name))
+            dirs.remove(name)
         for name in files:
             if name.startswith(".tmp-"):
                 path = os.path.join(root, name)
@@ -115,7 +121,8 @@ def file_sha256(path: str) -> str:
 
 def verify_step(run_dir: str, step: int) -> str | None:
     """None when every part of checkpoint ``step`` is present and matches its SHA-256 (a part
-    written before checksums existed must load instead), else why not (naming the file)."""
+    written before checksums existed must load instead), and so does every file of its sharded
+    state (:func:`save_sharded`), else why not (naming the file)."""
     directory = step_dir(run_dir, step)
     try:
         parts = sorted(n for n in os.listdir(directory) if n.endswith(".pt"))
@@ -123,6 +130,14 @@ def verify_step(run_dir: str, step: int) -> str | None:
         return f"{directory}: {exc.strerror}"
     if not parts:
         return f"{directory}: no checkpoint part"
+    sharded = os.path.join(directory, SHARDED)
+    if os.path.isdir(sharded):
+        for name in sorted(os.listdir(sharded)):
+            path = os.path.join(sharded, name)
+            if name.endswith(".sha256"):
+                continue
+            if not os.path.exists(path + ".sha256") or file_sha256(path) != open(path + ".sha256").read().strip():
+                return f"{path}: checksum mismatch or missing (truncated or altered)"
     for name in parts:
         path = os.path.join(directory, name)
         try:
@@ -193,6 +208,45 @@ def latest_step(run_dir: str) -> int | None:
         return int(text.decode().strip())
     except (UnicodeDecodeError, ValueError):
         raise ValueError(f"{path}: not a step number ({text[:20]!r}); the file is damaged") from None
+
+
+SHARDED = "sharded"   # the directory of a step's torch.distributed.checkpoint state (fsdp)
+
+
+def save_sharded(run_dir: str, step: int, state: dict, rank: int) -> None:
+    """Collective over the default process group: every process writes its shards of
+    ``state`` (DTensors, as ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives
+    them) with ``torch.distributed.checkpoint.save`` into a ``.tmp-`` directory of step
+    ``step``, which rank 0 then renames to ``step-N/sharded`` and checksums file by file (one
+    ``.sha256`` beside each, for :func:`verify_step`). The run directory must be one filesystem
+    for every host (rank 0 writes the metadata every rank reads). Call :func:`commit` after the
+    processes' parts."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    final = os.path.join(step_dir(run_dir, step), SHARDED)
+    tmp = os.path.join(step_dir(run_dir, step), ".tmp-" + SHARDED)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    dist.barrier()
+    if rank == 0:
+        for name in os.listdir(tmp):
+            atomic_write_bytes(os.path.join(tmp, name + ".sha256"), file_sha256(os.path.join(tmp, name)).encode())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+
+def load_sharded(run_dir: str, step: int, state: dict) -> None:
+    """Fill ``state`` (DTensors of this process's shards, as :func:`save_sharded` took them)
+    from step ``step``'s sharded checkpoint, whatever the processes that wrote it (DCP
+    reshards); a collective. ValueError naming the directory when it is missing."""
+    import torch.distributed.checkpoint as dcp
+    path = os.path.join(step_dir(run_dir, step), SHARDED)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: sharded checkpoint missing; was the run started with --strategy fsdp?")
+    dcp.load(state, checkpoint_id=path)
 
 
 def load_part(run_dir: str, step: int, part: str) -> dict:

@@ -262,8 +262,10 @@ def load_job(path: str) -> Job:
 
 
 def _resident_bytes() -> int:
-    """This process's resident set in bytes (0 where /proc is missing)."""
-    from hpar.strategies.memory import status_bytes
+    """This process's resident set in bytes once torch's lazy imports are in (as in a worker's
+    memory baseline, strategies/memory.py; 0 where /proc is missing)."""
+    from hpar.strategies.memory import load_lazy_imports, status_bytes
+    load_lazy_imports()
     return status_bytes("VmRSS") or 0
 
 

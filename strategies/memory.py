@@ -151,7 +151,8 @@ class PeakMemory:
     def figures(self) -> dict:
         """``peak_bytes`` (the allocator's peak on CUDA, the resident one on CPU),
         ``rss_peak_bytes``, ``allocated_peak_bytes`` and ``reserved_peak_bytes`` (CUDA only,
-        else None), all above the baseline; the window's figures once :meth:`freeze` ran."""
+        else None), all above the baseline, and ``baseline_bytes`` (the resident set at the
+        baseline); the window's figures once :meth:`freeze` ran."""
         if self.frozen is not None:
             return dict(self.frozen)
         now = self._now()
@@ -159,7 +160,7 @@ class PeakMemory:
         rss = peak("rss")
         alloc, reserved = (peak("alloc"), peak("reserved")) if self.cuda else (None, None)
         return {"peak_bytes": alloc if self.cuda else rss, "rss_peak_bytes": rss,
-                "allocated_peak_bytes": alloc, "reserved_peak_bytes": reserved}
+                "allocated_peak_bytes": alloc, "reserved_peak_bytes": reserved, "baseline_bytes": self.base_rss}
 
     def peak_bytes(self) -> int | None:
         """Peak bytes above the usage at :meth:`start` (>= 0), or None."""

@@ -34,6 +34,7 @@ RUNTIMES = {
     "hybrid": "hpar.strategies.hybrid.runtime",
     "ps": "hpar.strategies.hybrid.runtime",
     "pipeline": "hpar.strategies.pipeline.runtime",
+    "fsdp": "hpar.strategies.fsdp",
 }
 
 
@@ -131,6 +132,7 @@ def main() -> int:
         report.emit("event", {"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
         eval_first = job.run_evaluate(job.build_model())   # evaluate() gets the model on the CPU
         report.emit("event", {"kind": "first_eval", "eval": eval_first})
+    runtime = importlib.import_module(RUNTIMES[cfg.strategy])   # imported before the memory baseline
     memory.start_process(device)   # peak memory from here to the last step (strategies/memory.py)
     report.emit("event", {"kind": "phase", "phase": "train"})
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
@@ -139,7 +141,7 @@ def main() -> int:
                         event=lambda e: report.emit("event", e), on_step=report.set_step,
                         report_eval=lambda m: report.emit("eval", m))
     t0 = time.time()
-    result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
+    result = runtime.train(ctx)
     report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures()})
     if rank == 0:
         assert result.model is not None, "the runtime must return the whole model on rank 0"

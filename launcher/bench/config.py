@@ -12,7 +12,7 @@ PLANNED = {"pipeline", "hybrid", "ps"}   # strategies whose runs take the planne
 # bench name -> (hpar run --strategy, --schedule or None)
 BENCH_STRATEGIES: dict[str, tuple[str, str | None]] = {
     "hybrid": ("hybrid", None), "ps": ("ps", None), "allreduce": ("allreduce", None),
-    "allreduce-sparse": ("allreduce-sparse", None),
+    "allreduce-sparse": ("allreduce-sparse", None), "fsdp": ("fsdp", None),
     "pipeline-gpipe": ("pipeline", "gpipe"), "pipeline-1f1b": ("pipeline", "1f1b"),
     "pipeline-async-stash": ("pipeline", "async-stash"), "pipeline-async-predict": ("pipeline", "async-predict"),
     "pipeline-async-2bw": ("pipeline", "async-2bw"),

@@ -183,6 +183,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
                              f"(only {', '.join(DDP_STRATEGIES)} do); drop it")
         check_optimizer(console, job, inner, strategy, plan, servers, pick(lr, "lr"))
+        if strategy == "fsdp":
+            from hpar.strategies.fsdp import check_available
+            check_available()
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),

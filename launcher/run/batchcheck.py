@@ -8,7 +8,7 @@ have, the sizes are compared and a differing set is printed once, naming ranks a
 """
 from __future__ import annotations
 
-DATA_PARALLEL = ("allreduce", "allreduce-sparse", "hybrid", "ps")
+DATA_PARALLEL = ("allreduce", "allreduce-sparse", "hybrid", "ps", "fsdp")
 
 
 class BatchSizeCheck:

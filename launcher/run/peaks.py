@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-FIGURES = ("peak_bytes", "rss_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes")
+FIGURES = ("peak_bytes", "rss_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "baseline_bytes")
 
 
 class PeakFigures:
@@ -43,7 +43,7 @@ class PeakFigures:
         out = dict(summary)
         out["peak_bytes"] = {role: self.largest(role) for role in ("worker", "server")}
         extra = {f"{role}_{key}": self.largest(role, key) for role in ("worker", "server")
-                 for key in ("rss_peak_bytes", "reserved_peak_bytes")}
+                 for key in ("rss_peak_bytes", "reserved_peak_bytes", "baseline_bytes")}
         out["peak_memory"] = {k: v for k, v in extra.items() if v is not None}
         predicted = (plan or {}).get("memory") or {}
         out["predicted_peak_bytes"] = {"worker": predicted.get("worker_peak_bytes"),

@@ -38,8 +38,9 @@ runtime's code) or **measured** (by the profile, strategies/profile/memory.py):
 * ``first_use`` (measured): what a process's first forward adds once (kernels' state) and what
   ``model()`` keeps besides the parameters; ``growth`` (measured): what later steps on new
   batches keep (kernels' caches per input shape).
-* ``runtime`` (measured): the point-to-point runtimes' own memory (hybrid/ps workers, pipeline
-  stages and servers: gloo's pairs, threads), a constant measured on tiny models (RUNTIME_BYTES).
+* ``runtime`` (measured): the point-to-point runtimes' and FSDP's own memory (hybrid/ps workers,
+  pipeline stages, servers: gloo's pairs, threads; FSDP: DTensor's dispatch), a constant measured
+  on tiny models (RUNTIME_BYTES).
 * servers (counted): their table shards, the optimizer state of those rows (r x), the pushes of a
   step (N workers' rows) and their mean, and, while starting, the whole model they build and cut.
 """
@@ -55,7 +56,7 @@ GB = 1e9   # --worker-memory and --server-memory count 10^9 bytes
 # The processes' own runtime beyond the model (gloo's point-to-point pairs, threads, the inbox's
 # bookkeeping), measured as the peak of tests/conftest.py's TINY and EMBED_TINY models (a few
 # hundred parameters) above what the terms below predict for them, 2 workers, 6 steps, here:
-RUNTIME_BYTES = {"p2p_worker": 5_000_000, "stage": 3_000_000, "server": 4_000_000}
+RUNTIME_BYTES = {"p2p_worker": 5_000_000, "stage": 3_000_000, "server": 4_000_000, "fsdp": 3_000_000}
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,8 @@ def fsdp_terms(profile: Profile, cluster: ClusterSpec) -> dict[str, float]:
     pairs = max((a + b for a, b in zip(units, units[1:])), default=units[0])
     shard = total / n
     train = {"params": shard, "optimizer": r * shard, "unsharded": 2 * pairs,
-             "step": _step(m, profile, shard, stepped=shard), "data": m.data_bytes if m else 0}
+             "step": _step(m, profile, shard, stepped=shard), "data": m.data_bytes if m else 0,
+             "runtime": RUNTIME_BYTES["fsdp"]}
     build = total + shard if profile.device == "cpu" else 0
     if build > sum(train.values()):
         return {"build": build}

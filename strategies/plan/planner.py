@@ -113,6 +113,9 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
         return (f"pipeline: {_fmt_bytes(profile.total_bytes)} of parameters would cross a "
                 f"{_fmt_bytes(cluster.bandwidth_Bps)}/s link every step with data parallelism, while "
                 f"the {len(best.stages)} stages only exchange activations{vs}.")
+    if best.strategy == "fsdp":
+        return (f"fsdp: each worker holds 1/{cluster.workers} of the {_fmt_bytes(profile.total_bytes)} of parameters, "
+                f"of their gradients and of the optimizer state, gathering one layer's weights at a time{vs}.")
     if best.strategy == "allreduce" and cluster.workers == 1:
         return (f"allreduce: one worker, so no gradient is exchanged and the plan without servers "
                 f"or stages is the single-device step{vs}.")
@@ -137,7 +140,7 @@ def compute_source(profile: Profile, cluster: ClusterSpec) -> str:
 
 
 # Simplest first: fewer moving parts (no servers, no stages) win a near tie.
-SIMPLICITY = ("allreduce", "allreduce-sparse", "pipeline", "hybrid", "ps")
+SIMPLICITY = ("allreduce", "allreduce-sparse", "pipeline", "fsdp", "hybrid", "ps")
 TIE = 0.05   # predictions within 5% of each other are a tie (the cost model is not finer than that)
 
 
