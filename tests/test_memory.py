@@ -184,3 +184,40 @@ def test_run_refuses_a_strategy_that_does_not_fit_unless_forced(tmp_path):
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     predicted, measured = summary["predicted_peak_bytes"]["worker"], summary["peak_bytes"]["worker"]
     assert predicted > 4 * 6 * 4 * 1024 * 1024 and measured > 0 and summary["predicted_peak_bytes"]["server"] is None
+
+
+WIDE_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "wide.py")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_model_too_large_for_allreduce_is_planned_onto_what_fits_and_runs_within_it(tmp_path):
+    """examples/wide.py (134 MB of weights, SGD with momentum): planned for 8 GPUs with a
+    --worker-memory below what its allreduce replica needs, the plan is pipeline or fsdp and says
+    that allreduce does not fit; at the scale this machine runs (2 CPU workers), hpar run --strategy
+    auto with a --worker-memory that allreduce exceeds chooses pipeline or fsdp, and no worker's
+    resident memory (its baseline plus its measured peak) exceeds the stated memory."""
+    projected = _profile_json(tmp_path, WIDE_EXAMPLE, "--gpus", "8", "--hosts", "2x4", "--device-tflops", "50",
+                              "--worker-memory", "0.3")
+    assert projected["cluster"]["workers"] == 8
+    cands = {c["strategy"]: c for c in projected["candidates"]}
+    assert cands["allreduce"]["memory"]["fits"] is False and cands["allreduce"]["note"].startswith("needs ")
+    assert projected["plan"]["strategy"] in ("pipeline", "fsdp")
+    fits = [s for s in ("pipeline", "fsdp") if cands[s]["available"]]
+    assert projected["plan"]["strategy"] == max(fits, key=lambda s: cands[s]["samples_per_s"])
+    assert f"Does not fit the memory: allreduce {cands['allreduce']['note']}" in projected["plan"]["reason"]
+    here = _profile_json(tmp_path, WIDE_EXAMPLE)   # 2 CPU workers
+    need = {c["strategy"]: c["memory"]["worker_peak_bytes"] + c["memory"]["overhead_bytes"] for c in here["candidates"]}
+    cap = (need["allreduce"] + max(need["pipeline"], need["fsdp"])) / 2 / 1e9
+    run_dir = str(tmp_path / "run")
+    code, out = hpar_to_file(tmp_path / "run.out", "run", WIDE_EXAMPLE, "--gpus", "2", "--steps", "4", "--no-eval",
+                             "--worker-memory", f"{cap:.3f}", "--run-dir", run_dir, timeout=500)
+    assert not kill_left(run_dir), "processes left behind"
+    assert code == 0, out
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["strategy"] in ("pipeline", "fsdp"), out
+    assert "Does not fit the memory: allreduce needs" in out
+    reports = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    workers = [r for r in reports if r["kind"] == "memory" and r["role"] == "worker"]
+    assert len(workers) == 2 and all(r["baseline_bytes"] + r["peak_bytes"] <= cap * 1e9 for r in workers), \
+        (cap, [(r["baseline_bytes"], r["peak_bytes"]) for r in workers])

@@ -108,7 +108,7 @@ def test_a_candidate_that_does_not_fit_is_never_chosen_and_a_forced_one_is_refus
     ar = next(c for c in plan.candidates if c.strategy == "allreduce")
     assert not ar.available and ar.note.startswith("needs ") and " GB per worker, " in ar.note
     assert ar.memory["fits"] is False and plan.strategy != "allreduce"
-    assert "but needs" in plan.reason or plan.strategy == "pipeline"
+    assert f"Does not fit the memory: allreduce {ar.note}" in plan.reason
     with pytest.raises(ValueError, match=r"--strategy allreduce needs .* GB per worker, .* --force"):
         choose_plan(prof, cluster(worker_memory_bytes=cap), force="allreduce")
     assert choose_plan(prof, cluster(worker_memory_bytes=cap), force="allreduce", allow_misfit=True).strategy == "allreduce"
@@ -121,3 +121,14 @@ def test_misfit_names_the_side_that_does_not_fit():
     assert misfit(memory, 3.5e9, None) == ""
     assert misfit(memory, 2.5e9, None) == "needs 3 GB per worker, 2.5 GB available"
     assert misfit(memory, 4e9, 5.5e9) == "needs 6 GB per server, 5.5 GB available"
+
+
+def test_bench_skips_a_strategy_that_does_not_fit_with_the_reason():
+    from hpar.launcher.bench.planning import does_not_fit
+    from hpar.strategies.plan.costmodel import estimate_all
+    prof = profile(ratio=2.0)
+    tight = cluster(worker_memory_bytes=1.7e9)
+    estimates = {e.strategy: e for e in estimate_all(prof, tight)}
+    assert does_not_fit("allreduce", prof, estimates, tight).startswith("needs ")
+    assert does_not_fit("fsdp", prof, estimates, tight) is None
+    assert does_not_fit("allreduce", prof, estimates, cluster()) is None

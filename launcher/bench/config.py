@@ -48,6 +48,8 @@ class BenchConfig:
     threads: int | None = None     # every process's CPU threads (--env OMP_NUM_THREADS); None: hpar run's default
     repeat: int = 1     # runs of every strategy, interleaved (round r runs every strategy once)
     min_seconds: float = 0.0   # more steps for a strategy predicted faster: see steps_for
+    worker_memory_gb: float | None = None   # every run's --worker-memory (and the plans' capacity)
+    server_memory_gb: float | None = None   # every run's --server-memory
 
 
 MAX_STEPS = 5000   # steps_for's ceiling

@@ -210,7 +210,7 @@ def pipeline_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedu
         share = sum(saved[a:b]) / max(sum(saved), 1)
         held = in_flight(schedule, K, k, M)
         # async-2bw sums each micro-batch's gradient into the batch's out of place: both at once
-        terms = {"params": profile.total_bytes if profile.device == "cpu" else pk,
+        terms = {"params": profile.total_bytes if _on_cpu(profile, cluster) else pk,
                  "gradients": pk * (2 if schedule == "async-2bw" else 1),
                  "optimizer": r * pk,
                  "step": max(held * share * _step(m, profile, 0.0, 1.0 / M), m.optimizer_step_ratio * pk if m else 0),
@@ -233,7 +233,7 @@ def fsdp_terms(profile: Profile, cluster: ClusterSpec) -> dict[str, float]:
     train = {"params": shard, "optimizer": r * shard, "unsharded": 2 * pairs,
              "step": _step(m, profile, shard, stepped=shard), "data": m.data_bytes if m else 0,
              "runtime": RUNTIME_BYTES["fsdp"]}
-    build = total + shard if profile.device == "cpu" else 0
+    build = total + shard if _on_cpu(profile, cluster) else 0
     if build > sum(train.values()):
         return {"build": build}
     return train
@@ -252,6 +252,13 @@ def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int
         held += 1 if op.kind == "F" else -1
         most = max(most, held)
     return most
+
+
+def _on_cpu(profile: Profile, cluster: ClusterSpec) -> bool:
+    """Whether the workers compute on the host's CPU, so that what a process builds on the host
+    counts against the worker's memory: profiled on a CPU and not projected to a device
+    (``--device-tflops``), whose memory holds only what is moved onto it."""
+    return profile.device == "cpu" and cluster.device_flops is None
 
 
 def _ratio(profile: Profile) -> float:
@@ -274,4 +281,5 @@ def predict(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str
     server = server_terms(profile, cluster, est) if est.strategy in ("hybrid", "ps") else {}
     return MemoryEstimate({k: int(v) for k, v in worker.items()}, {k: int(v) for k, v in server.items()},
                           overhead_bytes=m.process_bytes if m else 0,
-                          device_overhead_bytes=m.device_overhead_bytes if m else 0, device=profile.device)
+                          device_overhead_bytes=m.device_overhead_bytes if m else 0,
+                          device="cpu" if _on_cpu(profile, cluster) else "cuda")

@@ -193,7 +193,8 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         memory[e.strategy] = mem
         misfit = mem.misfit(cluster) if mem is not None else ""
         if misfit:   # the one reason it is not runnable (strategies/plan/memory.py)
-            misfits[e.strategy] = misfit
+            if available:
+                misfits[e.strategy] = misfit   # runnable but for its memory
             note, available = misfit, False
         candidates.append(Candidate(e.strategy, e.step_s, e.samples_per_s, e.bytes_per_step, available,
                                     note, dict(e.breakdown), mem.to_dict(cluster) if mem is not None else {}))
@@ -215,9 +216,12 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     others = sorted((e for e in ok if e is not best), key=lambda e: -e.samples_per_s)
     reason = _why(best, profile, cluster, others[0] if others else None)
     fastest = _fastest_simplest([e for e in estimates if e.feasible])
-    if fastest is not best and fastest.samples_per_s > best.samples_per_s:
-        why = f", but {misfits[fastest.strategy]}" if fastest.strategy in misfits else "; --strategy chose this one"
-        reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s{why}.)"
+    if fastest is not best and fastest.samples_per_s > best.samples_per_s and fastest.strategy not in misfits:
+        reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
+    left_out = [f"{k} {v}" + (f" (predicted faster, {e.samples_per_s:,.0f} samples/s)" if e.samples_per_s > best.samples_per_s else "")
+                for e in estimates if (k := e.strategy) in misfits and (v := misfits[k]) and k != best.strategy]
+    if left_out:
+        reason += " Does not fit the memory: " + "; ".join(left_out) + "."
     uses_servers = best.strategy in ("hybrid", "ps")
     chosen = memory.get(best.strategy)
     return Plan(strategy=best.strategy, placement=dict(best.placement), partitions=dict(best.partitions),
