@@ -30,17 +30,19 @@ runtime's code) or **measured** (by the profile, strategies/profile/memory.py):
   every dense parameter whole.
 * ``versions`` (counted): weight versions of the asynchronous pipelines: a stashed copy per
   micro-batch in flight (async-stash), the predicted weights (async-predict), two versions
-  (async-2bw).
+  (async-2bw); ``replica_allreduce``: with pipeline replicas, the stage's gradients flattened
+  for their AllReduce (strategies/pipeline/replicas.py).
 * ``unsharded`` (counted): FSDP's gathered parameters of the unit it runs and the one it
   prefetches, and their unsharded gradients before the reduce-scatter; on a CPU the whole model
   is built once before it is sharded (``build``).
 * ``data`` (measured): the ``data()`` iterator and its batch, and what its first draw imports.
 * ``first_use`` (measured): what a process's first forward adds once (kernels' state) and what
-  ``model()`` keeps besides the parameters; ``growth`` (measured): what later steps on new
-  batches keep (kernels' caches per input shape).
-* ``runtime`` (measured): the point-to-point runtimes' and FSDP's own memory (hybrid/ps workers,
-  pipeline stages, servers: gloo's pairs, threads; FSDP: DTensor's dispatch), a constant measured
-  on tiny models (RUNTIME_BYTES).
+  ``model()`` keeps besides the parameters; ``growth`` (measured rate, assumed horizon): what
+  steps on new batches keep (kernels' caches per input shape), the profile's bytes per step
+  times GROWTH_HORIZON_STEPS.
+* ``runtime`` (measured): the runtimes' own memory beyond these terms (a hybrid worker's DDP
+  reducer beside its client, a pipeline stage's and a server's point-to-point pairs and threads,
+  FSDP's DTensor dispatch), a constant measured on tiny models (RUNTIME_BYTES).
 * servers (counted): their table shards, the optimizer state of those rows (r x), the pushes of a
   step (N workers' rows) and their mean, and, while starting, the whole model they build and cut.
 """
@@ -56,7 +58,11 @@ GB = 1e9   # --worker-memory and --server-memory count 10^9 bytes
 # The processes' own runtime beyond the model (gloo's point-to-point pairs, threads, the inbox's
 # bookkeeping), measured as the peak of tests/conftest.py's TINY and EMBED_TINY models (a few
 # hundred parameters) above what the terms below predict for them, 2 workers, 6 steps, here:
-RUNTIME_BYTES = {"p2p_worker": 5_000_000, "stage": 3_000_000, "server": 4_000_000, "fsdp": 3_000_000}
+# Steps over which a worker's caches per input shape grow: examples/lm.py's stopped growing after
+# about 30 (strategies/profile/memory.py), so its growth per profiled step is counted this often
+# (an over-prediction for a run shorter than that; nothing for shapes that do not change).
+GROWTH_HORIZON_STEPS = 32
+RUNTIME_BYTES = {"hybrid_worker": 5_000_000, "stage": 3_000_000, "server": 4_000_000, "fsdp": 3_000_000}
 
 
 @dataclass(frozen=True)
@@ -162,38 +168,45 @@ def data_parallel(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict
     whole = sum(p.bytes for p in served if not p.embedding_module)   # ps: dense parameters pulled whole
     terms = {"params": on_ar + whole, "optimizer": r * on_ar, "ddp_buckets": on_ar,
              "step": _step(m, profile, on_ar + whole + pulled, stepped=on_ar), "rows": 3 * pulled, "data": data,
-             "runtime": RUNTIME_BYTES["p2p_worker"]}
+             "runtime": RUNTIME_BYTES["hybrid_worker"] if on_ar else 0}
     return terms
 
 
 def server_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict[str, float]:
     """The busiest server's terms under hybrid/ps (module docstring): its share of each served
     parameter (partitions go round-robin over the servers, so a server holds up to
-    ceil(partitions / S) of them), r x that share of optimizer state, a step's pushes from
-    every worker and their mean (every row of the shard where the update needs them all, as
-    Adam's and momentum's exact semantics do: strategies/hybrid/shard.py) with the update's
-    temporaries, and its inbox (strategies/hybrid/wire.py: INBOX_DEPTH receive buffers per
-    worker, each as large as the largest request it took); or, where more, the whole model it
-    builds at start (``build``: its rows are
-    then cut from it, copied where other servers hold the rest)."""
+    ceil(partitions / S) of them), r x that share of optimizer state, the pushes it holds (a
+    step's of every worker but the last, which a table waits for, and the largest table's mean:
+    every row of it where the update needs them all, as Adam's and momentum's exact semantics
+    do, strategies/hybrid/shard.py) with the update's temporaries, and its inbox
+    (strategies/hybrid/wire.py: INBOX_DEPTH receive buffers per worker, each as large as the
+    largest request carried inline); or, where more, the whole model it
+    builds at start (``build``: its rows are then cut from it, copied where other servers hold
+    the rest)."""
     _, _, served = _split(profile, est)
     if not served:
         return {}
     from hpar.strategies.hybrid.wire import INBOX_DEPTH, INLINE_MAX
     m, s, n, r = profile.memory, cluster.servers, cluster.workers, _ratio(profile)
-    shard = pushes = largest = 0.0
+    shard = per_worker = largest = largest_shard = inline = 0.0
     for p in served:
         parts = max(1, min(est.partitions.get(p.name, s), p.rows))
         share = -(-parts // s) / parts
         shard += share * p.bytes
         push = share * (_rows(p, p.alpha) if p.sparse else p.bytes)   # one worker's push to this server
-        pushes += n * push
-        largest = max(largest, push)
-    mean = pushes / max(n, 1) if (m is None or m.rows_suffice) else shard
+        per_worker += push
+        if push > largest:
+            largest, largest_shard = push, share * p.bytes
+        if push <= INLINE_MAX:   # carried in the request itself, so it lands in an inbox buffer
+            inline = max(inline, push)
+    # a table is applied once every worker's push of it is in: while the last worker is a step's
+    # pushes behind, the others' wait in the server, then a table's mean (its every row where the
+    # update needs them all)
+    mean = largest if (m is None or m.rows_suffice) else largest_shard
     extra = m.model_extra_bytes if m else 0
-    serving = {"shard": shard, "optimizer": r * shard, "pushes": pushes + mean,
+    serving = {"shard": shard, "optimizer": r * shard, "pushes": (n - 1) * per_worker + largest + mean,
                "update": (m.optimizer_step_ratio if m else 0.0) * mean, "model_extra": extra,
-               "inbox": n * INBOX_DEPTH * min(largest, INLINE_MAX), "runtime": RUNTIME_BYTES["server"]}
+               "inbox": n * INBOX_DEPTH * inline, "runtime": RUNTIME_BYTES["server"]}
     build = profile.total_bytes + extra + (shard if s > 1 else 0)
     return serving if sum(serving.values()) >= build else {"build": build}
 
@@ -211,10 +224,11 @@ def pipeline_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedu
         held = in_flight(schedule, K, k, M)
         # async-2bw sums each micro-batch's gradient into the batch's out of place: both at once
         terms = {"params": profile.total_bytes if _on_cpu(profile, cluster) else pk,
-                 "gradients": pk * (2 if schedule == "async-2bw" else 1),
+                 "gradients": pk * (2 if schedule == "async-2bw" and M > 1 else 1),
                  "optimizer": r * pk,
                  "step": max(held * share * _step(m, profile, 0.0, 1.0 / M), m.optimizer_step_ratio * pk if m else 0),
                  "versions": pk * {"async-stash": held, "async-predict": 1, "async-2bw": 2}.get(schedule, 0),
+                 "replica_allreduce": pk if est.replicas > 1 else 0,   # the stage's gradients flattened for it
                  "data": (m.data_bytes if m else 0) if k in (0, K - 1) else 0, "runtime": RUNTIME_BYTES["stage"]}
         if sum(terms.values()) > sum(best.values()):
             best = terms
@@ -224,19 +238,33 @@ def pipeline_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedu
 def fsdp_terms(profile: Profile, cluster: ClusterSpec) -> dict[str, float]:
     """An FSDP worker's terms (module docstring): shards of parameters, gradients and optimizer
     state (P/N each), the two largest adjacent units gathered (the one running and the one
-    prefetched) and their unsharded gradients, the step's activations, and on a CPU the whole
-    model built before sharding (a transient the training terms usually exceed)."""
+    prefetched) and the root's parameters (:func:`fsdp_units`), with their unsharded gradients,
+    the step's activations, and on a CPU the whole model built before sharding (a transient the
+    training terms usually exceed)."""
     m, r, n, total = profile.memory, _ratio(profile), cluster.workers, profile.total_bytes
-    units = [l.param_bytes for l in profile.layers] or [total]
-    pairs = max((a + b for a, b in zip(units, units[1:])), default=units[0])
+    units, root = fsdp_units(profile)
+    pairs = max((a + b for a, b in zip(units, units[1:])), default=units[0] if units else 0)
     shard = total / n
-    train = {"params": shard, "optimizer": r * shard, "unsharded": 2 * pairs,
+    train = {"params": shard, "optimizer": r * shard, "unsharded": 2 * (root + pairs),
              "step": _step(m, profile, shard, stepped=shard), "data": m.data_bytes if m else 0,
              "runtime": RUNTIME_BYTES["fsdp"]}
     build = total + shard if _on_cpu(profile, cluster) else 0
     if build > sum(train.values()):
         return {"build": build}
     return train
+
+
+def fsdp_units(profile: Profile) -> tuple[list[int], int]:
+    """(parameter bytes of each unit strategies/fsdp.py shards on its own, bytes the root keeps):
+    a declared sequence's layers and nothing; a traced model's repeated blocks (its layers but the
+    first and the last) and those two; any other model one root holding everything, which FSDP
+    gathers whole for the step."""
+    sizes = [l.param_bytes for l in profile.layers]
+    if profile.is_sequential and not profile.traced:
+        return sizes, 0
+    if profile.is_sequential and len(sizes) > 2:
+        return sizes[1:-1], sizes[0] + sizes[-1]
+    return [], profile.total_bytes
 
 
 def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
@@ -277,7 +305,7 @@ def predict(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str
         worker = data_parallel(profile, cluster, est)
     if worker:   # every worker process builds the model and runs its first forward inside its training
         worker["first_use"] = (m.first_use_bytes + m.model_extra_bytes) if m else 0
-        worker["growth"] = m.growth_bytes if m else 0
+        worker["growth"] = m.growth_bytes * GROWTH_HORIZON_STEPS / m.growth_steps if m and m.growth_steps else 0
     server = server_terms(profile, cluster, est) if est.strategy in ("hybrid", "ps") else {}
     return MemoryEstimate({k: int(v) for k, v in worker.items()}, {k: int(v) for k, v in server.items()},
                           overhead_bytes=m.process_bytes if m else 0,

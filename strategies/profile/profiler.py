@@ -230,7 +230,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                     if p.grad is not None and p.dim() >= 2 and not p.grad.is_sparse:
                         grad_rows.setdefault(name, []).append(rows_touched(p.grad))
             calls_once = timer.embedding_calls_once()
-        grown = growth.bytes() if warmup else 0
+        grown = (growth.bytes(), repeats) if warmup else (0, 0)
         inputs, targets = timed[-1]
         step_mem = mem_probe.step_memory(model, [m for _, m in layers],
                                          lambda: _cast_loss(job, cast, run, inputs, targets), dev)

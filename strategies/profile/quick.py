@@ -54,12 +54,13 @@ def memory_only_profile(job, model: torch.nn.Module, batch_size: int, workers: i
         first = next(batches)
         step = mem_probe.step_memory(net, [m for _, m in layers], lambda: forward(first), device)
         alphas = {n: _alpha(p) for n, p in net.named_parameters()}   # the first step's touched rows
-        growth, t0 = mem_probe.Growth(net, device), time.perf_counter()
+        growth, t0, ran = mem_probe.Growth(net, device), time.perf_counter(), 0
         for _ in range(GROWTH_STEPS):   # kernels' caches for new shapes (profile/memory.py)
             if time.perf_counter() - t0 > GROWTH_BUDGET_S:
                 break
             forward(next(batches)).backward()
-        grown = growth.bytes()
+            ran += 1
+        grown = (growth.bytes(), ran)
         data = mem_probe.data_bytes(on_dev, batch_size, workers)
         ratio = mem_probe.optimizer_ratios(lambda ps: job.build_optimizer(ps, lr=1e-3), device)
     finally:

@@ -87,6 +87,7 @@ class MemoryProfile:
     model_extra_bytes: int = 0
     rows_suffice: bool = True
     growth_bytes: int = 0
+    growth_steps: int = 0
 
     def scaled(self, batch: float) -> "MemoryProfile":
         """The activation figures at ``batch`` samples (linear in the batch; the gradients
