@@ -79,7 +79,7 @@ def test_a_trial_picks_the_plan_the_model_ranked_second_when_measurement_says_so
     from hpar.strategies.job import load_job
     probe = tmp_path / "probe.py"
     probe.write_text(SLOWED.replace("STRATEGY", "none"))
-    plan = plan_job(load_job(str(probe)), 16, None, 2, None).to_dict()   # what the run's planner will rank
+    plan = plan_job(load_job(str(probe)), 16, None, 2, None)[0].to_dict()   # what the run's planner will rank
     ranked = [s for s, _ in candidates(plan)]
     assert len(ranked) >= 2, plan["candidates"]
     script = tmp_path / "job.py"
