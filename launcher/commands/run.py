@@ -118,6 +118,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     not fit them (launcher/run/fit.py)."""
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
+    if gpus is not None and gpus < 1:   # also before a resume looks at the run (a finished one included)
+        raise ValueError(f"--gpus must be at least 1, got {gpus}")
     capacity = from_flags(worker_memory, server_memory)
     reshaped = None
     if resume_dir:
