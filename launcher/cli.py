@@ -77,6 +77,11 @@ def main() -> None:
 @click.option("--allow-unequal-batches", is_flag=True, default=None,
               help="Train although the workers' first batches differ in size (each worker's mean gradient then "
                    "weighs the same, as DDP does); refused otherwise.")
+@click.option("--worker-memory", type=float, default=None, metavar="GB",
+              help="Memory of each worker's device in GB (10^9 bytes); default: the GPU's, or this host's RAM over its processes.")
+@click.option("--server-memory", type=float, default=None, metavar="GB",
+              help="Host memory of each parameter server in GB; default: this host's RAM over its processes.")
+@click.option("--force", is_flag=True, help="Run a strategy even when its predicted peak memory does not fit.")
 @click.option("--plain", is_flag=True, help="Plain progress lines even on a terminal.")
 @click.option("--ssh-key", default=None, help="SSH private key file.")
 @click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
@@ -96,7 +101,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
         divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts, tune, tune_steps, phase_timeout,
-        allow_unequal_batches):
+        allow_unequal_batches, worker_memory, server_memory, force):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     from hpar.launcher.run.elastic import with_min_hosts
@@ -113,7 +118,8 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
               python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new,
               device=device, on_divergence=on_divergence, divergence_factor=divergence_factor,
               pipeline_replicas=pipeline_replicas, find_unused_parameters=find_unused_parameters,
-              phase_timeout=phase_timeout, allow_unequal_batches=allow_unequal_batches)
+              phase_timeout=phase_timeout, allow_unequal_batches=allow_unequal_batches,
+              worker_memory=worker_memory, server_memory=server_memory, force=force)
     from hpar.launcher.run.runner import launch
     with ended_at_exit(lambda line: console.print(line, markup=False)):   # what the script left running in the launcher
         try:

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 # Runtime strategies `hpar run --strategy` accepts (the planner's names).
-STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline")
+STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline", "fsdp")
 # Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
 SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b",
              "torch-interleaved-1f1b", "torch-zbv")
@@ -133,6 +133,9 @@ def not_supported(cfg: RunConfig) -> str | None:
     ``--micro-batches`` instead of ``--accumulate``); an asynchronous pipeline cannot skip a
     step on every stage (strategies/pipeline/stage_loop.py); torch's pipelining peers run
     neither clipping, evaluation during training nor fp16 (bf16 autocast they do)."""
+    if cfg.strategy == "fsdp" and cfg.precision == "fp16":
+        return ("--precision fp16 is not supported with --strategy fsdp (its gradient scaler's inf/NaN check would "
+                "span the shards); use --precision bf16")
     if cfg.strategy == "pipeline":
         if cfg.accumulate > 1:
             return ("--accumulate does not apply to --strategy pipeline: its micro-batches already accumulate "

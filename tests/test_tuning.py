@@ -47,20 +47,20 @@ def test_the_fastest_measured_wins_unless_the_models_choice_is_within_its_spread
     assert choose([planned, failed])[0] == "hybrid"
 
 
-# A table model whose forward sleeps under one strategy only (read from the run's own config,
-# which the profile in the launcher has not got): the cost model cannot see it, a trial does.
+# A table model whose forward sleeps under every strategy but one (read from the run's own
+# config, which the profile in the launcher has not got): the cost model cannot see it, a trial does.
 SLOWED = '''
 import json, os, time
 import torch, torch.nn as nn
 HPAR = {"steps": 12, "batch_size": 16, "lr": 0.1, "log_every": 4}
-SLOW = "STRATEGY"
+FAST = "STRATEGY"
 class M(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(200, 8)
         self.out = nn.Linear(8, 1)
     def forward(self, x):
-        if os.environ.get("HPAR_CONFIG") and json.load(open(os.environ["HPAR_CONFIG"]))["strategy"] == SLOW:
+        if os.environ.get("HPAR_CONFIG") and json.load(open(os.environ["HPAR_CONFIG"]))["strategy"] != FAST:
             time.sleep(0.05)
         return self.out(self.emb(x).mean(1)).squeeze(1)
 def model(): return M()
@@ -79,11 +79,11 @@ def test_a_trial_picks_the_plan_the_model_ranked_second_when_measurement_says_so
     from hpar.strategies.job import load_job
     probe = tmp_path / "probe.py"
     probe.write_text(SLOWED.replace("STRATEGY", "none"))
-    plan = plan_job(load_job(str(probe)), 16, None, 2, None).to_dict()   # what the run's planner will rank
+    plan = plan_job(load_job(str(probe)), 16, None, 2, None)[0].to_dict()   # what the run's planner will rank
     ranked = [s for s, _ in candidates(plan)]
     assert len(ranked) >= 2, plan["candidates"]
     script = tmp_path / "job.py"
-    script.write_text(SLOWED.replace("STRATEGY", ranked[0]))
+    script.write_text(SLOWED.replace("STRATEGY", ranked[1]))   # the model's first (and third) slowed
     run_dir = tmp_path / "run"
     rc, out = hpar_to_file(tmp_path / "out.txt", "run", str(script), "--gpus", "2", "--tune", "on", "--tune-steps", "4",
                            "--run-dir", str(run_dir), "--plain", "--no-eval", cwd=str(tmp_path))

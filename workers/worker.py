@@ -19,7 +19,7 @@ report.install_stack_dump()   # first, so that a stall during start-up can be di
 import torch  # noqa: E402
 import torch.distributed as dist
 
-from hpar.strategies import activity
+from hpar.strategies import activity, memory
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import WorkerContext
 from hpar.strategies.devices import model_to_cpu
@@ -34,6 +34,7 @@ RUNTIMES = {
     "hybrid": "hpar.strategies.hybrid.runtime",
     "ps": "hpar.strategies.hybrid.runtime",
     "pipeline": "hpar.strategies.pipeline.runtime",
+    "fsdp": "hpar.strategies.fsdp",
 }
 
 
@@ -138,13 +139,16 @@ def main() -> int:
             eval_first = job.run_evaluate(initial)   # evaluate() gets the model on the CPU
         report.emit("event", {"kind": "first_eval", "eval": eval_first})
         report.emit("event", {"kind": "phase", "phase": "train"})
+    runtime = importlib.import_module(RUNTIMES[cfg.strategy])   # imported before the memory baseline
+    memory.start_process(device)   # peak memory from here to the last step (strategies/memory.py)
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
                         device=device, report=lambda m: report.emit("metric", m),
                         pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of,
                         event=lambda e: report.emit("event", e), on_step=report.set_step,
                         report_eval=lambda m: report.emit("eval", m))
     t0 = time.time()
-    result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
+    result = runtime.train(ctx)
+    report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures()})
     if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/state.py)
         assert result.model is not None or result.eval_last is not None, "rank 0 evaluates the whole model"
         report.emit("event", {"kind": "phase", "phase": "evaluate"})

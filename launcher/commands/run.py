@@ -12,6 +12,8 @@ from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
 from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.devices import choose_devices, describe, local_gpus
+from hpar.launcher.run.capacity import from_flags
+from hpar.launcher.run.fit import fit_plan
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, finished, resume_step
 from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
@@ -77,25 +79,27 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
 
 def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: str | None,
              gpus: int, servers: int | None, schedule: str | None, device: str = "auto",
-             pipeline_replicas: int | None = None, precision: str | None = None) -> tuple[str, dict]:
-    """(strategy, plan dict) from ``--plan``, or from the planner for ``auto`` and for
-    ``pipeline`` (which needs its balanced stages); the data-parallel strategies named
-    explicitly run with their defaults and no profiling."""
+             pipeline_replicas: int | None = None, precision: str | None = None, capacity=None,
+             force: bool = False) -> tuple[str, dict, object]:
+    """(strategy, plan dict, the planner's Profile or None) from ``--plan``, or from the planner for ``auto`` and for
+    ``pipeline`` (which needs its balanced stages), on ``capacity``'s memory (``--force``: a
+    forced strategy that does not fit is planned anyway); the data-parallel strategies named
+    explicitly run with their defaults and no profiling (their memory: launcher/run/fit.py)."""
     if plan_file:
         plan = read_plan(plan_file)
         if strategy not in ("auto", plan["strategy"]):
             raise ValueError(f"--strategy {strategy} contradicts --plan {plan_file} (strategy {plan['strategy']}); drop one")
         console.print(f"hpar: strategy {plan['strategy']} from {plan_file}", markup=False)
-        return plan["strategy"], plan
+        return plan["strategy"], plan, None
     if strategy not in ("auto", "pipeline"):
-        return strategy, {"strategy": strategy}
+        return strategy, {"strategy": strategy}, None
     from hpar.launcher.run.planning import plan_job
-    plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
+    plan, profile = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
                     force=None if strategy == "auto" else strategy, device=device, pipeline_replicas=pipeline_replicas,
-                    precision=precision)
+                    precision=precision, capacity=capacity, allow_misfit=force)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
-    return plan.strategy, plan.to_dict()
+    return plan.strategy, plan.to_dict(), profile
 
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
@@ -103,17 +107,20 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
             ssh_known_hosts=None, ssh_accept_new=False, device="auto",
             on_divergence="off", divergence_factor=2.0, pipeline_replicas=None, find_unused_parameters=None,
-            phase_timeout=None, allow_unequal_batches=None):
+            phase_timeout=None, allow_unequal_batches=None, worker_memory=None, server_memory=None, force=False):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags;
     ``find_unused_parameters``: auto, on or off (None: the script's HPAR, else auto), which a
     resumed run may change (it is how a run that failed on an unused parameter goes on), as it may
-    ``allow_unequal_batches`` (True: the flag given; None: the script's HPAR, else refused)."""
+    ``allow_unequal_batches`` (True: the flag given; None: the script's HPAR, else refused);
+    ``worker_memory``/``server_memory``: GB each process may use, ``force``: run a plan that does
+    not fit them (launcher/run/fit.py)."""
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
     if gpus is not None and gpus < 1:   # also before a resume looks at the run (a finished one included)
         raise ValueError(f"--gpus must be at least 1, got {gpus}")
+    capacity = from_flags(worker_memory, server_memory)
     reshaped = None
     if resume_dir:
         given = [flag for flag, value in (("--gpus", gpus), ("--plan", plan_file), ("--servers", servers),
@@ -163,8 +170,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         traced_on = None if is_declared_sequence(model) else next(job.batches(0, 1, bs))[0]
         strategy_flag = strategy
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
-        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
-                                  planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"))
+        strategy, plan, profile = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
+                                  planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"),
+                                  capacity, force)
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan", traced_on)
@@ -196,6 +204,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
                              f"(only {', '.join(DDP_STRATEGIES)} do); drop it")
         check_optimizer(console, job, inner, strategy, plan, servers, pick(lr, "lr"))
+        if strategy == "fsdp":
+            from hpar.strategies.fsdp import check_available
+            check_available()
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
@@ -256,6 +267,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         from hpar.launcher.run.planning import compute_mismatch
         if compute_mismatch(cfg.plan, chosen):   # CPU figures for GPU workers are never taken silently
             console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
+        cfg = fit_plan(console, cfg, job, model, capacity, host_list, force, profile)   # predicted peaks vs memory
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, phase_timeout=phase_timeout,
                          max_restarts=max_restarts,
                          live=False if plain else None, sync=sync, env=extra_env, slurm=slurm)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from hpar.strategies.first_batch import sizes_text
 
-DATA_PARALLEL = ("allreduce", "allreduce-sparse", "hybrid", "ps")
+DATA_PARALLEL = ("allreduce", "allreduce-sparse", "hybrid", "ps", "fsdp")
 
 
 class BatchSizeCheck:

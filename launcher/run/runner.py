@@ -16,6 +16,7 @@ from hpar.launcher.run.batchcheck import BatchSizeCheck
 from hpar.launcher.run.elastic import shrink
 from hpar.launcher.run.figures import FirstFigures
 from hpar.launcher.run.health import heartbeat_interval
+from hpar.launcher.run.peaks import PeakFigures
 from hpar.launcher.run.progress import Progress, last_reported
 from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_host_local, port_taken
 from hpar.launcher.run.rundir import RunDir
@@ -121,6 +122,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
     rundir = RunDir(cfg.run_dir)
     previous = rundir.read_summary()
     figures = FirstFigures(rundir.path, cfg.world_size, cfg.strategy)
+    peaks = PeakFigures(rundir)   # measured peak memory per process (launcher/run/peaks.py)
     attempt = 0
     used_ports: set[int] = set()
     elastic: list[dict] = []   # the restarts that left hosts out (--min-hosts)
@@ -136,7 +138,8 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                 labels = [(p.spec.label, p.spec.host) for p in procs]
                 with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
                     sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
-                    hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event))
+                    hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event),
+                                                 peaks.on_event(proc, event))
                     sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
                                      total_steps=cfg.steps, on_event=hooks, phase_timeout=opts.phase_timeout)
                     outcome = sup.run()
@@ -166,7 +169,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             cfg = cfg.replace(resume=step is not None)
             time.sleep(1.0)
         # stopped early: "steps" is the step it reached (the last one reported), not the one asked for
-        summary = figures.apply(outcome.summary, previous) if outcome.summary else \
+        summary = peaks.apply(figures.apply(outcome.summary, previous), cfg.plan) if outcome.summary else \
             {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps_planned": cfg.steps, **last_reported(progress)}
         outcome.summary = summary if outcome.summary else None
         summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path,

@@ -45,7 +45,7 @@ optimizer and at the end of each step.
 Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
 for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
 their means per stage (gathered to rank 0), with the stage's peak memory over the run
-(``peak_mem_bytes``, strategies/pipeline/memory.py).
+(``peak_mem_bytes``, strategies/memory.py).
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ from hpar.strategies.pipeline import stage_loop
 from hpar.strategies.pipeline import guard
 from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.replicas import Grid, StageReplicas
-from hpar.strategies.pipeline.memory import PeakMemory
+from hpar.strategies.memory import PeakMemory
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
 from hpar.strategies.layers import is_declared_sequence
 from hpar.strategies.pipeline.stage import (draw_batch, Stage, build_stages_model, describe, example_micro_batch,
