@@ -98,7 +98,8 @@ def close(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("strategy,before,after,widths", [
     ("allreduce", ("--gpus", "2"), ("--gpus", "4"), (2, 4)),
     ("hybrid", ("--gpus", "2", "--servers", "1"), ("--gpus", "3", "--servers", "2"), (2, 3)),
-], ids=["allreduce-2-to-4", "hybrid-2w1s-to-3w2s"])
+    ("fsdp", ("--gpus", "2"), ("--gpus", "3"), (2, 3)),   # each rank's shards, resharded by DCP
+], ids=["allreduce-2-to-4", "hybrid-2w1s-to-3w2s", "fsdp-2-to-3"])
 def test_data_parallel_resumes_at_another_size(tmp_path, strategy, before, after, widths):
     script = write_script(tmp_path, SCRIPT)
     run(tmp_path, "first", script, "--strategy", strategy, *before, "--steps", "3", "--checkpoint-every", "3",
