@@ -26,7 +26,7 @@ file; ``RUN_DIR/checkpoints/latest`` names the newest complete step and is only 
 every process has written (a barrier), so a crash mid-save leaves the previous checkpoint as
 it was, and ``--resume`` never sees a partial step (``checkpoint.usable_step`` checks every
 checksum). DCP's load reads each requested tensor's overlap with what was saved, so a run may
-resume with another number of workers, servers or stages (``strategies/reshard.py``).
+resume with another number of workers, servers or stages (launcher/run/reshape.py).
 
 Sources: torch.distributed.checkpoint (``dcp.save``/``dcp.load``, ``FileSystemWriter``);
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for name-keyed
