@@ -14,15 +14,7 @@ from rich.console import Console
 from hpar.strategies.config import FIND_UNUSED_MODES, PRECISIONS, SCHEDULES, STRATEGIES
 from hpar.strategies.job import JobError
 
-EXIT_USAGE = 2
-
-
-def fail(message: str, detail: str | None = None) -> None:
-    """Print ``hpar: message`` (plus the user's traceback, if any) and exit 2."""
-    click.echo(f"hpar: {message}", err=True)
-    if detail:
-        click.echo(detail.rstrip(), err=True)
-    sys.exit(EXIT_USAGE)
+from hpar.launcher.usage import EXIT_USAGE, fail  # noqa: F401 (EXIT_USAGE: part of the CLI's interface)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

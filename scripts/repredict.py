@@ -26,7 +26,7 @@ import sys
 
 from hpar.launcher.bench.config import BENCH_STRATEGIES
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.costmodel import estimate_all
+from hpar.strategies.plan.estimates import estimate_all
 from hpar.strategies.profile.profiler import Profile
 
 

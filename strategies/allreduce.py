@@ -33,25 +33,10 @@ from hpar.strategies.groups import mean_over_workers, worker_groups
 from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
 from hpar.strategies.sparse_grads import dense_before_step, densify
 from hpar.strategies.tying import embedding_tables
-from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext
+from hpar.strategies.context import (DENSE, ByteMeter, StepMeter, TrainResult, WorkerContext, ring_allreduce_bytes,
+                                     ring_successor_remote)
 from hpar.strategies.forward import inner_module
 from hpar.strategies.loop import StepTools, evaluate_during_training, micro_steps, step_tools, worker_batches
-
-DENSE = "_dense_allreduce"   # ByteMeter name of DDP's gradient exchange
-
-
-def ring_successor_remote(ctx: WorkerContext, group_ranks: list[int]) -> bool:
-    """Whether this worker's successor in the ring of ``group_ranks`` (default-group ranks
-    in group order; gloo's ring AllReduce and AllGather send to the next rank) is on another
-    host, so that all its collective bytes leave this host."""
-    me = group_ranks.index(ctx.pg_rank)
-    return ctx.is_remote(group_ranks[(me + 1) % len(group_ranks)])
-
-
-def ring_allreduce_bytes(nbytes: int, world_size: int) -> float:
-    """Bytes one worker sends (and receives) in a ring AllReduce of ``nbytes``: 2(N-1)/N * B."""
-    return 2.0 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
-
 
 def counting_allreduce_hook(state, bucket):
     """DDP communication hook: mean AllReduce of the bucket, counting this worker's bytes.

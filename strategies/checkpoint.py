@@ -2,6 +2,7 @@
 a reader sees either the old file or the new one, never a torn one."""
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import re
@@ -84,17 +85,12 @@ def atomic_save(obj, path: str) -> None:
     _atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def load(path: str):
-    """Load a checkpoint written by :func:`atomic_save` (on CPU)."""
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
 # --- Run checkpoints -------------------------------------------------------------------
-# Layout: RUN_DIR/checkpoints/step-<N>/<part>.pt, one part per process that holds state
-# (e.g. "worker0", "server1", "stage2"), and RUN_DIR/checkpoints/latest naming the newest
-# complete step. `latest` is only rewritten after every process has written its part
-# (a barrier over the default process group), so a crash mid-save leaves the previous
-# checkpoint intact and `--resume` never sees a partial step.
+# Layout: RUN_DIR/checkpoints/step-<N>/ holds torch.distributed.checkpoint's files, every
+# process's own (strategies/state.py writes them), a SHA-256 beside each, and
+# RUN_DIR/checkpoints/latest names the newest complete step. `latest` is only rewritten after
+# every process has written (a barrier over the default process group), so a crash mid-save
+# leaves the previous checkpoint intact and `--resume` never sees a partial step.
 
 def step_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step-{step}")
@@ -109,30 +105,27 @@ def file_sha256(path: str) -> str:
 
 
 def verify_step(run_dir: str, step: int) -> str | None:
-    """None when every part of checkpoint ``step`` is present and matches its SHA-256 (a part
-    written before checksums existed must load instead), else why not (naming the file)."""
+    """None when checkpoint ``step`` (torch.distributed.checkpoint's files: strategies/state.py)
+    has its metadata and every file matches the SHA-256 beside it, else why not (naming the
+    file)."""
     directory = step_dir(run_dir, step)
-    try:
-        names = os.listdir(directory)
-    except OSError as exc:
-        return f"{directory}: {exc.strerror}"
-    if ".metadata" in names or any(n.endswith(".distcp") for n in names):   # torch.distributed.checkpoint's
-        from hpar.strategies.state import verify
-        return verify(directory)
-    parts = sorted(n for n in names if n.endswith(".pt"))
-    if not parts:
-        return f"{directory}: no checkpoint part"
-    for name in parts:
-        path = os.path.join(directory, name)
+    if not os.path.isdir(directory):
+        return f"{directory}: no such directory"
+    return verify_dir(directory)
+
+
+def verify_dir(path: str) -> str | None:
+    """None when the DCP checkpoint in ``path`` has its ``.metadata`` and every file matches the
+    SHA-256 beside it (written by the process that wrote the file), else why not."""
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        return f"{path}: no .metadata (the checkpoint was not completed)"
+    for sha in sorted(glob.glob(os.path.join(path, "*.sha256")) + glob.glob(os.path.join(path, ".*.sha256"))):
+        target = sha[: -len(".sha256")]
         try:
-            if os.path.exists(path + ".sha256"):
-                want = open(path + ".sha256").read().strip()
-                if file_sha256(path) != want:
-                    return f"{path}: checksum mismatch (truncated or altered)"
-            else:
-                load(path)
-        except Exception as exc:  # unreadable, or torch.load of a torn file
-            return f"{path}: does not load ({type(exc).__name__}: {exc})"
+            if file_sha256(target) != open(sha).read().strip():
+                return f"{target}: checksum mismatch (truncated or altered)"
+        except OSError as exc:
+            return f"{target}: {exc.strerror}"
     return None
 
 
@@ -195,9 +188,3 @@ def latest_step(run_dir: str) -> int | None:
         raise ValueError(f"{path}: not a step number ({text[:20]!r}); the file is damaged") from None
 
 
-def load_part(run_dir: str, step: int, part: str) -> dict:
-    """This process's state for ``step``; raises ValueError naming the file if missing."""
-    path = os.path.join(step_dir(run_dir, step), f"{part}.pt")
-    if not os.path.exists(path):
-        raise ValueError(f"{path}: checkpoint part missing; was the run started with the same --gpus/--servers?")
-    return load(path)

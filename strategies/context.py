@@ -52,6 +52,22 @@ def peer_is_remote(host_of: tuple[int, ...], me: int, peer: int) -> bool:
     return bool(host_of) and host_of[peer] != host_of[me]
 
 
+DENSE = "_dense_allreduce"   # ByteMeter name of DDP's gradient exchange
+
+
+def ring_successor_remote(ctx: "WorkerContext", group_ranks: list[int]) -> bool:
+    """Whether this worker's successor in the ring of ``group_ranks`` (default-group ranks
+    in group order; gloo's ring AllReduce and AllGather send to the next rank) is on another
+    host, so that all its collective bytes leave this host."""
+    me = group_ranks.index(ctx.pg_rank)
+    return ctx.is_remote(group_ranks[(me + 1) % len(group_ranks)])
+
+
+def ring_allreduce_bytes(nbytes: int, world_size: int) -> float:
+    """Bytes one worker sends (and receives) in a ring AllReduce of ``nbytes``: 2(N-1)/N * B."""
+    return 2.0 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
+
+
 class ByteMeter:
     """Bytes sent and received by name (a parameter, a table, DDP's dense AllReduce) since
     the last :meth:`take`, and the bytes sent to processes on other hosts since the last

@@ -153,6 +153,30 @@ def read_final(run_dir: str, entries: dict) -> None:
     read(os.path.join(run_dir, FINAL), entries)
 
 
+def final_entries(module: torch.nn.Module, model: torch.nn.Module) -> dict:
+    """A stage's part of the final model, under the names the whole model's ``state_dict``
+    gives its tensors: a tied weight that the tracer hands a later stage under another name
+    (BERT's ``cls.predictions.decoder.bias`` for ``cls.predictions.bias``) is written under the
+    model's own names, and a name the model's state_dict leaves out (Hugging Face leaves out
+    tied duplicates) is left out."""
+    whole = model.state_dict(keep_vars=True)
+    names: dict[int, list[str]] = {}
+    for k, v in whole.items():
+        names.setdefault(id(v), []).append(k)
+    out = {}
+    for k, v in module.state_dict(keep_vars=True).items():   # a tensor: every name the model gives it
+        for name in set(names.get(id(v), [])) | ({k} if k in whole else set()):
+            out[f"model.{name}"] = v.detach()
+    return out
+
+
+def read_whole(run_dir: str, model: torch.nn.Module) -> None:
+    """Fill ``model`` from the run's final model (RUN_DIR/model) in this process: the names
+    the stages wrote (buffers outside every layer keep their values)."""
+    saved = saved_keys(os.path.join(run_dir, FINAL))
+    read_final(run_dir, {k: v for k, v in model_entries(model).items() if k in saved})
+
+
 def load(run_dir: str, step: int, state: dict) -> None:
     """Fill ``state`` from checkpoint ``step`` (a collective over the default group). Raises
     ValueError naming the directory when a requested key was not saved."""
@@ -274,20 +298,5 @@ def saved_keys(path: str) -> set[str]:
     return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-def verify(path: str) -> str | None:
-    """None when the DCP checkpoint in ``path`` has its metadata and every file matches the
-    SHA-256 beside it, else why not (naming the file)."""
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        return f"{path}: no .metadata (the checkpoint was not completed)"
-    for sha in sorted(glob.glob(os.path.join(path, "*.sha256")) + glob.glob(os.path.join(path, ".*.sha256"))):
-        target = sha[: -len(".sha256")]
-        try:
-            if file_sha256(target) != open(sha).read().strip():
-                return f"{target}: checksum mismatch (truncated or altered)"
-        except OSError as exc:
-            return f"{target}: {exc.strerror}"
-    return None
-
-
-__all__ = ["DiskFull", "write", "read", "save", "load", "write_final", "read_final", "FINAL", "FINAL_TMP", "model_entries", "optim_entries", "set_optim", "has", "rng_key",
-           "process_entries", "restore_process", "read_all", "saved_keys", "verify"]
+__all__ = ["DiskFull", "write", "read", "save", "load", "write_final", "read_final", "final_entries", "read_whole", "FINAL", "FINAL_TMP", "model_entries", "optim_entries", "set_optim", "has", "rng_key",
+           "process_entries", "restore_process", "read_all", "saved_keys"]

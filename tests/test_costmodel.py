@@ -365,7 +365,7 @@ def test_every_strategy_pays_the_batch_draw_and_served_tables_their_dedup():
     host's load; a table on the servers adds its ids' dedup (ParamProfile.dedup_s) to hybrid
     and ps, and a table on AllReduce does not."""
     from dataclasses import replace
-    from hpar.strategies.plan.costmodel import estimate_all
+    from hpar.strategies.plan.estimates import estimate_all
     prof = _emb_and_dense(workers=2, sequential=True, dedup_s=3e-4)
     emb, lin = prof.params
     for cores, load in ((None, 1.0), (1, 2.0)):    # 2 workers on 1 core: everything on it takes twice as long

@@ -125,7 +125,7 @@ def test_misfit_names_the_side_that_does_not_fit():
 
 def test_bench_skips_a_strategy_that_does_not_fit_with_the_reason():
     from hpar.launcher.bench.planning import does_not_fit
-    from hpar.strategies.plan.costmodel import estimate_all
+    from hpar.strategies.plan.estimates import estimate_all
     prof = profile(ratio=2.0)
     tight = cluster(worker_memory_bytes=1.7e9)
     estimates = {e.strategy: e for e in estimate_all(prof, tight)}

@@ -128,7 +128,7 @@ def test_planner_places_replicas_or_stages_within_a_host_where_that_is_cheaper()
     stage's replicas share a host (its AllReduce stays local, the activations cross hosts);
     with heavy activations a pipeline's stages share a host. Checked against the formulas."""
     from hpar.strategies.plan.cluster import ClusterSpec
-    from hpar.strategies.plan.costmodel import estimate_pipeline
+    from hpar.strategies.plan.estimates import estimate_pipeline
     from hpar.strategies.plan.costmodel_pipeline import estimate_grid
     cluster = ClusterSpec(hosts=2, gpus_per_host=(2, 2), servers=2, bandwidth_Bps=1e9, latency_s=0.0,
                           intra_host_Bps=1e10)

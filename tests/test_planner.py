@@ -119,7 +119,7 @@ def test_plan_json_round_trip():
 
 
 def test_async_pipeline_has_no_bubble_but_updates_every_micro_batch():
-    from hpar.strategies.plan.costmodel import estimate_async_pipeline, estimate_pipeline
+    from hpar.strategies.plan.estimates import estimate_async_pipeline, estimate_pipeline
     params = [ParamProfile(f"{i}.weight", (5000, 2500), 50_000_000, False, 1.0, 1.0, False, layer=i) for i in range(4)]
     layers = [LayerProfile(str(i), 0.02, 0.03, 10**9, 65_536, 50_000_000) for i in range(4)]
     prof = make_profile(params, layers, 0.08, 0.12, sequential=True)
@@ -139,7 +139,7 @@ def test_fixed_share_of_compute_makes_fewer_micro_batches_faster():
     """On a CPU a micro-batch costs fixed_share + (1 - fixed_share)/M of the batch: at 0.8
     (wide.py's layers stream their weights whatever the batch) one micro-batch beats four."""
     import dataclasses
-    from hpar.strategies.plan.costmodel import estimate_pipeline
+    from hpar.strategies.plan.estimates import estimate_pipeline
     params = [ParamProfile(f"{i}.weight", (100, 100), 40_000, False, 1.0, 1.0, False, layer=i) for i in range(4)]
     layers = [LayerProfile(str(i), 0.02, 0.03, 10**6, 0, 40_000) for i in range(4)]
     prof = dataclasses.replace(make_profile(params, layers, 0.08, 0.12, sequential=True), fixed_share=0.8)
@@ -158,9 +158,9 @@ def test_hybrid_with_nothing_on_its_servers_never_wins_and_near_ties_go_simpler(
     """A dense CNN where the cost model puts hybrid (every parameter on AllReduce) a hair ahead
     of allreduce: the plan is allreduce, hybrid is listed as not runnable in its own name;
     predictions within TIE of each other go to the simpler strategy."""
-    from hpar.strategies.plan import costmodel, planner
+    from hpar.strategies.plan import estimates, planner
     from hpar.strategies.plan.costmodel import Estimate
-    real = costmodel.estimate_all
+    real = estimates.estimate_all
 
     def hybrid_ahead(profile, cluster):
         out = real(profile, cluster)
@@ -195,7 +195,7 @@ def test_micro_batches_divide_the_batch():
     """The micro-batches the planner tries ({1, K, 2K, 4K}) move to the nearest divisor of the
     batch, at least K where the batch has one: 3 stages and a batch of 32 (a plan of 3 micro-
     batches would be refused by `hpar run` itself) try 1, 4, 8, 16."""
-    from hpar.strategies.plan.costmodel import estimate_pipeline
+    from hpar.strategies.plan.estimates import estimate_pipeline
     from hpar.strategies.pipeline.schedules import micro_batch_count
     assert [micro_batch_count(f, 32, min(f, 3)) for f in (1, 3, 6, 12)] == [1, 4, 8, 16]
     assert [micro_batch_count(f, 30, min(f, 4)) for f in (1, 4, 8, 16)] == [1, 5, 10, 15]   # 8: 6 and 10 tie, the larger

@@ -185,7 +185,7 @@ def test_one_ssh_connection_per_host_shared_refilled_and_replaced(monkeypatch):
         def close(self):
             self.alive = False
 
-    monkeypatch.setattr(ssh, "connect", lambda host, opts: Conn(host))
+    monkeypatch.setattr(ssh_pool, "connect", lambda host, opts: Conn(host))
     opts = ssh.SSHOptions(key="k")
     a, b = Host("pool-test-a"), Host("pool-test-b")
     first = {}

@@ -84,7 +84,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     ``refine(profile, cluster)``, when given, returns the bench's cluster with what was
     measured for this job (the emulated hosts' sparse exchange). Raises JobError/ValueError
     for a bad script or flags."""
-    from hpar.strategies.plan.costmodel import estimate_all
+    from hpar.strategies.plan.estimates import estimate_all
     from hpar.strategies.job import check_job, load_job
     from hpar.strategies.profile.profiler import profile_job
     job = load_job(script)
@@ -101,7 +101,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     # torch's schedules run one pipeline: with them in the bench, hpar's run the same (R = 1) stages
     one_pipeline = 1 if any((BENCH_STRATEGIES[n][1] or "").startswith("torch-") for n in names) else None
     if one_pipeline:
-        from hpar.strategies.plan.costmodel import estimate_pipeline
+        from hpar.strategies.plan.estimates import estimate_pipeline
         estimates["pipeline"] = estimate_pipeline(profile, cluster, replicas=1)
     reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, cfg.gpus)
                                          or does_not_fit(n, profile, estimates, cluster))}
@@ -127,7 +127,7 @@ def prediction(estimates: dict, name: str) -> float | None:
     """The cost model's seconds per step for bench strategy ``name`` from ``estimates`` (by
     cost-model strategy; an asynchronous pipeline schedule from its synchronous estimate),
     None where it has none or it is infeasible."""
-    from hpar.strategies.plan.costmodel import estimate_async_pipeline
+    from hpar.strategies.plan.estimates import estimate_async_pipeline
     strategy, schedule = BENCH_STRATEGIES[name]
     est = estimates.get(strategy)
     if est is not None and strategy == "pipeline" and schedule:

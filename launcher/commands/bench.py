@@ -94,7 +94,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
     emulated link's (bandwidth, latency, ...) as measured (``EmulatedCluster.probe_link``), which the cost model then uses
     instead of the cap (its latency unless ``latency`` is given); ``capacity``: the memory of a
     worker and a server (launcher/run/capacity.py), this machine's where not given."""
-    from hpar.launcher.commands.profile import build_cluster
+    from hpar.launcher.run.cluster import build_cluster
     from hpar.strategies.plan.cluster import make_cluster
     bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
     base = build_cluster(bench_gpus, f"emulate:{emulated_hosts}" if emulated_hosts else hosts, None, bw, latency, None,

@@ -17,7 +17,7 @@ from hpar.strategies.export import FORMATS
 @click.option("--script", default=None, help="hf: the script whose model() to fill (default: the run's).")
 def export(run_dir, fmt, out, script):
     """Write RUN_DIR's trained model as FORMAT at OUT."""
-    from hpar.launcher.cli import fail
+    from hpar.launcher.usage import fail
     from hpar.strategies.export import export as run_export
     from hpar.strategies.job import JobError
     try:

@@ -13,25 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 
 import click
 from rich.console import Console
 from rich.table import Table
 
+from hpar.launcher.run.cluster import DEFAULT_LATENCY, build_cluster
+from hpar.launcher.usage import fail as _fail
 from hpar.strategies.job import JobError, check_job, load_job
-
-DEFAULT_BANDWIDTH = "10Gbps"
-DEFAULT_LATENCY = "50us"
-
-
-def _fail(message: str, detail: str | None = None) -> None:
-    click.echo(f"hpar: {message}", err=True)
-    if detail:
-        click.echo(detail.rstrip(), err=True)
-    sys.exit(2)
-
 
 def _human(n: float, unit: str = "B") -> str:
     for prefix in ("", "k", "M", "G", "T"):
@@ -39,100 +28,6 @@ def _human(n: float, unit: str = "B") -> str:
             return f"{n:.3g} {prefix}{unit}"
         n /= 1000
     return f"{n:.3g} P{unit}"
-
-
-def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps=None, measured_on=None,
-                  capacity=None):
-    """ClusterSpec from the flags (see the module docstring); ``device_mem_gbps``: the projected
-    device's memory bandwidth (GB/s); ``measured_on``: the device the profile measures on
-    ("cuda": no CPU-core sharing in the cost model; None: "cuda" when this machine has a GPU);
-    ``capacity``: ``--worker-memory``/``--server-memory`` (launcher/run/capacity.py), this
-    machine's defaults filled in where every host is this one. Raises ValueError naming the flag."""
-    import dataclasses
-    from hpar.launcher.run.capacity import Capacity, with_defaults
-    cluster = _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps, measured_on)
-    local = cluster.device_flops is None and _all_local(hosts)
-    procs = cluster.max_gpus_per_host + -(-cluster.servers // cluster.hosts)
-    cap = with_defaults(capacity or Capacity(), local, measured_on or "cpu", procs)
-    return dataclasses.replace(cluster, worker_memory_bytes=cap.worker_bytes, server_memory_bytes=cap.server_bytes)
-
-
-def _all_local(hosts) -> bool:
-    """Whether every host of ``--hosts`` is this machine (no flag: yes; emulated hosts share it)."""
-    from hpar.launcher.bench.emulate import parse_emulate
-    from hpar.launcher.hosts.hostfile import parse_hosts
-    from hpar.launcher.hosts.slurm import in_allocation
-    if not hosts:
-        return not in_allocation()
-    if parse_emulate(hosts):
-        return True
-    try:
-        return all(h.is_local for h in parse_hosts(hosts))
-    except ValueError:   # HxG: a projection
-        return False
-
-
-def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps=None, measured_on=None):
-    """build_cluster without the memory capacity."""
-    from hpar.launcher.hosts.hostfile import parse_hosts
-    from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
-    from hpar.strategies.plan.probe import probe_link, probe_requests
-    from hpar.launcher.hosts.slurm import allocation_hosts, in_allocation
-    from hpar.launcher.bench.emulate import parse_emulate
-    emulated = parse_emulate(hosts)
-    if emulated:
-        if device_tflops is not None or device_mem_gbps is not None:
-            raise ValueError(f"--hosts {hosts} runs on this machine's CPU; drop --device-tflops/--device-mem-gbps "
-                             "(they project to a device you do not have)")
-        return _emulated_cluster(emulated, gpus, servers, bandwidth, latency)
-    # inside a Slurm allocation the hosts and their slots come from Slurm unless --hosts is given
-    host_list = parse_hosts(hosts) if hosts else (allocation_hosts() if in_allocation() else [])
-    if device_tflops is not None and device_tflops <= 0:
-        raise ValueError(f"--device-tflops must be positive, got {device_tflops}")
-    if device_mem_gbps is not None and device_mem_gbps <= 0:
-        raise ValueError(f"--device-mem-gbps must be positive, got {device_mem_gbps}")
-    flops = device_tflops * 1e12 if device_tflops is not None else None
-    mem = device_mem_gbps * 1e9 if device_mem_gbps is not None else None
-    local = all(h.is_local for h in host_list)
-    allreduce_bw = None
-    if bandwidth is not None:
-        bw, source = parse_bandwidth(bandwidth), "flags"
-        lat = parse_latency(latency or DEFAULT_LATENCY)
-    elif local:
-        bw, lat, allreduce_bw = probe_link()[:3]
-        source = "probe"
-        if latency is not None:
-            lat = parse_latency(latency)
-    else:
-        bw, lat, source = parse_bandwidth(DEFAULT_BANDWIDTH), parse_latency(latency or DEFAULT_LATENCY), "default"
-    slots = [h.slots for h in host_list] or None
-    import torch
-    # workers on this machine's CPU share its cores (cost model: strategies.costmodel.cpu_share)
-    on_cpu = measured_on == "cpu" if measured_on else not torch.cuda.is_available()
-    cores = float(os.cpu_count() or 1) if local and flops is None and on_cpu else None
-    # a request's CPU matters where the processes share busy cores: only then is it measured
-    request_cpu = probe_requests() if cores is not None else None
-    return make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores,
-                        allreduce_Bps=allreduce_bw, device_mem_Bps=mem, request_cpu_s=request_cpu)
-
-
-def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):
-    """``--hosts emulate:H`` (launcher/bench/emulate.py): ``ceil(gpus / H)`` workers on each of H
-    network namespaces of this machine, each host's link capped at ``bandwidth`` (None: not
-    capped, the loopback's rate). The hosts share this machine's cores (cpu_count / H each)
-    and their processes talk to each other over its loopback (the probed intra-host rate); a
-    parameter-server request's CPU is measured too (strategies/plan/probe.probe_requests)."""
-    from hpar.launcher.bench.emulate import slots_per_host
-    from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
-    from hpar.strategies.plan.probe import probe_link, probe_requests
-    gpus = gpus or hosts
-    slots = [slots_per_host(hosts, gpus)] * hosts
-    loop_bw, loop_lat = probe_link()[:2]
-    bw = parse_bandwidth(bandwidth, "--bandwidth") if bandwidth is not None else loop_bw
-    lat = parse_latency(latency) if latency is not None else loop_lat
-    return make_cluster(slots, gpus, servers, bw, lat, None, intra_host_Bps=loop_bw,
-                        source="flags" if bandwidth is not None else "probe",
-                        cores_per_host=(os.cpu_count() or 1) / hosts, request_cpu_s=probe_requests())
 
 
 def report(profile, cluster, plan) -> dict:
@@ -254,7 +149,7 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tfl
     # what the script's data() or model() left running in a session of its own is ended (on stderr: --json)
     with ended_at_exit(lambda line: click.echo(line, err=True)):
         try:
-            from hpar.launcher.commands.launch import not_profilable
+            from hpar.launcher.run.script_kind import not_profilable
             if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
                 raise ValueError(not_profilable(script))
             job = load_job(script)

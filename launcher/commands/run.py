@@ -151,7 +151,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
     else:
         if not script:
             raise ValueError("missing SCRIPT: `hpar run SCRIPT --gpus N` (or --resume RUN_DIR)")
-        from hpar.launcher.commands.launch import not_profilable
+        from hpar.launcher.run.script_kind import not_profilable
         if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
             raise ValueError(not_profilable(script))
         check_run_dir(os.path.abspath(run_dir or default_run_dir()))

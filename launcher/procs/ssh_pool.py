@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from hpar.launcher.procs.ssh_connect import connect
+
 MAX_PROCESSES = 8
 
 _lock = threading.Lock()
@@ -36,11 +38,10 @@ def _active(conn) -> bool:
 
 
 def connection(host, opts, for_process: bool = False):
-    """An open fabric Connection to ``host`` (launcher/procs/ssh.py's ``connect``: host keys
+    """An open fabric Connection to ``host`` (launcher/procs/ssh_connect.py's ``connect``: host keys
     checked, keepalives set), shared with every other user of the same host and options.
     ``for_process``: the caller opens a long-lived process channel on it (counted against
     ``MAX_PROCESSES``). Raises SSHError (one line) when the host cannot be reached."""
-    from hpar.launcher.procs.ssh import connect
     key = _key(host, opts)
     with _lock:
         host_lock = _host_locks.setdefault(key, threading.Lock())

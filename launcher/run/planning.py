@@ -18,7 +18,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: i
     under which the forward passes are timed; ``capacity``: the memory each process may use
     (launcher/run/capacity.py), ``allow_misfit``: plan a forced strategy that exceeds it.
     Returns (the Plan, the Profile it was made from). Raises JobError/ValueError."""
-    from hpar.launcher.commands.profile import build_cluster
+    from hpar.launcher.run.cluster import build_cluster
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     from hpar.strategies.profile.device import profile_device

@@ -49,7 +49,6 @@ their means per stage (gathered to rank 0), with the stage's peak memory over th
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -276,30 +275,6 @@ def _tripped(ctx: WorkerContext, watch: "guard.LossWatch", step: int, loss: floa
     return bool(flag[0])
 
 
-def final_entries(module: torch.nn.Module, model: torch.nn.Module) -> dict:
-    """A stage's part of the final model, under the names the whole model's ``state_dict``
-    gives its tensors: a tied weight that the tracer hands a later stage under another name
-    (BERT's ``cls.predictions.decoder.bias`` for ``cls.predictions.bias``) is written under the
-    model's own names, and a name the model's state_dict leaves out (Hugging Face leaves out
-    tied duplicates) is left out."""
-    whole = model.state_dict(keep_vars=True)
-    names: dict[int, list[str]] = {}
-    for k, v in whole.items():
-        names.setdefault(id(v), []).append(k)
-    out = {}
-    for k, v in module.state_dict(keep_vars=True).items():   # a tensor: every name the model gives it
-        for name in set(names.get(id(v), [])) | ({k} if k in whole else set()):
-            out[f"model.{name}"] = v.detach()
-    return out
-
-
-def read_whole(run_dir: str, model: torch.nn.Module) -> None:
-    """Fill ``model`` from the run's final model (RUN_DIR/model) in this process: the names
-    the stages wrote (buffers outside every layer keep their values)."""
-    saved = run_state.saved_keys(os.path.join(run_dir, run_state.FINAL))
-    run_state.read_final(run_dir, {k: v for k, v in run_state.model_entries(model).items() if k in saved})
-
-
 def _finish(ctx: WorkerContext, grid: Grid, stage: Stage, model: torch.nn.Module, ranges, meter: StepMeter,
             stats: dict, more: dict | None = None, example=None) -> TrainResult:
     """Gather the stages' state dicts (replica 0's: the replicas are identical) and every
@@ -313,7 +288,7 @@ def _finish(ctx: WorkerContext, grid: Grid, stage: Stage, model: torch.nn.Module
             "peak_mem_bytes": stats["memory"].peak_bytes()}
     # every stage writes its layers where they are (replicas: one copy), then stage 0 of replica 0
     # reads the whole model back for evaluate() (it built the whole model to cut its stage)
-    run_state.write_final(ctx.cfg.run_dir, final_entries(stage.module, model))
+    run_state.write_final(ctx.cfg.run_dir, run_state.final_entries(stage.module, model))
     gathered = [None] * ctx.world_size if ctx.rank == 0 else None
     if ctx.world_size > 1:
         dist.gather_object(mine, gathered, dst=0)
@@ -321,7 +296,7 @@ def _finish(ctx: WorkerContext, grid: Grid, stage: Stage, model: torch.nn.Module
         gathered = [mine]
     if ctx.rank != 0:
         return meter.result(None)
-    read_whole(ctx.cfg.run_dir, model)
+    run_state.read_whole(ctx.cfg.run_dir, model)
     extra = {"schedule": ctx.cfg.schedule, "micro_batches": ctx.cfg.micro_batches, "pipeline_stages": grid.stages,
              "pipeline_replicas": grid.replicas, "pipeline_layout": grid.layout,
              "stages": gathered, "stage_layers": describe(ranges, model, example), **(more or {})}

@@ -210,8 +210,7 @@ def train(ctx: WorkerContext) -> TrainResult:
                "compute_s": sum(cpu_s) / len(cpu_s) if split else wall,
                "idle_s": max(0.0, wall - sum(cpu_s) / len(cpu_s)) if split else None,
                "peak_mem_bytes": mem.peak_bytes()}
-    from hpar.strategies.pipeline.runtime import final_entries, read_whole
-    run_state.write_final(cfg.run_dir, {k_: v for m in modules for k_, v in final_entries(m, model).items()})
+    run_state.write_final(cfg.run_dir, {k_: v for m in modules for k_, v in run_state.final_entries(m, model).items()})
     gathered = [None] * K if k == 0 else None
     if K > 1:
         dist.gather_object(figures, gathered, dst=0)
@@ -219,7 +218,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         gathered = [figures]
     if k != 0:
         return meter.result(None)
-    read_whole(cfg.run_dir, model)
+    run_state.read_whole(cfg.run_dir, model)
     extra = {"schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
              "stages": gathered, "stage_layers": describe(ranges, model)}
     return meter.result(model.to("cpu"), extra=extra)

@@ -18,7 +18,8 @@ import json
 from dataclasses import dataclass, field
 
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.costmodel import Estimate, estimate_all, estimate_pipeline
+from hpar.strategies.plan.costmodel import Estimate
+from hpar.strategies.plan.estimates import estimate_all, estimate_pipeline
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.plan.memory import predict as predict_memory, refusal
 from hpar.strategies.pipeline.ties import schedule_problem, stages_of
@@ -156,7 +157,7 @@ def _fastest_simplest(estimates: list[Estimate]) -> Estimate:
 
 def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 force: str | None = None, pipeline_replicas: int | None = None, allow_misfit: bool = False) -> Plan:
-    """Predict every strategy (``costmodel.estimate_all``) and its peak memory
+    """Predict every strategy (``estimates.estimate_all``) and its peak memory
     (``plan/memory.predict``) and pick the highest samples/s among those that fit the job and
     the cluster's memory; the others are still listed as candidates with a note. A hybrid
     plan that places nothing on the servers, or allreduce-sparse without an embedding table, is

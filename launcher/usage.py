@@ -1,0 +1,20 @@
+"""How every ``hpar`` command ends on bad input: one line ``hpar: message`` on stderr (the
+user's own traceback after it, where their code raised), exit code 2 (click's for usage
+errors). Shared by the commands, so none imports another or the CLI's entry point.
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+EXIT_USAGE = 2
+
+
+def fail(message: str, detail: str | None = None) -> None:
+    """Print ``hpar: message`` (plus the user's traceback ``detail``, if any) to stderr and
+    exit 2. Never returns."""
+    click.echo(f"hpar: {message}", err=True)
+    if detail:
+        click.echo(detail.rstrip(), err=True)
+    sys.exit(EXIT_USAGE)

@@ -1,0 +1,96 @@
+"""The package's import graph runs one way: no module imports (at the top or inside a
+function) a module that imports it back, directly or through others, and no command module
+imports another command or the CLI's entry point (helpers they share live in launcher/run/,
+launcher/usage.py). Read from the source with ``ast``, so nothing is imported."""
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("launcher", "strategies", "workers")
+
+
+def modules() -> dict[str, str]:
+    """{"hpar.strategies.allreduce": path} for every module of the package."""
+    found = {}
+    for top in PACKAGES:
+        for root, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(root, f), ROOT)[:-3].replace(os.sep, ".")
+                    found["hpar." + rel.removesuffix(".__init__")] = os.path.join(root, f)
+    return found
+
+
+def imports(path: str, known: set[str]) -> set[str]:
+    """The package modules ``path`` imports anywhere in its source (``from a import b`` counts
+    as ``a.b`` where that is a module, else ``a``)."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                out.add(full if full in known else node.module)
+    return {m for m in out if m in known}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {m: imports(p, set(mods)) - {m} for m, p in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in g:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    found = cycles(graph())
+    assert not found, "modules that import each other (move what they share into a third): " + "; ".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_commands_import_no_other_command_nor_the_cli():
+    g = graph()
+    for mod, deps in g.items():
+        if mod.startswith("hpar.launcher.commands."):
+            bad = sorted(d for d in deps if d == "hpar.launcher.cli" or
+                         (d.startswith("hpar.launcher.commands.") and d != mod))
+            assert not bad, f"{mod} imports {bad}: shared helpers belong in launcher/run/ or launcher/usage.py"
+
+
+def test_the_check_sees_a_circle():
+    """The checker itself finds a planted circle (a test that cannot fail is no test)."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
