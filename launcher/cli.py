@@ -11,8 +11,8 @@ import sys
 import click
 from rich.console import Console
 
-from hpar.strategies.config import FIND_UNUSED_MODES, PRECISIONS, SCHEDULES, STRATEGIES
-from hpar.strategies.job import JobError
+from hpar.strategies.common.config import FIND_UNUSED_MODES, PRECISIONS, SCHEDULES, STRATEGIES
+from hpar.strategies.common.job import JobError
 
 from hpar.launcher.usage import EXIT_USAGE, fail  # noqa: F401 (EXIT_USAGE: part of the CLI's interface)
 

@@ -37,7 +37,7 @@ def micro_for(schedule: str, stages: int) -> int:
 
 
 def accuracy(schedule: str, stages: int, steps: int, lr: float, seed: int) -> float:
-    from hpar.strategies.job import load_job
+    from hpar.strategies.common.job import load_job
     from hpar.strategies.pipeline.sim import simulate
     job = load_job(DEEP)
     r = simulate(job, schedule, stages, steps=steps, batch_size=64, micro_batches=micro_for(schedule, stages),

@@ -25,8 +25,8 @@ import tempfile
 
 import torch
 
-from hpar.strategies.allreduce import ring_allreduce_bytes
-from hpar.strategies.job import load_job
+from hpar.strategies.dataparallel.allreduce import ring_allreduce_bytes
+from hpar.strategies.common.job import load_job
 from hpar.strategies.hybrid.client import embedding_weights
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -42,7 +42,7 @@ CNN = os.path.join(ROOT, "examples", "cnn.py")
 def run_workers(script: str, strategy: str, world: int, steps: int, batch: int, schedule: str = "1f1b",
                 micro: int = 4, timeout: float = 600, lr: float = 0.001) -> dict:
     """Start ``world`` worker processes as the launcher does; returns rank 0's summary."""
-    from hpar.strategies.config import RunConfig
+    from hpar.strategies.common.config import RunConfig
     run_dir = tempfile.mkdtemp(prefix="hpar-bench-")
     cfg = RunConfig(script=script, strategy=strategy, world_size=world, steps=steps, batch_size=batch,
                     lr=lr, seed=0, run_dir=run_dir, schedule=schedule, micro_batches=micro,
@@ -97,7 +97,7 @@ def speed(steps: int, repeats: int) -> list[dict]:
 
 
 def convergence(steps: int, stages: int = 4, micro: int = 4) -> list[dict]:
-    from hpar.strategies.job import load_job
+    from hpar.strategies.common.job import load_job
     from hpar.strategies.pipeline.sim import simulate
     torch.set_num_threads(1)
     rows = []

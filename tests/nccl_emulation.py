@@ -78,9 +78,9 @@ def child(rank: int, world: int, runs: list, out_dir: str) -> None:
     torch.set_num_threads(1)
     violations = install()
     import importlib
-    from hpar.strategies.config import RunConfig
-    from hpar.strategies.context import WorkerContext
-    from hpar.strategies.job import load_job
+    from hpar.strategies.common.config import RunConfig
+    from hpar.strategies.common.context import WorkerContext
+    from hpar.strategies.common.job import load_job
     from hpar.workers.worker import RUNTIMES, init_group
     out = {}
     for config_path, port in runs:

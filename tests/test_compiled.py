@@ -78,7 +78,7 @@ def test_profile_and_plan_name_parameters_as_the_user_wrote_them():
     from torch._dynamo.utils import counters
 
     from hpar.launcher.run.cluster import build_cluster
-    from hpar.strategies.job import load_job
+    from hpar.strategies.common.job import load_job
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     job = load_job(os.path.join(ZOO, "compiled_bag.py"))
@@ -106,7 +106,7 @@ def test_hpar_profile_shows_and_plans_the_names_the_user_wrote(tmp_path):
 def test_compiled_sequential_is_profiled_by_its_layers_and_offered_as_a_pipeline(tmp_path):
     """A compiled nn.Sequential: the profile times its layers (the children of the module
     inside), a pipeline can cut them, and the names are the user's."""
-    from hpar.strategies.job import load_job
+    from hpar.strategies.common.job import load_job
     from hpar.strategies.profile.profiler import profile_job
     script = write_script(tmp_path, '''
         import torch, torch.nn as nn

@@ -76,7 +76,7 @@ def test_heartbeat_reads_the_workers_own_gpu(monkeypatch):
 
 
 def test_rng_state_carries_the_cuda_generator(monkeypatch):
-    from hpar.strategies.devices import rng_state, set_rng_state
+    from hpar.strategies.common.devices import rng_state, set_rng_state
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.tensor([7], dtype=torch.uint8))
     restored = []
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: restored.append((int(state[0]), device)))
@@ -88,7 +88,7 @@ def test_rng_state_carries_the_cuda_generator(monkeypatch):
 
 
 def test_compute_timer_uses_cuda_events_on_a_gpu(monkeypatch):
-    from hpar.strategies.devices import ComputeTimer
+    from hpar.strategies.common.devices import ComputeTimer
 
     class Event:
         made = []

@@ -168,8 +168,8 @@ def test_hpar_layers_pipeline_equals_single_process(tmp_path):
     """A model that is not an nn.Sequential but names its layers with hpar_layers(): the
     profile counts them, the stages (state_dict keys as in the whole model) run them, and a
     synchronous pipeline equals single-process training."""
-    from hpar.strategies.job import load_job
-    from hpar.strategies.layers import model_layers
+    from hpar.strategies.common.job import load_job
+    from hpar.strategies.models.layers import model_layers
     from hpar.strategies.pipeline.sim import simulate
     from hpar.strategies.profile.profiler import pipeline_layers
     script = write_script(tmp_path, WITH_HPAR_LAYERS)
@@ -187,7 +187,7 @@ def test_hpar_layers_pipeline_equals_single_process(tmp_path):
 
 
 def test_hpar_layers_must_cover_the_model():
-    from hpar.strategies.layers import model_layers
+    from hpar.strategies.models.layers import model_layers
 
     class Partial(torch.nn.Module):
         def __init__(self):
@@ -205,9 +205,9 @@ def test_tied_weight_is_one_dense_parameter():
     """The zoo's tied LM: the embedding tied to the output Linear is profiled dense and kept
     off the servers; the untied document table stays a row-sparse embedding."""
     from hpar.strategies.hybrid.client import placement
-    from hpar.strategies.job import load_job
+    from hpar.strategies.common.job import load_job
     from hpar.strategies.profile.profiler import profile_job
-    from hpar.strategies.tying import embedding_tables, shared_parameters
+    from hpar.strategies.models.tying import embedding_tables, shared_parameters
     job = load_job(os.path.join(REPO, "tests", "zoo", "tied_lm.py"))
     model = job.build_model()
     assert shared_parameters(model) == {"emb.weight": ["emb.weight", "out.weight"]}
@@ -222,7 +222,7 @@ def test_tied_weight_is_one_dense_parameter():
 
 
 def test_atomic_files_get_the_same_permissions_as_plain_ones(tmp_path):
-    from hpar.strategies.checkpoint import atomic_write_bytes
+    from hpar.strategies.runstate.checkpoint import atomic_write_bytes
     atomic_write_bytes(str(tmp_path / "summary.json"), b"{}")
     (tmp_path / "worker-0.log").write_text("")
     assert (tmp_path / "summary.json").stat().st_mode & 0o777 == (tmp_path / "worker-0.log").stat().st_mode & 0o777
@@ -251,7 +251,7 @@ def test_samples_per_s_is_samples_over_the_wall_clock_of_the_measured_window():
     interval means."""
     import time
     from types import SimpleNamespace
-    from hpar.strategies.context import StepMeter
+    from hpar.strategies.common.context import StepMeter
     reports = []
     ctx = SimpleNamespace(cfg=SimpleNamespace(log_every=3, steps=6), start_step=0, report=reports.append,
                           on_step=None, event=None, rank=0)

@@ -1,4 +1,4 @@
-"""``--strategy fsdp`` (strategies/fsdp.py, torch's FSDP2) through the real ``hpar run``: exact
+"""``--strategy fsdp`` (strategies/dataparallel/fsdp.py, torch's FSDP2) through the real ``hpar run``: exact
 against one process on the concatenated batches with the training loop's features, checkpoints
 with torch.distributed.checkpoint that resume (also at another size), and the unit choice."""
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpar.strategies.fsdp import units
+from hpar.strategies.dataparallel.fsdp import units
 
 from conftest import final_state, write_script
 from test_training_loop import LOOP, close, reference, run_cli, worker0_losses

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hpar.strategies.config import RunConfig
+from hpar.strategies.common.config import RunConfig
 from hpar.strategies.plan.cluster import free_port
 
 from conftest import embed_script, write_script
@@ -50,7 +50,7 @@ def test_servers_only_join_gloo_and_workers_dense_group_is_nccl(monkeypatch, tmp
 
 def _nonmember(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from hpar.strategies.groups import join_default_group, worker_groups
+    from hpar.strategies.common.groups import join_default_group, worker_groups
     join_default_group(rank, 2, 60)
     if rank == 0:   # the GPU worker: this torch has no NCCL, so its NCCL group is made of gloo here
         real = dist.new_group
@@ -71,7 +71,7 @@ def test_a_process_without_nccl_joins_as_a_server(tmp_path):
 
 
 def test_loss_reduction_is_a_cpu_tensor_on_the_gloo_control_group(monkeypatch):
-    from hpar.strategies.groups import WorkerGroups, mean_over_workers
+    from hpar.strategies.common.groups import WorkerGroups, mean_over_workers
     seen = []
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: seen.append((t.device.type, group)) or t.mul_(2))
     groups = WorkerGroups(dense="nccl-group", control="gloo-group", backend="nccl")

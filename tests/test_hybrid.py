@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hpar.strategies.plan.cluster import free_port
-from hpar.strategies.config import RunConfig
-from hpar.strategies.job import load_job
+from hpar.strategies.common.config import RunConfig
+from hpar.strategies.common.job import load_job
 
 from conftest import single_process_reference, final_state
 
@@ -221,7 +221,7 @@ def test_a_checkpoint_reshards_onto_another_row_layout(tmp_path):
 
 
 def _reshard(tmp_path, server):
-    from hpar.strategies import state
+    from hpar.strategies.runstate import state
     from hpar.strategies.hybrid.shard_state import set_steps
     old = server({"user.weight": 2})
     for shard in old.shards.values():   # an update's state: Adagrad's sum and the step count

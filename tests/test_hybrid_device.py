@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpar.strategies.config import RunConfig
-from hpar.strategies.context import WorkerContext
-from hpar.strategies.job import load_job
+from hpar.strategies.common.config import RunConfig
+from hpar.strategies.common.context import WorkerContext
+from hpar.strategies.common.job import load_job
 
 from conftest import write_script
 
@@ -113,7 +113,7 @@ class FakeEvent:
 
 
 def test_row_gradients_reach_the_host_by_a_non_blocking_copy_into_pinned_memory(monkeypatch):
-    from hpar.strategies import devices
+    from hpar.strategies.common import devices
     from hpar.strategies.hybrid.embedding import HostGradients
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     pinned = []

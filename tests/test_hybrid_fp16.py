@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from hpar.strategies.job import load_job
+from hpar.strategies.common.job import load_job
 
 from conftest import _concat, write_script, final_state
 from test_training_loop import close, run_cli

@@ -12,7 +12,7 @@ PACKAGES = ("launcher", "strategies", "workers")
 
 
 def modules() -> dict[str, str]:
-    """{"hpar.strategies.allreduce": path} for every module of the package."""
+    """{"hpar.strategies.dataparallel.allreduce": path} for every module of the package."""
     found = {}
     for top in PACKAGES:
         for root, dirs, files in os.walk(os.path.join(ROOT, top)):

@@ -1,4 +1,4 @@
-"""Measured peak memory (strategies/memory.py, launcher/run/peaks.py): every worker and
+"""Measured peak memory (strategies/common/memory.py, launcher/run/peaks.py): every worker and
 parameter server reports its peak above its baseline, in metrics.jsonl and summary.json."""
 import json
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpar.launcher.run.peaks import PeakFigures
-from hpar.strategies import memory
+from hpar.strategies.common import memory
 
 from conftest import hpar_to_file, kill_left, write_script
 

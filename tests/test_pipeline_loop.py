@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from hpar.strategies.config import RunConfig
-from hpar.strategies.job import load_job
-from hpar.strategies.loop import DTYPES
+from hpar.strategies.common.config import RunConfig
+from hpar.strategies.common.job import load_job
+from hpar.strategies.common.loop import DTYPES
 from hpar.strategies.pipeline.stage import split_micro
 from hpar.strategies.pipeline.stage_loop import async_clip_threshold
 

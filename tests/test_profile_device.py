@@ -50,7 +50,7 @@ def fake_cuda(monkeypatch):
 
 
 def test_profile_layer_times_come_from_cuda_events_on_cuda(fake_cuda):
-    from hpar.strategies.devices import DeviceClock
+    from hpar.strategies.common.devices import DeviceClock
     from hpar.strategies.profile.hooks import LayerTimer
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     clock = DeviceClock(torch.device("cuda", 0))     # the model stays on the CPU: only the clock is CUDA's
@@ -71,7 +71,7 @@ def test_profile_layer_times_come_from_cuda_events_on_cuda(fake_cuda):
 
 
 def test_pipeline_compute_and_idle_from_cuda_events_on_cuda(fake_cuda):
-    from hpar.strategies.devices import ComputeTimer
+    from hpar.strategies.common.devices import ComputeTimer
     timer = ComputeTimer(torch.device("cuda", 0))   # mark at 5 ms: the step starts
     timer.start()                                   # 10
     timer.stop()                                    # 15: 5 ms of compute
@@ -173,7 +173,7 @@ def test_hpar_run_says_when_a_cpu_profile_plans_gpu_workers(tmp_path, monkeypatc
     from hpar.launcher.hosts import remote
     from hpar.launcher.procs.ssh import SSHOptions
     from hpar.strategies.profile.device import OnDevice
-    from hpar.strategies.job import load_job
+    from hpar.strategies.common.job import load_job
     monkeypatch.setattr(remote, "prepare_remote", lambda *a, **kw: (SSHOptions(gpus={"a": 1, "b": 1}), "10.0.0.1"))
     monkeypatch.setattr(run_command, "local_gpus", lambda: 0)
     script = write_script(tmp_path, MEMORY_BOUND)

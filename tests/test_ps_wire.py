@@ -227,7 +227,7 @@ def _early_child(rank: int, port: int, out, sent):
     every server holding rows) before worker 0's push of step 0 is sent."""
     import time
     from torch import nn
-    from hpar.strategies.config import RunConfig
+    from hpar.strategies.common.config import RunConfig
     from hpar.strategies.hybrid.client import PSClient, ps_tables
     from hpar.strategies.hybrid.server import Server
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from hpar.strategies.job import load_job
-from hpar.strategies.sparse_allgather import padded_allgather_bytes, sparse_exchange
+from hpar.strategies.common.job import load_job
+from hpar.strategies.dataparallel.sparse_allgather import padded_allgather_bytes, sparse_exchange
 
 from conftest import embed_script, hpar, run_processes, single_process_reference, write_script, final_state
 

@@ -1,4 +1,4 @@
-"""Run state written where it lives (strategies/state.py): a full disk while writing a
+"""Run state written where it lives (strategies/runstate/state.py): a full disk while writing a
 checkpoint, and `hpar export` of a run's trained model, through the real CLI."""
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["allreduce", "hybrid"])
 def test_a_full_disk_names_the_path_keeps_the_last_checkpoint_and_resumes(tmp_path, small_disk, strategy):
-    from hpar.strategies import checkpoint
+    from hpar.strategies.runstate import checkpoint
     script = write_script(tmp_path, BIG)
     run_dir = small_disk / "run"
     rc, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--strategy", strategy,

@@ -60,7 +60,7 @@ def test_stage_figures_from_a_summary():
 def reference():
     """hpar's 1F1B on 2 stages, simulated in this process (tests/test_pipeline.py checks the
     simulator against the multi-process runtime bit for bit)."""
-    from hpar.strategies.job import load_job
+    from hpar.strategies.common.job import load_job
     from hpar.strategies.pipeline.sim import simulate
     job = load_job(PIPE)
     return simulate(job, "1f1b", 2, steps=6, batch_size=8, micro_batches=4, lr=job.defaults["lr"]).model

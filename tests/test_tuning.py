@@ -76,7 +76,7 @@ def loss(o, t): return ((o - t) ** 2).mean()
 @pytest.mark.multiprocess
 def test_a_trial_picks_the_plan_the_model_ranked_second_when_measurement_says_so(tmp_path):
     from hpar.launcher.run.planning import plan_job
-    from hpar.strategies.job import load_job
+    from hpar.strategies.common.job import load_job
     probe = tmp_path / "probe.py"
     probe.write_text(SLOWED.replace("STRATEGY", "none"))
     plan = plan_job(load_job(str(probe)), 16, None, 2, None)[0].to_dict()   # what the run's planner will rank

@@ -3,7 +3,7 @@ replays the pipeline schedules with the runtime's Stage code."""
 import pytest
 import torch
 
-from hpar.strategies.job import Job
+from hpar.strategies.common.job import Job
 from hpar.strategies.pipeline.sim import simulate
 from hpar.strategies.pipeline.stage import split_micro
 from hpar.strategies.pipeline.prediction import PassWeights

@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from hpar.strategies import activity
+from hpar.strategies.common import activity
 
 TAG = "@hpar "
 _lock = threading.Lock()
@@ -102,7 +102,7 @@ def start_heartbeat(every_s: float | None = None, device=None, threads: int | No
     """Emit a ``heartbeat`` line every ``every_s`` seconds (default ``HPAR_HEARTBEAT_S``, else
     2) from a daemon thread; set the returned event to stop it. The launcher counts a process
     whose heartbeats stop as stalled, whatever its step (launcher/run/health.py); each heartbeat
-    also says what the process is busy with outside its steps (strategies/activity.py), which
+    also says what the process is busy with outside its steps (strategies/common/activity.py), which
     has a deadline of its own. ``device``:
     the worker's torch.device (GPU memory figures); ``threads``: its CPU threads, in every
     heartbeat (metrics.jsonl then says what each process got)."""

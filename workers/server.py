@@ -18,16 +18,18 @@ report.install_stack_dump()   # first, so that a stall during start-up can be di
 
 import torch  # noqa: E402
 
-from hpar.strategies import checkpoint, memory
-from hpar.strategies.config import RunConfig
-from hpar.strategies.forward import inner_module
+from hpar.strategies.runstate import checkpoint
+
+from hpar.strategies.common import memory
+from hpar.strategies.common.config import RunConfig
+from hpar.strategies.models.forward import inner_module
 from hpar.strategies.hybrid.build import broadcast_dense
 from hpar.strategies.hybrid.client import ps_tables
 from hpar.strategies.hybrid.runtime import make_groups
 from hpar.strategies.hybrid.schedule import ServerSchedule, group_index
 from hpar.strategies.hybrid.server import Server
-from hpar.strategies.job import JobError, load_job
-from hpar.strategies.state import DiskFull
+from hpar.strategies.common.job import JobError, load_job
+from hpar.strategies.runstate.state import DiskFull
 from hpar.workers.worker import cpu_threads, env_int, init_group, leave_group, run_entry
 
 

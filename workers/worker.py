@@ -19,22 +19,24 @@ report.install_stack_dump()   # first, so that a stall during start-up can be di
 import torch  # noqa: E402
 import torch.distributed as dist
 
-from hpar.strategies import activity, memory
-from hpar.strategies.config import RunConfig
-from hpar.strategies.context import WorkerContext
-from hpar.strategies.devices import model_to_cpu
-from hpar.strategies.groups import join_default_group
-from hpar.strategies.job import JobError, load_job
-from hpar.strategies.state import DiskFull
-from hpar.strategies.hf import is_pretrained, save_pretrained_dir
+from hpar.strategies.common import activity
+
+from hpar.strategies.common import memory
+from hpar.strategies.common.config import RunConfig
+from hpar.strategies.common.context import WorkerContext
+from hpar.strategies.common.devices import model_to_cpu
+from hpar.strategies.common.groups import join_default_group
+from hpar.strategies.common.job import JobError, load_job
+from hpar.strategies.runstate.state import DiskFull
+from hpar.strategies.models.hf import is_pretrained, save_pretrained_dir
 
 RUNTIMES = {
-    "allreduce": "hpar.strategies.allreduce",
-    "allreduce-sparse": "hpar.strategies.allreduce",
+    "allreduce": "hpar.strategies.dataparallel.allreduce",
+    "allreduce-sparse": "hpar.strategies.dataparallel.allreduce",
     "hybrid": "hpar.strategies.hybrid.runtime",
     "ps": "hpar.strategies.hybrid.runtime",
     "pipeline": "hpar.strategies.pipeline.runtime",
-    "fsdp": "hpar.strategies.fsdp",
+    "fsdp": "hpar.strategies.dataparallel.fsdp",
 }
 
 
@@ -57,7 +59,7 @@ def step_time_percentiles(step_times: list[float], warmup: int = 2) -> dict:
 
 
 def init_group(cfg: RunConfig, pg_rank: int, pg_world_size: int) -> tuple[int, ...]:
-    """Join the default process group (always gloo: strategies/groups.py says what goes over
+    """Join the default process group (always gloo: strategies/common/groups.py says what goes over
     which group); returns the host index (GROUP_RANK) of every rank of it, gathered from all
     (a collective: servers call it too)."""
     join_default_group(pg_rank, pg_world_size, int(os.environ.get("HPAR_PG_TIMEOUT", "300")))
@@ -85,7 +87,7 @@ def run_entry(main, prefix: str, user_errors: tuple) -> None:
     try:
         code = main()
     except user_errors as exc:
-        if not getattr(exc, "announced", False):   # else the launcher prints it, once (strategies/first_batch.py)
+        if not getattr(exc, "announced", False):   # else the launcher prints it, once (strategies/common/first_batch.py)
             print(f"{prefix}: {exc}", file=sys.stderr)
         if getattr(exc, "user_traceback", None):
             print(exc.user_traceback, file=sys.stderr)
@@ -140,7 +142,7 @@ def main() -> int:
         report.emit("event", {"kind": "first_eval", "eval": eval_first})
         report.emit("event", {"kind": "phase", "phase": "train"})
     runtime = importlib.import_module(RUNTIMES[cfg.strategy])   # imported before the memory baseline
-    memory.start_process(device)   # peak memory from here to the last step (strategies/memory.py)
+    memory.start_process(device)   # peak memory from here to the last step (strategies/common/memory.py)
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
                         device=device, report=lambda m: report.emit("metric", m),
                         pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of,
@@ -149,7 +151,7 @@ def main() -> int:
     t0 = time.time()
     result = runtime.train(ctx)
     report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures()})
-    if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/state.py)
+    if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/runstate/state.py)
         assert result.model is not None or result.eval_last is not None, "rank 0 evaluates the whole model"
         report.emit("event", {"kind": "phase", "phase": "evaluate"})
         eval_last = result.eval_last
@@ -158,7 +160,7 @@ def main() -> int:
             if eval_last is None:
                 with activity.doing("in evaluate() after the last step"):
                     eval_last = job.run_evaluate(model) if cfg.eval else {}
-            if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/hf.py)
+            if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/models/hf.py)
                 with activity.doing("writing RUN_DIR/hf (save_pretrained)"):
                     save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
         report.emit("summary", {

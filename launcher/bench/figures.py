@@ -43,7 +43,7 @@ def bytes_per_worker_step(metrics_path: str) -> dict | None:
 def stage_figures(summary: dict) -> dict:
     """A pipeline run's bubble and memory from its summary's per-stage figures: ``bubble`` =
     idle over (compute + idle) summed over the stages (the fraction of stage time spent
-    waiting), ``peak_mem_bytes`` = the largest stage's peak (strategies/memory.py).
+    waiting), ``peak_mem_bytes`` = the largest stage's peak (strategies/common/memory.py).
     Empty for other strategies; a figure a runtime did not measure is left out."""
     stages = summary.get("stages") or []
     out = {}

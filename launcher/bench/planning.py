@@ -85,7 +85,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     measured for this job (the emulated hosts' sparse exchange). Raises JobError/ValueError
     for a bad script or flags."""
     from hpar.strategies.plan.estimates import estimate_all
-    from hpar.strategies.job import check_job, load_job
+    from hpar.strategies.common.job import check_job, load_job
     from hpar.strategies.profile.profiler import profile_job
     job = load_job(script)
     bs = cfg.batch_size if cfg.batch_size is not None else int(job.defaults.get("batch_size", 32))
@@ -108,7 +108,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     # the planner's plan of each planned strategy, so that its runs execute what was
     # predicted (pipeline: stages and micro-batches, one plan for hpar's and torch's schedules
     # alike; hybrid/ps: placement and partitions) rather than each run re-profiling
-    from hpar.strategies.checkpoint import atomic_write_bytes
+    from hpar.strategies.runstate.checkpoint import atomic_write_bytes
     from hpar.strategies.plan.planner import choose_plan
     stem = os.path.splitext(os.path.basename(script))[0]
     # what the predictions were made from, so that a later cost model can be checked on these runs

@@ -22,7 +22,7 @@ import sys
 import click
 from rich.console import Console
 
-from hpar.strategies.job import JobError
+from hpar.strategies.common.job import JobError
 
 
 def _fail(message: str, detail: str | None = None) -> None:

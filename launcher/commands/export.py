@@ -1,11 +1,11 @@
 """``hpar export RUN_DIR --format torch|safetensors|hf --out PATH``: a run's trained model, which
 it wrote where it lived (RUN_DIR/model), as one file or directory people load
-(strategies/export.py)."""
+(strategies/runstate/export.py)."""
 from __future__ import annotations
 
 import click
 
-from hpar.strategies.export import FORMATS
+from hpar.strategies.runstate.export import FORMATS
 
 
 @click.command()
@@ -18,8 +18,8 @@ from hpar.strategies.export import FORMATS
 def export(run_dir, fmt, out, script):
     """Write RUN_DIR's trained model as FORMAT at OUT."""
     from hpar.launcher.usage import fail
-    from hpar.strategies.export import export as run_export
-    from hpar.strategies.job import JobError
+    from hpar.strategies.runstate.export import export as run_export
+    from hpar.strategies.common.job import JobError
     try:
         written = run_export(run_dir, fmt, out, script)
     except (ValueError, JobError) as exc:

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from hpar.launcher.run.cluster import DEFAULT_LATENCY, build_cluster
 from hpar.launcher.usage import fail as _fail
-from hpar.strategies.job import JobError, check_job, load_job
+from hpar.strategies.common.job import JobError, check_job, load_job
 
 def _human(n: float, unit: str = "B") -> str:
     for prefix in ("", "k", "M", "G", "T"):
@@ -141,7 +141,7 @@ def _capacity(cluster) -> str:
 def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tflops, device_mem_gbps, batch_size,
             timing_batch_size, precision, worker_memory, server_memory, as_json, plan_out):
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
-    from hpar.strategies.checkpoint import atomic_write_bytes
+    from hpar.strategies.runstate.checkpoint import atomic_write_bytes
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.device import profile_device
     from hpar.strategies.profile.profiler import profile_job

@@ -18,19 +18,19 @@ from hpar.launcher.run.validate import check_plan_stages, check_run_dir, finishe
 from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
-from hpar.strategies import checkpoint
-from hpar.strategies.config import FIND_UNUSED_MODES, RunConfig, check_loop_flags
-from hpar.strategies.ddp import DDP_STRATEGIES, find_unused
+from hpar.strategies.runstate import checkpoint
+from hpar.strategies.common.config import FIND_UNUSED_MODES, RunConfig, check_loop_flags
+from hpar.strategies.dataparallel.ddp import DDP_STRATEGIES, find_unused
 from hpar.launcher.run.strategy_settings import check_optimizer, ddp_find_unused, default_micro_batches
-from hpar.strategies.forward import inner_module
-from hpar.strategies.job import check_job, load_job
-from hpar.strategies.loop import check_precision
+from hpar.strategies.models.forward import inner_module
+from hpar.strategies.common.job import check_job, load_job
+from hpar.strategies.common.loop import check_precision
 from hpar.strategies.hybrid.client import placement
 from hpar.strategies.hybrid.embedding import check_fullgraph
-from hpar.strategies.layers import is_declared_sequence
+from hpar.strategies.models.layers import is_declared_sequence
 from hpar.strategies.pipeline.stage import check_pipeline, sequential_layers, split_micro
 from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages
-from hpar.strategies.tying import embedding_tables
+from hpar.strategies.models.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
              "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0,
@@ -166,7 +166,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         model = check_job(job, bs)
-        # a model that is not a declared sequence is cut by tracing it on a batch (strategies/traced.py)
+        # a model that is not a declared sequence is cut by tracing it on a batch (strategies/models/traced.py)
         traced_on = None if is_declared_sequence(model) else next(job.batches(0, 1, bs))[0]
         strategy_flag = strategy
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
@@ -205,7 +205,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
                              f"(only {', '.join(DDP_STRATEGIES)} do); drop it")
         check_optimizer(console, job, inner, strategy, plan, servers, pick(lr, "lr"))
         if strategy == "fsdp":
-            from hpar.strategies.fsdp import check_available
+            from hpar.strategies.dataparallel.fsdp import check_available
             check_available()
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,

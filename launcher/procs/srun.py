@@ -34,7 +34,7 @@ import time
 
 from hpar.launcher.hosts.environ import forwarded
 from hpar.launcher.procs.local import ProcessSpec
-from hpar.strategies.checkpoint import atomic_write_bytes
+from hpar.strategies.runstate.checkpoint import atomic_write_bytes
 
 HEARTBEAT_S = 4.0
 # Runs in every task: python -c BOOT TASKS.json

@@ -12,7 +12,7 @@ import json
 import math
 import os
 
-from hpar.strategies.checkpoint import atomic_write_bytes
+from hpar.strategies.runstate.checkpoint import atomic_write_bytes
 
 FILE = "first.json"
 

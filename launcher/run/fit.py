@@ -18,7 +18,7 @@ from hpar.launcher.run.capacity import Capacity, misfit, with_defaults
 def run_estimate(cfg, model, profile):
     """The cost model's Estimate shape of the run ``cfg`` (what the memory model reads): its
     placement and partitions (hybrid, ps), stages, micro-batches and replicas (pipeline)."""
-    from hpar.strategies.forward import inner_module
+    from hpar.strategies.models.forward import inner_module
     from hpar.strategies.hybrid.client import placement
     from hpar.strategies.plan.costmodel import Estimate
     plan = cfg.plan or {}
@@ -41,7 +41,7 @@ def predict_run(cfg, job, model, profile=None) -> dict | None:
     (the planner's) or a memory-only profile of ``model`` (module docstring); None for a
     pipeline of a traced model without the planner's profile (its layers need a trace)."""
     import torch
-    from hpar.strategies.layers import is_declared_sequence
+    from hpar.strategies.models.layers import is_declared_sequence
     from hpar.strategies.plan.cluster import make_cluster
     from hpar.strategies.plan.memory import predict
     from hpar.strategies.profile.quick import memory_only_profile

@@ -17,7 +17,7 @@ kinds of stall follow from that, per process, so the process that stopped is the
   deadline (``--phase-timeout``, default ``stall_timeout``): ``evaluate()`` (before, during and
   after training), drawing a worker's first batch, writing a checkpoint or the trained model, a
   server handling one request. Its heartbeats say what and for how long
-  (strategies/activity.py); while a worker is busy so, its peers wait for it and their step
+  (strategies/common/activity.py); while a worker is busy so, its peers wait for it and their step
   clocks stand still, as during ``evaluate()``.
 - **not started**: not past the rendezvous (no ``train`` or ``evaluate`` phase of a worker, no
   ``serve`` phase of a server, announced once it joined the group) within ``startup_timeout``
@@ -61,7 +61,7 @@ class ProcState:
     exited_cleanly: bool = False        # it announced exit code 0 (workers/report.exit_process)
     train_since: float = 0.0            # when it entered the training phase
     eval_end: float = 0.0               # when the last evaluation (of any process) ended
-    doing: str | None = None            # its activity with a deadline (strategies/activity.py)
+    doing: str | None = None            # its activity with a deadline (strategies/common/activity.py)
     doing_s: float = 0.0                # seconds it had been at it when last heard
     doing_heard: float = 0.0            # when that was
 

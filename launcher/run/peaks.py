@@ -1,7 +1,7 @@
 """The run's measured peak memory per process, beside the plan's prediction.
 
 Every worker and parameter server reports its peak above its baseline at the end of training
-(a ``memory`` event: strategies/memory.py, workers/worker.py and workers/server.py). This
+(a ``memory`` event: strategies/common/memory.py, workers/worker.py and workers/server.py). This
 module writes each report to ``metrics.jsonl`` (``"kind": "memory"``, with the process's role
 and rank) and puts the largest over the workers and over the servers into ``summary.json``
 as ``peak_bytes`` (``{"worker": ..., "server": ...}``, null for a role with no report or none

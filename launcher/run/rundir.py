@@ -7,8 +7,8 @@ Layout::
     RUN_DIR/logs/worker-0.log  everything worker 0 printed (likewise server-<i>.log)
     RUN_DIR/metrics.jsonl      one JSON line per process per logging interval or heartbeat
     RUN_DIR/summary.json       written once at the end (also after a failure)
-    RUN_DIR/checkpoints/       see strategies/checkpoint.py
-    RUN_DIR/model/             the trained model, written where it lives (strategies/state.py)
+    RUN_DIR/checkpoints/       see strategies/runstate/checkpoint.py
+    RUN_DIR/model/             the trained model, written where it lives (strategies/runstate/state.py)
     RUN_DIR/hf/                a transformers model's save_pretrained directory (from_pretrained loads it)
     RUN_DIR/tensorboard/       TensorBoard event files, when tensorboard is installed
 """
@@ -20,8 +20,8 @@ import os
 from collections import deque
 
 from hpar.launcher.run.tensorboard import open_writer
-from hpar.strategies.checkpoint import atomic_write_bytes
-from hpar.strategies.config import RunConfig
+from hpar.strategies.runstate.checkpoint import atomic_write_bytes
+from hpar.strategies.common.config import RunConfig
 
 
 def default_run_dir() -> str:

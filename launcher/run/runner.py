@@ -22,8 +22,8 @@ from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_hos
 from hpar.launcher.run.rundir import RunDir
 from hpar.launcher.run.supervisor import Outcome, Supervisor
 from hpar.launcher.run.validate import resume_step
-from hpar.strategies import checkpoint
-from hpar.strategies.config import RunConfig
+from hpar.strategies.runstate import checkpoint
+from hpar.strategies.common.config import RunConfig
 
 SERVER_STRATEGIES = ("hybrid", "ps")
 
@@ -150,7 +150,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                               markup=False)
                 continue
             interrupted = outcome.exit_code in (130, 143)
-            refused = outcome.exit_code == 2   # the script's input (strategies/first_batch.py): a restart cannot help
+            refused = outcome.exit_code == 2   # the script's input (strategies/common/first_batch.py): a restart cannot help
             if outcome.exit_code == 0 or interrupted or refused or attempt >= opts.max_restarts:
                 break
             attempt += 1

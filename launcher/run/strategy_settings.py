@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from hpar.strategies.ddp import DDP_STRATEGIES, find_unused
+from hpar.strategies.dataparallel.ddp import DDP_STRATEGIES, find_unused
 from hpar.strategies.hybrid.client import placement
 
 
@@ -28,7 +28,7 @@ def default_micro_batches(console: Console, plan: dict, batch_size: int, stages:
 
 def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict, model, batch_size: int,
                     gpus: int) -> bool:
-    """DDP's ``find_unused_parameters`` for this run (strategies/ddp.py): ``on``/``off`` as
+    """DDP's ``find_unused_parameters`` for this run (strategies/dataparallel/ddp.py): ``on``/``off`` as
     given; ``auto``: whether a parameter DDP holds (hybrid's served tables left out) got no
     gradient in a profiled step, from the plan's ``unused_params`` where the planner profiled,
     else from a few forward/backward steps here on ``model`` (check_job's, built with seed 0;
@@ -55,7 +55,7 @@ def check_optimizer(console: Console, job, model, strategy: str, plan: dict, ser
     ``hybrid``/``ps`` cannot apply to the tables they would serve (strategies/hybrid/shard.py:
     SGD, Adagrad, Adam, AdamW); under ``allreduce-sparse`` say which tables' optimizer has no
     sparse kernel, so that their gathered rows are made dense before each step
-    (strategies/sparse_grads.py)."""
+    (strategies/dataparallel/sparse_grads.py)."""
     from hpar.launcher.run.runner import SERVER_STRATEGIES
     if strategy in SERVER_STRATEGIES:
         from hpar.strategies.hybrid.client import ps_tables
@@ -64,8 +64,8 @@ def check_optimizer(console: Console, job, model, strategy: str, plan: dict, ser
         except ValueError as exc:
             raise ValueError(f"{job.path}: --strategy {strategy}: {exc}") from None
     if strategy == "allreduce-sparse":
-        from hpar.strategies.sparse_grads import dense_before_step
-        from hpar.strategies.tying import embedding_tables
+        from hpar.strategies.dataparallel.sparse_grads import dense_before_step
+        from hpar.strategies.models.tying import embedding_tables
         opt = job.build_optimizer(model.parameters(), lr)
         named = dict(model.named_parameters(remove_duplicate=False))
         tables = [f"{n}.weight" if n else "weight" for n, _ in embedding_tables(model)]

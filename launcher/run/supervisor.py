@@ -105,7 +105,7 @@ class Supervisor:
         exited: dict[int, int] = {}
         while True:
             self._drain(timeout=0.2)
-            if self._refused:   # a worker refused its first batch: stop everyone now (strategies/first_batch.py)
+            if self._refused:   # a worker refused its first batch: stop everyone now (strategies/common/first_batch.py)
                 return self._fail(self._refused[0], self._refused[1])
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
@@ -308,7 +308,7 @@ class Supervisor:
                 if self.health.state[id(proc)].phase == "evaluate":
                     self.health.evaluated()
                 self.health.phase(id(proc), payload.get("phase", ""))
-            elif what == "doing":   # strategies/activity.py: a worker's change of activity, seen at once
+            elif what == "doing":   # strategies/common/activity.py: a worker's change of activity, seen at once
                 self.health.activity(id(proc), payload.get("what"))
             elif what == "refused":
                 self._refused = self._refused or (proc, str(payload.get("message")))

@@ -9,7 +9,7 @@ import json
 import os
 import tempfile
 
-from hpar.strategies import checkpoint
+from hpar.strategies.runstate import checkpoint
 
 
 def check_run_dir(path: str, flag: str = "--run-dir") -> None:
@@ -73,7 +73,7 @@ def finished(run_dir: str, steps: int) -> dict | None:
     except (OSError, ValueError):
         return None
     done = isinstance(summary, dict) and summary.get("exit_code") == 0 and isinstance(summary.get("steps"), int)
-    from hpar.strategies.state import FINAL
+    from hpar.strategies.runstate.state import FINAL
     if not done or summary["steps"] < steps or not os.path.exists(os.path.join(run_dir, FINAL, ".metadata")):
         return None
     return summary

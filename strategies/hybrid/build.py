@@ -43,7 +43,7 @@ def build_model(job, seed: int, meta: bool = True) -> tuple[torch.nn.Module, boo
     the CPU. JobError from the user's code is raised from the CPU build, as theirs."""
     torch.manual_seed(seed)
     if meta:
-        from hpar.strategies.job import load_job
+        from hpar.strategies.common.job import load_job
         try:   # a throwaway import of the script: what model() caches in its module (a corpus) would be meta
             throwaway = load_job(job.path)   # imported as usual: its module's constants stay real tensors
             with torch.device("meta"), _NoInitOnMeta():
@@ -60,7 +60,7 @@ def to_empty_keeping_ties(model: torch.nn.Module, device: torch.device) -> None:
     """``model.to_empty(device=device)`` that keeps tied parameters tied: ``to_empty`` gives
     every holder of a shared ``meta`` parameter its own new tensor, so each tie (found with
     ``strategies/tying.holders`` before the move) is restored to the first holder's."""
-    from hpar.strategies.tying import holders
+    from hpar.strategies.models.tying import holders
     ties = [hs for hs in holders(model).values() if len(hs) > 1]
     model.to_empty(device=device)
     for (path, module), *others in ties:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpar.strategies.context import ByteMeter
-from hpar.strategies.tying import dense_shared_embeddings, embedding_tables
+from hpar.strategies.common.context import ByteMeter
+from hpar.strategies.models.tying import dense_shared_embeddings, embedding_tables
 from hpar.strategies.hybrid.shard import ROW_PARTITIONS_PER_SERVER, OptimizerSpec, RowLayout, spec_from_group, table_view
 from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, PULL, PUSH, TAG_DATA, TAG_REQUEST, encode, nbytes, p2p, reply_tag
 

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hpar.strategies.devices import copy_to_host
+from hpar.strategies.common.devices import copy_to_host
 from hpar.strategies.hybrid.ahead import batch_leaves, complete, covering_leaf, dedup_checked, in_rows
-from hpar.strategies.forward import inner_module
+from hpar.strategies.models.forward import inner_module
 from hpar.strategies.hybrid.client import PSClient, PSTable, coalesce, embedding_weights
 
 

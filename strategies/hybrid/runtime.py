@@ -39,26 +39,28 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpar.strategies import activity, checkpoint
-from hpar.strategies import state as run_state
+from hpar.strategies.common import activity
+
+from hpar.strategies.runstate import checkpoint
+from hpar.strategies.runstate import state as run_state
 from hpar.strategies.hybrid import ahead, build, embedding
-from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
-from hpar.strategies.ddp import unused_error_named, wrap
-from hpar.strategies.devices import cpu_copy, to_device
-from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
-from hpar.strategies.first_batch import check_first_batch, first_batch
-from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
-from hpar.strategies.forward import call_model, inner_module
-from hpar.strategies.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
+from hpar.strategies.dataparallel.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
+from hpar.strategies.dataparallel.ddp import unused_error_named, wrap
+from hpar.strategies.common.devices import cpu_copy, to_device
+from hpar.strategies.common.groups import WorkerGroups, mean_over_workers, worker_groups
+from hpar.strategies.common.first_batch import check_first_batch, first_batch
+from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
+from hpar.strategies.models.forward import call_model, inner_module
+from hpar.strategies.common.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
 from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
-from hpar.strategies.tying import shared_parameters
+from hpar.strategies.models.tying import shared_parameters
 from hpar.strategies.hybrid import fp16
 
 
 @dataclass(frozen=True)
 class Groups:
     """Process groups every process of a hybrid/ps run creates, in the same order:
-    ``workers`` (the workers' dense and control groups, strategies/groups.py: the dense
+    ``workers`` (the workers' dense and control groups, strategies/common/groups.py: the dense
     AllReduce on NCCL when CUDA, CPU values on gloo) and, where local aggregation is on,
     one gloo group per host with several workers; ``host``/``host_ranks`` are this process's."""
     workers: WorkerGroups
@@ -140,7 +142,7 @@ def served_names(model, ps_names: set[str]) -> frozenset:
 
 def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str]) -> None:
     """This worker's state (its dense part: the servers write the tables) in the step's
-    checkpoint, with the servers' (strategies/state.py); a collective over the default group."""
+    checkpoint, with the servers' (strategies/runstate/state.py); a collective over the default group."""
     run_state.save(ctx.cfg.run_dir, step, run_state.process_entries(
         model, opt, tools if opt else None, ctx.device, f"worker{ctx.rank}", "workers", served_names(model, ps_names)))
 

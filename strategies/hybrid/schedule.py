@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hpar.strategies.hybrid.shard import OptimizerSpec, spec_from_group
-from hpar.strategies.job import Job
+from hpar.strategies.common.job import Job
 
 
 class ServerSchedule:

@@ -17,18 +17,20 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hpar.strategies import activity, checkpoint
-from hpar.strategies import state as run_state
-from hpar.strategies.config import RunConfig
-from hpar.strategies.context import ByteMeter, peer_is_remote
+from hpar.strategies.common import activity
+
+from hpar.strategies.runstate import checkpoint
+from hpar.strategies.runstate import state as run_state
+from hpar.strategies.common.config import RunConfig
+from hpar.strategies.common.context import ByteMeter, peer_is_remote
 from hpar.strategies.hybrid.client import PSTable
 from hpar.strategies.hybrid.schedule import ServerSchedule
 from hpar.strategies.hybrid.shard import ParamShard, table_view
 from hpar.strategies.hybrid.shard_state import server_entries, set_steps
-from hpar.strategies.tying import shared_parameters
+from hpar.strategies.models.tying import shared_parameters
 from hpar.strategies.hybrid.wire import (CONTROL, DONE, FINISH, HEADER_BYTES, INBOX_DEPTH, PULL, PUSH, Inbox, Request,
                                          nbytes, p2p, reply_tag)
-from hpar.strategies.loop import clip_coefficient
+from hpar.strategies.common.loop import clip_coefficient
 
 
 class Server:
@@ -208,7 +210,7 @@ class Server:
         self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}
 
     def describe(self, req: Request) -> str:
-        """What handling ``req`` is, for the launcher's phase deadline (strategies/activity.py)."""
+        """What handling ``req`` is, for the launcher's phase deadline (strategies/common/activity.py)."""
         what = {PULL: "pull", PUSH: "push", DONE: "end of step", FINISH: "finish"}.get(req.op, f"request {req.op}")
         table = f" of {self.tables[req.tid].name}" if req.op in (PULL, PUSH) and req.tid in self.tables else ""
         return f"handling worker {req.src}'s {what}{table} (step {req.step})"

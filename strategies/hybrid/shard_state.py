@@ -1,4 +1,4 @@
-"""A parameter server's tables in the run's checkpoints (strategies/state.py's namespace).
+"""A parameter server's tables in the run's checkpoints (strategies/runstate/state.py's namespace).
 
 A server holds partitions ``p, p+S, p+2S, ...`` of a table (``shard.RowLayout``): row ranges
 that are not adjacent. Each table is written as torch's ``ShardedTensor`` of the parameter's

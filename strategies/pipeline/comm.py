@@ -1,6 +1,6 @@
 """Point-to-point links of one pipeline stage to its neighbours (torch.distributed).
 
-Stage k sends activations to k+1 and gradients to k-1. Two channels (strategies/groups.py):
+Stage k sends activations to k+1 and gradients to k-1. Two channels (strategies/common/groups.py):
 
 * ``dense``: activations and gradients, on the worker's device, over the workers' dense group
   (NCCL on CUDA, gloo on CPU);

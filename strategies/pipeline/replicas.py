@@ -22,7 +22,7 @@ Rank layout (:class:`Grid`), fixed by the plan's ``layout``:
 
 Process groups: for every stage k, in order k = 0..K-1 on every rank (``dist.new_group`` is a
 collective over the default group), a group of its R replicas on the dense backend of
-``strategies/groups.py`` (NCCL on CUDA, gloo on CPU) for the gradients, and on CUDA a second
+``strategies/common/groups.py`` (NCCL on CUDA, gloo on CPU) for the gradients, and on CUDA a second
 gloo group for the step's loss (a CPU float never goes to NCCL). Point-to-point messages
 stay within a replica (``comm.Links`` with the replica's ranks), so every send still meets a
 receive posted by the same neighbour stage as in a single pipeline.
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpar.strategies.groups import DEFAULT_BACKEND, dense_backend
+from hpar.strategies.common.groups import DEFAULT_BACKEND, dense_backend
 
 LAYOUTS = ("stages-adjacent", "replicas-adjacent")
 BUCKET_BYTES = 25 << 20   # DDP's default bucket (bucket_cap_mb=25)

@@ -45,7 +45,7 @@ optimizer and at the end of each step.
 Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
 for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
 their means per stage (gathered to rank 0), with the stage's peak memory over the run
-(``peak_mem_bytes``, strategies/memory.py).
+(``peak_mem_bytes``, strategies/common/memory.py).
 """
 from __future__ import annotations
 
@@ -53,20 +53,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hpar.strategies import checkpoint
-from hpar.strategies import state as run_state
-from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
-from hpar.strategies.first_batch import check_first_batch, first_batch
-from hpar.strategies.devices import ComputeTimer
-from hpar.strategies.groups import worker_groups
-from hpar.strategies import loop
+from hpar.strategies.runstate import checkpoint
+from hpar.strategies.runstate import state as run_state
+from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.common.first_batch import check_first_batch, first_batch
+from hpar.strategies.common.devices import ComputeTimer
+from hpar.strategies.common.groups import worker_groups
+from hpar.strategies.common import loop
 from hpar.strategies.pipeline import stage_loop
 from hpar.strategies.pipeline import guard
 from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.replicas import Grid, StageReplicas
-from hpar.strategies.memory import PeakMemory
+from hpar.strategies.common.memory import PeakMemory
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
-from hpar.strategies.layers import is_declared_sequence
+from hpar.strategies.models.layers import is_declared_sequence
 from hpar.strategies.pipeline.stage import (draw_batch, Stage, build_stages_model, describe, example_micro_batch,
                                             sequential_layers, split_micro, stage_module, stage_ranges)
 from hpar.strategies.pipeline.ties import TiedGradients, check_schedule, shared_across_stages
@@ -106,7 +106,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     if cfg.batch_size % M:
         raise ValueError(f"--micro-batches {M} does not divide --batch-size {cfg.batch_size}; choose a divisor")
     # every process writes its stage's state (replicas hold equal copies: DCP writes one) and
-    # reads the names its stage holds now, whatever stages wrote them (strategies/state.py)
+    # reads the names its stage holds now, whatever stages wrote them (strategies/runstate/state.py)
     part, loop_part = f"stage{k}-r{r}", f"stage{k}"
     start = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
     ctx.start_step = start or 0

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hpar.strategies.job import Job
+from hpar.strategies.common.job import Job
 from hpar.strategies.pipeline.schedules import execution_order, is_synchronous, stage_ops, updates_after, check_2bw
-from hpar.strategies.layers import is_declared_sequence
+from hpar.strategies.models.layers import is_declared_sequence
 from hpar.strategies.pipeline.stage import Stage, build_stages_model, example_micro_batch, split_micro, stage_module, stage_ranges
 from hpar.strategies.pipeline.stage import sequential_layers as stage_layers
 from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages

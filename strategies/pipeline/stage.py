@@ -12,16 +12,16 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import tree_map
 
-from hpar.strategies.forward import inner_module
-from hpar.strategies.job import Job
-from hpar.strategies.layers import model_layers, stage_of
+from hpar.strategies.models.forward import inner_module
+from hpar.strategies.common.job import Job
+from hpar.strategies.models.layers import model_layers, stage_of
 from hpar.strategies.pipeline.partition import balanced_ranges
 from hpar.strategies.pipeline.schedules import Op
 from hpar.strategies.pipeline.prediction import PassWeights
 
 
 def sequential_layers(model: torch.nn.Module, example=None) -> list[tuple[str, torch.nn.Module]]:
-    """The model's layers (``strategies/layers.py``: ``hpar_layers()``, the top-level
+    """The model's layers (``strategies/models/layers.py``: ``hpar_layers()``, the top-level
     children of an ``nn.Sequential``, or the blocks torch's tracer cuts it between, traced
     on ``example``, one micro-batch of inputs), the same ones the profiler and planner count.
     Raises ValueError explaining why pipelining is not offered otherwise."""

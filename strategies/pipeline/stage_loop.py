@@ -53,9 +53,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from hpar.strategies.config import RunConfig
-from hpar.strategies.devices import cpu_copy
-from hpar.strategies.loop import StepTools
+from hpar.strategies.common.config import RunConfig
+from hpar.strategies.common.devices import cpu_copy
+from hpar.strategies.common.loop import StepTools
 
 
 def grad_sq_sum(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -4,7 +4,7 @@ GPT-2 and BERT tie their output projection to the token embedding (``lm_head.wei
 ``transformer.wte.weight``; Press & Wolf 2017). Cut into stages, the embedding lands on the
 first stage and the projection on the last, so both stages hold the parameter, and each
 computes only its own part of its gradient (torch.distributed.pipelining's tracer even makes
-each a separate copy; ``strategies/traced.py`` maps them back to the one parameter). Stepped
+each a separate copy; ``strategies/models/traced.py`` maps them back to the one parameter). Stepped
 on those parts alone the copies drift apart after the first step. The rule here is
 Megatron-LM's and DeepSpeed's (Megatron ``finalize_model_grads``: an AllReduce of the shared
 embedding's gradient over the first and last stage; DeepSpeed ``TiedLayerSpec`` /
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hpar.strategies.groups import dense_backend
+from hpar.strategies.common.groups import dense_backend
 
 
 def shared_across_stages(layers, ranges) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:

@@ -207,7 +207,7 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
     unprofiled, a dense-rate sum of the gathered rows and update of their union; where the
     optimizer takes no sparse gradients (Adam, AdamW, ...), a dense-rate sum of the gathered
-    rows into a dense table and a dense update of every table (strategies/sparse_grads.py)."""
+    rows into a dense table and a dense update of every table (strategies/dataparallel/sparse_grads.py)."""
     c = cost_setting(profile, cluster)
     dense = [p for p in profile.params if not p.embedding_module]
     sparse = [p for p in profile.params if p.embedding_module]
@@ -226,7 +226,7 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
         over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
         tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail) + rounds
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
-    if densified:   # strategies/sparse_grads.py: the gathered rows summed into a dense table, stepped whole
+    if densified:   # strategies/dataparallel/sparse_grads.py: the gathered rows summed into a dense table, stepped whole
         merge, sparse_update = gathered * c.update_per_byte, sum(p.bytes for p in sparse) * c.update_per_byte
     elif profile.sparse_update_s_per_byte:
         merge, sparse_update = 0.0, gathered * c.sparse_update_per_byte

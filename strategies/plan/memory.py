@@ -1,6 +1,6 @@
 """Predicted peak memory of one worker and one parameter server of every candidate plan, beside
 its step time: what ``hpar profile`` prints, the planner's fit test, and what ``hpar run``
-records as ``predicted_peak_bytes`` next to the measured ``peak_bytes`` (strategies/memory.py).
+records as ``predicted_peak_bytes`` next to the measured ``peak_bytes`` (strategies/common/memory.py).
 
 A peak is predicted *above the process's baseline* (after imports and process-group set-up),
 as the runs measure it; what must fit a device adds the measured fixed overhead
@@ -24,7 +24,7 @@ runtime's code) or **measured** (by the profile, strategies/profile/memory.py):
 * ``ddp_buckets`` (counted): DDP's flat gradient buckets, a second copy of every gradient it
   reduces (``gradient_as_bucket_view`` is off, torch's default).
 * ``gathered`` (counted): allreduce-sparse's AllGather of N workers' rows (ids and values), and
-  the dense table a non-sparse optimizer steps (strategies/sparse_grads.py).
+  the dense table a non-sparse optimizer steps (strategies/dataparallel/sparse_grads.py).
 * ``rows`` (counted): hybrid/ps workers' pulled rows, the next step's pulled ahead, and the
   push messages of their gradients (the gradients are in ``step``); ``ps`` workers also pull
   every dense parameter whole.
@@ -255,7 +255,7 @@ def fsdp_terms(profile: Profile, cluster: ClusterSpec) -> dict[str, float]:
 
 
 def fsdp_units(profile: Profile) -> tuple[list[int], int]:
-    """(parameter bytes of each unit strategies/fsdp.py shards on its own, bytes the root keeps):
+    """(parameter bytes of each unit strategies/dataparallel/fsdp.py shards on its own, bytes the root keeps):
     a declared sequence's layers and nothing; a traced model's repeated blocks (its layers but the
     first and the last) and those two; any other model one root holding everything, which FSDP
     gathers whole for the step."""

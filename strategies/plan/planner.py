@@ -67,7 +67,7 @@ class Plan:
     layout: str = ""         # pipeline: rank layout (strategies/pipeline/replicas.py)
     pull_ahead: bool = True  # hybrid/ps: request the next step's rows during this one (hybrid/embedding.py)
     alternatives: dict = field(default_factory=dict)   # hpar run --strategy auto: the other candidates' plans (--tune)
-    unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/ddp.py
+    unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/dataparallel/ddp.py
     memory: dict = field(default_factory=dict)   # the chosen candidate's predicted peaks (strategies/plan/memory.py)
 
     def to_dict(self) -> dict:

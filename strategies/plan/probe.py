@@ -165,7 +165,7 @@ def probe_requests(steps: int = 150, rows: int = 64, dim: int = 16, rounds: int 
     machine: 0.36-0.55 ms (the old probe of the wire format alone read 0.17-0.26 ms).
     Raises RuntimeError if it fails."""
     from torch import nn
-    from hpar.strategies.config import RunConfig
+    from hpar.strategies.common.config import RunConfig
     from hpar.strategies.hybrid.client import PSClient, ps_tables
     from hpar.strategies.hybrid.server import Server
     pgs, warm, threads = _loopback_pair(timeout_s), 20, torch.get_num_threads()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import torch
-from hpar.strategies.job import Job
-from hpar.strategies.forward import call_model
-from hpar.strategies.tying import embedding_tables
+from hpar.strategies.common.job import Job
+from hpar.strategies.models.forward import call_model
+from hpar.strategies.models.tying import embedding_tables
 from torch import nn
 
 STEP_BUDGET_S = 0.5         # longest timed step before timing moves to a smaller batch
@@ -18,7 +18,7 @@ STEP_BUDGET_S = 0.5         # longest timed step before timing moves to a smalle
 def embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every nn.Embedding / nn.EmbeddingBag of ``model`` whose weight is row-sparse, with its
     qualified name (a weight tied to a dense user is measured as a dense parameter:
-    ``strategies/tying.py``)."""
+    ``strategies/models/tying.py``)."""
     return embedding_tables(model)
 
 
@@ -48,7 +48,7 @@ class LayerTimer:
     hooks only queue work; the host clock on the CPU)."""
 
     def __init__(self, layers, emb_modules, clock=None):
-        from hpar.strategies.devices import DeviceClock
+        from hpar.strategies.common.devices import DeviceClock
         self.clock = clock or DeviceClock(torch.device("cpu"))
         self.layers, self.embs = [m for _, m in layers], list(emb_modules)
         self.activation_bytes = [0] * len(self.layers)
@@ -164,7 +164,7 @@ def count_flops(model: nn.Module, layers, step) -> dict:
 
 
 def traced_layer_flops(layers, inputs) -> list[int]:
-    """FLOPs of one step per layer of a traced model (``strategies/traced.py``): each layer's
+    """FLOPs of one step per layer of a traced model (``strategies/models/traced.py``): each layer's
     forward counted on its own (torch's FlopCounterMode), times 3 for forward plus backward
     (the backward of a matmul costs two of its forwards), as for fused RNN kernels above."""
     from torch.utils.flop_counter import FlopCounterMode

@@ -13,7 +13,7 @@ are measured rather than counted.
   low-precision weight copies, and the gradients the step makes: ``step_grad_bytes``, those
   of the profiled copy, whose embeddings make sparse ones). CUDA: the caching allocator's
   ``max_memory_allocated``; CPU: the resident high-water mark after ``malloc_trim``
-  (strategies/memory.py), as the workers measure themselves.
+  (strategies/common/memory.py), as the workers measure themselves.
 * ``growth_bytes`` over ``growth_steps``: what the process kept after that many steps on new
   batches beyond what it held after the first (gradients freed, ``malloc_trim``): kernels'
   caches per input shape (examples/lm.py's sampled softmax sees new shapes every step; a
@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hpar.strategies.memory import PeakMemory
+from hpar.strategies.common.memory import PeakMemory
 from hpar.strategies.profile.records import MemoryProfile
 
 PROBE_NUMEL = 1 << 20   # optimizer state probe: 4 MiB of float32
@@ -130,7 +130,7 @@ class Growth:
         self.start = self._held() if self.cpu else 0
 
     def _held(self) -> int:
-        from hpar.strategies.memory import release_freed_memory, status_bytes
+        from hpar.strategies.common.memory import release_freed_memory, status_bytes
         self.model.zero_grad(set_to_none=True)
         release_freed_memory()
         return status_bytes("VmRSS") or 0
@@ -187,7 +187,7 @@ def device_overhead_bytes(device: torch.device) -> int:
 def memory_profile(step: dict, batch_size: int, data: int, ratios: tuple[float, float], job,
                    device: torch.device, growth: tuple[int, int] = (0, 0)) -> MemoryProfile:
     """The MemoryProfile of a measured ``step`` (:func:`step_memory`) at ``batch_size`` of
-    ``job`` (its ``loaded_rss`` and ``cold`` figures, strategies/job.py); ``growth``: (bytes,
+    ``job`` (its ``loaded_rss`` and ``cold`` figures, strategies/common/job.py); ``growth``: (bytes,
     steps) of :class:`Growth`."""
     cold = job.cold if device.type == "cpu" else {}   # resident bytes: CPU workers only
     warm_forward = step["forward_peak_bytes"] * cold.get("batch_size", batch_size) / max(batch_size, 1)

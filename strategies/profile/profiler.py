@@ -31,7 +31,7 @@ What is measured and how:
   measured gradient has non-zero values in fewer than ``SPARSE_ROW_FRACTION`` of its rows
   (first dimension) is reported sparse too, with alpha from the timed batches.
 * unused parameters: the trainable ones left without a gradient by any of the warm-up and
-  timed steps (``Profile.unused_params``; DDP's ``find_unused_parameters``, strategies/ddp.py).
+  timed steps (``Profile.unused_params``; DDP's ``find_unused_parameters``, strategies/dataparallel/ddp.py).
 * ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
   times, FLOPs and activation bytes linearly to ``batch_size`` (for models too large to run
   at full batch within the 30 s budget); left None, it is ``batch_size`` unless one step
@@ -64,15 +64,15 @@ import time
 import torch
 from torch.utils._pytree import tree_flatten
 
-from hpar.strategies.devices import DeviceClock
-from hpar.strategies.job import Job, JobError, raised_in_script, user_error
-from hpar.strategies.forward import call_model
+from hpar.strategies.common.devices import DeviceClock
+from hpar.strategies.common.job import Job, JobError, raised_in_script, user_error
+from hpar.strategies.models.forward import call_model
 from hpar.strategies.profile.device import data_seconds, OnDevice
-from hpar.strategies.forward import inner_module
-from hpar.strategies.layers import is_declared_sequence, model_layers
-from hpar.strategies.traced import TracedStage, why_not_traceable
+from hpar.strategies.models.forward import inner_module
+from hpar.strategies.models.layers import is_declared_sequence, model_layers
+from hpar.strategies.models.traced import TracedStage, why_not_traceable
 from hpar.strategies.pipeline.ties import shared_across_stages
-from hpar.strategies.loop import precision_context
+from hpar.strategies.common.loop import precision_context
 from hpar.strategies.profile.hooks import (
     auto_timing_batch,
     fixed_share,
@@ -93,7 +93,7 @@ SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than 
 
 
 def pipeline_layers(model: nn.Module, examples=()) -> tuple[list[tuple[str, nn.Module]], bool, str]:
-    """The model's layers (``strategies/layers.py``: ``model.hpar_layers()``, the top-level
+    """The model's layers (``strategies/models/layers.py``: ``model.hpar_layers()``, the top-level
     children of an ``nn.Sequential``, or the blocks torch's tracer cuts it between, traced on
     the first of ``examples``, the inputs of the batches to be timed) as ``(name, module)``
     pairs, whether a pipeline can cut them, and why not. A model that cannot be cut is

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from hpar.strategies.forward import call_model, inner_module
-from hpar.strategies.layers import is_declared_sequence, model_layers
-from hpar.strategies.loop import precision_context
+from hpar.strategies.models.forward import call_model, inner_module
+from hpar.strategies.models.layers import is_declared_sequence, model_layers
+from hpar.strategies.common.loop import precision_context
 from hpar.strategies.profile import memory as mem_probe
 from hpar.strategies.profile.device import OnDevice
 from hpar.strategies.profile.hooks import embedding_modules

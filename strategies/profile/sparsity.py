@@ -11,10 +11,10 @@ import statistics
 import time
 
 import torch
-from hpar.strategies.context import batch_samples
+from hpar.strategies.common.context import batch_samples
 from hpar.strategies.hybrid.client import dedup
-from hpar.strategies.job import Job
-from hpar.strategies.forward import call_model
+from hpar.strategies.common.job import Job
+from hpar.strategies.models.forward import call_model
 from torch import nn
 
 ROW_BUCKETS = 256           # resolution of ParamProfile.row_mass

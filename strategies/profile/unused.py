@@ -1,5 +1,5 @@
 """Which trainable parameters get no gradient in a step: what decides DDP's
-``find_unused_parameters`` (strategies/ddp.py).
+``find_unused_parameters`` (strategies/dataparallel/ddp.py).
 
 DDP's reducer waits for the gradient of every parameter it holds. A parameter left out of a
 step's autograd graph (a branch some batches skip, a head the loss ignores) never reports
@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 
 import torch
-from hpar.strategies.job import Job, call_user
-from hpar.strategies.forward import call_model
+from hpar.strategies.common.job import Job, call_user
+from hpar.strategies.models.forward import call_model
 from torch import nn
 
 PROBE_STEPS = 4   # batches unused_parameters runs: a branch skipped every other step shows in 2

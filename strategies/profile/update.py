@@ -12,7 +12,7 @@ or a GPU, timed with a synchronize around each step):
   embeddings hands it over: N workers' (ids, rows) concatenated, uncoalesced, so the
   optimizer's own coalesce is timed too. torch's sparse kernels (coalesce, sparse_mask) cost
   several times the dense per-byte figure, which is why ``allreduce-sparse`` needs its own
-  number. None when the optimizer takes no sparse gradient (``strategies/sparse_grads.py``:
+  number. None when the optimizer takes no sparse gradient (``strategies/dataparallel/sparse_grads.py``:
   e.g. ``torch.optim.Adam``; ``allreduce-sparse`` then makes the gathered rows dense to step).
 
 And :func:`server_optimizer_problem`: whether the parameter servers of ``hybrid`` and ``ps``
@@ -25,8 +25,8 @@ import time
 import warnings
 
 import torch
-from hpar.strategies.job import Job, JobError
-from hpar.strategies.sparse_grads import takes_sparse_gradients
+from hpar.strategies.common.job import Job, JobError
+from hpar.strategies.dataparallel.sparse_grads import takes_sparse_gradients
 from torch import nn
 
 MIN_PROBE_BYTES = 4 << 20

@@ -6,7 +6,7 @@ is where a data loader that never delivers (a dead file system, a tokenizer serv
 not answer, a queue nobody fills) shows, before any step could be counted. The batches a
 resumed run skips (those the run trained on before its checkpoint, so that it sees the same
 data as an uninterrupted run) and then the first batch it trains on are drawn under
-``activity.doing`` (strategies/activity.py): a worker that gets no batch within
+``activity.doing`` (strategies/common/activity.py): a worker that gets no batch within
 ``--phase-timeout`` is named with what it was doing and its stack, instead of leaving its
 peers waiting in their first collective under the start-up bound.
 
@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from hpar.strategies import activity
-from hpar.strategies.context import WorkerContext, batch_samples
-from hpar.strategies.job import JobError
+from hpar.strategies.common import activity
+from hpar.strategies.common.context import WorkerContext, batch_samples
+from hpar.strategies.common.job import JobError
 
 SKIPPING = "in data(), skipping the batches the run trained on before its checkpoint"
 DRAWING = "in data(), drawing its first batch"

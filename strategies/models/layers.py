@@ -13,7 +13,7 @@ The layers of a model are, in order:
 
 * otherwise, the layers torch.distributed.pipelining's tracer cuts it into between its
   repeated blocks (a ``transformers`` GPT-2, BERT or Llama, a ResNet, an
-  ``nn.TransformerEncoder`` model: ``strategies/traced.py``); these need one micro-batch of
+  ``nn.TransformerEncoder`` model: ``strategies/models/traced.py``); these need one micro-batch of
   inputs (``example``) to trace the forward on, and pass tuples of tensors between them.
 
 A model wrapped by ``torch.compile`` (or DDP) is cut as the module inside. A model none of
@@ -25,8 +25,8 @@ from collections import OrderedDict
 
 from torch import nn
 
-from hpar.strategies.forward import inner_module
-from hpar.strategies.traced import traced_layers
+from hpar.strategies.models.forward import inner_module
+from hpar.strategies.models.traced import traced_layers
 
 
 def is_declared_sequence(model: nn.Module) -> bool:

@@ -18,7 +18,7 @@ import tempfile
 
 from torch import nn
 
-from hpar.strategies.forward import inner_module
+from hpar.strategies.models.forward import inner_module
 
 
 def is_pretrained(model: nn.Module) -> bool:

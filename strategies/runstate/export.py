@@ -2,7 +2,7 @@
 Hugging Face ``save_pretrained`` directory (``hpar export RUN_DIR --format F --out PATH``).
 
 The run wrote its model where it lives (``RUN_DIR/model``, torch.distributed.checkpoint:
-strategies/state.py). Exporting reads it whole in this process (shards joined: an offline
+strategies/runstate/state.py). Exporting reads it whole in this process (shards joined: an offline
 step, sized for the machine that runs it), as the model's ``state_dict``:
 
 * ``torch``: ``torch.save`` of the state dict (``torch.load`` and ``model.load_state_dict``);
@@ -23,8 +23,8 @@ import tempfile
 
 import torch
 
-from hpar.strategies import state
-from hpar.strategies.checkpoint import atomic_save
+from hpar.strategies.runstate import state
+from hpar.strategies.runstate.checkpoint import atomic_save
 
 FORMATS = ("torch", "safetensors", "hf")
 
@@ -83,10 +83,10 @@ def export(run_dir: str, fmt: str, out: str, script: str | None = None) -> str:
 
 def _save_pretrained(run_dir: str, script: str | None, weights: dict, target: str) -> None:
     """The script's model with ``weights``, written with ``save_pretrained(target)``."""
-    from hpar.strategies.config import RunConfig
-    from hpar.strategies.hf import is_pretrained, save_pretrained_dir
-    from hpar.strategies.forward import inner_module
-    from hpar.strategies.job import load_job
+    from hpar.strategies.common.config import RunConfig
+    from hpar.strategies.models.hf import is_pretrained, save_pretrained_dir
+    from hpar.strategies.models.forward import inner_module
+    from hpar.strategies.common.job import load_job
     if script is None:
         script = RunConfig.from_json(open(os.path.join(run_dir, "config.json"), encoding="utf-8").read()).script
     job = load_job(script)

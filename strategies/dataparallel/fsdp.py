@@ -3,7 +3,7 @@
 gradients and optimizer state do not fit one device (Zhao et al., "PyTorch FSDP", VLDB 2023;
 ZeRO stage 3, Rajbhandari et al., SC 2020).
 
-Units: every layer of the model as ``strategies/layers.py`` defines them (``hpar_layers()``, an
+Units: every layer of the model as ``strategies/models/layers.py`` defines them (``hpar_layers()``, an
 ``nn.Sequential``'s children), or for another model its repeated blocks (``traced.block_names``:
 GPT-2's ``transformer.h.i``), each ``fully_shard``-ed, then the root, which keeps what no unit
 holds (embeddings, a head). A layer that shares a parameter with another (a tied weight) is left
@@ -20,7 +20,7 @@ summed), so hpar asks every unit for a SUM reduction divided by N itself
 (``set_force_sum_reduction_for_comms`` and ``set_gradient_divide_factor``), which is exact on
 any backend; tests compare N workers with one process on the concatenated batch.
 
-The training loop is allreduce's (strategies/loop.py): autocast (bf16; fp16 is refused, its
+The training loop is allreduce's (strategies/common/loop.py): autocast (bf16; fp16 is refused, its
 scaler's inf check would need a reduction over the shards), clipping by the global norm
 (``clip_grad_norm_`` on the sharded gradients reduces the norm over the workers),
 ``--accumulate`` (each micro-step's loss divided by N; every micro-step reduce-scatters, so the
@@ -30,7 +30,7 @@ the full weights to rank 0, which evaluates a CPU copy). A compiled model's modu
 eagerly (FSDP's hooks go around the module the user wrote).
 
 State: checkpoints and the trained model with ``torch.distributed.checkpoint``
-(strategies/state.py): each rank writes its own shards under the parameters' names, with the
+(strategies/runstate/state.py): each rank writes its own shards under the parameters' names, with the
 optimizer state by name, the loop state and its RNG; a resume reshards (another size, or a
 checkpoint of another data-parallel strategy). Only ``evaluate()`` and ``save_pretrained`` get a
 whole model, gathered to rank 0's host memory (``StateDictOptions(full_state_dict=True,
@@ -51,15 +51,15 @@ try:   # FSDP2's public API since torch 2.6
 except ImportError:   # pragma: no cover - torch < 2.6
     FSDPModule = fully_shard = DeviceMesh = None
 
-from hpar.strategies import checkpoint
-from hpar.strategies import state as run_state
-from hpar.strategies.allreduce import ring_successor_remote
-from hpar.strategies.context import StepMeter, TrainResult, WorkerContext
-from hpar.strategies.forward import inner_module
-from hpar.strategies.hf import is_pretrained
-from hpar.strategies.groups import mean_over_workers, worker_groups
-from hpar.strategies.layers import is_declared_sequence, model_layers
-from hpar.strategies.loop import evaluate_during_training, evaluate_now, micro_steps, step_tools, worker_batches
+from hpar.strategies.runstate import checkpoint
+from hpar.strategies.runstate import state as run_state
+from hpar.strategies.dataparallel.allreduce import ring_successor_remote
+from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext
+from hpar.strategies.models.forward import inner_module
+from hpar.strategies.models.hf import is_pretrained
+from hpar.strategies.common.groups import mean_over_workers, worker_groups
+from hpar.strategies.models.layers import is_declared_sequence, model_layers
+from hpar.strategies.common.loop import evaluate_during_training, evaluate_now, micro_steps, step_tools, worker_batches
 from hpar.strategies.plan.costmodel_fsdp import fsdp_bytes
 
 def units(model: nn.Module) -> list[nn.Module]:
@@ -68,7 +68,7 @@ def units(model: nn.Module) -> list[nn.Module]:
     if is_declared_sequence(model):
         candidates = [m for _, m in model_layers(model)]
     else:
-        from hpar.strategies.traced import block_names
+        from hpar.strategies.models.traced import block_names
         candidates = [model.get_submodule(n) for n in block_names(model)]
     candidates = [m for m in candidates if any(True for _ in m.parameters())]
     owners: dict[int, int] = {}
@@ -121,7 +121,7 @@ def cpu_model(ctx: WorkerContext, state: dict) -> nn.Module:
 def save(ctx: WorkerContext, step: int, model: nn.Module, opt, tools) -> None:
     """Checkpoint ``step`` (a collective): every rank writes its own shards of the model and
     the optimizer state (DTensors, under their parameter names), the loop state and its random
-    generators, with torch.distributed.checkpoint (strategies/state.py): nothing is gathered."""
+    generators, with torch.distributed.checkpoint (strategies/runstate/state.py): nothing is gathered."""
     run_state.save(ctx.cfg.run_dir, step, run_state.process_entries(model, opt, tools, ctx.device,
                                                                     f"worker{ctx.rank}", "workers"))
 

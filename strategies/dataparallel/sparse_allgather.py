@@ -71,7 +71,7 @@ def padded_allgather_hook(state, bucket):
     AllReduce (ring bytes), sparse ones :func:`padded_allgather_mean`. ``state`` is
     (ByteMeter, N, group, whether the ring successor is on another host); ``bucket`` a
     dist.GradBucket (unannotated: DDP rejects string annotations)."""
-    from hpar.strategies.context import DENSE, ring_allreduce_bytes
+    from hpar.strategies.common.context import DENSE, ring_allreduce_bytes
     counter, world_size, group, remote = state
     buf = bucket.buffer()
     if not buf.is_sparse:

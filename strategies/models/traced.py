@@ -21,7 +21,7 @@ What runs (:class:`TracedLayers`): each layer is one of torch's sub-GraphModules
 flowing between layers are the graph's **live values** after the layer, a tuple of tensors
 (the hidden state, and the mask or rotary tables that later blocks still read), in a fixed
 order, so a stage boundary sends a tuple of tensors. The first layer takes the user's inputs
-(a dict as ``model(**inputs)`` when ``strategies/forward.py`` says so); the last returns the
+(a dict as ``model(**inputs)`` when ``strategies/models/forward.py`` says so); the last returns the
 user's own output type (HF's ``ModelOutput``, rebuilt from the graph's flat outputs with the
 pytree spec of one eager call), so ``loss(output, targets)`` gets what it gets on one process.
 
@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from hpar.strategies.forward import inner_module, takes_keywords
+from hpar.strategies.models.forward import inner_module, takes_keywords
 
 
 def block_names(model: nn.Module) -> list[str]:

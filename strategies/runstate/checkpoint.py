@@ -10,7 +10,7 @@ import tempfile
 
 import torch
 
-from hpar.strategies import activity
+from hpar.strategies.common import activity
 
 
 _UMASK = os.umask(0o022)
@@ -59,7 +59,7 @@ def remove_incomplete_steps(run_dir: str) -> list[str]:
     ``.tmp-model``; returns their paths. Call only while no process of the run writes."""
     import shutil
     removed = []
-    tmp_model = os.path.join(run_dir, ".tmp-model")   # the final model's, before its rename (strategies/state.py)
+    tmp_model = os.path.join(run_dir, ".tmp-model")   # the final model's, before its rename (strategies/runstate/state.py)
     if os.path.isdir(tmp_model):
         shutil.rmtree(tmp_model, ignore_errors=True)
         removed.append(tmp_model)
@@ -87,7 +87,7 @@ def atomic_save(obj, path: str) -> None:
 
 # --- Run checkpoints -------------------------------------------------------------------
 # Layout: RUN_DIR/checkpoints/step-<N>/ holds torch.distributed.checkpoint's files, every
-# process's own (strategies/state.py writes them), a SHA-256 beside each, and
+# process's own (strategies/runstate/state.py writes them), a SHA-256 beside each, and
 # RUN_DIR/checkpoints/latest names the newest complete step. `latest` is only rewritten after
 # every process has written (a barrier over the default process group), so a crash mid-save
 # leaves the previous checkpoint intact and `--resume` never sees a partial step.
@@ -105,7 +105,7 @@ def file_sha256(path: str) -> str:
 
 
 def verify_step(run_dir: str, step: int) -> str | None:
-    """None when checkpoint ``step`` (torch.distributed.checkpoint's files: strategies/state.py)
+    """None when checkpoint ``step`` (torch.distributed.checkpoint's files: strategies/runstate/state.py)
     has its metadata and every file matches the SHA-256 beside it, else why not (naming the
     file)."""
     directory = step_dir(run_dir, step)

@@ -30,10 +30,10 @@ from typing import Any, Callable
 
 import torch
 
-from hpar.strategies import activity
-from hpar.strategies.config import RunConfig
-from hpar.strategies.job import Job, JobError
-from hpar.strategies.forward import call_model
+from hpar.strategies.common import activity
+from hpar.strategies.common.config import RunConfig
+from hpar.strategies.common.job import Job, JobError
+from hpar.strategies.models.forward import call_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -102,10 +102,10 @@ def worker_batches(ctx, control=None):
     """This data-parallel worker's batches (``data(rank, world_size, batch_size)``), past the
     ``--accumulate`` batches of every step a resumed run already trained: the batches an
     uninterrupted run would draw next. The first is drawn here under the phase deadline
-    (strategies/first_batch.py) and, with ``control`` (the workers' gloo group), its size is
+    (strategies/common/first_batch.py) and, with ``control`` (the workers' gloo group), its size is
     checked against every peer's before any step (a collective: every worker calls it)."""
     import itertools
-    from hpar.strategies.first_batch import check_first_batch, first_batch
+    from hpar.strategies.common.first_batch import check_first_batch, first_batch
     drawn = ctx.job.batches(ctx.rank, ctx.world_size, ctx.cfg.batch_size)
     if ctx.start_step >= ctx.cfg.steps:
         return drawn
@@ -123,7 +123,7 @@ def micro_steps(ctx, model, batches, tools: StepTools, step: int, meter, around=
     micro-step); rank 0 runs the script's ``log()`` on the last. ``meter`` (None before the
     first step: made here from the first batch's samples) is a context.StepMeter. Returns
     (the step's loss, the logged metrics, the meter)."""
-    from hpar.strategies.context import StepMeter, batch_samples, move_to
+    from hpar.strategies.common.context import StepMeter, batch_samples, move_to
     cfg, job = ctx.cfg, ctx.job
     step_loss, logged = 0.0, {}
     for micro in range(cfg.accumulate):
@@ -221,7 +221,7 @@ def evaluate_during_training(job: Job, cfg: RunConfig, rank: int, step: int,
     """Run ``evaluate(model())`` on worker rank 0 after step ``step`` when ``--eval-every``
     asks for it and report ``{"step": step, **metrics}``; the other ranks go on and meet rank 0
     at the next collective (evaluate must finish within the process group's timeout, 300 s by
-    default, HPAR_PG_TIMEOUT), and within the launcher's phase deadline (strategies/activity.py:
+    default, HPAR_PG_TIMEOUT), and within the launcher's phase deadline (strategies/common/activity.py:
     the model copy, which under hybrid/ps pulls every served row, included). Runs under a forked
     RNG, so evaluating does not change the random numbers training draws next. Returns the
     metrics ({} when nothing ran)."""

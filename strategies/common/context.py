@@ -1,6 +1,6 @@
 """What every training runtime gets and gives back, and the step meter they share.
 
-A runtime (``strategies/allreduce.py``, ``hybrid.py``, ``pipeline.py``) is a function
+A runtime (``strategies/dataparallel/allreduce.py``, ``hybrid.py``, ``pipeline.py``) is a function
 ``train(ctx: WorkerContext) -> TrainResult`` called in every worker process after the default
 process group is up. It reports progress through ``ctx.report`` (one dict per logging
 interval, see :class:`StepMeter`) and returns the trained model on worker rank 0.
@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 import torch
 
-from hpar.strategies import memory
-from hpar.strategies.config import RunConfig
-from hpar.strategies.job import Job
+from hpar.strategies.common import memory
+from hpar.strategies.common.config import RunConfig
+from hpar.strategies.common.job import Job
 
 
 @dataclass
@@ -144,7 +144,7 @@ class StepMeter:
     interval), ``bytes_sent_remote`` (the part of ``bytes_sent`` addressed to processes on
     other hosts, when the runtime passes it), ``logged`` (the mean over the interval of the
     script's ``log()`` metrics, when it has that hook), ``peak_bytes`` (this process's peak
-    memory so far above its baseline, strategies/memory.py, when measured), plus ``extra``'s
+    memory so far above its baseline, strategies/common/memory.py, when measured), plus ``extra``'s
     keys. The run's last step closes the process's memory window (``memory.freeze_process``). ``samples_per_step`` counts this process's samples
     (its data-parallel replica's, for a pipeline stage). Step times of the first ``warmup`` steps are excluded
     from :meth:`samples_per_s`.
@@ -249,7 +249,7 @@ class StepMeter:
 
 
 def _peak() -> dict:
-    """``{"peak_bytes": ...}``: this process's peak memory so far (strategies/memory.py), or {}."""
+    """``{"peak_bytes": ...}``: this process's peak memory so far (strategies/common/memory.py), or {}."""
     mem = memory.process_peak()
     peak = mem.peak_bytes() if mem is not None else None
     return {"peak_bytes": peak} if peak is not None else {}

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hpar.strategies.forward import call_model
+from hpar.strategies.models.forward import call_model
 
 REQUIRED = ("model", "data", "loss")
 OPTIONAL = ("optimizer", "scheduler", "evaluate", "log")
@@ -263,8 +263,8 @@ def load_job(path: str) -> Job:
 
 def _resident_bytes() -> int:
     """This process's resident set in bytes once torch's lazy imports are in (as in a worker's
-    memory baseline, strategies/memory.py; 0 where /proc is missing)."""
-    from hpar.strategies.memory import load_lazy_imports, status_bytes
+    memory baseline, strategies/common/memory.py; 0 where /proc is missing)."""
+    from hpar.strategies.common.memory import load_lazy_imports, status_bytes
     load_lazy_imports()
     return status_bytes("VmRSS") or 0
 
@@ -280,7 +280,7 @@ def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     corpus ``model()`` loads for its vocabulary, the modules ``data()`` imports, a dataset it
     loads, the first use of each kernel), what every worker process pays once inside its training (the memory model's
     measured first-use terms, strategies/profile/memory.py)."""
-    from hpar.strategies.memory import PeakMemory
+    from hpar.strategies.common.memory import PeakMemory
     torch.manual_seed(0)
     mem = PeakMemory(torch.device("cpu"))
     mem.start()

@@ -13,7 +13,7 @@ SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "asyn
              "torch-interleaved-1f1b", "torch-zbv")
 # Numeric precision of forward and backward (master weights and optimizer state stay fp32).
 PRECISIONS = ("fp32", "bf16", "fp16")
-# hpar run --find-unused-parameters: DDP's find_unused_parameters from the profile, or forced (strategies/ddp.py).
+# hpar run --find-unused-parameters: DDP's find_unused_parameters from the profile, or forced (strategies/dataparallel/ddp.py).
 FIND_UNUSED_MODES = ("auto", "on", "off")
 
 
@@ -65,8 +65,8 @@ class RunConfig:
     on_divergence: str = "off"      # asynchronous pipelines: off, stop or sync (strategies/pipeline/guard.py)
     divergence_factor: float = 2.0
     replicas: int = 1              # pipeline x data parallelism: R replicas of K = world_size / R stages
-    find_unused_parameters: bool = False   # DDP's (allreduce, allreduce-sparse, hybrid): see strategies/ddp.py
-    allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/first_batch.py)
+    find_unused_parameters: bool = False   # DDP's (allreduce, allreduce-sparse, hybrid): see strategies/dataparallel/ddp.py
+    allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/common/first_batch.py)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -113,7 +113,7 @@ class RunConfig:
 
     @property
     def backend(self) -> str:
-        """The workers' dense group's backend (strategies/groups.py); the default group is gloo."""
+        """The workers' dense group's backend (strategies/common/groups.py); the default group is gloo."""
         return "nccl" if self.device == "cuda" else "gloo"
 
     def to_json(self) -> str:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from hpar.strategies.checkpoint import atomic_write_bytes, file_sha256, step_dir
+from hpar.strategies.runstate.checkpoint import atomic_write_bytes, file_sha256, step_dir
 
 # ShardedTensor is the DCP type whose shards may sit at any row offsets (a server holds
 # partitions p, p+S, p+2S, ...: DTensor's Shard(0) has one contiguous block per rank)
@@ -119,7 +119,8 @@ def read(path: str, state: dict) -> None:
 def save(run_dir: str, step: int, state: dict) -> None:
     """Write this process's ``state`` (the namespace in the module docstring) for ``step``;
     a collective over the default group, then ``latest`` points at ``step``."""
-    from hpar.strategies import activity, checkpoint
+    from hpar.strategies.common import activity
+    from hpar.strategies.runstate import checkpoint
     with activity.doing(f"writing the checkpoint of step {step}"):
         write(step_dir(run_dir, step), state)
     checkpoint.commit(run_dir, step)
@@ -136,7 +137,7 @@ def write_final(run_dir: str, entries: dict) -> None:
     turns it into one torch file, safetensors or a ``save_pretrained`` directory."""
     import shutil
     tmp, final = os.path.join(run_dir, FINAL_TMP), os.path.join(run_dir, FINAL)
-    from hpar.strategies import activity
+    from hpar.strategies.common import activity
     with activity.doing("writing the trained model (RUN_DIR/model)"):
         write(tmp, entries)
     if dist.is_initialized():
@@ -243,7 +244,7 @@ def process_entries(module: torch.nn.Module, opt, tools, device: torch.device, p
     the names in ``skip``: tables the servers hold), ``opt``'s state by name, ``tools``'
     loop state under ``loop.<loop>`` (equal on the replicas that share ``loop``) and its
     random generators under ``rng.<part>``."""
-    from hpar.strategies.devices import rng_state
+    from hpar.strategies.common.devices import rng_state
     entries = {k: v for k, v in model_entries(module).items() if k[len("model."):] not in skip}
     entries.update(optim_entries(module, opt))
     if tools is not None:
@@ -258,7 +259,7 @@ def restore_process(run_dir: str, step: int, module: torch.nn.Module, opt, tools
     checkpoint lacks for this process is left as it is and named in the returned list (a
     process that did not exist when it was written has no random generators there; its
     loop state comes from ``loop.<loop>``, else from the first part's)."""
-    from hpar.strategies.devices import rng_state, set_rng_state
+    from hpar.strategies.common.devices import rng_state, set_rng_state
     path = step_dir(run_dir, step)
     keys = saved_keys(path)
     entries = {k: v for k, v in model_entries(module).items() if k[len("model."):] not in skip}

@@ -1,7 +1,7 @@
 """Which optimizers take sparse gradients, and a sparse gradient made dense for the others.
 
 ``allreduce-sparse`` gives embedding tables sparse gradients, so that DDP exchanges only the
-rows a batch touched (strategies/allreduce.py). Of torch's optimizers only ``SGD``,
+rows a batch touched (strategies/dataparallel/allreduce.py). Of torch's optimizers only ``SGD``,
 ``Adagrad`` and ``SparseAdam`` have sparse kernels, and not with every option: SGD with
 ``weight_decay`` raises "add(sparse, dense) is not supported", Adagrad with ``weight_decay``
 "not compatible with sparse gradients"; ``Adam``, ``AdamW``, ``RMSprop``, ``Adamax``,

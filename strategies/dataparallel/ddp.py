@@ -21,9 +21,9 @@ from typing import Iterable
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpar.strategies.config import FIND_UNUSED_MODES
-from hpar.strategies.forward import inner_module
-from hpar.strategies.job import JobError
+from hpar.strategies.common.config import FIND_UNUSED_MODES
+from hpar.strategies.models.forward import inner_module
+from hpar.strategies.common.job import JobError
 
 REDUCTION_ERROR = "Expected to have finished reduction in the prior iteration"
 FLAG = "--find-unused-parameters"

@@ -5,11 +5,11 @@
 backward (what Horovod does with ``sparse_as_dense``). Embedding layers are switched to dense
 gradients. ``allreduce-sparse``: embedding layers produce sparse gradients, which DDP on gloo
 exchanges with AllGather (what Horovod does by default for ``IndexedSlices``); on NCCL, which
-has no sparse AllReduce, with the padded AllGather of ``strategies/sparse_allgather.py``.
+has no sparse AllReduce, with the padded AllGather of ``strategies/dataparallel/sparse_allgather.py``.
 A table whose optimizer has no sparse kernel (Adam, AdamW, RMSprop, ...) is exchanged so too
-and its gradient made dense right before the step (``strategies/sparse_grads.py``).
+and its gradient made dense right before the step (``strategies/dataparallel/sparse_grads.py``).
 Gradients go over the workers' dense group (NCCL on CUDA), the final losses over the gloo
-control group (``strategies/groups.py``).
+control group (``strategies/common/groups.py``).
 
 Bytes are counted with a DDP communication hook: a ring AllReduce of a B-byte bucket sends
 and receives 2(N-1)/N * B bytes per worker (Patarasuk & Yuan, "Bandwidth optimal all-reduce
@@ -25,18 +25,18 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from hpar.strategies import checkpoint
-from hpar.strategies import state as run_state
-from hpar.strategies.ddp import unused_error_named, wrap
-from hpar.strategies.devices import cpu_copy
-from hpar.strategies.groups import mean_over_workers, worker_groups
-from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
-from hpar.strategies.sparse_grads import dense_before_step, densify
-from hpar.strategies.tying import embedding_tables
-from hpar.strategies.context import (DENSE, ByteMeter, StepMeter, TrainResult, WorkerContext, ring_allreduce_bytes,
+from hpar.strategies.runstate import checkpoint
+from hpar.strategies.runstate import state as run_state
+from hpar.strategies.dataparallel.ddp import unused_error_named, wrap
+from hpar.strategies.common.devices import cpu_copy
+from hpar.strategies.common.groups import mean_over_workers, worker_groups
+from hpar.strategies.dataparallel.sparse_allgather import padded_allgather_hook, sparse_exchange
+from hpar.strategies.dataparallel.sparse_grads import dense_before_step, densify
+from hpar.strategies.models.tying import embedding_tables
+from hpar.strategies.common.context import (DENSE, ByteMeter, StepMeter, TrainResult, WorkerContext, ring_allreduce_bytes,
                                      ring_successor_remote)
-from hpar.strategies.forward import inner_module
-from hpar.strategies.loop import StepTools, evaluate_during_training, micro_steps, step_tools, worker_batches
+from hpar.strategies.models.forward import inner_module
+from hpar.strategies.common.loop import StepTools, evaluate_during_training, micro_steps, step_tools, worker_batches
 
 def counting_allreduce_hook(state, bucket):
     """DDP communication hook: mean AllReduce of the bucket, counting this worker's bytes.
@@ -85,7 +85,7 @@ def sparse_allgather_bytes(grad: torch.Tensor, world_size: int) -> float:
 @contextlib.contextmanager
 def _sync(ddp, last: bool):
     """Around one micro-step: DDP's ``no_sync`` on all but the last of a step, and its
-    unused-parameter error in one line (strategies/ddp.py)."""
+    unused-parameter error in one line (strategies/dataparallel/ddp.py)."""
     with contextlib.nullcontext() if last else ddp.no_sync(), unused_error_named(ddp):
         yield
 
@@ -93,7 +93,7 @@ def _sync(ddp, last: bool):
 def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer,
                  tools: StepTools | None = None) -> int:
     """Load this worker's state from the run's latest checkpoint when it resumes (model,
-    optimizer by parameter name, loop state, random generators: strategies/state.py; any
+    optimizer by parameter name, loop state, random generators: strategies/runstate/state.py; any
     checkpoint of the run, whatever its number of workers); returns the step to start from."""
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
@@ -107,7 +107,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     from ``data(rank, world_size, batch_size)``, ``--accumulate`` of them per step (DDP's
     ``no_sync`` on all but the last); gradients are averaged, so N workers equal one process
     on the concatenated N x accumulate batches with a mean loss, also with the script's
-    schedule, ``--clip-grad-norm`` and ``--precision`` (strategies/loop.py).
+    schedule, ``--clip-grad-norm`` and ``--precision`` (strategies/common/loop.py).
 
     DDP wraps the model as ``model()`` returned it (a ``torch.compile`` wrapper runs the
     forward compiled; DDP's hooks and AllReduce run outside it, on the gradients), while the
@@ -129,7 +129,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     ctx.start_step = resume_state(ctx, model, opt, tools)
     counter = ByteMeter()
     groups = worker_groups(ctx.world_size, cfg.device)
-    ddp = wrap(outer, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/ddp.py
+    ddp = wrap(outer, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/dataparallel/ddp.py
     ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
     padded = sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
     ddp.register_comm_hook((counter, ctx.world_size, groups.dense, ring_remote),
