@@ -1,8 +1,8 @@
 """The documents cannot rot: every relative link (and image) in README.md, docs/,
 BENCHMARKS.md and benchmarks/notes/ names a file that exists, and every #anchor into a
 Markdown file names one of its headings (GitHub's heading ids); README.md stays short and links
-every reference page in docs/; every `--flag` that docs/run.md names is a flag of `hpar run`.
-No network: links to other sites are not fetched."""
+every reference page in docs/; every `--flag` that docs/run.md (launch.md, profile.md,
+bench.md) names is a flag of that command. No network: links to other sites are not fetched."""
 from __future__ import annotations
 
 import glob
@@ -10,6 +10,8 @@ import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -85,16 +87,17 @@ def test_readme_links_every_docs_page():
     assert not unlinked, f"README.md does not link these reference pages: {unlinked}"
 
 
-# A code span that names another command (`hpar profile --plan-out`, `scripts/chaos.py --faults N`)
-# holds that command's flags, not hpar run's.
-OTHER_COMMAND = re.compile(r"^(hpar (profile|bench|launch|export)\b|python |scripts/)")
+# A code span that names another command (`hpar profile --plan-out` in docs/run.md,
+# `scripts/chaos.py --faults N`) holds that command's flags, not the page's.
+OTHER_COMMAND = r"^(hpar (?!{command}\b)[a-z]+\b|python |scripts/)"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
-def _flags_named(path: str) -> set[str]:
+def _flags_named(path: str, command: str) -> set[str]:
+    other = re.compile(OTHER_COMMAND.format(command=command))
     text = open(path, encoding="utf-8").read()
     text = re.sub(r"```.*?```", "", text, flags=re.S)
-    text = re.sub(r"`([^`]*)`", lambda m: "" if OTHER_COMMAND.match(m.group(1)) else m.group(0), text)
+    text = re.sub(r"`([^`]*)`", lambda m: "" if other.match(m.group(1)) else m.group(0), text)
     return set(FLAG.findall(text))
 
 
@@ -106,8 +109,12 @@ def _help_flags(command: str) -> set[str]:
     return set(FLAG.findall(out.stdout))
 
 
-def test_every_flag_in_docs_run_exists():
-    named = _flags_named(os.path.join(REPO, "docs", "run.md"))
-    assert "--gpus" in named and "--precision" in named, "the flag scan found nothing: check FLAG"
-    unknown = sorted(named - _help_flags("run"))
-    assert not unknown, f"docs/run.md names flags that `hpar run --help` does not list: {unknown}"
+@pytest.mark.parametrize("page,command", [("run.md", "run"), ("launch.md", "launch"),
+                                          ("profile.md", "profile"), ("bench.md", "bench")])
+def test_every_flag_a_command_page_names_exists(page, command):
+    """docs/run.md (and the pages of launch, profile and bench) name only flags that the
+    command's --help lists: a flag renamed or removed cannot stay documented."""
+    named = _flags_named(os.path.join(REPO, "docs", page), command)
+    assert len(named) >= 5, f"the flag scan found {sorted(named)} in docs/{page}: check FLAG"
+    unknown = sorted(named - _help_flags(command))
+    assert not unknown, f"docs/{page} names flags that `hpar {command} --help` does not list: {unknown}"
