@@ -50,7 +50,7 @@ def main() -> None:
 @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart the whole job from the last checkpoint after a failure, at most N times.")
 @click.option("--tune", type=click.Choice(("auto", "on", "off")), default="auto", show_default=True,
               help="--strategy auto: run a short trial of each of the cost model's best candidates and train with "
-                   "the fastest measured (auto: when the trials take under 5%% of the run; off: the model's choice).")
+                   "the fastest measured (auto: when the trials take under 5% of the run; off: the model's choice).")
 @click.option("--tune-steps", type=int, default=8, show_default=True, help="Measured steps of each --tune trial (after 2 warm-up steps).")
 @click.option("--min-hosts", type=int, default=0, help="With --max-restarts: a restart goes on with the hosts that "
               "answer when at least N do, resuming at that size (0: every host must answer).")

@@ -1,8 +1,8 @@
 """Device helpers every runtime shares: what hpar moves between the host and the worker's
 device, and how, so that CUDA workers need no host synchronisation where none is due.
 
-Who moves what (the contract in README.md): hpar moves each batch to the worker's device
-(``context.move_to``); the model hpar hands to ``evaluate(model)`` is on the CPU in every strategy (:func:`model_to_cpu`); served embedding tables stay on the
+Who moves what (the contract: docs/contract.md, "Devices"): hpar moves each batch to the
+worker's device (``context.move_to``); the model hpar hands to ``evaluate(model)`` is on the CPU in every strategy (:func:`model_to_cpu`); served embedding tables stay on the
 parameter servers and on the host, never whole on a worker's device.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Load and check a user's training script (the contract in README.md, "Your script").
+"""Load and check a user's training script (the contract: docs/contract.md).
 
 A script is a plain Python file written for one device. It defines::
 
