@@ -89,42 +89,29 @@ def main() -> None:
               help="Also give remote processes KEY (this value, or the launcher's); repeatable.")
 @click.option("--device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True,
               help="Workers' device: auto (a GPU per worker where every host has enough, else CPU), cpu or cuda.")
-def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
-        schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
-        clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts, tune, tune_steps, phase_timeout,
-        allow_unequal_batches, worker_memory, server_memory, force):
+def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval_every, **given):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     from hpar.launcher.run.elastic import with_min_hosts
     from hpar.launcher.run.leftovers import ended_at_exit
     from hpar.launcher.run.tuning import tune as tune_run
     console = Console(soft_wrap=True)
-    kw = dict(script=script, gpus=gpus, hosts=hosts, strategy=strategy, plan_file=plan_file, steps=steps,
-              batch_size=batch_size, lr=lr, seed=seed, log_every=log_every, run_dir=run_dir, servers=servers,
-              schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
-              resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
-              loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
-                          "eval_every": eval_every},
-              plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-              python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new,
-              device=device, on_divergence=on_divergence, divergence_factor=divergence_factor,
-              pipeline_replicas=pipeline_replicas, find_unused_parameters=find_unused_parameters,
-              phase_timeout=phase_timeout, allow_unequal_batches=allow_unequal_batches,
-              worker_memory=worker_memory, server_memory=server_memory, force=force)
+    from hpar.launcher.run.flags import Flags
+    flags = Flags.of(loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
+                                 "eval_every": eval_every}, **given)   # launcher/run/flags.py
     from hpar.launcher.run.runner import launch
     with ended_at_exit(lambda line: console.print(line, markup=False)):   # what the script left running in the launcher
         try:
             if tune_steps < 1:
                 raise ValueError(f"--tune-steps must be at least 1, got {tune_steps}")
-            cfg, opts, master = run_command.resolve(console, **kw)
+            cfg, opts, master = run_command.resolve(console, flags)
             opts = with_min_hosts(opts, min_hosts)
-            if strategy == "auto" and not plan_file and not resume_dir:   # launcher/run/tuning.py
+            if flags.plan.strategy == "auto" and not flags.plan.plan_file and not flags.run.resume_dir:   # run/tuning.py
                 def resolve_for(con, chosen, path, directory, n, trial):
                     over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
                     if trial:
                         over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
-                    c, o, m = run_command.resolve(con, **{**kw, **over})
+                    c, o, m = run_command.resolve(con, flags.but(**over))
                     return c, (o if trial else with_min_hosts(o, min_hosts)), m
                 cfg, opts, master = tune_run(console, cfg, opts, master, tune, tune_steps, resolve_for, launch)
         except run_command.NothingToDo as done:   # --resume of a finished run: its own figures, exit 0

@@ -28,18 +28,19 @@ def test_device_per_host_from_what_each_host_sees():
 
 def _resolve(tmp_path, monkeypatch, seen: dict, device="auto"):
     from hpar.launcher.commands import run as run_command
+    from hpar.launcher.run.flags import Flags
     from hpar.launcher.hosts import remote
     from hpar.launcher.procs.ssh import SSHOptions
     from conftest import write_script
     monkeypatch.setattr(remote, "prepare_remote", lambda *a, **kw: (SSHOptions(gpus=seen), "10.0.0.1"))
     monkeypatch.setattr(run_command, "local_gpus", lambda: 0)     # the launcher itself has no GPU
     out = io.StringIO()
-    cfg, _, _ = run_command.resolve(
-        Console(file=out, soft_wrap=True), script=write_script(tmp_path), gpus=4, hosts="a:2,b:2", strategy="allreduce",
+    cfg, _, _ = run_command.resolve(Console(file=out, soft_wrap=True), Flags.of(
+        script=write_script(tmp_path), gpus=4, hosts="a:2,b:2", strategy="allreduce",
         plan_file=None, steps=None, batch_size=None, lr=None, seed=None, log_every=None,
         run_dir=str(tmp_path / "run"), servers=None, schedule=None, micro_batches=None, checkpoint_every=None,
         resume_dir=None, max_restarts=0, stall_timeout=0, no_eval=False, plain=True, ssh_key=None, ssh_port=None,
-        ssh_user=None, ssh_local=False, python_path=None, sync=False, device=device)
+        ssh_user=None, ssh_local=False, python_path=None, sync=False, device=device))
     return cfg, out.getvalue()
 
 

@@ -261,12 +261,13 @@ def _resolve(tmp_path, script: str, plan, strategy: str, servers):
     import io
     from rich.console import Console
     from hpar.launcher.commands.run import resolve
+    from hpar.launcher.run.flags import Flags
     out = io.StringIO()
     flags = dict.fromkeys(["hosts", "steps", "batch_size", "lr", "seed", "log_every", "schedule", "micro_batches",
                            "checkpoint_every", "resume_dir", "ssh_key", "ssh_port", "ssh_user", "python_path"])
-    cfg, _, _ = resolve(Console(file=out, width=400), script=script, gpus=2, strategy=strategy,
-                        plan_file=plan and str(plan), run_dir=str(tmp_path / "run"), servers=servers, max_restarts=0,
-                        stall_timeout=0, no_eval=True, plain=True, ssh_local=False, sync=False, **flags)
+    cfg, _, _ = resolve(Console(file=out, width=400), Flags.of(
+        script=script, gpus=2, strategy=strategy, plan_file=plan and str(plan), run_dir=str(tmp_path / "run"),
+        servers=servers, max_restarts=0, stall_timeout=0, no_eval=True, plain=True, ssh_local=False, sync=False, **flags))
     return cfg, out.getvalue()
 
 

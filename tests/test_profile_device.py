@@ -170,6 +170,7 @@ def test_hpar_run_says_when_a_cpu_profile_plans_gpu_workers(tmp_path, monkeypatc
     """`hpar run --strategy auto` from a launcher without a GPU for hosts that have GPUs: the plan
     was measured on the CPU, and the run says so in one line."""
     from hpar.launcher.commands import run as run_command
+    from hpar.launcher.run.flags import Flags
     from hpar.launcher.hosts import remote
     from hpar.launcher.procs.ssh import SSHOptions
     from hpar.strategies.profile.device import OnDevice
@@ -178,12 +179,12 @@ def test_hpar_run_says_when_a_cpu_profile_plans_gpu_workers(tmp_path, monkeypatc
     monkeypatch.setattr(run_command, "local_gpus", lambda: 0)
     script = write_script(tmp_path, MEMORY_BOUND)
     out = io.StringIO()
-    cfg, _, _ = run_command.resolve(
-        Console(file=out, soft_wrap=True), script=script, gpus=2, hosts="a:1,b:1", strategy="auto",
+    cfg, _, _ = run_command.resolve(Console(file=out, soft_wrap=True), Flags.of(
+        script=script, gpus=2, hosts="a:1,b:1", strategy="auto",
         plan_file=None, steps=None, batch_size=None, lr=None, seed=None, log_every=None,
         run_dir=str(tmp_path / "run"), servers=None, schedule=None, micro_batches=None, checkpoint_every=None,
         resume_dir=None, max_restarts=0, stall_timeout=0, no_eval=False, plain=True, ssh_key=None, ssh_port=None,
-        ssh_user=None, ssh_local=False, python_path=None, sync=False)
+        ssh_user=None, ssh_local=False, python_path=None, sync=False))
     printed = out.getvalue()
     assert cfg.device == "cuda" and cfg.plan["compute"] == "measured on cpu"
     assert printed.count("measured on cpu, the workers run on cuda") == 1, printed

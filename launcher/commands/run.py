@@ -14,6 +14,7 @@ from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.devices import choose_devices, describe, local_gpus
 from hpar.launcher.run.capacity import from_flags
 from hpar.launcher.run.fit import fit_plan
+from hpar.launcher.run.flags import Flags
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, finished, resume_step
 from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
@@ -102,25 +103,27 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
     return plan.strategy, plan.to_dict(), profile
 
 
-def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
-            run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
-            no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
-            ssh_known_hosts=None, ssh_accept_new=False, device="auto",
-            on_divergence="off", divergence_factor=2.0, pipeline_replicas=None, find_unused_parameters=None,
-            phase_timeout=None, allow_unequal_batches=None, worker_memory=None, server_memory=None, force=False):
-    """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
-    ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
-    None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags;
-    ``find_unused_parameters``: auto, on or off (None: the script's HPAR, else auto), which a
-    resumed run may change (it is how a run that failed on an unused parameter goes on), as it may
-    ``allow_unequal_batches`` (True: the flag given; None: the script's HPAR, else refused);
-    ``worker_memory``/``server_memory``: GB each process may use, ``force``: run a plan that does
-    not fit them (launcher/run/fit.py)."""
+def resolve(console: Console, flags: Flags):
+    """Everything ``hpar run`` needs, ``(RunConfig, LaunchOptions, rendezvous address)``, from
+    its flags (launcher/run/flags.py), or ValueError/JobError (one line) before anything
+    starts. Flags not given (None) come from the script's HPAR, else FALLBACKS. Of a resumed
+    run, ``--find-unused-parameters`` and ``--allow-unequal-batches`` may change (how a run that
+    failed on either goes on); ``--gpus``, ``--servers`` and the pipeline's shape make it
+    resume at another size (launcher/run/reshape.py). ``--worker-memory``/``--server-memory``:
+    GB each process may use; ``--force`` runs a plan predicted not to fit (launcher/run/fit.py)."""
+    j, p, h, r = flags.job, flags.plan, flags.hosts, flags.run
+    script, steps, batch_size, lr, seed, log_every = j.script, j.steps, j.batch_size, j.lr, j.seed, j.log_every
+    loop_flags, no_eval, find_unused_parameters = j.loop_flags, j.no_eval, j.find_unused_parameters
+    strategy, plan_file, servers, schedule, device = p.strategy, p.plan_file, p.servers, p.schedule, p.device
+    micro_batches, pipeline_replicas = p.micro_batches, p.pipeline_replicas
+    gpus, hosts = h.gpus, h.hosts
+    run_dir, checkpoint_every, resume_dir = r.run_dir, r.checkpoint_every, r.resume_dir
+    max_restarts, stall_timeout, phase_timeout = r.max_restarts, r.stall_timeout, r.phase_timeout
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
     if gpus is not None and gpus < 1:   # also before a resume looks at the run (a finished one included)
         raise ValueError(f"--gpus must be at least 1, got {gpus}")
-    capacity = from_flags(worker_memory, server_memory)
+    capacity = from_flags(p.worker_memory, p.server_memory)
     reshaped = None
     if resume_dir:
         given = [flag for flag, value in (("--gpus", gpus), ("--plan", plan_file), ("--servers", servers),
@@ -133,7 +136,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             strategy = reshaped.strategy if strategy == "auto" and not plan_file else strategy
             servers = servers if servers is not None or strategy != reshaped.strategy else (reshaped.servers or None)
     host_list = tuple(parse_hosts(hosts)) if hosts else ()
-    extra_env = parse_env_flags(env)
+    extra_env = parse_env_flags(h.env)
     slurm = not host_list and in_allocation()
     if slurm:  # launcher/hosts/slurm.py: hosts and slots from the allocation, processes by srun
         host_list = tuple(allocation_hosts())
@@ -146,7 +149,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         job = load_job(cfg.script)
         if find_unused_parameters in ("on", "off"):
             cfg = cfg.replace(find_unused_parameters=find_unused(find_unused_parameters, ()))
-        if allow_unequal_batches:
+        if j.allow_unequal_batches:
             cfg = cfg.replace(allow_unequal_batches=True)
     else:
         if not script:
@@ -172,7 +175,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
         strategy, plan, profile = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
                                   planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"),
-                                  capacity, force)
+                                  capacity, p.force)
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan", traced_on)
@@ -215,9 +218,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             micro_batches=micro_batches or d.get("micro_batches") or default_micro_batches(console, plan, bs, gpus // replicas),
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
-            on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas,
+            on_divergence=r.on_divergence, divergence_factor=r.divergence_factor, replicas=replicas,
             find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus),
-            allow_unequal_batches=bool(pick(allow_unequal_batches, "allow_unequal_batches")))
+            allow_unequal_batches=bool(pick(j.allow_unequal_batches, "allow_unequal_batches")))
         check_precision(job, cfg, model)
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable
@@ -249,11 +252,12 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         from hpar.launcher.hosts.preflight import resolve_master
         master = resolve_master(place_workers(list(host_list), cfg.world_size))
         console.print(f"hpar: {describe_env(extra_env)}", markup=False)
-    elif host_list and (ssh_local or any(not h.is_local for h in host_list)):
+    elif host_list and (h.ssh_local or any(not host.is_local for host in host_list)):
         from hpar.launcher.hosts.remote import prepare_remote
-        ssh_opts, master = prepare_remote(console, host_list, cfg, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user,
-                                          ssh_local=ssh_local, python_path=python_path, sync=sync, env=extra_env,
-                                          known_hosts=ssh_known_hosts, accept_new=ssh_accept_new)
+        ssh_opts, master = prepare_remote(console, host_list, cfg, ssh_key=h.ssh_key, ssh_port=h.ssh_port,
+                                          ssh_user=h.ssh_user, ssh_local=h.ssh_local, python_path=h.python_path,
+                                          sync=h.sync, env=extra_env, known_hosts=h.ssh_known_hosts,
+                                          accept_new=h.ssh_accept_new)
     if not resume_dir:   # a resumed run keeps its device
         seen = getattr(ssh_opts, "gpus", None) or {}
         if slurm and os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():   # Slurm's count for every node
@@ -267,8 +271,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         from hpar.launcher.run.planning import compute_mismatch
         if compute_mismatch(cfg.plan, chosen):   # CPU figures for GPU workers are never taken silently
             console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
-        cfg = fit_plan(console, cfg, job, model, capacity, host_list, force, profile)   # predicted peaks vs memory
+        cfg = fit_plan(console, cfg, job, model, capacity, host_list, p.force, profile)   # predicted peaks vs memory
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, phase_timeout=phase_timeout,
                          max_restarts=max_restarts,
-                         live=False if plain else None, sync=sync, env=extra_env, slurm=slurm)
+                         live=False if r.plain else None, sync=h.sync, env=extra_env, slurm=slurm)
     return cfg, opts, master
