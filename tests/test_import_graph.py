@@ -94,3 +94,26 @@ def test_commands_import_no_other_command_nor_the_cli():
 def test_the_check_sees_a_circle():
     """The checker itself finds a planted circle (a test that cannot fail is no test)."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def long_signatures(top: str = "launcher", limit: int = 10) -> list[str]:
+    """Functions under ``top`` taking more than ``limit`` parameters (``self``/``cls`` and
+    ``**kwargs`` not counted): flags travel as the typed trees of launcher/run/flags.py and
+    launcher/bench/config.BenchFlags instead."""
+    out = []
+    for root, _, files in os.walk(os.path.join(ROOT, top)):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        a = node.args
+                        names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                        n = len([x for x in names if x not in ("self", "cls")])
+                        if n > limit:
+                            out.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} ({n})")
+    return out
+
+
+def test_no_launcher_function_takes_more_than_10_parameters():
+    assert not long_signatures(), long_signatures()

@@ -76,3 +76,38 @@ def parse_strategies(text: str | None) -> tuple[str, ...]:
         raise ValueError(f"--strategies: unknown {', '.join(bad) or 'empty list'}; "
                          f"choose from {', '.join(BENCH_STRATEGIES)}")
     return names
+
+
+@dataclass(frozen=True)
+class BenchFlags:
+    """``hpar bench``'s flags as given (click's names; None: not given), passed whole to the
+    single-cluster and the ``--scale`` benches: the workers and hosts (``emulate:H``), the
+    emulated links (rate, queue, latency), the strategies and run length, the seed and
+    precision, the outputs (JSON, plot, run directory), the projection (``project`` GPUs,
+    ``device_tflops``, ``gpus_per_host``), SSH, the time limit per strategy (s), repeats, the
+    memory each process may use (GB) and the memory table."""
+
+    gpus: int = 2
+    hosts: str | None = None
+    link_rate: str | None = None
+    link_queue: str = "fifo"
+    latency: str | None = None
+    strategies: str | None = None
+    steps: int = 30
+    batch_size: int | None = None
+    seed: int = 0
+    precision: str | None = None
+    json_out: str | None = None
+    plot_out: str | None = None
+    project: int = 0
+    device_tflops: float | None = None
+    gpus_per_host: int | None = None
+    bench_dir: str | None = None
+    ssh_key: str | None = None
+    timeout_s: float = 600.0
+    repeat: int = 1
+    min_seconds: float = 0.0
+    worker_memory: float | None = None
+    server_memory: float | None = None
+    memory_table: bool = False
+    scale: str | None = None

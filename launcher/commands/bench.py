@@ -158,17 +158,22 @@ def _link_words(link_rate: str | None, link_queue: str) -> str:
               help="Also print each run's predicted peak memory per worker and server beside the measured one.")
 @click.option("--scale", default=None, help="Scaling curves: run on each of these numbers of emulated hosts, one "
               "worker per host (e.g. 1,2,4,8; root), beside the cost model's predictions.")
-def bench(scripts, gpus, hosts, link_rate, link_queue, latency, strategies, steps, batch_size, seed, precision, json_out, plot_out,
-          project, device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s, repeat, min_seconds, worker_memory,
-          server_memory, memory_table, scale):
+def bench(scripts, **given):
     """Run every strategy that applies to SCRIPT(s) and compare them (table, --json, --plot)."""
+    from hpar.launcher.bench.config import BenchFlags
+    flags = BenchFlags(**given)
+    gpus, hosts, link_rate, link_queue, latency = flags.gpus, flags.hosts, flags.link_rate, flags.link_queue, flags.latency
+    strategies, steps, batch_size, seed, precision = flags.strategies, flags.steps, flags.batch_size, flags.seed, flags.precision
+    json_out, plot_out, bench_dir, ssh_key, timeout_s = flags.json_out, flags.plot_out, flags.bench_dir, flags.ssh_key, flags.timeout_s
+    project, device_tflops, gpus_per_host = flags.project, flags.device_tflops, flags.gpus_per_host
+    repeat, min_seconds, worker_memory, server_memory = flags.repeat, flags.min_seconds, flags.worker_memory, flags.server_memory
+    memory_table, scale = flags.memory_table, flags.scale
     if scale is not None:
         given = [f for f, v in (("--gpus", "gpus"), ("--hosts", "hosts"), ("--project", "project"))
                  if click.get_current_context().get_parameter_source(v).name != "DEFAULT"]
         if given:
             _fail(f"--scale sets the hosts and workers (one per emulated host); drop {', '.join(given)}")
-        return _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out,
-                            plot_out, bench_dir, timeout_s, precision, repeat, min_seconds, link_queue)
+        return _bench_scale(scripts, flags)
     from hpar.launcher.bench import report
     from hpar.launcher.bench.config import BenchConfig, parse_strategies
     from hpar.launcher.bench.driver import run_bench
@@ -252,9 +257,13 @@ def bench(scripts, gpus, hosts, link_rate, link_queue, latency, strategies, step
         console.print(f"hpar bench: plot written to {plot_out}", markup=False)
 
 
-def _bench_scale(scripts, scale, link_rate, latency, strategies, steps, batch_size, seed, json_out, plot_out,
-                 bench_dir, timeout_s, precision=None, repeat=1, min_seconds=0.0, link_queue="fifo") -> None:
-    """``hpar bench --scale``: one bench per host count on emulated hosts (launcher/bench/scale.py)."""
+def _bench_scale(scripts, flags) -> None:
+    """``hpar bench --scale``: one bench per host count on emulated hosts (launcher/bench/scale.py);
+    ``flags``: launcher/bench/config.BenchFlags."""
+    scale, link_rate, latency, link_queue, strategies = flags.scale, flags.link_rate, flags.latency, flags.link_queue, flags.strategies
+    steps, batch_size, seed, precision = flags.steps, flags.batch_size, flags.seed, flags.precision
+    json_out, plot_out, bench_dir, timeout_s = flags.json_out, flags.plot_out, flags.bench_dir, flags.timeout_s
+    repeat, min_seconds = flags.repeat, flags.min_seconds
     from hpar.launcher.bench import report
     from hpar.launcher.bench.config import BenchConfig, parse_strategies
     from hpar.launcher.bench.driver import run_bench

@@ -17,10 +17,12 @@ from rich.console import Console
 
 from hpar.launcher.run.script_kind import script_kind
 
-def resolve(console: Console, *, script, args, gpus, hosts, run_dir, max_restarts, plain, env, ssh_key, ssh_port,
-            ssh_user, ssh_local, python_path, sync):
+def resolve(console: Console, script: str, args: tuple, flags, run_dir: str | None, max_restarts: int,
+            plain: bool):
     """(ScriptRun, LaunchOptions, rendezvous address), or ValueError (one line) before
-    anything starts."""
+    anything starts. ``flags``: where to run (launcher/run/flags.HostFlags: --gpus, --hosts,
+    SSH, --env, --sync)."""
+    gpus, hosts = flags.gpus, flags.hosts
     from hpar.launcher.hosts.environ import describe, parse_env_flags
     from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
     from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
@@ -32,7 +34,7 @@ def resolve(console: Console, *, script, args, gpus, hosts, run_dir, max_restart
         raise ValueError(f"{script} follows hpar's contract (model, data, loss): run it with `hpar run {script} "
                          f"--gpus N`, which profiles it and picks a strategy (`hpar launch` is for scripts that "
                          f"call init_process_group themselves)")
-    extra_env = parse_env_flags(env)
+    extra_env = parse_env_flags(flags.env)
     if max_restarts < 0:
         raise ValueError("--max-restarts must not be negative")
     host_list = tuple(parse_hosts(hosts)) if hosts else ()
@@ -57,13 +59,11 @@ def resolve(console: Console, *, script, args, gpus, hosts, run_dir, max_restart
         from hpar.launcher.hosts.preflight import resolve_master
         master = resolve_master(place_workers(list(host_list), gpus))
         console.print(f"hpar: {describe(extra_env)}", markup=False)
-    elif host_list and (ssh_local or any(not h.is_local for h in host_list)):
+    elif host_list and (flags.ssh_local or any(not h.is_local for h in host_list)):
         from hpar.launcher.hosts.remote import prepare_remote
-        ssh_opts, master = prepare_remote(console, host_list, run, ssh_key=ssh_key, ssh_port=ssh_port,
-                                          ssh_user=ssh_user, ssh_local=ssh_local, python_path=python_path,
-                                          sync=sync, env=extra_env)
+        ssh_opts, master = prepare_remote(console, host_list, run, flags, env=extra_env)
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, max_restarts=max_restarts, live=False if plain else None,
-                         sync=sync, env=extra_env, slurm=slurm)
+                         sync=flags.sync, env=extra_env, slurm=slurm)
     return run, opts, master
 
 
@@ -83,18 +83,15 @@ def resolve(console: Console, *, script, args, gpus, hosts, run_dir, max_restart
 @click.option("--ssh-local", is_flag=True, help="Use SSH even for localhost entries.")
 @click.option("--python", "python_path", default=None, help="Interpreter on the hosts (default: this one's path).")
 @click.option("--sync", is_flag=True, help="Copy the script to hosts that lack it.")
-def launch(script, args, gpus, hosts, run_dir, max_restarts, plain, env, ssh_key, ssh_port, ssh_user, ssh_local,
-           python_path, sync):
+def launch(script, args, run_dir, max_restarts, plain, **hosts):
     """Run a torchrun-style SCRIPT (it calls init_process_group itself) with ARGS on every
     slot, under hpar's supervision. hpar's options go before SCRIPT; everything after it is
     the script's."""
     from hpar.launcher.usage import fail
     console = Console(soft_wrap=True)
     try:
-        run, opts, master = resolve(console, script=script, args=args, gpus=gpus, hosts=hosts, run_dir=run_dir,
-                                    max_restarts=max_restarts, plain=plain, env=env, ssh_key=ssh_key,
-                                    ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-                                    python_path=python_path, sync=sync)
+        from hpar.launcher.run.flags import HostFlags
+        run, opts, master = resolve(console, script, args, HostFlags(**hosts), run_dir, max_restarts, plain)
     except ValueError as exc:
         fail(str(exc))
     from hpar.launcher.run.scripts import run_script

@@ -138,8 +138,8 @@ def _capacity(cluster) -> str:
               help="Host memory of each parameter server in GB; default: this host's RAM over its processes.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Write the plan as JSON for `hpar run --plan`.")
-def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tflops, device_mem_gbps, batch_size,
-            timing_batch_size, precision, worker_memory, server_memory, as_json, plan_out):
+def profile(script, device, batch_size, timing_batch_size, precision, worker_memory, server_memory, as_json, plan_out,
+            **cluster_flags):
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
     from hpar.strategies.runstate.checkpoint import atomic_write_bytes
     from hpar.strategies.plan.planner import choose_plan
@@ -161,8 +161,7 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tfl
             from hpar.launcher.run.capacity import from_flags
             capacity = from_flags(worker_memory, server_memory)
             measure_on = profile_device(device)
-            cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps,
-                                    measured_on=measure_on.type, capacity=capacity)
+            cluster = build_cluster(**cluster_flags, measured_on=measure_on.type, capacity=capacity)   # --gpus, --hosts, ...
             check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
             prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
                                precision=precision)

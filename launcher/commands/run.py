@@ -3,6 +3,7 @@ host list into a RunConfig and LaunchOptions, checking everything before a proce
 from __future__ import annotations
 
 import json
+import dataclasses
 import os
 
 from rich.console import Console
@@ -14,7 +15,7 @@ from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.devices import choose_devices, describe, local_gpus
 from hpar.launcher.run.capacity import from_flags
 from hpar.launcher.run.fit import fit_plan
-from hpar.launcher.run.flags import Flags
+from hpar.launcher.run.flags import Flags, PlanFlags
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, finished, resume_step
 from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
@@ -78,14 +79,14 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
     return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))
 
 
-def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: str | None,
-             gpus: int, servers: int | None, schedule: str | None, device: str = "auto",
-             pipeline_replicas: int | None = None, precision: str | None = None, capacity=None,
-             force: bool = False) -> tuple[str, dict, object]:
+def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: str | None, gpus: int,
+             precision: str | None = None, capacity=None) -> tuple[str, dict, object]:
     """(strategy, plan dict, the planner's Profile or None) from ``--plan``, or from the planner for ``auto`` and for
     ``pipeline`` (which needs its balanced stages), on ``capacity``'s memory (``--force``: a
     forced strategy that does not fit is planned anyway); the data-parallel strategies named
-    explicitly run with their defaults and no profiling (their memory: launcher/run/fit.py)."""
+    explicitly run with their defaults and no profiling (their memory: launcher/run/fit.py).
+    ``flags``: the plan's flags as resolved (launcher/run/flags.PlanFlags)."""
+    strategy, plan_file = flags.strategy, flags.plan_file
     if plan_file:
         plan = read_plan(plan_file)
         if strategy not in ("auto", plan["strategy"]):
@@ -95,9 +96,7 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
     if strategy not in ("auto", "pipeline"):
         return strategy, {"strategy": strategy}, None
     from hpar.launcher.run.planning import plan_job
-    plan, profile = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
-                    force=None if strategy == "auto" else strategy, device=device, pipeline_replicas=pipeline_replicas,
-                    precision=precision, capacity=capacity, allow_misfit=force)
+    plan, profile = plan_job(job, batch_size, hosts, gpus, flags, precision=precision, capacity=capacity)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
     return plan.strategy, plan.to_dict(), profile
@@ -173,9 +172,10 @@ def resolve(console: Console, flags: Flags):
         traced_on = None if is_declared_sequence(model) else next(job.batches(0, 1, bs))[0]
         strategy_flag = strategy
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
-        strategy, plan, profile = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
-                                  planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"),
-                                  capacity, p.force)
+        resolved = dataclasses.replace(p, strategy=strategy, servers=servers,
+                                       pipeline_replicas=planner_replicas(pipeline_replicas, schedule))
+        strategy, plan, profile = plan_for(console, job, resolved, bs, hosts, gpus, (loop_flags or {}).get("precision"),
+                                           capacity)
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan", traced_on)
@@ -254,10 +254,7 @@ def resolve(console: Console, flags: Flags):
         console.print(f"hpar: {describe_env(extra_env)}", markup=False)
     elif host_list and (h.ssh_local or any(not host.is_local for host in host_list)):
         from hpar.launcher.hosts.remote import prepare_remote
-        ssh_opts, master = prepare_remote(console, host_list, cfg, ssh_key=h.ssh_key, ssh_port=h.ssh_port,
-                                          ssh_user=h.ssh_user, ssh_local=h.ssh_local, python_path=h.python_path,
-                                          sync=h.sync, env=extra_env, known_hosts=h.ssh_known_hosts,
-                                          accept_new=h.ssh_accept_new)
+        ssh_opts, master = prepare_remote(console, host_list, cfg, h, env=extra_env)
     if not resume_dir:   # a resumed run keeps its device
         seen = getattr(ssh_opts, "gpus", None) or {}
         if slurm and os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():   # Slurm's count for every node

@@ -27,15 +27,18 @@ def ssh_options(*, ssh_key=None, ssh_port=None, ssh_user=None, ssh_local=False, 
                       accept_new=bool(accept_new))
 
 
-def prepare_remote(console: Console, hosts: tuple[Host, ...], cfg, *, ssh_key=None, ssh_port=None, ssh_user=None,
-                   ssh_local=False, python_path=None, sync=False, master_port: int = 0,
-                   env: dict | None = None, known_hosts=None, accept_new=False) -> tuple[SSHOptions, str]:
+def prepare_remote(console: Console, hosts: tuple[Host, ...], cfg, flags, env: dict | None = None,
+                   master_port: int = 0) -> tuple[SSHOptions, str]:
     """(SSHOptions carrying each host's interface, rendezvous address) for a run of ``cfg``
-    over ``hosts``, after a passing preflight of the hosts that get workers. Prints the
-    preflight table (or summary) and the names of the variables forwarded to the hosts
-    (launcher/hosts/environ.py; ``env``: the ``--env`` values), and raises ValueError (one line naming every failed host) otherwise."""
-    opts = ssh_options(ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-                       python_path=python_path, known_hosts=known_hosts, accept_new=accept_new)
+    over ``hosts``, after a passing preflight of the hosts that get workers. ``flags``: the
+    SSH settings (launcher/run/flags.HostFlags: key, port, user, ssh_local, python_path, sync,
+    known hosts). Prints the preflight table (or summary) and the names of the variables
+    forwarded to the hosts (launcher/hosts/environ.py; ``env``: the ``--env`` values), and
+    raises ValueError (one line naming every failed host) otherwise."""
+    opts = ssh_options(ssh_key=flags.ssh_key, ssh_port=flags.ssh_port, ssh_user=flags.ssh_user,
+                       ssh_local=flags.ssh_local, python_path=flags.python_path, known_hosts=flags.ssh_known_hosts,
+                       accept_new=flags.ssh_accept_new)
+    sync = flags.sync
     used = list(dict.fromkeys(place_workers(list(hosts), cfg.world_size)))
     report = preflight(used, cfg.script, opts, master_port, sync=sync)
     if not report.ok:

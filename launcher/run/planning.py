@@ -4,29 +4,34 @@ from __future__ import annotations
 import dataclasses
 
 
-def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: int | None,
-             schedule: str = "1f1b", force: str | None = None, device: str = "auto",
-             pipeline_replicas: int | None = None, precision: str | None = None, capacity=None,
-             allow_misfit: bool = False):
+def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None, precision: str | None = None,
+             capacity=None):
     """Profile ``job`` (strategies/profile/profiler.py) for ``gpus`` workers on the hosts of
     ``hosts_spec`` (link figures probed on this machine, or hpar profile's defaults for remote
-    hosts) and return the planner's Plan (strategies/plan/planner.py). ``device`` (``--device``):
+    hosts) and return the planner's Plan (strategies/plan/planner.py) and the Profile it was
+    made from. ``flags`` (launcher/run/flags.PlanFlags; None: the defaults): ``strategy`` other
+    than auto plans that one (``force``: even when it exceeds ``capacity``), ``servers``,
+    ``schedule`` (default 1f1b), ``pipeline_replicas`` (the pipeline's R fixed) and ``device``:
     the profile measures on this machine's GPU unless it is ``cpu`` or there is none; the plan's
     ``compute`` says which, and ``hpar run`` warns when its workers use another device
-    (:func:`compute_mismatch`); ``pipeline_replicas``: the pipeline's R fixed by
-    ``--pipeline-replicas``; ``precision``: the workers' ``--precision`` (None: the script's),
-    under which the forward passes are timed; ``capacity``: the memory each process may use
-    (launcher/run/capacity.py), ``allow_misfit``: plan a forced strategy that exceeds it.
-    Returns (the Plan, the Profile it was made from). Raises JobError/ValueError."""
+    (:func:`compute_mismatch`). ``precision``: the workers' ``--precision`` (None: the
+    script's), under which the forward passes are timed; ``capacity``: the memory each process
+    may use (launcher/run/capacity.py). A plan of ``auto`` lists under ``alternatives`` the
+    other strategies' plans that fit, for ``--tune``. Raises JobError/ValueError."""
+    from hpar.launcher.run.flags import PlanFlags
+    flags = flags or PlanFlags()
+    force = None if flags.strategy == "auto" else flags.strategy
+    schedule, pipeline_replicas = flags.schedule or "1f1b", flags.pipeline_replicas
     from hpar.launcher.run.cluster import build_cluster
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     from hpar.strategies.profile.device import profile_device
-    measure_on = profile_device("cpu" if device == "cpu" else "auto")
-    cluster = build_cluster(gpus, hosts_spec, servers, None, None, None, measured_on=measure_on.type, capacity=capacity)
+    measure_on = profile_device("cpu" if flags.device == "cpu" else "auto")
+    cluster = build_cluster(gpus, hosts_spec, flags.servers, None, None, None, measured_on=measure_on.type,
+                            capacity=capacity)
     profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision)
     plan = choose_plan(profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas,
-                       allow_misfit=allow_misfit)
+                       allow_misfit=flags.force)
     if force is not None:
         return plan, profile
     alternatives = {}   # the plans --tune may try (launcher/run/tuning.py): those that fit
