@@ -67,6 +67,13 @@ def main() -> None:
 @click.option("--find-unused-parameters", type=click.Choice(FIND_UNUSED_MODES), default=None,
               help="DDP's find_unused_parameters: auto (default) turns it on only when a profiled step left a "
                    "parameter without a gradient; on or off forces it.")
+@click.option("--staleness", type=int, default=None,
+              help="hybrid/ps: a cache of each served table's hot rows on every worker, read while at most S updates "
+                   "behind the servers' (gradients held at most S steps); S = 0 trains as without it. An accuracy "
+                   "trade: never on unless given.")
+@click.option("--cache-rows", type=float, default=None,
+              help="With --staleness: rows cached per table (an integer) or a fraction of each table's rows (< 1; "
+                   "default 0.1).")
 @click.option("--plain", is_flag=True, help="Plain progress lines even on a terminal.")
 @click.option("--ssh-key", default=None, help="SSH private key file.")
 @click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
@@ -85,7 +92,7 @@ def main() -> None:
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts):
+        divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts, staleness, cache_rows):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     from hpar.launcher.run.elastic import with_min_hosts
@@ -101,7 +108,7 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
             python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
             on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
-            find_unused_parameters=find_unused_parameters)
+            find_unused_parameters=find_unused_parameters, staleness=staleness, cache_rows=cache_rows)
         opts = with_min_hosts(opts, min_hosts)
     except JobError as exc:
         fail(str(exc), exc.user_traceback)

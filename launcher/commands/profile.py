@@ -193,12 +193,19 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
 @click.option("--timing-batch-size", type=int, default=None, help="Time compute on smaller batches and scale linearly (large models).")
 @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
               help="Time the forward passes under the workers' precision (default: the script's HPAR, else fp32).")
+@click.option("--staleness", type=int, default=None,
+              help="Let the plan use hybrid with hot-row caches on the workers, reading rows up to S updates stale "
+                   "(hybrid-cache; without it that row is shown at S = 4 and never chosen).")
+@click.option("--cache-rows", type=float, default=None,
+              help="With --staleness: rows cached per table (>= 1) or a fraction of each table (< 1; default 0.1).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Write the plan as JSON for `hpar run --plan`.")
 def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tflops, device_mem_gbps, batch_size,
-            timing_batch_size, precision, as_json, plan_out):
+            timing_batch_size, precision, staleness, cache_rows, as_json, plan_out):
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
     from hpar.strategies.checkpoint import atomic_write_bytes
+    from hpar.strategies.config import check_cache_flags
+    from hpar.strategies.hybrid.cache import CacheConfig
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.device import profile_device
     from hpar.strategies.profile.profiler import profile_job
@@ -210,6 +217,7 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tfl
         bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
+        check_cache_flags(cache_rows, staleness)
         if timing_batch_size is not None and timing_batch_size < 1:
             raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
         measure_on = profile_device(device)
@@ -218,7 +226,7 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tfl
         check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
         prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
                            precision=precision)
-        plan = choose_plan(prof, cluster)
+        plan = choose_plan(prof, cluster, cache=CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None)
     except JobError as exc:
         _fail(str(exc), exc.user_traceback)
     except (ValueError, RuntimeError) as exc:

@@ -16,9 +16,9 @@ from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_
 from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
-from hpar.strategies.config import FIND_UNUSED_MODES, RunConfig, check_loop_flags
+from hpar.strategies.config import FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags
 from hpar.strategies.ddp import DDP_STRATEGIES, find_unused
-from hpar.launcher.run.strategy_settings import check_optimizer, ddp_find_unused, default_micro_batches
+from hpar.launcher.run.strategy_settings import cache_settings, check_optimizer, ddp_find_unused, default_micro_batches
 from hpar.strategies.forward import inner_module
 from hpar.strategies.job import check_job, load_job
 from hpar.strategies.loop import check_precision
@@ -64,10 +64,11 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
 
 def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: str | None,
              gpus: int, servers: int | None, schedule: str | None, device: str = "auto",
-             pipeline_replicas: int | None = None, precision: str | None = None) -> tuple[str, dict]:
+             pipeline_replicas: int | None = None, precision: str | None = None, cache=None) -> tuple[str, dict]:
     """(strategy, plan dict) from ``--plan``, or from the planner for ``auto`` and for
     ``pipeline`` (which needs its balanced stages); the data-parallel strategies named
-    explicitly run with their defaults and no profiling."""
+    explicitly run with their defaults and no profiling. ``cache``: the hot-row caches
+    ``--staleness`` allows the planner to choose (hybrid/cache.CacheConfig, or None)."""
     if plan_file:
         plan = read_plan(plan_file)
         if strategy not in ("auto", plan["strategy"]):
@@ -79,7 +80,7 @@ def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_
     from hpar.launcher.run.planning import plan_job
     plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
                     force=None if strategy == "auto" else strategy, device=device, pipeline_replicas=pipeline_replicas,
-                    precision=precision)
+                    precision=precision, cache=cache)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
     return plan.strategy, plan.to_dict()
@@ -89,17 +90,24 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             run_dir, servers, schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout,
             no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
             ssh_known_hosts=None, ssh_accept_new=False, device="auto",
-            on_divergence="off", divergence_factor=2.0, pipeline_replicas=None, find_unused_parameters=None):
+            on_divergence="off", divergence_factor=2.0, pipeline_replicas=None, find_unused_parameters=None,
+            staleness=None, cache_rows=None):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags;
     ``find_unused_parameters``: auto, on or off (None: the script's HPAR, else auto), which a
-    resumed run may change (it is how a run that failed on an unused parameter goes on)."""
+    resumed run may change (it is how a run that failed on an unused parameter goes on);
+    ``staleness``/``cache_rows``: the workers' hot-row caches (launcher/run/strategy_settings.cache_settings)."""
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
+    check_cache_flags(cache_rows, staleness)
+    if staleness is not None and strategy not in ("auto", "hybrid", "ps"):
+        raise ValueError(f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
+                         f"hybrid, ps or auto, not {strategy}; drop it")
     reshaped = None
     if resume_dir:
         given = [flag for flag, value in (("--gpus", gpus), ("--plan", plan_file), ("--servers", servers),
+                                          ("--staleness", staleness), ("--cache-rows", cache_rows),
                                           ("--batch-size", batch_size), ("--schedule", schedule),
                                           ("--micro-batches", micro_batches), ("--pipeline-replicas", pipeline_replicas))
                  if value is not None] + (["--strategy"] if strategy != "auto" else [])
@@ -144,8 +152,13 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         traced_on = None if is_declared_sequence(model) else next(job.batches(0, 1, bs))[0]
         strategy_flag = strategy
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
+        pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
+        staleness, cache_rows = pick(staleness, "staleness"), pick(cache_rows, "cache_rows")
+        check_cache_flags(cache_rows, staleness)   # HPAR's keys too
+        from hpar.strategies.hybrid.cache import CacheConfig
         strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
-                                  planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"))
+                                  planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"),
+                                  CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None)
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan", traced_on)
@@ -169,7 +182,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--servers must be at least 1 for --strategy {strategy}")
         if strategy not in SERVER_STRATEGIES and servers:
             raise ValueError(f"--servers {servers} only applies to --strategy hybrid or ps, not {strategy}")
-        pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
+        staleness, cache_rows, plan = cache_settings(console, job, inner, strategy, strategy_flag, plan, staleness,
+                                                     cache_rows, bs, gpus)
         unused_mode = pick(find_unused_parameters, "find_unused_parameters")
         if unused_mode not in FIND_UNUSED_MODES:
             raise ValueError(f"--find-unused-parameters {unused_mode!r} (HPAR): choose one of {', '.join(FIND_UNUSED_MODES)}")
@@ -186,7 +200,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
             on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas,
-            find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus))
+            find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus),
+            staleness=staleness, cache_rows=cache_rows)
         check_precision(job, cfg, model)
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: int | None,
              schedule: str = "1f1b", force: str | None = None, device: str = "auto",
-             pipeline_replicas: int | None = None, precision: str | None = None):
+             pipeline_replicas: int | None = None, precision: str | None = None, cache=None):
     """Profile ``job`` (strategies/profile/profiler.py) for ``gpus`` workers on the hosts of
     ``hosts_spec`` (link figures probed on this machine, or hpar profile's defaults for remote
     hosts) and return the planner's Plan (strategies/plan/planner.py). ``device`` (``--device``):
@@ -12,7 +12,9 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: i
     ``compute`` says which, and ``hpar run`` warns when its workers use another device
     (:func:`compute_mismatch`); ``pipeline_replicas``: the pipeline's R fixed by
     ``--pipeline-replicas``; ``precision``: the workers' ``--precision`` (None: the script's),
-    under which the forward passes are timed. Raises JobError/ValueError."""
+    under which the forward passes are timed; ``cache``: the hot-row caches the user allowed
+    (``--staleness``: hybrid/cache.CacheConfig), which the planner may then choose. Raises
+    JobError/ValueError."""
     from hpar.launcher.commands.profile import build_cluster
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
@@ -20,7 +22,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: i
     measure_on = profile_device("cpu" if device == "cpu" else "auto")
     cluster = build_cluster(gpus, hosts_spec, servers, None, None, None, measured_on=measure_on.type)
     profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision)
-    return choose_plan(profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas)
+    return choose_plan(profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas, cache=cache)
 
 
 def compute_mismatch(plan: dict, device: str) -> str | None:

@@ -183,6 +183,13 @@ class ParamShard:
         self._ids: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
         self._pushed = False
+        self.versions: torch.Tensor | None = None   # per-row update counts, for the workers' caches
+
+    def track_versions(self) -> None:
+        """Count the updates of each row from now on (``versions``, int64 per row: the clocks
+        of the hot-row cache, strategies/hybrid/versions.py)."""
+        if self.versions is None:
+            self.versions = torch.zeros(self.weight.shape[0], dtype=torch.int64)
 
     def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Rows ``local_ids`` (1-D int64) as a ``(n, dim)`` tensor; all rows when None."""
@@ -214,6 +221,11 @@ class ParamShard:
             return
         self.step += 1
         self._update(gradient[0], gradient[1], spec or self.spec)
+        if self.versions is not None:   # the rows this update wrote: the touched ones, or every row
+            if gradient[0] is None:
+                self.versions += 1
+            else:
+                self.versions[gradient[0]] += 1
 
     def mean_gradient(self, num_workers: int, spec: OptimizerSpec | None = None
                       ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
