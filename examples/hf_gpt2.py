@@ -24,11 +24,10 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lm import corpus  # noqa: E402  (the word vocabulary and the token streams of examples/lm.py)
+from lm import corpus, warmup_cosine, windows  # noqa: E402  (examples/lm.py's vocabulary, streams and schedule)
 
 CONTEXT = 64
 HPAR = {"batch_size": 16, "steps": 200, "lr": 3e-3, "log_every": 10, "eval_every": 100, "clip_grad_norm": 1.0}
-WARMUP = 20
 EVAL_TOKENS = 8_192
 
 
@@ -43,14 +42,7 @@ def model():
 def data(rank, world_size, batch_size):
     """This rank's contiguous shard of the training stream, as (batch, CONTEXT) windows: the
     inputs, and the same tokens one position on as targets."""
-    ids = corpus()[1]
-    shard = len(ids) // world_size
-    ids = ids[rank * shard:(rank + 1) * shard]
-    rows = (len(ids) - 1) // batch_size
-    x = ids[: rows * batch_size].view(batch_size, rows)
-    y = ids[1: rows * batch_size + 1].view(batch_size, rows)
-    for i in range(0, rows - CONTEXT + 1, CONTEXT):
-        yield x[:, i:i + CONTEXT], y[:, i:i + CONTEXT]
+    yield from windows(rank, world_size, batch_size, CONTEXT)
 
 
 def loss(output, targets):
@@ -62,14 +54,8 @@ def optimizer(params):
 
 
 def scheduler(opt):
-    """Linear warm-up over WARMUP steps, then cosine decay to 10% at the last step."""
-    total = HPAR["steps"]
-
-    def factor(step):
-        if step < WARMUP:
-            return (step + 1) / WARMUP
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - WARMUP) / max(1, total - WARMUP))))
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    """Linear warm-up over 20 steps, then cosine decay to 10% at the last step (lm.py's)."""
+    return warmup_cosine(opt, HPAR["steps"])
 
 
 def evaluate(model):

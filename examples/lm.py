@@ -103,16 +103,23 @@ def model():
     return SampledSoftmaxLM(len(corpus()[0]))
 
 
-def data(rank, world_size, batch_size):
-    """This rank's contiguous shard of the training stream, as (batch, BPTT) windows."""
+def windows(rank, world_size, batch_size, length):
+    """This rank's contiguous shard of the training stream as (batch, length) windows of
+    tokens and of the tokens one position on (the targets)."""
     ids = corpus()[1]
     shard = len(ids) // world_size
     ids = ids[rank * shard:(rank + 1) * shard]
     rows = (len(ids) - 1) // batch_size
     x = ids[: rows * batch_size].view(batch_size, rows)
     y = ids[1: rows * batch_size + 1].view(batch_size, rows)
-    for i in range(0, rows - BPTT + 1, BPTT):
-        yield (x[:, i:i + BPTT], y[:, i:i + BPTT]), y[:, i:i + BPTT]
+    for i in range(0, rows - length + 1, length):
+        yield x[:, i:i + length], y[:, i:i + length]
+
+
+def data(rank, world_size, batch_size):
+    """This rank's contiguous shard of the training stream, as (batch, BPTT) windows."""
+    for x, y in windows(rank, world_size, batch_size, BPTT):
+        yield (x, y), y
 
 
 def loss(output, targets):
@@ -126,15 +133,18 @@ def optimizer(params):
     return torch.optim.Adagrad(params, lr=HPAR["lr"])
 
 
+def warmup_cosine(opt, total, warmup=WARMUP):
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% of the rate at step ``total``."""
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
 def scheduler(opt):
     """Linear warm-up over WARMUP steps, then cosine decay to 10% of the rate at the last step."""
-    total = HPAR["steps"]
-
-    def factor(step):
-        if step < WARMUP:
-            return (step + 1) / WARMUP
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - WARMUP) / max(1, total - WARMUP))))
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return warmup_cosine(opt, HPAR["steps"])
 
 
 def evaluate(model):

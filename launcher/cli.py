@@ -56,9 +56,16 @@ def main() -> None:
 @click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every N steps (0: never).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, help="Continue the run in this run directory from its last checkpoint.")
 @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart the whole job from the last checkpoint after a failure, at most N times.")
+@click.option("--tune", type=click.Choice(("auto", "on", "off")), default="auto", show_default=True,
+              help="--strategy auto: run a short trial of each of the cost model's best candidates and train with "
+                   "the fastest measured (auto: when the trials take under 5%% of the run; off: the model's choice).")
+@click.option("--tune-steps", type=int, default=8, show_default=True, help="Measured steps of each --tune trial (after 2 warm-up steps).")
 @click.option("--min-hosts", type=int, default=0, help="With --max-restarts: a restart goes on with the hosts that "
               "answer when at least N do, resuming at that size (0: every host must answer).")
 @click.option("--stall-timeout", type=float, default=0.0, help="Seconds without progress after which a process counts as stalled (0: off).")
+@click.option("--phase-timeout", type=float, default=None,
+              help="Seconds a process may spend in evaluate(), drawing its first batch, writing a checkpoint or the "
+                   "model, or a server on one request (default: --stall-timeout; 0: off).")
 @click.option("--no-eval", is_flag=True, help="Skip evaluate() before and after training.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="autocast precision of forward/backward (default: HPAR, else fp32); fp16 adds a GradScaler.")
 @click.option("--clip-grad-norm", type=float, default=None, help="Clip the global norm of the averaged gradient to X (default: HPAR, else off).")
@@ -74,6 +81,14 @@ def main() -> None:
 @click.option("--cache-rows", type=float, default=None,
               help="With --staleness: rows cached per table (an integer) or a fraction of each table's rows (< 1; "
                    "default 0.1).")
+@click.option("--allow-unequal-batches", is_flag=True, default=None,
+              help="Train although the workers' first batches differ in size (each worker's mean gradient then "
+                   "weighs the same, as DDP does); refused otherwise.")
+@click.option("--worker-memory", type=float, default=None, metavar="GB",
+              help="Memory of each worker's device in GB (10^9 bytes); default: the GPU's, or this host's RAM over its processes.")
+@click.option("--server-memory", type=float, default=None, metavar="GB",
+              help="Host memory of each parameter server in GB; default: this host's RAM over its processes.")
+@click.option("--force", is_flag=True, help="Run a strategy even when its predicted peak memory does not fit.")
 @click.option("--plain", is_flag=True, help="Plain progress lines even on a terminal.")
 @click.option("--ssh-key", default=None, help="SSH private key file.")
 @click.option("--ssh-port", type=int, default=None, help="SSH port (default 22 or ~/.ssh/config).")
@@ -92,34 +107,54 @@ def main() -> None:
 def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every, run_dir, servers,
         schedule, micro_batches, checkpoint_every, resume_dir, max_restarts, stall_timeout, no_eval, precision,
         clip_grad_norm, accumulate, eval_every, plain, ssh_key, ssh_port, ssh_user, ssh_local, ssh_known_hosts, ssh_accept_new, python_path, sync, env, device, on_divergence,
-        divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts, staleness, cache_rows):
+        divergence_factor, pipeline_replicas, find_unused_parameters, min_hosts, tune, tune_steps, phase_timeout,
+        allow_unequal_batches, worker_memory, server_memory, force, staleness, cache_rows):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.commands import run as run_command
     from hpar.launcher.run.elastic import with_min_hosts
+    from hpar.launcher.run.leftovers import ended_at_exit
+    from hpar.launcher.run.tuning import tune as tune_run
     console = Console(soft_wrap=True)
-    try:
-        cfg, opts, master = run_command.resolve(
-            console, script=script, gpus=gpus, hosts=hosts, strategy=strategy, plan_file=plan_file, steps=steps,
-            batch_size=batch_size, lr=lr, seed=seed, log_every=log_every, run_dir=run_dir, servers=servers,
-            schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
-            resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
-            loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
-                        "eval_every": eval_every},
-            plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
-            python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new, device=device,
-            on_divergence=on_divergence, divergence_factor=divergence_factor, pipeline_replicas=pipeline_replicas,
-            find_unused_parameters=find_unused_parameters, staleness=staleness, cache_rows=cache_rows)
-        opts = with_min_hosts(opts, min_hosts)
-    except JobError as exc:
-        fail(str(exc), exc.user_traceback)
-    except ValueError as exc:
-        fail(str(exc))
+    kw = dict(script=script, gpus=gpus, hosts=hosts, strategy=strategy, plan_file=plan_file, steps=steps,
+              batch_size=batch_size, lr=lr, seed=seed, log_every=log_every, run_dir=run_dir, servers=servers,
+              schedule=schedule, micro_batches=micro_batches, checkpoint_every=checkpoint_every,
+              resume_dir=resume_dir, max_restarts=max_restarts, stall_timeout=stall_timeout, no_eval=no_eval,
+              loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
+                          "eval_every": eval_every},
+              plain=plain, ssh_key=ssh_key, ssh_port=ssh_port, ssh_user=ssh_user, ssh_local=ssh_local,
+              python_path=python_path, sync=sync, env=env, ssh_known_hosts=ssh_known_hosts, ssh_accept_new=ssh_accept_new,
+              device=device, on_divergence=on_divergence, divergence_factor=divergence_factor,
+              pipeline_replicas=pipeline_replicas, find_unused_parameters=find_unused_parameters,
+              phase_timeout=phase_timeout, allow_unequal_batches=allow_unequal_batches,
+              worker_memory=worker_memory, server_memory=server_memory, force=force,
+              staleness=staleness, cache_rows=cache_rows)
     from hpar.launcher.run.runner import launch
-    outcome = launch(cfg, opts, console, master)
-    if outcome.exit_code == 0 and outcome.summary:
-        from hpar.launcher.run.progress import final_line
-        console.print(final_line(outcome.summary, cfg.run_dir), markup=False)
-    sys.exit(outcome.exit_code)
+    with ended_at_exit(lambda line: console.print(line, markup=False)):   # what the script left running in the launcher
+        try:
+            if tune_steps < 1:
+                raise ValueError(f"--tune-steps must be at least 1, got {tune_steps}")
+            cfg, opts, master = run_command.resolve(console, **kw)
+            opts = with_min_hosts(opts, min_hosts)
+            if strategy == "auto" and not plan_file and not resume_dir:   # launcher/run/tuning.py
+                def resolve_for(con, chosen, path, directory, n, trial):
+                    over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
+                    if trial:
+                        over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
+                    c, o, m = run_command.resolve(con, **{**kw, **over})
+                    return c, (o if trial else with_min_hosts(o, min_hosts)), m
+                cfg, opts, master = tune_run(console, cfg, opts, master, tune, tune_steps, resolve_for, launch)
+        except run_command.NothingToDo as done:   # --resume of a finished run: its own figures, exit 0
+            console.print(str(done), markup=False)
+            sys.exit(0)
+        except JobError as exc:
+            fail(str(exc), exc.user_traceback)
+        except ValueError as exc:
+            fail(str(exc))
+        outcome = launch(cfg, opts, console, master)
+        if outcome.exit_code == 0 and outcome.summary:
+            from hpar.launcher.run.progress import final_line
+            console.print(final_line(outcome.summary, cfg.run_dir), markup=False)
+        sys.exit(outcome.exit_code)
 
 
 def _register_commands() -> None:

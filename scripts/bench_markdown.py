@@ -7,7 +7,8 @@ and the ratio to the fastest strategy; strategies that did not run show their re
 bench ran on an emulated cluster, the byte check against the kernel's counters follows. A
 ``--scale`` document gives one table of samples/s per script and worker count (median run,
 slowest-fastest with ``--repeat``, prediction and predicted/measured), the cost model's mean
-error per script, and the measured and predicted orders per point.
+error per script, and the measured and predicted orders per point. Runs that reported their
+peak memory add the predicted-against-measured table of ``hpar bench --memory``.
 """
 from __future__ import annotations
 
@@ -109,7 +110,29 @@ def render(doc: dict) -> str:
                 out.append(f"| {name} | {_mb(h)} | {_mb(t)} | {ratio(t, h)} | {_mb(rem)} | {_mb(i)} | {_mb(pay)} | "
                            f"{ratio(pay, rem)} |")
             out.append("")
-    return "\n".join(out)
+    return "\n".join(out + render_memory(doc))
+
+
+def render_memory(doc: dict) -> list[str]:
+    """The predicted-against-measured peak memory table (``hpar bench --memory``'s,
+    launcher/bench/memory_report.py) of a bench document whose runs reported their peaks."""
+    from types import SimpleNamespace
+    from hpar.launcher.bench.memory_report import rows
+    found = rows([SimpleNamespace(**r) for r in doc["results"]])
+    if not found:
+        return []
+    mb = lambda n: "-" if n is None else f"{n / 1e6:,.0f} MB"
+    pct = lambda x: "-" if x is None else f"{x:+.0%}"
+    out = ["Peak memory per process above its baseline, predicted (strategies/plan/memory.py) and measured "
+           "(the largest worker's and server's, strategies/memory.py):", "",
+           "| script | strategy | worker predicted | worker measured | error | server predicted | server measured | error | dominant terms (worker; server) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in found:
+        terms = r["worker_terms"] + ("; " + r["server_terms"] if r["server_terms"] != "-" else "")
+        out.append(f"| {r['script']} | {r['strategy']} | {mb(r['worker_predicted'])} | {mb(r['worker_measured'])} | "
+                   f"{pct(r['worker_error'])} | {mb(r['server_predicted'])} | {mb(r['server_measured'])} | "
+                   f"{pct(r['server_error'])} | {terms} |")
+    return out + [""]
 
 
 if __name__ == "__main__":

@@ -7,7 +7,12 @@ Each fault goes into a fresh run or into the resume of the run the previous faul
 (a chain); a chain ends with a clean resume to the last step. Faults: SIGKILL of a worker, a
 server (hybrid) or a guard; SIGSTOP of a worker (caught by --stall-timeout); SIGKILL, SIGINT or
 SIGTERM to the launcher; SIGKILL of the worker writing a checkpoint (while its ``.tmp-*`` file
-exists); a full disk under the run directory (a small tmpfs, as root). With ``--emulate H``
+exists); a full disk under the run directory (a small tmpfs, as root); a hang in ``evaluate()``
+(the next one after the fault: every run evaluates before training, every ``EVAL_EVERY`` steps
+and after the last) and a hang in a worker's first batch (the run or resume starts with it;
+both caught by the phase deadline, --stall-timeout). A hang is a marker file in the work
+directory that the job's ``evaluate()`` or ``data()`` finds; the hung process writes when it
+began, from which its detection and teardown times count. With ``--emulate H``
 (root, iproute2, openssh-server) every run goes over SSH to H network-namespace test hosts
 (scripts/testhosts.py), one worker per host, and one more fault joins: a link cut (one host's
 veth set down mid-run; the launcher must name the lost host and stop; the link comes back once
@@ -39,10 +44,17 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runprocs import Launcher, run_processes, wait_for  # noqa: E402  (shared with the tests)
 
-STEPS, EVERY = 24, 3
+STEPS, EVERY, EVAL_EVERY = 24, 3, 4
 SCRIPT = textwrap.dedent('''
-    import time, torch, torch.nn as nn
+    import os, time, torch, torch.nn as nn
     HPAR = {"steps": 24, "batch_size": 4, "lr": 0.01, "log_every": 1}
+    HERE = os.path.dirname(os.path.abspath(__file__))
+    def hang_if(what, rank=None):   # a marker "hang-<what>" (holding a rank, or nothing) makes this call hang
+        marker = os.path.join(HERE, "hang-" + what)
+        if os.path.exists(marker) and open(marker).read().strip() in ("", str(rank)):
+            with open(os.path.join(HERE, "hang-started"), "w") as f:
+                f.write(repr(time.time()))
+            time.sleep(1000)
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -52,15 +64,20 @@ SCRIPT = textwrap.dedent('''
             return self.body(self.emb(x)).squeeze(1)
     def model(): return M()
     def data(rank, world_size, batch_size):
+        if os.environ.get("RANK") is not None:   # a worker's, not the launcher's check
+            hang_if("data", rank)
         g = torch.Generator().manual_seed(rank)
         while True:
             time.sleep(0.15)
             yield torch.randint(0, 5000, (batch_size,), generator=g), torch.randn(batch_size, generator=g)
     def loss(o, t): return ((o - t) ** 2).mean()
     def optimizer(params): return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    def evaluate(model):
+        hang_if("eval")
+        return {"param_sum": float(sum(p.detach().sum() for p in model.parameters()))}
 ''')
 FAULTS = ("worker_kill", "server_kill", "guard_kill", "worker_stop", "launcher_kill", "launcher_int",
-          "launcher_term", "checkpoint_kill", "disk_full", "link_cut")
+          "launcher_term", "checkpoint_kill", "disk_full", "link_cut", "eval_hang", "first_batch_hang")
 STALL = 4.0
 HOSTS: list[str] = []   # with --emulate: the --hosts/--ssh-* arguments of every run
 CUT: list = []          # with --emulate: the test hosts (testhosts.TestHosts), and the index of a cut link
@@ -122,8 +139,8 @@ def run_args(script: str, strategy: str, run_dir: str, resume: bool) -> list[str
     common = ["--plain", "--stall-timeout", str(STALL), *HOSTS]
     if resume:
         return ["--resume", run_dir, *common]
-    return [script, "--gpus", "2", "--strategy", strategy, "--checkpoint-every", str(EVERY), "--no-eval",
-            "--run-dir", run_dir, *common]
+    return [script, "--gpus", "2", "--strategy", strategy, "--checkpoint-every", str(EVERY), "--eval-every",
+            str(EVAL_EVERY), "--run-dir", run_dir, *common]
 
 
 def inject(kind: str, strategy: str, run_dir: str, launcher: Launcher, rng: random.Random) -> str | None:
@@ -153,6 +170,8 @@ def inject(kind: str, strategy: str, run_dir: str, launcher: Launcher, rng: rand
         index = rng.randrange(len(made.hosts))
         testhosts.set_link(made.prefix, index, False)
         CUT[1:] = [index]
+    elif kind == "eval_hang":   # the next evaluate() on worker 0 hangs
+        open(os.path.join(os.path.dirname(run_dir), "hang-eval"), "w").close()
     elif kind == "disk_full":
         filler = os.path.join(run_dir, "filler")
         with open(filler, "wb") as f:
@@ -246,15 +265,21 @@ def chaos(args, rng: random.Random, work: str) -> int:
             if strategy != "hybrid" and kind == "server_kill":
                 kind = "worker_kill"
             resume = True
+        at_start = kind == "first_batch_hang"   # the run (or the resume) starts with the fault
+        if at_start:
+            open(os.path.join(work, "hang-data"), "w").write(str(rng.randrange(2)))
         launcher = Launcher(run_args(script, strategy, run_dir, resume), log)
         before = steps_done(run_dir)
-        wait_for(lambda: steps_done(run_dir) >= before + 2 * rng.randint(1, 4) or launcher.proc.poll() is not None, 120)
+        if not at_start:
+            wait_for(lambda: steps_done(run_dir) >= before + 2 * rng.randint(1, 4) or launcher.proc.poll() is not None, 120)
         rec = {"fault": kind, "strategy": strategy, "resumed": resume, "run_dir": run_dir}
         if launcher.proc.poll() is not None:
             rec["skipped"] = f"the run ended before the fault (exit {launcher.proc.returncode})"
         else:
             t0 = time.monotonic()
-            why = inject(kind, strategy, run_dir, launcher, rng)
+            why = None if at_start else inject(kind, strategy, run_dir, launcher, rng)
+            if at_start:   # its processes have yet to start: the fault is on once the hang began
+                wait_for(lambda: os.path.exists(os.path.join(work, "hang-started")) or launcher.proc.poll() is not None, 120)
             if why:
                 rec["note"] = why
             # teardown: fault to no process of the run left (the launcher's own exit not counted)
@@ -274,8 +299,15 @@ def chaos(args, rng: random.Random, work: str) -> int:
             if launcher.proc.poll() is None:
                 launcher.proc.kill()
             seen = launcher.first_line("failed:", "received, stopping") if kind != "launcher_kill" else None
+            if kind.endswith("_hang"):   # counted from when the process began to hang
+                began = hang_began(work)
+                t0 = began if began is not None else t0
+                rec.update(hang_named=launcher.first_line("failed: stalled: in ") is not None, hang_began=began is not None)
             rec.update(exit_code=code, orphans=len(left), teardown_s=round(t_gone - t0, 2) if gone else None,
                        detection_s=round(seen - t0, 2) if seen else None)
+        for name in ("hang-data", "hang-eval", "hang-started"):   # the next run or resume goes on
+            if os.path.exists(os.path.join(work, name)):
+                os.unlink(os.path.join(work, name))
         if chain[2]:
             os.unlink(os.path.join(run_dir, "filler")) if os.path.exists(os.path.join(run_dir, "filler")) else None
         rec["checkpoint_problems"] = checkpoints_ok(run_dir)
@@ -284,6 +316,15 @@ def chaos(args, rng: random.Random, work: str) -> int:
     if chain is not None and records:
         records[-1]["chain_result"] = finish_chain(chain, script, log, reference)
     return report(records, chains, args, work)
+
+
+def hang_began(work: str) -> float | None:
+    """When the hung process began to hang (``time.monotonic()``'s clock), None if it did not."""
+    try:
+        began = float(open(os.path.join(work, "hang-started")).read())
+    except (OSError, ValueError):
+        return None
+    return began - (time.time() - time.monotonic())
 
 
 def finish_chain(chain, script: str, log: str, reference: dict) -> dict:
@@ -317,6 +358,7 @@ def report(records: list[dict], chains: int, args, work: str) -> int:
         "teardown_s": {"median": statistics.median(tear), "max": max(tear)} if tear else None,
         "by_fault": {k: sum(1 for r in done if r["fault"] == k) for k in FAULTS},
         "lost_host_not_named": sum(1 for r in done if r.get("host_named") is False),
+        "hangs_not_named": sum(1 for r in done if r.get("hang_began") and not r.get("hang_named")),
     }
     print(json.dumps(figures, indent=2))
     if args.out:
@@ -324,7 +366,8 @@ def report(records: list[dict], chains: int, args, work: str) -> int:
             json.dump({"figures": figures, "faults": records}, f, indent=2)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    ok = (figures["orphans"] == 0 and figures["lost_host_not_named"] == 0 and figures["checkpoint_problems"] == 0 and figures["processes_not_gone_in_15s"] == 0
+    ok = (figures["orphans"] == 0 and figures["lost_host_not_named"] == 0 and figures["checkpoint_problems"] == 0
+          and figures["processes_not_gone_in_15s"] == 0 and figures["hangs_not_named"] == 0
           and all(c["bit_identical"] for c in results))
     return 0 if ok else 1
 

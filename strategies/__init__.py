@@ -11,6 +11,8 @@ process group, gloo or NCCL, carries what), ``devices`` (what moves between host
 CUDA-event timing), ``sparse_allgather`` (Horovod's padded AllGather of sparse gradients, for
 NCCL), ``allreduce`` (the DDP runtime, whose helpers hybrid reuses for its dense part), ``ddp``
 (DDP's find_unused_parameters and its unused-parameter error, for both) and ``sparse_grads``
-(which optimizers take sparse gradients; the others' made dense before the step).
+(which optimizers take sparse gradients; the others' made dense before the step), ``activity``
+(what a process is busy with outside the steps, for the launcher's phase deadline) and
+``first_batch`` (a worker's first batch: drawn within that deadline, checked before training).
 Nothing here imports ``hpar.launcher`` or ``hpar.workers``.
 """

@@ -20,6 +20,7 @@ go to the N-1 peers and theirs come back.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -32,9 +33,9 @@ from hpar.strategies.groups import mean_over_workers, worker_groups
 from hpar.strategies.sparse_allgather import padded_allgather_hook, sparse_exchange
 from hpar.strategies.sparse_grads import dense_before_step, densify
 from hpar.strategies.tying import embedding_tables
-from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext, batch_samples, move_to
-from hpar.strategies.forward import call_model, inner_module
-from hpar.strategies.loop import StepTools, evaluate_during_training, step_tools
+from hpar.strategies.context import ByteMeter, StepMeter, TrainResult, WorkerContext
+from hpar.strategies.forward import inner_module
+from hpar.strategies.loop import StepTools, evaluate_during_training, micro_steps, step_tools, worker_batches
 
 DENSE = "_dense_allreduce"   # ByteMeter name of DDP's gradient exchange
 
@@ -96,6 +97,14 @@ def sparse_allgather_bytes(grad: torch.Tensor, world_size: int) -> float:
     return float(own * (world_size - 1))
 
 
+@contextlib.contextmanager
+def _sync(ddp, last: bool):
+    """Around one micro-step: DDP's ``no_sync`` on all but the last of a step, and its
+    unused-parameter error in one line (strategies/ddp.py)."""
+    with contextlib.nullcontext() if last else ddp.no_sync(), unused_error_named(ddp):
+        yield
+
+
 def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer,
                  tools: StepTools | None = None) -> int:
     """Load this worker's state from the run's latest checkpoint when it resumes (model,
@@ -140,29 +149,13 @@ def train(ctx: WorkerContext) -> TrainResult:
     padded = sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
     ddp.register_comm_hook((counter, ctx.world_size, groups.dense, ring_remote),
                            padded_allgather_hook if padded else counting_allreduce_hook)
-    batches = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
-    for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
-        next(batches)
+    batches = worker_batches(ctx, groups.control)   # the first batch's size checked against the peers'
     meter = None
     for step in range(ctx.start_step, cfg.steps):
         if meter is not None:
             meter.start()
         opt.zero_grad(set_to_none=True)
-        step_loss, logged = 0.0, {}
-        for micro in range(cfg.accumulate):
-            inputs, targets = next(batches)
-            if meter is None:
-                meter = StepMeter(ctx, batch_samples(inputs) * cfg.accumulate)
-            inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
-            sync = contextlib.nullcontext() if micro == cfg.accumulate - 1 else ddp.no_sync()
-            with sync:
-                with tools.autocast(), unused_error_named(ddp):
-                    output = call_model(ddp, inputs)
-                    loss = job.compute_loss(output, targets) / cfg.accumulate
-                tools.backward(loss)
-            step_loss += loss.item()
-            if ctx.rank == 0 and micro == cfg.accumulate - 1:
-                logged = job.run_log(step + 1, output, targets)
+        step_loss, logged, meter = micro_steps(ctx, ddp, batches, tools, step, meter, lambda last: _sync(ddp, last))
         lr = tools.lr(opt)
         densify(to_dense)
         stepped = tools.step(opt, lambda: list(model.parameters()))

@@ -9,6 +9,8 @@ import tempfile
 
 import torch
 
+from hpar.strategies import activity
+
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)   # read once at import: the process's umask, for files made by mkstemp
@@ -98,35 +100,6 @@ def step_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step-{step}")
 
 
-class _Hashing:
-    """A binary file that also feeds every byte written to a SHA-256."""
-
-    def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def save_part(run_dir: str, step: int, part: str, state: dict) -> None:
-    """Write this process's ``state`` for ``step`` (atomically), with ``<part>.pt.sha256``
-    beside it (the SHA-256 of the file, written after it) for :func:`verify_step`. Call
-    :func:`commit` next."""
-    path = os.path.join(step_dir(run_dir, step), f"{part}.pt")
-    digest = []
-
-    def write(f) -> None:
-        h = _Hashing(f)
-        torch.save(state, h)
-        digest.append(h.sha.hexdigest())
-    _atomic_write(path, write)
-    atomic_write_bytes(path + ".sha256", digest[0].encode())
-
-
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -202,7 +175,8 @@ def commit(run_dir: str, step: int) -> None:
     global rank 0 points ``latest`` at ``step``."""
     import torch.distributed as dist
     if dist.is_initialized():
-        dist.barrier()
+        with activity.doing(None):   # waiting for the slowest writer is no deadline of this process's
+            dist.barrier()
         if dist.get_rank() != 0:
             return
     atomic_write_bytes(os.path.join(run_dir, "checkpoints", "latest"), str(step).encode())

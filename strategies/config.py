@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 # Runtime strategies `hpar run --strategy` accepts (the planner's names).
-STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline")
+STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline", "fsdp")
 # Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
 SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b",
              "torch-interleaved-1f1b", "torch-zbv")
@@ -82,6 +82,7 @@ class RunConfig:
     find_unused_parameters: bool = False   # DDP's (allreduce, allreduce-sparse, hybrid): see strategies/ddp.py
     staleness: int | None = None   # hybrid/ps: a hot-row cache on every worker reads rows up to s updates stale (None: off)
     cache_rows: float = 0.0        # its rows per table (>= 1) or fraction of each table (< 1); 0: the default fraction
+    allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/first_batch.py)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -151,6 +152,9 @@ def not_supported(cfg: RunConfig) -> str | None:
     neither clipping, evaluation during training nor fp16 (bf16 autocast they do). The hot-row
     cache (``--staleness``) caches the parameter servers' rows, and holds gradients back, which
     a skipped fp16 step could not take back (strategies/hybrid/cache.py)."""
+    if cfg.strategy == "fsdp" and cfg.precision == "fp16":
+        return ("--precision fp16 is not supported with --strategy fsdp (its gradient scaler's inf/NaN check would "
+                "span the shards); use --precision bf16")
     if cfg.staleness is not None and cfg.strategy not in ("hybrid", "ps"):
         return (f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy hybrid "
                 f"or ps, not {cfg.strategy}; drop it")

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from hpar.strategies import memory
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import Job
 
@@ -126,7 +127,9 @@ class StepMeter:
     (mean seconds per step), ``bytes_sent``/``bytes_recv`` (mean bytes per step over the
     interval), ``bytes_sent_remote`` (the part of ``bytes_sent`` addressed to processes on
     other hosts, when the runtime passes it), ``logged`` (the mean over the interval of the
-    script's ``log()`` metrics, when it has that hook), plus ``extra``'s keys. ``samples_per_step`` counts this process's samples
+    script's ``log()`` metrics, when it has that hook), ``peak_bytes`` (this process's peak
+    memory so far above its baseline, strategies/memory.py, when measured), plus ``extra``'s
+    keys. The run's last step closes the process's memory window (``memory.freeze_process``). ``samples_per_step`` counts this process's samples
     (its data-parallel replica's, for a pipeline stage). Step times of the first ``warmup`` steps are excluded
     from :meth:`samples_per_s`.
     """
@@ -165,6 +168,8 @@ class StepMeter:
         n = len(self.losses)
         if self.ctx.on_step is not None:
             self.ctx.on_step(self.ctx.start_step + n)
+        if self.ctx.start_step + n >= self.ctx.cfg.steps:   # training is over: what follows is not measured
+            memory.freeze_process()
         if n == 1 and self.ctx.event is not None:   # the launcher compares the workers' batch sizes
             self.ctx.event({"kind": "batch", "samples": self.samples_per_step, "rank": self.ctx.rank})
         if self.ctx.start_step + n == 1 and self.ctx.event is not None:
@@ -183,6 +188,7 @@ class StepMeter:
                 "bytes_recv": sum(self.recv[-k:]) / k,
                 **({"bytes_sent_remote": sum(self.remote[-k:]) / k} if self.remote else {}),
                 **({"logged": _mean_dicts(self.logged)} if self.logged else {}),
+                **_peak(),
                 **(extra or {}),
             })
             self.logged = []
@@ -224,6 +230,13 @@ class StepMeter:
                            loss_last=self.losses[-1] if self.losses else float("nan"),
                            samples_per_s=self.samples_per_s() * replicas, step_times=list(self.step_times),
                            bytes_per_step=self.bytes_per_step(), extra={**self.interval_losses(), **(extra or {})})
+
+
+def _peak() -> dict:
+    """``{"peak_bytes": ...}``: this process's peak memory so far (strategies/memory.py), or {}."""
+    mem = memory.process_peak()
+    peak = mem.peak_bytes() if mem is not None else None
+    return {"peak_bytes": peak} if peak is not None else {}
 
 
 def _mean_dicts(dicts: list[dict]) -> dict:

@@ -60,6 +60,8 @@ class Job:
     defaults: dict = field(default_factory=dict)
     scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None
     log_fn: Callable[[int, Any, Any], dict] | None = None
+    loaded_rss: int = 0   # resident bytes of this process once the script was imported (a process's fixed overhead)
+    cold: dict = field(default_factory=dict)   # what check_job's first data() draw and forward added (bytes)
 
     @property
     def name(self) -> str:
@@ -256,18 +258,44 @@ def load_job(path: str) -> Job:
             raise JobError(f"{path}: HPAR[{key!r}] is {value!r}, expected {DEFAULT_KEYS[key].__name__}")
     return Job(path=path, model_fn=fns["model"], data_fn=fns["data"], loss_fn=fns["loss"],
                optimizer_fn=fns["optimizer"], evaluate_fn=fns["evaluate"], defaults=dict(defaults),
-               scheduler_fn=fns["scheduler"], log_fn=fns["log"])
+               scheduler_fn=fns["scheduler"], log_fn=fns["log"], loaded_rss=_resident_bytes())
+
+
+def _resident_bytes() -> int:
+    """This process's resident set in bytes once torch's lazy imports are in (as in a worker's
+    memory baseline, strategies/memory.py; 0 where /proc is missing)."""
+    from hpar.strategies.memory import load_lazy_imports, status_bytes
+    load_lazy_imports()
+    return status_bytes("VmRSS") or 0
 
 
 def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     """Dry run of the contract in this process: build the model, draw one batch, run the
     forward pass and the loss, build the optimizer. Returns the model built (seed 0).
-    Raises JobError on the first problem; the launcher calls it before starting any process."""
+    Raises JobError on the first problem; the launcher calls it before starting any process.
+
+    Being the first run of the user's code in this process, it also records in ``job.cold``
+    the resident bytes its ``model()`` held besides the parameters, and its first ``data()``
+    draw and its first forward added (``model_bytes``, ``data_bytes``, ``forward_bytes``: a
+    corpus ``model()`` loads for its vocabulary, the modules ``data()`` imports, a dataset it
+    loads, the first use of each kernel), what every worker process pays once inside its training (the memory model's
+    measured first-use terms, strategies/profile/memory.py)."""
+    from hpar.strategies.memory import PeakMemory
     torch.manual_seed(0)
+    mem = PeakMemory(torch.device("cpu"))
+    mem.start()
     model = job.build_model()
+    built = mem.peak_bytes()
+    mem.start()
     inputs, targets = next(job.batches(0, 1, batch_size))
+    data = mem.peak_bytes()
+    mem.start()
     output = call_user(job, "the model's forward", call_model, model, inputs)
     job.compute_loss(output, targets)
+    if data is not None:
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        job.cold.update(model_bytes=max(0, built - params), data_bytes=data, forward_bytes=mem.peak_bytes(),
+                        batch_size=batch_size)
     job.build_scheduler(job.build_optimizer(model.parameters(), lr=0.01))
     return model
 

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from hpar.strategies import activity
 from hpar.strategies.config import RunConfig
 from hpar.strategies.job import Job, JobError
 from hpar.strategies.forward import call_model
@@ -97,6 +98,51 @@ class StepTools:
             self.scheduler.load_state_dict(state["scheduler"])
 
 
+def worker_batches(ctx, control=None):
+    """This data-parallel worker's batches (``data(rank, world_size, batch_size)``), past the
+    ``--accumulate`` batches of every step a resumed run already trained: the batches an
+    uninterrupted run would draw next. The first is drawn here under the phase deadline
+    (strategies/first_batch.py) and, with ``control`` (the workers' gloo group), its size is
+    checked against every peer's before any step (a collective: every worker calls it)."""
+    import itertools
+    from hpar.strategies.first_batch import check_first_batch, first_batch
+    drawn = ctx.job.batches(ctx.rank, ctx.world_size, ctx.cfg.batch_size)
+    if ctx.start_step >= ctx.cfg.steps:
+        return drawn
+    first = first_batch(lambda i: next(drawn), ctx.start_step * ctx.cfg.accumulate)
+    if control is not None:
+        check_first_batch(ctx, first[0], control)   # equal sizes on every worker, before any step
+    return itertools.chain([first], drawn)
+
+
+def micro_steps(ctx, model, batches, tools: StepTools, step: int, meter, around=None):
+    """The ``--accumulate`` micro-steps of data-parallel optimizer step ``step`` (0-based), as
+    the module docstring writes them: each draws this worker's batch from ``batches``, moves it
+    to the worker's device, runs ``model`` and the loss (divided by A) under autocast and the
+    backward, inside ``around(last)`` where given (DDP's ``no_sync`` on all but the last
+    micro-step); rank 0 runs the script's ``log()`` on the last. ``meter`` (None before the
+    first step: made here from the first batch's samples) is a context.StepMeter. Returns
+    (the step's loss, the logged metrics, the meter)."""
+    from hpar.strategies.context import StepMeter, batch_samples, move_to
+    cfg, job = ctx.cfg, ctx.job
+    step_loss, logged = 0.0, {}
+    for micro in range(cfg.accumulate):
+        inputs, targets = next(batches)
+        if meter is None:
+            meter = StepMeter(ctx, batch_samples(inputs) * cfg.accumulate)
+        inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
+        last = micro == cfg.accumulate - 1
+        with around(last) if around is not None else contextlib.nullcontext():
+            with tools.autocast():
+                output = call_model(model, inputs)
+                loss = job.compute_loss(output, targets) / cfg.accumulate
+            tools.backward(loss)
+        step_loss += loss.item()
+        if ctx.rank == 0 and last:
+            logged = job.run_log(step + 1, output, targets)
+    return step_loss, logged, meter
+
+
 def step_schedule(scheduler, stepped: bool) -> None:
     """``scheduler.step()`` (nothing when ``scheduler`` is None), once per training step
     whether or not the GradScaler skipped the optimizer step, as torch's mixed-precision recipe
@@ -122,7 +168,8 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     params = [p for p in params if p.grad is not None]
     sparse = [p for p in params if p.grad.is_sparse]
     if not sparse:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total   # FSDP's shards: a DTensor
     for p in sparse:
         p.grad = p.grad.coalesce()
     dense = [p.grad for p in params if not p.grad.is_sparse]
@@ -174,11 +221,13 @@ def evaluate_during_training(job: Job, cfg: RunConfig, rank: int, step: int,
     """Run ``evaluate(model())`` on worker rank 0 after step ``step`` when ``--eval-every``
     asks for it and report ``{"step": step, **metrics}``; the other ranks go on and meet rank 0
     at the next collective (evaluate must finish within the process group's timeout, 300 s by
-    default, HPAR_PG_TIMEOUT). Runs under a forked RNG, so evaluating does not change the
-    random numbers training draws next. Returns the metrics ({} when nothing ran)."""
+    default, HPAR_PG_TIMEOUT), and within the launcher's phase deadline (strategies/activity.py:
+    the model copy, which under hybrid/ps pulls every served row, included). Runs under a forked
+    RNG, so evaluating does not change the random numbers training draws next. Returns the
+    metrics ({} when nothing ran)."""
     if rank != 0 or not evaluate_now(cfg, step):
         return {}
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), activity.doing(f"in evaluate() after step {step}"):
         metrics = job.run_evaluate(model())
     report_eval({"step": step, **metrics})
     return metrics

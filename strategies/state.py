@@ -123,8 +123,9 @@ def read(path: str, state: dict) -> None:
 def save(run_dir: str, step: int, state: dict) -> None:
     """Write this process's ``state`` (the namespace in the module docstring) for ``step``;
     a collective over the default group, then ``latest`` points at ``step``."""
-    write(step_dir(run_dir, step), state)
-    from hpar.strategies import checkpoint
+    from hpar.strategies import activity, checkpoint
+    with activity.doing(f"writing the checkpoint of step {step}"):
+        write(step_dir(run_dir, step), state)
     checkpoint.commit(run_dir, step)
 
 
@@ -139,9 +140,12 @@ def write_final(run_dir: str, entries: dict) -> None:
     turns it into one torch file, safetensors or a ``save_pretrained`` directory."""
     import shutil
     tmp, final = os.path.join(run_dir, FINAL_TMP), os.path.join(run_dir, FINAL)
-    write(tmp, entries)
+    from hpar.strategies import activity
+    with activity.doing("writing the trained model (RUN_DIR/model)"):
+        write(tmp, entries)
     if dist.is_initialized():
-        dist.barrier()
+        with activity.doing(None):   # waiting for the slowest writer is no deadline of this process's
+            dist.barrier()
     if _rank() == 0:
         if os.path.isdir(final):
             shutil.rmtree(final)
@@ -241,8 +245,8 @@ def restore_process(run_dir: str, step: int, module: torch.nn.Module, opt, tools
     if opt is not None and opt.param_groups and any(k.startswith("optim.") for k in keys):
         entries.update({k: v for k, v in optim_entries(module, opt, for_load=True).items() if k in keys})
     missing = []
-    loop_key = f"loop.{loop}" if has(keys, f"loop.{loop}") else next(
-        (k.split(".")[0] + "." + k.split(".")[1] for k in sorted(keys) if k.startswith("loop.")), None)
+    parts = sorted({".".join(k.split(".")[:2]) for k in keys if k.startswith("loop.")})   # "loop.<part>"
+    loop_key = f"loop.{loop}" if f"loop.{loop}" in parts else (parts[0] if parts else None)
     if tools is not None and loop_key is not None:
         entries[loop_key] = tools.state_dict()
     if has(keys, rng_key(part)):

@@ -328,3 +328,40 @@ def test_bench_repeat_runs_each_strategy_in_rounds(tmp_path):
         for i in (1, 2):
             assert json.loads((bench_dir / "job" / f"{r['strategy']}-run{i}" / "summary.json").read_text())["steps"] == 4
             assert run_processes(str(bench_dir / "job" / f"{r['strategy']}-run{i}")) == []
+
+
+WIDE_SEQ = '''
+import torch, torch.nn as nn
+HPAR = {"steps": 6, "batch_size": 16, "lr": 0.01, "log_every": 3}
+def model():
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        x = torch.randn(batch_size, 512, generator=g)
+        yield x, x
+def loss(o, t): return ((o - t) ** 2).mean()
+def optimizer(params): return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+'''
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_bench_runs_fsdp_beside_allreduce_and_a_pipeline_with_their_peaks(tmp_path):
+    """hpar bench's fsdp row runs torch's FSDP2 beside allreduce and pipeline-1f1b; every row
+    has its measured and predicted peak per worker (JSON), and --memory prints them side by side."""
+    script = write_script(tmp_path, WIDE_SEQ)
+    out_json = tmp_path / "out.json"
+    out = hpar("bench", script, "--gpus", "2", "--steps", "4", "--strategies", "allreduce,fsdp,pipeline-1f1b",
+               "--link-rate", "10gbit", "--memory", "--json", str(out_json), "--bench-dir", str(tmp_path / "b"),
+               timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r["strategy"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert list(rows) == ["allreduce", "fsdp", "pipeline-1f1b"] and all(r["reason"] is None for r in rows.values())
+    for r in rows.values():
+        assert finite_positive(r["extra"]["peak_bytes"]["worker"]) and r["extra"]["peak_bytes"]["server"] is None
+        assert finite_positive(r["extra"]["predicted_peak_bytes"]["worker"])
+        assert r["extra"]["memory_terms"]["worker"]["params"] > 0
+    assert rows["fsdp"]["extra"]["memory_terms"]["worker"]["params"] == 4 * 4 * (512 * 512 + 512) // 2   # a half each
+    assert "Peak memory per process, predicted and measured" in out.stdout and "peak/wkr" in out.stdout
+    assert json.loads((tmp_path / "b" / "job" / "fsdp" / "summary.json").read_text())["strategy"] == "fsdp"

@@ -349,3 +349,27 @@ def test_max_restarts_over_ssh_resumes_and_finishes(hosts, tmp_path):
         assert "restart 1/1 from step" in out
         assert "[%s worker 3] step 60/60" % hosts.addresses[1] in out
         assert netns_hosts.leftovers(hosts, wait=10) == {}
+
+
+@real_run(200)
+def test_helpers_in_sessions_of_their_own_end_with_a_run_over_ssh(hosts, tmp_path):
+    """Each remote worker's data() starts a helper in a session of its own that ignores SIGTERM;
+    worker 1 then fails. Its guard ends its helper as it exits; worker 0's is ended by the
+    teardown on its host (workers/stopgroups.py finds it under the guard before signalling, and
+    the guard, told to stop, ends it too); both are named, nothing is left on either host."""
+    from conftest import TINY, write_script
+    script = write_script(tmp_path, TINY.replace("def data(rank, world_size, batch_size):", '''import os, subprocess, sys
+def data(rank, world_size, batch_size):
+    if os.environ.get("RANK") is not None:
+        subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "time.sleep(600)", "hpar-test-helper"], start_new_session=True)
+        if os.environ["RANK"] == "1":
+            __import__("time").sleep(3)
+            raise RuntimeError("worker 1 fails with its helper running")'''))
+    out = hpar_run(script, "--hosts", _host_file(tmp_path, hosts, slots=1), "--gpus", "2", "--strategy", "allreduce",
+                   "--ssh-key", hosts.key, "--plain", "--no-eval", "--run-dir", str(tmp_path / "run"), timeout=180)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    ended = [line for line in text.splitlines() if line.startswith("hpar: ended ")]
+    assert ended and "started by worker 0: " in ended[0] and "started by worker 1: " in ended[0], text[-3000:]
+    assert netns_hosts.leftovers(hosts, wait=5) == {}

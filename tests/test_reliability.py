@@ -4,6 +4,7 @@ stall-timeout + 5 s, start-up and evaluate not taken for stalls, early exits nam
 in new sessions stopped, one-line errors for bad input."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def test_resume_after_the_final_checkpoint_and_from_a_damaged_one(tmp_path, reap
     # 1. resume a run that ended with its final checkpoint: nothing left to train, same result
     code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--plain", name="resume.txt")
     assert code == 0, out
+    assert out.startswith("hpar: nothing to do: the run finished at step 6: "), out
     assert "loss -" not in out and "nan" not in out, out
     again = json.load(open(os.path.join(run_dir, "summary.json")))
     for key in ("loss_first", "loss_last", "eval_first", "eval_last"):
@@ -57,7 +59,9 @@ def test_resume_after_the_final_checkpoint_and_from_a_damaged_one(tmp_path, reap
     assert state_equal(final_state(run_dir), model)
     assert not os.path.exists(junk), "temp files left by a fault are removed at the next start"
 
-    # 2. the newest checkpoint is truncated: its checksum fails, resume falls back to step 3
+    # 2. killed after its last checkpoint, before its final model (so not finished), and the newest
+    # checkpoint is truncated: its checksum fails, resume falls back to step 3
+    shutil.rmtree(os.path.join(run_dir, "model"))
     part = os.path.join(run_dir, "checkpoints", "step-6", "__0_0.distcp")   # worker 0's file (torch.distributed.checkpoint)
     data = open(part, "rb").read()
     open(part, "wb").write(data[: len(data) - 10])
@@ -95,6 +99,7 @@ def test_hybrid_resume_after_the_final_checkpoint(tmp_path, reap_run):
     from hpar.strategies.checkpoint import step_dir
     table = FileSystemReader(step_dir(run_dir, 4)).read_metadata().state_dict_metadata["model.emb.weight"]
     assert tuple(table.size) == (1000, 8) and len(table.chunks) == 64
+    shutil.rmtree(os.path.join(run_dir, "model"))   # killed after its final checkpoint: resumed at its last step
     code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--plain", name="resume.txt")
     assert code == 0, out
     assert "Traceback" not in out
@@ -198,12 +203,13 @@ SLOW_START = SHORT.replace("def evaluate(model):", "def evaluate(model):\n    im
 @pytest.mark.timeout(200)
 def test_startup_and_evaluate_are_not_stalls_and_unequal_batches_are_named(tmp_path, reap_run):
     # --stall-timeout 2: start-up (importing torch, joining the group) and a 4 s evaluate() both
-    # take longer than that; neither is a stall. Rank 1 draws 6 samples, rank 0 8: warned once.
+    # take longer than that; neither is a step stall, and --phase-timeout 60 gives evaluate() its
+    # time. Rank 1 draws 6 samples, rank 0 8: --allow-unequal-batches trains them, warned once.
     script = write_script(tmp_path, SLOW_START)
     run_dir = str(tmp_path / "run")
     reap_run(run_dir)
     code, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--strategy", "allreduce", "--run-dir", run_dir,
-                        "--plain", "--stall-timeout", "2")
+                        "--plain", "--stall-timeout", "2", "--phase-timeout", "60", "--allow-unequal-batches")
     assert code == 0, out
     assert out.count("workers draw batches of different sizes (worker 0: 8, worker 1: 6)") == 1, out
     assert not run_processes(run_dir)

@@ -2,6 +2,7 @@
 stops every group hpar started there, hosts in parallel, done as soon as nothing is left."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -55,6 +56,40 @@ def test_stop_groups_terms_waits_kills_and_returns_early():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+# a group leader (as a guard is) whose child left for a session of its own and ignores SIGTERM
+ESCAPED = ("import subprocess, sys, time\n"
+           "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+           "print(1, flush=True); time.sleep(600)', 'escaped-helper'], start_new_session=True, stdout=subprocess.PIPE)\n"
+           "c.stdout.readline()\nprint('ready', c.pid, flush=True)\ntime.sleep(600)")
+
+
+def test_stop_groups_also_ends_what_left_the_group():
+    """workers/stopgroups.py: a process the group's processes started in a session of its own
+    is found from the tree before anything is signalled, stopped with the group (SIGKILL after
+    the grace, since it ignores SIGTERM) and reported; nothing found by name."""
+    leader = subprocess.Popen([sys.executable, "-c", ESCAPED], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    ready, child = leader.stdout.readline().split()
+    import psutil
+    helper = psutil.Process(int(child))
+    try:
+        assert ready == "ready" and os.getpgid(helper.pid) != leader.pid
+        ended = {}
+        t0 = time.monotonic()
+        assert stopgroups.stop_groups({leader.pid}, grace=0.5, kill_wait=5, ended=ended) == set()
+        assert time.monotonic() - t0 < 5
+        helper.wait(5)
+        assert not helper.is_running() and leader.wait(5) == -signal.SIGTERM
+        assert list(ended) == [leader.pid] and ended[leader.pid][0].startswith(f"{helper.pid} (")
+        assert "escaped-helper" in ended[leader.pid][0]
+        # over SSH the same report comes back as a line of the host's stop command (launcher/run/teardown.py)
+        remote = type("Remote", (), {"pgid": leader.pid, "ended": {}})()
+        teardown.record_ended([remote], "@hpar ended " + json.dumps({str(leader.pid): ended[leader.pid]}) + "\n@hpar left")
+        assert remote.ended == {helper.pid: ended[leader.pid][0]}
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
 
 
 class FakeRemote:
@@ -195,6 +230,26 @@ def test_guard_stops_its_group_when_the_heartbeat_stops():
         if guard.poll() is None:
             os.killpg(guard.pid, signal.SIGKILL)
             guard.wait()
+
+
+def test_guard_told_to_stop_ends_what_left_its_group():
+    """A SIGTERM to the guard's group (what srun's scancel and a remote stop send): the worker
+    goes with the group; its helper in a session of its own, which ignores SIGTERM, is SIGKILLed
+    by the guard after 1 s and named in an ``ended`` event, before the guard itself goes."""
+    guard = subprocess.Popen([sys.executable, "-m", "hpar.workers.guard", sys.executable, "-c", ESCAPED],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    import psutil
+    try:
+        assert '"kind":"started"' in guard.stdout.readline()
+        ready, child = guard.stdout.readline().split()
+        helper = psutil.Process(int(child))
+        os.killpg(guard.pid, signal.SIGTERM)
+        helper.wait(10)
+        assert guard.wait(10) == -signal.SIGTERM
+        assert '"kind": "ended"' in guard.stdout.read() and not helper.is_running()
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
 
 
 def test_control_command_waits_for_a_free_ssh_session():

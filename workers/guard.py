@@ -17,12 +17,14 @@ The guard is CMD's child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``): a 
 user's code starts in a session of its own (``start_new_session=True``), and whose parent then
 exits, is re-parented to the guard rather than to init, so the guard and the launcher
 (launcher/procs/local.py) still find it among the guard's descendants and stop it with the
-group. SIGUSR1 (the launcher's request for stacks, workers/report.install_stack_dump) is
-ignored by the guard itself.
+group (workers/descendants.py); when CMD exits, the guard ends them itself and says which in an
+``ended`` event. SIGUSR1 (the launcher's request for stacks, workers/report.install_stack_dump)
+is ignored by the guard itself.
 """
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import select
 import signal
@@ -40,11 +42,9 @@ def _on_sigterm(signum, frame) -> None:
     (Installed in the main thread: signal.signal cannot be called from the watcher thread.)"""
     if _STOPPING.is_set():
         return
-    for p in _outside_group():   # its group gets this SIGTERM from the sender; these would not
-        try:
-            p.send_signal(signal.SIGTERM)
-        except Exception:
-            pass
+    # its group gets this SIGTERM from the sender; what left the group would not, and once the
+    # guard is gone it is nobody's: ended here (SIGKILL after 1 s), under srun as over SSH
+    _stop_leftovers()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -62,18 +62,10 @@ def become_subreaper() -> bool:
 
 
 def _outside_group() -> list:
-    """The guard's descendants that left its process group (a new session)."""
+    """The guard's live descendants that left its process group (a new session)."""
     try:
-        import psutil
-        me, pgid = psutil.Process(), os.getpgrp()
-        out = []
-        for c in me.children(recursive=True):
-            try:
-                if os.getpgid(c.pid) != pgid:
-                    out.append(c)
-            except ProcessLookupError:
-                continue
-        return out
+        from hpar.workers.descendants import outside_group
+        return outside_group(os.getpid(), os.getpgrp())
     except Exception:  # psutil missing or the process table unreadable: the group still goes
         return []
 
@@ -99,32 +91,23 @@ def _kill_group(grace: float) -> None:
 
 
 def _stop_leftovers(wait_s: float = 1.0) -> None:
-    """CMD has exited: stop what it started in sessions of its own (SIGTERM, then SIGKILL after
-    ``wait_s``); the launcher stops what is left in the group."""
+    """CMD has exited, or the guard is told to stop: stop what CMD started in sessions of its
+    own (SIGTERM, then SIGKILL after ``wait_s``) and tell the launcher which in an ``ended``
+    event (it names them in one line); the launcher stops what is left in the group."""
     extra = _outside_group()
     if not extra:
         return
-    for p in extra:
-        try:
-            p.terminate()
-        except Exception:
-            pass
+    from hpar.workers.descendants import end
+    ended = end(extra, wait_s)
     try:
-        import psutil
-        _, alive = psutil.wait_procs(extra, timeout=wait_s)
-    except Exception:
-        alive = extra
-    for p in alive:
-        try:
-            p.kill()
-        except Exception:
-            pass
+        print("@hpar event " + json.dumps({"kind": "ended", "processes": ended}), flush=True)
+    except OSError:   # nobody reads any more (the launcher is gone)
+        pass
 
 
 def _report_stats(pid: int, every_s: float) -> None:
     """Every ``every_s`` s an ``@hpar heartbeat`` line (workers/report.py) with the CPU percent
     and resident memory of CMD and its children, and GPU memory where nvidia-smi lists them."""
-    import json
     import psutil
     try:
         root = psutil.Process(pid)

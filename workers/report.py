@@ -17,6 +17,8 @@ import time
 
 import psutil
 
+from hpar.strategies import activity
+
 TAG = "@hpar "
 _lock = threading.Lock()
 
@@ -99,7 +101,9 @@ def install_stack_dump() -> None:
 def start_heartbeat(every_s: float | None = None, device=None, threads: int | None = None) -> threading.Event:
     """Emit a ``heartbeat`` line every ``every_s`` seconds (default ``HPAR_HEARTBEAT_S``, else
     2) from a daemon thread; set the returned event to stop it. The launcher counts a process
-    whose heartbeats stop as stalled, whatever its step (launcher/run/health.py). ``device``:
+    whose heartbeats stop as stalled, whatever its step (launcher/run/health.py); each heartbeat
+    also says what the process is busy with outside its steps (strategies/activity.py), which
+    has a deadline of its own. ``device``:
     the worker's torch.device (GPU memory figures); ``threads``: its CPU threads, in every
     heartbeat (metrics.jsonl then says what each process got)."""
     every_s = every_s or float(os.environ.get("HPAR_HEARTBEAT_S", "2"))
@@ -108,9 +112,10 @@ def start_heartbeat(every_s: float | None = None, device=None, threads: int | No
     extra = {"threads": threads} if threads is not None else {}
 
     def beat():
-        emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **process_figures(), **extra})
+        emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **activity.current(), **process_figures(), **extra})
         while not stop.wait(every_s):
-            emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **process_figures(device), **extra})
+            emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **activity.current(),
+                               **process_figures(device), **extra})
 
     threading.Thread(target=beat, name="hpar-heartbeat", daemon=True).start()
     return stop

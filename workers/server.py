@@ -18,7 +18,7 @@ report.install_stack_dump()   # first, so that a stall during start-up can be di
 
 import torch  # noqa: E402
 
-from hpar.strategies import checkpoint
+from hpar.strategies import checkpoint, memory
 from hpar.strategies.config import RunConfig
 from hpar.strategies.forward import inner_module
 from hpar.strategies.hybrid.build import broadcast_dense
@@ -40,7 +40,9 @@ def main() -> int:
     stop_beat = report.start_heartbeat(threads=torch.get_num_threads())
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
+    report.emit("event", {"kind": "phase", "phase": "serve"})   # past the rendezvous (launcher/run/health.py)
     make_groups(num_workers, cfg.device, host_of, cfg.plan)   # a member of none but the default (gloo) group
+    mem = memory.start_process(torch.device("cpu"))   # peak memory from here to the end of serving
     torch.manual_seed(cfg.seed)
     model = inner_module(job.build_model())   # a torch.compile wrapper's module: the user's names, never run here
     opt = job.build_optimizer(model.parameters(), cfg.lr)
@@ -57,6 +59,7 @@ def main() -> int:
         server.restore(cfg.run_dir, step)
     report.emit("event", {"server": index, "message": f"serving {len(server.shards)} table shard(s) from step {server.applied}"})
     server.serve()
+    report.emit("event", {"kind": "memory", "role": "server", "rank": index, **mem.figures()})
     server.write_final()   # its rows of every table, with the workers' dense part: RUN_DIR/model
     n = max(server.applied - (step or 0), 1)
     report.emit("event", {"server": index, "message": "finished",

@@ -15,6 +15,7 @@ from a live one from ``/proc/PID/stat`` (Linux).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -77,16 +78,38 @@ def _wait_gone(groups: set[int], seconds: float) -> set[int]:
     return alive_groups(left) if left else left
 
 
-def stop_groups(groups: set[int], grace: float, kill_wait: float) -> set[int]:
-    """SIGTERM + SIGCONT to ``groups``, up to ``grace`` s for them to go, SIGKILL to the rest, up
-    to ``kill_wait`` s more; returns the groups still alive (empty: nothing left). Raises
-    ValueError for a group id below 2 (0 and 1 would be this process's group or init's)."""
+def escaped(groups: set[int]) -> dict[int, list]:
+    """Per group, the live descendants of its leader (the guard: its pid is the group id) that
+    left the group (workers/descendants.py), found before anything is signalled: once the guard
+    is gone they are init's children and no longer anyone's of the run."""
+    from hpar.workers.descendants import outside_group
+    return {g: found for g in sorted(groups) if (found := outside_group(g, g))}
+
+
+def stop_groups(groups: set[int], grace: float, kill_wait: float, ended: dict | None = None) -> set[int]:
+    """SIGTERM + SIGCONT to ``groups`` and to what their processes started in sessions of their
+    own, up to ``grace`` s for them to go, SIGKILL to the rest, up to ``kill_wait`` s more;
+    returns the groups still alive (empty: nothing left). ``ended`` (a dict) receives, per
+    group, the descriptions of the processes outside it that were stopped. Raises ValueError
+    for a group id below 2 (0 and 1 would be this process's group or init's)."""
+    from hpar.workers.descendants import describe, send
     bad = [g for g in groups if g < 2]
     if bad:
         raise ValueError(f"refusing process group {bad[0]}")
+    extra = escaped(groups)
+    if ended is not None:
+        ended.update({g: [describe(p) for p in procs] for g, procs in extra.items()})
+    outside = [p for procs in extra.values() for p in procs]
     _send(signal.SIGTERM, groups)
+    send(outside, signal.SIGTERM)
     _send(signal.SIGCONT, groups)
+    send(outside, signal.SIGCONT)
+    deadline = time.monotonic() + grace
     left = _wait_gone(groups, grace)
+    if outside:
+        import psutil
+        outside = psutil.wait_procs(outside, timeout=max(0.0, deadline - time.monotonic()))[1]
+        send(outside, signal.SIGKILL)
     if left:
         _send(signal.SIGKILL, left)
         left = _wait_gone(left, kill_wait)
@@ -99,11 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-wait", type=float, default=5.0)
     parser.add_argument("pgids", type=int, nargs="+")
     args = parser.parse_args(argv)
+    ended: dict[int, list[str]] = {}
     try:
-        left = stop_groups(set(args.pgids), args.grace, args.kill_wait)
+        left = stop_groups(set(args.pgids), args.grace, args.kill_wait, ended)
     except ValueError as exc:
         print(f"stopgroups: {exc}", file=sys.stderr)
         return 2
+    if ended:
+        print("@hpar ended " + json.dumps({str(g): items for g, items in ended.items()}), flush=True)
     print("@hpar left " + " ".join(str(g) for g in sorted(left)), flush=True)
     return 1 if left else 0
 

@@ -19,6 +19,7 @@ report.install_stack_dump()   # first, so that a stall during start-up can be di
 import torch  # noqa: E402
 import torch.distributed as dist
 
+from hpar.strategies import activity, memory
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import WorkerContext
 from hpar.strategies.devices import model_to_cpu
@@ -33,6 +34,7 @@ RUNTIMES = {
     "hybrid": "hpar.strategies.hybrid.runtime",
     "ps": "hpar.strategies.hybrid.runtime",
     "pipeline": "hpar.strategies.pipeline.runtime",
+    "fsdp": "hpar.strategies.fsdp",
 }
 
 
@@ -83,7 +85,8 @@ def run_entry(main, prefix: str, user_errors: tuple) -> None:
     try:
         code = main()
     except user_errors as exc:
-        print(f"{prefix}: {exc}", file=sys.stderr)
+        if not getattr(exc, "announced", False):   # else the launcher prints it, once (strategies/first_batch.py)
+            print(f"{prefix}: {exc}", file=sys.stderr)
         if getattr(exc, "user_traceback", None):
             print(exc.user_traceback, file=sys.stderr)
         report.exit_process(2, announce=False)   # as below: gloo's threads may still be up
@@ -121,23 +124,31 @@ def main() -> int:
     rank, world_size, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK", 0)
     pg_rank, pg_world = env_int("HPAR_PG_RANK", rank), env_int("HPAR_PG_WORLD_SIZE", world_size)
     device = worker_device(cfg, local_rank)
+    activity.announce_with(lambda change: report.emit("event", change))   # the end of an activity is seen at once
     stop_beat = report.start_heartbeat(device=device, threads=torch.get_num_threads() if device.type == "cpu" else None)
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
+    # past the rendezvous: from here the start-up bound runs to the first step (launcher/run/health.py)
+    report.emit("event", {"kind": "phase", "phase": "train"})
     eval_first = {}
     if rank == 0 and cfg.eval and not cfg.resume and cfg.strategy not in ("hybrid", "ps"):   # those: in the runtime
         torch.manual_seed(cfg.seed)
-        report.emit("event", {"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
-        eval_first = job.run_evaluate(job.build_model())   # evaluate() gets the model on the CPU
+        initial = job.build_model()   # building it is start-up, not evaluate()'s time
+        report.emit("event", {"kind": "phase", "phase": "evaluate"})   # the peers wait: not their stall
+        with activity.doing("in evaluate() before training"):   # but it has the phase deadline
+            eval_first = job.run_evaluate(initial)   # evaluate() gets the model on the CPU
         report.emit("event", {"kind": "first_eval", "eval": eval_first})
-    report.emit("event", {"kind": "phase", "phase": "train"})
+        report.emit("event", {"kind": "phase", "phase": "train"})
+    runtime = importlib.import_module(RUNTIMES[cfg.strategy])   # imported before the memory baseline
+    memory.start_process(device)   # peak memory from here to the last step (strategies/memory.py)
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
                         device=device, report=lambda m: report.emit("metric", m),
                         pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of,
                         event=lambda e: report.emit("event", e), on_step=report.set_step,
                         report_eval=lambda m: report.emit("eval", m))
     t0 = time.time()
-    result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
+    result = runtime.train(ctx)
+    report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures()})
     if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/state.py)
         assert result.model is not None or result.eval_last is not None, "rank 0 evaluates the whole model"
         report.emit("event", {"kind": "phase", "phase": "evaluate"})
@@ -145,9 +156,11 @@ def main() -> int:
         if result.model is not None:
             model = model_to_cpu(result.model)    # every strategy hands evaluate() the CPU model
             if eval_last is None:
-                eval_last = job.run_evaluate(model) if cfg.eval else {}
+                with activity.doing("in evaluate() after the last step"):
+                    eval_last = job.run_evaluate(model) if cfg.eval else {}
             if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/hf.py)
-                save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
+                with activity.doing("writing RUN_DIR/hf (save_pretrained)"):
+                    save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
         report.emit("summary", {
             "strategy": cfg.strategy, "world_size": world_size, "steps": cfg.steps,
             "samples_per_s": result.samples_per_s, "loss_first": result.loss_first,

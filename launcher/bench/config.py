@@ -12,7 +12,7 @@ PLANNED = {"pipeline", "hybrid", "ps"}   # strategies whose runs take the planne
 # bench name -> (hpar run --strategy, --schedule or None)
 BENCH_STRATEGIES: dict[str, tuple[str, str | None]] = {
     "hybrid": ("hybrid", None), "ps": ("ps", None), "allreduce": ("allreduce", None),
-    "allreduce-sparse": ("allreduce-sparse", None),
+    "allreduce-sparse": ("allreduce-sparse", None), "fsdp": ("fsdp", None),
     "pipeline-gpipe": ("pipeline", "gpipe"), "pipeline-1f1b": ("pipeline", "1f1b"),
     "pipeline-async-stash": ("pipeline", "async-stash"), "pipeline-async-predict": ("pipeline", "async-predict"),
     "pipeline-async-2bw": ("pipeline", "async-2bw"),
@@ -48,6 +48,8 @@ class BenchConfig:
     threads: int | None = None     # every process's CPU threads (--env OMP_NUM_THREADS); None: hpar run's default
     repeat: int = 1     # runs of every strategy, interleaved (round r runs every strategy once)
     min_seconds: float = 0.0   # more steps for a strategy predicted faster: see steps_for
+    worker_memory_gb: float | None = None   # every run's --worker-memory (and the plans' capacity)
+    server_memory_gb: float | None = None   # every run's --server-memory
 
 
 MAX_STEPS = 5000   # steps_for's ceiling

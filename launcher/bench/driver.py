@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from hpar.launcher.bench.config import BENCH_STRATEGIES, BenchConfig, steps_for
-from hpar.launcher.bench.figures import bytes_per_worker_step, combine_runs, stage_figures
+from hpar.launcher.bench.figures import bytes_per_worker_step, combine_runs, memory_figures, stage_figures
 from hpar.launcher.bench.planning import plan_script, prediction, projection
 
 
@@ -83,6 +83,9 @@ def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_d
         cmd += ["--ssh-key", cfg.ssh_key]
     if cfg.threads:
         cmd += ["--env", f"OMP_NUM_THREADS={cfg.threads}"]
+    for flag, gb in (("--worker-memory", cfg.worker_memory_gb), ("--server-memory", cfg.server_memory_gb)):
+        if gb is not None:
+            cmd += [flag, f"{gb:g}"]
     return cmd
 
 
@@ -131,7 +134,7 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
                       run_dir=run_dir, wall_s=wall)
     sent_recv = bytes_per_worker_step(os.path.join(run_dir, "metrics.jsonl")) or summary.get("bytes_per_step")
     extra = {**{k: summary[k] for k in ("loss_first", "loss_last", "wall_s", "steps") if k in summary},
-             **stage_figures(summary)}
+             **stage_figures(summary), **memory_figures(summary, run_dir)}
     if summary.get("strategy") not in (None, name, BENCH_STRATEGIES[name][0]):
         extra["ran_as"] = summary["strategy"]   # e.g. a hybrid plan with nothing on the servers
     return Result(script, name, samples_per_s=summary.get("samples_per_s"), step_s_p50=summary.get("step_s_p50"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 
 
@@ -42,7 +43,7 @@ def bytes_per_worker_step(metrics_path: str) -> dict | None:
 def stage_figures(summary: dict) -> dict:
     """A pipeline run's bubble and memory from its summary's per-stage figures: ``bubble`` =
     idle over (compute + idle) summed over the stages (the fraction of stage time spent
-    waiting), ``peak_mem_bytes`` = the largest stage's peak (strategies/pipeline/memory.py).
+    waiting), ``peak_mem_bytes`` = the largest stage's peak (strategies/memory.py).
     Empty for other strategies; a figure a runtime did not measure is left out."""
     stages = summary.get("stages") or []
     out = {}
@@ -53,6 +54,25 @@ def stage_figures(summary: dict) -> dict:
     peaks = [s.get("peak_mem_bytes") for s in stages]
     if stages and all(isinstance(v, int) for v in peaks):
         out["peak_mem_bytes"] = max(peaks)
+    return out
+
+
+def memory_figures(summary: dict, run_dir: str) -> dict:
+    """A run's measured and predicted peak memory (summary.json's ``peak_bytes`` and
+    ``predicted_peak_bytes``, per worker and per server) and the predicted terms of its
+    busiest worker and server (plan.json's ``memory``, strategies/plan/memory.py); empty for a
+    run that reported none."""
+    out = {}
+    if summary.get("peak_bytes"):
+        out["peak_bytes"] = summary["peak_bytes"]
+        out["predicted_peak_bytes"] = summary.get("predicted_peak_bytes") or {}
+    try:
+        with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
+            memory = json.load(f).get("memory") or {}
+    except (OSError, ValueError):
+        memory = {}
+    if memory:
+        out["memory_terms"] = {"worker": memory.get("worker_terms") or {}, "server": memory.get("server_terms") or {}}
     return out
 
 

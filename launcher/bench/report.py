@@ -68,6 +68,9 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
         stage_cols = any("bubble" in (r.extra or {}) or "peak_mem_bytes" in (r.extra or {}) for r in rows)
         if stage_cols:   # pipelines: idle over stage time, and the largest stage's peak memory
             cols += ["bubble", "peak mem/stage"]
+        peak_cols = any("peak_bytes" in (r.extra or {}) for r in rows)
+        if peak_cols:   # every process's peak above its baseline (strategies/memory.py), the largest worker's
+            cols += ["peak/wkr"]
         if proj:
             cols += [f"PROJECTED {proj['gpus']} GPUs samples/s"]
         for c in cols:
@@ -84,9 +87,10 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
                 e = r.extra or {}
                 s_cell = [f"{e['bubble']:.0%}" if "bubble" in e else "-",
                           _human(e.get("peak_mem_bytes")) if "peak_mem_bytes" in e else "-"]
+            m_cell = [_human(((r.extra or {}).get("peak_bytes") or {}).get("worker"))] if peak_cols else []
             if r.reason:
                 t.add_row(r.strategy, "[yellow]n/a (below)[/yellow]", "", "", "", "", pred, "", "",
-                          *(["", ""] if stage_cols else []), *p_cell)
+                          *(["", ""] if stage_cols else []), *([""] if peak_cols else []), *p_cell)
                 continue
             b = r.bytes_per_step or {}
             err = (f"{r.predicted_step_s / r.step_s_p50:.2f}" if r.predicted_step_s and r.step_s_p50 else "-")
@@ -95,7 +99,7 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
             spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
             t.add_row(label, f"{r.samples_per_s:,.1f}{spread}", _ms(r.step_s_p50), _ms(r.step_s_p90),
                       _human(b.get("sent")), _human(b.get("recv")), pred, err,
-                      f"{r.ratio:.2f}" if r.ratio else "-", *s_cell, *p_cell)
+                      f"{r.ratio:.2f}" if r.ratio else "-", *s_cell, *m_cell, *p_cell)
         console.print(t)
         why: dict[str, list[str]] = {}
         for r in rows:

@@ -85,18 +85,20 @@ def _with_exchange(em, console, profile, cluster):
 
 def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps: float | None,
                      latency: str | None, device_tflops: float | None, bench_gpus: int,
-                     emulated_hosts: int | None = None, link=None):
+                     emulated_hosts: int | None = None, link=None, capacity=None):
     """gpus -> ClusterSpec for the cost model: the bench's hosts for the bench's GPU count;
     for a projection, hosts of ``gpus_per_host`` (or of the bench's busiest host) GPUs each.
     The link is ``bandwidth_Bps`` or one loopback probe (``profile_cli.build_cluster``).
     ``emulated_hosts`` H: the hosts are this machine's namespaces (``hpar profile --hosts
     emulate:H`` describes the same cluster: shared cores, loopback within a host). ``link``: the
     emulated link's (bandwidth, latency, ...) as measured (``EmulatedCluster.probe_link``), which the cost model then uses
-    instead of the cap (its latency unless ``latency`` is given)."""
+    instead of the cap (its latency unless ``latency`` is given); ``capacity``: the memory of a
+    worker and a server (launcher/run/capacity.py), this machine's where not given."""
     from hpar.launcher.commands.profile import build_cluster
     from hpar.strategies.plan.cluster import make_cluster
     bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
-    base = build_cluster(bench_gpus, f"emulate:{emulated_hosts}" if emulated_hosts else hosts, None, bw, latency, None)
+    base = build_cluster(bench_gpus, f"emulate:{emulated_hosts}" if emulated_hosts else hosts, None, bw, latency, None,
+                         capacity=capacity)
     if link is not None:
         base = dataclasses.replace(base, bandwidth_Bps=link[0], latency_s=base.latency_s if latency else link[1],
                                    allgather_Bps=link.allgather_Bps, sparse_round_s=link.sparse_round_s,
@@ -130,7 +132,7 @@ def _link_words(link_rate: str | None, link_queue: str) -> str:
               "with small packets first (as a Linux host's default fq_codel).")
 @click.option("--latency", default=None, help="Link latency for the cost model, e.g. 50us (default: probed).")
 @click.option("--strategies", default=None, help="Comma-separated names (default: every one): hybrid, ps, allreduce, "
-              "allreduce-sparse, pipeline-gpipe, pipeline-1f1b, pipeline-async-stash, pipeline-async-predict, pipeline-async-2bw, torch-gpipe, torch-1f1b, "
+              "allreduce-sparse, fsdp, pipeline-gpipe, pipeline-1f1b, pipeline-async-stash, pipeline-async-predict, pipeline-async-2bw, torch-gpipe, torch-1f1b, "
               "torch-interleaved-1f1b, torch-zbv.")
 @click.option("--steps", type=int, default=30, show_default=True, help="Training steps per strategy (the first 2 are warm-up).")
 @click.option("--batch-size", type=int, default=None, help="Samples per worker per step (default: the script's HPAR, else 32).")
@@ -149,10 +151,16 @@ def _link_words(link_rate: str | None, link_queue: str) -> str:
               help="Runs of every strategy, in rounds; the table shows the median run and the spread.")
 @click.option("--min-seconds", type=float, default=0.0, show_default=True,
               help="Give each strategy enough steps for this many seconds at its predicted step time (0: --steps).")
+@click.option("--worker-memory", type=float, default=None, metavar="GB",
+              help="Every run's --worker-memory (GB); a strategy predicted not to fit is not run, with the reason.")
+@click.option("--server-memory", type=float, default=None, metavar="GB", help="Every run's --server-memory (GB).")
+@click.option("--memory", "memory_table", is_flag=True,
+              help="Also print each run's predicted peak memory per worker and server beside the measured one.")
 @click.option("--scale", default=None, help="Scaling curves: run on each of these numbers of emulated hosts, one "
               "worker per host (e.g. 1,2,4,8; root), beside the cost model's predictions.")
 def bench(scripts, gpus, hosts, link_rate, link_queue, latency, strategies, steps, batch_size, seed, precision, json_out, plot_out,
-          project, device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s, repeat, min_seconds, scale):
+          project, device_tflops, gpus_per_host, bench_dir, ssh_key, timeout_s, repeat, min_seconds, worker_memory,
+          server_memory, memory_table, scale):
     """Run every strategy that applies to SCRIPT(s) and compare them (table, --json, --plot)."""
     if scale is not None:
         given = [f for f, v in (("--gpus", "gpus"), ("--hosts", "hosts"), ("--project", "project"))
@@ -181,6 +189,8 @@ def bench(scripts, gpus, hosts, link_rate, link_queue, latency, strategies, step
         if n_emulated is None and hosts:
             from hpar.launcher.hosts.hostfile import parse_hosts, place_workers
             place_workers(list(parse_hosts(hosts)), gpus)
+        from hpar.launcher.run.capacity import from_flags
+        capacity = from_flags(worker_memory, server_memory)
         emulated = EmulatedCluster(n_emulated, gpus, bw, link_queue) if n_emulated else None
     except JobError as exc:
         _fail(str(exc), exc.user_traceback)
@@ -196,9 +206,10 @@ def bench(scripts, gpus, hosts, link_rate, link_queue, latency, strategies, step
                               ssh_key=emulated.key if emulated else ssh_key, bandwidth_Bps=bw, project=project,
                               device_tflops=device_tflops, timeout_s=timeout_s, precision=precision,
                               threads=emulated.threads if emulated else None, repeat=repeat,
-                              min_seconds=min_seconds)
+                              min_seconds=min_seconds, worker_memory_gb=worker_memory, server_memory_gb=server_memory)
             link = _probe(emulated, console) if emulated else None
-            cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated, link)
+            cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated, link,
+                                          capacity)
             results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
                                 around_run=emulated.around_run if emulated else None,
                                 refine=functools.partial(_with_exchange, emulated, console) if emulated else None)
@@ -213,6 +224,9 @@ def bench(scripts, gpus, hosts, link_rate, link_queue, latency, strategies, step
     where = f"emulated {n_emulated} hosts{_link_words(link_rate, link_queue)}" if emulated else (hosts or "this machine")
     title = f"{gpus} workers, {where}, {steps} steps"
     report.print_tables(console, results, title)
+    if memory_table:
+        from hpar.launcher.bench.memory_report import print_memory
+        print_memory(console, results, title)
     from hpar.launcher.bench.verdict import steps_warning
     if steps_warning(steps):
         console.print(steps_warning(steps), markup=False)

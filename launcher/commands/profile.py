@@ -11,6 +11,7 @@ talk within a host over its loopback, their link capped at ``--bandwidth``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -40,11 +41,39 @@ def _human(n: float, unit: str = "B") -> str:
     return f"{n:.3g} P{unit}"
 
 
-def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps=None, measured_on=None):
+def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps=None, measured_on=None,
+                  capacity=None):
     """ClusterSpec from the flags (see the module docstring); ``device_mem_gbps``: the projected
     device's memory bandwidth (GB/s); ``measured_on``: the device the profile measures on
-    ("cuda": no CPU-core sharing in the cost model; None: "cuda" when this machine has a GPU).
-    Raises ValueError naming the flag."""
+    ("cuda": no CPU-core sharing in the cost model; None: "cuda" when this machine has a GPU);
+    ``capacity``: ``--worker-memory``/``--server-memory`` (launcher/run/capacity.py), this
+    machine's defaults filled in where every host is this one. Raises ValueError naming the flag."""
+    import dataclasses
+    from hpar.launcher.run.capacity import Capacity, with_defaults
+    cluster = _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps, measured_on)
+    local = cluster.device_flops is None and _all_local(hosts)
+    procs = cluster.max_gpus_per_host + -(-cluster.servers // cluster.hosts)
+    cap = with_defaults(capacity or Capacity(), local, measured_on or "cpu", procs)
+    return dataclasses.replace(cluster, worker_memory_bytes=cap.worker_bytes, server_memory_bytes=cap.server_bytes)
+
+
+def _all_local(hosts) -> bool:
+    """Whether every host of ``--hosts`` is this machine (no flag: yes; emulated hosts share it)."""
+    from hpar.launcher.bench.emulate import parse_emulate
+    from hpar.launcher.hosts.hostfile import parse_hosts
+    from hpar.launcher.hosts.slurm import in_allocation
+    if not hosts:
+        return not in_allocation()
+    if parse_emulate(hosts):
+        return True
+    try:
+        return all(h.is_local for h in parse_hosts(hosts))
+    except ValueError:   # HxG: a projection
+        return False
+
+
+def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps=None, measured_on=None):
+    """build_cluster without the memory capacity."""
     from hpar.launcher.hosts.hostfile import parse_hosts
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
     from hpar.strategies.plan.probe import probe_link, probe_requests
@@ -116,7 +145,7 @@ def report(profile, cluster, plan) -> dict:
                "activation_bytes": l.activation_bytes, "param_bytes": l.param_bytes} for l in profile.layers]
     cands = [{"strategy": c.strategy, "predicted_step_s": c.predicted_step_s, "samples_per_s": c.samples_per_s,
               "bytes_per_step": c.bytes_per_step, "available": c.available, "note": c.note,
-              "breakdown": c.breakdown} for c in plan.candidates]
+              "breakdown": c.breakdown, "memory": c.memory} for c in plan.candidates]
     plan_d = plan.to_dict()
     plan_d.pop("candidates")
     return {"parameters": params, "layers": layers, "candidates": cands, "plan": plan_d,
@@ -125,7 +154,9 @@ def report(profile, cluster, plan) -> dict:
                         "latency_s": cluster.latency_s, "device_flops": cluster.device_flops,
                         "device_mem_Bps": cluster.device_mem_Bps, "source": cluster.source,
                         "cores_per_host": cluster.cores_per_host, "allreduce_Bps": cluster.allreduce_Bps,
-                        "allgather_Bps": cluster.allgather_Bps, "request_cpu_s": cluster.request_cpu_s},
+                        "allgather_Bps": cluster.allgather_Bps, "request_cpu_s": cluster.request_cpu_s,
+                        "worker_memory_bytes": cluster.worker_memory_bytes,
+                        "server_memory_bytes": cluster.server_memory_bytes},
             "profile": {"device": profile.device, "batch_size": profile.batch_size, "data_s": profile.data_s,
                         "samples_per_batch": profile.samples_per_batch,
                         "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,
@@ -135,7 +166,8 @@ def report(profile, cluster, plan) -> dict:
                         "timing_batch_size": profile.timing_batch_size,
                         "profile_s": profile.profile_s, "update_s_per_byte": profile.update_s_per_byte,
                         "sparse_update_s_per_byte": profile.sparse_update_s_per_byte,
-                        "host_update_s_per_byte": profile.host_update_s_per_byte}}
+                        "host_update_s_per_byte": profile.host_update_s_per_byte,
+                        "memory": dataclasses.asdict(profile.memory) if profile.memory else None}}
 
 
 def print_tables(console: Console, profile, cluster, plan) -> None:
@@ -158,14 +190,18 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
     console.print(t)
     link = (f"{_human(cluster.bandwidth_Bps)}/s, {cluster.latency_s * 1e6:.0f} us ({cluster.source})")
     dev = f", compute {plan.compute}"
-    t = Table(title=f"Candidates: {cluster.workers} workers on {cluster.hosts} host(s), {cluster.servers} server(s), link {link}{dev}")
-    for col in ("strategy", "step", "samples/s", "sent/worker/step", "runs", "note"):
-        t.add_column(col, justify="right" if col in ("step", "samples/s", "sent/worker/step") else "left")
+    t = Table(title=f"Candidates: {cluster.workers} workers on {cluster.hosts} host(s), {cluster.servers} server(s), "
+                    f"link {link}{dev}; memory {_capacity(cluster)}")
+    numbers = ("step", "samples/s", "sent/worker/step", "peak/worker", "peak/server")
+    for col in ("strategy",) + numbers + ("runs", "note"):
+        t.add_column(col, justify="right" if col in numbers else "left")
     for c in plan.candidates:
         ok = c.predicted_step_s > 0
+        mem = c.memory or {}
+        peak = lambda key: _human(mem[key]) if mem.get(key) is not None else "-"
         t.add_row(c.strategy, f"{c.predicted_step_s * 1e3:.2f} ms" if ok else "-",
                   f"{c.samples_per_s:,.0f}" if ok else "-", _human(c.bytes_per_step) if ok else "-",
-                  "yes" if c.available else "no", c.note)
+                  peak("worker_peak_bytes"), peak("server_peak_bytes"), "yes" if c.available else "no", c.note)
     console.print(t)
     extra = ""
     if plan.strategy == "pipeline":
@@ -173,6 +209,14 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
     elif plan.partitions:
         extra = " partitions " + ", ".join(f"{k}: {v}" for k, v in plan.partitions.items()) + "."
     console.print(f"[bold]Plan:[/bold] {plan.reason}{extra}", soft_wrap=True)   # the reason starts with the name
+
+
+def _capacity(cluster) -> str:
+    """The memory each process may use, for the candidates' title: "2.1 GB per worker, ..."
+    (peaks in the table are above a process's fixed overhead, which the fit test adds)."""
+    parts = [f"{_human(b)} per {who}" for b, who in ((cluster.worker_memory_bytes, "worker"),
+                                                     (cluster.server_memory_bytes, "server")) if b]
+    return ", ".join(parts) + " (peaks above a process's fixed overhead)" if parts else "not checked (no capacity known)"
 
 
 @click.command()
@@ -193,6 +237,10 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
 @click.option("--timing-batch-size", type=int, default=None, help="Time compute on smaller batches and scale linearly (large models).")
 @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
               help="Time the forward passes under the workers' precision (default: the script's HPAR, else fp32).")
+@click.option("--worker-memory", type=float, default=None, metavar="GB",
+              help="Memory of each worker's device in GB (10^9 bytes); default: the GPU's, or this host's RAM over its processes.")
+@click.option("--server-memory", type=float, default=None, metavar="GB",
+              help="Host memory of each parameter server in GB; default: this host's RAM over its processes.")
 @click.option("--staleness", type=int, default=None,
               help="Let the plan use hybrid with hot-row caches on the workers, reading rows up to S updates stale "
                    "(hybrid-cache; without it that row is shown at S = 4 and never chosen).")
@@ -201,7 +249,7 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Write the plan as JSON for `hpar run --plan`.")
 def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tflops, device_mem_gbps, batch_size,
-            timing_batch_size, precision, staleness, cache_rows, as_json, plan_out):
+            timing_batch_size, precision, worker_memory, server_memory, staleness, cache_rows, as_json, plan_out):
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
     from hpar.strategies.checkpoint import atomic_write_bytes
     from hpar.strategies.config import check_cache_flags
@@ -209,28 +257,34 @@ def profile(script, gpus, hosts, servers, bandwidth, latency, device, device_tfl
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.device import profile_device
     from hpar.strategies.profile.profiler import profile_job
-    try:
-        from hpar.launcher.commands.launch import not_profilable
-        if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
-            raise ValueError(not_profilable(script))
-        job = load_job(script)
-        bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))
-        if bs < 1:
-            raise ValueError(f"--batch-size must be at least 1, got {bs}")
-        check_cache_flags(cache_rows, staleness)
-        if timing_batch_size is not None and timing_batch_size < 1:
-            raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
-        measure_on = profile_device(device)
-        cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps,
-                                measured_on=measure_on.type)
-        check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
-        prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
-                           precision=precision)
-        plan = choose_plan(prof, cluster, cache=CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None)
-    except JobError as exc:
-        _fail(str(exc), exc.user_traceback)
-    except (ValueError, RuntimeError) as exc:
-        _fail(str(exc))
+    from hpar.launcher.run.leftovers import ended_at_exit
+    # what the script's data() or model() left running in a session of its own is ended (on stderr: --json)
+    with ended_at_exit(lambda line: click.echo(line, err=True)):
+        try:
+            from hpar.launcher.commands.launch import not_profilable
+            if not_profilable(script):  # a torchrun-style script: `hpar launch` runs it
+                raise ValueError(not_profilable(script))
+            job = load_job(script)
+            bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))
+            if bs < 1:
+                raise ValueError(f"--batch-size must be at least 1, got {bs}")
+            check_cache_flags(cache_rows, staleness)
+            if timing_batch_size is not None and timing_batch_size < 1:
+                raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
+            from hpar.launcher.run.capacity import from_flags
+            capacity = from_flags(worker_memory, server_memory)
+            measure_on = profile_device(device)
+            cluster = build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps,
+                                    measured_on=measure_on.type, capacity=capacity)
+            check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
+            prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
+                               precision=precision)
+            plan = choose_plan(prof, cluster,
+                               cache=CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None)
+        except JobError as exc:
+            _fail(str(exc), exc.user_traceback)
+        except (ValueError, RuntimeError) as exc:
+            _fail(str(exc))
     if plan_out:
         atomic_write_bytes(plan_out, (plan.to_json() + "\n").encode())
     if as_json:

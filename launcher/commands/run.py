@@ -12,10 +12,13 @@ from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
 from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.devices import choose_devices, describe, local_gpus
-from hpar.launcher.run.validate import check_plan_stages, check_run_dir, resume_step
+from hpar.launcher.run.capacity import from_flags
+from hpar.launcher.run.fit import fit_plan
+from hpar.launcher.run.validate import check_plan_stages, check_run_dir, finished, resume_step
 from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
+from hpar.strategies import checkpoint
 from hpar.strategies.config import FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags
 from hpar.strategies.ddp import DDP_STRATEGIES, find_unused
 from hpar.launcher.run.strategy_settings import cache_settings, check_optimizer, ddp_find_unused, default_micro_batches
@@ -31,7 +34,7 @@ from hpar.strategies.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
              "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0,
-             "find_unused_parameters": "auto"}
+             "find_unused_parameters": "auto", "allow_unequal_batches": False}
 
 
 def read_plan(path: str) -> dict:
@@ -48,15 +51,27 @@ def read_plan(path: str) -> dict:
     return plan
 
 
+class NothingToDo(Exception):
+    """``--resume`` of a run that already finished the steps asked for; ``str()`` is the line
+    to print (the run's own figures, from its summary.json), and nothing starts (exit 0)."""
+
+
 def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=print) -> RunConfig:
     """The config of the run in ``resume_dir``, set to resume from its last complete checkpoint
-    (checked before anything starts: launcher/run/validate.py)."""
+    (checked before anything starts: launcher/run/validate.py). Raises NothingToDo when that
+    run finished at ``steps`` (default: its own) or beyond."""
     path = os.path.join(resume_dir, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"--resume {resume_dir}: no config.json there; pass the run directory of an earlier `hpar run`")
     cfg = RunConfig.from_json(open(path, encoding="utf-8").read())
     if script and os.path.abspath(script) != cfg.script:
         raise ValueError(f"--resume {resume_dir}: that run trained {cfg.script}, not {os.path.abspath(script)}")
+    summary = finished(resume_dir, steps or cfg.steps)
+    if summary is not None:
+        from hpar.launcher.run.progress import final_line
+        checkpoint.remove_temp_files(resume_dir)   # as every start does: what a killed write left
+        raise NothingToDo(final_line(summary, os.path.abspath(resume_dir),
+                                     f"nothing to do: the run finished at step {summary['steps']}"))
     if resume_step(resume_dir, say) is None:
         raise ValueError(f"--resume {resume_dir}: no checkpoint there; start runs with --checkpoint-every N to resume them")
     return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))
@@ -64,26 +79,29 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
 
 def plan_for(console: Console, job, strategy: str, plan_file: str | None, batch_size: int, hosts: str | None,
              gpus: int, servers: int | None, schedule: str | None, device: str = "auto",
-             pipeline_replicas: int | None = None, precision: str | None = None, cache=None) -> tuple[str, dict]:
-    """(strategy, plan dict) from ``--plan``, or from the planner for ``auto`` and for
-    ``pipeline`` (which needs its balanced stages); the data-parallel strategies named
-    explicitly run with their defaults and no profiling. ``cache``: the hot-row caches
-    ``--staleness`` allows the planner to choose (hybrid/cache.CacheConfig, or None)."""
+             pipeline_replicas: int | None = None, precision: str | None = None, capacity=None,
+             force: bool = False, cache=None) -> tuple[str, dict, object]:
+    """(strategy, plan dict, the planner's Profile or None) from ``--plan``, or from the planner for ``auto`` and for
+    ``pipeline`` (which needs its balanced stages), on ``capacity``'s memory (``--force``: a
+    forced strategy that does not fit is planned anyway); the data-parallel strategies named
+    explicitly run with their defaults and no profiling (their memory: launcher/run/fit.py).
+    ``cache``: the hot-row caches ``--staleness`` allows the planner to choose
+    (hybrid/cache.CacheConfig, or None)."""
     if plan_file:
         plan = read_plan(plan_file)
         if strategy not in ("auto", plan["strategy"]):
             raise ValueError(f"--strategy {strategy} contradicts --plan {plan_file} (strategy {plan['strategy']}); drop one")
         console.print(f"hpar: strategy {plan['strategy']} from {plan_file}", markup=False)
-        return plan["strategy"], plan
+        return plan["strategy"], plan, None
     if strategy not in ("auto", "pipeline"):
-        return strategy, {"strategy": strategy}
+        return strategy, {"strategy": strategy}, None
     from hpar.launcher.run.planning import plan_job
-    plan = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
+    plan, profile = plan_job(job, batch_size, hosts, gpus, servers, schedule or "1f1b",
                     force=None if strategy == "auto" else strategy, device=device, pipeline_replicas=pipeline_replicas,
-                    precision=precision, cache=cache)
+                    precision=precision, capacity=capacity, allow_misfit=force, cache=cache)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
-    return plan.strategy, plan.to_dict()
+    return plan.strategy, plan.to_dict(), profile
 
 
 def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, log_every,
@@ -91,19 +109,26 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             no_eval, plain, ssh_key, ssh_port, ssh_user, ssh_local, python_path, sync, loop_flags=None, env=(),
             ssh_known_hosts=None, ssh_accept_new=False, device="auto",
             on_divergence="off", divergence_factor=2.0, pipeline_replicas=None, find_unused_parameters=None,
+            phase_timeout=None, allow_unequal_batches=None, worker_memory=None, server_memory=None, force=False,
             staleness=None, cache_rows=None):
     """Everything ``hpar run`` needs, or ValueError/JobError (one line) before anything starts.
     ``loop_flags``: the training-loop flags (precision, clip_grad_norm, accumulate, eval_every),
     None where not given (then the script's HPAR, else FALLBACKS); ``env``: the ``--env`` flags;
     ``find_unused_parameters``: auto, on or off (None: the script's HPAR, else auto), which a
-    resumed run may change (it is how a run that failed on an unused parameter goes on);
-    ``staleness``/``cache_rows``: the workers' hot-row caches (launcher/run/strategy_settings.cache_settings)."""
+    resumed run may change (it is how a run that failed on an unused parameter goes on), as it may
+    ``allow_unequal_batches`` (True: the flag given; None: the script's HPAR, else refused);
+    ``worker_memory``/``server_memory``: GB each process may use, ``force``: run a plan that does
+    not fit them (launcher/run/fit.py); ``staleness``/``cache_rows``: the workers' hot-row caches
+    (launcher/run/strategy_settings.cache_settings)."""
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
     check_cache_flags(cache_rows, staleness)
     if staleness is not None and strategy not in ("auto", "hybrid", "ps"):
         raise ValueError(f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
                          f"hybrid, ps or auto, not {strategy}; drop it")
+    if gpus is not None and gpus < 1:   # also before a resume looks at the run (a finished one included)
+        raise ValueError(f"--gpus must be at least 1, got {gpus}")
+    capacity = from_flags(worker_memory, server_memory)
     reshaped = None
     if resume_dir:
         given = [flag for flag, value in (("--gpus", gpus), ("--plan", plan_file), ("--servers", servers),
@@ -123,13 +148,15 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         host_list = tuple(allocation_hosts())
         gpus = gpus if gpus is not None else total_slots(list(host_list))
         console.print(f"hpar: {describe_allocation(list(host_list))}", markup=False)
-    if max_restarts < 0 or stall_timeout < 0:
-        raise ValueError("--max-restarts and --stall-timeout must not be negative")
+    if max_restarts < 0 or stall_timeout < 0 or (phase_timeout or 0) < 0:
+        raise ValueError("--max-restarts, --stall-timeout and --phase-timeout must not be negative")
     if resume_dir:
         cfg = resumed_config(resume_dir, script, steps, say=lambda m: console.print(m, markup=False))
         job = load_job(cfg.script)
         if find_unused_parameters in ("on", "off"):
             cfg = cfg.replace(find_unused_parameters=find_unused(find_unused_parameters, ()))
+        if allow_unequal_batches:
+            cfg = cfg.replace(allow_unequal_batches=True)
     else:
         if not script:
             raise ValueError("missing SCRIPT: `hpar run SCRIPT --gpus N` (or --resume RUN_DIR)")
@@ -156,8 +183,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         staleness, cache_rows = pick(staleness, "staleness"), pick(cache_rows, "cache_rows")
         check_cache_flags(cache_rows, staleness)   # HPAR's keys too
         from hpar.strategies.hybrid.cache import CacheConfig
-        strategy, plan = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
+        strategy, plan, profile = plan_for(console, job, strategy, plan_file, bs, hosts, gpus, servers, schedule, device,
                                   planner_replicas(pipeline_replicas, schedule), (loop_flags or {}).get("precision"),
+                                  capacity, force,
                                   CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None)
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
@@ -191,6 +219,9 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
                              f"(only {', '.join(DDP_STRATEGIES)} do); drop it")
         check_optimizer(console, job, inner, strategy, plan, servers, pick(lr, "lr"))
+        if strategy == "fsdp":
+            from hpar.strategies.fsdp import check_available
+            check_available()
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
@@ -201,6 +232,7 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
             on_divergence=on_divergence, divergence_factor=divergence_factor, replicas=replicas,
             find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus),
+            allow_unequal_batches=bool(pick(allow_unequal_batches, "allow_unequal_batches")),
             staleness=staleness, cache_rows=cache_rows)
         check_precision(job, cfg, model)
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
@@ -251,6 +283,8 @@ def resolve(console: Console, *, script, gpus, hosts, strategy, plan_file, steps
         from hpar.launcher.run.planning import compute_mismatch
         if compute_mismatch(cfg.plan, chosen):   # CPU figures for GPU workers are never taken silently
             console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
-    opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, max_restarts=max_restarts,
+        cfg = fit_plan(console, cfg, job, model, capacity, host_list, force, profile)   # predicted peaks vs memory
+    opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, phase_timeout=phase_timeout,
+                         max_restarts=max_restarts,
                          live=False if plain else None, sync=sync, env=extra_env, slurm=slurm)
     return cfg, opts, master

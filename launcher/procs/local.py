@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from hpar.workers.descendants import describe, send
+
 
 @dataclass(frozen=True)
 class ProcessSpec:
@@ -83,6 +85,7 @@ class LocalProcess:
         self.pgid: int | None = None
         self.host_lost = False  # this machine cannot be lost (RemoteProcess sets it)
         self._escaped: list = []  # psutil.Process of descendants that left the group
+        self.ended: dict[int, str] = {}   # pid -> description of each such process stopped with the group
 
     def start(self) -> None:
         """Start the process (new session, stdin a pipe the guard watches)."""
@@ -109,15 +112,14 @@ class LocalProcess:
         if self.pgid is None:
             return
         escaped = [p for p in self._members() if self._pgid_of(p) != self.pgid]
+        if sig in (signal.SIGTERM, signal.SIGKILL):
+            for p in escaped:
+                self.ended.setdefault(p.pid, describe(p))
         try:
             os.killpg(self.pgid, sig)
         except ProcessLookupError:
             pass
-        for p in escaped:
-            try:
-                p.send_signal(sig)
-            except psutil.Error:
-                pass
+        send(escaped, sig)
 
     @staticmethod
     def _pgid_of(p) -> int | None:

@@ -209,6 +209,7 @@ class RemoteProcess:
         self.pid: int | None = None
         self.pgid: int | None = None
         self.host_lost = False  # True once the connection broke (poll() is then LOST_HOST)
+        self.ended: dict[int, str] = {}   # what the teardown stopped outside its group (launcher/run/teardown.py)
 
     def start(self) -> None:
         """Connect and start the process. Raises SSHError when the host cannot be reached."""

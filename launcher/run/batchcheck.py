@@ -1,14 +1,18 @@
-"""Warn once when data-parallel workers draw batches of different sizes.
+"""Warn once when data-parallel workers train on batches of different sizes.
 
 Synchronous data parallelism averages each worker's mean gradient, so with batches of 8 and 6
 samples a sample of the smaller batch weighs 8/6 as much as one of the larger: not the
-single-process training on the concatenated batch the user expects (DESIGN.md). Each worker
-announces the size of its first batch (``batch`` event, strategies/context.StepMeter); once all
-have, the sizes are compared and a differing set is printed once, naming ranks and sizes.
+single-process training on the concatenated batch the user expects (DESIGN.md). The workers
+refuse such first batches before training (strategies/first_batch.py) unless
+``--allow-unequal-batches``; then each worker announces the size of its first batch (``batch``
+event, strategies/context.StepMeter) and, once all have, a differing set is printed once,
+naming ranks and sizes.
 """
 from __future__ import annotations
 
-DATA_PARALLEL = ("allreduce", "allreduce-sparse", "hybrid", "ps")
+from hpar.strategies.first_batch import sizes_text
+
+DATA_PARALLEL = ("allreduce", "allreduce-sparse", "hybrid", "ps", "fsdp")
 
 
 class BatchSizeCheck:
@@ -34,7 +38,6 @@ class BatchSizeCheck:
         """The warning for ``sizes`` (rank -> samples), None when they are all equal."""
         if len(set(sizes.values())) <= 1:
             return None
-        listed = ", ".join(f"worker {r}: {n}" for r, n in sorted(sizes.items()))
-        return (f"hpar: warning: workers draw batches of different sizes ({listed}); gradients are averaged per "
-                "worker, so this is not training on the concatenated batch: make data(rank, world_size, batch_size) "
-                "yield batch_size samples on every rank")
+        return (f"hpar: warning: workers draw batches of different sizes ({sizes_text(sizes)}); as "
+                "--allow-unequal-batches allows, each worker's mean gradient weighs the same (DDP's average), so "
+                "this is not training on the concatenated batch")

@@ -1,10 +1,13 @@
 """The planner as ``hpar run`` uses it: profile the job, describe the cluster, choose a plan."""
 from __future__ import annotations
 
+import dataclasses
+
 
 def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: int | None,
              schedule: str = "1f1b", force: str | None = None, device: str = "auto",
-             pipeline_replicas: int | None = None, precision: str | None = None, cache=None):
+             pipeline_replicas: int | None = None, precision: str | None = None, capacity=None,
+             allow_misfit: bool = False, cache=None):
     """Profile ``job`` (strategies/profile/profiler.py) for ``gpus`` workers on the hosts of
     ``hosts_spec`` (link figures probed on this machine, or hpar profile's defaults for remote
     hosts) and return the planner's Plan (strategies/plan/planner.py). ``device`` (``--device``):
@@ -12,17 +15,32 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: i
     ``compute`` says which, and ``hpar run`` warns when its workers use another device
     (:func:`compute_mismatch`); ``pipeline_replicas``: the pipeline's R fixed by
     ``--pipeline-replicas``; ``precision``: the workers' ``--precision`` (None: the script's),
-    under which the forward passes are timed; ``cache``: the hot-row caches the user allowed
-    (``--staleness``: hybrid/cache.CacheConfig), which the planner may then choose. Raises
-    JobError/ValueError."""
+    under which the forward passes are timed; ``capacity``: the memory each process may use
+    (launcher/run/capacity.py), ``allow_misfit``: plan a forced strategy that exceeds it;
+    ``cache``: the hot-row caches the user allowed (``--staleness``: hybrid/cache.CacheConfig),
+    which the planner may then choose.
+    Returns (the Plan, the Profile it was made from). Raises JobError/ValueError."""
     from hpar.launcher.commands.profile import build_cluster
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     from hpar.strategies.profile.device import profile_device
     measure_on = profile_device("cpu" if device == "cpu" else "auto")
-    cluster = build_cluster(gpus, hosts_spec, servers, None, None, None, measured_on=measure_on.type)
+    cluster = build_cluster(gpus, hosts_spec, servers, None, None, None, measured_on=measure_on.type, capacity=capacity)
     profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision)
-    return choose_plan(profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas, cache=cache)
+    plan = choose_plan(profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas,
+                       allow_misfit=allow_misfit, cache=cache)
+    if force is not None:
+        return plan, profile
+    alternatives = {}   # the plans --tune may try (launcher/run/tuning.py): those that fit
+    for c in plan.candidates:
+        if c.available and c.strategy != plan.strategy:
+            try:
+                alt = choose_plan(profile, cluster, schedule=schedule, force=c.strategy, pipeline_replicas=pipeline_replicas,
+                                  cache=cache)
+            except ValueError:
+                continue
+            alternatives[c.strategy] = {k: v for k, v in alt.to_dict().items() if k != "candidates"}
+    return dataclasses.replace(plan, alternatives=alternatives), profile
 
 
 def compute_mismatch(plan: dict, device: str) -> str | None:

@@ -104,17 +104,18 @@ class Progress:
         return t
 
 
-def final_line(s: dict, run_dir: str) -> str:
+def final_line(s: dict, run_dir: str, lead: str = "done") -> str:
     """The line ``hpar run`` ends with: global samples/s of the measured window, worker 0's
     training loss averaged over the first and the last logging interval (as the progress
     lines average it), and ``evaluate()``'s figures before and after, each prefixed
-    ``eval`` so that an evaluate key named ``loss`` cannot be mistaken for the training loss."""
+    ``eval`` so that an evaluate key named ``loss`` cannot be mistaken for the training loss.
+    ``lead`` comes first (a resume with nothing to do says so, with the run's own figures)."""
     first, last = s.get("loss_first_mean", s.get("loss_first")), s.get("loss_last_mean", s.get("loss_last"))
     steps = s.get("loss_mean_steps")
     avg = f" (mean of the first {steps[0]} and last {steps[1]} steps)" if steps else ""
     ev = ", ".join(f"eval {k} {_num((s.get('eval_first') or {}).get(k), '.4g')} -> {_num(v, '.4g')}"
                    for k, v in (s.get("eval_last") or {}).items())
-    return (f"hpar: done: {_num(s.get('samples_per_s'), '.1f')} samples/s, training loss {_num(first, '.4f')} -> "
+    return (f"hpar: {lead}: {_num(s.get('samples_per_s'), '.1f')} samples/s, training loss {_num(first, '.4f')} -> "
             f"{_num(last, '.4f')}{avg}{'; ' + ev if ev else ''}; run dir {run_dir}")
 
 

@@ -16,6 +16,7 @@ from hpar.launcher.run.batchcheck import BatchSizeCheck
 from hpar.launcher.run.elastic import shrink
 from hpar.launcher.run.figures import FirstFigures
 from hpar.launcher.run.health import heartbeat_interval
+from hpar.launcher.run.peaks import PeakFigures
 from hpar.launcher.run.progress import Progress, last_reported
 from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_host_local, port_taken
 from hpar.launcher.run.rundir import RunDir
@@ -34,6 +35,7 @@ class LaunchOptions:
     hosts: tuple[Host, ...] = ()
     ssh: object | None = None          # launcher.ssh.SSHOptions when SSH is used
     stall_timeout: float = 0.0
+    phase_timeout: float | None = None  # evaluate(), first batch, checkpoint and model writes, server requests (None: stall_timeout)
     max_restarts: int = 0
     grace: float = 5.0
     live: bool | None = None
@@ -80,7 +82,7 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
     procs = []
     for spec in specs:
         thread_env(spec, by_name[spec.host], per_host[spec.host], opts)
-        spec.env.setdefault("HPAR_HEARTBEAT_S", str(heartbeat_interval(opts.stall_timeout)))
+        spec.env.setdefault("HPAR_HEARTBEAT_S", str(heartbeat_interval(opts.stall_timeout, opts.phase_timeout)))
         for key, value in opts.env.items():  # hpar's own variables win
             spec.env.setdefault(key, value)
     if opts.slurm:
@@ -120,6 +122,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
     rundir = RunDir(cfg.run_dir)
     previous = rundir.read_summary()
     figures = FirstFigures(rundir.path, cfg.world_size, cfg.strategy)
+    peaks = PeakFigures(rundir)   # measured peak memory per process (launcher/run/peaks.py)
     attempt = 0
     used_ports: set[int] = set()
     elastic: list[dict] = []   # the restarts that left hosts out (--min-hosts)
@@ -135,9 +138,10 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                 labels = [(p.spec.label, p.spec.host) for p in procs]
                 with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
                     sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
-                    hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event))
+                    hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event),
+                                                 peaks.on_event(proc, event))
                     sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
-                                     total_steps=cfg.steps, on_event=hooks)
+                                     total_steps=cfg.steps, on_event=hooks, phase_timeout=opts.phase_timeout)
                     outcome = sup.run()
             checkpoint.remove_temp_files(rundir.path)
             used_ports.add(rdv.port)
@@ -146,7 +150,8 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                               markup=False)
                 continue
             interrupted = outcome.exit_code in (130, 143)
-            if outcome.exit_code == 0 or interrupted or attempt >= opts.max_restarts:
+            refused = outcome.exit_code == 2   # the script's input (strategies/first_batch.py): a restart cannot help
+            if outcome.exit_code == 0 or interrupted or refused or attempt >= opts.max_restarts:
                 break
             attempt += 1
             if opts.min_hosts and opts.ssh is not None and opts.hosts:
@@ -164,11 +169,13 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             cfg = cfg.replace(resume=step is not None)
             time.sleep(1.0)
         # stopped early: "steps" is the step it reached (the last one reported), not the one asked for
-        summary = figures.apply(outcome.summary, previous) if outcome.summary else \
+        summary = peaks.apply(figures.apply(outcome.summary, previous), cfg.plan) if outcome.summary else \
             {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps_planned": cfg.steps, **last_reported(progress)}
         outcome.summary = summary if outcome.summary else None
         summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path,
-                       **({"elastic": elastic} if elastic else {}))
+                       **({"elastic": elastic} if elastic else {}),
+                       **({"tuning": cfg.plan["tuning"]} if cfg.plan.get("tuning") else {}),
+                       **({"predicted_step_s": cfg.plan["predicted_step_s"]} if cfg.plan.get("predicted_step_s") else {}))
         if outcome.exit_code != 0:
             summary.update(failed=outcome.failed, failed_host=outcome.host, cause=outcome.cause)
         try:

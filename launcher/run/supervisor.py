@@ -6,6 +6,8 @@ progress, and polls exit codes. The first failure (a non-zero exit, a death by s
 process that made no progress for ``stall_timeout`` seconds, or Ctrl-C/SIGTERM to the launcher)
 stops every other process: SIGTERM to each recorded process group, ``grace`` seconds, then
 SIGKILL. The failure is reported with host, process, cause and the last lines of its log.
+Outside the steps (``evaluate()``, a worker's first batch, checkpoint and model writes, a
+server's request) a process that stays busy past ``phase_timeout`` stalls too.
 
 Stalls are told per process (launcher/run/health.py); before a stalled run is torn down every
 process's Python stack is taken and summarised (launcher/run/stacks.py), then the stalled
@@ -23,17 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from hpar.launcher.run import stacks, teardown
+from hpar.launcher.run.blame import PEER_LOST, blame_order, describe_exit, lost_host
 from hpar.launcher.run.health import Health
 from hpar.launcher.run.progress import Progress
 from hpar.launcher.run.rundir import RunDir
 from hpar.workers import report
 
-EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 130, 143
-
-# what gloo and NCCL print when a peer vanished: a process that says so failed because of it
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-             "NCCL communicator was aborted", "Broken pipe")
-
+EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 
 @dataclass
 class Outcome:
@@ -45,24 +43,6 @@ class Outcome:
     host: str | None = None
     cause: str | None = None
     summary: dict | None = None
-
-
-def describe_exit(code: int, signal_seen: int | None) -> str:
-    """'exit code N' or 'killed by SIGNAME' for a process's exit status (the guard reports a
-    child's death by signal N as exit code 128+N after an event naming the signal)."""
-    sig = -code if code < 0 else (signal_seen if signal_seen and code == 128 + signal_seen else None)
-    if sig:
-        try:
-            return f"killed by {signal.Signals(sig).name}"
-        except ValueError:
-            return f"killed by signal {sig}"
-    return f"exit code {code}"
-
-
-def _lost_host(p) -> str:
-    """The failure of a process whose host stopped answering (its SSH connection broke)."""
-    return (f"lost the connection to its host {p.spec.host} (link or host down, or sshd gone); its processes "
-            "there stop by themselves (guard heartbeat)")
 
 
 def _start(p) -> Exception | None:
@@ -78,7 +58,8 @@ class Supervisor:
     """Runs ``procs`` (objects with LocalProcess's methods) to completion or first failure."""
 
     def __init__(self, procs: list, lines: "queue.Queue", rundir: RunDir, progress: Progress,
-                 stall_timeout: float = 0.0, grace: float = 5.0, total_steps: int = 0, on_event=None):
+                 stall_timeout: float = 0.0, grace: float = 5.0, total_steps: int = 0, on_event=None,
+                 phase_timeout: float | None = None):
         self.procs, self.lines, self.rundir, self.progress = procs, lines, rundir, progress
         self.stall_timeout, self.grace = stall_timeout, grace
         self.summary: dict | None = None
@@ -86,11 +67,14 @@ class Supervisor:
         self._signal_of: dict[int, int] = {}
         self._peer_lost: set[int] = set()   # processes whose output says a peer vanished
         self._exit_seen: dict[int, int] = {}   # order in which exits were seen
-        self.health = Health([id(p) for p in procs], [p.spec.role for p in procs], total_steps, stall_timeout)
+        self.health = Health([id(p) for p in procs], [p.spec.role for p in procs], total_steps, stall_timeout,
+                             phase_timeout)
         self._stacks: dict[int, list[str]] | None = None   # dumps being read back, by process
         self._eof: set[int] = set()                         # processes whose output has ended
         self._stop_signal: int | None = None
         self._stopped = False
+        self._ended: dict[str, list[str]] = {}   # by process label: what its guard ended outside its group
+        self._refused: tuple | None = None   # (process, message): it refused its input before training
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
@@ -103,6 +87,7 @@ class Supervisor:
         finally:
             if not self._stopped:  # _fail stops everything before it reports
                 self.teardown()
+            self._say_ended()
             self.progress.mark_stopped()   # the live view's final state: no row left "running"
             for s, h in old.items():
                 signal.signal(s, h)
@@ -120,10 +105,12 @@ class Supervisor:
         exited: dict[int, int] = {}
         while True:
             self._drain(timeout=0.2)
+            if self._refused:   # a worker refused its first batch: stop everyone now (strategies/first_batch.py)
+                return self._fail(self._refused[0], self._refused[1])
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
                 self.progress.say(f"hpar: {name} received, stopping every process")
-                if self._hanging():
+                if self.health.hanging([id(p) for p in self.procs if p.poll() is None]):
                     self._diagnose()   # Ctrl-C on a hung run: say where every process stands
                 return Outcome(EXIT_INTERRUPTED if self._stop_signal == signal.SIGINT else EXIT_TERMINATED,
                                cause=f"launcher received {name}")
@@ -162,10 +149,10 @@ class Supervisor:
                     self._exit_seen.setdefault(id(p), len(self._exit_seen))
                 first = min(candidates, key=lambda p: (self._blame_order(p), self._exit_seen[id(p)]))
                 if first.host_lost:   # the link, the host or its sshd: its guards stop their groups there
-                    return self._fail(first, _lost_host(first))
+                    return self._fail(first, lost_host(first.spec.host))
                 return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
             if len(exited) == len(self.procs):
-                self._drain(timeout=0.0)
+                self._drain_to_end(2.0)   # the guards' last lines: what they ended outside their groups
                 return Outcome(0, summary=self.summary)
             stalled = self.health.stalled([id(p) for p in self.procs if id(p) not in exited])
             if stalled:
@@ -180,20 +167,6 @@ class Supervisor:
         return not isinstance(p, SrunProcess) and any(a in ("hpar.workers.worker", "hpar.workers.server")
                                                       for a in p.spec.argv)
 
-    def _hanging(self) -> bool:
-        """Whether some live process has been silent, or a training worker without a step,
-        for 5 s or more (Ctrl-C then takes the stacks first)."""
-        now = time.monotonic()
-        for p in self.procs:
-            s = self.health.state[id(p)]
-            if p.poll() is not None or s.first_beat is None:
-                continue
-            if self.health.silent(id(p), now) > 5 or (
-                    s.role == "worker" and s.phase == "train" and s.step_time and now - s.step_time > 5
-                    and s.step < self.health.total_steps):
-                return True
-        return False
-
     def _stall(self, stalled: list) -> Outcome:
         """Take every process's stack, blame the stalled process (the silent one, else the one
         found elsewhere than in torch while its peers wait there), SIGKILL it, stop the rest."""
@@ -201,9 +174,11 @@ class Supervisor:
         odd, mute = self._diagnose()
         lost = [p for p in self.procs if p.host_lost]
         if lost:   # silent because its host is cut off (found while the stacks were asked for)
-            return self._fail(lost[0], _lost_host(lost[0]))
+            return self._fail(lost[0], lost_host(lost[0].spec.host))
         key, cause = stalled[0]
-        if not cause.startswith("stalled: silent"):
+        # a silent process, or one stuck past the phase deadline in what it said it was doing, is
+        # the culprit whatever the stacks show; otherwise the stacks decide
+        if not cause.startswith("stalled: silent") and not self.health.state[key].doing:
             if mute:      # gave no stack while others did: stopped or frozen
                 key = id(by_label[mute[0]])
                 cause = (f"stalled: silent for {self.health.silent(key):.0f} s and no answer to the stack "
@@ -254,21 +229,34 @@ class Supervisor:
         self.progress.say(f"hpar: stacks ({os.path.join(self.rundir.path, 'stacks')}):\n" + "\n".join(summary))
         return odd, (list(no_stack) if dumps else [])
 
+    def _drain_to_end(self, seconds: float) -> None:
+        """Read output until every process's own stream has ended (not an srun task's: the
+        step's stream is shared), ``seconds`` at most."""
+        from hpar.launcher.procs.srun import SrunProcess
+        deadline = time.monotonic() + seconds
+        self._drain(timeout=0.0)
+        while time.monotonic() < deadline and any(id(p) not in self._eof and not isinstance(p, SrunProcess)
+                                                  for p in self.procs):
+            self._drain(timeout=0.05)
+
+    def _say_ended(self) -> None:
+        """One line naming what was ended of the processes the run's processes had started in
+        sessions of their own: by their guards when they exited, or with their groups."""
+        from hpar.workers.descendants import ended_line
+        for p in self.procs:
+            for pid, item in getattr(p, "ended", {}).items():
+                if not any(i.split()[0] == str(pid) for i in self._ended.get(p.spec.label, [])):
+                    self._ended.setdefault(p.spec.label, []).append(item)
+        line = ended_line({f"started by {label}": items for label, items in self._ended.items()})
+        if line:
+            self.progress.say(line)
+
     def _is_root_cause(self, p) -> bool:
-        """True for a failure nothing else can have caused: a signal from outside or a lost
-        connection to the process's host."""
+        """A failure nothing else can have caused: a signal from outside, a lost host."""
         return self._blame_order(p) == 0 or p.host_lost
 
-    def _blame_order(self, p) -> int:
-        """0: killed by a signal from outside (SIGKILL, SIGTERM, SIGSEGV, ...); 1: a non-zero
-        exit code; 2: a consequence of another failure: SIGABRT (how gloo ends a process whose
-        peer vanished) or an exit after its output said a peer vanished (``PEER_LOST``). Ties
-        go to the exit seen first."""
-        code = p.poll()
-        sig = -code if code is not None and code < 0 else self._signal_of.get(id(p))
-        if sig is None:
-            return 2 if id(p) in self._peer_lost else 1
-        return 2 if sig == signal.SIGABRT else 0
+    def _blame_order(self, p) -> int:   # launcher/run/blame.py: 0 for the likeliest root cause
+        return blame_order(p.poll(), self._signal_of.get(id(p)), id(p) in self._peer_lost)
 
     def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -292,7 +280,7 @@ class Supervisor:
         if parsed is None:
             if self._stacks is not None and id(proc) in self._stacks:
                 self._stacks[id(proc)].append(line)   # a stack dump: to RUN_DIR/stacks, not the screen
-            else:
+            elif not self._refused:   # after a refusal, the peers' complaints go to their logs only
                 self.progress.say(f"[{spec.host} {spec.label}] {line}")
             return
         kind, payload = parsed
@@ -320,6 +308,12 @@ class Supervisor:
                 if self.health.state[id(proc)].phase == "evaluate":
                     self.health.evaluated()
                 self.health.phase(id(proc), payload.get("phase", ""))
+            elif what == "doing":   # strategies/activity.py: a worker's change of activity, seen at once
+                self.health.activity(id(proc), payload.get("what"))
+            elif what == "refused":
+                self._refused = self._refused or (proc, str(payload.get("message")))
+            elif what == "ended" and isinstance(payload.get("processes"), list):   # workers/guard.py
+                self._ended.setdefault(spec.label, []).extend(str(x) for x in payload["processes"])
             elif what == "exit" and payload.get("code") == 0:
                 self.health.state[id(proc)].exited_cleanly = True
             if self.on_event is not None:
@@ -328,6 +322,9 @@ class Supervisor:
     def _fail(self, p, cause: str) -> Outcome:
         self.teardown()
         self._drain(timeout=0.2)
+        if self._refused:   # the user's input, refused before training: one line, as before start (exit 2)
+            self.progress.say(f"hpar: {self._refused[1]}")
+            return Outcome(EXIT_REFUSED, p.spec.label, p.spec.host, self._refused[1], self.summary)
         tail = self.rundir.tail(p.spec.log_name, 10)
         self.progress.say(f"hpar: {p.spec.label} on {p.spec.host} failed: {cause}; stopped every other process")
         if tail:

@@ -7,6 +7,8 @@ found by name), waits on the host itself until they are gone (SIGTERM + SIGCONT,
 seconds, SIGKILL) and reports what is left. It runs in a new channel of a connection that is
 already open (launcher/procs/ssh_control.py), and the hosts run theirs in parallel, so a
 teardown costs about one round trip plus the processes' own exit, whatever the host count.
+What the processes started in sessions of their own is stopped with them, there as here
+(workers/descendants.py), and recorded in each process's ``ended``.
 A host that cannot be reached is skipped: its guards stop their groups by themselves when the
 launcher's heartbeat stops (workers/guard.py). Everything else (processes on this machine,
 tasks of a Slurm step) is stopped through its own ``terminate``/``kill``/``group_alive``, one
@@ -14,6 +16,7 @@ thread per process.
 """
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,8 +71,25 @@ def stop_host(procs: list, grace: float, kill_wait: float) -> list[str]:
     marked = [line for line in out.splitlines() if line.startswith("@hpar left")]
     if code not in (0, 1) or not marked:
         return [p.spec.label for p in procs]   # the command itself failed: nothing is known
+    record_ended(procs, out)
     left = {int(g) for g in marked[-1].split()[2:]}
     return [p.spec.label for p in procs if p.pgid in left]
+
+
+def record_ended(procs: list, out: str) -> None:
+    """Put what the host's stop command ended outside the groups (its ``@hpar ended`` line:
+    processes started in sessions of their own) into each process's ``ended`` (pid ->
+    description), as LocalProcess records its own."""
+    for line in out.splitlines():
+        if not line.startswith("@hpar ended "):
+            continue
+        try:
+            by_group = json.loads(line[len("@hpar ended "):])
+        except ValueError:
+            continue
+        for p in procs:
+            for item in by_group.get(str(p.pgid), []):
+                p.ended.setdefault(int(str(item).split()[0]), str(item))
 
 
 def stop_each(procs: list, grace: float, kill_wait: float) -> list:

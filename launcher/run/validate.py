@@ -1,9 +1,11 @@
 """Checks of what a run reads and writes, made before any process starts: the run directory
-is a writable directory, a plan's pipeline stages are well formed, and the checkpoint a resume
+is a writable directory, a plan's pipeline stages are well formed, the checkpoint a resume
 or restart starts from is complete (every part present and matching its SHA-256), falling back
-to the previous complete checkpoint with a message when the newest is damaged."""
+to the previous complete checkpoint with a message when the newest is damaged, and whether a
+resumed run has anything left to do."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
@@ -59,3 +61,19 @@ def resume_step(run_dir: str, say) -> int | None:
         say(f"hpar: {problems[0]}; resuming from the previous complete checkpoint, step {step}")
         checkpoint.point_latest(run_dir, step)
     return step
+
+
+def finished(run_dir: str, steps: int) -> dict | None:
+    """The run's own summary.json when the run in ``run_dir`` finished (exit code 0, its
+    model written) at ``steps`` or beyond: a resume to ``steps`` has nothing to do. None when
+    it did not, or when it cannot tell (no summary, a torn one)."""
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    done = isinstance(summary, dict) and summary.get("exit_code") == 0 and isinstance(summary.get("steps"), int)
+    from hpar.strategies.state import FINAL
+    if not done or summary["steps"] < steps or not os.path.exists(os.path.join(run_dir, FINAL, ".metadata")):
+        return None
+    return summary

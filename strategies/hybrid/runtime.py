@@ -36,13 +36,14 @@ and every worker's RNG state; ``server{i}`` parts hold the shards and their opti
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from hpar.strategies import checkpoint
+from hpar.strategies import activity, checkpoint
 from hpar.strategies import state as run_state
 from hpar.strategies.hybrid import ahead, build, embedding
 from hpar.strategies.hybrid.cache import REFRESH_STEPS, CacheConfig
@@ -51,6 +52,7 @@ from hpar.strategies.allreduce import DENSE, ring_allreduce_bytes, ring_successo
 from hpar.strategies.ddp import unused_error_named, wrap
 from hpar.strategies.devices import cpu_copy, to_device
 from hpar.strategies.groups import WorkerGroups, mean_over_workers, worker_groups
+from hpar.strategies.first_batch import check_first_batch, first_batch
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.forward import call_model, inner_module
 from hpar.strategies.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
@@ -226,7 +228,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     ctx.start_step = _resume(ctx, model, opt, tools, ps_names, caches)
     if ctx.rank == 0 and cfg.eval and not cfg.resume and ctx.event is not None:   # the served rows on demand, at step 0
         ctx.event({"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), activity.doing("in evaluate() before training"):
             ctx.event({"kind": "first_eval", "eval": job.run_evaluate(_model_copy(outer, client, whole, clock, 0))})
         _done_evaluating(client)
         ctx.event({"kind": "phase", "phase": "train"})
@@ -236,9 +238,12 @@ def train(ctx: WorkerContext) -> TrainResult:
         net = wrap(outer, groups.workers.dense, ctx.device, cfg.find_unused_parameters, ignore=ps_names)
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         net.register_comm_hook((client.bytes, ctx.world_size, groups.workers.dense, ring_remote), group_allreduce_hook)
-    batches = ahead.PullAhead(served, client, job.batches(ctx.rank, ctx.world_size, cfg.batch_size))
-    for _ in range(ctx.start_step * cfg.accumulate):  # same batches as an uninterrupted run
-        next(batches)
+    drawn = job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
+    # past the batches trained on before the checkpoint (the same data as an uninterrupted run)
+    first = [first_batch(lambda i: next(drawn), ctx.start_step * cfg.accumulate)] if ctx.start_step < cfg.steps else []
+    if first:
+        check_first_batch(ctx, first[0][0], groups.workers.control)   # equal sizes on every worker, before any step
+    batches = ahead.PullAhead(served, client, itertools.chain(first, drawn))
     meter, totals, steps_done = StepMeter(ctx, 0), {}, 0
     pending = []   # this step's sends to the servers
     # Under --accumulate A, every micro-step pushes its rows, but only the last one counts its
@@ -355,16 +360,19 @@ def train(ctx: WorkerContext) -> TrainResult:
                                                   **({"skipped_step": 1} if skipped else {})},
                   sent_remote=remote, logged=logged)
         client.pull_s = 0.0
+        # the checkpoint first: the servers wait in its commit barrier, where they could not
+        # answer the evaluation's pulls of served rows (a deadlock when both fall on a step)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            _save(ctx, step + 1, model, opt, tools, ps_names, caches)
         evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(outer, client, whole, clock, step + 1),
                                  ctx.report_eval)
         _done_evaluating(client)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            _save(ctx, step + 1, model, opt, tools, ps_names, caches)
     eval_last = None
     if ctx.rank == 0:   # while the servers still answer: evaluate() reads served rows on demand
         if ctx.event is not None:
             ctx.event({"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
-        eval_last = job.run_evaluate(_model_copy(outer, client, whole, clock, cfg.steps)) if cfg.eval else {}
+        with activity.doing("in evaluate() after the last step"):
+            eval_last = job.run_evaluate(_model_copy(outer, client, whole, clock, cfg.steps)) if cfg.eval else {}
         _done_evaluating(client)
     client.finish()
     # the dense part where it lives (every worker holds it: DCP writes one copy); the servers write the tables

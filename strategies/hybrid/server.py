@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hpar.strategies import checkpoint
+from hpar.strategies import activity, checkpoint
 from hpar.strategies import state as run_state
 from hpar.strategies.config import RunConfig
 from hpar.strategies.context import ByteMeter, peer_is_remote
@@ -219,40 +219,55 @@ class Server:
                                "by_param": {k: {"sent": s / n, "recv": r / n} for k, (s, r) in it["by_param"].items()}})
         self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}
 
+    def describe(self, req: Request) -> str:
+        """What handling ``req`` is, for the launcher's phase deadline (strategies/activity.py)."""
+        what = {PULL: "pull", PULL_CACHED: "pull", CACHE: "cached rows", PUSH: "push", DONE: "end of step",
+                FINISH: "finish"}.get(req.op, f"request {req.op}")
+        table = f" of {self.tables[req.tid].name}" if req.op in (PULL, PULL_CACHED, CACHE, PUSH) and req.tid in self.tables else ""
+        return f"handling worker {req.src}'s {what}{table} (step {req.step})"
+
     def serve(self) -> None:
-        """Answer requests until every worker sent FINISH."""
+        """Answer requests until every worker sent FINISH. Handling one request (applying a
+        table's update when it completes one, answering the pulls that waited for it, writing
+        a checkpoint when due) has the phase deadline; waiting for the next one has none."""
         finished = 0
         while finished < self.num_workers:
             req = self.inbox.next()
-            op, tid, step = req.op, req.tid, req.step
-            self.bytes.add(CONTROL if op in (DONE, FINISH) else self.tables[tid].name, recv=HEADER_BYTES)
-            if op in (PULL, PULL_CACHED):
-                local = self._local_ids(req)
-                if step <= self.table_step[tid]:
-                    self._reply(req.src, tid, local, op == PULL_CACHED)
-                else:
-                    self.pending.append((req.src, tid, local, step, op == PULL_CACHED))
-            elif op == CACHE:   # a worker's cache epoch: the rows of this shard it caches from now on
-                self.book.announce(req.src, tid, self._local_ids(req))
-            elif op == PUSH:
-                local = self._local_ids(req)
-                rows = self.shards[tid].weight.shape[0] if local is None else local.numel()
-                grads = self._take(req, (rows, self.tables[tid].dim), self.tables[tid].dtype)
-                if step > self.table_step[tid]:
-                    self.early.append((tid, step, local, grads, req.count))
-                else:
-                    assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
-                    self._add_push(tid, local, grads, req.count)
-                    self._apply_if_complete(tid)
-            elif op == DONE:
-                self.done[step] = self.done.get(step, 0) + 1
-                while self.done.get(self.applied, 0) == self.num_workers:
-                    del self.done[self.applied]
-                    self._close_step()
-            elif op == FINISH:
-                finished += 1
-            else:
-                raise AssertionError(f"unknown op {op} from rank {req.src}")
+            with activity.doing(self.describe(req), announce=False):
+                finished += self._handle(req)
         assert not self.pending, "a pull was left unanswered"
         assert not self.early, "a push was left unapplied"
         self.inbox.close()
+
+    def _handle(self, req: Request) -> int:
+        """Handle one request; 1 for a worker's FINISH, else 0."""
+        op, tid, step = req.op, req.tid, req.step
+        self.bytes.add(CONTROL if op in (DONE, FINISH) else self.tables[tid].name, recv=HEADER_BYTES)
+        if op in (PULL, PULL_CACHED):
+            local = self._local_ids(req)
+            if step <= self.table_step[tid]:
+                self._reply(req.src, tid, local, op == PULL_CACHED)
+            else:
+                self.pending.append((req.src, tid, local, step, op == PULL_CACHED))
+        elif op == CACHE:   # a worker's cache epoch: the rows of this shard it caches from now on
+            self.book.announce(req.src, tid, self._local_ids(req))
+        elif op == PUSH:
+            local = self._local_ids(req)
+            rows = self.shards[tid].weight.shape[0] if local is None else local.numel()
+            grads = self._take(req, (rows, self.tables[tid].dim), self.tables[tid].dtype)
+            if step > self.table_step[tid]:
+                self.early.append((tid, step, local, grads, req.count))
+            else:
+                assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
+                self._add_push(tid, local, grads, req.count)
+                self._apply_if_complete(tid)
+        elif op == DONE:
+            self.done[step] = self.done.get(step, 0) + 1
+            while self.done.get(self.applied, 0) == self.num_workers:
+                del self.done[self.applied]
+                self._close_step()
+        elif op == FINISH:
+            return 1
+        else:
+            raise AssertionError(f"unknown op {op} from rank {req.src}")
+        return 0

@@ -45,7 +45,7 @@ optimizer and at the end of each step.
 Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
 for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
 their means per stage (gathered to rank 0), with the stage's peak memory over the run
-(``peak_mem_bytes``, strategies/pipeline/memory.py).
+(``peak_mem_bytes``, strategies/memory.py).
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ import torch.distributed as dist
 from hpar.strategies import checkpoint
 from hpar.strategies import state as run_state
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.first_batch import check_first_batch, first_batch
 from hpar.strategies.devices import ComputeTimer
 from hpar.strategies.groups import worker_groups
 from hpar.strategies import loop
@@ -64,7 +65,7 @@ from hpar.strategies.pipeline import stage_loop
 from hpar.strategies.pipeline import guard
 from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.replicas import Grid, StageReplicas
-from hpar.strategies.pipeline.memory import PeakMemory
+from hpar.strategies.memory import PeakMemory
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
 from hpar.strategies.layers import is_declared_sequence
 from hpar.strategies.pipeline.stage import (draw_batch, Stage, build_stages_model, describe, example_micro_batch,
@@ -131,9 +132,11 @@ def train(ctx: WorkerContext) -> TrainResult:
     ties = TiedGradients(shared, stage.module, grid, k, r, cfg.device)   # after StageReplicas, on every rank
     stepper.norm_params = ties.counted(stepper.params)
     batches = job.batches(r, grid.replicas, cfg.batch_size) if (stage.is_first or stage.is_last) else None
-    for s in range(ctx.start_step):   # the same batches as an uninterrupted run
-        if batches is not None:
-            draw_batch(batches, cfg.seed, s)
+    drawn = {}   # the first batch, drawn before the schedule starts, past those trained on before the checkpoint
+    if batches is not None and ctx.start_step < cfg.steps:
+        drawn[ctx.start_step] = first_batch(lambda s: draw_batch(batches, cfg.seed, s), ctx.start_step)
+    if ctx.start_step < cfg.steps:   # every stage: M divides it, the replicas' are equal (a collective)
+        check_first_batch(ctx, drawn[ctx.start_step][0] if drawn else None, groups.control, M, replica=r)
     meter = StepMeter(ctx, cfg.batch_size)
     inputs, targets, step_losses = {}, {}, {}
     stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": [], "memory": PeakMemory(ctx.device)}
@@ -141,7 +144,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     timer = ComputeTimer(ctx.device)   # CUDA events on a GPU
 
     def feed(step: int) -> None:
-        x, y = draw_batch(batches, cfg.seed, step)
+        x, y = drawn.pop(step) if step in drawn else draw_batch(batches, cfg.seed, step)
         for i, (xm, ym) in enumerate(zip(split_micro(move_to(x, ctx.device), M), split_micro(move_to(y, ctx.device), M))):
             if stage.is_first:
                 inputs[step * M + i] = xm

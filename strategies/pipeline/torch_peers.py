@@ -17,7 +17,7 @@ what the benchmark compares.
 
 Per-stage figures as hpar's own schedules report them: ``compute_s`` and ``idle_s`` per step
 (the bubble), bytes that crossed the process boundary, and ``peak_mem_bytes``
-(strategies/pipeline/memory.py). torch does not expose when a schedule waits, so on CPU
+(strategies/memory.py). torch does not expose when a schedule waits, so on CPU
 compute is the process's CPU time over the step (``time.process_time``: blocked in a gloo
 receive costs none) and idle the rest of the wall-clock step; on CUDA the split is not
 measured (None) and ``compute_s`` is the step time.
@@ -34,8 +34,9 @@ from hpar.strategies import state as run_state
 from hpar.strategies.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.devices import DeviceClock
 from hpar.strategies.groups import worker_groups
-from hpar.strategies.pipeline.memory import PeakMemory
+from hpar.strategies.memory import PeakMemory
 from hpar.strategies.loop import autocast
+from hpar.strategies.first_batch import check_first_batch, first_batch
 from hpar.strategies.pipeline.stage import draw_batch, build_stages_model, describe, stage_module, stage_ranges
 
 
@@ -168,10 +169,13 @@ def train(ctx: WorkerContext) -> TrainResult:
     step_s, cpu_s = [], []
     mem.start()
     meter.start()
+    drawn = {0: first_batch(lambda s: draw_batch(batches, cfg.seed, s))} if batches is not None else {}
+    # the micro-batches divide it (one pipeline: no replicas to compare); the default group holds the stages only
+    check_first_batch(ctx, drawn[0][0] if drawn else None, None, cfg.micro_batches, replica=0)
     for step in range(cfg.steps):
         x = y = None
         if batches is not None:
-            x, y = (move_to(t, ctx.device) for t in draw_batch(batches, cfg.seed, step))
+            x, y = (move_to(t, ctx.device) for t in (drawn.pop(step) if step in drawn else draw_batch(batches, cfg.seed, step)))
         t0, c0 = clock.now(), time.process_time()   # on CUDA: after the queued kernels (synchronize)
         losses: list = []
         args = (x,) if first else ()

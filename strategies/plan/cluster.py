@@ -54,7 +54,10 @@ class ClusterSpec:
     AllReduce and the dense buckets' AllReduce in flight together, measured over the emulated
     hosts by strategies/plan/probe.probe_gradient_exchange for the job ``hpar bench`` profiled;
     it replaces the AllReduce and AllGather terms of that job's allreduce-sparse estimate; None:
-    not measured)."""
+    not measured), ``worker_memory_bytes`` (the memory of one worker's device: a GPU's, or a CPU
+    worker's share of its host's RAM; ``--worker-memory``) and ``server_memory_bytes`` (a
+    parameter server's share of its host's RAM; ``--server-memory``); None: not known, no plan
+    is refused for memory (strategies/plan/memory.py)."""
 
     hosts: int
     gpus_per_host: tuple[int, ...]
@@ -71,6 +74,8 @@ class ClusterSpec:
     allgather_Bps: float | None = None
     sparse_round_s: float | None = None
     gradient_exchange_s: float | None = None
+    worker_memory_bytes: float | None = None
+    server_memory_bytes: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:
@@ -86,6 +91,9 @@ class ClusterSpec:
         if self.device_mem_Bps is not None and self.device_flops is None:
             raise ValueError("--device-mem-gbps needs --device-tflops too: a projected device has a compute rate "
                              "and a memory bandwidth (roofline); add --device-tflops T")
+        for flag, value in (("--worker-memory", self.worker_memory_bytes), ("--server-memory", self.server_memory_bytes)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag} must be positive (GB, 10^9 bytes), got {value / 1e9:g}")
         if self.device_flops is not None:
             self.device   # raises ValueError naming the flag for a rate that is not positive
 
@@ -157,7 +165,8 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
                  intra_host_Bps: float | None = None, source: str = "flags",
                  cores_per_host: float | None = None, allreduce_Bps: float | None = None,
                  device_mem_Bps: float | None = None, request_cpu_s: float | None = None,
-                 allgather_Bps: float | None = None) -> ClusterSpec:
+                 allgather_Bps: float | None = None, worker_memory_bytes: float | None = None,
+                 server_memory_bytes: float | None = None) -> ClusterSpec:
     """A ClusterSpec from host slot counts (``slots``, None: this machine only) and
     ``--gpus`` (None: every slot). GPUs fill hosts in order, as the launcher places ranks;
     hosts left without a GPU are dropped. ``servers`` None means one per host used.
@@ -181,7 +190,8 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
                        bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, device_flops=device_flops,
                        intra_host_Bps=intra_host_Bps, source=source, cores_per_host=cores_per_host,
                        allreduce_Bps=allreduce_Bps, device_mem_Bps=device_mem_Bps, request_cpu_s=request_cpu_s,
-                       allgather_Bps=allgather_Bps)
+                       allgather_Bps=allgather_Bps, worker_memory_bytes=worker_memory_bytes,
+                       server_memory_bytes=server_memory_bytes)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:

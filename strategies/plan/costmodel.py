@@ -282,7 +282,8 @@ def estimate_async_pipeline(sync: Estimate, schedule: str) -> Estimate:
 
 def estimate_all(profile: Profile, cluster: ClusterSpec) -> list[Estimate]:
     """Every strategy's :class:`Estimate`, in the order allreduce, allreduce-sparse, ps,
-    hybrid, pipeline (the planner keeps this order on ties)."""
+    hybrid, pipeline, fsdp (the planner keeps this order on ties)."""
+    from hpar.strategies.plan.costmodel_fsdp import estimate_fsdp
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid, estimate_ps
     return [fn(profile, cluster) for fn in (estimate_allreduce, estimate_allreduce_sparse, estimate_ps,
-                                            estimate_hybrid, estimate_pipeline)]
+                                            estimate_hybrid, estimate_pipeline, estimate_fsdp)]

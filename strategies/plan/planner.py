@@ -6,11 +6,14 @@ holds (``Plan.to_dict()``): the hybrid runtime reads ``placement`` (parameter na
 pipeline runtime reads ``stages`` ([start, end) layer indices of
 ``profile.pipeline_layers(model)``: K stages), ``replicas`` (R; K x R = the workers),
 ``layout`` (rank layout, strategies/pipeline/replicas.py), ``micro_batches`` and ``schedule``;
-``hpar run`` reads ``unused_params`` (what decides DDP's ``find_unused_parameters``), and
+``hpar run`` reads ``unused_params`` (what decides DDP's ``find_unused_parameters``),
 ``cache`` when the plan runs hybrid with the workers' hot-row caches (``hybrid-cache``:
 staleness, rows, the first epoch's rows ``hot_rows``, the predicted hit rate, and optionally
 ``refresh_steps``, the steps between choices of the cached rows; only with ``--staleness``,
-strategies/plan/costmodel_cache.py and strategies/hybrid/cache.py).
+strategies/plan/costmodel_cache.py and strategies/hybrid/cache.py), and records ``memory``
+(the chosen plan's predicted peaks, strategies/plan/memory.py) in summary.json.
+A candidate whose predicted peak does not fit the cluster's memory (``--worker-memory``,
+``--server-memory``) is listed as not runnable with the one reason, and never chosen.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from hpar.strategies.hybrid.cache import CacheConfig
 from hpar.strategies.plan.costmodel import Estimate, estimate_all, estimate_pipeline
 from hpar.strategies.plan.costmodel_cache import NAME as CACHED, SHOWN_STALENESS, estimate_hybrid_cache, plan_cache, profiled
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
+from hpar.strategies.plan.memory import predict as predict_memory, refusal
 from hpar.strategies.pipeline.ties import schedule_problem, stages_of
 from hpar.strategies.profile.profiler import Profile
 
@@ -31,7 +35,9 @@ from hpar.strategies.profile.profiler import Profile
 class Candidate:
     """One strategy as predicted: seconds per step, samples/s over all workers, bytes one
     worker sends per step; ``available`` False when hpar cannot run it for this job (no
-    runtime yet, or the job does not fit it), with ``note`` saying why."""
+    runtime yet, or the job does not fit it), with ``note`` saying why; ``memory``: its
+    predicted peaks (``MemoryEstimate.to_dict``: ``worker_peak_bytes``, ``server_peak_bytes``,
+    ``fits``, the terms)."""
 
     strategy: str
     predicted_step_s: float
@@ -40,6 +46,7 @@ class Candidate:
     available: bool
     note: str = ""
     breakdown: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,10 @@ class Plan:
     replicas: int = 1        # pipeline: R replicas of the K stages
     layout: str = ""         # pipeline: rank layout (strategies/pipeline/replicas.py)
     pull_ahead: bool = True  # hybrid/ps: request the next step's rows during this one (hybrid/embedding.py)
+    alternatives: dict = field(default_factory=dict)   # hpar run --strategy auto: the other candidates' plans (--tune)
     unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/ddp.py
     cache: dict = field(default_factory=dict)   # hybrid with hot-row caches (costmodel_cache.plan_cache); {}: none
+    memory: dict = field(default_factory=dict)   # the chosen candidate's predicted peaks (strategies/plan/memory.py)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -115,6 +124,9 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
         return (f"pipeline: {_fmt_bytes(profile.total_bytes)} of parameters would cross a "
                 f"{_fmt_bytes(cluster.bandwidth_Bps)}/s link every step with data parallelism, while "
                 f"the {len(best.stages)} stages only exchange activations{vs}.")
+    if best.strategy == "fsdp":
+        return (f"fsdp: each worker holds 1/{cluster.workers} of the {_fmt_bytes(profile.total_bytes)} of parameters, "
+                f"of their gradients and of the optimizer state, gathering one layer's weights at a time{vs}.")
     if best.strategy == "allreduce" and cluster.workers == 1:
         return (f"allreduce: one worker, so no gradient is exchanged and the plan without servers "
                 f"or stages is the single-device step{vs}.")
@@ -139,7 +151,7 @@ def compute_source(profile: Profile, cluster: ClusterSpec) -> str:
 
 
 # Simplest first: fewer moving parts (no servers, no stages) win a near tie.
-SIMPLICITY = ("allreduce", "allreduce-sparse", "pipeline", "hybrid", CACHED, "ps")
+SIMPLICITY = ("allreduce", "allreduce-sparse", "pipeline", "fsdp", "hybrid", CACHED, "ps")
 TIE = 0.05   # predictions within 5% of each other are a tie (the cost model is not finer than that)
 
 
@@ -162,19 +174,20 @@ def _cache_note(e: Estimate, cache: CacheConfig, asked: bool) -> str:
 
 
 def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
-                force: str | None = None, pipeline_replicas: int | None = None,
+                force: str | None = None, pipeline_replicas: int | None = None, allow_misfit: bool = False,
                 cache: CacheConfig | None = None) -> Plan:
-    """Predict every strategy (``costmodel.estimate_all``) and pick the highest samples/s among
-    those that fit the job; the others are still listed as candidates with a note. A hybrid
+    """Predict every strategy (``costmodel.estimate_all``) and its peak memory
+    (``plan/memory.predict``) and pick the highest samples/s among those that fit the job and
+    the cluster's memory; the others are still listed as candidates with a note. A hybrid
     plan that places nothing on the servers, or allreduce-sparse without an embedding table, is
     listed but cannot win (it would run as allreduce); predictions within ``TIE`` of the fastest go to the simplest strategy. ``force`` (the user's ``--strategy``) takes that strategy's plan
     instead (its stages, micro-batches, placement); ``pipeline_replicas`` fixes the pipeline's R
-    (``--pipeline-replicas``). ``hybrid-cache`` (hybrid with the workers' hot-row caches) is
-    listed where the profile has row frequencies, at ``cache`` when the user gave
-    ``--staleness`` (then it may win, and the plan's ``cache`` says so), else at s =
-    ``SHOWN_STALENESS`` and not runnable: staleness trades accuracy, never chosen unasked.
-    Raises ValueError when no strategy fits, or when the forced one does not fit, with the
-    cost model's reason."""
+    (``--pipeline-replicas``). ``hybrid-cache`` (hybrid with the workers' hot-row caches, HET:
+    Miao et al., VLDB 2022) is listed where the profile has row frequencies, at ``cache`` when
+    the user gave ``--staleness`` (then it may win, and the plan's ``cache`` says so), else at
+    s = ``SHOWN_STALENESS`` and not runnable: staleness trades accuracy, never chosen unasked.
+    Raises ValueError when no strategy fits, or when the forced one does not fit (its memory
+    too, unless ``allow_misfit``: ``hpar run --force``), with the reason."""
     estimates = estimate_all(profile, cluster)
     shown = cache or CacheConfig(0.0, SHOWN_STALENESS)
     if any(p.embedding_module and p.hot_batches for p in profile.params):
@@ -183,7 +196,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     if pipeline_replicas is not None:
         estimates = [estimate_pipeline(profile, cluster, replicas=pipeline_replicas) if e.strategy == "pipeline" else e
                      for e in estimates]
-    candidates, ok = [], []
+    candidates, ok, misfits, memory = [], [], {}, {}
     for e in estimates:
         note = e.note
         available = e.feasible
@@ -208,25 +221,41 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         if e.strategy in ("hybrid", CACHED) and measured_sparse:
             note = (note + "; " if note else "") + \
                 f"sparse non-embedding parameters stay on AllReduce: {', '.join(measured_sparse[:3])}"
+        mem = predict_memory(profile, cluster, e, schedule) if e.feasible else None
+        memory[e.strategy] = mem
+        misfit = mem.misfit(cluster) if mem is not None else ""
+        if misfit:   # the one reason it is not runnable (strategies/plan/memory.py)
+            if available:
+                misfits[e.strategy] = misfit   # runnable but for its memory
+            note, available = misfit, False
         candidates.append(Candidate(e.strategy, e.step_s, e.samples_per_s, e.bytes_per_step, available,
-                                    note, dict(e.breakdown)))
+                                    note, dict(e.breakdown), mem.to_dict(cluster) if mem is not None else {}))
         if available:
             ok.append(e)
-    if not ok:
-        raise ValueError("no strategy fits this job")
-    best = _fastest_simplest(ok)
     if force is not None:
         forced = [e for e in estimates if e.strategy == force]
         if not forced or not forced[0].feasible:
             why = forced[0].note if forced else "unknown strategy"
             raise ValueError(f"--strategy {force} does not fit this job: {why}")
+        if force in misfits and not allow_misfit:
+            raise ValueError(refusal(force, misfits[force]))
         best = forced[0]
+    elif not ok:
+        raise ValueError("no strategy fits this job" + (": " + "; ".join(f"{k} {v}" for k, v in misfits.items())
+                                                       if misfits else ""))
+    else:
+        best = _fastest_simplest(ok)
     others = sorted((e for e in ok if e is not best), key=lambda e: -e.samples_per_s)
     reason = _why(best, profile, cluster, others[0] if others else None)
     fastest = _fastest_simplest([e for e in estimates if e.feasible and (e.strategy != CACHED or cache is not None)])
-    if fastest is not best and fastest.samples_per_s > best.samples_per_s:
+    if fastest is not best and fastest.samples_per_s > best.samples_per_s and fastest.strategy not in misfits:
         reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
+    left_out = [f"{k} {v}" + (f" (predicted faster, {e.samples_per_s:,.0f} samples/s)" if e.samples_per_s > best.samples_per_s else "")
+                for e in estimates if (k := e.strategy) in misfits and (v := misfits[k]) and k != best.strategy]
+    if left_out:
+        reason += " Does not fit the memory: " + "; ".join(left_out) + "."
     uses_servers = best.strategy in ("hybrid", CACHED, "ps")
+    chosen = memory.get(best.strategy)
     cached = (plan_cache(*profiled(profile), cache, cluster.workers, {n for n, w in best.placement.items() if w == "ps"})
               if best.strategy == CACHED else {})
     return Plan(strategy="hybrid" if cached else best.strategy, placement=dict(best.placement),
@@ -236,4 +265,6 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 reason=reason, candidates=candidates, predicted_step_s=best.step_s,
                 samples_per_s=best.samples_per_s, compute=compute_source(profile, cluster),
                 replicas=best.replicas if best.strategy == "pipeline" else 1,
-                layout=best.layout if best.strategy == "pipeline" else "", unused_params=list(profile.unused_params))
+                layout=best.layout if best.strategy == "pipeline" else "", unused_params=list(profile.unused_params),
+                memory=chosen.to_dict(cluster) if chosen is not None else {})
+

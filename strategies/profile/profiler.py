@@ -86,6 +86,7 @@ from hpar.strategies.profile.hooks import (
 )
 from hpar.strategies.profile.hot_rows import row_counts
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
+from hpar.strategies.profile import memory as mem_probe
 from hpar.strategies.profile.sparsity import embedding_sparsity
 from hpar.strategies.profile.unused import missing_gradients
 from hpar.strategies.profile.update import dense_update_cost, server_optimizer_problem, sparse_update_cost
@@ -129,6 +130,21 @@ def _compose(layers: list[tuple[str, nn.Module]], inputs):
     for _, layer in layers:
         inputs = layer(inputs)
     return inputs
+
+
+def _cast_loss(job: Job, cast, run, inputs, targets):
+    """The loss of one forward pass under the workers' precision (``cast``)."""
+    with cast():
+        return job.compute_loss(run(inputs), targets)
+
+
+def _probe_optimizer(job: Job, params):
+    """The user's optimizer over ``params``, plain SGD where ``optimizer()`` fails on a bare
+    list (as the update probes do)."""
+    try:
+        return job.build_optimizer(params, lr=1e-3)
+    except JobError:
+        return torch.optim.SGD(params, lr=1e-3)
 
 
 def _median(xs):
@@ -205,6 +221,8 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                 loss.backward()
                 t2 = clock.mark()
                 unused |= missing_gradients(model)
+                if i == warmup - 1:
+                    growth = mem_probe.Growth(model, dev)   # what the timed steps keep (profile/memory.py)
                 if i < warmup:
                     continue
                 fwd.append(clock.between(t0, t1))
@@ -215,7 +233,10 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                     if p.grad is not None and p.dim() >= 2 and not p.grad.is_sparse:
                         grad_rows.setdefault(name, []).append(rows_touched(p.grad))
             calls_once = timer.embedding_calls_once()
+        grown = (growth.bytes(), repeats) if warmup else (0, 0)
         inputs, targets = timed[-1]
+        step_mem = mem_probe.step_memory(model, [m for _, m in layers],
+                                         lambda: _cast_loss(job, cast, run, inputs, targets), dev)
         model.zero_grad(set_to_none=True)
         flops = count_flops(model, [] if traced else layers, lambda: job.compute_loss(run(inputs), targets))
         if traced:
@@ -238,6 +259,8 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                                                device=dev)
             sparse_ok = sparse_update is not None
         server_note = server_optimizer_problem(job, model)
+        data_mem = mem_probe.data_bytes(on_dev, batch_size, workers)
+        state_ratio = mem_probe.optimizer_ratios(lambda ps: _probe_optimizer(job, ps), dev)
     except Exception as exc:   # the user's code failed here though check_job passed (e.g. only on the GPU)
         if not raised_in_script(job, exc):
             raise
@@ -288,6 +311,8 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
                    unused_params=tuple(sorted(unused)), server_optimizer_note=server_note, traced=traced,
+                   memory=mem_probe.memory_profile(step_mem, tbs, data_mem, state_ratio, job,
+                                                   dev, grown).scaled(batch_size),
                    shared_params=tuple((n, held) for n, (held, _) in
                                        shared_across_stages(layers, [(i, i + 1) for i in range(len(layers))]).items())
                    if is_seq else ())

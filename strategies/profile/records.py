@@ -79,6 +79,41 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
+class MemoryProfile:
+    """What one worker's step holds, measured (strategies/profile/memory.py says how), in
+    bytes: per layer saved for backward, the step's peaks above its start at the end of forward
+    and over the whole step, the gradients that step made, ``data()``'s iterator and batch, the
+    optimizer's state per parameter byte, a process's fixed resident overhead and, on CUDA, the
+    device memory outside torch's allocator, and what a process's first forward adds once. Activation figures are at ``batch_size`` samples."""
+
+    batch_size: int
+    layer_saved_bytes: tuple[int, ...]
+    forward_peak_bytes: int
+    step_peak_bytes: int
+    step_grad_bytes: int
+    data_bytes: int
+    optimizer_state_ratio: float
+    process_bytes: int
+    device_overhead_bytes: int = 0
+    first_use_bytes: int = 0
+    optimizer_step_ratio: float = 0.0
+    model_extra_bytes: int = 0
+    rows_suffice: bool = True
+    growth_bytes: int = 0
+    growth_steps: int = 0
+
+    def scaled(self, batch: float) -> "MemoryProfile":
+        """The activation figures at ``batch`` samples (linear in the batch; the gradients
+        and the rest stay)."""
+        f = batch / max(self.batch_size, 1)
+        grads = self.step_grad_bytes
+        return dataclasses.replace(
+            self, batch_size=batch, layer_saved_bytes=tuple(int(b * f) for b in self.layer_saved_bytes),
+            forward_peak_bytes=int(self.forward_peak_bytes * f),
+            step_peak_bytes=grads + int(max(0, self.step_peak_bytes - grads) * f))
+
+
+@dataclass(frozen=True)
 class Profile:
     """A measured job. ``compute_s`` = forward (with loss) + backward seconds of one
     worker's batch on ``device`` ("cpu": one CPU thread; "cuda": one GPU); ``update_s_per_byte``
@@ -114,6 +149,7 @@ class Profile:
     unused_params: tuple[str, ...] = ()   # trainable parameters without a gradient in a profiled step (profile/unused.py)
     traced: bool = False   # the layers come from torch's tracer (strategies/traced.py), not a declared sequence
     shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (parameter, the layers holding it): tied weights
+    memory: MemoryProfile | None = None   # measured memory terms (profile/memory.py); None: not measured
 
     @property
     def total_bytes(self) -> int:
@@ -138,4 +174,6 @@ class Profile:
         d["layers"] = tuple(LayerProfile(**l) for l in d["layers"])
         d["unused_params"] = tuple(d.get("unused_params", ()))
         d["shared_params"] = tuple((n, tuple(ls)) for n, ls in d.get("shared_params", ()))
+        if d.get("memory"):
+            d["memory"] = MemoryProfile(**{**d["memory"], "layer_saved_bytes": tuple(d["memory"]["layer_saved_bytes"])})
         return cls(**d)

@@ -1,0 +1,88 @@
+"""Whether ``hpar run``'s plan fits the workers' and servers' memory, decided before anything
+starts (``--worker-memory``, ``--server-memory``, ``--force``; launcher/run/capacity.py).
+
+The peaks are predicted (strategies/plan/memory.py) for the run as configured, from the
+planner's profile where the planner ran (``auto``, ``pipeline``), else from a memory-only
+profile of the model the pre-start check built (strategies/profile/quick.py: one measured
+step, no timing): a strategy named without the planner, a ``--plan`` file (a traced model's
+pipeline plan keeps the peaks the file carries). The run's own settings count (a pipeline's
+``--micro-batches`` and ``--schedule``, the plan's placement and partitions). A plan that does
+not fit is refused in one line, unless ``--force``; either way its prediction goes into the
+plan's ``memory`` and from there into summary.json beside the measured peaks.
+"""
+from __future__ import annotations
+
+from hpar.launcher.run.capacity import Capacity, misfit, with_defaults
+
+
+def run_estimate(cfg, model, profile):
+    """The cost model's Estimate shape of the run ``cfg`` (what the memory model reads): its
+    placement and partitions (hybrid, ps), stages, micro-batches and replicas (pipeline)."""
+    from hpar.strategies.forward import inner_module
+    from hpar.strategies.hybrid.client import placement
+    from hpar.strategies.plan.costmodel import Estimate
+    plan = cfg.plan or {}
+    if cfg.strategy in ("hybrid", "ps"):
+        where = placement(inner_module(model), cfg.strategy, plan)
+    else:
+        where = {p.name: "allreduce" for p in profile.params}
+    stages = ()
+    if cfg.strategy == "pipeline" and plan.get("stages"):
+        stages = tuple(tuple(int(x) for x in r) for r in plan["stages"])
+    elif cfg.strategy == "pipeline":
+        from hpar.strategies.pipeline.stage import stage_ranges
+        stages = tuple(tuple(r) for r in stage_ranges(model, cfg.pipeline_stages, plan))
+    return Estimate(cfg.strategy, 0.0, 0, 0.0, placement=where, partitions=dict(plan.get("partitions") or {}),
+                    stages=stages, micro_batches=cfg.micro_batches, replicas=cfg.replicas)
+
+
+def predict_run(cfg, job, model, profile=None) -> dict | None:
+    """The predicted peaks (``MemoryEstimate.to_dict``) of the run ``cfg``, from ``profile``
+    (the planner's) or a memory-only profile of ``model`` (module docstring); None for a
+    pipeline of a traced model without the planner's profile (its layers need a trace)."""
+    import torch
+    from hpar.strategies.layers import is_declared_sequence
+    from hpar.strategies.plan.cluster import make_cluster
+    from hpar.strategies.plan.memory import predict
+    from hpar.strategies.profile.quick import memory_only_profile
+    if profile is None:
+        if cfg.strategy == "pipeline" and not is_declared_sequence(model):
+            return None
+        on = torch.device("cuda", 0) if cfg.device == "cuda" and torch.cuda.is_available() else torch.device("cpu")
+        profile = memory_only_profile(job, model, cfg.batch_size, cfg.world_size, on, cfg.precision)
+    cluster = make_cluster(None, cfg.world_size, max(cfg.servers, 1), 1e9, 0.0)
+    return predict(profile, cluster, run_estimate(cfg, model, profile), cfg.schedule).to_dict(None)
+
+
+def check(memory: dict, capacity: Capacity, strategy: str, force: bool, say) -> None:
+    """Refuse (ValueError, one line) a plan whose predicted peaks do not fit ``capacity``,
+    unless ``force``, which says so in one line and goes on."""
+    from hpar.strategies.plan.memory import refusal
+    why = misfit(memory, capacity)
+    if not why:
+        return
+    if force:
+        say(f"hpar: warning: --strategy {strategy} {why}; running it anyway (--force)")
+        return
+    raise ValueError(refusal(strategy, why))
+
+
+def fit_plan(console, cfg, job, model, given: Capacity, hosts: tuple, force: bool, profile=None):
+    """``cfg`` with the run's predicted peaks in ``plan["memory"]`` (:func:`predict_run`),
+    checked against ``given`` and, where the run is local, this machine's defaults
+    (:func:`check`: refused in one line unless ``force``)."""
+    from hpar.launcher.hosts.hostfile import place_workers
+    names = [h.name for h in place_workers(list(hosts), cfg.world_size)] if hosts else ["localhost"] * cfg.world_size
+    local = not hosts or all(h.is_local for h in hosts)
+    busiest = max(names.count(n) for n in set(names)) + -(-cfg.servers // len(set(names)))
+    capacity = with_defaults(given, local, cfg.device, busiest)
+    try:
+        memory = predict_run(cfg, job, model, profile) or (cfg.plan or {}).get("memory")
+    except Exception as exc:   # a prediction must not stop a run the pre-start checks passed; say why it is missing
+        console.print(f"hpar: warning: no memory prediction for this run ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''}); it is not checked against the memory", markup=False)
+        memory = (cfg.plan or {}).get("memory")
+    if memory:
+        cfg = cfg.replace(plan={**(cfg.plan or {}), "memory": memory})
+        check(memory, capacity, cfg.strategy, force, lambda m: console.print(m, markup=False))
+    return cfg

@@ -1,0 +1,184 @@
+"""The ``fsdp`` strategy: torch's fully sharded data parallelism (FSDP2,
+``torch.distributed.fsdp.fully_shard``), the peer of choice for a dense model whose replica,
+gradients and optimizer state do not fit one device (Zhao et al., "PyTorch FSDP", VLDB 2023;
+ZeRO stage 3, Rajbhandari et al., SC 2020).
+
+Units: every layer of the model as ``strategies/layers.py`` defines them (``hpar_layers()``, an
+``nn.Sequential``'s children), or for another model its repeated blocks (``traced.block_names``:
+GPT-2's ``transformer.h.i``), each ``fully_shard``-ed, then the root, which keeps what no unit
+holds (embeddings, a head). A layer that shares a parameter with another (a tied weight) is left
+to the root: FSDP manages a parameter in one unit only. Every worker builds the whole model with
+the run's seed before sharding (the same initial weights as one process: FSDP2 does not
+broadcast them, pytorch#148756), so on a CPU a worker holds it once, briefly
+(strategies/plan/memory.py). The mesh is the workers' dense group (NCCL on CUDA, so nothing
+CPU-resident goes into NCCL; fully_shard moves the shards to the worker's device), from
+``DeviceMesh.from_group``.
+
+Gradients: FSDP averages them over the workers with a reduce-scatter. On gloo, FSDP2 once
+produced world-size-scaled (summed) gradients (pytorch#162338: its AVG went to a backend that
+summed), so hpar asks every unit for a SUM reduction divided by N itself
+(``set_force_sum_reduction_for_comms`` and ``set_gradient_divide_factor``), which is exact on
+any backend; tests compare N workers with one process on the concatenated batch.
+
+The training loop is allreduce's (strategies/loop.py): autocast (bf16; fp16 is refused, its
+scaler's inf check would need a reduction over the shards), clipping by the global norm
+(``clip_grad_norm_`` on the sharded gradients reduces the norm over the workers),
+``--accumulate`` (each micro-step's loss divided by N; every micro-step reduce-scatters, so the
+accumulated gradient stays sharded: a worker never holds an unsharded copy of it), the
+script's schedule, ``log()`` on rank 0, ``--eval-every`` (every worker takes part in gathering
+the full weights to rank 0, which evaluates a CPU copy). A compiled model's module runs
+eagerly (FSDP's hooks go around the module the user wrote).
+
+State: checkpoints and the trained model with ``torch.distributed.checkpoint``
+(strategies/state.py): each rank writes its own shards under the parameters' names, with the
+optimizer state by name, the loop state and its RNG; a resume reshards (another size, or a
+checkpoint of another data-parallel strategy). Only ``evaluate()`` and ``save_pretrained`` get a
+whole model, gathered to rank 0's host memory (``StateDictOptions(full_state_dict=True,
+cpu_offload=True)``).
+Bytes per step: two AllGathers of every unit and a reduce-scatter of every gradient
+(strategies/plan/costmodel_fsdp.fsdp_bytes).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp_state   # at import: before a worker's memory baseline
+from torch import nn
+
+try:   # FSDP2's public API since torch 2.6
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+except ImportError:   # pragma: no cover - torch < 2.6
+    FSDPModule = fully_shard = DeviceMesh = None
+
+from hpar.strategies import checkpoint
+from hpar.strategies import state as run_state
+from hpar.strategies.allreduce import ring_successor_remote
+from hpar.strategies.context import StepMeter, TrainResult, WorkerContext
+from hpar.strategies.forward import inner_module
+from hpar.strategies.hf import is_pretrained
+from hpar.strategies.groups import mean_over_workers, worker_groups
+from hpar.strategies.layers import is_declared_sequence, model_layers
+from hpar.strategies.loop import evaluate_during_training, evaluate_now, micro_steps, step_tools, worker_batches
+from hpar.strategies.plan.costmodel_fsdp import fsdp_bytes
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` wraps one by one (module docstring): layers with parameters,
+    none holding a parameter another unit holds too."""
+    if is_declared_sequence(model):
+        candidates = [m for _, m in model_layers(model)]
+    else:
+        from hpar.strategies.traced import block_names
+        candidates = [model.get_submodule(n) for n in block_names(model)]
+    candidates = [m for m in candidates if any(True for _ in m.parameters())]
+    owners: dict[int, int] = {}
+    for m in candidates:
+        for p in m.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [m for m in candidates if all(owners[id(p)] == 1 for p in m.parameters())]
+
+
+def shard(model: nn.Module, group, device: torch.device, world_size: int) -> list[nn.Module]:
+    """``fully_shard`` every unit of ``model`` and then ``model`` over ``group`` (the workers'
+    dense group) on ``device``'s type, each reducing gradients as a sum divided by
+    ``world_size`` (module docstring); returns the units. Raises ValueError where this torch
+    has no FSDP2 (:func:`check_available`)."""
+    check_available()
+    mesh = DeviceMesh.from_group(group, device.type)
+    wrapped = units(model)
+    for unit in wrapped:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)   # pytorch#162338: no AVG on the backend
+            m.set_gradient_divide_factor(float(world_size))
+    return wrapped
+
+
+def check_available() -> None:
+    """Raise ValueError (one line) where this torch lacks FSDP2 or the reduction settings
+    hpar's exactness on gloo relies on (``set_force_sum_reduction_for_comms``)."""
+    if fully_shard is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        raise ValueError(f"--strategy fsdp needs torch.distributed.fsdp.fully_shard with FSDPModule."
+                         f"set_force_sum_reduction_for_comms (torch 2.13 has them); torch {torch.__version__} lacks them")
+
+
+def full_state(model: nn.Module) -> dict:
+    """Collective over the workers: the whole model's state dict, on the CPU, on rank 0 (empty
+    elsewhere)."""
+    return dcp_state.get_model_state_dict(model, options=dcp_state.StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
+
+
+def cpu_model(ctx: WorkerContext, state: dict) -> nn.Module:
+    """A freshly built model (``model()`` as the user returns it) with ``state`` loaded, on the CPU."""
+    fresh = ctx.job.build_model()
+    inner_module(fresh).load_state_dict(state)
+    return fresh
+
+
+def save(ctx: WorkerContext, step: int, model: nn.Module, opt, tools) -> None:
+    """Checkpoint ``step`` (a collective): every rank writes its own shards of the model and
+    the optimizer state (DTensors, under their parameter names), the loop state and its random
+    generators, with torch.distributed.checkpoint (strategies/state.py): nothing is gathered."""
+    run_state.save(ctx.cfg.run_dir, step, run_state.process_entries(model, opt, tools, ctx.device,
+                                                                    f"worker{ctx.rank}", "workers"))
+
+
+def resume(ctx: WorkerContext, model: nn.Module, opt, tools) -> int:
+    """Load the last checkpoint into this rank's shards (DCP reshards: the run may have been
+    written by another number of workers, or by another data-parallel strategy) and loop
+    state when the run resumes; returns the step to start from."""
+    step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
+    if step is None:
+        return 0
+    run_state.restore_process(ctx.cfg.run_dir, step, model, opt, tools, ctx.device, f"worker{ctx.rank}", "workers")
+    return step
+
+
+def train(ctx: WorkerContext) -> TrainResult:
+    """Train ``ctx.cfg.steps`` optimizer steps with FSDP2 (module docstring); N workers equal
+    one process on the concatenated batches with a mean loss, with the script's schedule,
+    clipping, accumulation and bf16 autocast."""
+    cfg, job = ctx.cfg, ctx.job
+    torch.manual_seed(cfg.seed)
+    model = inner_module(job.build_model())
+    groups = worker_groups(ctx.world_size, cfg.device)
+    wrapped = shard(model, groups.dense, ctx.device, ctx.world_size)
+    opt = job.build_optimizer(model.parameters(), cfg.lr)   # over the shards (DTensors)
+    tools = step_tools(cfg, job, opt, ctx.device)
+    ctx.start_step = resume(ctx, model, opt, tools)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())   # the whole model's bytes
+    sent = fsdp_bytes(total, ctx.world_size, cfg.backend == "gloo") * cfg.accumulate
+    remote = sent if ring_successor_remote(ctx, list(range(ctx.world_size))) else 0.0
+    batches = worker_batches(ctx, groups.control)   # the first batch's size checked against the peers'
+    meter = None
+    for step in range(ctx.start_step, cfg.steps):
+        if meter is not None:
+            meter.start()
+        opt.zero_grad(set_to_none=True)
+        step_loss, logged, meter = micro_steps(ctx, model, batches, tools, step, meter)
+        lr = tools.lr(opt)
+        stepped = tools.step(opt, lambda: list(model.parameters()))
+        meter.end(step_loss, sent, sent, sent_remote=remote, logged=logged,
+                  extra={"lr": lr, **({} if stepped else {"skipped_step": 1})})
+        if evaluate_now(cfg, step + 1):   # every worker gathers; rank 0 evaluates a CPU copy
+            state = full_state(model)
+            evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: cpu_model(ctx, state), ctx.report_eval)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            save(ctx, step + 1, model, opt, tools)
+    if meter is None:   # resumed at the last step: nothing left to train
+        meter = StepMeter(ctx, 0)
+    losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
+                               groups, ctx.world_size)
+    run_state.write_final(cfg.run_dir, run_state.model_entries(model))   # each rank its shards (RUN_DIR/model)
+    # evaluate() and save_pretrained take the whole model: gathered to rank 0's host memory
+    state = full_state(model) if cfg.eval or is_pretrained(model) else None
+    result = meter.result(cpu_model(ctx, state) if ctx.rank == 0 and state is not None else None,
+                          replicas=ctx.world_size, extra={"fsdp_units": len(wrapped)})
+    if ctx.rank == 0 and state is None:
+        result.eval_last = {}
+    result.loss_first, result.loss_last = losses
+    dist.barrier()
+    return result

@@ -1,0 +1,55 @@
+"""Predicted step time and bytes of ``fsdp``: torch's fully sharded data parallelism (FSDP2,
+``torch.distributed.fsdp.fully_shard``, one unit per layer of the model), in the notation and
+with the helpers of ``strategies/plan/costmodel.py``.
+
+Every parameter, gradient and optimizer state is split over the N workers (ZeRO stage 3:
+Rajbhandari et al., "ZeRO: memory optimizations toward training trillion parameter models",
+SC 2020; Zhao et al., "PyTorch FSDP", VLDB 2023). Per step a worker takes part in, for each
+unit: an AllGather of its parameters before the forward, another before the backward (the
+unit is resharded after its forward), and a ReduceScatter of its gradient after the backward.
+A ring AllGather or ReduceScatter of B bytes moves (N-1)/N * B per worker (Thakur et al.,
+IJHPCA 2005), so a step moves 3(N-1)/N * P, 1.5x DDP's AllReduce. gloo has no native
+ReduceScatter: torch runs it as an AllReduce of the whole gradient (pytorch PR 149869), which
+moves 2(N-1)/N * P, so on CPU workers a step moves 4(N-1)/N * P.
+
+FSDP prefetches the next unit's AllGather while the current one computes, so communication
+runs under the compute except the first unit's forward AllGather; where the workers fill
+their cores (``CostSetting.overlap`` False) it adds up instead. The optimizer steps 1/N of
+the parameters. What fsdp buys is memory (strategies/plan/memory.py): the planner takes it
+where the data-parallel replica does not fit.
+"""
+from __future__ import annotations
+
+from hpar.strategies.plan.cluster import ClusterSpec
+from hpar.strategies.plan.costmodel import Estimate, cost_setting, ring_allgather_s, ring_allreduce_s
+from hpar.strategies.profile.records import Profile
+
+
+def fsdp_bytes(total: float, n: int, gloo: bool) -> float:
+    """Bytes one worker sends per step: two AllGathers of every unit and a ReduceScatter of
+    every gradient (module docstring); 0 for one worker."""
+    if n <= 1:
+        return 0.0
+    share = (n - 1) / n * total
+    return 2 * share + (2 * share if gloo else share)
+
+
+def estimate_fsdp(profile: Profile, cluster: ClusterSpec) -> Estimate:
+    """``fsdp``: step = data + forward with the AllGathers under it + backward with the
+    AllGathers and ReduceScatters under it + the first unit's AllGather + the update of
+    P/N (module docstring). One worker runs it as a single process (no collective)."""
+    c = cost_setting(profile, cluster)
+    n, total = c.n, float(profile.total_bytes)
+    gloo = profile.device == "cpu"
+    units = max(1, len(profile.layers))
+    gather = ring_allgather_s(total / n, n, c.bw, c.lat, rounds=units)
+    scatter = ring_allreduce_s(total, n, c.bw, c.lat) if gloo else ring_allgather_s(total / n, n, c.bw, c.lat,
+                                                                                    rounds=units)
+    first = gather * (profile.layers[0].param_bytes / total if profile.layers and total else 1.0)
+    forward = max(c.fwd, gather - first) if c.overlap else c.fwd + gather - first
+    update = total / n * c.update_per_byte
+    step = c.data + first + forward + c.under_backward(gather + scatter) + update
+    return Estimate("fsdp", step, n * profile.samples_per_batch, fsdp_bytes(total, n, gloo),
+                    {"data": c.data, "forward": c.fwd, "backward": c.bwd, "allgather": 2 * gather,
+                     "reducescatter": scatter, "comm_tail": first, "update": update},
+                    placement={p.name: "allreduce" for p in profile.params})

@@ -1,0 +1,313 @@
+"""Predicted peak memory of one worker and one parameter server of every candidate plan, beside
+its step time: what ``hpar profile`` prints, the planner's fit test, and what ``hpar run``
+records as ``predicted_peak_bytes`` next to the measured ``peak_bytes`` (strategies/memory.py).
+
+A peak is predicted *above the process's baseline* (after imports and process-group set-up),
+as the runs measure it; what must fit a device adds the measured fixed overhead
+(``overhead_bytes``; :func:`misfit`). Notation: P parameter bytes (P_k a pipeline stage's,
+P_s a server's shard), r the optimizer's state bytes per parameter byte, N workers, S servers,
+K stages, M micro-batches. Each term is **counted** (from parameter shapes, the plan and the
+runtime's code) or **measured** (by the profile, strategies/profile/memory.py):
+
+* ``params`` (counted): the weights a process holds: P (data parallel), P/N (FSDP shards),
+  P_k (a pipeline stage on a GPU; on a CPU every stage builds the whole model first and keeps it,
+  so P), the dense part only where servers hold the tables.
+* ``optimizer`` (measured r x counted bytes): the user's optimizer on a probe (SGD with momentum
+  1, Adam/AdamW 2, Adagrad 1, plain SGD 0); hpar's mixed precision is autocast over fp32 master
+  weights, so there is no separate master copy: its low-precision weight copies live in the
+  measured step.
+* ``step`` (measured): activations, their gradients, temporaries and the gradients a step makes:
+  ``max(forward peak, step peak - the profile's gradients + this strategy's gradients)``
+  (strategies/profile/memory.py), at the worker's batch (a pipeline: its stage's share of the
+  saved activations at the micro-batch, times the micro-batches it holds at once, which its
+  schedule's pass order gives: GPipe M, 1F1B and the asynchronous ones K - k).
+* ``ddp_buckets`` (counted): DDP's flat gradient buckets, a second copy of every gradient it
+  reduces (``gradient_as_bucket_view`` is off, torch's default).
+* ``gathered`` (counted): allreduce-sparse's AllGather of N workers' rows (ids and values), and
+  the dense table a non-sparse optimizer steps (strategies/sparse_grads.py).
+* ``rows`` (counted): hybrid/ps workers' pulled rows, the next step's pulled ahead, and the
+  push messages of their gradients (the gradients are in ``step``); ``ps`` workers also pull
+  every dense parameter whole.
+* ``versions`` (counted): weight versions of the asynchronous pipelines: a stashed copy per
+  micro-batch in flight (async-stash), the predicted weights (async-predict), two versions
+  (async-2bw); ``replica_allreduce``: with pipeline replicas, the stage's gradients flattened
+  for their AllReduce (strategies/pipeline/replicas.py).
+* ``unsharded`` (counted): FSDP's gathered parameters of the unit it runs and the one it
+  prefetches, and their unsharded gradients before the reduce-scatter; on a CPU the whole model
+  is built once before it is sharded (``build``).
+* ``data`` (measured): the ``data()`` iterator and its batch, and what its first draw imports.
+* ``first_use`` (measured): what a process's first forward adds once (kernels' state) and what
+  ``model()`` keeps besides the parameters; ``growth`` (measured rate, assumed horizon): what
+  steps on new batches keep (kernels' caches per input shape), the profile's bytes per step
+  times GROWTH_HORIZON_STEPS.
+* ``runtime`` (measured): the runtimes' own memory beyond these terms (a hybrid worker's DDP
+  reducer beside its client, a pipeline stage's and a server's point-to-point pairs and threads,
+  FSDP's DTensor dispatch), a constant measured on tiny models (RUNTIME_BYTES).
+* servers (counted): their table shards, the optimizer state of those rows (r x), the pushes of a
+  step (N workers' rows) and their mean, and, while starting, the whole model they build and cut.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpar.strategies.plan.cluster import ClusterSpec
+from hpar.strategies.plan.costmodel import INDEX_BYTES, Estimate
+from hpar.strategies.profile.records import MemoryProfile, Profile
+
+GB = 1e9   # --worker-memory and --server-memory count 10^9 bytes
+# The processes' own runtime beyond the model (gloo's point-to-point pairs, threads, the inbox's
+# bookkeeping), measured as the peak of tests/conftest.py's TINY and EMBED_TINY models (a few
+# hundred parameters) above what the terms below predict for them, 2 workers, 6 steps, here:
+# Steps over which a worker's caches per input shape grow: examples/lm.py's stopped growing after
+# about 30 (strategies/profile/memory.py), so its growth per profiled step is counted this often
+# (an over-prediction for a run shorter than that; nothing for shapes that do not change).
+GROWTH_HORIZON_STEPS = 32
+RUNTIME_BYTES = {"hybrid_worker": 5_000_000, "stage": 3_000_000, "server": 4_000_000, "fsdp": 3_000_000}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peaks (bytes above a process's baseline) of the busiest worker and server, by
+    term (the module docstring); ``overhead_bytes``: a process's measured fixed resident
+    overhead (CPU), ``device_overhead_bytes``: a GPU's memory outside torch's allocator."""
+
+    worker: dict[str, int]
+    server: dict[str, int] = field(default_factory=dict)
+    overhead_bytes: int = 0
+    device_overhead_bytes: int = 0
+    device: str = "cpu"
+
+    @property
+    def worker_peak_bytes(self) -> int:
+        return int(sum(self.worker.values()))
+
+    @property
+    def server_peak_bytes(self) -> int | None:
+        return int(sum(self.server.values())) if self.server else None
+
+    def misfit(self, cluster: ClusterSpec) -> str:
+        """Why this does not fit ``cluster``'s memory (:func:`misfit`)."""
+        return misfit(self.to_dict(None), cluster.worker_memory_bytes, cluster.server_memory_bytes)
+
+    def to_dict(self, cluster: ClusterSpec | None) -> dict:
+        """The ``memory`` object of ``hpar profile --json`` and of a plan (``fits`` against
+        ``cluster``'s memory, None without a cluster)."""
+        return {"worker_peak_bytes": self.worker_peak_bytes, "server_peak_bytes": self.server_peak_bytes,
+                "overhead_bytes": self.device_overhead_bytes if self.device == "cuda" else self.overhead_bytes,
+                "server_overhead_bytes": self.overhead_bytes,
+                "fits": None if cluster is None else not self.misfit(cluster),
+                "worker_terms": dict(self.worker), "server_terms": dict(self.server)}
+
+
+def misfit(memory: dict, worker_bytes: float | None, server_bytes: float | None) -> str:
+    """Why predicted peaks (a ``memory`` dict: ``worker_peak_bytes``, ``server_peak_bytes``,
+    ``overhead_bytes``, ``server_overhead_bytes``: what a worker's device and a server's host
+    hold besides) do not fit ``worker_bytes`` per worker and ``server_bytes`` per server, as one
+    reason: "needs 31.2 GB per worker, 24 GB available"; "" when they fit, or where a side is
+    unknown (None)."""
+    for key, cap, who in (("worker_peak_bytes", worker_bytes, "worker"), ("server_peak_bytes", server_bytes, "server")):
+        peak = memory.get(key)
+        overhead = memory.get("overhead_bytes" if who == "worker" else "server_overhead_bytes") or 0
+        if peak is not None and cap is not None and peak + overhead > cap:
+            return f"needs {(peak + overhead) / GB:.3g} GB per {who}, {cap / GB:.3g} GB available"
+    return ""
+
+
+def refusal(strategy: str, why: str) -> str:
+    """The one line that refuses ``--strategy strategy`` whose peaks do not fit (``why``:
+    :func:`misfit`'s reason), naming the flags and the way out."""
+    flags = "--worker-memory, --server-memory" if strategy in ("hybrid", "ps") else "--worker-memory"
+    return (f"--strategy {strategy} {why} ({flags}); choose a strategy that fits (hpar profile lists them), "
+            "or --force to run it anyway")
+
+
+def _step(m: MemoryProfile | None, profile: Profile, grads: float, scale: float = 1.0, stepped: float = 0.0) -> float:
+    """The measured step term with this strategy's gradient bytes ``grads``, at ``scale`` times
+    the profiled batch: the most of the forward's peak, the step's peak with these gradients,
+    and the gradients with the optimizer's temporaries over the ``stepped`` bytes it updates
+    (module docstring); counted (gradients plus twice the layers' outputs) for a profile
+    without memory figures."""
+    if m is None:
+        return grads + 2 * scale * sum(l.activation_bytes for l in profile.layers)
+    rest = max(0, m.step_peak_bytes - m.step_grad_bytes) * scale
+    return max(m.forward_peak_bytes * scale, rest + grads, grads + m.optimizer_step_ratio * stepped)
+
+
+def _split(profile: Profile, est: Estimate) -> tuple[float, float, list]:
+    """(bytes on AllReduce, embedding bytes among them, the parameters on the servers)."""
+    served = [p for p in profile.params if est.placement.get(p.name) == "ps"]
+    names = {p.name for p in served}
+    on_ar = [p for p in profile.params if p.name not in names]
+    return sum(p.bytes for p in on_ar), sum(p.bytes for p in on_ar if p.embedding_module), served
+
+
+def _rows(p, fraction: float) -> float:
+    """Bytes of ``fraction`` of p's rows with their int64 ids."""
+    return fraction * p.rows * (p.bytes / p.rows + INDEX_BYTES)
+
+
+def data_parallel(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict[str, float]:
+    """Worker terms of allreduce, allreduce-sparse, hybrid and ps (module docstring)."""
+    m, r, n, total = profile.memory, _ratio(profile), cluster.workers, profile.total_bytes
+    data = m.data_bytes if m else 0
+    if est.strategy == "allreduce":
+        return {"params": total, "optimizer": r * total, "ddp_buckets": total,
+                "step": _step(m, profile, total, stepped=total), "data": data}
+    if est.strategy == "allreduce-sparse":
+        tables = [p for p in profile.params if p.embedding_module]
+        dense = total - sum(p.bytes for p in tables)
+        own = sum(_rows(p, p.alpha) for p in tables)
+        gathered = sum(n * _rows(p, p.alpha) + p.union_for(n) * p.bytes for p in tables)
+        if not profile.sparse_gradients_ok:
+            gathered += sum(p.bytes for p in tables)
+        return {"params": total, "optimizer": r * total, "ddp_buckets": dense,
+                "step": _step(m, profile, dense + own, stepped=dense), "gathered": gathered, "data": data}
+    on_ar, _, served = _split(profile, est)
+    rows = [p for p in served if p.embedding_module]
+    pulled = sum(_rows(p, p.alpha) for p in rows)
+    whole = sum(p.bytes for p in served if not p.embedding_module)   # ps: dense parameters pulled whole
+    terms = {"params": on_ar + whole, "optimizer": r * on_ar, "ddp_buckets": on_ar,
+             "step": _step(m, profile, on_ar + whole + pulled, stepped=on_ar), "rows": 3 * pulled, "data": data,
+             "runtime": RUNTIME_BYTES["hybrid_worker"] if on_ar else 0}
+    return terms
+
+
+def server_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict[str, float]:
+    """The busiest server's terms under hybrid/ps (module docstring): its share of each served
+    parameter (partitions go round-robin over the servers, so a server holds up to
+    ceil(partitions / S) of them), r x that share of optimizer state, the pushes it holds (a
+    step's of every worker but the last, which a table waits for, and the largest table's mean:
+    every row of it where the update needs them all, as Adam's and momentum's exact semantics
+    do, strategies/hybrid/shard.py) with the update's temporaries, and its inbox
+    (strategies/hybrid/wire.py: INBOX_DEPTH receive buffers per worker, each as large as the
+    largest request carried inline); or, where more, the whole model it
+    builds at start (``build``: its rows are then cut from it, copied where other servers hold
+    the rest)."""
+    _, _, served = _split(profile, est)
+    if not served:
+        return {}
+    from hpar.strategies.hybrid.wire import INBOX_DEPTH, INLINE_MAX
+    m, s, n, r = profile.memory, cluster.servers, cluster.workers, _ratio(profile)
+    shard = per_worker = largest = largest_shard = inline = 0.0
+    for p in served:
+        parts = max(1, min(est.partitions.get(p.name, s), p.rows))
+        share = -(-parts // s) / parts
+        shard += share * p.bytes
+        push = share * (_rows(p, p.alpha) if p.sparse else p.bytes)   # one worker's push to this server
+        per_worker += push
+        if push > largest:
+            largest, largest_shard = push, share * p.bytes
+        if push <= INLINE_MAX:   # carried in the request itself, so it lands in an inbox buffer
+            inline = max(inline, push)
+    # a table is applied once every worker's push of it is in: while the last worker is a step's
+    # pushes behind, the others' wait in the server, then a table's mean (its every row where the
+    # update needs them all)
+    mean = largest if (m is None or m.rows_suffice) else largest_shard
+    extra = m.model_extra_bytes if m else 0
+    serving = {"shard": shard, "optimizer": r * shard, "pushes": (n - 1) * per_worker + largest + mean,
+               "update": (m.optimizer_step_ratio if m else 0.0) * mean, "model_extra": extra,
+               "inbox": n * INBOX_DEPTH * inline, "runtime": RUNTIME_BYTES["server"]}
+    build = profile.total_bytes + extra + (shard if s > 1 else 0)
+    return serving if sum(serving.values()) >= build else {"build": build}
+
+
+def pipeline_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str) -> dict[str, float]:
+    """The busiest pipeline stage's terms (module docstring); its activations are its layers'
+    share of the saved activations at the micro-batch, times the micro-batches it holds at
+    once under ``schedule`` (:func:`in_flight`)."""
+    m, r, M, K = profile.memory, _ratio(profile), max(est.micro_batches, 1), len(est.stages)
+    saved = list(m.layer_saved_bytes) if m and sum(m.layer_saved_bytes) else [l.activation_bytes for l in profile.layers]
+    best: dict[str, float] = {}
+    for k, (a, b) in enumerate(est.stages):
+        pk = sum(l.param_bytes for l in profile.layers[a:b])
+        share = sum(saved[a:b]) / max(sum(saved), 1)
+        held = in_flight(schedule, K, k, M)
+        # async-2bw sums each micro-batch's gradient into the batch's out of place: both at once
+        terms = {"params": profile.total_bytes if _on_cpu(profile, cluster) else pk,
+                 "gradients": pk * (2 if schedule == "async-2bw" and M > 1 else 1),
+                 "optimizer": r * pk,
+                 "step": max(held * share * _step(m, profile, 0.0, 1.0 / M), m.optimizer_step_ratio * pk if m else 0),
+                 "versions": pk * {"async-stash": held, "async-predict": 1, "async-2bw": 2}.get(schedule, 0),
+                 "replica_allreduce": pk if est.replicas > 1 else 0,   # the stage's gradients flattened for it
+                 "data": (m.data_bytes if m else 0) if k in (0, K - 1) else 0, "runtime": RUNTIME_BYTES["stage"]}
+        if sum(terms.values()) > sum(best.values()):
+            best = terms
+    return best
+
+
+def fsdp_terms(profile: Profile, cluster: ClusterSpec) -> dict[str, float]:
+    """An FSDP worker's terms (module docstring): shards of parameters, gradients and optimizer
+    state (P/N each), the two largest adjacent units gathered (the one running and the one
+    prefetched) and the root's parameters (:func:`fsdp_units`), with their unsharded gradients,
+    the step's activations, and on a CPU the whole model built before sharding (a transient the
+    training terms usually exceed)."""
+    m, r, n, total = profile.memory, _ratio(profile), cluster.workers, profile.total_bytes
+    units, root = fsdp_units(profile)
+    pairs = max((a + b for a, b in zip(units, units[1:])), default=units[0] if units else 0)
+    shard = total / n
+    train = {"params": shard, "optimizer": r * shard, "unsharded": 2 * (root + pairs),
+             "step": _step(m, profile, shard, stepped=shard), "data": m.data_bytes if m else 0,
+             "runtime": RUNTIME_BYTES["fsdp"]}
+    build = total + shard if _on_cpu(profile, cluster) else 0
+    if build > sum(train.values()):
+        return {"build": build}
+    return train
+
+
+def fsdp_units(profile: Profile) -> tuple[list[int], int]:
+    """(parameter bytes of each unit strategies/fsdp.py shards on its own, bytes the root keeps):
+    a declared sequence's layers and nothing; a traced model's repeated blocks (its layers but the
+    first and the last) and those two; any other model one root holding everything, which FSDP
+    gathers whole for the step."""
+    sizes = [l.param_bytes for l in profile.layers]
+    if profile.is_sequential and not profile.traced:
+        return sizes, 0
+    if profile.is_sequential and len(sizes) > 2:
+        return sizes[1:-1], sizes[0] + sizes[-1]
+    return [], profile.total_bytes
+
+
+def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
+    """The most micro-batches ``stage`` holds between forward and backward under ``schedule``
+    (its pass order, strategies/pipeline/schedules.py: GPipe M, 1F1B min(M, K - k))."""
+    from hpar.strategies.pipeline.schedules import stage_ops
+    count = micro_batches if schedule in ("gpipe", "1f1b", "torch-gpipe", "torch-1f1b") else 2 * micro_batches + stages
+    name = schedule if not schedule.startswith("torch-") else schedule[len("torch-"):]
+    if name not in ("gpipe", "1f1b", "async", "async-stash", "async-predict", "async-2bw"):
+        name = "1f1b"
+    held = most = 0
+    for op in stage_ops(name, stages, stage, count):
+        held += 1 if op.kind == "F" else -1
+        most = max(most, held)
+    return most
+
+
+def _on_cpu(profile: Profile, cluster: ClusterSpec) -> bool:
+    """Whether the workers compute on the host's CPU, so that what a process builds on the host
+    counts against the worker's memory: profiled on a CPU and not projected to a device
+    (``--device-tflops``), whose memory holds only what is moved onto it."""
+    return profile.device == "cpu" and cluster.device_flops is None
+
+
+def _ratio(profile: Profile) -> float:
+    return profile.memory.optimizer_state_ratio if profile.memory else 1.0
+
+
+def predict(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str = "1f1b") -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of candidate ``est`` (its placement, partitions, stages and
+    micro-batches) on ``cluster``; ``schedule``: a pipeline's."""
+    m = profile.memory
+    if est.strategy == "pipeline":
+        worker = pipeline_terms(profile, cluster, est, schedule) if est.stages else {}
+    elif est.strategy == "fsdp":
+        worker = fsdp_terms(profile, cluster)
+    else:
+        worker = data_parallel(profile, cluster, est)
+    if worker:   # every worker process builds the model and runs its first forward inside its training
+        worker["first_use"] = (m.first_use_bytes + m.model_extra_bytes) if m else 0
+        worker["growth"] = m.growth_bytes * GROWTH_HORIZON_STEPS / m.growth_steps if m and m.growth_steps else 0
+    server = server_terms(profile, cluster, est) if est.strategy in ("hybrid", "ps") else {}
+    return MemoryEstimate({k: int(v) for k, v in worker.items()}, {k: int(v) for k, v in server.items()},
+                          overhead_bytes=m.process_bytes if m else 0,
+                          device_overhead_bytes=m.device_overhead_bytes if m else 0,
+                          device="cpu" if _on_cpu(profile, cluster) else "cuda")

@@ -1,0 +1,223 @@
+"""Measured peak memory (strategies/memory.py, launcher/run/peaks.py): every worker and
+parameter server reports its peak above its baseline, in metrics.jsonl and summary.json."""
+import json
+import os
+
+import pytest
+import torch
+
+from hpar.launcher.run.peaks import PeakFigures
+from hpar.strategies import memory
+
+from conftest import hpar_to_file, kill_left, write_script
+
+# 2 x 4 MB of weights per worker, and one 8 MB table the server holds under hybrid
+BIG = '''
+import torch, torch.nn as nn
+HPAR = {"steps": 6, "batch_size": 8, "lr": 0.05, "log_every": 2}
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(8192, 256)
+        self.a = nn.Linear(256, 1024)
+        self.b = nn.Linear(1024, 1024)
+        self.out = nn.Linear(1024, 1)
+    def forward(self, x):
+        return self.out(torch.relu(self.b(torch.relu(self.a(self.emb(x)))))).squeeze(1)
+def model(): return M()
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        yield torch.randint(0, 8192, (batch_size,), generator=g), torch.randn(batch_size, generator=g)
+def loss(o, t): return ((o - t) ** 2).mean()
+def optimizer(params): return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+'''
+MB = 1 << 20
+
+
+def test_a_window_measures_what_it_holds_and_survives_a_later_reset():
+    """A process window sees a 64 MB tensor made and dropped inside it; a later window's
+    reset (a pipeline stage's own) keeps it; a frozen window no longer moves."""
+    mem = memory.start_process(torch.device("cpu"))
+    try:
+        _window(mem)
+    finally:
+        memory._PROCESS.clear()   # this test process has no window of its own
+
+
+def _window(mem):
+    if mem.base_rss is None:
+        pytest.skip("this system cannot reset the resident high-water mark (/proc/self/clear_refs)")
+    x = torch.ones(16 * MB)   # 64 MB, touched
+    del x
+    inner = memory.PeakMemory(torch.device("cpu"))
+    inner.start()   # resets the mark: the process window folds its peak first
+    peak = memory.process_peak().peak_bytes()
+    assert 60 * MB < peak < 200 * MB
+    assert inner.peak_bytes() < 32 * MB
+    memory.freeze_process()
+    y = torch.ones(64 * MB)   # 256 MB after the window closed
+    assert memory.process_peak().peak_bytes() == peak
+    assert memory.process_peak().figures()["allocated_peak_bytes"] is None   # no CPU allocator view
+    del y
+
+
+def test_peaks_go_to_the_summary_largest_per_role():
+    class Spec:
+        def __init__(self, role, rank):
+            self.role, self.rank, self.host = role, rank, "h"
+
+    class Proc:
+        def __init__(self, role, rank):
+            self.spec = Spec(role, rank)
+
+    class RunDir:
+        rows = []
+
+        def metric(self, row):
+            self.rows.append(row)
+    rundir = RunDir()
+    peaks = PeakFigures(rundir)
+    for role, rank, peak in (("worker", 0, 10), ("worker", 1, 30), ("server", 0, 7)):
+        peaks.on_event(Proc(role, rank), {"kind": "memory", "peak_bytes": peak, "rss_peak_bytes": peak})
+    peaks.on_event(Proc("worker", 0), {"kind": "first_loss", "loss": 1.0})
+    out = peaks.apply({"strategy": "hybrid"}, {"memory": {"worker_peak_bytes": 25, "server_peak_bytes": 8}})
+    assert out["peak_bytes"] == {"worker": 30, "server": 7}
+    assert out["predicted_peak_bytes"] == {"worker": 25, "server": 8}
+    assert [(r["role"], r["rank"], r["peak_bytes"]) for r in rundir.rows] == [("worker", 0, 10), ("worker", 1, 30),
+                                                                              ("server", 0, 7)]
+    assert peaks.apply({}, None)["predicted_peak_bytes"] == {"worker": None, "server": None}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_every_worker_and_server_reports_its_peak(tmp_path):
+    """hybrid, 2 workers and a server: each reports its peak once in metrics.jsonl (and in its
+    interval metrics); summary.json has the largest per role, and they hold what they must:
+    a worker its 4.2 MB of dense weights with their gradients, momentum and DDP's buckets, the
+    server its 8.4 MB table and that table's momentum."""
+    script = write_script(tmp_path, BIG)
+    run_dir = str(tmp_path / "run")
+    code, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--strategy", "hybrid",
+                             "--run-dir", run_dir, "--no-eval")
+    assert not kill_left(run_dir), "processes left behind"
+    assert code == 0, out
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    reports = [r for r in rows if r["kind"] == "memory"]
+    assert sorted((r["role"], r["rank"]) for r in reports) == [("server", 0), ("worker", 0), ("worker", 1)]
+    assert all(r["peak_bytes"] == r["rss_peak_bytes"] for r in reports)   # CPU: the resident figure
+    assert all("peak_bytes" in r for r in rows if r["kind"] == "metric" and r["role"] == "worker")
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    dense, table = 4 * (256 * 1024 + 1024 * 1024 + 1024 + 1024 + 1 + 1), 4 * 8192 * 256
+    assert summary["peak_bytes"]["worker"] == max(r["peak_bytes"] for r in reports if r["role"] == "worker")
+    assert summary["peak_bytes"]["worker"] > 3.5 * dense
+    assert summary["peak_bytes"]["server"] > 1.8 * table
+
+
+WIDE = '''
+import torch, torch.nn as nn
+HPAR = {"steps": 6, "batch_size": 16, "lr": 0.01, "log_every": 3}
+def model():
+    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)])
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        x = torch.randn(batch_size, 1024, generator=g)
+        yield x, x
+def loss(o, t): return ((o - t) ** 2).mean()
+def optimizer(params): return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+'''
+
+
+def _profile_json(tmp_path, script, *args):
+    code, out = hpar_to_file(tmp_path / "profile.out", "profile", script, "--gpus", "2", "--bandwidth", "1Gbps",
+                             "--json", *args)
+    assert code == 0, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+def test_profile_predicts_every_candidates_peaks_and_plans_what_fits(tmp_path):
+    """hpar profile --json gives every candidate's predicted peak per worker (per server for
+    hybrid/ps) and whether it fits; with --worker-memory between the pipeline's need and
+    allreduce's, allreduce is not runnable for its memory, with the one reason, and the plan
+    takes a strategy that fits, saying why."""
+    script = write_script(tmp_path, WIDE)
+    free = _profile_json(tmp_path, script)
+    cands = {c["strategy"]: c for c in free["candidates"]}
+    assert all(c["memory"]["worker_peak_bytes"] > 0 for c in cands.values())
+    assert cands["ps"]["memory"]["server_peak_bytes"] > 0 and cands["allreduce"]["memory"]["server_peak_bytes"] is None
+    need = lambda c: c["memory"]["worker_peak_bytes"] + c["memory"]["overhead_bytes"]
+    weights = 6 * 4 * (1024 * 1024 + 1024)
+    assert cands["allreduce"]["memory"]["worker_terms"]["params"] == weights
+    assert need(cands["allreduce"]) - need(cands["pipeline"]) > weights   # buckets, and the stage's half
+    cap = (need(cands["allreduce"]) + need(cands["pipeline"])) / 2 / 1e9
+    tight = _profile_json(tmp_path, script, "--worker-memory", f"{cap:.4f}")
+    cands = {c["strategy"]: c for c in tight["candidates"]}
+    assert not cands["allreduce"]["available"] and cands["allreduce"]["memory"]["fits"] is False
+    assert cands["allreduce"]["note"] == f"needs {need(cands['allreduce']) / 1e9:.3g} GB per worker, {cap:.3g} GB available"
+    assert cands["pipeline"]["memory"]["fits"] is True
+    assert tight["plan"]["strategy"] in ("pipeline", "ps") and tight["cluster"]["worker_memory_bytes"] == pytest.approx(cap * 1e9, rel=1e-3)
+    assert tight["plan"]["memory"]["fits"] is True
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_run_refuses_a_strategy_that_does_not_fit_unless_forced(tmp_path):
+    """--strategy allreduce with a --worker-memory below its predicted need: one line, exit 2,
+    no process; with --force it runs, and summary.json has the prediction beside the peaks."""
+    script = write_script(tmp_path, WIDE)
+    run_dir = str(tmp_path / "run")
+    code, out = hpar_to_file(tmp_path / "refused.out", "run", script, "--gpus", "2", "--strategy", "allreduce",
+                             "--worker-memory", "0.05", "--run-dir", run_dir)
+    assert code == 2, out
+    refusal = [line for line in out.splitlines() if "GB per worker" in line]
+    assert len(refusal) == 1 and refusal[0].startswith("hpar: --strategy allreduce needs ")
+    assert refusal[0].endswith("0.05 GB available (--worker-memory); choose a strategy that fits (hpar profile "
+                               "lists them), or --force to run it anyway")
+    assert not os.path.exists(os.path.join(run_dir, "config.json"))
+    code, out = hpar_to_file(tmp_path / "forced.out", "run", script, "--gpus", "2", "--strategy", "allreduce",
+                             "--worker-memory", "0.05", "--force", "--run-dir", run_dir, "--no-eval")
+    assert not kill_left(run_dir), "processes left behind"
+    assert code == 0, out
+    assert "running it anyway (--force)" in out
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    predicted, measured = summary["predicted_peak_bytes"]["worker"], summary["peak_bytes"]["worker"]
+    assert predicted > 4 * 6 * 4 * 1024 * 1024 and measured > 0 and summary["predicted_peak_bytes"]["server"] is None
+
+
+WIDE_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "wide.py")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_model_too_large_for_allreduce_is_planned_onto_what_fits_and_runs_within_it(tmp_path):
+    """examples/wide.py (134 MB of weights, SGD with momentum): planned for 8 GPUs with a
+    --worker-memory below what its allreduce replica needs, the plan is pipeline or fsdp and says
+    that allreduce does not fit; at the scale this machine runs (2 CPU workers), hpar run --strategy
+    auto with a --worker-memory that allreduce exceeds chooses pipeline or fsdp, and no worker's
+    resident memory (its baseline plus its measured peak) exceeds the stated memory."""
+    projected = _profile_json(tmp_path, WIDE_EXAMPLE, "--gpus", "8", "--hosts", "2x4", "--device-tflops", "50",
+                              "--worker-memory", "0.3")
+    assert projected["cluster"]["workers"] == 8
+    cands = {c["strategy"]: c for c in projected["candidates"]}
+    assert cands["allreduce"]["memory"]["fits"] is False and cands["allreduce"]["note"].startswith("needs ")
+    assert projected["plan"]["strategy"] in ("pipeline", "fsdp")
+    fits = [s for s in ("pipeline", "fsdp") if cands[s]["available"]]
+    assert projected["plan"]["strategy"] == max(fits, key=lambda s: cands[s]["samples_per_s"])
+    assert f"Does not fit the memory: allreduce {cands['allreduce']['note']}" in projected["plan"]["reason"]
+    here = _profile_json(tmp_path, WIDE_EXAMPLE)   # 2 CPU workers
+    need = {c["strategy"]: c["memory"]["worker_peak_bytes"] + c["memory"]["overhead_bytes"] for c in here["candidates"]}
+    cap = (need["allreduce"] + max(need["pipeline"], need["fsdp"])) / 2 / 1e9
+    run_dir = str(tmp_path / "run")
+    code, out = hpar_to_file(tmp_path / "run.out", "run", WIDE_EXAMPLE, "--gpus", "2", "--steps", "4", "--no-eval",
+                             "--worker-memory", f"{cap:.3f}", "--run-dir", run_dir, timeout=500)
+    assert not kill_left(run_dir), "processes left behind"
+    assert code == 0, out
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["strategy"] in ("pipeline", "fsdp"), out
+    assert "Does not fit the memory: allreduce needs" in out
+    reports = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    workers = [r for r in reports if r["kind"] == "memory" and r["role"] == "worker"]
+    assert len(workers) == 2 and all(r["baseline_bytes"] + r["peak_bytes"] <= cap * 1e9 for r in workers), \
+        (cap, [(r["baseline_bytes"], r["peak_bytes"]) for r in workers])

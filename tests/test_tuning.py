@@ -1,0 +1,97 @@
+"""`--strategy auto` checked by measurement (launcher/run/tuning.py): short trials of the cost
+model's best candidates, the fastest measured one trained. Unit tests of the rules, and the
+real `hpar run` on a job whose predicted winner is slowed in a way the model cannot see."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from conftest import hpar_to_file, kill_left
+from hpar.launcher.run.tuning import Trial, candidates, choose, trial_steps
+
+
+def _plan(chosen: str, rows: list[tuple[str, float, bool]]) -> dict:
+    return {"strategy": chosen, "candidates": [{"strategy": s, "samples_per_s": sps, "predicted_step_s": 1 / sps,
+                                                 "available": ok} for s, sps, ok in rows]}
+
+
+def test_candidates_are_the_best_and_those_within_2x_at_most_3():
+    plan = _plan("hybrid", [("allreduce", 400.0, True), ("hybrid", 1000.0, True), ("ps", 501.0, True),
+                            ("pipeline", 900.0, False), ("allreduce-sparse", 600.0, True)])
+    assert [s for s, _ in candidates(plan)] == ["hybrid", "allreduce-sparse", "ps"]
+    assert candidates(_plan("hybrid", [("hybrid", 1000.0, True), ("ps", 100.0, True)])) == [("hybrid", 0.001)]
+
+
+def test_trials_are_shortened_or_skipped_to_stay_within_5_percent_of_the_run():
+    cands = [("hybrid", 1.0), ("allreduce", 1.2)]                     # seconds per step
+    assert trial_steps("off", 8, 10**6, cands) == (0, "")
+    assert trial_steps("on", 8, 10, cands) == (8, "")
+    assert trial_steps("auto", 8, 10**6, cands) == (8, "")           # a long run: the trials fit
+    n, note = trial_steps("auto", 8, 680, cands)                      # 5% of ~690 s: ~17 s a trial, 10 to start
+    assert 2 <= n < 8 and "shortened" in note, (n, note)
+    n, note = trial_steps("auto", 8, 100, cands)                      # a short run: no trial
+    assert n == 0 and note.startswith("no trial") and "--tune on" in note
+
+
+def test_the_fastest_measured_wins_unless_the_models_choice_is_within_its_spread():
+    planned = Trial("hybrid", 0.01, 0.020, 0.022, 1000.0)
+    faster = Trial("allreduce-sparse", 0.012, 0.010, 0.011, 2000.0)
+    chosen, reason = choose([planned, faster])
+    assert chosen == "allreduce-sparse" and "ranked it second" in reason
+    close = Trial("allreduce-sparse", 0.012, 0.019, 0.025, 1050.0)   # 5% faster, 32% spread
+    assert choose([planned, close])[0] == "hybrid"
+    failed = Trial("allreduce-sparse", 0.012, math.nan, math.nan, 0.0, exit_code=1)
+    assert choose([planned, failed])[0] == "hybrid"
+
+
+# A table model whose forward sleeps under every strategy but one (read from the run's own
+# config, which the profile in the launcher has not got): the cost model cannot see it, a trial does.
+SLOWED = '''
+import json, os, time
+import torch, torch.nn as nn
+HPAR = {"steps": 12, "batch_size": 16, "lr": 0.1, "log_every": 4}
+FAST = "STRATEGY"
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(200, 8)
+        self.out = nn.Linear(8, 1)
+    def forward(self, x):
+        if os.environ.get("HPAR_CONFIG") and json.load(open(os.environ["HPAR_CONFIG"]))["strategy"] != FAST:
+            time.sleep(0.05)
+        return self.out(self.emb(x).mean(1)).squeeze(1)
+def model(): return M()
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        x = torch.randint(0, 200, (batch_size, 4), generator=g)
+        yield x, (x.float().mean(1) / 200)
+def loss(o, t): return ((o - t) ** 2).mean()
+'''
+
+
+@pytest.mark.multiprocess
+def test_a_trial_picks_the_plan_the_model_ranked_second_when_measurement_says_so(tmp_path):
+    from hpar.launcher.run.planning import plan_job
+    from hpar.strategies.job import load_job
+    probe = tmp_path / "probe.py"
+    probe.write_text(SLOWED.replace("STRATEGY", "none"))
+    plan = plan_job(load_job(str(probe)), 16, None, 2, None)[0].to_dict()   # what the run's planner will rank
+    ranked = [s for s, _ in candidates(plan)]
+    assert len(ranked) >= 2, plan["candidates"]
+    script = tmp_path / "job.py"
+    script.write_text(SLOWED.replace("STRATEGY", ranked[1]))   # the model's first (and third) slowed
+    run_dir = tmp_path / "run"
+    rc, out = hpar_to_file(tmp_path / "out.txt", "run", str(script), "--gpus", "2", "--tune", "on", "--tune-steps", "4",
+                           "--run-dir", str(run_dir), "--plain", "--no-eval", cwd=str(tmp_path))
+    assert rc == 0 and not kill_left(run_dir), out[-3000:]
+    assert f"--strategy auto chose {ranked[0]}" in out, out
+    assert f"--tune chose {ranked[1]} measured" in out and "the cost model ranked it second" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["strategy"] == ranked[1] and summary["tuning"]["chosen"] == ranked[1], summary
+    trials = {t["strategy"]: t for t in summary["tuning"]["trials"]}
+    assert trials[ranked[1]]["samples_per_s"] > trials[ranked[0]]["samples_per_s"] > 0
+    assert all(os.path.isdir(run_dir / "trials" / s) for s in trials)
