@@ -138,6 +138,10 @@ def run(script, gpus, hosts, strategy, plan_file, steps, batch_size, lr, seed, l
             if strategy == "auto" and not plan_file and not resume_dir:   # launcher/run/tuning.py
                 def resolve_for(con, chosen, path, directory, n, trial):
                     over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
+                    if chosen == "hybrid-cache":   # hybrid with the caches its plan file names
+                        over["strategy"] = "hybrid"
+                    elif staleness is not None:   # the other candidates run without the caches
+                        over.update(staleness=None, cache_rows=None)
                     if trial:
                         over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
                     c, o, m = run_command.resolve(con, **{**kw, **over})

@@ -33,7 +33,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, servers: i
         return plan, profile
     alternatives = {}   # the plans --tune may try (launcher/run/tuning.py): those that fit
     for c in plan.candidates:
-        if c.available and c.strategy != plan.strategy:
+        if c.available and c.strategy != ("hybrid-cache" if plan.cache else plan.strategy):
             try:
                 alt = choose_plan(profile, cluster, schedule=schedule, force=c.strategy, pipeline_replicas=pipeline_replicas,
                                   cache=cache)

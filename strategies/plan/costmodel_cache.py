@@ -67,9 +67,19 @@ def estimate_hybrid_cache(profile: Profile, cluster: ClusterSpec, cache: CacheCo
     est = _ps_estimate(profile, cluster, "hybrid", shares={n: (d["pulled"], d["pushed"]) for n, d in pred.items()},
                        name=NAME)
     served = {n for n, where in est.placement.items() if where == "ps"}
+    sizes = {p.name: p for p in profile.params}
+    held = cache_bytes({n: d["rows"] for n, d in pred.items() if n in served},
+                       {n: sizes[n].bytes / max(sizes[n].rows, 1) for n in pred})
     return Estimate(est.strategy, est.step_s, est.samples_per_step, est.bytes_per_step,
-                    {**est.breakdown, "hit_rate": hit_rate(pred, served)},
+                    {**est.breakdown, "hit_rate": hit_rate(pred, served), "cache_bytes": held},
                     placement=est.placement, partitions=est.partitions)
+
+
+def cache_bytes(rows: dict[str, int], row_bytes: dict[str, float]) -> float:
+    """Bytes a worker's caches hold (the memory model's ``cache`` term, strategies/plan/memory.py):
+    per table of ``rows[name]`` cached rows of ``row_bytes[name]`` bytes, the copies and the
+    gradients held back (2 rows each) plus an id, a readable-step and a held flag (17 bytes)."""
+    return sum(n * (2 * row_bytes[name] + 17) for name, n in rows.items())
 
 
 def plan_cache(hot: dict[str, HotRows], table_rows: dict[str, int], cache: CacheConfig, workers: int,
