@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import final_state, hpar, hpar_to_file, write_script
+from conftest import final_state, hpar_to_file, write_script
 
 # low ids are looked up far more often than high ones, as words or items are
 SKEWED = '''
@@ -32,9 +32,11 @@ def optimizer(params): return torch.optim.Adagrad(params, lr=0.1)
 '''
 
 
-def _run(tmp_path, script, name, *flags) -> tuple[str, dict]:
-    """``hpar run`` of ``script`` on 2 workers and 2 servers under hybrid; (run dir, summary)."""
+def _run(tmp_path, reap_run, script, name, *flags) -> tuple[str, dict]:
+    """``hpar run`` of ``script`` on 2 workers and 2 servers (output to a file; its processes
+    checked by ``reap_run`` after the test); (run dir, summary)."""
     run_dir = str(tmp_path / name)
+    reap_run(run_dir)
     code, out = hpar_to_file(tmp_path / f"{name}.log", "run", script, "--gpus", "2", "--servers", "2", "--run-dir",
                              run_dir, "--plain", "--no-eval", *flags, timeout=240)
     assert code == 0, out[-3000:]
@@ -48,12 +50,12 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_staleness_0_trains_hybrids_model_bit_for_bit(tmp_path, reap_run):
+@pytest.mark.parametrize("strategy", ["hybrid", "ps"])
+def test_staleness_0_trains_the_model_without_the_cache_bit_for_bit(tmp_path, reap_run, strategy):
     script = write_script(tmp_path, SKEWED)
-    plain, _ = _run(tmp_path, script, "hybrid", "--strategy", "hybrid")
-    reap_run(plain)
-    exact, summary = _run(tmp_path, script, "exact", "--strategy", "hybrid", "--staleness", "0", "--cache-rows", "40")
-    reap_run(exact)
+    plain, _ = _run(tmp_path, reap_run, script, "plain", "--strategy", strategy)
+    exact, summary = _run(tmp_path, reap_run, script, "exact", "--strategy", strategy, "--staleness", "0",
+                          "--cache-rows", "40")
     assert summary["cache"]["staleness"] == 0 and summary["cache"]["hit_rate"] == 0.0   # every read fresh
     assert summary["cache"]["tables"]["emb.weight"]["rows"] == 40
     assert _same(final_state(plain), final_state(exact))
@@ -62,19 +64,19 @@ def test_staleness_0_trains_hybrids_model_bit_for_bit(tmp_path, reap_run):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_a_resume_with_the_cache_on_equals_the_run_that_went_on(tmp_path, reap_run):
-    """Staleness 2, the rows chosen again every 4 steps, a checkpoint at step 6: the run stopped
-    there and resumed trains the uninterrupted run's model bit for bit (its held gradients were
-    pushed before the checkpoint, the next epoch's rows were written into it)."""
+    """Staleness 2, the rows chosen again every 4 steps, checkpoints every 5: a run that went on
+    to step 8 and is resumed from its checkpoint of step 5 trains the uninterrupted run's model
+    bit for bit (held gradients are pushed before a checkpoint, the next epoch's rows are
+    written into it)."""
     script = write_script(tmp_path, SKEWED)
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"strategy": "hybrid", "cache": {"staleness": 2, "rows": 40, "refresh_steps": 4}}))
-    whole, summary = _run(tmp_path, script, "whole", "--plan", str(plan), "--steps", "12", "--checkpoint-every", "6")
-    reap_run(whole)
+    whole, summary = _run(tmp_path, reap_run, script, "whole", "--plan", str(plan), "--steps", "12",
+                          "--checkpoint-every", "5")
     assert summary["cache"]["staleness"] == 2 and summary["cache"]["hit_rate"] > 0.1   # the cache was read
-    part, _ = _run(tmp_path, script, "part", "--plan", str(plan), "--steps", "6", "--checkpoint-every", "6")
-    reap_run(part)
+    part, _ = _run(tmp_path, reap_run, script, "part", "--plan", str(plan), "--steps", "8", "--checkpoint-every", "5")
     from hpar.strategies.state import saved_keys
-    keys = saved_keys(os.path.join(part, "checkpoints", "step-6"))
+    keys = saved_keys(os.path.join(part, "checkpoints", "step-5"))
     assert {"cache.worker0.emb.weight", "cache.worker1.emb.weight", "cache.emb.weight.version"} <= keys
     code, out = hpar_to_file(tmp_path / "resumed.log", "run", "--resume", part, "--steps", "12", "--plain", "--no-eval",
                              timeout=240)
@@ -83,16 +85,22 @@ def test_a_resume_with_the_cache_on_equals_the_run_that_went_on(tmp_path, reap_r
 
 
 @pytest.mark.parametrize("flags,says", [
-    (["--strategy", "allreduce", "--staleness", "2"], "--staleness caches rows of the tables the parameter servers"),
-    (["--strategy", "hybrid", "--cache-rows", "100"], "--cache-rows needs --staleness"),
+    (["run", "--strategy", "allreduce", "--staleness", "2"], "--staleness caches rows of the tables the parameter servers"),
+    (["run", "--strategy", "hybrid", "--cache-rows", "100"], "--cache-rows needs --staleness"),
+    (["run", "--strategy", "hybrid", "--staleness", "-1"], "--staleness must not be negative"),
+    (["run", "--strategy", "hybrid", "--staleness", "1", "--cache-rows", "2.5"], "--cache-rows 2.5: give rows per table"),
+    (["profile", "--staleness", "-3"], "--staleness must not be negative"),
 ])
-def test_bad_cache_flags_are_refused_in_one_line_before_anything_starts(tmp_path, flags, says):
+def test_bad_cache_flags_are_refused_in_one_line_before_anything_starts(tmp_path, flags, says, reap_run):
     script = write_script(tmp_path, SKEWED)
-    res = hpar("run", script, "--gpus", "2", "--run-dir", str(tmp_path / "run"), *flags)
-    assert res.returncode == 2, res.stdout + res.stderr
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hpar: ") and says in lines[0], res.stderr
-    assert not os.path.exists(tmp_path / "run" / "config.json")
+    run_dir = tmp_path / "run"
+    where = ["--run-dir", str(run_dir)] if flags[0] == "run" else []
+    code, out = hpar_to_file(tmp_path / "out.log", flags[0], script, "--gpus", "2", *where, *flags[1:], timeout=120)
+    reap_run(str(run_dir))
+    assert code == 2, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpar: ") and says in lines[0], out
+    assert not os.path.exists(run_dir / "config.json")
 
 
 @pytest.mark.parametrize("change,says", [
@@ -115,10 +123,10 @@ def test_profile_shows_hybrid_with_and_without_the_cache(tmp_path):
     """Unasked, the cache's row is shown and not runnable (tests/test_hybrid_cache.py checks the
     planner); asked, both rows are there and either may win."""
     script = write_script(tmp_path, SKEWED)
-    res = hpar("profile", script, "--gpus", "4", "--hosts", "2x2", "--bandwidth", "10mbit", "--json",
-               "--staleness", "2", "--cache-rows", "30")
-    assert res.returncode == 0, res.stderr
-    asked = json.loads(res.stdout)
+    code, out = hpar_to_file(tmp_path / "asked.json", "profile", script, "--gpus", "4", "--hosts", "2x2", "--bandwidth",
+                             "10mbit", "--json", "--staleness", "2", "--cache-rows", "30", timeout=120)
+    assert code == 0, out
+    asked = json.loads(out[out.index("{"):])
     rows = {c["strategy"]: c for c in asked["candidates"]}
     assert rows["hybrid"]["available"] and rows["hybrid-cache"]["available"]
     assert "cache of 30 rows per table, s = 2" in rows["hybrid-cache"]["note"]
@@ -126,3 +134,10 @@ def test_profile_shows_hybrid_with_and_without_the_cache(tmp_path):
     assert rows["hybrid-cache"]["bytes_per_step"] < rows["hybrid"]["bytes_per_step"]
     if asked["plan"]["cache"]:   # the planner took it: the plan says so, with the rows it starts from
         assert asked["plan"]["strategy"] == "hybrid" and len(asked["plan"]["cache"]["hot_rows"]["emb.weight"]) <= 30
+    # the table too: the row with its predicted bytes and hit rate, not runnable without --staleness
+    code, out = hpar_to_file(tmp_path / "table.txt", "profile", script, "--gpus", "4", "--hosts", "2x2", "--bandwidth",
+                             "10mbit", timeout=120)
+    assert code == 0, out
+    row = next(line for line in out.splitlines() if "hybrid-cache" in line).split("│")
+    assert row[4].strip().endswith("B") and row[7].strip() == "no" and "cache of 10% of each" in row[8], out
+    assert "lookups hit" in out and "--staleness S" in out

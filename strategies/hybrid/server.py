@@ -64,7 +64,7 @@ class Server:
         # every server holding rows of the table, also one whose rows the worker did not pull this
         # step; such an empty push has no answered pull before it, and can arrive while another
         # worker's push of the step before is still on its way
-        self.early: list[tuple[int, int, torch.Tensor | None, torch.Tensor, int]] = []
+        self.early: list[tuple[int, int, torch.Tensor | None, torch.Tensor, int, int]] = []
         self.bytes = ByteMeter()
         self.totals: dict[str, list[float]] = {}
         self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}   # bytes since the last report
@@ -164,12 +164,13 @@ class Server:
         the step's own early apply, if due, follows from :meth:`_close_step`)."""
         now = [e for e in self.early if e[1] == self.table_step[e[0]]]
         self.early = [e for e in self.early if e[1] != self.table_step[e[0]]]
-        for tid, _, local, grads, count in now:
-            self._add_push(tid, local, grads, count)
+        for tid, _, local, grads, count, src in now:
+            self._add_push(tid, local, grads, count, src)
 
-    def _add_push(self, tid: int, local: torch.Tensor | None, grads: torch.Tensor, count: int) -> None:
-        """Add one push (``count`` workers' gradients of rows ``local``, None: all) to table ``tid``."""
-        self.shards[tid].add_grad(local, grads)
+    def _add_push(self, tid: int, local: torch.Tensor | None, grads: torch.Tensor, count: int, src: int) -> None:
+        """Add one push (``count`` workers' gradients of rows ``local``, None: all) from worker
+        ``src`` to table ``tid`` (summed in the workers' order, shard.ParamShard.add_grad)."""
+        self.shards[tid].add_grad(local, grads, sender=src)
         self.pushed[tid] += count
 
     def _answer_pending(self) -> None:
@@ -256,10 +257,10 @@ class Server:
             rows = self.shards[tid].weight.shape[0] if local is None else local.numel()
             grads = self._take(req, (rows, self.tables[tid].dim), self.tables[tid].dtype)
             if step > self.table_step[tid]:
-                self.early.append((tid, step, local, grads, req.count))
+                self.early.append((tid, step, local, grads, req.count, req.src))
             else:
                 assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
-                self._add_push(tid, local, grads, req.count)
+                self._add_push(tid, local, grads, req.count, req.src)
                 self._apply_if_complete(tid)
         elif op == DONE:
             self.done[step] = self.done.get(step, 0) + 1
