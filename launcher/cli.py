@@ -66,6 +66,13 @@ def main() -> None:
 @click.option("--find-unused-parameters", type=click.Choice(FIND_UNUSED_MODES), default=None,
               help="DDP's find_unused_parameters: auto (default) turns it on only when a profiled step left a "
                    "parameter without a gradient; on or off forces it.")
+@click.option("--staleness", type=int, default=None,
+              help="hybrid/ps: a cache of each served table's hot rows on every worker, read while at most S updates "
+                   "behind the servers' (gradients held at most S steps); S = 0 trains as without it. An accuracy "
+                   "trade: never on unless given.")
+@click.option("--cache-rows", type=float, default=None,
+              help="With --staleness: rows cached per table (an integer) or a fraction of each table's rows (< 1; "
+                   "default 0.1).")
 @click.option("--allow-unequal-batches", is_flag=True, default=None,
               help="Train although the workers' first batches differ in size (each worker's mean gradient then "
                    "weighs the same, as DDP does); refused otherwise.")
@@ -109,6 +116,10 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
             if flags.plan.strategy == "auto" and not flags.plan.plan_file and not flags.run.resume_dir:   # run/tuning.py
                 def resolve_for(con, chosen, path, directory, n, trial):
                     over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
+                    if chosen == "hybrid-cache":   # hybrid with the caches its plan file names
+                        over["strategy"] = "hybrid"
+                    elif staleness is not None:   # the other candidates run without the caches
+                        over.update(staleness=None, cache_rows=None)
                     if trial:
                         over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
                     c, o, m = run_command.resolve(con, flags.but(**over))

@@ -59,7 +59,9 @@ def test_json_output_and_plan_out(scripts):
     assert emb["sparse"] and emb["alpha"] < 0.01 and emb["bytes"] == 5000 * 32 * 4 and emb["shape"] == [5000, 32]
     assert d["parameters"][0]["name"] == "emb.weight"
     assert [l["name"] for l in d["layers"]] == ["emb", "mid", "out"]
-    assert {c["strategy"] for c in d["candidates"]} == {"allreduce", "allreduce-sparse", "ps", "hybrid", "pipeline", "fsdp"}
+    assert {c["strategy"] for c in d["candidates"]} == {"allreduce", "allreduce-sparse", "ps", "hybrid", "hybrid-cache",
+                                                        "pipeline", "fsdp"}
+    assert not next(c for c in d["candidates"] if c["strategy"] == "hybrid-cache")["available"]   # no --staleness
     assert all(c["predicted_step_s"] > 0 for c in d["candidates"] if c["strategy"] != "pipeline")
     assert d["cluster"]["workers"] == 4 and d["cluster"]["hosts"] == 2 and d["cluster"]["bandwidth_Bps"] == 1.25e8
     assert set(d["plan"]["placement"]) == {p["name"] for p in d["parameters"]}

@@ -19,6 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from hpar.launcher.run.cluster import DEFAULT_LATENCY, build_cluster
+
+CLUSTER_FLAGS = ("gpus", "hosts", "servers", "bandwidth", "latency", "device_tflops", "device_mem_gbps")
 from hpar.launcher.usage import fail as _fail
 from hpar.strategies.common.job import JobError, check_job, load_job
 
@@ -136,12 +138,23 @@ def _capacity(cluster) -> str:
               help="Memory of each worker's device in GB (10^9 bytes); default: the GPU's, or this host's RAM over its processes.")
 @click.option("--server-memory", type=float, default=None, metavar="GB",
               help="Host memory of each parameter server in GB; default: this host's RAM over its processes.")
+@click.option("--staleness", type=int, default=None,
+              help="Let the plan use hybrid with hot-row caches on the workers, reading rows up to S updates stale "
+                   "(hybrid-cache; without it that row is shown at S = 4 and never chosen).")
+@click.option("--cache-rows", type=float, default=None,
+              help="With --staleness: rows cached per table (>= 1) or a fraction of each table (< 1; default 0.1).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Write the plan as JSON for `hpar run --plan`.")
-def profile(script, device, batch_size, timing_batch_size, precision, worker_memory, server_memory, as_json, plan_out,
-            **cluster_flags):
+def profile(script, as_json, plan_out, **given):
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
     from hpar.strategies.runstate.checkpoint import atomic_write_bytes
+    from hpar.strategies.common.config import check_cache_flags
+    from hpar.strategies.hybrid.cache import CacheConfig
+    cluster_flags = {k: given.pop(k) for k in CLUSTER_FLAGS}   # --gpus, --hosts, ...: launcher/run/cluster.py
+    device, batch_size, timing_batch_size, precision = (given[k] for k in ("device", "batch_size", "timing_batch_size",
+                                                                             "precision"))
+    worker_memory, server_memory, staleness, cache_rows = (given[k] for k in ("worker_memory", "server_memory",
+                                                                               "staleness", "cache_rows"))
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.device import profile_device
     from hpar.strategies.profile.profiler import profile_job
@@ -156,16 +169,18 @@ def profile(script, device, batch_size, timing_batch_size, precision, worker_mem
             bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))
             if bs < 1:
                 raise ValueError(f"--batch-size must be at least 1, got {bs}")
+            check_cache_flags(cache_rows, staleness)
             if timing_batch_size is not None and timing_batch_size < 1:
                 raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
             from hpar.launcher.run.capacity import from_flags
             capacity = from_flags(worker_memory, server_memory)
             measure_on = profile_device(device)
-            cluster = build_cluster(**cluster_flags, measured_on=measure_on.type, capacity=capacity)   # --gpus, --hosts, ...
+            cluster = build_cluster(**cluster_flags, measured_on=measure_on.type, capacity=capacity)
             check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
             prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
                                precision=precision)
-            plan = choose_plan(prof, cluster)
+            plan = choose_plan(prof, cluster,
+                               cache=CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None)
         except JobError as exc:
             _fail(str(exc), exc.user_traceback)
         except (ValueError, RuntimeError) as exc:

@@ -21,9 +21,9 @@ from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
 from hpar.strategies.runstate import checkpoint
-from hpar.strategies.common.config import FIND_UNUSED_MODES, RunConfig, check_loop_flags
+from hpar.strategies.common.config import FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags
 from hpar.strategies.dataparallel.ddp import DDP_STRATEGIES, find_unused
-from hpar.launcher.run.strategy_settings import check_optimizer, ddp_find_unused, default_micro_batches
+from hpar.launcher.run.strategy_settings import cache_settings, check_optimizer, ddp_find_unused, default_micro_batches
 from hpar.strategies.models.forward import inner_module
 from hpar.strategies.common.job import check_job, load_job
 from hpar.strategies.common.loop import check_precision
@@ -80,12 +80,13 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
 
 
 def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: str | None, gpus: int,
-             precision: str | None = None, capacity=None) -> tuple[str, dict, object]:
+             precision: str | None = None, capacity=None, cache=None) -> tuple[str, dict, object]:
     """(strategy, plan dict, the planner's Profile or None) from ``--plan``, or from the planner for ``auto`` and for
     ``pipeline`` (which needs its balanced stages), on ``capacity``'s memory (``--force``: a
     forced strategy that does not fit is planned anyway); the data-parallel strategies named
     explicitly run with their defaults and no profiling (their memory: launcher/run/fit.py).
-    ``flags``: the plan's flags as resolved (launcher/run/flags.PlanFlags)."""
+    ``flags``: the plan's flags as resolved (launcher/run/flags.PlanFlags); ``cache``: the
+    hot-row caches ``--staleness`` allows the planner to choose (hybrid/cache.CacheConfig, or None)."""
     strategy, plan_file = flags.strategy, flags.plan_file
     if plan_file:
         plan = read_plan(plan_file)
@@ -96,7 +97,7 @@ def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: st
     if strategy not in ("auto", "pipeline"):
         return strategy, {"strategy": strategy}, None
     from hpar.launcher.run.planning import plan_job
-    plan, profile = plan_job(job, batch_size, hosts, gpus, flags, precision=precision, capacity=capacity)
+    plan, profile = plan_job(job, batch_size, hosts, gpus, flags, precision=precision, capacity=capacity, cache=cache)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
     return plan.strategy, plan.to_dict(), profile
@@ -109,23 +110,30 @@ def resolve(console: Console, flags: Flags):
     run, ``--find-unused-parameters`` and ``--allow-unequal-batches`` may change (how a run that
     failed on either goes on); ``--gpus``, ``--servers`` and the pipeline's shape make it
     resume at another size (launcher/run/reshape.py). ``--worker-memory``/``--server-memory``:
-    GB each process may use; ``--force`` runs a plan predicted not to fit (launcher/run/fit.py)."""
+    GB each process may use; ``--force`` runs a plan predicted not to fit (launcher/run/fit.py);
+    ``--staleness``/``--cache-rows``: the workers' hot-row caches
+    (launcher/run/strategy_settings.cache_settings)."""
     j, p, h, r = flags.job, flags.plan, flags.hosts, flags.run
     script, steps, batch_size, lr, seed, log_every = j.script, j.steps, j.batch_size, j.lr, j.seed, j.log_every
     loop_flags, no_eval, find_unused_parameters = j.loop_flags, j.no_eval, j.find_unused_parameters
     strategy, plan_file, servers, schedule, device = p.strategy, p.plan_file, p.servers, p.schedule, p.device
-    micro_batches, pipeline_replicas = p.micro_batches, p.pipeline_replicas
+    micro_batches, pipeline_replicas, staleness, cache_rows = p.micro_batches, p.pipeline_replicas, p.staleness, p.cache_rows
     gpus, hosts = h.gpus, h.hosts
     run_dir, checkpoint_every, resume_dir = r.run_dir, r.checkpoint_every, r.resume_dir
     max_restarts, stall_timeout, phase_timeout = r.max_restarts, r.stall_timeout, r.phase_timeout
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
+    check_cache_flags(cache_rows, staleness)
+    if staleness is not None and strategy not in ("auto", "hybrid", "ps"):
+        raise ValueError(f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
+                         f"hybrid, ps or auto, not {strategy}; drop it")
     if gpus is not None and gpus < 1:   # also before a resume looks at the run (a finished one included)
         raise ValueError(f"--gpus must be at least 1, got {gpus}")
     capacity = from_flags(p.worker_memory, p.server_memory)
     reshaped = None
     if resume_dir:
         given = [flag for flag, value in (("--gpus", gpus), ("--plan", plan_file), ("--servers", servers),
+                                          ("--staleness", staleness), ("--cache-rows", cache_rows),
                                           ("--batch-size", batch_size), ("--schedule", schedule),
                                           ("--micro-batches", micro_batches), ("--pipeline-replicas", pipeline_replicas))
                  if value is not None] + (["--strategy"] if strategy != "auto" else [])
@@ -172,10 +180,14 @@ def resolve(console: Console, flags: Flags):
         traced_on = None if is_declared_sequence(model) else next(job.batches(0, 1, bs))[0]
         strategy_flag = strategy
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
+        pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
+        staleness, cache_rows = pick(staleness, "staleness"), pick(cache_rows, "cache_rows")
+        check_cache_flags(cache_rows, staleness)   # HPAR's keys too
+        from hpar.strategies.hybrid.cache import CacheConfig
         resolved = dataclasses.replace(p, strategy=strategy, servers=servers,
                                        pipeline_replicas=planner_replicas(pipeline_replicas, schedule))
         strategy, plan, profile = plan_for(console, job, resolved, bs, hosts, gpus, (loop_flags or {}).get("precision"),
-                                           capacity)
+                                           capacity, CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None)
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan", traced_on)
@@ -199,7 +211,8 @@ def resolve(console: Console, flags: Flags):
             raise ValueError(f"--servers must be at least 1 for --strategy {strategy}")
         if strategy not in SERVER_STRATEGIES and servers:
             raise ValueError(f"--servers {servers} only applies to --strategy hybrid or ps, not {strategy}")
-        pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
+        staleness, cache_rows, plan = cache_settings(console, job, inner, strategy, strategy_flag, plan, staleness,
+                                                     cache_rows, bs, gpus)
         unused_mode = pick(find_unused_parameters, "find_unused_parameters")
         if unused_mode not in FIND_UNUSED_MODES:
             raise ValueError(f"--find-unused-parameters {unused_mode!r} (HPAR): choose one of {', '.join(FIND_UNUSED_MODES)}")
@@ -220,7 +233,8 @@ def resolve(console: Console, flags: Flags):
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
             on_divergence=r.on_divergence, divergence_factor=r.divergence_factor, replicas=replicas,
             find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus),
-            allow_unequal_batches=bool(pick(j.allow_unequal_batches, "allow_unequal_batches")))
+            allow_unequal_batches=bool(pick(j.allow_unequal_batches, "allow_unequal_batches")),
+            staleness=staleness, cache_rows=cache_rows)
         check_precision(job, cfg, model)
         if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable

@@ -32,7 +32,15 @@ def run_estimate(cfg, model, profile):
     elif cfg.strategy == "pipeline":
         from hpar.strategies.pipeline.stage import stage_ranges
         stages = tuple(tuple(r) for r in stage_ranges(model, cfg.pipeline_stages, plan))
-    return Estimate(cfg.strategy, 0.0, 0, 0.0, placement=where, partitions=dict(plan.get("partitions") or {}),
+    breakdown = {}
+    if getattr(cfg, "staleness", None) is not None and plan.get("cache"):   # the workers' hot-row caches
+        from hpar.strategies.hybrid.cache import CacheConfig
+        from hpar.strategies.plan.costmodel_cache import cache_bytes
+        sizes = {p.name: p for p in profile.params if p.name in (plan["cache"].get("hot_rows") or {})}
+        config = CacheConfig(cfg.cache_rows, cfg.staleness)
+        breakdown["cache_bytes"] = cache_bytes({n: config.rows_for(p.rows) for n, p in sizes.items()},
+                                               {n: p.bytes / max(p.rows, 1) for n, p in sizes.items()})
+    return Estimate(cfg.strategy, 0.0, 0, 0.0, breakdown, placement=where, partitions=dict(plan.get("partitions") or {}),
                     stages=stages, micro_batches=cfg.micro_batches, replicas=cfg.replicas)
 
 

@@ -33,7 +33,8 @@ class JobFlags:
 class PlanFlags:
     """How to run it: the strategy (``auto``: the planner's), a plan file, servers, a
     pipeline's schedule, micro-batches and replicas, the workers' device, the memory each
-    process may use (GB) and ``force`` to run a plan predicted not to fit."""
+    process may use (GB), ``force`` to run a plan predicted not to fit, and the hot-row caches
+    of ``hybrid``/``ps`` (``--staleness``, ``--cache-rows``)."""
 
     strategy: str = "auto"
     plan_file: str | None = None
@@ -45,6 +46,8 @@ class PlanFlags:
     worker_memory: float | None = None
     server_memory: float | None = None
     force: bool = False
+    staleness: int | None = None      # hybrid/ps: hot-row caches read rows up to this many updates stale
+    cache_rows: float | None = None   # their rows per table (>= 1) or fraction of each table (< 1)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from hpar.strategies.common.config import RunConfig
 
 KEPT = ("steps", "batch_size", "lr", "seed", "log_every", "checkpoint_every", "precision", "clip_grad_norm",
-        "accumulate", "eval_every")
+        "accumulate", "eval_every", "staleness", "cache_rows")
 
 
 def old_settings(cfg: RunConfig) -> dict:

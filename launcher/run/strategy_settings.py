@@ -74,3 +74,41 @@ def check_optimizer(console: Console, job, model, strategy: str, plan: dict, ser
             console.print(f"hpar: {type(opt).__name__} takes no sparse gradients: {', '.join(dense[:3])}"
                           f"{', ...' if len(dense) > 3 else ''} exchanged sparse, made dense before each step",
                           markup=False)
+
+
+def cache_settings(console: Console, job, model, strategy: str, asked: str, plan: dict, staleness: int | None,
+                   cache_rows: float | None, batch_size: int, gpus: int) -> tuple[int | None, float, dict]:
+    """``(staleness, cache_rows, plan)`` of the run's hot-row caches (strategies/hybrid/cache.py):
+    the flags', else those of a plan file made with ``--staleness`` (``plan["cache"]``), else
+    none. ``asked`` is the ``--strategy`` given: under ``auto`` the cache runs only where the
+    planner chose it, and a plan without it drops the flag, saying so in one line. A plan for
+    the caches gets their first rows: the plan's, else the hottest of the rows counted here over
+    the job's batches (strategies/profile/hot_rows.py), with the predicted hit rate; one line says
+    what runs."""
+    from hpar.launcher.run.runner import SERVER_STRATEGIES
+    given = dict(plan.get("cache") or {})
+    if staleness is None and given:
+        staleness, cache_rows = given["staleness"], cache_rows if cache_rows is not None else given.get("rows", 0.0)
+    if staleness is None:
+        return None, 0.0, plan
+    if strategy not in SERVER_STRATEGIES or (asked == "auto" and not given):
+        console.print(f"hpar: --staleness {staleness}: the plan runs {strategy} without hot-row caches (predicted at "
+                      "least as fast), so the flag is dropped", markup=False)
+        return None, 0.0, plan
+    from hpar.strategies.hybrid.cache import CacheConfig
+    cache = CacheConfig(float(cache_rows or 0.0), staleness)
+    if not given.get("hot_rows"):
+        from hpar.strategies.hybrid.client import placement
+        from hpar.strategies.plan.costmodel_cache import plan_cache
+        from hpar.strategies.profile.hot_rows import row_counts
+        from hpar.strategies.models.tying import embedding_tables
+        served = {n for n, where in placement(model, strategy, plan).items() if where == "ps"}
+        embs = [(n, m) for n, m in embedding_tables(model) if (f"{n}.weight" if n else "weight") in served]
+        hot = row_counts(job, model, embs, batch_size, gpus)
+        params = dict(model.named_parameters())
+        given = plan_cache(hot, {n: int(params[n].shape[0]) for n in hot}, cache, gpus, served)
+    plan = {**plan, "cache": {**given, "staleness": staleness, "rows": cache.rows}}
+    rows = f"{cache.rows:g} rows" if cache.rows >= 1 else f"{(cache.rows or 0.1):.0%} of the rows"
+    console.print(f"hpar: hot-row caches: {rows} of each served table on every worker, reads up to {staleness} "
+                  f"update(s) stale; predicted hit rate {plan['cache'].get('predicted_hit_rate', 0):.0%}", markup=False)
+    return staleness, cache.rows, plan

@@ -54,6 +54,12 @@ class Trial:
         return (self.step_s_p90 - self.step_s_p50) / self.step_s_p50 if self.step_s_p50 > 0 else 0.0
 
 
+def planned_name(plan: dict) -> str:
+    """The planner's choice as its candidate is named: ``hybrid-cache`` for hybrid with the
+    workers' hot-row caches (a plan's ``cache``, strategies/plan/costmodel_cache.py)."""
+    return "hybrid-cache" if plan.get("strategy") == "hybrid" and plan.get("cache") else plan.get("strategy", "")
+
+
 def candidates(plan: dict) -> list[tuple[str, float]]:
     """``(strategy, predicted step seconds)`` of the planner's runnable candidates within
     ``FACTOR`` of the best predicted samples/s, fastest first, at most ``MOST``; the first is
@@ -63,8 +69,8 @@ def candidates(plan: dict) -> list[tuple[str, float]]:
         return []
     best = max(c["samples_per_s"] for c in runnable)
     near = sorted((c for c in runnable if c["samples_per_s"] >= best / FACTOR), key=lambda c: -c["samples_per_s"])
-    chosen = [c for c in near if c["strategy"] == plan["strategy"]]
-    ordered = chosen + [c for c in near if c["strategy"] != plan["strategy"]]
+    chosen = [c for c in near if c["strategy"] == planned_name(plan)]
+    ordered = chosen + [c for c in near if c["strategy"] != planned_name(plan)]
     return [(c["strategy"], c["predicted_step_s"]) for c in ordered[:MOST]]
 
 
@@ -121,7 +127,7 @@ def run_trials(console: Console, cfg, cands: list[tuple[str, float]], steps: int
         directory = os.path.join(cfg.run_dir, "trials", strategy)
         os.makedirs(directory, exist_ok=True)
         plan_file = os.path.join(directory, "plan.json")
-        plan = cfg.plan if strategy == cfg.plan.get("strategy") else (cfg.plan.get("alternatives") or {}).get(strategy)
+        plan = cfg.plan if strategy == planned_name(cfg.plan) else (cfg.plan.get("alternatives") or {}).get(strategy)
         with open(plan_file, "w", encoding="utf-8") as f:
             json.dump({k: v for k, v in (plan or {"strategy": strategy}).items() if k not in ("alternatives", "tuning")}, f)
         with open(os.path.join(directory, "output.txt"), "w", encoding="utf-8") as out:
@@ -174,10 +180,10 @@ def tune(console: Console, cfg, opts, master: str, mode: str, steps: int, resolv
     chosen, reason = choose(trials)
     console.print(f"hpar: --tune chose {reason} (trials: {sum(t.wall_s for t in trials):.0f} s)", markup=False)
     tuning = record(trials, chosen, reason, note)
-    if chosen != cfg.strategy:
+    if chosen != planned_name(cfg.plan):
         plan_file = os.path.join(cfg.run_dir, "trials", chosen, "plan.json")
         cfg, opts, master = resolve_for(console, chosen, plan_file, cfg.run_dir, cfg.steps, False)
     return cfg.replace(plan={**cfg.plan, "tuning": tuning}), opts, master
 
 
-__all__ = ["MODES", "Trial", "candidates", "trial_steps", "choose", "run_trials", "record", "tune"]
+__all__ = ["MODES", "Trial", "planned_name", "candidates", "trial_steps", "choose", "run_trials", "record", "tune"]

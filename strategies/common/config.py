@@ -32,6 +32,20 @@ def check_loop_flags(precision: str | None = None, clip_grad_norm: float | None 
         raise ValueError(f"--eval-every must not be negative (0: only before and after training), got {eval_every}")
 
 
+def check_cache_flags(cache_rows: float | None, staleness: int | None) -> None:
+    """Raise ValueError (one line naming the flag) for a hot-row cache value out of range, or
+    ``--cache-rows`` without ``--staleness``: a cached row may be read up to s updates stale, an
+    accuracy trade hpar makes only when asked (strategies/hybrid/cache.py)."""
+    if staleness is not None and staleness < 0:
+        raise ValueError(f"--staleness must not be negative (0: every read fresh), got {staleness}")
+    if cache_rows is not None and (cache_rows < 0 or (cache_rows > 1 and cache_rows != int(cache_rows))):
+        raise ValueError(f"--cache-rows {cache_rows:g}: give rows per table (an integer, at least 1) or a fraction "
+                         "of each table's rows below 1")
+    if cache_rows and staleness is None:
+        raise ValueError("--cache-rows needs --staleness S: a cached row is read up to S updates stale, an accuracy "
+                         "trade hpar never makes unasked (--staleness 0 reads every row fresh)")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a process of the run needs to know, besides its own rank.
@@ -66,6 +80,8 @@ class RunConfig:
     divergence_factor: float = 2.0
     replicas: int = 1              # pipeline x data parallelism: R replicas of K = world_size / R stages
     find_unused_parameters: bool = False   # DDP's (allreduce, allreduce-sparse, hybrid): see strategies/dataparallel/ddp.py
+    staleness: int | None = None   # hybrid/ps: a hot-row cache on every worker reads rows up to s updates stale (None: off)
+    cache_rows: float = 0.0        # its rows per table (>= 1) or fraction of each table (< 1); 0: the default fraction
     allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/common/first_batch.py)
 
     def __post_init__(self):
@@ -84,6 +100,7 @@ class RunConfig:
             raise ValueError("--servers and --checkpoint-every must not be negative")
         check_loop_flags(precision=self.precision, clip_grad_norm=self.clip_grad_norm, accumulate=self.accumulate,
                          eval_every=self.eval_every)
+        check_cache_flags(self.cache_rows or None, self.staleness)
         if self.replicas < 1 or self.world_size % self.replicas:
             raise ValueError(f"--pipeline-replicas {self.replicas}: a pipeline plan is K stages x R replicas = --gpus "
                              f"{self.world_size}; choose a divisor of --gpus")
@@ -132,10 +149,18 @@ def not_supported(cfg: RunConfig) -> str | None:
     the flag and the way out), or None. A pipeline's micro-batches already accumulate within a step (raise
     ``--micro-batches`` instead of ``--accumulate``); an asynchronous pipeline cannot skip a
     step on every stage (strategies/pipeline/stage_loop.py); torch's pipelining peers run
-    neither clipping, evaluation during training nor fp16 (bf16 autocast they do)."""
+    neither clipping, evaluation during training nor fp16 (bf16 autocast they do). The hot-row
+    cache (``--staleness``) caches the parameter servers' rows, and holds gradients back, which
+    a skipped fp16 step could not take back (strategies/hybrid/cache.py)."""
     if cfg.strategy == "fsdp" and cfg.precision == "fp16":
         return ("--precision fp16 is not supported with --strategy fsdp (its gradient scaler's inf/NaN check would "
                 "span the shards); use --precision bf16")
+    if cfg.staleness is not None and cfg.strategy not in ("hybrid", "ps"):
+        return (f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy hybrid "
+                f"or ps, not {cfg.strategy}; drop it")
+    if cfg.staleness is not None and cfg.precision == "fp16":
+        return ("--staleness with --precision fp16: the cache holds gradients back over several steps, which a step "
+                "skipped for inf/NaN could not take back; use --precision bf16 or fp32")
     if cfg.strategy == "pipeline":
         if cfg.accumulate > 1:
             return ("--accumulate does not apply to --strategy pipeline: its micro-batches already accumulate "

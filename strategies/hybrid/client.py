@@ -3,7 +3,9 @@
 The wire format (one gloo message per request) is in ps_wire. Requests are PULL (row ids
 of a table, or ``n = -1``: every row the server holds, for the ``ps`` strategy's
 whole-parameter pulls and the final gather), PUSH (ids and gradient rows, or every row),
-DONE (this worker pushed all of a step) and FINISH. The server answers a pull with one
+DONE (this worker pushed all of a step) and FINISH; with a hot-row cache (``--staleness``),
+PULL_CACHED and CACHE for its tables (strategies/hybrid/cache_client.py, which
+:meth:`PSClient.pull_async` hands those pulls to). The server answers a pull with one
 message tagged with the table's own tag (:func:`ps_wire.reply_tag`), whose receive the worker
 posts before it sends the request.
 
@@ -144,6 +146,12 @@ class PSClient:
         self.pull_s = 0.0    # seconds spent waiting in pulls since the caller last reset it
         self._server_rows = {t.tid: [t.layout.server_rows(s) for s in range(num_servers)] for t in tables}
         self._isend, self._irecv = p2p(group)
+        self.caches = None        # cache_client.WorkerCaches with --staleness (it sets itself here)
+        self.cache_off = False    # evaluate(): plain pulls, the cache neither read nor filled
+
+    def holds(self, table: PSTable, server: int) -> bool:
+        """Whether ``server`` holds rows of ``table``."""
+        return bool(self._server_rows[table.tid][server].numel())
 
     def server_rank(self, server: int) -> int:
         return self.num_workers + server
@@ -183,7 +191,10 @@ class PSClient:
 
     def pull_async(self, table: PSTable, ids: torch.Tensor | None, step: int):
         """Send the requests of :meth:`pull` and return a function that waits for the
-        answers and returns the rows; several pulls in flight share one server wake-up."""
+        answers and returns the rows; several pulls in flight share one server wake-up. A
+        table with a hot-row cache reads what it may from it (cache_client.WorkerCaches)."""
+        if ids is not None and self.caches is not None and not self.cache_off and self.caches.cached(table):
+            return self.caches.pull_async(table, ids, step)
         t0 = time.perf_counter()
         n_out = table.rows if ids is None else ids.numel()
         out = torch.empty(n_out, table.dim, dtype=table.dtype, pin_memory=self.pin)

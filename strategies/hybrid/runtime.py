@@ -26,6 +26,10 @@ Scaling: sparse gradients are *averaged* over workers on the server (sum of push
 as DDP averages the dense ones; so N workers with a mean loss each match one process on
 the concatenated batch with a mean loss (equal per-worker batch sizes).
 
+Hot rows (``--staleness s``): each worker caches a served table's hottest rows, reads a copy
+while it is at most s updates behind the servers' and holds a cached row's gradients back for
+at most s steps (HET, VLDB 2022: strategies/hybrid/cache.py); s = 0 trains as without it.
+
 Checkpoints: the part ``worker0`` holds the dense parameters, the worker optimizer state
 and every worker's RNG state; ``server{i}`` parts hold the shards and their optimizer state.
 """
@@ -44,6 +48,8 @@ from hpar.strategies.common import activity
 from hpar.strategies.runstate import checkpoint
 from hpar.strategies.runstate import state as run_state
 from hpar.strategies.hybrid import ahead, build, embedding
+from hpar.strategies.hybrid.cache import REFRESH_STEPS, CacheConfig
+from hpar.strategies.hybrid.cache_client import WorkerCaches
 from hpar.strategies.dataparallel.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote, set_sparse_gradients
 from hpar.strategies.dataparallel.ddp import unused_error_named, wrap
 from hpar.strategies.common.devices import cpu_copy, to_device
@@ -118,6 +124,10 @@ def _setup(ctx: WorkerContext):
     del full_opt
     groups = make_groups(ctx.world_size, cfg.device, ctx.host_of, cfg.plan)
     client = PSClient(tables, ctx.world_size, servers, ctx.is_remote, pin=ctx.device.type == "cuda")
+    if cfg.staleness is not None:   # the hot-row caches (client.caches)
+        planned = (cfg.plan or {}).get("cache") or {}
+        WorkerCaches(CacheConfig(cfg.cache_rows, cfg.staleness), tables, client, ctx.rank, cfg.steps,
+                     cfg.checkpoint_every, planned.get("hot_rows"), planned.get("refresh_steps", REFRESH_STEPS))
     clock = embedding.StepClock()
     served = embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
     if on_meta:
@@ -140,19 +150,23 @@ def served_names(model, ps_names: set[str]) -> frozenset:
     return frozenset(ps_names) | {alias for n in ps_names for alias in shared.get(n, [])}
 
 
-def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str]) -> None:
-    """This worker's state (its dense part: the servers write the tables) in the step's
-    checkpoint, with the servers' (strategies/runstate/state.py); a collective over the default group."""
-    run_state.save(ctx.cfg.run_dir, step, run_state.process_entries(
-        model, opt, tools if opt else None, ctx.device, f"worker{ctx.rank}", "workers", served_names(model, ps_names)))
+def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], caches) -> None:
+    """This worker's state (its dense part: the servers write the tables; the next epoch's
+    cached rows) in the step's checkpoint, with the servers' (strategies/runstate/state.py); a
+    collective over the default group."""
+    run_state.save(ctx.cfg.run_dir, step, {**run_state.process_entries(
+        model, opt, tools if opt else None, ctx.device, f"worker{ctx.rank}", "workers", served_names(model, ps_names)),
+        **(caches.entries() if caches else {})})
 
 
-def _resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str]) -> int:
+def _resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str], caches) -> int:
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
         return 0
     run_state.restore_process(ctx.cfg.run_dir, step, model, opt, tools if opt else None, ctx.device,
                               f"worker{ctx.rank}", "workers", served_names(model, ps_names))
+    if caches:
+        caches.restore(checkpoint.step_dir(ctx.cfg.run_dir, step))
     return step
 
 
@@ -176,7 +190,8 @@ def _model_copy(outer, client: PSClient, whole, clock: embedding.StepClock, step
     from this worker, the tables kept whole pulled now, and the served embeddings still
     served (``embedding.attach``: each lookup pulls its rows from the servers as of ``step``,
     recording nothing under no_grad), so no process ever holds a whole served table. Its
-    bytes are not counted as a training step's."""
+    bytes are not counted as a training step's, and it reads no hot-row cache (cache_client.py)."""
+    client.cache_off = True
     copy = cpu_copy(outer)
     params = dict(inner_module(copy).named_parameters())
     for t, _ in whole:
@@ -186,17 +201,21 @@ def _model_copy(outer, client: PSClient, whole, clock: embedding.StepClock, step
 
 
 def _done_evaluating(client: PSClient) -> None:
-    """Forget the bytes of evaluate()'s pulls (they are not a training step's)."""
+    """Forget the bytes of evaluate()'s pulls (they are not a training step's); training pulls
+    read the hot-row caches again."""
+    client.cache_off = False
     client.bytes.take()
     client.bytes.take_remote()
 
 
-def _pull_ahead(cfg, step: int) -> bool:
+def _pull_ahead(cfg, step: int, caches=None) -> bool:
     """Whether step ``step``'s rows may be requested during the step before (PullAhead):
     not past the last step, not for a step after which rank 0 pulls whole tables for
-    evaluation (its answers would share the reply tags), and not with ``"pull_ahead": false``
-    in the plan (for A/B measurements)."""
-    return step < cfg.steps and not evaluate_now(cfg, step) and (cfg.plan or {}).get("pull_ahead", True)
+    evaluation (its answers would share the reply tags), not for a step that starts a hot-row
+    cache epoch (its pulls follow the epoch's CACHE requests), and not with ``"pull_ahead":
+    false`` in the plan (for A/B measurements)."""
+    return (step < cfg.steps and not evaluate_now(cfg, step) and (cfg.plan or {}).get("pull_ahead", True)
+            and not (caches and caches.boundary(step)))
 
 
 def train(ctx: WorkerContext) -> TrainResult:
@@ -207,7 +226,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     outer, model, tables, groups, client, clock, served, whole, dense, opt = _setup(ctx)   # model: the module inside
     ps_names = {t.name for t in tables}
     tools = step_tools(cfg, job, opt, ctx.device)   # the servers replay the same schedule (hybrid/schedule.py)
-    ctx.start_step = _resume(ctx, model, opt, tools, ps_names)
+    caches = client.caches
+    ctx.start_step = _resume(ctx, model, opt, tools, ps_names, caches)
     if ctx.rank == 0 and cfg.eval and not cfg.resume and ctx.event is not None:   # the served rows on demand, at step 0
         ctx.event({"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
         with torch.random.fork_rng(devices=[]), activity.doing("in evaluate() before training"):
@@ -245,22 +265,29 @@ def train(ctx: WorkerContext) -> TrainResult:
         else:
             pending.extend(client.push(table, grads[0], grads[1], clock.step, count=count))
 
+    def outgoing(table, grads):   # a cached table's rows to push now (cache.RowCache.outgoing)
+        return grads if caches is None else caches.outgoing(table, grads, clock.step)
+
     def push(item) -> None:   # may run inside backward: never waits for the device
         grads = item.host_gradients()
         if grads is not None:
             copies.append((item.table, grads))
+        elif caches is not None:   # no gradient this step, but held ones may be due
+            send(item.table, outgoing(item.table, None), counts[0])
         send_copied(wait=False)
         batches.send()   # once this step's last table is pushed: the next step's rows
 
     def send_copied(wait: bool) -> None:
         while copies and (wait or copies[0][1].ready()):
             table, grads = copies.pop(0)
-            send(table, grads.result(), counts[0])
+            send(table, outgoing(table, grads.result()), counts[0])
     # without local aggregation (a collective), tables are pushed from inside backward
     clock.on_gradients = push if local is None and held is None else None
     for step in range(ctx.start_step, cfg.steps):
         meter.start()
         clock.step = step
+        if caches is not None:
+            pending += caches.begin(step)   # a cache epoch starts: the servers hear its rows first
         for t, p in whole:
             p.data.copy_(to_device(client.pull(t, None, step).reshape(p.shape), p.device))
             p.grad = None
@@ -280,14 +307,15 @@ def train(ctx: WorkerContext) -> TrainResult:
                 with tools.autocast(), (unused_error_named(net) if net is not outer else contextlib.nullcontext()):
                     output = call_model(net, inputs)
                     loss = job.compute_loss(output, targets) / cfg.accumulate
-                if final and clock.on_gradients is not None and _pull_ahead(cfg, step + 1):
+                if final and clock.on_gradients is not None and _pull_ahead(cfg, step + 1, caches):
                     batches.plan(step + 1)
                 tools.backward(loss)   # scaled under fp16
             step_loss += loss.item()
             t_push = time.perf_counter()
             for item in served:
                 if local is not None:
-                    send(item.table, local.reduce(item.table, item.gradients()), len(local.ranks) * counts[0])
+                    send(item.table, local.reduce(item.table, outgoing(item.table, item.gradients())),
+                         len(local.ranks) * counts[0])
                 elif not item.pushed:
                     push(item)
                 item.clear()
@@ -305,6 +333,8 @@ def train(ctx: WorkerContext) -> TrainResult:
             pending += client.push(table, ids, g, step, count=count)
         if held:
             held.clear()
+        if caches is not None:
+            caches.end_step(step)
         pending += client.done(step)
         if cfg.clip_grad_norm:   # the global norm spans the servers' rows: see strategies/hybrid/server.py
             _clip_with_servers(ctx, dense)
@@ -335,7 +365,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         # the checkpoint first: the servers wait in its commit barrier, where they could not
         # answer the evaluation's pulls of served rows (a deadlock when both fall on a step)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            _save(ctx, step + 1, model, opt, tools, ps_names)
+            _save(ctx, step + 1, model, opt, tools, ps_names, caches)
         evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(outer, client, whole, clock, step + 1),
                                  ctx.report_eval)
         _done_evaluating(client)
@@ -360,7 +390,9 @@ def train(ctx: WorkerContext) -> TrainResult:
                                groups.workers, ctx.world_size)
     result = meter.result(None, replicas=ctx.world_size,
                           extra={"by_param": by_param, "servers": cfg.servers or 1, "worker_peak_rss_bytes": peaks,
-                                 "ps_params": sorted(ps_names), "pulls_ahead": batches.sent})
+                                 "ps_params": sorted(ps_names), "pulls_ahead": batches.sent,
+                                 **({"cache": caches.summary(((cfg.plan or {}).get("cache") or {}).get(
+                                     "predicted_hit_rate"))} if caches else {})})
     result.loss_first, result.loss_last = losses
     result.eval_last = eval_last
     return result

@@ -8,6 +8,9 @@ a push of a step the table has not reached, which an empty push to a server the 
 no rows from can be, overtaking another worker's push of the step before, waits for that step),
 DONE (close the step once all workers are done: apply the tables not yet applied, checkpoint
 when due). Bytes per step by table go out through the ``emit`` it is given (``metric``).
+With the workers' hot-row caches (``--staleness``), each shard counts its rows' versions, and
+the server keeps which rows each worker caches (``CACHE``) and answers ``PULL_CACHED`` with
+the rows and their freshness bits (strategies/hybrid/versions.py).
 The request probe runs one in a thread to measure what a request costs (strategies/plan/probe.py).
 """
 from __future__ import annotations
@@ -28,8 +31,9 @@ from hpar.strategies.hybrid.schedule import ServerSchedule
 from hpar.strategies.hybrid.shard import ParamShard, table_view
 from hpar.strategies.hybrid.shard_state import server_entries, set_steps
 from hpar.strategies.models.tying import shared_parameters
-from hpar.strategies.hybrid.wire import (CONTROL, DONE, FINISH, HEADER_BYTES, INBOX_DEPTH, PULL, PUSH, Inbox, Request,
-                                         nbytes, p2p, reply_tag)
+from hpar.strategies.hybrid.versions import CacheBook
+from hpar.strategies.hybrid.wire import (CACHE, CONTROL, DONE, FINISH, HEADER_BYTES, INBOX_DEPTH, PULL, PULL_CACHED, PUSH,
+                                         Inbox, Request, nbytes, p2p, reply_tag)
 from hpar.strategies.common.loop import clip_coefficient
 
 
@@ -57,16 +61,19 @@ class Server:
         self.table_step = {tid: start_step for tid in self.shards}  # steps applied, per table
         self.pushed = {tid: 0 for tid in self.shards}  # workers whose gradients are in, per table
         self.done: dict[int, int] = {}
-        self.pending: list[tuple[int, int, torch.Tensor | None, int]] = []  # (src, table, local ids, step)
+        self.pending: list[tuple[int, int, torch.Tensor | None, int, bool]] = []  # (src, table, local ids, step, cached)
         # pushes of a step the table has not reached (tid, step, local ids, rows, count): a push goes to
         # every server holding rows of the table, also one whose rows the worker did not pull this
         # step; such an empty push has no answered pull before it, and can arrive while another
         # worker's push of the step before is still on its way
-        self.early: list[tuple[int, int, torch.Tensor | None, torch.Tensor, int]] = []
+        self.early: list[tuple[int, int, torch.Tensor | None, torch.Tensor, int, int]] = []
         self.bytes = ByteMeter()
         self.totals: dict[str, list[float]] = {}
         self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}   # bytes since the last report
         self.is_remote = lambda rank: peer_is_remote(host_of, pg_rank, rank)
+        self.book = CacheBook(cfg.staleness) if cfg.staleness is not None else None   # the workers' caches
+        for shard in self.shards.values() if self.book else ():
+            shard.track_versions()
         self.emit = emit   # (kind, payload): the process's report lines (workers/report.emit)
         self._isend = p2p(group)[0]
         self.inbox = Inbox(num_workers, INBOX_DEPTH, cfg.steps, group)
@@ -90,8 +97,13 @@ class Server:
         self.applied = step
         self.table_step = {tid: step for tid in self.shards}
 
-    def _reply(self, src: int, tid: int, local: torch.Tensor | None) -> None:
-        rows = self.shards[tid].lookup(local).contiguous()
+    def _reply(self, src: int, tid: int, local: torch.Tensor | None, cached: bool = False) -> None:
+        """Answer a pull: the rows, and for a cached pull the freshness bits behind them."""
+        shard = self.shards[tid]
+        rows = shard.lookup(local).contiguous()
+        if cached:
+            bits = self.book.answer(src, tid, local, shard.versions)
+            rows = torch.cat([rows.reshape(-1).view(torch.uint8), bits])
         self.bytes.add(self.tables[tid].name, sent=nbytes(rows), remote=self.is_remote(src))
         self._isend(rows, src, reply_tag(tid)).wait()
 
@@ -154,21 +166,22 @@ class Server:
         the step's own early apply, if due, follows from :meth:`_close_step`)."""
         now = [e for e in self.early if e[1] == self.table_step[e[0]]]
         self.early = [e for e in self.early if e[1] != self.table_step[e[0]]]
-        for tid, _, local, grads, count in now:
-            self._add_push(tid, local, grads, count)
+        for tid, _, local, grads, count, src in now:
+            self._add_push(tid, local, grads, count, src)
 
-    def _add_push(self, tid: int, local: torch.Tensor | None, grads: torch.Tensor, count: int) -> None:
-        """Add one push (``count`` workers' gradients of rows ``local``, None: all) to table ``tid``."""
-        self.shards[tid].add_grad(local, grads)
+    def _add_push(self, tid: int, local: torch.Tensor | None, grads: torch.Tensor, count: int, src: int) -> None:
+        """Add one push (``count`` workers' gradients of rows ``local``, None: all) from worker
+        ``src`` to table ``tid`` (summed in the workers' order, shard.ParamShard.add_grad)."""
+        self.shards[tid].add_grad(local, grads, sender=src)
         self.pushed[tid] += count
 
     def _answer_pending(self) -> None:
         still = []
-        for src, tid, local, at in self.pending:
+        for src, tid, local, at, cached in self.pending:
             if at <= self.table_step[tid]:
-                self._reply(src, tid, local)
+                self._reply(src, tid, local, cached)
             else:
-                still.append((src, tid, local, at))
+                still.append((src, tid, local, at, cached))
         self.pending = still
 
     def _close_step(self) -> None:
@@ -211,8 +224,9 @@ class Server:
 
     def describe(self, req: Request) -> str:
         """What handling ``req`` is, for the launcher's phase deadline (strategies/common/activity.py)."""
-        what = {PULL: "pull", PUSH: "push", DONE: "end of step", FINISH: "finish"}.get(req.op, f"request {req.op}")
-        table = f" of {self.tables[req.tid].name}" if req.op in (PULL, PUSH) and req.tid in self.tables else ""
+        what = {PULL: "pull", PULL_CACHED: "pull", CACHE: "cached rows", PUSH: "push", DONE: "end of step",
+                FINISH: "finish"}.get(req.op, f"request {req.op}")
+        table = f" of {self.tables[req.tid].name}" if req.op in (PULL, PULL_CACHED, CACHE, PUSH) and req.tid in self.tables else ""
         return f"handling worker {req.src}'s {what}{table} (step {req.step})"
 
     def serve(self) -> None:
@@ -232,21 +246,23 @@ class Server:
         """Handle one request; 1 for a worker's FINISH, else 0."""
         op, tid, step = req.op, req.tid, req.step
         self.bytes.add(CONTROL if op in (DONE, FINISH) else self.tables[tid].name, recv=HEADER_BYTES)
-        if op == PULL:
+        if op in (PULL, PULL_CACHED):
             local = self._local_ids(req)
             if step <= self.table_step[tid]:
-                self._reply(req.src, tid, local)
+                self._reply(req.src, tid, local, op == PULL_CACHED)
             else:
-                self.pending.append((req.src, tid, local, step))
+                self.pending.append((req.src, tid, local, step, op == PULL_CACHED))
+        elif op == CACHE:   # a worker's cache epoch: the rows of this shard it caches from now on
+            self.book.announce(req.src, tid, self._local_ids(req))
         elif op == PUSH:
             local = self._local_ids(req)
             rows = self.shards[tid].weight.shape[0] if local is None else local.numel()
             grads = self._take(req, (rows, self.tables[tid].dim), self.tables[tid].dtype)
             if step > self.table_step[tid]:
-                self.early.append((tid, step, local, grads, req.count))
+                self.early.append((tid, step, local, grads, req.count, req.src))
             else:
                 assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
-                self._add_push(tid, local, grads, req.count)
+                self._add_push(tid, local, grads, req.count, req.src)
                 self._apply_if_complete(tid)
         elif op == DONE:
             self.done[step] = self.done.get(step, 0) + 1

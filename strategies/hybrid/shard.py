@@ -182,22 +182,35 @@ class ParamShard:
         self.state: dict[str, torch.Tensor] = {}
         self._ids: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
+        self._senders: list[int] = []   # the rank of each push's worker, ascending (add_grad)
         self._pushed = False
+        self.versions: torch.Tensor | None = None   # per-row update counts, for the workers' caches
+
+    def track_versions(self) -> None:
+        """Count the updates of each row from now on (``versions``, int64 per row: the clocks
+        of the hot-row cache, strategies/hybrid/versions.py)."""
+        if self.versions is None:
+            self.versions = torch.zeros(self.weight.shape[0], dtype=torch.int64)
 
     def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Rows ``local_ids`` (1-D int64) as a ``(n, dim)`` tensor; all rows when None."""
         return self.weight if local_ids is None else self.weight.index_select(0, local_ids)
 
-    def add_grad(self, local_ids: torch.Tensor | None, grad: torch.Tensor) -> None:
+    def add_grad(self, local_ids: torch.Tensor | None, grad: torch.Tensor, sender: int = 0) -> None:
         """Accumulate one worker's push: ``grad`` is ``(n, dim)`` for ``local_ids`` (n,),
         or ``(local_rows, dim)`` for every row when ``local_ids`` is None. An empty push
-        still marks the parameter as having a gradient this step."""
+        still marks the parameter as having a gradient this step. The pushes are summed in
+        the order of ``sender`` (the pushing worker's rank), not of arrival, so that a step's
+        sum, and the training, do not depend on which worker's push came first (with 3 or
+        more workers a float sum does)."""
         self._pushed = True
         if local_ids is None:
             local_ids = torch.arange(self.weight.shape[0])
         if local_ids.numel():
-            self._ids.append(local_ids)
-            self._grads.append(grad.reshape(local_ids.numel(), -1))
+            at = sum(1 for s in self._senders if s <= sender)   # stable: equal senders keep arrival order
+            self._senders.insert(at, sender)
+            self._ids.insert(at, local_ids)
+            self._grads.insert(at, grad.reshape(local_ids.numel(), -1))
 
     def apply(self, num_workers: int, spec: OptimizerSpec | None = None) -> None:
         """Apply this step's update with the mean gradient over ``num_workers`` under
@@ -214,6 +227,11 @@ class ParamShard:
             return
         self.step += 1
         self._update(gradient[0], gradient[1], spec or self.spec)
+        if self.versions is not None:   # the rows this update wrote: the touched ones, or every row
+            if gradient[0] is None:
+                self.versions += 1
+            else:
+                self.versions[gradient[0]] += 1
 
     def mean_gradient(self, num_workers: int, spec: OptimizerSpec | None = None
                       ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
@@ -225,7 +243,7 @@ class ParamShard:
             return None
         self._pushed = False
         ids_list, grads_list = self._ids, self._grads
-        self._ids, self._grads = [], []
+        self._ids, self._grads, self._senders = [], [], []
         dim = self.weight.shape[1]
         if spec.touched_rows_suffice():
             ids = torch.cat(ids_list) if ids_list else torch.empty(0, dtype=torch.int64)

@@ -6,7 +6,9 @@ own shape (an nn.Embedding's ``(rows, dim)``, a bias's ``(n,)``), one shard per 
 its row offset, under ``model.<name>``, the key a data-parallel run writes the same parameter
 under; its optimizer slots likewise under ``optim.state.<name>.<slot>`` (torch.optim's slot
 names, which the servers' updates use: ``momentum_buffer``, ``sum``, ``exp_avg``,
-``exp_avg_sq``) and the update count under ``optim.state.<name>.step``. A load asks for the
+``exp_avg_sq``) and the update count under ``optim.state.<name>.step``; with the workers'
+hot-row caches, the rows' versions (update counts, strategies/hybrid/versions.py) likewise under
+``cache.<name>.version``, so a resumed run goes on counting where it stopped. A load asks for the
 rows this server holds in its own layout, so a run resumes with another number of servers or
 partitions (DCP reads each shard's overlap with what was saved), and ``hpar export`` reads the
 whole table.
@@ -76,6 +78,9 @@ def server_entries(tables: dict, shards: dict, server: int, pg_rank_of, keys: se
                     continue
                 shard._state(slot)
             out[key] = row_sharded(t.shape, t.layout, server, shard.state[slot], pg_rank_of)
+        version_key = f"cache.{t.name}.version"
+        if shard.versions is not None and (keys is None or version_key in keys):
+            out[version_key] = row_sharded((t.rows,), t.layout, server, shard.versions, pg_rank_of)
         step_key = f"optim.state.{t.name}.step"
         if keys is None or step_key in keys:
             out[step_key] = torch.tensor(float(shard.step))

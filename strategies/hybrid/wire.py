@@ -17,7 +17,8 @@ unless the receive was posted first). A server can post the receive of a separat
 only after it has read the header, so every separate payload cost one more such exchange,
 three per push; on a host whose cores are all busy each exchange waits for two processes to
 be scheduled. Pull answers need none: the worker posts the answer's receive before it sends
-the request. (Measured in BENCHMARKS.md, section 1.) For the same reason a server keeps up
+the request. (A ``PULL_CACHED`` answer is the rows followed by the freshness bits of the
+worker's cached rows, strategies/hybrid/versions.py: its size, too, is known to both ends.) (Measured in BENCHMARKS.md, section 1.) For the same reason a server keeps up
 to ``INBOX_DEPTH`` receives posted for each worker, each naming its sender (:class:`Inbox`):
 with one receive from any sender, the requests of different workers crossed the links into a
 server one at a time, each after a round trip (BENCHMARKS.md, section 14).
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 PULL, PUSH, DONE, FINISH = 1, 2, 3, 4
+PULL_CACHED, CACHE = 5, 6   # the hot-row cache's (strategies/hybrid/cache_client.py): a pull answered with bits, the rows cached
 TAG_REQUEST, TAG_DATA, TAG_REPLY = 11, 12, 1000
 HEADER_FIELDS = 6
 HEADER_BYTES = HEADER_FIELDS * 8

@@ -114,19 +114,23 @@ class OnPS:
     requests: float = 0.0
 
 
-def on_ps(p: ParamProfile, c: CostSetting, hybrid: bool) -> OnPS:
+def on_ps(p: ParamProfile, c: CostSetting, hybrid: bool, shares: tuple[float, float] = (1.0, 1.0)) -> OnPS:
     """:class:`OnPS` of parameter ``p`` in setting ``c``. Pulls: alpha of the rows (a dense
     parameter: all of it) per worker; pushes: as many per worker, or with local aggregation
     (hybrid, several workers per host, servers on other hosts, as the runtime does it) the
-    union of the host's rows once; the server update touches the union over all workers."""
-    pull_w = sparse_bytes(p, p.alpha) if p.sparse else p.bytes
+    union of the host's rows once; the server update touches the union over all workers.
+    ``shares``: the parts of those pulls and pushes that still cross the network with the
+    workers' hot-row caches (strategies/plan/costmodel_cache.py; 1, 1 without)."""
+    pulled, pushed = shares
+    base = sparse_bytes(p, p.alpha) if p.sparse else p.bytes
+    pull_w = base * pulled
     if hybrid and p.sparse and c.h > 1 and c.g > 1:
-        push_h = sparse_bytes(p, p.union_for(c.g))
+        push_h = sparse_bytes(p, p.union_for(c.g)) * pushed
     else:
-        push_h = c.g * pull_w
+        push_h = c.g * base * pushed
     n_push = push_h * c.h
     parts, t_pull, t_push = choose_partitions(p, c, c.g * pull_w, push_h, c.n * pull_w, n_push)
-    touched = p.union_for(c.n) * p.bytes if p.sparse else p.bytes
+    touched = (p.union_for(c.n) * p.bytes * pushed) if p.sparse else p.bytes
     holders = min(c.s, parts if p.sparse else c.s, p.rows)   # servers with rows of p (RowLayout)
     aggregated = hybrid and p.sparse and c.h > 1 and c.g > 1
     return OnPS(p, parts if p.sparse else None, t_pull, t_push, (n_push + touched) * c.server_per_byte / c.s,
@@ -157,21 +161,24 @@ def cpu_bound(c: CostSetting, cluster: ClusterSpec, worker_cpu: float, server_cp
     return (c.g * worker_cpu + c.s / c.h * server_cpu) / k / cluster.cores_per_host
 
 
-def _placed(profile: Profile, c: CostSetting, hybrid: bool) -> list[OnPS]:
+def _placed(profile: Profile, c: CostSetting, hybrid: bool, shares: dict | None = None) -> list[OnPS]:
     """The parameters on the servers: all of them for ``ps``; for ``hybrid`` each embedding
-    whose PS costs (pull + push + server work) are below :func:`allreduce_cost`."""
+    whose PS costs (pull + push + server work) are below :func:`allreduce_cost`; ``shares``
+    (name: (pulled, pushed)) as :func:`on_ps` takes them, for the tables with a hot-row cache."""
     terms = []
     for p in profile.params:
         if hybrid and not p.embedding_module:
             continue
-        t = on_ps(p, c, hybrid)
+        t = on_ps(p, c, hybrid, (shares or {}).get(p.name, (1.0, 1.0)))
         if not hybrid or t.pull + t.push + t.server + t.requests * c.request_cpu < allreduce_cost(p, c):
             terms.append(t)
     return terms
 
 
-def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estimate:
-    """Shared by ``ps`` and ``hybrid``; see their docstrings.
+def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: dict | None = None,
+                 name: str | None = None) -> Estimate:
+    """Shared by ``ps`` and ``hybrid``; see their docstrings. ``shares`` and ``name``: the
+    ``hybrid-cache`` estimate's (strategies/plan/costmodel_cache.py).
 
     Servers and cores: with a spare core for every process (``c.overlap``) a server works
     beside the workers: the updates of tables pushed early run under backward, and only the
@@ -183,7 +190,7 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
     work of a host's processes, its servers' included, over the host's cores."""
     hybrid = strategy == "hybrid"
     c = cost_setting(profile, cluster, with_servers=True)
-    terms = _placed(profile, c, hybrid)
+    terms = _placed(profile, c, hybrid, shares)
     placed = {t.param.name for t in terms}
     on_ar = [p for p in profile.params if p.name not in placed]
     tail = [t for t in terms if t.param.layer == 0]
@@ -211,7 +218,7 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str) -> Estim
         serial = own + pull + ar_over + push_over + ar_tail + push_tail + requests
         step = max(serial, cpu_bound(c, cluster, own + requests, busy))
     sent = sum(t.sent for t in terms) + (2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0)
-    return Estimate(strategy, step, c.n * profile.samples_per_batch, sent,
+    return Estimate(name or strategy, step, c.n * profile.samples_per_batch, sent,
                     {"data": c.data, "lookup": lookup, "pull": pull, "forward": c.fwd, "backward": c.bwd,
                      "comm_overlap": ar_over + push_over,
                      "comm_tail": ar_tail + push_tail, "server_update": server_over + server_tail,

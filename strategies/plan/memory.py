@@ -116,7 +116,7 @@ def misfit(memory: dict, worker_bytes: float | None, server_bytes: float | None)
 def refusal(strategy: str, why: str) -> str:
     """The one line that refuses ``--strategy strategy`` whose peaks do not fit (``why``:
     :func:`misfit`'s reason), naming the flags and the way out."""
-    flags = "--worker-memory, --server-memory" if strategy in ("hybrid", "ps") else "--worker-memory"
+    flags = "--worker-memory, --server-memory" if strategy in ("hybrid", "hybrid-cache", "ps") else "--worker-memory"
     return (f"--strategy {strategy} {why} ({flags}); choose a strategy that fits (hpar profile lists them), "
             "or --force to run it anyway")
 
@@ -306,7 +306,9 @@ def predict(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str
     if worker:   # every worker process builds the model and runs its first forward inside its training
         worker["first_use"] = (m.first_use_bytes + m.model_extra_bytes) if m else 0
         worker["growth"] = m.growth_bytes * GROWTH_HORIZON_STEPS / m.growth_steps if m and m.growth_steps else 0
-    server = server_terms(profile, cluster, est) if est.strategy in ("hybrid", "ps") else {}
+    if worker and est.breakdown.get("cache_bytes"):   # hybrid-cache: the hot rows and held gradients
+        worker["cache"] = est.breakdown["cache_bytes"]
+    server = server_terms(profile, cluster, est) if est.strategy in ("hybrid", "hybrid-cache", "ps") else {}
     return MemoryEstimate({k: int(v) for k, v in worker.items()}, {k: int(v) for k, v in server.items()},
                           overhead_bytes=m.process_bytes if m else 0,
                           device_overhead_bytes=m.device_overhead_bytes if m else 0,

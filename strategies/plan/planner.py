@@ -6,8 +6,12 @@ holds (``Plan.to_dict()``): the hybrid runtime reads ``placement`` (parameter na
 pipeline runtime reads ``stages`` ([start, end) layer indices of
 ``profile.pipeline_layers(model)``: K stages), ``replicas`` (R; K x R = the workers),
 ``layout`` (rank layout, strategies/pipeline/replicas.py), ``micro_batches`` and ``schedule``;
-``hpar run`` reads ``unused_params`` (what decides DDP's ``find_unused_parameters``) and
-records ``memory`` (the chosen plan's predicted peaks, strategies/plan/memory.py) in summary.json.
+``hpar run`` reads ``unused_params`` (what decides DDP's ``find_unused_parameters``),
+``cache`` when the plan runs hybrid with the workers' hot-row caches (``hybrid-cache``:
+staleness, rows, the first epoch's rows ``hot_rows``, the predicted hit rate, and optionally
+``refresh_steps``, the steps between choices of the cached rows; only with ``--staleness``,
+strategies/plan/costmodel_cache.py and strategies/hybrid/cache.py), and records ``memory``
+(the chosen plan's predicted peaks, strategies/plan/memory.py) in summary.json.
 A candidate whose predicted peak does not fit the cluster's memory (``--worker-memory``,
 ``--server-memory``) is listed as not runnable with the one reason, and never chosen.
 """
@@ -18,8 +22,10 @@ import json
 from dataclasses import dataclass, field
 
 from hpar.strategies.plan.cluster import ClusterSpec
+from hpar.strategies.hybrid.cache import CacheConfig
 from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.plan.estimates import estimate_all, estimate_pipeline
+from hpar.strategies.plan.costmodel_cache import NAME as CACHED, SHOWN_STALENESS, estimate_hybrid_cache, plan_cache, profiled
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.plan.memory import predict as predict_memory, refusal
 from hpar.strategies.pipeline.ties import schedule_problem, stages_of
@@ -68,6 +74,7 @@ class Plan:
     pull_ahead: bool = True  # hybrid/ps: request the next step's rows during this one (hybrid/embedding.py)
     alternatives: dict = field(default_factory=dict)   # hpar run --strategy auto: the other candidates' plans (--tune)
     unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/dataparallel/ddp.py
+    cache: dict = field(default_factory=dict)   # hybrid with hot-row caches (costmodel_cache.plan_cache); {}: none
     memory: dict = field(default_factory=dict)   # the chosen candidate's predicted peaks (strategies/plan/memory.py)
 
     def to_dict(self) -> dict:
@@ -107,6 +114,9 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
         return (f"hybrid: embedding tables hold {share:.0%} of the parameter bytes and a batch touches "
                 f"at most {a:.2%} of their rows, so the servers move only touched rows while dense "
                 f"gradients use AllReduce{vs}.")
+    if best.strategy == CACHED:
+        return (f"hybrid with hot-row caches (--staleness): a worker reads the hottest rows from its cache "
+                f"{best.breakdown.get('hit_rate', 0):.0%} of the time (predicted), pulling and pushing fewer rows{vs}.")
     if best.strategy == "pipeline" and best.replicas > 1:
         return (f"pipeline: {len(best.stages)} stages x {best.replicas} replicas: each replica AllReduce moves only "
                 f"a stage's share of the {_fmt_bytes(profile.total_bytes)} of parameters, and the stages "
@@ -142,7 +152,7 @@ def compute_source(profile: Profile, cluster: ClusterSpec) -> str:
 
 
 # Simplest first: fewer moving parts (no servers, no stages) win a near tie.
-SIMPLICITY = ("allreduce", "allreduce-sparse", "pipeline", "fsdp", "hybrid", "ps")
+SIMPLICITY = ("allreduce", "allreduce-sparse", "pipeline", "fsdp", "hybrid", CACHED, "ps")
 TIE = 0.05   # predictions within 5% of each other are a tie (the cost model is not finer than that)
 
 
@@ -155,17 +165,35 @@ def _fastest_simplest(estimates: list[Estimate]) -> Estimate:
     return min(near, key=lambda e: (rank.get(e.strategy, len(SIMPLICITY)), -e.samples_per_s))
 
 
+def _cache_note(e: Estimate, cache: CacheConfig, asked: bool) -> str:
+    """The hybrid-cache candidate's note: the cache it was predicted for, and how to allow it."""
+    note = (f"cache of {cache.rows:g} rows per table" if cache.rows >= 1 else
+            f"cache of {(cache.rows or 0.1):.0%} of each table") + f", s = {cache.staleness}"
+    if e.feasible:
+        note += f": {e.breakdown.get('hit_rate', 0):.0%} of lookups hit (predicted)"
+    return note if asked else note + "; reads rows up to s updates stale: only with --staleness S"
+
+
 def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
-                force: str | None = None, pipeline_replicas: int | None = None, allow_misfit: bool = False) -> Plan:
-    """Predict every strategy (``estimates.estimate_all``) and its peak memory
+                force: str | None = None, pipeline_replicas: int | None = None, allow_misfit: bool = False,
+                cache: CacheConfig | None = None) -> Plan:
+    """Predict every strategy (``costmodel.estimate_all``) and its peak memory
     (``plan/memory.predict``) and pick the highest samples/s among those that fit the job and
     the cluster's memory; the others are still listed as candidates with a note. A hybrid
     plan that places nothing on the servers, or allreduce-sparse without an embedding table, is
     listed but cannot win (it would run as allreduce); predictions within ``TIE`` of the fastest go to the simplest strategy. ``force`` (the user's ``--strategy``) takes that strategy's plan
     instead (its stages, micro-batches, placement); ``pipeline_replicas`` fixes the pipeline's R
-    (``--pipeline-replicas``). Raises ValueError when no strategy fits, or when the forced one
-    does not fit (its memory too, unless ``allow_misfit``: ``hpar run --force``), with the reason."""
+    (``--pipeline-replicas``). ``hybrid-cache`` (hybrid with the workers' hot-row caches, HET:
+    Miao et al., VLDB 2022) is listed where the profile has row frequencies, at ``cache`` when
+    the user gave ``--staleness`` (then it may win, and the plan's ``cache`` says so), else at
+    s = ``SHOWN_STALENESS`` and not runnable: staleness trades accuracy, never chosen unasked.
+    Raises ValueError when no strategy fits, or when the forced one does not fit (its memory
+    too, unless ``allow_misfit``: ``hpar run --force``), with the reason."""
     estimates = estimate_all(profile, cluster)
+    shown = cache or CacheConfig(0.0, SHOWN_STALENESS)
+    if any(p.embedding_module and p.hot_batches for p in profile.params):
+        at = next(i for i, e in enumerate(estimates) if e.strategy == "hybrid") + 1
+        estimates.insert(at, estimate_hybrid_cache(profile, cluster, shown))
     if pipeline_replicas is not None:
         estimates = [estimate_pipeline(profile, cluster, replicas=pipeline_replicas) if e.strategy == "pipeline" else e
                      for e in estimates]
@@ -173,7 +201,10 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     for e in estimates:
         note = e.note
         available = e.feasible
-        if e.strategy == "hybrid" and e.feasible and "ps" not in e.placement.values():
+        if e.strategy == CACHED:
+            note = _cache_note(e, shown, cache is not None) + ("; " + note if note else "")
+            available = available and cache is not None
+        if e.strategy in ("hybrid", CACHED) and e.feasible and "ps" not in e.placement.values():
             why = ("every embedding table costs less on AllReduce" if any(p.embedding_module for p in profile.params)
                    else "no embedding table to place on servers")
             note = (note + "; " if note else "") + f"{why} (same as allreduce)"
@@ -188,7 +219,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             if problem:   # a tied weight across stages under an asynchronous schedule (pipeline/ties.py)
                 note, available = problem.split(": ", 1)[1], False
         measured_sparse = [p.name for p in profile.params if p.sparse and not p.embedding_module]
-        if e.strategy == "hybrid" and measured_sparse:
+        if e.strategy in ("hybrid", CACHED) and measured_sparse:
             note = (note + "; " if note else "") + \
                 f"sparse non-embedding parameters stay on AllReduce: {', '.join(measured_sparse[:3])}"
         mem = predict_memory(profile, cluster, e, schedule) if e.feasible else None
@@ -217,16 +248,19 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         best = _fastest_simplest(ok)
     others = sorted((e for e in ok if e is not best), key=lambda e: -e.samples_per_s)
     reason = _why(best, profile, cluster, others[0] if others else None)
-    fastest = _fastest_simplest([e for e in estimates if e.feasible])
+    fastest = _fastest_simplest([e for e in estimates if e.feasible and (e.strategy != CACHED or cache is not None)])
     if fastest is not best and fastest.samples_per_s > best.samples_per_s and fastest.strategy not in misfits:
         reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
     left_out = [f"{k} {v}" + (f" (predicted faster, {e.samples_per_s:,.0f} samples/s)" if e.samples_per_s > best.samples_per_s else "")
                 for e in estimates if (k := e.strategy) in misfits and (v := misfits[k]) and k != best.strategy]
     if left_out:
         reason += " Does not fit the memory: " + "; ".join(left_out) + "."
-    uses_servers = best.strategy in ("hybrid", "ps")
+    uses_servers = best.strategy in ("hybrid", CACHED, "ps")
     chosen = memory.get(best.strategy)
-    return Plan(strategy=best.strategy, placement=dict(best.placement), partitions=dict(best.partitions),
+    cached = (plan_cache(*profiled(profile), cache, cluster.workers, {n for n, w in best.placement.items() if w == "ps"})
+              if best.strategy == CACHED else {})
+    return Plan(strategy="hybrid" if cached else best.strategy, placement=dict(best.placement),
+                partitions=dict(best.partitions), cache=cached,
                 servers=cluster.servers if uses_servers else 0, stages=[list(s) for s in best.stages],
                 micro_batches=best.micro_batches or 1, schedule=schedule,
                 reason=reason, candidates=candidates, predicted_step_s=best.step_s,

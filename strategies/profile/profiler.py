@@ -29,7 +29,9 @@ What is measured and how:
   extrapolated with independent per-row touch probabilities p_r (union(n) = mean_r
   1-(1-p_r)^n, shifted to agree with the last measured point). Any other parameter whose
   measured gradient has non-zero values in fewer than ``SPARSE_ROW_FRACTION`` of its rows
-  (first dimension) is reported sparse too, with alpha from the timed batches.
+  (first dimension) is reported sparse too, with alpha from the timed batches. Each
+  embedding's most looked-up rows, counted over ``hot_rows.HOT_BATCHES`` batches, are kept
+  for the hot-row cache (strategies/profile/hot_rows.py).
 * unused parameters: the trainable ones left without a gradient by any of the warm-up and
   timed steps (``Profile.unused_params``; DDP's ``find_unused_parameters``, strategies/dataparallel/ddp.py).
 * ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
@@ -82,6 +84,7 @@ from hpar.strategies.profile.hooks import (
     embedding_modules,
     rows_touched,
 )
+from hpar.strategies.profile.hot_rows import row_counts
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
 from hpar.strategies.profile import memory as mem_probe
 from hpar.strategies.profile.sparsity import embedding_sparsity
@@ -242,6 +245,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         emb_stats = embedding_sparsity(on_dev, model, embs, batch_size, workers,
                                         max_sparsity_workers, stop_early=calls_once)
         samples = emb_stats.pop("__samples__")
+        hot = row_counts(on_dev, model, embs, batch_size, workers, stop_early=calls_once)
         fixed = fixed_share(on_dev, model, tbs, workers)
         data_s = data_seconds(on_dev, batch_size, workers)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -275,8 +279,10 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         nbytes = p.numel() * p.element_size()
         if name in emb_names:
             st = emb_stats[name]
+            h = hot[name]
             pp = ParamProfile(name, tuple(p.shape), nbytes, True, st["alpha"], st["union"], True,
-                              layer_of.get(id(p), -1), st["curve"], st["mass"], st["dedup_s"])
+                              layer_of.get(id(p), -1), st["curve"], st["mass"], st["dedup_s"],
+                              h.ids, h.counts, h.batches, h.touches)
         elif name in grad_rows and _median([f for f, _ in grad_rows[name]]) < SPARSE_ROW_FRACTION:
             fr = [f for f, _ in grad_rows[name]]
             union = float(torch.stack([m for _, m in grad_rows[name]]).any(0).float().mean())

@@ -17,7 +17,9 @@ class ParamProfile:
     holds (k workers, union fraction) pairs; ``row_mass`` splits the rows into equal
     contiguous buckets and gives the share of all row touches in each (sums to 1; says how
     hot rows sit, which decides server load under row-range partitioning);
-    ``layer`` indexes ``Profile.layers`` (-1: none)."""
+    ``hot_rows``/``hot_counts``/``hot_batches``/``hot_touches`` the most looked-up rows and how
+    many of the profiled batches looked each up (strategies/profile/hot_rows.py: the hot-row
+    cache's first rows and its predicted hit rate); ``layer`` indexes ``Profile.layers`` (-1: none)."""
 
     name: str
     shape: tuple[int, ...]
@@ -30,6 +32,17 @@ class ParamProfile:
     union_curve: tuple[tuple[int, float], ...] = ()
     row_mass: tuple[float, ...] = ()
     dedup_s: float = 0.0    # embeddings: seconds to deduplicate one batch's ids on the host
+    hot_rows: tuple[int, ...] = ()
+    hot_counts: tuple[int, ...] = ()
+    hot_batches: int = 0
+    hot_touches: int = 0
+
+    def hot(self):
+        """The profiled row frequencies as hot_rows.HotRows (None where none were measured)."""
+        if not self.hot_batches:
+            return None
+        from hpar.strategies.profile.hot_rows import HotRows
+        return HotRows(self.hot_rows, self.hot_counts, self.hot_batches, self.hot_touches)
 
     @property
     def rows(self) -> int:
@@ -154,7 +167,9 @@ class Profile:
         d = dict(d)
         d["params"] = tuple(ParamProfile(**{**p, "shape": tuple(p["shape"]),
                                             "union_curve": tuple(tuple(x) for x in p.get("union_curve", ())),
-                                            "row_mass": tuple(p.get("row_mass", ()))})
+                                            "row_mass": tuple(p.get("row_mass", ())),
+                                            "hot_rows": tuple(p.get("hot_rows", ())),
+                                            "hot_counts": tuple(p.get("hot_counts", ()))})
                             for p in d["params"])
         d["layers"] = tuple(LayerProfile(**l) for l in d["layers"])
         d["unused_params"] = tuple(d.get("unused_params", ()))

@@ -17,6 +17,10 @@ process its own file, with no process gathering another's. All processes share o
 ``loop.<part>``             the training loop's state (LR schedule, GradScaler) of a part
 ``rng.<process>``           each process's random generators (unique keys: DCP keeps one copy
                             of equal keys, torch issues 120356 and 146566)
+``cache.<name>.version``    with the workers' hot-row caches: a served table's row versions
+                            (update counts), row-sharded like the table
+``cache.worker<r>.<name>``  worker r's cached rows of the next cache epoch
+                            (strategies/hybrid/cache.py)
 ``meta``                    step, strategy and sizes of the run that wrote it
 ==========================  ================================================================
 

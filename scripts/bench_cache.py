@@ -1,0 +1,177 @@
+"""Benchmark the workers' hot-row caches (``--staleness s``, strategies/hybrid/cache.py, after
+HET: Miao et al., "HET: Scaling out Huge Embedding Model Training via Cache-enabled Distributed
+Framework", VLDB 2022) against plain ``hybrid``, in one run, as ratios.
+
+For each script (examples/lm.py, examples/recsys.py) and each cluster (``--hosts 2,4,8``:
+that many emulated hosts, one worker and one parameter server each, links capped at
+``--rate``; or ``local:N``: N workers on this machine), it trains ``--steps`` steps with ``hpar
+run --strategy hybrid`` and then with ``--staleness s`` for each s of ``--staleness``, the runs
+interleaved round by round (``--repeat``) so that a burst of load on a shared machine hits
+them alike, and reports per configuration:
+
+* samples/s (summary.json's ``samples_per_s``: all workers' samples per second of wall clock
+  after 2 warm-up steps), the best of the rounds and their spread (min-max);
+* bytes per worker per step, sent + received (summary.json's ``bytes_per_step``, worker 0);
+* the cache's hit rate as measured (worker 0's lookups read from the cache, summary.json's
+  ``cache.hit_rate``) and as the planner predicted it from the profile's row frequencies
+  (``cache.predicted_hit_rate``, strategies/plan/costmodel_cache.py);
+* the final evaluation (the script's ``evaluate()``: lm.py's validation perplexity, recsys.py's
+  AUC), computed here, in this process, on the model each run left (RUN_DIR/model), so the
+  runs time training alone (``--no-eval``);
+* each figure's ratio against hybrid's in the same round.
+
+Emulated hosts need root and iproute2 (launcher/bench/emulate.py, scripts/testhosts.py).
+
+Usage: ``python scripts/bench_cache.py [--scripts examples/lm.py,examples/recsys.py]
+[--hosts 2,4,8] [--rate 100mbit] [--steps 60] [--staleness 0,1,2,4,8] [--cache-rows 0.1]
+[--repeat 1] [--json out.json] [--out out.md]``. Errors: a failed run raises RuntimeError with
+the end of its output; the emulated hosts are removed on the way out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rate_Bps(rate: str) -> float:
+    """``100mbit`` / ``1gbit`` / ``25000000bit`` -> bytes per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale / 8
+    raise ValueError(f"--rate {rate}: give e.g. 100mbit")
+
+
+def run_one(script: str, workers: int, steps: int, staleness: int | None, cache_rows: float, run_dir: str,
+            cluster_args: list[str]) -> dict:
+    """``hpar run`` one configuration (stdout to RUN_DIR.log); returns its summary.json."""
+    cmd = [sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", str(workers), "--strategy", "hybrid",
+           "--steps", str(steps), "--run-dir", run_dir, "--plain", "--no-eval", "--precision", "fp32",
+           "--log-every", str(max(1, steps // 3)), *cluster_args]
+    if staleness is not None:
+        cmd += ["--staleness", str(staleness), "--cache-rows", f"{cache_rows:g}"]
+    with open(run_dir + ".log", "w") as out:
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}).returncode
+    if code != 0:
+        with open(run_dir + ".log") as f:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({code}):\n{f.read()[-3000:]}")
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def final_eval(script: str, run_dir: str) -> dict:
+    """The script's ``evaluate()`` on the model the run left (RUN_DIR/model, strategies/runstate/state.py)."""
+    import torch
+    from hpar.strategies.runstate import state
+    from hpar.strategies.common.job import load_job
+    job = load_job(script)
+    torch.manual_seed(0)
+    model = job.build_model()
+    saved = state.read_all(os.path.join(run_dir, "model"))
+    model.load_state_dict({k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")})
+    return job.run_evaluate(model)
+
+
+def figures(summary: dict, evaluation: dict) -> dict:
+    b = summary.get("bytes_per_step") or {}
+    cache = summary.get("cache") or {}
+    return {"samples_per_s": summary["samples_per_s"], "bytes": b.get("sent", 0.0) + b.get("recv", 0.0),
+            "hit_rate": cache.get("hit_rate"), "predicted_hit_rate": cache.get("predicted_hit_rate"),
+            "eval": evaluation, "step_s_p50": summary.get("step_s_p50")}
+
+
+def bench_cluster(scripts: list[str], label: str, workers: int, cluster_args: list[str], args, root: str) -> list[dict]:
+    """Every script x configuration on one cluster, ``args.repeat`` interleaved rounds."""
+    configs = [None] + [int(s) for s in args.staleness.split(",")]
+    rows = []
+    for script in scripts:
+        got: dict = {c: [] for c in configs}
+        for r in range(args.repeat):
+            for c in configs:
+                name = f"{os.path.basename(script)[:-3]}-{label}-{'hybrid' if c is None else f's{c}'}-r{r}"
+                run_dir = os.path.join(root, name)
+                t0 = time.time()
+                summary = run_one(script, workers, args.steps, c, args.cache_rows, run_dir, cluster_args)
+                fig = figures(summary, final_eval(script, run_dir))
+                got[c].append(fig)
+                print(f"bench_cache: {name}: {fig['samples_per_s']:,.0f} samples/s, {fig['bytes'] / 1e6:.2f} MB/step, "
+                      f"hit {fig['hit_rate']}, predicted {fig['predicted_hit_rate']}, eval {fig['eval']} "
+                      f"({time.time() - t0:.0f} s)", flush=True)
+        base = got[None]
+        for c in configs:
+            runs = got[c]
+            rows.append({"script": os.path.basename(script), "cluster": label, "staleness": c, "runs": runs,
+                         "samples_ratio": [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs, base)],
+                         "bytes_ratio": [a["bytes"] / b["bytes"] for a, b in zip(runs, base)]})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table of the BENCHMARKS.md section (figures of the best round; ratios over rounds)."""
+    out = ["| script | cluster | s | samples/s (best) | x hybrid (rounds) | MB/worker/step | x hybrid | hit rate "
+           "measured / predicted | final eval | eval x hybrid |", "|---|---|---:|---:|---|---:|---:|---|---|---:|"]
+    for row in rows:
+        runs = row["runs"]
+        best = max(runs, key=lambda f: f["samples_per_s"])
+        (metric, value), = list(best["eval"].items())[:1] or [("-", math.nan)]
+        base = next(r for r in rows if r["script"] == row["script"] and r["cluster"] == row["cluster"]
+                    and r["staleness"] is None)
+        base_eval = list(base["runs"][runs.index(best)]["eval"].values())[0] if base["runs"][0]["eval"] else math.nan
+        hit = "-" if best["hit_rate"] is None else f"{best['hit_rate']:.1%} / {best['predicted_hit_rate']:.1%}"
+        ratios = ", ".join(f"{x:.2f}" for x in row["samples_ratio"])
+        out.append(f"| {row['script']} | {row['cluster']} | {'hybrid' if row['staleness'] is None else row['staleness']} "
+                   f"| {best['samples_per_s']:,.0f} | {ratios} | {best['bytes'] / 1e6:.2f} "
+                   f"| {min(row['bytes_ratio']):.2f} | {hit} | {metric} {value:.4g} | {value / base_eval:.4f} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scripts", default="examples/lm.py,examples/recsys.py")
+    ap.add_argument("--hosts", default="2,4", help="emulated host counts, or local:N (N workers here)")
+    ap.add_argument("--rate", default="100mbit", help="each emulated host's link cap")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--staleness", default="0,1,2,4,8")
+    ap.add_argument("--cache-rows", type=float, default=0.1)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None, help="write the markdown table here too")
+    args = ap.parse_args()
+    scripts = [os.path.join(HERE, s) if not os.path.isabs(s) else s for s in args.scripts.split(",")]
+    root = tempfile.mkdtemp(prefix="hpar-bench-cache-")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    rows = []
+    for spec in args.hosts.split(","):
+        if spec.startswith("local:"):
+            n = int(spec.split(":")[1])
+            rows += bench_cluster(scripts, f"{n} local workers", n, [], args, root)
+            continue
+        from hpar.launcher.bench.emulate import EmulatedCluster
+        n = int(spec)
+        with EmulatedCluster(n, n, _rate_Bps(args.rate)) as em:
+            cluster = ["--hosts", em.host_file, "--ssh-key", em.made.key, "--env", "OMP_NUM_THREADS"]
+            rows += bench_cluster(scripts, f"{n} hosts at {args.rate}", n, cluster, args, root)
+    table = markdown(rows)
+    print(f"\nbench_cache: {started:%Y-%m-%d %H:%M}-{datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC, "
+          f"{args.steps} steps, cache rows {args.cache_rows:g}, run dirs under {root}\n{table}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
