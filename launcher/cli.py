@@ -118,7 +118,7 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
                     over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
                     if chosen == "hybrid-cache":   # hybrid with the caches its plan file names
                         over["strategy"] = "hybrid"
-                    elif staleness is not None:   # the other candidates run without the caches
+                    elif flags.plan.staleness is not None:   # the other candidates run without the caches
                         over.update(staleness=None, cache_rows=None)
                     if trial:
                         over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
