@@ -43,6 +43,8 @@ def test_the_fastest_measured_wins_unless_the_models_choice_is_within_its_spread
     assert chosen == "allreduce-sparse" and "ranked it second" in reason
     close = Trial("allreduce-sparse", 0.012, 0.019, 0.025, 1050.0)   # 5% faster, 32% spread
     assert choose([planned, close])[0] == "hybrid"
+    noisy = Trial("allreduce-sparse", 0.012, 0.0063, 0.0179, 4068.0)   # 7.5x faster, a 184% spread: still faster
+    assert choose([Trial("allreduce", 0.01, 0.0574, 0.0659, 543.0), noisy])[0] == "allreduce-sparse"
     failed = Trial("allreduce-sparse", 0.012, math.nan, math.nan, 0.0, exit_code=1)
     assert choose([planned, failed])[0] == "hybrid"
 

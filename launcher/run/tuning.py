@@ -96,7 +96,9 @@ def trial_steps(mode: str, wanted: int, run_steps: int, cands: list[tuple[str, f
 
 def choose(trials: list[Trial]) -> tuple[str, str]:
     """The strategy to train with and why: the fastest measured, unless the planner's choice
-    (``trials[0]``) measured within that one's spread of it."""
+    (``trials[0]``) measured within that one's spread of it: at least its samples/s over
+    (1 + its spread), the spread being its p90 step over its p50 step, minus 1 (which may
+    exceed 100% on a busy machine)."""
     ran = [t for t in trials if t.exit_code == 0 and t.samples_per_s > 0]
     planned = trials[0]
     if not ran:
@@ -104,7 +106,7 @@ def choose(trials: list[Trial]) -> tuple[str, str]:
     best = max(ran, key=lambda t: t.samples_per_s)
     if best is planned:
         return planned.strategy, f"{planned.strategy} measured fastest ({planned.samples_per_s:,.0f} samples/s)"
-    if planned in ran and planned.samples_per_s >= best.samples_per_s * (1 - best.spread):
+    if planned in ran and planned.samples_per_s * (1 + best.spread) >= best.samples_per_s:
         return planned.strategy, (f"{planned.strategy} ({planned.samples_per_s:,.0f} samples/s) is within "
                                   f"{best.strategy}'s measured spread ({best.samples_per_s:,.0f}, "
                                   f"{best.spread:.0%}): the cost model's choice stays")
