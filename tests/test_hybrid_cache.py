@@ -184,3 +184,16 @@ def test_the_planner_lists_hybrid_with_the_cache_and_takes_it_only_when_asked():
     assert next(c for c in asked.candidates if c.strategy == "hybrid-cache").available
     exact = choose_plan(prof, cluster, cache=CacheConfig(100, 0))   # s = 0 saves nothing: hybrid wins the tie
     assert exact.cache == {} and exact.strategy == "hybrid"
+
+
+def test_tune_names_the_cached_plan_hybrid_cache_and_tries_plain_hybrid_beside_it():
+    """--tune's candidates (launcher/run/tuning.py): a plan that runs hybrid with the caches is
+    the hybrid-cache candidate, first; plain hybrid is another candidate, not the planner's."""
+    from hpar.launcher.run.tuning import candidates, planned_name
+    rows = [{"strategy": "hybrid", "available": True, "samples_per_s": 900.0, "predicted_step_s": 0.02},
+            {"strategy": "hybrid-cache", "available": True, "samples_per_s": 1000.0, "predicted_step_s": 0.018},
+            {"strategy": "allreduce", "available": True, "samples_per_s": 100.0, "predicted_step_s": 0.2}]
+    cached = {"strategy": "hybrid", "cache": {"staleness": 2}, "candidates": rows}
+    assert planned_name(cached) == "hybrid-cache" and planned_name({**cached, "cache": {}}) == "hybrid"
+    assert [s for s, _ in candidates(cached)] == ["hybrid-cache", "hybrid"]
+    assert [s for s, _ in candidates({**cached, "cache": {}})] == ["hybrid", "hybrid-cache"]
