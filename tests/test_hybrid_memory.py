@@ -66,3 +66,53 @@ def test_a_2gib_table_trains_evaluates_and_is_saved_without_ever_being_on_a_work
     saved = FileSystemReader(os.path.join(run_dir, "model")).read_metadata().state_dict_metadata
     assert tuple(saved["model.items.weight"].size) == (ROWS, DIM) and "model.mlp.0.weight" in saved
     assert not run_processes(run_dir)
+
+
+# An evaluate() that reads a served table's weight directly (as examples/lm.py's full softmax
+# does), beside one that only looks rows up: both see the table as the servers hold it.
+DIRECT_READ = '''
+import torch, torch.nn as nn
+HPAR = {"steps": 4, "batch_size": 8, "lr": 0.1, "eval_every": 2}
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(300, 8)
+        self.out = nn.Linear(8, 1)
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1)).squeeze(1)
+def model():
+    return Net()
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        ids = torch.randint(0, 300, (batch_size, 3), generator=g)
+        yield ids, ids.float().mean(1) / 300
+def loss(o, t):
+    return ((o - t) ** 2).mean()
+def evaluate(model):
+    rows = model.emb(torch.arange(300).unsqueeze(1)).squeeze(1)
+    return {"weight_sum": float(model.emb.weight.sum()), "rows_sum": float(rows.sum()),
+            "rows": int(model.emb.weight.shape[0])}
+'''
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_evaluate_reading_a_served_tables_weight_sees_the_whole_table(tmp_path):
+    """A small served table is pulled whole into evaluate()'s copy (hybrid/runtime.py
+    EVAL_WHOLE_BYTES): its .weight read directly equals its rows looked up, before training,
+    mid-run and after, and the final one equals the trained table RUN_DIR/model holds."""
+    from conftest import final_state, hpar_to_file, kill_left
+    script = write_script(tmp_path, DIRECT_READ)
+    run_dir = tmp_path / "run"
+    code, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--strategy", "hybrid",
+                             "--run-dir", str(run_dir), "--plain")
+    assert code == 0, out[-3000:]
+    assert not kill_left(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    evals = [summary["eval_first"], summary["eval_last"]] + [
+        json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"kind": "eval"' in line]
+    for e in evals:
+        assert e["rows"] == 300 and math.isclose(e["weight_sum"], e["rows_sum"], rel_tol=1e-5, abs_tol=1e-5), e
+    assert math.isclose(summary["eval_last"]["weight_sum"], float(final_state(run_dir)["emb.weight"].sum()),
+                        rel_tol=1e-5, abs_tol=1e-5)

@@ -58,7 +58,7 @@ from hpar.strategies.common.first_batch import check_first_batch, first_batch
 from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.models.forward import call_model, inner_module
 from hpar.strategies.common.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
-from hpar.strategies.hybrid.client import LocalAggregator, PSClient, PSTable, ps_tables
+from hpar.strategies.hybrid.client import LocalAggregator, PSClient, ps_tables
 from hpar.strategies.models.tying import shared_parameters
 from hpar.strategies.hybrid import fp16
 
@@ -184,18 +184,36 @@ def _clip_with_servers(ctx: WorkerContext, dense: list[torch.Tensor]) -> None:
             p.grad.mul_(coef)
 
 
-def _model_copy(outer, client: PSClient, whole, clock: embedding.StepClock, step: int) -> torch.nn.Module:
+# Served tables up to this many bytes in all are pulled whole into evaluate()'s copy, so that
+# an evaluate() reading a table's .weight directly (examples/lm.py's full softmax) sees it;
+# larger ones stay served row by row, so that no process ever holds them whole (issue 48).
+EVAL_WHOLE_BYTES = 1 << 30
+
+
+def _model_copy(outer, client: PSClient, whole, clock: embedding.StepClock, step: int,
+                served=()) -> torch.nn.Module:
     """Worker rank 0, for evaluate() (``--eval-every`` and the final one): a CPU copy of the
     model as ``model()`` returns it, at the start of ``step``: the dense parameters and buffers
-    from this worker, the tables kept whole pulled now, and the served embeddings still
-    served (``embedding.attach``: each lookup pulls its rows from the servers as of ``step``,
-    recording nothing under no_grad), so no process ever holds a whole served table. Its
-    bytes are not counted as a training step's, and it reads no hot-row cache (cache_client.py)."""
+    from this worker, the tables kept whole pulled now, and the served embeddings (``served``,
+    ServedEmbedding items) pulled whole when together they hold at most ``EVAL_WHOLE_BYTES``,
+    else still served (``embedding.attach``: each lookup pulls its rows from the servers as of
+    ``step``, recording nothing under no_grad; a direct read of such a table's ``.weight``
+    sees an empty tensor), so no process holds a large served table whole. Its bytes are not
+    counted as a training step's, and it reads no hot-row cache (cache_client.py)."""
     client.cache_off = True
     copy = cpu_copy(outer)
-    params = dict(inner_module(copy).named_parameters())
+    inner = inner_module(copy)
+    params = dict(inner.named_parameters())
     for t, _ in whole:
         params[t.name].data.copy_(client.pull(t, None, step).reshape(params[t.name].shape))
+    size = sum(item.table.rows * item.table.dim * item.table.dtype.itemsize for item in served)
+    if served and size <= EVAL_WHOLE_BYTES:
+        modules = dict(inner.named_modules())
+        for item in served:
+            name = item.table.name
+            module = modules[name[: -len(".weight")] if name.endswith(".weight") else ""]
+            module.__dict__.pop("forward", None)   # the class's own forward, over the whole table
+            module.weight.data = client.pull(item.table, None, step).reshape(item.table.shape)
     clock.step = step
     return copy
 
@@ -231,7 +249,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     if ctx.rank == 0 and cfg.eval and not cfg.resume and ctx.event is not None:   # the served rows on demand, at step 0
         ctx.event({"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
         with torch.random.fork_rng(devices=[]), activity.doing("in evaluate() before training"):
-            ctx.event({"kind": "first_eval", "eval": job.run_evaluate(_model_copy(outer, client, whole, clock, 0))})
+            ctx.event({"kind": "first_eval", "eval": job.run_evaluate(_model_copy(outer, client, whole, clock, 0, served))})
         _done_evaluating(client)
         ctx.event({"kind": "phase", "phase": "train"})
     local = LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, client.bytes) if groups.host else None
@@ -366,7 +384,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         # answer the evaluation's pulls of served rows (a deadlock when both fall on a step)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             _save(ctx, step + 1, model, opt, tools, ps_names, caches)
-        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(outer, client, whole, clock, step + 1),
+        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: _model_copy(outer, client, whole, clock, step + 1, served),
                                  ctx.report_eval)
         _done_evaluating(client)
     eval_last = None
@@ -374,7 +392,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         if ctx.event is not None:
             ctx.event({"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
         with activity.doing("in evaluate() after the last step"):
-            eval_last = job.run_evaluate(_model_copy(outer, client, whole, clock, cfg.steps)) if cfg.eval else {}
+            eval_last = job.run_evaluate(_model_copy(outer, client, whole, clock, cfg.steps, served)) if cfg.eval else {}
         _done_evaluating(client)
     client.finish()
     # the dense part where it lives (every worker holds it: DCP writes one copy); the servers write the tables
