@@ -20,7 +20,6 @@ go to the N-1 peers and theirs come back.
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -94,7 +93,8 @@ def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Op
                  tools: StepTools | None = None) -> int:
     """Load this worker's state from the run's latest checkpoint when it resumes (model,
     optimizer by parameter name, loop state, random generators: strategies/runstate/state.py; any
-    checkpoint of the run, whatever its number of workers); returns the step to start from."""
+    checkpoint of the run, whatever its number of workers, DTensor shards of fsdp included);
+    returns the step to start from."""
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
         return 0

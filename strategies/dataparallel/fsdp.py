@@ -51,9 +51,8 @@ try:   # FSDP2's public API since torch 2.6
 except ImportError:   # pragma: no cover - torch < 2.6
     FSDPModule = fully_shard = DeviceMesh = None
 
-from hpar.strategies.runstate import checkpoint
 from hpar.strategies.runstate import state as run_state
-from hpar.strategies.dataparallel.allreduce import ring_successor_remote
+from hpar.strategies.dataparallel.allreduce import resume_state, ring_successor_remote
 from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext
 from hpar.strategies.models.forward import inner_module
 from hpar.strategies.models.hf import is_pretrained
@@ -126,17 +125,6 @@ def save(ctx: WorkerContext, step: int, model: nn.Module, opt, tools) -> None:
                                                                     f"worker{ctx.rank}", "workers"))
 
 
-def resume(ctx: WorkerContext, model: nn.Module, opt, tools) -> int:
-    """Load the last checkpoint into this rank's shards (DCP reshards: the run may have been
-    written by another number of workers, or by another data-parallel strategy) and loop
-    state when the run resumes; returns the step to start from."""
-    step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
-    if step is None:
-        return 0
-    run_state.restore_process(ctx.cfg.run_dir, step, model, opt, tools, ctx.device, f"worker{ctx.rank}", "workers")
-    return step
-
-
 def train(ctx: WorkerContext) -> TrainResult:
     """Train ``ctx.cfg.steps`` optimizer steps with FSDP2 (module docstring); N workers equal
     one process on the concatenated batches with a mean loss, with the script's schedule,
@@ -148,7 +136,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     wrapped = shard(model, groups.dense, ctx.device, ctx.world_size)
     opt = job.build_optimizer(model.parameters(), cfg.lr)   # over the shards (DTensors)
     tools = step_tools(cfg, job, opt, ctx.device)
-    ctx.start_step = resume(ctx, model, opt, tools)
+    ctx.start_step = resume_state(ctx, model, opt, tools)   # each rank its shards: DCP reshards them
     total = sum(p.numel() * p.element_size() for p in model.parameters())   # the whole model's bytes
     sent = fsdp_bytes(total, ctx.world_size, cfg.backend == "gloo") * cfg.accumulate
     remote = sent if ring_successor_remote(ctx, list(range(ctx.world_size))) else 0.0
