@@ -148,6 +148,18 @@ def test_health_names_the_overdue_process_and_its_waiting_peers_do_not_stall(mon
     for key in ("w0", "w1", "s0"):
         beat(key)
     assert h.stalled(["w0", "w1", "s0"]) == []
+    # a server stuck in one request: the workers wait for its answer and are not named; the
+    # server is, once its deadline passes
+    srv = health.Health(["w0", "s0"], ["worker", "server"], total_steps=100, stall_timeout=5)
+    srv.line("w0"), srv.heartbeat("w0", {"at_step": 3}), srv.phase("w0", "train")
+    srv.line("s0"), srv.heartbeat("s0", {}), srv.phase("s0", "serve")
+    clock[0] += 0.2
+    srv.heartbeat("s0", {"doing": "handling worker 0's push of emb.weight (step 4)", "doing_s": 0.1})
+    clock[0] += 5.3   # the worker's step clock past 5 s, the server busy for 5.4 s
+    srv.line("w0"), srv.heartbeat("w0", {"at_step": 3})
+    srv.line("s0"), srv.heartbeat("s0", {"doing": "handling worker 0's push of emb.weight (step 4)", "doing_s": 5.4})
+    assert srv.stalled(["w0", "s0"]) == [
+        ("s0", "stalled: handling worker 0's push of emb.weight (step 4) for more than 5 s (--stall-timeout)")]
     late = health.Health(["w0"], ["worker"], total_steps=10, stall_timeout=5)
     late.line("w0"), late.heartbeat("w0", {"at_step": 0})
     clock[0] += 119

@@ -70,6 +70,11 @@ class ProcState:
         return self.doing_s + now - self.doing_heard if self.doing else 0.0
 
 
+# A parameter server busy with one request for longer than this holds the workers' step
+# clocks: its requests take milliseconds, and a stuck one is named by the phase deadline.
+SERVER_BUSY_S = 1.0
+
+
 class Health:
     """Per-process liveness and step progress; ``stalled()`` names the processes that stalled."""
 
@@ -126,8 +131,11 @@ class Health:
             return []
         now = time.monotonic()
         silent, overdue, stuck = [], [], []
-        # peers wait while a worker evaluates or does something else with a deadline of its own
+        # peers wait while a worker evaluates or does something else with a deadline of its own,
+        # and while a parameter server is stuck in one request (their steps wait for its answer;
+        # it is the one to name when its deadline passes)
         waiting = any(self.state[k].phase == "evaluate" or (self.state[k].doing and self.state[k].role == "worker")
+                      or (self.state[k].role == "server" and self.state[k].busy_for(now) > SERVER_BUSY_S)
                       for k in alive)
         for k in alive:
             s = self.state[k]
