@@ -89,6 +89,16 @@ def _sync(ddp, last: bool):
         yield
 
 
+def save_state(ctx: WorkerContext, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+               tools: StepTools | None = None) -> None:
+    """Checkpoint ``step`` (a collective over the default group): this worker writes the state
+    it holds, its model (DDP's replicas: one copy is kept; FSDP's DTensor shards: each rank its
+    own), optimizer state by parameter name, loop state and random generators, with
+    torch.distributed.checkpoint (strategies/runstate/state.py); nothing is gathered."""
+    run_state.save(ctx.cfg.run_dir, step, run_state.process_entries(model, opt, tools, ctx.device,
+                                                                    f"worker{ctx.rank}", "workers"))
+
+
 def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer,
                  tools: StepTools | None = None) -> int:
     """Load this worker's state from the run's latest checkpoint when it resumes (model,
@@ -149,8 +159,7 @@ def train(ctx: WorkerContext) -> TrainResult:
                   extra={"lr": lr, **({} if stepped else {"skipped_step": 1})})
         evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: cpu_copy(outer), ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            run_state.save(cfg.run_dir, step + 1, run_state.process_entries(model, opt, tools, ctx.device,
-                                                                           f"worker{ctx.rank}", "workers"))
+            save_state(ctx, step + 1, model, opt, tools)
     if meter is None:   # resumed at the last step: nothing left to train
         meter = StepMeter(ctx, 0)
     run_state.write_final(cfg.run_dir, run_state.model_entries(model))   # replicas: DCP writes one copy

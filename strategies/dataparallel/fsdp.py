@@ -52,7 +52,7 @@ except ImportError:   # pragma: no cover - torch < 2.6
     FSDPModule = fully_shard = DeviceMesh = None
 
 from hpar.strategies.runstate import state as run_state
-from hpar.strategies.dataparallel.allreduce import resume_state, ring_successor_remote
+from hpar.strategies.dataparallel.allreduce import resume_state, ring_successor_remote, save_state
 from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext
 from hpar.strategies.models.forward import inner_module
 from hpar.strategies.models.hf import is_pretrained
@@ -117,14 +117,6 @@ def cpu_model(ctx: WorkerContext, state: dict) -> nn.Module:
     return fresh
 
 
-def save(ctx: WorkerContext, step: int, model: nn.Module, opt, tools) -> None:
-    """Checkpoint ``step`` (a collective): every rank writes its own shards of the model and
-    the optimizer state (DTensors, under their parameter names), the loop state and its random
-    generators, with torch.distributed.checkpoint (strategies/runstate/state.py): nothing is gathered."""
-    run_state.save(ctx.cfg.run_dir, step, run_state.process_entries(model, opt, tools, ctx.device,
-                                                                    f"worker{ctx.rank}", "workers"))
-
-
 def train(ctx: WorkerContext) -> TrainResult:
     """Train ``ctx.cfg.steps`` optimizer steps with FSDP2 (module docstring); N workers equal
     one process on the concatenated batches with a mean loss, with the script's schedule,
@@ -155,7 +147,7 @@ def train(ctx: WorkerContext) -> TrainResult:
             state = full_state(model)
             evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: cpu_model(ctx, state), ctx.report_eval)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save(ctx, step + 1, model, opt, tools)
+            save_state(ctx, step + 1, model, opt, tools)   # each rank its shards
     if meter is None:   # resumed at the last step: nothing left to train
         meter = StepMeter(ctx, 0)
     losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
