@@ -52,16 +52,16 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
     return None
 
 
-def does_not_fit(name: str, profile, estimates: dict, cluster) -> str | None:
-    """Why bench strategy ``name``'s predicted peak memory does not fit ``cluster``'s
-    (strategies/plan/memory.py: "needs 31.2 GB per worker, 24 GB available"), None when it
-    does or has no estimate."""
+def does_not_fit(name: str, profile, estimates: dict, cluster, steps: int | None = None) -> str | None:
+    """Why bench strategy ``name``'s predicted peak memory over ``steps`` steps does not fit
+    ``cluster``'s (strategies/plan/memory.py: "needs 31.2 GB per worker, 24 GB available"),
+    None when it does or has no estimate."""
     from hpar.strategies.plan.memory import predict
     strategy, schedule = BENCH_STRATEGIES[name]
     est = estimates.get(strategy)
     if est is None or not est.feasible:
         return None
-    return predict(profile, cluster, est, schedule or "1f1b").misfit(cluster) or None
+    return predict(profile, cluster, est, schedule or "1f1b", steps).misfit(cluster) or None
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
         from hpar.strategies.plan.estimates import estimate_pipeline
         estimates["pipeline"] = estimate_pipeline(profile, cluster, replicas=1)
     reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, cfg.gpus)
-                                         or does_not_fit(n, profile, estimates, cluster))}
+                                         or does_not_fit(n, profile, estimates, cluster, cfg.steps))}
     # the planner's plan of each planned strategy, so that its runs execute what was
     # predicted (pipeline: stages and micro-batches, one plan for hpar's and torch's schedules
     # alike; hybrid/ps: placement and partitions) rather than each run re-profiling

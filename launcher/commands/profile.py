@@ -179,8 +179,10 @@ def profile(script, as_json, plan_out, **given):
             check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
             prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
                                precision=precision)
+            steps = job.defaults.get("steps")   # the run's length as the script sets it: its workers' growth
             plan = choose_plan(prof, cluster,
-                               cache=CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None)
+                               cache=CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None,
+                               forwards=int(steps) * int(job.defaults.get("accumulate") or 1) if steps else None)
         except JobError as exc:
             _fail(str(exc), exc.user_traceback)
         except (ValueError, RuntimeError) as exc:

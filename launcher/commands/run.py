@@ -80,13 +80,15 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
 
 
 def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: str | None, gpus: int,
-             precision: str | None = None, capacity=None, cache=None) -> tuple[str, dict, object]:
+             precision: str | None = None, capacity=None, cache=None, forwards: int | None = None
+             ) -> tuple[str, dict, object]:
     """(strategy, plan dict, the planner's Profile or None) from ``--plan``, or from the planner for ``auto`` and for
     ``pipeline`` (which needs its balanced stages), on ``capacity``'s memory (``--force``: a
     forced strategy that does not fit is planned anyway); the data-parallel strategies named
     explicitly run with their defaults and no profiling (their memory: launcher/run/fit.py).
     ``flags``: the plan's flags as resolved (launcher/run/flags.PlanFlags); ``cache``: the
-    hot-row caches ``--staleness`` allows the planner to choose (hybrid/cache.CacheConfig, or None)."""
+    hot-row caches ``--staleness`` allows the planner to choose (hybrid/cache.CacheConfig, or None);
+    ``forwards``: each worker's forward passes over the run (steps times accumulation)."""
     strategy, plan_file = flags.strategy, flags.plan_file
     if plan_file:
         plan = read_plan(plan_file)
@@ -97,7 +99,8 @@ def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: st
     if strategy not in ("auto", "pipeline"):
         return strategy, {"strategy": strategy}, None
     from hpar.launcher.run.planning import plan_job
-    plan, profile = plan_job(job, batch_size, hosts, gpus, flags, precision=precision, capacity=capacity, cache=cache)
+    plan, profile = plan_job(job, batch_size, hosts, gpus, flags, precision=precision, capacity=capacity, cache=cache,
+                             forwards=forwards)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
     return plan.strategy, plan.to_dict(), profile
@@ -187,7 +190,8 @@ def resolve(console: Console, flags: Flags):
         resolved = dataclasses.replace(p, strategy=strategy, servers=servers,
                                        pipeline_replicas=planner_replicas(pipeline_replicas, schedule))
         strategy, plan, profile = plan_for(console, job, resolved, bs, hosts, gpus, (loop_flags or {}).get("precision"),
-                                           capacity, CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None)
+                                           capacity, CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None,
+                                           pick(steps, "steps") * (pick(loop_flags.get("accumulate"), "accumulate") or 1))
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan", traced_on)

@@ -59,7 +59,8 @@ def predict_run(cfg, job, model, profile=None) -> dict | None:
         on = torch.device("cuda", 0) if cfg.device == "cuda" and torch.cuda.is_available() else torch.device("cpu")
         profile = memory_only_profile(job, model, cfg.batch_size, cfg.world_size, on, cfg.precision)
     cluster = make_cluster(None, cfg.world_size, max(cfg.servers, 1), 1e9, 0.0)
-    return predict(profile, cluster, run_estimate(cfg, model, profile), cfg.schedule).to_dict(None)
+    return predict(profile, cluster, run_estimate(cfg, model, profile), cfg.schedule,
+                   cfg.steps * (cfg.accumulate or 1)).to_dict(None)
 
 
 def check(memory: dict, capacity: Capacity, strategy: str, force: bool, say) -> None:

@@ -5,7 +5,7 @@ import dataclasses
 
 
 def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None, precision: str | None = None,
-             capacity=None, cache=None):
+             capacity=None, cache=None, forwards: int | None = None):
     """Profile ``job`` (strategies/profile/profiler.py) for ``gpus`` workers on the hosts of
     ``hosts_spec`` (link figures probed on this machine, or hpar profile's defaults for remote
     hosts) and return the planner's Plan (strategies/plan/planner.py) and the Profile it was
@@ -17,7 +17,8 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     (:func:`compute_mismatch`). ``precision``: the workers' ``--precision`` (None: the
     script's), under which the forward passes are timed; ``capacity``: the memory each process
     may use (launcher/run/capacity.py); ``cache``: the hot-row caches the user allowed
-    (``--staleness``: hybrid/cache.CacheConfig), which the planner may then choose. A plan of
+    (``--staleness``: hybrid/cache.CacheConfig), which the planner may then choose;
+    ``forwards``: each worker's forward passes over the run (its memory's growth). A plan of
     ``auto`` lists under ``alternatives`` the other strategies' plans that fit, for ``--tune``.
     Raises JobError/ValueError."""
     from hpar.launcher.run.flags import PlanFlags
@@ -33,7 +34,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
                             capacity=capacity)
     profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision)
     plan = choose_plan(profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas,
-                       allow_misfit=flags.force, cache=cache)
+                       allow_misfit=flags.force, cache=cache, forwards=forwards)
     if force is not None:
         return plan, profile
     alternatives = {}   # the plans --tune may try (launcher/run/tuning.py): those that fit
@@ -41,7 +42,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
         if c.available and c.strategy != ("hybrid-cache" if plan.cache else plan.strategy):
             try:
                 alt = choose_plan(profile, cluster, schedule=schedule, force=c.strategy, pipeline_replicas=pipeline_replicas,
-                                  cache=cache)
+                                  cache=cache, forwards=forwards)
             except ValueError:
                 continue
             alternatives[c.strategy] = {k: v for k, v in alt.to_dict().items() if k != "candidates"}

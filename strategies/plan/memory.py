@@ -37,9 +37,11 @@ runtime's code) or **measured** (by the profile, strategies/profile/memory.py):
   is built once before it is sharded (``build``).
 * ``data`` (measured): the ``data()`` iterator and its batch, and what its first draw imports.
 * ``first_use`` (measured): what a process's first forward adds once (kernels' state) and what
-  ``model()`` keeps besides the parameters; ``growth`` (measured rate, assumed horizon): what
-  steps on new batches keep (kernels' caches per input shape), the profile's bytes per step
-  times GROWTH_HORIZON_STEPS.
+  ``model()`` keeps besides the parameters; ``growth`` (measured per shape, counted shapes): what
+  steps on new shapes keep (kernels' caches per input shape): the profile's growth per new
+  forward signature times the distinct signatures a worker's ``forwards`` forward passes meet
+  beyond its first, estimated from the profile's census (strategies/profile/shapes.py); growth
+  without a new shape counts once.
 * ``runtime`` (measured): the runtimes' own memory beyond these terms (a hybrid worker's DDP
   reducer beside its client, a pipeline stage's and a server's point-to-point pairs and threads,
   FSDP's DTensor dispatch), a constant measured on tiny models (RUNTIME_BYTES).
@@ -53,14 +55,14 @@ from dataclasses import dataclass, field
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import INDEX_BYTES, Estimate
 from hpar.strategies.profile.records import MemoryProfile, Profile
+from hpar.strategies.profile.shapes import distinct_after
 
 GB = 1e9   # --worker-memory and --server-memory count 10^9 bytes
 # The processes' own runtime beyond the model (gloo's point-to-point pairs, threads, the inbox's
 # bookkeeping), measured as the peak of tests/conftest.py's TINY and EMBED_TINY models (a few
 # hundred parameters) above what the terms below predict for them, 2 workers, 6 steps, here:
-# Steps over which a worker's caches per input shape grow: examples/lm.py's stopped growing after
-# about 30 (strategies/profile/memory.py), so its growth per profiled step is counted this often
-# (an over-prediction for a run shorter than that; nothing for shapes that do not change).
+# Forward passes a worker is assumed to run where the caller gives no run length, and the steps
+# whose growth a profile from before the shape census counts (its growth per step, this often).
 GROWTH_HORIZON_STEPS = 32
 RUNTIME_BYTES = {"hybrid_worker": 5_000_000, "stage": 3_000_000, "server": 4_000_000, "fsdp": 3_000_000}
 
@@ -293,9 +295,24 @@ def _ratio(profile: Profile) -> float:
     return profile.memory.optimizer_state_ratio if profile.memory else 1.0
 
 
-def predict(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str = "1f1b") -> MemoryEstimate:
+def growth(m: MemoryProfile, forwards: int) -> float:
+    """Bytes a worker keeps over ``forwards`` forward passes on new batches beyond its first
+    (module docstring: ``growth``). Profiles without a census: the growth per profiled step
+    times GROWTH_HORIZON_STEPS."""
+    if not m.growth_steps:
+        return 0.0
+    if not m.shape_counts:
+        return m.growth_bytes * GROWTH_HORIZON_STEPS / m.growth_steps
+    if not m.growth_new_shapes:
+        return float(m.growth_bytes)
+    return m.growth_bytes / m.growth_new_shapes * max(0.0, distinct_after(m.shape_counts, forwards) - 1)
+
+
+def predict(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str = "1f1b",
+            forwards: int | None = None) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of candidate ``est`` (its placement, partitions, stages and
-    micro-batches) on ``cluster``; ``schedule``: a pipeline's."""
+    micro-batches) on ``cluster``; ``schedule``: a pipeline's; ``forwards``: the forward passes
+    each worker runs (steps times gradient accumulation; None: GROWTH_HORIZON_STEPS)."""
     m = profile.memory
     if est.strategy == "pipeline":
         worker = pipeline_terms(profile, cluster, est, schedule) if est.stages else {}
@@ -305,7 +322,7 @@ def predict(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str
         worker = data_parallel(profile, cluster, est)
     if worker:   # every worker process builds the model and runs its first forward inside its training
         worker["first_use"] = (m.first_use_bytes + m.model_extra_bytes) if m else 0
-        worker["growth"] = m.growth_bytes * GROWTH_HORIZON_STEPS / m.growth_steps if m and m.growth_steps else 0
+        worker["growth"] = growth(m, forwards or GROWTH_HORIZON_STEPS) if m else 0
     if worker and est.breakdown.get("cache_bytes"):   # hybrid-cache: the hot rows and held gradients
         worker["cache"] = est.breakdown["cache_bytes"]
     server = server_terms(profile, cluster, est) if est.strategy in ("hybrid", "hybrid-cache", "ps") else {}

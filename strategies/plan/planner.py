@@ -176,7 +176,7 @@ def _cache_note(e: Estimate, cache: CacheConfig, asked: bool) -> str:
 
 def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 force: str | None = None, pipeline_replicas: int | None = None, allow_misfit: bool = False,
-                cache: CacheConfig | None = None) -> Plan:
+                cache: CacheConfig | None = None, forwards: int | None = None) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and its peak memory
     (``plan/memory.predict``) and pick the highest samples/s among those that fit the job and
     the cluster's memory; the others are still listed as candidates with a note. A hybrid
@@ -187,7 +187,8 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     Miao et al., VLDB 2022) is listed where the profile has row frequencies, at ``cache`` when
     the user gave ``--staleness`` (then it may win, and the plan's ``cache`` says so), else at
     s = ``SHOWN_STALENESS`` and not runnable: staleness trades accuracy, never chosen unasked.
-    Raises ValueError when no strategy fits, or when the forced one does not fit (its memory
+    ``forwards``: the forward passes each worker runs (steps times accumulation), for the
+    memory a worker's caches grow to. Raises ValueError when no strategy fits, or when the forced one does not fit (its memory
     too, unless ``allow_misfit``: ``hpar run --force``), with the reason."""
     estimates = estimate_all(profile, cluster)
     shown = cache or CacheConfig(0.0, SHOWN_STALENESS)
@@ -222,7 +223,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         if e.strategy in ("hybrid", CACHED) and measured_sparse:
             note = (note + "; " if note else "") + \
                 f"sparse non-embedding parameters stay on AllReduce: {', '.join(measured_sparse[:3])}"
-        mem = predict_memory(profile, cluster, e, schedule) if e.feasible else None
+        mem = predict_memory(profile, cluster, e, schedule, forwards) if e.feasible else None
         memory[e.strategy] = mem
         misfit = mem.misfit(cluster) if mem is not None else ""
         if misfit:   # the one reason it is not runnable (strategies/plan/memory.py)

@@ -16,9 +16,10 @@ are measured rather than counted.
   (strategies/common/memory.py), as the workers measure themselves.
 * ``growth_bytes`` over ``growth_steps``: what the process kept after that many steps on new
   batches beyond what it held after the first (gradients freed, ``malloc_trim``): kernels'
-  caches per input shape (examples/lm.py's sampled softmax sees new shapes every step; a
-  worker's resident set grew by 1.3 MB a step for about 30 steps, then held: 179 MB after 6
-  steps, 224 after 30 and 36).
+  caches per input shape (examples/lm.py's sampled softmax sees new shapes most steps);
+  ``growth_new_shapes``: how many of those steps met a forward signature not met before, and
+  ``shape_counts``: a census of the job's forward signatures (strategies/profile/shapes.py),
+  from which the memory model predicts the new shapes of a run of any length.
 * ``data_bytes``: the peak of a fresh ``data()`` iterator drawing two batches and moving them
   to the device (the iterator's own state, a corpus it keeps, the batch in hand), or, where
   more, what the first draw in this process added (``Job.cold``, recorded by ``check_job``:
@@ -185,10 +186,12 @@ def device_overhead_bytes(device: torch.device) -> int:
 
 
 def memory_profile(step: dict, batch_size: int, data: int, ratios: tuple[float, float], job,
-                   device: torch.device, growth: tuple[int, int] = (0, 0)) -> MemoryProfile:
+                   device: torch.device, growth: tuple[int, int, int] = (0, 0, 0),
+                   shapes: tuple[int, ...] = ()) -> MemoryProfile:
     """The MemoryProfile of a measured ``step`` (:func:`step_memory`) at ``batch_size`` of
     ``job`` (its ``loaded_rss`` and ``cold`` figures, strategies/common/job.py); ``growth``: (bytes,
-    steps) of :class:`Growth`."""
+    steps, steps that met a new shape) of :class:`Growth`; ``shapes``: the counts of the job's
+    census of forward shapes (strategies/profile/shapes.py)."""
     cold = job.cold if device.type == "cpu" else {}   # resident bytes: CPU workers only
     warm_forward = step["forward_peak_bytes"] * cold.get("batch_size", batch_size) / max(batch_size, 1)
     first_use = max(0, int(cold.get("forward_bytes", 0) - warm_forward))
@@ -197,7 +200,8 @@ def memory_profile(step: dict, batch_size: int, data: int, ratios: tuple[float, 
                          process_bytes=job.loaded_rss,
                          device_overhead_bytes=device_overhead_bytes(device), first_use_bytes=first_use,
                          model_extra_bytes=cold.get("model_bytes", 0), rows_suffice=rows_suffice(job),
-                         growth_bytes=growth[0], growth_steps=growth[1], **step)
+                         growth_bytes=growth[0], growth_steps=growth[1], growth_new_shapes=growth[2],
+                         shape_counts=tuple(shapes), **step)
 
 
 def rows_suffice(job) -> bool:

@@ -86,6 +86,7 @@ from hpar.strategies.profile.hooks import (
 )
 from hpar.strategies.profile.hot_rows import row_counts
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
+from hpar.strategies.profile.shapes import ShapeCensus, draw
 from hpar.strategies.profile import memory as mem_probe
 from hpar.strategies.profile.sparsity import embedding_sparsity
 from hpar.strategies.profile.unused import missing_gradients
@@ -209,8 +210,8 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         traced = is_seq and isinstance(layers[0][1], TracedStage)
         run = (lambda x: _compose(layers, x)) if traced else (lambda x: call_model(model, x))
         timer = LayerTimer(layers, [m for _, m in embs], clock)
-        fwd, bwd, lay_f, lay_b, grad_rows, unused = [], [], [], [], {}, set()
-        with timer:
+        fwd, bwd, lay_f, lay_b, grad_rows, unused, new_shapes = [], [], [], [], {}, set(), 0
+        with timer, ShapeCensus(model) as census:   # shapes met: what growth is per (profile/shapes.py)
             for i, (inputs, targets) in enumerate(timed):
                 model.zero_grad(set_to_none=True)
                 timer.reset()
@@ -221,6 +222,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                 loss.backward()
                 t2 = clock.mark()
                 unused |= missing_gradients(model)
+                new_shapes += census.record() and i >= warmup
                 if i == warmup - 1:
                     growth = mem_probe.Growth(model, dev)   # what the timed steps keep (profile/memory.py)
                 if i < warmup:
@@ -233,7 +235,9 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                     if p.grad is not None and p.dim() >= 2 and not p.grad.is_sparse:
                         grad_rows.setdefault(name, []).append(rows_touched(p.grad))
             calls_once = timer.embedding_calls_once()
-        grown = (growth.bytes(), repeats) if warmup else (0, 0)
+            grown = (growth.bytes(), repeats, new_shapes) if warmup else (0, 0, 0)
+        with ShapeCensus(model) as met:   # the shapes a worker meets at the run's batch (profile/shapes.py)
+            draw(met, lambda b: _cast_loss(job, cast, run, *b), on_dev.batches(0, workers, batch_size))
         inputs, targets = timed[-1]
         step_mem = mem_probe.step_memory(model, [m for _, m in layers],
                                          lambda: _cast_loss(job, cast, run, inputs, targets), dev)
@@ -312,7 +316,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
                    unused_params=tuple(sorted(unused)), server_optimizer_note=server_note, traced=traced,
                    memory=mem_probe.memory_profile(step_mem, tbs, data_mem, state_ratio, job,
-                                                   dev, grown).scaled(batch_size),
+                                                   dev, grown, met.counts()).scaled(batch_size),
                    shared_params=tuple((n, held) for n, (held, _) in
                                        shared_across_stages(layers, [(i, i + 1) for i in range(len(layers))]).items())
                    if is_seq else ())

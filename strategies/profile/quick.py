@@ -25,6 +25,7 @@ from hpar.strategies.profile import memory as mem_probe
 from hpar.strategies.profile.device import OnDevice
 from hpar.strategies.profile.hooks import embedding_modules
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
+from hpar.strategies.profile.shapes import ShapeCensus, draw
 
 GROWTH_STEPS = 6        # steps on new batches after the measured one, for growth_bytes
 GROWTH_BUDGET_S = 2.0   # ... fewer where the steps take longer than this
@@ -54,13 +55,18 @@ def memory_only_profile(job, model: torch.nn.Module, batch_size: int, workers: i
         first = next(batches)
         step = mem_probe.step_memory(net, [m for _, m in layers], lambda: forward(first), device)
         alphas = {n: _alpha(p) for n, p in net.named_parameters()}   # the first step's touched rows
-        growth, t0, ran = mem_probe.Growth(net, device), time.perf_counter(), 0
-        for _ in range(GROWTH_STEPS):   # kernels' caches for new shapes (profile/memory.py)
-            if time.perf_counter() - t0 > GROWTH_BUDGET_S:
-                break
-            forward(next(batches)).backward()
-            ran += 1
-        grown = (growth.bytes(), ran)
+        with ShapeCensus(net) as census:   # kernels' caches for new shapes (profile/shapes.py)
+            with torch.no_grad():
+                forward(first)
+            census.record()
+            growth, t0, ran, new = mem_probe.Growth(net, device), time.perf_counter(), 0, 0
+            for _ in range(GROWTH_STEPS):
+                if time.perf_counter() - t0 > GROWTH_BUDGET_S:
+                    break
+                forward(next(batches)).backward()
+                ran, new = ran + 1, new + census.record()
+            grown = (growth.bytes(), ran, new)
+            draw(census, forward, batches)
         data = mem_probe.data_bytes(on_dev, batch_size, workers)
         ratio = mem_probe.optimizer_ratios(lambda ps: job.build_optimizer(ps, lr=1e-3), device)
     finally:
@@ -79,7 +85,7 @@ def memory_only_profile(job, model: torch.nn.Module, batch_size: int, workers: i
             params.append(ParamProfile(name, tuple(p.shape), nbytes, False, 1.0, 1.0, False, layer_of.get(id(p), -1)))
     lp = tuple(LayerProfile(n, 0.0, 0.0, 0, 0, sum(q.numel() * q.element_size() for q in m.parameters()))
                for n, m in layers)
-    memory = mem_probe.memory_profile(step, batch_size, data, ratio, job, device, grown)
+    memory = mem_probe.memory_profile(step, batch_size, data, ratio, job, device, grown, census.counts())
     return Profile(params=tuple(params), layers=lp, batch_size=batch_size, samples_per_batch=batch_size,
                    workers=workers, is_sequential=is_declared_sequence(net), sequential_reason="",
                    compute_s=0.0, forward_s=0.0, backward_s=0.0, forward_flops=0, backward_flops=0,

@@ -84,7 +84,9 @@ class MemoryProfile:
     bytes: per layer saved for backward, the step's peaks above its start at the end of forward
     and over the whole step, the gradients that step made, ``data()``'s iterator and batch, the
     optimizer's state per parameter byte, a process's fixed resident overhead and, on CUDA, the
-    device memory outside torch's allocator, and what a process's first forward adds once. Activation figures are at ``batch_size`` samples."""
+    device memory outside torch's allocator, what a process's first forward adds once, and what
+    steps on new shapes keep (``growth_*``, ``shape_counts``: strategies/profile/shapes.py).
+    Activation figures are at ``batch_size`` samples."""
 
     batch_size: int
     layer_saved_bytes: tuple[int, ...]
@@ -101,6 +103,8 @@ class MemoryProfile:
     rows_suffice: bool = True
     growth_bytes: int = 0
     growth_steps: int = 0
+    growth_new_shapes: int = 0
+    shape_counts: tuple[int, ...] = ()
 
     def scaled(self, batch: float) -> "MemoryProfile":
         """The activation figures at ``batch`` samples (linear in the batch; the gradients
@@ -175,5 +179,6 @@ class Profile:
         d["unused_params"] = tuple(d.get("unused_params", ()))
         d["shared_params"] = tuple((n, tuple(ls)) for n, ls in d.get("shared_params", ()))
         if d.get("memory"):
-            d["memory"] = MemoryProfile(**{**d["memory"], "layer_saved_bytes": tuple(d["memory"]["layer_saved_bytes"])})
+            d["memory"] = MemoryProfile(**{**d["memory"], "layer_saved_bytes": tuple(d["memory"]["layer_saved_bytes"]),
+                                           "shape_counts": tuple(d["memory"].get("shape_counts", ()))})
         return cls(**d)
