@@ -236,8 +236,9 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                         grad_rows.setdefault(name, []).append(rows_touched(p.grad))
             calls_once = timer.embedding_calls_once()
             grown = (growth.bytes(), repeats, new_shapes) if warmup else (0, 0, 0)
-        with ShapeCensus(model) as met:   # the shapes a worker meets at the run's batch (profile/shapes.py)
-            draw(met, lambda b: _cast_loss(job, cast, run, *b), on_dev.batches(0, workers, batch_size))
+        with ShapeCensus(model) as met:   # the shapes a worker meets at the run's batch (profile/shapes.py);
+            whole = lambda x: call_model(model, x)   # the model itself: a traced graph keeps the timing batch's shapes
+            draw(met, lambda b: _cast_loss(job, cast, whole, *b), on_dev.batches(0, workers, batch_size))
         inputs, targets = timed[-1]
         step_mem = mem_probe.step_memory(model, [m for _, m in layers],
                                          lambda: _cast_loss(job, cast, run, inputs, targets), dev)
