@@ -1,13 +1,13 @@
 """Does ``--strategy auto`` pick the measured fastest plan? One row per job and cluster.
 
     python scripts/auto_table.py --out auto.json [--steps 20] [--repeat 3] [--tune-steps 6]
-        [--points lm.py:2,lm.py:4,recsys.py:4,...] [--emulate]
+        [--points examples/lm.py:2,examples/recsys.py:4,...] [--strategies allreduce,hybrid,...]
 
-For every point (a job and a cluster: N local workers, or ``emulate:H`` test hosts with
-``--emulate``, root only) this runs, one after the other on the same machine:
+For every point (a job and a cluster: ``JOB:N`` for N local workers, or ``JOB:emulate:H`` for
+H test hosts of one worker each, root only) this runs, one after the other on the same machine:
 
-1. ``hpar bench JOB --gpus N --repeat R --json``: every strategy that applies, measured in
-   rounds (the reference: the fastest candidate and its spread, min-max over the rounds), with
+1. ``hpar bench JOB --gpus N --repeat R --strategies S --json``: every strategy auto may choose
+   (``--strategies``) that applies, measured in rounds (the reference: the fastest candidate and its spread, min-max over the rounds), with
    the cost model's predicted step beside each (the model's error on this point);
 2. ``hpar run JOB --gpus N --strategy auto --tune on``: the plan the model chose, what the
    trials measured and chose (``summary.json``'s ``tuning``), and the trials' wall time
@@ -36,6 +36,8 @@ ROOT = os.path.dirname(HERE)
 DEFAULT_POINTS = ("examples/lm.py:2", "examples/lm.py:4", "examples/recsys.py:2", "examples/recsys.py:4",
                   "examples/cnn.py:2", "examples/wide.py:2", "examples/wide.py:4", "examples/hf_gpt2.py:2",
                   "tests/zoo/hf_bert.py:2", "tests/zoo/resnet.py:2", "tests/zoo/encoder.py:2", "examples/lm.py:1")
+# what --strategy auto may choose (the planner's pipeline runs 1f1b; hybrid-cache needs --staleness)
+CANDIDATES = "allreduce,allreduce-sparse,hybrid,ps,fsdp,pipeline-1f1b"
 
 
 def hpar(args: list[str], out_path: str, timeout: float) -> int:
@@ -48,10 +50,12 @@ def hpar(args: list[str], out_path: str, timeout: float) -> int:
             return 124
 
 
-def bench_point(job: str, cluster: list[str], steps: int, repeat: int, work: str, timeout: float) -> dict:
+def bench_point(job: str, cluster: list[str], steps: int, repeat: int, strategies: str, work: str,
+                timeout: float) -> dict:
     """The bench's rows for one point: {strategy: {"sps", "low", "high", "pred_sps"}}, or {"error"}."""
     out = os.path.join(work, "bench.json")
-    code = hpar(["bench", job, *cluster, "--steps", str(steps), "--repeat", str(repeat), "--json", out,
+    code = hpar(["bench", job, *cluster, "--steps", str(steps), "--repeat", str(repeat), "--strategies", strategies,
+                 "--json", out,
                  "--bench-dir", os.path.join(work, "bench")], os.path.join(work, "bench.txt"), timeout)
     if code != 0 or not os.path.exists(out):
         return {"error": f"bench exit {code}"}
@@ -108,6 +112,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tune-steps", type=int, default=6)
+    ap.add_argument("--strategies", default=CANDIDATES, help="the bench's strategies (default: those auto may choose)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="auto_table.json")
     args = ap.parse_args()
@@ -116,7 +121,7 @@ def main() -> int:
         job, _, where = point.partition(":")
         cluster = ["--hosts", where, "--gpus", where.split(":")[1]] if where.startswith("emulate:") else ["--gpus", where]
         work = tempfile.mkdtemp(prefix="hpar-auto-")
-        rows = bench_point(job, cluster, args.steps, args.repeat, work, args.timeout)
+        rows = bench_point(job, cluster, args.steps, args.repeat, args.strategies, work, args.timeout)
         auto = auto_point(job, cluster, args.steps, args.tune_steps, work, args.timeout)
         results.append({"point": point, "bench": rows, "auto": auto, **verdict(rows, auto), "work": work})
         print(json.dumps(results[-1]), flush=True)
