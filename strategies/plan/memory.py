@@ -58,12 +58,12 @@ from hpar.strategies.profile.records import MemoryProfile, Profile
 from hpar.strategies.profile.shapes import distinct_after
 
 GB = 1e9   # --worker-memory and --server-memory count 10^9 bytes
-# The processes' own runtime beyond the model (gloo's point-to-point pairs, threads, the inbox's
-# bookkeeping), measured as the peak of tests/conftest.py's TINY and EMBED_TINY models (a few
-# hundred parameters) above what the terms below predict for them, 2 workers, 6 steps, here:
 # Forward passes a worker is assumed to run where the caller gives no run length, and the steps
 # whose growth a profile from before the shape census counts (its growth per step, this often).
 GROWTH_HORIZON_STEPS = 32
+# The processes' own runtime beyond the model (gloo's point-to-point pairs, threads, the inbox's
+# bookkeeping), measured as the peak of tests/conftest.py's TINY and EMBED_TINY models (a few
+# hundred parameters) above what the terms below predict for them, 2 workers, 6 steps, here:
 RUNTIME_BYTES = {"hybrid_worker": 5_000_000, "stage": 3_000_000, "server": 4_000_000, "fsdp": 3_000_000}
 
 
