@@ -18,3 +18,12 @@ def fail(message: str, detail: str | None = None) -> None:
     if detail:
         click.echo(detail.rstrip(), err=True)
     sys.exit(EXIT_USAGE)
+
+
+def table_console(min_width: int):
+    """A rich Console for hpar's result tables: on a terminal its width, but at least
+    ``min_width`` columns; written to a file or a pipe (CI, a batch job's log) 220 columns, so
+    a log keeps every cell whole instead of wrapping it into ellipses."""
+    from rich.console import Console
+    probe = Console()
+    return Console(soft_wrap=False, width=max(probe.width, min_width) if probe.is_terminal else 220)

@@ -122,21 +122,30 @@ def test_bad_flags_are_one_line_errors(tmp_path, args, flag):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(420)
-def test_bench_tiny_job_json_and_plot(tmp_path):
+@pytest.mark.timeout(480)
+def test_bench_tiny_job_in_rounds_json_and_plot(tmp_path):
+    """The real `hpar bench --repeat 2`, stdout to a file: each strategy runs twice, in rounds
+    (its own run directories), the table shows the median and the spread, the JSON keeps both
+    runs with the machine, the predictions and the bytes, the plot is a PNG, a pipeline is
+    skipped with its reason, and no process is left."""
     script = write_script(tmp_path, TINY_TREE)
     ran = ["allreduce", "allreduce-sparse", "hybrid"]
     names = ran + ["pipeline-1f1b"]
     bench_dir, out_json, out_png = tmp_path / "bench", tmp_path / "out.json", tmp_path / "out.png"
-    out = hpar("bench", script, "--gpus", "2", "--steps", "6", "--strategies", ",".join(names), "--link-rate", "10gbit",
-               "--project", "8", "--json", str(out_json), "--plot", str(out_png), "--bench-dir", str(bench_dir),
-               "--min-seconds", "0.3", timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    code, log = hpar_to_file(tmp_path / "stdout.txt", "bench", script, "--gpus", "2", "--steps", "6", "--strategies",
+                             ",".join(names), "--repeat", "2", "--link-rate", "10gbit", "--project", "8", "--json",
+                             str(out_json), "--plot", str(out_png), "--bench-dir", str(bench_dir), "--min-seconds", "0.3",
+                             timeout=460)
+    assert code == 0, log[-3000:]
     doc = json.loads(out_json.read_text())
     assert doc["torch"] and doc["machine"]["cpu_count"] >= 1 and doc["machine"]["memory_bytes"] > 0
-    assert doc["date"] and "bench" in doc["command"]
+    assert doc["date"] and "bench" in doc["command"] and doc["settings"]["repeat"] == 2
+    order = [line.split("hpar bench: job ", 1)[1].split(":")[0] for line in log.splitlines()
+             if line.startswith("hpar bench: job ") and "running (2 workers" in line]
+    assert order == [f"{n}-run{i}" for i in (1, 2) for n in ran], order   # rounds: every strategy once each
     by_name = {r["strategy"]: r for r in doc["results"]}
     assert list(by_name) == names
+    plan = json.loads((bench_dir / "job-hybrid-plan.json").read_text())
     for name in ran:
         r = by_name[name]
         assert r["reason"] is None, r
@@ -146,21 +155,27 @@ def test_bench_tiny_job_json_and_plot(tmp_path):
         assert r["ratio"] <= 1.0 or r["extra"].get("ran_as")   # a "ran as" row is no contender: it may read above 1
         assert finite_positive(r["bytes_per_step"]["sent"]) and finite_positive(r["bytes_per_step"]["recv"])
         assert r["projected"]["projected"] is True and finite_positive(r["projected"]["samples_per_s"])
-        summary = json.loads((bench_dir / "job" / name / "summary.json").read_text())
+        runs = r["extra"]["runs_samples_per_s"]
+        assert len(runs) == 2 and all(finite_positive(x) for x in runs) and r["samples_per_s"] == min(runs), r
+        assert f"{min(runs):,.0f}-{max(runs):,.0f}" in log
+        assert r["run_dir"] in {str(bench_dir / "job" / f"{name}-run{i}") for i in (1, 2)}
         ran_as = name
-        if name == "hybrid" and "ps" not in json.loads((bench_dir / "job-hybrid-plan.json").read_text())["placement"].values():
+        if name == "hybrid" and "ps" not in plan["placement"].values():
             ran_as = "allreduce"   # the plan keeps every parameter on AllReduce: no idle server
-        assert summary["strategy"] == ran_as and r["extra"].get("ran_as", name) == ran_as
+        assert r["extra"].get("ran_as", name) == ran_as
         # --min-seconds 0.3: enough steps for 0.3 s at the predicted step time (a few ms here)
         want_steps = max(6, 2 + math.ceil(0.3 / r["predicted_step_s"]))
-        assert summary["steps"] == r["extra"]["steps"] == want_steps > 6 and summary["world_size"] == 2
-        assert run_processes(str(bench_dir / "job" / name)) == []
+        assert r["extra"]["steps"] == want_steps > 6
+        for i in (1, 2):
+            summary = json.loads((bench_dir / "job" / f"{name}-run{i}" / "summary.json").read_text())
+            assert summary["strategy"] == ran_as and summary["steps"] == want_steps and summary["world_size"] == 2
+            assert run_processes(str(bench_dir / "job" / f"{name}-run{i}")) == []
     assert max(by_name[n]["ratio"] for n in ran if not by_name[n]["extra"].get("ran_as")) == 1.0
     pipe = by_name["pipeline-1f1b"]
-    assert pipe["samples_per_s"] is None and "sequence" in pipe["reason"]
-    assert not (bench_dir / "job" / "pipeline-1f1b").exists()
+    assert pipe["samples_per_s"] is None and pipe["reason"].startswith("not a sequence of layers: it has no repeated blocks")
+    assert not list((bench_dir / "job").glob("pipeline-1f1b*"))
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000
-    assert "pipeline-1f1b: skipped" in out.stdout and "x fastest" in out.stdout
+    assert "pipeline-1f1b: skipped" in log and "x fastest" in log
 
 
 def test_byte_check_window_and_interpolation(tmp_path):
@@ -301,33 +316,6 @@ def test_repeated_runs_give_the_median_run_and_their_spread():
     apart = [P("hybrid", 100.0, 90.0, (95.0, 100.0)), P("ps", 50.0, 120.0, (40.0, 50.0))]
     assert rankings(apart)[0]["agree_beyond_spread"] is False
     assert ScalePoint("lm.py", "ps", 4, 50.0, 60.0, 1.0, 1.0).within_spread is None   # no repeats
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_bench_repeat_runs_each_strategy_in_rounds(tmp_path):
-    """The real `hpar bench --repeat 2`, stdout to a file: each strategy runs twice (its own run
-    directories), the table shows the median and the spread, the JSON keeps both runs, and no
-    process is left."""
-    script = write_script(tmp_path, TINY_TREE)
-    bench_dir, out_json = tmp_path / "bench", tmp_path / "out.json"
-    code, log = hpar_to_file(tmp_path / "stdout.txt", "bench", script, "--gpus", "2", "--steps", "4", "--strategies",
-                             "allreduce,ps", "--repeat", "2", "--json", str(out_json), "--bench-dir", str(bench_dir),
-                             timeout=280)
-    assert code == 0, log[-3000:]
-    doc = json.loads(out_json.read_text())
-    assert doc["settings"]["repeat"] == 2
-    order = [line.split("hpar bench: job ", 1)[1].split(":")[0] for line in log.splitlines()
-             if line.startswith("hpar bench: job ") and line.endswith("running (2 workers, 4 steps, batch 8)")]
-    assert order == ["allreduce-run1", "ps-run1", "allreduce-run2", "ps-run2"]   # rounds: every strategy once each
-    for r in doc["results"]:
-        runs = r["extra"]["runs_samples_per_s"]
-        assert len(runs) == 2 and all(finite_positive(x) for x in runs) and r["samples_per_s"] == min(runs), r
-        assert r["run_dir"] in {str(bench_dir / "job" / f"{r['strategy']}-run{i}") for i in (1, 2)}
-        assert f"{min(runs):,.0f}-{max(runs):,.0f}" in log
-        for i in (1, 2):
-            assert json.loads((bench_dir / "job" / f"{r['strategy']}-run{i}" / "summary.json").read_text())["steps"] == 4
-            assert run_processes(str(bench_dir / "job" / f"{r['strategy']}-run{i}")) == []
 
 
 WIDE_SEQ = '''

@@ -21,7 +21,7 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
     strategy, schedule = BENCH_STRATEGIES[name]
     if strategy == "pipeline":
         if not profile.is_sequential:
-            return f"not a sequence of layers: {profile.sequential_reason}"
+            return profile.sequential_reason or "not a sequence of layers"
         est = estimates.get("pipeline")
         if est is not None and not est.feasible:
             return est.note

@@ -81,7 +81,7 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
             if proj:
                 pj = r.projected or {}
                 p_cell = [f"{pj['samples_per_s']:,.0f} (projected)" if pj.get("samples_per_s") else
-                          f"- ({pj.get('note') or 'n/a'})"]
+                          "-" if r.reason else f"- ({pj.get('note') or 'n/a'})"]   # the reason is printed below
             s_cell = []
             if stage_cols:
                 e = r.extra or {}

@@ -17,19 +17,11 @@ import datetime
 import functools
 import json
 import os
-import sys
 
 import click
-from rich.console import Console
 
+from hpar.launcher.usage import fail as _fail, table_console
 from hpar.strategies.common.job import JobError
-
-
-def _fail(message: str, detail: str | None = None) -> None:
-    click.echo(f"hpar: {message}", err=True)
-    if detail:
-        click.echo(detail.rstrip(), err=True)
-    sys.exit(2)
 
 
 def _check_common(scripts, steps: int, timeout_s: float, plot_out, bench_dir, repeat: int = 1,
@@ -179,7 +171,7 @@ def bench(scripts, **given):
     from hpar.launcher.bench.driver import run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster, parse_emulate
     from hpar.strategies.plan.cluster import parse_bandwidth
-    console = Console(soft_wrap=False, width=max(Console().width, 140))
+    console = table_console(140)
     try:
         names = parse_strategies(strategies)
         if gpus < 1:
@@ -270,7 +262,7 @@ def _bench_scale(scripts, flags) -> None:
     from hpar.launcher.bench.emulate import EmulatedCluster
     from hpar.launcher.bench.scale import parse_scale, plot_scale, points, print_scale, rankings
     from hpar.strategies.plan.cluster import parse_bandwidth
-    console = Console(soft_wrap=False, width=max(Console().width, 140))
+    console = table_console(140)
     try:
         counts = parse_scale(scale)
         names = parse_strategies(strategies)

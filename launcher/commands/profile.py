@@ -21,7 +21,7 @@ from rich.table import Table
 from hpar.launcher.run.cluster import DEFAULT_LATENCY, build_cluster
 
 CLUSTER_FLAGS = ("gpus", "hosts", "servers", "bandwidth", "latency", "device_tflops", "device_mem_gbps")
-from hpar.launcher.usage import fail as _fail
+from hpar.launcher.usage import fail as _fail, table_console
 from hpar.strategies.common.job import JobError, check_job, load_job
 
 def _human(n: float, unit: str = "B") -> str:
@@ -192,6 +192,6 @@ def profile(script, as_json, plan_out, **given):
     if as_json:
         click.echo(json.dumps(report(prof, cluster, plan)))
     else:
-        console = Console(soft_wrap=False, width=max(Console().width, 120))
+        console = table_console(120)
         print_tables(console, prof, cluster, plan)
         console.print(f"profiled in {prof.profile_s:.1f} s" + (f"; plan written to {plan_out}" if plan_out else ""))
