@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import hpar_to_file
-from hpar.strategies.plan.memory import GROWTH_HORIZON_STEPS, growth
+from hpar.strategies.plan.memory import GROWTH_HORIZON_STEPS, forward_passes, growth
 from hpar.strategies.profile.records import MemoryProfile
 from hpar.strategies.profile.shapes import STATIC_AFTER, ShapeCensus, distinct_after, draw
 
@@ -84,6 +84,11 @@ def test_growth_counts_bytes_per_new_shape_times_the_shapes_a_run_meets():
     legacy = dataclasses.replace(varying, shape_counts=())
     assert growth(legacy, 8) == growth(legacy, 2000) == 10_000_000 * GROWTH_HORIZON_STEPS / 6
     assert growth(_memory(), 100) == 0
+
+
+def test_forward_passes_are_steps_times_accumulation():
+    assert forward_passes(10, 4) == 40 and forward_passes(10, None) == forward_passes(10, 0) == 10
+    assert forward_passes(None, 4) is None and forward_passes(0, 2) is None
 
 
 # A model that keeps a buffer per input length (as a positional table cached per sequence

@@ -86,6 +86,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     for a bad script or flags."""
     from hpar.strategies.plan.estimates import estimate_all
     from hpar.strategies.common.job import check_job, load_job
+    from hpar.strategies.plan.memory import forward_passes
     from hpar.strategies.profile.profiler import profile_job
     job = load_job(script)
     bs = cfg.batch_size if cfg.batch_size is not None else int(job.defaults.get("batch_size", 32))
@@ -104,7 +105,8 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
         from hpar.strategies.plan.estimates import estimate_pipeline
         estimates["pipeline"] = estimate_pipeline(profile, cluster, replicas=1)
     reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, cfg.gpus)
-                                         or does_not_fit(n, profile, estimates, cluster, cfg.steps))}
+                                         or does_not_fit(n, profile, estimates, cluster, forward_passes(
+                                             cfg.steps, job.defaults.get("accumulate"))))}
     # the planner's plan of each planned strategy, so that its runs execute what was
     # predicted (pipeline: stages and micro-batches, one plan for hpar's and torch's schedules
     # alike; hybrid/ps: placement and partitions) rather than each run re-profiling

@@ -155,6 +155,7 @@ def profile(script, as_json, plan_out, **given):
                                                                              "precision"))
     worker_memory, server_memory, staleness, cache_rows = (given[k] for k in ("worker_memory", "server_memory",
                                                                                "staleness", "cache_rows"))
+    from hpar.strategies.plan.memory import forward_passes
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.device import profile_device
     from hpar.strategies.profile.profiler import profile_job
@@ -182,7 +183,7 @@ def profile(script, as_json, plan_out, **given):
             steps = job.defaults.get("steps")   # the run's length as the script sets it: its workers' growth
             plan = choose_plan(prof, cluster,
                                cache=CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None,
-                               forwards=int(steps) * int(job.defaults.get("accumulate") or 1) if steps else None)
+                               forwards=forward_passes(steps, job.defaults.get("accumulate")))
         except JobError as exc:
             _fail(str(exc), exc.user_traceback)
         except (ValueError, RuntimeError) as exc:

@@ -187,11 +187,12 @@ def resolve(console: Console, flags: Flags):
         staleness, cache_rows = pick(staleness, "staleness"), pick(cache_rows, "cache_rows")
         check_cache_flags(cache_rows, staleness)   # HPAR's keys too
         from hpar.strategies.hybrid.cache import CacheConfig
+        from hpar.strategies.plan.memory import forward_passes
         resolved = dataclasses.replace(p, strategy=strategy, servers=servers,
                                        pipeline_replicas=planner_replicas(pipeline_replicas, schedule))
         strategy, plan, profile = plan_for(console, job, resolved, bs, hosts, gpus, (loop_flags or {}).get("precision"),
                                            capacity, CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None,
-                                           pick(steps, "steps") * (pick(loop_flags.get("accumulate"), "accumulate") or 1))
+                                           forward_passes(pick(steps, "steps"), pick(loop_flags.get("accumulate"), "accumulate")))
         replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
         if strategy == "pipeline":
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan", traced_on)

@@ -51,7 +51,7 @@ def predict_run(cfg, job, model, profile=None) -> dict | None:
     import torch
     from hpar.strategies.models.layers import is_declared_sequence
     from hpar.strategies.plan.cluster import make_cluster
-    from hpar.strategies.plan.memory import predict
+    from hpar.strategies.plan.memory import forward_passes, predict
     from hpar.strategies.profile.quick import memory_only_profile
     if profile is None:
         if cfg.strategy == "pipeline" and not is_declared_sequence(model):
@@ -60,7 +60,7 @@ def predict_run(cfg, job, model, profile=None) -> dict | None:
         profile = memory_only_profile(job, model, cfg.batch_size, cfg.world_size, on, cfg.precision)
     cluster = make_cluster(None, cfg.world_size, max(cfg.servers, 1), 1e9, 0.0)
     return predict(profile, cluster, run_estimate(cfg, model, profile), cfg.schedule,
-                   cfg.steps * (cfg.accumulate or 1)).to_dict(None)
+                   forward_passes(cfg.steps, cfg.accumulate)).to_dict(None)
 
 
 def check(memory: dict, capacity: Capacity, strategy: str, force: bool, say) -> None:

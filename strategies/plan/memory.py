@@ -295,6 +295,13 @@ def _ratio(profile: Profile) -> float:
     return profile.memory.optimizer_state_ratio if profile.memory else 1.0
 
 
+def forward_passes(steps: int | None, accumulate: int | None) -> int | None:
+    """The forward passes each worker runs over ``steps`` optimizer steps of ``accumulate``
+    micro-steps each (None or 0: 1), the ``forwards`` of :func:`growth`; None when
+    ``steps`` is unknown (None or 0)."""
+    return int(steps) * int(accumulate or 1) if steps else None
+
+
 def growth(m: MemoryProfile, forwards: int) -> float:
     """Bytes a worker keeps over ``forwards`` forward passes on new batches beyond its first
     (module docstring: ``growth``). Profiles without a census: the growth per profiled step

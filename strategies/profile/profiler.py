@@ -210,8 +210,8 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         traced = is_seq and isinstance(layers[0][1], TracedStage)
         run = (lambda x: _compose(layers, x)) if traced else (lambda x: call_model(model, x))
         timer = LayerTimer(layers, [m for _, m in embs], clock)
-        fwd, bwd, lay_f, lay_b, grad_rows, unused, new_shapes = [], [], [], [], {}, set(), 0
-        with timer, ShapeCensus(model) as census:   # shapes met: what growth is per (profile/shapes.py)
+        fwd, bwd, lay_f, lay_b, grad_rows, unused = [], [], [], [], {}, set()
+        with timer:
             for i, (inputs, targets) in enumerate(timed):
                 model.zero_grad(set_to_none=True)
                 timer.reset()
@@ -222,7 +222,6 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                 loss.backward()
                 t2 = clock.mark()
                 unused |= missing_gradients(model)
-                new_shapes += census.record() and i >= warmup
                 if i == warmup - 1:
                     growth = mem_probe.Growth(model, dev)   # what the timed steps keep (profile/memory.py)
                 if i < warmup:
@@ -235,7 +234,15 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                     if p.grad is not None and p.dim() >= 2 and not p.grad.is_sparse:
                         grad_rows.setdefault(name, []).append(rows_touched(p.grad))
             calls_once = timer.embedding_calls_once()
-            grown = (growth.bytes(), repeats, new_shapes) if warmup else (0, 0, 0)
+            grown = growth.bytes() if warmup else 0
+        # the shapes the timed steps met, counted in passes of their own after them: a census's
+        # hooks on every module would add microseconds a module to the measured compute
+        new_shapes = 0
+        with ShapeCensus(model) as census, torch.no_grad():
+            for i, (inputs, targets) in enumerate(timed):
+                _cast_loss(job, cast, run, inputs, targets)
+                new_shapes += census.record() and i >= warmup
+        grown = (grown, repeats, new_shapes) if warmup else (0, 0, 0)
         with ShapeCensus(model) as met:   # the shapes a worker meets at the run's batch (profile/shapes.py);
             whole = lambda x: call_model(model, x)   # the model itself: a traced graph keeps the timing batch's shapes
             draw(met, lambda b: _cast_loss(job, cast, whole, *b), on_dev.batches(0, workers, batch_size))
