@@ -23,7 +23,6 @@ import tempfile
 
 import torch
 
-from hpar.strategies.runstate import state
 from hpar.strategies.runstate.checkpoint import atomic_save
 
 FORMATS = ("torch", "safetensors", "hf")
@@ -32,6 +31,7 @@ FORMATS = ("torch", "safetensors", "hf")
 def trained_state(run_dir: str) -> dict[str, torch.Tensor]:
     """The trained model's state dict (the user's parameter names) from ``RUN_DIR/model``.
     Raises ValueError naming the directory when the run left none."""
+    from hpar.strategies.runstate import state   # torch.distributed.checkpoint: 1 s to import, only here
     path = os.path.join(run_dir, state.FINAL)
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise ValueError(f"{run_dir}: no trained model there ({path} is missing); export a run that finished")
