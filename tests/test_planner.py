@@ -230,3 +230,20 @@ def test_weight_tied_across_stages_withdraws_the_asynchronous_pipeline():
     pipe = next(c for c in plan.candidates if c.strategy == "pipeline")
     assert plan.strategy != "pipeline" and not pipe.available
     assert "parameter '0.weight' is shared by stages 0, 3" in pipe.note and "1f1b" in pipe.note, pipe.note
+
+
+def test_the_update_costs_a_profiled_time_per_parameter_tensor():
+    """Profile.update_s_per_tensor adds tensors x that time to each strategy's optimizer step:
+    allreduce steps every tensor, a pipeline stage its own, the busiest stage's counting."""
+    params = [ParamProfile(f"l{i}.weight", (100, 100), 40_000, False, 1.0, 1.0, False, layer=i // 2) for i in range(8)]
+    layers = [LayerProfile(f"l{i}", .01, .02, 10**6, 4_000, 80_000) for i in range(4)]
+    base = make_profile(params, layers, 0.04, 0.08, sequential=True)
+    per = dataclasses.replace(base, update_s_per_tensor=1e-3)
+    cluster = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0)
+    from hpar.strategies.plan.estimates import estimate_all
+    before = {e.strategy: e for e in estimate_all(base, cluster)}
+    after = {e.strategy: e for e in estimate_all(per, cluster)}
+    assert after["allreduce"].step_s - before["allreduce"].step_s == pytest.approx(8e-3)
+    assert after["fsdp"].step_s - before["fsdp"].step_s == pytest.approx(8e-3)   # every tensor, sharded
+    assert after["pipeline"].stages == before["pipeline"].stages == ((0, 2), (2, 4))
+    assert after["pipeline"].step_s - before["pipeline"].step_s == pytest.approx(4e-3)   # a stage's 4 tensors

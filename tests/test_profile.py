@@ -207,6 +207,23 @@ def _sleeping_job(tmp_path, seconds: str):
     return load_job(str(path))
 
 
+def test_per_tensor_probe_times_the_optimizers_step_per_parameter_tensor(tmp_path, sleep_clock):
+    """An optimizer whose step sleeps 1 ms per parameter tensor costs exactly 1 ms a tensor
+    (the fake clock moves only with the sleeps); SGD's step costs a little per tensor."""
+    from hpar.strategies.profile.update import per_tensor_update_cost
+    sleepy = tmp_path / "sleepy.py"
+    sleepy.write_text(SCRIPT.replace("import torch\n", "import time\nimport torch\n", 1) + """
+class Sleepy(torch.optim.SGD):
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                time.sleep(1e-3)
+def optimizer(params):
+    return Sleepy(params, lr=0.1)
+""")
+    assert per_tensor_update_cost(load_job(str(sleepy))) == pytest.approx(1e-3)
+
+
 def test_timing_batch_stays_full_when_a_fixed_cost_dominates_a_small_batch(tmp_path, sleep_clock):
     """A step of 0.1 s whatever the batch (a sampled softmax's negatives, say) fits the 0.5 s
     budget at full batch; scaling a batch-1 step by 32 would have called it 3.2 s."""

@@ -121,6 +121,12 @@ class CostSetting:
     data: float = 0.0   # seconds a worker draws its batch per step (Profile.data_s, times the host's load)
     sparse_round: float | None = None   # seconds of one sparse gradient's exchange, bytes aside (ClusterSpec.sparse_round_s)
     gradient_exchange: float | None = None   # seconds of this job's whole allreduce-sparse exchange, measured (ClusterSpec.gradient_exchange_s)
+    update_per_tensor: float = 0.0   # worker update per parameter tensor stepped (Profile.update_s_per_tensor)
+
+    def update(self, nbytes: float, tensors: int) -> float:
+        """Seconds of a worker's optimizer step over ``tensors`` parameter tensors of
+        ``nbytes`` bytes in all: a rate per byte and a cost per tensor, both profiled."""
+        return nbytes * self.update_per_byte + tensors * self.update_per_tensor
 
     def under_backward(self, comm: float) -> float:
         """Seconds of backward plus the communication that runs during it."""
@@ -164,7 +170,8 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
                        cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
                        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
                        p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request,
-                       k * profile.data_s, cluster.sparse_round_s, cluster.gradient_exchange_s)
+                       k * profile.data_s, cluster.sparse_round_s, cluster.gradient_exchange_s,
+                       k * profile.update_s_per_tensor)
 
 
 def split_tail(params, first_layer: int = 0):
@@ -181,7 +188,7 @@ def estimate_allreduce(profile: Profile, cluster: ClusterSpec) -> Estimate:
     ar_over = ring_allreduce_s(sum(p.bytes for p in over), c.n, c.bw, c.lat)
     ar_tail = ring_allreduce_s(sum(p.bytes for p in tail), c.n, c.bw, c.lat)
     emb = sum(p.bytes for p in profile.params if p.embedding_module)
-    update = profile.total_bytes * c.update_per_byte + emb * c.update_per_byte
+    update = c.update(profile.total_bytes, len(profile.params)) + emb * c.update_per_byte
     step = c.data + c.fwd + c.under_backward(ar_over) + ar_tail + update
     sent = 2 * (c.n - 1) / c.n * profile.total_bytes if c.n > 1 else 0.0
     return Estimate("allreduce", step, c.n * profile.samples_per_batch, sent,
@@ -233,7 +240,7 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     else:
         merge = gathered * c.update_per_byte
         sparse_update = sum(p.union_for(c.n) * p.bytes for p in sparse) * c.update_per_byte
-    update = sum(p.bytes for p in dense) * c.update_per_byte + sparse_update
+    update = c.update(sum(p.bytes for p in dense), len(profile.params)) + sparse_update
     step = c.data + c.fwd + c.under_backward(over) + tail + merge + update
     sent = (2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0) + \
         sum((c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse)

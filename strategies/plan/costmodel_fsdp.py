@@ -47,7 +47,7 @@ def estimate_fsdp(profile: Profile, cluster: ClusterSpec) -> Estimate:
                                                                                     rounds=units)
     first = gather * (profile.layers[0].param_bytes / total if profile.layers and total else 1.0)
     forward = max(c.fwd, gather - first) if c.overlap else c.fwd + gather - first
-    update = total / n * c.update_per_byte
+    update = c.update(total / n, len(profile.params))   # every tensor, sharded
     step = c.data + first + forward + c.under_backward(gather + scatter) + update
     return Estimate("fsdp", step, n * profile.samples_per_batch, fsdp_bytes(total, n, gloo),
                     {"data": c.data, "forward": c.fwd, "backward": c.bwd, "allgather": 2 * gather,

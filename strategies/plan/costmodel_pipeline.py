@@ -102,14 +102,16 @@ def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batc
     period = max(s + 2 * c.lat for s in plan.stage_s)
     stage_bytes = [float(sum(l.param_bytes for l in layers[a:b])) for a, b in plan.ranges]
     reduce = allreduce_seconds(cluster, grid, stage_bytes)
-    tail = max(ar + nbytes * c.update_per_byte for ar, nbytes in zip(reduce, stage_bytes))
+    tensors = [sum(1 for p in profile.params if a <= p.layer < b) for a, b in plan.ranges]
+    updates = [c.update(nbytes, count) for nbytes, count in zip(stage_bytes, tensors)]
+    tail = max(ar + u for ar, u in zip(reduce, updates))
     step = c.data + (m + K - 1) * period + tail   # the first stage draws the batch
     acts = sum(m * ((layers[b - 1].activation_bytes // m if b < len(layers) else 0)
                     + (layers[a - 1].activation_bytes // m if a > 0 else 0)) for a, b in plan.ranges) / K
     reduced = sum(2 * (R - 1) / R * nbytes for nbytes in stage_bytes) / K
     return Estimate("pipeline", step, R * profile.samples_per_batch, acts + reduced,
                     {"data": c.data, "period": period, "bubble": (K - 1) / (m + K - 1),
-                     "update": max(stage_bytes) * c.update_per_byte,
+                     "update": max(updates),
                      "allreduce": max(reduce), "stages": K, "replicas": R},
                     placement={p.name: "allreduce" for p in profile.params},
                     stages=tuple(tuple(r) for r in plan.ranges), micro_batches=m, replicas=R, layout=grid.layout)

@@ -201,7 +201,7 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: 
     push_over, push_tail = sum(t.push for t in over), sum(t.push for t in tail)
     server_over, server_tail = sum(t.server for t in over), sum(t.server for t in tail)
     # (an embedding on AllReduce also writes its dense gradient, as in estimate_allreduce)
-    dense_update = sum(p.bytes * (2 if p.embedding_module else 1) for p in on_ar) * c.update_per_byte
+    dense_update = c.update(sum(p.bytes * (2 if p.embedding_module else 1) for p in on_ar), len(on_ar))
     pull = sum(t.pull for t in terms)
     busy = server_busy(terms, c)
     # a worker's requests per step: pulls and pushes, and a DONE to every server

@@ -43,7 +43,9 @@ What is measured and how:
   probe of the model's size and on a sparse gradient shaped like the largest embedding's
   gathered pushes (``strategies/profile/update.py``); the latter is None without an
   embedding or when the optimizer takes no sparse gradients (``sparse_gradients_ok`` False:
-  ``allreduce-sparse`` makes them dense before its step). ``server_optimizer_note`` says
+  ``allreduce-sparse`` makes them dense before its step); ``update_s_per_tensor``: its step's
+  cost per parameter tensor beside the bytes (torch's CPU optimizers loop over the tensors in
+  Python). ``server_optimizer_note`` says
   why the parameter servers cannot apply the optimizer ("" where they can).
 
 Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
@@ -90,7 +92,8 @@ from hpar.strategies.profile.shapes import ShapeCensus, draw
 from hpar.strategies.profile import memory as mem_probe
 from hpar.strategies.profile.sparsity import embedding_sparsity
 from hpar.strategies.profile.unused import missing_gradients
-from hpar.strategies.profile.update import dense_update_cost, server_optimizer_problem, sparse_update_cost
+from hpar.strategies.profile.update import (dense_update_cost, per_tensor_update_cost, server_optimizer_problem,
+                                          sparse_update_cost)
 from torch import nn
 
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
@@ -262,6 +265,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         data_s = data_seconds(on_dev, batch_size, workers)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         update = dense_update_cost(job, model_bytes, device=dev)
+        per_tensor = per_tensor_update_cost(job, device=dev)
         host_update = dense_update_cost(job, model_bytes) if dev.type != "cpu" else None
         sparse_update, sparse_ok = None, True
         if embs:
@@ -319,7 +323,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    workers=workers, is_sequential=is_seq, sequential_reason=reason,
                    compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
-                   update_s_per_byte=update, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
+                   update_s_per_byte=update, update_s_per_tensor=per_tensor, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
                    unused_params=tuple(sorted(unused)), server_optimizer_note=server_note, traced=traced,

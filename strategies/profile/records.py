@@ -126,7 +126,8 @@ class Profile:
     ``samples_per_batch`` = leading dimension of one batch's inputs; ``workers`` = N the
     sparsity was measured for; ``fixed_share`` the part of ``compute_s`` that a smaller
     batch does not shrink (``hooks.fixed_share``); ``data_s`` the seconds a worker takes to
-    draw one batch from ``data()`` and move it to the device."""
+    draw one batch from ``data()`` and move it to the device; ``update_s_per_tensor`` the
+    optimizer's seconds per parameter tensor beside its bytes (``update.per_tensor_update_cost``)."""
 
     params: tuple[ParamProfile, ...]
     layers: tuple[LayerProfile, ...]
@@ -154,6 +155,7 @@ class Profile:
     traced: bool = False   # the layers come from torch's tracer (strategies/models/traced.py), not a declared sequence
     shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (parameter, the layers holding it): tied weights
     memory: MemoryProfile | None = None   # measured memory terms (profile/memory.py); None: not measured
+    update_s_per_tensor: float = 0.0   # the optimizer's step per parameter tensor (0: not measured)
 
     @property
     def total_bytes(self) -> int:
