@@ -174,6 +174,10 @@ def test_hybrid_with_nothing_on_its_servers_never_wins_and_near_ties_go_simpler(
     est = lambda name, step: Estimate(name, step, 32, 0.0)
     assert planner._fastest_simplest([est("pipeline", 0.098), est("allreduce", 0.1)]).strategy == "allreduce"
     assert planner._fastest_simplest([est("pipeline", 0.05), est("allreduce", 0.1)]).strategy == "pipeline"
+    # the reason of a tie says why the slower prediction was taken
+    why = planner._why(est("allreduce", 0.1), cnn_profile(), ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1,
+                       bandwidth_Bps=1.25e9, latency_s=0.0), est("pipeline", 0.098))
+    assert "0.98x the predicted samples/s of pipeline (within 5% of it, and the simpler plan)" in why
 
 
 def test_allreduce_reason_says_why_on_one_worker_and_on_an_embedding_model():
@@ -247,3 +251,4 @@ def test_the_update_costs_a_profiled_time_per_parameter_tensor():
     assert after["fsdp"].step_s - before["fsdp"].step_s == pytest.approx(8e-3)   # every tensor, sharded
     assert after["pipeline"].stages == before["pipeline"].stages == ((0, 2), (2, 4))
     assert after["pipeline"].step_s - before["pipeline"].step_s == pytest.approx(4e-3)   # a stage's 4 tensors
+    assert after["ps"].breakdown["server_update"] - before["ps"].breakdown["server_update"] == pytest.approx(8e-3)

@@ -122,6 +122,7 @@ class CostSetting:
     sparse_round: float | None = None   # seconds of one sparse gradient's exchange, bytes aside (ClusterSpec.sparse_round_s)
     gradient_exchange: float | None = None   # seconds of this job's whole allreduce-sparse exchange, measured (ClusterSpec.gradient_exchange_s)
     update_per_tensor: float = 0.0   # worker update per parameter tensor stepped (Profile.update_s_per_tensor)
+    server_per_tensor: float = 0.0   # server (CPU) update per tensor slice it steps
 
     def update(self, nbytes: float, tensors: int) -> float:
         """Seconds of a worker's optimizer step over ``tensors`` parameter tensors of
@@ -171,7 +172,9 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
                        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
                        p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request,
                        k * profile.data_s, cluster.sparse_round_s, cluster.gradient_exchange_s,
-                       k * profile.update_s_per_tensor)
+                       k * profile.update_s_per_tensor,
+                       k * (profile.host_update_s_per_tensor if profile.host_update_s_per_tensor is not None
+                            else profile.update_s_per_tensor))
 
 
 def split_tail(params, first_layer: int = 0):

@@ -133,7 +133,9 @@ def on_ps(p: ParamProfile, c: CostSetting, hybrid: bool, shares: tuple[float, fl
     touched = (p.union_for(c.n) * p.bytes * pushed) if p.sparse else p.bytes
     holders = min(c.s, parts if p.sparse else c.s, p.rows)   # servers with rows of p (RowLayout)
     aggregated = hybrid and p.sparse and c.h > 1 and c.g > 1
-    return OnPS(p, parts if p.sparse else None, t_pull, t_push, (n_push + touched) * c.server_per_byte / c.s,
+    # every server holding a slice of p steps it: a cost per tensor besides the bytes
+    server = ((n_push + touched) * c.server_per_byte + holders * c.server_per_tensor) / c.s
+    return OnPS(p, parts if p.sparse else None, t_pull, t_push, server,
                 (c.n * pull_w + n_push) / c.s, push_h / c.g, holders * (1 + (1 / c.g if aggregated else 1)))
 
 

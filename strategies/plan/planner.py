@@ -109,6 +109,8 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
     share = sum(p.bytes for p in sparse) / max(profile.total_bytes, 1)
     vs = (f", {best.samples_per_s / runner_up.samples_per_s:.2f}x the predicted samples/s of "
           f"{runner_up.strategy}") if runner_up and runner_up.samples_per_s > 0 else ""
+    if vs and best.samples_per_s < runner_up.samples_per_s:   # _fastest_simplest's tie rule
+        vs += f" (within {TIE:.0%} of it, and the simpler plan)"
     if best.strategy == "hybrid":
         a = max(p.alpha for p in sparse) if sparse else 0
         return (f"hybrid: embedding tables hold {share:.0%} of the parameter bytes and a batch touches "

@@ -266,6 +266,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         update = dense_update_cost(job, model_bytes, device=dev)
         per_tensor = per_tensor_update_cost(job, device=dev)
+        host_per_tensor = per_tensor_update_cost(job) if dev.type != "cpu" else None
         host_update = dense_update_cost(job, model_bytes) if dev.type != "cpu" else None
         sparse_update, sparse_ok = None, True
         if embs:
@@ -323,7 +324,8 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    workers=workers, is_sequential=is_seq, sequential_reason=reason,
                    compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
-                   update_s_per_byte=update, update_s_per_tensor=per_tensor, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
+                   update_s_per_byte=update, update_s_per_tensor=per_tensor,
+                   host_update_s_per_tensor=host_per_tensor, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
                    unused_params=tuple(sorted(unused)), server_optimizer_note=server_note, traced=traced,

@@ -156,6 +156,7 @@ class Profile:
     shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (parameter, the layers holding it): tied weights
     memory: MemoryProfile | None = None   # measured memory terms (profile/memory.py); None: not measured
     update_s_per_tensor: float = 0.0   # the optimizer's step per parameter tensor (0: not measured)
+    host_update_s_per_tensor: float | None = None   # the same on one CPU thread (servers; None: measured there already)
 
     @property
     def total_bytes(self) -> int:
