@@ -231,6 +231,7 @@ def test_a_slow_data_pipeline_and_the_served_tables_dedup_are_in_every_predictio
     assert res.returncode == 0, res.stderr
     d = json.loads(out.read_text())
     assert 0.009 < d["profile"]["data_s"] < 0.1
+    assert 0 < d["profile"]["update_s_per_tensor"] < 1e-3   # the optimizer's step per parameter tensor
     emb = next(p for p in d["parameters"] if p["name"] == "emb.weight")
     assert emb["dedup_s"] > 0
     for c in d["candidates"]:
