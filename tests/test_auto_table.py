@@ -30,3 +30,16 @@ def test_a_strategy_run_as_another_and_failures_are_judged_by_what_ran():
     assert ran["ran"] == "hybrid" and ran["pass"] and ran["fastest"] == "fsdp" and ran["model_ranks_fastest"]
     assert not verdict({"error": "bench exit 1"}, {"strategy": "hybrid"})["pass"]
     assert not verdict(rows, {"error": "run exit 2"})["pass"]
+
+
+def test_a_row_run_as_another_strategy_is_never_the_fastest_nor_in_the_models_error():
+    """examples/cnn.py on 4 workers (2026-11-28): allreduce-sparse and hybrid have nothing to do
+    differently and run as allreduce, so their rounds are allreduce's measured again; auto's
+    allreduce is judged against the strategies that ran as themselves."""
+    rows = {"allreduce": _row(5097, 5097, 5449, 12221, name="allreduce"),
+            "allreduce-sparse": _row(5887, 5887, 7075, 11584, name="allreduce-sparse", ran_as="allreduce"),
+            "ps": _row(3236, 3236, 3261, 3669, name="ps")}
+    got = verdict(rows, {"strategy": "allreduce"})
+    assert got["pass"] and got["fastest"] == "allreduce" and got["ran"] == "allreduce" and got["ratio"] == 1.0
+    assert got["model_error"] == pytest.approx(((12221 / 5097 - 1) + (3669 / 3236 - 1)) / 2)
+    assert got["model_ranks_fastest"]

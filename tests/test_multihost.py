@@ -77,6 +77,7 @@ BAD = [
     ("gpus beyond slots", "node1:2\nnode2:2\n", ["--gpus", "5"], "exceed the 4 slots"),
     ("unknown host", "no-such-host.invalid:2\n", ["--gpus", "2"], "does not resolve"),
     ("inline empty item", None, ["--hosts", "a:2,,b", "--gpus", "1"], "empty item"),
+    ("emulated hosts", None, ["--hosts", "emulate:2", "--gpus", "2"], "hpar run needs real hosts: start test hosts"),
     ("inline hostile", None, ["--hosts", "a:2,$(touch PWNED)", "--gpus", "1"], "invalid host name"),
     ("inline newline", None, ["--hosts", "a\nb", "--gpus", "1"], "control character"),
     ("missing host file", None, ["--hosts", "/nonexistent/hosts.txt", "--gpus", "1"], "not found"),

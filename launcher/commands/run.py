@@ -130,6 +130,11 @@ def resolve(console: Console, flags: Flags):
     if staleness is not None and strategy not in ("auto", "hybrid", "ps"):
         raise ValueError(f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
                          f"hybrid, ps or auto, not {strategy}; drop it")
+    from hpar.launcher.bench.emulate import parse_emulate
+    if hosts and parse_emulate(hosts):
+        raise ValueError(f"--hosts {hosts}: emulated hosts are built and torn down by hpar bench and priced by hpar "
+                         "profile; hpar run needs real hosts: start test hosts on this machine (python "
+                         "scripts/testhosts.py up H, as root) and pass the host file it writes")
     if gpus is not None and gpus < 1:   # also before a resume looks at the run (a finished one included)
         raise ValueError(f"--gpus must be at least 1, got {gpus}")
     capacity = from_flags(p.worker_memory, p.server_memory)
