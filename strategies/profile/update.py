@@ -10,8 +10,8 @@ or a GPU, timed with a synchronize around each step):
 * ``per_tensor_update_cost``: seconds one ``opt.step()`` spends per parameter tensor beside
   its bytes: torch's CPU optimizers loop over the tensors in Python (``foreach`` is the default
   on CUDA only), so a model of many small tensors steps far slower than a flat probe of its
-  bytes says (here, one thread: SGD about 2 us a tensor, SGD with momentum 6, Adam 20-25,
-  AdamW 25-50, Adagrad 28; a 74-tensor BERT under AdamW, 2-4 ms a step).
+  bytes says (here, one thread, idle: SGD 1.7 us a tensor, SGD with momentum 6.0, Adam 21.6,
+  AdamW 25.2, Adagrad 12.1; a 74-tensor BERT under AdamW, about 1.9 ms a step).
 * ``sparse_update_cost``: seconds per byte of gathered gradient rows of one ``opt.step()`` on
   a row-sparse gradient (``torch.sparse_coo_tensor``), shaped as DDP with ``sparse=True``
   embeddings hands it over: N workers' (ids, rows) concatenated, uncoalesced, so the
