@@ -72,7 +72,11 @@ def test_launch_failure_is_reported_and_max_restarts_starts_again(tmp_path, reap
     out = launch("--gpus", "2", "--plain", "--max-restarts", "1", "--run-dir", str(run_dir), script, "--fail-first",
                  log=str(tmp_path / "b.txt"))
     assert out.returncode == 0, out.stdout[-3000:]
-    assert "rank 1 on localhost failed: exit code 1" in out.stdout, out.stdout[-3000:]
+    # the script's own process exits 1 with its traceback, or, now and then, gloo's threads abort
+    # its interpreter's shutdown after the traceback ("terminate called without an active
+    # exception"): hpar reports what the process ended with, rank and host named either way
+    assert ("rank 1 on localhost failed: exit code 1" in out.stdout
+            or "rank 1 on localhost failed: killed by SIGABRT" in out.stdout), out.stdout[-3000:]
     assert "RuntimeError: rank 1 fails on purpose" in out.stdout  # their traceback, in the failure report
     assert "hpar: restart 1/1" in out.stdout and "[localhost rank 1] rank 1/2 local 1/2 sum 3" in out.stdout
     assert "restart 1 mark" in out.stdout

@@ -157,8 +157,10 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
     if cluster.device is not None:   # a projected device: roofline of its FLOP/s and memory bandwidth
         fwd, bwd = compute_seconds(profile, cluster.device)
         upd = update_seconds_per_byte(cluster.device)
+        per_tensor = 0.0   # a CPU's Python loop over the tensors says nothing of a device's fused (foreach) step
     else:
         fwd, bwd, upd = profile.forward_s, profile.backward_s, profile.update_s_per_byte
+        per_tensor = profile.update_s_per_tensor
     # the sparse update (coalesce: a sort, then sparse kernels) is only ever timed on this CPU;
     # projections to a device keep that rate (an assumption, pessimistic for GPUs; BENCHMARKS.md 4)
     sparse_upd = profile.sparse_update_s_per_byte or profile.update_s_per_byte
@@ -172,7 +174,7 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
                        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
                        p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request,
                        k * profile.data_s, cluster.sparse_round_s, cluster.gradient_exchange_s,
-                       k * profile.update_s_per_tensor,
+                       k * per_tensor,
                        k * (profile.host_update_s_per_tensor if profile.host_update_s_per_tensor is not None
                             else profile.update_s_per_tensor))
 
