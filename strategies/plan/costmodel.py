@@ -8,10 +8,12 @@ Messages cost lat + B/bw (Hockney's alpha-beta model, Parallel Computing 1994).
 Compute: the profiled seconds (on the device the profile measured on), or, when the cluster
 gives a device (``--device-tflops``, ``--device-mem-gbps``), each layer's roofline time
 max(FLOPs / FLOP/s, bytes moved / memory bytes/s) (strategies/plan/roofline.py: memory-bound
-layers are no longer free). An optimizer update of B parameter bytes costs
-``B * profile.update_s_per_byte`` as profiled (parameter servers: the profile's host figure,
+layers are no longer free). An optimizer update of B parameter bytes in T tensors costs
+``B * profile.update_s_per_byte + T * profile.update_s_per_tensor`` as profiled (torch's CPU
+optimizers loop over the tensors in Python; parameter servers: the profile's host figures,
 they are CPU processes as in Parallax); on a projected device it is memory bound, 3 bytes
-moved per parameter byte (read weight and gradient, write weight) at its memory bandwidth.
+moved per parameter byte (read weight and gradient, write weight) at its memory bandwidth,
+and no cost per tensor (a device's optimizers step the tensors fused, ``foreach``).
 
 Overlap (wait-free backpropagation: Zhang et al., "Poseidon", USENIX ATC 2017; Li et al.,
 "PyTorch Distributed", VLDB 2020): a gradient is sent as soon as backward produced it, so
