@@ -237,7 +237,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                     if p.grad is not None and p.dim() >= 2 and not p.grad.is_sparse:
                         grad_rows.setdefault(name, []).append(rows_touched(p.grad))
             calls_once = timer.embedding_calls_once()
-            grown = growth.bytes() if warmup else 0
+            kept = growth.bytes() if warmup else 0
         # the shapes the timed steps met, counted in passes of their own after them: a census's
         # hooks on every module would add microseconds a module to the measured compute
         new_shapes = 0
@@ -245,7 +245,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             for i, (inputs, targets) in enumerate(timed):
                 _cast_loss(job, cast, run, inputs, targets)
                 new_shapes += census.record() and i >= warmup
-        grown = (grown, repeats, new_shapes) if warmup else (0, 0, 0)
+        grown = (kept, repeats, new_shapes) if warmup else (0, 0, 0)
         with ShapeCensus(model) as met:   # the shapes a worker meets at the run's batch (profile/shapes.py);
             whole = lambda x: call_model(model, x)   # the model itself: a traced graph keeps the timing batch's shapes
             draw(met, lambda b: _cast_loss(job, cast, whole, *b), on_dev.batches(0, workers, batch_size))
