@@ -313,6 +313,30 @@ def test_single_host_collectives_use_the_measured_allreduce_bandwidth_and_ps_tra
     assert h.breakdown["pull"] == pytest.approx(2 * 500 * 408 / 1e9)
 
 
+def test_measured_collective_times_replace_the_latencies_on_one_host_only():
+    """ClusterSpec.allreduce_fixed_s (and its AllGather and ReduceScatter peers, measured among
+    this host's workers by strategies/plan/probe_collectives.py) is each DDP bucket's fixed time
+    and each FSDP unit's collectives'; a cluster of several hosts keeps the N - 1 latencies."""
+    import dataclasses
+    from hpar.strategies.plan.costmodel import estimate_allreduce
+    from hpar.strategies.plan.costmodel_fsdp import estimate_fsdp
+    assert ring_allreduce_s(100e6, 4, 1e9, 1e-4, fixed_s=0.01) == pytest.approx(4 * 0.01 + 1.5 * 0.1)
+    lin = ParamProfile("lin", (1000, 1000), 4_000_000, False, 1.0, 1.0, False, layer=1)
+    head = ParamProfile("head", (1000, 10), 40_000, False, 1.0, 1.0, False, layer=2)
+    prof = Profile((lin, head), (LayerProfile("lin", 0, 0, 1, 1, lin.bytes), LayerProfile("head", 0, 0, 1, 1, head.bytes)),
+                   8, 8, 2, False, "cpu", 0.0, 0.0, 0.0, 1, 1, 0.0, 8)
+    one = ClusterSpec(1, (2,), 1, 1e9, 0.0, allreduce_Bps=2e8)
+    fixed = dataclasses.replace(one, allreduce_fixed_s=0.002, allgather_fixed_s=0.001, reduce_scatter_fixed_s=0.003)
+    # one bucket (layers 1 and 2, under backward; layer 0 has no parameter here): 2 ms more
+    assert estimate_allreduce(prof, fixed).step_s == pytest.approx(estimate_allreduce(prof, one).step_s + 0.002)
+    # FSDP, 2 units: two AllGathers and a ReduceScatter each per step, no latency before
+    extra = estimate_fsdp(prof, fixed).step_s - estimate_fsdp(prof, one).step_s
+    assert extra == pytest.approx(2 * (2 * 0.001 + 0.003))
+    two = ClusterSpec(2, (1, 1), 1, 1e9, 0.0)
+    assert estimate_allreduce(prof, dataclasses.replace(two, allreduce_fixed_s=0.5)).step_s == \
+        pytest.approx(estimate_allreduce(prof, two).step_s)
+
+
 def test_hybrid_places_each_embedding_where_it_costs_less():
     from hpar.strategies.plan.costmodel_ps import allreduce_cost, estimate_hybrid, on_ps
     from hpar.strategies.plan.costmodel import cost_setting

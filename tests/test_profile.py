@@ -274,3 +274,34 @@ def test_forward_passes_are_timed_under_the_workers_precision(tmp_path, precisio
     assert seen[:3] == [dtype] * 3, seen[:3]
     with pytest.raises(ValueError, match="--precision"):
         profile_job(job, 8, 1, precision="fp8")
+
+
+def test_fsdp_overhead_is_measured_on_copies_and_skipped_where_it_cannot_be(job, monkeypatch):
+    """profile/fsdp_cost.py: FSDP2's own work per step (hooks, copies, DTensors) on one worker is
+    a positive figure, the user's model object untouched (model() hands out one object here);
+    None inside a process group of the caller's or for a model over MAX_BYTES; the cost model
+    charges it to every fsdp step, times the cores' share."""
+    import dataclasses
+    import torch.distributed as dist
+    from hpar.strategies.common.loop import precision_context
+    from hpar.strategies.plan.cluster import ClusterSpec
+    from hpar.strategies.plan.costmodel_fsdp import estimate_fsdp
+    from hpar.strategies.profile import fsdp_cost
+    user_model = job.build_model()
+    batches = [next(job.batches(0, 1, 4)) for _ in range(6)]
+    cast = precision_context("fp32", "cpu")
+    own = fsdp_cost.fsdp_overhead_s(job, torch.device("cpu"), cast, batches, 1000)
+    assert own is not None and 0 < own < 1.0
+    assert all(type(p) is torch.nn.Parameter for p in user_model.parameters()) and not dist.is_initialized()
+    assert fsdp_cost.fsdp_overhead_s(job, torch.device("cpu"), cast, batches, fsdp_cost.MAX_BYTES + 1) is None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert fsdp_cost.fsdp_overhead_s(job, torch.device("cpu"), cast, batches, 1000) is None
+    finally:
+        dist.destroy_process_group()
+    prof = profile_job(job, batch_size=4, workers=2, repeats=2)
+    assert prof.fsdp_overhead_s is not None and prof.fsdp_overhead_s > 0
+    cluster = ClusterSpec(1, (2,), 1, 1e9, 0.0, cores_per_host=1.0)   # two workers on one core: twice the time
+    base = estimate_fsdp(dataclasses.replace(prof, fsdp_overhead_s=None), cluster)
+    charged = estimate_fsdp(dataclasses.replace(prof, fsdp_overhead_s=0.01), cluster)
+    assert charged.step_s == pytest.approx(base.step_s + 0.02) and charged.breakdown["fsdp_own"] == pytest.approx(0.02)

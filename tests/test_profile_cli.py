@@ -114,6 +114,20 @@ def test_local_cluster_is_probed_for_link_and_allreduce_figures():
     # CPU workers sharing this machine's cores: a parameter-server request's CPU is measured too
     assert c.cores_per_host == (os.cpu_count() or 1) and 1e-6 < c.request_cpu_s < 0.05
     assert build_cluster(2, None, None, "1Gbps", None, 100.0).request_cpu_s is None   # a projected GPU: not charged
+    # gloo's small collectives among the two workers: measured
+    assert all(0 < t < 0.5 for t in (c.allreduce_fixed_s, c.allgather_fixed_s, c.reduce_scatter_fixed_s))
+    assert build_cluster(1, None, None, None, None, None).allreduce_fixed_s is None   # one worker: no collective
+    assert build_cluster(2, None, None, "1Gbps", None, 100.0).allreduce_fixed_s is None   # not this CPU's
+
+
+def test_collective_probe_times_each_kind_over_n_threads_and_refuses_what_it_cannot_measure():
+    from hpar.strategies.plan.probe_collectives import MAX_ENDPOINTS, probe_collectives
+    import threading
+    before = threading.active_count()
+    three = probe_collectives(3, reps=5, warm=1)
+    assert three is not None and all(0 < t < 1.0 for t in three)
+    assert probe_collectives(1) is None and probe_collectives(MAX_ENDPOINTS + 1) is None
+    assert threading.active_count() <= before + 1   # its endpoints' threads have ended
 
 
 def rank0_of_three_threads(probe, limit_s: float) -> float:

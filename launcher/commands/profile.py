@@ -53,7 +53,9 @@ def report(profile, cluster, plan) -> dict:
                         "cores_per_host": cluster.cores_per_host, "allreduce_Bps": cluster.allreduce_Bps,
                         "allgather_Bps": cluster.allgather_Bps, "request_cpu_s": cluster.request_cpu_s,
                         "worker_memory_bytes": cluster.worker_memory_bytes,
-                        "server_memory_bytes": cluster.server_memory_bytes},
+                        "server_memory_bytes": cluster.server_memory_bytes,
+                        "allreduce_fixed_s": cluster.allreduce_fixed_s, "allgather_fixed_s": cluster.allgather_fixed_s,
+                        "reduce_scatter_fixed_s": cluster.reduce_scatter_fixed_s},
             "profile": {"device": profile.device, "batch_size": profile.batch_size, "data_s": profile.data_s,
                         "samples_per_batch": profile.samples_per_batch,
                         "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,
@@ -87,6 +89,8 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
                   _human(l.activation_bytes), _human(l.param_bytes))
     console.print(t)
     link = (f"{_human(cluster.bandwidth_Bps)}/s, {cluster.latency_s * 1e6:.0f} us ({cluster.source})")
+    if cluster.allreduce_fixed_s is not None:   # strategies/plan/probe_collectives.py
+        link += f", a small AllReduce {cluster.allreduce_fixed_s * 1e3:.2f} ms"
     dev = f", compute {plan.compute}"
     t = Table(title=f"Candidates: {cluster.workers} workers on {cluster.hosts} host(s), {cluster.servers} server(s), "
                     f"link {link}{dev}; memory {_capacity(cluster)}")

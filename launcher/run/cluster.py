@@ -86,8 +86,16 @@ def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem
     cores = float(os.cpu_count() or 1) if local and flops is None and on_cpu else None
     # a request's CPU matters where the processes share busy cores: only then is it measured
     request_cpu = probe_requests() if cores is not None else None
-    return make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores,
-                        allreduce_Bps=allreduce_bw, device_mem_Bps=mem, request_cpu_s=request_cpu)
+    cluster = make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores,
+                           allreduce_Bps=allreduce_bw, device_mem_Bps=mem, request_cpu_s=request_cpu)
+    # gloo's collectives among this machine's worker processes: their fixed time, measured
+    if cores is not None and cluster.hosts == 1 and cluster.workers > 1:
+        from hpar.strategies.plan.probe_collectives import probe_collectives
+        times = probe_collectives(cluster.workers)
+        if times is not None:
+            cluster = dataclasses.replace(cluster, allreduce_fixed_s=times.allreduce_s,
+                                          allgather_fixed_s=times.allgather_s, reduce_scatter_fixed_s=times.reduce_scatter_s)
+    return cluster
 
 
 def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):

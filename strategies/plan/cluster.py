@@ -57,7 +57,12 @@ class ClusterSpec:
     not measured), ``worker_memory_bytes`` (the memory of one worker's device: a GPU's, or a CPU
     worker's share of its host's RAM; ``--worker-memory``) and ``server_memory_bytes`` (a
     parameter server's share of its host's RAM; ``--server-memory``); None: not known, no plan
-    is refused for memory (strategies/plan/memory.py)."""
+    is refused for memory (strategies/plan/memory.py). ``allreduce_fixed_s``, ``allgather_fixed_s``
+    and ``reduce_scatter_fixed_s``: seconds of one small gloo collective of that kind over the
+    workers of a one-host cluster on this machine's CPU, bytes aside (wake-ups of gloo's threads
+    on shared cores: 0.6-2.5 ms for two processes of a 2-vCPU machine, where the link's latency is
+    0.1 ms), measured by strategies/plan/probe_collectives.py; None: not measured, the cost model
+    charges N - 1 latencies per round."""
 
     hosts: int
     gpus_per_host: tuple[int, ...]
@@ -76,6 +81,9 @@ class ClusterSpec:
     gradient_exchange_s: float | None = None
     worker_memory_bytes: float | None = None
     server_memory_bytes: float | None = None
+    allreduce_fixed_s: float | None = None
+    allgather_fixed_s: float | None = None
+    reduce_scatter_fixed_s: float | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:

@@ -65,14 +65,16 @@ class Estimate:
         return self.samples_per_step / self.step_s if self.feasible and self.step_s > 0 else 0.0
 
 
-def ring_allreduce_s(nbytes: float, n: int, bw: float, lat: float) -> float:
+def ring_allreduce_s(nbytes: float, n: int, bw: float, lat: float, fixed_s: float | None = None) -> float:
     """Seconds of a ring AllReduce of ``nbytes`` over ``n`` workers in DDP buckets:
     buckets * 2(n-1) * lat + 2(n-1)/n * nbytes / bw (Patarasuk & Yuan, JPDC 2009; Thakur,
-    Rabenseifner & Gropp, IJHPCA 2005). 0 for n = 1 or no bytes."""
+    Rabenseifner & Gropp, IJHPCA 2005); ``fixed_s`` (a small AllReduce's measured time,
+    ClusterSpec.allreduce_fixed_s) replaces each bucket's 2(n-1) latencies. 0 for n = 1 or no bytes."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     buckets = max(1, math.ceil(nbytes / BUCKET_BYTES))
-    return buckets * 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+    fixed = 2 * (n - 1) * lat if fixed_s is None else fixed_s
+    return buckets * fixed + 2 * (n - 1) / n * nbytes / bw
 
 
 def ring_allgather_s(nbytes_each: float, n: int, bw: float, lat: float, rounds: int = 2,
@@ -125,6 +127,14 @@ class CostSetting:
     gradient_exchange: float | None = None   # seconds of this job's whole allreduce-sparse exchange, measured (ClusterSpec.gradient_exchange_s)
     update_per_tensor: float = 0.0   # worker update per parameter tensor stepped (Profile.update_s_per_tensor)
     server_per_tensor: float = 0.0   # server (CPU) update per tensor slice it steps
+    allreduce_fixed: float | None = None   # a small AllReduce over the workers, measured (ClusterSpec.allreduce_fixed_s)
+    allgather_fixed: float | None = None   # ... AllGather (ClusterSpec.allgather_fixed_s)
+    reduce_scatter_fixed: float | None = None   # ... ReduceScatter (ClusterSpec.reduce_scatter_fixed_s)
+
+    def allreduce(self, nbytes: float) -> float:
+        """Seconds of DDP's bucketed AllReduce of ``nbytes`` over the n workers
+        (:func:`ring_allreduce_s`, with the measured fixed time per bucket where there is one)."""
+        return ring_allreduce_s(nbytes, self.n, self.bw, self.lat, self.allreduce_fixed)
 
     def update(self, nbytes: float, tensors: int) -> float:
         """Seconds of a worker's optimizer step over ``tensors`` parameter tensors of
@@ -178,7 +188,9 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
                        k * profile.data_s, cluster.sparse_round_s, cluster.gradient_exchange_s,
                        k * per_tensor,
                        k * (profile.host_update_s_per_tensor if profile.host_update_s_per_tensor is not None
-                            else profile.update_s_per_tensor))
+                            else profile.update_s_per_tensor),
+                       *((cluster.allreduce_fixed_s, cluster.allgather_fixed_s, cluster.reduce_scatter_fixed_s)
+                         if cluster.hosts == 1 else (None, None, None)))
 
 
 def split_tail(params, first_layer: int = 0):
@@ -192,8 +204,7 @@ def estimate_allreduce(profile: Profile, cluster: ClusterSpec) -> Estimate:
     + dense gradient materialisation of embedding tables + update of all parameters."""
     c = cost_setting(profile, cluster)
     over, tail = split_tail(profile.params)
-    ar_over = ring_allreduce_s(sum(p.bytes for p in over), c.n, c.bw, c.lat)
-    ar_tail = ring_allreduce_s(sum(p.bytes for p in tail), c.n, c.bw, c.lat)
+    ar_over, ar_tail = c.allreduce(sum(p.bytes for p in over)), c.allreduce(sum(p.bytes for p in tail))
     emb = sum(p.bytes for p in profile.params if p.embedding_module)
     update = c.update(profile.total_bytes, len(profile.params)) + emb * c.update_per_byte
     step = c.data + c.fwd + c.under_backward(ar_over) + ar_tail + update
@@ -237,8 +248,8 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
         # the step's exchanges are in flight together (DDP launches each as its gradient is ready),
         # run by gloo's GLOO_THREADS work threads: their fixed times overlap in waves of that many
         rounds = math.ceil(len(sparse) / GLOO_THREADS) * c.sparse_round if probed else 0.0
-        over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat) + ag(s_over)
-        tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat) + ag(s_tail) + rounds
+        over = c.allreduce(sum(p.bytes for p in d_over)) + ag(s_over)
+        tail = c.allreduce(sum(p.bytes for p in d_tail)) + ag(s_tail) + rounds
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
     if densified:   # strategies/dataparallel/sparse_grads.py: the gathered rows summed into a dense table, stepped whole
         merge, sparse_update = gathered * c.update_per_byte, sum(p.bytes for p in sparse) * c.update_per_byte

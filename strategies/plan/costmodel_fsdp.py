@@ -15,13 +15,17 @@ moves 2(N-1)/N * P, so on CPU workers a step moves 4(N-1)/N * P.
 FSDP prefetches the next unit's AllGather while the current one computes, so communication
 runs under the compute except the first unit's forward AllGather; where the workers fill
 their cores (``CostSetting.overlap`` False) it adds up instead. The optimizer steps 1/N of
-the parameters. What fsdp buys is memory (strategies/plan/memory.py): the planner takes it
+the parameters. FSDP's own work (copies into and out of the collectives' buffers, DTensors,
+hooks per unit) is the profile's ``fsdp_overhead_s``, measured on one worker
+(strategies/profile/fsdp_cost.py), scaled as compute where workers share cores. Where the
+cluster's small collectives were measured (``ClusterSpec.allgather_fixed_s``,
+``reduce_scatter_fixed_s``), each unit's pay that fixed time instead of N - 1 latencies. What fsdp buys is memory (strategies/plan/memory.py): the planner takes it
 where the data-parallel replica does not fit.
 """
 from __future__ import annotations
 
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.costmodel import Estimate, cost_setting, ring_allgather_s, ring_allreduce_s
+from hpar.strategies.plan.costmodel import Estimate, cost_setting, cpu_share, ring_allgather_s, ring_allreduce_s
 from hpar.strategies.profile.records import Profile
 
 
@@ -42,14 +46,24 @@ def estimate_fsdp(profile: Profile, cluster: ClusterSpec) -> Estimate:
     n, total = c.n, float(profile.total_bytes)
     gloo = profile.device == "cpu"
     units = max(1, len(profile.layers))
-    gather = ring_allgather_s(total / n, n, c.bw, c.lat, rounds=units)
-    scatter = ring_allreduce_s(total, n, c.bw, c.lat) if gloo else ring_allgather_s(total / n, n, c.bw, c.lat,
-                                                                                    rounds=units)
+    # per unit one collective of each kind: at its measured fixed time where there is one
+    gather = ring_allgather_s(total / n, n, c.bw, c.lat, rounds=units,
+                              fixed_s=None if c.allgather_fixed is None else units * c.allgather_fixed)
+    if gloo and c.reduce_scatter_fixed is not None:   # an AllReduce's bytes, the measured ReduceScatters' fixed time
+        scatter = ring_allreduce_s(total, n, c.bw, 0.0) + units * c.reduce_scatter_fixed
+    elif gloo:
+        scatter = ring_allreduce_s(total, n, c.bw, c.lat)
+    else:
+        scatter = ring_allgather_s(total / n, n, c.bw, c.lat, rounds=units,
+                                   fixed_s=None if c.reduce_scatter_fixed is None else units * c.reduce_scatter_fixed)
     first = gather * (profile.layers[0].param_bytes / total if profile.layers and total else 1.0)
     forward = max(c.fwd, gather - first) if c.overlap else c.fwd + gather - first
     update = c.update(total / n, len(profile.params))   # every tensor, sharded
-    step = c.data + first + forward + c.under_backward(gather + scatter) + update
+    # FSDP's own copies and hooks, measured on one worker (profile/fsdp_cost.py); a projected device: not known
+    own = cpu_share(cluster) * (profile.fsdp_overhead_s or 0.0) if cluster.device is None else 0.0
+    step = c.data + first + forward + c.under_backward(gather + scatter) + update + own
     return Estimate("fsdp", step, n * profile.samples_per_batch, fsdp_bytes(total, n, gloo),
                     {"data": c.data, "forward": c.fwd, "backward": c.bwd, "allgather": 2 * gather,
-                     "reducescatter": scatter, "comm_tail": first, "update": update},
+                     "reducescatter": scatter, "comm_tail": first, "update": update,
+                     "fsdp_own": own},
                     placement={p.name: "allreduce" for p in profile.params})

@@ -198,8 +198,7 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: 
     tail = [t for t in terms if t.param.layer == 0]
     over = [t for t in terms if t.param.layer != 0]
     d_over, d_tail = split_tail(on_ar)
-    ar_over = ring_allreduce_s(sum(p.bytes for p in d_over), c.n, c.bw, c.lat)
-    ar_tail = ring_allreduce_s(sum(p.bytes for p in d_tail), c.n, c.bw, c.lat)
+    ar_over, ar_tail = c.allreduce(sum(p.bytes for p in d_over)), c.allreduce(sum(p.bytes for p in d_tail))
     push_over, push_tail = sum(t.push for t in over), sum(t.push for t in tail)
     server_over, server_tail = sum(t.server for t in over), sum(t.server for t in tail)
     # (an embedding on AllReduce also writes its dense gradient, as in estimate_allreduce)

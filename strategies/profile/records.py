@@ -127,7 +127,9 @@ class Profile:
     sparsity was measured for; ``fixed_share`` the part of ``compute_s`` that a smaller
     batch does not shrink (``hooks.fixed_share``); ``data_s`` the seconds a worker takes to
     draw one batch from ``data()`` and move it to the device; ``update_s_per_tensor`` the
-    optimizer's seconds per parameter tensor beside its bytes (``update.per_tensor_update_cost``)."""
+    optimizer's seconds per parameter tensor beside its bytes (``update.per_tensor_update_cost``);
+    ``fsdp_overhead_s`` what ``fully_shard`` adds to a step before any byte moves
+    (``fsdp_cost.fsdp_overhead_s``)."""
 
     params: tuple[ParamProfile, ...]
     layers: tuple[LayerProfile, ...]
@@ -157,6 +159,7 @@ class Profile:
     memory: MemoryProfile | None = None   # measured memory terms (profile/memory.py); None: not measured
     update_s_per_tensor: float = 0.0   # the optimizer's step per parameter tensor (0: not measured)
     host_update_s_per_tensor: float | None = None   # the same on one CPU thread (servers; None: measured there already)
+    fsdp_overhead_s: float | None = None   # FSDP2's own work per step, one worker (profile/fsdp_cost.py; None: not measured)
 
     @property
     def total_bytes(self) -> int:
