@@ -115,7 +115,8 @@ def test_local_cluster_is_probed_for_link_and_allreduce_figures():
     assert c.cores_per_host == (os.cpu_count() or 1) and 1e-6 < c.request_cpu_s < 0.05
     assert build_cluster(2, None, None, "1Gbps", None, 100.0).request_cpu_s is None   # a projected GPU: not charged
     # gloo's small collectives among the two workers: measured
-    assert all(0 < t < 0.5 for t in (c.allreduce_fixed_s, c.allgather_fixed_s, c.reduce_scatter_fixed_s))
+    assert all(0 < t < 0.5 for t in (c.allreduce_fixed_s, c.allgather_fixed_s, c.reduce_scatter_fixed_s,
+                                     c.sparse_round_s))
     assert build_cluster(1, None, None, None, None, None).allreduce_fixed_s is None   # one worker: no collective
     assert build_cluster(2, None, None, "1Gbps", None, 100.0).allreduce_fixed_s is None   # not this CPU's
 

@@ -94,7 +94,8 @@ def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem
         times = probe_collectives(cluster.workers)
         if times is not None:
             cluster = dataclasses.replace(cluster, allreduce_fixed_s=times.allreduce_s,
-                                          allgather_fixed_s=times.allgather_s, reduce_scatter_fixed_s=times.reduce_scatter_s)
+                                          allgather_fixed_s=times.allgather_s, reduce_scatter_fixed_s=times.reduce_scatter_s,
+                                          sparse_round_s=times.sparse_round_s)
     return cluster
 
 

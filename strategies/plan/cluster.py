@@ -48,7 +48,8 @@ class ClusterSpec:
     it where processes share busy cores; None: not measured, not charged), ``sparse_round_s``
     (seconds of one sparse gradient's exchange over all the workers, bytes aside: gloo's sparse
     AllReduce of a one-row gradient, measured over the emulated hosts by
-    strategies/plan/probe.probe_sparse_round; None: the cost model's two rounds of N-1 latencies),
+    strategies/plan/probe.probe_sparse_round, among one host's CPU workers by
+    strategies/plan/probe_collectives.py; None: the cost model's two rounds of N-1 latencies),
     ``gradient_exchange_s`` (seconds of one job's whole allreduce-sparse gradient exchange over
     all the workers at the profiled sizes, as DDP runs it: every embedding table's sparse
     AllReduce and the dense buckets' AllReduce in flight together, measured over the emulated

@@ -1,6 +1,7 @@
 """The fixed time of a small gloo collective among the N worker processes of this host: what
 one AllReduce, AllGather or ReduceScatter costs before its bytes, for the cost model of
-workers that share this machine (``ClusterSpec.allreduce_fixed_s`` and its two peers).
+workers that share this machine (``ClusterSpec.allreduce_fixed_s`` and its peers; a sparse
+gradient's AllReduce, ``ClusterSpec.sparse_round_s``).
 
 Why not N - 1 latencies: the link probe's latency (strategies/plan/probe.py: half a 4-byte
 round trip, about 0.1 ms on this project's 2-vCPU test machine) is one message. A gloo
@@ -28,17 +29,21 @@ MAX_ENDPOINTS = 16   # more threads than this measure the probe's own GIL, not g
 
 
 class CollectiveTimes(NamedTuple):
-    """Seconds of one small collective over the probed N ranks (means: a step pays the slow ones too)."""
+    """Seconds of one small collective over the probed N ranks (means: a step pays the slow ones
+    too); ``sparse_round_s``: gloo's sparse AllReduce of a one-row gradient, what DDP runs for an
+    embedding's sparse gradient (three AllGathers: sizes, row ids, rows)."""
     allreduce_s: float
     allgather_s: float
     reduce_scatter_s: float
+    sparse_round_s: float
 
 
 def _endpoint(pg, rank: int, n: int, numel: int, reps: int, warm: int, out: dict) -> None:
     try:
         x, gathered = torch.zeros(numel), torch.zeros(numel * n)
+        row = torch.sparse_coo_tensor(torch.tensor([[rank]]), torch.ones(1, 16), (n, 16), check_invariants=True)
         kinds = (lambda: pg.allreduce([x]), lambda: pg._allgather_base(gathered, x),
-                 lambda: pg._reduce_scatter_base(x, gathered))
+                 lambda: pg._reduce_scatter_base(x, gathered), lambda: pg.allreduce([row.clone()]))
         means = []
         for start in kinds:
             times = []
@@ -56,9 +61,9 @@ def _endpoint(pg, rank: int, n: int, numel: int, reps: int, warm: int, out: dict
 
 def probe_collectives(n: int, nbytes: int = 4096, reps: int = 30, warm: int = 5,
                       timeout_s: float = 60.0) -> CollectiveTimes | None:
-    """The mean seconds of a gloo AllReduce, AllGather (each rank ``nbytes``) and ReduceScatter
-    (each rank's share ``nbytes``) over ``n`` ranks of this process (module docstring), each
-    timed ``reps`` times after ``warm`` untimed ones: about ``n`` x 0.2 s on a 2-vCPU machine.
+    """The mean seconds of a gloo AllReduce, AllGather (each rank ``nbytes``), ReduceScatter
+    (each rank's share ``nbytes``) and sparse AllReduce (a row of 16 floats each) over ``n`` ranks of this process (module docstring), each
+    timed ``reps`` times after ``warm`` untimed ones: about ``n`` x 0.3 s on a 2-vCPU machine.
     None for ``n`` < 2, ``n`` > MAX_ENDPOINTS, or when the probe fails or outlives ``timeout_s``
     (the cost model then keeps its N - 1 latencies)."""
     import threading
