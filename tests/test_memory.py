@@ -151,7 +151,7 @@ def test_profile_predicts_every_candidates_peaks_and_plans_what_fits(tmp_path):
     weights = 6 * 4 * (1024 * 1024 + 1024)
     assert cands["allreduce"]["memory"]["worker_terms"]["params"] == weights
     assert need(cands["allreduce"]) - need(cands["pipeline"]) > weights   # buckets, and the stage's half
-    cap = (need(cands["allreduce"]) + need(cands["pipeline"])) / 2 / 1e9
+    cap = round((need(cands["allreduce"]) + need(cands["pipeline"])) / 2 / 1e9, 4)   # as the flag gives it
     tight = _profile_json(tmp_path, script, "--worker-memory", f"{cap:.4f}")
     cands = {c["strategy"]: c for c in tight["candidates"]}
     assert not cands["allreduce"]["available"] and cands["allreduce"]["memory"]["fits"] is False

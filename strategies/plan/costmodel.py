@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.roofline import compute_seconds, update_seconds_per_byte
-from hpar.strategies.profile.profiler import ParamProfile, Profile
+from hpar.strategies.profile.records import ParamProfile, Profile
 
 INDEX_BYTES = 8            # int64 row id sent with every sparse row
 BUCKET_BYTES = 25 << 20    # DDP's default gradient bucket (bucket_cap_mb=25)

@@ -42,7 +42,7 @@ from hpar.strategies.pipeline.replicas import LAYOUTS, Grid
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, cost_setting, ring_allreduce_s
 from hpar.strategies.plan.roofline import layer_seconds
-from hpar.strategies.profile.profiler import Profile
+from hpar.strategies.profile.records import Profile
 
 
 def host_of(cluster: ClusterSpec) -> list[int]:

@@ -11,7 +11,7 @@ from hpar.strategies.plan.costmodel import Estimate, estimate_allreduce, estimat
 from hpar.strategies.plan.costmodel_fsdp import estimate_fsdp
 from hpar.strategies.plan.costmodel_pipeline import estimate_pipeline_grid
 from hpar.strategies.plan.costmodel_ps import estimate_hybrid, estimate_ps
-from hpar.strategies.profile.profiler import Profile
+from hpar.strategies.profile.records import Profile
 
 
 def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",

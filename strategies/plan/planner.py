@@ -29,7 +29,7 @@ from hpar.strategies.plan.costmodel_cache import NAME as CACHED, SHOWN_STALENESS
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.plan.memory import predict as predict_memory, refusal
 from hpar.strategies.pipeline.ties import schedule_problem, stages_of
-from hpar.strategies.profile.profiler import Profile
+from hpar.strategies.profile.records import Profile
 
 
 @dataclass(frozen=True)

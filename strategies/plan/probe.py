@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.plan.costmodel import BUCKET_BYTES
-from hpar.strategies.profile.profiler import Profile
+from hpar.strategies.profile.records import Profile
 
 _SMALL_TAG, _BIG_TAG = 0, 1
 
