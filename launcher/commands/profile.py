@@ -55,7 +55,7 @@ def report(profile, cluster, plan) -> dict:
                         "worker_memory_bytes": cluster.worker_memory_bytes,
                         "server_memory_bytes": cluster.server_memory_bytes,
                         "allreduce_fixed_s": cluster.allreduce_fixed_s, "allgather_fixed_s": cluster.allgather_fixed_s,
-                        "reduce_scatter_fixed_s": cluster.reduce_scatter_fixed_s},
+                        "reduce_scatter_fixed_s": cluster.reduce_scatter_fixed_s, "sparse_round_s": cluster.sparse_round_s},
             "profile": {"device": profile.device, "batch_size": profile.batch_size, "data_s": profile.data_s,
                         "samples_per_batch": profile.samples_per_batch,
                         "compute_s": profile.compute_s, "forward_flops": profile.forward_flops,

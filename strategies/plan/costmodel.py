@@ -3,7 +3,10 @@ ClusterSpec. Pure functions of frozen values: no process, no clock.
 
 Notation: N workers, H hosts, G = most workers on one host, S servers, B bytes, ``bw`` the
 link bandwidth (bytes/s) and ``lat`` the per-message latency of :class:`ClusterSpec`.
-Messages cost lat + B/bw (Hockney's alpha-beta model, Parallel Computing 1994).
+Messages cost lat + B/bw (Hockney's alpha-beta model, Parallel Computing 1994). A collective
+among CPU workers of one host pays, instead of its rounds of latencies, the fixed time a small
+one of its kind was measured to take among them (``ClusterSpec.allreduce_fixed_s`` and its
+peers, strategies/plan/probe_collectives.py: gloo's threads waking on shared cores).
 
 Compute: the profiled seconds (on the device the profile measured on), or, when the cluster
 gives a device (``--device-tflops``, ``--device-mem-gbps``), each layer's roofline time
