@@ -160,9 +160,10 @@ Subsystem sftp internal-sftp
 _CHILDREN: dict[int, subprocess.Popen] = {}
 
 
-def _start_sshd(namespace: str, config: str, log: str, address: str, timeout: float = 10.0) -> int:
+def _start_sshd(namespace: str, config: str, log: str, address: str, timeout: float = 30.0) -> int:
     """Start sshd in the foreground (-D) as our child in its own session, so that ``down`` in
-    this process reaps it; wait until it accepts connections. Returns its PID."""
+    this process reaps it; wait until it accepts connections (on the 2-core CI machine under the
+    whole suite one took over 10 s). Returns its PID."""
     proc = subprocess.Popen(["ip", "netns", "exec", namespace, SSHD, "-D", "-f", config, "-E", log],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
