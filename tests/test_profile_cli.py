@@ -226,6 +226,35 @@ def test_profile_on_one_worker_says_nothing_is_exchanged(tmp_path):
     assert set(psutil.Process().children(recursive=True)) - before == set()
 
 
+@pytest.mark.timeout(180)
+def test_profile_measures_the_local_collectives_and_fsdps_own_work_and_charges_them(tmp_path):
+    """The real `hpar profile --json` on the zoo's transformer encoder, 2 workers on this
+    machine, stdout to a file: the probed link comes with the measured fixed time of each small
+    collective among the two workers, the profile with FSDP's own work per step; allreduce's
+    exchange costs at least one measured AllReduce, fsdp's step its own work; exit 0, no
+    process left."""
+    import subprocess
+    import sys
+    import psutil
+    zoo = os.path.join(os.path.dirname(__file__), "zoo", "encoder.py")
+    out = tmp_path / "stdout.json"
+    before = set(psutil.Process().children(recursive=True))
+    with open(out, "w") as f:
+        res = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "profile", zoo, "--gpus", "2", "--json"],
+                             stdout=f, stderr=subprocess.PIPE, text=True, timeout=150)
+    assert res.returncode == 0, res.stderr
+    d = json.loads(out.read_text())
+    fixed = {k: d["cluster"][k] for k in ("allreduce_fixed_s", "allgather_fixed_s", "reduce_scatter_fixed_s",
+                                          "sparse_round_s")}
+    assert d["cluster"]["source"] == "probe" and all(0 < t < 0.5 for t in fixed.values()), fixed
+    assert 0 < d["profile"]["fsdp_overhead_s"] < 1.0
+    cands = {c["strategy"]: c for c in d["candidates"]}
+    ar = cands["allreduce"]["breakdown"]
+    assert ar["comm_overlap"] + ar["comm_tail"] >= fixed["allreduce_fixed_s"]
+    assert cands["fsdp"]["breakdown"]["fsdp_own"] >= d["profile"]["fsdp_overhead_s"]
+    assert set(psutil.Process().children(recursive=True)) - before == set()
+
+
 def test_a_slow_data_pipeline_and_the_served_tables_dedup_are_in_every_prediction(tmp_path):
     """The real `hpar profile --json`, stdout to a file: a data() that takes 10 ms per batch
     shows as the profile's data_s and as every strategy's "data" term; hybrid adds the dedup
