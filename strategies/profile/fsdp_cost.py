@@ -14,7 +14,8 @@ the model, charging only its collectives, missed by 2-8x.
 Method: the user's model built twice, one copy ``fully_shard``-ed as the ``fsdp`` strategy
 does (strategies/dataparallel/fsdp.shard) over a process group of this one process, the two
 stepped in turn on the same batches with the user's optimizer and loss (warm-up steps
-first); the overhead is the difference of their median step times. Skipped (None) where the
+first); the overhead is the difference of their shortest step times (on a shared machine a
+median of a few steps can even come out negative). Skipped (None) where the
 model is over ``MAX_BYTES`` (two more copies of it would be made), where this process already
 has a process group, or where FSDP cannot wrap the model.
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import statistics
 import warnings
 
 import torch
@@ -55,8 +55,7 @@ def _stepper(job, model, cast, clock):
 
 def fsdp_overhead_s(job, device: torch.device, cast, batches: list, model_bytes: int, warmup: int = 2) -> float | None:
     """Seconds FSDP2's own work adds to one training step of ``job``'s model on ``device``
-    (module docstring): median(step of the fully_shard-ed copy) - median(step of the plain
-    copy) over ``batches`` ([(inputs, targets)] already on the device; the first ``warmup``
+    (module docstring): min(step of the fully_shard-ed copy) - min(step of the plain copy) over ``batches`` ([(inputs, targets)] already on the device; the first ``warmup``
     untimed), at least 0. None where it is not measured (module docstring)."""
     from hpar.strategies.common.devices import DeviceClock
     from hpar.strategies.models.forward import inner_module
@@ -87,7 +86,8 @@ def fsdp_overhead_s(job, device: torch.device, cast, batches: list, model_bytes:
                         times[which].append(seconds)
                 if i >= warmup + 2 and sum(times[1]) > SLOW_S:   # three timed steps of a slow model are enough
                     break
-        return max(0.0, statistics.median(times[1]) - statistics.median(times[0]))
+        # the least of each: a spell of other work on shared cores lengthens steps, never shortens them
+        return max(0.0, min(times[1]) - min(times[0]))
     except Exception:   # FSDP cannot wrap or step this model (the fsdp strategy says why when it is run)
         return None
     finally:
