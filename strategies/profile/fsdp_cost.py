@@ -35,12 +35,9 @@ SLOW_S = 0.5   # seconds of timed FSDP steps after which three are enough
 def _stepper(job, model, cast, clock):
     """A function of (inputs, targets) that runs one training step of ``model`` and returns
     its seconds on ``clock``."""
-    from hpar.strategies.common.job import JobError
     from hpar.strategies.models.forward import call_model
-    try:
-        opt = job.build_optimizer(list(model.parameters()), lr=1e-3)
-    except JobError:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    from hpar.strategies.profile.update import probe_optimizer
+    opt = probe_optimizer(job, list(model.parameters()))
 
     def step(inputs, targets) -> float:
         t0 = clock.mark()

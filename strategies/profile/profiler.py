@@ -93,7 +93,7 @@ from hpar.strategies.profile.shapes import ShapeCensus, draw
 from hpar.strategies.profile import memory as mem_probe
 from hpar.strategies.profile.sparsity import embedding_sparsity
 from hpar.strategies.profile.unused import missing_gradients
-from hpar.strategies.profile.update import (dense_update_cost, per_tensor_update_cost, server_optimizer_problem,
+from hpar.strategies.profile.update import (dense_update_cost, per_tensor_update_cost, probe_optimizer, server_optimizer_problem,
                                           sparse_update_cost)
 from torch import nn
 
@@ -141,15 +141,6 @@ def _cast_loss(job: Job, cast, run, inputs, targets):
     """The loss of one forward pass under the workers' precision (``cast``)."""
     with cast():
         return job.compute_loss(run(inputs), targets)
-
-
-def _probe_optimizer(job: Job, params):
-    """The user's optimizer over ``params``, plain SGD where ``optimizer()`` fails on a bare
-    list (as the update probes do)."""
-    try:
-        return job.build_optimizer(params, lr=1e-3)
-    except JobError:
-        return torch.optim.SGD(params, lr=1e-3)
 
 
 def _median(xs):
@@ -279,7 +270,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             sparse_ok = sparse_update is not None
         server_note = server_optimizer_problem(job, model)
         data_mem = mem_probe.data_bytes(on_dev, batch_size, workers)
-        state_ratio = mem_probe.optimizer_ratios(lambda ps: _probe_optimizer(job, ps), dev)
+        state_ratio = mem_probe.optimizer_ratios(lambda ps: probe_optimizer(job, ps), dev)
     except Exception as exc:   # the user's code failed here though check_job passed (e.g. only on the GPU)
         if not raised_in_script(job, exc):
             raise

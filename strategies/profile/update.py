@@ -39,7 +39,9 @@ MAX_PROBE_BYTES = 64 << 20
 MAX_PROBE_ROWS = 1 << 16
 
 
-def _optimizer(job: Job, params: list[nn.Parameter]):
+def probe_optimizer(job: Job, params: list[nn.Parameter]):
+    """The user's optimizer over ``params`` (lr 1e-3), plain SGD where ``optimizer()`` fails on
+    a bare list: what every probe of the profile steps."""
     try:
         return job.build_optimizer(params, lr=1e-3)
     except JobError:
@@ -71,7 +73,7 @@ def dense_update_cost(job: Job, model_bytes: int, repeats: int = 3, device: torc
     numel = max(MIN_PROBE_BYTES, min(int(model_bytes), MAX_PROBE_BYTES)) // 4
     p = nn.Parameter(torch.randn(numel, device=device))
     p.grad = torch.randn(numel, device=device)
-    return _median_step_s(_optimizer(job, [p]), repeats, device) / (numel * 4)
+    return _median_step_s(probe_optimizer(job, [p]), repeats, device) / (numel * 4)
 
 
 PROBE_TENSORS = 64   # tensors of the per-tensor probe (16 floats each)
@@ -88,7 +90,7 @@ def per_tensor_update_cost(job: Job, repeats: int = 5, device: torch.device | st
         params = [nn.Parameter(torch.randn(16, device=device)) for _ in range(count)]
         for p in params:
             p.grad = torch.randn(16, device=device)
-        return _median_step_s(_optimizer(job, params), repeats, device)
+        return _median_step_s(probe_optimizer(job, params), repeats, device)
     return max(0.0, (step_s(PROBE_TENSORS) - step_s(1)) / (PROBE_TENSORS - 1))
 
 
@@ -106,7 +108,7 @@ def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int
     ids = torch.cat([torch.randperm(rows, generator=gen)[:touched] for _ in range(max(1, workers))]).to(device)
     values = torch.randn(ids.numel(), dim, generator=gen).to(device)
     p = nn.Parameter(torch.zeros(rows, dim, device=device))
-    opt = _optimizer(job, [p])
+    opt = probe_optimizer(job, [p])
     if not takes_sparse_gradients(opt, p):
         return None
 
