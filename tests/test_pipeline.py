@@ -13,7 +13,7 @@ import torch
 from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.common.config import RunConfig
 from hpar.strategies.common.job import load_job
-from hpar.strategies.pipeline.stage import split_micro
+from hpar.strategies.pipeline.stage import draw_batch, split_micro
 
 SCRIPT = textwrap.dedent('''
     import torch
@@ -261,3 +261,22 @@ def test_divergence_guard_falls_back_or_stops_like_the_simulator(tmp_path, actio
     with pytest.raises(ValueError, match="--on-divergence sync: the guard watches asynchronous pipelines only"):
         RunConfig(script="j.py", strategy="pipeline", world_size=2, steps=1, batch_size=8, lr=0.1, seed=0,
                   run_dir="r", schedule="1f1b", on_divergence="sync")
+
+
+def test_draw_batch_seeds_only_the_cpu_generator(monkeypatch):
+    """The first and last stage draw the same batch for a step; the caller's RNG is restored, and
+    no CUDA generator is reseeded (torch.manual_seed would reseed the model's dropout on a GPU)."""
+    def batches():
+        while True:
+            yield torch.randn(3), torch.rand(2)
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("draw_batch reseeded a CUDA generator")
+    torch.manual_seed(5)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", no_cuda)
+    monkeypatch.setattr(torch.cuda, "manual_seed", no_cuda)
+    before = torch.get_rng_state()
+    first, last = draw_batch(batches(), 3, 7), draw_batch(batches(), 3, 7)
+    assert torch.equal(first[0], last[0]) and torch.equal(first[1], last[1])
+    assert not torch.equal(draw_batch(batches(), 3, 8)[0], first[0])
+    assert torch.equal(torch.get_rng_state(), before)
