@@ -252,3 +252,28 @@ def test_the_update_costs_a_profiled_time_per_parameter_tensor():
     assert after["pipeline"].stages == before["pipeline"].stages == ((0, 2), (2, 4))
     assert after["pipeline"].step_s - before["pipeline"].step_s == pytest.approx(4e-3)   # a stage's 4 tensors
     assert after["ps"].breakdown["server_update"] - before["ps"].breakdown["server_update"] == pytest.approx(8e-3)
+
+
+def test_pipeline_on_shared_cores_pays_measured_messages_and_the_cores_share():
+    """One host's CPU workers: a stage's message costs one step of the measured small AllReduce's
+    ring (allreduce_fixed_s / 2(N-1)), not the link's latency, twice a period and once for the
+    step's loss; every layer's compute is slowed by the host's load alike (the last layer too,
+    which takes the loss and the time no layer was given)."""
+    from hpar.strategies.pipeline.replicas import Grid
+    from hpar.strategies.plan.costmodel import cost_setting
+    from hpar.strategies.plan.costmodel_pipeline import estimate_grid, message_s
+    layers = [LayerProfile(str(i), f, b, 1, 0, 0) for i, (f, b) in enumerate([(0.003, 0.006), (0.001, 0.002)])]
+    prof = make_profile([], layers, 0.005, 0.010, sequential=True)   # 3 ms of loss and unattributed time
+    one = ClusterSpec(1, (2,), 1, 1e12, 1e-5)
+    probed = dataclasses.replace(one, allreduce_fixed_s=0.002)
+    assert message_s(cost_setting(prof, one)) == pytest.approx(1e-5)
+    assert message_s(cost_setting(prof, probed)) == pytest.approx(0.001)   # a 2-rank ring: 2 messages
+    est = estimate_grid(prof, probed, Grid(2, 1), 1)
+    # stages 9 ms and 3 + 3 ms; (1 + 2 - 1) periods of the slowest + 2 messages, the loss's message
+    assert est.step_s == pytest.approx(2 * (0.009 + 2 * 0.001) + 0.001)
+    assert est.breakdown["message"] == pytest.approx(0.001)
+    shared = dataclasses.replace(probed, cores_per_host=1.0)   # 2 workers on 1 core: compute x2
+    assert estimate_grid(prof, shared, Grid(2, 1), 1).step_s == pytest.approx(2 * (0.018 + 2 * 0.001) + 0.001)
+    # several hosts: the link's latency, measured collectives ignored
+    hosts = ClusterSpec(2, (1, 1), 1, 1e12, 1e-5, allreduce_fixed_s=0.002)
+    assert message_s(cost_setting(prof, hosts)) == pytest.approx(1e-5)

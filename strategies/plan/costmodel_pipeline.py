@@ -8,13 +8,19 @@ on consecutive ranks, so within a host when K divides its GPUs; ``replicas-adjac
 k*R + r, a stage's replicas within a host) and M in {1, K, 2K, 4K}, each moved to the nearest
 divisor of the batch (at least K where the batch has one)::
 
-    step = (M + K - 1) * period + max_k (allreduce_k + update_k)
+    step = (M + K - 1) * period + max_k (allreduce_k + update_k) + message
 
 * ``period``: the slowest stage's seconds per micro-batch from PipeDream's partition DP
   (``pipeline/partition.py``: compute of a micro-batch, ``fixed_share + (1 - fixed_share)/M``
-  of the batch's, plus its activation out and gradient in) + 2 latencies; (M + K - 1)
+  of the batch's, plus its activation out and gradient in) + 2 messages; (M + K - 1)
   periods is a synchronous step with a bubble of (K-1)/(M+K-1) (Huang et al., "GPipe",
-  NeurIPS 2019).
+  NeurIPS 2019). On CPU workers every layer's profiled compute is slowed by the host's
+  ``cpu_share``, as in the other strategies (measured: with one micro-batch, where a
+  pipeline's stages take turns, 3 stages on 2 vCPUs still computed 1.4-1.8x slower than one
+  process stepping the same stage modules).
+* ``message``: one small point-to-point message (:func:`message_s`: the link's latency, or on
+  one host's CPU workers a measured message time); one more carries the step's loss from the
+  last stage to rank 0.
 * activations travel over the intra-host link when every stage boundary of every replica
   stays within a host; otherwise over the inter-host link shared by the boundaries that
   leave the busiest host at once (one bandwidth for all boundaries: the DP takes one, so the
@@ -40,7 +46,7 @@ from hpar.strategies.pipeline.partition import partition_stages
 from hpar.strategies.pipeline.schedules import micro_batch_count
 from hpar.strategies.pipeline.replicas import LAYOUTS, Grid
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.costmodel import Estimate, cost_setting, ring_allreduce_s
+from hpar.strategies.plan.costmodel import Estimate, cost_setting, cpu_share, ring_allreduce_s
 from hpar.strategies.plan.roofline import layer_seconds
 from hpar.strategies.profile.records import Profile
 
@@ -85,6 +91,20 @@ def allreduce_seconds(cluster: ClusterSpec, grid: Grid, stage_bytes: list[float]
                              cluster.latency_s) for nbytes, span in zip(stage_bytes, spans)]
 
 
+def message_s(c) -> float:
+    """Seconds of one small point-to-point message between two stages: the link's latency, or,
+    where the fixed time of a small AllReduce among this host's workers was measured
+    (``ClusterSpec.allreduce_fixed_s``: wake-ups of gloo's threads on shared cores), one step of
+    that ring, which sends 2(N-1) messages one after another (Patarasuk and Yuan, "Bandwidth
+    optimal all-reduce algorithms", JPDC 2009). The link probe's latency is the least of a few
+    median round trips between two idle endpoints; a stage's message waits for a process that
+    shares busy cores, as the ring's do (a tiny 2-stage model on 2 vCPUs: 0.3-0.6 ms a message
+    where the latency reads 0.05-0.07 ms)."""
+    if c.allreduce_fixed is not None and c.n > 1:
+        return max(c.lat, c.allreduce_fixed / (2 * (c.n - 1)))
+    return c.lat
+
+
 def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batches: int) -> Estimate:
     """The synchronous (gpipe/1f1b) Estimate of ``grid`` with ``micro_batches`` micro-batches
     per replica's batch on ``cluster`` (module docstring). The profile must be a sequence of
@@ -93,24 +113,30 @@ def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batc
     layers, K, R, m = profile.layers, grid.stages, grid.replicas, micro_batches
     if cluster.device is not None:   # a projected device: each layer's roofline time (strategies/plan/roofline.py)
         comp, fixed = layer_seconds(profile, cluster.device), 0.0
+        comp[-1] += max(0.0, c.fwd + c.bwd - sum(comp))   # the loss and unattributed time go to the last layer
     else:
-        comp, fixed = [l.forward_s + l.backward_s for l in layers], profile.fixed_share
-    comp[-1] += max(0.0, c.fwd + c.bwd - sum(comp))   # the loss and unattributed time go to the last layer
+        # profiled compute slowed as every strategy's is where the host's workers outnumber its
+        # cores, every layer alike (the loss and unattributed time go to the last layer)
+        share = cpu_share(cluster)
+        comp, fixed = [share * (l.forward_s + l.backward_s) for l in layers], profile.fixed_share
+        comp[-1] += max(0.0, share * (profile.forward_s + profile.backward_s) - sum(comp))
     per_micro = fixed + (1.0 - fixed) / m     # a micro-batch's share of the batch's compute
     plan = partition_stages([x * per_micro for x in comp], [l.activation_bytes // m for l in layers],
                             [l.param_bytes for l in layers], K, activation_bandwidth(cluster, grid))
-    period = max(s + 2 * c.lat for s in plan.stage_s)
+    msg = message_s(c)
+    period = max(plan.stage_s) + 2 * msg
     stage_bytes = [float(sum(l.param_bytes for l in layers[a:b])) for a, b in plan.ranges]
     reduce = allreduce_seconds(cluster, grid, stage_bytes)
     tensors = [sum(1 for p in profile.params if a <= p.layer < b) for a, b in plan.ranges]
     updates = [c.update(nbytes, count) for nbytes, count in zip(stage_bytes, tensors)]
     tail = max(ar + u for ar, u in zip(reduce, updates))
-    step = c.data + (m + K - 1) * period + tail   # the first stage draws the batch
+    # the first stage draws the batch; the last sends the step's loss to rank 0 (one message)
+    step = c.data + (m + K - 1) * period + tail + msg
     acts = sum(m * ((layers[b - 1].activation_bytes // m if b < len(layers) else 0)
                     + (layers[a - 1].activation_bytes // m if a > 0 else 0)) for a, b in plan.ranges) / K
     reduced = sum(2 * (R - 1) / R * nbytes for nbytes in stage_bytes) / K
     return Estimate("pipeline", step, R * profile.samples_per_batch, acts + reduced,
-                    {"data": c.data, "period": period, "bubble": (K - 1) / (m + K - 1),
+                    {"data": c.data, "period": period, "message": msg, "bubble": (K - 1) / (m + K - 1),
                      "update": max(updates),
                      "allreduce": max(reduce), "stages": K, "replicas": R},
                     placement={p.name: "allreduce" for p in profile.params},

@@ -19,7 +19,7 @@ def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1
     """``pipeline``: the fastest synchronous plan of K stages x R replicas = N workers
     (``replicas``: only that R), its layout and M micro-batches; the formulas, with sources,
     are in costmodel_pipeline.py. With R = 1 it is the plain pipeline:
-    (M + K - 1) * slowest stage period (+ 2 lat per micro-batch) + the slowest stage's
+    (M + K - 1) * slowest stage period (+ 2 messages per micro-batch) + the slowest stage's
     update, a bubble of (K-1)/(M+K-1) (Huang et al., "GPipe", NeurIPS 2019; Narayanan et
     al., "PipeDream", SOSP 2019). Infeasible (note says why) when the model is not a
     sequence of layers or no split fits its layers."""
