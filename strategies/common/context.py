@@ -182,6 +182,7 @@ class StepMeter:
         if sent_remote is not None:
             self.remote.append(float(sent_remote))
         n = len(self.losses)
+        memory.release_freed_memory_paced()   # freed heap blocks back to the system (at most 1% of the time)
         if self.ctx.on_step is not None:
             self.ctx.on_step(self.ctx.start_step + n)
         if self.ctx.start_step + n >= self.ctx.cfg.steps:   # training is over: what follows is not measured

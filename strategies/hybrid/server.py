@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from hpar.strategies.common import memory
 from hpar.strategies.common import activity
 
 from hpar.strategies.runstate import checkpoint
@@ -195,6 +196,7 @@ class Server:
         self.applied += 1
         step = self.applied
         self._count_step(self.bytes.take(), self.bytes.take_remote())
+        memory.release_freed_memory_paced()   # the step's freed pushes back to the system (at most 1% of the time)
         if step % self.cfg.log_every == 0 or step == self.cfg.steps:
             self._report(step)
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
