@@ -155,6 +155,7 @@ def test_every_worker_and_server_reports_its_peak(tmp_path):
     reports = [r for r in rows if r["kind"] == "memory"]
     assert sorted((r["role"], r["rank"]) for r in reports) == [("server", 0), ("worker", 0), ("worker", 1)]
     assert all(r["peak_bytes"] == r["rss_peak_bytes"] for r in reports)   # CPU: the resident figure
+    assert all(r["trims"] >= 1 for r in reports)   # each handed freed heap blocks back at a step's end
     assert all("peak_bytes" in r for r in rows if r["kind"] == "metric" and r["role"] == "worker")
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     dense, table = 4 * (256 * 1024 + 1024 * 1024 + 1024 + 1024 + 1 + 1), 4 * 8192 * 256

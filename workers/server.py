@@ -61,7 +61,7 @@ def main() -> int:
         server.restore(cfg.run_dir, step)
     report.emit("event", {"server": index, "message": f"serving {len(server.shards)} table shard(s) from step {server.applied}"})
     server.serve()
-    report.emit("event", {"kind": "memory", "role": "server", "rank": index, **mem.figures()})
+    report.emit("event", {"kind": "memory", "role": "server", "rank": index, **mem.figures(), "trims": memory.trims()})
     server.write_final()   # its rows of every table, with the workers' dense part: RUN_DIR/model
     n = max(server.applied - (step or 0), 1)
     report.emit("event", {"server": index, "message": "finished",

@@ -150,7 +150,8 @@ def main() -> int:
                         report_eval=lambda m: report.emit("eval", m))
     t0 = time.time()
     result = runtime.train(ctx)
-    report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures()})
+    report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures(),
+                          "trims": memory.trims()})
     if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/runstate/state.py)
         assert result.model is not None or result.eval_last is not None, "rank 0 evaluates the whole model"
         report.emit("event", {"kind": "phase", "phase": "evaluate"})

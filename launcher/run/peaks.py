@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 
-FIGURES = ("peak_bytes", "rss_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "baseline_bytes")
+FIGURES = ("peak_bytes", "rss_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "baseline_bytes",
+           "trims")   # trims: how often the process handed freed heap blocks back (strategies/common/memory.py)
 
 
 class PeakFigures:

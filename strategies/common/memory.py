@@ -75,6 +75,7 @@ def release_freed_memory() -> None:
 
 TRIM_TIME_SHARE = 0.01   # the most of a process's time that paced trimming may take
 _NEXT_TRIM = [0.0]         # perf_counter time before which release_freed_memory_paced does nothing
+_TRIMS = [0]               # trims release_freed_memory_paced made in this process
 
 
 def release_freed_memory_paced() -> None:
@@ -91,7 +92,14 @@ def release_freed_memory_paced() -> None:
     if now < _NEXT_TRIM[0]:
         return
     release_freed_memory()
+    _TRIMS[0] += 1
     _NEXT_TRIM[0] = now + (time.perf_counter() - now) / TRIM_TIME_SHARE
+
+
+def trims() -> int:
+    """How many times :func:`release_freed_memory_paced` trimmed in this process (its memory
+    report's ``trims``)."""
+    return _TRIMS[0]
 
 
 def load_lazy_imports() -> None:
