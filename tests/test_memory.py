@@ -164,6 +164,32 @@ def test_every_worker_and_server_reports_its_peak(tmp_path):
     assert summary["peak_bytes"]["server"] > 1.8 * table
 
 
+# BIG whose evaluate() holds 200 MB for a moment: evaluation, not training
+BIG_EVAL = BIG + '''
+def evaluate(model):
+    scratch = torch.ones(50_000_000)
+    return {"scratch": float(scratch[0])}
+'''
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["allreduce", "hybrid"])
+def test_the_first_evaluate_is_not_training_memory(tmp_path, strategy):
+    """Worker 0 evaluates before training by default (hybrid and ps inside their runtime, which
+    needs the servers): evaluate()'s own peak stays out of the measured training peak, which the
+    memory model predicts, under every strategy alike."""
+    script = write_script(tmp_path, BIG_EVAL)
+    run_dir = str(tmp_path / "run")
+    code, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "1", "--strategy", strategy,
+                             "--steps", "4", "--run-dir", run_dir)
+    assert not kill_left(run_dir), "processes left behind"
+    assert code == 0, out
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["eval_first"] == {"scratch": 1.0}
+    assert 0 < summary["peak_bytes"]["worker"] < 120 * MB   # training: under 40 MB; evaluate(): 200 MB more
+
+
 WIDE = '''
 import torch, torch.nn as nn
 HPAR = {"steps": 6, "batch_size": 16, "lr": 0.01, "log_every": 3}

@@ -132,17 +132,20 @@ def main() -> int:
     host_of = init_group(cfg, pg_rank, pg_world)
     # past the rendezvous: from here the start-up bound runs to the first step (launcher/run/health.py)
     report.emit("event", {"kind": "phase", "phase": "train"})
-    eval_first = {}
-    if rank == 0 and cfg.eval and not cfg.resume and cfg.strategy not in ("hybrid", "ps"):   # those: in the runtime
-        torch.manual_seed(cfg.seed)
-        initial = job.build_model()   # building it is start-up, not evaluate()'s time
-        report.emit("event", {"kind": "phase", "phase": "evaluate"})   # the peers wait: not their stall
-        with activity.doing("in evaluate() before training"):   # but it has the phase deadline
-            eval_first = job.run_evaluate(initial)   # evaluate() gets the model on the CPU
-        report.emit("event", {"kind": "first_eval", "eval": eval_first})
-        report.emit("event", {"kind": "phase", "phase": "train"})
     runtime = importlib.import_module(RUNTIMES[cfg.strategy])   # imported before the memory baseline
     memory.start_process(device)   # peak memory from here to the last step (strategies/common/memory.py)
+    eval_first = {}
+    if rank == 0 and cfg.eval and not cfg.resume and cfg.strategy not in ("hybrid", "ps"):   # those: in the runtime
+        # evaluate()'s own peak is not training's; what it leaves behind (kernels' caches) counts
+        with memory.outside_window():
+            torch.manual_seed(cfg.seed)
+            initial = job.build_model()   # building it is start-up, not evaluate()'s time
+            report.emit("event", {"kind": "phase", "phase": "evaluate"})   # the peers wait: not their stall
+            with activity.doing("in evaluate() before training"):   # but it has the phase deadline
+                eval_first = job.run_evaluate(initial)   # evaluate() gets the model on the CPU
+            del initial
+        report.emit("event", {"kind": "first_eval", "eval": eval_first})
+        report.emit("event", {"kind": "phase", "phase": "train"})
     ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
                         device=device, report=lambda m: report.emit("metric", m),
                         pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of,

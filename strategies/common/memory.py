@@ -2,8 +2,12 @@
 ``strategies/plan/memory.py`` is checked against (BENCHMARKS.md, "Memory").
 
 A process's window opens after its imports (torch's lazy ones too, :func:`load_lazy_imports`)
-and its process-group setup (and worker 0's first ``evaluate``), with :func:`start_process`, and closes at the end of its last training step
-(:func:`freeze_process`, called by the step meter, or when the figures are read). What it reports
+and its process-group setup, with :func:`start_process`, and closes at the end of its last
+training step (:func:`freeze_process`, called by the step meter, or when the figures are read).
+Worker 0's first ``evaluate()`` runs inside it under :func:`outside_window`: its own peak (a
+model copy, an evaluation batch) is not training's, what it leaves alive is (with eval on by
+default, lm.py's allreduce worker measured 197 MB against 250 predicted while evaluation ran
+before the window: it had paid the first forward's one-time state). What it reports
 (:meth:`PeakMemory.figures`) is the peak *above the window's baseline*, so the interpreter,
 libtorch and gloo are not counted (the memory model adds them as the measured fixed overhead):
 
@@ -35,6 +39,7 @@ the process window's peak so far into it (:func:`_reset`). Where the mark cannot
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -221,6 +226,28 @@ def start_process(device: torch.device) -> PeakMemory:
     mem.start()
     _PROCESS[:] = [mem]
     return mem
+
+
+@contextlib.contextmanager
+def outside_window():
+    """Run code that is not training inside an open window without its transient peak counting:
+    worker 0's first evaluate() where a runtime makes it after the window opened (hybrid and ps,
+    whose evaluation pulls the served rows from the servers; the other runtimes evaluate before
+    :func:`start_process`). The window's peak so far is kept and the marks are reset after it; the
+    baseline stays, so what the code leaves alive still counts. Nothing without an open window."""
+    mem = process_peak()
+    if mem is None or mem.frozen is not None:
+        yield
+        return
+    _reset(mem.device)   # folds the peak so far into the window
+    try:
+        yield
+    finally:
+        release_freed_memory()
+        if mem.device.type == "cuda":
+            torch.cuda.synchronize(mem.device)
+            torch.cuda.reset_peak_memory_stats(mem.device)
+        _clear_refs()   # no fold: the peak since the fold was the excluded code's
 
 
 def process_peak() -> PeakMemory | None:
