@@ -12,7 +12,8 @@
 # GPU per worker, so on one GPU the pipeline row says why it is skipped), and `hpar profile`
 # of examples/wide.py and examples/lm.py, measured on the GPU (--device), and of
 # examples/lm1b_shape.py (3.3 GB of tables) for 8 workers on 25 Gbit/s. Prints a pass/fail
-# table with samples/s (from each run's summary.json); exit status 1 when any row failed.
+# table with samples/s and the worker's peak memory, predicted / measured (from each run's
+# summary.json); exit status 1 when any row failed.
 #
 # Options: --device cuda|cpu (default cuda), --no-install, --no-tests, --steps N (default 30),
 # --wheels DIR (default ../shared/wheels-py312; a device machine that gets only the checkout
@@ -70,6 +71,9 @@ row() {  # name, status, samples/s, note
   [ "$2" = FAIL ] && FAILED=1
   echo "gpu_check: $1: $2 $4"
 }
+peaks() {  # the worker's peak memory, predicted / measured (the memory model against the device)
+  "$PY" -c "import json,sys; s=json.load(open(sys.argv[1])); p, m = s['predicted_peak_bytes']['worker'], s['peak_bytes']['worker']; print('worker peak %.0f / %.0f MB (%+.0f%%)' % (p / 1e6, m / 1e6, 100 * (p - m) / m) if p and m else 'worker peak -')" "$1/summary.json" 2>/dev/null || echo "worker peak -"
+}
 samples_per_s() {
   "$PY" -c "import json,sys; print('%.1f' % json.load(open(sys.argv[1]))['samples_per_s'])" "$1/summary.json" 2>/dev/null || echo "-"
 }
@@ -79,7 +83,7 @@ run_case() {  # name, script, hpar run arguments...
   local dir="$OUT/$name"
   if "$PY" -m hpar.launcher.cli run "$script" --device "$DEVICE" --steps "$STEPS" --run-dir "$dir" --plain "$@" \
       >"$OUT/$name.log" 2>&1; then
-    row "$name" PASS "$(samples_per_s "$dir")" "$(grep -m1 'devices:' "$OUT/$name.log" | sed 's/^hpar: //')"
+    row "$name" PASS "$(samples_per_s "$dir")" "$(peaks "$dir"); $(grep -m1 'devices:' "$OUT/$name.log" | sed 's/^hpar: //')"
   else
     row "$name" FAIL "-" "exit $?; last lines of $OUT/$name.log:"
     tail -5 "$OUT/$name.log" | sed 's/^/    /'
