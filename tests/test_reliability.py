@@ -383,6 +383,11 @@ def test_health_blames_the_silent_process_not_its_waiting_peer(monkeypatch):
     clock[0] += 100
     h.line("w0"), h.line("w1")
     assert h.stalled(["w0", "w1"]) == []
+    h.state["w1"].exited_cleanly = True   # it announced exit code 0: leaving, however slowly it goes
+    clock[0] += 10                        # silent for twice --stall-timeout
+    assert h.stalled(["w1"]) == []
+    clock[0] += health.EXIT_GRACE_S
+    assert ("w1", f"stalled: still running {health.EXIT_GRACE_S:.0f} s after it announced its exit") in h.stalled(["w1"])
 
 
 def test_usable_step_falls_back_past_a_damaged_checkpoint(tmp_path):

@@ -73,6 +73,10 @@ class ProcState:
 # A parameter server busy with one request for longer than this holds the workers' step
 # clocks: its requests take milliseconds, and a stuck one is named by the phase deadline.
 SERVER_BUSY_S = 1.0
+# A process that announced its clean exit is leaving (workers/report.exit_process: a flush, then
+# os._exit); the launcher may see it gone seconds later on a loaded machine (a chaos test's 4 s
+# --stall-timeout once named such a worker "silent"). It is a stall only after this long.
+EXIT_GRACE_S = 30.0
 
 
 class Health:
@@ -142,6 +146,10 @@ class Health:
             if s.first_beat is None:
                 if now - s.started > self.startup:
                     silent.append((k, f"stalled: no heartbeat within {self.startup:.0f} s of its start"))
+                continue
+            if s.exited_cleanly:
+                if now - (s.last_line or s.first_beat) > EXIT_GRACE_S:
+                    silent.append((k, f"stalled: still running {EXIT_GRACE_S:.0f} s after it announced its exit"))
                 continue
             if self.timeout > 0 and now - (s.last_line or s.first_beat) > self.timeout:
                 silent.append((k, f"stalled: silent for {self.timeout:.0f} s (--stall-timeout), "
