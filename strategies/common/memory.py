@@ -231,10 +231,10 @@ def start_process(device: torch.device) -> PeakMemory:
 @contextlib.contextmanager
 def outside_window():
     """Run code that is not training inside an open window without its transient peak counting:
-    worker 0's first evaluate() where a runtime makes it after the window opened (hybrid and ps,
-    whose evaluation pulls the served rows from the servers; the other runtimes evaluate before
-    :func:`start_process`). The window's peak so far is kept and the marks are reset after it; the
-    baseline stays, so what the code leaves alive still counts. Nothing without an open window."""
+    worker 0's first evaluate() (workers/worker.py; hybrid and ps in their runtime, whose
+    evaluation pulls the served rows from the servers). The window's peak so far is kept and the
+    marks are reset after it; the baseline stays, so what the code leaves alive still counts.
+    Nothing without an open window."""
     mem = process_peak()
     if mem is None or mem.frozen is not None:
         yield

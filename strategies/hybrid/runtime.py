@@ -248,7 +248,7 @@ def train(ctx: WorkerContext) -> TrainResult:
     ctx.start_step = _resume(ctx, model, opt, tools, ps_names, caches)
     if ctx.rank == 0 and cfg.eval and not cfg.resume and ctx.event is not None:   # the served rows on demand, at step 0
         ctx.event({"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
-        # not training's memory: the other runtimes evaluate before the peak's window opens (workers/worker.py)
+        # evaluate()'s own peak is not training's (as workers/worker.py runs the other runtimes' first one)
         with memory.outside_window(), torch.random.fork_rng(devices=[]), activity.doing("in evaluate() before training"):
             ctx.event({"kind": "first_eval", "eval": job.run_evaluate(_model_copy(outer, client, whole, clock, 0, served))})
         _done_evaluating(client)

@@ -20,8 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hpar.strategies.common import memory
-from hpar.strategies.common import activity
+from hpar.strategies.common import activity, memory
 
 from hpar.strategies.runstate import checkpoint
 from hpar.strategies.runstate import state as run_state
