@@ -54,7 +54,10 @@ def test_the_fastest_measured_wins_unless_the_models_choice_is_within_its_spread
 # ranked second (the second trial directory the launcher made: it makes them in rank order), read
 # from the run's config, which the profile in the launcher has not got: the model cannot see the
 # sleep, a trial does. Reading the rank from the run itself keeps the test true when near-equal
-# predictions trade places between two profiles.
+# predictions trade places between two profiles. Its dense layers give every token a few
+# milliseconds of compute, which every strategy pays alike: without them allreduce's step was
+# mostly the probed AllReduce's fixed time (0.7-1.4 ms from one probe to the next), and with a low
+# reading no other candidate came within 2x of it, so no trial ran (one fresh-clone rehearsal in 4).
 SLOWED = '''
 import json, os, time
 import torch, torch.nn as nn
@@ -68,14 +71,15 @@ def _fast():
 class M(nn.Module):
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(200, 8)
-        self.out = nn.Linear(8, 1)
+        self.emb = nn.Embedding(200, 256)
+        self.mid = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 256))
+        self.out = nn.Linear(256, 1)
         self.slow = bool(os.environ.get("HPAR_CONFIG")) and (
             json.load(open(os.environ["HPAR_CONFIG"]))["strategy"] != _fast())
     def forward(self, x):
         if self.slow:
             time.sleep(0.05)
-        return self.out(self.emb(x).mean(1)).squeeze(1)
+        return self.out(self.mid(self.emb(x)).mean(1)).squeeze(1)
 def model(): return M()
 def data(rank, world_size, batch_size):
     g = torch.Generator().manual_seed(rank)
