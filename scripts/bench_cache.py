@@ -11,7 +11,8 @@ them alike, and reports per configuration:
 
 * samples/s (summary.json's ``samples_per_s``: all workers' samples per second of wall clock
   after 2 warm-up steps), the best of the rounds and their spread (min-max);
-* bytes per worker per step, sent + received (summary.json's ``bytes_per_step``, worker 0);
+* bytes per worker per step, sent + received (summary.json's ``bytes_per_step``, worker 0), and
+  the served tables' part of them (``by_param`` without the dense AllReduce: what the cache can save);
 * the cache's hit rate as measured (worker 0's lookups read from the cache, summary.json's
   ``cache.hit_rate``) and as the planner predicted it from the profile's row frequencies
   (``cache.predicted_hit_rate``, strategies/plan/costmodel_cache.py);
@@ -85,7 +86,10 @@ def final_eval(script: str, run_dir: str) -> dict:
 def figures(summary: dict, evaluation: dict) -> dict:
     b = summary.get("bytes_per_step") or {}
     cache = summary.get("cache") or {}
+    tables = sum(v.get("sent", 0.0) + v.get("recv", 0.0) for k, v in (summary.get("by_param") or {}).items()
+                 if not k.startswith("_"))   # the served tables' pulls and pushes, not the dense AllReduce
     return {"samples_per_s": summary["samples_per_s"], "bytes": b.get("sent", 0.0) + b.get("recv", 0.0),
+            "table_bytes": tables,
             "hit_rate": cache.get("hit_rate"), "predicted_hit_rate": cache.get("predicted_hit_rate"),
             "eval": evaluation, "step_s_p50": summary.get("step_s_p50")}
 
@@ -112,14 +116,16 @@ def bench_cluster(scripts: list[str], label: str, workers: int, cluster_args: li
             runs = got[c]
             rows.append({"script": os.path.basename(script), "cluster": label, "staleness": c, "runs": runs,
                          "samples_ratio": [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs, base)],
-                         "bytes_ratio": [a["bytes"] / b["bytes"] for a, b in zip(runs, base)]})
+                         "bytes_ratio": [a["bytes"] / b["bytes"] for a, b in zip(runs, base)],
+                         "table_bytes_ratio": [a["table_bytes"] / b["table_bytes"] for a, b in zip(runs, base)]})
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     """The table of the BENCHMARKS.md section (figures of the best round; ratios over rounds)."""
-    out = ["| script | cluster | s | samples/s (best) | x hybrid (rounds) | MB/worker/step | x hybrid | hit rate "
-           "measured / predicted | final eval | eval x hybrid |", "|---|---|---:|---:|---|---:|---:|---|---|---:|"]
+    out = ["| script | cluster | s | samples/s (best) | x hybrid (rounds) | MB/worker/step | x hybrid | tables' MB "
+           "| x hybrid | hit rate measured / predicted | final eval | eval x hybrid |",
+           "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---:|"]
     for row in rows:
         runs = row["runs"]
         best = max(runs, key=lambda f: f["samples_per_s"])
@@ -131,7 +137,8 @@ def markdown(rows: list[dict]) -> str:
         ratios = ", ".join(f"{x:.2f}" for x in row["samples_ratio"])
         out.append(f"| {row['script']} | {row['cluster']} | {'hybrid' if row['staleness'] is None else row['staleness']} "
                    f"| {best['samples_per_s']:,.0f} | {ratios} | {best['bytes'] / 1e6:.2f} "
-                   f"| {min(row['bytes_ratio']):.2f} | {hit} | {metric} {value:.4g} | {value / base_eval:.4f} |")
+                   f"| {min(row['bytes_ratio']):.2f} | {best['table_bytes'] / 1e6:.2f} "
+                   f"| {min(row['table_bytes_ratio']):.2f} | {hit} | {metric} {value:.4g} | {value / base_eval:.4f} |")
     return "\n".join(out)
 
 

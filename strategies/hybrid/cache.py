@@ -15,13 +15,16 @@ The rules here, for a table with a cache of the rows ``ids`` (at most N, the hot
   ahead of the copy's (the bits of versions.py). Every other row is pulled, and a pulled row
   of the cache is stored with the version it was sent at. So a read misses at most s of the
   server's updates of the row; with s = 0 no row is ever read from the cache.
-* **Writes.** A cached row's gradients are added up here and pushed on this worker's flush
-  steps, every s + 1 steps (step t with (t + rank) mod (s + 1) = s: the workers' phases are
-  spread, so a hot row is pushed by some worker on most steps and its version moves as it would
-  without the cache), so a gradient reaches the servers at most s steps late; at an epoch's end
-  (below) everything held is pushed. A pushed row counts as one worker's gradient of the step
-  that pushes it (mean over the workers), as any other. With s = 0 every step is a flush step
-  and the rows pass through unchanged: the pushes, and so the training, are ``hybrid``'s bit for bit.
+* **Writes.** A cached row's gradients are added up here, and its clock counts them: this
+  worker's updates of the row the servers have not seen (``count``; a micro-step with a
+  gradient of the row is one). A gradient that would make the count s + 1 is pushed with
+  everything held of the row (HET's bound on a row's clock: at most s of this worker's updates
+  of a row held back), and at an epoch's end (below) everything held is pushed. A row updated
+  on every step is thus pushed every s + 1 steps; a row updated once in twenty steps carries
+  its gradients for up to 20 (s + 1) steps, or to the epoch's end. A pushed row counts as one
+  worker's gradient of the step that pushes it (mean over the workers), as any other. With s =
+  0 every gradient is due at once and passes through unchanged: the pushes, and so the
+  training, are ``hybrid``'s bit for bit.
 * **Epochs.** Before a checkpoint, the last step, and every ``REFRESH_STEPS`` steps (a plan's
   ``cache.refresh_steps``), a step
   pushes everything held and the next step starts an epoch: no copy is readable until it is
@@ -58,18 +61,16 @@ class CacheConfig:
         n = int(want) if want >= 1 else int(round(want * table_rows))
         return max(1, min(n, table_rows))
 
-    def flush_step(self, step: int, rank: int) -> bool:
-        """Whether worker ``rank`` pushes the rows it holds back on ``step`` (see the module docstring)."""
-        return (step + rank) % (self.staleness + 1) == self.staleness
-
 
 class RowCache:
     """One served table's cache on one worker (see the module docstring): the cached rows
     ``ids`` (ascending global ids, at most ``capacity``), their values as last pulled, the step
-    each may be read on (``ok``), and the gradients held back (``held``, ``pending``)."""
+    each may be read on (``ok``), the gradients held back (``held``) and how many updates each
+    holds (``count``, at most ``staleness``)."""
 
-    def __init__(self, table, ids: torch.Tensor, capacity: int):
-        self.table, self.capacity = table, capacity
+    def __init__(self, table, ids: torch.Tensor, capacity: int, staleness: int):
+        assert staleness >= 0
+        self.table, self.capacity, self.staleness = table, capacity, staleness
         self.epoch = 0
         self.window: list[torch.Tensor] = []    # ids looked up this epoch (the refresh's counts)
         self.hits = self.lookups = 0
@@ -81,7 +82,7 @@ class RowCache:
         self.ids = ids
         self.values = torch.zeros(ids.numel(), dim, dtype=dtype)
         self.held = torch.zeros(ids.numel(), dim, dtype=dtype)
-        self.pending = torch.zeros(ids.numel(), dtype=torch.bool)
+        self.count = torch.zeros(ids.numel(), dtype=torch.int64)
         self.ok = torch.full((ids.numel(),), -1, dtype=torch.int64)
         owner = self.table.layout.server_of(ids) if ids.numel() else ids
         self.on_server = {s: (owner == s).nonzero().squeeze(1) for s in range(self.table.layout.num_servers)}
@@ -121,26 +122,31 @@ class RowCache:
 
     def outgoing(self, grads: tuple[torch.Tensor, torch.Tensor] | None, flush: bool):
         """What to push of this table now, given this micro-step's gradients ``grads``
-        (``(unique ids, rows)`` or None): the rows that are not cached, and with ``flush``
-        every cached row's gradient held so far plus this one's. A cached row with nothing held
-        passes through untouched (s = 0: every row, in the order given). None when there is
-        nothing to push and no gradient was given."""
+        (``(unique ids, rows)`` or None): the rows that are not cached, and every cached row
+        whose held updates with this one's would exceed s (its held sum plus this gradient;
+        a row with nothing held passes through untouched, in the order given: at s = 0 every
+        row); with ``flush`` (an epoch's end) every held row. None when there is nothing to
+        push and no gradient was given."""
         out_ids, out_rows = [], []
         if grads is not None:
             ids, rows = grads
             member, slot = self.slots(ids)
-            keep = member & (self.pending[slot] | (not flush))
+            keep = member.clone()
+            if bool(member.any()):
+                held = self.count[slot[member]]
+                keep[member] = (held > 0) | ((held + 1 <= self.staleness) & (not flush))
             if bool(keep.any()):
                 self.held[slot[keep]] += rows[keep].to(self.held.dtype)
-                self.pending[slot[keep]] = True
+                self.count[slot[keep]] += 1
             out_ids.append(ids[~keep])
             out_rows.append(rows[~keep])
-        if flush and bool(self.pending.any()):
-            where = self.pending.nonzero().squeeze(1)
+        due = (self.count > 0) if flush else (self.count > self.staleness)
+        if bool(due.any()):
+            where = due.nonzero().squeeze(1)
             out_ids.append(self.ids[where])
             out_rows.append(self.held[where].to(self.table.dtype))
             self.held[where] = 0
-            self.pending[where] = False
+            self.count[where] = 0
         if not out_ids:
             return None
         if len(out_ids) == 1:
@@ -164,7 +170,7 @@ class RowCache:
     def new_epoch(self, ids: torch.Tensor) -> None:
         """Start an epoch with the rows ``ids``: nothing readable until pulled again; what was
         held back must have been pushed (asserted)."""
-        assert not bool(self.pending.any()), "a cache epoch ends with every held gradient pushed"
+        assert not bool(self.count.any()), "a cache epoch ends with every held gradient pushed"
         if torch.equal(ids, self.ids):
             self.ok.fill_(-1)
         else:

@@ -44,7 +44,7 @@ class WorkerCaches:
                 continue
             cap = cfg.rows_for(t.rows)
             first = torch.tensor([int(i) for i in (hot_rows or {}).get(t.name, [])[:cap]], dtype=torch.int64)
-            self.caches[t.tid] = RowCache(t, first.clamp(0, t.rows - 1), cap)
+            self.caches[t.tid] = RowCache(t, first.clamp(0, t.rows - 1), cap, cfg.staleness)
         self.next = {tid: c.ids for tid, c in self.caches.items()}   # the coming epoch's rows
         self.reset_due = True
         client.caches = self
@@ -55,8 +55,8 @@ class WorkerCaches:
                 or bool(self.checkpoint_every and step % self.checkpoint_every == 0))
 
     def flush(self, step: int) -> bool:
-        """Whether ``step`` pushes every held gradient: a flush step of this worker, or the last of an epoch."""
-        return self.cfg.flush_step(step, self.rank) or self.boundary(step + 1)
+        """Whether ``step`` pushes every held gradient: the last step of an epoch."""
+        return self.boundary(step + 1)
 
     def begin(self, step: int) -> list:
         """Before any pull of ``step``: start an epoch where one is due (tell the servers the

@@ -14,7 +14,7 @@ this candidate only when the user asked for it with ``--staleness``.
 """
 from __future__ import annotations
 
-from hpar.strategies.hybrid.cache import CacheConfig
+from hpar.strategies.hybrid.cache import REFRESH_STEPS, CacheConfig
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.profile.hot_rows import HotRows, cache_shares
@@ -32,7 +32,7 @@ def cache_prediction(hot: dict[str, HotRows], table_rows: dict[str, int], cache:
     out = {}
     for name, h in hot.items():
         rows = cache.rows_for(table_rows[name])
-        hit, pulled, pushed = cache_shares(h, rows, cache.staleness, workers)
+        hit, pulled, pushed = cache_shares(h, rows, cache.staleness, workers, REFRESH_STEPS)
         out[name] = {"rows": rows, "hit_rate": hit, "pulled": pulled, "pushed": pushed,
                      "looked_up": h.touches / h.batches if h.batches else 0.0}
     return out

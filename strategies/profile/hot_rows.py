@@ -11,14 +11,13 @@ counts (ids by decreasing count, ties by id), which are the first cache epoch's 
 The prediction (:func:`cache_shares`), per cached row r looked up by a worker's batch with
 probability p (its count over the batches), with s the staleness and N workers:
 
-* a worker pushes r on its flush steps, every s + 1 steps, when it looked r up since the last
-  one: (1 - (1 - p)^(s+1)) / (s + 1) rows per step. The workers' flush steps take k = min(N,
-  s + 1) of the s + 1 phases, N / k workers each, so some worker pushes r on a given step with
-  probability u = k / (s + 1) * (1 - (1 - p)^((s + 1) N / k)), and each such step is one
-  version of r;
-* a pulled copy is read until the servers' version is s ahead: about s / u steps, in which the
-  worker looks r up p s / u times, then pulls it once: a share h = (p s/u) / (p s/u + 1) of
-  its lookups of r are hits (s = 0: none);
+* a worker pushes r with the s + 1-th update it holds of it, p / (s + 1) times a step, and at
+  each cache epoch's end (every ``epoch`` steps) when it holds any: with probability
+  min(1 - (1 - p)^epoch, s / (s + 1)). Some worker pushes r on a given step with probability
+  u = 1 - (1 - p / (s + 1))^N, and each such step is one version of r;
+* a pulled copy is read until the servers' version is s ahead, about s / u steps, or to the
+  epoch's end: L = min(s / u, epoch) steps, in which the worker looks r up p L times, then
+  pulls it once: a share h = p L / (p L + 1) of its lookups of r are hits (s = 0: none);
 * the rows pulled per step are the lookups less the hits, the rows pushed per step those not
   cached plus each cached one's flush rate. Both are given as shares of what hybrid moves
   (the sum of p over every row: a batch's distinct rows).
@@ -100,19 +99,21 @@ def row_counts(job, model: nn.Module, embs: list[tuple[str, nn.Module]], batch_s
     return {n: HotRows.from_counts(counts[n], drawn) for n in names}
 
 
-def cache_shares(hot: HotRows, capacity: int, staleness: int, workers: int) -> tuple[float, float, float]:
+def cache_shares(hot: HotRows, capacity: int, staleness: int, workers: int,
+                 epoch: int = 100) -> tuple[float, float, float]:
     """``(hit rate, pulled share, pushed share)`` of a cache of the ``capacity`` hottest rows
-    with staleness ``staleness`` on each of ``workers`` workers (see the module docstring):
-    the lookups read from the cache, and the rows pulled and pushed per step over hybrid's."""
+    with staleness ``staleness`` on each of ``workers`` workers, cache epochs of ``epoch``
+    steps (see the module docstring): the lookups read from the cache, and the rows pulled and
+    pushed per step over hybrid's."""
     if not hot.batches or not hot.touches:
         return 0.0, 1.0, 1.0
     total = hot.touches / hot.batches          # a batch's distinct rows
     p = torch.tensor(hot.counts[:capacity], dtype=torch.float64) / hot.batches
     s = staleness
-    flush_rate = (1 - (1 - p) ** (s + 1)) / (s + 1)
-    phases = min(workers, s + 1)
-    u = (phases / (s + 1) * (1 - (1 - p) ** ((s + 1) * workers / phases))).clamp_min(1e-12)
-    reads = p * s / u
+    at_end = (1 - (1 - p) ** max(1, epoch)).clamp(max=s / (s + 1)) / max(1, epoch)
+    flush_rate = p / (s + 1) + at_end
+    u = (1 - (1 - p / (s + 1)) ** workers).clamp_min(1e-12)
+    reads = p * (s / u).clamp(max=max(1, epoch))   # a copy is pulled again at least once an epoch
     hits = float((p * reads / (reads + 1)).sum()) / total
     pushed = (total - float(p.sum()) + float(flush_rate.sum())) / total
     return hits, 1 - hits, min(1.0, pushed)
