@@ -25,7 +25,8 @@ Emulated hosts need root and iproute2 (launcher/bench/emulate.py, scripts/testho
 
 Usage: ``python scripts/bench_cache.py [--scripts examples/lm.py,examples/recsys.py]
 [--hosts 2,4,8] [--rate 100mbit] [--steps 60] [--staleness 0,1,2,4,8] [--cache-rows 0.1]
-[--repeat 1] [--json out.json] [--out out.md]``. Errors: a failed run raises RuntimeError with
+[--repeat 1] [--json out.json] [--out out.md] [--plot out.png]``, or ``--from-json a.json,b.json
+[--plot out.png]`` for the table and plot of earlier runs. Errors: a failed run raises RuntimeError with
 the end of its output; the emulated hosts are removed on the way out.
 """
 from __future__ import annotations
@@ -142,6 +143,34 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Write a PNG: against s, per script and cluster, the tables' bytes, all bytes, samples/s
+    and the final evaluation, each as a ratio to hybrid's (best round)."""
+    from hpar.launcher.bench.report import pyplot
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    titles = ["served tables' bytes / step", "all bytes / step", "samples/s", "final evaluation"]
+    for key in dict.fromkeys((r["script"], r["cluster"]) for r in rows):
+        mine = [r for r in rows if (r["script"], r["cluster"]) == key]
+        base = next(r for r in mine if r["staleness"] is None)["runs"][0]
+        cached = sorted((r for r in mine if r["staleness"] is not None), key=lambda r: r["staleness"])
+        xs = [r["staleness"] for r in cached]
+        firsts = [r["runs"][0] for r in cached]
+        ys = [[f["table_bytes"] / base["table_bytes"] for f in firsts],
+              [f["bytes"] / base["bytes"] for f in firsts],
+              [max(r["samples_ratio"]) for r in cached],
+              [list(f["eval"].values())[0] / list(base["eval"].values())[0] if f["eval"] else math.nan for f in firsts]]
+        for ax, y in zip(axes, ys):
+            ax.plot(xs, y, marker="o", label=f"{key[0]}, {key[1]}")
+    for ax, title in zip(axes, titles):
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(title + " (x hybrid)")
+        ax.set_xlabel("staleness s")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scripts", default="examples/lm.py,examples/recsys.py")
@@ -153,7 +182,16 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None, help="write the markdown table here too")
+    ap.add_argument("--plot", default=None, help="write a PNG of the ratios against s here (matplotlib)")
+    ap.add_argument("--from-json", default=None, help="comma-separated --json files of earlier runs: "
+                    "table and plot of their rows, nothing run")
     args = ap.parse_args()
+    if args.from_json:
+        rows = [row for f in args.from_json.split(",") for row in json.load(open(f))["rows"]]
+        print(markdown(rows))
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
     scripts = [os.path.join(HERE, s) if not os.path.isabs(s) else s for s in args.scripts.split(",")]
     root = tempfile.mkdtemp(prefix="hpar-bench-cache-")
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -177,6 +215,8 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")
+    if args.plot:
+        plot(rows, args.plot)
     return 0
 
 
