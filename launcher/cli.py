@@ -68,7 +68,7 @@ def main() -> None:
                    "parameter without a gradient; on or off forces it.")
 @click.option("--staleness", type=int, default=None,
               help="hybrid/ps: a cache of each served table's hot rows on every worker, read while at most S updates "
-                   "behind the servers' (gradients held at most S steps); S = 0 trains as without it. An accuracy "
+                   "behind the servers' (at most S of a worker's updates of a row held back); S = 0 trains as without it. An accuracy "
                    "trade: never on unless given.")
 @click.option("--cache-rows", type=float, default=None,
               help="With --staleness: rows cached per table (an integer) or a fraction of each table's rows (< 1; "
