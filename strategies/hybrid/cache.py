@@ -84,11 +84,14 @@ class RowCache:
         self.held = torch.zeros(ids.numel(), dim, dtype=dtype)
         self.count = torch.zeros(ids.numel(), dtype=torch.int64)
         self.ok = torch.full((ids.numel(),), -1, dtype=torch.int64)
+        self._last = None   # (ids, member, slot) of the last lookup: its gradients come with the same tensor
         owner = self.table.layout.server_of(ids) if ids.numel() else ids
         self.on_server = {s: (owner == s).nonzero().squeeze(1) for s in range(self.table.layout.num_servers)}
 
     def slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(member, slot)`` for sorted unique ``ids``: whether each is cached, and where."""
+        if self._last is not None and self._last[0] is ids:
+            return self._last[1], self._last[2]
         if not self.ids.numel() or not ids.numel():
             return torch.zeros(ids.numel(), dtype=torch.bool), torch.zeros(ids.numel(), dtype=torch.int64)
         slot = torch.searchsorted(self.ids, ids).clamp_(max=self.ids.numel() - 1)
@@ -99,6 +102,7 @@ class RowCache:
         which of them are read from the cache and their slots. ``count``: add them to the hit
         rate and the refresh's window."""
         member, slot = self.slots(ids)
+        self._last = (ids, member, slot)
         hit = member & (self.ok[slot] == step) if ids.numel() else member
         if count:
             self.lookups += ids.numel()
@@ -106,9 +110,10 @@ class RowCache:
             self.window.append(ids)
         return hit, slot
 
-    def fill(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store the pulled ``rows`` of ``ids`` (sorted unique) that are cached."""
-        member, slot = self.slots(ids)
+    def fill(self, ids: torch.Tensor, rows: torch.Tensor, known: tuple | None = None) -> None:
+        """Store the pulled ``rows`` of ``ids`` (sorted unique) that are cached; ``known``:
+        their ``(member, slot)`` where the caller has them (:meth:`slots`)."""
+        member, slot = self.slots(ids) if known is None else known
         if bool(member.any()):
             self.values[slot[member]] = rows[member].to(self.values.dtype)
 
@@ -140,9 +145,12 @@ class RowCache:
                 self.count[slot[keep]] += 1
             out_ids.append(ids[~keep])
             out_rows.append(rows[~keep])
-        due = (self.count > 0) if flush else (self.count > self.staleness)
-        if bool(due.any()):
-            where = due.nonzero().squeeze(1)
+        if flush:
+            where = self.count.nonzero().squeeze(1)
+        else:   # only a row given a gradient now can have gone past s
+            changed = slot[keep] if grads is not None else torch.empty(0, dtype=torch.int64)
+            where = changed[self.count[changed] > self.staleness].sort().values
+        if where.numel():
             out_ids.append(self.ids[where])
             out_rows.append(self.held[where].to(self.table.dtype))
             self.held[where] = 0

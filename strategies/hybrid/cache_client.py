@@ -96,6 +96,7 @@ class WorkerCaches:
         client, cache = self.client, self.caches[table.tid]
         t0 = time.perf_counter()
         hit, slot = cache.split(ids, step)
+        member = cache.slots(ids)[0]
         out = torch.empty(ids.numel(), table.dim, dtype=table.dtype, pin_memory=client.pin)
         if bool(hit.any()):
             out[hit] = cache.values[slot[hit]]
@@ -123,7 +124,7 @@ class WorkerCaches:
                 rows = buf[:k].view(table.dtype).view(sel.numel(), table.dim)
                 out[at] = rows
                 if cache.epoch == epoch:
-                    cache.fill(sel, rows)
+                    cache.fill(sel, rows, (member[at], slot[at]))
                     cache.readable(s, buf[k:], step)
             client.pull_s += time.perf_counter() - t1
             return out
