@@ -78,8 +78,8 @@ def estimate_hybrid_cache(profile: Profile, cluster: ClusterSpec, cache: CacheCo
 def cache_bytes(rows: dict[str, int], row_bytes: dict[str, float]) -> float:
     """Bytes a worker's caches hold (the memory model's ``cache`` term, strategies/plan/memory.py):
     per table of ``rows[name]`` cached rows of ``row_bytes[name]`` bytes, the copies and the
-    gradients held back (2 rows each) plus an id, a readable-step and a held flag (17 bytes)."""
-    return sum(n * (2 * row_bytes[name] + 17) for name, n in rows.items())
+    gradients held back (2 rows each) plus an id, a readable step and a count of held updates (8 bytes each)."""
+    return sum(n * (2 * row_bytes[name] + 24) for name, n in rows.items())
 
 
 def plan_cache(hot: dict[str, HotRows], table_rows: dict[str, int], cache: CacheConfig, workers: int,
