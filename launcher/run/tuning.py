@@ -8,7 +8,8 @@ candidates within ``FACTOR`` of the predicted best (at most ``MOST``), runs each
 trial on the real cluster, through the same launcher as the run (2 warm-up steps, then
 ``--tune-steps`` measured ones, in ``RUN_DIR/trials/<strategy>``), and trains with the fastest
 measured one: the planner's choice unless another measured faster beyond the trial's own
-spread (the p50 to p90 of its step times). The run itself starts from the seed, as any run
+spread (the p50 to p90 of its step times over the square root of their number: the rate's
+uncertainty, not one step's). The run itself starts from the seed, as any run
 does, so its result does not depend on the trial. The trial table (predicted and measured step
 per candidate), the choice and its reason are printed and go to summary.json (``tuning``).
 
@@ -47,11 +48,18 @@ class Trial:
     samples_per_s: float = 0.0
     wall_s: float = 0.0
     exit_code: int = 0
+    steps: int = 1      # measured steps
 
     @property
     def spread(self) -> float:
-        """(p90 - p50) / p50 of the measured steps: how far a measurement may wander."""
-        return (self.step_s_p90 - self.step_s_p50) / self.step_s_p50 if self.step_s_p50 > 0 else 0.0
+        """How far this trial's samples/s may wander: (p90 - p50) / p50 of its measured steps
+        (about 1.3 standard deviations of one step, for normal noise) over the square root of
+        their number, since the figure is the rate over all of them (the standard error of a
+        mean of n steps is the steps' deviation over sqrt(n)). One step's own spread when
+        ``steps`` is 1."""
+        if not self.step_s_p50 > 0:
+            return 0.0
+        return (self.step_s_p90 - self.step_s_p50) / self.step_s_p50 / math.sqrt(max(self.steps, 1))
 
 
 def planned_name(plan: dict) -> str:
@@ -98,7 +106,8 @@ def choose(trials: list[Trial]) -> tuple[str, str]:
     """The strategy to train with and why: the fastest measured, unless the planner's choice
     (``trials[0]``) measured within that one's spread of it: at least its samples/s over
     (1 + its spread), the spread being its p90 step over its p50 step, minus 1 (which may
-    exceed 100% on a busy machine)."""
+    exceed 100% on a busy machine), over the square root of its measured steps
+    (:attr:`Trial.spread`)."""
     ran = [t for t in trials if t.exit_code == 0 and t.samples_per_s > 0]
     planned = trials[0]
     if not ran:
@@ -145,7 +154,7 @@ def run_trials(console: Console, cfg, cands: list[tuple[str, float]], steps: int
                 continue
         s = outcome.summary or {}
         trial = Trial(strategy, predicted, s.get("step_s_p50", math.nan), s.get("step_s_p90", math.nan),
-                      s.get("samples_per_s", 0.0), time.monotonic() - start, outcome.exit_code)
+                      s.get("samples_per_s", 0.0), time.monotonic() - start, outcome.exit_code, steps)
         trials.append(trial)
         console.print(f"hpar: trial {strategy}: predicted {predicted * 1e3:.1f} ms/step, measured "
                       f"{trial.step_s_p50 * 1e3:.1f} ms (p90 {trial.step_s_p90 * 1e3:.1f}), "
@@ -159,7 +168,7 @@ def record(trials: list[Trial], chosen: str, reason: str, note: str) -> dict:
     """The ``tuning`` entry of the plan and of summary.json."""
     return {"trials": [{"strategy": t.strategy, "predicted_step_s": t.predicted_step_s, "step_s_p50": t.step_s_p50,
                         "step_s_p90": t.step_s_p90, "samples_per_s": t.samples_per_s, "wall_s": t.wall_s,
-                        "exit_code": t.exit_code} for t in trials],
+                        "exit_code": t.exit_code, "steps": t.steps, "spread": t.spread} for t in trials],
             "chosen": chosen, "reason": reason, "trial_s": sum(t.wall_s for t in trials), **({"note": note} if note else {})}
 
 
