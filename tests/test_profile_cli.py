@@ -248,7 +248,10 @@ def test_profile_measures_the_local_collectives_and_fsdps_own_work_and_charges_t
                                           "sparse_round_s")}
     assert d["cluster"]["source"] == "probe" and all(0 < t < 0.5 for t in fixed.values()), fixed
     assert 0 < d["profile"]["fsdp_overhead_s"] < 1.0
+    # the host's own seconds a step are measured on GPUs only (profile/step_overhead.py): none here
+    assert d["profile"]["step_overhead_s"] is None
     cands = {c["strategy"]: c for c in d["candidates"]}
+    assert all(c["breakdown"].get("host", 0.0) == 0.0 for c in d["candidates"] if c["breakdown"])
     ar = cands["allreduce"]["breakdown"]
     assert ar["comm_overlap"] + ar["comm_tail"] >= fixed["allreduce_fixed_s"]
     assert cands["fsdp"]["breakdown"]["fsdp_own"] >= d["profile"]["fsdp_overhead_s"]

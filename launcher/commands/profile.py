@@ -67,6 +67,7 @@ def report(profile, cluster, plan) -> dict:
                         "sparse_update_s_per_byte": profile.sparse_update_s_per_byte,
                         "host_update_s_per_byte": profile.host_update_s_per_byte,
                         "update_s_per_tensor": profile.update_s_per_tensor, "fsdp_overhead_s": profile.fsdp_overhead_s,
+                        "step_overhead_s": profile.step_overhead_s,
                         "memory": dataclasses.asdict(profile.memory) if profile.memory else None}}
 
 

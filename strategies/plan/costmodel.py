@@ -21,8 +21,9 @@ and no cost per tensor (a device's optimizers step the tensors fused, ``foreach`
 Overlap (wait-free backpropagation: Zhang et al., "Poseidon", USENIX ATC 2017; Li et al.,
 "PyTorch Distributed", VLDB 2020): a gradient is sent as soon as backward produced it, so
 communication of every layer but the first runs under the rest of backward, and
-``step = data + forward + max(backward, overlappable comm) + comm of layer 0's gradients + update``
-(``data``: drawing the batch, Profile.data_s);
+``step = data + host + forward + max(backward, overlappable comm) + comm of layer 0's gradients + update``
+(``data``: drawing the batch, Profile.data_s; ``host``: the host's own seconds a step on a GPU
+beyond its timed kernels, Profile.step_overhead_s, 0 on CPUs);
 layer 0's gradients are the last ones backward produces, so their exchange cannot hide.
 Pulls from parameter servers happen before forward and do not overlap. Workers computing on
 a CPU whose cores they fill (``cpu_share`` >= 1) get no overlap: gloo reduces and copies
@@ -133,6 +134,7 @@ class CostSetting:
     allreduce_fixed: float | None = None   # a small AllReduce over the workers, measured (ClusterSpec.allreduce_fixed_s)
     allgather_fixed: float | None = None   # ... AllGather (ClusterSpec.allgather_fixed_s)
     reduce_scatter_fixed: float | None = None   # ... ReduceScatter (ClusterSpec.reduce_scatter_fixed_s)
+    host: float = 0.0   # the host's own seconds a step on a GPU beyond the timed parts (Profile.step_overhead_s)
 
     def allreduce(self, nbytes: float) -> float:
         """Seconds of DDP's bucketed AllReduce of ``nbytes`` over the n workers
@@ -193,7 +195,8 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
                        k * (profile.host_update_s_per_tensor if profile.host_update_s_per_tensor is not None
                             else profile.update_s_per_tensor),
                        *((cluster.allreduce_fixed_s, cluster.allgather_fixed_s, cluster.reduce_scatter_fixed_s)
-                         if cluster.hosts == 1 else (None, None, None)))
+                         if cluster.hosts == 1 else (None, None, None)),
+                       profile.step_overhead_s or 0.0)
 
 
 def split_tail(params, first_layer: int = 0):
@@ -210,10 +213,10 @@ def estimate_allreduce(profile: Profile, cluster: ClusterSpec) -> Estimate:
     ar_over, ar_tail = c.allreduce(sum(p.bytes for p in over)), c.allreduce(sum(p.bytes for p in tail))
     emb = sum(p.bytes for p in profile.params if p.embedding_module)
     update = c.update(profile.total_bytes, len(profile.params)) + emb * c.update_per_byte
-    step = c.data + c.fwd + c.under_backward(ar_over) + ar_tail + update
+    step = c.data + c.host + c.fwd + c.under_backward(ar_over) + ar_tail + update
     sent = 2 * (c.n - 1) / c.n * profile.total_bytes if c.n > 1 else 0.0
     return Estimate("allreduce", step, c.n * profile.samples_per_batch, sent,
-                    {"data": c.data, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over, "comm_tail": ar_tail,
+                    {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over, "comm_tail": ar_tail,
                      "update": update}, placement={p.name: "allreduce" for p in profile.params})
 
 
@@ -262,10 +265,10 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
         merge = gathered * c.update_per_byte
         sparse_update = sum(p.union_for(c.n) * p.bytes for p in sparse) * c.update_per_byte
     update = c.update(sum(p.bytes for p in dense), len(profile.params)) + sparse_update
-    step = c.data + c.fwd + c.under_backward(over) + tail + merge + update
+    step = c.data + c.host + c.fwd + c.under_backward(over) + tail + merge + update
     sent = (2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0) + \
         sum((c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse)
     return Estimate("allreduce-sparse", step, c.n * profile.samples_per_batch, sent,
-                    {"data": c.data, "forward": c.fwd, "backward": c.bwd, "comm_overlap": over, "comm_tail": tail,
+                    {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "comm_overlap": over, "comm_tail": tail,
                      "merge": merge, "update": update}, placement={p.name: "allreduce" for p in profile.params},
                     note="the optimizer takes no sparse gradients: the gathered rows are made dense to step" if densified else "")

@@ -62,9 +62,9 @@ def estimate_fsdp(profile: Profile, cluster: ClusterSpec) -> Estimate:
     update = c.update(total / n, len(profile.params))   # every tensor, sharded
     # FSDP's own copies and hooks, measured on one worker (profile/fsdp_cost.py); a projected device: not known
     own = cpu_share(cluster) * (profile.fsdp_overhead_s or 0.0) if cluster.device is None else 0.0
-    step = c.data + first + forward + c.under_backward(gather + scatter) + update + own
+    step = c.data + c.host + first + forward + c.under_backward(gather + scatter) + update + own
     return Estimate("fsdp", step, n * profile.samples_per_batch, fsdp_bytes(total, n, gloo),
-                    {"data": c.data, "forward": c.fwd, "backward": c.bwd, "allgather": 2 * gather,
+                    {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "allgather": 2 * gather,
                      "reducescatter": scatter, "comm_tail": first, "update": update,
                      "fsdp_own": own},
                     placement={p.name: "allreduce" for p in profile.params})

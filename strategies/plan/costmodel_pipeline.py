@@ -131,12 +131,12 @@ def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batc
     updates = [c.update(nbytes, count) for nbytes, count in zip(stage_bytes, tensors)]
     tail = max(ar + u for ar, u in zip(reduce, updates))
     # the first stage draws the batch; the last sends the step's loss to rank 0 (one message)
-    step = c.data + (m + K - 1) * period + tail + msg
+    step = c.data + c.host + (m + K - 1) * period + tail + msg
     acts = sum(m * ((layers[b - 1].activation_bytes // m if b < len(layers) else 0)
                     + (layers[a - 1].activation_bytes // m if a > 0 else 0)) for a, b in plan.ranges) / K
     reduced = sum(2 * (R - 1) / R * nbytes for nbytes in stage_bytes) / K
     return Estimate("pipeline", step, R * profile.samples_per_batch, acts + reduced,
-                    {"data": c.data, "period": period, "message": msg, "bubble": (K - 1) / (m + K - 1),
+                    {"data": c.data, "host": c.host, "period": period, "message": msg, "bubble": (K - 1) / (m + K - 1),
                      "update": max(updates),
                      "allreduce": max(reduce), "stages": K, "replicas": R},
                     placement={p.name: "allreduce" for p in profile.params},

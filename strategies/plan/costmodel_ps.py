@@ -210,17 +210,17 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: 
     # the worker deduplicates each served table's ids on its own thread, whatever the cores
     lookup = cpu_share(cluster) * sum(t.param.dedup_s for t in terms if t.partitions is not None)
     if c.overlap:
-        step = (c.data + lookup + pull + c.fwd + max(c.bwd, ar_over + push_over + server_over) + ar_tail + push_tail
+        step = (c.data + c.host + lookup + pull + c.fwd + max(c.bwd, ar_over + push_over + server_over) + ar_tail + push_tail
                 + max(server_tail, dense_update))
     else:
         # busy cores: the worker's path (its CPU at its share of the cores, the links, both
         # ends of each request) or, where more, the hosts' CPU work over their cores
-        own = c.data + lookup + c.fwd + c.bwd + dense_update
+        own = c.data + c.host + lookup + c.fwd + c.bwd + dense_update
         serial = own + pull + ar_over + push_over + ar_tail + push_tail + requests
         step = max(serial, cpu_bound(c, cluster, own + requests, busy))
     sent = sum(t.sent for t in terms) + (2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0)
     return Estimate(name or strategy, step, c.n * profile.samples_per_batch, sent,
-                    {"data": c.data, "lookup": lookup, "pull": pull, "forward": c.fwd, "backward": c.bwd,
+                    {"data": c.data, "host": c.host, "lookup": lookup, "pull": pull, "forward": c.fwd, "backward": c.bwd,
                      "comm_overlap": ar_over + push_over,
                      "comm_tail": ar_tail + push_tail, "server_update": server_over + server_tail,
                      "update": dense_update, "server_cpu": busy, "requests": requests},

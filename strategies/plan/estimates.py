@@ -42,10 +42,10 @@ def estimate_async_pipeline(sync: Estimate, schedule: str) -> Estimate:
         return sync
     m, period, update = sync.micro_batches, sync.breakdown["period"], sync.breakdown["update"]
     reduce = sync.breakdown.get("allreduce", 0.0)   # with replicas, every update averages its gradient
-    data = sync.breakdown.get("data", 0.0)
-    step = data + m * (period + update * (1.0 + ASYNC_EXTRA_UPDATES[schedule]) + reduce)
+    data, host = sync.breakdown.get("data", 0.0), sync.breakdown.get("host", 0.0)
+    step = data + host + m * (period + update * (1.0 + ASYNC_EXTRA_UPDATES[schedule]) + reduce)
     return Estimate("pipeline", step, sync.samples_per_step, sync.bytes_per_step,
-                    {"data": data, "period": period, "bubble": 0.0, "update": m * update, "allreduce": m * reduce},
+                    {"data": data, "host": host, "period": period, "bubble": 0.0, "update": m * update, "allreduce": m * reduce},
                     sync.placement,
                     stages=sync.stages, micro_batches=m, replicas=sync.replicas, layout=sync.layout)
 

@@ -87,6 +87,7 @@ from hpar.strategies.profile.hooks import (
     rows_touched,
 )
 from hpar.strategies.profile.fsdp_cost import fsdp_overhead_s
+from hpar.strategies.profile.step_overhead import step_overhead_s
 from hpar.strategies.profile.hot_rows import row_counts
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
 from hpar.strategies.profile.shapes import ShapeCensus, draw
@@ -260,6 +261,10 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         per_tensor = per_tensor_update_cost(job, device=dev)
         host_per_tensor = per_tensor_update_cost(job) if dev.type != "cpu" else None
         fsdp_overhead = fsdp_overhead_s(job, dev, cast, timed, model_bytes)
+        tensors = sum(1 for _ in model.parameters())
+        # at the timing batch, as forward and backward were timed (the host's own seconds hardly depend on it)
+        charged = data_s + _median(fwd) + _median(bwd) + update * model_bytes + per_tensor * tensors
+        host_overhead = step_overhead_s(job, dev, cast, tbs, workers, charged, model_bytes)
         host_update = dense_update_cost(job, model_bytes) if dev.type != "cpu" else None
         sparse_update, sparse_ok = None, True
         if embs:
@@ -318,7 +323,8 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
                    update_s_per_byte=update, update_s_per_tensor=per_tensor,
-                   host_update_s_per_tensor=host_per_tensor, fsdp_overhead_s=fsdp_overhead, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
+                   host_update_s_per_tensor=host_per_tensor, fsdp_overhead_s=fsdp_overhead,
+                   step_overhead_s=host_overhead, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
                    unused_params=tuple(sorted(unused)), server_optimizer_note=server_note, traced=traced,

@@ -129,7 +129,8 @@ class Profile:
     draw one batch from ``data()`` and move it to the device; ``update_s_per_tensor`` the
     optimizer's seconds per parameter tensor beside its bytes (``update.per_tensor_update_cost``);
     ``fsdp_overhead_s`` what ``fully_shard`` adds to a step before any byte moves
-    (``fsdp_cost.fsdp_overhead_s``)."""
+    (``fsdp_cost.fsdp_overhead_s``); ``step_overhead_s`` the host's own seconds of a step on
+    an accelerator beyond the timed parts (``step_overhead.step_overhead_s``; None on a CPU)."""
 
     params: tuple[ParamProfile, ...]
     layers: tuple[LayerProfile, ...]
@@ -160,6 +161,7 @@ class Profile:
     update_s_per_tensor: float = 0.0   # the optimizer's step per parameter tensor (0: not measured)
     host_update_s_per_tensor: float | None = None   # the same on one CPU thread (servers; None: measured there already)
     fsdp_overhead_s: float | None = None   # FSDP2's own work per step, one worker (profile/fsdp_cost.py; None: not measured)
+    step_overhead_s: float | None = None   # the host's own seconds a step on a GPU (profile/step_overhead.py; None: CPU)
 
     @property
     def total_bytes(self) -> int:
