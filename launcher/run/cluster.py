@@ -88,6 +88,9 @@ def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem
     request_cpu = probe_requests() if cores is not None else None
     cluster = make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores,
                            allreduce_Bps=allreduce_bw, device_mem_Bps=mem, request_cpu_s=request_cpu)
+    if cores is not None and cluster.workers > 1:   # as many cores as they are worth computing at once
+        from hpar.strategies.plan.probe_cores import effective_cores
+        cluster = dataclasses.replace(cluster, cores_per_host=effective_cores(int(cores)) or cores)
     # gloo's collectives among this machine's worker processes: their fixed time, measured where
     # the link is (link flags describe another network: its latencies, as the model takes them)
     if cores is not None and source == "probe" and cluster.hosts == 1 and cluster.workers > 1:

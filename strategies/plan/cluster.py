@@ -33,7 +33,9 @@ class ClusterSpec:
     ``intra_host_Bps`` (None: same as ``bandwidth_Bps``), ``source`` (where the link figures
     came from: "flags", "probe" or "default"), ``cores_per_host`` (CPU cores a host gives its
     hpar processes when they compute on the CPU, so that more processes than cores share
-    them; None: workers have their own accelerator, or the hosts are not this machine),
+    them: for this machine's workers, the cores' worth they get computing at once, measured by
+    strategies/plan/probe_cores.py, where a VM's vCPUs may give less than one core each; None:
+    workers have their own accelerator, or the hosts are not this machine),
     ``device_mem_Bps`` (memory bytes/s of that device, ``--device-mem-gbps``: with
     ``device_flops`` the roofline of strategies/plan/roofline.py; None: device_flops / 20),
     ``allreduce_Bps`` (the bandwidth a ring AllReduce between processes of one host achieves,
