@@ -48,6 +48,10 @@ What is measured and how:
   Python). ``server_optimizer_note`` says
   why the parameter servers cannot apply the optimizer ("" where they can).
 
+* ``step_overhead_s``, on a GPU only: a whole step less its timed parts, the host's own seconds
+  (``strategies/profile/step_overhead.py``); ``fsdp_overhead_s``: FSDP2's own work per step
+  (``strategies/profile/fsdp_cost.py``).
+
 Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
 
 Compiled models: when ``model()`` returns ``torch.compile(net)``, the profile measures ``net``
