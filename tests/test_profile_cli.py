@@ -250,6 +250,8 @@ def test_profile_measures_the_local_collectives_and_fsdps_own_work_and_charges_t
     fixed = {k: d["cluster"][k] for k in ("allreduce_fixed_s", "allgather_fixed_s", "reduce_scatter_fixed_s",
                                           "sparse_round_s")}
     assert d["cluster"]["source"] == "probe" and all(0 < t < 0.5 for t in fixed.values()), fixed
+    # the cores' worth two workers get computing at once, measured (probe_cores.py): 1 to the cores
+    assert 1.0 <= d["cluster"]["cores_per_host"] <= max(os.cpu_count() or 1, 1)
     assert 0 < d["profile"]["fsdp_overhead_s"] < 1.0
     # the host's own seconds a step are measured on GPUs only (profile/step_overhead.py): none here
     assert d["profile"]["step_overhead_s"] is None

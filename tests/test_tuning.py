@@ -116,3 +116,7 @@ def test_a_trial_picks_the_plan_the_model_ranked_second_when_measurement_says_so
     trials = {t["strategy"]: t for t in summary["tuning"]["trials"]}
     assert trials[ranked[1]]["samples_per_s"] > trials[ranked[0]]["samples_per_s"] > 0
     assert all(os.path.isdir(run_dir / "trials" / s) for s in trials)
+    # each trial's spread is its rate's over its 4 measured steps: one step's over sqrt(4)
+    for t in trials.values():
+        assert t["steps"] == 4 and t["spread"] == pytest.approx(
+            (t["step_s_p90"] - t["step_s_p50"]) / t["step_s_p50"] / 2), t
