@@ -50,6 +50,8 @@ def test_a_whole_step_is_timed_as_a_worker_runs_it_and_measured_on_accelerators_
     whole = step_overhead.whole_step_s(job, model, torch.device("cpu"), cast, job.batches(0, 1, 4), steps=3)
     assert 0.02 <= whole < 0.5
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))   # the optimizer stepped
+    two = iter([next(job.batches(0, 1, 4))] * 2)   # a data stream shorter than the warm-up: nothing timed
+    assert step_overhead.whole_step_s(job, model, torch.device("cpu"), cast, two, steps=3) is None
     assert step_overhead.step_overhead_s(job, torch.device("cpu"), cast, 4, 1, 0.0) is None
     assert step_overhead.step_overhead_s(job, torch.device("cuda"), cast, 4, 1, 0.0, step_overhead.MAX_BYTES + 1) is None
 

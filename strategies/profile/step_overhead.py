@@ -32,11 +32,12 @@ MAX_BYTES = 512 << 20   # larger models are not copied once more to measure this
 SLOW_S = 1.0   # seconds of timed steps after which three are enough
 
 
-def whole_step_s(job, model, device: torch.device, cast, batches, steps: int = 6, warmup: int = 2) -> float:
+def whole_step_s(job, model, device: torch.device, cast, batches, steps: int = 6, warmup: int = 2) -> float | None:
     """The shortest wall seconds of one training step of ``model`` (already on ``device``) as a
     worker runs it (module docstring), over ``steps`` timed steps after ``warmup`` untimed ones,
     each drawing its batch from ``batches`` (an iterator of host batches: (inputs, targets)).
-    The least, since a spell of other work on the host lengthens steps and never shortens them."""
+    The least, since a spell of other work on the host lengthens steps and never shortens them;
+    None when the batches run out before a step is timed."""
     from hpar.strategies.common.context import move_to
     from hpar.strategies.common.devices import DeviceClock
     from hpar.strategies.models.forward import call_model
@@ -44,7 +45,10 @@ def whole_step_s(job, model, device: torch.device, cast, batches, steps: int = 6
     clock, opt, times = DeviceClock(device), probe_optimizer(job, list(model.parameters())), []
     for i in range(warmup + steps):
         t0 = clock.now()
-        inputs, targets = next(batches)
+        try:
+            inputs, targets = next(batches)
+        except StopIteration:
+            break
         inputs, targets = move_to(inputs, device), move_to(targets, device)
         with cast():
             loss = job.compute_loss(call_model(model, inputs), targets)
@@ -56,7 +60,7 @@ def whole_step_s(job, model, device: torch.device, cast, batches, steps: int = 6
             times.append(clock.now() - t0)
             if len(times) >= 3 and sum(times) > SLOW_S:
                 break
-    return min(times)
+    return min(times) if times else None
 
 
 def step_overhead_s(job, device: torch.device, cast, batch_size: int, workers: int, charged_s: float,
@@ -79,4 +83,4 @@ def step_overhead_s(job, device: torch.device, cast, batch_size: int, workers: i
         model = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return max(0.0, seconds - charged_s)
+    return None if seconds is None else max(0.0, seconds - charged_s)
