@@ -4,11 +4,11 @@ read by ``costmodel.cpu_share`` and ``cpu_load``).
 
 Why not ``os.cpu_count()``: a virtual machine's vCPUs may share physical cores (hyperthreads
 of one core, or a host that gives the VM less than a core per vCPU). On this project's 2-vCPU
-test machine one matrix product on each vCPU at once runs 1.8-2x slower than one alone, so two
-single-threaded workers compute at about the speed of one, and three or four at a third or a
-quarter of it: the step times of 3 and 4 local workers imply their compute slowed 2.6-3.9x
-(BENCHMARKS.md, "auto against the bench"), where the model, dividing by 2 cores, charged 1.5x
-and 2x.
+test machine one 256 x 256 matrix product on each vCPU at once runs 1.25-1.7x slower than one
+alone (the two vCPUs are worth 1.2-1.6 cores), so two single-threaded workers compute 1.25-1.7x
+slower than one, and three or four slower still: the step times of 3 and 4 local workers
+imply their compute slowed 2.6-3.9x (BENCHMARKS.md, "auto against the bench"), where the
+model, dividing by 2 cores, charged 1.5x and 2x.
 
 Method: ``C = os.cpu_count()`` threads of this process (one intra-op thread each, as every
 hpar CPU worker runs) each time ``reps`` single-threaded matrix products at once, after one
