@@ -36,7 +36,10 @@ def main() -> None:
 @click.option("--lr", type=float, default=None, help="Learning rate (default: HPAR, else 0.01).")
 @click.option("--seed", type=int, default=None, help="Random seed for the model and the data (default 0).")
 @click.option("--log-every", type=int, default=None, help="Steps between progress reports (default 10).")
-@click.option("--run-dir", default=None, help="Run directory (default runs/<timestamp>).")
+@click.option("--run-dir", default=None, help="Run directory (default runs/<timestamp>); a new or empty one, made "
+              "readable by you only.")
+@click.option("--group-readable", is_flag=True, help="Make a new run directory readable (never writable) by your group: "
+              "mode 0750 instead of 0700.")
 @click.option("--servers", type=int, default=None, help="Parameter servers for hybrid/ps (default one per host).")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default=None, help="Pipeline schedule (default from the plan, else 1f1b).")
 @click.option("--micro-batches", type=int, default=None, help="Pipeline micro-batches per batch (default from the plan).")

@@ -45,7 +45,7 @@ def test_resume_after_the_final_checkpoint_and_from_a_damaged_one(tmp_path, reap
     assert code == 0, out
     first = json.load(open(os.path.join(run_dir, "summary.json")))
     model = final_state(run_dir)
-    junk = os.path.join(run_dir, "checkpoints", ".tmp-left-by-a-kill")
+    junk = os.path.join(run_dir, "checkpoints", ".tmp-k1lled_x")   # mkstemp's shape: ".tmp-" and 8 characters
     open(junk, "wb").write(b"x" * 1000)
 
     # 1. resume a run that ended with its final checkpoint: nothing left to train, same result

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from hpar.strategies.runstate import checkpoint
 
 from hpar.strategies.common import memory
-from hpar.strategies.common.config import RunConfig
+from hpar.strategies.common.config import load_config
 from hpar.strategies.models.forward import inner_module
 from hpar.strategies.hybrid.build import broadcast_dense
 from hpar.strategies.hybrid.client import ps_tables
@@ -34,7 +34,7 @@ from hpar.workers.worker import cpu_threads, env_int, init_group, leave_group, r
 
 
 def main() -> int:
-    cfg = RunConfig.from_json(open(os.environ["HPAR_CONFIG"]).read())
+    cfg = load_config(os.environ["HPAR_CONFIG"], os.environ.get("HPAR_CONFIG_SHA256"))
     num_workers, index = env_int("WORLD_SIZE"), env_int("HPAR_SERVER_INDEX")
     num_servers = env_int("HPAR_NUM_SERVERS", cfg.servers or 1)
     pg_rank, pg_world = env_int("HPAR_PG_RANK", num_workers + index), env_int("HPAR_PG_WORLD_SIZE", num_workers + num_servers)

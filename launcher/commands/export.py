@@ -13,15 +13,17 @@ from hpar.strategies.runstate.export import FORMATS
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="torch", show_default=True,
               help="torch: one torch.save file; safetensors: model.safetensors; hf: a transformers "
                    "save_pretrained directory (from_pretrained loads it).")
-@click.option("--out", required=True, help="The file (torch) or directory (safetensors, hf) to write.")
+@click.option("--out", required=True, help="The file (torch) or the directory to write into (safetensors, hf; "
+              "made when absent, other files in it are left alone).")
+@click.option("--force", is_flag=True, help="Replace files in the way that no earlier hpar export wrote.")
 @click.option("--script", default=None, help="hf: the script whose model() to fill (default: the run's).")
-def export(run_dir, fmt, out, script):
+def export(run_dir, fmt, out, script, force):
     """Write RUN_DIR's trained model as FORMAT at OUT."""
     from hpar.launcher.usage import fail
     from hpar.strategies.runstate.export import export as run_export
     from hpar.strategies.common.job import JobError
     try:
-        written = run_export(run_dir, fmt, out, script)
+        written = run_export(run_dir, fmt, out, script, force)
     except (ValueError, JobError) as exc:
         fail(str(exc), getattr(exc, "user_traceback", None))
     click.echo(f"hpar: wrote {written}")

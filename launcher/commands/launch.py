@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import click
 from rich.console import Console
@@ -52,6 +53,8 @@ def resolve(console: Console, script: str, args: tuple, flags, run_dir: str | No
                     run_dir=os.path.abspath(run_dir or default_run_dir()))
     if os.path.exists(os.path.join(run.run_dir, "config.json")):
         raise ValueError(f"--run-dir {run.run_dir} already holds a run; pick a new directory")
+    from hpar.launcher.run.validate import check_run_dir
+    check_run_dir(run.run_dir)
     console.print(f"hpar: launching {os.path.basename(script)} as it is on {gpus} process(es) "
                   f"(no profiling: hpar cannot profile a script that starts its own process group)", markup=False)
     ssh_opts, master = None, "127.0.0.1"
@@ -73,7 +76,10 @@ def resolve(console: Console, script: str, args: tuple, flags, run_dir: str | No
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--gpus", type=int, default=None, help="Processes (default: every slot of --hosts or of the Slurm allocation, else 1).")
 @click.option("--hosts", default=None, help="Host file or inline list 'a:2,b:2'; default this machine (or the Slurm allocation).")
-@click.option("--run-dir", default=None, help="Run directory for logs and the summary (default runs/<timestamp>).")
+@click.option("--run-dir", default=None, help="Run directory for logs and the summary (default runs/<timestamp>); "
+              "a new or empty one, made readable by you only.")
+@click.option("--group-readable", is_flag=True, help="Make a new run directory readable (never writable) by your group: "
+              "mode 0750 instead of 0700.")
 @click.option("--max-restarts", type=int, default=0, show_default=True, help="Start every rank again after a failure, at most N times.")
 @click.option("--plain", is_flag=True, help="Plain output lines even on a terminal.")
 @click.option("--env", "env", multiple=True, metavar="KEY[=VALUE]", help="Also give remote processes KEY; repeatable.")
@@ -83,7 +89,7 @@ def resolve(console: Console, script: str, args: tuple, flags, run_dir: str | No
 @click.option("--ssh-local", is_flag=True, help="Use SSH even for localhost entries.")
 @click.option("--python", "python_path", default=None, help="Interpreter on the hosts (default: this one's path).")
 @click.option("--sync", is_flag=True, help="Copy the script to hosts that lack it.")
-def launch(script, args, run_dir, max_restarts, plain, **hosts):
+def launch(script, args, run_dir, max_restarts, plain, group_readable, **hosts):
     """Run a torchrun-style SCRIPT (it calls init_process_group itself) with ARGS on every
     slot, under hpar's supervision. hpar's options go before SCRIPT; everything after it is
     the script's."""
@@ -92,6 +98,7 @@ def launch(script, args, run_dir, max_restarts, plain, **hosts):
     try:
         from hpar.launcher.run.flags import HostFlags
         run, opts, master = resolve(console, script, args, HostFlags(**hosts), run_dir, max_restarts, plain)
+        opts = replace(opts, group_readable=group_readable)
     except ValueError as exc:
         fail(str(exc))
     from hpar.launcher.run.scripts import run_script

@@ -17,6 +17,7 @@ from hpar.launcher.run.capacity import from_flags
 from hpar.launcher.run.fit import fit_plan
 from hpar.launcher.run.flags import Flags, PlanFlags
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, finished, resume_step
+from hpar.strategies.runstate.trust import check_trusted
 from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
@@ -63,6 +64,7 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
     (checked before anything starts: launcher/run/validate.py). Raises NothingToDo when that
     run finished at ``steps`` (default: its own) or beyond."""
     path = os.path.join(resume_dir, "config.json")
+    check_trusted(resume_dir, "--resume")   # its config names the code every worker runs
     if not os.path.exists(path):
         raise ValueError(f"--resume {resume_dir}: no config.json there; pass the run directory of an earlier `hpar run`")
     cfg = RunConfig.from_json(open(path, encoding="utf-8").read())
@@ -294,6 +296,6 @@ def resolve(console: Console, flags: Flags):
             console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
         cfg = fit_plan(console, cfg, job, model, capacity, host_list, p.force, profile)   # predicted peaks vs memory
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, phase_timeout=phase_timeout,
-                         max_restarts=max_restarts,
+                         max_restarts=max_restarts, group_readable=r.group_readable,
                          live=False if r.plain else None, sync=h.sync, env=extra_env, slurm=slurm)
     return cfg, opts, master

@@ -43,13 +43,15 @@ class ProcessSpec:
 
 def run_specs(world_size: int, servers: int, config_path: str, master_addr: str, master_port: int,
               host_of_worker: list[str] | None = None, host_of_server: list[str] | None = None,
-              python: str | None = None) -> list[ProcessSpec]:
+              python: str | None = None, config_sha256: str | None = None) -> list[ProcessSpec]:
     """The ProcessSpecs of a run: ``world_size`` workers, then ``servers`` parameter servers.
 
     Workers get torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
     GROUP_RANK = host index, MASTER_ADDR, MASTER_PORT); all processes share one default
     process group of world_size + servers ranks (HPAR_PG_RANK, HPAR_PG_WORLD_SIZE), servers
     after workers. ``host_of_*`` name each process's host (default: all "localhost").
+    ``config_sha256`` (HPAR_CONFIG_SHA256): every process refuses a config.json that does not
+    hash to it (strategies/common/config.py ``load_config``).
     """
     python = python or sys.executable
     host_of_worker = host_of_worker or ["localhost"] * world_size
@@ -58,7 +60,8 @@ def run_specs(world_size: int, servers: int, config_path: str, master_addr: str,
     hosts = list(dict.fromkeys(host_of_worker + host_of_server))
     common = {"WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
               "HPAR_CONFIG": config_path, "HPAR_PG_WORLD_SIZE": str(world_size + servers),
-              "HPAR_NUM_SERVERS": str(servers), "PYTHONUNBUFFERED": "1"}
+              "HPAR_NUM_SERVERS": str(servers), "PYTHONUNBUFFERED": "1",
+              **({"HPAR_CONFIG_SHA256": config_sha256} if config_sha256 else {})}
     specs = []
     for rank, host in enumerate(host_of_worker):
         local = [r for r, h in enumerate(host_of_worker) if h == host]

@@ -82,6 +82,7 @@ class RunFlags:
     on_divergence: str = "off"
     divergence_factor: float = 2.0
     plain: bool = False
+    group_readable: bool = False
 
 
 GROUPS = {"job": JobFlags, "plan": PlanFlags, "hosts": HostFlags, "run": RunFlags}

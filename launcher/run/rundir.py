@@ -2,6 +2,7 @@
 
 Layout::
 
+    RUN_DIR/.hpar-run          hpar's marker: hpar made this directory (strategies/runstate/trust.py)
     RUN_DIR/config.json        the resolved RunConfig (what every process reads)
     RUN_DIR/plan.json          the planner's plan, when there is one
     RUN_DIR/logs/worker-0.log  everything worker 0 printed (likewise server-<i>.log)
@@ -15,12 +16,14 @@ Layout::
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 from collections import deque
 
 from hpar.launcher.run.tensorboard import open_writer
 from hpar.strategies.runstate.checkpoint import atomic_write_bytes
+from hpar.strategies.runstate.trust import claim
 from hpar.strategies.common.config import RunConfig
 
 
@@ -30,11 +33,16 @@ def default_run_dir() -> str:
 
 
 class RunDir:
-    """Files of one run. Log files are opened lazily and closed by :meth:`close`."""
+    """Files of one run. Log files are opened lazily and closed by :meth:`close`. The
+    directory is this user's marked run directory (strategies/runstate/trust.py ``claim``:
+    made 0700, or 0750 when ``group_readable``; ``adopt`` takes an unmarked run being
+    resumed); raises ValueError as ``claim`` does."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, group_readable: bool = False, adopt: bool = False):
         self.path = os.path.abspath(path)
+        claim(self.path, group_readable, adopt)
         os.makedirs(os.path.join(self.path, "logs"), exist_ok=True)
+        self.config_sha256: str | None = None   # of the config.json written last (workers check it)
         self._logs: dict[str, object] = {}
         self._tails: dict[str, deque] = {}
         self._metrics = open(os.path.join(self.path, "metrics.jsonl"), "a", encoding="utf-8")
@@ -46,7 +54,11 @@ class RunDir:
         return os.path.join(self.path, "config.json")
 
     def write_config(self, cfg: RunConfig) -> None:
-        atomic_write_bytes(self.config_path, cfg.to_json().encode())
+        """Write config.json (and plan.json); :attr:`config_sha256` is its SHA-256, which the
+        processes get in ``HPAR_CONFIG_SHA256`` and check before they use it."""
+        data = cfg.to_json().encode()
+        atomic_write_bytes(self.config_path, data)
+        self.config_sha256 = hashlib.sha256(data).hexdigest()
         if cfg.plan:
             atomic_write_bytes(os.path.join(self.path, "plan.json"), json.dumps(cfg.plan, indent=2).encode())
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, replace
 
 from rich.console import Console
 
+from hpar.strategies.runstate.trust import claim
+
 FACTOR = 2.0    # candidates whose predicted samples/s is within this factor of the best
 MOST = 3        # at most this many candidates
 WARMUP = 2      # steps a trial runs before it measures (the run's summary leaves 2 out too)
@@ -187,6 +189,7 @@ def tune(console: Console, cfg, opts, master: str, mode: str, steps: int, resolv
         return cfg, opts, master
     console.print(f"hpar: --tune: a {WARMUP}+{n}-step trial of each of {', '.join(s for s, _ in cands)} "
                   "(the cost model's best and those within 2x of it)", markup=False)
+    claim(cfg.run_dir, opts.group_readable)   # the run's own directory, marked before the trials write into it
     trials = run_trials(console, cfg, cands, n, resolve_for, launch)
     chosen, reason = choose(trials)
     console.print(f"hpar: --tune chose {reason} (trials: {sum(t.wall_s for t in trials):.0f} s)", markup=False)

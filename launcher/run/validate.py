@@ -10,11 +10,17 @@ import os
 import tempfile
 
 from hpar.strategies.runstate import checkpoint
+from hpar.strategies.runstate.trust import check_trusted, check_unmarked
 
 
 def check_run_dir(path: str, flag: str = "--run-dir") -> None:
     """ValueError (one line naming ``path`` and the fix) unless ``path`` is a directory this
-    process can write, or can be created as one (nothing is created here)."""
+    process can write, or can be created as one (nothing is created here), that this user
+    alone can write (strategies/runstate/trust.py) and, for ``--run-dir``, that is new, empty
+    or marked as hpar's (a resumed run may predate the marker)."""
+    check_trusted(path, flag)
+    if flag == "--run-dir":
+        check_unmarked(path, flag)
     probe_dir = path
     while not os.path.exists(probe_dir):
         probe_dir = os.path.dirname(probe_dir) or "."

@@ -3,6 +3,7 @@ in the run directory and read back by every worker and server process."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -142,6 +143,23 @@ class RunConfig:
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
+
+
+class ConfigChanged(ValueError):
+    """config.json is not the file the launcher wrote (its SHA-256 differs)."""
+
+
+def load_config(path: str, sha256: str | None) -> RunConfig:
+    """The RunConfig in ``path`` (a run's config.json), checked against the SHA-256 the
+    launcher passed in ``HPAR_CONFIG_SHA256`` (``sha256``; None: not checked, for processes
+    started by hand). Raises :class:`ConfigChanged` naming the file when it differs: someone
+    who can write the run directory changed what the workers would run."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise ConfigChanged(f"{path}: changed after the launcher wrote it (SHA-256 differs); not running it: "
+                            "keep run directories writable by you only")
+    return RunConfig.from_json(data.decode())
 
 
 def not_supported(cfg: RunConfig) -> str | None:

@@ -36,15 +36,35 @@ def _atomic_write(path: str, write) -> None:
         raise
 
 
-def remove_temp_files(directory: str) -> list[str]:
-    """Remove the ``.tmp-*`` files :func:`_atomic_write` left under ``directory`` (a process
-    killed mid-write cannot remove its own); returns their paths. Call only while no process
-    of the run writes (before it starts, after teardown)."""
+_TEMP = re.compile(r"^\.tmp-[A-Za-z0-9_]{8}$")   # tempfile.mkstemp(prefix=".tmp-"): the prefix and 8 random characters
+
+
+def _own_folders(run_dir: str) -> list[str]:
+    """The folders of a run where hpar's writes leave temp files: the run directory, its
+    ``stacks/``, ``checkpoints/``, every ``checkpoints/step-N/``, ``model/`` and ``.tmp-model/``."""
+    folders = [run_dir, os.path.join(run_dir, "stacks"), os.path.join(run_dir, "checkpoints"),
+               os.path.join(run_dir, "model"), os.path.join(run_dir, ".tmp-model")]
+    return folders + [step_dir(run_dir, step) for step in steps_on_disk(run_dir)]
+
+
+def remove_temp_files(run_dir: str) -> list[str]:
+    """Remove the temp files :func:`_atomic_write` left in a marked run directory's own
+    folders (a process killed mid-write cannot remove its own: ``.tmp-`` and mkstemp's 8
+    random characters, regular files only); returns their paths. A folder without hpar's
+    marker (strategies/runstate/trust.py) is left alone. Call only while no process of the
+    run writes (before it starts, after teardown)."""
+    from hpar.strategies.runstate.trust import is_marked
+    if not is_marked(run_dir):
+        return []
     removed = []
-    for root, _, files in os.walk(directory):
-        for name in files:
-            if name.startswith(".tmp-"):
-                path = os.path.join(root, name)
+    for folder in _own_folders(run_dir):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            if _TEMP.match(name) and os.path.isfile(path) and not os.path.islink(path):
                 try:
                     os.unlink(path)
                     removed.append(path)
@@ -56,9 +76,13 @@ def remove_temp_files(directory: str) -> list[str]:
 def remove_incomplete_steps(run_dir: str) -> list[str]:
     """Remove the ``checkpoints/step-N`` directories newer than ``latest`` (a save that did not
     complete: its processes may have written part of it) and a final model's unfinished
-    ``.tmp-model``; returns their paths. Call only while no process of the run writes."""
+    ``.tmp-model`` of a marked run directory (strategies/runstate/trust.py; an unmarked one is
+    left alone); returns their paths. Call only while no process of the run writes."""
     import shutil
+    from hpar.strategies.runstate.trust import is_marked
     removed = []
+    if not is_marked(run_dir):
+        return removed
     tmp_model = os.path.join(run_dir, ".tmp-model")   # the final model's, before its rename (strategies/runstate/state.py)
     if os.path.isdir(tmp_model):
         shutil.rmtree(tmp_model, ignore_errors=True)

@@ -13,7 +13,10 @@ step, sized for the machine that runs it), as the model's ``state_dict``:
 * ``hf``: the script's ``model()`` (a ``transformers`` model) loaded with the state dict and
   written with its ``save_pretrained``: ``from_pretrained(OUT)`` gives the trained model.
 
-Each is written to a temp path beside ``OUT`` and renamed into place.
+Each is written into a temp folder inside ``OUT`` (or beside the torch file) and its files are
+renamed into place; nothing else in ``OUT`` is touched, a file no earlier export wrote is not
+replaced without ``--force``, and ``OUT`` may not be the working directory, the run directory
+or an ancestor of either (:func:`check_out`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import tempfile
 
 import torch
 
-from hpar.strategies.runstate.checkpoint import atomic_save
+from hpar.strategies.runstate.checkpoint import atomic_write_bytes
 
 FORMATS = ("torch", "safetensors", "hf")
 
@@ -51,34 +54,90 @@ def unaliased(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def export(run_dir: str, fmt: str, out: str, script: str | None = None) -> str:
-    """Write the trained model of ``run_dir`` as ``fmt`` (one of FORMATS) at ``out`` (a file
-    for ``torch``, a directory for the others); returns what was written. ``script``: the
-    run's script, for ``hf`` (default: the one its config.json names). Raises ValueError for
-    an unknown format, a run without a model, or ``hf`` for a model that is not a
-    ``transformers`` model."""
+MANIFEST = ".hpar-export"   # in OUT: the names earlier exports wrote there, one a line
+
+
+def _within(inner: str, outer: str) -> bool:
+    """Whether real path ``inner`` is ``outer`` or inside it."""
+    return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
+
+
+def check_out(out: str, run_dir: str) -> None:
+    """ValueError naming ``--out`` unless ``out`` may hold an export: not a file, and not the
+    working directory, ``run_dir`` or an ancestor of either (an export writes into ``out``; a
+    mistake there must not land in the run or the working tree)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out}: is a file; --format safetensors and hf write into a directory: name a "
+                         "new or earlier export directory")
+    real = os.path.realpath(out)
+    for name, path in (("the working directory", os.getcwd()), ("the run directory", run_dir)):
+        if _within(os.path.realpath(path), real):
+            raise ValueError(f"--out {out}: is {name} or holds it; name a directory for the exported model "
+                             "(e.g. --out exported)")
+
+
+def _written_before(out: str) -> set[str]:
+    try:
+        with open(os.path.join(out, MANIFEST), encoding="utf-8") as f:
+            return {line.strip() for line in f if line.strip()}
+    except OSError:
+        return set()
+
+
+def _check_overwrite(out: str, names: list[str], force: bool) -> None:
+    """ValueError naming the first file of ``names`` in ``out`` that no earlier export wrote
+    (unless ``force``)."""
+    ours = _written_before(out)
+    clash = [n for n in names if os.path.lexists(os.path.join(out, n)) and n not in ours]
+    if clash and not force:
+        raise ValueError(f"--out {out}: {os.path.join(out, clash[0])} exists and no hpar export wrote it; "
+                         "pick another --out, or pass --force to replace it")
+
+
+def export(run_dir: str, fmt: str, out: str, script: str | None = None, force: bool = False) -> str:
+    """Write the trained model of ``run_dir`` as ``fmt`` (one of FORMATS) at ``out``; returns
+    what was written. ``torch``: the file ``out`` (``out/model.pt`` when ``out`` is a
+    directory); ``safetensors`` and ``hf``: their files inside the directory ``out`` (made
+    when absent), each written to a temp name and renamed in, nothing else in ``out``
+    touched; ``OUT/.hpar-export`` lists what exports wrote. ``script``: the run's script, for
+    ``hf`` (default: the one its config.json names). Raises ValueError for an unknown format,
+    a run without a model, a run directory others can write, ``hf`` for a model that is not a
+    ``transformers`` model, an ``out`` refused by :func:`check_out`, and a file in the way
+    that no export wrote (unless ``force``)."""
+    from hpar.strategies.runstate.trust import check_trusted
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    check_trusted(run_dir, "RUN_DIR")   # its files are loaded, and its config names the script (hf)
+    if fmt == "torch" and not os.path.isdir(out):
+        directory, names = os.path.dirname(os.path.abspath(out)), [os.path.basename(out)]
+    else:
+        check_out(out, run_dir)
+        directory, names = os.path.abspath(out), ["model.pt"] if fmt == "torch" else None
+    if names:
+        _check_overwrite(directory, names, force)
     weights = trained_state(run_dir)
-    if fmt == "torch":
-        target = os.path.join(out, "model.pt") if os.path.isdir(out) else out
-        atomic_save(weights, target)
-        return target
-    parent = os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
+    os.makedirs(directory, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=directory)
     try:
-        if fmt == "safetensors":
+        if fmt == "torch":
+            with open(os.path.join(tmp, names[0]), "wb") as f:
+                torch.save(weights, f)
+                f.flush()
+                os.fsync(f.fileno())
+        elif fmt == "safetensors":
             from safetensors.torch import save_file
             save_file(unaliased(weights), os.path.join(tmp, "model.safetensors"))
         else:
             _save_pretrained(run_dir, script, weights, tmp)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        names = sorted(os.listdir(tmp))
+        _check_overwrite(directory, names, force)
+        for name in names:
+            os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+        atomic_write_bytes(os.path.join(directory, MANIFEST),
+                           "".join(n + "\n" for n in sorted(_written_before(directory) | set(names))).encode())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return os.path.join(directory, names[0]) if fmt == "torch" else out
 
 
 def _save_pretrained(run_dir: str, script: str | None, weights: dict, target: str) -> None:
@@ -103,4 +162,4 @@ def _save_pretrained(run_dir: str, script: str | None, weights: dict, target: st
     os.rmdir(os.path.join(target, "hf"))
 
 
-__all__ = ["FORMATS", "trained_state", "unaliased", "export"]
+__all__ = ["FORMATS", "MANIFEST", "trained_state", "unaliased", "check_out", "export"]
