@@ -19,7 +19,9 @@ exits, is re-parented to the guard rather than to init, so the guard and the lau
 (launcher/procs/local.py) still find it among the guard's descendants and stop it with the
 group (workers/descendants.py); when CMD exits, the guard ends them itself and says which in an
 ``ended`` event. SIGUSR1 (the launcher's request for stacks, workers/report.install_stack_dump)
-is ignored by the guard itself.
+is ignored by the guard itself. With ``HPAR_HOLD_STORE=1`` rank 0's guard holds the run's
+rendezvous store on MASTER_ADDR:MASTER_PORT before it starts CMD (workers/store.py
+``guard_store``), and exits 1 naming the address when it cannot bind it.
 """
 from __future__ import annotations
 
@@ -158,6 +160,12 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGUSR1, lambda signum, frame: None)   # stacks are the child's to dump
     become_subreaper()
+    try:   # rank 0 on a remote first host: the run's store, on MASTER_ADDR only (workers/store.py)
+        from hpar.workers.store import guard_store
+        store = guard_store()  # noqa: F841  (held until the guard exits)
+    except Exception as exc:   # EADDRINUSE: the launcher starts again on another port
+        print(f"hpar guard: {exc}", file=sys.stderr, flush=True)
+        return 1
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
     print(f'@hpar event {{"kind":"started","pid":{child.pid},"pgid":{os.getpgrp()}}}', flush=True)
 

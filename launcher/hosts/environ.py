@@ -27,7 +27,7 @@ ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH", "PYTORCH_", "HF_", "HUGGINGFACE_", 
                   "MLFLOW_", "HPAR_", "CUBLAS_", "CUDNN_", "UCX_", "FI_")
 # hpar sets these per process; a launcher's own value must not leak into a remote process
 _NEVER = ("HPAR_CONFIG", "HPAR_PG_RANK", "HPAR_PG_WORLD_SIZE", "HPAR_SERVER_INDEX", "HPAR_NUM_SERVERS",
-          "HPAR_THREADS", "HPAR_PROCS_ON_HOST", "TORCHELASTIC_USE_AGENT_STORE")
+          "HPAR_THREADS", "HPAR_PROCS_ON_HOST", "TORCHELASTIC_USE_AGENT_STORE", "HPAR_HOLD_STORE")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

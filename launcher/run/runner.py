@@ -132,7 +132,8 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             checkpoint.remove_incomplete_steps(rundir.path)
             rundir.write_config(cfg)
             lines: queue.Queue = queue.Queue()
-            with Rendezvous(master, first_host_local(opts.hosts), avoid=used_ports) as rdv:  # launcher/run/rendezvous.py
+            with Rendezvous(master, first_host_local(opts.hosts), avoid=used_ports,
+                            user_env=opts.env) as rdv:  # launcher/run/rendezvous.py
                 console.print(f"hpar: {rdv.describe()}", markup=False)
                 procs = _processes(cfg, rundir, replace(opts, env={**rdv.env, **opts.env}), lines, master, rdv.port)
                 labels = [(p.spec.label, p.spec.host) for p in procs]

@@ -95,7 +95,7 @@ def run_script(run: ScriptRun, opts, console: Console, master: str = "127.0.0.1"
     try:
         while True:
             lines: queue.Queue = queue.Queue()
-            with Rendezvous(master, first_host_local(opts.hosts), avoid=used_ports) as rdv:
+            with Rendezvous(master, first_host_local(opts.hosts), avoid=used_ports, user_env=opts.env) as rdv:
                 console.print(f"hpar: {rdv.describe()}", markup=False)
                 specs = script_specs(run, opts.hosts, master, rdv.port, attempt, opts.max_restarts, python)
                 for spec in specs:
