@@ -1,6 +1,6 @@
 """Test hosts on one machine: K network namespaces on a bridge, each with its own OpenSSH server.
 
-    python scripts/testhosts.py up K [--rate 1gbit [--queue fifo|fair]] [--prefix hpt] [--net 0]
+    python scripts/testhosts.py up K [--rate 1gbit [--queue fifo|fair]] [--prefix hpt] [--net 0] [--shell dash]
     python scripts/testhosts.py down [--prefix hpt]
     python scripts/testhosts.py link I up|down [--prefix hpt]
 
@@ -9,7 +9,9 @@ a namespace ``<prefix>h<i>`` joined to it by a veth pair (``<prefix>v<i>`` on th
 ``eth0`` inside) with the address 10.77.NET.(i+2), running ``/usr/sbin/sshd`` with a throwaway
 config, a throwaway host key and a throwaway client key authorized for root. ``--rate`` caps
 each host's link in both directions (``tc`` on both ends of its veth), behind a first-in
-first-out queue or, with ``--queue fair``, a per-flow fair one (scripts/linkqueue.py). It writes
+first-out queue or, with ``--queue fair``, a per-flow fair one (scripts/linkqueue.py). ``--shell
+dash``: commands run under ``dash -c`` (``ForceCommand``), as with a dash login shell, whose process
+keeps the command in its argv for the whole run (sftp still works). It writes
 a host file (``root@ADDR:22 slots=1`` per line), an ssh config, a known_hosts file with the
 hosts' key (pass it with ``--ssh-known-hosts`` or ``HPAR_SSH_KNOWN_HOSTS``) and the key under
 hpar-testhosts-<prefix>/ in $HPAR_TESTHOSTS_DIR (default: the temporary directory) and prints them as JSON. The namespaces have no default route:
@@ -133,10 +135,14 @@ def _cap(rate_bits: int, device: str, namespace: str | None, queue: str) -> None
         _sh(*(["ip", "netns", "exec", namespace] if namespace else []), "tc", "-batch", batch.name)
 
 
-def _sshd_config(directory: str, address: str, index: int) -> str:
+DASH = ('ForceCommand case "$SSH_ORIGINAL_COMMAND" in internal-sftp) exec /usr/lib/openssh/sftp-server;; '
+        '*) exec /bin/dash -c "$SSH_ORIGINAL_COMMAND";; esac\n')
+
+
+def _sshd_config(directory: str, address: str, index: int, shell: str | None = None) -> str:
     path = os.path.join(directory, f"sshd-{index}.conf")
     with open(path, "w") as f:
-        f.write(f"""Port 22
+        f.write((DASH if shell == "dash" else "") + f"""Port 22
 ListenAddress {address}
 HostKey {directory}/host_key
 AuthorizedKeysFile {directory}/authorized_keys
@@ -180,12 +186,15 @@ def _start_sshd(namespace: str, config: str, log: str, address: str, timeout: fl
     raise RuntimeError(f"sshd in {namespace} did not accept connections within {timeout} s; see {log}")
 
 
-def up(k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0, queue: str = "fifo") -> TestHosts:
+def up(k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0, queue: str = "fifo",
+       shell: str | None = None) -> TestHosts:
     """Create ``k`` test hosts (removing any left from an earlier ``up`` with this prefix), each
-    link capped at ``rate`` behind the queue ``queue`` (scripts/linkqueue.py). Raises
+    link capped at ``rate`` behind the queue ``queue`` (scripts/linkqueue.py), commands under
+    ``dash -c`` with ``shell="dash"`` (see the module docstring). Raises
     PermissionError without root, ValueError for bad arguments, RuntimeError when a command
     fails (after removing what it made)."""
     _check_names(prefix, net, k)
+    assert shell in (None, "dash"), f"shell {shell!r}: only dash"
     rate_bits = _rate_bits(rate) if rate else None
     if rate_bits:
         linkqueue.commands(queue, rate_bits, "eth0")   # ValueError before anything is made
@@ -223,7 +232,7 @@ def up(k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0, queue
             if rate_bits:
                 _cap(rate_bits, veth, None, queue)
                 _cap(rate_bits, "eth0", ns, queue)
-            config = _sshd_config(directory, address, i)
+            config = _sshd_config(directory, address, i, shell)
             pid = _start_sshd(ns, config, f"{directory}/sshd-{i}.log", address)
             state["sshd_pids"].append(pid)
             _save(directory, state)
@@ -313,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--net", type=int, default=0, help="third octet of 10.77.NET.0/24")
     p_up.add_argument("--queue", choices=linkqueue.QUEUES, default="fifo",
                       help="the queue behind --rate: fifo (tbf) or fair (per-flow, small packets first; see linkqueue.py)")
+    p_up.add_argument("--shell", choices=["dash"], default=None, help="run commands under dash -c (ForceCommand)")
     p_down = sub.add_parser("down", help="remove the test hosts")
     p_link = sub.add_parser("link", help="take a host's link down or up")
     p_link.add_argument("index", type=int)
@@ -325,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "up":
-            print(up(args.k, rate=args.rate, prefix=args.prefix, net=args.net, queue=args.queue).to_json())
+            print(up(args.k, rate=args.rate, prefix=args.prefix, net=args.net, queue=args.queue, shell=args.shell).to_json())
         elif args.command == "down":
             down(args.prefix)
         else:

@@ -24,10 +24,10 @@ import testhosts  # noqa: E402
 _COUNTER = itertools.count()
 
 
-def make_hosts(k: int, rate: str | None = None, queue: str = "fifo"):
+def make_hosts(k: int, rate: str | None = None, queue: str = "fifo", shell: str | None = None):
     """Yield a TestHosts of ``k`` hosts with a prefix and subnet unique to this process (so
-    parallel test runs do not collide); skip with the reason where they cannot be made; remove
-    everything afterwards, also on failure."""
+    parallel test runs do not collide; ``shell="dash"``: commands run under ``dash -c``); skip
+    with the reason where they cannot be made; remove everything afterwards, also on failure."""
     reason = testhosts.unavailable()
     if reason:
         pytest.skip(reason)
@@ -35,7 +35,7 @@ def make_hosts(k: int, rate: str | None = None, queue: str = "fifo"):
     net = 100 + (os.getpid() * 7 + n) % 150
     prefix = f"t{net}x{n % 10}"
     try:
-        made = testhosts.up(k, rate=rate, prefix=prefix, net=net, queue=queue)
+        made = testhosts.up(k, rate=rate, prefix=prefix, net=net, queue=queue, shell=shell)
     except Exception:
         testhosts.down(prefix)
         raise
