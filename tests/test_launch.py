@@ -146,18 +146,20 @@ def test_environment_allowlist(monkeypatch):
     from hpar.launcher.hosts.environ import allowlisted, describe, parse_env_flags
     from hpar.launcher.procs.local import ProcessSpec
     from hpar.launcher.procs.srun import step_environment
-    from hpar.launcher.procs.ssh import remote_command
+    from hpar.launcher.procs.ssh import remote_command, remote_environment
     environ = {"PYTHONPATH": "/p", "NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "4",
                "TORCH_LOGS": "dynamo", "HF_HOME": "/hf", "WANDB_API_KEY": "k", "AWS_SECRET_ACCESS_KEY": "no",
                "PATH": "/bin", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0", "HPAR_CONFIG": "/x", "SSH_AUTH_SOCK": "/s"}
     assert set(allowlisted(environ)) == {"PYTHONPATH", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS",
-                                         "TORCH_LOGS", "HF_HOME", "WANDB_API_KEY"}
+                                         "TORCH_LOGS"}   # HF_*, WANDB_*: only with --env (issue 61)
     assert parse_env_flags(("AWS_SECRET_ACCESS_KEY", "A=1=2"), environ) == {"AWS_SECRET_ACCESS_KEY": "no", "A": "1=2"}
     for bad in ("1X=2", "A B", "UNSET_HERE"):
         with pytest.raises(ValueError, match="--env"):
             parse_env_flags((bad,), environ)
     line = describe({"EXTRA": "v"}, environ)
-    assert "EXTRA (--env)" in line and "WANDB_API_KEY" in line and "k" not in line.split(":", 1)[1].split(", ")
+    shown, _, held = line.partition("; ")
+    assert "EXTRA (--env)" in shown and "WANDB_API_KEY" not in shown and "WANDB_API_KEY" in held
+    assert "k" not in line.split(":", 1)[1].replace(";", ",").split(", ")
     step = step_environment({"EXTRA": "v"}, dict(environ, SLURM_JOB_ID="3", SLURM_NTASKS="2"))
     assert step["SLURM_JOB_ID"] == "3" and "SLURM_NTASKS" not in step and step["EXTRA"] == "v"
     assert "AWS_SECRET_ACCESS_KEY" not in step and "CUDA_VISIBLE_DEVICES" not in step and step["PATH"] == "/bin"
@@ -165,9 +167,11 @@ def test_environment_allowlist(monkeypatch):
         monkeypatch.delenv(key)
     for key, value in environ.items():
         monkeypatch.setenv(key, value)
-    command = remote_command(ProcessSpec("worker", 0, "h", ("python3", "-c", "1"), {"RANK": "0"}), cwd="/w")
-    assert "NCCL_DEBUG=INFO" in command and "RANK=0" in command and "WANDB_API_KEY=k" in command
-    assert "AWS_SECRET" not in command and "PATH=" not in command.replace("PYTHONPATH=", "") and "HPAR_CONFIG" not in command
+    spec = ProcessSpec("worker", 0, "h", ("python3", "-c", "1"), {"RANK": "0"})
+    sent = remote_environment(spec)   # over the channel's stdin; the command holds no environment
+    assert sent["NCCL_DEBUG"] == "INFO" and sent["RANK"] == "0" and "WANDB_API_KEY" not in sent
+    assert "AWS_SECRET_ACCESS_KEY" not in sent and "PATH" not in sent and "HPAR_CONFIG" not in sent
+    assert "NCCL_DEBUG=" not in remote_command(spec, cwd="/w") and "RANK=" not in remote_command(spec, cwd="/w")
 
 
 # --- on two network-namespace test hosts ------------------------------------------------------

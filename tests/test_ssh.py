@@ -14,7 +14,8 @@ import pytest
 import netns_hosts
 from hpar.launcher.hosts.hostfile import Host
 from hpar.launcher.procs.local import LocalProcess, ProcessSpec
-from hpar.launcher.procs.ssh import LOST_HOST, RemoteProcess, SSHError, SSHOptions, connect, make_process, remote_command
+from hpar.launcher.procs.ssh import (LOST_HOST, RemoteProcess, SSHError, SSHOptions, connect, environment_line,
+                                     make_process, remote_command)
 
 PY = sys.executable
 HOSTILE = ["$(touch {p})", "`touch {p}`", "; touch {p}", "a b\nc", "'\"", "&& touch {p} #", "-oProxyCommand=touch {p}"]
@@ -34,7 +35,8 @@ def test_remote_command_quotes_every_value(tmp_path):
     weird_dir = tmp_path / "dir with $(touch x) and 'quotes'"
     weird_dir.mkdir()
     command = remote_command(spec, cwd=str(weird_dir))
-    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["bash", "-c", command], input=environment_line(spec).decode(), capture_output=True,
+                         text=True, timeout=30)   # the environment goes over stdin, as over SSH
     assert out.returncode == 0, out.stderr
     import json
     assert json.loads(out.stdout.strip().splitlines()[-1]) == values + values
@@ -48,7 +50,7 @@ def test_remote_command_replaces_python_and_rejects_bad_env_names():
     assert words[:2] == ["cd", "/w"]
     assert PY not in words and words.count("/opt/py/bin/python3") == 3  # session wrapper, guard, worker
     with pytest.raises(ValueError, match="not an identifier"):
-        remote_command(_spec("1", env={"A;touch x": "1"}))
+        environment_line(_spec("1", env={"A;touch x": "1"}))
 
 
 def test_make_process_local_remote_and_forced():

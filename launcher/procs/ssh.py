@@ -1,10 +1,15 @@
 """Processes on other hosts, over SSH through fabric: ``RemoteProcess`` offers exactly the
 methods and attributes of ``LocalProcess`` (launcher/procs/local.py), and ``make_process`` picks one.
 
-The remote command is ``cd CWD && env K=V ... PY -c SETSID PY -m hpar.workers.guard PY -m ...``
-with every piece shlex-quoted (SETSID: ``setsid -w`` in five lines of Python, so a signal maps
-to 128+N as the guard's own exit codes do). It makes the guard the leader of its own session and
-process group; the channel's stdin stays open and carries one heartbeat byte a second, so
+The remote command is ``cd CWD && PY -c BOOT PY -m hpar.workers.guard PY -m ...`` with every
+piece shlex-quoted, and no environment value in it: sshd hands the command to the login shell
+as ``$SHELL -c COMMAND``, which every user of the host sees in ``ps`` (dash keeps it there for
+the whole run). The environment (the allowlist of launcher/hosts/environ.py under the spec's
+own variables, ``--env`` included) is the first line the launcher writes on the channel's stdin,
+as JSON; BOOT reads exactly that line (byte by byte, so nothing after it is consumed), sets it
+in ``os.environ`` and acts as ``setsid -w`` (so a signal maps to 128+N as the guard's own exit
+codes do). It makes the guard the leader of its own session and process group; the rest of the
+channel's stdin stays open and carries one heartbeat byte a second, so
 when the launcher's connection goes away the guard stops its group: at EOF (the launcher
 exited or was killed) or after ``HEARTBEAT_S`` seconds of silence (a dead link, a frozen
 launcher; ``HPAR_GUARD_HEARTBEAT``). Each process is a channel of its host's one connection
@@ -37,10 +42,14 @@ from hpar.launcher.procs.local import LocalProcess, ProcessSpec
 LOST_HOST = 255
 HEARTBEAT_S = 4.0  # the remote guard stops its group after this long without a heartbeat byte
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# ``setsid -w`` for our purpose: run argv[1:] as the leader of a new session, wait, and exit
-# with its code, or 128+N when it died of signal N (``setsid -w`` itself returns N then).
-_SESSION = ("import os,sys\npid=os.fork()\nif pid==0:\n os.setsid()\n os.execvp(sys.argv[1],sys.argv[1:])\n"
-            "code=os.waitstatus_to_exitcode(os.waitpid(pid,0)[1])\nsys.exit(128-code if code<0 else code)")
+# Read the environment (the first line of stdin, JSON) one byte at a time, leaving the rest for the
+# guard; then ``setsid -w`` for our purpose: run argv[1:] as the leader of a new session, wait, and
+# exit with its code, or 128+N when it died of signal N (``setsid -w`` itself returns N then).
+_BOOT = ("import json,os,sys\nline=b''\nwhile not line.endswith(b'\\n'):\n b=os.read(0,1)\n if not b:\n"
+         "  sys.exit('hpar: no environment line on stdin (the launcher went away)')\n line+=b\n"
+         "os.environ.update(json.loads(line))\npid=os.fork()\nif pid==0:\n os.setsid()\n"
+         " os.execvp(sys.argv[1],sys.argv[1:])\n"
+         "code=os.waitstatus_to_exitcode(os.waitpid(pid,0)[1])\nsys.exit(128-code if code<0 else code)")
 CONTROL_TIMEOUT_S = 3.0  # connect (and answer) timeout for a control command (a signal, a check)
 DEAD_FOR_S = 30.0  # after a lost connection, control commands skip the host this long
 _dead: dict[str, float] = {}
@@ -57,24 +66,33 @@ def _is_dead(host: Host) -> bool:
         return time.monotonic() - _dead.get(host.name, -DEAD_FOR_S) < DEAD_FOR_S
 
 
-def remote_command(spec: ProcessSpec, python: str | None = None, cwd: str | None = None) -> str:
-    """The shell command that runs ``spec`` on a host: ``cd CWD && env K=V ... PY -c SETSID ARGV``,
-    each piece shlex-quoted; ``python`` replaces the spec's interpreter (argv[0] and every
-    other occurrence of it). The environment is the allowlisted part of the launcher's
-    (launcher/hosts/environ.py) under the spec's own variables. Raises ValueError for an environment name that is not an
-    identifier."""
-    argv = list(spec.argv)
-    if python:
-        argv = [python if a == spec.argv[0] else a for a in argv]
+def remote_environment(spec: ProcessSpec) -> dict[str, str]:
+    """What the process of ``spec`` gets on its host: the allowlisted part of the launcher's
+    environment (launcher/hosts/environ.py) under the spec's own variables (``--env`` included).
+    Raises ValueError for a name that is not an identifier."""
     env = allowlisted()  # launcher/hosts/environ.py: the documented allowlist, never everything
-    env.update(spec.env)
+    env.update({k: str(v) for k, v in spec.env.items()})
     for key in env:
         if not _ENV_KEY.match(key):
             raise ValueError(f"environment variable name {key!r} of {spec.label} is not an identifier")
-    assigns = [shlex.quote(f"{k}={v}") for k, v in env.items()]
-    session = [argv[0], "-c", _SESSION]
-    return (f"cd {shlex.quote(cwd or os.getcwd())} && env {' '.join(assigns)} "
-            + " ".join(shlex.quote(a) for a in session + argv))
+    return env
+
+
+def environment_line(spec: ProcessSpec) -> bytes:
+    """The first line the launcher writes on the channel's stdin: :func:`remote_environment`
+    as one line of JSON (newlines in values escaped), which BOOT reads and sets."""
+    return json.dumps(remote_environment(spec)).encode() + b"\n"
+
+
+def remote_command(spec: ProcessSpec, python: str | None = None, cwd: str | None = None) -> str:
+    """The shell command that runs ``spec`` on a host: ``cd CWD && PY -c BOOT ARGV``, each piece
+    shlex-quoted; ``python`` replaces the spec's interpreter (argv[0] and every other
+    occurrence of it). It holds no environment: BOOT reads :func:`environment_line` from stdin."""
+    argv = list(spec.argv)
+    if python:
+        argv = [python if a == spec.argv[0] else a for a in argv]
+    session = [argv[0], "-c", _BOOT]
+    return f"cd {shlex.quote(cwd or os.getcwd())} && " + " ".join(shlex.quote(a) for a in session + argv)
 
 
 class RemoteProcess:
@@ -99,6 +117,7 @@ class RemoteProcess:
         """Connect and start the process. Raises SSHError when the host cannot be reached."""
         spec = replace(self.spec, env={"HPAR_GUARD_HEARTBEAT": str(HEARTBEAT_S), **self.spec.env})
         command = remote_command(spec, self.opts.python or self.spec.argv[0])
+        environment = environment_line(spec)   # over stdin, never in the command (module docstring)
         self._conn = ssh_pool.connection(self.host, self.opts, for_process=True)   # one per host, shared
         try:
             self._channel = self._conn.client.get_transport().open_session()
@@ -107,6 +126,10 @@ class RemoteProcess:
             self._channel = self._conn.client.get_transport().open_session()
         self._channel.set_combine_stderr(True)
         self._channel.exec_command(command)
+        try:
+            self._channel.sendall(environment)   # first, before any heartbeat byte
+        except (OSError, EOFError, paramiko.SSHException):
+            pass   # the command ended already: the reader reports its output and code
         threading.Thread(target=self._read, name=f"hpar-ssh-{self.spec.label}", daemon=True).start()
         threading.Thread(target=self._heartbeat, name=f"hpar-beat-{self.spec.label}", daemon=True).start()
 
