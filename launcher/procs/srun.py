@@ -9,6 +9,11 @@ the shared filesystem like ``config.json``), sets its environment and working di
 runs the guard as the leader of a new session (``setsid``), as over SSH. It then prints
 ``@hpar event {"kind":"exit","code":C}`` and exits with the guard's code (128+N for signal N).
 
+- Secrets: ``TASKS.json`` holds each task's argv and hpar's own variables only (``RANK``, ...); it
+  is created 0600 and removed once every task's guard has started (or srun has ended). The
+  ``--env`` values and the forwarded allowlist reach the tasks in srun's own environment
+  (:func:`step_environment`, exported with ``--export=ALL``), in memory, never in a file.
+
 - Output: srun's ``--label`` puts ``N: `` before task N's lines; one reader splits them per task.
 - Liveness: the launcher writes a byte a second to srun's stdin, which ``--input=all`` copies to
   every task: a guard that sees EOF (launcher gone) or ``HEARTBEAT_S`` of silence stops its group.
@@ -29,6 +34,7 @@ import shutil
 import signal as signals
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -75,6 +81,32 @@ def step_environment(extra: dict | None = None, environ=None) -> dict:
     return env
 
 
+def task_table(specs: list[ProcessSpec], env: dict | None, cwd: str) -> list[dict]:
+    """``TASKS.json``'s entries: each spec's argv, ``cwd`` and its own variables without those
+    that the step's environment already carries with the same value (``env``: the ``--env``
+    values, see :func:`step_environment`), so that no ``--env`` value is written to the file."""
+    env = {k: str(v) for k, v in (env or {}).items()}
+    return [{"argv": list(s.argv), "cwd": cwd,
+             "env": {"HPAR_GUARD_HEARTBEAT": str(HEARTBEAT_S),
+                     **{k: str(v) for k, v in s.env.items() if env.get(k) != str(v)}}} for s in specs]
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, readable by this user only (0600 from creation:
+    ``mkstemp`` in the same directory, fsync, ``os.replace``)."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".hpar-tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def srun_argv(ntasks: int, tasks_file: str, python: str) -> list[str]:
     """The srun command line of a step of ``ntasks`` tasks running BOOT on ``tasks_file``."""
     return [shutil.which("srun") or "srun", "--ntasks", str(ntasks), "--distribution=arbitrary", "--label",
@@ -97,18 +129,26 @@ class SrunStep:
         self._done = threading.Event()
         self.step_id: str | None = None
         self._signalled: dict[int, float] = {}
+        self.tasks_file = os.path.join(run_dir, "srun-tasks.json")
+
+    def remove_tasks_file(self) -> None:
+        """Remove ``srun-tasks.json`` once every task has read it: each task's guard has started
+        (its BOOT read the file before), or srun has ended. No-op before then or when gone."""
+        if not (self._done.is_set() or all(p.pgid is not None for p in self.processes)):
+            return
+        try:
+            os.unlink(self.tasks_file)
+        except FileNotFoundError:
+            pass
 
     def start(self) -> None:
         """Write the task table and host file, start srun (once; later calls do nothing)."""
         with self._lock:
             if self._popen is not None:
                 return
-            tasks = [{"argv": list(s.argv), "cwd": self.cwd,
-                      "env": {"HPAR_GUARD_HEARTBEAT": str(HEARTBEAT_S), **{k: str(v) for k, v in s.env.items()}}}
-                     for s in self.specs]
-            tasks_file = os.path.join(self.run_dir, "srun-tasks.json")
+            tasks_file = self.tasks_file
             hostfile = os.path.join(self.run_dir, "srun-hosts.txt")
-            atomic_write_bytes(tasks_file, json.dumps(tasks).encode())
+            write_private(tasks_file, json.dumps(task_table(self.specs, self.env, self.cwd)).encode())
             atomic_write_bytes(hostfile, "".join(s.host + "\n" for s in self.specs).encode())
             env = dict(step_environment(self.env), SLURM_HOSTFILE=hostfile)
             self._popen = subprocess.Popen(srun_argv(len(self.specs), tasks_file, self.python), env=env,
@@ -129,6 +169,7 @@ class SrunStep:
             self.processes[task]._line(m.group(2))
         self._popen.wait()
         self._done.set()
+        self.remove_tasks_file()
         for p in self.processes:
             p._finish(self._popen.returncode)
 
@@ -226,6 +267,7 @@ class SrunProcess:
                 event = {}
             if event.get("kind") == "started" and isinstance(event.get("pgid"), int) and self.pgid is None:
                 self.pid = self.pgid = event["pgid"]
+                self.step.remove_tasks_file()   # this task's BOOT has read it; gone once all have
             elif event.get("kind") == "exit" and isinstance(event.get("code"), int):
                 self._set(event["code"])
                 return
