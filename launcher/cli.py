@@ -14,7 +14,7 @@ from rich.console import Console
 from hpar.strategies.common.config import FIND_UNUSED_MODES, PRECISIONS, SCHEDULES, STRATEGIES
 from hpar.strategies.common.job import JobError
 
-from hpar.launcher.usage import EXIT_USAGE, fail  # noqa: F401 (EXIT_USAGE: part of the CLI's interface)
+from hpar.launcher.usage import EXIT_USAGE, fail, interrupted  # noqa: F401 (EXIT_USAGE: part of the CLI's interface)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -49,6 +49,8 @@ def main() -> None:
               help="Asynchronous pipelines: when the loss rises above --divergence-factor x its recent minimum, stop or fall back to synchronous 1f1b.")
 @click.option("--divergence-factor", type=float, default=2.0, show_default=True, help="Loss / recent minimum that trips --on-divergence.")
 @click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every N steps (0: never).")
+@click.option("--keep-checkpoints", type=int, default=None,
+              help="Keep the N newest complete checkpoints on disk, older ones are removed (default 2; 0: keep all).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, help="Continue the run in this run directory from its last checkpoint.")
 @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart the whole job from the last checkpoint after a failure, at most N times.")
 @click.option("--tune", type=click.Choice(("auto", "on", "off")), default="auto", show_default=True,
@@ -135,10 +137,14 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
             fail(str(exc), exc.user_traceback)
         except ValueError as exc:
             fail(str(exc))
+        except KeyboardInterrupt:
+            interrupted("loading, profiling and planning the run")
         outcome = launch(cfg, opts, console, master)
+        from hpar.launcher.run.progress import final_line, stopped_line
         if outcome.exit_code == 0 and outcome.summary:
-            from hpar.launcher.run.progress import final_line
             console.print(final_line(outcome.summary, cfg.run_dir), markup=False)
+        elif outcome.exit_code != 0:
+            console.print(stopped_line(outcome.summary or {}, cfg.run_dir, outcome.exit_code), markup=False)
         sys.exit(outcome.exit_code)
 
 

@@ -9,6 +9,14 @@ import sys
 import click
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
+
+
+def interrupted(phase: str) -> None:
+    """Ctrl-C before any process started (loading, profiling, planning): say so in hpar's
+    words, not click's "Aborted!", and exit 130 (docs/faults.md). Never returns."""
+    click.echo(f"\nhpar: interrupted (Ctrl-C) while {phase}; nothing was started or left running", err=True)
+    sys.exit(EXIT_INTERRUPTED)
 
 
 def fail(message: str, detail: str | None = None) -> None:

@@ -70,15 +70,52 @@ def test_sigkill_server_stops_everything(tmp_path):
         assert wait_for(lambda: not run_processes(run_dir), 10)
 
 
-@pytest.mark.timeout(150)
-def test_ctrl_c_stops_cleanly(tmp_path):
-    with running(tmp_path, SLOW, "--strategy", "allreduce") as (proc, run_dir):
+@pytest.mark.timeout(240)
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
+    """Ctrl-C: exit 130, nothing left, and a last line naming the step reached, the last
+    complete checkpoint and the resume command, which, run as printed, resumes from it."""
+    with running(tmp_path, SLOW, "--strategy", "allreduce", "--checkpoint-every", "2", progress=6) as (proc, run_dir):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 130
         assert "SIGINT received" in out
         assert not run_processes(run_dir)
         assert json.load(open(os.path.join(run_dir, "summary.json")))["exit_code"] == 130
+    from hpar.strategies.runstate.checkpoint import latest_step
+    saved = latest_step(run_dir)
+    last = out.rstrip().splitlines()[-1]
+    assert saved and last.startswith("hpar: interrupted (Ctrl-C) at step "), out[-2000:]
+    assert last.endswith(f"; run dir {run_dir}; last complete checkpoint: step {saved}; resume with: "
+                         f"hpar run --resume {run_dir}"), last
+    command = last.split("resume with: ")[1].split() + ["--steps", str(saved + 2), "--plain", "--no-eval"]
+    assert command[:3] == ["hpar", "run", "--resume"]
+    done = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *command[1:]], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0 and not run_processes(run_dir), done.stdout[-2000:]
+    assert f"hpar: resuming {run_dir} from its checkpoint of step {saved}" in done.stdout, done.stdout[-2000:]
+    assert f"step {saved + 2}/{saved + 2}" in done.stdout
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_while_profiling_exits_130_with_hpars_line(tmp_path):
+    """Ctrl-C before any process started (the script's data() is being drawn to profile it):
+    hpar's line, not click's "Aborted!", exit 130, and no run directory left behind."""
+    marker = tmp_path / "drawing"
+    text = SLOW.replace("time.sleep(0.05)", f"open({str(marker)!r}, 'w').close(); time.sleep(0.5)")
+    script = write_script(tmp_path, text)
+    for command in (["run", script, "--gpus", "2", "--run-dir", str(tmp_path / "run")], ["profile", script]):
+        marker.unlink(missing_ok=True)
+        proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", *command], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            assert wait_for(marker.exists, 90), "profiling never drew a batch"
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        assert proc.returncode == 130, out
+        assert "hpar: interrupted (Ctrl-C) while " in out and "Aborted" not in out and "Traceback" not in out, out
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.timeout(150)

@@ -86,3 +86,25 @@ def test_export_writes_torch_and_safetensors_files_of_the_trained_model(tmp_path
     assert rc == 2 and "not a transformers model; use --format torch or safetensors" in out, out
     rc, out = hpar_to_file(tmp_path / "e4.txt", "export", str(tmp_path), "--format", "torch", "--out", str(tmp_path / "x.pt"))
     assert rc == 2 and "no trained model there" in out, out
+
+
+def test_keep_checkpoints_leaves_the_newest_two_and_the_model_and_resume_goes_on(tmp_path):
+    """`--keep-checkpoints 2` with a checkpoint every step for 10 steps (hybrid: workers and
+    servers write each one): steps 9 and 10 stay beside the final model; a resume continues
+    from 10 and keeps pruning; `0` keeps every one."""
+    from conftest import embed_script
+    from hpar.strategies.runstate import checkpoint
+    script = write_script(tmp_path, embed_script(steps=10))
+    run_dir = tmp_path / "run"
+    rc, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--strategy", "hybrid",
+                           "--checkpoint-every", "1", "--keep-checkpoints", "2", "--run-dir", str(run_dir),
+                           "--plain", "--no-eval")
+    assert rc == 0 and not kill_left(run_dir), out[-3000:]
+    assert checkpoint.steps_on_disk(str(run_dir)) == [10, 9] and (run_dir / "model" / ".metadata").is_file()
+    assert checkpoint.verify_step(str(run_dir), 10) is None and checkpoint.verify_step(str(run_dir), 9) is None
+    rc, out = hpar_to_file(tmp_path / "resume.txt", "run", "--resume", str(run_dir), "--steps", "13", "--plain",
+                           "--no-eval", "--keep-checkpoints", "0")
+    assert rc == 0 and not kill_left(run_dir), out[-3000:]
+    assert checkpoint.steps_on_disk(str(run_dir)) == [13, 12, 11, 10, 9]
+    rc, out = hpar_to_file(tmp_path / "bad.txt", "run", script, "--keep-checkpoints", "-1", "--strategy", "allreduce")
+    assert rc == 2 and "--keep-checkpoints must not be negative" in out, out

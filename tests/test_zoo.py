@@ -150,7 +150,9 @@ def test_zoo_find_unused_parameters_forced(tmp_path_factory):
     hint = [l for l in off["out"].splitlines() if "find_unused_parameters is off" in l]
     assert hint and hint[-1].strip().endswith("run with --find-unused-parameters on"), off["out"][-3000:]
     assert "(extra.weight, extra.bias on worker" in hint[-1] and "Traceback" not in off["out"], off["out"][-3000:]
-    assert "failed: exit code 2" in off["out"] and off["out"].rstrip().splitlines()[-1] == hint[-1], off["out"][-3000:]
+    last = off["out"].rstrip().splitlines()
+    assert "failed: exit code 2" in off["out"] and last[-2] == hint[-1], off["out"][-3000:]
+    assert last[-1].startswith("hpar: failed (exit code 1) at step ") and "no checkpoint to resume from" in last[-1]
 
 
 def test_zoo_allreduce_sparse_without_a_table_runs_as_allreduce(tmp_path_factory):

@@ -89,7 +89,7 @@ def test_gpt2_tied_across_stages_stays_one_parameter(tmp_path_factory):
     copies (stage 0's transformer.wte.weight, stage 3's lm_head.weight, each written by its
     stage under its own name in the checkpoint) are bitwise equal after every step."""
     r = hpar_run(tmp_path_factory, "hf_gpt2", "pipeline", 4, "--schedule", "1f1b", "--micro-batches", "4",
-                 "--pipeline-replicas", "1", "--clip-grad-norm", "0.5", "--log-every", "1", "--checkpoint-every", "1")
+                 "--pipeline-replicas", "1", "--clip-grad-norm", "0.5", "--log-every", "1", "--checkpoint-every", "1", "--keep-checkpoints", "0")
     check_trained(r)
     from hpar.strategies.runstate import state
     from hpar.strategies.common.job import load_job
@@ -206,7 +206,7 @@ def test_hpar_export_hf_loads_with_from_pretrained(tmp_path_factory, tmp_path):
     from hpar.strategies.common.job import load_job
     from transformers import GPT2LMHeadModel
     r = hpar_run(tmp_path_factory, "hf_gpt2", "pipeline", 4, "--schedule", "1f1b", "--micro-batches", "4",
-                 "--pipeline-replicas", "1", "--clip-grad-norm", "0.5", "--log-every", "1", "--checkpoint-every", "1")
+                 "--pipeline-replicas", "1", "--clip-grad-norm", "0.5", "--log-every", "1", "--checkpoint-every", "1", "--keep-checkpoints", "0")
     check_trained(r)
     rc, out = hpar_to_file(tmp_path / "export.txt", "export", str(r["run_dir"]), "--format", "hf", "--out",
                            str(tmp_path / "hf"))

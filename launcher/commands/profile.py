@@ -194,6 +194,9 @@ def profile(script, as_json, plan_out, **given):
             _fail(str(exc), exc.user_traceback)
         except (ValueError, RuntimeError) as exc:
             _fail(str(exc))
+        except KeyboardInterrupt:
+            from hpar.launcher.usage import interrupted
+            interrupted("profiling")
     if plan_out:
         atomic_write_bytes(plan_out, (plan.to_json() + "\n").encode())
     if as_json:

@@ -36,6 +36,7 @@ from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages
 from hpar.strategies.models.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
+             "keep_checkpoints": 2,
              "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0,
              "find_unused_parameters": "auto", "allow_unequal_batches": False}
 
@@ -76,8 +77,10 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
         checkpoint.remove_temp_files(resume_dir)   # as every start does: what a killed write left
         raise NothingToDo(final_line(summary, os.path.abspath(resume_dir),
                                      f"nothing to do: the run finished at step {summary['steps']}"))
-    if resume_step(resume_dir, say) is None:
+    step = resume_step(resume_dir, say)
+    if step is None:
         raise ValueError(f"--resume {resume_dir}: no checkpoint there; start runs with --checkpoint-every N to resume them")
+    say(f"hpar: resuming {os.path.abspath(resume_dir)} from its checkpoint of step {step}")
     return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))
 
 
@@ -163,6 +166,8 @@ def resolve(console: Console, flags: Flags):
         raise ValueError("--max-restarts, --stall-timeout and --phase-timeout must not be negative")
     if resume_dir:
         cfg = resumed_config(resume_dir, script, steps, say=lambda m: console.print(m, markup=False))
+        if r.keep_checkpoints is not None:
+            cfg = cfg.replace(keep_checkpoints=r.keep_checkpoints)
         job = load_job(cfg.script)
         if find_unused_parameters in ("on", "off"):
             cfg = cfg.replace(find_unused_parameters=find_unused(find_unused_parameters, ()))
@@ -242,6 +247,7 @@ def resolve(console: Console, flags: Flags):
             schedule=schedule or plan.get("schedule") or "1f1b",
             micro_batches=micro_batches or d.get("micro_batches") or default_micro_batches(console, plan, bs, gpus // replicas),
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
+            keep_checkpoints=pick(r.keep_checkpoints, "keep_checkpoints"),
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
             on_divergence=r.on_divergence, divergence_factor=r.divergence_factor, replicas=replicas,
             find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus),

@@ -75,6 +75,7 @@ class RunFlags:
 
     run_dir: str | None = None
     checkpoint_every: int | None = None
+    keep_checkpoints: int | None = None
     resume_dir: str | None = None
     max_restarts: int = 0
     stall_timeout: float = 0.0

@@ -119,6 +119,35 @@ def final_line(s: dict, run_dir: str, lead: str = "done") -> str:
             f"{_num(last, '.4f')}{avg}{'; ' + ev if ev else ''}; run dir {run_dir}")
 
 
+def stopped_line(s: dict, run_dir: str, exit_code: int) -> str:
+    """The line ``hpar run`` ends with when the run did not finish (``exit_code`` not 0): how
+    it ended, the furthest step a worker reported (summary ``steps``), the run directory, and
+    the last complete checkpoint with the command that resumes from it (or that there is
+    none). ``s`` empty: the run's summary.json is read."""
+    import json
+    import os
+    from hpar.strategies.runstate.checkpoint import latest_step
+    if not s:
+        try:
+            with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+                s = json.load(f)
+        except (OSError, ValueError):
+            s = {}
+    try:
+        saved = latest_step(run_dir)
+    except ValueError:   # a damaged `latest`: --resume falls back past it, and says so
+        saved = "damaged"
+    how = {130: "interrupted (Ctrl-C)", 143: "terminated (SIGTERM)"}.get(exit_code, f"failed (exit code {exit_code})")
+    step = s.get("steps")
+    at = f" at step {step}" if isinstance(step, int) and step > 0 else ""
+    if saved is None:
+        then = "no checkpoint to resume from (--checkpoint-every N writes them)"
+    else:
+        then = (f"last complete checkpoint: step {saved}; " if isinstance(saved, int) else "") + \
+            f"resume with: hpar run --resume {run_dir}"
+    return f"hpar: {how}{at}; run dir {run_dir}; {then}"
+
+
 def last_reported(progress: "Progress") -> dict:
     """``steps``: the furthest step any worker reported (0 before the first report) and
     ``loss_last``: the loss reported with it (None without one): what summary.json says of a

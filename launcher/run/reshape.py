@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from hpar.strategies.common.config import RunConfig
 
-KEPT = ("steps", "batch_size", "lr", "seed", "log_every", "checkpoint_every", "precision", "clip_grad_norm",
+KEPT = ("steps", "batch_size", "lr", "seed", "log_every", "checkpoint_every", "keep_checkpoints", "precision", "clip_grad_norm",
         "accumulate", "eval_every", "staleness", "cache_rows")
 
 

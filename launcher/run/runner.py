@@ -43,6 +43,7 @@ class LaunchOptions:
     env: dict = field(default_factory=dict)  # --env values: every process gets them (launcher/hosts/environ.py)
     slurm: bool = False                      # inside a Slurm allocation: one srun step (launcher/procs/srun.py)
     min_hosts: int = 0                       # --min-hosts: restarts go on with the hosts that answer (launcher/run/elastic.py)
+    group_readable: bool = False             # --group-readable: a new run directory is made 0750, not 0700
 
 
 def placement(cfg: RunConfig, hosts: tuple[Host, ...]) -> tuple[list[Host], list[Host]]:
@@ -74,7 +75,8 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
     worker_hosts, server_hosts = placement(cfg, opts.hosts)
     python = getattr(opts.ssh, "python", None)
     specs = run_specs(cfg.world_size, cfg.servers, rundir.config_path, master, port,
-                      [h.name for h in worker_hosts], [h.name for h in server_hosts], python=python)
+                      [h.name for h in worker_hosts], [h.name for h in server_hosts], python=python,
+                      config_sha256=rundir.config_sha256)
     by_name = {h.name: h for h in worker_hosts + server_hosts}
     per_host = {}
     for s in specs:
@@ -119,7 +121,7 @@ def _elastic(cfg: RunConfig, opts: LaunchOptions, master: str, console: Console,
 def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = "127.0.0.1") -> Outcome:
     """Run ``cfg`` to the end (with up to ``opts.max_restarts`` restarts from the last
     checkpoint). Writes RUN_DIR/summary.json with ``exit_code`` in every case."""
-    rundir = RunDir(cfg.run_dir)
+    rundir = RunDir(cfg.run_dir, opts.group_readable, adopt=cfg.resume)
     previous = rundir.read_summary()
     figures = FirstFigures(rundir.path, cfg.world_size, cfg.strategy)
     peaks = PeakFigures(rundir)   # measured peak memory per process (launcher/run/peaks.py)
@@ -129,7 +131,9 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
     try:
         while True:
             checkpoint.remove_temp_files(rundir.path)   # left by a process killed mid-write
-            checkpoint.remove_incomplete_steps(rundir.path)
+            for path in checkpoint.remove_incomplete_steps(rundir.path):
+                console.print(f"hpar: removed {path}: a write that did not complete (it is not resumed from)",
+                              markup=False)
             rundir.write_config(cfg)
             lines: queue.Queue = queue.Queue()
             with Rendezvous(master, first_host_local(opts.hosts), avoid=used_ports,

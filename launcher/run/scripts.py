@@ -88,7 +88,7 @@ def run_script(run: ScriptRun, opts, console: Console, master: str = "127.0.0.1"
     ``opts.max_restarts`` times (TORCHELASTIC_RESTART_COUNT counts them; the script resumes
     from its own checkpoints). Writes RUN_DIR/config.json first and RUN_DIR/summary.json
     (``exit_code``, ``restarts``, ``wall_s``, the failure) in every case."""
-    rundir = RunDir(run.run_dir)
+    rundir = RunDir(run.run_dir, getattr(opts, "group_readable", False))
     atomic_write_bytes(rundir.config_path, json.dumps({"command": "launch", **asdict(run)}, indent=2).encode())
     attempt, used_ports, t0 = 0, set(), time.time()
     python = getattr(opts.ssh, "python", None)

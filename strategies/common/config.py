@@ -70,6 +70,7 @@ class RunConfig:
     schedule: str = "1f1b"
     micro_batches: int = 4
     checkpoint_every: int = 0
+    keep_checkpoints: int = 2      # the newest complete checkpoints kept on disk (0: all)
     resume: bool = False
     plan: dict = field(default_factory=dict)   # the planner's Plan as JSON, may be empty
     eval: bool = True
@@ -97,8 +98,8 @@ class RunConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose cpu or cuda")
-        if self.servers < 0 or self.checkpoint_every < 0:
-            raise ValueError("--servers and --checkpoint-every must not be negative")
+        if self.servers < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 0:
+            raise ValueError("--servers, --checkpoint-every and --keep-checkpoints must not be negative")
         check_loop_flags(precision=self.precision, clip_grad_norm=self.clip_grad_norm, accumulate=self.accumulate,
                          eval_every=self.eval_every)
         check_cache_flags(self.cache_rows or None, self.staleness)

@@ -33,7 +33,7 @@ from hpar.strategies.models.forward import call_model
 REQUIRED = ("model", "data", "loss")
 OPTIONAL = ("optimizer", "scheduler", "evaluate", "log")
 DEFAULT_KEYS = {"batch_size": int, "steps": int, "lr": float, "seed": int, "log_every": int,
-                "micro_batches": int, "checkpoint_every": int, "precision": str, "clip_grad_norm": float,
+                "micro_batches": int, "checkpoint_every": int, "keep_checkpoints": int, "precision": str, "clip_grad_norm": float,
                 "accumulate": int, "eval_every": int, "find_unused_parameters": str}
 ARITY = {"model": 0, "data": 3, "loss": 2, "optimizer": 1, "scheduler": 1, "evaluate": 1, "log": 3}
 

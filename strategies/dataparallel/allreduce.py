@@ -96,7 +96,8 @@ def save_state(ctx: WorkerContext, step: int, model: torch.nn.Module, opt: torch
     own), optimizer state by parameter name, loop state and random generators, with
     torch.distributed.checkpoint (strategies/runstate/state.py); nothing is gathered."""
     run_state.save(ctx.cfg.run_dir, step, run_state.process_entries(model, opt, tools, ctx.device,
-                                                                    f"worker{ctx.rank}", "workers"))
+                                                                    f"worker{ctx.rank}", "workers"),
+                   keep=ctx.cfg.keep_checkpoints)
 
 
 def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer,

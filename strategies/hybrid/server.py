@@ -199,7 +199,7 @@ class Server:
         if step % self.cfg.log_every == 0 or step == self.cfg.steps:
             self._report(step)
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
-            run_state.save(self.cfg.run_dir, step, self._entries())
+            run_state.save(self.cfg.run_dir, step, self._entries(), keep=self.cfg.keep_checkpoints)
         for tid in self.shards:
             self._apply_if_complete(tid)
 

@@ -187,9 +187,10 @@ def point_latest(run_dir: str, step: int) -> None:
     atomic_write_bytes(os.path.join(run_dir, "checkpoints", "latest"), str(step).encode())
 
 
-def commit(run_dir: str, step: int) -> None:
+def commit(run_dir: str, step: int, keep: int = 0) -> None:
     """Collective over the default process group: once every process has saved its part,
-    global rank 0 points ``latest`` at ``step``."""
+    global rank 0 points ``latest`` at ``step`` and keeps the ``keep`` newest complete
+    checkpoints (:func:`prune`; 0 keeps all)."""
     import torch.distributed as dist
     if dist.is_initialized():
         with activity.doing(None):   # waiting for the slowest writer is no deadline of this process's
@@ -197,6 +198,29 @@ def commit(run_dir: str, step: int) -> None:
         if dist.get_rank() != 0:
             return
     atomic_write_bytes(os.path.join(run_dir, "checkpoints", "latest"), str(step).encode())
+    prune(run_dir, keep)
+
+
+def prune(run_dir: str, keep: int) -> list[str]:
+    """Remove the checkpoints of a marked run (strategies/runstate/trust.py) older than its
+    ``keep`` newest at or before ``latest``; returns their paths. Never one newer than
+    ``latest`` (being written) nor ``latest`` itself; ``keep`` 0 removes nothing. Rank 0 calls
+    it right after moving ``latest``, while the others may already write the next step."""
+    import shutil
+    from hpar.strategies.runstate.trust import is_marked
+    assert keep >= 0, keep
+    try:
+        latest = latest_step(run_dir)
+    except ValueError:
+        return []
+    if keep == 0 or latest is None or not is_marked(run_dir):
+        return []
+    complete = [s for s in steps_on_disk(run_dir) if s <= latest]   # newest first
+    removed = []
+    for step in complete[keep:]:
+        shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)
+        removed.append(step_dir(run_dir, step))
+    return removed
 
 
 def latest_step(run_dir: str) -> int | None:
