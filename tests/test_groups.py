@@ -21,7 +21,7 @@ def record_groups(monkeypatch, pg_rank: int) -> list:
     calls = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend=None, **kw: calls.append(("default", backend)))
     monkeypatch.setattr(dist, "new_group", lambda ranks=None, backend=None, **kw: calls.append((tuple(ranks), backend)) or object())
-    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [0] * len(out)))
+    monkeypatch.setattr("hpar.workers.worker.all_gather_ints", lambda values, group=None: [list(values)])
     monkeypatch.setattr(dist, "get_rank", lambda: pg_rank)
     return calls
 

@@ -25,6 +25,7 @@ from hpar.strategies.common import memory
 from hpar.strategies.common.config import RunConfig
 from hpar.strategies.common.context import WorkerContext
 from hpar.strategies.common.devices import model_to_cpu
+from hpar.strategies.common.gather import all_gather_ints
 from hpar.strategies.common.groups import join_default_group
 from hpar.strategies.common.job import JobError, load_job
 from hpar.strategies.runstate.state import DiskFull
@@ -61,11 +62,9 @@ def step_time_percentiles(step_times: list[float], warmup: int = 2) -> dict:
 def init_group(cfg: RunConfig, pg_rank: int, pg_world_size: int) -> tuple[int, ...]:
     """Join the default process group (always gloo: strategies/common/groups.py says what goes over
     which group); returns the host index (GROUP_RANK) of every rank of it, gathered from all
-    (a collective: servers call it too)."""
+    as int64 tensors, never pickles (a collective: servers call it too)."""
     join_default_group(pg_rank, pg_world_size, int(os.environ.get("HPAR_PG_TIMEOUT", "300")))
-    hosts = [None] * pg_world_size
-    dist.all_gather_object(hosts, env_int("GROUP_RANK", 0))
-    return tuple(int(h) for h in hosts)
+    return tuple(h for (h,) in all_gather_ints([env_int("GROUP_RANK", 0)]))
 
 
 def leave_group(stop_beat) -> None:

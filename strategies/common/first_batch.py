@@ -24,10 +24,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from hpar.strategies.common import activity
 from hpar.strategies.common.context import WorkerContext, batch_samples
+from hpar.strategies.common.gather import all_gather_ints
 from hpar.strategies.common.job import JobError
 
 SKIPPING = "in data(), skipping the batches the run trained on before its checkpoint"
@@ -92,12 +91,13 @@ def check_first_batch(ctx: WorkerContext, inputs: Any, group, micro_batches: int
     first stage's size is the replica's). Raises BatchRefused naming ranks and sizes (see the
     module docstring); worker 0 announces it."""
     cfg = ctx.cfg
-    mine = (ctx.rank, replica if replica is not None else ctx.rank, _samples(inputs))
-    everyone = [None] * ctx.world_size
-    if ctx.world_size > 1:
-        dist.all_gather_object(everyone, mine, group=group)
+    samples = _samples(inputs)
+    mine = (ctx.rank, replica if replica is not None else ctx.rank, -1 if samples is None else samples)
+    if ctx.world_size > 1:   # int64 tensors, never pickles (strategies/common/gather.py); -1: no count
+        everyone = [tuple(v) for v in all_gather_ints(mine, group=group)]
     else:
         everyone = [mine]
+    everyone = [(rank, who, None if n < 0 else n) for rank, who, n in everyone]
     drawn = [(rank, who, n) for rank, who, n in everyone if n is not None]
     indivisible = {rank: n for rank, _, n in drawn if n % micro_batches}
     if indivisible:

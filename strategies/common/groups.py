@@ -4,7 +4,7 @@ One rule for every strategy, so that parameter servers never touch CUDA and noth
 on the CPU reaches NCCL:
 
 * the **default group** (every worker and every parameter server) is always **gloo**: the
-  rendezvous, ``all_gather_object`` of host indices, checkpoint barriers, the parameter
+  rendezvous, the AllGather of host indices, checkpoint barriers, the parameter
   servers' pull/push messages (CPU tensors: servers never touch CUDA), pipeline
   headers and losses. A process without CUDA, or with a torch built without NCCL, joins it.
 * the workers' **dense group** (worker ranks ``0..N-1``) carries tensors that live on the

@@ -55,6 +55,7 @@ from hpar.strategies.dataparallel.ddp import unused_error_named, wrap
 from hpar.strategies.common.devices import cpu_copy, to_device
 from hpar.strategies.common.groups import WorkerGroups, mean_over_workers, worker_groups
 from hpar.strategies.common.first_batch import check_first_batch, first_batch
+from hpar.strategies.common.gather import all_gather_ints
 from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.models.forward import call_model, inner_module
 from hpar.strategies.common.loop import clip_coefficient, evaluate_during_training, evaluate_now, step_tools
@@ -156,7 +157,7 @@ def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], 
     collective over the default group."""
     run_state.save(ctx.cfg.run_dir, step, {**run_state.process_entries(
         model, opt, tools if opt else None, ctx.device, f"worker{ctx.rank}", "workers", served_names(model, ps_names)),
-        **(caches.entries() if caches else {})})
+        **(caches.entries() if caches else {})}, keep=ctx.cfg.keep_checkpoints)
 
 
 def _resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str], caches) -> int:
@@ -401,8 +402,8 @@ def train(ctx: WorkerContext) -> TrainResult:
     run_state.write_final(cfg.run_dir, {k: v for k, v in run_state.model_entries(model).items()
                                         if k[len("model."):] not in on_servers})
     embedding.detach(served)
-    peaks = [None] * ctx.world_size   # each worker's peak RSS over the run: training, evaluate(), the final write
-    dist.all_gather_object(peaks, build.peak_rss_bytes(), group=groups.workers.control)
+    # each worker's peak RSS over the run: training, evaluate(), the final write (int64 tensors, not pickles)
+    peaks = [p for (p,) in all_gather_ints([build.peak_rss_bytes()], group=groups.workers.control)]
     n = max(steps_done, 1)
     by_param = {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(totals.items())}
     losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,

@@ -57,6 +57,7 @@ from hpar.strategies.runstate import checkpoint
 from hpar.strategies.runstate import state as run_state
 from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.common.first_batch import check_first_batch, first_batch
+from hpar.strategies.common.gather import gather_json
 from hpar.strategies.common.devices import ComputeTimer
 from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.common import loop
@@ -212,7 +213,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         stepped[0] = True
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             run_state.save(cfg.run_dir, step + 1, run_state.process_entries(
-                stage.module, stage.optimizer, tools, ctx.device, part, loop_part))
+                stage.module, stage.optimizer, tools, ctx.device, part, loop_part), keep=cfg.keep_checkpoints)
         if loop.evaluate_now(cfg, step + 1):   # every stage sends its weights; stage 0 evaluates
             whole = stage_loop.gather_model(model, stage.module, ctx.rank, groups.control)
             loop.evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: whole, ctx.report_eval)
@@ -289,9 +290,8 @@ def _finish(ctx: WorkerContext, grid: Grid, stage: Stage, model: torch.nn.Module
     # every stage writes its layers where they are (replicas: one copy), then stage 0 of replica 0
     # reads the whole model back for evaluate() (it built the whole model to cut its stage)
     run_state.write_final(ctx.cfg.run_dir, run_state.final_entries(stage.module, model))
-    gathered = [None] * ctx.world_size if ctx.rank == 0 else None
-    if ctx.world_size > 1:
-        dist.gather_object(mine, gathered, dst=0)
+    if ctx.world_size > 1:   # as JSON in a tensor, never a pickle (strategies/common/gather.py)
+        gathered = gather_json(mine, group_dst=0)
     else:
         gathered = [mine]
     if ctx.rank != 0:

@@ -55,6 +55,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from hpar.strategies.common.config import RunConfig
 from hpar.strategies.common.devices import cpu_copy
+from hpar.strategies.common.gather import gather_state_dicts
 from hpar.strategies.common.loop import StepTools
 
 
@@ -158,16 +159,16 @@ def scale_loss(tools: StepTools) -> Callable[[torch.Tensor], torch.Tensor] | Non
 
 def gather_model(model: torch.nn.Module, module: torch.nn.Module, rank: int, group=None) -> torch.nn.Module | None:
     """The whole model with every stage's current weights, on the CPU, on stage 0 of
-    ``group`` (None elsewhere): each stage sends a CPU copy of ``module``'s state dict
-    (``gather_object`` over ``group``, a gloo group); stage 0 loads them into a CPU copy of
-    ``model`` (the seeded whole model the stages were cut from). A collective over ``group``."""
+    ``group`` (None elsewhere): each stage sends a CPU copy of ``module``'s state dict (names,
+    dtypes and shapes as JSON, the bytes as a tensor over ``group``, a gloo group: never a
+    pickle, strategies/common/gather.py); stage 0 loads them into a CPU copy of ``model`` (the
+    seeded whole model the stages were cut from). A collective over ``group``."""
     part = {k: v.detach().cpu() for k, v in module.state_dict().items()}
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     if size == 1:
         parts = [part]
     else:
-        parts = [None] * size if rank == 0 else None
-        dist.gather_object(part, parts, group=group, group_dst=0)
+        parts = gather_state_dicts(part, group=group, group_dst=0)
     if rank != 0:
         return None
     whole = cpu_copy(model)

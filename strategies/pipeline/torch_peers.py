@@ -37,6 +37,7 @@ from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.common.memory import PeakMemory
 from hpar.strategies.common.loop import autocast
 from hpar.strategies.common.first_batch import check_first_batch, first_batch
+from hpar.strategies.common.gather import gather_json
 from hpar.strategies.pipeline.stage import draw_batch, build_stages_model, describe, stage_module, stage_ranges
 
 
@@ -211,9 +212,8 @@ def train(ctx: WorkerContext) -> TrainResult:
                "idle_s": max(0.0, wall - sum(cpu_s) / len(cpu_s)) if split else None,
                "peak_mem_bytes": mem.peak_bytes()}
     run_state.write_final(cfg.run_dir, {k_: v for m in modules for k_, v in run_state.final_entries(m, model).items()})
-    gathered = [None] * K if k == 0 else None
-    if K > 1:
-        dist.gather_object(figures, gathered, dst=0)
+    if K > 1:   # as JSON in a tensor, never a pickle (strategies/common/gather.py)
+        gathered = gather_json(figures, group_dst=0)
     else:
         gathered = [figures]
     if k != 0:
