@@ -113,6 +113,9 @@ def test_schedule_clipping_accumulation_match_one_process(tmp_path):
     assert "evaluate at step 10: mse" in out
     w0 = [m for m in rows if m["kind"] == "metric" and m["rank"] == 0]
     assert all("abs_err" in m["logged"] for m in w0)
+    shown = [line for line in out.splitlines() if line.startswith("[localhost worker 0] step ")]   # the plain lines
+    assert len(shown) == len(w0) and all(line.endswith(f" | abs_err {m['logged']['abs_err']:.4g}")
+                                         for line, m in zip(shown, w0)), out[-2000:]
     # lr of each interval's last step: warm-up reaches 0.1 at step 5, halves after step 10
     assert [round(m["lr"], 6) for m in w0] == [0.1, 0.1, 0.05, 0.05]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))

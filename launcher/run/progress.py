@@ -2,7 +2,8 @@
 
 The table has one row per worker/server: host, step, loss, samples/s, bytes sent and
 received per step, CPU and memory (psutil, from heartbeats), GPU memory where present, and the
-state (running, stalled, exited). Plain mode prints one line per metric report instead.
+state (running, stalled, exited), and the script's ``log()`` figures once it reports any. Plain
+mode prints one line per metric report instead, the ``log()`` figures after a ``|``.
 """
 from __future__ import annotations
 
@@ -28,6 +29,19 @@ def _num(value, spec: str) -> str:
     """``value`` formatted with ``spec``, or "-" when it is not a number (a middle pipeline
     stage reports no loss: only the last stage computes it)."""
     return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
+LOGGED_WIDTH = 60   # characters of the script's log() figures shown with a progress report
+
+
+def logged_text(logged: dict | None, width: int = LOGGED_WIDTH) -> str:
+    """The script's ``log()`` figures of a progress report (the interval's means), as
+    ``name value`` pairs (4 significant digits) in the order given, cut to ``width``
+    characters with "..." (metrics.jsonl and TensorBoard keep them whole)."""
+    if not logged:
+        return ""
+    text = " ".join(f"{k} {_num(v, '.4g')}" for k, v in logged.items())
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
 
 
 class Progress:
@@ -62,11 +76,14 @@ class Progress:
         row = self.rows.setdefault(label, {"host": "?", "state": "running"})
         if kind == "metric":
             row.update(state="running", **{k: payload.get(k) for k in ("step", "loss", "samples_per_s", "bytes_sent", "bytes_recv")})
+            if payload.get("logged"):
+                row["logged"] = payload["logged"]
             if not self.live_mode:
+                logged = logged_text(payload.get("logged"))
                 self.say(f"[{row['host']} {label}] step {payload.get('step')}/{self.total_steps} "
                          f"loss {_num(payload.get('loss'), '.4f')} "
                          f"{_num(payload.get('samples_per_s'), '.1f')} samples/s "
-                         f"sent {human_bytes(payload.get('bytes_sent'))}/step")
+                         f"sent {human_bytes(payload.get('bytes_sent'))}/step" + (f" | {logged}" if logged else ""))
         elif kind == "heartbeat":
             row.update({k: payload.get(k) for k in ("cpu_percent", "rss_bytes", "gpu_bytes")})
             if row.get("state") == "starting":
@@ -91,8 +108,12 @@ class Progress:
 
     def _table(self) -> Table:
         t = Table(title=f"hpar: {self.total_steps} steps", expand=False)
-        for col in ("process", "host", "step", "loss", "samples/s", "sent/step", "recv/step", "cpu %", "memory", "gpu mem", "state"):
-            t.add_column(col, justify="right" if col not in ("process", "host", "state") else "left")
+        logged = any(r.get("logged") for r in self.rows.values())   # a column only once the script logs
+        cols = ("process", "host", "step", "loss", "samples/s", "sent/step", "recv/step", "cpu %", "memory", "gpu mem",
+                "state") + (("log()",) if logged else ())
+        for col in cols:
+            t.add_column(col, justify="right" if col not in ("process", "host", "state", "log()") else "left",
+                         **({"max_width": LOGGED_WIDTH} if col == "log()" else {}))
         for label, r in self.rows.items():
             loss = r.get("loss")
             t.add_row(label, str(r.get("host", "")), f"{r.get('step', '-')}",
@@ -100,7 +121,8 @@ class Progress:
                       f"{r['samples_per_s']:.1f}" if isinstance(r.get("samples_per_s"), (int, float)) else "-",
                       human_bytes(r.get("bytes_sent")), human_bytes(r.get("bytes_recv")),
                       f"{r['cpu_percent']:.0f}" if isinstance(r.get("cpu_percent"), (int, float)) else "-",
-                      human_bytes(r.get("rss_bytes")), human_bytes(r.get("gpu_bytes")), r.get("state", ""))
+                      human_bytes(r.get("rss_bytes")), human_bytes(r.get("gpu_bytes")), r.get("state", ""),
+                      *((logged_text(r.get("logged")),) if logged else ()))
         return t
 
 
