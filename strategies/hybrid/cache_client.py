@@ -144,9 +144,8 @@ class WorkerCaches:
         """Take the next epoch's rows from the checkpoint in ``path`` where it holds this
         worker's at this capacity (a worker that did not exist then, or a cache of another
         size, keeps the profile's hottest rows)."""
-        import torch.distributed.checkpoint as dcp
-        from hpar.strategies.runstate import state as run_state
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        from hpar.strategies.runstate import safe_read, state as run_state
+        saved = safe_read.read_metadata(path).state_dict_metadata   # as data, not code
         want = {k: v for k, v in self.entries().items()
                 if k in saved and tuple(getattr(saved[k], "size", ())) == tuple(v.shape)}
         if not want:

@@ -34,7 +34,8 @@ resume with another number of workers, servers or stages (launcher/run/reshape.p
 
 Sources: torch.distributed.checkpoint (``dcp.save``/``dcp.load``, ``FileSystemWriter``);
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for name-keyed
-optimizer state (the docs name pipeline parallelism as where id-keyed state breaks).
+optimizer state (the docs name pipeline parallelism as where id-keyed state breaks). Every
+read goes through strategies/runstate/safe_read.py: a checkpoint's pickles are read as data.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hpar.strategies.runstate.checkpoint import atomic_write_bytes, file_sha256, step_dir
+from hpar.strategies.runstate import safe_read
 
 # ShardedTensor is the DCP type whose shards may sit at any row offsets (a server holds
 # partitions p, p+S, p+2S, ...: DTensor's Shard(0) has one contiguous block per rank)
@@ -116,8 +118,10 @@ def read(path: str, state: dict) -> None:
     """``dcp.load`` into ``state`` in place (its tensors keep their storage; other values are
     replaced): every process asks for what it holds now, in the layout it has now. Each
     process reads on its own (``no_dist``: DCP plans the reads from the saved metadata in
-    this process), so loads need no common order across workers and servers."""
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    this process), so loads need no common order across workers and servers. The metadata and
+    non-tensor items are read as data (strategies/runstate/safe_read.py): a file that names
+    anything else raises ``safe_read.UnsafeCheckpoint`` (a ValueError naming it)."""
+    safe_read.load(path, state)
 
 
 def save(run_dir: str, step: int, state: dict) -> None:
@@ -188,6 +192,8 @@ def load(run_dir: str, step: int, state: dict) -> None:
     path = step_dir(run_dir, step)
     try:
         read(path, state)
+    except safe_read.UnsafeCheckpoint:
+        raise
     except (Exception, dcp.api.CheckpointException) as exc:   # DCP wraps a rank's failure in a CheckpointException
         text = str(exc).replace("\n", " ")
         if "Missing key" in text or "missing" in text.lower():
@@ -289,18 +295,16 @@ def restore_process(run_dir: str, step: int, module: torch.nn.Module, opt, tools
 
 def read_all(path: str) -> dict:
     """Everything the DCP checkpoint in ``path`` holds, in this process (shards joined into
-    whole tensors; torch's ``dcp_to_torch_save`` through a temp file). For tools and tests:
-    it holds the whole state in memory."""
-    import tempfile
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    with tempfile.TemporaryDirectory(prefix="hpar-read-") as tmp:
-        dcp_to_torch_save(path, os.path.join(tmp, "state.pt"))
-        return torch.load(os.path.join(tmp, "state.pt"), weights_only=False)
+    whole tensors, nested entries as saved: what torch's ``dcp_to_torch_save`` gives, read as
+    data by ``safe_read.load_all``, which raises ``safe_read.UnsafeCheckpoint``). For
+    ``hpar export``, tools and tests: it holds the whole state in memory."""
+    return safe_read.load_all(path)
 
 
 def saved_keys(path: str) -> set[str]:
-    """The keys of the DCP checkpoint in directory ``path`` (read from its metadata)."""
-    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    """The keys of the DCP checkpoint in directory ``path`` (read from its metadata, as data:
+    ``safe_read.read_metadata``, which raises ``safe_read.UnsafeCheckpoint``)."""
+    return set(safe_read.read_metadata(path).state_dict_metadata)
 
 
 __all__ = ["DiskFull", "write", "read", "save", "load", "write_final", "read_final", "final_entries", "read_whole", "FINAL", "FINAL_TMP", "model_entries", "optim_entries", "set_optim", "has", "rng_key",
