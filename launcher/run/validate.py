@@ -58,11 +58,15 @@ def resume_step(run_dir: str, say) -> int | None:
     """The checkpoint step a resume of ``run_dir`` starts from (None: there is none). When
     ``latest`` is damaged or names a checkpoint that does not verify, ``latest`` is pointed at
     the newest complete one and ``say`` tells why; ValueError naming the files when there is
-    a checkpoint but none verifies."""
+    a checkpoint but none verifies, or when its pickles name anything but checkpoint data
+    (strategies/runstate/safe_read.py: refused here, before any process loads it)."""
     step, problems = checkpoint.usable_step(run_dir)
     if step is None and problems:
         raise ValueError(f"{run_dir}: no complete checkpoint to resume from ({'; '.join(problems)}); "
                          "start a new run")
+    if step is not None:
+        from hpar.strategies.runstate.safe_read import check   # imports torch.distributed.checkpoint: only here
+        check(checkpoint.step_dir(run_dir, step))
     if problems and step is not None:
         say(f"hpar: {problems[0]}; resuming from the previous complete checkpoint, step {step}")
         checkpoint.point_latest(run_dir, step)
