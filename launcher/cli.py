@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 
 from hpar.strategies.common.config import FIND_UNUSED_MODES, PRECISIONS, SCHEDULES, STRATEGIES
-from hpar.strategies.common.job import JobError
+from hpar.strategies.common.errors import JobError
 
 from hpar.launcher.usage import EXIT_USAGE, fail, interrupted  # noqa: F401 (EXIT_USAGE: part of the CLI's interface)
 

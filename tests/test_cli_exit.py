@@ -32,3 +32,39 @@ def test_entry_runs_atexit_flushes_and_keeps_the_exit_status(tmp_path, args, ext
     assert rc == code, text
     for line in wanted:
         assert line in text, text
+
+
+QUICK = [["--help"], ["--version"], ["run", "--help"], ["run", "--no-such-flag", "x.py"], ["profile", "--help"],
+         ["profile"], ["bench", "--no-such-flag"], ["launch", "--help"], ["export", "--help"], ["export"],
+         ["run", "--strategy", "nope", "x.py"]]
+
+
+@pytest.mark.parametrize("args", QUICK, ids=[" ".join(a) for a in QUICK])
+def test_help_version_and_usage_errors_need_no_torch(tmp_path, args):
+    """`hpar --help`, `--version` and click's usage errors answer without importing torch (the
+    import takes seconds; the commands import it where they need it)."""
+    script = (f"import sys\nsys.argv = ['hpar'] + {args!r}\nfrom hpar.launcher.cli import main\n"
+              "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\n"
+              "print('EXIT', code, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("EXIT ") and last.endswith(" False"), out.stdout[-2000:] + out.stderr[-2000:]
+    assert last.split()[1] in ("0", "2", "None"), last
+
+
+def test_hpar_help_takes_a_fraction_of_a_torch_import(tmp_path):
+    """The real `hpar --help`, timed against `python -c 'import torch'` in the same test (a
+    ratio, so a busy machine slows both): the best of 3 under half of the import's."""
+    import time
+
+    def best(argv) -> float:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=True)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    help_s = best([sys.executable, "-m", "hpar.launcher.cli", "--help"])
+    torch_s = best([sys.executable, "-c", "import torch"])
+    assert help_s < 0.5 * torch_s, (help_s, torch_s)

@@ -21,7 +21,7 @@ import os
 import click
 
 from hpar.launcher.usage import fail as _fail, table_console
-from hpar.strategies.common.job import JobError
+from hpar.strategies.common.errors import JobError
 
 
 def _check_common(scripts, steps: int, timeout_s: float, plot_out, bench_dir, repeat: int = 1,

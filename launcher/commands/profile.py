@@ -22,7 +22,7 @@ from hpar.launcher.run.cluster import DEFAULT_LATENCY, build_cluster
 
 CLUSTER_FLAGS = ("gpus", "hosts", "servers", "bandwidth", "latency", "device_tflops", "device_mem_gbps")
 from hpar.launcher.usage import fail as _fail, table_console
-from hpar.strategies.common.job import JobError, check_job, load_job
+from hpar.strategies.common.errors import JobError
 
 def _human(n: float, unit: str = "B") -> str:
     for prefix in ("", "k", "M", "G", "T"):
@@ -161,6 +161,7 @@ def profile(script, as_json, plan_out, **given):
                                                                              "precision"))
     worker_memory, server_memory, staleness, cache_rows = (given[k] for k in ("worker_memory", "server_memory",
                                                                                "staleness", "cache_rows"))
+    from hpar.strategies.common.job import check_job, load_job
     from hpar.strategies.plan.memory import forward_passes
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.device import profile_device

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from hpar.strategies.common.errors import JobError  # noqa: F401 (defined apart so the CLI names it without torch)
 from hpar.strategies.models.forward import call_model
 
 REQUIRED = ("model", "data", "loss")
@@ -36,15 +37,6 @@ DEFAULT_KEYS = {"batch_size": int, "steps": int, "lr": float, "seed": int, "log_
                 "micro_batches": int, "checkpoint_every": int, "keep_checkpoints": int, "precision": str, "clip_grad_norm": float,
                 "accumulate": int, "eval_every": int, "find_unused_parameters": str}
 ARITY = {"model": 0, "data": 3, "loss": 2, "optimizer": 1, "scheduler": 1, "evaluate": 1, "log": 3}
-
-
-class JobError(ValueError):
-    """A user's script breaks the contract. ``str(err)`` is the one-line message to show;
-    ``err.user_traceback`` holds the user's own traceback when their code raised."""
-
-    def __init__(self, message: str, user_traceback: str | None = None):
-        super().__init__(message)
-        self.user_traceback = user_traceback
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,6 @@ import os
 import re
 import tempfile
 
-import torch
-
 from hpar.strategies.common import activity
 
 
@@ -106,6 +104,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 def atomic_save(obj, path: str) -> None:
     """``torch.save(obj, path)`` through a temp file and rename."""
+    import torch   # here, not at import: the command line reads this module without torch
     _atomic_write(path, lambda f: torch.save(obj, f))
 
 

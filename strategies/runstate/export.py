@@ -23,10 +23,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-
-import torch
+from typing import TYPE_CHECKING
 
 from hpar.strategies.runstate.checkpoint import atomic_write_bytes
+
+if TYPE_CHECKING:   # torch is imported where a model is read, so that `hpar export --help` needs none
+    import torch
 
 FORMATS = ("torch", "safetensors", "hf")
 
@@ -120,6 +122,7 @@ def export(run_dir: str, fmt: str, out: str, script: str | None = None, force: b
     tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=directory)
     try:
         if fmt == "torch":
+            import torch
             with open(os.path.join(tmp, names[0]), "wb") as f:
                 torch.save(weights, f)
                 f.flush()
