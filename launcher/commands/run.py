@@ -162,6 +162,9 @@ def resolve(console: Console, flags: Flags):
         host_list = tuple(allocation_hosts())
         gpus = gpus if gpus is not None else total_slots(list(host_list))
         console.print(f"hpar: {describe_allocation(list(host_list))}", markup=False)
+    elif host_list:   # names and SSH ports at once, in seconds, before a minute of profiling (launcher/hosts/reach.py)
+        from hpar.launcher.hosts.reach import check_reachable
+        check_reachable(host_list, h.ssh_port)
     if max_restarts < 0 or stall_timeout < 0 or (phase_timeout or 0) < 0:
         raise ValueError("--max-restarts, --stall-timeout and --phase-timeout must not be negative")
     if resume_dir:
@@ -195,6 +198,8 @@ def resolve(console: Console, flags: Flags):
         traced_on = None if is_declared_sequence(model) else next(job.batches(0, 1, bs))[0]
         strategy_flag = strategy
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
+        if strategy == "pipeline" and traced_on is not None:   # one that does not trace is refused now, not after profiling
+            sequential_layers(model, traced_on)
         pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
         staleness, cache_rows = pick(staleness, "staleness"), pick(cache_rows, "cache_rows")
         check_cache_flags(cache_rows, staleness)   # HPAR's keys too

@@ -44,6 +44,9 @@ is switched off for tracing (training does not read it).
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import warnings
 import weakref
 
@@ -52,6 +55,20 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hpar.strategies.models.forward import inner_module, takes_keywords
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch.export's graph dumps and warnings while ``pipeline()`` traces (dozens of lines
+    before a failure) kept out of the user's output: hpar's one-line refusal says what failed."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def block_names(model: nn.Module) -> list[str]:
@@ -254,7 +271,7 @@ class TracedLayers:
                         h.remove()
                 spec = _split_spec(blocks, order)
                 try:
-                    with warnings.catch_warnings():   # torch 2.13's own pytree deprecation, inside pipeline()
+                    with warnings.catch_warnings(), _quiet():   # torch 2.13's own pytree deprecation, inside pipeline()
                         warnings.simplefilter("ignore", FutureWarning)
                         pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=spec)
                 finally:
@@ -262,9 +279,11 @@ class TracedLayers:
                 for k, b in model.named_buffers():   # the eager call is not a training step
                     b.copy_(kept[k])
         except Exception as exc:   # torch.export could not capture the forward
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            if len(first) > 200:   # cut at a word, said to be cut
+                first = first[:200].rsplit(" ", 1)[0] + " ..."
             raise ValueError(f"torch.distributed.pipelining could not trace the model ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); define hpar_layers() "
-                             "to pipeline it") from None
+                             f"{first}); define hpar_layers()") from None
         finally:
             if cache:
                 config.use_cache = cache

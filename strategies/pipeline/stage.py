@@ -28,8 +28,9 @@ def sequential_layers(model: torch.nn.Module, example=None) -> list[tuple[str, t
     try:
         return model_layers(model, example)
     except ValueError as exc:
-        raise ValueError(f"--strategy pipeline: {exc}; return nn.Sequential(...) from model(), define "
-                         "hpar_layers(), or use a data-parallel strategy") from None
+        text = str(exc).removesuffix("; define hpar_layers()")   # said once, with the other ways out
+        raise ValueError(f"--strategy pipeline: {text}; define hpar_layers(), return nn.Sequential(...) from "
+                         "model(), or use a data-parallel strategy") from None
 
 
 def example_micro_batch(job: Job, batch_size: int, micro_batches: int, seed: int = 0, replica: int = 0,
