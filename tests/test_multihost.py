@@ -137,7 +137,7 @@ def _host_file(tmp_path, hosts, slots: int = 2, extra: str = "") -> str:
 
 
 NETNS_BAD = [
-    ("unreachable port", lambda h: f"root@{h.addresses[0]}:2222 slots=2\n", [], "unreachable"),
+    ("unreachable port", lambda h: f"root@{h.addresses[0]}:2222 slots=2\n", [], "cannot connect"),
     ("wrong key", None, ["--ssh-key", "WRONGKEY"], "authentication failed"),
     ("missing python", None, ["--python", "/nonexistent/python3"], "python /nonexistent/python3 not found"),
 ]
@@ -159,8 +159,9 @@ def test_bad_hosts_fail_preflight(hosts, tmp_path, name, text, args, problem):
                    "--run-dir", str(tmp_path / "run"), *args)
     line = _error_line(out)
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
-    assert problem in line and "preflight failed" in line, line
-    assert "hpar preflight" in out.stdout + out.stderr  # the table
+    assert problem in line, line
+    if name != "unreachable port":   # a closed port is refused before profiling (launcher/hosts/reach.py)
+        assert "preflight failed" in line and "hpar preflight" in out.stdout + out.stderr, line  # the table
     assert not (tmp_path / "run").exists()
     assert netns_hosts.leftovers(hosts, wait=2) == {}
 

@@ -162,9 +162,6 @@ def resolve(console: Console, flags: Flags):
         host_list = tuple(allocation_hosts())
         gpus = gpus if gpus is not None else total_slots(list(host_list))
         console.print(f"hpar: {describe_allocation(list(host_list))}", markup=False)
-    elif host_list:   # names and SSH ports at once, in seconds, before a minute of profiling (launcher/hosts/reach.py)
-        from hpar.launcher.hosts.reach import check_reachable
-        check_reachable(host_list, h.ssh_port)
     if max_restarts < 0 or stall_timeout < 0 or (phase_timeout or 0) < 0:
         raise ValueError("--max-restarts, --stall-timeout and --phase-timeout must not be negative")
     if resume_dir:
@@ -190,6 +187,11 @@ def resolve(console: Console, flags: Flags):
             raise ValueError(f"--gpus must be at least 1, got {gpus}")
         if host_list:
             place_workers(list(host_list), gpus)
+        if host_list and not slurm:   # names and SSH ports at once, in seconds, before a minute of profiling
+            from hpar.launcher.hosts.reach import check_reachable
+            from hpar.launcher.hosts.remote import ssh_options
+            ssh_options(ssh_key=h.ssh_key, ssh_port=h.ssh_port)   # the flags first: a missing key file, a bad port
+            check_reachable(place_workers(list(host_list), gpus), h.ssh_port)   # the hosts that get workers
         bs = batch_size if batch_size is not None else d.get("batch_size", FALLBACKS["batch_size"])
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
