@@ -230,3 +230,47 @@ def test_a_multi_host_runs_store_listens_on_the_cluster_address_only(two_hosts, 
     everything = here + [entry for entries in found.values() for entry in entries]
     assert len(everything) >= 3, everything   # the store and each rank's gloo listener
     assert not [e for e in everything if e[0] in WILDCARD], f"listening on a wildcard address: {everything}"
+
+
+# --- the pieces, in this process -----------------------------------------------------------------
+
+def own_listeners() -> list[tuple[str, int]]:
+    return [(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def test_the_launchers_store_listens_on_its_address_only_and_names_the_interface(monkeypatch):
+    from hpar.launcher.run.rendezvous import Rendezvous
+    monkeypatch.delenv("HPAR_MASTER_PORT", raising=False)
+    lo = loopback_interface()
+    with Rendezvous("127.0.0.1", True) as rdv:
+        assert ("127.0.0.1", rdv.port) in own_listeners() and not [a for a in own_listeners() if a[0] in WILDCARD]
+        assert rdv.env == {"TORCHELASTIC_USE_AGENT_STORE": "True", "HPAR_HOLD_STORE": "",
+                           "GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+        assert rdv.describe() == (f"rendezvous at 127.0.0.1:{rdv.port} (held by the launcher, listening on "
+                                  f"127.0.0.1 only); gloo and NCCL on {lo}")
+    given = {"GLOO_SOCKET_IFNAME": "eth7"}    # --env wins; the line says so
+    with Rendezvous("127.0.0.1", True, user_env=given) as rdv:
+        assert "GLOO_SOCKET_IFNAME" not in rdv.env and rdv.env["NCCL_SOCKET_IFNAME"] == lo
+        assert rdv.describe().endswith(f"; GLOO_SOCKET_IFNAME=eth7 (--env), NCCL_SOCKET_IFNAME={lo}")
+
+
+def test_with_a_remote_first_host_rank_0s_guard_holds_the_store_on_master_addr(monkeypatch):
+    from hpar.launcher.run.rendezvous import Rendezvous
+    from hpar.workers.store import guard_store, hold_store
+    monkeypatch.delenv("HPAR_MASTER_PORT", raising=False)
+    rdv = Rendezvous("10.77.0.2", False)
+    assert rdv.env == {"TORCHELASTIC_USE_AGENT_STORE": "True", "HPAR_HOLD_STORE": "1"}   # no loopback here
+    assert rdv.describe() == f"rendezvous at 10.77.0.2:{rdv.port} (bound by rank 0's guard, listening on 10.77.0.2 only)"
+    env = {"HPAR_HOLD_STORE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rdv.port)}
+    assert guard_store({**env, "RANK": "1"}) is None and guard_store({**env, "HPAR_HOLD_STORE": "", "RANK": "0"}) is None
+    assert guard_store({**env, "RANK": "0", "HPAR_PG_RANK": "2"}) is None    # a parameter server of hpar run
+    store = guard_store({**env, "RANK": "0"})
+    assert store.port == rdv.port and ("127.0.0.1", rdv.port) in own_listeners()
+    with pytest.raises(OSError, match=f"rendezvous store at 127.0.0.1:{rdv.port}: .*Address already in use"):
+        guard_store({**env, "HPAR_PG_RANK": "0"})    # what the launcher's port_taken() looks for
+    with pytest.raises(OSError):
+        hold_store("192.0.2.123")    # an address no interface here holds (TEST-NET-1)
+    with pytest.raises(AssertionError):
+        hold_store("0.0.0.0")
+    del store
