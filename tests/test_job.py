@@ -85,3 +85,23 @@ def test_cli_exits_2_and_starts_nothing(tmp_path, name, text, expected):
     assert not run_dir.exists(), "no run directory (and so no process) for a bad script"
     if name in ("import", "raises"):
         assert "Traceback" in res.stderr  # the user's own traceback follows the one-line message
+
+
+def test_evaluate_gets_the_model_in_eval_mode_without_grad_and_train_mode_comes_back(tmp_path):
+    """docs/contract.md: evaluate(model) runs in eval mode under no_grad; the model is back in
+    train mode afterwards, also when evaluate() raised."""
+    script = write_script(tmp_path, TINY + '''
+seen = []
+def evaluate(model):
+    import torch
+    seen.append((model.training, torch.is_grad_enabled()))
+    if len(seen) > 1:
+        raise RuntimeError("broken metric")
+    return {"n": 1.0}
+''')
+    job = load_job(script)
+    model = job.build_model()
+    assert job.run_evaluate(model) == {"n": 1.0} and model.training
+    with pytest.raises(Exception):
+        job.run_evaluate(model)
+    assert model.training and job.evaluate_fn.__globals__["seen"] == [(False, False), (False, False)]

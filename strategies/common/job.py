@@ -130,9 +130,11 @@ class Job:
             return {}
         was_training = model.training
         model.eval()
-        with torch.no_grad():
-            result = _call(self, "evaluate", model)
-        model.train(was_training)
+        try:
+            with torch.no_grad():
+                result = _call(self, "evaluate", model)
+        finally:
+            model.train(was_training)
         return _float_dict(self, "evaluate", result)
 
 

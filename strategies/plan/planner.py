@@ -109,8 +109,11 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
     share = sum(p.bytes for p in sparse) / max(profile.total_bytes, 1)
     vs = (f", {best.samples_per_s / runner_up.samples_per_s:.2f}x the predicted samples/s of "
           f"{runner_up.strategy}") if runner_up and runner_up.samples_per_s > 0 else ""
-    if vs and best.samples_per_s < runner_up.samples_per_s:   # _fastest_simplest's tie rule
-        vs += f" (within {TIE:.0%} of it, and the simpler plan)"
+    tie = bool(vs) and best.samples_per_s < runner_up.samples_per_s   # _fastest_simplest's tie rule
+    if tie:
+        vs = (f"; taken though {runner_up.strategy} is predicted faster ({best.samples_per_s / runner_up.samples_per_s:.2f}x "
+              f"its samples/s): within {TIE:.0%} of the fastest, the simpler plan wins (a tie: the cost model is "
+              "not finer than that)")
     if best.strategy == "hybrid":
         a = max(p.alpha for p in sparse) if sparse else 0
         return (f"hybrid: embedding tables hold {share:.0%} of the parameter bytes and a batch touches "
@@ -140,6 +143,8 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
     if best.strategy == "allreduce":
         return (f"allreduce: the gradients are dense ({share:.0%} of the bytes in embedding tables) and "
                 f"AllReduce of {_fmt_bytes(profile.total_bytes)} overlaps backward{vs}.")
+    if tie:
+        return f"{best.strategy}: the simplest plan predicted within {TIE:.0%} of the fastest{vs}."
     return f"{best.strategy}: the fastest predicted step that can run{vs}."
 
 
