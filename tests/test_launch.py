@@ -348,3 +348,19 @@ def test_supervisor_blames_the_root_cause_not_the_peer_it_took_down(tmp_path, co
         outcome = Supervisor(procs, lines, rundir, progress).run()
     rundir.close()
     assert outcome.exit_code == 1 and outcome.failed == procs[blamed].spec.label, outcome
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_failure_report_shows_the_scripts_lines_not_hpars_protocol(tmp_path, reap_run):
+    """A script that fails after the guard's heartbeats went into its log (a missing package,
+    as `examples/ddp_digits.py` without scikit-learn): the report's last lines are the
+    script's own, never an `@hpar heartbeat` line."""
+    script = write_script(tmp_path, "import time\ntime.sleep(5)\nimport no_such_package_for_hpar\n", "train.py")
+    run_dir = tmp_path / "run"
+    reap_run(str(run_dir))
+    out = launch("--gpus", "1", "--plain", "--run-dir", str(run_dir), script, log=str(tmp_path / "out.txt"))
+    assert out.returncode == 1 and "No module named 'no_such_package_for_hpar'" in out.stdout, out.stdout[-3000:]
+    assert "@hpar heartbeat" in (run_dir / "logs" / "rank-0.log").read_text()   # it was there to leak
+    report = out.stdout[out.stdout.index("last lines of rank-0.log"):]
+    assert "@hpar" not in report, report

@@ -325,7 +325,7 @@ class Supervisor:
         if self._refused:   # the user's input, refused before training: one line, as before start (exit 2)
             self.progress.say(f"hpar: {self._refused[1]}")
             return Outcome(EXIT_REFUSED, p.spec.label, p.spec.host, self._refused[1], self.summary)
-        tail = self.rundir.tail(p.spec.log_name, 10)
+        tail = [t for t in self.rundir.tail(p.spec.log_name, 20) if not t.startswith(report.TAG)][-10:]   # the process's own words
         self.progress.say(f"hpar: {p.spec.label} on {p.spec.host} failed: {cause}; stopped every other process")
         if tail:
             self.progress.say(f"hpar: last lines of {p.spec.log_name}:\n" + "\n".join("  " + t for t in tail))
