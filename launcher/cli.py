@@ -154,6 +154,9 @@ def _register_commands() -> None:
     from hpar.launcher.commands.export import export
     from hpar.launcher.commands.launch import launch
     from hpar.launcher.commands.profile import profile
+    from hpar.launcher.commands.runs import clean, runs
+    main.add_command(runs)
+    main.add_command(clean)
     main.add_command(profile)
     main.add_command(bench)
     main.add_command(launch)
