@@ -172,6 +172,12 @@ def test_torn_metadata_and_items_outside_the_checkpoint_are_refused_in_one_line(
         pickle.dump(md, f)
     with pytest.raises(safe_read.UnsafeCheckpoint, match="places an item at '../../etc/passwd', outside the checkpoint"):
         safe_read.read_metadata(path)
+    md = dcp.FileSystemReader(path).read_metadata()
+    md.state_dict_metadata["model.0.weight"] = torch.Size([1 << 40])   # an allowed type where an entry goes
+    with open(meta, "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(safe_read.UnsafeCheckpoint, match="lists 'model.0.weight' as a Size, not checkpoint data"):
+        safe_read.load_all(path)
 
 
 @pytest.mark.parametrize("how", ["read", "load", "read_all", "check"])

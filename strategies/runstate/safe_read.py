@@ -81,8 +81,8 @@ def _one_line(exc: BaseException) -> str:
 def read_metadata(path: str) -> Metadata:
     """DCP's ``Metadata`` of the checkpoint in directory ``path`` (``path/.metadata``),
     unpickled with the allowlist. Raises :class:`UnsafeCheckpoint` naming the file when it
-    names any other global, is no ``Metadata``, or places an item outside ``path``;
-    OSError when it cannot be read."""
+    names any other global, is no ``Metadata``, lists an entry that is neither a tensor nor
+    bytes, or places an item outside ``path``; OSError when it cannot be read."""
     file = os.path.join(path, ".metadata")
     with open(file, "rb") as f:
         try:
@@ -94,6 +94,11 @@ def read_metadata(path: str) -> Metadata:
     if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
             and isinstance(md.storage_data, dict)):
         raise UnsafeCheckpoint(f"{file}: holds a {type(md).__name__}, {TRUST}")
+    for key, item in md.state_dict_metadata.items():   # what DCP and _from_metadata then rely on
+        if not (isinstance(key, str) and (isinstance(item, BytesStorageMetadata) or (
+                isinstance(item, TensorStorageMetadata) and isinstance(item.size, torch.Size)
+                and isinstance(getattr(item.properties, "dtype", None), torch.dtype)))):
+            raise UnsafeCheckpoint(f"{file}: lists {str(key)[:80]!r} as a {type(item).__name__}, {TRUST}")
     for info in md.storage_data.values():   # DCP writes plain file names beside .metadata
         rel = getattr(info, "relative_path", None)
         if not (isinstance(rel, str) and rel and os.path.basename(rel) == rel and rel not in (".", "..")):
