@@ -170,12 +170,15 @@ def test_bench_tiny_job_in_rounds_json_and_plot(tmp_path):
             summary = json.loads((bench_dir / "job" / f"{name}-run{i}" / "summary.json").read_text())
             assert summary["strategy"] == ran_as and summary["steps"] == want_steps and summary["world_size"] == 2
             assert run_processes(str(bench_dir / "job" / f"{name}-run{i}")) == []
+            assert not (bench_dir / "job" / f"{name}-run{i}" / "model").exists()   # removed once read (--keep-models)
     assert max(by_name[n]["ratio"] for n in ran if not by_name[n]["extra"].get("ran_as")) == 1.0
     pipe = by_name["pipeline-1f1b"]
     assert pipe["samples_per_s"] is None and pipe["reason"].startswith("not a sequence of layers: it has no repeated blocks")
     assert not list((bench_dir / "job").glob("pipeline-1f1b*"))
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000
     assert "pipeline-1f1b: skipped" in log and "x fastest" in log
+    assert log.rstrip().splitlines()[-1] == (f"hpar bench: the runs (logs, metrics, summaries) are in {bench_dir}; their "
+                                             "models were removed once read (--keep-models keeps them)")
 
 
 def test_byte_check_window_and_interpolation(tmp_path):

@@ -50,6 +50,7 @@ class BenchConfig:
     min_seconds: float = 0.0   # more steps for a strategy predicted faster: see steps_for
     worker_memory_gb: float | None = None   # every run's --worker-memory (and the plans' capacity)
     server_memory_gb: float | None = None   # every run's --server-memory
+    keep_models: bool = False   # keep each run's trained model (RUN_DIR/model, hf/, checkpoints/); else removed once read
 
 
 MAX_STEPS = 5000   # steps_for's ceiling
@@ -111,3 +112,4 @@ class BenchFlags:
     server_memory: float | None = None
     memory_table: bool = False
     scale: str | None = None
+    keep_models: bool = False

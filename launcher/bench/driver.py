@@ -98,6 +98,20 @@ def _last_error(log_path: str) -> str:
     return (errs or lines or ["no output"])[-1][:300]
 
 
+def drop_models(run_dir: str) -> list[str]:
+    """Remove a finished bench run's trained model (``model/``, ``hf/``) and checkpoints: the
+    bench keeps its figures, logs and metrics, not tens of MB of weights per run. Only in a
+    marked run directory (strategies/runstate/trust.py); returns what was removed."""
+    import shutil
+    from hpar.strategies.runstate.trust import is_marked
+    if not is_marked(run_dir):
+        return []
+    gone = [os.path.join(run_dir, n) for n in ("model", "hf", "checkpoints") if os.path.isdir(os.path.join(run_dir, n))]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
 def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str,
                  plan_file: str | None = None, steps: int | None = None) -> Result:
     """Train ``name`` on ``script`` with ``hpar run`` in a subprocess (its output goes to
@@ -127,6 +141,8 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
         summary = json.load(open(os.path.join(run_dir, "summary.json"), encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         summary = {}
+    if not cfg.keep_models:
+        drop_models(run_dir)
     if code != 0 or summary.get("exit_code", 1) != 0:
         cause = summary.get("cause")
         where = f"{summary.get('failed')} on {summary.get('failed_host')}: " if summary.get("failed") else ""

@@ -137,6 +137,7 @@ def _link_words(link_rate: str | None, link_queue: str) -> str:
 @click.option("--device-tflops", type=float, default=None, help="Projection only: compute from FLOPs at this many TFLOP/s per GPU.")
 @click.option("--gpus-per-host", type=int, default=None, help="Projection only: GPUs per host (default: as in the bench).")
 @click.option("--bench-dir", default=None, help="Where the runs go (default runs/bench-<timestamp>).")
+@click.option("--keep-models", is_flag=True, help="Keep each run's trained model and checkpoints (removed once read by default).")
 @click.option("--ssh-key", default=None, help="SSH private key for --hosts (not needed with emulate:H).")
 @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True, help="Seconds one strategy may run.")
 @click.option("--repeat", type=int, default=1, show_default=True,
@@ -203,7 +204,8 @@ def bench(scripts, **given):
                               ssh_key=emulated.key if emulated else ssh_key, bandwidth_Bps=bw, project=project,
                               device_tflops=device_tflops, timeout_s=timeout_s, precision=precision,
                               threads=emulated.threads if emulated else None, repeat=repeat,
-                              min_seconds=min_seconds, worker_memory_gb=worker_memory, server_memory_gb=server_memory)
+                              min_seconds=min_seconds, worker_memory_gb=worker_memory, server_memory_gb=server_memory,
+                              keep_models=flags.keep_models)
             link = _probe(emulated, console) if emulated else None
             cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated, link,
                                           capacity)
@@ -247,6 +249,9 @@ def bench(scripts, **given):
     if plot_out:
         report.plot(results, plot_out, title)
         console.print(f"hpar bench: plot written to {plot_out}", markup=False)
+    console.print(f"hpar bench: the runs (logs, metrics, summaries{', models' if flags.keep_models else ''}) are in "
+                  f"{bench_dir}" + ("" if flags.keep_models else "; their models were removed once read "
+                                    "(--keep-models keeps them)"), markup=False)
 
 
 def _bench_scale(scripts, flags) -> None:
@@ -274,7 +279,8 @@ def _bench_scale(scripts, flags) -> None:
                 cfg = BenchConfig(scripts=tuple(scripts), gpus=n, strategies=names, steps=steps,
                                   bench_dir=os.path.join(bench_dir, f"hosts-{n}"), batch_size=batch_size, seed=seed,
                                   hosts=em.host_file, ssh_key=em.key, bandwidth_Bps=bw, timeout_s=timeout_s,
-                                  precision=precision, threads=em.threads, repeat=repeat, min_seconds=min_seconds)
+                                  precision=precision, threads=em.threads, repeat=repeat, min_seconds=min_seconds,
+                                  keep_models=flags.keep_models)
                 link = _probe(em, console)
                 links[n] = None if link is None else link._asdict()
                 emulations[n] = em.describe()
