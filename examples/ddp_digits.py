@@ -60,7 +60,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     start = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
-        state = torch.load(args.checkpoint, map_location=device)
+        state = torch.load(args.checkpoint, map_location=device, weights_only=True)
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start = state["epoch"] + 1
