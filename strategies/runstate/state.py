@@ -124,14 +124,15 @@ def read(path: str, state: dict) -> None:
     safe_read.load(path, state)
 
 
-def save(run_dir: str, step: int, state: dict) -> None:
+def save(run_dir: str, step: int, state: dict, keep: int = 0) -> None:
     """Write this process's ``state`` (the namespace in the module docstring) for ``step``;
-    a collective over the default group, then ``latest`` points at ``step``."""
+    a collective over the default group, then ``latest`` points at ``step`` and only the
+    ``keep`` newest complete checkpoints stay (0: all; ``--keep-checkpoints``)."""
     from hpar.strategies.common import activity
     from hpar.strategies.runstate import checkpoint
     with activity.doing(f"writing the checkpoint of step {step}"):
         write(step_dir(run_dir, step), state)
-    checkpoint.commit(run_dir, step)
+    checkpoint.commit(run_dir, step, keep)
 
 
 FINAL, FINAL_TMP = "model", ".tmp-model"   # RUN_DIR/model: the trained model, written as a checkpoint
