@@ -182,3 +182,18 @@ def test_a_worker_refuses_a_config_that_is_not_the_launchers(trained, tmp_path):
         assert f"{config}: changed after the launcher wrote it" in proc.stdout + proc.stderr
     from hpar.strategies.common.config import load_config
     assert load_config(str(config), good).script.endswith("job.py")
+
+
+def test_run_dir_hf_is_made_as_the_rest_of_the_run_not_0700(tmp_path):
+    """RUN_DIR/hf (save_pretrained through a temp folder) gets the mode os.makedirs gives the
+    run's other folders (the run directory itself is what keeps others out)."""
+    transformers = pytest.importorskip("transformers")
+    from hpar.strategies.models.hf import save_pretrained_dir
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16,
+                                                                 n_positions=8))
+    old = os.umask(0o022)
+    try:
+        save_pretrained_dir(model, str(tmp_path / "hf"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "hf").st_mode) == 0o755 and (tmp_path / "hf" / "config.json").is_file()
