@@ -22,12 +22,13 @@ import torch.distributed as dist
 from hpar.strategies.common import activity
 
 from hpar.strategies.common import memory
-from hpar.strategies.common.config import RunConfig
+from hpar.strategies.common.config import ConfigChanged, RunConfig, load_config
 from hpar.strategies.common.context import WorkerContext
 from hpar.strategies.common.devices import model_to_cpu
 from hpar.strategies.common.gather import all_gather_ints
 from hpar.strategies.common.groups import join_default_group
 from hpar.strategies.common.job import JobError, load_job
+from hpar.strategies.runstate.safe_read import UnsafeCheckpoint
 from hpar.strategies.runstate.state import DiskFull
 from hpar.strategies.models.hf import is_pretrained, save_pretrained_dir
 
@@ -121,7 +122,7 @@ def worker_device(cfg: RunConfig, local_rank: int) -> torch.device:
 
 
 def main() -> int:
-    cfg = RunConfig.from_json(open(os.environ["HPAR_CONFIG"]).read())
+    cfg = load_config(os.environ["HPAR_CONFIG"], os.environ.get("HPAR_CONFIG_SHA256"))
     rank, world_size, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK", 0)
     pg_rank, pg_world = env_int("HPAR_PG_RANK", rank), env_int("HPAR_PG_WORLD_SIZE", world_size)
     device = worker_device(cfg, local_rank)
@@ -179,4 +180,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    run_entry(main, "hpar", (JobError, DiskFull))
+    run_entry(main, "hpar", (JobError, DiskFull, ConfigChanged, UnsafeCheckpoint))

@@ -157,7 +157,7 @@ def _save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], 
     collective over the default group."""
     run_state.save(ctx.cfg.run_dir, step, {**run_state.process_entries(
         model, opt, tools if opt else None, ctx.device, f"worker{ctx.rank}", "workers", served_names(model, ps_names)),
-        **(caches.entries() if caches else {})})
+        **(caches.entries() if caches else {})}, keep=ctx.cfg.keep_checkpoints)
 
 
 def _resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str], caches) -> int:

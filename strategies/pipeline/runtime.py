@@ -213,7 +213,7 @@ def train(ctx: WorkerContext) -> TrainResult:
         stepped[0] = True
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             run_state.save(cfg.run_dir, step + 1, run_state.process_entries(
-                stage.module, stage.optimizer, tools, ctx.device, part, loop_part))
+                stage.module, stage.optimizer, tools, ctx.device, part, loop_part), keep=cfg.keep_checkpoints)
         if loop.evaluate_now(cfg, step + 1):   # every stage sends its weights; stage 0 evaluates
             whole = stage_loop.gather_model(model, stage.module, ctx.rank, groups.control)
             loop.evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: whole, ctx.report_eval)
