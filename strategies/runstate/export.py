@@ -5,7 +5,9 @@ The run wrote its model where it lives (``RUN_DIR/model``, torch.distributed.che
 strategies/runstate/state.py). Exporting reads it whole in this process (shards joined: an offline
 step, sized for the machine that runs it), as the model's ``state_dict``:
 
-* ``torch``: ``torch.save`` of the state dict (``torch.load`` and ``model.load_state_dict``);
+* ``torch``: ``torch.save`` of the state dict (``torch.load`` and ``model.load_state_dict``); a
+  weight held under two names (a tied ``lm_head``) is one tensor under both, which torch.save
+  stores once, and a strict ``load_state_dict`` fills both;
 * ``safetensors``: one ``model.safetensors`` (``safetensors.torch.load_file``); a weight held
   under two names (a tied ``lm_head``) is written once, under the first, as HF does (safetensors
   refuses aliased tensors), and ``load_state_dict(..., strict=False)`` or the model's own tying
@@ -34,8 +36,9 @@ FORMATS = ("torch", "safetensors", "hf")
 
 
 def trained_state(run_dir: str) -> dict[str, torch.Tensor]:
-    """The trained model's state dict (the user's parameter names) from ``RUN_DIR/model``.
-    Raises ValueError naming the directory when the run left none."""
+    """The trained model's state dict (the user's parameter names) from ``RUN_DIR/model``; a
+    tied weight's names hold one tensor (RUN_DIR/model stores it once: state.read_all). Raises
+    ValueError naming the directory when the run left none."""
     from hpar.strategies.runstate import state   # torch.distributed.checkpoint: 1 s to import, only here
     path = os.path.join(run_dir, state.FINAL)
     if not os.path.exists(os.path.join(path, ".metadata")):

@@ -22,6 +22,8 @@ process its own file, with no process gathering another's. All processes share o
 ``cache.worker<r>.<name>``  worker r's cached rows of the next cache epoch
                             (strategies/hybrid/cache.py)
 ``meta``                    step, strategy and sizes of the run that wrote it
+``tied.<name>``             RUN_DIR/model only: a tied weight's later name, whose value is the
+                            name it is stored under (once: strategies/runstate/aliases.py)
 ==========================  ================================================================
 
 Layout on disk: ``RUN_DIR/checkpoints/step-N/`` holds DCP's files (``__<rank>_<i>.distcp``
@@ -50,7 +52,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hpar.strategies.runstate.checkpoint import atomic_write_bytes, file_sha256, step_dir
-from hpar.strategies.runstate import safe_read
+from hpar.strategies.runstate import aliases, safe_read
 
 # ShardedTensor is the DCP type whose shards may sit at any row offsets (a server holds
 # partitions p, p+S, p+2S, ...: DTensor's Shard(0) has one contiguous block per rank)
@@ -142,13 +144,16 @@ def write_final(run_dir: str, entries: dict) -> None:
     """The trained model, written where it lives: every process of the run calls this (a
     collective over the default group) with its ``model.<name>`` entries (and nothing else);
     DCP writes them into ``RUN_DIR/.tmp-model``, which worker 0 renames to ``RUN_DIR/model``
-    once every process has written (an older one is replaced only then). ``hpar export``
-    turns it into one torch file, safetensors or a ``save_pretrained`` directory."""
+    once every process has written (an older one is replaced only then). A tensor under several
+    names (a tied weight) is written once, under the first name ``entries`` give it (the model's
+    ``state_dict`` order, the same in every process), the others as ``tied.<name>`` records
+    (strategies/runstate/aliases.py). ``hpar export`` turns it into one torch file, safetensors
+    or a ``save_pretrained`` directory."""
     import shutil
     tmp, final = os.path.join(run_dir, FINAL_TMP), os.path.join(run_dir, FINAL)
     from hpar.strategies.common import activity
     with activity.doing("writing the trained model (RUN_DIR/model)"):
-        write(tmp, entries)
+        write(tmp, aliases.stored_once(entries))
     if dist.is_initialized():
         with activity.doing(None):   # waiting for the slowest writer is no deadline of this process's
             dist.barrier()
@@ -168,7 +173,8 @@ def final_entries(module: torch.nn.Module, model: torch.nn.Module) -> dict:
     gives its tensors: a tied weight that the tracer hands a later stage under another name
     (BERT's ``cls.predictions.decoder.bias`` for ``cls.predictions.bias``) is written under the
     model's own names, and a name the model's state_dict leaves out (Hugging Face leaves out
-    tied duplicates) is left out."""
+    tied duplicates) is left out. In the order of the model's ``state_dict`` (what
+    :func:`write_final` keeps a tied weight's first name by)."""
     whole = model.state_dict(keep_vars=True)
     names: dict[int, list[str]] = {}
     for k, v in whole.items():
@@ -177,14 +183,28 @@ def final_entries(module: torch.nn.Module, model: torch.nn.Module) -> dict:
     for k, v in module.state_dict(keep_vars=True).items():   # a tensor: every name the model gives it
         for name in set(names.get(id(v), [])) | ({k} if k in whole else set()):
             out[f"model.{name}"] = v.detach()
-    return out
+    order = {f"model.{k}": i for i, k in enumerate(whole)}
+    return dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
 
 
 def read_whole(run_dir: str, model: torch.nn.Module) -> None:
     """Fill ``model`` from the run's final model (RUN_DIR/model) in this process: the names
-    the stages wrote (buffers outside every layer keep their values)."""
-    saved = saved_keys(os.path.join(run_dir, FINAL))
-    read_final(run_dir, {k: v for k, v in model_entries(model).items() if k in saved})
+    the stages wrote (buffers outside every layer keep their values); a tied weight's later
+    names (``tied.`` records) get the tensor stored under its first."""
+    path = os.path.join(run_dir, FINAL)
+    saved, entries = saved_keys(path), model_entries(model)
+    wanted, copies = {k: v for k, v in entries.items() if k in saved}, []
+    for name, first in aliases.recorded(path).items():
+        dst, src = entries.get(f"model.{name}"), f"model.{first}"
+        if dst is None or src not in saved:
+            continue
+        if src not in wanted:
+            wanted[src] = dst
+        elif wanted[src].data_ptr() != dst.data_ptr():   # else the model ties them itself
+            copies.append((dst, wanted[src]))
+    read_final(run_dir, wanted)
+    for dst, src in copies:
+        dst.copy_(src)
 
 
 def load(run_dir: str, step: int, state: dict) -> None:
@@ -297,9 +317,10 @@ def restore_process(run_dir: str, step: int, module: torch.nn.Module, opt, tools
 def read_all(path: str) -> dict:
     """Everything the DCP checkpoint in ``path`` holds, in this process (shards joined into
     whole tensors, nested entries as saved: what torch's ``dcp_to_torch_save`` gives, read as
-    data by ``safe_read.load_all``, which raises ``safe_read.UnsafeCheckpoint``). For
+    data by ``safe_read.load_all``, which raises ``safe_read.UnsafeCheckpoint``), a tied weight's
+    later names as the very tensor stored under its first (``aliases.with_aliases``). For
     ``hpar export``, tools and tests: it holds the whole state in memory."""
-    return safe_read.load_all(path)
+    return aliases.with_aliases(safe_read.load_all(path))
 
 
 def saved_keys(path: str) -> set[str]:
