@@ -36,7 +36,8 @@ def report(profile, cluster, plan) -> dict:
     """The ``--json`` object: parameters, layers, candidates, plan, cluster, profile totals."""
     params = [{"name": p.name, "shape": list(p.shape), "bytes": p.bytes, "sparse": p.sparse,
                "alpha": p.alpha, "union_alpha": p.union_alpha, "embedding_module": p.embedding_module,
-               "layer": p.layer, "placement": plan.placement.get(p.name, "allreduce"), "dedup_s": p.dedup_s}
+               "layer": p.layer, "placement": plan.placement.get(p.name, "allreduce"), "dedup_s": p.dedup_s,
+               "tied_to": list(p.tied_to)}
               for p in profile.params]
     layers = [{"name": l.name, "forward_s": l.forward_s, "backward_s": l.backward_s, "flops": l.flops,
                "activation_bytes": l.activation_bytes, "param_bytes": l.param_bytes} for l in profile.layers]
@@ -77,7 +78,8 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
     for col in ("name", "shape", "bytes", "sparse", "alpha", f"union ({cluster.workers})", "placement"):
         t.add_column(col, justify="left" if col in ("name", "placement") else "right")
     for p in profile.params:
-        t.add_row(p.name, "x".join(map(str, p.shape)), _human(p.bytes), "yes" if p.sparse else "",
+        t.add_row(p.name, "x".join(map(str, p.shape)), _human(p.bytes),
+                  "yes" if p.sparse else (f"no: tied to {', '.join(p.tied_to)}" if p.tied_to else ""),
                   f"{p.alpha:.4f}" if p.sparse else "", f"{p.union_alpha:.4f}" if p.sparse else "",
                   plan.placement.get(p.name, "allreduce"))
     console.print(t)

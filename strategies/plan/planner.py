@@ -104,6 +104,35 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def _tied(profile: Profile) -> tuple[float, str]:
+    """(the share of the parameter bytes in embedding tables tied to a dense layer, their ties as
+    words: "transformer.wte.weight tied to lm_head.weight"; "" when there are none)."""
+    tied = [p for p in profile.params if p.tied_to]
+    words = "; ".join(f"{p.name} tied to {', '.join(p.tied_to)}" for p in tied[:2]) + ("; ..." if len(tied) > 2 else "")
+    return sum(p.bytes for p in tied) / max(profile.total_bytes, 1), words
+
+
+def _dense_why(share: float, profile: Profile) -> str:
+    """Why the gradients are dense, in the allreduce reason: the share of the bytes in row-sparse
+    embedding tables, and the tables whose tie to a dense layer makes their gradients dense."""
+    tied, words = _tied(profile)
+    if not words:
+        return f"the gradients are dense ({share:.0%} of the bytes in embedding tables)"
+    if not share:
+        return (f"the gradients are dense: {tied:.0%} of the bytes are in embedding tables, all tied to a dense "
+                f"layer ({words}), so their gradients are dense")
+    return (f"the gradients are mostly dense: {share + tied:.0%} of the bytes are in embedding tables, {tied:.0%} in "
+            f"ones tied to a dense layer ({words}), whose gradients are dense")
+
+
+def _tied_note(profile: Profile) -> str:
+    """": a tied to b, so its gradient is dense" where the model has embedding tables tied to a
+    dense layer; "" otherwise."""
+    words = _tied(profile)[1]
+    one = sum(1 for p in profile.params if p.tied_to) == 1
+    return f": {words}, so {'its gradient is' if one else 'their gradients are'} dense" if words else ""
+
+
 def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Estimate | None) -> str:
     sparse = [p for p in profile.params if p.embedding_module]
     share = sum(p.bytes for p in sparse) / max(profile.total_bytes, 1)
@@ -141,8 +170,8 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
                 f"{_fmt_bytes(profile.total_bytes)}, overlapped with backward, is predicted faster "
                 f"than moving their touched rows{vs}.")
     if best.strategy == "allreduce":
-        return (f"allreduce: the gradients are dense ({share:.0%} of the bytes in embedding tables) and "
-                f"AllReduce of {_fmt_bytes(profile.total_bytes)} overlaps backward{vs}.")
+        return (f"allreduce: {_dense_why(share, profile)}, and AllReduce of {_fmt_bytes(profile.total_bytes)} "
+                f"overlaps backward{vs}.")
     if tie:
         return f"{best.strategy}: the simplest plan predicted within {TIE:.0%} of the fastest{vs}."
     return f"{best.strategy}: the fastest predicted step that can run{vs}."
@@ -214,11 +243,12 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             available = available and cache is not None
         if e.strategy in ("hybrid", CACHED) and e.feasible and "ps" not in e.placement.values():
             why = ("every embedding table costs less on AllReduce" if any(p.embedding_module for p in profile.params)
-                   else "no embedding table to place on servers")
+                   else "no embedding table to place on servers" + _tied_note(profile))
             note = (note + "; " if note else "") + f"{why} (same as allreduce)"
             available = False   # it would run as allreduce: never the winner in its own name
         if e.strategy == "allreduce-sparse" and e.feasible and not any(p.embedding_module for p in profile.params):
-            note = (note + "; " if note else "") + "no embedding table to give sparse gradients (same as allreduce)"
+            note = (note + "; " if note else "") + \
+                f"no embedding table to give sparse gradients{_tied_note(profile)} (same as allreduce)"
             available = False   # `hpar run` runs it as allreduce
         if e.strategy == "pipeline" and e.feasible:
             note = describe_pipeline(e) + ("; " + note if note else "")

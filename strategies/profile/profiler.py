@@ -20,7 +20,8 @@ What is measured and how:
   analytically: 2 FLOPs per multiply-add of the gate matrices, backward = 2x forward
   (the usual 1:2 rule, e.g. Kaplan et al. 2020, "Scaling laws for neural language models").
 * sparsity: ``nn.Embedding``/``nn.EmbeddingBag`` weights are row-sparse whatever their
-  ``sparse=`` flag; the rows a batch touches are the unique ids fed to the module (forward
+  ``sparse=`` flag, but for a table tied to a dense user (an output layer: its gradient is
+  dense; strategies/models/tying.py), measured as a dense parameter and marked ``tied_to``; the rows a batch touches are the unique ids fed to the module (forward
   pre-hook). One full batch of each of N workers (``job.batches(rank, N, batch_size)``) is
   run forward, stopping early once every embedding module has seen its ids when each is
   called exactly once per forward pass. ``alpha`` is the mean fraction of rows one
@@ -79,6 +80,7 @@ from hpar.strategies.profile.device import data_seconds, OnDevice
 from hpar.strategies.models.forward import inner_module
 from hpar.strategies.models.layers import is_declared_sequence, model_layers
 from hpar.strategies.models.traced import TracedStage, why_not_traceable
+from hpar.strategies.models.tying import dense_shared_embeddings
 from hpar.strategies.pipeline.ties import shared_across_stages
 from hpar.strategies.common.loop import precision_context
 from hpar.strategies.profile.hooks import (
@@ -293,6 +295,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         for p in m.parameters():
             layer_of.setdefault(id(p), li)
     emb_names = {f"{n}.weight" if n else "weight" for n, _ in embs}
+    tied = {n: tuple(q for q in held if q != n) for n, held in dense_shared_embeddings(model).items()}
     params = []
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
@@ -306,9 +309,10 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             fr = [f for f, _ in grad_rows[name]]
             union = float(torch.stack([m for _, m in grad_rows[name]]).any(0).float().mean())
             pp = ParamProfile(name, tuple(p.shape), nbytes, True, float(sum(fr) / len(fr)), union,
-                              False, layer_of.get(id(p), -1), ((len(fr), union),))
+                              False, layer_of.get(id(p), -1), ((len(fr), union),), tied_to=tied.get(name, ()))
         else:
-            pp = ParamProfile(name, tuple(p.shape), nbytes, False, 1.0, 1.0, False, layer_of.get(id(p), -1))
+            pp = ParamProfile(name, tuple(p.shape), nbytes, False, 1.0, 1.0, False, layer_of.get(id(p), -1),
+                              tied_to=tied.get(name, ()))
         params.append(pp)
     params.sort(key=lambda q: (not q.sparse, -q.bytes))
     lp = []

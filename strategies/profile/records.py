@@ -19,7 +19,10 @@ class ParamProfile:
     hot rows sit, which decides server load under row-range partitioning);
     ``hot_rows``/``hot_counts``/``hot_batches``/``hot_touches`` the most looked-up rows and how
     many of the profiled batches looked each up (strategies/profile/hot_rows.py: the hot-row
-    cache's first rows and its predicted hit rate); ``layer`` indexes ``Profile.layers`` (-1: none)."""
+    cache's first rows and its predicted hit rate); ``layer`` indexes ``Profile.layers`` (-1: none);
+    ``tied_to``: for an embedding table whose weight a non-embedding module also holds (an output
+    layer tied to it: strategies/models/tying.py), the other names of that weight (its gradient
+    is dense, so it is measured and placed as a dense parameter, ``embedding_module`` False)."""
 
     name: str
     shape: tuple[int, ...]
@@ -36,6 +39,7 @@ class ParamProfile:
     hot_counts: tuple[int, ...] = ()
     hot_batches: int = 0
     hot_touches: int = 0
+    tied_to: tuple[str, ...] = ()
 
     def hot(self):
         """The profiled row frequencies as hot_rows.HotRows (None where none were measured)."""
@@ -181,7 +185,8 @@ class Profile:
                                             "union_curve": tuple(tuple(x) for x in p.get("union_curve", ())),
                                             "row_mass": tuple(p.get("row_mass", ())),
                                             "hot_rows": tuple(p.get("hot_rows", ())),
-                                            "hot_counts": tuple(p.get("hot_counts", ()))})
+                                            "hot_counts": tuple(p.get("hot_counts", ())),
+                                            "tied_to": tuple(p.get("tied_to", ()))})
                             for p in d["params"])
         d["layers"] = tuple(LayerProfile(**l) for l in d["layers"])
         d["unused_params"] = tuple(d.get("unused_params", ()))
