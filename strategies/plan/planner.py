@@ -121,8 +121,9 @@ def _dense_why(share: float, profile: Profile) -> str:
     if not share:
         return (f"the gradients are dense: {tied:.0%} of the bytes are in embedding tables, all tied to a dense "
                 f"layer ({words}), so their gradients are dense")
-    return (f"the gradients are mostly dense: {share + tied:.0%} of the bytes are in embedding tables, {tied:.0%} in "
-            f"ones tied to a dense layer ({words}), whose gradients are dense")
+    sparse = f"{share:.1%}" if share < 0.01 else f"{share:.0%}"
+    return (f"the gradients are mostly dense: {share + tied:.0%} of the bytes are in embedding tables, {sparse} in "
+            f"row-sparse ones; the others are tied to a dense layer ({words}), so their gradients are dense")
 
 
 def _tied_note(profile: Profile) -> str:
