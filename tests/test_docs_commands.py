@@ -282,10 +282,12 @@ def _check_result(command: Command, words: list[str], out: str, cwd: str, new: l
         assert re.search(r"^hpar: wrote ", out, re.M), f"{command}: no `hpar: wrote` line\n{out[-3000:]}"
         _check_exported_model(command, target, last_run)
     elif sub == "runs":
+        directory = words[2] if len(words) > 2 else "runs"
         listed = re.findall(r"^(\S+)  ", out, re.M)
-        marked = sorted(os.path.join("runs", n) for n in _listing(cwd)
-                        if os.path.exists(os.path.join(cwd, "runs", n, ".hpar-run")))
-        assert marked and sorted(listed) == marked, f"{command}: lists {listed}, runs/ holds {marked}\n{out}"
+        names = os.listdir(os.path.join(cwd, directory)) if os.path.isdir(os.path.join(cwd, directory)) else []
+        marked = sorted(os.path.join(directory, n) for n in names
+                        if os.path.exists(os.path.join(cwd, directory, n, ".hpar-run")))
+        assert marked and sorted(listed) == marked, f"{command}: lists {listed}, {directory} holds {marked}\n{out}"
     elif sub == "clean":
         named = [w for w in words[2:] if not w.startswith("-")]
         assert named and all(not os.path.exists(os.path.join(cwd, w)) for w in named), f"{command}: {named} still there"
@@ -307,18 +309,14 @@ def _check_exported_model(command: Command, path: str, run_dir: str):
     model.load_state_dict(saved)   # raises on a missing or unexpected key, or a wrong shape
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("page", marked_pages())
-def test_the_marked_commands_of_a_page_run_as_written(page, tmp_path):
-    """Each marked command of ``page``, in order, as a subprocess in a fresh directory holding
-    the repository's examples/: exit code 0, its result (_check_result), and no process of any
-    run left behind."""
+def run_page(commands: list[Command], tmp_path) -> None:
+    """Run ``commands`` (one page's, in order) as subprocesses in a fresh directory under
+    ``tmp_path`` holding the repository's examples/; fails on the first command that exits
+    non-zero, lacks its result (_check_result) or leaves a process of any run behind."""
     cwd = str(tmp_path / "work")
     os.makedirs(cwd)
     os.symlink(os.path.join(REPO, "examples"), os.path.join(cwd, "examples"))
     last_run = None
-    commands = marked_commands(page)
     for n, command in enumerate(commands):
         words = list(command.words) + command.extra
         if PLACEHOLDER in words:
@@ -333,3 +331,26 @@ def test_the_marked_commands_of_a_page_run_as_written(page, tmp_path):
         _check_result(command, words, out, cwd, new, last_run)
         if words[1] in ("run", "launch"):
             last_run = os.path.join(cwd, "runs", new[0])
+
+
+def test_a_failing_command_fails_its_page(tmp_path):
+    """The page test can fail: a command that exits 2 (a script that is not there), `runs/RUN`
+    before any run, and a listing of no run each fail with the page and line."""
+    def page(*lines):
+        return [Command("p.md", i + 1, shlex.split(line)) for i, line in enumerate(lines)]
+    cases = [(page("hpar profile examples/missing.py --gpus 2"), "p.md:1: hpar profile examples/missing.py"),
+             (page("hpar export runs/RUN --out m.pt"), "p.md:1: hpar export runs/RUN --out m.pt: runs/RUN before"),
+             (page("hpar runs ."), "p.md:1: hpar runs .: lists [], . holds []")]
+    for i, (commands, says) in enumerate(cases):
+        with pytest.raises(AssertionError, match=re.escape(says)):
+            run_page(commands, tmp_path / str(i))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("page", marked_pages())
+def test_the_marked_commands_of_a_page_run_as_written(page, tmp_path):
+    """Each marked command of ``page``, in order, as a subprocess in a fresh directory holding
+    the repository's examples/: exit code 0, its result, and no process of any run left behind
+    (run_page)."""
+    run_page(marked_commands(page), tmp_path)
