@@ -21,6 +21,12 @@ pytestmark = pytest.mark.multiprocess
 LAUNCHED = "import os\nprint('rank', os.environ['RANK'])\n"   # a torchrun-style script for `hpar launch`
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def tree(path) -> dict[str, bytes]:
     """Every file under ``path`` (relative name -> content)."""
     out = {}
@@ -78,6 +84,7 @@ def test_export_writes_into_a_folder_and_keeps_every_file_there(trained, tmp_pat
         assert (models / name).is_file()
     after = tree(models)
     assert {k: after[k] for k in before} == before, "an export changed a file it did not write"
+    assert stat.S_IMODE(os.stat(models / "model.safetensors").st_mode) == 0o666 & ~_umask()   # not safetensors' 0600
     assert set(after) - set(before) == {"model.safetensors", "model.pt", ".hpar-export"}
     assert set(load_file(str(models / "model.safetensors"))) == {"0.weight", "0.bias", "2.weight", "2.bias",
                                                                   "4.weight", "4.bias"}
