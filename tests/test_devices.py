@@ -33,6 +33,8 @@ def _resolve(tmp_path, monkeypatch, seen: dict, device="auto"):
     from hpar.launcher.procs.ssh import SSHOptions
     from conftest import write_script
     monkeypatch.setattr(remote, "prepare_remote", lambda *a, **kw: (SSHOptions(gpus=seen), "10.0.0.1"))
+    from hpar.launcher.hosts import reach
+    monkeypatch.setattr(reach, "check_reachable", lambda *a, **kw: None)   # hosts a and b exist only here
     monkeypatch.setattr(run_command, "local_gpus", lambda: 0)     # the launcher itself has no GPU
     out = io.StringIO()
     cfg, _, _ = run_command.resolve(Console(file=out, soft_wrap=True), Flags.of(

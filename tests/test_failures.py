@@ -57,7 +57,7 @@ def test_sigkill_worker_stops_everything(tmp_path):
         assert time.monotonic() - killed < 10 + 3
         assert proc.returncode == 1
         assert "worker 1 on localhost failed: killed by SIGKILL" in out
-        assert "last lines of worker-1.log" in out
+        assert "last lines of worker-1.log" in out or "worker-1.log holds no line of the process's own" in out, out
 
 
 @pytest.mark.timeout(150)

@@ -41,5 +41,7 @@ def test_pipeline_refuses_a_model_that_is_not_a_sequence(tmp_path):
     res = hpar("run", script, "--gpus", "2", "--strategy", "pipeline", "--run-dir", str(tmp_path / "run"))
     assert res.returncode == 2
     line = res.stderr.strip().splitlines()[0]
-    assert line.startswith("hpar: --strategy pipeline does not fit this job") and "Sequential" in line
+    # refused before profiling (the model is checked for layers to cut first), naming the ways out
+    assert line.startswith("hpar: --strategy pipeline: the model (M) is not a sequence of layers") and "Sequential" in line
+    assert "define hpar_layers()" in line and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert not (tmp_path / "run").exists()

@@ -329,6 +329,8 @@ class Supervisor:
         self.progress.say(f"hpar: {p.spec.label} on {p.spec.host} failed: {cause}; stopped every other process")
         if tail:
             self.progress.say(f"hpar: last lines of {p.spec.log_name}:\n" + "\n".join("  " + t for t in tail))
+        elif self.rundir.tail(p.spec.log_name, 1):
+            self.progress.say(f"hpar: {p.spec.log_name} holds no line of the process's own, only hpar's reports")
         return Outcome(EXIT_FAILED, p.spec.label, p.spec.host, cause, self.summary)
 
     def teardown(self) -> None:
