@@ -15,6 +15,7 @@ import shutil
 
 import click
 
+from hpar.launcher.run.progress import human_bytes
 from hpar.strategies.runstate.trust import MARKER, check_trusted, is_marked
 
 
@@ -29,14 +30,6 @@ def _size(path: str) -> int:
                 continue
             total += st.st_size if not os.path.islink(os.path.join(root, name)) else 0
     return total
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def state(run_dir: str) -> tuple[str, str]:
@@ -107,8 +100,8 @@ def runs(directory):
         size = _size(path)
         total += size
         words, resume = state(path)
-        click.echo(f"{path}  {_human(size)}  {words}" + (f"  resume: {resume}" if resume else ""))
-    click.echo(f"hpar: {len(found)} run(s), {_human(total)}; `hpar clean RUN_DIR...` removes the ones you name")
+        click.echo(f"{path}  {human_bytes(size)}  {words}" + (f"  resume: {resume}" if resume else ""))
+    click.echo(f"hpar: {len(found)} run(s), {human_bytes(total)}; `hpar clean RUN_DIR...` removes the ones you name")
 
 
 @click.command()
@@ -130,15 +123,15 @@ def clean(run_dirs, yes):
         fail(str(exc))
     sizes = {p: _size(p) for p in paths}
     for path in paths:
-        click.echo(f"{path}  {_human(sizes[path])}  {state(path)[0]}")
+        click.echo(f"{path}  {human_bytes(sizes[path])}  {state(path)[0]}")
     if not yes and not click.confirm(f"Remove these {len(paths)} run director{'y' if len(paths) == 1 else 'ies'} "
-                                     f"({_human(sum(sizes.values()))})?", default=False):
+                                     f"({human_bytes(sum(sizes.values()))})?", default=False):
         click.echo("hpar: nothing removed")
         return
     for path in paths:
         shutil.rmtree(path)
     click.echo(f"hpar: removed {len(paths)} run director{'y' if len(paths) == 1 else 'ies'}, "
-               f"{_human(sum(sizes.values()))}")
+               f"{human_bytes(sum(sizes.values()))}")
 
 
 __all__ = ["runs", "clean", "state"]

@@ -34,7 +34,6 @@ import shutil
 import signal as signals
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -93,18 +92,8 @@ def task_table(specs: list[ProcessSpec], env: dict | None, cwd: str) -> list[dic
 
 def write_private(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically, readable by this user only (0600 from creation:
-    ``mkstemp`` in the same directory, fsync, ``os.replace``)."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".hpar-tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    strategies/runstate/checkpoint.py ``atomic_write_bytes(..., private=True)``)."""
+    atomic_write_bytes(path, data, private=True)
 
 
 def srun_argv(ntasks: int, tasks_file: str, python: str) -> list[str]:

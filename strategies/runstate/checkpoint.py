@@ -15,14 +15,17 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)   # read once at import: the process's umask, for files made by mkstemp
 
 
-def _atomic_write(path: str, write) -> None:
+def _atomic_write(path: str, write, private: bool = False) -> None:
     """Call ``write(binary file)`` on a temp file beside ``path``, fsync it, and rename it over
-    ``path``; on any failure the temp file is removed and ``path`` is left as it was."""
+    ``path``; on any failure the temp file is removed and ``path`` is left as it was. The file
+    gets the mode ``open()`` would give it, or 0600 from its creation when ``private`` (a file
+    that must never be readable by others, not even for a moment)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)   # made 0600, without a race
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)   # as open() would create it (mkstemp makes 0600): same as the logs beside it
+        if not private:
+            os.fchmod(fd, 0o666 & ~_UMASK)   # as open() would create it: same as the logs beside it
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -97,9 +100,10 @@ def remove_incomplete_steps(run_dir: str) -> list[str]:
     return removed
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace)."""
-    _atomic_write(path, lambda f: f.write(data))
+def atomic_write_bytes(path: str, data: bytes, private: bool = False) -> None:
+    """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace); ``private``: mode
+    0600 from the file's creation (see :func:`_atomic_write`)."""
+    _atomic_write(path, lambda f: f.write(data), private)
 
 
 def atomic_save(obj, path: str) -> None:
