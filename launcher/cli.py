@@ -103,6 +103,14 @@ def main() -> None:
               help="Workers' device: auto (a GPU per worker where every host has enough, else CPU), cpu or cuda.")
 def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval_every, **given):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
+    from hpar.launcher.run.flags import check_ranges
+    from hpar.strategies.common.config import check_cache_flags, check_loop_flags
+    try:   # what can be refused before torch is imported and the script loaded, in well under a second
+        check_ranges(**given, tune_steps=tune_steps, min_hosts=min_hosts)
+        check_loop_flags(precision, clip_grad_norm, accumulate, eval_every)
+        check_cache_flags(given.get("cache_rows"), given.get("staleness"))
+    except ValueError as exc:
+        fail(str(exc))
     from hpar.launcher.commands import run as run_command
     from hpar.launcher.run.elastic import with_min_hosts
     from hpar.launcher.run.leftovers import ended_at_exit

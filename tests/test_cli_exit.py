@@ -36,7 +36,9 @@ def test_entry_runs_atexit_flushes_and_keeps_the_exit_status(tmp_path, args, ext
 
 QUICK = [["--help"], ["--version"], ["run", "--help"], ["run", "--no-such-flag", "x.py"], ["profile", "--help"],
          ["profile"], ["bench", "--no-such-flag"], ["launch", "--help"], ["export", "--help"], ["export"],
-         ["run", "--strategy", "nope", "x.py"]]
+         ["run", "--strategy", "nope", "x.py"], ["run", "x.py", "--gpus", "0"], ["run", "x.py", "--steps", "-3"],
+         ["run", "x.py", "--accumulate", "0"], ["run", "x.py", "--keep-checkpoints", "-1"],
+         ["run", "x.py", "--lr", "0"], ["run", "x.py", "--cache-rows", "0.5"]]
 
 
 @pytest.mark.parametrize("args", QUICK, ids=[" ".join(a) for a in QUICK])

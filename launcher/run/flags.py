@@ -86,6 +86,25 @@ class RunFlags:
     group_readable: bool = False
 
 
+_AT_LEAST_1 = ("gpus", "steps", "batch_size", "log_every", "micro_batches", "pipeline_replicas", "tune_steps")
+_NOT_NEGATIVE = ("checkpoint_every", "keep_checkpoints", "max_restarts", "stall_timeout", "phase_timeout", "servers",
+                 "min_hosts")
+
+
+def check_ranges(**given) -> None:
+    """ValueError (one line naming the flag) for a count or duration out of its range: what
+    ``hpar run`` can refuse at once, before it imports torch or loads the script (None: not
+    given). The same limits are checked again where the values are used."""
+    for name in _AT_LEAST_1:
+        if given.get(name) is not None and given[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {given[name]}")
+    for name in _NOT_NEGATIVE:
+        if given.get(name) is not None and given[name] < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {given[name]}")
+    if given.get("lr") is not None and given["lr"] <= 0:
+        raise ValueError(f"--lr must be positive, got {given['lr']}")
+
+
 GROUPS = {"job": JobFlags, "plan": PlanFlags, "hosts": HostFlags, "run": RunFlags}
 
 
@@ -119,4 +138,4 @@ class Flags:
         return {f.name: getattr(getattr(self, g), f.name) for g, kind in GROUPS.items() for f in dataclasses.fields(kind)}
 
 
-__all__ = ["Flags", "JobFlags", "PlanFlags", "HostFlags", "RunFlags"]
+__all__ = ["Flags", "JobFlags", "PlanFlags", "HostFlags", "RunFlags", "check_ranges"]
