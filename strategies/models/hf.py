@@ -37,9 +37,8 @@ def save_pretrained_dir(model: nn.Module, path: str) -> None:
     hf_logging.disable_progress_bar()   # no progress bar in a worker's log
     try:
         inner_module(model).save_pretrained(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)   # as os.makedirs would make it (mkdtemp's is 0700): like the rest of the run
+        from hpar.strategies.runstate.checkpoint import default_mode
+        os.chmod(tmp, default_mode(directory=True))   # as os.makedirs would make it (mkdtemp's is 0700): like the rest of the run
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.rename(tmp, path)

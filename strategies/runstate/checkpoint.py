@@ -15,6 +15,13 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)   # read once at import: the process's umask, for files made by mkstemp
 
 
+def default_mode(directory: bool = False) -> int:
+    """The mode ``open()`` (0o666) or ``os.makedirs`` (0o777) gives under this process's umask,
+    for what mkstemp/mkdtemp made 0600/0700 and is then renamed into place (read at import:
+    no umask flip while other threads create files)."""
+    return (0o777 if directory else 0o666) & ~_UMASK
+
+
 def _atomic_write(path: str, write, private: bool = False) -> None:
     """Call ``write(binary file)`` on a temp file beside ``path``, fsync it, and rename it over
     ``path``; on any failure the temp file is removed and ``path`` is left as it was. The file
@@ -25,7 +32,7 @@ def _atomic_write(path: str, write, private: bool = False) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)   # made 0600, without a race
     try:
         if not private:
-            os.fchmod(fd, 0o666 & ~_UMASK)   # as open() would create it: same as the logs beside it
+            os.fchmod(fd, default_mode())   # as open() would create it: same as the logs beside it
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
-from hpar.strategies.runstate.checkpoint import atomic_write_bytes
+from hpar.strategies.runstate.checkpoint import atomic_write_bytes, default_mode
 
 if TYPE_CHECKING:   # torch is imported where a model is read, so that `hpar export --help` needs none
     import torch
@@ -137,10 +137,8 @@ def export(run_dir: str, fmt: str, out: str, script: str | None = None, force: b
             _save_pretrained(run_dir, script, weights, tmp)
         names = sorted(os.listdir(tmp))
         _check_overwrite(directory, names, force)
-        umask = os.umask(0)
-        os.umask(umask)
         for name in names:   # as open() would make them (safetensors writes 0600): readable where OUT is
-            os.chmod(os.path.join(tmp, name), (0o777 if os.path.isdir(os.path.join(tmp, name)) else 0o666) & ~umask)
+            os.chmod(os.path.join(tmp, name), default_mode(os.path.isdir(os.path.join(tmp, name))))
             os.replace(os.path.join(tmp, name), os.path.join(directory, name))
         atomic_write_bytes(os.path.join(directory, MANIFEST),
                            "".join(n + "\n" for n in sorted(_written_before(directory) | set(names))).encode())
