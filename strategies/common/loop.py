@@ -115,21 +115,20 @@ def worker_batches(ctx, control=None):
     return itertools.chain([first], drawn)
 
 
-def micro_steps(ctx, model, batches, tools: StepTools, step: int, meter, around=None):
+def micro_steps(ctx, model, batches, tools: StepTools, step: int, around=None):
     """The ``--accumulate`` micro-steps of data-parallel optimizer step ``step`` (0-based), as
     the module docstring writes them: each draws this worker's batch from ``batches``, moves it
     to the worker's device, runs ``model`` and the loss (divided by A) under autocast and the
     backward, inside ``around(last)`` where given (DDP's ``no_sync`` on all but the last
-    micro-step); rank 0 runs the script's ``log()`` on the last. ``meter`` (None before the
-    first step: made here from the first batch's samples) is a context.StepMeter. Returns
-    (the step's loss, the logged metrics, the meter)."""
-    from hpar.strategies.common.context import StepMeter, batch_samples, move_to
+    micro-step); rank 0 runs the script's ``log()`` on the last. Returns (the step's loss, the
+    logged metrics, the step's samples: the first micro-batch's times A)."""
+    from hpar.strategies.common.context import batch_samples, move_to
     cfg, job = ctx.cfg, ctx.job
-    step_loss, logged = 0.0, {}
+    step_loss, logged, samples = 0.0, {}, 0
     for micro in range(cfg.accumulate):
         inputs, targets = next(batches)
-        if meter is None:
-            meter = StepMeter(ctx, batch_samples(inputs) * cfg.accumulate)
+        if micro == 0:
+            samples = batch_samples(inputs) * cfg.accumulate
         inputs, targets = move_to(inputs, ctx.device), move_to(targets, ctx.device)
         last = micro == cfg.accumulate - 1
         with around(last) if around is not None else contextlib.nullcontext():
@@ -140,7 +139,7 @@ def micro_steps(ctx, model, batches, tools: StepTools, step: int, meter, around=
         step_loss += loss.item()
         if ctx.rank == 0 and last:
             logged = job.run_log(step + 1, output, targets)
-    return step_loss, logged, meter
+    return step_loss, logged, samples
 
 
 def step_schedule(scheduler, stepped: bool) -> None:

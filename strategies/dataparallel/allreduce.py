@@ -28,14 +28,16 @@ from hpar.strategies.runstate import checkpoint
 from hpar.strategies.runstate import state as run_state
 from hpar.strategies.dataparallel.ddp import unused_error_named, wrap
 from hpar.strategies.common.devices import cpu_copy
-from hpar.strategies.common.groups import mean_over_workers, worker_groups
+from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.dataparallel.sparse_allgather import padded_allgather_hook, sparse_exchange
 from hpar.strategies.dataparallel.sparse_grads import dense_before_step, densify
 from hpar.strategies.models.tying import embedding_tables
 from hpar.strategies.common.context import (DENSE, ByteMeter, StepMeter, TrainResult, WorkerContext, ring_allreduce_bytes,
                                      ring_successor_remote)
 from hpar.strategies.models.forward import inner_module
-from hpar.strategies.common.loop import StepTools, evaluate_during_training, micro_steps, step_tools, worker_batches
+from hpar.strategies.common import spine
+from hpar.strategies.common.loop import StepTools, micro_steps, step_tools, worker_batches
+from hpar.strategies.common.spine import StepOutcome, TrainStep
 
 def counting_allreduce_hook(state, bucket):
     """DDP communication hook: mean AllReduce of the bucket, counting this worker's bytes.
@@ -113,60 +115,78 @@ def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Op
     return step
 
 
-def train(ctx: WorkerContext) -> TrainResult:
-    """Train ``ctx.cfg.steps`` optimizer steps with DDP. Each worker draws its own batches
-    from ``data(rank, world_size, batch_size)``, ``--accumulate`` of them per step (DDP's
-    ``no_sync`` on all but the last); gradients are averaged, so N workers equal one process
-    on the concatenated N x accumulate batches with a mean loss, also with the script's
-    schedule, ``--clip-grad-norm`` and ``--precision`` (strategies/common/loop.py).
+class AllreduceStep(TrainStep):
+    """One DDP optimizer step of ``allreduce``/``allreduce-sparse`` for the training spine
+    (strategies/common/spine.py): ``--accumulate`` micro-steps (DDP's ``no_sync`` on all but
+    the last), sparse tables made dense where their optimizer needs it, then unscale, clip,
+    step and schedule (strategies/common/loop.py). Bytes come from the DDP communication hook.
 
-    DDP wraps the model as ``model()`` returned it (a ``torch.compile`` wrapper runs the
-    forward compiled; DDP's hooks and AllReduce run outside it, on the gradients), while the
-    embeddings' ``sparse=`` flags and checkpoints go to the module the user wrote
-    (:func:`inner_module`), so a compiled run's state carries the user's parameter names."""
-    cfg, job = ctx.cfg, ctx.job
-    torch.manual_seed(cfg.seed)
-    outer = job.build_model().to(ctx.device)
-    model = inner_module(outer)
-    sparse = cfg.strategy == "allreduce-sparse"
-    tables = set_sparse_gradients(model, sparse)
-    if sparse:   # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
-        torch.sparse.check_sparse_tensor_invariants.disable()
-    opt = job.build_optimizer(model.parameters(), cfg.lr)
-    named = dict(model.named_parameters(remove_duplicate=False))
-    # a table whose optimizer has no sparse kernel (Adam, AdamW, ...): exchanged sparse, made dense to step
-    to_dense = [p for _, p in dense_before_step(opt, [(n, named[n]) for n in tables])] if sparse else []
-    tools = step_tools(cfg, job, opt, ctx.device)
-    ctx.start_step = resume_state(ctx, model, opt, tools)
-    counter = ByteMeter()
-    groups = worker_groups(ctx.world_size, cfg.device)
-    ddp = wrap(outer, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/dataparallel/ddp.py
-    ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
-    padded = sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
-    ddp.register_comm_hook((counter, ctx.world_size, groups.dense, ring_remote),
-                           padded_allgather_hook if padded else counting_allreduce_hook)
-    batches = worker_batches(ctx, groups.control)   # the first batch's size checked against the peers'
-    meter = None
-    for step in range(ctx.start_step, cfg.steps):
-        if meter is not None:
-            meter.start()
-        opt.zero_grad(set_to_none=True)
-        step_loss, logged, meter = micro_steps(ctx, ddp, batches, tools, step, meter, lambda last: _sync(ddp, last))
-        lr = tools.lr(opt)
-        densify(to_dense)
-        stepped = tools.step(opt, lambda: list(model.parameters()))
-        remote, (sent, recv) = counter.take_remote(), counter.take().get(DENSE, (0, 0))
-        meter.end(step_loss, sent, recv, sent_remote=remote, logged=logged,
-                  extra={"lr": lr, **({} if stepped else {"skipped_step": 1})})
-        evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: cpu_copy(outer), ctx.report_eval)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save_state(ctx, step + 1, model, opt, tools)
-    if meter is None:   # resumed at the last step: nothing left to train
-        meter = StepMeter(ctx, 0)
-    run_state.write_final(cfg.run_dir, run_state.model_entries(model))   # replicas: DCP writes one copy
-    losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
-                               groups, ctx.world_size)
-    result = meter.result(outer if ctx.rank == 0 else None, replicas=ctx.world_size)
-    result.loss_first, result.loss_last = losses
-    set_sparse_gradients(model, False)
-    return result
+    DDP wraps the model as ``model()`` returned it (``outer``: a ``torch.compile`` wrapper runs
+    the forward compiled; DDP's hooks and AllReduce run outside it, on the gradients), while
+    the embeddings' ``sparse=`` flags and checkpoints go to the module the user wrote
+    (``model``, :func:`inner_module`), so a compiled run's state carries the user's names."""
+
+    def __init__(self, ctx: WorkerContext):
+        super().__init__(ctx)
+        cfg, job = ctx.cfg, ctx.job
+        torch.manual_seed(cfg.seed)
+        self.outer = job.build_model().to(ctx.device)
+        self.model = inner_module(self.outer)
+        self.sparse = cfg.strategy == "allreduce-sparse"
+        tables = set_sparse_gradients(self.model, self.sparse)
+        if self.sparse:   # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
+            torch.sparse.check_sparse_tensor_invariants.disable()
+        self.opt = job.build_optimizer(self.model.parameters(), cfg.lr)
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        # a table whose optimizer has no sparse kernel (Adam, AdamW, ...): exchanged sparse, made dense to step
+        self.to_dense = [p for _, p in dense_before_step(self.opt, [(n, named[n]) for n in tables])] if self.sparse else []
+        self.tools = step_tools(cfg, job, self.opt, ctx.device)
+
+    def resume(self) -> int:
+        return resume_state(self.ctx, self.model, self.opt, self.tools)
+
+    def begin(self) -> None:
+        ctx, cfg = self.ctx, self.cfg
+        self.counter = ByteMeter()
+        self.loss_groups = groups = worker_groups(ctx.world_size, cfg.device)
+        self.ddp = wrap(self.outer, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/dataparallel/ddp.py
+        ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
+        padded = self.sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
+        self.ddp.register_comm_hook((self.counter, ctx.world_size, groups.dense, ring_remote),
+                                    padded_allgather_hook if padded else counting_allreduce_hook)
+        self.batches = worker_batches(ctx, groups.control)   # the first batch's size checked against the peers'
+
+    def step(self, step: int) -> StepOutcome:
+        self.opt.zero_grad(set_to_none=True)
+        loss, logged, samples = micro_steps(self.ctx, self.ddp, self.batches, self.tools, step,
+                                            lambda last: _sync(self.ddp, last))
+        self.samples_per_step = self.samples_per_step or samples   # the first step's batches, as measured
+        lr = self.tools.lr(self.opt)
+        densify(self.to_dense)
+        stepped = self.tools.step(self.opt, lambda: list(self.model.parameters()))
+        remote, (sent, recv) = self.counter.take_remote(), self.counter.take().get(DENSE, (0, 0))
+        return StepOutcome(loss, sent, recv, sent_remote=remote, logged=logged, lr=lr, stepped=stepped,
+                           samples=self.samples_per_step)
+
+    def save(self, steps_done: int) -> None:
+        save_state(self.ctx, steps_done, self.model, self.opt, self.tools)
+
+    def model_copy(self, steps_done: int) -> torch.nn.Module:
+        return cpu_copy(self.outer)
+
+    def write_final(self) -> None:
+        run_state.write_final(self.cfg.run_dir, run_state.model_entries(self.model))   # replicas: DCP writes one copy
+
+    def result(self, meter: StepMeter) -> TrainResult:
+        result = meter.result(self.outer if self.ctx.rank == 0 else None, replicas=self.ctx.world_size)
+        set_sparse_gradients(self.model, False)
+        return result
+
+
+def train(ctx: WorkerContext) -> TrainResult:
+    """Train ``ctx.cfg.steps`` optimizer steps with DDP (:class:`AllreduceStep` in the training
+    spine). Each worker draws its own batches from ``data(rank, world_size, batch_size)``,
+    ``--accumulate`` of them per step; gradients are averaged, so N workers equal one process
+    on the concatenated N x accumulate batches with a mean loss, also with the script's
+    schedule, ``--clip-grad-norm`` and ``--precision`` (strategies/common/loop.py)."""
+    return spine.train(ctx, AllreduceStep(ctx))

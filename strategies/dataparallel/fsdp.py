@@ -56,9 +56,11 @@ from hpar.strategies.dataparallel.allreduce import resume_state, ring_successor_
 from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext
 from hpar.strategies.models.forward import inner_module
 from hpar.strategies.models.hf import is_pretrained
-from hpar.strategies.common.groups import mean_over_workers, worker_groups
+from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.models.layers import is_declared_sequence, model_layers
-from hpar.strategies.common.loop import evaluate_during_training, evaluate_now, micro_steps, step_tools, worker_batches
+from hpar.strategies.common import spine
+from hpar.strategies.common.loop import evaluate_during_training, micro_steps, step_tools, worker_batches
+from hpar.strategies.common.spine import StepOutcome, TrainStep
 from hpar.strategies.plan.costmodel_fsdp import fsdp_bytes
 
 def units(model: nn.Module) -> list[nn.Module]:
@@ -117,48 +119,66 @@ def cpu_model(ctx: WorkerContext, state: dict) -> nn.Module:
     return fresh
 
 
+class FsdpStep(TrainStep):
+    """One FSDP2 optimizer step for the training spine (strategies/common/spine.py): the
+    ``--accumulate`` micro-steps on the sharded model (every one reduce-scatters), clipping by
+    the global norm over the shards, the step and the schedule (module docstring). Checkpoints:
+    each rank its shards; ``evaluate()``: every worker gathers, rank 0 evaluates a CPU copy."""
+
+    def __init__(self, ctx: WorkerContext):
+        super().__init__(ctx)
+        cfg, job = ctx.cfg, ctx.job
+        torch.manual_seed(cfg.seed)
+        self.model = inner_module(job.build_model())
+        self.loss_groups = worker_groups(ctx.world_size, cfg.device)
+        self.wrapped = shard(self.model, self.loss_groups.dense, ctx.device, ctx.world_size)
+        self.opt = job.build_optimizer(self.model.parameters(), cfg.lr)   # over the shards (DTensors)
+        self.tools = step_tools(cfg, job, self.opt, ctx.device)
+
+    def resume(self) -> int:
+        return resume_state(self.ctx, self.model, self.opt, self.tools)   # each rank its shards: DCP reshards them
+
+    def begin(self) -> None:
+        ctx = self.ctx
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())   # the whole model's bytes
+        self.sent = fsdp_bytes(total, ctx.world_size, self.cfg.backend == "gloo") * self.cfg.accumulate
+        self.remote = self.sent if ring_successor_remote(ctx, list(range(ctx.world_size))) else 0.0
+        self.batches = worker_batches(ctx, self.loss_groups.control)   # the first batch's size checked against the peers'
+
+    def step(self, step: int) -> StepOutcome:
+        self.opt.zero_grad(set_to_none=True)
+        loss, logged, samples = micro_steps(self.ctx, self.model, self.batches, self.tools, step)
+        self.samples_per_step = self.samples_per_step or samples   # the first step's batches, as measured
+        lr = self.tools.lr(self.opt)
+        stepped = self.tools.step(self.opt, lambda: list(self.model.parameters()))
+        return StepOutcome(loss, self.sent, self.sent, sent_remote=self.remote, logged=logged, lr=lr,
+                           stepped=stepped, samples=self.samples_per_step)
+
+    def evaluate(self, steps_done: int) -> None:
+        state = full_state(self.model)   # every worker gathers; rank 0 evaluates a CPU copy
+        evaluate_during_training(self.job, self.cfg, self.ctx.rank, steps_done, lambda: cpu_model(self.ctx, state),
+                                 self.ctx.report_eval)
+
+    def save(self, steps_done: int) -> None:
+        save_state(self.ctx, steps_done, self.model, self.opt, self.tools)   # each rank its shards
+
+    def write_final(self) -> None:
+        run_state.write_final(self.cfg.run_dir, run_state.model_entries(self.model))   # each rank its shards (RUN_DIR/model)
+
+    def result(self, meter: StepMeter) -> TrainResult:
+        ctx = self.ctx
+        # evaluate() and save_pretrained take the whole model: gathered to rank 0's host memory
+        state = full_state(self.model) if self.cfg.eval or is_pretrained(self.model) else None
+        result = meter.result(cpu_model(ctx, state) if ctx.rank == 0 and state is not None else None,
+                              replicas=ctx.world_size, extra={"fsdp_units": len(self.wrapped)})
+        if ctx.rank == 0 and state is None:
+            result.eval_last = {}
+        dist.barrier()
+        return result
+
+
 def train(ctx: WorkerContext) -> TrainResult:
-    """Train ``ctx.cfg.steps`` optimizer steps with FSDP2 (module docstring); N workers equal
-    one process on the concatenated batches with a mean loss, with the script's schedule,
-    clipping, accumulation and bf16 autocast."""
-    cfg, job = ctx.cfg, ctx.job
-    torch.manual_seed(cfg.seed)
-    model = inner_module(job.build_model())
-    groups = worker_groups(ctx.world_size, cfg.device)
-    wrapped = shard(model, groups.dense, ctx.device, ctx.world_size)
-    opt = job.build_optimizer(model.parameters(), cfg.lr)   # over the shards (DTensors)
-    tools = step_tools(cfg, job, opt, ctx.device)
-    ctx.start_step = resume_state(ctx, model, opt, tools)   # each rank its shards: DCP reshards them
-    total = sum(p.numel() * p.element_size() for p in model.parameters())   # the whole model's bytes
-    sent = fsdp_bytes(total, ctx.world_size, cfg.backend == "gloo") * cfg.accumulate
-    remote = sent if ring_successor_remote(ctx, list(range(ctx.world_size))) else 0.0
-    batches = worker_batches(ctx, groups.control)   # the first batch's size checked against the peers'
-    meter = None
-    for step in range(ctx.start_step, cfg.steps):
-        if meter is not None:
-            meter.start()
-        opt.zero_grad(set_to_none=True)
-        step_loss, logged, meter = micro_steps(ctx, model, batches, tools, step, meter)
-        lr = tools.lr(opt)
-        stepped = tools.step(opt, lambda: list(model.parameters()))
-        meter.end(step_loss, sent, sent, sent_remote=remote, logged=logged,
-                  extra={"lr": lr, **({} if stepped else {"skipped_step": 1})})
-        if evaluate_now(cfg, step + 1):   # every worker gathers; rank 0 evaluates a CPU copy
-            state = full_state(model)
-            evaluate_during_training(job, cfg, ctx.rank, step + 1, lambda: cpu_model(ctx, state), ctx.report_eval)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save_state(ctx, step + 1, model, opt, tools)   # each rank its shards
-    if meter is None:   # resumed at the last step: nothing left to train
-        meter = StepMeter(ctx, 0)
-    losses = mean_over_workers([meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2,
-                               groups, ctx.world_size)
-    run_state.write_final(cfg.run_dir, run_state.model_entries(model))   # each rank its shards (RUN_DIR/model)
-    # evaluate() and save_pretrained take the whole model: gathered to rank 0's host memory
-    state = full_state(model) if cfg.eval or is_pretrained(model) else None
-    result = meter.result(cpu_model(ctx, state) if ctx.rank == 0 and state is not None else None,
-                          replicas=ctx.world_size, extra={"fsdp_units": len(wrapped)})
-    if ctx.rank == 0 and state is None:
-        result.eval_last = {}
-    result.loss_first, result.loss_last = losses
-    dist.barrier()
-    return result
+    """Train ``ctx.cfg.steps`` optimizer steps with FSDP2 (module docstring; :class:`FsdpStep`
+    in the training spine); N workers equal one process on the concatenated batches with a
+    mean loss, with the script's schedule, clipping, accumulation and bf16 autocast."""
+    return spine.train(ctx, FsdpStep(ctx))
