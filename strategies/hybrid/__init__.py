@@ -4,7 +4,9 @@ Kim et al., "Parallax: Sparsity-aware Data Parallel Training of Deep Neural Netw
 EuroSys 2019: sparse parameters live on sharded parameter servers (pull the touched rows,
 push sparse gradients), dense ones are averaged with AllReduce.
 
-- ``runtime``: the worker's training loop for ``hybrid`` and ``ps`` (DDP for the dense part).
+- ``runtime``: the worker's set-up for ``hybrid`` and ``ps`` (DDP for the dense part), trained
+  by the training spine with ``worker_step`` (one step: pulls, pushes, the dense update) and
+  ``worker_state`` (its checkpoints and evaluate()'s model copy).
 - ``embedding``: serves the user's nn.Embedding / nn.EmbeddingBag from the servers, unchanged.
 - ``client``: placement of parameters, and the worker side of pull and push.
 - ``shard``: the server side: row partitions of a table and their sparse optimizers.
