@@ -14,7 +14,7 @@ import pytest
 
 import netns_hosts
 from conftest import TINY, write_script
-from test_multihost import _host_file, _start_long_run, _wait_training, real_run
+from test_multihost import _start_long_run, _wait_training, real_run
 
 
 @pytest.fixture(scope="module")

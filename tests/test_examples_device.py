@@ -57,7 +57,7 @@ def test_lm_sampled_negatives_follow_the_targets_device():
     job = load_job(os.path.join(EXAMPLES, "lm.py"))
     model = job.build_model().to("meta").train()
     (tokens, targets), _ = next(job.batches(0, 1, 4))
-    seen = _check_devices(model, torch.device("meta"), torch.nn.Embedding)
+    _check_devices(model, torch.device("meta"), torch.nn.Embedding)
     model.embedding._forward_pre_hooks.clear()     # check the output table's lookup: the candidates
     _check_devices(model.softmax_w, torch.device("meta"), torch.nn.Embedding)
     with pytest.raises((Reached, NotImplementedError)) as info:

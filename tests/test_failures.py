@@ -128,7 +128,6 @@ def test_launcher_sigkill_leaves_nothing(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_max_restarts_resumes_and_finishes(tmp_path):
-    import torch
     from conftest import single_process_reference
     from test_allreduce import assert_close_state
     text = SLOW.replace('"steps": 100000', '"steps": 40')

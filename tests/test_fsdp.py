@@ -5,7 +5,6 @@ import json
 import os
 
 import pytest
-import torch
 from torch import nn
 
 from hpar.strategies.dataparallel.fsdp import units

@@ -24,7 +24,7 @@ def simulate(staleness: int, workers: int = 3, steps: int = 45, epoch: int = 10,
     allows, pulls the rest (the server records and answers bits, versions.CacheBook), pushes what
     RowCache.outgoing gives, and the server applies the step (every pushed row's version + 1).
     Asserts the bounds on the way; returns counts and every push."""
-    table, cfg = _table(), CacheConfig(16, staleness)
+    table = _table()
     layout = table.layout
     versions = torch.zeros(table.rows, dtype=torch.int64)    # global view of the servers' row versions
     books = [CacheBook(staleness) for _ in range(layout.num_servers)]

@@ -3,7 +3,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from conftest import hpar, final_state
 from conftest import single_process_reference

@@ -128,7 +128,7 @@ def test_run_inside_salloc_matches_one_process(slurm, tmp_path):
                               env=slurm.env(), stdout=out, stderr=subprocess.STDOUT, timeout=200, cwd=REPO).returncode
     text = log.read_text()
     assert code == 0, text[-3000:]
-    assert f"Slurm job" in text and f"hosts {slurm.node}:2; processes start with srun" in text, text[-2000:]
+    assert "Slurm job" in text and f"hosts {slurm.node}:2; processes start with srun" in text, text[-2000:]
     assert f"[{slurm.node} worker 1] step 20/20" in text
     assert not (run_dir / "srun-tasks.json").exists()   # removed once the step started (issue 61)
     summary = json.loads((run_dir / "summary.json").read_text())
