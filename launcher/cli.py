@@ -11,6 +11,7 @@ import sys
 import click
 from rich.console import Console
 
+from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.common.config import FIND_UNUSED_MODES, PRECISIONS, SCHEDULES, STRATEGIES
 from hpar.strategies.common.errors import JobError
 
@@ -129,8 +130,8 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
             if flags.plan.strategy == "auto" and not flags.plan.plan_file and not flags.run.resume_dir:   # run/tuning.py
                 def resolve_for(con, chosen, path, directory, n, trial):
                     over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
-                    if chosen == "hybrid-cache":   # hybrid with the caches its plan file names
-                        over["strategy"] = "hybrid"
+                    if strategy_spec(chosen).runs_as:   # hybrid-cache: hybrid with the caches its plan file names
+                        over["strategy"] = strategy_spec(chosen).runs_as
                     elif flags.plan.staleness is not None:   # the other candidates run without the caches
                         over.update(staleness=None, cache_rows=None)
                     if trial:

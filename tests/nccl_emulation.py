@@ -77,11 +77,11 @@ def child(rank: int, world: int, runs: list, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     violations = install()
-    import importlib
     from hpar.strategies.common.config import RunConfig
     from hpar.strategies.common.context import WorkerContext
     from hpar.strategies.common.job import load_job
-    from hpar.workers.worker import RUNTIMES, init_group
+    from hpar.strategies.specs.registry import spec
+    from hpar.workers.worker import init_group
     out = {}
     for config_path, port in runs:
         os.environ["MASTER_PORT"] = str(port)
@@ -90,7 +90,7 @@ def child(rank: int, world: int, runs: list, out_dir: str) -> None:
         host_of = init_group(cfg, rank, world)
         ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
                             report=lambda m: None, pg_rank=rank, pg_world_size=world, host_of=host_of)
-        result = importlib.import_module(RUNTIMES[cfg.strategy]).train(ctx)
+        result = spec(cfg.strategy).load("runtime")(ctx)
         dist.barrier()
         dist.destroy_process_group()
         out[cfg.strategy] = {"violations": list(violations), "loss_last": result.loss_last}

@@ -7,11 +7,11 @@ strategy's runtime and reports through tagged stdout lines (workers/report.py). 
 """
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
 
+from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.workers import report
 
 report.install_stack_dump()   # first, so that a stall during start-up can be diagnosed too
@@ -31,16 +31,6 @@ from hpar.strategies.common.job import JobError, load_job
 from hpar.strategies.runstate.safe_read import UnsafeCheckpoint
 from hpar.strategies.runstate.state import DiskFull
 from hpar.strategies.models.hf import is_pretrained, save_pretrained_dir
-
-RUNTIMES = {
-    "allreduce": "hpar.strategies.dataparallel.allreduce",
-    "allreduce-sparse": "hpar.strategies.dataparallel.allreduce",
-    "hybrid": "hpar.strategies.hybrid.runtime",
-    "ps": "hpar.strategies.hybrid.runtime",
-    "pipeline": "hpar.strategies.pipeline.runtime",
-    "fsdp": "hpar.strategies.dataparallel.fsdp",
-}
-
 
 def env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
@@ -132,10 +122,11 @@ def main() -> int:
     host_of = init_group(cfg, pg_rank, pg_world)
     # past the rendezvous: from here the start-up bound runs to the first step (launcher/run/health.py)
     report.emit("event", {"kind": "phase", "phase": "train"})
-    runtime = importlib.import_module(RUNTIMES[cfg.strategy])   # imported before the memory baseline
+    spec = strategy_spec(cfg.strategy)
+    train = spec.load("runtime")   # imported before the memory baseline
     memory.start_process(device)   # peak memory from here to the last step (strategies/common/memory.py)
     eval_first = {}
-    if rank == 0 and cfg.eval and not cfg.resume and cfg.strategy not in ("hybrid", "ps"):   # those: in the runtime
+    if rank == 0 and cfg.eval and not cfg.resume and not spec.servers:   # with servers: in the runtime (served rows)
         # evaluate()'s own peak is not training's; what it leaves behind (kernels' caches) counts
         with memory.outside_window():
             torch.manual_seed(cfg.seed)
@@ -152,7 +143,7 @@ def main() -> int:
                         event=lambda e: report.emit("event", e), on_step=report.set_step,
                         report_eval=lambda m: report.emit("eval", m))
     t0 = time.time()
-    result = runtime.train(ctx)
+    result = train(ctx)
     report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures(),
                           "trims": memory.trims()})
     if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/runstate/state.py)

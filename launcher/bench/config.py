@@ -6,19 +6,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from hpar.strategies.specs.registry import strategies
 
-PLANNED = {"pipeline", "hybrid", "ps"}   # strategies whose runs take the planner's plan
+# strategies whose runs take the planner's plan: a pipeline's stages, the servers' placement
+PLANNED = {s.name for s in strategies() if s.needs_plan or s.servers}
+HPAR_SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw")   # benched as STRATEGY-SCHEDULE
+TORCH_SCHEDULES = ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-zbv")   # benched by their name
 
-# bench name -> (hpar run --strategy, --schedule or None)
-BENCH_STRATEGIES: dict[str, tuple[str, str | None]] = {
-    "hybrid": ("hybrid", None), "ps": ("ps", None), "allreduce": ("allreduce", None),
-    "allreduce-sparse": ("allreduce-sparse", None), "fsdp": ("fsdp", None),
-    "pipeline-gpipe": ("pipeline", "gpipe"), "pipeline-1f1b": ("pipeline", "1f1b"),
-    "pipeline-async-stash": ("pipeline", "async-stash"), "pipeline-async-predict": ("pipeline", "async-predict"),
-    "pipeline-async-2bw": ("pipeline", "async-2bw"),
-    "torch-gpipe": ("pipeline", "torch-gpipe"), "torch-1f1b": ("pipeline", "torch-1f1b"),
-    "torch-interleaved-1f1b": ("pipeline", "torch-interleaved-1f1b"), "torch-zbv": ("pipeline", "torch-zbv"),
-}
+
+def _bench_strategies() -> dict[str, tuple[str, str | None]]:
+    """bench name -> (hpar run --strategy, --schedule or None): every registered strategy
+    (strategies/specs/registry.py), a pipelined one once per schedule."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for s in strategies():
+        if not s.pipelined:
+            out[s.name] = (s.name, None)
+            continue
+        out.update({f"{s.name}-{schedule}": (s.name, schedule) for schedule in HPAR_SCHEDULES})
+        out.update({schedule: (s.name, schedule) for schedule in TORCH_SCHEDULES})
+    return out
+
+
+BENCH_STRATEGIES: dict[str, tuple[str, str | None]] = _bench_strategies()
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.launcher.bench.config import BENCH_STRATEGIES, BenchConfig, steps_for
 from hpar.launcher.bench.figures import bytes_per_worker_step, combine_runs, memory_figures, stage_figures
 from hpar.launcher.bench.planning import plan_script, prediction, projection
@@ -72,7 +73,7 @@ def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_d
         cmd += ["--schedule", schedule]
     if plan_file:
         cmd += ["--plan", plan_file]
-        if strategy == "pipeline":
+        if strategy_spec(strategy).pipelined:
             with open(plan_file, encoding="utf-8") as f:
                 cmd += ["--micro-batches", str(json.load(f)["micro_batches"])]
     if cfg.precision:

@@ -9,6 +9,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from hpar.strategies.specs.registry import spec as strategy_spec
+from hpar.strategies.specs.registry import PIPELINE
 from hpar.launcher.bench.config import BENCH_STRATEGIES, PLANNED, BenchConfig
 
 
@@ -19,10 +21,10 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
     the planned stages, or torch's schedules or PipeDream-2BW's refuse the planned stages and
     micro-batches (Schedule1F1B needs at least as many micro-batches as stages)."""
     strategy, schedule = BENCH_STRATEGIES[name]
-    if strategy == "pipeline":
+    if strategy_spec(strategy).pipelined:
         if not profile.is_sequential:
             return profile.sequential_reason or "not a sequence of layers"
-        est = estimates.get("pipeline")
+        est = estimates.get(strategy)
         if est is not None and not est.feasible:
             return est.note
         if schedule.startswith("torch-") and profile.traced:
@@ -103,7 +105,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     one_pipeline = 1 if any((BENCH_STRATEGIES[n][1] or "").startswith("torch-") for n in names) else None
     if one_pipeline:
         from hpar.strategies.plan.estimates import estimate_pipeline
-        estimates["pipeline"] = estimate_pipeline(profile, cluster, replicas=1)
+        estimates[PIPELINE.name] = estimate_pipeline(profile, cluster, replicas=1)
     reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, cfg.gpus)
                                          or does_not_fit(n, profile, estimates, cluster, forward_passes(
                                              cfg.steps, job.defaults.get("accumulate"))))}
@@ -120,7 +122,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     for strategy in sorted({BENCH_STRATEGIES[n][0] for n in names if n not in reasons} & PLANNED):
         path = os.path.join(os.path.abspath(cfg.bench_dir), f"{stem}-{strategy}-plan.json")
         atomic_write_bytes(path, choose_plan(profile, cluster, force=strategy, pipeline_replicas=one_pipeline
-                                             if strategy == "pipeline" else None).to_json().encode())
+                                             if strategy_spec(strategy).pipelined else None).to_json().encode())
         plan_files[strategy] = path
     return ScriptPlan(bs, estimates, projected, reasons, plan_files)
 
@@ -132,7 +134,7 @@ def prediction(estimates: dict, name: str) -> float | None:
     from hpar.strategies.plan.estimates import estimate_async_pipeline
     strategy, schedule = BENCH_STRATEGIES[name]
     est = estimates.get(strategy)
-    if est is not None and strategy == "pipeline" and schedule:
+    if est is not None and strategy_spec(strategy).pipelined and schedule:
         est = estimate_async_pipeline(est, schedule)
     return est.step_s if est is not None and est.feasible and est.step_s > 0 else None
 

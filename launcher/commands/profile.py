@@ -18,6 +18,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from hpar.strategies.specs.registry import spec as strategy_spec
+from hpar.strategies.specs.base import ON_ALLREDUCE
 from hpar.launcher.run.cluster import DEFAULT_LATENCY, build_cluster
 
 CLUSTER_FLAGS = ("gpus", "hosts", "servers", "bandwidth", "latency", "device_tflops", "device_mem_gbps")
@@ -36,7 +38,7 @@ def report(profile, cluster, plan) -> dict:
     """The ``--json`` object: parameters, layers, candidates, plan, cluster, profile totals."""
     params = [{"name": p.name, "shape": list(p.shape), "bytes": p.bytes, "sparse": p.sparse,
                "alpha": p.alpha, "union_alpha": p.union_alpha, "embedding_module": p.embedding_module,
-               "layer": p.layer, "placement": plan.placement.get(p.name, "allreduce"), "dedup_s": p.dedup_s,
+               "layer": p.layer, "placement": plan.placement.get(p.name, ON_ALLREDUCE), "dedup_s": p.dedup_s,
                "tied_to": list(p.tied_to)}
               for p in profile.params]
     layers = [{"name": l.name, "forward_s": l.forward_s, "backward_s": l.backward_s, "flops": l.flops,
@@ -81,7 +83,7 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
         t.add_row(p.name, "x".join(map(str, p.shape)), _human(p.bytes),
                   "yes" if p.sparse else (f"no: tied to {', '.join(p.tied_to)}" if p.tied_to else ""),
                   f"{p.alpha:.4f}" if p.sparse else "", f"{p.union_alpha:.4f}" if p.sparse else "",
-                  plan.placement.get(p.name, "allreduce"))
+                  plan.placement.get(p.name, ON_ALLREDUCE))
     console.print(t)
     t = Table(title=f"Layers ({'a pipeline can cut between them' if profile.is_sequential else profile.sequential_reason}; "
                     f"batch {profile.batch_size}, {'1 CPU thread' if profile.device == 'cpu' else profile.device})")
@@ -109,7 +111,7 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
                   peak("worker_peak_bytes"), peak("server_peak_bytes"), "yes" if c.available else "no", c.note)
     console.print(t)
     extra = ""
-    if plan.strategy == "pipeline":
+    if strategy_spec(plan.strategy).pipelined:
         extra = f" stages {plan.stages}, {plan.micro_batches} micro-batches, {plan.schedule}."
     elif plan.partitions:
         extra = " partitions " + ", ".join(f"{k}: {v}" for k, v in plan.partitions.items()) + "."

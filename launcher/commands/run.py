@@ -20,10 +20,12 @@ from hpar.launcher.run.validate import check_plan_stages, check_run_dir, finishe
 from hpar.strategies.runstate.trust import check_trusted
 from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
-from hpar.launcher.run.runner import SERVER_STRATEGIES, LaunchOptions
+from hpar.launcher.run.runner import LaunchOptions
 from hpar.strategies.runstate import checkpoint
 from hpar.strategies.common.config import FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags
-from hpar.strategies.dataparallel.ddp import DDP_STRATEGIES, find_unused
+from hpar.strategies.dataparallel.ddp import find_unused
+from hpar.strategies.specs.base import ON_SERVERS
+from hpar.strategies.specs.registry import spec as strategy_spec, where
 from hpar.launcher.run.strategy_settings import cache_settings, check_optimizer, ddp_find_unused, default_micro_batches
 from hpar.strategies.models.forward import inner_module
 from hpar.strategies.common.job import check_job, load_job
@@ -101,7 +103,7 @@ def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: st
             raise ValueError(f"--strategy {strategy} contradicts --plan {plan_file} (strategy {plan['strategy']}); drop one")
         console.print(f"hpar: strategy {plan['strategy']} from {plan_file}", markup=False)
         return plan["strategy"], plan, None
-    if strategy not in ("auto", "pipeline"):
+    if strategy != "auto" and not strategy_spec(strategy).needs_plan:
         return strategy, {"strategy": strategy}, None
     from hpar.launcher.run.planning import plan_job
     plan, profile = plan_job(job, batch_size, hosts, gpus, flags, precision=precision, capacity=capacity, cache=cache,
@@ -132,9 +134,9 @@ def resolve(console: Console, flags: Flags):
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
     check_cache_flags(cache_rows, staleness)
-    if staleness is not None and strategy not in ("auto", "hybrid", "ps"):
+    if staleness is not None and strategy != "auto" and not strategy_spec(strategy).servers:
         raise ValueError(f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
-                         f"hybrid, ps or auto, not {strategy}; drop it")
+                         f"{', '.join(where(servers=True))} or auto, not {strategy}; drop it")
     from hpar.launcher.bench.emulate import parse_emulate
     if hosts and parse_emulate(hosts):
         raise ValueError(f"--hosts {hosts}: emulated hosts are built and torn down by hpar bench and priced by hpar "
@@ -200,7 +202,8 @@ def resolve(console: Console, flags: Flags):
         traced_on = None if is_declared_sequence(model) else next(job.batches(0, 1, bs))[0]
         strategy_flag = strategy
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
-        if strategy == "pipeline" and traced_on is not None:   # one that does not trace is refused now, not after profiling
+        spec = strategy_spec(strategy) if strategy != "auto" else None
+        if spec is not None and spec.pipelined and traced_on is not None:   # one that does not trace is refused now, not after profiling
             sequential_layers(model, traced_on)
         pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
         staleness, cache_rows = pick(staleness, "staleness"), pick(cache_rows, "cache_rows")
@@ -212,41 +215,42 @@ def resolve(console: Console, flags: Flags):
         strategy, plan, profile = plan_for(console, job, resolved, bs, hosts, gpus, (loop_flags or {}).get("precision"),
                                            capacity, CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None,
                                            forward_passes(pick(steps, "steps"), pick(loop_flags.get("accumulate"), "accumulate")))
-        replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if strategy == "pipeline" else 1
-        if strategy == "pipeline":
+        spec = strategy_spec(strategy)
+        replicas = plan_replicas(plan, pipeline_replicas, plan_file or "the planner's plan") if spec.pipelined else 1
+        if spec.pipelined:
             check_plan_stages(plan, model, gpus // replicas, plan_file or "the planner's plan", traced_on)
         # placement() raises for a plan naming unknown parameters before anything starts; parameters are named
         # as the user wrote them, inside a torch.compile wrapper, as the profile and the workers name them
         inner = inner_module(model)
-        if strategy == "hybrid" and "ps" not in placement(inner, strategy, plan).values() and servers is None:
-            console.print("hpar: hybrid would put no parameter on the servers (no embedding table, or the plan keeps "
-                          "them on AllReduce), so it runs as allreduce (no parameter server to start)", markup=False)
-            strategy = "allreduce"
-        if strategy == "allreduce-sparse" and not embedding_tables(inner):
-            console.print("hpar: allreduce-sparse has no embedding table to give sparse gradients, so it runs as "
-                          "allreduce (the same program)", markup=False)
-            strategy = "allreduce"
-        if strategy in SERVER_STRATEGIES:
+        if spec.servers and spec.plain and ON_SERVERS not in placement(inner, strategy, plan).values() and servers is None:
+            console.print(f"hpar: {strategy} would put no parameter on the servers (no embedding table, or the plan keeps "
+                          f"them on AllReduce), so it runs as {spec.plain} (no parameter server to start)", markup=False)
+            strategy, spec = spec.plain, strategy_spec(spec.plain)
+        if spec.sparse_gradients and spec.plain and not embedding_tables(inner):
+            console.print(f"hpar: {strategy} has no embedding table to give sparse gradients, so it runs as "
+                          f"{spec.plain} (the same program)", markup=False)
+            strategy, spec = spec.plain, strategy_spec(spec.plain)
+        if spec.servers:
             check_fullgraph(model, placement(inner, strategy, plan))
         used_hosts = len({h.name for h in place_workers(list(host_list), gpus)}) if host_list else 1
         if servers is None:
-            servers = plan.get("servers") or used_hosts if strategy in SERVER_STRATEGIES else 0
-        if strategy in SERVER_STRATEGIES and servers < 1:
+            servers = plan.get("servers") or used_hosts if spec.servers else 0
+        if spec.servers and servers < 1:
             raise ValueError(f"--servers must be at least 1 for --strategy {strategy}")
-        if strategy not in SERVER_STRATEGIES and servers:
-            raise ValueError(f"--servers {servers} only applies to --strategy hybrid or ps, not {strategy}")
+        if not spec.servers and servers:
+            raise ValueError(f"--servers {servers} only applies to --strategy {' or '.join(where(servers=True))}, "
+                             f"not {strategy}")
         staleness, cache_rows, plan = cache_settings(console, job, inner, strategy, strategy_flag, plan, staleness,
                                                      cache_rows, bs, gpus)
         unused_mode = pick(find_unused_parameters, "find_unused_parameters")
         if unused_mode not in FIND_UNUSED_MODES:
             raise ValueError(f"--find-unused-parameters {unused_mode!r} (HPAR): choose one of {', '.join(FIND_UNUSED_MODES)}")
-        if find_unused_parameters not in (None, "auto") and strategy_flag != "auto" and strategy not in DDP_STRATEGIES:
+        if find_unused_parameters not in (None, "auto") and strategy_flag != "auto" and not spec.ddp:
             raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
-                             f"(only {', '.join(DDP_STRATEGIES)} do); drop it")
+                             f"(only {', '.join(where(ddp=True))} do); drop it")
         check_optimizer(console, job, inner, strategy, plan, servers, pick(lr, "lr"))
-        if strategy == "fsdp":
-            from hpar.strategies.dataparallel.fsdp import check_available
-            check_available()
+        if spec.check_available:
+            spec.load("check_available")()   # a library the strategy needs (FSDP2: torch.distributed.fsdp)
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
@@ -261,10 +265,10 @@ def resolve(console: Console, flags: Flags):
             allow_unequal_batches=bool(pick(j.allow_unequal_batches, "allow_unequal_batches")),
             staleness=staleness, cache_rows=cache_rows)
         check_precision(job, cfg, model)
-        if cfg.strategy == "pipeline" and cfg.schedule == "async-predict":
+        if spec.pipelined and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable
             check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
-        if cfg.strategy == "pipeline":
+        if spec.pipelined:
             example = None if traced_on is None else split_micro(traced_on, cfg.micro_batches)[0]
             ranges = check_pipeline(model, cfg.pipeline_stages, cfg.plan, cfg.micro_batches, bs, example)   # refuse a plan that cannot run, before any process
             check_schedule(shared_across_stages(sequential_layers(model, example), ranges), cfg.schedule)

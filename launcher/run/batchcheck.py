@@ -10,9 +10,8 @@ naming ranks and sizes.
 """
 from __future__ import annotations
 
+from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.common.first_batch import sizes_text
-
-DATA_PARALLEL = ("allreduce", "allreduce-sparse", "hybrid", "ps", "fsdp")
 
 
 class BatchSizeCheck:
@@ -20,7 +19,7 @@ class BatchSizeCheck:
 
     def __init__(self, world_size: int, strategy: str, say):
         self.world_size, self.say = world_size, say
-        self.active = strategy in DATA_PARALLEL and world_size > 1
+        self.active = not strategy_spec(strategy).pipelined and world_size > 1   # data-parallel replicas
         self.sizes: dict[int, int] = {}
 
     def on_event(self, proc, event: dict) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.launcher.hosts.hostfile import Host, place_workers, total_slots
 from hpar.strategies.common.config import RunConfig
 
@@ -50,7 +51,7 @@ def shrink(cfg: RunConfig, hosts: tuple[Host, ...], answering: dict[str, str], m
     if len(kept) < min_hosts:
         return Shrink(None, kept, lost, f"{len(kept)} of {len(hosts)} host(s) answer, --min-hosts is {min_hosts}")
     workers = min(cfg.world_size, total_slots(list(kept)))
-    if cfg.strategy == "pipeline":
+    if strategy_spec(cfg.strategy).pipelined:
         stages = cfg.world_size // cfg.replicas
         if workers < stages:
             return Shrink(None, kept, lost, f"the {len(kept)} host(s) left hold {workers} worker(s), fewer than the "

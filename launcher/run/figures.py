@@ -12,6 +12,7 @@ import json
 import math
 import os
 
+from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.runstate.checkpoint import atomic_write_bytes
 
 FILE = "first.json"
@@ -39,9 +40,9 @@ class FirstFigures:
             self._save(eval_first=event["eval"])
         elif event.get("kind") == "first_loss" and isinstance(event.get("loss"), (int, float)):
             self.losses[proc.spec.rank] = float(event["loss"])
-            if self.strategy == "pipeline" and 0 in self.losses:
+            if strategy_spec(self.strategy).pipelined and 0 in self.losses:   # the last stage's loss
                 self._save(loss_first=self.losses[0])
-            elif self.strategy != "pipeline" and len(self.losses) == self.world_size:
+            elif not strategy_spec(self.strategy).pipelined and len(self.losses) == self.world_size:
                 self._save(loss_first=sum(self.losses.values()) / self.world_size)
 
     def _save(self, **figures) -> None:

@@ -12,6 +12,8 @@ plan's ``memory`` and from there into summary.json beside the measured peaks.
 """
 from __future__ import annotations
 
+from hpar.strategies.specs.registry import spec as strategy_spec
+from hpar.strategies.specs.base import ON_ALLREDUCE
 from hpar.launcher.run.capacity import Capacity, misfit, with_defaults
 
 
@@ -21,15 +23,15 @@ def run_estimate(cfg, model, profile):
     from hpar.strategies.models.forward import inner_module
     from hpar.strategies.hybrid.client import placement
     from hpar.strategies.plan.costmodel import Estimate
-    plan = cfg.plan or {}
-    if cfg.strategy in ("hybrid", "ps"):
+    plan, spec = cfg.plan or {}, strategy_spec(cfg.strategy)
+    if spec.servers:
         where = placement(inner_module(model), cfg.strategy, plan)
     else:
-        where = {p.name: "allreduce" for p in profile.params}
+        where = {p.name: ON_ALLREDUCE for p in profile.params}
     stages = ()
-    if cfg.strategy == "pipeline" and plan.get("stages"):
+    if spec.pipelined and plan.get("stages"):
         stages = tuple(tuple(int(x) for x in r) for r in plan["stages"])
-    elif cfg.strategy == "pipeline":
+    elif spec.pipelined:
         from hpar.strategies.pipeline.stage import stage_ranges
         stages = tuple(tuple(r) for r in stage_ranges(model, cfg.pipeline_stages, plan))
     breakdown = {}
@@ -54,7 +56,7 @@ def predict_run(cfg, job, model, profile=None) -> dict | None:
     from hpar.strategies.plan.memory import forward_passes, predict
     from hpar.strategies.profile.quick import memory_only_profile
     if profile is None:
-        if cfg.strategy == "pipeline" and not is_declared_sequence(model):
+        if strategy_spec(cfg.strategy).pipelined and not is_declared_sequence(model):
             return None
         on = torch.device("cuda", 0) if cfg.device == "cuda" and torch.cuda.is_available() else torch.device("cpu")
         profile = memory_only_profile(job, model, cfg.batch_size, cfg.world_size, on, cfg.precision)

@@ -2,6 +2,8 @@
 (``--pipeline-replicas R``, strategies/pipeline/replicas.py), made before any process starts."""
 from __future__ import annotations
 
+from hpar.strategies.specs.registry import where
+
 
 def check_replicas_flag(replicas: int | None, gpus: int, strategy: str, model, example=None) -> str:
     """The strategy to plan for, after checking ``--pipeline-replicas`` (None: not given):
@@ -11,8 +13,10 @@ def check_replicas_flag(replicas: int | None, gpus: int, strategy: str, model, e
     flag and the fix) otherwise."""
     if replicas is None:
         return strategy
-    if strategy not in ("auto", "pipeline"):
-        raise ValueError(f"--pipeline-replicas {replicas} applies to --strategy pipeline only, not {strategy}; drop one")
+    pipelines = where(pipelined=True)
+    if strategy != "auto" and strategy not in pipelines:
+        raise ValueError(f"--pipeline-replicas {replicas} applies to --strategy {' or '.join(pipelines)} only, not "
+                         f"{strategy}; drop one")
     if replicas < 1 or gpus % replicas:
         raise ValueError(f"--pipeline-replicas {replicas}: a pipeline plan is K stages x R replicas = --gpus {gpus}; "
                          f"choose a divisor of {gpus}")
@@ -21,7 +25,7 @@ def check_replicas_flag(replicas: int | None, gpus: int, strategy: str, model, e
     if gpus // replicas > layers:
         raise ValueError(f"--pipeline-replicas {replicas}: --gpus {gpus} / {replicas} = {gpus // replicas} stages, but the "
                          f"model has only {layers} layers; raise --pipeline-replicas or lower --gpus")
-    return "pipeline"
+    return strategy if strategy != "auto" else pipelines[0]
 
 
 def planner_replicas(flag: int | None, schedule: str | None) -> int | None:

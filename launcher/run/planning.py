@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from hpar.strategies.specs.registry import HYBRID_CACHE
 
 
 def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None, precision: str | None = None,
@@ -39,7 +40,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
         return plan, profile
     alternatives = {}   # the plans --tune may try (launcher/run/tuning.py): those that fit
     for c in plan.candidates:
-        if c.available and c.strategy != ("hybrid-cache" if plan.cache else plan.strategy):
+        if c.available and c.strategy != (HYBRID_CACHE.name if plan.cache else plan.strategy):
             try:
                 alt = choose_plan(profile, cluster, schedule=schedule, force=c.strategy, pipeline_replicas=pipeline_replicas,
                                   cache=cache, forwards=forwards)

@@ -13,6 +13,7 @@ changed global batch is said in one line (:func:`describe_reshape`).
 """
 from __future__ import annotations
 
+from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.common.config import RunConfig
 
 KEPT = ("steps", "batch_size", "lr", "seed", "log_every", "checkpoint_every", "keep_checkpoints", "precision", "clip_grad_norm",
@@ -27,15 +28,15 @@ def old_settings(cfg: RunConfig) -> dict:
 def global_batch(cfg: RunConfig) -> int:
     """Samples per optimizer step over all workers: each data-parallel worker's (a pipeline
     replica's) batch, times the replicas, times ``--accumulate``."""
-    width = cfg.replicas if cfg.strategy == "pipeline" else cfg.world_size
+    width = cfg.replicas if strategy_spec(cfg.strategy).pipelined else cfg.world_size
     return cfg.batch_size * width * cfg.accumulate
 
 
 def shape(cfg: RunConfig) -> str:
     """A run's shape in words: ``4 workers (allreduce)``, ``2 workers, 2 servers (hybrid)``,
     ``4 stages x 1 replica (pipeline)``."""
-    if cfg.strategy == "pipeline":
-        return f"{cfg.world_size // cfg.replicas} stages x {cfg.replicas} replica{'s' if cfg.replicas > 1 else ''} (pipeline)"
+    if strategy_spec(cfg.strategy).pipelined:
+        return f"{cfg.world_size // cfg.replicas} stages x {cfg.replicas} replica{'s' if cfg.replicas > 1 else ''} ({cfg.strategy})"
     servers = f", {cfg.servers} server{'s' if cfg.servers != 1 else ''}" if cfg.servers else ""
     return f"{cfg.world_size} worker{'s' if cfg.world_size != 1 else ''}{servers} ({cfg.strategy})"
 

@@ -25,7 +25,6 @@ from hpar.launcher.run.validate import resume_step
 from hpar.strategies.runstate import checkpoint
 from hpar.strategies.common.config import RunConfig
 
-SERVER_STRATEGIES = ("hybrid", "ps")
 
 
 @dataclass(frozen=True)

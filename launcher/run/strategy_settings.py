@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from hpar.strategies.dataparallel.ddp import DDP_STRATEGIES, find_unused
+from hpar.strategies.specs.registry import spec as strategy_spec
+from hpar.strategies.specs.base import ON_SERVERS
+from hpar.strategies.dataparallel.ddp import find_unused
 from hpar.strategies.hybrid.client import placement
 
 
@@ -34,7 +36,7 @@ def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict,
     else from a few forward/backward steps here on ``model`` (check_job's, built with seed 0;
     strategies/profile/unused.py); said in one line when on. False for a strategy without DDP
     (ps, pipeline)."""
-    if strategy not in DDP_STRATEGIES:
+    if not strategy_spec(strategy).ddp:
         return False
     if mode != "auto":
         return find_unused(mode, ())
@@ -42,7 +44,8 @@ def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict,
     if unused is None:
         from hpar.strategies.profile.unused import unused_parameters
         unused = unused_parameters(job, batch_size, gpus, model=model)   # check_job's model, seed 0
-    served = [n for n, where in placement(model, strategy, plan).items() if where == "ps"] if strategy == "hybrid" else []
+    served = [n for n, where in placement(model, strategy, plan).items() if where == ON_SERVERS] \
+        if strategy_spec(strategy).servers else []
     held = sorted(set(unused) - set(served))
     if held:
         console.print(f"hpar: DDP looks for unused parameters every step (find_unused_parameters): {', '.join(held[:4])}"
@@ -56,14 +59,13 @@ def check_optimizer(console: Console, job, model, strategy: str, plan: dict, ser
     SGD, Adagrad, Adam, AdamW); under ``allreduce-sparse`` say which tables' optimizer has no
     sparse kernel, so that their gathered rows are made dense before each step
     (strategies/dataparallel/sparse_grads.py)."""
-    from hpar.launcher.run.runner import SERVER_STRATEGIES
-    if strategy in SERVER_STRATEGIES:
+    if strategy_spec(strategy).servers:
         from hpar.strategies.hybrid.client import ps_tables
         try:
             ps_tables(model, job.build_optimizer(model.parameters(), lr), strategy, plan, max(servers, 1))
         except ValueError as exc:
             raise ValueError(f"{job.path}: --strategy {strategy}: {exc}") from None
-    if strategy == "allreduce-sparse":
+    if strategy_spec(strategy).sparse_gradients:
         from hpar.strategies.dataparallel.sparse_grads import dense_before_step
         from hpar.strategies.models.tying import embedding_tables
         opt = job.build_optimizer(model.parameters(), lr)
@@ -85,13 +87,12 @@ def cache_settings(console: Console, job, model, strategy: str, asked: str, plan
     the caches gets their first rows: the plan's, else the hottest of the rows counted here over
     the job's batches (strategies/profile/hot_rows.py), with the predicted hit rate; one line says
     what runs."""
-    from hpar.launcher.run.runner import SERVER_STRATEGIES
     given = dict(plan.get("cache") or {})
     if staleness is None and given:
         staleness, cache_rows = given["staleness"], cache_rows if cache_rows is not None else given.get("rows", 0.0)
     if staleness is None:
         return None, 0.0, plan
-    if strategy not in SERVER_STRATEGIES or (asked == "auto" and not given):
+    if not strategy_spec(strategy).servers or (asked == "auto" and not given):
         console.print(f"hpar: --staleness {staleness}: the plan runs {strategy} without hot-row caches (predicted at "
                       "least as fast), so the flag is dropped", markup=False)
         return None, 0.0, plan
@@ -102,7 +103,7 @@ def cache_settings(console: Console, job, model, strategy: str, asked: str, plan
         from hpar.strategies.plan.costmodel_cache import plan_cache
         from hpar.strategies.profile.hot_rows import row_counts
         from hpar.strategies.models.tying import embedding_tables
-        served = {n for n, where in placement(model, strategy, plan).items() if where == "ps"}
+        served = {n for n, where in placement(model, strategy, plan).items() if where == ON_SERVERS}
         embs = [(n, m) for n, m in embedding_tables(model) if (f"{n}.weight" if n else "weight") in served]
         hot = row_counts(job, model, embs, batch_size, gpus)
         params = dict(model.named_parameters())

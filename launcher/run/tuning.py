@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from rich.console import Console
 
+from hpar.strategies.specs.registry import HYBRID_CACHE
 from hpar.strategies.runstate.trust import claim
 
 FACTOR = 2.0    # candidates whose predicted samples/s is within this factor of the best
@@ -67,7 +68,7 @@ class Trial:
 def planned_name(plan: dict) -> str:
     """The planner's choice as its candidate is named: ``hybrid-cache`` for hybrid with the
     workers' hot-row caches (a plan's ``cache``, strategies/plan/costmodel_cache.py)."""
-    return "hybrid-cache" if plan.get("strategy") == "hybrid" and plan.get("cache") else plan.get("strategy", "")
+    return HYBRID_CACHE.name if plan.get("strategy") == HYBRID_CACHE.runs_as and plan.get("cache") else plan.get("strategy", "")
 
 
 def candidates(plan: dict) -> list[tuple[str, float]]:

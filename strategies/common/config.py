@@ -7,8 +7,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-# Runtime strategies `hpar run --strategy` accepts (the planner's names).
-STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline", "fsdp")
+from hpar.strategies.pipeline.guard import GuardConfig as check_guard
+from hpar.strategies.specs.registry import names, spec as strategy_spec, where
+
+STRATEGIES = names()   # --strategy's choices besides auto (strategies/specs/registry.py)
+
 # Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
 SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b",
              "torch-interleaved-1f1b", "torch-zbv")
@@ -87,8 +90,7 @@ class RunConfig:
     allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/common/first_batch.py)
 
     def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"--strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)} or auto")
+        spec = strategy_spec(self.strategy)   # ValueError naming the choices for an unknown one
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         for name in ("world_size", "steps", "batch_size", "log_every", "micro_batches"):
@@ -106,24 +108,16 @@ class RunConfig:
         if self.replicas < 1 or self.world_size % self.replicas:
             raise ValueError(f"--pipeline-replicas {self.replicas}: a pipeline plan is K stages x R replicas = --gpus "
                              f"{self.world_size}; choose a divisor of --gpus")
-        if self.replicas > 1 and self.strategy != "pipeline":
-            raise ValueError(f"--pipeline-replicas {self.replicas} applies to --strategy pipeline only; drop it")
-        unsupported = not_supported(self)
+        if self.replicas > 1 and not spec.pipelined:
+            raise ValueError(f"--pipeline-replicas {self.replicas} applies to a pipeline strategy only; drop it")
+        unsupported = not_supported(self) or spec.problem(self)
         if unsupported:
             raise ValueError(unsupported)
-        if self.strategy == "pipeline" and self.schedule == "torch-1f1b" and self.micro_batches < self.pipeline_stages:
-            raise ValueError(f"--micro-batches {self.micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
-                             f"at least one per stage ({self.pipeline_stages}); raise it or use --schedule torch-gpipe")
         if self.on_divergence != "off" or self.divergence_factor != 2.0:
-            from hpar.strategies.pipeline.guard import GuardConfig
-            GuardConfig(self.on_divergence, self.divergence_factor)
-            if self.strategy != "pipeline" or not self.schedule.startswith("async"):
+            check_guard(self.on_divergence, self.divergence_factor)
+            if not spec.pipelined or not self.schedule.startswith("async"):
                 raise ValueError(f"--on-divergence {self.on_divergence}: the guard watches asynchronous pipelines only "
                                  "(--strategy pipeline --schedule async-*); drop it for this run")
-        if self.strategy == "pipeline" and self.schedule == "async-2bw":
-            from hpar.strategies.pipeline.schedules import check_2bw
-            check_2bw(self.pipeline_stages, self.micro_batches,
-                      "--gpus" if self.replicas == 1 else "stages (--gpus / --pipeline-replicas)")
 
     @property
     def pipeline_stages(self) -> int:
@@ -164,40 +158,15 @@ def load_config(path: str, sha256: str | None) -> RunConfig:
 
 
 def not_supported(cfg: RunConfig) -> str | None:
-    """Why this strategy cannot honour the training-loop flags it was given (one line naming
-    the flag and the way out), or None. A pipeline's micro-batches already accumulate within a step (raise
-    ``--micro-batches`` instead of ``--accumulate``); an asynchronous pipeline cannot skip a
-    step on every stage (strategies/pipeline/stage_loop.py); torch's pipelining peers run
-    neither clipping, evaluation during training nor fp16 (bf16 autocast they do). The hot-row
-    cache (``--staleness``) caches the parameter servers' rows, and holds gradients back, which
-    a skipped fp16 step could not take back (strategies/hybrid/cache.py)."""
-    if cfg.strategy == "fsdp" and cfg.precision == "fp16":
-        return ("--precision fp16 is not supported with --strategy fsdp (its gradient scaler's inf/NaN check would "
-                "span the shards); use --precision bf16")
-    if cfg.staleness is not None and cfg.strategy not in ("hybrid", "ps"):
-        return (f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy hybrid "
-                f"or ps, not {cfg.strategy}; drop it")
+    """Why this run cannot honour the loop flags it was given whatever its strategy (one line
+    naming the flag and the way out), or None; each strategy's own refusals are its spec's
+    (strategies/specs/). The hot-row cache (``--staleness``) caches the parameter servers'
+    rows, and holds gradients back, which a skipped fp16 step could not take back
+    (strategies/hybrid/cache.py)."""
+    if cfg.staleness is not None and not strategy_spec(cfg.strategy).servers:
+        return (f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
+                f"{' or '.join(where(servers=True))}, not {cfg.strategy}; drop it")
     if cfg.staleness is not None and cfg.precision == "fp16":
         return ("--staleness with --precision fp16: the cache holds gradients back over several steps, which a step "
                 "skipped for inf/NaN could not take back; use --precision bf16 or fp32")
-    if cfg.strategy == "pipeline":
-        if cfg.accumulate > 1:
-            return ("--accumulate does not apply to --strategy pipeline: its micro-batches already accumulate "
-                    "within a step; raise --micro-batches and --batch-size instead")
-        if cfg.replicas > 1 and cfg.schedule.startswith("torch-"):
-            return (f"--pipeline-replicas {cfg.replicas} is not supported with --schedule {cfg.schedule} (torch's "
-                    "schedules run one pipeline); use hpar's own 1f1b or gpipe")
-        torch_peer = cfg.schedule.startswith("torch-")
-        if torch_peer and (cfg.clip_grad_norm or (cfg.eval and cfg.eval_every)):
-            flag = "--clip-grad-norm" if cfg.clip_grad_norm else "--eval-every"
-            return f"{flag} is not supported with --schedule {cfg.schedule} (torch's pipelining peer); use hpar's own 1f1b or gpipe"
-        if cfg.precision == "fp16" and cfg.schedule not in ("gpipe", "1f1b") and not torch_peer:
-            return (f"--precision fp16 is not supported with --schedule {cfg.schedule}: the stages of an asynchronous "
-                    "pipeline apply an update at different times, so a step with inf/NaN cannot be skipped on every "
-                    "stage; use --precision bf16 or --schedule 1f1b")
-        if cfg.precision == "bf16" and torch_peer and cfg.schedule not in ("torch-gpipe", "torch-1f1b"):
-            return f"--precision bf16 is not supported with --schedule {cfg.schedule}; use torch-gpipe, torch-1f1b or hpar's own 1f1b"
-        if cfg.precision == "fp16" and torch_peer:
-            return (f"--precision fp16 is not supported with --schedule {cfg.schedule} (torch's pipelining peer has no "
-                    "gradient scaler across its stages); use --precision bf16 or hpar's own 1f1b")
     return None

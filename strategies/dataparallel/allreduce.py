@@ -24,6 +24,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.runstate import checkpoint
 from hpar.strategies.runstate import state as run_state
 from hpar.strategies.dataparallel.ddp import unused_error_named, wrap
@@ -132,7 +133,7 @@ class AllreduceStep(TrainStep):
         torch.manual_seed(cfg.seed)
         self.outer = job.build_model().to(ctx.device)
         self.model = inner_module(self.outer)
-        self.sparse = cfg.strategy == "allreduce-sparse"
+        self.sparse = strategy_spec(cfg.strategy).sparse_gradients
         tables = set_sparse_gradients(self.model, self.sparse)
         if self.sparse:   # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
             torch.sparse.check_sparse_tensor_invariants.disable()

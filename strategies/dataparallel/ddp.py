@@ -27,7 +27,6 @@ from hpar.strategies.common.job import JobError
 
 REDUCTION_ERROR = "Expected to have finished reduction in the prior iteration"
 FLAG = "--find-unused-parameters"
-DDP_STRATEGIES = ("allreduce", "allreduce-sparse", "hybrid")   # the strategies whose workers run DDP
 
 
 def find_unused(mode: str, unused: Iterable[str], ignored: Iterable[str] = ()) -> bool:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpar.strategies.specs.registry import spec as strategy_spec
+from hpar.strategies.specs.base import ON_ALLREDUCE, ON_SERVERS
 from hpar.strategies.common.context import ByteMeter
 from hpar.strategies.models.tying import dense_shared_embeddings, embedding_tables
 from hpar.strategies.hybrid.shard import ROW_PARTITIONS_PER_SERVER, OptimizerSpec, RowLayout, spec_from_group, table_view
@@ -64,23 +66,23 @@ def placement(model: torch.nn.Module, strategy: str, plan: dict) -> dict[str, st
     for a plan naming unknown parameters or places."""
     names = [n for n, _ in model.named_parameters()]
     given = (plan or {}).get("placement")
-    if strategy == "ps":
-        return {n: "ps" for n in names}
+    if not strategy_spec(strategy).ddp:   # ps: nothing on AllReduce
+        return {n: ON_SERVERS for n in names}
     if given:
         unknown = sorted(set(given) - set(names))
         if unknown:
             raise ValueError(f"plan placement names unknown parameters {unknown[:3]}; re-run `hpar profile` for this script")
-        bad = sorted({v for v in given.values()} - {"ps", "allreduce"})
+        bad = sorted({v for v in given.values()} - {ON_SERVERS, ON_ALLREDUCE})
         if bad:
-            raise ValueError(f"plan placement has {bad}; each parameter goes to 'ps' or 'allreduce'")
+            raise ValueError(f"plan placement has {bad}; each parameter goes to {ON_SERVERS!r} or {ON_ALLREDUCE!r}")
         tied = dense_shared_embeddings(model)
-        served = sorted(n for n in tied if given.get(n) == "ps" and strategy == "hybrid")
+        served = sorted(n for n in tied if given.get(n) == ON_SERVERS)
         if served:
             raise ValueError(f"plan places {served[0]} on the servers, but it is tied to a dense user "
                              f"({', '.join(tied[served[0]])}); keep it on allreduce (re-run `hpar profile`)")
-        return {n: given.get(n, "allreduce") for n in names}
+        return {n: given.get(n, ON_ALLREDUCE) for n in names}
     emb = embedding_weights(model)
-    return {n: ("ps" if n in emb else "allreduce") for n in names}
+    return {n: (ON_SERVERS if n in emb else ON_ALLREDUCE) for n in names}
 
 
 def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str, plan: dict,
@@ -106,7 +108,7 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
     mode = plan.get("sparse_optimizer", "exact")
     tables = []
     for name, p in model.named_parameters():
-        if place[name] != "ps":
+        if place[name] != ON_SERVERS:
             continue
         if id(p) not in group_of:
             raise ValueError(f"optimizer(): parameter {name} is in no param group; pass every parameter to the optimizer")

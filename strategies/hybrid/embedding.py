@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.common.devices import copy_to_host
 from hpar.strategies.hybrid.ahead import batch_leaves, complete, covering_leaf, dedup_checked, in_rows
 from hpar.strategies.models.forward import inner_module
@@ -227,7 +228,7 @@ def check_fullgraph(model: torch.nn.Module, place: dict[str, str]) -> None:
     while isinstance(wrapper, torch.nn.Module):
         fullgraph = fullgraph or bool(getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False))
         wrapper = getattr(wrapper, "_orig_mod", None)
-    served = sorted(n for n in embedding_weights(inner_module(model)) if place.get(n) == "ps")
+    served = sorted(n for n in embedding_weights(inner_module(model)) if place.get(n) == ON_SERVERS)
     if fullgraph and served:
         raise ValueError(f"model() is compiled with fullgraph=True, but the parameter servers serve {served[0]}, whose "
                          "rows are pulled in a graph break inside the forward; compile without fullgraph=True (the "

@@ -34,6 +34,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hpar.strategies.specs.allreduce_spec import ALLREDUCE, ALLREDUCE_SPARSE
+from hpar.strategies.specs.base import ON_ALLREDUCE
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.roofline import compute_seconds, update_seconds_per_byte
 from hpar.strategies.profile.records import ParamProfile, Profile
@@ -215,9 +217,9 @@ def estimate_allreduce(profile: Profile, cluster: ClusterSpec) -> Estimate:
     update = c.update(profile.total_bytes, len(profile.params)) + emb * c.update_per_byte
     step = c.data + c.host + c.fwd + c.under_backward(ar_over) + ar_tail + update
     sent = 2 * (c.n - 1) / c.n * profile.total_bytes if c.n > 1 else 0.0
-    return Estimate("allreduce", step, c.n * profile.samples_per_batch, sent,
+    return Estimate(ALLREDUCE.name, step, c.n * profile.samples_per_batch, sent,
                     {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over, "comm_tail": ar_tail,
-                     "update": update}, placement={p.name: "allreduce" for p in profile.params})
+                     "update": update}, placement={p.name: ON_ALLREDUCE for p in profile.params})
 
 
 def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimate:
@@ -268,7 +270,7 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     step = c.data + c.host + c.fwd + c.under_backward(over) + tail + merge + update
     sent = (2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0) + \
         sum((c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse)
-    return Estimate("allreduce-sparse", step, c.n * profile.samples_per_batch, sent,
+    return Estimate(ALLREDUCE_SPARSE.name, step, c.n * profile.samples_per_batch, sent,
                     {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "comm_overlap": over, "comm_tail": tail,
-                     "merge": merge, "update": update}, placement={p.name: "allreduce" for p in profile.params},
+                     "merge": merge, "update": update}, placement={p.name: ON_ALLREDUCE for p in profile.params},
                     note="the optimizer takes no sparse gradients: the gathered rows are made dense to step" if densified else "")

@@ -14,13 +14,15 @@ this candidate only when the user asked for it with ``--staleness``.
 """
 from __future__ import annotations
 
+from hpar.strategies.specs.base import ON_SERVERS
+from hpar.strategies.specs.servers_spec import HYBRID, HYBRID_CACHE
 from hpar.strategies.hybrid.cache import REFRESH_STEPS, CacheConfig
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.profile.hot_rows import HotRows, cache_shares
 from hpar.strategies.profile.records import Profile
 
-NAME = "hybrid-cache"
+NAME = HYBRID_CACHE.name
 SHOWN_STALENESS = 4   # the staleness `hpar profile` shows the cache at when --staleness is not given
 
 
@@ -58,15 +60,15 @@ def estimate_hybrid_cache(profile: Profile, cluster: ClusterSpec, cache: CacheCo
     ``hit_rate``. Infeasible, with a note, where no embedding's rows were profiled or the
     servers cannot run the optimizer."""
     from hpar.strategies.plan.costmodel_ps import _ps_estimate, _server_refusal
-    refused = _server_refusal(profile, "hybrid")
+    refused = _server_refusal(profile, HYBRID.name)
     if refused is not None:
         return Estimate(NAME, 0.0, 0, 0.0, feasible=False, note=refused.note)
     pred = cache_prediction(*profiled(profile), cache, cluster.workers)
     if not pred:
         return Estimate(NAME, 0.0, 0, 0.0, feasible=False, note="no embedding table's row frequencies were profiled")
-    est = _ps_estimate(profile, cluster, "hybrid", shares={n: (d["pulled"], d["pushed"]) for n, d in pred.items()},
+    est = _ps_estimate(profile, cluster, HYBRID.name, shares={n: (d["pulled"], d["pushed"]) for n, d in pred.items()},
                        name=NAME)
-    served = {n for n, where in est.placement.items() if where == "ps"}
+    served = {n for n, where in est.placement.items() if where == ON_SERVERS}
     sizes = {p.name: p for p in profile.params}
     held = cache_bytes({n: d["rows"] for n, d in pred.items() if n in served},
                        {n: sizes[n].bytes / max(sizes[n].rows, 1) for n in pred})

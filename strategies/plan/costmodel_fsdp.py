@@ -25,6 +25,8 @@ the data-parallel replica does not fit.
 """
 from __future__ import annotations
 
+from hpar.strategies.specs.base import ON_ALLREDUCE
+from hpar.strategies.specs.fsdp_spec import FSDP
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, cost_setting, cpu_share, ring_allgather_s, ring_allreduce_s
 from hpar.strategies.profile.records import Profile
@@ -63,8 +65,8 @@ def estimate_fsdp(profile: Profile, cluster: ClusterSpec) -> Estimate:
     # FSDP's own copies and hooks, measured on one worker (profile/fsdp_cost.py); a projected device: not known
     own = cpu_share(cluster) * (profile.fsdp_overhead_s or 0.0) if cluster.device is None else 0.0
     step = c.data + c.host + first + forward + c.under_backward(gather + scatter) + update + own
-    return Estimate("fsdp", step, n * profile.samples_per_batch, fsdp_bytes(total, n, gloo),
+    return Estimate(FSDP.name, step, n * profile.samples_per_batch, fsdp_bytes(total, n, gloo),
                     {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "allgather": 2 * gather,
                      "reducescatter": scatter, "comm_tail": first, "update": update,
                      "fsdp_own": own},
-                    placement={p.name: "allreduce" for p in profile.params})
+                    placement={p.name: ON_ALLREDUCE for p in profile.params})

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import math
 
+from hpar.strategies.specs.base import ON_ALLREDUCE
+from hpar.strategies.specs.pipeline_spec import PIPELINE
 from hpar.strategies.pipeline.partition import partition_stages
 from hpar.strategies.pipeline.schedules import micro_batch_count
 from hpar.strategies.pipeline.replicas import LAYOUTS, Grid
@@ -135,11 +137,11 @@ def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batc
     acts = sum(m * ((layers[b - 1].activation_bytes // m if b < len(layers) else 0)
                     + (layers[a - 1].activation_bytes // m if a > 0 else 0)) for a, b in plan.ranges) / K
     reduced = sum(2 * (R - 1) / R * nbytes for nbytes in stage_bytes) / K
-    return Estimate("pipeline", step, R * profile.samples_per_batch, acts + reduced,
+    return Estimate(PIPELINE.name, step, R * profile.samples_per_batch, acts + reduced,
                     {"data": c.data, "host": c.host, "period": period, "message": msg, "bubble": (K - 1) / (m + K - 1),
                      "update": max(updates),
                      "allreduce": max(reduce), "stages": K, "replicas": R},
-                    placement={p.name: "allreduce" for p in profile.params},
+                    placement={p.name: ON_ALLREDUCE for p in profile.params},
                     stages=tuple(tuple(r) for r in plan.ranges), micro_batches=m, replicas=R, layout=grid.layout)
 
 
@@ -151,16 +153,16 @@ def estimate_pipeline_grid(profile: Profile, cluster: ClusterSpec, replicas: int
     ``replicas``), or no split has at most one stage per layer."""
     n, layers = cluster.workers, profile.layers
     if not profile.is_sequential:
-        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False, note=profile.sequential_reason)
+        return Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False, note=profile.sequential_reason)
     if replicas is None and n < 2:
-        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False, note="a pipeline needs at least 2 workers")
+        return Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False, note="a pipeline needs at least 2 workers")
     if replicas is not None and (replicas < 1 or n % replicas):
-        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False,
+        return Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False,
                         note=f"--pipeline-replicas {replicas} does not divide the {n} workers")
     splits = [(n // replicas, replicas)] if replicas else [(k, n // k) for k in range(2, n + 1) if n % k == 0]
     splits = [(k, r) for k, r in splits if k <= len(layers)]
     if not splits:
-        return Estimate("pipeline", 0.0, 0, 0.0, feasible=False,
+        return Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False,
                         note=f"{len(layers)} layers cannot fill {n // (replicas or 1)} stages")
     best, batch = None, math.gcd(profile.batch_size, profile.samples_per_batch or profile.batch_size)
     for k, r in splits:

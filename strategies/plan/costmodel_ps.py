@@ -19,6 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hpar.strategies.specs.registry import spec as strategy_spec
+from hpar.strategies.specs.servers_spec import HYBRID, PS
+from hpar.strategies.specs.base import ON_ALLREDUCE, ON_SERVERS
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import (CostSetting, Estimate, cost_setting, cpu_share, ring_allreduce_s,
                                             sparse_bytes, split_tail)
@@ -190,7 +193,7 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: 
     ``request_cpu``: it does its own end, and waits for the server's, since the next pull is
     answered only once the server has taken the step's pushes) and :func:`cpu_bound`, the CPU
     work of a host's processes, its servers' included, over the host's cores."""
-    hybrid = strategy == "hybrid"
+    hybrid = strategy_spec(strategy).ddp   # hybrid: the dense part on AllReduce (ps: on the servers too)
     c = cost_setting(profile, cluster, with_servers=True)
     terms = _placed(profile, c, hybrid, shares)
     placed = {t.param.name for t in terms}
@@ -224,7 +227,7 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: 
                      "comm_overlap": ar_over + push_over,
                      "comm_tail": ar_tail + push_tail, "server_update": server_over + server_tail,
                      "update": dense_update, "server_cpu": busy, "requests": requests},
-                    placement={p.name: ("ps" if p.name in placed else "allreduce") for p in profile.params},
+                    placement={p.name: (ON_SERVERS if p.name in placed else ON_ALLREDUCE) for p in profile.params},
                     partitions={t.param.name: t.partitions for t in terms if t.partitions is not None})
 
 
@@ -234,7 +237,7 @@ def estimate_ps(profile: Profile, cluster: ClusterSpec) -> Estimate:
     a server aggregates its share of the N pushes and updates (Li et al., "Scaling distributed
     machine learning with the parameter server", OSDI 2014). step = pull + fwd + backward
     (with the pushes of other layers under it) + push of layer 0 + server update of layer 0."""
-    return _server_refusal(profile, "ps") or _ps_estimate(profile, cluster, "ps")
+    return _server_refusal(profile, PS.name) or _ps_estimate(profile, cluster, PS.name)
 
 
 def estimate_hybrid(profile: Profile, cluster: ClusterSpec) -> Estimate:
@@ -243,7 +246,7 @@ def estimate_hybrid(profile: Profile, cluster: ClusterSpec) -> Estimate:
     whose requests cost more than its bytes); everything else by ring AllReduce. The
     AllReduce and the pushes share the link under backward; the server update of the last
     table pushed (layer 0's) overlaps the workers' dense update."""
-    return _server_refusal(profile, "hybrid") or _ps_estimate(profile, cluster, "hybrid")
+    return _server_refusal(profile, HYBRID.name) or _ps_estimate(profile, cluster, HYBRID.name)
 
 
 def _server_refusal(profile: Profile, strategy: str) -> Estimate | None:

@@ -6,11 +6,10 @@ the imports run one way (costmodel <- costmodel_* <- estimates).
 """
 from __future__ import annotations
 
+from hpar.strategies.specs.registry import PIPELINE, strategies
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.costmodel import Estimate, estimate_allreduce, estimate_allreduce_sparse
-from hpar.strategies.plan.costmodel_fsdp import estimate_fsdp
+from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.plan.costmodel_pipeline import estimate_pipeline_grid
-from hpar.strategies.plan.costmodel_ps import estimate_hybrid, estimate_ps
 from hpar.strategies.profile.records import Profile
 
 
@@ -44,17 +43,17 @@ def estimate_async_pipeline(sync: Estimate, schedule: str) -> Estimate:
     reduce = sync.breakdown.get("allreduce", 0.0)   # with replicas, every update averages its gradient
     data, host = sync.breakdown.get("data", 0.0), sync.breakdown.get("host", 0.0)
     step = data + host + m * (period + update * (1.0 + ASYNC_EXTRA_UPDATES[schedule]) + reduce)
-    return Estimate("pipeline", step, sync.samples_per_step, sync.bytes_per_step,
+    return Estimate(PIPELINE.name, step, sync.samples_per_step, sync.bytes_per_step,
                     {"data": data, "host": host, "period": period, "bubble": 0.0, "update": m * update, "allreduce": m * reduce},
                     sync.placement,
                     stages=sync.stages, micro_batches=m, replicas=sync.replicas, layout=sync.layout)
 
 
 def estimate_all(profile: Profile, cluster: ClusterSpec) -> list[Estimate]:
-    """Every strategy's :class:`Estimate`, in the order allreduce, allreduce-sparse, ps,
-    hybrid, pipeline, fsdp (the planner keeps this order on ties)."""
-    return [fn(profile, cluster) for fn in (estimate_allreduce, estimate_allreduce_sparse, estimate_ps,
-                                            estimate_hybrid, estimate_pipeline, estimate_fsdp)]
+    """Every strategy's :class:`Estimate`, in the registry's order (strategies/specs/registry.py:
+    allreduce, allreduce-sparse, hybrid, ps, pipeline, fsdp, then any added ones); strategies
+    whose spec names no cost model are left out."""
+    return [s.load("estimate")(profile, cluster) for s in strategies() if s.estimate]
 
 
 __all__ = ["estimate_pipeline", "estimate_async_pipeline", "estimate_all", "ASYNC_EXTRA_UPDATES"]

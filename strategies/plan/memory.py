@@ -56,6 +56,8 @@ from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import INDEX_BYTES, Estimate
 from hpar.strategies.profile.records import MemoryProfile, Profile
 from hpar.strategies.profile.shapes import distinct_after
+from hpar.strategies.specs.base import ON_SERVERS
+from hpar.strategies.specs.registry import spec as strategy_spec
 
 GB = 1e9   # --worker-memory and --server-memory count 10^9 bytes
 # Forward passes a worker is assumed to run where the caller gives no run length, and the steps
@@ -118,7 +120,7 @@ def misfit(memory: dict, worker_bytes: float | None, server_bytes: float | None)
 def refusal(strategy: str, why: str) -> str:
     """The one line that refuses ``--strategy strategy`` whose peaks do not fit (``why``:
     :func:`misfit`'s reason), naming the flags and the way out."""
-    flags = "--worker-memory, --server-memory" if strategy in ("hybrid", "hybrid-cache", "ps") else "--worker-memory"
+    flags = "--worker-memory, --server-memory" if strategy_spec(strategy).servers else "--worker-memory"
     return (f"--strategy {strategy} {why} ({flags}); choose a strategy that fits (hpar profile lists them), "
             "or --force to run it anyway")
 
@@ -137,7 +139,7 @@ def _step(m: MemoryProfile | None, profile: Profile, grads: float, scale: float 
 
 def _split(profile: Profile, est: Estimate) -> tuple[float, float, list]:
     """(bytes on AllReduce, embedding bytes among them, the parameters on the servers)."""
-    served = [p for p in profile.params if est.placement.get(p.name) == "ps"]
+    served = [p for p in profile.params if est.placement.get(p.name) == ON_SERVERS]
     names = {p.name for p in served}
     on_ar = [p for p in profile.params if p.name not in names]
     return sum(p.bytes for p in on_ar), sum(p.bytes for p in on_ar if p.embedding_module), served
@@ -148,30 +150,40 @@ def _rows(p, fraction: float) -> float:
     return fraction * p.rows * (p.bytes / p.rows + INDEX_BYTES)
 
 
-def data_parallel(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict[str, float]:
-    """Worker terms of allreduce, allreduce-sparse, hybrid and ps (module docstring)."""
+def allreduce_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str = "") -> dict[str, float]:
+    """Worker terms of allreduce (module docstring): the whole model, its optimizer state,
+    DDP's buckets, the step."""
+    m, r, total = profile.memory, _ratio(profile), profile.total_bytes
+    return {"params": total, "optimizer": r * total, "ddp_buckets": total,
+            "step": _step(m, profile, total, stepped=total), "data": m.data_bytes if m else 0}
+
+
+def sparse_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str = "") -> dict[str, float]:
+    """Worker terms of allreduce-sparse (module docstring): DDP's buckets hold the dense part;
+    the tables' rows of every worker are gathered."""
     m, r, n, total = profile.memory, _ratio(profile), cluster.workers, profile.total_bytes
-    data = m.data_bytes if m else 0
-    if est.strategy == "allreduce":
-        return {"params": total, "optimizer": r * total, "ddp_buckets": total,
-                "step": _step(m, profile, total, stepped=total), "data": data}
-    if est.strategy == "allreduce-sparse":
-        tables = [p for p in profile.params if p.embedding_module]
-        dense = total - sum(p.bytes for p in tables)
-        own = sum(_rows(p, p.alpha) for p in tables)
-        gathered = sum(n * _rows(p, p.alpha) + p.union_for(n) * p.bytes for p in tables)
-        if not profile.sparse_gradients_ok:
-            gathered += sum(p.bytes for p in tables)
-        return {"params": total, "optimizer": r * total, "ddp_buckets": dense,
-                "step": _step(m, profile, dense + own, stepped=dense), "gathered": gathered, "data": data}
+    tables = [p for p in profile.params if p.embedding_module]
+    dense = total - sum(p.bytes for p in tables)
+    own = sum(_rows(p, p.alpha) for p in tables)
+    gathered = sum(n * _rows(p, p.alpha) + p.union_for(n) * p.bytes for p in tables)
+    if not profile.sparse_gradients_ok:
+        gathered += sum(p.bytes for p in tables)
+    return {"params": total, "optimizer": r * total, "ddp_buckets": dense,
+            "step": _step(m, profile, dense + own, stepped=dense), "gathered": gathered,
+            "data": m.data_bytes if m else 0}
+
+
+def served_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str = "") -> dict[str, float]:
+    """Worker terms of hybrid and ps (module docstring): the AllReduce part, the rows pulled
+    from the servers (ps: dense parameters pulled whole)."""
+    m, r = profile.memory, _ratio(profile)
     on_ar, _, served = _split(profile, est)
     rows = [p for p in served if p.embedding_module]
     pulled = sum(_rows(p, p.alpha) for p in rows)
     whole = sum(p.bytes for p in served if not p.embedding_module)   # ps: dense parameters pulled whole
-    terms = {"params": on_ar + whole, "optimizer": r * on_ar, "ddp_buckets": on_ar,
-             "step": _step(m, profile, on_ar + whole + pulled, stepped=on_ar), "rows": 3 * pulled, "data": data,
-             "runtime": RUNTIME_BYTES["hybrid_worker"] if on_ar else 0}
-    return terms
+    return {"params": on_ar + whole, "optimizer": r * on_ar, "ddp_buckets": on_ar,
+            "step": _step(m, profile, on_ar + whole + pulled, stepped=on_ar), "rows": 3 * pulled,
+            "data": m.data_bytes if m else 0, "runtime": RUNTIME_BYTES["hybrid_worker"] if on_ar else 0}
 
 
 def server_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict[str, float]:
@@ -237,7 +249,7 @@ def pipeline_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedu
     return best
 
 
-def fsdp_terms(profile: Profile, cluster: ClusterSpec) -> dict[str, float]:
+def fsdp_terms(profile: Profile, cluster: ClusterSpec, est: Estimate | None = None, schedule: str = "") -> dict[str, float]:
     """An FSDP worker's terms (module docstring): shards of parameters, gradients and optimizer
     state (P/N each), the two largest adjacent units gathered (the one running and the one
     prefetched) and the root's parameters (:func:`fsdp_units`), with their unsharded gradients,
@@ -320,19 +332,14 @@ def predict(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str
     """The :class:`MemoryEstimate` of candidate ``est`` (its placement, partitions, stages and
     micro-batches) on ``cluster``; ``schedule``: a pipeline's; ``forwards``: the forward passes
     each worker runs (steps times gradient accumulation; None: GROWTH_HORIZON_STEPS)."""
-    m = profile.memory
-    if est.strategy == "pipeline":
-        worker = pipeline_terms(profile, cluster, est, schedule) if est.stages else {}
-    elif est.strategy == "fsdp":
-        worker = fsdp_terms(profile, cluster)
-    else:
-        worker = data_parallel(profile, cluster, est)
+    m, spec = profile.memory, strategy_spec(est.strategy)
+    worker = {} if spec.pipelined and not est.stages else spec.load("worker_memory")(profile, cluster, est, schedule)
     if worker:   # every worker process builds the model and runs its first forward inside its training
         worker["first_use"] = (m.first_use_bytes + m.model_extra_bytes) if m else 0
         worker["growth"] = growth(m, forwards or GROWTH_HORIZON_STEPS) if m else 0
     if worker and est.breakdown.get("cache_bytes"):   # hybrid-cache: the hot rows and held gradients
         worker["cache"] = est.breakdown["cache_bytes"]
-    server = server_terms(profile, cluster, est) if est.strategy in ("hybrid", "hybrid-cache", "ps") else {}
+    server = server_terms(profile, cluster, est) if spec.servers else {}
     return MemoryEstimate({k: int(v) for k, v in worker.items()}, {k: int(v) for k, v in server.items()},
                           overhead_bytes=m.process_bytes if m else 0,
                           device_overhead_bytes=m.device_overhead_bytes if m else 0,

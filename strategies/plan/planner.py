@@ -21,6 +21,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from hpar.strategies.specs.base import ON_SERVERS
+from hpar.strategies.specs.registry import ALLREDUCE, FSDP, HYBRID, PIPELINE, spec as strategy_spec
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.hybrid.cache import CacheConfig
 from hpar.strategies.plan.costmodel import Estimate
@@ -144,7 +146,7 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
         vs = (f"; taken though {runner_up.strategy} is predicted faster ({best.samples_per_s / runner_up.samples_per_s:.2f}x "
               f"its samples/s): within {TIE:.0%} of the fastest, the simpler plan wins (a tie: the cost model is "
               "not finer than that)")
-    if best.strategy == "hybrid":
+    if best.strategy == HYBRID.name:
         a = max(p.alpha for p in sparse) if sparse else 0
         return (f"hybrid: embedding tables hold {share:.0%} of the parameter bytes and a batch touches "
                 f"at most {a:.2%} of their rows, so the servers move only touched rows while dense "
@@ -152,25 +154,25 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
     if best.strategy == CACHED:
         return (f"hybrid with hot-row caches (--staleness): a worker reads the hottest rows from its cache "
                 f"{best.breakdown.get('hit_rate', 0):.0%} of the time (predicted), pulling and pushing fewer rows{vs}.")
-    if best.strategy == "pipeline" and best.replicas > 1:
+    if best.strategy == PIPELINE.name and best.replicas > 1:
         return (f"pipeline: {len(best.stages)} stages x {best.replicas} replicas: each replica AllReduce moves only "
                 f"a stage's share of the {_fmt_bytes(profile.total_bytes)} of parameters, and the stages "
                 f"exchange activations{vs}.")
-    if best.strategy == "pipeline":
+    if best.strategy == PIPELINE.name:
         return (f"pipeline: {_fmt_bytes(profile.total_bytes)} of parameters would cross a "
                 f"{_fmt_bytes(cluster.bandwidth_Bps)}/s link every step with data parallelism, while "
                 f"the {len(best.stages)} stages only exchange activations{vs}.")
-    if best.strategy == "fsdp":
+    if best.strategy == FSDP.name:
         return (f"fsdp: each worker holds 1/{cluster.workers} of the {_fmt_bytes(profile.total_bytes)} of parameters, "
                 f"of their gradients and of the optimizer state, gathering one layer's weights at a time{vs}.")
-    if best.strategy == "allreduce" and cluster.workers == 1:
+    if best.strategy == ALLREDUCE.name and cluster.workers == 1:
         return (f"allreduce: one worker, so no gradient is exchanged and the plan without servers "
                 f"or stages is the single-device step{vs}.")
-    if best.strategy == "allreduce" and share >= 0.5:
+    if best.strategy == ALLREDUCE.name and share >= 0.5:
         return (f"allreduce: embedding tables hold {share:.0%} of the parameter bytes, but AllReduce of "
                 f"{_fmt_bytes(profile.total_bytes)}, overlapped with backward, is predicted faster "
                 f"than moving their touched rows{vs}.")
-    if best.strategy == "allreduce":
+    if best.strategy == ALLREDUCE.name:
         return (f"allreduce: {_dense_why(share, profile)}, and AllReduce of {_fmt_bytes(profile.total_bytes)} "
                 f"overlaps backward{vs}.")
     if tie:
@@ -188,18 +190,16 @@ def compute_source(profile: Profile, cluster: ClusterSpec) -> str:
     return f"projected: {cluster.device_flops / 1e12:g} TFLOP/s{mem} (from a profile on {profile.device})"
 
 
-# Simplest first: fewer moving parts (no servers, no stages) win a near tie.
-SIMPLICITY = ("allreduce", "allreduce-sparse", "pipeline", "fsdp", "hybrid", CACHED, "ps")
 TIE = 0.05   # predictions within 5% of each other are a tie (the cost model is not finer than that)
 
 
 def _fastest_simplest(estimates: list[Estimate]) -> Estimate:
     """The estimate with the highest predicted samples/s, except that among those within
-    ``TIE`` (relative) of it the simplest strategy (``SIMPLICITY`` order) is taken."""
+    ``TIE`` (relative) of it the simplest strategy (the lowest ``StrategySpec.simplicity``:
+fewer moving parts, no servers or stages) is taken."""
     top = max(e.samples_per_s for e in estimates)
     near = [e for e in estimates if e.samples_per_s >= top * (1 - TIE)]
-    rank = {name: i for i, name in enumerate(SIMPLICITY)}
-    return min(near, key=lambda e: (rank.get(e.strategy, len(SIMPLICITY)), -e.samples_per_s))
+    return min(near, key=lambda e: (strategy_spec(e.strategy).simplicity, -e.samples_per_s))
 
 
 def _cache_note(e: Estimate, cache: CacheConfig, asked: bool) -> str:
@@ -230,10 +230,10 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     estimates = estimate_all(profile, cluster)
     shown = cache or CacheConfig(0.0, SHOWN_STALENESS)
     if any(p.embedding_module and p.hot_batches for p in profile.params):
-        at = next(i for i, e in enumerate(estimates) if e.strategy == "hybrid") + 1
+        at = next(i for i, e in enumerate(estimates) if e.strategy == HYBRID.name) + 1
         estimates.insert(at, estimate_hybrid_cache(profile, cluster, shown))
     if pipeline_replicas is not None:
-        estimates = [estimate_pipeline(profile, cluster, replicas=pipeline_replicas) if e.strategy == "pipeline" else e
+        estimates = [estimate_pipeline(profile, cluster, replicas=pipeline_replicas) if strategy_spec(e.strategy).pipelined else e
                      for e in estimates]
     candidates, ok, misfits, memory = [], [], {}, {}
     for e in estimates:
@@ -242,23 +242,24 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         if e.strategy == CACHED:
             note = _cache_note(e, shown, cache is not None) + ("; " + note if note else "")
             available = available and cache is not None
-        if e.strategy in ("hybrid", CACHED) and e.feasible and "ps" not in e.placement.values():
+        spec = strategy_spec(e.strategy)
+        if spec.servers and spec.ddp and e.feasible and ON_SERVERS not in e.placement.values():
             why = ("every embedding table costs less on AllReduce" if any(p.embedding_module for p in profile.params)
                    else "no embedding table to place on servers" + _tied_note(profile))
             note = (note + "; " if note else "") + f"{why} (same as allreduce)"
             available = False   # it would run as allreduce: never the winner in its own name
-        if e.strategy == "allreduce-sparse" and e.feasible and not any(p.embedding_module for p in profile.params):
+        if spec.sparse_gradients and e.feasible and not any(p.embedding_module for p in profile.params):
             note = (note + "; " if note else "") + \
                 f"no embedding table to give sparse gradients{_tied_note(profile)} (same as allreduce)"
             available = False   # `hpar run` runs it as allreduce
-        if e.strategy == "pipeline" and e.feasible:
+        if spec.pipelined and e.feasible:
             note = describe_pipeline(e) + ("; " + note if note else "")
             problem = schedule_problem({n: stages_of(held, e.stages) for n, held in profile.shared_params
                                         if len(stages_of(held, e.stages)) > 1}, schedule)
             if problem:   # a tied weight across stages under an asynchronous schedule (pipeline/ties.py)
                 note, available = problem.split(": ", 1)[1], False
         measured_sparse = [p.name for p in profile.params if p.sparse and not p.embedding_module]
-        if e.strategy in ("hybrid", CACHED) and measured_sparse:
+        if spec.servers and spec.ddp and measured_sparse:
             note = (note + "; " if note else "") + \
                 f"sparse non-embedding parameters stay on AllReduce: {', '.join(measured_sparse[:3])}"
         mem = predict_memory(profile, cluster, e, schedule, forwards) if e.feasible else None
@@ -294,17 +295,17 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 for e in estimates if (k := e.strategy) in misfits and (v := misfits[k]) and k != best.strategy]
     if left_out:
         reason += " Does not fit the memory: " + "; ".join(left_out) + "."
-    uses_servers = best.strategy in ("hybrid", CACHED, "ps")
+    best_spec = strategy_spec(best.strategy)
     chosen = memory.get(best.strategy)
-    cached = (plan_cache(*profiled(profile), cache, cluster.workers, {n for n, w in best.placement.items() if w == "ps"})
+    cached = (plan_cache(*profiled(profile), cache, cluster.workers, {n for n, w in best.placement.items() if w == ON_SERVERS})
               if best.strategy == CACHED else {})
-    return Plan(strategy="hybrid" if cached else best.strategy, placement=dict(best.placement),
+    return Plan(strategy=best_spec.runs_as or best.strategy, placement=dict(best.placement),
                 partitions=dict(best.partitions), cache=cached,
-                servers=cluster.servers if uses_servers else 0, stages=[list(s) for s in best.stages],
+                servers=cluster.servers if best_spec.servers else 0, stages=[list(s) for s in best.stages],
                 micro_batches=best.micro_batches or 1, schedule=schedule,
                 reason=reason, candidates=candidates, predicted_step_s=best.step_s,
                 samples_per_s=best.samples_per_s, compute=compute_source(profile, cluster),
-                replicas=best.replicas if best.strategy == "pipeline" else 1,
-                layout=best.layout if best.strategy == "pipeline" else "", unused_params=list(profile.unused_params),
+                replicas=best.replicas if best_spec.pipelined else 1,
+                layout=best.layout if best_spec.pipelined else "", unused_params=list(profile.unused_params),
                 memory=chosen.to_dict(cluster) if chosen is not None else {})
 

@@ -168,14 +168,15 @@ def probe_requests(steps: int = 150, rows: int = 64, dim: int = 16, rounds: int 
     from hpar.strategies.common.config import RunConfig
     from hpar.strategies.hybrid.client import PSClient, ps_tables
     from hpar.strategies.hybrid.server import Server
+    from hpar.strategies.specs.registry import HYBRID
     pgs, warm, threads = _loopback_pair(timeout_s), 20, torch.get_num_threads()
     total = warm + steps
-    cfg = RunConfig(script="<request probe>", strategy="hybrid", world_size=1, steps=total, batch_size=rows,
+    cfg = RunConfig(script="<request probe>", strategy=HYBRID.name, world_size=1, steps=total, batch_size=rows,
                     lr=0.1, seed=0, run_dir="", log_every=total)
     per_request = []
     for _ in range(rounds):
         model = nn.Sequential(nn.Embedding(4 * rows, dim))
-        tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", {}, 1)
+        tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), HYBRID.name, {}, 1)
         out: dict = {}
 
         def worker(pg) -> None:

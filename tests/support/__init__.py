@@ -1,0 +1,1 @@
+"""Test infrastructure the tests import: helpers that are not tests themselves."""
