@@ -14,7 +14,8 @@ synchronous baseline.
 - ``velocity``: the optimizer's update direction that prediction extrapolates (SGD, Adam, AdamW).
 - ``guard``: the divergence guard of asynchronous runs (stop, or fall back to 1F1B).
 - ``comm``: point-to-point links between neighbour stages (torch.distributed send/recv).
-- ``runtime``: one process per stage running its schedule.
+- ``runtime``: one process per stage running its schedule, in the training spine with
+  ``stage_step`` (one batch of the stage's passes, the divergence guard, the step's end).
 - ``sim``: the same schedules in one process (a reference for tests and benchmarks).
 - ``torch_peers``: torch.distributed.pipelining's schedules on the same stages, for comparison.
 

@@ -38,6 +38,8 @@ from hpar.strategies.common.memory import PeakMemory
 from hpar.strategies.common.loop import autocast
 from hpar.strategies.common.first_batch import check_first_batch, first_batch
 from hpar.strategies.common.gather import gather_json
+from hpar.strategies.common import spine
+from hpar.strategies.common.spine import StepOutcome, TrainStep
 from hpar.strategies.pipeline.stage import draw_batch, build_stages_model, describe, stage_module, stage_ranges
 
 
@@ -131,64 +133,71 @@ class _StageRunner(torch.nn.Module):
         return out.view_as(out) if out is x else out
 
 
-def train(ctx: WorkerContext) -> TrainResult:
-    """The chunks of this process as torch PipelineStages under torch's schedule; returns the
-    whole model on rank 0. Raises ValueError as hpar's pipeline does (non-sequential model,
-    fewer layers than chunks, micro-batches that do not divide the batch); checkpoints are
-    not supported."""
-    from torch.distributed.pipelining import PipelineStage
+class TorchPeerStep(TrainStep):
+    """This process's chunks under torch's schedule, for the training spine
+    (strategies/common/spine.py): a step is one ``schedule.step`` over the batch, then one
+    optimizer step and the script's schedule; the loss goes from the last chunk's process to
+    rank 0. No checkpoints (refused before anything starts) and no evaluate() during training;
+    a step's time runs from the end of the one before (``restart_timer`` False).
+    Raises ValueError as hpar's pipeline does (non-sequential model, fewer layers than
+    chunks, micro-batches that do not divide the batch)."""
 
-    cfg, job = ctx.cfg, ctx.job
-    if cfg.batch_size % cfg.micro_batches:
-        raise ValueError(f"--micro-batches {cfg.micro_batches} does not divide --batch-size {cfg.batch_size}; choose a divisor")
-    if cfg.checkpoint_every or cfg.resume:
-        raise ValueError(f"--schedule {cfg.schedule}: checkpoints are only supported by hpar's own schedules; drop --checkpoint-every/--resume")
-    model = build_stages_model(job, cfg.seed)
-    k, K = ctx.rank, ctx.world_size
-    owner = chunk_ranks(cfg.schedule, K)
-    n = len(owner)
-    ranges = stage_ranges(model, n, cfg.plan if n == K else None)
-    mine = [c for c in range(n) if owner[c] == k]
-    modules = [stage_module(model, *ranges[c]).to(ctx.device) for c in mine]
-    params = [p for m in modules for p in m.parameters()]
-    opt = job.build_optimizer(params, cfg.lr) if params else None
-    sched = job.build_scheduler(opt) if opt is not None else None
-    ios = [_ActivationBytes(m) for m in modules]
-    group = worker_groups(K, cfg.device).dense   # NCCL on CUDA
-    runners = [_StageRunner(m, cfg, ctx.device.type) for m in modules]
-    stages = [PipelineStage(r, c, n, ctx.device, group=group) for r, c in zip(runners, mine)]
+    restart_timer = False
 
-    def loss_fn(output, target):
-        return job.compute_loss(output, target)
+    def __init__(self, ctx: WorkerContext):
+        from torch.distributed.pipelining import PipelineStage
+        super().__init__(ctx)
+        cfg, job = ctx.cfg, ctx.job
+        if cfg.batch_size % cfg.micro_batches:
+            raise ValueError(f"--micro-batches {cfg.micro_batches} does not divide --batch-size {cfg.batch_size}; choose a divisor")
+        if cfg.checkpoint_every or cfg.resume:
+            raise ValueError(f"--schedule {cfg.schedule}: checkpoints are only supported by hpar's own schedules; drop --checkpoint-every/--resume")
+        self.model = build_stages_model(job, cfg.seed)
+        self.k, K = ctx.rank, ctx.world_size
+        self.owner = chunk_ranks(cfg.schedule, K)
+        n = len(self.owner)
+        self.ranges = stage_ranges(self.model, n, cfg.plan if n == K else None)
+        self.mine = [c for c in range(n) if self.owner[c] == self.k]
+        self.modules = [stage_module(self.model, *self.ranges[c]).to(ctx.device) for c in self.mine]
+        params = [p for m in self.modules for p in m.parameters()]
+        self.opt = job.build_optimizer(params, cfg.lr) if params else None
+        self.sched = job.build_scheduler(self.opt) if self.opt is not None else None
+        self.ios = [_ActivationBytes(m) for m in self.modules]
+        group = worker_groups(K, cfg.device).dense   # NCCL on CUDA
+        runners = [_StageRunner(m, cfg, ctx.device.type) for m in self.modules]
+        stages = [PipelineStage(r, c, n, ctx.device, group=group) for r, c in zip(runners, self.mine)]
+        self.schedule = _schedule(cfg, stages, lambda output, target: job.compute_loss(output, target))
+        self.first, self.last = 0 in self.mine, n - 1 in self.mine
+        self.batches = job.batches(0, 1, cfg.batch_size) if (self.first or self.last) else None
+        self.samples_per_step = cfg.batch_size
+        self.mem, self.clock = PeakMemory(ctx.device), DeviceClock(ctx.device)
+        self.step_s, self.cpu_s = [], []
 
-    schedule = _schedule(cfg, stages, loss_fn)
-    first, last = 0 in mine, n - 1 in mine
-    batches = job.batches(0, 1, cfg.batch_size) if (first or last) else None
-    meter = StepMeter(ctx, cfg.batch_size)
-    mem = PeakMemory(ctx.device)
-    clock = DeviceClock(ctx.device)
-    step_s, cpu_s = [], []
-    mem.start()
-    meter.start()
-    drawn = {0: first_batch(lambda s: draw_batch(batches, cfg.seed, s))} if batches is not None else {}
-    # the micro-batches divide it (one pipeline: no replicas to compare); the default group holds the stages only
-    check_first_batch(ctx, drawn[0][0] if drawn else None, None, cfg.micro_batches, replica=0)
-    for step in range(cfg.steps):
+    def begin(self) -> None:
+        cfg = self.cfg
+        self.mem.start()
+        self.drawn = {0: first_batch(lambda s: draw_batch(self.batches, cfg.seed, s))} if self.batches is not None else {}
+        # the micro-batches divide it (one pipeline: no replicas to compare); the default group holds the stages only
+        check_first_batch(self.ctx, self.drawn[0][0] if self.drawn else None, None, cfg.micro_batches, replica=0)
+
+    def step(self, step: int) -> StepOutcome:
+        ctx, k, owner = self.ctx, self.k, self.owner
         x = y = None
-        if batches is not None:
-            x, y = (move_to(t, ctx.device) for t in (drawn.pop(step) if step in drawn else draw_batch(batches, cfg.seed, step)))
-        t0, c0 = clock.now(), time.process_time()   # on CUDA: after the queued kernels (synchronize)
+        if self.batches is not None:
+            x, y = (move_to(t, ctx.device) for t in (self.drawn.pop(step) if step in self.drawn
+                                                     else draw_batch(self.batches, self.cfg.seed, step)))
+        t0, c0 = self.clock.now(), time.process_time()   # on CUDA: after the queued kernels (synchronize)
         losses: list = []
-        args = (x,) if first else ()
-        schedule.step(*args, target=y if last else None, losses=losses if last else None)
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if sched is not None:
-                sched.step()
-        step_s.append(clock.now() - t0)
-        cpu_s.append(time.process_time() - c0)
-        loss = float(sum(l.detach() for l in losses) / len(losses)) if last else float("nan")
+        args = (x,) if self.first else ()
+        self.schedule.step(*args, target=y if self.last else None, losses=losses if self.last else None)
+        if self.opt is not None:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if self.sched is not None:
+                self.sched.step()
+        self.step_s.append(self.clock.now() - t0)
+        self.cpu_s.append(time.process_time() - c0)
+        loss = float(sum(l.detach() for l in losses) / len(losses)) if self.last else float("nan")
         holder = owner[-1]
         if holder != 0:
             t = torch.tensor([loss], dtype=torch.float64)   # a CPU value: over the default (gloo) group
@@ -198,27 +207,45 @@ def train(ctx: WorkerContext) -> TrainResult:
                 dist.recv(t, holder)
                 loss = float(t)
         sent = remote = 0
-        for io, c in zip(ios, mine):   # activations to the next chunk, their gradients back
+        for io, c in zip(self.ios, self.mine):   # activations to the next chunk, their gradients back
             into, out = io.take()
             for nbytes, nb in ((out, c + 1), (into, c - 1)):
-                if 0 <= nb < n and owner[nb] != k:
+                if 0 <= nb < len(owner) and owner[nb] != k:
                     sent += nbytes
                     remote += nbytes if ctx.is_remote(owner[nb]) else 0
-        meter.end(loss, sent, sent, extra={"stage": k}, sent_remote=remote)
-    wall = sum(step_s) / len(step_s)
-    split = ctx.device.type == "cpu"
-    figures = {"stage": k, "layers": [list(ranges[c]) for c in mine] if len(mine) > 1 else list(ranges[k]),
-               "compute_s": sum(cpu_s) / len(cpu_s) if split else wall,
-               "idle_s": max(0.0, wall - sum(cpu_s) / len(cpu_s)) if split else None,
-               "peak_mem_bytes": mem.peak_bytes()}
-    run_state.write_final(cfg.run_dir, {k_: v for m in modules for k_, v in run_state.final_entries(m, model).items()})
-    if K > 1:   # as JSON in a tensor, never a pickle (strategies/common/gather.py)
-        gathered = gather_json(figures, group_dst=0)
-    else:
-        gathered = [figures]
-    if k != 0:
-        return meter.result(None)
-    run_state.read_whole(cfg.run_dir, model)
-    extra = {"schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
-             "stages": gathered, "stage_layers": describe(ranges, model)}
-    return meter.result(model.to("cpu"), extra=extra)
+        return StepOutcome(loss, sent, sent, sent_remote=remote, extra={"stage": k})
+
+    def evaluate(self, steps_done: int) -> None:
+        """Nothing: torch's schedules evaluate only after training."""
+
+    def write_final(self) -> None:
+        """This process's figures (its peak memory over the run), then its chunks' layers written
+        where they are (strategies/runstate/state.py)."""
+        wall = sum(self.step_s) / len(self.step_s)
+        split = self.ctx.device.type == "cpu"
+        mine, k = self.mine, self.k
+        self.figures = {"stage": k, "layers": [list(self.ranges[c]) for c in mine] if len(mine) > 1 else list(self.ranges[k]),
+                        "compute_s": sum(self.cpu_s) / len(self.cpu_s) if split else wall,
+                        "idle_s": max(0.0, wall - sum(self.cpu_s) / len(self.cpu_s)) if split else None,
+                        "peak_mem_bytes": self.mem.peak_bytes()}
+        run_state.write_final(self.cfg.run_dir, {k_: v for m in self.modules
+                                                 for k_, v in run_state.final_entries(m, self.model).items()})
+
+    def result(self, meter: StepMeter) -> TrainResult:
+        """Every process's figures on rank 0, which reads the whole model back and returns it."""
+        cfg = self.cfg
+        # as JSON in a tensor, never a pickle (strategies/common/gather.py)
+        gathered = gather_json(self.figures, group_dst=0) if self.ctx.world_size > 1 else [self.figures]
+        if self.k != 0:
+            return meter.result(None)
+        run_state.read_whole(cfg.run_dir, self.model)
+        extra = {"schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
+                 "stages": gathered, "stage_layers": describe(self.ranges, self.model)}
+        return meter.result(self.model.to("cpu"), extra=extra)
+
+
+def train(ctx: WorkerContext) -> TrainResult:
+    """The chunks of this process as torch PipelineStages under torch's schedule
+    (:class:`TorchPeerStep` in the training spine); returns the whole model on rank 0. Raises
+    ValueError as hpar's pipeline does; checkpoints are not supported."""
+    return spine.train(ctx, TorchPeerStep(ctx))
