@@ -8,9 +8,9 @@ top to bottom as one run does (nanoGPT's loop, torchtitan's ``train_step``)::
     step.begin()                            # batches past the trained ones, hooks, a first evaluate()
     meter = StepMeter(ctx, step.samples_per_step)
     for s in range(ctx.start_step, cfg.steps):
-        meter.start()
+        meter.start()                       # unless step.restart_timer is False (pipelines)
         out = step.step(s)                  # one optimizer step: micro-steps, exchange, update
-        meter.end(out.loss, out.sent, out.recv, ...)   # timing, lr, skipped step, log() metrics
+        meter.end(out.loss, out.sent, out.recv, ...)   # timing, bytes, lr, skipped step, log()'s metrics
         if step.checkpoint_first:           # hybrid/ps, pipeline: checkpoint, then evaluate
             checkpoint(s + 1); evaluate(s + 1)
         else:                               # allreduce, fsdp: evaluate, then checkpoint
@@ -27,7 +27,9 @@ where ``checkpoint(n)`` is ``step.save(n)`` every ``--checkpoint-every`` steps a
 :meth:`TrainStep.step`, and overrides the other methods where its strategy differs (the
 defaults: no resume, no checkpoint, ``evaluate()`` of :meth:`TrainStep.model_copy` on worker
 rank 0, nothing written, ``meter.result`` with no model). It keeps its per-step state (pending
-sends, held pushes, the current micro-step) as attributes. Steps are counted from 0 inside the
+sends, held pushes, the current micro-step) as attributes, and runs its own ``--accumulate``
+micro-steps inside ``step()`` (loop.micro_steps for DDP and FSDP; hybrid/ps pushes rows after
+each one; a pipeline has micro-batches instead). Steps are counted from 0 inside the
 loop; the hooks after a step get the number of steps done (``s + 1``), as checkpoints count.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ the rows pushed to the parameter servers, and the decision is agreed before any 
 One optimizer step of a worker (PyTorch's AMP recipe, with the servers' share added):
 
 1. backward of the scaled loss (``GradScaler.scale``); nothing is pushed from inside the
-   backward (the early pushes of hybrid/runtime.py are off under fp16);
+   backward (the early pushes of hybrid/worker_step.py are off under fp16);
 2. ``scaler.unscale_`` of the dense optimizer (torch checks the dense gradients, which DDP
    has already averaged); the rows and whole tables this worker would push are unscaled by
    the same factor and checked with the same torch kernel
