@@ -41,8 +41,9 @@ import time
 
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runprocs import Launcher, run_processes, wait_for  # noqa: E402  (shared with the tests)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # testhosts, beside this script
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from support.runprocs import Launcher, run_processes, wait_for  # noqa: E402  (tests/support/: shared with the tests)
 
 STEPS, EVERY, EVAL_EVERY = 24, 3, 4
 SCRIPT = textwrap.dedent('''

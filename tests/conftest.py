@@ -17,8 +17,7 @@ import pytest
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-from runprocs import run_processes, wait_for  # noqa: E402,F401  (shared with scripts/chaos.py)
+from support.runprocs import run_processes, wait_for  # noqa: E402,F401  (shared with scripts/chaos.py)
 
 TINY = '''
 import torch, torch.nn as nn

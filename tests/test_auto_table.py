@@ -1,11 +1,11 @@
-"""The verdict of scripts/auto_table.py, which BENCHMARKS' table of `--strategy auto` against
+"""The verdict of benchmarks/auto_table.py, which BENCHMARKS' table of `--strategy auto` against
 the bench rests on: a point passes when auto's strategy measured within the fastest's spread."""
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from auto_table import verdict  # noqa: E402
 
 

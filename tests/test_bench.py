@@ -13,7 +13,8 @@ from conftest import finite_positive, hpar, hpar_to_file, run_processes, write_s
 from hpar.launcher.bench.config import BENCH_STRATEGIES, parse_strategies
 from hpar.launcher.bench.driver import Result, with_ratios
 from hpar.launcher.bench.figures import bytes_per_worker_step
-from hpar.launcher.bench.emulate import parse_emulate, rate_arg
+from hpar.launcher.bench.emulate import rate_arg
+from hpar.launcher.hosts.emulated import parse_emulate
 
 # Not a sequence of layers (a custom forward), so no pipeline applies.
 TINY_TREE = '''

@@ -38,7 +38,7 @@ def test_scale_runs_one_bench_per_host_count_with_predictions(tmp_path):
     one worker per emulated host, with measured and predicted samples/s and bytes; the 1-host
     point moves nothing between workers, the 2-host AllReduce does. The links run behind the
     per-flow fair queue (--link-queue fair, scripts/linkqueue.py), as the kernel reports."""
-    import netns_hosts
+    from support import netns_hosts
     reason = netns_hosts.testhosts.unavailable()
     if reason:
         pytest.skip(reason)
@@ -133,7 +133,7 @@ def test_emulated_hosts_share_the_cores_out_and_every_run_gets_them():
 
 
 def test_bench_markdown_renders_a_scale_document(tmp_path):
-    """`python scripts/bench_markdown.py scale.json` (the tables of BENCHMARKS.md): one row per
+    """`python benchmarks/bench_markdown.py scale.json` (the tables of BENCHMARKS.md): one row per
     script and worker count, the median run with the slowest-fastest range, the prediction and
     predicted/measured, and per script the model's mean error and the orders."""
     doc = {"command": "hpar bench lm.py --scale 1,2 --repeat 2", "machine": {"cpu_count": 2, "cpu_model": "X", "torch": "t"},
@@ -149,7 +149,7 @@ def test_bench_markdown_renders_a_scale_document(tmp_path):
     path = tmp_path / "scale.json"
     path.write_text(json.dumps(doc))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "bench_markdown.py"), str(path)],
+    out = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "bench_markdown.py"), str(path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -160,7 +160,7 @@ def test_bench_markdown_renders_a_scale_document(tmp_path):
 
 
 def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
-    """`python scripts/repredict.py scale.json`: each measured point's prediction recomputed from
+    """`python benchmarks/repredict.py scale.json`: each measured point's prediction recomputed from
     the profile and cluster the bench saved, equal to the bench's own while the model is unchanged."""
     from conftest import embed_script
     from hpar.launcher.bench.config import BenchConfig
@@ -178,7 +178,7 @@ def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
          "ran_as": None} for s in ("hybrid", "allreduce")]}
     (tmp_path / "scale.json").write_text(json.dumps(doc))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "repredict.py"), str(tmp_path / "scale.json")],
+    out = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "repredict.py"), str(tmp_path / "scale.json")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for s in ("hybrid", "allreduce"):
@@ -190,11 +190,11 @@ def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
     doc_saved = json.loads(saved.read_text())
     doc_saved["profile"]["sparse_update_fixed_s"] = 3e-4
     saved.write_text(json.dumps(doc_saved))
-    again = subprocess.run([sys.executable, os.path.join(repo, "scripts", "repredict.py"), str(tmp_path / "scale.json")],
+    again = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "repredict.py"), str(tmp_path / "scale.json")],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout == out.stdout, again.stderr
     # a request CPU measured again, for every saved cluster: hybrid's requests cost more, allreduce has none
-    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "repredict.py"), str(tmp_path / "scale.json"),
+    out = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "repredict.py"), str(tmp_path / "scale.json"),
                           "--request-cpu-s", "0.01", "--replace-request-cpu"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -205,7 +205,7 @@ def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
 
 
 def test_bench_cpu_sums_the_heartbeats_of_the_training_window_by_role(tmp_path):
-    """`python scripts/bench_cpu.py BENCH_DIR`: per run, each process's mean CPU percent over
+    """`python benchmarks/bench_cpu.py BENCH_DIR`: per run, each process's mean CPU percent over
     the heartbeats sent while the workers trained (steps 2 .. steps-2), summed by role, and the
     CPU seconds per step that makes at the run's step time; start-up and shut-down beats, and
     runs without a summary, are left out."""
@@ -222,7 +222,7 @@ def test_bench_cpu_sums_the_heartbeats_of_the_training_window_by_role(tmp_path):
              beat("worker", 0, 6.0, 18, 80.0), json.dumps({"kind": "metric", "step": 10}),
              beat("worker", 1, 9.0, 20, 400.0)]                                          # the last steps: after it
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     try:
         import bench_cpu
     finally:
@@ -232,7 +232,7 @@ def test_bench_cpu_sums_the_heartbeats_of_the_training_window_by_role(tmp_path):
     assert got["step_s"] == pytest.approx(0.5) and got["worker_cpu_s"] == pytest.approx(0.6)
     assert got["server_cpu_s"] == pytest.approx(0.1) and got["processes"] == 3
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "bench_cpu.py"), str(tmp_path), "--cores", "2"],
+    out = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "bench_cpu.py"), str(tmp_path), "--cores", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[2:] == ["| hosts-2/job/hybrid | 500.0 | 120 | 20 | 600.0 + 100.0 | 70% |"]

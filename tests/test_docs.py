@@ -88,8 +88,8 @@ def test_readme_links_every_docs_page():
 
 
 # A code span that names another command (`hpar profile --plan-out` in docs/run.md,
-# `scripts/chaos.py --faults N`) holds that command's flags, not the page's.
-OTHER_COMMAND = r"^(hpar (?!{command}\b)[a-z]+\b|python |scripts/)"
+# `scripts/chaos.py --faults N`, `benchmarks/repredict.py ...`) holds that command's flags, not the page's.
+OTHER_COMMAND = r"^(hpar (?!{command}\b)[a-z]+\b|python |scripts/|benchmarks/)"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 

@@ -31,8 +31,8 @@ commands that need real hosts (`--hosts hosts.txt`, SSH), a Slurm allocation (`s
 `sbatch`), a GPU (`--device cuda`), or root-made emulated hosts (`hpar bench --hosts emulate:H`,
 `--scale`, scripts/testhosts.py); synopses with placeholders (`hpar run SCRIPT --gpus N ...`);
 output shown as an example (`$ hpar run ...` followed by its lines); the test suite itself
-(`python -m pytest`), and scripts/ tools that need a bench's results or run for many minutes
-(scripts/chaos.py, scripts/bench_markdown.py).
+(`python -m pytest`), and scripts/ and benchmarks/ tools that need a bench's results or run for
+many minutes (scripts/chaos.py, benchmarks/bench_markdown.py).
 """
 from __future__ import annotations
 

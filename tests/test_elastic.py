@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-import netns_hosts
+from support import netns_hosts
 from conftest import TINY, write_script
 from test_multihost import _start_long_run, _wait_training, real_run
 

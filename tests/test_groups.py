@@ -83,7 +83,7 @@ def test_only_device_tensors_reach_nccl_groups(tmp_path):
     """allreduce, allreduce-sparse (the NCCL path: padded AllGather) and a 2-stage pipeline
     run in two workers with their NCCL groups emulated by gloo (one spawn for the three):
     no loss, object or barrier reaches those groups, and training gives finite losses."""
-    from nccl_emulation import child
+    from support.nccl_emulation import child
     runs = []
     for strategy, script, kw in [("allreduce", embed_script(steps=4), {}), ("allreduce-sparse", embed_script(steps=4), {}),
                                  ("pipeline", PIPE, {"schedule": "1f1b", "micro_batches": 2})]:

@@ -91,6 +91,17 @@ def test_commands_import_no_other_command_nor_the_cli():
             assert not bad, f"{mod} imports {bad}: shared helpers belong in launcher/run/ or launcher/usage.py"
 
 
+def test_only_the_bench_command_imports_launcher_bench():
+    """launcher/bench/ is `hpar bench`'s: the rest of the launcher (hpar run's and profile's
+    cluster, their host specs: ``emulate:H`` is parsed by launcher/hosts/emulated.py) imports
+    nothing from it."""
+    for mod, deps in graph().items():
+        if mod.startswith(("hpar.launcher.bench", "hpar.launcher.commands.bench")):
+            continue
+        bad = sorted(d for d in deps if d == "hpar.launcher.bench" or d.startswith("hpar.launcher.bench."))
+        assert not bad, f"{mod} imports {bad}: what it needs from there belongs outside launcher/bench/"
+
+
 def test_the_check_sees_a_circle():
     """The checker itself finds a planted circle (a test that cannot fail is no test)."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-import netns_hosts
+from support import netns_hosts
 from conftest import REPO, TINY, hpar_to_file, run_processes, wait_for, write_script
 
 DDP = os.path.join(REPO, "examples", "ddp_digits.py")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import netns_hosts
+from support import netns_hosts
 
 sys.path.insert(0, os.path.join(netns_hosts.ROOT, "scripts"))
 import linkqueue  # noqa: E402

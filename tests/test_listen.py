@@ -14,7 +14,7 @@ import sys
 import psutil
 import pytest
 
-import netns_hosts
+from support import netns_hosts
 from conftest import REPO, embed_script, run_processes, wait_for, write_script
 from hpar.workers.store import loopback_interface
 

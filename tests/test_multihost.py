@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-import netns_hosts
+from support import netns_hosts
 from hpar.launcher.hosts.preflight import HostCheck, _row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -258,7 +258,7 @@ def test_only_device_tensors_reach_nccl_groups_with_replicas(tmp_path):
     replicas' mean loss goes over gloo."""
     import json
     import torch.multiprocessing as mp
-    from nccl_emulation import child
+    from support.nccl_emulation import child
     from hpar.strategies.common.config import RunConfig
     from hpar.strategies.plan.cluster import free_port
     (tmp_path / "job.py").write_text(SCRIPT)

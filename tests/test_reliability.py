@@ -293,7 +293,7 @@ def test_run_dir_that_is_a_file_and_malformed_plan_stages(tmp_path):
 
 @pytest.fixture(scope="module")
 def one_host():
-    import netns_hosts
+    from support import netns_hosts
     yield from netns_hosts.make_hosts(1)
 
 

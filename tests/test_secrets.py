@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-import netns_hosts
-import slurm_cluster
+from support import netns_hosts
+from support import slurm_cluster
 from conftest import REPO, TINY, run_processes, wait_for, write_script
 from hpar.launcher.hosts.environ import allowlisted, describe, forwarded, parse_env_flags
 from hpar.launcher.procs.local import ProcessSpec

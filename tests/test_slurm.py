@@ -1,6 +1,6 @@
 """Slurm: the node-list expansion against ``scontrol show hostnames``, hosts and slots from an
 allocation's environment, and ``hpar run`` / ``hpar launch`` inside real allocations of a
-Slurm started on this machine (tests/slurm_cluster.py; skipped with the reason where it
+Slurm started on this machine (tests/support/slurm_cluster.py; skipped with the reason where it
 cannot start)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-import slurm_cluster
+from support import slurm_cluster
 from conftest import REPO, TINY, run_processes, single_process_reference, wait_for, write_script, final_state
 from hpar.launcher.hosts.hostfile import Host
 from hpar.launcher.hosts.slurm import allocation_hosts, expand_nodelist, expand_tasks_per_node

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-import netns_hosts
+from support import netns_hosts
 from hpar.launcher.hosts.hostfile import Host
 from hpar.launcher.procs.local import LocalProcess, ProcessSpec
 from hpar.launcher.procs.ssh import (LOST_HOST, RemoteProcess, SSHError, SSHOptions, connect, environment_line,

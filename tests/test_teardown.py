@@ -224,7 +224,7 @@ def test_guard_stops_its_group_when_the_heartbeat_stops():
         t0 = time.monotonic()   # silence now, with stdin still open
         guard.wait(timeout=30)
         assert time.monotonic() - t0 < 15
-        from runprocs import wait_for
+        from support.runprocs import wait_for
         assert wait_for(lambda: not stopgroups.alive_groups({guard.pid}), 10)   # the whole group is gone
     finally:
         if guard.poll() is None:

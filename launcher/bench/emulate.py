@@ -6,8 +6,8 @@ queue (``tc tbf``) or, with ``--link-queue fair``, a per-flow fair one that send
 first, as a Linux host's default queue does (scripts/linkqueue.py)); it lives
 in the repository's scripts/ folder, not in the package, so it is imported by path from the
 repository this module belongs to. Workers go ``ceil(G/H)`` per host over SSH, exactly as
-``hpar run --hosts`` places them. Everything made is removed when the bench ends, also on
-failure or Ctrl-C.
+``hpar run --hosts`` places them (the spec ``emulate:H`` is parsed by launcher/hosts/emulated.py).
+Everything made is removed when the bench ends, also on failure or Ctrl-C.
 
 Byte check: while each strategy runs, a thread samples every 0.5 s (a) each host's interface
 counters (the root-side end of its veth: ``rx_bytes``/``rx_packets`` there are what the host
@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import importlib.util
 import json
-import math
 import os
 import re
 import subprocess
@@ -32,28 +31,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from hpar.launcher.hosts.emulated import slots_per_host
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # launcher/bench/ -> the checkout
 SAMPLE_S = 0.5
 # bytes of headers per packet on an emulated host's veth: Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12
 PACKET_HEADER_BYTES = 66
-
-
-def parse_emulate(hosts: str | None) -> int | None:
-    """H for ``emulate:H`` (None for any other --hosts). Raises ValueError for a bad H."""
-    if not hosts or not hosts.startswith("emulate:"):
-        return None
-    text = hosts.split(":", 1)[1]
-    if not text.isdigit() or not 1 <= int(text) <= 32:
-        raise ValueError(f"--hosts {hosts}: write emulate:H with H hosts, 1..32 (e.g. emulate:2)")
-    return int(text)
-
-
-def slots_per_host(hosts: int, gpus: int) -> int:
-    """Workers on each of ``hosts`` emulated hosts for ``gpus`` workers: ceil(gpus / hosts).
-    Raises ValueError when some host would have none."""
-    if gpus < hosts:
-        raise ValueError(f"--hosts emulate:{hosts} with --gpus {gpus}: give at least one GPU per host")
-    return math.ceil(gpus / hosts)
 
 
 def testhosts_module():

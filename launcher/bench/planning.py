@@ -38,7 +38,7 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
                 return problem.split(": ", 1)[1]
         if schedule == "torch-1f1b" and est is not None and est.micro_batches < gpus:
             return (f"the plan's {est.micro_batches} micro-batch(es) per batch are fewer than the {gpus} stages "
-                    "torch's Schedule1F1B needs (scripts/bench_pipeline.py compares it at M = 4)")
+                    "torch's Schedule1F1B needs (benchmarks/bench_pipeline.py compares it at M = 4)")
         if schedule.startswith("torch-") and est is not None:
             from hpar.strategies.pipeline.torch_peers import check_peer
             try:

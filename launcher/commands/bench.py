@@ -101,7 +101,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
         if gpus == bench_gpus and not flops:
             return base
         g = gpus_per_host or base.max_gpus_per_host
-        return make_cluster([g] * -(-gpus // g), gpus, None, base.bandwidth_Bps, base.latency_s, flops,
+        return make_cluster([g] * -(-gpus // g), gpus, None, base.bandwidth_Bps, base.latency_s, device_flops=flops,
                             source=base.source, allreduce_Bps=None if flops else base.allreduce_Bps,
                             allgather_Bps=base.allgather_Bps)
     return cluster_of
@@ -170,7 +170,8 @@ def bench(scripts, **given):
     from hpar.launcher.bench import report
     from hpar.launcher.bench.config import BenchConfig, parse_strategies
     from hpar.launcher.bench.driver import run_bench
-    from hpar.launcher.bench.emulate import EmulatedCluster, parse_emulate
+    from hpar.launcher.bench.emulate import EmulatedCluster
+    from hpar.launcher.hosts.emulated import parse_emulate
     from hpar.strategies.plan.cluster import parse_bandwidth
     console = table_console(140)
     try:

@@ -137,7 +137,7 @@ def resolve(console: Console, flags: Flags):
     if staleness is not None and strategy != "auto" and not strategy_spec(strategy).servers:
         raise ValueError(f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
                          f"{', '.join(where(servers=True))} or auto, not {strategy}; drop it")
-    from hpar.launcher.bench.emulate import parse_emulate
+    from hpar.launcher.hosts.emulated import parse_emulate
     if hosts and parse_emulate(hosts):
         raise ValueError(f"--hosts {hosts}: emulated hosts are built and torn down by hpar bench and priced by hpar "
                          "profile; hpar run needs real hosts: start test hosts on this machine (python "

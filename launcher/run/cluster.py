@@ -33,7 +33,7 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, devic
 
 def _all_local(hosts) -> bool:
     """Whether every host of ``--hosts`` is this machine (no flag: yes; emulated hosts share it)."""
-    from hpar.launcher.bench.emulate import parse_emulate
+    from hpar.launcher.hosts.emulated import parse_emulate
     from hpar.launcher.hosts.hostfile import parse_hosts
     from hpar.launcher.hosts.slurm import in_allocation
     if not hosts:
@@ -52,7 +52,7 @@ def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
     from hpar.strategies.plan.probe import probe_link, probe_requests
     from hpar.launcher.hosts.slurm import allocation_hosts, in_allocation
-    from hpar.launcher.bench.emulate import parse_emulate
+    from hpar.launcher.hosts.emulated import parse_emulate
     emulated = parse_emulate(hosts)
     if emulated:
         if device_tflops is not None or device_mem_gbps is not None:
@@ -109,7 +109,7 @@ def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):
     capped, the loopback's rate). The hosts share this machine's cores (cpu_count / H each)
     and their processes talk to each other over its loopback (the probed intra-host rate); a
     parameter-server request's CPU is measured too (strategies/plan/probe.probe_requests)."""
-    from hpar.launcher.bench.emulate import slots_per_host
+    from hpar.launcher.hosts.emulated import slots_per_host
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
     from hpar.strategies.plan.probe import probe_link, probe_requests
     gpus = gpus or hosts

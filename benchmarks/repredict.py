@@ -10,7 +10,7 @@ order of strategies differs from the measured one. Nothing is run: it takes seco
 A change to the cost model checked this way has seen these points; say so beside any figure
 it gives (BENCHMARKS.md), and confirm with a fresh run.
 
-Usage: ``python scripts/repredict.py scale.json [--bench-dir DIR] [--request-cpu-s S|probe]
+Usage: ``python benchmarks/repredict.py scale.json [--bench-dir DIR] [--request-cpu-s S|probe]
 [--replace-request-cpu]`` (default: the bench directory recorded in the JSON's settings).
 ``--request-cpu-s`` gives clusters saved without a measured request CPU one (``probe``:
 measure it now with strategies/plan/probe.probe_requests); with ``--replace-request-cpu``

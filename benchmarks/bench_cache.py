@@ -23,7 +23,7 @@ them alike, and reports per configuration:
 
 Emulated hosts need root and iproute2 (launcher/bench/emulate.py, scripts/testhosts.py).
 
-Usage: ``python scripts/bench_cache.py [--scripts examples/lm.py,examples/recsys.py]
+Usage: ``python benchmarks/bench_cache.py [--scripts examples/lm.py,examples/recsys.py]
 [--hosts 2,4,8] [--rate 100mbit] [--steps 60] [--staleness 0,1,2,4,8] [--cache-rows 0.1]
 [--repeat 1] [--json out.json] [--out out.md] [--plot out.png]``, or ``--from-json a.json,b.json
 [--plot out.png]`` for the table and plot of earlier runs. Errors: a failed run raises RuntimeError with

@@ -8,7 +8,7 @@ final 2 steps), averages each process's CPU percent, and sums them by role. With
 (samples per step over the run's samples/s) that gives the CPU seconds a step costs the
 workers together and the servers together, and how much of the machine's cores the run used.
 
-Usage: ``python scripts/bench_cpu.py BENCH_DIR [--cores N]`` (default: this machine's cores),
+Usage: ``python benchmarks/bench_cpu.py BENCH_DIR [--cores N]`` (default: this machine's cores),
 where BENCH_DIR is an ``hpar bench --scale`` directory (``hosts-N/<script>/<strategy>/``) or a
 single run directory. Prints one markdown row per run with heartbeats in its training window.
 """

@@ -12,7 +12,7 @@ momentum 0.9, dampening 0.9 (``--opt sgd``) or AdamW, weight decay 0.01 (``--opt
 samples/s (``--speed-steps`` > 0): K real worker processes (gloo on CPU, one thread each)
 for that many steps of the same configuration, rank 0's summary (samples_per_s).
 
-Usage: python scripts/bench_depth.py [--opt sgd|adamw] [--lr 0.6] [--steps 875] [--seeds 1]
+Usage: python benchmarks/bench_depth.py [--opt sgd|adamw] [--lr 0.6] [--steps 875] [--seeds 1]
 [--depths 2 4 8] [--speed-steps 0] [--out FILE]
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def accuracy(schedule: str, stages: int, steps: int, lr: float, seed: int) -> fl
 
 
 def samples_per_s(schedule: str, stages: int, steps: int, lr: float) -> float:
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from bench_pipeline import run_workers
     s = run_workers(DEEP, "pipeline", stages, steps, 64, schedule, micro_for(schedule, stages), lr=lr)
     return s["samples_per_s"]
@@ -65,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["HPAR_DEEP_MLP_OPT"] = args.opt
     torch.set_num_threads(1)
-    lines = [f"Command: `python scripts/bench_depth.py {' '.join(sys.argv[1:])}`  ",
+    lines = [f"Command: `python benchmarks/bench_depth.py {' '.join(sys.argv[1:])}`  ",
              f"Machine: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, shared with other jobs; "
              f"date {datetime.datetime.now().isoformat(timespec='minutes')}; torch {torch.__version__}", "",
              "| K | schedule | M | val accuracy (mean" + (f" of {args.seeds} seeds, min-max)" if args.seeds > 1 else ")")

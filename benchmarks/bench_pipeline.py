@@ -14,7 +14,7 @@ number of samples, validation accuracy from the example's evaluate(). Uses the
 single-process simulator (strategies/pipeline/sim.py), which tests/test_pipeline.py checks
 to give the same weights as the multi-process runtime.
 
-Usage: python scripts/bench_pipeline.py [--steps 12] [--repeats 2] [--convergence
+Usage: python benchmarks/bench_pipeline.py [--steps 12] [--repeats 2] [--convergence
 [--convergence-steps 200] [--convergence-stages 4] [--convergence-micro 4]] [--no-speed]
 Writes the table to stdout and, with the command, machine, date and torch version, to
 --out (default /tmp/bench_pipeline.md).
@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/bench_pipeline.md")
     args = ap.parse_args()
     lines = ["## Pipeline (issue 5)", "",
-             f"Command: `python scripts/bench_pipeline.py {' '.join(sys.argv[1:])}`  ",
+             f"Command: `python benchmarks/bench_pipeline.py {' '.join(sys.argv[1:])}`  ",
              f"Machine: {platform.node()}, {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}; "
              f"date {datetime.datetime.now().isoformat(timespec='minutes')}; torch {torch.__version__}; "
              "gloo on CPU, 1 thread per process. The machine was shared with other jobs: figures are noisy.", ""]

@@ -1,7 +1,7 @@
 """Launch at scale: start-up and teardown of ``hpar run`` on H network-namespace test hosts x P
 processes (scripts/testhosts.py), for several H, with a linear projection to more hosts.
 
-    python scripts/bench_launch.py --hosts 2 4 8 --per-host 2 --repeats 3 --project 48 [--json out.json]
+    python benchmarks/bench_launch.py --hosts 2 4 8 --per-host 2 --repeats 3 --project 48 [--json out.json]
 
 Per run (the tiny 5-layer MLP of the tests, ``--strategy allreduce``, over SSH):
 

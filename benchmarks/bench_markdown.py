@@ -1,6 +1,6 @@
 """Render the JSON written by ``hpar bench --json FILE`` as the Markdown tables of BENCHMARKS.md.
 
-Usage: ``python scripts/bench_markdown.py out.json [more.json ...]``. For each file it prints the
+Usage: ``python benchmarks/bench_markdown.py out.json [more.json ...]``. For each file it prints the
 command, date, machine and torch version, then one table per script with samples/s, step time
 p50/p90, bytes per worker per step, the predicted step time and its ratio to the measured one,
 and the ratio to the fastest strategy; strategies that did not run show their reason. When the

@@ -10,7 +10,7 @@ AllReduce of the dense parameters, 2(N-1)/N of their bytes each way. Touched row
 counted by running the model's forward on a few of each worker's batches with hooks on
 its embedding modules.
 
-Usage: ``python scripts/bench_hybrid.py [--workers 2] [--steps 30] [--repeats 2] [--out /tmp/bench_hybrid.md]``
+Usage: ``python benchmarks/bench_hybrid.py [--workers 2] [--steps 30] [--repeats 2] [--out /tmp/bench_hybrid.md]``
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ loss and optimizer, the same steps with the flag on and off, interleaved ``--rep
 It reports the median step time of each setting, the ratio on/off and the run-to-run spread
 (max/min of the repeats' medians per setting): a cost is shown only beyond that spread.
 
-Usage: python scripts/bench_ddp_unused.py [--steps 30] [--repeats 3] [examples/wide.py ...]
+Usage: python benchmarks/bench_ddp_unused.py [--steps 30] [--repeats 3] [examples/wide.py ...]
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def main() -> None:
             for flag in (True, False)]
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(free_port(), jobs, out), nprocs=2)
-    print(f"command: python scripts/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}".rstrip())
+    print(f"command: python benchmarks/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}".rstrip())
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
     print("| script | step on (ms) | step off (ms) | on/off | spread (max/min of repeats) |")
     print("|---|---|---|---|---|")

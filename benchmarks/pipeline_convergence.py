@@ -12,7 +12,7 @@ per optimizer step of a stage, which is once per batch in 1f1b and once per micr
 update in async-stash/async-predict (docs/pipelines.md, the training loop in a pipeline), so
 the wrapper script written for each run sets the schedule's length to steps x updates per batch.
 
-Usage: python scripts/pipeline_convergence.py [--gpus 4] [--micro-batches 4] [--steps 200]
+Usage: python benchmarks/pipeline_convergence.py [--gpus 4] [--micro-batches 4] [--steps 200]
 [--clip 1.0] [--seeds 0 1] [--schedules 1f1b async-stash async-predict] [--out FILE] [--work DIR]
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Does ``--strategy auto`` pick the measured fastest plan? One row per job and cluster.
 
-    python scripts/auto_table.py --out auto.json [--steps 20] [--repeat 3] [--tune-steps 6]
+    python benchmarks/auto_table.py --out auto.json [--steps 20] [--repeat 3] [--tune-steps 6]
         [--points examples/lm.py:2,examples/recsys.py:4,...] [--strategies allreduce,hybrid,...]
 
 For every point (a job and a cluster: ``JOB:N`` for N local workers, or ``JOB:emulate:H`` for
@@ -96,6 +96,7 @@ def on_test_hosts(count: int, work: str, run) -> dict:
     """``run(cluster flags)`` on ``count`` test hosts of this machine (scripts/testhosts.py:
     network namespaces with their own sshd, uncapped links, as the bench's emulated hosts),
     one worker each; the hosts are torn down after. {"error"} where they cannot be made."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import testhosts
     reason = testhosts.unavailable()
     if reason:
