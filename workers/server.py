@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from hpar.strategies.common.context import peer_is_remote
 from hpar.workers import report
 
 report.install_stack_dump()   # first, so that a stall during start-up can be diagnosed too
@@ -51,9 +52,9 @@ def main() -> int:
     tables = ps_tables(model, opt, cfg.strategy, cfg.plan, num_servers)
     broadcast_dense(model, {t.name for t in tables}, src=num_workers)   # the workers' initial dense state, from server 0
     params = dict(model.named_parameters())
-    server = Server(cfg, tables, model, index, num_workers, host_of=host_of, pg_rank=pg_rank,
-                    schedule=ServerSchedule(job, opt), emit=report.emit,
-                    group_of={t.tid: group_index(opt, params[t.name]) for t in tables})
+    server = Server(cfg, tables, model, index, num_workers,
+                    is_remote=lambda rank: peer_is_remote(host_of, pg_rank, rank), schedule=ServerSchedule(job, opt),
+                    emit=report.emit, group_of={t.tid: group_index(opt, params[t.name]) for t in tables})
     del params
     del model, opt
     step = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None

@@ -86,7 +86,7 @@ def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem
     cores = float(os.cpu_count() or 1) if local and flops is None and on_cpu else None
     # a request's CPU matters where the processes share busy cores: only then is it measured
     request_cpu = probe_requests() if cores is not None else None
-    cluster = make_cluster(slots, gpus, servers, bw, lat, flops, source=source, cores_per_host=cores,
+    cluster = make_cluster(slots, gpus, servers, bw, lat, device_flops=flops, source=source, cores_per_host=cores,
                            allreduce_Bps=allreduce_bw, device_mem_Bps=mem, request_cpu_s=request_cpu)
     if cores is not None and cluster.workers > 1:   # as many cores as they are worth computing at once
         from hpar.strategies.plan.probe_cores import effective_cores
@@ -117,6 +117,6 @@ def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):
     loop_bw, loop_lat = probe_link()[:2]
     bw = parse_bandwidth(bandwidth, "--bandwidth") if bandwidth is not None else loop_bw
     lat = parse_latency(latency) if latency is not None else loop_lat
-    return make_cluster(slots, gpus, servers, bw, lat, None, intra_host_Bps=loop_bw,
+    return make_cluster(slots, gpus, servers, bw, lat, intra_host_Bps=loop_bw,
                         source="flags" if bandwidth is not None else "probe",
                         cores_per_host=(os.cpu_count() or 1) / hosts, request_cpu_s=probe_requests())

@@ -25,7 +25,7 @@ from hpar.strategies.common import activity, memory
 from hpar.strategies.runstate import checkpoint
 from hpar.strategies.runstate import state as run_state
 from hpar.strategies.common.config import RunConfig
-from hpar.strategies.common.context import ByteMeter, peer_is_remote
+from hpar.strategies.common.context import ByteMeter
 from hpar.strategies.hybrid.client import PSTable
 from hpar.strategies.hybrid.schedule import ServerSchedule
 from hpar.strategies.hybrid.shard import ParamShard, table_view
@@ -40,10 +40,13 @@ from hpar.strategies.common.loop import clip_coefficient
 class Server:
     """Server ``index`` of ``num_servers``, holding its rows of every table. ``group`` is the
     process group of its requests and answers (default: the default group, where workers hold
-    ranks ``0..num_workers-1``); ``emit(kind, payload)`` takes its ``metric`` lines."""
+    ranks ``0..num_workers-1``); ``emit(kind, payload)`` takes its ``metric`` lines;
+    ``is_remote(rank)`` whether a default-group rank runs on another host (its bytes leave the
+    host: context.peer_is_remote). It starts at step 0; :meth:`restore` moves it to a
+    checkpoint's step."""
 
     def __init__(self, cfg: RunConfig, tables: list[PSTable], model: torch.nn.Module, index: int,
-                 num_workers: int, start_step: int = 0, host_of: tuple[int, ...] = (), pg_rank: int = 0,
+                 num_workers: int, is_remote: Callable[[int], bool] = lambda rank: False,
                  schedule: ServerSchedule | None = None, group_of: dict[int, int] | None = None,
                  group=None, emit: Callable[[str, dict], None] = lambda kind, payload: None):
         self.cfg, self.tables, self.index, self.num_workers = cfg, {t.tid: t for t in tables}, index, num_workers
@@ -57,8 +60,8 @@ class Server:
             if rows.numel():   # the model is dropped after this: its rows are taken, not copied again
                 view = table_view(params[t.name].detach())
                 self.shards[t.tid] = ParamShard(view if rows.numel() == view.shape[0] else view[rows], t.spec, copy=False)
-        self.applied = start_step        # steps closed (every worker sent DONE)
-        self.table_step = {tid: start_step for tid in self.shards}  # steps applied, per table
+        self.applied = 0        # steps closed (every worker sent DONE)
+        self.table_step = {tid: 0 for tid in self.shards}  # steps applied, per table
         self.pushed = {tid: 0 for tid in self.shards}  # workers whose gradients are in, per table
         self.done: dict[int, int] = {}
         self.pending: list[tuple[int, int, torch.Tensor | None, int, bool]] = []  # (src, table, local ids, step, cached)
@@ -70,7 +73,7 @@ class Server:
         self.bytes = ByteMeter()
         self.totals: dict[str, list[float]] = {}
         self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}   # bytes since the last report
-        self.is_remote = lambda rank: peer_is_remote(host_of, pg_rank, rank)
+        self.is_remote = is_remote
         self.book = CacheBook(cfg.staleness) if cfg.staleness is not None else None   # the workers' caches
         for shard in self.shards.values() if self.book else ():
             shard.track_versions()

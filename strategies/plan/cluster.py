@@ -172,16 +172,14 @@ def parse_latency(text: str, flag: str = "--latency") -> float:
 
 
 def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | None,
-                 bandwidth_Bps: float, latency_s: float, device_flops: float | None = None,
-                 intra_host_Bps: float | None = None, source: str = "flags",
-                 cores_per_host: float | None = None, allreduce_Bps: float | None = None,
-                 device_mem_Bps: float | None = None, request_cpu_s: float | None = None,
-                 allgather_Bps: float | None = None, worker_memory_bytes: float | None = None,
-                 server_memory_bytes: float | None = None) -> ClusterSpec:
+                 bandwidth_Bps: float, latency_s: float, **figures) -> ClusterSpec:
     """A ClusterSpec from host slot counts (``slots``, None: this machine only) and
     ``--gpus`` (None: every slot). GPUs fill hosts in order, as the launcher places ranks;
     hosts left without a GPU are dropped. ``servers`` None means one per host used.
-    Raises ValueError when ``--gpus`` exceeds the slots or is below 1."""
+    ``figures``: the ClusterSpec's other fields by name (``device_flops``, ``intra_host_Bps``,
+    ``source``, ``cores_per_host``, the measured collectives, the memory per process; absent:
+    the field's default). Raises ValueError when ``--gpus`` exceeds the slots or is below 1,
+    TypeError for a name that is not a ClusterSpec field."""
     if gpus is not None and gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {gpus}")
     if not slots:
@@ -198,11 +196,7 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
         left -= per_host[-1]
     return ClusterSpec(hosts=len(per_host), gpus_per_host=tuple(per_host),
                        servers=len(per_host) if servers is None else servers,
-                       bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, device_flops=device_flops,
-                       intra_host_Bps=intra_host_Bps, source=source, cores_per_host=cores_per_host,
-                       allreduce_Bps=allreduce_Bps, device_mem_Bps=device_mem_Bps, request_cpu_s=request_cpu_s,
-                       allgather_Bps=allgather_Bps, worker_memory_bytes=worker_memory_bytes,
-                       server_memory_bytes=server_memory_bytes)
+                       bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, **figures)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
