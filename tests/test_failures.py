@@ -94,6 +94,11 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     assert done.returncode == 0 and not run_processes(run_dir), done.stdout[-2000:]
     assert f"hpar: resuming {run_dir} from its checkpoint of step {saved}" in done.stdout, done.stdout[-2000:]
     assert f"step {saved + 2}/{saved + 2}" in done.stdout
+    # the final line's figures span the run: its step-1 loss (not the resumed segment's first) to the last
+    first = json.load(open(os.path.join(run_dir, "first.json")))["loss_first"]
+    final = done.stdout.rstrip().splitlines()[-1]
+    assert final.startswith("hpar: done: ") and f"training loss {first:.4f} -> " in final, final
+    assert "(step 1, and the mean of the last 2 steps)" in final, final
 
 
 @pytest.mark.timeout(150)

@@ -49,13 +49,20 @@ class FirstFigures:
         self.saved = {**self.saved, **figures}
         atomic_write_bytes(self.path, json.dumps(self.saved, indent=2).encode())
 
-    def apply(self, summary: dict, previous: dict | None = None) -> dict:
+    def apply(self, summary: dict, previous: dict | None = None, resumed: bool = False) -> dict:
         """``summary`` with the run's first figures; figures an attempt that ran no step could
-        not know (``loss_last`` after resuming at the last step) come from ``previous``."""
+        not know (``loss_last`` after resuming at the last step) come from ``previous``. A
+        ``resumed`` attempt's own first interval is not the run's: the training loss then runs
+        from the run's step 1 (``loss_mean_steps`` [1, k]) to the mean of its last interval, as
+        ``eval`` runs from before the run's step 1, so that every figure of the final line
+        spans the same run (launcher/run/progress.final_line)."""
         out = dict(summary)
         for key in ("loss_first", "eval_first"):
             if key in self.saved:
                 out[key] = self.saved[key]
+        if resumed and "loss_first" in self.saved and out.get("loss_mean_steps"):
+            out["loss_first_mean"] = self.saved["loss_first"]
+            out["loss_mean_steps"] = [1, out["loss_mean_steps"][1]]
         previous = previous or {}
         for key in ("loss_first", "loss_last"):
             value = out.get(key)

@@ -134,7 +134,10 @@ def final_line(s: dict, run_dir: str, lead: str = "done") -> str:
     ``lead`` comes first (a resume with nothing to do says so, with the run's own figures)."""
     first, last = s.get("loss_first_mean", s.get("loss_first")), s.get("loss_last_mean", s.get("loss_last"))
     steps = s.get("loss_mean_steps")
-    avg = f" (mean of the first {steps[0]} and last {steps[1]} steps)" if steps else ""
+    avg = ""
+    if steps:
+        avg = (f" (step 1, and the mean of the last {steps[1]} steps)" if steps[0] == 1 and steps[1] > 1 else
+               f" (mean of the first {steps[0]} and last {steps[1]} steps)")
     ev = ", ".join(f"eval {k} {_num((s.get('eval_first') or {}).get(k), '.4g')} -> {_num(v, '.4g')}"
                    for k, v in (s.get("eval_last") or {}).items())
     return (f"hpar: {lead}: {_num(s.get('samples_per_s'), '.1f')} samples/s, training loss {_num(first, '.4f')} -> "

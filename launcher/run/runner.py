@@ -173,7 +173,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             cfg = cfg.replace(resume=step is not None)
             time.sleep(1.0)
         # stopped early: "steps" is the step it reached (the last one reported), not the one asked for
-        summary = peaks.apply(figures.apply(outcome.summary, previous), cfg.plan) if outcome.summary else \
+        summary = peaks.apply(figures.apply(outcome.summary, previous, resumed=cfg.resume), cfg.plan) if outcome.summary else \
             {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps_planned": cfg.steps, **last_reported(progress)}
         outcome.summary = summary if outcome.summary else None
         summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path,
