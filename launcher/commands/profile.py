@@ -89,10 +89,17 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
                     f"batch {profile.batch_size}, {'1 CPU thread' if profile.device == 'cpu' else profile.device})")
     for col in ("#", "layer", "forward", "backward", "FLOPs", "activations", "params"):
         t.add_column(col, justify="left" if col == "layer" else "right")
+    # Between two modules that are not a sequence runs the forward's own glue (a matmul of two
+    # layers' outputs, the loss): its backward falls between their gradient hooks, on no module
+    # of its own, so per-layer backward times are shown only where the layers compose the model.
+    attributed = profile.is_sequential
     for i, l in enumerate(profile.layers):
-        t.add_row(str(i), l.name, f"{l.forward_s * 1e3:.2f} ms", f"{l.backward_s * 1e3:.2f} ms", _human(l.flops, ""),
-                  _human(l.activation_bytes), _human(l.param_bytes))
+        t.add_row(str(i), l.name, f"{l.forward_s * 1e3:.2f} ms", f"{l.backward_s * 1e3:.2f} ms" if attributed else "-",
+                  _human(l.flops, ""), _human(l.activation_bytes), _human(l.param_bytes))
     console.print(t)
+    if not attributed:
+        console.print(f"  backward: {profile.backward_s * 1e3:.2f} ms in all; per layer only for a sequence of layers "
+                      "(the forward's glue between these modules has no layer to be charged to)", markup=False)
     link = (f"{_human(cluster.bandwidth_Bps)}/s, {cluster.latency_s * 1e6:.0f} us ({cluster.source})")
     if cluster.allreduce_fixed_s is not None:   # strategies/plan/probe_collectives.py
         link += f", a small AllReduce {cluster.allreduce_fixed_s * 1e3:.2f} ms"
