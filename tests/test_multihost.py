@@ -166,6 +166,21 @@ def test_bad_hosts_fail_preflight(hosts, tmp_path, name, text, args, problem):
     assert netns_hosts.leftovers(hosts, wait=2) == {}
 
 
+@pytest.mark.netns
+@pytest.mark.timeout(90)
+def test_a_host_that_refuses_the_login_is_refused_before_profiling(hosts, tmp_path):
+    """--strategy auto profiles the model for a minute on real models: a host whose SSH login
+    fails (a key it does not know) is refused by the preflight first, the planner never runs."""
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "wrong")], check=True)
+    out = hpar_run(LM, "--hosts", _host_file(tmp_path, hosts), "--gpus", "2", "--steps", "1", "--plain",
+                   "--ssh-key", str(tmp_path / "wrong"), "--run-dir", str(tmp_path / "run"))
+    line = _error_line(out)
+    assert out.returncode == 2 and "authentication failed" in line and "preflight failed" in line, line
+    assert "chose" not in out.stdout and "profil" not in out.stdout.lower(), out.stdout   # no plan, no profile
+    assert not (tmp_path / "run").exists()
+    assert netns_hosts.leftovers(hosts, wait=2) == {}
+
+
 @real_run(120)
 def test_run_spreads_workers_over_two_hosts(hosts, tmp_path):
     run_dir = tmp_path / "run"

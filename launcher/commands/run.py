@@ -158,6 +158,7 @@ def resolve(console: Console, flags: Flags):
             strategy = reshaped.strategy if strategy == "auto" and not plan_file else strategy
             servers = servers if servers is not None or strategy != reshaped.strategy else (reshaped.servers or None)
     host_list = tuple(parse_hosts(hosts)) if hosts else ()
+    remote_ready = None   # (SSHOptions, rendezvous address) once the preflight passed
     extra_env = parse_env_flags(h.env)
     slurm = not host_list and in_allocation()
     if slurm:  # launcher/hosts/slurm.py: hosts and slots from the allocation, processes by srun
@@ -194,6 +195,11 @@ def resolve(console: Console, flags: Flags):
             from hpar.launcher.hosts.remote import ssh_options
             ssh_options(ssh_key=h.ssh_key, ssh_port=h.ssh_port)   # the flags first: a missing key file, a bad port
             check_reachable(place_workers(list(host_list), gpus), h.ssh_port)   # the hosts that get workers
+            if h.ssh_local or any(not host.is_local for host in host_list):   # SSH login, versions, the script
+                from types import SimpleNamespace
+                from hpar.launcher.hosts.remote import prepare_remote
+                remote_ready = prepare_remote(console, host_list, SimpleNamespace(script=job.path, world_size=gpus), h,
+                                              env=extra_env)   # the preflight, before a minute of profiling
         bs = batch_size if batch_size is not None else d.get("batch_size", FALLBACKS["batch_size"])
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
@@ -297,7 +303,7 @@ def resolve(console: Console, flags: Flags):
         console.print(f"hpar: {describe_env(extra_env)}", markup=False)
     elif host_list and (h.ssh_local or any(not host.is_local for host in host_list)):
         from hpar.launcher.hosts.remote import prepare_remote
-        ssh_opts, master = prepare_remote(console, host_list, cfg, h, env=extra_env)
+        ssh_opts, master = remote_ready or prepare_remote(console, host_list, cfg, h, env=extra_env)
     if not resume_dir:   # a resumed run keeps its device
         seen = getattr(ssh_opts, "gpus", None) or {}
         if slurm and os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():   # Slurm's count for every node

@@ -1,7 +1,8 @@
 """A first look at the hosts, before hpar spends a minute profiling: every host name resolves
 and its SSH port accepts a TCP connection. Seconds at most (the hosts at once, a short timeout
-each); the full preflight (launcher/hosts/preflight.py: SSH login, versions, GPUs, the script,
-the rendezvous port) still runs before any process starts.
+each), so that a typo is named in one line; ``hpar run`` then runs the full preflight
+(launcher/hosts/preflight.py: SSH login, versions, GPUs, the script) before profiling too, and
+``hpar launch`` before it starts anything.
 
 A host that ``~/.ssh/config`` reaches through ``ProxyJump`` or ``ProxyCommand`` is left to the
 preflight (its name may resolve only on the jump host); a ``HostName`` there is what is
