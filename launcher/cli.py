@@ -106,10 +106,13 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.run.flags import check_ranges
     from hpar.strategies.common.config import check_cache_flags, check_loop_flags
+    from hpar.strategies.common.errors import check_script_file
     try:   # what can be refused before torch is imported and the script loaded, in well under a second
         check_ranges(**given, tune_steps=tune_steps, min_hosts=min_hosts)
         check_loop_flags(precision, clip_grad_norm, accumulate, eval_every)
         check_cache_flags(given.get("cache_rows"), given.get("staleness"))
+        if given.get("script") and not given.get("resume_dir"):
+            check_script_file(given["script"])   # there, readable, compiles
     except ValueError as exc:
         fail(str(exc))
     from hpar.launcher.commands import run as run_command

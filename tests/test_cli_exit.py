@@ -38,13 +38,19 @@ QUICK = [["--help"], ["--version"], ["run", "--help"], ["run", "--no-such-flag",
          ["profile"], ["bench", "--no-such-flag"], ["launch", "--help"], ["export", "--help"], ["export"],
          ["run", "--strategy", "nope", "x.py"], ["run", "x.py", "--gpus", "0"], ["run", "x.py", "--steps", "-3"],
          ["run", "x.py", "--accumulate", "0"], ["run", "x.py", "--keep-checkpoints", "-1"],
-         ["run", "x.py", "--lr", "0"], ["run", "x.py", "--cache-rows", "0.5"]]
+         ["run", "x.py", "--lr", "0"], ["run", "x.py", "--cache-rows", "0.5"],
+         ["run", "/nonexistent/train.py", "--gpus", "2"], ["profile", "/nonexistent/train.py"],
+         ["run", "SYNTAX_ERROR", "--gpus", "2"], ["profile", "SYNTAX_ERROR"]]
 
 
 @pytest.mark.parametrize("args", QUICK, ids=[" ".join(a) for a in QUICK])
 def test_help_version_and_usage_errors_need_no_torch(tmp_path, args):
     """`hpar --help`, `--version` and click's usage errors answer without importing torch (the
     import takes seconds; the commands import it where they need it)."""
+    refused_script = "SYNTAX_ERROR" in args or "/nonexistent/train.py" in args
+    bad = tmp_path / "bad.py"   # a script that does not compile: refused, with its line, before torch
+    bad.write_text("import torch\ndef model(:\n")
+    args = [str(bad) if a == "SYNTAX_ERROR" else a for a in args]
     script = (f"import sys\nsys.argv = ['hpar'] + {args!r}\nfrom hpar.launcher.cli import main\n"
               "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\n"
               "print('EXIT', code, 'torch' in sys.modules)\n")
@@ -52,6 +58,10 @@ def test_help_version_and_usage_errors_need_no_torch(tmp_path, args):
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("EXIT ") and last.endswith(" False"), out.stdout[-2000:] + out.stderr[-2000:]
     assert last.split()[1] in ("0", "2", "None"), last
+    if refused_script:   # one line naming the file (and the line of a syntax error), exit 2
+        line = out.stderr.strip().splitlines()[-1]
+        assert line.startswith("hpar: /") and ("no such file" in line or ":2: syntax error" in line), out.stderr
+        assert last.split()[1] == "2", last
 
 
 def test_hpar_help_takes_a_fraction_of_a_torch_import(tmp_path):

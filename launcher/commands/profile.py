@@ -164,6 +164,11 @@ def _capacity(cluster) -> str:
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Write the plan as JSON for `hpar run --plan`.")
 def profile(script, as_json, plan_out, **given):
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
+    from hpar.strategies.common.errors import check_script_file
+    try:
+        check_script_file(script)   # there, readable, compiles: before torch is imported
+    except ValueError as exc:
+        _fail(str(exc))
     from hpar.strategies.runstate.checkpoint import atomic_write_bytes
     from hpar.strategies.common.config import check_cache_flags
     from hpar.strategies.hybrid.cache import CacheConfig

@@ -13,4 +13,22 @@ class JobError(ValueError):
         self.user_traceback = user_traceback
 
 
-__all__ = ["JobError"]
+def check_script_file(path: str) -> str:
+    """The absolute path of ``path`` once it is a readable UTF-8 Python file that compiles;
+    JobError (one line naming the file, and the line of a syntax error) otherwise. Needs no
+    torch: ``hpar run``/``profile`` check the script here before importing anything heavy."""
+    import os
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise JobError(f"{path}: no such file; pass the path of a training script")
+    try:
+        with open(path, encoding="utf-8") as f:
+            compile(f.read(), path, "exec")
+    except SyntaxError as exc:
+        raise JobError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+    except UnicodeDecodeError:
+        raise JobError(f"{path}: not a UTF-8 text file; pass a Python script") from None
+    return path
+
+
+__all__ = ["JobError", "check_script_file"]

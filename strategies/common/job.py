@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hpar.strategies.common.errors import JobError  # noqa: F401 (defined apart so the CLI names it without torch)
+from hpar.strategies.common.errors import JobError, check_script_file  # noqa: F401 (apart: the CLI names them without torch)
 from hpar.strategies.models.forward import call_model
 
 REQUIRED = ("model", "data", "loss")
@@ -194,16 +194,7 @@ def load_job(path: str) -> Job:
     line), an exception while importing, a missing or non-callable function, a wrong
     signature, or bad HPAR defaults.
     """
-    path = os.path.abspath(path)
-    if not os.path.isfile(path):
-        raise JobError(f"{path}: no such file; pass the path of a training script")
-    try:
-        source = open(path, encoding="utf-8").read()
-        compile(source, path, "exec")
-    except SyntaxError as exc:
-        raise JobError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
-    except UnicodeDecodeError:
-        raise JobError(f"{path}: not a UTF-8 text file; pass a Python script") from None
+    path = check_script_file(path)
     module_name = "hpar_user_" + "".join(c if c.isalnum() else "_" for c in os.path.basename(path)[:-3])
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
