@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from hpar.strategies.plan.decision import Plan
 from conftest import REPO, TINY, hpar_to_file, run_processes, single_process_reference, write_script
 
 RAISES_IN_FORWARD = '''
@@ -215,10 +216,10 @@ def test_tied_weight_is_one_dense_parameter():
     prof = {p.name: p for p in profile_job(job, 8, 2, repeats=1, warmup=1).params}
     assert not prof["emb.weight"].sparse and not prof["emb.weight"].embedding_module
     assert prof["doc.weight"].sparse and prof["doc.weight"].embedding_module
-    assert placement(model, "hybrid", {}) == {"emb.weight": "allreduce", "doc.weight": "ps",
+    assert placement(model, "hybrid", Plan()) == {"emb.weight": "allreduce", "doc.weight": "ps",
                                               "mix.weight": "allreduce", "mix.bias": "allreduce"}
     with pytest.raises(ValueError, match="tied to a dense user"):
-        placement(model, "hybrid", {"placement": {"emb.weight": "ps"}})
+        placement(model, "hybrid", Plan(placement={"emb.weight": "ps"}))
 
 
 def test_atomic_files_get_the_same_permissions_as_plain_ones(tmp_path):
@@ -322,8 +323,8 @@ def test_default_micro_batches_divide_the_batch():
     from hpar.launcher.run.strategy_settings import default_micro_batches
     said = io.StringIO()
     console = Console(file=said, width=200)
-    assert default_micro_batches(console, {"strategy": "pipeline", "micro_batches": 8}, 32, 3) == 8 and not said.getvalue()
-    assert default_micro_batches(console, {"strategy": "pipeline", "micro_batches": 3}, 32, 3) == 4
+    assert default_micro_batches(console, Plan(strategy="pipeline", micro_batches=8), 32, 3) == 8 and not said.getvalue()
+    assert default_micro_batches(console, Plan(strategy="pipeline", micro_batches=3), 32, 3) == 4
     assert "the plan's 3 micro-batches do not divide --batch-size 32; using 4" in said.getvalue()
-    assert default_micro_batches(console, {"strategy": "pipeline"}, 30, 2) == 5   # 3 and 5 tie: the larger
-    assert default_micro_batches(console, {"strategy": "pipeline"}, 32, 2) == 4
+    assert default_micro_batches(console, Plan(strategy="pipeline"), 30, 2) == 5   # 3 and 5 tie: the larger
+    assert default_micro_batches(console, Plan(strategy="pipeline"), 32, 2) == 4

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from hpar.strategies.common.config import RunConfig
 from hpar.strategies.plan.cluster import free_port
+from hpar.strategies.plan.decision import Plan
 
 from conftest import embed_script, write_script
 
@@ -37,7 +38,7 @@ def test_servers_only_join_gloo_and_workers_dense_group_is_nccl(monkeypatch, tmp
     for pg_rank in range(n + s):
         calls = record_groups(monkeypatch, pg_rank)
         init_group(cfg, pg_rank, n + s)
-        make_groups(n, cfg.device, hosts, {})
+        make_groups(n, cfg.device, hosts, Plan())
         seen.append(calls)
         assert calls[0] == ("default", "gloo"), calls[0]          # every process: a gloo default group
         nccl = [ranks for ranks, backend in calls[1:] if backend == "nccl"]

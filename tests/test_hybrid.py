@@ -14,6 +14,7 @@ import torch
 from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.common.config import RunConfig
 from hpar.strategies.common.job import load_job
+from hpar.strategies.plan.decision import Plan
 
 from conftest import single_process_reference, final_state
 
@@ -210,7 +211,7 @@ def test_a_checkpoint_reshards_onto_another_row_layout(tmp_path):
         torch.manual_seed(seed)
         model = job.build_model()
         tables = ps_tables(model, job.build_optimizer(model.parameters(), 0.1), "hybrid",
-                           {"partitions": partitions}, 1)
+                           Plan(partitions=partitions), 1)
         return Server(config(tmp_path, script, servers=1), tables, model, index=0, num_workers=2)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)   # ShardedTensor needs one
@@ -247,12 +248,12 @@ def test_an_embedding_without_a_planned_count_is_cut_finely_and_a_whole_table_on
     from hpar.strategies.hybrid.client import ps_tables
     model = nn.Sequential(nn.Embedding(1000, 2), nn.Linear(2, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    tables = {t.name: t for t in ps_tables(model, opt, "ps", {}, 4)}
+    tables = {t.name: t for t in ps_tables(model, opt, "ps", Plan(), 4)}
     assert tables["0.weight"].layout.num_partitions == 4 * 64
     assert tables["1.weight"].layout.num_partitions == 4 and tables["1.weight"].kind == "whole"
     head = tables["0.weight"].layout.server_of(torch.arange(16))    # the 16 most frequent words
     assert sorted(set(head.tolist())) == [0, 1, 2, 3]
-    planned = {t.name: t for t in ps_tables(model, opt, "ps", {"partitions": {"0.weight": 4}}, 4)}
+    planned = {t.name: t for t in ps_tables(model, opt, "ps", Plan(partitions={"0.weight": 4}), 4)}
     assert set(planned["0.weight"].layout.server_of(torch.arange(16)).tolist()) == {0}
 
 

@@ -204,11 +204,14 @@ def test_the_planner_lists_hybrid_with_the_cache_and_takes_it_only_when_asked():
 def test_tune_names_the_cached_plan_hybrid_cache_and_tries_plain_hybrid_beside_it():
     """--tune's candidates (launcher/run/tuning.py): a plan that runs hybrid with the caches is
     the hybrid-cache candidate, first; plain hybrid is another candidate, not the planner's."""
+    import dataclasses
     from hpar.launcher.run.tuning import candidates, planned_name
-    rows = [{"strategy": "hybrid", "available": True, "samples_per_s": 900.0, "predicted_step_s": 0.02},
-            {"strategy": "hybrid-cache", "available": True, "samples_per_s": 1000.0, "predicted_step_s": 0.018},
-            {"strategy": "allreduce", "available": True, "samples_per_s": 100.0, "predicted_step_s": 0.2}]
-    cached = {"strategy": "hybrid", "cache": {"staleness": 2}, "candidates": rows}
-    assert planned_name(cached) == "hybrid-cache" and planned_name({**cached, "cache": {}}) == "hybrid"
+    from hpar.strategies.plan.decision import Candidate, Plan
+    rows = [Candidate("hybrid", available=True, samples_per_s=900.0, predicted_step_s=0.02, bytes_per_step=0.0),
+            Candidate("hybrid-cache", available=True, samples_per_s=1000.0, predicted_step_s=0.018, bytes_per_step=0.0),
+            Candidate("allreduce", available=True, samples_per_s=100.0, predicted_step_s=0.2, bytes_per_step=0.0)]
+    cached = Plan(strategy="hybrid", cache={"staleness": 2}, candidates=rows)
+    plain = dataclasses.replace(cached, cache={})
+    assert planned_name(cached) == "hybrid-cache" and planned_name(plain) == "hybrid"
     assert [s for s, _ in candidates(cached)] == ["hybrid-cache", "hybrid"]
-    assert [s for s, _ in candidates({**cached, "cache": {}})] == ["hybrid", "hybrid-cache"]
+    assert [s for s, _ in candidates(plain)] == ["hybrid", "hybrid-cache"]

@@ -8,6 +8,7 @@ import torch
 
 from hpar.launcher.run.peaks import PeakFigures
 from hpar.strategies.common import memory
+from hpar.strategies.plan.decision import Plan
 
 from conftest import hpar_to_file, kill_left, write_script
 
@@ -81,7 +82,7 @@ def test_peaks_go_to_the_summary_largest_per_role():
     for role, rank, peak in (("worker", 0, 10), ("worker", 1, 30), ("server", 0, 7)):
         peaks.on_event(Proc(role, rank), {"kind": "memory", "peak_bytes": peak, "rss_peak_bytes": peak})
     peaks.on_event(Proc("worker", 0), {"kind": "first_loss", "loss": 1.0})
-    out = peaks.apply({"strategy": "hybrid"}, {"memory": {"worker_peak_bytes": 25, "server_peak_bytes": 8}})
+    out = peaks.apply({"strategy": "hybrid"}, Plan(memory={"worker_peak_bytes": 25, "server_peak_bytes": 8}))
     assert out["peak_bytes"] == {"worker": 30, "server": 7}
     assert out["predicted_peak_bytes"] == {"worker": 25, "server": 8}
     assert [(r["role"], r["rank"], r["peak_bytes"]) for r in rundir.rows] == [("worker", 0, 10), ("worker", 1, 30),

@@ -13,6 +13,7 @@ import torch
 from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.common.config import RunConfig
 from hpar.strategies.common.job import load_job
+from hpar.strategies.plan.decision import Plan
 from hpar.strategies.pipeline.stage import draw_batch, split_micro
 
 SCRIPT = textwrap.dedent('''
@@ -219,8 +220,8 @@ def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):
     with pytest.raises(ValueError, match="--micro-batches 3"):
         split_micro(torch.zeros(8, 5), 3)
     with pytest.raises(ValueError, match=r"into 2 contiguous stages \(--gpus / --pipeline-replicas\)"):
-        stage_ranges(job.build_model(), 2, {"stages": [[0, 2], [3, 5]]})
-    assert stage_ranges(job.build_model(), 2, {"stages": [[0, 1], [1, 5]]}) == ((0, 1), (1, 5))
+        stage_ranges(job.build_model(), 2, Plan(stages=[[0, 2], [3, 5]]))
+    assert stage_ranges(job.build_model(), 2, Plan(stages=[[0, 1], [1, 5]])) == ((0, 1), (1, 5))
     from hpar.strategies.common.config import RunConfig
     args = dict(script="job.py", strategy="pipeline", world_size=2, steps=1, batch_size=8, lr=0.1, seed=0, run_dir="r")
     with pytest.raises(ValueError, match="--micro-batches 1: .*Schedule1F1B needs at least one per stage"):

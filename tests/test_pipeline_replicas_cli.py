@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from hpar.strategies.plan.decision import Plan
+
 from conftest import TINY, run_processes, single_process_reference, write_script, final_state
 
 pytestmark = [pytest.mark.multiprocess]
@@ -90,8 +92,8 @@ def test_replicas_flag_checks_before_planning(tmp_path):
         check_replicas_flag(2, 4, "allreduce", model)
     assert check_replicas_flag(2, 4, "auto", model) == "pipeline" and check_replicas_flag(None, 4, "auto", model) == "auto"
     with pytest.raises(ValueError, match="--pipeline-replicas 1 contradicts plan.json .2 replicas"):
-        plan_replicas({"replicas": 2}, 1, "plan.json")
-    assert plan_replicas({}, None, "plan.json") == 1
+        plan_replicas(Plan(replicas=2), 1, "plan.json")
+    assert plan_replicas(Plan(), None, "plan.json") == 1
     assert planner_replicas(None, "torch-1f1b") == 1 and planner_replicas(None, "1f1b") is None
 
 

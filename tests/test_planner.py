@@ -7,7 +7,8 @@ import json
 import pytest
 
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.planner import Plan, choose_plan
+from hpar.strategies.plan.decision import Plan
+from hpar.strategies.plan.planner import choose_plan
 from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
 
 UPB = 1e-10   # update seconds per byte
@@ -110,11 +111,35 @@ def test_deep_wide_sequence_on_slow_link_gets_pipeline():
 
 
 def test_plan_json_round_trip():
+    """A Plan (strategies/plan/decision.py) goes through to_dict/from_dict and through the run
+    config's JSON unchanged; a partial plan keeps the defaults of what it leaves out; an unknown
+    key is refused in one line naming it."""
+    from hpar.strategies.common.config import RunConfig
+    from hpar.strategies.plan.decision import Candidate
     plan = choose_plan(cnn_profile(), ClusterSpec(1, (2,), 1, 1e9, 1e-5))
+    plan = dataclasses.replace(plan, tuning={"chosen": plan.strategy}, sparse_exchange="allgather-padded",
+                               local_aggregation=False, sparse_optimizer="lazy")
     again = Plan.from_dict(json.loads(plan.to_json()))
-    assert again == plan
-    with pytest.raises(ValueError, match="--plan"):
-        Plan.from_dict({"strategy": "allreduce"})
+    assert again == plan and all(isinstance(c, Candidate) for c in again.candidates) and again.candidates
+    cfg = RunConfig(script="x.py", strategy=plan.strategy, world_size=2, steps=1, batch_size=4, lr=0.1, seed=0,
+                    run_dir="r", plan=plan.to_dict())
+    assert cfg.plan == plan and json.loads(cfg.to_json())["plan"] == plan.to_dict()
+    assert RunConfig.from_json(cfg.to_json()) == cfg and RunConfig.from_json(cfg.to_json()).plan == plan
+    partial = Plan.from_dict({"strategy": "allreduce", "stages": [(0, 2), (2, 4)], "partitions": {"e": "3"}})
+    assert partial == Plan(strategy="allreduce", stages=[[0, 2], [2, 4]], partitions={"e": 3})
+    assert partial.micro_batches == 0 and partial.replicas == 1 and partial.pull_ahead and partial.unused_params is None
+    assert Plan().empty and not partial.empty and Plan.from_dict({}) == Plan()
+    assert RunConfig(script="x.py", strategy="allreduce", world_size=1, steps=1, batch_size=1, lr=0.1, seed=0,
+                     run_dir="r").plan == Plan()
+    with pytest.raises(ValueError) as exc:
+        Plan.from_dict({"strategy": "pipeline", "stagse": [[0, 2]]})
+    assert str(exc.value) == ("--plan: unknown key 'stagse' (did you mean 'stages'?); write it with "
+                              "`hpar profile --plan-out`")
+    with pytest.raises(ValueError, match="unknown key 'bogus'"):
+        RunConfig(script="x.py", strategy="allreduce", world_size=1, steps=1, batch_size=1, lr=0.1, seed=0,
+                  run_dir="r", plan={"bogus": 1})
+    with pytest.raises(ValueError, match="not a plan written by hpar profile"):
+        Plan.from_dict({"strategy": "allreduce", "candidates": [{"strategy": "allreduce"}]})
 
 
 

@@ -1,4 +1,5 @@
 """`hpar profile` through click's CliRunner on tiny scripts (link figures from flags; one test runs the loopback probe)."""
+import re
 import json
 import os
 import textwrap
@@ -7,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpar.launcher.commands.profile import profile
-from hpar.strategies.plan.planner import Plan
+from hpar.strategies.plan.decision import Plan
 
 LM = textwrap.dedent('''
     import torch
@@ -308,3 +309,22 @@ def test_request_probe_runs_hpars_own_client_and_server_and_leaves_nothing_behin
     assert 1e-6 < probe_requests(steps=30, rounds=2) < 0.05
     assert torch.get_num_threads() == threads
     assert [t.name for t in threading.enumerate() if t not in before] == []
+
+
+def test_backward_per_layer_is_shown_only_where_the_layers_compose_the_model(scripts, tmp_path):
+    """`hpar profile` as users run it: a Sequential's layers get their backward times; a model
+    whose forward has its own code between modules (not a sequence) gets `-` per layer and the
+    step's whole backward in a line, never one module charged another's backward."""
+    from conftest import hpar_to_file
+    code, out = hpar_to_file(tmp_path / "lm.out", "profile", str(scripts / "lm.py"), "--gpus", "2",
+                             "--bandwidth", "10Gbps", "--batch-size", "8")
+    assert code == 0, out
+    rows = [l for l in out.splitlines() if re.match(r"^\s*│\s*\d+\s*│", l)]
+    layer_rows = [r for r in rows if r.count("│") == 8]   # the layer table: 7 columns
+    assert layer_rows and all(r.split("│")[4].strip() == "-" for r in layer_rows), out
+    assert re.search(r"backward: \d+\.\d\d ms in all; per layer only for a sequence of layers", out), out
+    code, out = hpar_to_file(tmp_path / "mlp.out", "profile", str(scripts / "mlp.py"), "--gpus", "2",
+                             "--bandwidth", "10Gbps", "--batch-size", "8")
+    assert code == 0 and "in all; per layer only" not in out, out
+    layer_rows = [r for r in out.splitlines() if re.match(r"^\s*│\s*\d+\s*│", r) and r.count("│") == 8]
+    assert layer_rows and all(r.split("│")[4].strip().endswith(" ms") for r in layer_rows), out

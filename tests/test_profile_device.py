@@ -18,6 +18,7 @@ from torch import nn
 
 from hpar.launcher.commands.profile import profile
 from hpar.strategies.plan import roofline
+from hpar.strategies.plan.decision import Plan
 
 from conftest import write_script
 
@@ -105,11 +106,11 @@ def test_roofline_prices_memory_bound_layers_and_keeps_flops_only_projections():
 
 def test_a_cpu_profile_for_gpu_workers_is_said_in_one_line():
     from hpar.launcher.run.planning import compute_mismatch
-    line = compute_mismatch({"compute": "measured on cpu"}, "cuda")
+    line = compute_mismatch(Plan(compute="measured on cpu"), "cuda")
     assert "measured on cpu" in line and "--device cuda" in line and "\n" not in line
-    assert compute_mismatch({"compute": "measured on cuda"}, "cuda") is None
-    assert compute_mismatch({"compute": "projected: 15 TFLOP/s (from a profile on cpu)"}, "cuda") is None
-    assert compute_mismatch({"strategy": "hybrid"}, "cuda") is None          # no profile behind the plan
+    assert compute_mismatch(Plan(compute="measured on cuda"), "cuda") is None
+    assert compute_mismatch(Plan(compute="projected: 15 TFLOP/s (from a profile on cpu)"), "cuda") is None
+    assert compute_mismatch(Plan(strategy="hybrid"), "cuda") is None          # no profile behind the plan
 
 
 MEMORY_BOUND = '''
@@ -188,7 +189,7 @@ def test_hpar_run_says_when_a_cpu_profile_plans_gpu_workers(tmp_path, monkeypatc
         resume_dir=None, max_restarts=0, stall_timeout=0, no_eval=False, plain=True, ssh_key=None, ssh_port=None,
         ssh_user=None, ssh_local=False, python_path=None, sync=False))
     printed = out.getvalue()
-    assert cfg.device == "cuda" and cfg.plan["compute"] == "measured on cpu"
+    assert cfg.device == "cuda" and cfg.plan.compute == "measured on cpu"
     assert printed.count("measured on cpu, the workers run on cuda") == 1, printed
     # the profiler's batches go to its device, as a worker's do
     x, y = next(OnDevice(load_job(script), torch.device("meta")).batches(0, 1, 4))

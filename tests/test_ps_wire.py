@@ -8,6 +8,7 @@ import torch
 
 from hpar.strategies.hybrid import wire as ps_wire
 from hpar.strategies.plan.cluster import free_port
+from hpar.strategies.plan.decision import Plan
 
 
 def _payload(n: int, dim: int):
@@ -232,7 +233,7 @@ def _early_child(rank: int, port: int, out, sent):
     from hpar.strategies.hybrid.server import Server
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(8, 2))
-    tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", {}, 1)
+    tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", Plan(), 1)
     with _gloo(rank, port, 3):
         if rank == 2:
             cfg = RunConfig(script="<test>", strategy="hybrid", world_size=2, steps=2, batch_size=1, lr=0.1,

@@ -61,3 +61,17 @@ def test_pipeline_on_a_model_that_does_not_trace_is_refused_before_profiling(tmp
     assert rc == 2 and "could not trace the model" in out and out.count("define hpar_layers()") == 1, out[-3000:]
     assert len(out.strip().splitlines()) == 1 and "torch.ops.aten" not in out, out[-3000:]
     assert "chose" not in out and not (tmp_path / "run").exists()
+
+
+def test_a_plan_file_with_a_mistyped_key_is_refused_in_one_line_naming_it(tmp_path):
+    """A plan file is read into the typed Plan (strategies/plan/decision.py): a key it does not
+    know is a typo, named with the key it may mean, before any process starts."""
+    script = write_script(tmp_path)
+    plan = tmp_path / "bad.json"
+    plan.write_text('{"strategy": "pipeline", "stagse": [[0, 2], [2, 5]]}')
+    rc, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--plan", str(plan),
+                           "--run-dir", str(tmp_path / "run"))
+    assert rc == 2 and len(out.strip().splitlines()) == 1, out
+    assert out.strip() == (f"hpar: {plan}: unknown key 'stagse' (did you mean 'stages'?); write it with "
+                           "`hpar profile --plan-out`"), out
+    assert not (tmp_path / "run").exists()

@@ -7,17 +7,18 @@ import pytest
 import torch
 
 from hpar.strategies.common.job import load_job
+from hpar.strategies.plan.decision import Plan
 from hpar.strategies.dataparallel.sparse_allgather import padded_allgather_bytes, sparse_exchange
 
 from conftest import embed_script, hpar, run_processes, single_process_reference, write_script, final_state
 
 
 def test_nccl_gets_the_padded_allgather():
-    assert sparse_exchange({}, "nccl") == "allgather-padded"
-    assert sparse_exchange({}, "gloo") == "gloo-sparse"
-    assert sparse_exchange({"sparse_exchange": "allgather-padded"}, "gloo") == "allgather-padded"
+    assert sparse_exchange(Plan(), "nccl") == "allgather-padded"
+    assert sparse_exchange(Plan(), "gloo") == "gloo-sparse"
+    assert sparse_exchange(Plan(sparse_exchange="allgather-padded"), "gloo") == "allgather-padded"
     with pytest.raises(ValueError, match="cannot run on NCCL"):
-        sparse_exchange({"sparse_exchange": "gloo-sparse"}, "nccl")
+        sparse_exchange(Plan(sparse_exchange="gloo-sparse"), "nccl")
     assert padded_allgather_bytes(5, 32, 3) == 2 * (8 + 5 * (8 + 32))
 
 

@@ -306,7 +306,7 @@ def test_parameter_servers_follow_the_schedule(tmp_path, strategy):
 def test_a_plan_can_turn_the_pull_ahead_off(tmp_path):
     """`"pull_ahead": false` in a plan file (how BENCHMARKS.md's A/B was run): `hpar run
     --strategy hybrid --plan` then requests no rows a step early, and trains the same model."""
-    from hpar.strategies.plan.planner import Plan
+    from hpar.strategies.plan.decision import Plan
     script = write_script(tmp_path, EMBED_SCHEDULED)
     plan = tmp_path / "plan.json"
     plan.write_text(Plan(strategy="hybrid", placement={}, partitions={}, servers=1, stages=[], micro_batches=1,

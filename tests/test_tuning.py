@@ -12,11 +12,12 @@ import pytest
 
 from conftest import hpar_to_file, kill_left
 from hpar.launcher.run.tuning import Trial, candidates, choose, trial_steps
+from hpar.strategies.plan.decision import Candidate, Plan
 
 
-def _plan(chosen: str, rows: list[tuple[str, float, bool]]) -> dict:
-    return {"strategy": chosen, "candidates": [{"strategy": s, "samples_per_s": sps, "predicted_step_s": 1 / sps,
-                                                 "available": ok} for s, sps, ok in rows]}
+def _plan(chosen: str, rows: list[tuple[str, float, bool]]) -> Plan:
+    return Plan(strategy=chosen, candidates=[Candidate(strategy=s, samples_per_s=sps, predicted_step_s=1 / sps,
+                                                       bytes_per_step=0.0, available=ok) for s, sps, ok in rows])
 
 
 def test_candidates_are_the_best_and_those_within_2x_at_most_3():

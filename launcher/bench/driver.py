@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from hpar.strategies.plan.decision import Plan
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.launcher.bench.config import BENCH_STRATEGIES, BenchConfig, steps_for
 from hpar.launcher.bench.figures import bytes_per_worker_step, combine_runs, memory_figures, stage_figures
@@ -75,7 +76,7 @@ def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_d
         cmd += ["--plan", plan_file]
         if strategy_spec(strategy).pipelined:
             with open(plan_file, encoding="utf-8") as f:
-                cmd += ["--micro-batches", str(json.load(f)["micro_batches"])]
+                cmd += ["--micro-batches", str(Plan.from_dict(json.load(f)).micro_batches)]
     if cfg.precision:
         cmd += ["--precision", cfg.precision]
     if cfg.hosts:

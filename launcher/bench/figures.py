@@ -8,6 +8,8 @@ import json
 import os
 import statistics
 
+from hpar.strategies.plan.decision import Plan
+
 
 def bytes_per_worker_step(metrics_path: str) -> dict | None:
     """{"sent", "recv"}: mean bytes per worker per step from ``metrics.jsonl``, each worker's
@@ -68,7 +70,7 @@ def memory_figures(summary: dict, run_dir: str) -> dict:
         out["predicted_peak_bytes"] = summary.get("predicted_peak_bytes") or {}
     try:
         with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
-            memory = json.load(f).get("memory") or {}
+            memory = Plan.from_dict(json.load(f)).memory or {}
     except (OSError, ValueError):
         memory = {}
     if memory:

@@ -22,6 +22,7 @@ from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import LaunchOptions
 from hpar.strategies.runstate import checkpoint
+from hpar.strategies.plan.decision import Plan
 from hpar.strategies.common.config import FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags
 from hpar.strategies.dataparallel.ddp import find_unused
 from hpar.strategies.specs.base import ON_SERVERS
@@ -43,8 +44,9 @@ FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every":
              "find_unused_parameters": "auto", "allow_unequal_batches": False}
 
 
-def read_plan(path: str) -> dict:
-    """A plan written by ``hpar profile --plan-out``; ValueError naming the file otherwise."""
+def read_plan(path: str) -> Plan:
+    """A plan written by ``hpar profile --plan-out`` (or any subset of its keys, with
+    ``strategy``); ValueError, one line naming the file, otherwise (an unknown key named)."""
     try:
         with open(path, encoding="utf-8") as f:
             plan = json.load(f)
@@ -54,7 +56,10 @@ def read_plan(path: str) -> dict:
         raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}); write it with `hpar profile --plan-out`") from None
     if not isinstance(plan, dict) or "strategy" not in plan:
         raise ValueError(f"{path}: not an hpar plan (no 'strategy' key); write it with `hpar profile --plan-out`")
-    return plan
+    try:
+        return Plan.from_dict(plan)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {str(exc).removeprefix('--plan: ')}") from None   # as the file's other errors
 
 
 class NothingToDo(Exception):
@@ -88,8 +93,8 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
 
 def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: str | None, gpus: int,
              precision: str | None = None, capacity=None, cache=None, forwards: int | None = None
-             ) -> tuple[str, dict, object]:
-    """(strategy, plan dict, the planner's Profile or None) from ``--plan``, or from the planner for ``auto`` and for
+             ) -> tuple[str, Plan, object]:
+    """(strategy, Plan, the planner's Profile or None) from ``--plan``, or from the planner for ``auto`` and for
     ``pipeline`` (which needs its balanced stages), on ``capacity``'s memory (``--force``: a
     forced strategy that does not fit is planned anyway); the data-parallel strategies named
     explicitly run with their defaults and no profiling (their memory: launcher/run/fit.py).
@@ -99,18 +104,18 @@ def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: st
     strategy, plan_file = flags.strategy, flags.plan_file
     if plan_file:
         plan = read_plan(plan_file)
-        if strategy not in ("auto", plan["strategy"]):
-            raise ValueError(f"--strategy {strategy} contradicts --plan {plan_file} (strategy {plan['strategy']}); drop one")
-        console.print(f"hpar: strategy {plan['strategy']} from {plan_file}", markup=False)
-        return plan["strategy"], plan, None
+        if strategy not in ("auto", plan.strategy):
+            raise ValueError(f"--strategy {strategy} contradicts --plan {plan_file} (strategy {plan.strategy}); drop one")
+        console.print(f"hpar: strategy {plan.strategy} from {plan_file}", markup=False)
+        return plan.strategy, plan, None
     if strategy != "auto" and not strategy_spec(strategy).needs_plan:
-        return strategy, {"strategy": strategy}, None
+        return strategy, Plan(strategy=strategy), None
     from hpar.launcher.run.planning import plan_job
     plan, profile = plan_job(job, batch_size, hosts, gpus, flags, precision=precision, capacity=capacity, cache=cache,
                              forwards=forwards)
     if strategy == "auto":
         console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
-    return plan.strategy, plan.to_dict(), profile
+    return plan.strategy, plan, profile
 
 
 def resolve(console: Console, flags: Flags):
@@ -240,7 +245,7 @@ def resolve(console: Console, flags: Flags):
             check_fullgraph(model, placement(inner, strategy, plan))
         used_hosts = len({h.name for h in place_workers(list(host_list), gpus)}) if host_list else 1
         if servers is None:
-            servers = plan.get("servers") or used_hosts if spec.servers else 0
+            servers = plan.servers or used_hosts if spec.servers else 0
         if spec.servers and servers < 1:
             raise ValueError(f"--servers must be at least 1 for --strategy {strategy}")
         if not spec.servers and servers:
@@ -261,7 +266,7 @@ def resolve(console: Console, flags: Flags):
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
             device="cpu" if device == "auto" else device, log_every=pick(log_every, "log_every"), servers=servers,
-            schedule=schedule or plan.get("schedule") or "1f1b",
+            schedule=schedule or plan.schedule or "1f1b",
             micro_batches=micro_batches or d.get("micro_batches") or default_micro_batches(console, plan, bs, gpus // replicas),
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             keep_checkpoints=pick(r.keep_checkpoints, "keep_checkpoints"),

@@ -12,6 +12,8 @@ plan's ``memory`` and from there into summary.json beside the measured peaks.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.specs.base import ON_ALLREDUCE
 from hpar.launcher.run.capacity import Capacity, misfit, with_defaults
@@ -23,26 +25,26 @@ def run_estimate(cfg, model, profile):
     from hpar.strategies.models.forward import inner_module
     from hpar.strategies.hybrid.client import placement
     from hpar.strategies.plan.costmodel import Estimate
-    plan, spec = cfg.plan or {}, strategy_spec(cfg.strategy)
+    plan, spec = cfg.plan, strategy_spec(cfg.strategy)
     if spec.servers:
         where = placement(inner_module(model), cfg.strategy, plan)
     else:
         where = {p.name: ON_ALLREDUCE for p in profile.params}
     stages = ()
-    if spec.pipelined and plan.get("stages"):
-        stages = tuple(tuple(int(x) for x in r) for r in plan["stages"])
+    if spec.pipelined and plan.stages:
+        stages = tuple(tuple(int(x) for x in r) for r in plan.stages)
     elif spec.pipelined:
         from hpar.strategies.pipeline.stage import stage_ranges
         stages = tuple(tuple(r) for r in stage_ranges(model, cfg.pipeline_stages, plan))
     breakdown = {}
-    if getattr(cfg, "staleness", None) is not None and plan.get("cache"):   # the workers' hot-row caches
+    if getattr(cfg, "staleness", None) is not None and plan.cache:   # the workers' hot-row caches
         from hpar.strategies.hybrid.cache import CacheConfig
         from hpar.strategies.plan.costmodel_cache import cache_bytes
-        sizes = {p.name: p for p in profile.params if p.name in (plan["cache"].get("hot_rows") or {})}
+        sizes = {p.name: p for p in profile.params if p.name in (plan.cache.get("hot_rows") or {})}
         config = CacheConfig(cfg.cache_rows, cfg.staleness)
         breakdown["cache_bytes"] = cache_bytes({n: config.rows_for(p.rows) for n, p in sizes.items()},
                                                {n: p.bytes / max(p.rows, 1) for n, p in sizes.items()})
-    return Estimate(cfg.strategy, 0.0, 0, 0.0, breakdown, placement=where, partitions=dict(plan.get("partitions") or {}),
+    return Estimate(cfg.strategy, 0.0, 0, 0.0, breakdown, placement=where, partitions=dict(plan.partitions or {}),
                     stages=stages, micro_batches=cfg.micro_batches, replicas=cfg.replicas)
 
 
@@ -79,7 +81,7 @@ def check(memory: dict, capacity: Capacity, strategy: str, force: bool, say) -> 
 
 
 def fit_plan(console, cfg, job, model, given: Capacity, hosts: tuple, force: bool, profile=None):
-    """``cfg`` with the run's predicted peaks in ``plan["memory"]`` (:func:`predict_run`),
+    """``cfg`` with the run's predicted peaks in ``cfg.plan.memory`` (:func:`predict_run`),
     checked against ``given`` and, where the run is local, this machine's defaults
     (:func:`check`: refused in one line unless ``force``)."""
     from hpar.launcher.hosts.hostfile import place_workers
@@ -88,12 +90,12 @@ def fit_plan(console, cfg, job, model, given: Capacity, hosts: tuple, force: boo
     busiest = max(names.count(n) for n in set(names)) + -(-cfg.servers // len(set(names)))
     capacity = with_defaults(given, local, cfg.device, busiest)
     try:
-        memory = predict_run(cfg, job, model, profile) or (cfg.plan or {}).get("memory")
+        memory = predict_run(cfg, job, model, profile) or cfg.plan.memory
     except Exception as exc:   # a prediction must not stop a run the pre-start checks passed; say why it is missing
         console.print(f"hpar: warning: no memory prediction for this run ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0] if str(exc) else ''}); it is not checked against the memory", markup=False)
-        memory = (cfg.plan or {}).get("memory")
+        memory = cfg.plan.memory
     if memory:
-        cfg = cfg.replace(plan={**(cfg.plan or {}), "memory": memory})
+        cfg = cfg.replace(plan=dataclasses.replace(cfg.plan, memory=memory))
         check(memory, capacity, cfg.strategy, force, lambda m: console.print(m, markup=False))
     return cfg

@@ -6,11 +6,13 @@ module writes each report to ``metrics.jsonl`` (``"kind": "memory"``, with the p
 and rank) and puts the largest over the workers and over the servers into ``summary.json``
 as ``peak_bytes`` (``{"worker": ..., "server": ...}``, null for a role with no report or none
 running), beside ``predicted_peak_bytes`` in the same shape, which the plan's memory model
-predicted (strategies/plan/memory.py; ``plan["memory"]``).
+predicted (strategies/plan/memory.py; the plan's ``memory``).
 """
 from __future__ import annotations
 
 import time
+
+from hpar.strategies.plan.decision import Plan
 
 FIGURES = ("peak_bytes", "rss_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "baseline_bytes",
            "trims")   # trims: how often the process handed freed heap blocks back (strategies/common/memory.py)
@@ -38,7 +40,7 @@ class PeakFigures:
         values = [f[key] for f in self.peaks.get(role, {}).values() if isinstance(f.get(key), int)]
         return max(values) if values else None
 
-    def apply(self, summary: dict, plan: dict | None) -> dict:
+    def apply(self, summary: dict, plan: Plan | None) -> dict:
         """``summary`` with ``peak_bytes`` (measured, the largest per role), the per-role
         allocator figures where a GPU gave them, and ``predicted_peak_bytes`` (the plan's)."""
         out = dict(summary)
@@ -46,7 +48,7 @@ class PeakFigures:
         extra = {f"{role}_{key}": self.largest(role, key) for role in ("worker", "server")
                  for key in ("rss_peak_bytes", "reserved_peak_bytes", "baseline_bytes")}
         out["peak_memory"] = {k: v for k, v in extra.items() if v is not None}
-        predicted = (plan or {}).get("memory") or {}
+        predicted = (plan.memory if plan is not None else None) or {}
         out["predicted_peak_bytes"] = {"worker": predicted.get("worker_peak_bytes"),
                                        "server": predicted.get("server_peak_bytes")}
         return out

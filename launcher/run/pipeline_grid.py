@@ -2,6 +2,7 @@
 (``--pipeline-replicas R``, strategies/pipeline/replicas.py), made before any process starts."""
 from __future__ import annotations
 
+from hpar.strategies.plan.decision import Plan
 from hpar.strategies.specs.registry import where
 
 
@@ -36,10 +37,10 @@ def planner_replicas(flag: int | None, schedule: str | None) -> int | None:
     return flag
 
 
-def plan_replicas(plan: dict, flag: int | None, source: str) -> int:
-    """R of a pipeline plan: ``plan["replicas"]`` (1 when absent); ValueError naming ``source``
+def plan_replicas(plan: Plan, flag: int | None, source: str) -> int:
+    """R of a pipeline plan: ``plan.replicas`` (1 when not planned); ValueError naming ``source``
     when ``--pipeline-replicas`` says otherwise (a plan file made for another split)."""
-    value = plan.get("replicas") or 1
+    value = plan.replicas or 1
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{source}: 'replicas' must be a positive integer, got {value!r}; write the plan with "
                          "`hpar profile --plan-out`")
@@ -53,7 +54,7 @@ def describe_plan(cfg, layers: str | None = None) -> str:
     the layer ranges (or ``layers``), micro-batches and schedule."""
     from hpar.strategies.pipeline.replicas import Grid
     grid = Grid.of(cfg)
-    stages = cfg.plan.get("stages") or []
+    stages = cfg.plan.stages or []
     layers = layers or ", ".join(f"[{a}, {b})" for a, b in stages) or "balanced on parameter counts"
     if grid.replicas == 1:
         shape = f"{grid.stages} stages"

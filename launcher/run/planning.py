@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+
+from hpar.strategies.plan.decision import Plan
 from hpar.strategies.specs.registry import HYBRID_CACHE
 
 
 def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None, precision: str | None = None,
-             capacity=None, cache=None, forwards: int | None = None):
+             capacity=None, cache=None, forwards: int | None = None) -> tuple[Plan, object]:
     """Profile ``job`` (strategies/profile/profiler.py) for ``gpus`` workers on the hosts of
     ``hosts_spec`` (link figures probed on this machine, or hpar profile's defaults for remote
     hosts) and return the planner's Plan (strategies/plan/planner.py) and the Profile it was
@@ -50,11 +52,11 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     return dataclasses.replace(plan, alternatives=alternatives), profile
 
 
-def compute_mismatch(plan: dict, device: str) -> str | None:
+def compute_mismatch(plan: Plan, device: str) -> str | None:
     """One line for ``hpar run`` when the plan's compute times were measured on another device
     than its workers use (a CPU profile for GPU workers); None otherwise (no profile behind the
     plan, a projection, or the same device)."""
-    source = (plan or {}).get("compute") or ""
+    source = plan.compute or ""
     if not source.startswith("measured on ") or source == f"measured on {device}":
         return None
     return (f"warning: the plan's compute times were {source}, the workers run on {device}; for a plan measured on "

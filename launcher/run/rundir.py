@@ -59,8 +59,8 @@ class RunDir:
         data = cfg.to_json().encode()
         atomic_write_bytes(self.config_path, data)
         self.config_sha256 = hashlib.sha256(data).hexdigest()
-        if cfg.plan:
-            atomic_write_bytes(os.path.join(self.path, "plan.json"), json.dumps(cfg.plan, indent=2).encode())
+        if not cfg.plan.empty:
+            atomic_write_bytes(os.path.join(self.path, "plan.json"), json.dumps(cfg.plan.to_dict(), indent=2).encode())
 
     def log_line(self, log_name: str, line: str) -> None:
         """Append ``line`` to that process's log and keep it in its tail."""

@@ -178,8 +178,8 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
         outcome.summary = summary if outcome.summary else None
         summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path,
                        **({"elastic": elastic} if elastic else {}),
-                       **({"tuning": cfg.plan["tuning"]} if cfg.plan.get("tuning") else {}),
-                       **({"predicted_step_s": cfg.plan["predicted_step_s"]} if cfg.plan.get("predicted_step_s") else {}))
+                       **({"tuning": cfg.plan.tuning} if cfg.plan.tuning else {}),
+                       **({"predicted_step_s": cfg.plan.predicted_step_s} if cfg.plan.predicted_step_s else {}))
         if outcome.exit_code != 0:
             summary.update(failed=outcome.failed, failed_host=outcome.host, cause=outcome.cause)
         try:

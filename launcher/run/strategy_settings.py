@@ -4,31 +4,34 @@ micro-batches, and whether the user's optimizer can step the gradients the strat
 (refused in one line where it cannot)."""
 from __future__ import annotations
 
+import dataclasses
+
 from rich.console import Console
 
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.dataparallel.ddp import find_unused
 from hpar.strategies.hybrid.client import placement
+from hpar.strategies.plan.decision import Plan
 
 
-def default_micro_batches(console: Console, plan: dict, batch_size: int, stages: int) -> int:
+def default_micro_batches(console: Console, plan: Plan, batch_size: int, stages: int) -> int:
     """Micro-batches per batch when neither ``--micro-batches`` nor the script's HPAR gives
     them: the plan's (the planner's choice divides the batch it profiled), else 4, moved to
     the nearest divisor of ``batch_size`` of at least ``stages`` where there is one
     (``schedules.micro_batch_count``; said in one line when it moves)."""
     from hpar.strategies.pipeline.schedules import micro_batch_count
-    want = plan.get("micro_batches") or 4
+    want = plan.micro_batches or 4
     if batch_size % want == 0:
         return want
     m = micro_batch_count(want, batch_size, min(want, stages))
-    if plan.get("micro_batches"):
+    if plan.micro_batches:
         console.print(f"hpar: the plan's {want} micro-batches do not divide --batch-size {batch_size}; using {m}",
                       markup=False)
     return m
 
 
-def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict, model, batch_size: int,
+def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: Plan, model, batch_size: int,
                     gpus: int) -> bool:
     """DDP's ``find_unused_parameters`` for this run (strategies/dataparallel/ddp.py): ``on``/``off`` as
     given; ``auto``: whether a parameter DDP holds (hybrid's served tables left out) got no
@@ -40,7 +43,7 @@ def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict,
         return False
     if mode != "auto":
         return find_unused(mode, ())
-    unused = plan.get("unused_params")
+    unused = plan.unused_params
     if unused is None:
         from hpar.strategies.profile.unused import unused_parameters
         unused = unused_parameters(job, batch_size, gpus, model=model)   # check_job's model, seed 0
@@ -53,7 +56,7 @@ def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: dict,
     return bool(held)
 
 
-def check_optimizer(console: Console, job, model, strategy: str, plan: dict, servers: int, lr: float) -> None:
+def check_optimizer(console: Console, job, model, strategy: str, plan: Plan, servers: int, lr: float) -> None:
     """Refuse (ValueError, one line naming the fix) an optimizer the parameter servers of
     ``hybrid``/``ps`` cannot apply to the tables they would serve (strategies/hybrid/shard.py:
     SGD, Adagrad, Adam, AdamW); under ``allreduce-sparse`` say which tables' optimizer has no
@@ -78,16 +81,16 @@ def check_optimizer(console: Console, job, model, strategy: str, plan: dict, ser
                           markup=False)
 
 
-def cache_settings(console: Console, job, model, strategy: str, asked: str, plan: dict, staleness: int | None,
-                   cache_rows: float | None, batch_size: int, gpus: int) -> tuple[int | None, float, dict]:
+def cache_settings(console: Console, job, model, strategy: str, asked: str, plan: Plan, staleness: int | None,
+                   cache_rows: float | None, batch_size: int, gpus: int) -> tuple[int | None, float, Plan]:
     """``(staleness, cache_rows, plan)`` of the run's hot-row caches (strategies/hybrid/cache.py):
-    the flags', else those of a plan file made with ``--staleness`` (``plan["cache"]``), else
+    the flags', else those of a plan file made with ``--staleness`` (``plan.cache``), else
     none. ``asked`` is the ``--strategy`` given: under ``auto`` the cache runs only where the
     planner chose it, and a plan without it drops the flag, saying so in one line. A plan for
     the caches gets their first rows: the plan's, else the hottest of the rows counted here over
     the job's batches (strategies/profile/hot_rows.py), with the predicted hit rate; one line says
     what runs."""
-    given = dict(plan.get("cache") or {})
+    given = dict(plan.cache or {})
     if staleness is None and given:
         staleness, cache_rows = given["staleness"], cache_rows if cache_rows is not None else given.get("rows", 0.0)
     if staleness is None:
@@ -108,8 +111,8 @@ def cache_settings(console: Console, job, model, strategy: str, asked: str, plan
         hot = row_counts(job, model, embs, batch_size, gpus)
         params = dict(model.named_parameters())
         given = plan_cache(hot, {n: int(params[n].shape[0]) for n in hot}, cache, gpus, served)
-    plan = {**plan, "cache": {**given, "staleness": staleness, "rows": cache.rows}}
+    plan = dataclasses.replace(plan, cache={**given, "staleness": staleness, "rows": cache.rows})
     rows = f"{cache.rows:g} rows" if cache.rows >= 1 else f"{(cache.rows or 0.1):.0%} of the rows"
     console.print(f"hpar: hot-row caches: {rows} of each served table on every worker, reads up to {staleness} "
-                  f"update(s) stale; predicted hit rate {plan['cache'].get('predicted_hit_rate', 0):.0%}", markup=False)
+                  f"update(s) stale; predicted hit rate {plan.cache.get('predicted_hit_rate', 0):.0%}", markup=False)
     return staleness, cache.rows, plan

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from rich.console import Console
 
+from hpar.strategies.plan.decision import Plan
 from hpar.strategies.specs.registry import HYBRID_CACHE
 from hpar.strategies.runstate.trust import claim
 
@@ -65,24 +66,24 @@ class Trial:
         return (self.step_s_p90 - self.step_s_p50) / self.step_s_p50 / math.sqrt(max(self.steps, 1))
 
 
-def planned_name(plan: dict) -> str:
+def planned_name(plan: Plan) -> str:
     """The planner's choice as its candidate is named: ``hybrid-cache`` for hybrid with the
     workers' hot-row caches (a plan's ``cache``, strategies/plan/costmodel_cache.py)."""
-    return HYBRID_CACHE.name if plan.get("strategy") == HYBRID_CACHE.runs_as and plan.get("cache") else plan.get("strategy", "")
+    return HYBRID_CACHE.name if plan.strategy == HYBRID_CACHE.runs_as and plan.cache else plan.strategy
 
 
-def candidates(plan: dict) -> list[tuple[str, float]]:
+def candidates(plan: Plan) -> list[tuple[str, float]]:
     """``(strategy, predicted step seconds)`` of the planner's runnable candidates within
     ``FACTOR`` of the best predicted samples/s, fastest first, at most ``MOST``; the first is
     the planner's choice."""
-    runnable = [c for c in plan.get("candidates") or [] if c.get("available") and c.get("samples_per_s", 0) > 0]
+    runnable = [c for c in plan.candidates if c.available and c.samples_per_s > 0]
     if not runnable:
         return []
-    best = max(c["samples_per_s"] for c in runnable)
-    near = sorted((c for c in runnable if c["samples_per_s"] >= best / FACTOR), key=lambda c: -c["samples_per_s"])
-    chosen = [c for c in near if c["strategy"] == planned_name(plan)]
-    ordered = chosen + [c for c in near if c["strategy"] != planned_name(plan)]
-    return [(c["strategy"], c["predicted_step_s"]) for c in ordered[:MOST]]
+    best = max(c.samples_per_s for c in runnable)
+    near = sorted((c for c in runnable if c.samples_per_s >= best / FACTOR), key=lambda c: -c.samples_per_s)
+    chosen = [c for c in near if c.strategy == planned_name(plan)]
+    ordered = chosen + [c for c in near if c.strategy != planned_name(plan)]
+    return [(c.strategy, c.predicted_step_s) for c in ordered[:MOST]]
 
 
 def trial_steps(mode: str, wanted: int, run_steps: int, cands: list[tuple[str, float]]) -> tuple[int, str]:
@@ -141,9 +142,11 @@ def run_trials(console: Console, cfg, cands: list[tuple[str, float]], steps: int
         directory = os.path.join(cfg.run_dir, "trials", strategy)
         os.makedirs(directory, exist_ok=True)
         plan_file = os.path.join(directory, "plan.json")
-        plan = cfg.plan if strategy == planned_name(cfg.plan) else (cfg.plan.get("alternatives") or {}).get(strategy)
+        alternative = cfg.plan.alternatives.get(strategy)   # a plan dict (launcher/run/planning.plan_job)
+        plan = cfg.plan if strategy == planned_name(cfg.plan) else \
+            Plan.from_dict(alternative) if alternative else Plan(strategy=strategy)
         with open(plan_file, "w", encoding="utf-8") as f:
-            json.dump({k: v for k, v in (plan or {"strategy": strategy}).items() if k not in ("alternatives", "tuning")}, f)
+            json.dump({k: v for k, v in plan.to_dict().items() if k not in ("alternatives", "tuning")}, f)
         with open(os.path.join(directory, "output.txt"), "w", encoding="utf-8") as out:
             quiet = Console(file=out, soft_wrap=True)
             start = time.monotonic()
@@ -198,7 +201,7 @@ def tune(console: Console, cfg, opts, master: str, mode: str, steps: int, resolv
     if chosen != planned_name(cfg.plan):
         plan_file = os.path.join(cfg.run_dir, "trials", chosen, "plan.json")
         cfg, opts, master = resolve_for(console, chosen, plan_file, cfg.run_dir, cfg.steps, False)
-    return cfg.replace(plan={**cfg.plan, "tuning": tuning}), opts, master
+    return cfg.replace(plan=replace(cfg.plan, tuning=tuning)), opts, master
 
 
 __all__ = ["MODES", "Trial", "planned_name", "candidates", "trial_steps", "choose", "run_trials", "record", "tune"]

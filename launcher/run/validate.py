@@ -9,6 +9,7 @@ import json
 import os
 import tempfile
 
+from hpar.strategies.plan.decision import Plan
 from hpar.strategies.runstate import checkpoint
 from hpar.strategies.runstate.trust import check_trusted, check_unmarked
 
@@ -35,11 +36,11 @@ def check_run_dir(path: str, flag: str = "--run-dir") -> None:
         raise ValueError(f"{flag} {path}: cannot write in {probe_dir} ({exc.strerror}); pick a writable directory") from None
 
 
-def check_plan_stages(plan: dict, model, world_size: int, source: str, example=None) -> None:
-    """ValueError naming ``source`` when ``plan["stages"]`` is not ``world_size`` contiguous
+def check_plan_stages(plan: Plan, model, world_size: int, source: str, example=None) -> None:
+    """ValueError naming ``source`` when ``plan.stages`` is not ``world_size`` contiguous
     ``[start, end)`` layer ranges covering ``model``'s layers (``example``: inputs to trace a
     model that is not a declared sequence on)."""
-    stages = plan.get("stages")
+    stages = plan.stages
     if not stages:
         return
     if not (isinstance(stages, list) and all(isinstance(s, (list, tuple)) and len(s) == 2

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 
 from hpar.strategies.pipeline.guard import GuardConfig as check_guard
+from hpar.strategies.plan.decision import Plan
 from hpar.strategies.specs.registry import names, spec as strategy_spec, where
 
 STRATEGIES = names()   # --strategy's choices besides auto (strategies/specs/registry.py)
@@ -75,7 +76,7 @@ class RunConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2      # the newest complete checkpoints kept on disk (0: all)
     resume: bool = False
-    plan: dict = field(default_factory=dict)   # the planner's Plan as JSON, may be empty
+    plan: Plan = field(default_factory=Plan)   # the planner's Plan (strategies/plan/decision.py), may be empty
     eval: bool = True
     precision: str = "fp32"        # autocast dtype of forward/backward: fp32 (off), bf16, fp16 (+ GradScaler)
     clip_grad_norm: float = 0.0    # clip the global norm of the averaged gradient to this (0: off)
@@ -90,6 +91,8 @@ class RunConfig:
     allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/common/first_batch.py)
 
     def __post_init__(self):
+        if not isinstance(self.plan, Plan):   # config.json, or a caller's dict: a plan's keys, any subset
+            object.__setattr__(self, "plan", Plan.from_dict(self.plan or {}))
         spec = strategy_spec(self.strategy)   # ValueError naming the choices for an unknown one
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")

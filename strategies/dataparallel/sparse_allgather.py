@@ -8,7 +8,7 @@ embedding gradient into (row ids ``(k,)``, rows ``(k, dim)``), the workers AllGa
 shape (NCCL needs equal sizes), AllGather both, drop the padding, and sum the rows by id; the
 result is divided by N (a mean, as DDP's dense buckets). Everything stays on the gradient's
 device, so this runs on NCCL as on gloo; ``allreduce-sparse`` uses it on CUDA and, when
-``plan["sparse_exchange"] == "allgather-padded"``, on gloo too (how the tests run the NCCL
+the plan's ``sparse_exchange`` is ``"allgather-padded"``, on gloo too (how the tests run the NCCL
 path on this CPU machine).
 
 Bytes per worker: it sends its padded ids and rows (and its ``k``) to each of the N-1 peers
@@ -21,14 +21,16 @@ import math
 import torch
 import torch.distributed as dist
 
+from hpar.strategies.plan.decision import Plan
+
 EXCHANGES = ("gloo-sparse", "allgather-padded")
 
 
-def sparse_exchange(plan: dict | None, dense_backend: str) -> str:
-    """How ``allreduce-sparse`` exchanges sparse gradients: ``plan["sparse_exchange"]`` when
+def sparse_exchange(plan: Plan, dense_backend: str) -> str:
+    """How ``allreduce-sparse`` exchanges sparse gradients: ``plan.sparse_exchange`` when
     given, else gloo's sparse AllReduce on gloo and the padded AllGather on NCCL. Raises
     ValueError for an unknown name or gloo's sparse AllReduce on NCCL."""
-    chosen = (plan or {}).get("sparse_exchange") or ("allgather-padded" if dense_backend == "nccl" else "gloo-sparse")
+    chosen = plan.sparse_exchange or ("allgather-padded" if dense_backend == "nccl" else "gloo-sparse")
     if chosen not in EXCHANGES:
         raise ValueError(f"plan sparse_exchange {chosen!r}: choose one of {', '.join(EXCHANGES)}")
     if chosen == "gloo-sparse" and dense_backend == "nccl":

@@ -35,7 +35,7 @@ The rules here, for a table with a cache of the rows ``ids`` (at most N, the hot
   into the checkpoint), so resuming stays bit-identical.
 
 The first epoch's rows are the hottest of the profile's row frequencies
-(strategies/profile/hot_rows.py), ``plan["hot_rows"]``.
+(strategies/profile/hot_rows.py), the plan's ``cache["hot_rows"]``.
 """
 from __future__ import annotations
 

@@ -30,9 +30,9 @@ from hpar.strategies.hybrid.wire import CACHE, PULL_CACHED, nbytes, reply_tag
 class WorkerCaches:
     """The caches of one worker (rank ``rank``) of a run of ``steps`` steps, one per served
     ``rows`` table of ``tables``; ``hot_rows`` maps a table's name to its rows by decreasing
-    profiled frequency (``plan["hot_rows"]``), the first epoch's rows; ``checkpoint_every`` the
+    profiled frequency (the plan's ``cache["hot_rows"]``), the first epoch's rows; ``checkpoint_every`` the
     run's (a checkpoint ends an epoch); ``refresh_steps`` the steps between choices of the rows
-    (``plan["cache"]["refresh_steps"]``, default cache.REFRESH_STEPS)."""
+    (the plan's ``cache["refresh_steps"]``, default cache.REFRESH_STEPS)."""
 
     def __init__(self, cfg: CacheConfig, tables, client, rank: int, steps: int, checkpoint_every: int = 0,
                  hot_rows: dict | None = None, refresh_steps: int = REFRESH_STEPS):

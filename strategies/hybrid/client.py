@@ -33,6 +33,7 @@ from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.specs.base import ON_ALLREDUCE, ON_SERVERS
 from hpar.strategies.common.context import ByteMeter
 from hpar.strategies.models.tying import dense_shared_embeddings, embedding_tables
+from hpar.strategies.plan.decision import Plan
 from hpar.strategies.hybrid.shard import ROW_PARTITIONS_PER_SERVER, OptimizerSpec, RowLayout, spec_from_group, table_view
 from hpar.strategies.hybrid.wire import CONTROL, DONE, FINISH, PULL, PUSH, TAG_DATA, TAG_REQUEST, encode, nbytes, p2p, reply_tag
 
@@ -60,12 +61,12 @@ def embedding_weights(model: torch.nn.Module) -> set[str]:
     return {f"{n}.weight" if n else "weight" for n, _ in embedding_tables(model)}
 
 
-def placement(model: torch.nn.Module, strategy: str, plan: dict) -> dict[str, str]:
-    """``{param name: "ps" | "allreduce"}``: ``plan["placement"]`` when given, else every
+def placement(model: torch.nn.Module, strategy: str, plan: Plan) -> dict[str, str]:
+    """``{param name: "ps" | "allreduce"}``: ``plan.placement`` when given, else every
     embedding weight on the PS for ``hybrid`` and everything for ``ps``. Raises ValueError
     for a plan naming unknown parameters or places."""
     names = [n for n, _ in model.named_parameters()]
-    given = (plan or {}).get("placement")
+    given = plan.placement
     if not strategy_spec(strategy).ddp:   # ps: nothing on AllReduce
         return {n: ON_SERVERS for n in names}
     if given:
@@ -85,27 +86,26 @@ def placement(model: torch.nn.Module, strategy: str, plan: dict) -> dict[str, st
     return {n: (ON_SERVERS if n in emb else ON_ALLREDUCE) for n in names}
 
 
-def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str, plan: dict,
+def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str, plan: Plan,
               num_servers: int) -> list[PSTable]:
     """The PS tables of ``model`` in ``named_parameters`` order (same on every process).
 
     ``opt`` is the user's optimizer over all of ``model``'s parameters: each table takes its
     param group's rule (ValueError if the PS cannot run it). Partitions per parameter come
-    from ``plan["partitions"]`` (fewer than the servers keeps a small table on fewer servers,
+    from ``plan.partitions`` (fewer than the servers keeps a small table on fewer servers,
     so a worker sends it fewer requests). Without a planned count, an embedding table is cut
     into ``ROW_PARTITIONS_PER_SERVER`` partitions per server (at most one row each): a request
     goes to each server whatever the count, and fine slices spread a frequency-sorted
     vocabulary's head over every server; a table kept whole, one per server. Table ``t``'s partition 0
-    lives on server ``t % S``, spreading the tables over the servers; ``plan["sparse_optimizer"]``
+    lives on server ``t % S``, spreading the tables over the servers; ``plan.sparse_optimizer``
     picks ``"exact"`` (default) or ``"lazy"`` semantics (see ps_shard).
     """
     if num_servers < 1:
         raise ValueError("--servers must be at least 1 for --strategy hybrid/ps")
-    plan = plan or {}
     place = placement(model, strategy, plan)
     emb = embedding_weights(model)
     group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-    mode = plan.get("sparse_optimizer", "exact")
+    mode = plan.sparse_optimizer
     tables = []
     for name, p in model.named_parameters():
         if place[name] != ON_SERVERS:
@@ -114,7 +114,7 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
             raise ValueError(f"optimizer(): parameter {name} is in no param group; pass every parameter to the optimizer")
         view = table_view(p.detach())
         default = num_servers * ROW_PARTITIONS_PER_SERVER if name in emb else num_servers
-        parts = int(plan.get("partitions", {}).get(name, default))
+        parts = int(plan.partitions.get(name, default))
         tables.append(PSTable(len(tables), name, tuple(p.shape), view.shape[0], view.shape[1],
                               "rows" if name in emb else "whole", RowLayout.make(view.shape[0], parts, num_servers, len(tables)),
                               spec_from_group(opt, group_of[id(p)], mode), p.dtype))

@@ -49,6 +49,7 @@ from hpar.strategies.hybrid.cache_client import WorkerCaches
 from hpar.strategies.hybrid.client import PSClient, ps_tables
 from hpar.strategies.hybrid.worker_step import HybridStep, WorkerParts
 from hpar.strategies.models.forward import inner_module
+from hpar.strategies.plan.decision import Plan
 
 
 @dataclass(frozen=True)
@@ -62,15 +63,15 @@ class Groups:
     host_ranks: tuple[int, ...] = ()
 
 
-def make_groups(num_workers: int, device_type: str, hosts: tuple[int, ...], plan: dict) -> Groups:
+def make_groups(num_workers: int, device_type: str, hosts: tuple[int, ...], plan: Plan) -> Groups:
     """Create the run's subgroups: a collective over the default group, so servers call it
     too, with the same arguments (``hosts``: the host index of every default-group rank,
     from ``workers.worker.init_group``). Local aggregation is on for a host with several
     workers when a server lives on another host (its pushes then cross the network), or as
-    ``plan["local_aggregation"]`` (true/false) says."""
+    ``plan.local_aggregation`` (True/False; None: decided so) says."""
     workers = worker_groups(num_workers, device_type)
     worker_hosts, server_hosts = hosts[:num_workers], hosts[num_workers:]
-    want = (plan or {}).get("local_aggregation")
+    want = plan.local_aggregation
     mine, my_ranks = None, ()
     for h in sorted(set(worker_hosts)):
         ranks = [r for r in range(num_workers) if worker_hosts[r] == h]
@@ -101,7 +102,7 @@ def _setup(ctx: WorkerContext) -> WorkerParts:
     groups = make_groups(ctx.world_size, cfg.device, ctx.host_of, cfg.plan)
     client = PSClient(tables, ctx.world_size, servers, ctx.is_remote, pin=ctx.device.type == "cuda")
     if cfg.staleness is not None:   # the hot-row caches (client.caches)
-        planned = (cfg.plan or {}).get("cache") or {}
+        planned = cfg.plan.cache or {}
         WorkerCaches(CacheConfig(cfg.cache_rows, cfg.staleness), tables, client, ctx.rank, cfg.steps,
                      cfg.checkpoint_every, planned.get("hot_rows"), planned.get("refresh_steps", REFRESH_STEPS))
     clock = embedding.StepClock()

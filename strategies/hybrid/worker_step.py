@@ -96,9 +96,9 @@ def pull_ahead(cfg, step: int, caches=None) -> bool:
     """Whether step ``step``'s rows may be requested during the step before (PullAhead):
     not past the last step, not for a step after which rank 0 pulls whole tables for
     evaluation (its answers would share the reply tags), not for a step that starts a hot-row
-    cache epoch (its pulls follow the epoch's CACHE requests), and not with ``"pull_ahead":
-    false`` in the plan (for A/B measurements)."""
-    return (step < cfg.steps and not evaluate_now(cfg, step) and (cfg.plan or {}).get("pull_ahead", True)
+    cache epoch (its pulls follow the epoch's CACHE requests), and not with ``pull_ahead``
+    False in the plan (``"pull_ahead": false`` in a plan file, for A/B measurements)."""
+    return (step < cfg.steps and not evaluate_now(cfg, step) and cfg.plan.pull_ahead
             and not (caches and caches.boundary(step)))
 
 
@@ -310,7 +310,7 @@ class HybridStep(TrainStep):
         result = meter.result(None, replicas=self.ctx.world_size,
                               extra={"by_param": by_param, "servers": cfg.servers or 1, "worker_peak_rss_bytes": peaks,
                                      "ps_params": sorted(self.ps_names), "pulls_ahead": self.batches.sent,
-                                     **({"cache": caches.summary(((cfg.plan or {}).get("cache") or {}).get(
+                                     **({"cache": caches.summary((cfg.plan.cache or {}).get(
                                          "predicted_hit_rate"))} if caches else {})})
         result.eval_last = self.eval_last
         return result

@@ -76,7 +76,7 @@ class Grid:
     def of(cls, cfg) -> "Grid":
         """The grid of a RunConfig: ``cfg.replicas`` replicas of ``cfg.pipeline_stages`` stages,
         the layout from ``cfg.plan`` (default ``stages-adjacent``)."""
-        return cls(cfg.pipeline_stages, cfg.replicas, (cfg.plan or {}).get("layout") or LAYOUTS[0])
+        return cls(cfg.pipeline_stages, cfg.replicas, cfg.plan.layout or LAYOUTS[0])
 
     @property
     def size(self) -> int:

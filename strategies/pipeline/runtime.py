@@ -1,7 +1,7 @@
 """The ``pipeline`` strategy: one process per stage, activations forward and gradients
 backward with torch.distributed point-to-point messages.
 
-Stages: ``cfg.plan["stages"]`` (the planner's ``[start, end)`` layer ranges) when present,
+Stages: ``cfg.plan.stages`` (the planner's ``[start, end)`` layer ranges) when present,
 else contiguous ranges balanced on parameter counts (``stage.stage_ranges``). Every stage
 builds the whole model with ``torch.manual_seed(cfg.seed)`` and keeps its own layers, so
 the initial weights equal a single process's. world_size = K stages x R replicas

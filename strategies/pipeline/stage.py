@@ -18,6 +18,7 @@ from hpar.strategies.models.layers import model_layers, stage_of
 from hpar.strategies.pipeline.partition import balanced_ranges
 from hpar.strategies.pipeline.schedules import Op
 from hpar.strategies.pipeline.prediction import PassWeights
+from hpar.strategies.plan.decision import Plan
 
 
 def sequential_layers(model: torch.nn.Module, example=None) -> list[tuple[str, torch.nn.Module]]:
@@ -41,16 +42,16 @@ def example_micro_batch(job: Job, batch_size: int, micro_batches: int, seed: int
     return split_micro(inputs, micro_batches)[0]
 
 
-def stage_ranges(model: torch.nn.Module, num_stages: int, plan: dict | None = None,
+def stage_ranges(model: torch.nn.Module, num_stages: int, plan: Plan | None = None,
                  example=None) -> tuple[tuple[int, int], ...]:
-    """``[start, end)`` layer ranges of the stages: ``plan["stages"]`` when the planner gave
+    """``[start, end)`` layer ranges of the stages: ``plan.stages`` when the planner gave
     them, else contiguous ranges balanced on parameter count (+1 per layer, so layers
     without parameters also spread). Raises ValueError for fewer layers than stages or a plan
     that does not cover the layers with ``num_stages`` contiguous ranges."""
     layers = sequential_layers(model, example)
     n = len(layers)
-    if plan and plan.get("stages"):
-        ranges = tuple((int(a), int(b)) for a, b in plan["stages"])
+    if plan is not None and plan.stages:
+        ranges = tuple((int(a), int(b)) for a, b in plan.stages)
         ok = (len(ranges) == num_stages and ranges[0][0] == 0 and ranges[-1][1] == n
               and all(a < b for a, b in ranges) and all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:])))
         if not ok:
@@ -67,7 +68,7 @@ def stage_module(model: torch.nn.Module, start: int, end: int, example=None) -> 
     return stage_of(model, start, end, example)
 
 
-def check_pipeline(model: torch.nn.Module, num_stages: int, plan: dict | None, micro_batches: int,
+def check_pipeline(model: torch.nn.Module, num_stages: int, plan: Plan | None, micro_batches: int,
                    batch_size: int, example=None) -> tuple[tuple[int, int], ...]:
     """What the pipeline runtime will check after its processes start, checked before: the
     model can be cut into layers (``example``: one micro-batch, for a traced model), the

@@ -1,29 +1,17 @@
 """Choose how to train: the fastest predicted strategy that hpar can run, as a :class:`Plan`.
 
-The Plan is what ``hpar profile --plan-out`` writes and what the run config's ``plan`` field
-holds (``Plan.to_dict()``): the hybrid runtime reads ``placement`` (parameter name ->
-"allreduce" | "ps") and ``partitions`` (row partitions per PS-placed parameter), the
-pipeline runtime reads ``stages`` ([start, end) layer indices of
-``profile.pipeline_layers(model)``: K stages), ``replicas`` (R; K x R = the workers),
-``layout`` (rank layout, strategies/pipeline/replicas.py), ``micro_batches`` and ``schedule``;
-``hpar run`` reads ``unused_params`` (what decides DDP's ``find_unused_parameters``),
-``cache`` when the plan runs hybrid with the workers' hot-row caches (``hybrid-cache``:
-staleness, rows, the first epoch's rows ``hot_rows``, the predicted hit rate, and optionally
-``refresh_steps``, the steps between choices of the cached rows; only with ``--staleness``,
-strategies/plan/costmodel_cache.py and strategies/hybrid/cache.py), and records ``memory``
-(the chosen plan's predicted peaks, strategies/plan/memory.py) in summary.json.
+The :class:`Plan` and its :class:`Candidate` rows are typed values of
+strategies/plan/decision.py (what each field means and who reads it); ``hpar profile
+--plan-out`` writes ``Plan.to_dict()`` and the run config's ``plan`` field holds the Plan.
 A candidate whose predicted peak does not fit the cluster's memory (``--worker-memory``,
 ``--server-memory``) is listed as not runnable with the one reason, and never chosen.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass, field
-
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import ALLREDUCE, FSDP, HYBRID, PIPELINE, spec as strategy_spec
 from hpar.strategies.plan.cluster import ClusterSpec
+from hpar.strategies.plan.decision import Candidate, Plan
 from hpar.strategies.hybrid.cache import CacheConfig
 from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.plan.estimates import estimate_all, estimate_pipeline
@@ -32,70 +20,6 @@ from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipelin
 from hpar.strategies.plan.memory import predict as predict_memory, refusal
 from hpar.strategies.pipeline.ties import schedule_problem, stages_of
 from hpar.strategies.profile.records import Profile
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One strategy as predicted: seconds per step, samples/s over all workers, bytes one
-    worker sends per step; ``available`` False when hpar cannot run it for this job (no
-    runtime yet, or the job does not fit it), with ``note`` saying why; ``memory``: its
-    predicted peaks (``MemoryEstimate.to_dict``: ``worker_peak_bytes``, ``server_peak_bytes``,
-    ``fits``, the terms)."""
-
-    strategy: str
-    predicted_step_s: float
-    samples_per_s: float
-    bytes_per_step: float
-    available: bool
-    note: str = ""
-    breakdown: dict = field(default_factory=dict)
-    memory: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The chosen strategy and everything its runtime needs. ``stages`` is a list of
-    [start, end) layer index pairs (pipeline only), ``servers`` the parameter-server count
-    (hybrid and ps only, else 0), ``reason`` one sentence, ``candidates`` every strategy,
-    ``compute`` where the predicted compute times come from (:func:`compute_source`)."""
-
-    strategy: str
-    placement: dict[str, str]
-    partitions: dict[str, int]
-    servers: int
-    stages: list[list[int]]
-    micro_batches: int
-    schedule: str
-    reason: str
-    candidates: list[Candidate]
-    predicted_step_s: float = 0.0
-    samples_per_s: float = 0.0
-    compute: str = ""
-    replicas: int = 1        # pipeline: R replicas of the K stages
-    layout: str = ""         # pipeline: rank layout (strategies/pipeline/replicas.py)
-    pull_ahead: bool = True  # hybrid/ps: request the next step's rows during this one (hybrid/embedding.py)
-    alternatives: dict = field(default_factory=dict)   # hpar run --strategy auto: the other candidates' plans (--tune)
-    unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/dataparallel/ddp.py
-    cache: dict = field(default_factory=dict)   # hybrid with hot-row caches (costmodel_cache.plan_cache); {}: none
-    memory: dict = field(default_factory=dict)   # the chosen candidate's predicted peaks (strategies/plan/memory.py)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
-        """Inverse of :meth:`to_dict`. Raises ValueError naming the missing key."""
-        try:
-            d = dict(d)
-            d["candidates"] = [Candidate(**c) for c in d.get("candidates", [])]
-            d["stages"] = [list(s) for s in d.get("stages", [])]
-            d["partitions"] = {k: int(v) for k, v in d.get("partitions", {}).items()}
-            return cls(**d)
-        except TypeError as exc:
-            raise ValueError(f"--plan: not a plan written by hpar profile ({exc})") from None
 
 
 def _fmt_bytes(n: float) -> str:

@@ -176,7 +176,7 @@ def probe_requests(steps: int = 150, rows: int = 64, dim: int = 16, rounds: int 
     per_request = []
     for _ in range(rounds):
         model = nn.Sequential(nn.Embedding(4 * rows, dim))
-        tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), HYBRID.name, {}, 1)
+        tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), HYBRID.name, cfg.plan, 1)
         out: dict = {}
 
         def worker(pg) -> None:
