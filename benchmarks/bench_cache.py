@@ -146,7 +146,7 @@ def markdown(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: str) -> None:
     """Write a PNG: against s, per script and cluster, the tables' bytes, all bytes, samples/s
     and the final evaluation, each as a ratio to hybrid's (best round)."""
-    from hpar.launcher.bench.report import pyplot
+    from hpar.launcher.bench.bench_report import pyplot
     plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     titles = ["served tables' bytes / step", "all bytes / step", "samples/s", "final evaluation"]

@@ -123,8 +123,8 @@ def render_memory(doc: dict) -> list[str]:
         return []
     mb = lambda n: "-" if n is None else f"{n / 1e6:,.0f} MB"
     pct = lambda x: "-" if x is None else f"{x:+.0%}"
-    out = ["Peak memory per process above its baseline, predicted (strategies/plan/memory.py) and measured "
-           "(the largest worker's and server's, strategies/common/memory.py):", "",
+    out = ["Peak memory per process above its baseline, predicted (strategies/plan/memory_model.py) and measured "
+           "(the largest worker's and server's, strategies/common/measured_memory.py):", "",
            "| script | strategy | worker predicted | worker measured | error | server predicted | server measured | error | dominant terms (worker; server) |",
            "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in found:

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from hpar.launcher.bench.config import BENCH_STRATEGIES
+from hpar.launcher.bench.bench_config import BENCH_STRATEGIES
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.estimates import estimate_all
 from hpar.strategies.profile.profiler import Profile

@@ -10,9 +10,9 @@ import os
 import pytest
 
 from conftest import finite_positive, hpar, hpar_to_file, run_processes, write_script
-from hpar.launcher.bench.config import BENCH_STRATEGIES, parse_strategies
+from hpar.launcher.bench.bench_config import BENCH_STRATEGIES, parse_strategies
 from hpar.launcher.bench.driver import Result, with_ratios
-from hpar.launcher.bench.figures import bytes_per_worker_step
+from hpar.launcher.bench.plots import bytes_per_worker_step
 from hpar.launcher.bench.emulate import rate_arg
 from hpar.launcher.hosts.emulated import parse_emulate
 
@@ -215,7 +215,7 @@ def test_byte_check_window_and_interpolation(tmp_path):
 
 def test_pipeline_entries_run_the_planned_micro_batches(tmp_path):
     """The prediction is for the plan's M; a script's HPAR micro_batches must not replace it."""
-    from hpar.launcher.bench.config import BenchConfig
+    from hpar.launcher.bench.bench_config import BenchConfig
     from hpar.launcher.bench.driver import run_command
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"strategy": "pipeline", "micro_batches": 1, "stages": [[0, 4], [4, 8]]}))
@@ -239,7 +239,7 @@ def test_socket_total_counts_growth_new_sockets_and_survives_closed_ones():
 
 
 def test_min_seconds_gives_a_strategy_predicted_fast_more_steps():
-    from hpar.launcher.bench.config import MAX_STEPS, BenchConfig, steps_for
+    from hpar.launcher.bench.bench_config import MAX_STEPS, BenchConfig, steps_for
     from hpar.launcher.bench.driver import run_command
     cfg = BenchConfig(scripts=("a.py",), gpus=2, strategies=("allreduce",), steps=30, bench_dir="b", min_seconds=5.0)
     assert steps_for(cfg, 0.005) == 1002 and steps_for(cfg, 0.5) == 30 and steps_for(cfg, None) == 30
@@ -254,9 +254,9 @@ def test_hybrid_and_ps_entries_run_the_planners_plan(tmp_path):
     """The prediction next to hybrid's measurement is for the planned placement and partitions, and
     the profile and cluster it was computed from are saved beside the plans."""
     from conftest import embed_script
-    from hpar.launcher.bench.config import BenchConfig
+    from hpar.launcher.bench.bench_config import BenchConfig
     from hpar.launcher.bench.driver import run_command
-    from hpar.launcher.bench.planning import plan_script
+    from hpar.launcher.bench.bench_plans import plan_script
     from hpar.strategies.plan.cluster import ClusterSpec
     script = write_script(tmp_path, embed_script())
     cfg = BenchConfig(scripts=(script,), gpus=2, strategies=("hybrid", "ps", "allreduce"), steps=4,
@@ -297,7 +297,7 @@ def test_repeated_runs_give_the_median_run_and_their_spread():
     count), with every run's samples/s; a failed run fails the entry, saying which; the
     verdict's spread takes the runs' max/min; the scale's rankings ask only the order of
     strategies whose runs do not overlap."""
-    from hpar.launcher.bench.figures import combine_runs
+    from hpar.launcher.bench.plots import combine_runs
     from hpar.launcher.bench.scale import ScalePoint, rankings
     from hpar.launcher.bench.verdict import spread, verdict
     runs = [Result("a.py", "hybrid", samples_per_s=v, run_dir=f"r{i}") for i, v in enumerate((120.0, 80.0, 100.0, 90.0))]

@@ -121,7 +121,7 @@ def test_emulated_hosts_share_the_cores_out_and_every_run_gets_them():
     """Every emulated host sees all of this machine's cores; `hpar run` would give each host's
     processes all of them (8 hosts: 8x too many OpenMP threads, cnn.py's allreduce 7x slower). The
     bench passes cpu_count / (workers + one server per host) threads, at least 1, to every run."""
-    from hpar.launcher.bench.config import BenchConfig
+    from hpar.launcher.bench.bench_config import BenchConfig
     from hpar.launcher.bench.driver import run_command
     from hpar.launcher.bench.emulate import EmulatedCluster
     assert EmulatedCluster(8, 8, None).threads == max(1, (os.cpu_count() or 1) // 16)
@@ -163,8 +163,8 @@ def test_repredict_recomputes_the_predictions_from_the_saved_profiles(tmp_path):
     """`python benchmarks/repredict.py scale.json`: each measured point's prediction recomputed from
     the profile and cluster the bench saved, equal to the bench's own while the model is unchanged."""
     from conftest import embed_script
-    from hpar.launcher.bench.config import BenchConfig
-    from hpar.launcher.bench.planning import plan_script
+    from hpar.launcher.bench.bench_config import BenchConfig
+    from hpar.launcher.bench.bench_plans import plan_script
     from hpar.strategies.plan.cluster import ClusterSpec
     script = write_script(tmp_path, embed_script())
     cfg = BenchConfig(scripts=(script,), gpus=2, strategies=("hybrid", "allreduce"), steps=4,

@@ -77,7 +77,7 @@ def test_profile_and_plan_name_parameters_as_the_user_wrote_them():
     names."""
     from torch._dynamo.utils import counters
 
-    from hpar.launcher.run.cluster import build_cluster
+    from hpar.launcher.run.cluster_build import build_cluster
     from hpar.strategies.common.job import load_job
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job

@@ -6,7 +6,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from hpar.launcher.run.devices import choose_devices, describe
+from hpar.launcher.run.device_choice import choose_devices, describe
 
 from conftest import hpar, run_processes
 

@@ -28,7 +28,7 @@ def record_groups(monkeypatch, pg_rank: int) -> list:
 
 @pytest.mark.parametrize("strategy", ["hybrid", "ps"])
 def test_servers_only_join_gloo_and_workers_dense_group_is_nccl(monkeypatch, tmp_path, strategy):
-    from hpar.strategies.hybrid.runtime import make_groups
+    from hpar.strategies.hybrid.hybrid_runtime import make_groups
     from hpar.workers.worker import init_group
     n, s = 4, 2
     hosts = (0, 0, 1, 1, 0, 1)     # two hosts, local aggregation on: more groups to check

@@ -203,7 +203,7 @@ def test_a_checkpoint_reshards_onto_another_row_layout(tmp_path):
     update counts (torch.distributed.checkpoint reshards)."""
     import torch.distributed as dist
     from hpar.strategies.hybrid.client import ps_tables
-    from hpar.strategies.hybrid.server import Server
+    from hpar.strategies.hybrid.ps_server import Server
     script = write_job(tmp_path, "adagrad")
     job = load_job(script)
 

@@ -50,7 +50,7 @@ class _Allocations(TorchDispatchMode):
 
 
 def test_a_worker_builds_no_served_table_and_takes_the_dense_state_from_server_0(tmp_path, monkeypatch):
-    from hpar.strategies.hybrid import build, runtime
+    from hpar.strategies.hybrid import build, hybrid_runtime as runtime
     monkeypatch.setattr(dist, "new_group", lambda ranks=None, backend=None, **kw: object())
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     script = write_script(tmp_path, JOB)

@@ -99,7 +99,7 @@ def evaluate(model):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_evaluate_reading_a_served_tables_weight_sees_the_whole_table(tmp_path):
-    """A small served table is pulled whole into evaluate()'s copy (hybrid/runtime.py
+    """A small served table is pulled whole into evaluate()'s copy (hybrid/hybrid_runtime.py
     EVAL_WHOLE_BYTES): its .weight read directly equals its rows looked up, before training,
     mid-run and after, and the final one equals the trained table RUN_DIR/model holds."""
     from conftest import final_state, hpar_to_file, kill_left

@@ -149,3 +149,14 @@ def test_the_size_checks_see_a_long_function(tmp_path):
         assert long_signatures(tmp_path.name) == [f"{tmp_path.name}/m.py:1 f (11)"]
     finally:
         ROOT = saved
+
+
+def test_no_two_modules_share_a_basename():
+    """A traceback's file name names one module (`__init__.py` aside)."""
+    seen: dict[str, list[str]] = {}
+    for path in modules().values():
+        name = os.path.basename(path)
+        if name != "__init__.py":
+            seen.setdefault(name, []).append(os.path.relpath(path, ROOT))
+    shared = {n: p for n, p in seen.items() if len(p) > 1}
+    assert not shared, f"module basenames used twice (rename one): {shared}"

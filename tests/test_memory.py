@@ -1,4 +1,4 @@
-"""Measured peak memory (strategies/common/memory.py, launcher/run/peaks.py): every worker and
+"""Measured peak memory (strategies/common/measured_memory.py, launcher/run/peaks.py): every worker and
 parameter server reports its peak above its baseline, in metrics.jsonl and summary.json."""
 import json
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpar.launcher.run.peaks import PeakFigures
-from hpar.strategies.common import memory
+from hpar.strategies.common import measured_memory as memory
 from hpar.strategies.plan.decision import Plan
 
 from conftest import hpar_to_file, kill_left, write_script
@@ -92,7 +92,7 @@ def test_peaks_go_to_the_summary_largest_per_role():
 
 FRAGMENTS = """
 import random, torch
-from hpar.strategies.common import memory
+from hpar.strategies.common import measured_memory as memory
 memory.limit_retention()   # as every measuring process
 rng = random.Random(0)
 keep, junk = [], []

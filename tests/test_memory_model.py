@@ -1,4 +1,4 @@
-"""The memory model (strategies/plan/memory.py) and the planner's fit test, on synthetic
+"""The memory model (strategies/plan/memory_model.py) and the planner's fit test, on synthetic
 profiles: each strategy's counted terms, the schedules' micro-batches in flight, and a
 candidate that does not fit never chosen."""
 import dataclasses
@@ -7,7 +7,7 @@ import pytest
 
 from hpar.strategies.plan.cluster import make_cluster
 from hpar.strategies.plan.costmodel import Estimate
-from hpar.strategies.plan.memory import in_flight, misfit, predict
+from hpar.strategies.plan.memory_model import in_flight, misfit, predict
 from hpar.strategies.plan.planner import choose_plan
 from hpar.strategies.profile.records import LayerProfile, MemoryProfile, ParamProfile, Profile
 
@@ -124,7 +124,7 @@ def test_misfit_names_the_side_that_does_not_fit():
 
 
 def test_bench_skips_a_strategy_that_does_not_fit_with_the_reason():
-    from hpar.launcher.bench.planning import does_not_fit
+    from hpar.launcher.bench.bench_plans import does_not_fit
     from hpar.strategies.plan.estimates import estimate_all
     prof = profile(ratio=2.0)
     tight = cluster(worker_memory_bytes=1.7e9)

@@ -73,7 +73,7 @@ def run_pipeline(tmp_path, script_text=SCRIPT, timeout=60, **overrides):
     cfg = RunConfig(**fields)
     (run_dir / "config.json").write_text(cfg.to_json())
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.func", "hpar.workers.worker", "hpar.strategies.pipeline.runtime"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.func", "hpar.workers.worker", "hpar.strategies.pipeline.pipeline_runtime"])
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, cfg.world_size, port, str(run_dir / "config.json"),
                                               str(run_dir / f"rank{r}.log"))) for r in range(cfg.world_size)]
@@ -246,7 +246,7 @@ def test_divergence_guard_falls_back_or_stops_like_the_simulator(tmp_path, actio
     """lr 1.0 makes async-predict's loss rise (0.56 -> 0.91 at step 2, > 1.5 x the minimum):
     the guard trips there, the asynchronous stream is cut after step 2 + 1 + ceil(3/4) = 4,
     then the run goes on as 1f1b (sync) or ends (stop), exactly as the simulator does."""
-    from hpar.strategies.pipeline.guard import GuardConfig
+    from hpar.strategies.pipeline.divergence import GuardConfig
     from hpar.strategies.pipeline.sim import simulate
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, schedule="async-predict", lr=1.0,
                                                on_divergence=action, divergence_factor=1.5)

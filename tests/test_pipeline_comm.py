@@ -5,7 +5,7 @@ operations run in order. The strictest model of that: every posted batch of oper
 (``Links`` posts its queued sends together with its next receive, one ``batch_isend_irecv``)
 completes only when every operation in it meets its counterpart in the peer's currently
 posted batch. These tests drive the real ``Links`` of every stage through the same calls as
-``strategies/pipeline/runtime.py``, record the batches they post, and replay them under that
+``strategies/pipeline/pipeline_runtime.py``, record the batches they post, and replay them under that
 model for every schedule, K = 2..8 stages and M = 1..8 micro-batches.
 """
 import itertools

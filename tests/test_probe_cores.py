@@ -41,7 +41,7 @@ def test_workers_compute_as_slowly_as_their_share_of_the_cores_worth(monkeypatch
     assert cpu_share(ClusterSpec(1, (1,), 1, 1e9, 1e-4, cores_per_host=1.25)) == 1.0
     if torch.cuda.is_available():
         pytest.skip("this machine's workers would use its GPU")
-    from hpar.launcher.run.cluster import build_cluster
+    from hpar.launcher.run.cluster_build import build_cluster
     monkeypatch.setattr(probe_cores, "effective_cores", lambda cores=None, **kw: 1.25)
     c = build_cluster(3, None, None, "1Gbps", None, None)
     assert c.cores_per_host == 1.25 and cpu_share(c) == pytest.approx(3 / 1.25)

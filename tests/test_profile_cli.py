@@ -104,7 +104,7 @@ def test_bad_script_exit_2(scripts):
 
 @pytest.mark.timeout(120)
 def test_local_cluster_is_probed_for_link_and_allreduce_figures():
-    from hpar.launcher.run.cluster import build_cluster
+    from hpar.launcher.run.cluster_build import build_cluster
     c = build_cluster(2, None, None, None, None, None)
     assert c.source == "probe" and c.hosts == 1 and c.workers == 2
     assert 0 < c.bandwidth_Bps < 1e12 and 0 <= c.latency_s < 0.1

@@ -105,7 +105,7 @@ def test_roofline_prices_memory_bound_layers_and_keeps_flops_only_projections():
 
 
 def test_a_cpu_profile_for_gpu_workers_is_said_in_one_line():
-    from hpar.launcher.run.planning import compute_mismatch
+    from hpar.launcher.run.plan_run import compute_mismatch
     line = compute_mismatch(Plan(compute="measured on cpu"), "cuda")
     assert "measured on cpu" in line and "--device cuda" in line and "\n" not in line
     assert compute_mismatch(Plan(compute="measured on cuda"), "cuda") is None

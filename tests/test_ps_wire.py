@@ -230,7 +230,7 @@ def _early_child(rank: int, port: int, out, sent):
     from torch import nn
     from hpar.strategies.common.config import RunConfig
     from hpar.strategies.hybrid.client import PSClient, ps_tables
-    from hpar.strategies.hybrid.server import Server
+    from hpar.strategies.hybrid.ps_server import Server
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(8, 2))
     tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", Plan(), 1)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import hpar_to_file
-from hpar.strategies.plan.memory import GROWTH_HORIZON_STEPS, forward_passes, growth
+from hpar.strategies.plan.memory_model import GROWTH_HORIZON_STEPS, forward_passes, growth
 from hpar.strategies.profile.records import MemoryProfile
 from hpar.strategies.profile.shapes import STATIC_AFTER, ShapeCensus, distinct_after, draw
 

@@ -83,7 +83,7 @@ def test_tasks_per_node_and_allocation_hosts():
 
 def test_profile_plans_for_the_allocation(monkeypatch):
     """`hpar profile` inside an allocation plans for its hosts and slots (no --hosts)."""
-    from hpar.launcher.run.cluster import build_cluster
+    from hpar.launcher.run.cluster_build import build_cluster
     for key in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("SLURM_JOB_ID", "9")

@@ -12,7 +12,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from conftest import REPO, hpar, hpar_to_file, kill_left, final_state
-from hpar.launcher.bench.figures import stage_figures
+from hpar.launcher.bench.plots import stage_figures
 from hpar.strategies.pipeline.torch_peers import ZBV_GLOO_MIN_TORCH, check_peer, chunk_ranks
 
 PIPE = os.path.join(REPO, "tests", "zoo", "pipe4.py")   # 8 layers: 2 processes x 2 chunks x 2 layers

@@ -1,6 +1,6 @@
 """Run directories and exports, through the real CLI: hpar writes and cleans up only in folders
 it made (strategies/runstate/trust.py), `hpar export` writes into OUT beside what is there
-(strategies/runstate/export.py), a run directory others own or can write is refused, and the
+(strategies/runstate/export_files.py), a run directory others own or can write is refused, and the
 workers run only the config.json the launcher wrote (strategies/common/config.py)."""
 from __future__ import annotations
 

@@ -308,7 +308,7 @@ def test_2bw_is_delay_one_sgd_at_every_depth(stages, micro):
 def test_divergence_guard_stop_and_sync_in_the_simulator():
     """lr 3 makes async-predict blow up on the small MLP; the guard cuts the asynchronous
     stream 1 + ceil((K-1)/M) steps after the trip and stops there or goes on as 1f1b."""
-    from hpar.strategies.pipeline.guard import GuardConfig, LossWatch
+    from hpar.strategies.pipeline.divergence import GuardConfig, LossWatch
     job = _mlp_job()
     kw = dict(steps=12, batch_size=8, micro_batches=2, lr=3.0)
     free = simulate(job, "async-predict", 3, **kw)

@@ -42,7 +42,7 @@ def _metric_losses(run_dir) -> dict[int, float]:
 def test_profile_offers_a_pipeline_with_its_stage_split(name):
     """`hpar profile`'s planner (in this process) lists pipeline as runnable for every zoo model
     here, with the layer range of each stage in its note."""
-    from hpar.launcher.run.cluster import build_cluster
+    from hpar.launcher.run.cluster_build import build_cluster
     from hpar.strategies.common.job import load_job
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hpar.strategies.common import activity
 
-from hpar.strategies.common import memory
+from hpar.strategies.common import measured_memory as memory
 from hpar.strategies.common.config import ConfigChanged, RunConfig, load_config
 from hpar.strategies.common.context import WorkerContext
 from hpar.strategies.common.devices import model_to_cpu
@@ -124,7 +124,7 @@ def main() -> int:
     report.emit("event", {"kind": "phase", "phase": "train"})
     spec = strategy_spec(cfg.strategy)
     train = spec.load("runtime")   # imported before the memory baseline
-    memory.start_process(device)   # peak memory from here to the last step (strategies/common/memory.py)
+    memory.start_process(device)   # peak memory from here to the last step (strategies/common/measured_memory.py)
     eval_first = {}
     if rank == 0 and cfg.eval and not cfg.resume and not spec.servers:   # with servers: in the runtime (served rows)
         # evaluate()'s own peak is not training's; what it leaves behind (kernels' caches) counts

@@ -7,8 +7,8 @@ and the same steps, batch size and seed. The measured figures come from that run
 all workers; step time p50/p90) and ``metrics.jsonl`` (bytes per worker per step, the mean
 over every worker's reports weighted by the steps each covers). The prediction next to it is
 the cost model's (``strategies/plan/costmodel.py``) for the same cluster, from one profile per
-script (``strategies/profile/profiler.profile_job``; launcher/bench/planning.py). What to run,
-and for how many steps: launcher/bench/config.py.
+script (``strategies/profile/profiler.profile_job``; launcher/bench/bench_plans.py). What to run,
+and for how many steps: launcher/bench/bench_config.py.
 
 A strategy that does not apply says why instead of a number: the model is not a sequence of
 layers (pipeline), or its run failed (the run's cause, or the launcher's last error line).
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 from hpar.strategies.plan.decision import Plan
 from hpar.strategies.specs.registry import spec as strategy_spec
-from hpar.launcher.bench.config import BENCH_STRATEGIES, BenchConfig, steps_for
-from hpar.launcher.bench.figures import bytes_per_worker_step, combine_runs, memory_figures, stage_figures
-from hpar.launcher.bench.planning import plan_script, prediction, projection
+from hpar.launcher.bench.bench_config import BENCH_STRATEGIES, BenchConfig, steps_for
+from hpar.launcher.bench.plots import bytes_per_worker_step, combine_runs, memory_figures, stage_figures
+from hpar.launcher.bench.bench_plans import plan_script, prediction, projection
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``hpar bench --memory``: each run's predicted peak memory per worker and per server beside
 the measured one (summary.json's ``predicted_peak_bytes`` and ``peak_bytes``, launcher/bench/
 figures.memory_figures), the error, and the terms that dominate the prediction
-(strategies/plan/memory.py); the table BENCHMARKS.md's "Memory" section shows."""
+(strategies/plan/memory_model.py); the table BENCHMARKS.md's "Memory" section shows."""
 from __future__ import annotations
 
 import os

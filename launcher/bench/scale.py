@@ -117,7 +117,7 @@ def print_scale(console, pts: list[ScalePoint]) -> None:
     samples/s, the prediction's error, bytes per worker per step, and the speed-up over the
     same strategy's smallest point."""
     from rich.table import Table
-    from hpar.launcher.bench.report import _human
+    from hpar.launcher.bench.bench_report import _human
     for script in dict.fromkeys(p.script for p in pts):
         t = Table(title=f"{os.path.basename(script)}: scaling, one worker per emulated host")
         for c in ("strategy", "workers", "samples/s", "predicted", "pred/meas", "sent/wkr/step", "recv/wkr/step",
@@ -159,7 +159,7 @@ def plot_scale(pts: list[ScalePoint], path: str, title: str) -> None:
     run, a vertical line from the slowest to the fastest run with ``--repeat``; predicted:
     dashed, same colour) and bytes sent per worker per step against workers. Raises ValueError
     naming ``--plot`` when matplotlib is missing."""
-    from hpar.launcher.bench.report import pyplot
+    from hpar.launcher.bench.bench_report import pyplot
     plt = pyplot()
     scripts = list(dict.fromkeys(p.script for p in pts))
     fig, axes = plt.subplots(len(scripts), 2, figsize=(12, 3.8 * len(scripts)), squeeze=False)

@@ -86,7 +86,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
     emulated link's (bandwidth, latency, ...) as measured (``EmulatedCluster.probe_link``), which the cost model then uses
     instead of the cap (its latency unless ``latency`` is given); ``capacity``: the memory of a
     worker and a server (launcher/run/capacity.py), this machine's where not given."""
-    from hpar.launcher.run.cluster import build_cluster
+    from hpar.launcher.run.cluster_build import build_cluster
     from hpar.strategies.plan.cluster import make_cluster
     bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
     base = build_cluster(bench_gpus, f"emulate:{emulated_hosts}" if emulated_hosts else hosts, None, bw, latency, None,
@@ -153,7 +153,7 @@ def _link_words(link_rate: str | None, link_queue: str) -> str:
               "worker per host (e.g. 1,2,4,8; root), beside the cost model's predictions.")
 def bench(scripts, **given):
     """Run every strategy that applies to SCRIPT(s) and compare them (table, --json, --plot)."""
-    from hpar.launcher.bench.config import BenchFlags
+    from hpar.launcher.bench.bench_config import BenchFlags
     flags = BenchFlags(**given)
     gpus, hosts, link_rate, link_queue, latency = flags.gpus, flags.hosts, flags.link_rate, flags.link_queue, flags.latency
     strategies, steps, batch_size, seed, precision = flags.strategies, flags.steps, flags.batch_size, flags.seed, flags.precision
@@ -167,8 +167,8 @@ def bench(scripts, **given):
         if given:
             _fail(f"--scale sets the hosts and workers (one per emulated host); drop {', '.join(given)}")
         return _bench_scale(scripts, flags)
-    from hpar.launcher.bench import report
-    from hpar.launcher.bench.config import BenchConfig, parse_strategies
+    from hpar.launcher.bench import bench_report as report
+    from hpar.launcher.bench.bench_config import BenchConfig, parse_strategies
     from hpar.launcher.bench.driver import run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster
     from hpar.launcher.hosts.emulated import parse_emulate
@@ -262,8 +262,8 @@ def _bench_scale(scripts, flags) -> None:
     steps, batch_size, seed, precision = flags.steps, flags.batch_size, flags.seed, flags.precision
     json_out, plot_out, bench_dir, timeout_s = flags.json_out, flags.plot_out, flags.bench_dir, flags.timeout_s
     repeat, min_seconds = flags.repeat, flags.min_seconds
-    from hpar.launcher.bench import report
-    from hpar.launcher.bench.config import BenchConfig, parse_strategies
+    from hpar.launcher.bench import bench_report as report
+    from hpar.launcher.bench.bench_config import BenchConfig, parse_strategies
     from hpar.launcher.bench.driver import run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster
     from hpar.launcher.bench.scale import parse_scale, plot_scale, points, print_scale, rankings

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.specs.base import ON_ALLREDUCE
-from hpar.launcher.run.cluster import DEFAULT_LATENCY, build_cluster
+from hpar.launcher.run.cluster_build import DEFAULT_LATENCY, build_cluster
 
 CLUSTER_FLAGS = ("gpus", "hosts", "servers", "bandwidth", "latency", "device_tflops", "device_mem_gbps")
 from hpar.launcher.usage import fail as _fail, table_console
@@ -172,13 +172,13 @@ def profile(script, as_json, plan_out, **given):
     from hpar.strategies.runstate.checkpoint import atomic_write_bytes
     from hpar.strategies.common.config import check_cache_flags
     from hpar.strategies.hybrid.cache import CacheConfig
-    cluster_flags = {k: given.pop(k) for k in CLUSTER_FLAGS}   # --gpus, --hosts, ...: launcher/run/cluster.py
+    cluster_flags = {k: given.pop(k) for k in CLUSTER_FLAGS}   # --gpus, --hosts, ...: launcher/run/cluster_build.py
     device, batch_size, timing_batch_size, precision = (given[k] for k in ("device", "batch_size", "timing_batch_size",
                                                                              "precision"))
     worker_memory, server_memory, staleness, cache_rows = (given[k] for k in ("worker_memory", "server_memory",
                                                                                "staleness", "cache_rows"))
     from hpar.strategies.common.job import check_job, load_job
-    from hpar.strategies.plan.memory import forward_passes
+    from hpar.strategies.plan.memory_model import forward_passes
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.device import profile_device
     from hpar.strategies.profile.profiler import profile_job

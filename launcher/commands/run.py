@@ -12,7 +12,7 @@ from hpar.launcher.hosts.environ import describe as describe_env, parse_env_flag
 from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
 from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
-from hpar.launcher.run.devices import choose_devices, describe, local_gpus
+from hpar.launcher.run.device_choice import choose_devices, describe, local_gpus
 from hpar.launcher.run.capacity import from_flags
 from hpar.launcher.run.fit import fit_plan
 from hpar.launcher.run.flags import Flags, PlanFlags
@@ -110,7 +110,7 @@ def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: st
         return plan.strategy, plan, None
     if strategy != "auto" and not strategy_spec(strategy).needs_plan:
         return strategy, Plan(strategy=strategy), None
-    from hpar.launcher.run.planning import plan_job
+    from hpar.launcher.run.plan_run import plan_job
     plan, profile = plan_job(job, batch_size, hosts, gpus, flags, precision=precision, capacity=capacity, cache=cache,
                              forwards=forwards)
     if strategy == "auto":
@@ -220,7 +220,7 @@ def resolve(console: Console, flags: Flags):
         staleness, cache_rows = pick(staleness, "staleness"), pick(cache_rows, "cache_rows")
         check_cache_flags(cache_rows, staleness)   # HPAR's keys too
         from hpar.strategies.hybrid.cache import CacheConfig
-        from hpar.strategies.plan.memory import forward_passes
+        from hpar.strategies.plan.memory_model import forward_passes
         resolved = dataclasses.replace(p, strategy=strategy, servers=servers,
                                        pipeline_replicas=planner_replicas(pipeline_replicas, schedule))
         strategy, plan, profile = plan_for(console, job, resolved, bs, hosts, gpus, (loop_flags or {}).get("precision"),
@@ -319,7 +319,7 @@ def resolve(console: Console, flags: Flags):
         chosen, per_host = choose_devices(rows, device)
         cfg = cfg.replace(device=chosen)
         console.print(f"hpar: {describe(chosen, per_host, cfg.servers)}", markup=False)
-        from hpar.launcher.run.planning import compute_mismatch
+        from hpar.launcher.run.plan_run import compute_mismatch
         if compute_mismatch(cfg.plan, chosen):   # CPU figures for GPU workers are never taken silently
             console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
         cfg = fit_plan(console, cfg, job, model, capacity, host_list, p.force, profile)   # predicted peaks vs memory

@@ -1,6 +1,6 @@
 """How much memory a worker and a parameter server may use (``--worker-memory GB``,
 ``--server-memory GB``, 10^9 bytes), and the check of a plan's predicted peaks against it
-before anything starts (strategies/plan/memory.py predicts them).
+before anything starts (strategies/plan/memory_model.py predicts them).
 
 Defaults, where the flag is not given and the processes run on this machine: a GPU worker
 gets what its device reports (``torch.cuda.mem_get_info``'s total of the first visible GPU);
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpar.strategies.plan.memory import GB
+from hpar.strategies.plan.memory_model import GB
 
 
 @dataclass(frozen=True)
@@ -58,5 +58,5 @@ def _gpu_total() -> float | None:
 def misfit(memory: dict, capacity: Capacity) -> str:
     """Why a plan's predicted peaks (its ``memory`` dict) do not fit ``capacity`` ("" when they
     do, or a side is unknown): strategies/plan/memory.misfit."""
-    from hpar.strategies.plan.memory import misfit as plan_misfit
+    from hpar.strategies.plan.memory_model import misfit as plan_misfit
     return plan_misfit(memory, capacity.worker_bytes, capacity.server_bytes)

@@ -1,7 +1,7 @@
 """Whether ``hpar run``'s plan fits the workers' and servers' memory, decided before anything
 starts (``--worker-memory``, ``--server-memory``, ``--force``; launcher/run/capacity.py).
 
-The peaks are predicted (strategies/plan/memory.py) for the run as configured, from the
+The peaks are predicted (strategies/plan/memory_model.py) for the run as configured, from the
 planner's profile where the planner ran (``auto``, ``pipeline``), else from a memory-only
 profile of the model the pre-start check built (strategies/profile/quick.py: one measured
 step, no timing): a strategy named without the planner, a ``--plan`` file (a traced model's
@@ -55,7 +55,7 @@ def predict_run(cfg, job, model, profile=None) -> dict | None:
     import torch
     from hpar.strategies.models.layers import is_declared_sequence
     from hpar.strategies.plan.cluster import make_cluster
-    from hpar.strategies.plan.memory import forward_passes, predict
+    from hpar.strategies.plan.memory_model import forward_passes, predict
     from hpar.strategies.profile.quick import memory_only_profile
     if profile is None:
         if strategy_spec(cfg.strategy).pipelined and not is_declared_sequence(model):
@@ -70,7 +70,7 @@ def predict_run(cfg, job, model, profile=None) -> dict | None:
 def check(memory: dict, capacity: Capacity, strategy: str, force: bool, say) -> None:
     """Refuse (ValueError, one line) a plan whose predicted peaks do not fit ``capacity``,
     unless ``force``, which says so in one line and goes on."""
-    from hpar.strategies.plan.memory import refusal
+    from hpar.strategies.plan.memory_model import refusal
     why = misfit(memory, capacity)
     if not why:
         return

@@ -1,12 +1,12 @@
 """The run's measured peak memory per process, beside the plan's prediction.
 
 Every worker and parameter server reports its peak above its baseline at the end of training
-(a ``memory`` event: strategies/common/memory.py, workers/worker.py and workers/server.py). This
+(a ``memory`` event: strategies/common/measured_memory.py, workers/worker.py and workers/server.py). This
 module writes each report to ``metrics.jsonl`` (``"kind": "memory"``, with the process's role
 and rank) and puts the largest over the workers and over the servers into ``summary.json``
 as ``peak_bytes`` (``{"worker": ..., "server": ...}``, null for a role with no report or none
 running), beside ``predicted_peak_bytes`` in the same shape, which the plan's memory model
-predicted (strategies/plan/memory.py; the plan's ``memory``).
+predicted (strategies/plan/memory_model.py; the plan's ``memory``).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 from hpar.strategies.plan.decision import Plan
 
 FIGURES = ("peak_bytes", "rss_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "baseline_bytes",
-           "trims")   # trims: how often the process handed freed heap blocks back (strategies/common/memory.py)
+           "trims")   # trims: how often the process handed freed heap blocks back (strategies/common/measured_memory.py)
 
 
 class PeakFigures:

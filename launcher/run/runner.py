@@ -14,7 +14,7 @@ from hpar.launcher.hosts.hostfile import Host, place_workers
 from hpar.launcher.procs.local import LocalProcess, run_specs
 from hpar.launcher.run.batchcheck import BatchSizeCheck
 from hpar.launcher.run.elastic import shrink
-from hpar.launcher.run.figures import FirstFigures
+from hpar.launcher.run.first_figures import FirstFigures
 from hpar.launcher.run.health import heartbeat_interval
 from hpar.launcher.run.peaks import PeakFigures
 from hpar.launcher.run.progress import Progress, last_reported

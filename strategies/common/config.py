@@ -7,7 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from hpar.strategies.pipeline.guard import GuardConfig as check_guard
+from hpar.strategies.pipeline.divergence import GuardConfig as check_guard
 from hpar.strategies.plan.decision import Plan
 from hpar.strategies.specs.registry import names, spec as strategy_spec, where
 
@@ -82,7 +82,7 @@ class RunConfig:
     clip_grad_norm: float = 0.0    # clip the global norm of the averaged gradient to this (0: off)
     accumulate: int = 1            # micro-steps (batches per worker) per optimizer step
     eval_every: int = 0            # call evaluate() every N optimizer steps during training (0: only at the ends)
-    on_divergence: str = "off"      # asynchronous pipelines: off, stop or sync (strategies/pipeline/guard.py)
+    on_divergence: str = "off"      # asynchronous pipelines: off, stop or sync (strategies/pipeline/divergence.py)
     divergence_factor: float = 2.0
     replicas: int = 1              # pipeline x data parallelism: R replicas of K = world_size / R stages
     find_unused_parameters: bool = False   # DDP's (allreduce, allreduce-sparse, hybrid): see strategies/dataparallel/ddp.py

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from hpar.strategies.common import memory
+from hpar.strategies.common import measured_memory as memory
 from hpar.strategies.common.config import RunConfig
 from hpar.strategies.common.job import Job
 
@@ -144,7 +144,7 @@ class StepMeter:
     interval), ``bytes_sent_remote`` (the part of ``bytes_sent`` addressed to processes on
     other hosts, when the runtime passes it), ``logged`` (the mean over the interval of the
     script's ``log()`` metrics, when it has that hook), ``peak_bytes`` (this process's peak
-    memory so far above its baseline, strategies/common/memory.py, when measured), plus ``extra``'s
+    memory so far above its baseline, strategies/common/measured_memory.py, when measured), plus ``extra``'s
     keys. The run's last step closes the process's memory window (``memory.freeze_process``). ``samples_per_step`` counts this process's samples
     (its data-parallel replica's, for a pipeline stage). Step times of the first ``warmup`` steps are excluded
     from :meth:`samples_per_s`.
@@ -250,7 +250,7 @@ class StepMeter:
 
 
 def _peak() -> dict:
-    """``{"peak_bytes": ...}``: this process's peak memory so far (strategies/common/memory.py), or {}."""
+    """``{"peak_bytes": ...}``: this process's peak memory so far (strategies/common/measured_memory.py), or {}."""
     mem = memory.process_peak()
     peak = mem.peak_bytes() if mem is not None else None
     return {"peak_bytes": peak} if peak is not None else {}

@@ -248,8 +248,8 @@ def load_job(path: str) -> Job:
 
 def _resident_bytes() -> int:
     """This process's resident set in bytes once torch's lazy imports are in (as in a worker's
-    memory baseline, strategies/common/memory.py; 0 where /proc is missing)."""
-    from hpar.strategies.common.memory import load_lazy_imports, status_bytes
+    memory baseline, strategies/common/measured_memory.py; 0 where /proc is missing)."""
+    from hpar.strategies.common.measured_memory import load_lazy_imports, status_bytes
     load_lazy_imports()
     return status_bytes("VmRSS") or 0
 
@@ -264,8 +264,8 @@ def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     draw and its first forward added (``model_bytes``, ``data_bytes``, ``forward_bytes``: a
     corpus ``model()`` loads for its vocabulary, the modules ``data()`` imports, a dataset it
     loads, the first use of each kernel), what every worker process pays once inside its training (the memory model's
-    measured first-use terms, strategies/profile/memory.py)."""
-    from hpar.strategies.common.memory import PeakMemory
+    measured first-use terms, strategies/profile/memory_profile.py)."""
+    from hpar.strategies.common.measured_memory import PeakMemory
     torch.manual_seed(0)
     mem = PeakMemory(torch.device("cpu"))
     mem.start()

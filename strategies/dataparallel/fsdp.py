@@ -10,7 +10,7 @@ holds (embeddings, a head). A layer that shares a parameter with another (a tied
 to the root: FSDP manages a parameter in one unit only. Every worker builds the whole model with
 the run's seed before sharding (the same initial weights as one process: FSDP2 does not
 broadcast them, pytorch#148756), so on a CPU a worker holds it once, briefly
-(strategies/plan/memory.py). The mesh is the workers' dense group (NCCL on CUDA, so nothing
+(strategies/plan/memory_model.py). The mesh is the workers' dense group (NCCL on CUDA, so nothing
 CPU-resident goes into NCCL; fully_shard moves the shards to the worker's device), from
 ``DeviceMesh.from_group``.
 

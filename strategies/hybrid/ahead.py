@@ -124,7 +124,7 @@ class PullAhead:
     A step's link is busy twice: the pulls before the forward bring rows in, and the pushes
     and the dense AllReduce in backward take gradients out. The next step's pull needs only
     the next batch's ids and this step's update, which a server applies as soon as every
-    worker's push of the table is in (strategies/hybrid/server.py defers a pull until then). So once
+    worker's push of the table is in (strategies/hybrid/ps_server.py defers a pull until then). So once
     this worker pushed its last table, the requests for the next batch's rows (the modules
     :func:`prefetch` serves from batch tensors) go out at once, and their answers come while
     the dense AllReduce, the clipping and the optimizer step finish, instead of after them.

@@ -1,6 +1,6 @@
 """One training step of a hybrid/ps worker, for the training spine (strategies/common/spine.py).
 
-A step (strategies/hybrid/runtime.py describes the strategy)::
+A step (strategies/hybrid/hybrid_runtime.py describes the strategy)::
 
     pull the tables kept whole; zero the dense gradients
     for each of the --accumulate micro-steps:
@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from hpar.strategies.common import activity, memory
+from hpar.strategies.common import activity, measured_memory as memory
 from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.common.devices import to_device
 from hpar.strategies.common.first_batch import check_first_batch, first_batch
@@ -49,7 +49,7 @@ from hpar.strategies.runstate import state as run_state
 
 
 class WorkerParts(NamedTuple):
-    """What a worker builds before training (strategies/hybrid/runtime.py ``_setup``): the model
+    """What a worker builds before training (strategies/hybrid/hybrid_runtime.py ``_setup``): the model
     as ``model()`` returned it (``outer``) and the module inside, the served tables, the
     process groups, the PS client, the step clock, the served embeddings, the (table,
     parameter) pairs pulled whole each step, the dense parameters and their optimizer (None
@@ -266,7 +266,7 @@ class HybridStep(TrainStep):
         if self.caches is not None:
             self.caches.end_step(step)
         self.pending += client.done(step)
-        if self.cfg.clip_grad_norm:   # the global norm spans the servers' rows: see strategies/hybrid/server.py
+        if self.cfg.clip_grad_norm:   # the global norm spans the servers' rows: see strategies/hybrid/ps_server.py
             clip_with_servers(self.ctx, self.parts.dense)
         lr = tools.lr(opt) if opt is not None else None
         if opt is not None:  # the dense update runs while the pushes are on the wire

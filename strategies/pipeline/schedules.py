@@ -1,7 +1,7 @@
 """Per-stage orders of forward and backward passes for the pipeline schedules.
 
 A schedule is, for every stage k of K, the sequence of operations it runs: ``F j`` (forward
-of micro-batch j) and ``B j`` (its backward). ``strategies/pipeline/runtime.py`` executes the
+of micro-batch j) and ``B j`` (its backward). ``strategies/pipeline/pipeline_runtime.py`` executes the
 sequence; the order alone fixes which weights every pass sees, so the version distances of
 weight prediction are derived here from the same sequence.
 

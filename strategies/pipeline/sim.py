@@ -19,7 +19,7 @@ from hpar.strategies.models.layers import is_declared_sequence
 from hpar.strategies.pipeline.stage import Stage, build_stages_model, example_micro_batch, split_micro, stage_module, stage_ranges
 from hpar.strategies.pipeline.stage import sequential_layers as stage_layers
 from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages
-from hpar.strategies.pipeline.guard import GuardConfig, LossWatch, cut_step, report
+from hpar.strategies.pipeline.divergence import GuardConfig, LossWatch, cut_step, report
 from hpar.strategies.pipeline.prediction import mode_for_schedule
 
 
@@ -39,7 +39,7 @@ def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: i
     """Train ``steps`` batches of ``batch_size`` from ``job.batches(0, 1, batch_size)`` with
     ``num_stages`` stages (balanced on parameter counts) under ``schedule`` in this process.
     The model is built with ``torch.manual_seed(seed)`` as the runtime does. ``guard``: the
-    divergence guard of asynchronous schedules (strategies/pipeline/guard.py), applied with
+    divergence guard of asynchronous schedules (strategies/pipeline/divergence.py), applied with
     the runtime's rule (asynchronous up to the cut step, then 1f1b or stop). Raises
     ValueError as the runtime does (non-sequential model, bad micro-batch count)."""
     if schedule == "async-2bw":

@@ -1,6 +1,6 @@
 """One pipeline stage's layers and passes, independent of how tensors travel.
 
-Used by the multi-process runtime (``strategies/pipeline/runtime.py``, tensors over
+Used by the multi-process runtime (``strategies/pipeline/pipeline_runtime.py``, tensors over
 torch.distributed send/recv) and by the single-process simulator
 (``strategies/pipeline/sim.py``, tensors handed over in memory), so both run the same
 forward, backward, stashing and prediction code.

@@ -1,6 +1,6 @@
 """One pipeline stage's training step, for the training spine (strategies/common/spine.py).
 
-A step is one batch of M micro-batches (strategies/pipeline/runtime.py describes the
+A step is one batch of M micro-batches (strategies/pipeline/pipeline_runtime.py describes the
 strategy)::
 
     gpipe/1f1b:  the stage's passes of the batch (schedules.stage_ops), then the update:
@@ -30,9 +30,9 @@ from hpar.strategies.common.devices import ComputeTimer
 from hpar.strategies.common.first_batch import check_first_batch, first_batch
 from hpar.strategies.common.gather import gather_json
 from hpar.strategies.common.groups import worker_groups
-from hpar.strategies.common.memory import PeakMemory
+from hpar.strategies.common.measured_memory import PeakMemory
 from hpar.strategies.common.spine import StepOutcome, TrainStep
-from hpar.strategies.pipeline import guard, stage_loop
+from hpar.strategies.pipeline import divergence as guard, stage_loop
 from hpar.strategies.pipeline.comm import Links
 from hpar.strategies.pipeline.replicas import Grid, StageReplicas
 from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after

@@ -17,7 +17,7 @@ what the benchmark compares.
 
 Per-stage figures as hpar's own schedules report them: ``compute_s`` and ``idle_s`` per step
 (the bubble), bytes that crossed the process boundary, and ``peak_mem_bytes``
-(strategies/common/memory.py). torch does not expose when a schedule waits, so on CPU
+(strategies/common/measured_memory.py). torch does not expose when a schedule waits, so on CPU
 compute is the process's CPU time over the step (``time.process_time``: blocked in a gloo
 receive costs none) and idle the rest of the wall-clock step; on CUDA the split is not
 measured (None) and ``compute_s`` is the step time.
@@ -34,7 +34,7 @@ from hpar.strategies.runstate import state as run_state
 from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.common.devices import DeviceClock
 from hpar.strategies.common.groups import worker_groups
-from hpar.strategies.common.memory import PeakMemory
+from hpar.strategies.common.measured_memory import PeakMemory
 from hpar.strategies.common.loop import autocast
 from hpar.strategies.common.first_batch import check_first_batch, first_batch
 from hpar.strategies.common.gather import gather_json

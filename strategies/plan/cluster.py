@@ -60,7 +60,7 @@ class ClusterSpec:
     not measured), ``worker_memory_bytes`` (the memory of one worker's device: a GPU's, or a CPU
     worker's share of its host's RAM; ``--worker-memory``) and ``server_memory_bytes`` (a
     parameter server's share of its host's RAM; ``--server-memory``); None: not known, no plan
-    is refused for memory (strategies/plan/memory.py). ``allreduce_fixed_s``, ``allgather_fixed_s``
+    is refused for memory (strategies/plan/memory_model.py). ``allreduce_fixed_s``, ``allgather_fixed_s``
     and ``reduce_scatter_fixed_s``: seconds of one small gloo collective of that kind over the
     workers of a one-host cluster on this machine's CPU, bytes aside (wake-ups of gloo's threads
     on shared cores: 0.6-2.5 ms for two processes of a 2-vCPU machine, where the link's latency is

@@ -78,7 +78,7 @@ def estimate_hybrid_cache(profile: Profile, cluster: ClusterSpec, cache: CacheCo
 
 
 def cache_bytes(rows: dict[str, int], row_bytes: dict[str, float]) -> float:
-    """Bytes a worker's caches hold (the memory model's ``cache`` term, strategies/plan/memory.py):
+    """Bytes a worker's caches hold (the memory model's ``cache`` term, strategies/plan/memory_model.py):
     per table of ``rows[name]`` cached rows of ``row_bytes[name]`` bytes, the copies and the
     gradients held back (2 rows each) plus an id, a readable step and a count of held updates (8 bytes each)."""
     return sum(n * (2 * row_bytes[name] + 24) for name, n in rows.items())

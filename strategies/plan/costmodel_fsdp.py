@@ -20,7 +20,7 @@ hooks per unit) is the profile's ``fsdp_overhead_s``, measured on one worker
 (strategies/profile/fsdp_cost.py), scaled as compute where workers share cores. Where the
 cluster's small collectives were measured (``ClusterSpec.allgather_fixed_s``,
 ``reduce_scatter_fixed_s``), each unit's collectives pay that fixed time instead of N - 1
-latencies. What fsdp buys is memory (strategies/plan/memory.py): the planner takes it where
+latencies. What fsdp buys is memory (strategies/plan/memory_model.py): the planner takes it where
 the data-parallel replica does not fit.
 """
 from __future__ import annotations

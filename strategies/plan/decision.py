@@ -18,7 +18,7 @@ pipeline: ``stages`` ([start, end) layer indices of ``profile.pipeline_layers(mo
 ``replicas``, ``layout`` (strategies/pipeline/replicas.py), ``micro_batches`` and ``schedule``.
 ``hpar run`` reads ``unused_params`` (DDP's ``find_unused_parameters``), ``servers``,
 ``alternatives`` (the other candidates' plans as dicts, for ``--tune``) and records ``memory``
-(the predicted peaks, strategies/plan/memory.py) and ``tuning`` (launcher/run/tuning.py).
+(the predicted peaks, strategies/plan/memory_model.py) and ``tuning`` (launcher/run/tuning.py).
 
 Torch-free and runtime-free: the run config imports it, and ``hpar --help`` must not import torch.
 """
@@ -76,7 +76,7 @@ class Plan:
     alternatives: dict = field(default_factory=dict)   # hpar run --strategy auto: the other candidates' plans (--tune)
     unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/dataparallel/ddp.py
     cache: dict = field(default_factory=dict)   # hybrid with hot-row caches (costmodel_cache.plan_cache); {}: none
-    memory: dict = field(default_factory=dict)   # the chosen candidate's predicted peaks (strategies/plan/memory.py)
+    memory: dict = field(default_factory=dict)   # the chosen candidate's predicted peaks (strategies/plan/memory_model.py)
     sparse_optimizer: str = "exact"   # hybrid/ps: the servers' sparse update, "exact" or "lazy" (hybrid/shard.py)
     sparse_exchange: str = ""         # allreduce-sparse: "gloo-sparse" | "allgather-padded" ("": by backend)
     local_aggregation: bool | None = None   # hybrid: sum a host's pushes first (None: when a server is remote)

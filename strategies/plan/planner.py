@@ -17,7 +17,7 @@ from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.plan.estimates import estimate_all, estimate_pipeline
 from hpar.strategies.plan.costmodel_cache import NAME as CACHED, SHOWN_STALENESS, estimate_hybrid_cache, plan_cache, profiled
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
-from hpar.strategies.plan.memory import predict as predict_memory, refusal
+from hpar.strategies.plan.memory_model import predict as predict_memory, refusal
 from hpar.strategies.pipeline.ties import schedule_problem, stages_of
 from hpar.strategies.profile.records import Profile
 
@@ -189,7 +189,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         mem = predict_memory(profile, cluster, e, schedule, forwards) if e.feasible else None
         memory[e.strategy] = mem
         misfit = mem.misfit(cluster) if mem is not None else ""
-        if misfit:   # the one reason it is not runnable (strategies/plan/memory.py)
+        if misfit:   # the one reason it is not runnable (strategies/plan/memory_model.py)
             if available:
                 misfits[e.strategy] = misfit   # runnable but for its memory
             note, available = misfit, False

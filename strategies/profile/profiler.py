@@ -97,7 +97,7 @@ from hpar.strategies.profile.step_overhead import step_overhead_s
 from hpar.strategies.profile.hot_rows import row_counts
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
 from hpar.strategies.profile.shapes import ShapeCensus, draw
-from hpar.strategies.profile import memory as mem_probe
+from hpar.strategies.profile import memory_profile as mem_probe
 from hpar.strategies.profile.sparsity import embedding_sparsity
 from hpar.strategies.profile.unused import missing_gradients
 from hpar.strategies.profile.update import (dense_update_cost, per_tensor_update_cost, probe_optimizer, server_optimizer_problem,
@@ -225,7 +225,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                 t2 = clock.mark()
                 unused |= missing_gradients(model)
                 if i == warmup - 1:
-                    growth = mem_probe.Growth(model, dev)   # what the timed steps keep (profile/memory.py)
+                    growth = mem_probe.Growth(model, dev)   # what the timed steps keep (profile/memory_profile.py)
                 if i < warmup:
                     continue
                 fwd.append(clock.between(t0, t1))

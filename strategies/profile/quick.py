@@ -2,9 +2,9 @@
 the planner (no timing, no link probe), yet its plan must be checked against the workers'
 memory before anything starts and its predicted peak recorded beside the measured one.
 
-:func:`memory_only_profile` measures what strategies/plan/memory.py reads, in one step on a copy
+:func:`memory_only_profile` measures what strategies/plan/memory_model.py reads, in one step on a copy
 of the model the pre-start check built: the step's peaks and the activations each layer saves
-(strategies/profile/memory.py), ``data()``'s memory, the optimizer's state per parameter byte,
+(strategies/profile/memory_profile.py), ``data()``'s memory, the optimizer's state per parameter byte,
 and per embedding table the fraction of rows rank 0's batch touched (``alpha``; the union over
 N workers is taken as N times it, at most every row), and what a few more steps on new batches
 keep (``growth_bytes``, up to GROWTH_STEPS steps within GROWTH_BUDGET_S). Every timing figure
@@ -21,7 +21,7 @@ import torch
 from hpar.strategies.models.forward import call_model, inner_module
 from hpar.strategies.models.layers import is_declared_sequence, model_layers
 from hpar.strategies.common.loop import precision_context
-from hpar.strategies.profile import memory as mem_probe
+from hpar.strategies.profile import memory_profile as mem_probe
 from hpar.strategies.profile.device import OnDevice
 from hpar.strategies.profile.hooks import embedding_modules
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile

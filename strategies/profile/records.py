@@ -84,7 +84,7 @@ class LayerProfile:
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """What one worker's step holds, measured (strategies/profile/memory.py says how), in
+    """What one worker's step holds, measured (strategies/profile/memory_profile.py says how), in
     bytes: per layer saved for backward, the step's peaks above its start at the end of forward
     and over the whole step, the gradients that step made, ``data()``'s iterator and batch, the
     optimizer's state per parameter byte, a process's fixed resident overhead and, on CUDA, the
@@ -161,7 +161,7 @@ class Profile:
     unused_params: tuple[str, ...] = ()   # trainable parameters without a gradient in a profiled step (profile/unused.py)
     traced: bool = False   # the layers come from torch's tracer (strategies/models/traced.py), not a declared sequence
     shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (parameter, the layers holding it): tied weights
-    memory: MemoryProfile | None = None   # measured memory terms (profile/memory.py); None: not measured
+    memory: MemoryProfile | None = None   # measured memory terms (profile/memory_profile.py); None: not measured
     update_s_per_tensor: float = 0.0   # the optimizer's step per parameter tensor (0: not measured)
     host_update_s_per_tensor: float | None = None   # the same on one CPU thread (servers; None: measured there already)
     fsdp_overhead_s: float | None = None   # FSDP2's own work per step, one worker (profile/fsdp_cost.py; None: not measured)

@@ -10,12 +10,12 @@ ALLREDUCE = StrategySpec(
     name="allreduce", summary="DDP: every worker the whole model, gradients averaged with AllReduce",
     runtime="hpar.strategies.dataparallel.allreduce:train",
     estimate="hpar.strategies.plan.costmodel:estimate_allreduce",
-    worker_memory="hpar.strategies.plan.memory:allreduce_terms",
+    worker_memory="hpar.strategies.plan.memory_model:allreduce_terms",
     simplicity=0, ddp=True)
 
 ALLREDUCE_SPARSE = StrategySpec(
     name="allreduce-sparse", summary="DDP with sparse gradients for embedding tables (AllGather of touched rows)",
     runtime="hpar.strategies.dataparallel.allreduce:train",
     estimate="hpar.strategies.plan.costmodel:estimate_allreduce_sparse",
-    worker_memory="hpar.strategies.plan.memory:sparse_terms",
+    worker_memory="hpar.strategies.plan.memory_model:sparse_terms",
     simplicity=1, ddp=True, sparse_gradients=True, plain="allreduce")

@@ -55,7 +55,7 @@ def _check(cfg) -> str | None:
 
 PIPELINE = StrategySpec(
     name="pipeline", summary="balanced pipeline: K stages x R replicas, 1F1B or weight-predicting asynchronous schedules",
-    runtime="hpar.strategies.pipeline.runtime:train",
+    runtime="hpar.strategies.pipeline.pipeline_runtime:train",
     estimate="hpar.strategies.plan.estimates:estimate_pipeline",
-    worker_memory="hpar.strategies.plan.memory:pipeline_terms",
+    worker_memory="hpar.strategies.plan.memory_model:pipeline_terms",
     simplicity=2, pipelined=True, needs_plan=True, check=_check)

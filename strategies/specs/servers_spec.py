@@ -9,9 +9,9 @@ from hpar.strategies.specs.base import StrategySpec
 
 HYBRID = StrategySpec(
     name="hybrid", summary="Parallax: embedding tables on sharded parameter servers, dense parameters on AllReduce",
-    runtime="hpar.strategies.hybrid.runtime:train",
+    runtime="hpar.strategies.hybrid.hybrid_runtime:train",
     estimate="hpar.strategies.plan.costmodel_ps:estimate_hybrid",
-    worker_memory="hpar.strategies.plan.memory:served_terms",
+    worker_memory="hpar.strategies.plan.memory_model:served_terms",
     simplicity=4, servers=True, ddp=True, plain="allreduce")
 
 HYBRID_CACHE = StrategySpec(
@@ -21,7 +21,7 @@ HYBRID_CACHE = StrategySpec(
 
 PS = StrategySpec(
     name="ps", summary="every parameter on sharded parameter servers (pull, push)",
-    runtime="hpar.strategies.hybrid.runtime:train",
+    runtime="hpar.strategies.hybrid.hybrid_runtime:train",
     estimate="hpar.strategies.plan.costmodel_ps:estimate_ps",
-    worker_memory="hpar.strategies.plan.memory:served_terms",
+    worker_memory="hpar.strategies.plan.memory_model:served_terms",
     simplicity=6, servers=True)

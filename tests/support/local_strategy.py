@@ -53,4 +53,4 @@ def train(ctx):
 LOCAL = StrategySpec(
     name="local", summary="one worker, the whole model, no communication (a test plugin)",
     runtime=f"{__name__}:train", estimate=f"{__name__}:estimate_local",
-    worker_memory="hpar.strategies.plan.memory:allreduce_terms", simplicity=9)
+    worker_memory="hpar.strategies.plan.memory_model:allreduce_terms", simplicity=9)

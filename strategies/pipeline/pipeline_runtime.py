@@ -36,7 +36,7 @@ where every stage has applied exactly the updates of the first (s+1)*M micro-bat
 resume the pipeline refills from there (``async-2bw``'s older version is not saved: the
 first batch after a resume runs on the checkpoint's weights). ``async-2bw`` steps once per
 batch, after the backward of its last micro-batch. With ``--on-divergence`` the last stage
-broadcasts its guard decision every step (``strategies/pipeline/guard.py``).
+broadcasts its guard decision every step (``strategies/pipeline/divergence.py``).
 
 The training loop: the training spine (``strategies/common/spine.py``) with a stage's step
 (``strategies/pipeline/stage_step.py``: the passes, the guard, the end of a step);
@@ -47,7 +47,7 @@ and at the end of each step.
 Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
 for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
 their means per stage (gathered to rank 0), with the stage's peak memory over the run
-(``peak_mem_bytes``, strategies/common/memory.py).
+(``peak_mem_bytes``, strategies/common/measured_memory.py).
 """
 from __future__ import annotations
 

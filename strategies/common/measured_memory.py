@@ -1,5 +1,5 @@
 """Peak memory of a process during training, measured, not modelled: what the memory model of
-``strategies/plan/memory.py`` is checked against (BENCHMARKS.md, "Memory").
+``strategies/plan/memory_model.py`` is checked against (BENCHMARKS.md, "Memory").
 
 A process's window opens after its imports (torch's lazy ones too, :func:`load_lazy_imports`)
 and its process-group setup, with :func:`start_process`, and closes at the end of its last

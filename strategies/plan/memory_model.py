@@ -1,13 +1,13 @@
 """Predicted peak memory of one worker and one parameter server of every candidate plan, beside
 its step time: what ``hpar profile`` prints, the planner's fit test, and what ``hpar run``
-records as ``predicted_peak_bytes`` next to the measured ``peak_bytes`` (strategies/common/memory.py).
+records as ``predicted_peak_bytes`` next to the measured ``peak_bytes`` (strategies/common/measured_memory.py).
 
 A peak is predicted *above the process's baseline* (after imports and process-group set-up),
 as the runs measure it; what must fit a device adds the measured fixed overhead
 (``overhead_bytes``; :func:`misfit`). Notation: P parameter bytes (P_k a pipeline stage's,
 P_s a server's shard), r the optimizer's state bytes per parameter byte, N workers, S servers,
 K stages, M micro-batches. Each term is **counted** (from parameter shapes, the plan and the
-runtime's code) or **measured** (by the profile, strategies/profile/memory.py):
+runtime's code) or **measured** (by the profile, strategies/profile/memory_profile.py):
 
 * ``params`` (counted): the weights a process holds: P (data parallel), P/N (FSDP shards),
   P_k (a pipeline stage on a GPU; on a CPU every stage builds the whole model first and keeps it,
@@ -18,7 +18,7 @@ runtime's code) or **measured** (by the profile, strategies/profile/memory.py):
   measured step.
 * ``step`` (measured): activations, their gradients, temporaries and the gradients a step makes:
   ``max(forward peak, step peak - the profile's gradients + this strategy's gradients)``
-  (strategies/profile/memory.py), at the worker's batch (a pipeline: its stage's share of the
+  (strategies/profile/memory_profile.py), at the worker's batch (a pipeline: its stage's share of the
   saved activations at the micro-batch, times the micro-batches it holds at once, which its
   schedule's pass order gives: GPipe M, 1F1B and the asynchronous ones K - k).
 * ``ddp_buckets`` (counted): DDP's flat gradient buckets, a second copy of every gradient it

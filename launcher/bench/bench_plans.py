@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.specs.registry import PIPELINE
-from hpar.launcher.bench.config import BENCH_STRATEGIES, PLANNED, BenchConfig
+from hpar.launcher.bench.bench_config import BENCH_STRATEGIES, PLANNED, BenchConfig
 
 
 def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None:
@@ -56,9 +56,9 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
 
 def does_not_fit(name: str, profile, estimates: dict, cluster, steps: int | None = None) -> str | None:
     """Why bench strategy ``name``'s predicted peak memory over ``steps`` steps does not fit
-    ``cluster``'s (strategies/plan/memory.py: "needs 31.2 GB per worker, 24 GB available"),
+    ``cluster``'s (strategies/plan/memory_model.py: "needs 31.2 GB per worker, 24 GB available"),
     None when it does or has no estimate."""
-    from hpar.strategies.plan.memory import predict
+    from hpar.strategies.plan.memory_model import predict
     strategy, schedule = BENCH_STRATEGIES[name]
     est = estimates.get(strategy)
     if est is None or not est.feasible:
@@ -88,7 +88,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     for a bad script or flags."""
     from hpar.strategies.plan.estimates import estimate_all
     from hpar.strategies.common.job import check_job, load_job
-    from hpar.strategies.plan.memory import forward_passes
+    from hpar.strategies.plan.memory_model import forward_passes
     from hpar.strategies.profile.profiler import profile_job
     job = load_job(script)
     bs = cfg.batch_size if cfg.batch_size is not None else int(job.defaults.get("batch_size", 32))

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hpar.strategies.common import activity, memory
+from hpar.strategies.common import activity, measured_memory as memory
 
 from hpar.strategies.runstate import checkpoint
 from hpar.strategies.runstate import state as run_state
@@ -136,7 +136,7 @@ class Server:
         """``--clip-grad-norm``: the step's mean gradients of every open table, scaled by the
         global clipping coefficient, applied. The global sum of squares is one AllReduce over
         the default group: each server adds its shards' part, worker 0 the dense part
-        (strategies/hybrid/runtime.py makes the same call after its DONE)."""
+        (strategies/hybrid/hybrid_runtime.py makes the same call after its DONE)."""
         open_tables = [tid for tid, at in self.table_step.items() if at == self.applied]
         specs, grads = {}, {}
         for tid in open_tables:

@@ -69,7 +69,7 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
         if stage_cols:   # pipelines: idle over stage time, and the largest stage's peak memory
             cols += ["bubble", "peak mem/stage"]
         peak_cols = any("peak_bytes" in (r.extra or {}) for r in rows)
-        if peak_cols:   # every process's peak above its baseline (strategies/common/memory.py), the largest worker's
+        if peak_cols:   # every process's peak above its baseline (strategies/common/measured_memory.py), the largest worker's
             cols += ["peak/wkr"]
         if proj:
             cols += [f"PROJECTED {proj['gpus']} GPUs samples/s"]

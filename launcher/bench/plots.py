@@ -45,7 +45,7 @@ def bytes_per_worker_step(metrics_path: str) -> dict | None:
 def stage_figures(summary: dict) -> dict:
     """A pipeline run's bubble and memory from its summary's per-stage figures: ``bubble`` =
     idle over (compute + idle) summed over the stages (the fraction of stage time spent
-    waiting), ``peak_mem_bytes`` = the largest stage's peak (strategies/common/memory.py).
+    waiting), ``peak_mem_bytes`` = the largest stage's peak (strategies/common/measured_memory.py).
     Empty for other strategies; a figure a runtime did not measure is left out."""
     stages = summary.get("stages") or []
     out = {}
@@ -62,7 +62,7 @@ def stage_figures(summary: dict) -> dict:
 def memory_figures(summary: dict, run_dir: str) -> dict:
     """A run's measured and predicted peak memory (summary.json's ``peak_bytes`` and
     ``predicted_peak_bytes``, per worker and per server) and the predicted terms of its
-    busiest worker and server (plan.json's ``memory``, strategies/plan/memory.py); empty for a
+    busiest worker and server (plan.json's ``memory``, strategies/plan/memory_model.py); empty for a
     run that reported none."""
     out = {}
     if summary.get("peak_bytes"):

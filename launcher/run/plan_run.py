@@ -28,7 +28,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     flags = flags or PlanFlags()
     force = None if flags.strategy == "auto" else flags.strategy
     schedule, pipeline_replicas = flags.schedule or "1f1b", flags.pipeline_replicas
-    from hpar.launcher.run.cluster import build_cluster
+    from hpar.launcher.run.cluster_build import build_cluster
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     from hpar.strategies.profile.device import profile_device

@@ -1,5 +1,5 @@
 """The profile's memory measurements: what one worker's step holds, per layer and at its peak,
-on the device the workers use; the terms of the memory model (strategies/plan/memory.py) that
+on the device the workers use; the terms of the memory model (strategies/plan/memory_model.py) that
 are measured rather than counted.
 
 * ``layer_saved_bytes``: the bytes each layer's forward saves for backward (what stays alive
@@ -13,7 +13,7 @@ are measured rather than counted.
   low-precision weight copies, and the gradients the step makes: ``step_grad_bytes``, those
   of the profiled copy, whose embeddings make sparse ones). CUDA: the caching allocator's
   ``max_memory_allocated``; CPU: the resident high-water mark after ``malloc_trim``
-  (strategies/common/memory.py), as the workers measure themselves.
+  (strategies/common/measured_memory.py), as the workers measure themselves.
 * ``growth_bytes`` over ``growth_steps``: what the process kept after that many steps on new
   batches beyond what it held after the first (gradients freed, ``malloc_trim``): kernels'
   caches per input shape (examples/lm.py's sampled softmax sees new shapes most steps);
@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hpar.strategies.common.memory import PeakMemory
+from hpar.strategies.common.measured_memory import PeakMemory
 from hpar.strategies.profile.records import MemoryProfile
 
 PROBE_NUMEL = 1 << 20   # optimizer state probe: 4 MiB of float32
@@ -131,7 +131,7 @@ class Growth:
         self.start = self._held() if self.cpu else 0
 
     def _held(self) -> int:
-        from hpar.strategies.common.memory import release_freed_memory, status_bytes
+        from hpar.strategies.common.measured_memory import release_freed_memory, status_bytes
         self.model.zero_grad(set_to_none=True)
         release_freed_memory()
         return status_bytes("VmRSS") or 0
