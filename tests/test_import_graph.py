@@ -160,3 +160,12 @@ def test_no_two_modules_share_a_basename():
             seen.setdefault(name, []).append(os.path.relpath(path, ROOT))
     shared = {n: p for n, p in seen.items() if len(p) > 1}
     assert not shared, f"module basenames used twice (rename one): {shared}"
+
+
+def test_no_module_carries_a_dated_measurement():
+    """Measured figures and their dates live in BENCHMARKS.md and benchmarks/notes/; a module
+    says what it is for and cites its sources (a date in the code goes stale unseen)."""
+    import re
+    dated = [f"{os.path.relpath(p, ROOT)}:{i}" for p in modules().values()
+             for i, line in enumerate(open(p, encoding="utf-8"), 1) if re.search(r"\b20\d\d-[01]\d-[0-3]\d\b", line)]
+    assert not dated, f"dates in modules (move the measurement to BENCHMARKS.md): {dated}"

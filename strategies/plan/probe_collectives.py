@@ -4,12 +4,11 @@ workers that share this machine (``ClusterSpec.allreduce_fixed_s`` and its peers
 gradient's AllReduce, ``ClusterSpec.sparse_round_s``).
 
 Why not N - 1 latencies: the link probe's latency (strategies/plan/probe.py: half a 4-byte
-round trip, about 0.1 ms on this project's 2-vCPU test machine) is one message. A gloo
-collective of a few kilobytes between two processes of that machine takes 0.5-2.3 ms (AllReduce
-1.5-2.3, AllGather 0.5-0.8, ReduceScatter 1.1-1.8; four processes: 5.5, 3.8 and 6.0 ms), many
-wake-ups of gloo's work threads on shared cores, and the same between N threads of one process
-as between N processes (measured both ways, 2026-11-28). DDP pays it per gradient bucket; FSDP
-three times per unit per step; on a small model that is most of the step.
+round trip) is one message, while a gloo collective of a few kilobytes among a host's
+processes costs many wake-ups of gloo's work threads on shared cores, several times that, and
+the same between N threads of one process as between N processes (the figures:
+BENCHMARKS.md, "Measured collectives and FSDP's own work"). DDP pays it per gradient bucket;
+FSDP three times per unit per step; on a small model that is most of the step.
 
 The N endpoints are ``ProcessGroupGloo`` objects of one N-rank group over a ``HashStore``, each
 driven by its own thread of this process (as the link probe's two): starting N processes would

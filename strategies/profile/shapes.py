@@ -4,12 +4,11 @@ Kernel libraries keep state per input shape: on a CPU, oneDNN's primitive cache 
 entries by default) keeps one compiled kernel per shape of each matmul, convolution and LSTM it
 runs. A model whose shapes change from batch to batch (examples/lm.py's sampled softmax scores
 the batch's distinct target words plus its negatives: a new width most steps) keeps growing
-for as long as it meets new shapes, then holds. Measured on examples/lm.py, one process, bf16,
-``malloc_trim`` after every step (2026-11-28): resident growth of 11, 27, 46 and 74 MB after 8,
-20, 40 and 80 steps, with 7, 17, 27 and 45 distinct forward signatures met: 1.6 MB per new
-signature at every point, where growth per step fell from 1.4 to 0.9 MB. So the memory model
-counts growth per new shape (the profile's growth steps give the bytes), times the distinct
-shapes a run of its length meets (estimated from a census of the job's batches here).
+for as long as it meets new shapes, then holds: on examples/lm.py the growth per new forward
+signature stayed constant while the growth per step fell (BENCHMARKS.md, "Peak memory,
+predicted and measured"). So the memory model counts growth per new shape (the profile's
+growth steps give the bytes), times the distinct shapes a run of its length meets (estimated
+from a census of the job's batches here).
 
 * :class:`ShapeCensus`: the forward signature (every module's output shapes, in call order) of
   each forward pass while it is entered, and how often each signature was met.
