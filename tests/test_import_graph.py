@@ -110,7 +110,7 @@ def test_the_check_sees_a_circle():
 def long_signatures(top: str = "launcher", limit: int = 10) -> list[str]:
     """Functions under ``top`` taking more than ``limit`` parameters (``self``/``cls`` and
     ``**kwargs`` not counted): flags travel as the typed trees of launcher/run/flags.py and
-    launcher/bench/config.BenchFlags instead."""
+    launcher/bench/bench_config.BenchFlags instead."""
     out = []
     for root, _, files in os.walk(os.path.join(ROOT, top)):
         for f in files:

@@ -1,5 +1,5 @@
 """The census of forward shapes (strategies/profile/shapes.py) and the growth the memory model
-draws from it (strategies/plan/memory.growth): a worker's caches per shape grow with the
+draws from it (strategies/plan/memory_model.growth): a worker's caches per shape grow with the
 distinct shapes a run of its length meets, not with its steps; through `hpar profile` too."""
 import dataclasses
 import json

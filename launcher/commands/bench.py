@@ -257,7 +257,7 @@ def bench(scripts, **given):
 
 def _bench_scale(scripts, flags) -> None:
     """``hpar bench --scale``: one bench per host count on emulated hosts (launcher/bench/scale.py);
-    ``flags``: launcher/bench/config.BenchFlags."""
+    ``flags``: launcher/bench/bench_config.BenchFlags."""
     scale, link_rate, latency, link_queue, strategies = flags.scale, flags.link_rate, flags.latency, flags.link_queue, flags.strategies
     steps, batch_size, seed, precision = flags.steps, flags.batch_size, flags.seed, flags.precision
     json_out, plot_out, bench_dir, timeout_s = flags.json_out, flags.plot_out, flags.bench_dir, flags.timeout_s

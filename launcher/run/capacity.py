@@ -57,6 +57,6 @@ def _gpu_total() -> float | None:
 
 def misfit(memory: dict, capacity: Capacity) -> str:
     """Why a plan's predicted peaks (its ``memory`` dict) do not fit ``capacity`` ("" when they
-    do, or a side is unknown): strategies/plan/memory.misfit."""
+    do, or a side is unknown): strategies/plan/memory_model.misfit."""
     from hpar.strategies.plan.memory_model import misfit as plan_misfit
     return plan_misfit(memory, capacity.worker_bytes, capacity.server_bytes)

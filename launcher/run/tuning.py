@@ -142,7 +142,7 @@ def run_trials(console: Console, cfg, cands: list[tuple[str, float]], steps: int
         directory = os.path.join(cfg.run_dir, "trials", strategy)
         os.makedirs(directory, exist_ok=True)
         plan_file = os.path.join(directory, "plan.json")
-        alternative = cfg.plan.alternatives.get(strategy)   # a plan dict (launcher/run/planning.plan_job)
+        alternative = cfg.plan.alternatives.get(strategy)   # a plan dict (launcher/run/plan_run.plan_job)
         plan = cfg.plan if strategy == planned_name(cfg.plan) else \
             Plan.from_dict(alternative) if alternative else Plan(strategy=strategy)
         with open(plan_file, "w", encoding="utf-8") as f:

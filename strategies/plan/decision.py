@@ -10,7 +10,7 @@ planned": the runtimes fall back to their own choice.
 The runtimes read: ``placement`` (parameter name -> "allreduce" | "ps") and ``partitions``
 (row partitions per PS-placed parameter), ``sparse_optimizer`` ("exact" or "lazy",
 strategies/hybrid/shard.py), ``local_aggregation`` (None: decided from the hosts,
-strategies/hybrid/runtime.make_groups), ``pull_ahead`` (strategies/hybrid/worker_step.py),
+strategies/hybrid/hybrid_runtime.make_groups), ``pull_ahead`` (strategies/hybrid/worker_step.py),
 ``cache`` (the workers' hot-row caches: staleness, rows, ``hot_rows``, ``predicted_hit_rate``,
 ``refresh_steps``; strategies/plan/costmodel_cache.plan_cache), ``sparse_exchange``
 (allreduce-sparse: "gloo-sparse" | "allgather-padded", strategies/dataparallel/sparse_allgather.py);

@@ -139,7 +139,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 force: str | None = None, pipeline_replicas: int | None = None, allow_misfit: bool = False,
                 cache: CacheConfig | None = None, forwards: int | None = None) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and its peak memory
-    (``plan/memory.predict``) and pick the highest samples/s among those that fit the job and
+    (``plan/memory_model.predict``) and pick the highest samples/s among those that fit the job and
     the cluster's memory; the others are still listed as candidates with a note. A hybrid
     plan that places nothing on the servers, or allreduce-sparse without an embedding table, is
     listed but cannot win (it would run as allreduce); predictions within ``TIE`` of the fastest go to the simplest strategy. ``force`` (the user's ``--strategy``) takes that strategy's plan
