@@ -300,3 +300,49 @@ def test_a_model_too_large_for_allreduce_is_planned_onto_what_fits_and_runs_with
     workers = [r for r in reports if r["kind"] == "memory" and r["role"] == "worker"]
     assert len(workers) == 2 and all(r["baseline_bytes"] + r["peak_bytes"] <= cap * 1e9 for r in workers), \
         (cap, [(r["baseline_bytes"], r["peak_bytes"]) for r in workers])
+
+
+
+# A 100 MB table and a small dense part; EVALUATE appends an evaluate() that reads nothing
+TABLE = '''
+import torch, torch.nn as nn
+HPAR = {"steps": 2, "batch_size": 16, "lr": 0.1, "log_every": 1}
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50_000, 512)
+        self.head = nn.Linear(512, 1)
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+def model(): return M()
+def data(rank, world_size, batch_size):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        yield torch.randint(0, 50_000, (batch_size, 4), generator=g), torch.randn(batch_size, 1, generator=g)
+def loss(o, t): return ((o - t) ** 2).mean()
+'''
+EVALUATE = "\ndef evaluate(model):\n    return {}\n"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,evaluate", [("hybrid", False), ("hybrid", True), ("fsdp", False)])
+def test_a_whole_copy_after_training_only_for_evaluate(tmp_path, strategy, evaluate):
+    """After the last step (the final write, measured apart: ``final_peak_bytes``), worker 0
+    builds a whole copy of a served (hybrid) or sharded (fsdp) model only when the script has an
+    evaluate() to run it: without one its peak stays that of worker 1, which evaluates nothing;
+    with one the copy is there (what shows the measurement sees it)."""
+    script = write_script(tmp_path, TABLE + (EVALUATE if evaluate else ""))
+    run_dir = str(tmp_path / "run")
+    code, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--strategy", strategy,
+                             "--run-dir", run_dir)
+    assert not kill_left(run_dir), "processes left behind"
+    assert code == 0, out
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    final = {r["rank"]: r["final_peak_bytes"] for r in rows if r["kind"] == "memory" and r["role"] == "worker"}
+    table = 4 * 50_000 * 512
+    # worker 1 writes its part as worker 0 does (fsdp: its shards; hybrid: the dense part) and evaluates nothing
+    if evaluate:
+        assert final[0] - final[1] > 0.9 * table, final
+    else:
+        assert final[0] - final[1] < 0.3 * table, final

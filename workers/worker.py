@@ -7,6 +7,7 @@ strategy's runtime and reports through tagged stdout lines (workers/report.py). 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -119,6 +120,8 @@ def main() -> int:
     activity.announce_with(lambda change: report.emit("event", change))   # the end of an activity is seen at once
     stop_beat = report.start_heartbeat(device=device, threads=torch.get_num_threads() if device.type == "cpu" else None)
     job = load_job(cfg.script)
+    if job.evaluate_fn is None:   # nothing to evaluate: no process gathers or pulls a whole copy of the model for it
+        cfg = dataclasses.replace(cfg, eval=False)
     host_of = init_group(cfg, pg_rank, pg_world)
     # past the rendezvous: from here the start-up bound runs to the first step (launcher/run/health.py)
     report.emit("event", {"kind": "phase", "phase": "train"})
@@ -145,7 +148,7 @@ def main() -> int:
     t0 = time.time()
     result = train(ctx)
     report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures(),
-                          "trims": memory.trims()})
+                          "final_peak_bytes": memory.final_peak_bytes(), "trims": memory.trims()})
     if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/runstate/state.py)
         assert result.model is not None or result.eval_last is not None, "rank 0 evaluates the whole model"
         report.emit("event", {"kind": "phase", "phase": "evaluate"})

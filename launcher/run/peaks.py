@@ -15,6 +15,7 @@ import time
 from hpar.strategies.plan.decision import Plan
 
 FIGURES = ("peak_bytes", "rss_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "baseline_bytes",
+           "final_peak_bytes",   # after the last step: the final write (and worker 0's copy for evaluate())
            "trims")   # trims: how often the process handed freed heap blocks back (strategies/common/measured_memory.py)
 
 
@@ -46,7 +47,7 @@ class PeakFigures:
         out = dict(summary)
         out["peak_bytes"] = {role: self.largest(role) for role in ("worker", "server")}
         extra = {f"{role}_{key}": self.largest(role, key) for role in ("worker", "server")
-                 for key in ("rss_peak_bytes", "reserved_peak_bytes", "baseline_bytes")}
+                 for key in ("rss_peak_bytes", "reserved_peak_bytes", "baseline_bytes", "final_peak_bytes")}
         out["peak_memory"] = {k: v for k, v in extra.items() if v is not None}
         predicted = (plan.memory if plan is not None else None) or {}
         out["predicted_peak_bytes"] = {"worker": predicted.get("worker_peak_bytes"),

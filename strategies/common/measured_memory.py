@@ -259,3 +259,28 @@ def freeze_process() -> None:
     """Close this process's window (end of its last training step); nothing without one."""
     if _PROCESS:
         _PROCESS[0].freeze()
+
+
+def open_final_window() -> None:
+    """After the last step, open a second window over the final write and what a runtime builds
+    for the final ``evaluate()`` (worker 0's whole copy of a sharded or served model): read by
+    :func:`final_peak_bytes`. Nothing without an open process window."""
+    if _PROCESS:
+        _PROCESS[0].freeze()
+        final = PeakMemory(_PROCESS[0].device)
+        final.start()
+        _PROCESS[1:] = [final]
+
+
+def final_peak_bytes() -> int | None:
+    """Peak bytes above the process window's baseline from :func:`open_final_window` to now
+    (the allocator's on CUDA, the resident set's on CPU), or None where not measured."""
+    if len(_PROCESS) < 2:
+        return None
+    proc, final = _PROCESS
+    peak = final.peak_bytes()
+    if peak is None:
+        return None
+    if final.cuda:
+        return final.base_alloc - proc.base_alloc + peak
+    return None if proc.base_rss is None or final.base_rss is None else final.base_rss - proc.base_rss + peak

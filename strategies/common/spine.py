@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hpar.strategies.common import measured_memory as memory
 from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext
 from hpar.strategies.common.groups import mean_over_workers
 from hpar.strategies.common.loop import evaluate_during_training, evaluate_now
@@ -161,6 +162,7 @@ def train(ctx: WorkerContext, step: TrainStep) -> TrainResult:
         step.after_step(done)
         if out.last:
             break
+    memory.open_final_window()   # the final write (and worker 0's copy for evaluate()) measured apart
     step.write_final()
     pair = [meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2
     if step.loss_groups is not None:

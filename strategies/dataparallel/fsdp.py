@@ -55,7 +55,6 @@ from hpar.strategies.runstate import state as run_state
 from hpar.strategies.dataparallel.allreduce import resume_state, ring_successor_remote, save_state
 from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext
 from hpar.strategies.models.forward import inner_module
-from hpar.strategies.models.hf import is_pretrained
 from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.models.layers import is_declared_sequence, model_layers
 from hpar.strategies.common import spine
@@ -167,8 +166,9 @@ class FsdpStep(TrainStep):
 
     def result(self, meter: StepMeter) -> TrainResult:
         ctx = self.ctx
-        # evaluate() and save_pretrained take the whole model: gathered to rank 0's host memory
-        state = full_state(self.model) if self.cfg.eval or is_pretrained(self.model) else None
+        # evaluate() takes the whole model: gathered to rank 0's host memory, only when the script
+        # has one to run (a transformers model's RUN_DIR/hf then too; else `hpar export --format hf`)
+        state = full_state(self.model) if self.cfg.eval else None
         result = meter.result(cpu_model(ctx, state) if ctx.rank == 0 and state is not None else None,
                               replicas=ctx.world_size, extra={"fsdp_units": len(self.wrapped)})
         if ctx.rank == 0 and state is None:
