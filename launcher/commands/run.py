@@ -262,6 +262,10 @@ def resolve(console: Console, flags: Flags):
         check_optimizer(console, job, inner, strategy, plan, servers, pick(lr, "lr"))
         if spec.check_available:
             spec.load("check_available")()   # a library the strategy needs (FSDP2: torch.distributed.fsdp)
+        if spec.check_model:   # the model and optimizer the runtime can run (torchrec: tables, fused optimizer)
+            note = spec.load("check_model")(job, inner, pick(lr, "lr"))
+            if note:
+                console.print(note, markup=False)
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),

@@ -20,7 +20,10 @@ class StrategySpec:
     TrainResult``; the cost model's ``(Profile, ClusterSpec) -> Estimate`` (None: the planner
     does not predict it); the memory model's worker terms ``(Profile, ClusterSpec, Estimate,
     schedule) -> {term: bytes}``; a check ``() -> None`` that raises ValueError (one line)
-    where this torch build lacks what the runtime needs ("": nothing to check).
+    where this torch build lacks what the runtime needs ("": nothing to check);
+    ``check_model`` a check ``(job, model, lr) -> str`` of the user's model and optimizer
+    before start: raises ValueError (one line) for what the runtime cannot run, returns a
+    line to print ("" for none).
     ``check(cfg) -> str | None`` says, in one line naming the flag and the way out, why a run
     config asks for something this strategy cannot honour (None: it can).
 
@@ -52,10 +55,11 @@ class StrategySpec:
     plain: str = ""
     check: Callable[[Any], str | None] | None = None
     check_available: str = ""
+    check_model: str = ""
 
     def load(self, what: str) -> Callable:
-        """The function ``what`` (``"runtime"``, ``"estimate"``, ``"worker_memory"`` or
-        ``"check_available"``) names,
+        """The function ``what`` (``"runtime"``, ``"estimate"``, ``"worker_memory"``,
+        ``"check_available"`` or ``"check_model"``) names,
         imported now. Raises ValueError when the spec names none."""
         ref = getattr(self, what)
         if not ref:

@@ -1,0 +1,44 @@
+"""``torchrec``: the user's embedding tables sharded by TorchRec's DistributedModelParallel
+(strategies/torchrec/), the rest of the model in DDP. TorchRec exchanges the ids and the looked-up
+or pooled rows by all-to-all (table-, row- or column-wise shards; Ivchenko et al., "TorchRec: a
+PyTorch domain library for recommendation systems", RecSys 2022) where hybrid pulls and pushes
+rows from parameter servers. It needs the optional TorchRec install (scripts/install_torchrec.sh).
+
+``torchrec`` takes the sharding TorchRec's planner chooses; ``torchrec-tw``, ``torchrec-rw`` and
+``torchrec-cw`` shard every table one way (:data:`SHARDINGS`), for ``hpar bench`` to compare.
+"""
+from __future__ import annotations
+
+from hpar.strategies.specs.base import StrategySpec
+
+# strategy name -> TorchRec sharding type of every table (None: the planner's choice)
+SHARDINGS = {"torchrec": None, "torchrec-tw": "table_wise", "torchrec-rw": "row_wise", "torchrec-cw": "column_wise"}
+
+
+def _check(cfg) -> str | None:
+    """What the torchrec runtime cannot honour yet (one line naming the flag)."""
+    name = f"--strategy {cfg.strategy}"
+    if cfg.precision != "fp32":
+        return (f"--precision {cfg.precision} is not supported with {name} (TorchRec's CPU kernels and fused "
+                "optimizer here run fp32 tables); drop --precision")
+    if cfg.accumulate > 1:
+        return (f"--accumulate {cfg.accumulate} is not supported with {name}: its fused optimizer updates the tables "
+                "in every backward; use a larger --batch-size")
+    if cfg.clip_grad_norm:
+        return (f"--clip-grad-norm is not supported with {name}: the tables' gradients never exist outside its fused "
+                "backward update; drop the flag")
+    if cfg.checkpoint_every or cfg.resume:
+        return f"--checkpoint-every/--resume are not supported with {name} yet; drop them"
+    return None
+
+
+def _spec(name: str, summary: str, simplicity: int) -> StrategySpec:
+    return StrategySpec(
+        name=name, summary=summary, runtime="hpar.strategies.torchrec.trec_runtime:train",
+        estimate=None, worker_memory="hpar.strategies.torchrec.trec_memory:torchrec_terms", simplicity=simplicity, ddp=True, check=_check,
+        check_available="hpar.strategies.torchrec.trec_check:check_available",
+        check_model="hpar.strategies.torchrec.trec_check:check_model")
+
+
+TORCHREC = _spec("torchrec", "TorchRec: tables sharded by DistributedModelParallel (its planner's choice), "
+                 "all-to-all of pooled rows, the rest in DDP", 7)
