@@ -79,6 +79,9 @@ def main() -> None:
 @click.option("--cache-rows", type=float, default=None,
               help="With --staleness: rows cached per table (an integer) or a fraction of each table's rows (< 1; "
                    "default 0.1).")
+@click.option("--sync-batchnorm", is_flag=True, default=None,
+              help="BatchNorm over every worker's batch (torch's SyncBatchNorm; allreduce, allreduce-sparse, hybrid, "
+                   "fsdp): N workers then equal one process on the concatenated batch, running statistics included.")
 @click.option("--allow-unequal-batches", is_flag=True, default=None,
               help="Train although the workers' first batches differ in size (each worker's mean gradient then "
                    "weighs the same, as DDP does); refused otherwise.")

@@ -23,6 +23,7 @@ from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, 
 from hpar.launcher.run.runner import LaunchOptions
 from hpar.strategies.runstate import checkpoint
 from hpar.strategies.plan.decision import Plan
+from hpar.strategies.common.config import sync_batchnorm_problem
 from hpar.strategies.common.config import FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags
 from hpar.strategies.dataparallel.ddp import find_unused
 from hpar.strategies.specs.base import ON_SERVERS
@@ -139,6 +140,8 @@ def resolve(console: Console, flags: Flags):
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
     check_cache_flags(cache_rows, staleness)
+    if j.sync_batchnorm and sync_batchnorm_problem(strategy):   # before the script loads
+        raise ValueError(sync_batchnorm_problem(strategy))
     if staleness is not None and strategy != "auto" and not strategy_spec(strategy).servers:
         raise ValueError(f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
                          f"{', '.join(where(servers=True))} or auto, not {strategy}; drop it")
@@ -271,13 +274,14 @@ def resolve(console: Console, flags: Flags):
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
             device="cpu" if device == "auto" else device, log_every=pick(log_every, "log_every"), servers=servers,
             schedule=schedule or plan.schedule or "1f1b",
-            micro_batches=micro_batches or d.get("micro_batches") or default_micro_batches(console, plan, bs, gpus // replicas),
+            micro_batches=micro_batches or d.get("micro_batches") or default_micro_batches(console, plan, bs, gpus // replicas, model),
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             keep_checkpoints=pick(r.keep_checkpoints, "keep_checkpoints"),
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
             on_divergence=r.on_divergence, divergence_factor=r.divergence_factor, replicas=replicas,
             find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus),
             allow_unequal_batches=bool(pick(j.allow_unequal_batches, "allow_unequal_batches")),
+            sync_batchnorm=bool(pick(j.sync_batchnorm, "sync_batchnorm")),
             staleness=staleness, cache_rows=cache_rows)
         check_precision(job, cfg, model)
         if spec.pipelined and cfg.schedule == "async-predict":

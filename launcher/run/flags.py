@@ -27,6 +27,7 @@ class JobFlags:
     no_eval: bool = False
     find_unused_parameters: str | None = None   # auto, on, off
     allow_unequal_batches: bool | None = None
+    sync_batchnorm: bool | None = None          # BatchNorm over every worker's batch (strategies/dataparallel/sync_batchnorm.py)
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,20 @@ from hpar.strategies.hybrid.client import placement
 from hpar.strategies.plan.decision import Plan
 
 
-def default_micro_batches(console: Console, plan: Plan, batch_size: int, stages: int) -> int:
+def default_micro_batches(console: Console, plan: Plan, batch_size: int, stages: int, model=None) -> int:
     """Micro-batches per batch when neither ``--micro-batches`` nor the script's HPAR gives
     them: the plan's (the planner's choice divides the batch it profiled), else 4, moved to
     the nearest divisor of ``batch_size`` of at least ``stages`` where there is one
-    (``schedules.micro_batch_count``; said in one line when it moves)."""
+    (``schedules.micro_batch_count``; said in one line when it moves); for a ``model`` with
+    BatchNorm, at most ``batch_size / 2`` (2 samples each: strategies/pipeline/stage.py)."""
     from hpar.strategies.pipeline.schedules import micro_batch_count
+    from hpar.strategies.pipeline.stage import batchnorm_names
     want = plan.micro_batches or 4
+    if model is not None and batch_size >= 2 and batch_size // want < 2 and batchnorm_names(model):
+        fewer = max(d for d in range(1, batch_size // 2 + 1) if batch_size % d == 0)
+        console.print(f"hpar: {fewer} micro-batches instead of {want}: BatchNorm needs at least 2 samples in each "
+                      f"of a --batch-size {batch_size}", markup=False)
+        return fewer
     if batch_size % want == 0:
         return want
     m = micro_batch_count(want, batch_size, min(want, stages))

@@ -89,6 +89,7 @@ class RunConfig:
     staleness: int | None = None   # hybrid/ps: a hot-row cache on every worker reads rows up to s updates stale (None: off)
     cache_rows: float = 0.0        # its rows per table (>= 1) or fraction of each table (< 1); 0: the default fraction
     allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/common/first_batch.py)
+    sync_batchnorm: bool = False   # BatchNorm statistics over every worker's batch (strategies/dataparallel/sync_batchnorm.py)
 
     def __post_init__(self):
         if not isinstance(self.plan, Plan):   # config.json, or a caller's dict: a plan's keys, any subset
@@ -160,12 +161,25 @@ def load_config(path: str, sha256: str | None) -> RunConfig:
     return RunConfig.from_json(data.decode())
 
 
+def sync_batchnorm_problem(strategy: str) -> str | None:
+    """Why ``--sync-batchnorm`` does not apply to ``strategy`` (one line naming the flag and the
+    strategies it applies to), or None: it synchronises data-parallel replicas' BatchNorm
+    (strategies/dataparallel/sync_batchnorm.py); a pipeline's stages and ps's workers are not
+    such replicas ("auto": the planner's choice is checked once made)."""
+    if strategy == "auto" or strategy_spec(strategy).sync_batchnorm:
+        return None
+    return (f"--sync-batchnorm synchronises BatchNorm over data-parallel workers: it applies to --strategy "
+            f"{', '.join(where(sync_batchnorm=True))}, not {strategy}; drop it or choose one of those")
+
+
 def not_supported(cfg: RunConfig) -> str | None:
     """Why this run cannot honour the loop flags it was given whatever its strategy (one line
     naming the flag and the way out), or None; each strategy's own refusals are its spec's
     (strategies/specs/). The hot-row cache (``--staleness``) caches the parameter servers'
     rows, and holds gradients back, which a skipped fp16 step could not take back
     (strategies/hybrid/cache.py)."""
+    if cfg.sync_batchnorm and sync_batchnorm_problem(cfg.strategy):
+        return sync_batchnorm_problem(cfg.strategy)
     if cfg.staleness is not None and not strategy_spec(cfg.strategy).servers:
         return (f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
                 f"{' or '.join(where(servers=True))}, not {cfg.strategy}; drop it")

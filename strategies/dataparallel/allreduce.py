@@ -32,6 +32,7 @@ from hpar.strategies.common.devices import cpu_copy
 from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.dataparallel.sparse_allgather import padded_allgather_hook, sparse_exchange
 from hpar.strategies.dataparallel.sparse_grads import dense_before_step, densify
+from hpar.strategies.dataparallel import sync_batchnorm
 from hpar.strategies.models.tying import embedding_tables
 from hpar.strategies.common.context import (DENSE, ByteMeter, StepMeter, TrainResult, WorkerContext, ring_allreduce_bytes,
                                      ring_successor_remote)
@@ -150,6 +151,8 @@ class AllreduceStep(TrainStep):
         ctx, cfg = self.ctx, self.cfg
         self.counter = ByteMeter()
         self.loss_groups = groups = worker_groups(ctx.world_size, cfg.device)
+        if cfg.sync_batchnorm:   # --sync-batchnorm: before DDP wraps the model
+            sync_batchnorm.convert(self.model, groups.dense, ctx.device)
         self.ddp = wrap(self.outer, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/dataparallel/ddp.py
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         padded = self.sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
@@ -173,12 +176,14 @@ class AllreduceStep(TrainStep):
         save_state(self.ctx, steps_done, self.model, self.opt, self.tools)
 
     def model_copy(self, steps_done: int) -> torch.nn.Module:
-        return cpu_copy(self.outer)
+        with sync_batchnorm.plain_batchnorm(self.model):   # worker 0 evaluates it alone
+            return cpu_copy(self.outer)
 
     def write_final(self) -> None:
         run_state.write_final(self.cfg.run_dir, run_state.model_entries(self.model))   # replicas: DCP writes one copy
 
     def result(self, meter: StepMeter) -> TrainResult:
+        sync_batchnorm.to_plain(self.model)   # the model worker 0 evaluates alone
         result = meter.result(self.outer if self.ctx.rank == 0 else None, replicas=self.ctx.world_size)
         set_sparse_gradients(self.model, False)
         return result

@@ -130,6 +130,9 @@ class FsdpStep(TrainStep):
         torch.manual_seed(cfg.seed)
         self.model = inner_module(job.build_model())
         self.loss_groups = worker_groups(ctx.world_size, cfg.device)
+        if cfg.sync_batchnorm:   # --sync-batchnorm: before fully_shard (strategies/dataparallel/sync_batchnorm.py)
+            from hpar.strategies.dataparallel.sync_batchnorm import convert
+            convert(self.model, self.loss_groups.dense, ctx.device)
         self.wrapped = shard(self.model, self.loss_groups.dense, ctx.device, ctx.world_size)
         self.opt = job.build_optimizer(self.model.parameters(), cfg.lr)   # over the shards (DTensors)
         self.tools = step_tools(cfg, job, self.opt, ctx.device)

@@ -42,6 +42,7 @@ from hpar.strategies.common.loop import clip_coefficient, evaluate_now, step_too
 from hpar.strategies.common.spine import StepOutcome, TrainStep
 from hpar.strategies.dataparallel.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote
 from hpar.strategies.dataparallel.ddp import unused_error_named, wrap
+from hpar.strategies.dataparallel import sync_batchnorm
 from hpar.strategies.hybrid import ahead, build, embedding, fp16, worker_state
 from hpar.strategies.hybrid.client import LocalAggregator
 from hpar.strategies.models.forward import call_model
@@ -125,7 +126,8 @@ class HybridStep(TrainStep):
 
     def model_copy(self, steps_done: int) -> torch.nn.Module:
         p = self.parts
-        return worker_state.model_copy(p.outer, self.client, p.whole, self.clock, steps_done, self.served)
+        with sync_batchnorm.plain_batchnorm(p.model):   # worker 0 evaluates it alone
+            return worker_state.model_copy(p.outer, self.client, p.whole, self.clock, steps_done, self.served)
 
     def begin(self) -> None:
         ctx, cfg, p = self.ctx, self.cfg, self.parts
@@ -140,6 +142,8 @@ class HybridStep(TrainStep):
         self.local = LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, self.client.bytes) if groups.host else None
         self.net = p.outer
         if p.dense:
+            if cfg.sync_batchnorm:   # --sync-batchnorm: before DDP wraps the dense part
+                sync_batchnorm.convert(p.model, groups.workers.dense, ctx.device)
             self.net = wrap(p.outer, groups.workers.dense, ctx.device, cfg.find_unused_parameters, ignore=self.ps_names)
             ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
             self.net.register_comm_hook((self.client.bytes, ctx.world_size, groups.workers.dense, ring_remote),

@@ -73,16 +73,38 @@ def check_pipeline(model: torch.nn.Module, num_stages: int, plan: Plan | None, m
     """What the pipeline runtime will check after its processes start, checked before: the
     model can be cut into layers (``example``: one micro-batch, for a traced model), the
     plan's stages split them into ``num_stages`` contiguous ranges (or they can be balanced),
-    ``micro_batches`` divides ``batch_size``. Returns the stage ranges; raises ValueError
-    with the fix."""
+    ``micro_batches`` divides ``batch_size``, and leaves at least 2 samples to a micro-batch of a
+    model with BatchNorm (:func:`check_batchnorm_micro`). Returns the stage ranges; raises
+    ValueError with the fix."""
     if micro_batches < 1 or batch_size % micro_batches:
         raise ValueError(f"--micro-batches {micro_batches} does not divide --batch-size {batch_size}; choose a divisor")
+    check_batchnorm_micro(model, micro_batches, batch_size)
     count = len(sequential_layers(model, example))
     if count < num_stages:
         raise ValueError(f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): the model has only "
                          f"{count} layers; use fewer stages (lower --gpus or raise "
                          "--pipeline-replicas) or a data-parallel strategy")
     return stage_ranges(model, num_stages, plan, example)
+
+
+def batchnorm_names(model: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s BatchNorm layers (BatchNorm1d/2d/3d, SyncBatchNorm: ``_BatchNorm``),
+    which normalise a micro-batch by its own statistics in training."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    return [name or "the model" for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def check_batchnorm_micro(model: torch.nn.Module, micro_batches: int, batch_size: int) -> None:
+    """Raise ValueError (one line naming the flags and the counts that work) when ``model`` has a
+    BatchNorm layer and ``micro_batches`` leave one sample to a micro-batch: BatchNorm cannot
+    normalise one sample per channel in training (torch: "Expected more than 1 value per
+    channel when training")."""
+    names = batchnorm_names(model) if batch_size // max(micro_batches, 1) < 2 else []
+    if names:
+        fits = max((d for d in range(1, batch_size // 2 + 1) if batch_size % d == 0 and batch_size // d >= 2), default=0)
+        fix = f"use --micro-batches {fits} or fewer" if fits else f"raise --batch-size to {2 * micro_batches}"
+        raise ValueError(f"--micro-batches {micro_batches} leaves one sample of --batch-size {batch_size} to a "
+                         f"micro-batch, and BatchNorm layer {names[0]!r} needs at least 2 in training; {fix}")
 
 
 def draw_batch(batches, seed: int, step: int):

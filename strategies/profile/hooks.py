@@ -13,6 +13,7 @@ from hpar.strategies.models.tying import embedding_tables
 from torch import nn
 
 STEP_BUDGET_S = 0.5         # longest timed step before timing moves to a smaller batch
+MIN_TIMED_BATCH = 2         # no training-mode forward on one sample: BatchNorm refuses it
 
 
 def embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -179,11 +180,13 @@ def traced_layer_flops(layers, inputs) -> list[int]:
 
 def auto_timing_batch(job: Job, model: nn.Module, batch_size: int, workers: int) -> int:
     """``batch_size``, or a smaller batch when one step would exceed STEP_BUDGET_S. Times a
-    warm step at batch b1 = max(1, batch_size // 32) and at b2 = min(batch_size, 4 b1) and
+    warm step at batch b1 = max(2, batch_size // 32) and at b2 = min(batch_size, 4 b1) and
     extrapolates the line through them (a fixed cost per step plus a cost per sample: a
-    sampled softmax's negatives cost the same at batch 1 as at batch 32)."""
-    small = max(1, batch_size // 32)
-    if small == batch_size:
+    sampled softmax's negatives cost the same at batch 2 as at batch 32). Never a batch of one
+    sample unless ``batch_size`` is 1 (MIN_TIMED_BATCH: BatchNorm's training-mode forward
+    refuses one sample per channel)."""
+    small = max(MIN_TIMED_BATCH, batch_size // 32)
+    if small >= batch_size:
         return batch_size
     big = min(batch_size, 4 * small)
     t_small, t_big = warm_step_s(job, model, small, workers), warm_step_s(job, model, big, workers)
@@ -219,9 +222,10 @@ def fixed_share(job: Job, model: nn.Module, batch: int, workers: int, repeats: i
     """Share of a step's compute that does not shrink with the batch, in [0, 1]: with warm
     steps t(b) = a + s b at ``batch`` and a quarter of it, a / t(batch). On a CPU a wide layer
     streams its weights whatever the batch, so a pipeline's micro-batch of B/M samples costs
-    far more than 1/M of the batch (wide.py: 0.87 of it at M = 4); 0 for a batch under 4."""
-    quarter = batch // 4
-    if quarter < 1:
+    far more than 1/M of the batch (wide.py: 0.87 of it at M = 4); 0 for a batch under 3 (the
+    smaller batch has at least MIN_TIMED_BATCH samples: BatchNorm refuses one)."""
+    quarter = max(MIN_TIMED_BATCH, batch // 4)
+    if quarter >= batch:
         return 0.0
     full, part = warm_step_s(job, model, batch, workers, repeats), warm_step_s(job, model, quarter, workers, repeats)
     fixed = (part * batch - full * quarter) / (batch - quarter)

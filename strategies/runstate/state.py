@@ -7,7 +7,8 @@ process its own file, with no process gathering another's. All processes share o
 ==========================  ================================================================
 ``model.<name>``            a parameter or persistent buffer under the name the user's model
                             gives it. Replicas (DDP's workers, a pipeline stage's replicas, a
-                            weight tied across stages) hold equal copies: DCP writes one. A
+                            weight tied across stages) hold copies: DCP writes the lowest
+                            rank's (:func:`write`: BatchNorm's running statistics differ). A
                             table that parameter servers hold in row ranges is a
                             ``ShardedTensor`` of the parameter's shape, one shard per range
                             (its row offset), so a load with another layout reshards it.
@@ -50,6 +51,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hpar.strategies.runstate.checkpoint import atomic_write_bytes, file_sha256, step_dir
 from hpar.strategies.runstate import aliases, safe_read
@@ -95,11 +97,17 @@ def _no_space(exc: BaseException, path: str) -> bool:
 def write(path: str, state: dict) -> None:
     """``dcp.save`` of ``state`` into directory ``path`` (a collective over the default group,
     or this process alone without one), then a SHA-256 beside each file this process wrote.
+    A key several processes hold (replicas) is written from the lowest rank that holds it
+    (DCP's ``dedup_save_to_lowest_rank``; its default spreads such keys over the ranks by size):
+    buffers the replicas do not keep equal (BatchNorm's running statistics, updated from each
+    worker's own batches) come from worker 0 (a pipeline stage's from its first replica), the
+    copy worker 0's ``evaluate()`` reads, so the saved model and every export evaluate as it did.
     Raises :class:`DiskFull` (naming ``path``) when the disk is full: nothing that was
     complete before is touched (``latest`` moves only after a whole checkpoint is written)."""
     try:
         os.makedirs(path, exist_ok=True)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))   # replicas: the lowest rank's copy
         _checksums(path)
     except BaseException as exc:   # DCP's CheckpointException is a BaseException
         if isinstance(exc, (Exception, dcp.api.CheckpointException)) and _no_space(exc, path):

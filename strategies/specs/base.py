@@ -37,7 +37,9 @@ class StrategySpec:
     gradients; ``simplicity``: lower is simpler (planner near-ties); ``runs_as``: a planner
     candidate that runs as that strategy (``hybrid-cache`` runs ``hybrid``); ``plain``: the
     strategy this one runs as when the model gives it nothing to do (no table to serve or to
-    give sparse gradients): "" for none.
+    give sparse gradients): "" for none; ``sync_batchnorm``: its workers are data-parallel
+    replicas whose BatchNorm layers can normalise over every worker's batch
+    (``--sync-batchnorm``, strategies/dataparallel/sync_batchnorm.py).
     """
 
     name: str
@@ -53,6 +55,7 @@ class StrategySpec:
     sparse_gradients: bool = False
     runs_as: str = ""
     plain: str = ""
+    sync_batchnorm: bool = False
     check: Callable[[Any], str | None] | None = None
     check_available: str = ""
     check_model: str = ""
