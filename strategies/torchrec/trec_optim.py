@@ -3,21 +3,18 @@ rest, and what cannot be fused, refused in one line before start.
 
 TorchRec updates a sharded table's rows inside backward with FBGEMM's table-batched kernel
 (``apply_optimizer_in_backward``; ``optimizer_type_to_emb_opt_type`` maps torch's classes:
-``SGD`` -> ``exact_sgd``, ``Adagrad`` -> ``exact_adagrad``, ``Adam`` -> ``adam``), with the
-kernel's own option names (``lr``, ``eps``, ``beta1``, ``beta2``: FBGEMM's
-``SplitTableBatchedEmbeddingBagsCodegen``). :func:`fused_optimizer` reads the script's
-optimizer and gives that class with the same hyper-parameters, so the tables follow the update
-one process would make:
+``SGD`` -> ``exact_sgd``, ``Adagrad`` -> ``exact_adagrad``), with options that both torch's
+class and FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` take (``lr``, ``eps``).
+:func:`fused_optimizer` reads the script's optimizer and gives that class with the same
+hyper-parameters, so the tables follow the update one process would make: under ``SGD``
+without momentum and ``Adagrad`` (``lr_decay`` 0, ``initial_accumulator_value`` 0) a row no
+id of the step touched has a zero gradient and no update in torch either, so the fused update
+is the dense one exactly.
 
-- ``SGD`` without momentum, ``Adagrad`` (``lr_decay`` 0, ``initial_accumulator_value`` 0):
-  a row no id of the step touched has a zero gradient and no update in torch either, so the
-  fused update is the dense one exactly;
-- ``Adam``: FBGEMM updates the moments of the rows a step touched only (lazy Adam, as torch's
-  ``SparseAdam``), where torch's Adam also decays every other row's moments: the same first
-  step, then a different (the usual sparse) update; :func:`fused_optimizer` says so.
-
-Everything else (momentum, weight decay, ``amsgrad``, another class, one table in several
-parameter groups with different options) is refused: FBGEMM has no kernel for it here.
+Everything else is refused: momentum, weight decay, another class, one table in several
+parameter groups with different options. ``Adam`` too: FBGEMM's CPU kernels have no Adam
+("Optimizer adam is not supported in CPU mode", fbgemm-gpu-cpu 1.8.0), and on CUDA its Adam is
+lazy (the moments of the touched rows only), not torch's.
 """
 from __future__ import annotations
 
@@ -51,19 +48,14 @@ def _options(kind: type, g: dict) -> dict | str:
         if g.get("lr_decay", 0) or g.get("initial_accumulator_value", 0):
             return "lr_decay/initial_accumulator_value"
         return {"lr": g["lr"], "eps": g["eps"]}
-    if kind is torch.optim.Adam:
-        if g.get("amsgrad"):
-            return "amsgrad"
-        beta1, beta2 = g["betas"]
-        return {"lr": g["lr"], "eps": g["eps"], "beta1": float(beta1), "beta2": float(beta2)}
     return "its class"
 
 
 def fused_optimizer(opt: torch.optim.Optimizer, tables: list[torch.Tensor]) -> tuple[type, dict, str]:
     """``(optimizer class, the fused kernel's options, a note)`` for the tables ``tables``
     (their weights in the user's model) of the script's optimizer ``opt``: every table must
-    sit in groups of equal options. ``note`` is "" or one line on how the update differs
-    from torch's (Adam). Raises ValueError (one line naming the option and the way out) for
+    sit in groups of equal options. ``note`` is "" (a line to print, for a later
+    optimizer whose fused update differs from torch's). Raises ValueError (one line naming the option and the way out) for
     an optimizer FBGEMM cannot fuse."""
     kind = type(opt)
     groups = [_group(opt, t) for t in tables]
@@ -73,9 +65,8 @@ def fused_optimizer(opt: torch.optim.Optimizer, tables: list[torch.Tensor]) -> t
     options = _options(kind, groups[0]) if groups else {"lr": 0.0}
     if isinstance(options, str):
         raise ValueError(f"{FLAG}: optimizer() is {kind.__name__} with {options}, which TorchRec cannot fuse into its "
-                         "tables' backward; use SGD (no momentum), Adagrad or Adam without it, or another strategy")
-    note = ("hpar: torchrec updates the tables as lazy Adam (moments of the rows a step touches, as SparseAdam), "
-            "the rest with Adam" if kind is torch.optim.Adam else "")
+                         "tables' backward; use SGD (no momentum) or Adagrad without it, or another strategy")
+    note = ""
     return kind, options, note
 
 

@@ -6,7 +6,7 @@ optimizer, the sharding plan under a deadline, the user's initial rows in the sh
 
 1. ``apply_optimizer_in_backward(<the script's optimizer class>, tables, <its options>)``: the
    tables' rows are updated inside backward by FBGEMM's table-batched kernel, exactly
-   (``exact_sgd``, ``exact_adagrad``, ``adam``; trec_optim.py maps the script's optimizer);
+   (``exact_sgd``, ``exact_adagrad``; trec_optim.py maps the script's optimizer);
 2. the plan: worker rank 0 runs TorchRec's ``EmbeddingShardingPlanner`` (its own choice, or
    every table of one sharding type for ``torchrec-tw/-rw/-cw``) and broadcasts the plan, or
    its error, over the workers' gloo control group; a planner that refuses on rank 0 (TorchRec
