@@ -38,9 +38,14 @@ its own attributes; before every forward they are pointed at the stage's registe
 Limits (torch.export): the graph is specialised to the shapes it was traced with (one
 micro-batch); every micro-batch must have those shapes (pad sequences to one length), which is
 checked. Factory calls in the graph carry the tracing device (``arange(..., device=cpu)``);
-they are re-targeted to the device of the inputs at the first forward there. Data-dependent
-control flow cannot be traced: such a model needs ``hpar_layers()``. A ``use_cache`` KV cache
-is switched off for tracing (training does not read it).
+they are re-targeted to the device of the inputs at the first forward there. A ``use_cache``
+KV cache is switched off for tracing in every config the model holds (T5's decoder keeps its
+own: strategies/models/block_trace.py). Data-dependent control flow inside the blocks (a
+mixture of experts' routing) stops torch.export; the model is then traced with torch.fx, its
+blocks kept whole (opaque modules run eagerly on their stage) and cut at the same places
+(block_trace.py). Data-dependent control flow between the blocks cannot be traced either
+way: such a model needs ``hpar_layers()``, and the refusal names the line that stopped each
+tracer.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hpar.strategies.models.block_trace import describe_failure, generation_flags_off, split_at_blocks
 from hpar.strategies.models.forward import inner_module, takes_keywords
 from hpar.strategies.models.traced_stage import Part, TracedStage
 
@@ -129,12 +135,18 @@ def _unwrap_split_points(model: nn.Module, spec: dict) -> None:
 
 
 def _read_attributes(gm: nn.Module) -> set[str]:
-    """Qualified names (in ``gm``) of the attributes its graphs read with ``get_attr``."""
+    """Qualified names (in ``gm``) of the attributes its graphs read with ``get_attr``, and
+    the tensors of the leaf modules (no graph of their own: block_trace.py's) they call."""
     used = set()
     for prefix, m in gm.named_modules():
         for node in getattr(getattr(m, "graph", None), "nodes", ()):
+            name = f"{prefix}.{node.target}" if prefix else node.target
             if node.op == "get_attr":
-                used.add(f"{prefix}.{node.target}" if prefix else node.target)
+                used.add(name)
+            elif node.op == "call_module" and not hasattr(m.get_submodule(node.target), "graph"):
+                leaf = m.get_submodule(node.target)
+                used.update(f"{name}.{n}" for n, _ in leaf.named_parameters(remove_duplicate=False))
+                used.update(f"{name}.{n}" for n, _ in leaf.named_buffers(remove_duplicate=False))
     return used
 
 
@@ -152,7 +164,6 @@ class TracedLayers:
     way out) when the model has no blocks or torch.export cannot trace it."""
 
     def __init__(self, model: nn.Module, example):
-        from torch.distributed.pipelining import pipeline
         model = inner_module(model)
         blocks = block_names(model)
         if not blocks:
@@ -160,47 +171,59 @@ class TracedLayers:
                              f"{why_not_traceable(model)}; define hpar_layers()")
         keywords = takes_keywords(model, example)
         args, kwargs = ((), dict(example)) if keywords else ((example,), {})
-        config = getattr(model, "config", None)
-        cache = getattr(config, "use_cache", None)
         training = model.training
         try:
-            if cache:
-                config.use_cache = False
-            model.train()
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
+            with generation_flags_off(model), torch.random.fork_rng(devices=[]), torch.no_grad():
+                model.train()
                 kept = {k: b.clone() for k, b in model.named_buffers()}   # BatchNorm's statistics
-                order: list[str] = []
-                hooks = [m.register_forward_pre_hook(lambda mod, a, n=name: order.append(n))
-                         for name, m in model.named_modules() if name]
                 try:
-                    _, self.out_spec = tree_flatten(model(*args, **kwargs))
+                    top = self._trace(model, args, kwargs, blocks)
+                except ValueError:
+                    raise
+                except Exception as exc:   # the forward itself failed on the micro-batch
+                    raise ValueError(f"torch.distributed.pipelining could not trace the model: "
+                                     f"{describe_failure(exc)}; define hpar_layers()") from None
                 finally:
-                    for h in hooks:
-                        h.remove()
-                spec = _split_spec(blocks, order)
-                try:
-                    with warnings.catch_warnings(), _quiet():   # torch 2.13's own pytree deprecation, inside pipeline()
-                        warnings.simplefilter("ignore", FutureWarning)
-                        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=spec)
-                finally:
-                    _unwrap_split_points(model, spec)
-                for k, b in model.named_buffers():   # the eager call is not a training step
-                    b.copy_(kept[k])
-        except Exception as exc:   # torch.export could not capture the forward
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            if len(first) > 200:   # cut at a word, said to be cut
-                first = first[:200].rsplit(" ", 1)[0] + " ..."
-            raise ValueError(f"torch.distributed.pipelining could not trace the model ({type(exc).__name__}: "
-                             f"{first}); define hpar_layers()") from None
+                    for k, b in model.named_buffers():   # the eager calls are not a training step
+                        b.copy_(kept[k])
         finally:
-            if cache:
-                config.use_cache = cache
             model.train(training)
         self.keywords = keywords
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.input_shapes = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        self._read_graph(pipe.split_gm, model)
+        self._read_graph(top, model)
         self.layers = [(self._name(i, blocks), TracedStage(self, i, i + 1)) for i in range(len(self.parts))]
+
+    def _trace(self, model: nn.Module, args, kwargs, blocks: list[str]):
+        """The split top graph: torch's ``pipeline()`` (torch.export), else the forward with its
+        blocks kept whole (block_trace.py); ValueError naming both failures and the way out."""
+        from torch.distributed.pipelining import pipeline
+        order: list[str] = []
+        hooks = [m.register_forward_pre_hook(lambda mod, a, n=name: order.append(n))
+                 for name, m in model.named_modules() if name]
+        try:
+            _, self.out_spec = tree_flatten(model(*args, **kwargs))
+        finally:
+            for h in hooks:
+                h.remove()
+        spec = _split_spec(blocks, order)
+        try:
+            with warnings.catch_warnings(), _quiet():   # torch 2.13's own pytree deprecation, inside pipeline()
+                warnings.simplefilter("ignore", FutureWarning)
+                return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=spec).split_gm
+        except Exception as exc:   # torch.export could not capture the forward
+            exported = describe_failure(exc)
+        finally:
+            _unwrap_split_points(model, spec)
+        try:
+            with warnings.catch_warnings(), _quiet():
+                warnings.simplefilter("ignore")
+                return split_at_blocks(model, args, kwargs, blocks)
+        except Exception as exc:
+            kept = f"{blocks[0]} ... {blocks[-1]}" if len(blocks) > 1 else blocks[0]
+            raise ValueError(f"torch.distributed.pipelining could not trace the model: torch.export stopped at "
+                             f"{exported}; with its blocks ({kept}) kept whole, torch.fx stopped at "
+                             f"{describe_failure(exc)}; define hpar_layers()") from None
 
     def _read_graph(self, top, model: nn.Module) -> None:
         """Fill ``parts``, ``placeholders``, ``output_keys`` and ``tensors`` from the split."""
@@ -257,9 +280,10 @@ class TracedLayers:
         owners = list(dict.fromkeys(fqn.rpartition(".")[0] or fqn for _, _, fqn, p in self.parts[i].slots if p))
         if not owners:
             return f"part{i}"
-        for b in blocks:
-            if all(o == b or o.startswith(b + ".") for o in owners):
-                return b
+        inside = [b for b in blocks if any(o == b or o.startswith(b + ".") for o in owners)]
+        if len(inside) == 1:   # a block and the glue after it (T5's encoder.block.1+encoder.final_layer_norm)
+            rest = [o for o in owners if not o.startswith(inside[0] + ".") and o != inside[0]]
+            return "+".join([inside[0], *rest[:2]]) + ("+..." if len(rest) > 2 else "")
         common = []
         for pieces in zip(*(o.split(".") for o in owners)):
             if len(set(pieces)) > 1:
