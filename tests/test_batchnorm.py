@@ -70,12 +70,14 @@ def test_sync_batchnorm_equals_one_process_buffers_included(tmp_path, reap_run):
 @pytest.mark.parametrize("args, says", [
     (("--strategy", "pipeline", "--sync-batchnorm"), "--sync-batchnorm synchronises BatchNorm over data-parallel workers"),
     (("--strategy", "pipeline", "--micro-batches", "16"), "needs at least 2 in training; use --micro-batches 8 or fewer"),
+    (("--strategy", "allreduce", "--batch-size", "1"), "needs at least 2 samples per batch in training; use --batch-size 2"),
 ])
 def test_what_cannot_honour_batchnorm_is_refused_in_one_line(tmp_path, reap_run, args, says):
     """--sync-batchnorm with a pipeline (no replicas to synchronise; refused before the script
-    loads), and micro-batches of one sample for a model with BatchNorm (refused after the
-    profile that plans the pipeline, which times steps of 2 samples or more, as `hpar profile`
-    does, instead of failing on BatchNorm's one-sample refusal): exit 2, one line, no worker."""
+    loads), micro-batches of one sample for a model with BatchNorm (refused after the profile
+    that plans the pipeline, which times steps of 2 samples or more, as `hpar profile` does,
+    instead of failing on BatchNorm's one-sample refusal), and a batch of one sample (refused
+    with the batch size that works): exit 2, one line, no worker."""
     run_dir = tmp_path / "run"
     reap_run(str(run_dir))
     code, text = hpar_to_file(tmp_path / "out.txt", "run", SCRIPT, "--gpus", "2", *args, "--run-dir", str(run_dir),

@@ -271,6 +271,10 @@ def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     mem.start()
     model = job.build_model()
     built = mem.peak_bytes()
+    norms = [n or "the model" for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if batch_size < 2 and norms:   # torch: "Expected more than 1 value per channel when training"
+        raise JobError(f"--batch-size {batch_size}: BatchNorm layer {norms[0]!r} of {job.path} needs at least 2 samples "
+                       "per batch in training; use --batch-size 2 or more")
     mem.start()
     inputs, targets = next(job.batches(0, 1, batch_size))
     data = mem.peak_bytes()
