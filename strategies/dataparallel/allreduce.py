@@ -49,7 +49,9 @@ def counting_allreduce_hook(state, bucket):
     ``bucket`` a dist.GradBucket (left unannotated: DDP rejects string annotations, which
     this module's postponed evaluation would make).
     A dense bucket costs ring AllReduce bytes; a sparse one (an embedding with sparse=True)
-    is exchanged by gloo as an AllGather of (indices, values): see :func:`sparse_allgather_bytes`.
+    is exchanged by gloo as an AllGather of (indices, values): see :func:`sparse_allgather_bytes`,
+    and divided out of place (torch's default hook divides in place, which corrupts the
+    gradients of a layer whose output is added to an embedding's).
     """
     counter, world_size, group, remote = state
     buf = bucket.buffer()
@@ -58,7 +60,9 @@ def counting_allreduce_hook(state, bucket):
     else:
         nbytes = ring_allreduce_bytes(buf.numel() * buf.element_size(), world_size)
     counter.add(DENSE, sent=nbytes, recv=nbytes, remote=remote)
-    buf.div_(world_size)
+    # a sparse gradient's values can be a view of the gradient flowing into another branch
+    # (an embedding's output added to a layer's): divided in place, that branch's gradients shrink
+    buf = buf / world_size if buf.is_sparse else buf.div_(world_size)
     fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 

@@ -11,12 +11,12 @@ ALLREDUCE = StrategySpec(
     runtime="hpar.strategies.dataparallel.allreduce:train",
     estimate="hpar.strategies.plan.costmodel:estimate_allreduce",
     worker_memory="hpar.strategies.plan.memory_model:allreduce_terms",
-    simplicity=0, ddp=True, sync_batchnorm=True)
+    simplicity=0, ddp=True, compress_hooks=True, sync_batchnorm=True)
 
 ALLREDUCE_SPARSE = StrategySpec(
     name="allreduce-sparse", summary="DDP with sparse gradients for embedding tables (AllGather of touched rows)",
     runtime="hpar.strategies.dataparallel.allreduce:train",
     estimate="hpar.strategies.plan.costmodel:estimate_allreduce_sparse",
     worker_memory="hpar.strategies.plan.memory_model:sparse_terms",
-    simplicity=1, ddp=True, sparse_gradients=True, plain="allreduce",
+    simplicity=1, ddp=True, sparse_gradients=True, compress_hooks=True, plain="allreduce",
     sync_batchnorm=True)

@@ -37,8 +37,10 @@ class StrategySpec:
     gradients; ``simplicity``: lower is simpler (planner near-ties); ``runs_as``: a planner
     candidate that runs as that strategy (``hybrid-cache`` runs ``hybrid``); ``plain``: the
     strategy this one runs as when the model gives it nothing to do (no table to serve or to
-    give sparse gradients): "" for none; ``sync_batchnorm``: its workers are data-parallel
-    replicas whose BatchNorm layers can normalise over every worker's batch
+    give sparse gradients): "" for none; ``compress_hooks``: its dense gradients are averaged
+    by DDP's AllReduce, whose communication hook ``--compress`` replaces
+    (strategies/dataparallel/compress_hooks.py); ``sync_batchnorm``: its workers are
+    data-parallel replicas whose BatchNorm layers can normalise over every worker's batch
     (``--sync-batchnorm``, strategies/dataparallel/sync_batchnorm.py).
     """
 
@@ -53,6 +55,7 @@ class StrategySpec:
     pipelined: bool = False
     needs_plan: bool = False
     sparse_gradients: bool = False
+    compress_hooks: bool = False
     runs_as: str = ""
     plain: str = ""
     sync_batchnorm: bool = False
