@@ -82,6 +82,9 @@ def main() -> None:
 @click.option("--sync-batchnorm", is_flag=True, default=None,
               help="BatchNorm over every worker's batch (torch's SyncBatchNorm; allreduce, allreduce-sparse, hybrid, "
                    "fsdp): N workers then equal one process on the concatenated batch, running statistics included.")
+@click.option("--compress", default=None, metavar="off|fp16|bf16|powersgd[:RANK]",
+              help="Compress DDP's gradient AllReduce (allreduce, allreduce-sparse, hybrid's dense part): 16-bit casts "
+                   "or PowerSGD of rank RANK (default 2) with error feedback. An accuracy trade: off unless given.")
 @click.option("--allow-unequal-batches", is_flag=True, default=None,
               help="Train although the workers' first batches differ in size (each worker's mean gradient then "
                    "weighs the same, as DDP does); refused otherwise.")
@@ -114,6 +117,9 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
         check_ranges(**given, tune_steps=tune_steps, min_hosts=min_hosts)
         check_loop_flags(precision, clip_grad_norm, accumulate, eval_every)
         check_cache_flags(given.get("cache_rows"), given.get("staleness"))
+        if given.get("compress") is not None:
+            from hpar.strategies.common.compression import Compression
+            Compression.parse(given["compress"])
         if given.get("script") and not given.get("resume_dir"):
             check_script_file(given["script"])   # there, readable, compiles
     except ValueError as exc:
@@ -140,6 +146,8 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
                         over["strategy"] = strategy_spec(chosen).runs_as
                     elif flags.plan.staleness is not None:   # the other candidates run without the caches
                         over.update(staleness=None, cache_rows=None)
+                    if flags.plan.compress is not None and not strategy_spec(over["strategy"]).compress_hooks:
+                        over.update(compress=None)   # a candidate without DDP's AllReduce runs uncompressed
                     if trial:
                         over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
                     c, o, m = run_command.resolve(con, flags.but(**over))

@@ -28,8 +28,8 @@ from hpar.strategies.common.config import FIND_UNUSED_MODES, RunConfig, check_ca
 from hpar.strategies.dataparallel.ddp import find_unused
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import spec as strategy_spec, where
-from hpar.launcher.run.strategy_settings import (cache_settings, check_optimizer, check_unused_by_rank, ddp_find_unused,
-                                                 default_micro_batches)
+from hpar.launcher.run import compress_setting
+from hpar.launcher.run.strategy_settings import cache_settings, check_optimizer, ddp_find_unused, default_micro_batches
 from hpar.strategies.models.forward import inner_module
 from hpar.strategies.common.job import check_job, load_job
 from hpar.strategies.common.loop import check_precision
@@ -141,6 +141,7 @@ def resolve(console: Console, flags: Flags):
     loop_flags = loop_flags or {}
     check_loop_flags(**loop_flags)   # before the script is loaded and profiled
     check_cache_flags(cache_rows, staleness)
+    compress = compress_setting.early(p.compress, strategy, loop_flags.get("precision"))   # before the script loads
     if j.sync_batchnorm and sync_batchnorm_problem(strategy):   # before the script loads
         raise ValueError(sync_batchnorm_problem(strategy))
     if staleness is not None and strategy != "auto" and not strategy_spec(strategy).servers:
@@ -181,6 +182,7 @@ def resolve(console: Console, flags: Flags):
         if r.keep_checkpoints is not None:
             cfg = cfg.replace(keep_checkpoints=r.keep_checkpoints)
         job = load_job(cfg.script)
+        compress_setting.on_resume(cfg, p.compress)
         if find_unused_parameters in ("on", "off"):
             cfg = cfg.replace(find_unused_parameters=find_unused(find_unused_parameters, ()))
         if j.allow_unequal_batches:
@@ -264,7 +266,6 @@ def resolve(console: Console, flags: Flags):
             raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
                              f"(only {', '.join(where(ddp=True))} do); drop it")
         check_optimizer(console, job, inner, strategy, plan, servers, pick(lr, "lr"))
-        check_unused_by_rank(job, strategy, plan, inner, bs, gpus)   # FSDP2 and a mixture of experts
         if spec.check_available:
             spec.load("check_available")()   # a library the strategy needs (FSDP2: torch.distributed.fsdp)
         if spec.check_model:   # the model and optimizer the runtime can run (torchrec: tables, fused optimizer)
@@ -284,7 +285,8 @@ def resolve(console: Console, flags: Flags):
             find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus),
             allow_unequal_batches=bool(pick(j.allow_unequal_batches, "allow_unequal_batches")),
             sync_batchnorm=bool(pick(j.sync_batchnorm, "sync_batchnorm")),
-            staleness=staleness, cache_rows=cache_rows)
+            staleness=staleness, cache_rows=cache_rows,
+            compress=compress_setting.decide(console, compress, strategy, strategy_flag, device))
         check_precision(job, cfg, model)
         if spec.pipelined and cfg.schedule == "async-predict":
             from hpar.strategies.pipeline.velocity import check_predictable
@@ -335,6 +337,5 @@ def resolve(console: Console, flags: Flags):
         cfg = fit_plan(console, cfg, job, model, capacity, host_list, p.force, profile)   # predicted peaks vs memory
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, phase_timeout=phase_timeout,
                          max_restarts=max_restarts, group_readable=r.group_readable,
-                         live=False if r.plain else None, sync=h.sync, env=extra_env, slurm=slurm,
-                         unused_restart=(find_unused_parameters or job.defaults.get("find_unused_parameters")) != "off")
+                         live=False if r.plain else None, sync=h.sync, env=extra_env, slurm=slurm)
     return cfg, opts, master

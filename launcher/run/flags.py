@@ -35,7 +35,7 @@ class PlanFlags:
     """How to run it: the strategy (``auto``: the planner's), a plan file, servers, a
     pipeline's schedule, micro-batches and replicas, the workers' device, the memory each
     process may use (GB), ``force`` to run a plan predicted not to fit, and the hot-row caches
-    of ``hybrid``/``ps`` (``--staleness``, ``--cache-rows``)."""
+    of ``hybrid``/``ps`` (``--staleness``, ``--cache-rows``); ``--compress`` of DDP's AllReduce."""
 
     strategy: str = "auto"
     plan_file: str | None = None
@@ -49,6 +49,7 @@ class PlanFlags:
     force: bool = False
     staleness: int | None = None      # hybrid/ps: hot-row caches read rows up to this many updates stale
     cache_rows: float | None = None   # their rows per table (>= 1) or fraction of each table (< 1)
+    compress: str | None = None       # --compress: off, fp16, bf16, powersgd[:RANK] (strategies/common/compression.py)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from hpar.strategies.common.compression import Compression
 from hpar.strategies.pipeline.divergence import GuardConfig as check_guard
 from hpar.strategies.plan.decision import Plan
 from hpar.strategies.specs.registry import names, spec as strategy_spec, where
@@ -90,10 +91,12 @@ class RunConfig:
     cache_rows: float = 0.0        # its rows per table (>= 1) or fraction of each table (< 1); 0: the default fraction
     allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/common/first_batch.py)
     sync_batchnorm: bool = False   # BatchNorm statistics over every worker's batch (strategies/dataparallel/sync_batchnorm.py)
+    compress: Compression = field(default_factory=Compression)   # --compress: DDP's AllReduce (strategies/common/compression.py)
 
     def __post_init__(self):
         if not isinstance(self.plan, Plan):   # config.json, or a caller's dict: a plan's keys, any subset
             object.__setattr__(self, "plan", Plan.from_dict(self.plan or {}))
+        object.__setattr__(self, "compress", Compression.of(self.compress))   # "fp16", or config.json's dict
         spec = strategy_spec(self.strategy)   # ValueError naming the choices for an unknown one
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -183,7 +186,29 @@ def not_supported(cfg: RunConfig) -> str | None:
     if cfg.staleness is not None and not strategy_spec(cfg.strategy).servers:
         return (f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
                 f"{' or '.join(where(servers=True))}, not {cfg.strategy}; drop it")
+    if compress_problem(cfg.compress, cfg.strategy, cfg.precision):
+        return compress_problem(cfg.compress, cfg.strategy, cfg.precision)
     if cfg.staleness is not None and cfg.precision == "fp16":
         return ("--staleness with --precision fp16: the cache holds gradients back over several steps, which a step "
                 "skipped for inf/NaN could not take back; use --precision bf16 or fp32")
+    return None
+
+
+def compress_problem(c: Compression, strategy: str, precision: str | None) -> str | None:
+    """Why ``--compress c`` cannot run with ``strategy`` and ``--precision precision`` (one
+    line naming the flag and the way out), or None. It replaces the hook of DDP's AllReduce,
+    which only the strategies whose spec says ``compress_hooks`` run; PowerSGD's error feedback
+    would carry a step's inf/NaN of fp16 mixed precision (a step its GradScaler skips) into
+    every later step."""
+    if not c.on:
+        return None
+    spec = strategy_spec(strategy)
+    if not spec.compress_hooks:
+        what = ("averages its replicas' gradients with its own bucketed AllReduce, not DDP's"
+                if spec.pipelined else "has no dense AllReduce through DDP")
+        return (f"--compress {c}: --strategy {strategy} {what}; it applies to "
+                f"{', '.join(where(compress_hooks=True))}; drop it")
+    if c.kind == "powersgd" and precision == "fp16":
+        return (f"--compress {c} with --precision fp16: PowerSGD's error feedback would keep the inf/NaN of a step "
+                "the gradient scaler skips; use --precision bf16 or fp32, or --compress fp16")
     return None

@@ -28,6 +28,7 @@ from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.runstate import checkpoint
 from hpar.strategies.runstate import state as run_state
 from hpar.strategies.dataparallel.ddp import unused_error_named, wrap
+from hpar.strategies.dataparallel.compress_hooks import Compressor
 from hpar.strategies.common.devices import cpu_copy
 from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.dataparallel.sparse_allgather import padded_allgather_hook, sparse_exchange
@@ -90,21 +91,22 @@ def sparse_allgather_bytes(grad: torch.Tensor, world_size: int) -> float:
 
 
 @contextlib.contextmanager
-def _sync(ddp, last: bool, event=None):
+def _sync(ddp, last: bool):
     """Around one micro-step: DDP's ``no_sync`` on all but the last of a step, and its
-    unused-parameter error in one line, told to ``event`` first (strategies/dataparallel/ddp.py)."""
-    with contextlib.nullcontext() if last else ddp.no_sync(), unused_error_named(ddp, event):
+    unused-parameter error in one line (strategies/dataparallel/ddp.py)."""
+    with contextlib.nullcontext() if last else ddp.no_sync(), unused_error_named(ddp):
         yield
 
 
 def save_state(ctx: WorkerContext, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
-               tools: StepTools | None = None) -> None:
+               tools: StepTools | None = None, extra: dict | None = None) -> None:
     """Checkpoint ``step`` (a collective over the default group): this worker writes the state
     it holds, its model (DDP's replicas: one copy is kept; FSDP's DTensor shards: each rank its
     own), optimizer state by parameter name, loop state and random generators, with
-    torch.distributed.checkpoint (strategies/runstate/state.py); nothing is gathered."""
-    run_state.save(ctx.cfg.run_dir, step, run_state.process_entries(model, opt, tools, ctx.device,
-                                                                    f"worker{ctx.rank}", "workers"),
+    torch.distributed.checkpoint (strategies/runstate/state.py); nothing is gathered. ``extra``:
+    more of this worker's entries (``--compress powersgd``'s state)."""
+    run_state.save(ctx.cfg.run_dir, step, {**run_state.process_entries(model, opt, tools, ctx.device,
+                                                                       f"worker{ctx.rank}", "workers"), **(extra or {})},
                    keep=ctx.cfg.keep_checkpoints)
 
 
@@ -147,9 +149,13 @@ class AllreduceStep(TrainStep):
         # a table whose optimizer has no sparse kernel (Adam, AdamW, ...): exchanged sparse, made dense to step
         self.to_dense = [p for _, p in dense_before_step(self.opt, [(n, named[n]) for n in tables])] if self.sparse else []
         self.tools = step_tools(cfg, job, self.opt, ctx.device)
+        self.compressor = Compressor(cfg.compress, cfg.steps, ctx.rank)   # --compress (strategies/dataparallel/compress_hooks.py)
 
     def resume(self) -> int:
-        return resume_state(self.ctx, self.model, self.opt, self.tools)
+        step = resume_state(self.ctx, self.model, self.opt, self.tools)
+        if step:
+            self.compressor.restore(checkpoint.step_dir(self.cfg.run_dir, step))
+        return step
 
     def begin(self) -> None:
         ctx, cfg = self.ctx, self.cfg
@@ -160,14 +166,14 @@ class AllreduceStep(TrainStep):
         self.ddp = wrap(self.outer, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/dataparallel/ddp.py
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         padded = self.sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
-        self.ddp.register_comm_hook((self.counter, ctx.world_size, groups.dense, ring_remote),
-                                    padded_allgather_hook if padded else counting_allreduce_hook)
+        self.compressor.attach(self.ddp, (self.counter, ctx.world_size, groups.dense, ring_remote),
+                               padded_allgather_hook if padded else counting_allreduce_hook)
         self.batches = worker_batches(ctx, groups.control)   # the first batch's size checked against the peers'
 
     def step(self, step: int) -> StepOutcome:
         self.opt.zero_grad(set_to_none=True)
         loss, logged, samples = micro_steps(self.ctx, self.ddp, self.batches, self.tools, step,
-                                            lambda last: _sync(self.ddp, last, self.ctx.event))
+                                            lambda last: _sync(self.ddp, last))
         self.samples_per_step = self.samples_per_step or samples   # the first step's batches, as measured
         lr = self.tools.lr(self.opt)
         densify(self.to_dense)
@@ -177,7 +183,7 @@ class AllreduceStep(TrainStep):
                            samples=self.samples_per_step)
 
     def save(self, steps_done: int) -> None:
-        save_state(self.ctx, steps_done, self.model, self.opt, self.tools)
+        save_state(self.ctx, steps_done, self.model, self.opt, self.tools, self.compressor.entries())
 
     def model_copy(self, steps_done: int) -> torch.nn.Module:
         with sync_batchnorm.plain_batchnorm(self.model):   # worker 0 evaluates it alone

@@ -28,19 +28,21 @@ def served_names(model, ps_names: set[str]) -> frozenset:
     return frozenset(ps_names) | {alias for n in ps_names for alias in shared.get(n, [])}
 
 
-def save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], caches) -> None:
+def save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], caches, compressor=None) -> None:
     """This worker's state (its dense part: the servers write the tables; the next epoch's
-    cached rows) in checkpoint ``step``, with the servers' (strategies/runstate/state.py); a
-    collective over the default group."""
+    cached rows; ``--compress powersgd``'s state, strategies/dataparallel/compress_hooks.py) in
+    checkpoint ``step``, with the servers' (strategies/runstate/state.py); a collective over
+    the default group."""
     run_state.save(ctx.cfg.run_dir, step, {**run_state.process_entries(
         model, opt, tools if opt else None, ctx.device, f"worker{ctx.rank}", "workers", served_names(model, ps_names)),
-        **(caches.entries() if caches else {})}, keep=ctx.cfg.keep_checkpoints)
+        **(caches.entries() if caches else {}), **(compressor.entries() if compressor else {})},
+        keep=ctx.cfg.keep_checkpoints)
 
 
-def resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str], caches) -> int:
+def resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str], caches, compressor=None) -> int:
     """Load this worker's part of the run's latest checkpoint when ``--resume`` asks for it
     (the dense part, optimizer and loop state, RNG; the caches' rows); returns its step (0 when
-    nothing was loaded)."""
+    nothing was loaded); PowerSGD's state into ``compressor``."""
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
         return 0
@@ -48,6 +50,8 @@ def resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str], caches) ->
                               f"worker{ctx.rank}", "workers", served_names(model, ps_names))
     if caches:
         caches.restore(checkpoint.step_dir(ctx.cfg.run_dir, step))
+    if compressor:
+        compressor.restore(checkpoint.step_dir(ctx.cfg.run_dir, step))
     return step
 
 

@@ -42,6 +42,7 @@ from hpar.strategies.common.loop import clip_coefficient, evaluate_now, step_too
 from hpar.strategies.common.spine import StepOutcome, TrainStep
 from hpar.strategies.dataparallel.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote
 from hpar.strategies.dataparallel.ddp import unused_error_named, wrap
+from hpar.strategies.dataparallel.compress_hooks import Compressor
 from hpar.strategies.dataparallel import sync_batchnorm
 from hpar.strategies.hybrid import ahead, build, embedding, fp16, worker_state
 from hpar.strategies.hybrid.client import LocalAggregator
@@ -120,9 +121,11 @@ class HybridStep(TrainStep):
         self.held = [] if ctx.cfg.precision == "fp16" else None
         self.scaled_opt = (parts.opt or fp16.placeholder_optimizer(ctx.device)) if self.held is not None else None
         self.totals, self.steps_done, self.eval_last = {}, 0, None
+        self.compressor = Compressor(ctx.cfg.compress, ctx.cfg.steps, ctx.rank)   # --compress: the dense part's hook
 
     def resume(self) -> int:
-        return worker_state.resume(self.ctx, self.parts.model, self.opt, self.tools, self.ps_names, self.caches)
+        return worker_state.resume(self.ctx, self.parts.model, self.opt, self.tools, self.ps_names, self.caches,
+                                   self.compressor)
 
     def model_copy(self, steps_done: int) -> torch.nn.Module:
         p = self.parts
@@ -146,8 +149,8 @@ class HybridStep(TrainStep):
                 sync_batchnorm.convert(p.model, groups.workers.dense, ctx.device)
             self.net = wrap(p.outer, groups.workers.dense, ctx.device, cfg.find_unused_parameters, ignore=self.ps_names)
             ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
-            self.net.register_comm_hook((self.client.bytes, ctx.world_size, groups.workers.dense, ring_remote),
-                                        group_allreduce_hook)
+            self.compressor.attach(self.net, (self.client.bytes, ctx.world_size, groups.workers.dense, ring_remote),
+                                   group_allreduce_hook)
         drawn = self.job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
         # past the batches trained on before the checkpoint (the same data as an uninterrupted run)
         first = [first_batch(lambda i: next(drawn), ctx.start_step * cfg.accumulate)] if ctx.start_step < cfg.steps else []
@@ -231,7 +234,7 @@ class HybridStep(TrainStep):
         clock.set_batch(host_inputs, inputs)     # ids are read on the host, never copied back
         ahead.prefetch(self.served, self.client, clock)
         with (contextlib.nullcontext() if final or net is outer else net.no_sync()):
-            with self.tools.autocast(), (unused_error_named(net, self.ctx.event) if net is not outer else contextlib.nullcontext()):
+            with self.tools.autocast(), (unused_error_named(net) if net is not outer else contextlib.nullcontext()):
                 output = call_model(net, inputs)
                 loss = self.job.compute_loss(output, targets) / cfg.accumulate
             if final and clock.on_gradients is not None and pull_ahead(cfg, step + 1, self.caches):
@@ -285,7 +288,8 @@ class HybridStep(TrainStep):
     # -- around the steps --------------------------------------------------------------------
 
     def save(self, steps_done: int) -> None:
-        worker_state.save(self.ctx, steps_done, self.parts.model, self.opt, self.tools, self.ps_names, self.caches)
+        worker_state.save(self.ctx, steps_done, self.parts.model, self.opt, self.tools, self.ps_names, self.caches,
+                          self.compressor)
 
     def after_step(self, steps_done: int) -> None:
         worker_state.done_evaluating(self.client)
