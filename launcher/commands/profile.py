@@ -71,6 +71,7 @@ def report(profile, cluster, plan) -> dict:
                         "host_update_s_per_byte": profile.host_update_s_per_byte,
                         "update_s_per_tensor": profile.update_s_per_tensor, "fsdp_overhead_s": profile.fsdp_overhead_s,
                         "step_overhead_s": profile.step_overhead_s,
+                        "unused_params": list(profile.unused_params), "unused_by_rank": profile.unused_by_rank,
                         "memory": dataclasses.asdict(profile.memory) if profile.memory else None}}
 
 
@@ -100,6 +101,11 @@ def print_tables(console: Console, profile, cluster, plan) -> None:
     if not attributed:
         console.print(f"  backward: {profile.backward_s * 1e3:.2f} ms in all; per layer only for a sequence of layers "
                       "(the forward's glue between these modules has no layer to be charged to)", markup=False)
+    if profile.unused_params:   # strategies/profile/unused.py: DDP's find_unused_parameters, FSDP2
+        shown = ", ".join(profile.unused_params[:3]) + (", ..." if len(profile.unused_params) > 3 else "")
+        console.print(f"  unused parameters: {len(profile.unused_params)} got no gradient in a profiled step ({shown})"
+                      + ("; which differs between the ranks' batches of one step (routing)" if profile.unused_by_rank
+                         else ""), markup=False)
     link = (f"{_human(cluster.bandwidth_Bps)}/s, {cluster.latency_s * 1e6:.0f} us ({cluster.source})")
     if cluster.allreduce_fixed_s is not None:   # strategies/plan/probe_collectives.py
         link += f", a small AllReduce {cluster.allreduce_fixed_s * 1e3:.2f} ms"

@@ -29,7 +29,8 @@ from hpar.strategies.dataparallel.ddp import find_unused
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import spec as strategy_spec, where
 from hpar.launcher.run import compress_setting
-from hpar.launcher.run.strategy_settings import cache_settings, check_optimizer, ddp_find_unused, default_micro_batches
+from hpar.launcher.run.strategy_settings import (cache_settings, check_optimizer, check_unused_by_rank, ddp_find_unused,
+                                                 default_micro_batches)
 from hpar.strategies.models.forward import inner_module
 from hpar.strategies.common.job import check_job, load_job
 from hpar.strategies.common.loop import check_precision
@@ -266,6 +267,7 @@ def resolve(console: Console, flags: Flags):
             raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
                              f"(only {', '.join(where(ddp=True))} do); drop it")
         check_optimizer(console, job, inner, strategy, plan, servers, pick(lr, "lr"))
+        check_unused_by_rank(job, strategy, plan, inner, bs, gpus)   # FSDP2 and a mixture of experts
         if spec.check_available:
             spec.load("check_available")()   # a library the strategy needs (FSDP2: torch.distributed.fsdp)
         if spec.check_model:   # the model and optimizer the runtime can run (torchrec: tables, fused optimizer)
@@ -337,5 +339,6 @@ def resolve(console: Console, flags: Flags):
         cfg = fit_plan(console, cfg, job, model, capacity, host_list, p.force, profile)   # predicted peaks vs memory
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, phase_timeout=phase_timeout,
                          max_restarts=max_restarts, group_readable=r.group_readable,
-                         live=False if r.plain else None, sync=h.sync, env=extra_env, slurm=slurm)
+                         live=False if r.plain else None, sync=h.sync, env=extra_env, slurm=slurm,
+                         unused_restart=(find_unused_parameters or job.defaults.get("find_unused_parameters")) != "off")
     return cfg, opts, master

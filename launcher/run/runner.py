@@ -43,6 +43,7 @@ class LaunchOptions:
     slurm: bool = False                      # inside a Slurm allocation: one srun step (launcher/procs/srun.py)
     min_hosts: int = 0                       # --min-hosts: restarts go on with the hosts that answer (launcher/run/elastic.py)
     group_readable: bool = False             # --group-readable: a new run directory is made 0750, not 0700
+    unused_restart: bool = True              # a DDP step left a parameter unused: restart with find_unused_parameters on
 
 
 def placement(cfg: RunConfig, hosts: tuple[Host, ...]) -> tuple[list[Host], list[Host]]:
@@ -117,6 +118,21 @@ def _elastic(cfg: RunConfig, opts: LaunchOptions, master: str, console: Console,
     return plan.cfg, replace(opts, hosts=plan.kept), resolve_master(list(plan.kept)), True
 
 
+def _unused_restart(cfg: RunConfig, outcome, console: Console) -> RunConfig:
+    """The run again with DDP's ``find_unused_parameters`` on, from its last checkpoint (or the
+    start), after a step left a parameter without a gradient that no profiled step had
+    (``outcome.cause``, strategies/dataparallel/ddp.py); said in one line."""
+    try:
+        step = resume_step(cfg.run_dir, lambda m: console.print(m, markup=False))
+    except ValueError:
+        step = None
+    which = outcome.cause.split(" (", 1)[1].split(")", 1)[0] if " (" in outcome.cause else "a parameter"
+    console.print(f"hpar: a step left {which} without a gradient, unlike the profiled steps; restarting from "
+                  f"{'step ' + str(step) if step is not None else 'the start'} with --find-unused-parameters on",
+                  markup=False)
+    return cfg.replace(find_unused_parameters=True, resume=step is not None)
+
+
 def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = "127.0.0.1") -> Outcome:
     """Run ``cfg`` to the end (with up to ``opts.max_restarts`` restarts from the last
     checkpoint). Writes RUN_DIR/summary.json with ``exit_code`` in every case."""
@@ -153,6 +169,11 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                 console.print(f"hpar: rendezvous port {rdv.port} was taken (EADDRINUSE); starting again on another port",
                               markup=False)
                 continue
+            if outcome.unused and not cfg.find_unused_parameters and opts.unused_restart:
+                cfg = _unused_restart(cfg, outcome, console)
+                continue
+            if outcome.unused:
+                console.print(f"hpar: {outcome.cause}", markup=False)
             interrupted = outcome.exit_code in (130, 143)
             refused = outcome.exit_code == 2   # the script's input (strategies/common/first_batch.py): a restart cannot help
             if outcome.exit_code == 0 or interrupted or refused or attempt >= opts.max_restarts:

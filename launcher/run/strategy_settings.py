@@ -63,6 +63,20 @@ def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: Plan,
     return bool(held)
 
 
+def check_unused_by_rank(job, strategy: str, plan: Plan, model, batch_size: int, gpus: int) -> None:
+    """Refuse (ValueError, one line) a strategy that cannot train a model whose ranks' batches
+    leave different parameters without a gradient in one step (``spec.unused_by_rank``
+    False: FSDP2, strategies/plan/costmodel_fsdp.py), when a few steps on several ranks'
+    batches here (strategies/profile/unused.py, on ``model``: check_job's, seed 0) show it.
+    The planner leaves such a strategy out itself; a named one is checked here."""
+    if strategy_spec(strategy).unused_by_rank or gpus < 2 or plan.unused_params is not None:
+        return   # a plan from a profile: the planner left the strategy out where it saw them
+    from hpar.strategies.plan.costmodel_fsdp import UNUSED_BY_RANK
+    from hpar.strategies.profile.unused import probe_unused
+    if probe_unused(job, batch_size, gpus, model=model).by_rank:
+        raise ValueError(f"{job.path}: --strategy {strategy}: {UNUSED_BY_RANK}")
+
+
 def check_optimizer(console: Console, job, model, strategy: str, plan: Plan, servers: int, lr: float) -> None:
     """Refuse (ValueError, one line naming the fix) an optimizer the parameter servers of
     ``hybrid``/``ps`` cannot apply to the tables they would serve (strategies/hybrid/shard.py:

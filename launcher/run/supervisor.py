@@ -43,6 +43,7 @@ class Outcome:
     host: str | None = None
     cause: str | None = None
     summary: dict | None = None
+    unused: bool = False   # a DDP step left a parameter without a gradient: ``cause`` says it (runner.py)
 
 
 def _start(p) -> Exception | None:
@@ -74,7 +75,7 @@ class Supervisor:
         self._stop_signal: int | None = None
         self._stopped = False
         self._ended: dict[str, list[str]] = {}   # by process label: what its guard ended outside its group
-        self._refused: tuple | None = None   # (process, message): it refused its input before training
+        self._refused: tuple | None = None   # (process, message, unused): refused its input, or DDP an unused parameter
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
@@ -310,8 +311,8 @@ class Supervisor:
                 self.health.phase(id(proc), payload.get("phase", ""))
             elif what == "doing":   # strategies/common/activity.py: a worker's change of activity, seen at once
                 self.health.activity(id(proc), payload.get("what"))
-            elif what == "refused":
-                self._refused = self._refused or (proc, str(payload.get("message")))
+            elif what in ("refused", "unused"):   # unused: strategies/dataparallel/ddp.py, said by runner.py
+                self._refused = self._refused or (proc, str(payload.get("message")), what == "unused")
             elif what == "ended" and isinstance(payload.get("processes"), list):   # workers/guard.py
                 self._ended.setdefault(spec.label, []).extend(str(x) for x in payload["processes"])
             elif what == "exit" and payload.get("code") == 0:
@@ -323,8 +324,9 @@ class Supervisor:
         self.teardown()
         self._drain(timeout=0.2)
         if self._refused:   # the user's input, refused before training: one line, as before start (exit 2)
-            self.progress.say(f"hpar: {self._refused[1]}")
-            return Outcome(EXIT_REFUSED, p.spec.label, p.spec.host, self._refused[1], self.summary)
+            if not self._refused[2]:
+                self.progress.say(f"hpar: {self._refused[1]}")
+            return Outcome(EXIT_REFUSED, p.spec.label, p.spec.host, self._refused[1], self.summary, self._refused[2])
         tail = [t for t in self.rundir.tail(p.spec.log_name, 20) if not t.startswith(report.TAG)][-10:]   # the process's own words
         self.progress.say(f"hpar: {p.spec.label} on {p.spec.host} failed: {cause}; stopped every other process")
         if tail:

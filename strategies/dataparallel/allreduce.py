@@ -91,10 +91,10 @@ def sparse_allgather_bytes(grad: torch.Tensor, world_size: int) -> float:
 
 
 @contextlib.contextmanager
-def _sync(ddp, last: bool):
+def _sync(ddp, last: bool, event=None):
     """Around one micro-step: DDP's ``no_sync`` on all but the last of a step, and its
-    unused-parameter error in one line (strategies/dataparallel/ddp.py)."""
-    with contextlib.nullcontext() if last else ddp.no_sync(), unused_error_named(ddp):
+    unused-parameter error in one line, told to ``event`` first (strategies/dataparallel/ddp.py)."""
+    with contextlib.nullcontext() if last else ddp.no_sync(), unused_error_named(ddp, event):
         yield
 
 
@@ -173,7 +173,7 @@ class AllreduceStep(TrainStep):
     def step(self, step: int) -> StepOutcome:
         self.opt.zero_grad(set_to_none=True)
         loss, logged, samples = micro_steps(self.ctx, self.ddp, self.batches, self.tools, step,
-                                            lambda last: _sync(self.ddp, last))
+                                            lambda last: _sync(self.ddp, last, self.ctx.event))
         self.samples_per_step = self.samples_per_step or samples   # the first step's batches, as measured
         lr = self.tools.lr(self.opt)
         densify(self.to_dense)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -90,13 +90,19 @@ def unused_message(text: str, names: list[str]) -> str | None:
 
 
 @contextlib.contextmanager
-def unused_error_named(ddp: DDP):
+def unused_error_named(ddp: DDP, event: Callable[[dict], None] | None = None):
     """Around a DDP forward: DDP's unused-parameter RuntimeError becomes a JobError of one
-    line (:func:`unused_message`), which the worker prints without a traceback and exits 2."""
+    line (:func:`unused_message`), which the worker prints without a traceback and exits 2.
+    ``event`` (the worker's report channel) hears it first as ``{"kind": "unused", "message":
+    line}``: the launcher then restarts the run with find_unused_parameters on where the
+    setting was hpar's own (launcher/run/runner.py), and keeps the peers' complaints out of
+    sight."""
     try:
         yield
     except RuntimeError as exc:
         line = unused_message(str(exc), reducer_names(ddp))
         if line is None:
             raise
+        if event is not None:
+            event({"kind": "unused", "message": line})
         raise JobError(line) from None

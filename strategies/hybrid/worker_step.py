@@ -234,7 +234,7 @@ class HybridStep(TrainStep):
         clock.set_batch(host_inputs, inputs)     # ids are read on the host, never copied back
         ahead.prefetch(self.served, self.client, clock)
         with (contextlib.nullcontext() if final or net is outer else net.no_sync()):
-            with self.tools.autocast(), (unused_error_named(net) if net is not outer else contextlib.nullcontext()):
+            with self.tools.autocast(), (unused_error_named(net, self.ctx.event) if net is not outer else contextlib.nullcontext()):
                 output = call_model(net, inputs)
                 loss = self.job.compute_loss(output, targets) / cfg.accumulate
             if final and clock.on_gradients is not None and pull_ahead(cfg, step + 1, self.caches):

@@ -41,10 +41,17 @@ def fsdp_bytes(total: float, n: int, gloo: bool) -> float:
     return 2 * share + (2 * share if gloo else share)
 
 
+UNUSED_BY_RANK = ("the ranks' batches leave different parameters without a gradient in one step (routing, as in "
+                  "a mixture of experts), and FSDP2 reduce-scatters only the gradients a rank has, so the ranks' "
+                  "collectives would differ; use allreduce or hybrid")
+
+
 def estimate_fsdp(profile: Profile, cluster: ClusterSpec) -> Estimate:
     """``fsdp``: step = data + forward with the AllGathers under it + backward with the
     AllGathers and ReduceScatters under it + the first unit's AllGather + the update of
     P/N (module docstring). One worker runs it as a single process (no collective)."""
+    if profile.unused_by_rank and cluster.workers > 1:   # strategies/profile/unused.py
+        return Estimate(FSDP.name, 0.0, 0, 0.0, feasible=False, note=UNUSED_BY_RANK)
     c = cost_setting(profile, cluster)
     n, total = c.n, float(profile.total_bytes)
     gloo = profile.device == "cpu"

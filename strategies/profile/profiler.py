@@ -34,7 +34,9 @@ What is measured and how:
   embedding's most looked-up rows, counted over ``hot_rows.HOT_BATCHES`` batches, are kept
   for the hot-row cache (strategies/profile/hot_rows.py).
 * unused parameters: the trainable ones left without a gradient by any of the warm-up and
-  timed steps (``Profile.unused_params``; DDP's ``find_unused_parameters``, strategies/dataparallel/ddp.py).
+  timed steps or by a few steps on each of several ranks' batches, and whether the ranks'
+  sets differed in one step (``Profile.unused_params``, ``unused_by_rank``; DDP's
+  ``find_unused_parameters``, strategies/dataparallel/ddp.py).
 * ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
   times, FLOPs and activation bytes linearly to ``batch_size`` (for models too large to run
   at full batch within the 30 s budget); left None, it is ``batch_size`` unless one step
@@ -99,7 +101,7 @@ from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
 from hpar.strategies.profile.shapes import ShapeCensus, draw
 from hpar.strategies.profile import memory_profile as mem_probe
 from hpar.strategies.profile.sparsity import embedding_sparsity
-from hpar.strategies.profile.unused import missing_gradients
+from hpar.strategies.profile.unused import missing_gradients, probe_unused
 from hpar.strategies.profile.update import (dense_update_cost, per_tensor_update_cost, probe_optimizer, server_optimizer_problem,
                                           sparse_update_cost)
 from torch import nn
@@ -256,6 +258,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         if traced:
             flops["layers"] = traced_layer_flops(layers, inputs)
         scale = batch_size / tbs
+        ranks = probe_unused(job, min(batch_size, max(tbs, 2)), workers, 3, model, batches=on_dev.batches)
         emb_stats = embedding_sparsity(on_dev, model, embs, batch_size, workers,
                                         max_sparsity_workers, stop_early=calls_once)
         samples = emb_stats.pop("__samples__")
@@ -335,7 +338,8 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    step_overhead_s=host_overhead, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
-                   unused_params=tuple(sorted(unused)), server_optimizer_note=server_note, traced=traced,
+                   unused_params=tuple(sorted(unused.union(ranks.params))),
+                   unused_by_rank=ranks.by_rank, server_optimizer_note=server_note, traced=traced,
                    memory=mem_probe.memory_profile(step_mem, tbs, data_mem, state_ratio, job,
                                                    dev, grown, met.counts()).scaled(batch_size),
                    shared_params=tuple((n, held) for n, (held, _) in

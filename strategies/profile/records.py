@@ -159,6 +159,7 @@ class Profile:
     data_s: float = 0.0     # seconds to draw one batch and move it to the device (device.data_seconds)
     server_optimizer_note: str = ""   # why the parameter servers cannot apply the optimizer ("": they can)
     unused_params: tuple[str, ...] = ()   # trainable parameters without a gradient in a profiled step (profile/unused.py)
+    unused_by_rank: bool = False   # ranks' batches left different parameters without a gradient in one step (MoE)
     traced: bool = False   # the layers come from torch's tracer (strategies/models/traced.py), not a declared sequence
     shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (parameter, the layers holding it): tied weights
     memory: MemoryProfile | None = None   # measured memory terms (profile/memory_profile.py); None: not measured

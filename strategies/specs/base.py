@@ -24,6 +24,8 @@ class StrategySpec:
     ``check_model`` a check ``(job, model, lr) -> str`` of the user's model and optimizer
     before start: raises ValueError (one line) for what the runtime cannot run, returns a
     line to print ("" for none).
+    ``unused_by_rank``: it trains a model whose ranks' batches leave different parameters
+    without a gradient in one step (a mixture of experts; strategies/profile/unused.py).
     ``check(cfg) -> str | None`` says, in one line naming the flag and the way out, why a run
     config asks for something this strategy cannot honour (None: it can).
 
@@ -62,6 +64,7 @@ class StrategySpec:
     check: Callable[[Any], str | None] | None = None
     check_available: str = ""
     check_model: str = ""
+    unused_by_rank: bool = True
 
     def load(self, what: str) -> Callable:
         """The function ``what`` (``"runtime"``, ``"estimate"``, ``"worker_memory"``,

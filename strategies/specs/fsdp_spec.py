@@ -21,4 +21,4 @@ FSDP = StrategySpec(
     estimate="hpar.strategies.plan.costmodel_fsdp:estimate_fsdp",
     worker_memory="hpar.strategies.plan.memory_model:fsdp_terms",
     check_available="hpar.strategies.dataparallel.fsdp:check_available",
-    simplicity=3, check=_check, sync_batchnorm=True)
+    simplicity=3, check=_check, unused_by_rank=False, sync_batchnorm=True)   # FSDP2: plan/costmodel_fsdp.UNUSED_BY_RANK
