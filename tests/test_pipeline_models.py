@@ -101,3 +101,35 @@ def test_mixture_of_experts_without_blocks_is_refused_in_one_whole_line(tmp_path
     assert "..." not in line.replace("experts.0 ... experts.3", "").replace("nn.Sequential(...)", ""), line   # nothing cut
     assert "torch.ops.aten" not in out and "def forward" not in out
     assert not run_dir.exists()
+
+
+def _profile_json(tmp_path, name: str, *flags: str) -> dict:
+    rc, out = hpar_to_file(tmp_path / f"{name}.json", "profile", os.path.join(ZOO, "dense_stack.py"), "--gpus", "4",
+                           "--json", *flags)
+    assert rc == 0, out[-3000:]
+    return json.loads(out[out.index("{"):])
+
+
+@pytest.mark.multiprocess
+def test_pipeline_memory_check_tries_every_stages_x_replicas_layout(tmp_path, reap_run):
+    """(issue 67, item 5) On 4 workers the fastest pipeline of the dense stack is 2 stages x 2
+    replicas, the smallest 4 stages x 1. Under a --worker-memory between their predicted peaks
+    the profile offers the pipeline as 4 stages (saying the faster layout does not fit), and
+    `hpar run --strategy pipeline` runs it so instead of refusing it."""
+    free = next(c for c in _profile_json(tmp_path, "free")["candidates"] if c["strategy"] == "pipeline")
+    assert free["available"] and free["note"].startswith("2 stages x 2 replicas"), free["note"]
+    mem = free["memory"]
+    spread = sum(mem["worker_terms"][k] for k in ("gradients", "optimizer", "replica_allreduce"))
+    limit = (mem["worker_peak_bytes"] + mem["overhead_bytes"] - 0.3 * spread) / 1e9   # 4 x 1 saves ~2/3 of it
+    flag = ("--worker-memory", f"{limit:.4f}")
+    tight = next(c for c in _profile_json(tmp_path, "tight", *flag)["candidates"] if c["strategy"] == "pipeline")
+    assert tight["available"] and tight["memory"]["fits"], tight
+    assert tight["note"].startswith("4 stages, ") and "the faster 2 stages x 2 replicas does not fit the memory" in tight["note"]
+    run_dir = tmp_path / "run"
+    reap_run(str(run_dir))
+    rc, out = hpar_to_file(tmp_path / "out.txt", "run", os.path.join(ZOO, "dense_stack.py"), "--gpus", "4", "--strategy",
+                           "pipeline", *flag, "--steps", "2", "--no-eval", "--run-dir", str(run_dir), timeout=400)
+    assert rc == 0, out[-3000:]
+    assert out.startswith("hpar: pipeline plan: 4 stages, "), out[:500]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["pipeline_stages"] == 4 and summary["pipeline_replicas"] == 1, summary

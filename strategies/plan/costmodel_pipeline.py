@@ -145,33 +145,43 @@ def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batc
                     stages=tuple(tuple(r) for r in plan.ranges), micro_batches=m, replicas=R, layout=grid.layout)
 
 
-def estimate_pipeline_grid(profile: Profile, cluster: ClusterSpec, replicas: int | None = None) -> Estimate:
-    """The fastest (highest samples/s) synchronous pipeline plan over K x R = N, both layouts
-    and M in {1, K, 2K, 4K}, each moved to the nearest divisor of the batch (at least K where
-    the batch has one: ``schedules.micro_batch_count``); ``replicas``: only that R (``--pipeline-replicas``). Infeasible
-    (``note`` says why) when the model is not a sequence of layers, N < 2 (without
-    ``replicas``), or no split has at most one stage per layer."""
+def pipeline_grid_estimates(profile: Profile, cluster: ClusterSpec, replicas: int | None = None) -> list[Estimate]:
+    """Every synchronous pipeline plan over K x R = N (both layouts, M in {1, K, 2K, 4K}, each
+    moved to the nearest divisor of the batch, at least K where the batch has one:
+    ``schedules.micro_batch_count``), fastest (highest samples/s) first; ``replicas``: only
+    that R (``--pipeline-replicas``). One infeasible Estimate (``note`` says why) when the
+    model is not a sequence of layers, N < 2 (without ``replicas``), or no split has at most
+    one stage per layer. The planner takes the fastest that fits the memory
+    (strategies/plan/pipeline_fit.py)."""
     n, layers = cluster.workers, profile.layers
     if not profile.is_sequential:
-        return Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False, note=profile.sequential_reason)
+        return [Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False, note=profile.sequential_reason)]
     if replicas is None and n < 2:
-        return Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False, note="a pipeline needs at least 2 workers")
+        return [Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False, note="a pipeline needs at least 2 workers")]
     if replicas is not None and (replicas < 1 or n % replicas):
-        return Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False,
-                        note=f"--pipeline-replicas {replicas} does not divide the {n} workers")
+        return [Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False,
+                         note=f"--pipeline-replicas {replicas} does not divide the {n} workers")]
     splits = [(n // replicas, replicas)] if replicas else [(k, n // k) for k in range(2, n + 1) if n % k == 0]
     splits = [(k, r) for k, r in splits if k <= len(layers)]
     if not splits:
-        return Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False,
-                        note=f"{len(layers)} layers cannot fill {n // (replicas or 1)} stages")
-    best, batch = None, math.gcd(profile.batch_size, profile.samples_per_batch or profile.batch_size)
+        return [Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False,
+                         note=f"{len(layers)} layers cannot fill {n // (replicas or 1)} stages")]
+    found, batch = [], math.gcd(profile.batch_size, profile.samples_per_batch or profile.batch_size)
     for k, r in splits:
         for layout in (LAYOUTS if r > 1 else LAYOUTS[:1]):
             for m in sorted({micro_batch_count(f, batch, min(f, k)) for f in (1, k, 2 * k, 4 * k)}):
-                est = estimate_grid(profile, cluster, Grid(k, r, layout), m)
-                if best is None or est.samples_per_s > best.samples_per_s * (1 + 1e-12):
-                    best = est
-    return best
+                found.append(estimate_grid(profile, cluster, Grid(k, r, layout), m))
+    best = found[0]
+    for est in found[1:]:   # the first of (nearly) equals in K, layout, M order
+        if est.samples_per_s > best.samples_per_s * (1 + 1e-12):
+            best = est
+    return [best] + sorted((e for e in found if e is not best), key=lambda e: -e.samples_per_s)
+
+
+def estimate_pipeline_grid(profile: Profile, cluster: ClusterSpec, replicas: int | None = None) -> Estimate:
+    """The fastest of :func:`pipeline_grid_estimates` (the first of equals in K, layout, M
+    order), or the infeasible Estimate saying why there is none."""
+    return pipeline_grid_estimates(profile, cluster, replicas)[0]
 
 
 def describe(est: Estimate) -> str:

@@ -18,6 +18,7 @@ from hpar.strategies.plan.estimates import estimate_all, estimate_pipeline
 from hpar.strategies.plan.costmodel_cache import NAME as CACHED, SHOWN_STALENESS, estimate_hybrid_cache, plan_cache, profiled
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.plan.memory_model import predict as predict_memory, refusal
+from hpar.strategies.plan.pipeline_fit import fitting_layout
 from hpar.strategies.pipeline.ties import schedule_problem, stages_of
 from hpar.strategies.profile.records import Profile
 
@@ -159,6 +160,8 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     if pipeline_replicas is not None:
         estimates = [estimate_pipeline(profile, cluster, replicas=pipeline_replicas) if strategy_spec(e.strategy).pipelined else e
                      for e in estimates]
+    estimates = [fitting_layout(profile, cluster, e, schedule, forwards, pipeline_replicas)
+                 if strategy_spec(e.strategy).pipelined else e for e in estimates]   # the fastest K x R that fits
     candidates, ok, misfits, memory = [], [], {}, {}
     for e in estimates:
         note = e.note
