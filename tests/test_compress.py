@@ -98,6 +98,12 @@ def test_powersgd_trains_and_a_resumed_run_equals_the_run_that_went_on(tmp_path,
     saved = read_all(os.path.join(part, "checkpoints", "step-4"))
     assert saved["compress.worker0.error.0"].abs().max() > 1e-3
     assert not torch.equal(saved["compress.worker0.error.0"], saved["compress.worker1.error.0"])   # each worker's own
+    # the memory model's PowerSGD buffers (error feedback, P and Q) against what a worker held: within 15%
+    from hpar.strategies.common.compression import Compression, powersgd_buffers
+    error, factors = powersgd_buffers([(32, 16), (32,), (16, 32), (16,), (1, 16), (1,)], Compression("powersgd", 1))
+    held = {k: v.numel() * v.element_size() for k, v in saved.items() if k.startswith("compress.worker0.")}
+    assert error == pytest.approx(held["compress.worker0.error.0"], rel=0.15)
+    assert factors == pytest.approx(held["compress.worker0.p.0"] + held["compress.worker0.q.0"], rel=0.15)
 
 
 def test_compress_is_refused_in_one_line_where_it_cannot_apply(tmp_path):
@@ -125,3 +131,29 @@ def test_compress_is_refused_in_one_line_where_it_cannot_apply(tmp_path):
                        ("fp16:2", "only powersgd takes a rank"), ("powersgd:0", "at least 1")):
         with pytest.raises(ValueError, match=words):
             Compression.parse(bad)
+
+
+def test_the_cost_and_memory_models_count_compressed_bytes_and_powersgds_buffers():
+    """On a synthetic profile (tests/test_memory_model.py's: four 1000 x 25000 fp32 layers):
+    fp16 halves the dense AllReduce's bytes; PowerSGD rank 4 sends (n + m) 4 per matrix, pays
+    for its matmuls, and the memory model counts its error feedback (the gradients' size) and
+    its factors beside the other terms; over a slow link on two hosts the compressed step is
+    faster."""
+    from test_memory_model import MB, profile
+    from hpar.strategies.common.compression import Compression
+    from hpar.strategies.plan.cluster import ClusterSpec
+    from hpar.strategies.plan.costmodel import estimate_allreduce
+    from hpar.strategies.plan.costmodel_compress import estimate_compressed
+    from hpar.strategies.plan.memory_model import predict
+    prof = profile()
+    slow = ClusterSpec(hosts=2, gpus_per_host=(1, 1), servers=1, bandwidth_Bps=25e6 / 8, latency_s=1e-3)
+    base = estimate_allreduce(prof, slow)
+    half = estimate_compressed(prof, slow, base, Compression("fp16"))
+    assert half.bytes_per_step == pytest.approx(base.bytes_per_step / 2)
+    low = estimate_compressed(prof, slow, base, Compression("powersgd", 4))
+    assert low.bytes_per_step == pytest.approx(base.bytes_per_step * (1000 + 25000) * 4 / (1000 * 25000))
+    assert low.breakdown["compress_work"] > 0 and low.step_s < half.step_s < base.step_s
+    mem, plain = predict(prof, slow, low), predict(prof, slow, base)
+    grads = 400 * MB
+    assert mem.worker["compress"] == pytest.approx(grads + 4 * 4 * 4 * (1000 + 25000), rel=0.15)
+    assert "compress" not in plain.worker and mem.worker_peak_bytes > plain.worker_peak_bytes

@@ -337,8 +337,9 @@ def predict(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str
     if worker:   # every worker process builds the model and runs its first forward inside its training
         worker["first_use"] = (m.first_use_bytes + m.model_extra_bytes) if m else 0
         worker["growth"] = growth(m, forwards or GROWTH_HORIZON_STEPS) if m else 0
-    if worker and est.breakdown.get("cache_bytes"):   # hybrid-cache: the hot rows and held gradients
-        worker["cache"] = est.breakdown["cache_bytes"]
+    for key, term in (("cache_bytes", "cache"), ("compress_bytes", "compress")):   # hybrid-cache's rows and held
+        if worker and est.breakdown.get(key):   # gradients; --compress powersgd's error feedback and P, Q (costmodel_compress)
+            worker[term] = est.breakdown[key]
     server = server_terms(profile, cluster, est) if spec.servers else {}
     return MemoryEstimate({k: int(v) for k, v in worker.items()}, {k: int(v) for k, v in server.items()},
                           overhead_bytes=m.process_bytes if m else 0,

@@ -22,6 +22,9 @@ process its own file, with no process gathering another's. All processes share o
                             (update counts), row-sharded like the table
 ``cache.worker<r>.<name>``  worker r's cached rows of the next cache epoch
                             (strategies/hybrid/cache.py)
+``compress.worker<r>.*``    ``--compress powersgd``: worker r's step counter, generator, and
+                            per bucket its error feedback, P and Q factors and their layout
+                            (strategies/dataparallel/compress_hooks.py)
 ``meta``                    step, strategy and sizes of the run that wrote it
 ``tied.<name>``             RUN_DIR/model only: a tied weight's later name, whose value is the
                             name it is stored under (once: strategies/runstate/aliases.py)

@@ -1,0 +1,104 @@
+"""Cost model of ``--compress`` (strategies/common/compression.py): a strategy whose dense
+gradients go through DDP's AllReduce (spec ``compress_hooks``), with that AllReduce compressed.
+
+Bytes: the dense AllReduce's parameters (placed on AllReduce, trained, and not an embedding
+table that ``allreduce-sparse`` exchanges as sparse rows) put their compressed size on the ring
+instead of their own: half for fp16/bf16; for PowerSGD rank R, ``(n + m) R`` elements per
+n x m matrix it compresses, vectors and small matrices whole
+(:func:`~hpar.strategies.common.compression.wire_elements`).
+
+Seconds: the AllReduce's exposed time (what backward does not hide: all of it on busy cores)
+is taken out and the compressed one's put in: one AllReduce of the compressed bytes for
+fp16/bf16, three for PowerSGD (the uncompressed tensors, then P, then Q, one after the other:
+torch's ``powerSGD_hook``), each with the ring's fixed costs. The compression's own work is
+added to the step: PowerSGD's matmuls and Gram-Schmidt
+(:func:`~hpar.strategies.common.compression.powersgd_flops`) at the FLOP rate the profile
+measured for the model's own forward and backward (or the projected device's roofline), and
+its error feedback (add, copy, subtract over the gradients) and a 16-bit cast at the profiled
+update rate per byte. These are roofline estimates, not a measured PowerSGD step; compression
+pays only where communication dominates (Agarwal et al., "On the Utility of Gradient
+Compression in Distributed Training Systems", MLSys 2022), which this model says per job.
+
+Memory (strategies/plan/memory_model.py, term ``compress``): PowerSGD's error-feedback buffer
+(as large as the compressed gradients) and its warm-start P and Q factors, in
+``breakdown["compress_bytes"]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hpar.strategies.common.compression import (Compression, compressed_bytes, powersgd_buffers, powersgd_flops,
+                                                 wire_elements)
+from hpar.strategies.plan.cluster import ClusterSpec
+from hpar.strategies.plan.costmodel import Estimate, cost_setting
+from hpar.strategies.profile.records import ParamProfile, Profile
+from hpar.strategies.specs.base import ON_ALLREDUCE
+from hpar.strategies.specs.registry import spec as strategy_spec
+
+
+def dense_allreduce_params(profile: Profile, est: Estimate) -> list[ParamProfile]:
+    """The parameters whose gradients candidate ``est`` averages with DDP's dense AllReduce."""
+    spec = strategy_spec(est.strategy)
+    return [p for p in profile.params if not p.frozen and est.placement.get(p.name, ON_ALLREDUCE) == ON_ALLREDUCE
+            and not (spec.sparse_gradients and p.embedding_module)]
+
+
+def _ring(n: int) -> float:
+    return 2 * (n - 1) / n if n > 1 else 0.0
+
+
+def estimate_compressed(profile: Profile, cluster: ClusterSpec, base: Estimate, c: Compression) -> Estimate:
+    """``base`` (an estimate of a strategy with ``compress_hooks``) with its dense AllReduce
+    compressed by ``c`` (module docstring): the same strategy name, fewer bytes, the step's
+    seconds moved by the AllReduce saved and the compression's work, and the extra memory in
+    ``breakdown["compress_bytes"]``; ``note`` names the compression. Raises AssertionError for a
+    strategy without DDP's AllReduce (the caller asks the spec)."""
+    spec = strategy_spec(base.strategy)
+    assert spec.compress_hooks and c.on, (base.strategy, c)
+    if not base.feasible:
+        return base
+    params = dense_allreduce_params(profile, base)
+    shapes = [tuple(p.shape) for p in params]
+    full = float(sum(p.bytes for p in params))
+    numel = sum(math.prod(s) for s in shapes)
+    per_elem = full / numel if numel else 4.0   # the gradients' width (fp32: 4)
+    small = float(numel * 2) if c.kind in ("fp16", "bf16") else compressed_bytes(shapes, c) * per_elem / 4.0
+    cs = cost_setting(profile, cluster, with_servers=spec.servers)
+    if c.kind == "powersgd":
+        pieces = _powersgd_pieces(shapes, c, per_elem)
+        ar_small = sum(cs.allreduce(b) for b in pieces if b > 0)
+        flops = powersgd_flops(shapes, c)
+        per_flop = (cs.fwd + cs.bwd) / profile.flops if profile.flops else 0.0
+        work = (cluster.device.seconds(flops, 4.0 * full) if cluster.device is not None else flops * per_flop) \
+            + full * cs.update_per_byte   # error feedback: add, copy, subtract over the gradients
+    else:
+        ar_small, work = cs.allreduce(small), 0.5 * full * cs.update_per_byte   # the 16-bit casts
+    ar_full = cs.allreduce(full)
+    exposed = (lambda ar: max(cs.bwd, ar) - cs.bwd) if cs.overlap else (lambda ar: ar)
+    saved = exposed(ar_full) - exposed(ar_small) if cs.n > 1 else 0.0
+    step = max(1e-9, base.step_s - saved + work)
+    sent = max(0.0, base.bytes_per_step - _ring(cs.n) * (full - small))
+    error, factors = powersgd_buffers(shapes, c)
+    breakdown = {**base.breakdown, "compress_saved": saved, "compress_work": work,
+                 "compress_bytes": (error + factors) * per_elem / 4.0}
+    note = f"--compress {c}: {small / full:.2f}x the dense AllReduce's bytes" if full else f"--compress {c}"
+    return dataclasses.replace(base, step_s=step, bytes_per_step=sent, breakdown=breakdown,
+                               note=note + ("; " + base.note if base.note else ""))
+
+
+def _powersgd_pieces(shapes: list[tuple[int, ...]], c: Compression, per_elem: float) -> tuple[float, float, float]:
+    """Bytes of PowerSGD's three AllReduces per step: the tensors it sends whole, P, Q."""
+    whole = p_bytes = q_bytes = 0.0
+    for s in shapes:
+        elems, numel = wire_elements(s, c)[0], math.prod(s)
+        if len(s) >= 2 and elems < numel:
+            n, m = s[0], numel // s[0]
+            r = min(n, m, c.rank)
+            p_bytes, q_bytes = p_bytes + n * r * per_elem, q_bytes + m * r * per_elem
+        else:
+            whole += numel * per_elem
+    return whole, p_bytes, q_bytes
+
+
+__all__ = ["estimate_compressed", "dense_allreduce_params"]
