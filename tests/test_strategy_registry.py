@@ -17,9 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_specs_say_what_each_strategy_needs():
     from hpar.strategies.specs import registry
-    assert registry.names() == ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline", "fsdp", "torchrec")
+    assert registry.names() == ("allreduce", "allreduce-sparse", "hybrid", "ps", "pipeline", "fsdp", "torchrec",
+                                "torchrec-tw", "torchrec-rw", "torchrec-cw")
     assert registry.where(servers=True) == ("hybrid", "ps")
-    assert registry.where(ddp=True) == ("allreduce", "allreduce-sparse", "hybrid", "torchrec")
+    assert registry.where(ddp=True) == ("allreduce", "allreduce-sparse", "hybrid", "torchrec", "torchrec-tw",
+                                        "torchrec-rw", "torchrec-cw")
     assert registry.where(pipelined=True) == ("pipeline",)
     assert registry.spec("hybrid-cache").runs_as == "hybrid" and "hybrid-cache" not in registry.names()
     with pytest.raises(ValueError, match="choose one of allreduce, allreduce-sparse"):

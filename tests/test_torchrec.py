@@ -64,17 +64,19 @@ def _step_losses(run_dir: str) -> dict[int, float]:
 @needs_torchrec
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_weighted_bags_equal_one_process_and_recsys_trains(tmp_path, reap_run):
-    """One run of a user's model with weighted sum bags, a mean bag and a lookup: every step's
-    loss (the first: same initial tables, same batch) and the trained tables equal one process
-    on the concatenated batch (Adagrad, exact in TorchRec's fused kernel). Then
-    examples/recsys.py trains: exit 0, evaluation improves, bytes counted, no process left."""
+@pytest.mark.parametrize("strategy,kind", [("torchrec-rw", "row_wise"), ("torchrec-cw", "column_wise")])
+def test_weighted_bags_equal_one_process(tmp_path, reap_run, strategy, kind):
+    """A user's model with weighted sum bags, a mean bag and a lookup, its tables split by rows
+    or by columns: every step's loss (the first: same initial tables, same batch) and the
+    trained model equal one process on the concatenated batch (Adagrad, exact in TorchRec's
+    fused kernel); no process left."""
     script = write_script(tmp_path, BAGS)
     run_dir = str(tmp_path / "bags")
     reap_run(run_dir)
-    code, out = hpar_to_file(tmp_path / "bags.out", "run", script, "--strategy", "torchrec", "--gpus", "2",
+    code, out = hpar_to_file(tmp_path / "bags.out", "run", script, "--strategy", strategy, "--gpus", "2",
                              "--run-dir", run_dir, "--seed", "3")
     assert code == 0, out[-3000:]
+    assert f"torchrec shards clicks {kind}, seen {kind}, user {kind}" in out, out[-3000:]
     losses = []
     want_state = single_process_reference(script, 2, 4, 6, 0.1, seed=3, losses=losses)
     got = _step_losses(run_dir)
@@ -86,11 +88,19 @@ def test_weighted_bags_equal_one_process_and_recsys_trains(tmp_path, reap_run):
     for k, want in want_state.items():
         assert (state[k] - want).abs().max().item() <= 1e-4 * max(want.abs().max().item(), 1e-6), k
 
+
+@needs_torchrec
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_recsys_trains_with_the_planners_shards(tmp_path, reap_run):
+    """`hpar run examples/recsys.py --strategy torchrec --gpus 2`: exit 0, evaluation improves,
+    bytes counted, no process left."""
     run_dir = str(tmp_path / "recsys")
     reap_run(run_dir)
     code, out = hpar_to_file(tmp_path / "recsys.out", "run", RECSYS, "--strategy", "torchrec", "--gpus", "2",
                              "--steps", "20", "--batch-size", "128", "--run-dir", run_dir)
     assert code == 0, out[-3000:]
+    assert "torchrec shards user " in out, out[-3000:]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["strategy"] == "torchrec" and summary["world_size"] == 2
     assert summary["eval_last"]["logloss"] < summary["eval_first"]["logloss"], summary

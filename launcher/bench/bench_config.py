@@ -75,11 +75,25 @@ def steps_for(cfg: BenchConfig, predicted_step_s: float | None) -> int:
     return max(cfg.steps, min(MAX_STEPS, 2 + math.ceil(cfg.min_seconds / predicted_step_s)))
 
 
+def _installed(name: str) -> bool:
+    """Whether bench strategy ``name``'s runtime has what it needs here (its spec's
+    ``check_available``: torchrec's optional install, FSDP2 in this torch)."""
+    from hpar.strategies.specs.registry import spec
+    s = spec(BENCH_STRATEGIES[name][0])
+    try:
+        if s.check_available:
+            s.load("check_available")()
+    except ValueError:
+        return False
+    return True
+
+
 def parse_strategies(text: str | None) -> tuple[str, ...]:
-    """``"hybrid,allreduce"`` -> names in BENCH_STRATEGIES (None or "all": every one).
-    Raises ValueError naming ``--strategies`` and the valid names for an unknown one."""
+    """``"hybrid,allreduce"`` -> names in BENCH_STRATEGIES (None or "all": every one whose
+    library is installed, :func:`_installed`; a name given is run, or refused by its run, as
+    asked). Raises ValueError naming ``--strategies`` and the valid names for an unknown one."""
     if not text or text.strip() == "all":
-        return tuple(BENCH_STRATEGIES)
+        return tuple(n for n in BENCH_STRATEGIES if _installed(n))
     names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     bad = [n for n in names if n not in BENCH_STRATEGIES]
     if bad or not names:

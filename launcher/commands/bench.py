@@ -125,7 +125,7 @@ def _link_words(link_rate: str | None, link_queue: str) -> str:
 @click.option("--latency", default=None, help="Link latency for the cost model, e.g. 50us (default: probed).")
 @click.option("--strategies", default=None, help="Comma-separated names (default: every one): hybrid, ps, allreduce, "
               "allreduce-sparse, fsdp, pipeline-gpipe, pipeline-1f1b, pipeline-async-stash, pipeline-async-predict, pipeline-async-2bw, torch-gpipe, torch-1f1b, "
-              "torch-interleaved-1f1b, torch-zbv.")
+              "torch-interleaved-1f1b, torch-zbv, and with TorchRec installed torchrec, torchrec-tw, torchrec-rw, torchrec-cw.")
 @click.option("--steps", type=int, default=30, show_default=True, help="Training steps per strategy (the first 2 are warm-up).")
 @click.option("--batch-size", type=int, default=None, help="Samples per worker per step (default: the script's HPAR, else 32).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the model and the data, the same for every strategy.")

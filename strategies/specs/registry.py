@@ -20,11 +20,12 @@ from hpar.strategies.specs.base import StrategySpec
 from hpar.strategies.specs.fsdp_spec import FSDP
 from hpar.strategies.specs.pipeline_spec import PIPELINE
 from hpar.strategies.specs.servers_spec import HYBRID, HYBRID_CACHE, PS
-from hpar.strategies.specs.torchrec_spec import TORCHREC
+from hpar.strategies.specs.torchrec_spec import TORCHREC, TORCHREC_CW, TORCHREC_RW, TORCHREC_TW
 
 ENTRY_POINT_GROUP = "hpar.strategies"
 # The built-in strategies: --strategy's choices and the planner's candidates, in this order.
-BUILT_IN: tuple[StrategySpec, ...] = (ALLREDUCE, ALLREDUCE_SPARSE, HYBRID, PS, PIPELINE, FSDP, TORCHREC)
+BUILT_IN: tuple[StrategySpec, ...] = (ALLREDUCE, ALLREDUCE_SPARSE, HYBRID, PS, PIPELINE, FSDP, TORCHREC, TORCHREC_TW,
+                                       TORCHREC_RW, TORCHREC_CW)
 # Planner candidates that are not a --strategy of their own (hybrid with hot-row caches).
 CANDIDATES_ONLY: tuple[StrategySpec, ...] = (HYBRID_CACHE,)
 
@@ -80,4 +81,4 @@ def where(**flags: Any) -> tuple[str, ...]:
 
 __all__ = ["StrategySpec", "strategies", "names", "spec", "where", "BUILT_IN", "CANDIDATES_ONLY",
            "ALLREDUCE", "ALLREDUCE_SPARSE", "PS", "HYBRID", "HYBRID_CACHE", "PIPELINE", "FSDP",
-           "TORCHREC", "ENTRY_POINT_GROUP"]
+           "TORCHREC", "TORCHREC_TW", "TORCHREC_RW", "TORCHREC_CW", "ENTRY_POINT_GROUP"]

@@ -42,3 +42,6 @@ def _spec(name: str, summary: str, simplicity: int) -> StrategySpec:
 
 TORCHREC = _spec("torchrec", "TorchRec: tables sharded by DistributedModelParallel (its planner's choice), "
                  "all-to-all of pooled rows, the rest in DDP", 7)
+TORCHREC_TW = _spec("torchrec-tw", "TorchRec with every table whole on one worker (table-wise)", 8)
+TORCHREC_RW = _spec("torchrec-rw", "TorchRec with every table's rows split over the workers (row-wise)", 8)
+TORCHREC_CW = _spec("torchrec-cw", "TorchRec with every table's columns split over the workers (column-wise)", 8)

@@ -98,7 +98,10 @@ class TorchrecStep(TrainStep):
             from hpar.strategies.dataparallel.allreduce import counting_allreduce_hook
             remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
             ddp.register_comm_hook((self.counter, ctx.world_size, groups.dense, remote), counting_allreduce_hook)
-        self.row_wise = {t.key for t in self.tables if self._sharding(t) == "row_wise"}
+        kinds = {t.key: self._sharding(t) for t in self.tables}
+        self.row_wise = {k for k, kind in kinds.items() if kind == "row_wise"}
+        if ctx.rank == 0:
+            print("torchrec shards " + ", ".join(f"{t.module} {kinds[t.key]}" for t in self.tables), flush=True)
         self.call = UserCall(self.dmp, self.model)
         self.batches = worker_batches(ctx, groups.control)
 

@@ -51,6 +51,15 @@ def table_modules(model: nn.Module) -> list[TorchrecTable]:
     return [m for m in model.modules() if isinstance(m, TorchrecTable)]
 
 
+def _min_columns(dim: int, world_size: int) -> int | None:
+    """The narrowest column-wise shard to allow a ``dim``-wide table: ``dim / world_size``
+    where that is a multiple of 4 (FBGEMM's row alignment), so that ``torchrec-cw`` splits a
+    narrow table over the workers (the planner's default, 128 columns, ``MIN_CW_DIM``, would
+    keep a 32-wide table whole); None (the default) otherwise."""
+    part = dim // world_size
+    return part if world_size > 1 and dim % world_size == 0 and part % 4 == 0 else None
+
+
 def plan_on_rank0(model: nn.Module, sharders: list, sharding: str | None, world_size: int, device: torch.device,
                   control) -> object:
     """The ShardingPlan of ``model``'s tables: planned on worker rank 0 (TorchRec's
@@ -64,7 +73,8 @@ def plan_on_rank0(model: nn.Module, sharders: list, sharding: str | None, world_
         try:
             constraints = None
             if sharding is not None:
-                constraints = {t.table.key: ParameterConstraints(sharding_types=[sharding])
+                constraints = {t.table.key: ParameterConstraints(sharding_types=[sharding],
+                                                                 min_partition=_min_columns(t.table.dim, world_size))
                                for t in table_modules(model)}
             topology = Topology(world_size=world_size, compute_device=device.type)
             box[0] = EmbeddingShardingPlanner(topology=topology, constraints=constraints).plan(model, sharders)

@@ -62,10 +62,11 @@ def table_problem(name: str, module: nn.Module, shared: bool) -> str | None:
 
 
 def tables_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(path, module)`` of the tables :func:`swap_tables` would swap. Raises ValueError (one
-    line, :func:`table_problem`) for one it cannot."""
+    """``(path, module)`` of the tables :func:`swap_tables` would swap: the trainable ones (a
+    frozen table stays the user's module, which DDP leaves alone). Raises ValueError (one line,
+    :func:`table_problem`) for one it cannot."""
     by_id = holders(model)
-    found = embedding_tables(model)
+    found = [(n, m) for n, m in embedding_tables(model) if m.weight.requires_grad]   # a frozen table stays as it is
     for name, module in found:
         line = table_problem(name, module, len(by_id[id(module.weight)]) > 1)
         if line:
