@@ -105,7 +105,7 @@ def test_dense_gradient_with_few_rows_is_detected_sparse(tmp_path):
         def model(): return Pick()
         def data(rank, world_size, batch_size):
             while True:
-                yield torch.randint(0, 1000, (batch_size, 2)), torch.zeros(batch_size)
+                yield torch.randint(0, 1000, (batch_size, 2)), torch.zeros(batch_size, 4)
         def loss(o, t): return ((o - t) ** 2).mean()
     '''))
     prof = profile_job(load_job(str(path)), batch_size=4, workers=2, repeats=2)

@@ -222,11 +222,11 @@ def fixed_share(job: Job, model: nn.Module, batch: int, workers: int, repeats: i
     """Share of a step's compute that does not shrink with the batch, in [0, 1]: with warm
     steps t(b) = a + s b at ``batch`` and a quarter of it, a / t(batch). On a CPU a wide layer
     streams its weights whatever the batch, so a pipeline's micro-batch of B/M samples costs
-    far more than 1/M of the batch (wide.py: 0.87 of it at M = 4); 0 for a batch under 3 (the
-    smaller batch has at least MIN_TIMED_BATCH samples: BatchNorm refuses one)."""
-    quarter = max(MIN_TIMED_BATCH, batch // 4)
-    if quarter >= batch:
+    far more than 1/M of the batch (wide.py: 0.87 of it at M = 4); 0 for a batch under 4. The
+    smaller batch has at least MIN_TIMED_BATCH samples (BatchNorm refuses one)."""
+    if batch < 4:
         return 0.0
+    quarter = max(MIN_TIMED_BATCH, batch // 4)
     full, part = warm_step_s(job, model, batch, workers, repeats), warm_step_s(job, model, quarter, workers, repeats)
     fixed = (part * batch - full * quarter) / (batch - quarter)
     return min(max(fixed / full, 0.0), 1.0) if full > 0 else 0.0
