@@ -60,8 +60,14 @@ def test_json_output_and_plan_out(scripts):
     assert emb["sparse"] and emb["alpha"] < 0.01 and emb["bytes"] == 5000 * 32 * 4 and emb["shape"] == [5000, 32]
     assert d["parameters"][0]["name"] == "emb.weight"
     assert [l["name"] for l in d["layers"]] == ["emb", "mid", "out"]
-    assert {c["strategy"] for c in d["candidates"]} == {"allreduce", "allreduce-sparse", "ps", "hybrid", "hybrid-cache",
-                                                        "pipeline", "fsdp"}
+    assert {c["strategy"] for c in d["candidates"] if " --compress " not in c["strategy"]} == {
+        "allreduce", "allreduce-sparse", "ps", "hybrid", "hybrid-cache", "pipeline", "fsdp"}
+    # --compress's rows beside the strategies with DDP's AllReduce, fewer bytes, never runnable unasked (issue 66)
+    squeezed = {c["strategy"]: c for c in d["candidates"] if " --compress " in c["strategy"]}
+    plain = {c["strategy"]: c for c in d["candidates"]}
+    assert {"allreduce --compress fp16", "allreduce --compress powersgd:2"} <= set(squeezed)
+    assert all(not c["available"] and c["bytes_per_step"] < plain[name.split(" ")[0]]["bytes_per_step"]
+               for name, c in squeezed.items())
     assert not next(c for c in d["candidates"] if c["strategy"] == "hybrid-cache")["available"]   # no --staleness
     assert all(c["predicted_step_s"] > 0 for c in d["candidates"] if c["strategy"] != "pipeline")
     assert d["cluster"]["workers"] == 4 and d["cluster"]["hosts"] == 2 and d["cluster"]["bandwidth_Bps"] == 1.25e8

@@ -101,4 +101,30 @@ def _powersgd_pieces(shapes: list[tuple[int, ...]], c: Compression, per_elem: fl
     return whole, p_bytes, q_bytes
 
 
-__all__ = ["estimate_compressed", "dense_allreduce_params"]
+SHOWN = (Compression("fp16"), Compression("powersgd", 2))   # the rows `hpar profile` shows (never chosen)
+
+
+def shown_rows(profile: Profile, cluster: ClusterSpec, estimates: list[Estimate], candidates: list, memory) -> list:
+    """``hpar profile``'s compressed rows, beside ``candidates`` (the planner's Candidates, in
+    the order of ``estimates``): after each available candidate of a strategy with DDP's
+    AllReduce, one row per compression of :data:`SHOWN`, named ``"<strategy> --compress <c>"``,
+    never runnable in the planner's choice (compression trades accuracy: ``hpar run --compress``
+    turns it on). ``memory(est)``: the planner's memory prediction of an estimate (a dict)."""
+    from hpar.strategies.plan.decision import Candidate
+    by_name = {e.strategy: e for e in estimates}
+    out = []
+    for cand in candidates:
+        out.append(cand)
+        e = by_name.get(cand.strategy)
+        spec = strategy_spec(cand.strategy) if e is not None else None
+        if e is None or not e.feasible or not cand.available or not spec.compress_hooks or spec.runs_as:
+            continue
+        for c in SHOWN:
+            ce = estimate_compressed(profile, cluster, e, c)
+            out.append(Candidate(f"{e.strategy} --compress {c}", ce.step_s, ce.samples_per_s, ce.bytes_per_step, False,
+                                 f"{ce.note.split(';')[0]}; an accuracy trade: runs with hpar run --strategy "
+                                 f"{e.strategy} --compress {c}", dict(ce.breakdown), memory(ce)))
+    return out
+
+
+__all__ = ["estimate_compressed", "dense_allreduce_params", "shown_rows", "SHOWN"]

@@ -16,6 +16,7 @@ from hpar.strategies.hybrid.cache import CacheConfig
 from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.plan.estimates import estimate_all, estimate_pipeline
 from hpar.strategies.plan.costmodel_cache import NAME as CACHED, SHOWN_STALENESS, estimate_hybrid_cache, plan_cache, profiled
+from hpar.strategies.plan.costmodel_compress import shown_rows
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.plan.memory_model import predict as predict_memory, refusal
 from hpar.strategies.plan.pipeline_fit import fitting_layout
@@ -200,6 +201,8 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                                     note, dict(e.breakdown), mem.to_dict(cluster) if mem is not None else {}))
         if available:
             ok.append(e)
+    candidates = shown_rows(profile, cluster, estimates, candidates,   # --compress's rows, never chosen (costmodel_compress)
+                            lambda ce: predict_memory(profile, cluster, ce, schedule, forwards).to_dict(cluster))
     if force is not None:
         forced = [e for e in estimates if e.strategy == force]
         if not forced or not forced[0].feasible:
