@@ -241,8 +241,8 @@ def resolve(console: Console, flags: Flags):
         # as the user wrote them, inside a torch.compile wrapper, as the profile and the workers name them
         inner = inner_module(model)
         if spec.servers and spec.plain and ON_SERVERS not in placement(inner, strategy, plan).values() and servers is None:
-            console.print(f"hpar: {strategy} would put no parameter on the servers (no embedding table, or the plan keeps "
-                          f"them on AllReduce), so it runs as {spec.plain} (no parameter server to start)", markup=False)
+            console.print(f"hpar: {strategy} would put no parameter on the servers (no trainable embedding table, or the plan "
+                          f"keeps them on AllReduce), so it runs as {spec.plain} (no parameter server to start)", markup=False)
             strategy, spec = spec.plain, strategy_spec(spec.plain)
         if spec.sparse_gradients and spec.plain and not embedding_tables(inner):
             console.print(f"hpar: {strategy} has no embedding table to give sparse gradients, so it runs as "

@@ -63,8 +63,16 @@ def embedding_weights(model: torch.nn.Module) -> set[str]:
 
 def placement(model: torch.nn.Module, strategy: str, plan: Plan) -> dict[str, str]:
     """``{param name: "ps" | "allreduce"}``: ``plan.placement`` when given, else every
-    embedding weight on the PS for ``hybrid`` and everything for ``ps``. Raises ValueError
-    for a plan naming unknown parameters or places."""
+    embedding weight on the PS for ``hybrid`` and everything for ``ps``. A frozen parameter
+    (``requires_grad=False``: no gradient, no update) is never served: it stays on the workers
+    with the dense part ("allreduce", though no gradient of it is exchanged), whatever the plan
+    says. Raises ValueError for a plan naming unknown parameters or places."""
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    return {n: (ON_ALLREDUCE if n in frozen else where) for n, where in _placement(model, strategy, plan).items()}
+
+
+def _placement(model: torch.nn.Module, strategy: str, plan: Plan) -> dict[str, str]:
+    """:func:`placement` before frozen parameters are kept on the workers."""
     names = [n for n, _ in model.named_parameters()]
     given = plan.placement
     if not strategy_spec(strategy).ddp:   # ps: nothing on AllReduce
@@ -90,8 +98,9 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
               num_servers: int) -> list[PSTable]:
     """The PS tables of ``model`` in ``named_parameters`` order (same on every process).
 
-    ``opt`` is the user's optimizer over all of ``model``'s parameters: each table takes its
-    param group's rule (ValueError if the PS cannot run it). Partitions per parameter come
+    ``opt`` is the user's optimizer, given all of ``model``'s parameters (a fine-tuning script
+    keeps only the trainable ones; frozen ones are never served): each table takes its param
+    group's rule (ValueError if the PS cannot run it, or a served parameter is in no group). Partitions per parameter come
     from ``plan.partitions`` (fewer than the servers keeps a small table on fewer servers,
     so a worker sends it fewer requests). Without a planned count, an embedding table is cut
     into ``ROW_PARTITIONS_PER_SERVER`` partitions per server (at most one row each): a request
@@ -111,7 +120,8 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
         if place[name] != ON_SERVERS:
             continue
         if id(p) not in group_of:
-            raise ValueError(f"optimizer(): parameter {name} is in no param group; pass every parameter to the optimizer")
+            raise ValueError(f"optimizer(): trainable parameter {name} is in no param group; pass it to the optimizer, "
+                             "or freeze it (requires_grad=False) to keep it fixed")
         view = table_view(p.detach())
         default = num_servers * ROW_PARTITIONS_PER_SERVER if name in emb else num_servers
         parts = int(plan.partitions.get(name, default))

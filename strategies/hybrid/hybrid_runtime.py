@@ -115,7 +115,9 @@ def _setup(ctx: WorkerContext) -> WorkerParts:
     params = dict(model.named_parameters())
     whole = [(t, params[t.name]) for t in tables if t.kind == "whole"]
     ps_names = {t.name for t in tables}
-    dense = [p for n, p in model.named_parameters() if n not in ps_names]
+    # the trainable parameters the workers hold: DDP and the workers' optimizer; a frozen one
+    # (kept on the workers, client.placement) is neither averaged nor stepped
+    dense = [p for n, p in model.named_parameters() if n not in ps_names and p.requires_grad]
     opt = job.build_optimizer(dense, cfg.lr) if dense else None
     return WorkerParts(outer, model, tables, groups, client, clock, served, whole, dense, opt)
 

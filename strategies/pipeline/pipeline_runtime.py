@@ -75,8 +75,8 @@ def build_stage(ctx: WorkerContext) -> tuple[Stage, torch.nn.Module, tuple, obje
     ranges = stage_ranges(model, grid.stages, cfg.plan, example)
     a, b = ranges[k]
     module = stage_module(model, a, b, example).to(ctx.device)
-    params = list(module.parameters())
-    opt = ctx.job.build_optimizer(params, cfg.lr) if params else None
+    params = [p for p in module.parameters() if p.requires_grad]   # frozen ones get no optimizer slot
+    opt = ctx.job.build_optimizer(params, cfg.lr) if params else None   # a stage with nothing to train: none
     stage = Stage(ctx.job, module, opt, mode_for_schedule(cfg.schedule), k, grid.stages,
                   1.0 / cfg.micro_batches)
     return stage, model, ranges, example

@@ -68,7 +68,7 @@ def _simulate(job: Job, schedule: str, num_stages: int, steps: int, sync_steps: 
     stages, stepped = [], set()   # a weight tied across stages is one tensor here: stepped by its first stage
     for k, (a, b) in enumerate(ranges):
         module = stage_module(model, a, b, example)
-        params = [p for p in module.parameters() if id(p) not in stepped]
+        params = [p for p in module.parameters() if id(p) not in stepped and p.requires_grad]
         stepped.update(id(p) for p in params)
         opt = job.build_optimizer(params, lr) if params else None
         stages.append(Stage(job, module, opt, mode, k, num_stages, 1.0 / micro_batches))

@@ -114,7 +114,7 @@ class StageStepper:
                  sync: bool, micro_per_update: int = 1, copies: int = 1):
         self.cfg, self.tools, self.opt, self.group, self.device = cfg, tools, opt, group, device
         self.sync, self.micro_per_update, self.copies = sync, micro_per_update, copies
-        self.params = [p for g in opt.param_groups for p in g["params"]]
+        self.params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]   # frozen: no AllReduce
         self.norm_params = self.params   # those this stage counts in the global norm (ties.TiedGradients.counted)
         self.last_norm: torch.Tensor | None = None   # norm before clipping, shape (1,), when clipping
 

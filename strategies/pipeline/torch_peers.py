@@ -159,7 +159,7 @@ class TorchPeerStep(TrainStep):
         self.ranges = stage_ranges(self.model, n, cfg.plan if n == K else None)
         self.mine = [c for c in range(n) if self.owner[c] == self.k]
         self.modules = [stage_module(self.model, *self.ranges[c]).to(ctx.device) for c in self.mine]
-        params = [p for m in self.modules for p in m.parameters()]
+        params = [p for m in self.modules for p in m.parameters() if p.requires_grad]   # frozen ones: no slot
         self.opt = job.build_optimizer(params, cfg.lr) if params else None
         self.sched = job.build_scheduler(self.opt) if self.opt is not None else None
         self.ios = [_ActivationBytes(m) for m in self.modules]

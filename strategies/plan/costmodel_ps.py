@@ -167,12 +167,12 @@ def cpu_bound(c: CostSetting, cluster: ClusterSpec, worker_cpu: float, server_cp
 
 
 def _placed(profile: Profile, c: CostSetting, hybrid: bool, shares: dict | None = None) -> list[OnPS]:
-    """The parameters on the servers: all of them for ``ps``; for ``hybrid`` each embedding
-    whose PS costs (pull + push + server work) are below :func:`allreduce_cost`; ``shares``
+    """The parameters on the servers, frozen ones never (they stay on the workers, untouched):
+    all the others for ``ps``; for ``hybrid`` each embedding whose PS costs (pull + push + server work) are below :func:`allreduce_cost`; ``shares``
     (name: (pulled, pushed)) as :func:`on_ps` takes them, for the tables with a hot-row cache."""
     terms = []
     for p in profile.params:
-        if hybrid and not p.embedding_module:
+        if (hybrid and not p.embedding_module) or p.frozen:   # a frozen parameter stays on the workers
             continue
         t = on_ps(p, c, hybrid, (shares or {}).get(p.name, (1.0, 1.0)))
         if not hybrid or t.pull + t.push + t.server + t.requests * c.request_cpu < allreduce_cost(p, c):
@@ -197,7 +197,7 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: 
     c = cost_setting(profile, cluster, with_servers=True)
     terms = _placed(profile, c, hybrid, shares)
     placed = {t.param.name for t in terms}
-    on_ar = [p for p in profile.params if p.name not in placed]
+    on_ar = [p for p in profile.params if p.name not in placed and not p.frozen]   # frozen: no gradient, no update
     tail = [t for t in terms if t.param.layer == 0]
     over = [t for t in terms if t.param.layer != 0]
     d_over, d_tail = split_tail(on_ar)

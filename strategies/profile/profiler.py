@@ -69,6 +69,7 @@ compilation is meant to make faster. A pipeline cuts ``net`` too (its stages run
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 
@@ -316,7 +317,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         else:
             pp = ParamProfile(name, tuple(p.shape), nbytes, False, 1.0, 1.0, False, layer_of.get(id(p), -1),
                               tied_to=tied.get(name, ()))
-        params.append(pp)
+        params.append(dataclasses.replace(pp, frozen=not p.requires_grad))
     params.sort(key=lambda q: (not q.sparse, -q.bytes))
     lp = []
     fwd_of, bwd_of = _pooled_layer_times(layers, timer.activation_bytes, lay_f, lay_b)

@@ -80,9 +80,10 @@ def memory_only_profile(job, model: torch.nn.Module, batch_size: int, workers: i
         if name in tables:
             alpha = alphas[name]
             params.append(ParamProfile(name, tuple(p.shape), nbytes, True, alpha, min(1.0, workers * alpha), True,
-                                       layer_of.get(id(p), -1)))
+                                       layer_of.get(id(p), -1), frozen=not p.requires_grad))
         else:
-            params.append(ParamProfile(name, tuple(p.shape), nbytes, False, 1.0, 1.0, False, layer_of.get(id(p), -1)))
+            params.append(ParamProfile(name, tuple(p.shape), nbytes, False, 1.0, 1.0, False, layer_of.get(id(p), -1),
+                                       frozen=not p.requires_grad))
     lp = tuple(LayerProfile(n, 0.0, 0.0, 0, 0, sum(q.numel() * q.element_size() for q in m.parameters()))
                for n, m in layers)
     memory = mem_probe.memory_profile(step, batch_size, data, ratio, job, device, grown, census.counts())

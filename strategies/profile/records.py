@@ -22,7 +22,8 @@ class ParamProfile:
     cache's first rows and its predicted hit rate); ``layer`` indexes ``Profile.layers`` (-1: none);
     ``tied_to``: for an embedding table whose weight a non-embedding module also holds (an output
     layer tied to it: strategies/models/tying.py), the other names of that weight (its gradient
-    is dense, so it is measured and placed as a dense parameter, ``embedding_module`` False)."""
+    is dense, so it is measured and placed as a dense parameter, ``embedding_module`` False);
+    ``frozen``: ``requires_grad=False`` (fine-tuning), never placed on the servers."""
 
     name: str
     shape: tuple[int, ...]
@@ -40,6 +41,7 @@ class ParamProfile:
     hot_batches: int = 0
     hot_touches: int = 0
     tied_to: tuple[str, ...] = ()
+    frozen: bool = False   # requires_grad=False: no gradient, no update; kept on the workers, never served
 
     def hot(self):
         """The profiled row frequencies as hot_rows.HotRows (None where none were measured)."""
