@@ -185,7 +185,7 @@ def profile(script, as_json, plan_out, **given):
                                                                                "staleness", "cache_rows"))
     from hpar.strategies.common.job import check_job, load_job
     from hpar.strategies.plan.memory_model import forward_passes
-    from hpar.strategies.plan.planner import choose_plan
+    from hpar.launcher.run.vet import vetted_plan   # nothing runnable that `hpar run` would refuse
     from hpar.strategies.profile.device import profile_device
     from hpar.strategies.profile.profiler import profile_job
     from hpar.launcher.run.leftovers import ended_at_exit
@@ -210,7 +210,7 @@ def profile(script, as_json, plan_out, **given):
             prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
                                precision=precision)
             steps = job.defaults.get("steps")   # the run's length as the script sets it: its workers' growth
-            plan = choose_plan(prof, cluster,
+            plan = vetted_plan(job, prof, cluster,
                                cache=CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None,
                                forwards=forward_passes(steps, job.defaults.get("accumulate")))
         except JobError as exc:

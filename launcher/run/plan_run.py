@@ -29,6 +29,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     force = None if flags.strategy == "auto" else flags.strategy
     schedule, pipeline_replicas = flags.schedule or "1f1b", flags.pipeline_replicas
     from hpar.launcher.run.cluster_build import build_cluster
+    from hpar.launcher.run.vet import vetted_plan
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     from hpar.strategies.profile.device import profile_device
@@ -36,7 +37,8 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     cluster = build_cluster(gpus, hosts_spec, flags.servers, None, None, None, measured_on=measure_on.type,
                             capacity=capacity)
     profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision)
-    plan = choose_plan(profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas,
+    # no candidate that `hpar run` would refuse before start is chosen (launcher/run/vet.py)
+    plan = vetted_plan(job, profile, cluster, schedule=schedule, force=force, pipeline_replicas=pipeline_replicas,
                        allow_misfit=flags.force, cache=cache, forwards=forwards)
     if force is not None:
         return plan, profile

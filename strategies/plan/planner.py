@@ -139,7 +139,7 @@ def _cache_note(e: Estimate, cache: CacheConfig, asked: bool) -> str:
 
 def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 force: str | None = None, pipeline_replicas: int | None = None, allow_misfit: bool = False,
-                cache: CacheConfig | None = None, forwards: int | None = None) -> Plan:
+                cache: CacheConfig | None = None, forwards: int | None = None, refused: dict | None = None) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and its peak memory
     (``plan/memory_model.predict``) and pick the highest samples/s among those that fit the job and
     the cluster's memory; the others are still listed as candidates with a note. A hybrid
@@ -151,7 +151,8 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     the user gave ``--staleness`` (then it may win, and the plan's ``cache`` says so), else at
     s = ``SHOWN_STALENESS`` and not runnable: staleness trades accuracy, never chosen unasked.
     ``forwards``: the forward passes each worker runs (steps times accumulation), for the
-    memory a worker's caches grow to. Raises ValueError when no strategy fits, or when the forced one does not fit (its memory
+    memory a worker's caches grow to. ``refused``: {strategy: the line ``hpar run`` refuses
+    it with} (launcher/run/vet.py), listed as not runnable with that line. Raises ValueError when no strategy fits, or when the forced one does not fit (its memory
     too, unless ``allow_misfit``: ``hpar run --force``), with the reason."""
     estimates = estimate_all(profile, cluster)
     shown = cache or CacheConfig(0.0, SHOWN_STALENESS)
@@ -172,11 +173,14 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             available = available and cache is not None
         spec = strategy_spec(e.strategy)
         if spec.servers and spec.ddp and e.feasible and ON_SERVERS not in e.placement.values():
-            why = ("every embedding table costs less on AllReduce" if any(p.embedding_module for p in profile.params)
+            trained = [p for p in profile.params if p.embedding_module and not p.frozen]
+            why = ("every embedding table costs less on AllReduce" if trained
+                   else "every embedding table is frozen (requires_grad=False): nothing to place on servers"
+                   if any(p.embedding_module for p in profile.params)
                    else "no embedding table to place on servers" + _tied_note(profile))
             note = (note + "; " if note else "") + f"{why} (same as allreduce)"
             available = False   # it would run as allreduce: never the winner in its own name
-        if spec.sparse_gradients and e.feasible and not any(p.embedding_module for p in profile.params):
+        if spec.sparse_gradients and e.feasible and not any(p.embedding_module and not p.frozen for p in profile.params):
             note = (note + "; " if note else "") + \
                 f"no embedding table to give sparse gradients{_tied_note(profile)} (same as allreduce)"
             available = False   # `hpar run` runs it as allreduce
@@ -186,6 +190,8 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                                         if len(stages_of(held, e.stages)) > 1}, schedule)
             if problem:   # a tied weight across stages under an asynchronous schedule (pipeline/ties.py)
                 note, available = problem.split(": ", 1)[1], False
+        if available and e.strategy in (refused or {}):   # `hpar run` would refuse it before start
+            note, available = refused[e.strategy], False
         measured_sparse = [p.name for p in profile.params if p.sparse and not p.embedding_module]
         if spec.servers and spec.ddp and measured_sparse:
             note = (note + "; " if note else "") + \
