@@ -32,7 +32,7 @@ from hpar.strategies.runstate import state as run_state
 from hpar.strategies.specs.torchrec_spec import SHARDINGS
 from hpar.strategies.torchrec.trec_check import import_torchrec
 from hpar.strategies.torchrec.trec_optim import fused_optimizer
-from hpar.strategies.torchrec.trec_shard import gather_tables, load_tables, shard, table_key, table_modules
+from hpar.strategies.torchrec.trec_shard import gather_tables, load_tables, quiet, shard, table_key, table_modules
 from hpar.strategies.torchrec.trec_tables import swap_tables, tables_of
 
 A2A = "all_to_all"
@@ -84,6 +84,7 @@ class TorchrecStep(TrainStep):
     def begin(self) -> None:
         ctx, cfg = self.ctx, self.cfg
         self.loss_groups = groups = worker_groups(ctx.world_size, cfg.device)
+        quiet()
         self.dmp = shard(self.model, (self.fused, self.options), SHARDINGS.get(cfg.strategy), groups, ctx.device,
                          bool(cfg.find_unused_parameters))
         load_tables(self.dmp, self.tables, self.initial)

@@ -46,6 +46,17 @@ def _sharder():
     return CpuRowWiseSharder()
 
 
+def quiet() -> None:
+    """Silence the notices TorchRec and torch print on this path that ask nothing of the user
+    (the planner's topology and storage-reservation warnings, DDP's ``broadcast_buffers`` and
+    gloo's reduce-scatter/all-gather deprecations, ``is_fx_tracing``); errors still show."""
+    import logging
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.|torch\.distributed\.c10d_logger")
+    for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def table_modules(model: nn.Module) -> list[TorchrecTable]:
     """The TorchrecTable modules of ``model``, in model order."""
     return [m for m in model.modules() if isinstance(m, TorchrecTable)]
