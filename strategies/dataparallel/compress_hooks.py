@@ -77,6 +77,10 @@ class Compressor:
         state's drops that state (zero residual, new factors)."""
         s, b = self.state, bucket.index()
         order = [self.index[id(p)] for p in bucket.parameters()]
+        device = bucket.buffer().device
+        for d in (s.error_dict, s.p_memory_dict, s.q_memory_dict):   # restored on the CPU: to the gradients' device
+            if b in d and d[b].device != device:
+                d[b] = d[b].to(device)
         if b not in s.error_dict:
             fut = psgd.powerSGD_hook(s, bucket)
             if b in s.error_dict:
@@ -141,13 +145,12 @@ class Compressor:
         s.rng.set_state(("MT19937", saved.pop(f"{pre}.key").numpy().astype(np.uint32), pos, has_gauss,
                          float(saved.pop(f"{pre}.gauss")[0])))
         dicts = {"error": s.error_dict, "p": s.p_memory_dict, "q": s.q_memory_dict}
-        device = _device(s)
-        for k, t in saved.items():
+        for k, t in saved.items():   # on the CPU until the bucket's first hook (run) moves it to its device
             kind, _, b = k[len(pre) + 1:].partition(".")
             if kind == "layout":
                 self.layouts[int(b)] = [int(i) for i in t]
             else:
-                dicts[kind][int(b)] = t.to(device)
+                dicts[kind][int(b)] = t
         self.saved = {}
 
 
@@ -183,13 +186,6 @@ class _Relaid:
         for view, j in zip(self.views, self.perm):
             grads[j].copy_(view)
         return self.bucket.buffer()
-
-
-def _device(state: psgd.PowerSGDState) -> torch.device:
-    """The device of the workers' dense group: its backend's (NCCL: this process's GPU)."""
-    if torch.cuda.is_available() and dist.get_backend(state.process_group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def powersgd_wire(state: psgd.PowerSGDState, bucket) -> int:
