@@ -92,6 +92,40 @@ def test_weighted_bags_equal_one_process(tmp_path, reap_run, strategy, kind):
 @needs_torchrec
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_checkpoint_resumes_exactly_and_at_another_worker_count(tmp_path, reap_run):
+    """2 steps with a checkpoint, resumed to 4: steps 3 and 4 and the trained model equal an
+    uninterrupted run (the tables' shards and Adagrad's fused sums restored through DCP); then
+    resumed at 1 worker: its first step's loss is the 4-step model's on that worker's batch."""
+    import itertools
+    from hpar.strategies.common.job import load_job
+    from hpar.strategies.models.forward import call_model
+    script = write_script(tmp_path, BAGS)
+    run_dir = str(tmp_path / "ck")
+    reap_run(run_dir)
+    code, out = hpar_to_file(tmp_path / "a.out", "run", script, "--strategy", "torchrec-rw", "--gpus", "2", "--steps",
+                             "2", "--checkpoint-every", "2", "--seed", "3", "--run-dir", run_dir)
+    assert code == 0, out[-3000:]
+    code, out = hpar_to_file(tmp_path / "b.out", "run", "--resume", run_dir, "--steps", "4")
+    assert code == 0 and "from its checkpoint of step 2" in out, out[-3000:]
+    losses = []
+    want_state = single_process_reference(script, 2, 4, 6, 0.1, seed=3, losses=losses)
+    got = _step_losses(run_dir)
+    assert [got[s] for s in (3, 4)] == pytest.approx(losses[2:], rel=1e-5), (got, losses)
+    state = final_state(run_dir)
+    for k, want in want_state.items():
+        assert (state[k] - want).abs().max().item() <= 1e-4 * max(want.abs().max().item(), 1e-6), k
+    code, out = hpar_to_file(tmp_path / "c.out", "run", "--resume", run_dir, "--steps", "5", "--gpus", "1")
+    assert code == 0 and "as 1 worker" in out, out[-3000:]
+    job = load_job(script)
+    model = job.build_model()
+    model.load_state_dict(want_state)
+    x, y = next(itertools.islice(job.batches(0, 1, 6), 4, None))   # worker 0's 5th batch at 1 worker
+    assert _step_losses(run_dir)[5] == pytest.approx(float(job.compute_loss(call_model(model, x), y)), rel=1e-5)
+
+
+@needs_torchrec
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 def test_recsys_trains_with_the_planners_shards(tmp_path, reap_run):
     """`hpar run examples/recsys.py --strategy torchrec --gpus 2`: exit 0, evaluation improves,
     bytes counted, no process left."""

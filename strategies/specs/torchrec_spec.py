@@ -27,8 +27,6 @@ def _check(cfg) -> str | None:
     if cfg.clip_grad_norm:
         return (f"--clip-grad-norm is not supported with {name}: the tables' gradients never exist outside its fused "
                 "backward update; drop the flag")
-    if cfg.checkpoint_every or cfg.resume:
-        return f"--checkpoint-every/--resume are not supported with {name} yet; drop them"
     return None
 
 

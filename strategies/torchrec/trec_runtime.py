@@ -30,6 +30,7 @@ from hpar.strategies.common.spine import StepOutcome, TrainStep
 from hpar.strategies.models.forward import inner_module, takes_keywords
 from hpar.strategies.runstate import state as run_state
 from hpar.strategies.specs.torchrec_spec import SHARDINGS
+from hpar.strategies.torchrec import trec_state
 from hpar.strategies.torchrec.trec_check import import_torchrec
 from hpar.strategies.torchrec.trec_optim import fused_optimizer
 from hpar.strategies.torchrec.trec_shard import gather_tables, load_tables, quiet, shard, table_key, table_modules
@@ -81,7 +82,16 @@ class TorchrecStep(TrainStep):
                 if t.device.type != "meta":
                     t.data = t.data.to(ctx.device)
 
-    def begin(self) -> None:
+    def resume(self) -> int:
+        """Shard the model (every worker: a collective), then load the latest checkpoint
+        when ``--resume`` asks for it (trec_state.py)."""
+        self._shard()
+        return trec_state.resume(self)
+
+    def save(self, steps_done: int) -> None:
+        trec_state.save(self, steps_done)
+
+    def _shard(self) -> None:
         ctx, cfg = self.ctx, self.cfg
         self.loss_groups = groups = worker_groups(ctx.world_size, cfg.device)
         quiet()
@@ -90,7 +100,8 @@ class TorchrecStep(TrainStep):
         load_tables(self.dmp, self.tables, self.initial)
         del self.initial
         from torchrec.optim.optimizers import in_backward_optimizer_filter
-        self.dense = [p for _, p in in_backward_optimizer_filter(self.dmp.named_parameters())]
+        self.dense_named = list(in_backward_optimizer_filter(self.dmp.named_parameters()))
+        self.dense = [p for _, p in self.dense_named]
         self.opt = self.job.build_optimizer(self.dense, cfg.lr)
         self.tools = step_tools(cfg, self.job, self.opt, ctx.device)
         self.counter = ByteMeter()
@@ -104,7 +115,9 @@ class TorchrecStep(TrainStep):
         if ctx.rank == 0:
             print("torchrec shards " + ", ".join(f"{t.module} {kinds[t.key]}" for t in self.tables), flush=True)
         self.call = UserCall(self.dmp, self.model)
-        self.batches = worker_batches(ctx, groups.control)
+
+    def begin(self) -> None:
+        self.batches = worker_batches(self.ctx, self.loss_groups.control)
 
     def _sharding(self, table) -> str:
         path = f"{table.module}.collection"
