@@ -86,3 +86,25 @@ def test_what_cannot_honour_batchnorm_is_refused_in_one_line(tmp_path, reap_run,
     assert says.replace(" ", "") in "".join(text.split()), text   # a terminal may wrap the line
     assert text.count("hpar: ") == 1 and "Traceback" not in text and "Expected more than 1 value" not in text
     assert not os.path.exists(run_dir / "logs")
+
+
+def test_auto_with_sync_batchnorm_chooses_only_what_honours_it():
+    """``--strategy auto --sync-batchnorm``: the candidates that cannot honour the flag (ps,
+    pipeline) are not runnable, each noting why, so auto never chooses one that hpar run then
+    refuses (launcher/run/vet.vetted_plan's ``needs``)."""
+    from hpar.launcher.run.cluster_build import build_cluster
+    from hpar.launcher.run.vet import vetted_plan
+    from hpar.strategies.common.job import load_job
+    from hpar.strategies.profile.profiler import profile_job
+    from hpar.strategies.specs.registry import spec
+    job = load_job(SCRIPT)
+    cluster = build_cluster(2, None, None, None, None, None, measured_on="cpu")
+    profile = profile_job(job, BATCH, 2, repeats=1, warmup=1)
+    plain = {c.strategy: c for c in vetted_plan(job, profile, cluster, schedule="1f1b").candidates}
+    assert plain["ps"].available and plain["pipeline"].available   # what the flag takes away
+    plan = vetted_plan(job, profile, cluster, needs=("sync_batchnorm",), schedule="1f1b")
+    by = {c.strategy: c for c in plan.candidates}
+    for name in ("ps", "pipeline"):
+        assert not by[name].available and by[name].note == f"--sync-batchnorm does not apply to {name}"
+    assert spec(plan.strategy).sync_batchnorm
+    assert all(spec(c.strategy).sync_batchnorm for c in plan.candidates if c.available)

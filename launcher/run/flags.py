@@ -50,6 +50,7 @@ class PlanFlags:
     staleness: int | None = None      # hybrid/ps: hot-row caches read rows up to this many updates stale
     cache_rows: float | None = None   # their rows per table (>= 1) or fraction of each table (< 1)
     compress: str | None = None       # --compress: off, fp16, bf16, powersgd[:RANK] (strategies/common/compression.py)
+    needs: tuple = ()                 # capabilities (StrategySpec flags) auto's choice must have, e.g. ("sync_batchnorm",)
 
 
 @dataclass(frozen=True)

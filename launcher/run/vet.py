@@ -45,19 +45,31 @@ def refusal(job, model, strategy: str, plan: Plan) -> str:
     return ""
 
 
-def vetted_plan(job, profile, cluster, model=None, **choose) -> Plan:
+def lacking(strategy: str, needs: tuple) -> str:
+    """The flag ``strategy`` cannot honour among ``needs`` (StrategySpec capability names, as
+    ``--sync-batchnorm`` needs ``sync_batchnorm``), as one line; "" when it has them all."""
+    spec = strategy_spec(strategy)
+    missing = [n for n in needs if not getattr(spec, n)]
+    return f"--{missing[0].replace('_', '-')} does not apply to {strategy}" if missing else ""
+
+
+def vetted_plan(job, profile, cluster, model=None, needs: tuple = (), **choose) -> Plan:
     """``choose_plan(profile, cluster, **choose)`` (strategies/plan/planner.py) where no
     runnable candidate is one :func:`refusal` refuses: each runnable candidate's own plan
     (``force``) is checked on ``model`` (built with ``job.build_model()`` when None and a
     candidate needs it), and when any is refused the planner chooses again with those marked
     not runnable (``refused``). A forced strategy (``choose["force"]``) is returned as
-    planned: ``hpar run`` refuses it itself, in its own words. Raises ValueError as
-    ``choose_plan`` does (no strategy left that fits)."""
+    planned: ``hpar run`` refuses it itself, in its own words. ``needs``: capabilities every
+    candidate must have (:func:`lacking`; ``--sync-batchnorm``), the others not runnable.
+    Raises ValueError as ``choose_plan`` does (no strategy left that fits)."""
     from hpar.strategies.plan.planner import choose_plan
-    plan = choose_plan(profile, cluster, **choose)
     if choose.get("force") is not None:
-        return plan
-    refused = {}
+        return choose_plan(profile, cluster, **choose)
+    plan = choose_plan(profile, cluster, **choose)
+    refused = {c.strategy: lacking(c.strategy, needs) for c in plan.candidates
+               if needs and c.available and lacking(c.strategy, needs)}
+    if refused:
+        plan = choose_plan(profile, cluster, refused=refused, **choose)
     for c in plan.candidates:
         if not c.available or not strategy_spec(c.strategy).servers:
             continue
