@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from hpar.launcher.bench.bench_config import BENCH_STRATEGIES
+from hpar.launcher.bench.bench_config import bench_entry, row_compress
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.estimates import estimate_all
 from hpar.strategies.profile.profiler import Profile
@@ -63,7 +63,7 @@ def repredict(doc: dict, bench_dir: str, request_cpu_s: float | None = None, rep
                     cluster = dataclasses.replace(cluster, request_cpu_s=request_cpu_s)
                 cache[path] = (profile, {e.strategy: e for e in estimate_all(profile, cluster)})
             profile, estimates = cache[path]
-            est = estimates.get(BENCH_STRATEGIES[p["strategy"]][0])
+            est = None if row_compress(p["strategy"]) else estimates.get(bench_entry(p["strategy"])[0])
             if est is not None and est.feasible and est.step_s > 0:
                 now = p["workers"] * profile.batch_size / est.step_s
         rows.append({"script": stem, "strategy": p["strategy"], "workers": p["workers"], "measured": p["samples_per_s"],

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from conftest import finite_positive, hpar, hpar_to_file, run_processes, write_script
-from hpar.launcher.bench.bench_config import BENCH_STRATEGIES, parse_strategies
+from hpar.launcher.bench.bench_config import BENCH_STRATEGIES, bench_entry, parse_strategies, row_dir, with_compress
 from hpar.launcher.bench.driver import Result, with_ratios
 from hpar.launcher.bench.plots import bytes_per_worker_step
 from hpar.launcher.bench.emulate import rate_arg
@@ -112,6 +112,8 @@ def test_exchange_items_follow_backward_with_tables_alone_and_dense_layers_in_dd
     (["--hosts", "emulate:2", "--link-queue", "fair"], "--link-rate"),
     (["--repeat", "0"], "--repeat"),
     (["--min-seconds", "-1"], "--min-seconds"),
+    (["--compress", "zip"], "--compress"),
+    (["--strategies", "ps", "--compress", "fp16"], "--compress"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_flags_are_one_line_errors(tmp_path, args, flag):
@@ -357,3 +359,42 @@ def test_bench_runs_fsdp_beside_allreduce_and_a_pipeline_with_their_peaks(tmp_pa
     assert rows["fsdp"]["extra"]["memory_terms"]["worker"]["params"] == 4 * 4 * (512 * 512 + 512) // 2   # a half each
     assert "Peak memory per process, predicted and measured" in out.stdout and "peak/wkr" in out.stdout
     assert json.loads((tmp_path / "b" / "job" / "fsdp" / "summary.json").read_text())["strategy"] == "fsdp"
+
+
+def test_compress_rows_follow_each_strategy_that_can_compress():
+    names = with_compress(("hybrid", "ps", "allreduce"), "fp16,off,powersgd:2,fp16")
+    assert names == ("hybrid", "hybrid --compress fp16", "hybrid --compress powersgd:2", "ps",
+                     "allreduce", "allreduce --compress fp16", "allreduce --compress powersgd:2")
+    assert with_compress(("ps",), "off") == ("ps",) and with_compress(("ps",), None) == ("ps",)
+    assert bench_entry("hybrid --compress powersgd:2") == ("hybrid", None)
+    assert row_dir("hybrid --compress powersgd:2") == "hybrid-compress-powersgd-r2"
+    for bad in ("zip", "powersgd:x", "fp16:2"):
+        with pytest.raises(ValueError, match="--compress"):
+            with_compress(("allreduce",), bad)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_bench_compress_row_beside_the_uncompressed_one(tmp_path):
+    """`hpar bench --compress fp16` runs allreduce and "allreduce --compress fp16" in one bench:
+    the compressed row's run has the setting, sends half the bytes per worker per step, and both
+    rows are compared in one line; no process is left."""
+    script = write_script(tmp_path)
+    bench_dir, out_json = tmp_path / "bench", tmp_path / "out.json"
+    code, log = hpar_to_file(tmp_path / "stdout.txt", "bench", script, "--gpus", "2", "--steps", "4", "--strategies",
+                             "allreduce", "--compress", "fp16", "--link-rate", "10gbit", "--json", str(out_json),
+                             "--bench-dir", str(bench_dir), timeout=110)
+    assert code == 0, log[-3000:]
+    doc = json.loads(out_json.read_text())
+    rows = {r["strategy"]: r for r in doc["results"]}
+    assert list(rows) == ["allreduce", "allreduce --compress fp16"] and doc["settings"]["compress"] == "fp16"
+    for r in rows.values():
+        assert r["reason"] is None and finite_positive(r["samples_per_s"]) and finite_positive(r["predicted_step_s"])
+    full, half = (rows[n]["bytes_per_step"]["sent"] for n in rows)
+    assert 0.45 < half / full < 0.55, (half, full)
+    vs = rows["allreduce --compress fp16"]["extra"]["vs_uncompressed"]
+    assert vs["of"] == "allreduce" and vs["bytes_sent"] == half / full and finite_positive(vs["samples_per_s"])
+    assert f"allreduce --compress fp16: {half / full:.2f}x the bytes sent per worker per step of allreduce" in log
+    run_dir = bench_dir / "job" / "allreduce-compress-fp16"
+    assert json.loads((run_dir / "config.json").read_text())["compress"] == {"kind": "fp16", "rank": 0}
+    assert run_processes(str(run_dir)) == [] and run_processes(str(bench_dir / "job" / "allreduce")) == []

@@ -102,6 +102,46 @@ def parse_strategies(text: str | None) -> tuple[str, ...]:
     return names
 
 
+COMPRESS_ROW = " --compress "   # a compressed row's name: "<bench name> --compress <setting>"
+
+
+def bench_entry(name: str) -> tuple[str, str | None]:
+    """(hpar run --strategy, --schedule or None) of bench row ``name``, a compressed row's
+    ("hybrid --compress powersgd:2") that of its strategy."""
+    return BENCH_STRATEGIES[name.split(COMPRESS_ROW, 1)[0]]
+
+
+def row_compress(name: str) -> str | None:
+    """The ``--compress`` setting of bench row ``name`` ("fp16", "powersgd:2"), None for an uncompressed row."""
+    return name.split(COMPRESS_ROW, 1)[1] if COMPRESS_ROW in name else None
+
+
+def row_dir(name: str) -> str:
+    """Bench row ``name``'s run directory name, without spaces or colons (remote shells, host
+    files): "hybrid --compress powersgd:2" -> "hybrid-compress-powersgd-r2"."""
+    return name.replace(COMPRESS_ROW, "-compress-").replace(":", "-r")
+
+
+def with_compress(names: tuple[str, ...], text: str | None) -> tuple[str, ...]:
+    """``names`` with, after each whose strategy compresses DDP's AllReduce (spec
+    ``compress_hooks``), one row per ``--compress`` setting in ``text`` ("fp16,powersgd:2"; ``off``
+    adds nothing: the uncompressed row is always there). ValueError naming ``--compress`` for a
+    bad setting, or when no strategy in ``names`` can compress."""
+    from hpar.strategies.common.compression import Compression
+    from hpar.strategies.specs.registry import spec
+    if text is None:
+        return names
+    settings = [str(c) for c in dict.fromkeys(Compression.parse(t) for t in text.split(",") if t.strip()) if c.on]
+    if not settings:
+        return names
+    able = [n for n in names if spec(BENCH_STRATEGIES[n][0]).compress_hooks]
+    if not able:
+        raise ValueError(f"--compress {text}: none of {', '.join(names)} averages gradients with DDP's AllReduce; "
+                         "add one that does to --strategies: "
+                         + ", ".join(n for n in BENCH_STRATEGIES if spec(BENCH_STRATEGIES[n][0]).compress_hooks))
+    return tuple(row for n in names for row in (n, *(f"{n}{COMPRESS_ROW}{c}" for c in settings if n in able)))
+
+
 @dataclass(frozen=True)
 class BenchFlags:
     """``hpar bench``'s flags as given (click's names; None: not given), passed whole to the
@@ -136,3 +176,4 @@ class BenchFlags:
     memory_table: bool = False
     scale: str | None = None
     keep_models: bool = False
+    compress: str | None = None   # --compress: rows of the compressing strategies with these settings

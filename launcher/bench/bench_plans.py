@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.specs.registry import PIPELINE
-from hpar.launcher.bench.bench_config import BENCH_STRATEGIES, PLANNED, BenchConfig
+from hpar.launcher.bench.bench_config import PLANNED, BenchConfig, bench_entry, row_compress
 
 
 def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None:
@@ -20,7 +20,7 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
     torch's schedules meet a traced model, an asynchronous schedule meets a weight tied across
     the planned stages, or torch's schedules or PipeDream-2BW's refuse the planned stages and
     micro-batches (Schedule1F1B needs at least as many micro-batches as stages)."""
-    strategy, schedule = BENCH_STRATEGIES[name]
+    strategy, schedule = bench_entry(name)
     if strategy_spec(strategy).pipelined:
         if not profile.is_sequential:
             return profile.sequential_reason or "not a sequence of layers"
@@ -59,8 +59,8 @@ def does_not_fit(name: str, profile, estimates: dict, cluster, steps: int | None
     ``cluster``'s (strategies/plan/memory_model.py: "needs 31.2 GB per worker, 24 GB available"),
     None when it does or has no estimate."""
     from hpar.strategies.plan.memory_model import predict
-    strategy, schedule = BENCH_STRATEGIES[name]
-    est = estimates.get(strategy)
+    strategy, schedule = bench_entry(name)
+    est = estimates.get(name if row_compress(name) else strategy)
     if est is None or not est.feasible:
         return None
     return predict(profile, cluster, est, schedule or "1f1b", steps).misfit(cluster) or None
@@ -77,6 +77,18 @@ class ScriptPlan:
     projected: dict
     reasons: dict
     plan_files: dict = field(default_factory=dict)   # hpar run --strategy -> plan file
+
+
+def _add_compressed(profile, names: tuple[str, ...], estimates: dict, cluster) -> None:
+    """Add to ``estimates`` (by cost-model strategy) each compressed row of ``names`` ("hybrid
+    --compress fp16"), by its row name: its strategy's estimate with the AllReduce compressed
+    (strategies/plan/costmodel_compress.py)."""
+    from hpar.strategies.common.compression import Compression
+    from hpar.strategies.plan.costmodel_compress import estimate_compressed
+    for n in names:
+        base = estimates.get(bench_entry(n)[0])
+        if row_compress(n) and base is not None:
+            estimates[n] = estimate_compressed(profile, cluster, base, Compression.parse(row_compress(n)))
 
 
 def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_of, refine=None) -> ScriptPlan:
@@ -102,10 +114,13 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     estimates = {e.strategy: e for e in estimate_all(profile, cluster)}
     projected = {e.strategy: e for e in estimate_all(profile, cluster_of(cfg.project))} if cfg.project else {}
     # torch's schedules run one pipeline: with them in the bench, hpar's run the same (R = 1) stages
-    one_pipeline = 1 if any((BENCH_STRATEGIES[n][1] or "").startswith("torch-") for n in names) else None
+    one_pipeline = 1 if any((bench_entry(n)[1] or "").startswith("torch-") for n in names) else None
     if one_pipeline:
         from hpar.strategies.plan.estimates import estimate_pipeline
         estimates[PIPELINE.name] = estimate_pipeline(profile, cluster, replicas=1)
+    _add_compressed(profile, names, estimates, cluster)
+    if projected:
+        _add_compressed(profile, names, projected, cluster_of(cfg.project))
     reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, cfg.gpus)
                                          or does_not_fit(n, profile, estimates, cluster, forward_passes(
                                              cfg.steps, job.defaults.get("accumulate"))))}
@@ -119,7 +134,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     atomic_write_bytes(os.path.join(os.path.abspath(cfg.bench_dir), f"{stem}-profile.json"),
                        json.dumps({"profile": profile.to_dict(), "cluster": dataclasses.asdict(cluster)}).encode())
     plan_files = {}
-    for strategy in sorted({BENCH_STRATEGIES[n][0] for n in names if n not in reasons} & PLANNED):
+    for strategy in sorted({bench_entry(n)[0] for n in names if n not in reasons} & PLANNED):
         path = os.path.join(os.path.abspath(cfg.bench_dir), f"{stem}-{strategy}-plan.json")
         atomic_write_bytes(path, choose_plan(profile, cluster, force=strategy, pipeline_replicas=one_pipeline
                                              if strategy_spec(strategy).pipelined else None).to_json().encode())
@@ -132,8 +147,8 @@ def prediction(estimates: dict, name: str) -> float | None:
     cost-model strategy; an asynchronous pipeline schedule from its synchronous estimate),
     None where it has none or it is infeasible."""
     from hpar.strategies.plan.estimates import estimate_async_pipeline
-    strategy, schedule = BENCH_STRATEGIES[name]
-    est = estimates.get(strategy)
+    strategy, schedule = bench_entry(name)
+    est = estimates.get(name if row_compress(name) else strategy)
     if est is not None and strategy_spec(strategy).pipelined and schedule:
         est = estimate_async_pipeline(est, schedule)
     return est.step_s if est is not None and est.feasible and est.step_s > 0 else None
@@ -144,7 +159,7 @@ def projection(plan: ScriptPlan, name: str, gpus: int) -> dict | None:
     seconds, ``samples_per_s``, ``bytes_per_step`` per worker, ``note``), None without one."""
     if not plan.projected:
         return None
-    est = plan.projected.get(BENCH_STRATEGIES[name][0])
+    est = plan.projected.get(name if row_compress(name) else bench_entry(name)[0])
     if est is None or not est.feasible:
         return {"gpus": gpus, "projected": True, "step_s": None, "samples_per_s": None,
                 "note": est.note if est is not None else "no estimate"}

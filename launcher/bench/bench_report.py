@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hpar.launcher.bench.driver import Result
-from hpar.launcher.bench.verdict import verdict
+from hpar.launcher.bench.verdict import uncompressed_lines, verdict
 
 
 def _human(n: float | None, unit: str = "B") -> str:
@@ -109,6 +109,8 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
             console.print(f"  n/a {', '.join(names)}: {reason}", markup=False)
         line = verdict(rows)   # launcher/bench/verdict.py: faster only beyond the measured spread
         if line:
+            console.print(line, markup=False)
+        for line in uncompressed_lines(rows):   # --compress rows against their uncompressed one
             console.print(line, markup=False)
 
 

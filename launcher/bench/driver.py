@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from hpar.strategies.plan.decision import Plan
 from hpar.strategies.specs.registry import spec as strategy_spec
-from hpar.launcher.bench.bench_config import BENCH_STRATEGIES, BenchConfig, steps_for
+from hpar.launcher.bench.bench_config import BenchConfig, bench_entry, row_compress, row_dir, steps_for
 from hpar.launcher.bench.plots import bytes_per_worker_step, combine_runs, memory_figures, stage_figures
 from hpar.launcher.bench.bench_plans import plan_script, prediction, projection
 
@@ -65,13 +65,15 @@ def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_d
     micro-batches (pipeline entries: passed as ``--micro-batches`` too, so that a script's own
     HPAR value does not override the plan the prediction is for); ``steps`` (default
     ``cfg.steps``) the run's steps."""
-    strategy, schedule = BENCH_STRATEGIES[name]
+    strategy, schedule = bench_entry(name)
     steps = steps or cfg.steps
     cmd = [sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", str(cfg.gpus), "--strategy", strategy,
            "--steps", str(steps), "--batch-size", str(batch_size), "--seed", str(cfg.seed),
            "--log-every", str(max(1, min(10, steps // 4))), "--run-dir", run_dir, "--plain", "--no-eval"]
     if schedule:
         cmd += ["--schedule", schedule]
+    if row_compress(name):
+        cmd += ["--compress", row_compress(name)]
     if plan_file:
         cmd += ["--plan", plan_file]
         if strategy_spec(strategy).pipelined:
@@ -153,7 +155,7 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
     sent_recv = bytes_per_worker_step(os.path.join(run_dir, "metrics.jsonl")) or summary.get("bytes_per_step")
     extra = {**{k: summary[k] for k in ("loss_first", "loss_last", "wall_s", "steps") if k in summary},
              **stage_figures(summary), **memory_figures(summary, run_dir)}
-    if summary.get("strategy") not in (None, name, BENCH_STRATEGIES[name][0]):
+    if summary.get("strategy") not in (None, name, bench_entry(name)[0]):
         extra["ran_as"] = summary["strategy"]   # e.g. a hybrid plan with nothing on the servers
     return Result(script, name, samples_per_s=summary.get("samples_per_s"), step_s_p50=summary.get("step_s_p50"),
                   step_s_p90=summary.get("step_s_p90"), bytes_per_step=sent_recv, run_dir=run_dir, wall_s=wall,
@@ -190,12 +192,12 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None, refine=N
                 if name in plan.reasons:
                     continue
                 suffix = f"-run{round_ + 1}" if cfg.repeat > 1 else ""
-                run_dir = os.path.join(cfg.bench_dir, stem, name + suffix)
+                run_dir = os.path.join(cfg.bench_dir, stem, row_dir(name) + suffix)
                 os.makedirs(os.path.dirname(run_dir), exist_ok=True)
                 steps = steps_for(cfg, prediction(plan.estimates, name))
                 say(f"hpar bench: {stem} {name}{suffix}: running ({cfg.gpus} workers, {steps} steps, "
                     f"batch {plan.batch_size})")
-                plan_file = plan.plan_files.get(BENCH_STRATEGIES[name][0])
+                plan_file = plan.plan_files.get(bench_entry(name)[0])
                 run = lambda: run_strategy(os.path.abspath(script), name, cfg, plan.batch_size, run_dir, plan_file,
                                            steps)
                 counters = None
@@ -216,4 +218,5 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None, refine=N
             res = combine_runs(runs[name])
             results.append(dataclasses.replace(res, script=script, predicted_step_s=pred, projected=proj,
                                                extra={**res.extra, "batch_size": plan.batch_size}))
-    return with_ratios(results)
+    from hpar.launcher.bench.verdict import with_uncompressed
+    return with_uncompressed(with_ratios(results))

@@ -7,6 +7,10 @@ with nothing on its servers runs as allreduce) is not a contender in its own nam
 """
 from __future__ import annotations
 
+import dataclasses
+
+from hpar.launcher.bench.bench_config import COMPRESS_ROW, row_compress
+
 MIN_MEASURED_STEPS = 10   # fewer measured steps give a p90 that is one or two samples
 
 
@@ -45,3 +49,38 @@ def steps_warning(steps: int, warmup: int = 2) -> str | None:
         return (f"warning: --steps {steps} leaves {steps - warmup} measured steps after {warmup} warm-up ones; "
                 f"use --steps {MIN_MEASURED_STEPS + warmup} or more to compare strategies")
     return None
+
+
+def with_uncompressed(results: list) -> list:
+    """Each compressed row ("hybrid --compress fp16") with ``extra["vs_uncompressed"]``: its
+    samples/s and bytes sent per worker per step over those of its uncompressed row of the same
+    script and bench run (None where either did not run)."""
+    by = {(r.script, r.strategy): r for r in results}
+    out = []
+    for r in results:
+        base = by.get((r.script, r.strategy.split(COMPRESS_ROW, 1)[0])) if row_compress(r.strategy) else None
+        if base is not None and r.samples_per_s and base.samples_per_s:
+            sent, base_sent = (r.bytes_per_step or {}).get("sent"), (base.bytes_per_step or {}).get("sent")
+            vs = {"of": base.strategy, "samples_per_s": r.samples_per_s / base.samples_per_s,
+                  "bytes_sent": sent / base_sent if sent is not None and base_sent else None}
+            r = dataclasses.replace(r, extra={**(r.extra or {}), "vs_uncompressed": vs})
+        out.append(r)
+    return out
+
+
+def uncompressed_lines(rows: list) -> list[str]:
+    """One line per compressed row that ran beside its uncompressed one: its bytes and samples/s as
+    ratios to that row's (:func:`with_uncompressed`), the samples/s ratio said to be within the
+    spread where it does not exceed both runs' spread (:func:`spread`)."""
+    by = {r.strategy: r for r in rows}
+    lines = []
+    for r in rows:
+        vs = (r.extra or {}).get("vs_uncompressed")
+        if not vs:
+            continue
+        x = vs["samples_per_s"]
+        bound = max(spread(r), spread(by[vs["of"]]))
+        b = f"{vs['bytes_sent']:.2f}x" if vs["bytes_sent"] is not None else "-"
+        lines.append(f"{r.strategy}: {b} the bytes sent per worker per step of {vs['of']}, {x:.2f}x its samples/s"
+                     + ("" if max(x, 1 / x) > bound else f" (within the spread {bound:.2f}x)"))
+    return lines

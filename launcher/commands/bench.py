@@ -149,6 +149,9 @@ def _link_words(link_rate: str | None, link_queue: str) -> str:
 @click.option("--server-memory", type=float, default=None, metavar="GB", help="Every run's --server-memory (GB).")
 @click.option("--memory", "memory_table", is_flag=True,
               help="Also print each run's predicted peak memory per worker and server beside the measured one.")
+@click.option("--compress", default=None, metavar="LIST",
+              help="Also run each strategy that compresses DDP's AllReduce with these --compress settings, one row "
+              "each beside its uncompressed row (e.g. fp16,powersgd:2).")
 @click.option("--scale", default=None, help="Scaling curves: run on each of these numbers of emulated hosts, one "
               "worker per host (e.g. 1,2,4,8; root), beside the cost model's predictions.")
 def bench(scripts, **given):
@@ -168,14 +171,14 @@ def bench(scripts, **given):
             _fail(f"--scale sets the hosts and workers (one per emulated host); drop {', '.join(given)}")
         return _bench_scale(scripts, flags)
     from hpar.launcher.bench import bench_report as report
-    from hpar.launcher.bench.bench_config import BenchConfig, parse_strategies
+    from hpar.launcher.bench.bench_config import BenchConfig, parse_strategies, with_compress
     from hpar.launcher.bench.driver import run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster
     from hpar.launcher.hosts.emulated import parse_emulate
     from hpar.strategies.plan.cluster import parse_bandwidth
     console = table_console(140)
     try:
-        names = parse_strategies(strategies)
+        names = with_compress(parse_strategies(strategies), flags.compress)
         if gpus < 1:
             raise ValueError(f"--gpus must be at least 1, got {gpus}")
         if project < 0 or (gpus_per_host is not None and gpus_per_host < 1):
@@ -241,7 +244,8 @@ def bench(scripts, **given):
                               f"{c['interface_over_hpar_remote'] or 0:.2f}x)", markup=False)
     settings = {"gpus": gpus, "steps": steps, "min_seconds": min_seconds, "repeat": repeat, "batch_size": batch_size,
                 "seed": seed, "hosts": hosts, "link_rate": link_rate, "link_queue": link_queue if emulated else None,
-                "project": project or None, "device_tflops": device_tflops, "bench_dir": bench_dir}
+                "project": project or None, "device_tflops": device_tflops, "bench_dir": bench_dir,
+                "compress": flags.compress}
     if json_out:
         doc = report.document(results, report.command_line(), settings, emulation)
         with open(json_out, "w", encoding="utf-8") as f:
@@ -263,7 +267,7 @@ def _bench_scale(scripts, flags) -> None:
     json_out, plot_out, bench_dir, timeout_s = flags.json_out, flags.plot_out, flags.bench_dir, flags.timeout_s
     repeat, min_seconds = flags.repeat, flags.min_seconds
     from hpar.launcher.bench import bench_report as report
-    from hpar.launcher.bench.bench_config import BenchConfig, parse_strategies
+    from hpar.launcher.bench.bench_config import BenchConfig, parse_strategies, with_compress
     from hpar.launcher.bench.driver import run_bench
     from hpar.launcher.bench.emulate import EmulatedCluster
     from hpar.launcher.bench.scale import parse_scale, plot_scale, points, print_scale, rankings
@@ -271,7 +275,7 @@ def _bench_scale(scripts, flags) -> None:
     console = table_console(140)
     try:
         counts = parse_scale(scale)
-        names = parse_strategies(strategies)
+        names = with_compress(parse_strategies(strategies), flags.compress)
         bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir, repeat, min_seconds)
         bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
         pts, links, emulations = [], {}, {}
