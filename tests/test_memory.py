@@ -273,7 +273,8 @@ def test_a_model_too_large_for_allreduce_is_planned_onto_what_fits_and_runs_with
     --worker-memory below what its allreduce replica needs, the plan is pipeline or fsdp and says
     that allreduce does not fit; at the scale this machine runs (2 CPU workers), hpar run --strategy
     auto with a --worker-memory that allreduce exceeds chooses a plan predicted to fit, and no worker's
-    resident memory (its baseline plus its measured peak) exceeds the stated memory."""
+    resident memory (its baseline plus its measured peak, in training and through the final write)
+    exceeds the stated memory."""
     projected = _profile_json(tmp_path, WIDE_EXAMPLE, "--gpus", "8", "--hosts", "2x4", "--device-tflops", "50",
                               "--worker-memory", "0.3")
     assert projected["cluster"]["workers"] == 8
@@ -300,7 +301,9 @@ def test_a_model_too_large_for_allreduce_is_planned_onto_what_fits_and_runs_with
     workers = [r for r in reports if r["kind"] == "memory" and r["role"] == "worker"]
     assert len(workers) == 2 and all(r["baseline_bytes"] + r["peak_bytes"] <= cap * 1e9 for r in workers), \
         (cap, [(r["baseline_bytes"], r["peak_bytes"]) for r in workers])
-
+    # and through the final write (measured apart from training: final_peak_bytes)
+    assert all(r["baseline_bytes"] + r["final_peak_bytes"] <= cap * 1e9 for r in workers), \
+        (cap, [(r["baseline_bytes"], r["final_peak_bytes"]) for r in workers])
 
 
 # A 100 MB table and a small dense part; EVALUATE appends an evaluate() that reads nothing
