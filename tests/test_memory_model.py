@@ -132,3 +132,25 @@ def test_bench_skips_a_strategy_that_does_not_fit_with_the_reason():
     assert does_not_fit("allreduce", prof, estimates, tight).startswith("needs ")
     assert does_not_fit("fsdp", prof, estimates, tight) is None
     assert does_not_fit("allreduce", prof, estimates, cluster()) is None
+
+
+def test_evaluate_copy_after_training_counts_where_no_worker_holds_the_model():
+    """A script with evaluate(): worker 0's whole copy after the last step (fsdp: its shards,
+    the gathered state dict and the model loaded from it; hybrid: the copy with the served
+    table pulled) is a second peak the fit test checks, naming it; allreduce holds the model
+    whole already, and a script without evaluate() makes no copy."""
+    prof = dataclasses.replace(profile(table_bytes=200 * MB), evaluates=True)
+    p = 600 * MB
+    fsdp = predict(prof, cluster(workers=4), Estimate("fsdp", 1.0, 128, 0.0))
+    assert fsdp.final["params"] == p / 4 and fsdp.final["gathered"] == p and fsdp.final["copy"] == p
+    assert fsdp.worker_final_bytes == sum(fsdp.final.values()) > fsdp.worker_peak_bytes
+    place = {"emb.weight": "ps"} | {f"l{i}.weight": "allreduce" for i in range(4)}
+    hybrid = predict(prof, cluster(servers=2), Estimate("hybrid", 1.0, 64, 0.0, placement=place))
+    assert hybrid.final["params"] == 400 * MB and hybrid.final["copy"] == p
+    assert predict(prof, cluster(), Estimate("allreduce", 1.0, 64, 0.0)).worker_final_bytes is None
+    plain = predict(dataclasses.replace(prof, evaluates=False), cluster(workers=4), Estimate("fsdp", 1.0, 128, 0.0))
+    assert plain.final == {} and plain.worker_final_bytes is None
+    cap = (fsdp.worker_peak_bytes + fsdp.worker_final_bytes) / 2 + fsdp.overhead_bytes
+    assert misfit(fsdp.to_dict(None), cap, None).startswith("needs ")
+    assert "per worker for evaluate()'s whole copy" in misfit(fsdp.to_dict(None), cap, None)
+    assert misfit(plain.to_dict(None), cap, None) == ""

@@ -45,6 +45,8 @@ runtime's code) or **measured** (by the profile, strategies/profile/memory_profi
 * ``runtime`` (measured): the runtimes' own memory beyond these terms (a hybrid worker's DDP
   reducer beside its client, a pipeline stage's and a server's point-to-point pairs and threads,
   FSDP's DTensor dispatch), a constant measured on tiny models (RUNTIME_BYTES).
+* after the last step (counted; strategies/plan/memory_sharded.py, with FSDP's terms): worker
+  0's whole copy for ``evaluate()`` where no worker holds the model whole (``final``).
 * servers (counted): their table shards, the optimizer state of those rows (r x), the pushes of a
   step (N workers' rows) and their mean, and, while starting, the whole model they build and cut.
 """
@@ -67,6 +69,7 @@ GROWTH_HORIZON_STEPS = 32
 # bookkeeping), measured as the peak of tests/conftest.py's TINY and EMBED_TINY models (a few
 # hundred parameters) above what the terms below predict for them, 2 workers, 6 steps, here:
 RUNTIME_BYTES = {"hybrid_worker": 5_000_000, "stage": 3_000_000, "server": 4_000_000, "fsdp": 3_000_000}
+LASTING = ("first_use", "growth", "data", "runtime")   # worker terms still held after the last step
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,16 @@ class MemoryEstimate:
     overhead_bytes: int = 0
     device_overhead_bytes: int = 0
     device: str = "cpu"
+    final: dict[str, int] = field(default_factory=dict)   # worker 0 after the last step (memory_sharded.py)
 
     @property
     def worker_peak_bytes(self) -> int:
         return int(sum(self.worker.values()))
+
+    @property
+    def worker_final_bytes(self) -> int | None:
+        """Worker 0's peak after the last step, building evaluate()'s whole copy (None: none)."""
+        return int(sum(self.final.values())) if self.final else None
 
     @property
     def server_peak_bytes(self) -> int | None:
@@ -100,7 +109,8 @@ class MemoryEstimate:
                 "overhead_bytes": self.device_overhead_bytes if self.device == "cuda" else self.overhead_bytes,
                 "server_overhead_bytes": self.overhead_bytes,
                 "fits": None if cluster is None else not self.misfit(cluster),
-                "worker_terms": dict(self.worker), "server_terms": dict(self.server)}
+                "worker_terms": dict(self.worker), "server_terms": dict(self.server),
+                "worker_final_bytes": self.worker_final_bytes, "final_terms": dict(self.final)}
 
 
 def misfit(memory: dict, worker_bytes: float | None, server_bytes: float | None) -> str:
@@ -109,9 +119,10 @@ def misfit(memory: dict, worker_bytes: float | None, server_bytes: float | None)
     hold besides) do not fit ``worker_bytes`` per worker and ``server_bytes`` per server, as one
     reason: "needs 31.2 GB per worker, 24 GB available"; "" when they fit, or where a side is
     unknown (None)."""
-    for key, cap, who in (("worker_peak_bytes", worker_bytes, "worker"), ("server_peak_bytes", server_bytes, "server")):
+    for key, cap, who in (("worker_peak_bytes", worker_bytes, "worker"), ("server_peak_bytes", server_bytes, "server"),
+                          ("worker_final_bytes", worker_bytes, "worker for evaluate()'s whole copy")):
         peak = memory.get(key)
-        overhead = memory.get("overhead_bytes" if who == "worker" else "server_overhead_bytes") or 0
+        overhead = memory.get("server_overhead_bytes" if who == "server" else "overhead_bytes") or 0
         if peak is not None and cap is not None and peak + overhead > cap:
             return f"needs {(peak + overhead) / GB:.3g} GB per {who}, {cap / GB:.3g} GB available"
     return ""
@@ -249,38 +260,6 @@ def pipeline_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedu
     return best
 
 
-def fsdp_terms(profile: Profile, cluster: ClusterSpec, est: Estimate | None = None, schedule: str = "") -> dict[str, float]:
-    """An FSDP worker's terms (module docstring): shards of parameters, gradients and optimizer
-    state (P/N each), the two largest adjacent units gathered (the one running and the one
-    prefetched) and the root's parameters (:func:`fsdp_units`), with their unsharded gradients,
-    the step's activations, and on a CPU the whole model built before sharding (a transient the
-    training terms usually exceed)."""
-    m, r, n, total = profile.memory, _ratio(profile), cluster.workers, profile.total_bytes
-    units, root = fsdp_units(profile)
-    pairs = max((a + b for a, b in zip(units, units[1:])), default=units[0] if units else 0)
-    shard = total / n
-    train = {"params": shard, "optimizer": r * shard, "unsharded": 2 * (root + pairs),
-             "step": _step(m, profile, shard, stepped=shard), "data": m.data_bytes if m else 0,
-             "runtime": RUNTIME_BYTES["fsdp"]}
-    build = total + shard if _on_cpu(profile, cluster) else 0
-    if build > sum(train.values()):
-        return {"build": build}
-    return train
-
-
-def fsdp_units(profile: Profile) -> tuple[list[int], int]:
-    """(parameter bytes of each unit strategies/dataparallel/fsdp.py shards on its own, bytes the root keeps):
-    a declared sequence's layers and nothing; a traced model's repeated blocks (its layers but the
-    first and the last) and those two; any other model one root holding everything, which FSDP
-    gathers whole for the step."""
-    sizes = [l.param_bytes for l in profile.layers]
-    if profile.is_sequential and not profile.traced:
-        return sizes, 0
-    if profile.is_sequential and len(sizes) > 2:
-        return sizes[1:-1], sizes[0] + sizes[-1]
-    return [], profile.total_bytes
-
-
 def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
     """The most micro-batches ``stage`` holds between forward and backward under ``schedule``
     (its pass order, strategies/pipeline/schedules.py: GPipe M, 1F1B min(M, K - k))."""
@@ -341,7 +320,12 @@ def predict(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str
         if worker and est.breakdown.get(key):   # gradients; --compress powersgd's error feedback and P, Q (costmodel_compress)
             worker[term] = est.breakdown[key]
     server = server_terms(profile, cluster, est) if spec.servers else {}
+    # the script's evaluate() after the last step: worker 0's whole copy, where no worker holds the model whole
+    final = spec.load("evaluate_memory")(profile, cluster, est) if worker and profile.evaluates and spec.evaluate_memory else {}
+    if final:   # with what a worker keeps from training besides its parameters
+        final = {**{k: worker[k] for k in LASTING if k in worker}, **final}
     return MemoryEstimate({k: int(v) for k, v in worker.items()}, {k: int(v) for k, v in server.items()},
                           overhead_bytes=m.process_bytes if m else 0,
                           device_overhead_bytes=m.device_overhead_bytes if m else 0,
-                          device="cpu" if _on_cpu(profile, cluster) else "cuda")
+                          device="cpu" if _on_cpu(profile, cluster) else "cuda",
+                          final={k: int(v) for k, v in final.items()})

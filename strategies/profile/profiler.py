@@ -341,6 +341,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
                    unused_params=tuple(sorted(unused.union(ranks.params))),
                    unused_by_rank=ranks.by_rank, server_optimizer_note=server_note, traced=traced,
+                   evaluates=job.evaluate_fn is not None,
                    memory=mem_probe.memory_profile(step_mem, tbs, data_mem, state_ratio, job,
                                                    dev, grown, met.counts()).scaled(batch_size),
                    shared_params=tuple((n, held) for n, (held, _) in

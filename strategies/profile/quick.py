@@ -90,7 +90,8 @@ def memory_only_profile(job, model: torch.nn.Module, batch_size: int, workers: i
     return Profile(params=tuple(params), layers=lp, batch_size=batch_size, samples_per_batch=batch_size,
                    workers=workers, is_sequential=is_declared_sequence(net), sequential_reason="",
                    compute_s=0.0, forward_s=0.0, backward_s=0.0, forward_flops=0, backward_flops=0,
-                   update_s_per_byte=0.0, timing_batch_size=batch_size, device=device.type, memory=memory)
+                   update_s_per_byte=0.0, timing_batch_size=batch_size, device=device.type, memory=memory,
+                   evaluates=job.evaluate_fn is not None)
 
 
 def _alpha(p: torch.Tensor) -> float:

@@ -162,6 +162,7 @@ class Profile:
     server_optimizer_note: str = ""   # why the parameter servers cannot apply the optimizer ("": they can)
     unused_params: tuple[str, ...] = ()   # trainable parameters without a gradient in a profiled step (profile/unused.py)
     unused_by_rank: bool = False   # ranks' batches left different parameters without a gradient in one step (MoE)
+    evaluates: bool = False   # the script defines evaluate() (plan/memory_sharded.py: worker 0's whole copy)
     traced: bool = False   # the layers come from torch's tracer (strategies/models/traced.py), not a declared sequence
     shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (parameter, the layers holding it): tied weights
     memory: MemoryProfile | None = None   # measured memory terms (profile/memory_profile.py); None: not measured

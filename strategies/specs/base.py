@@ -24,6 +24,9 @@ class StrategySpec:
     ``check_model`` a check ``(job, model, lr) -> str`` of the user's model and optimizer
     before start: raises ValueError (one line) for what the runtime cannot run, returns a
     line to print ("" for none).
+    ``evaluate_memory``: ``"module:function"`` of worker 0's terms ``(Profile, ClusterSpec,
+    Estimate) -> {term: bytes}`` after the last step, where ``evaluate()`` needs a whole copy
+    of a model no worker holds whole (strategies/plan/memory_sharded.py; "": none).
     ``unused_by_rank``: it trains a model whose ranks' batches leave different parameters
     without a gradient in one step (a mixture of experts; strategies/profile/unused.py).
     ``check(cfg) -> str | None`` says, in one line naming the flag and the way out, why a run
@@ -65,10 +68,11 @@ class StrategySpec:
     check_available: str = ""
     check_model: str = ""
     unused_by_rank: bool = True
+    evaluate_memory: str = ""
 
     def load(self, what: str) -> Callable:
         """The function ``what`` (``"runtime"``, ``"estimate"``, ``"worker_memory"``,
-        ``"check_available"`` or ``"check_model"``) names,
+        ``"evaluate_memory"``, ``"check_available"`` or ``"check_model"``) names,
         imported now. Raises ValueError when the spec names none."""
         ref = getattr(self, what)
         if not ref:

@@ -19,6 +19,7 @@ FSDP = StrategySpec(
     name="fsdp", summary="FSDP2: parameters, gradients and optimizer state sharded over the workers",
     runtime="hpar.strategies.dataparallel.fsdp:train",
     estimate="hpar.strategies.plan.costmodel_fsdp:estimate_fsdp",
-    worker_memory="hpar.strategies.plan.memory_model:fsdp_terms",
+    worker_memory="hpar.strategies.plan.memory_sharded:fsdp_terms",
+    evaluate_memory="hpar.strategies.plan.memory_sharded:fsdp_final_terms",
     check_available="hpar.strategies.dataparallel.fsdp:check_available",
     simplicity=3, check=_check, unused_by_rank=False, sync_batchnorm=True)   # FSDP2: plan/costmodel_fsdp.UNUSED_BY_RANK
