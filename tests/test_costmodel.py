@@ -404,3 +404,38 @@ def test_every_strategy_pays_the_batch_draw_and_served_tables_their_dedup():
         assert after["hybrid"].breakdown["lookup"] == pytest.approx(load * 3e-4)
         no_dedup = estimate_all(replace(prof, params=(replace(emb, dedup_s=0.0), lin)), cluster)
         assert before["hybrid"].step_s - {e.strategy: e for e in no_dedup}["hybrid"].step_s == pytest.approx(load * 3e-4)
+
+
+def test_frozen_parameters_are_neither_exchanged_nor_updated_by_any_strategy():
+    """A frozen parameter (requires_grad=False, ParamProfile.frozen) has no gradient: DDP buckets
+    none, FSDP2 reduce-scatters none (though it gathers it), a pipeline replica averages none,
+    and no optimizer steps it (issue 67): the bytes and the update leave it out."""
+    from dataclasses import replace
+    from hpar.strategies.common.compression import Compression
+    from hpar.strategies.plan.costmodel import estimate_allreduce
+    from hpar.strategies.plan.costmodel_compress import estimate_compressed
+    from hpar.strategies.plan.costmodel_fsdp import estimate_fsdp
+    from hpar.strategies.plan.costmodel_pipeline import estimate_pipeline_grid
+    prof = _emb_and_dense(workers=2, sequential=True)
+    emb, lin = prof.params
+    frozen = replace(prof, params=(replace(emb, frozen=True), lin))
+    assert frozen.trainable_bytes == lin.bytes and frozen.total_bytes == prof.total_bytes
+    two = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=1e-5)
+    ar, ar_all = estimate_allreduce(frozen, two), estimate_allreduce(prof, two)
+    assert ar.bytes_per_step == lin.bytes and ar_all.bytes_per_step == emb.bytes + lin.bytes   # 2(N-1)/N = 1
+    assert ar.breakdown["update"] == pytest.approx(lin.bytes * 1e-10) and ar.breakdown["comm_tail"] == 0.0
+    half = estimate_compressed(frozen, two, ar, Compression("fp16"))
+    assert half.bytes_per_step == pytest.approx(lin.bytes / 2)   # fp16: half of what is sent, nothing frozen
+    sparse = estimate_allreduce_sparse(frozen, two)
+    assert sparse.bytes_per_step == lin.bytes and sparse.breakdown["merge"] == 0.0   # no gathered rows
+    fsdp, fsdp_all = estimate_fsdp(frozen, two), estimate_fsdp(prof, two)
+    share = emb.bytes / 2 + lin.bytes / 2   # (N-1)/N of every parameter: gathered twice, frozen ones too
+    assert fsdp.bytes_per_step == pytest.approx(2 * share + 2 * lin.bytes / 2)   # gloo: ReduceScatter as AllReduce
+    assert fsdp_all.bytes_per_step == pytest.approx(4 * share)
+    assert fsdp.breakdown["update"] == pytest.approx(lin.bytes / 2 * 1e-10)
+    four = ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1e9, latency_s=1e-5)
+    pipe = estimate_pipeline_grid(frozen, four, replicas=2)   # 2 stages x 2 replicas: stage 0 all frozen
+    assert pipe.stages == ((0, 1), (1, 2))
+    assert pipe.breakdown["update"] == pytest.approx(lin.bytes * 1e-10)   # stage 0 steps nothing
+    assert pipe.bytes_per_step - estimate_pipeline_grid(prof, four, replicas=2).bytes_per_step == \
+        pytest.approx(-emb.bytes / 2)   # stage 0's replicas average nothing (per worker: over K = 2 stages)

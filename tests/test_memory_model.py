@@ -154,3 +154,22 @@ def test_evaluate_copy_after_training_counts_where_no_worker_holds_the_model():
     assert misfit(fsdp.to_dict(None), cap, None).startswith("needs ")
     assert "per worker for evaluate()'s whole copy" in misfit(fsdp.to_dict(None), cap, None)
     assert misfit(plain.to_dict(None), cap, None) == ""
+
+
+def test_frozen_parameters_are_held_without_gradients_buckets_or_optimizer_state():
+    """A frozen parameter (requires_grad=False) is held by the workers, but torch's optimizers
+    keep no state for it and DDP buckets no gradient of it (issue 67): allreduce, fsdp and
+    hybrid/ps count it in ``params`` only; a ps worker whose only AllReduce part is frozen runs
+    no DDP (no reducer's runtime)."""
+    base = profile(ratio=2.0)
+    frozen = dataclasses.replace(base, params=(dataclasses.replace(base.params[0], frozen=True),) + base.params[1:])
+    mem = predict(frozen, cluster(), Estimate("allreduce", 1.0, 64, 0.0)).worker
+    assert mem["params"] == 400 * MB and mem["optimizer"] == 2 * 300 * MB and mem["ddp_buckets"] == 300 * MB
+    sparse = predict(frozen, cluster(), Estimate("allreduce-sparse", 1.0, 64, 0.0)).worker
+    assert sparse["optimizer"] == 2 * 300 * MB and sparse["ddp_buckets"] == 300 * MB
+    fsdp = predict(frozen, cluster(workers=4), Estimate("fsdp", 1.0, 128, 0.0)).worker
+    assert fsdp["params"] == 100 * MB and fsdp["optimizer"] == 2 * 75 * MB   # sharded, state for 300 MB / 4
+    place = {"l0.weight": "allreduce"} | {f"l{i}.weight": "ps" for i in range(1, 4)}
+    ps = predict(frozen, cluster(servers=2), Estimate("ps", 1.0, 64, 0.0, placement=place)).worker
+    assert ps["params"] == 400 * MB and ps["optimizer"] == 0 and ps["ddp_buckets"] == 0 and ps["runtime"] == 0
+    assert predict(base, cluster(servers=2), Estimate("ps", 1.0, 64, 0.0, placement=place)).worker["runtime"] > 0

@@ -35,8 +35,8 @@ optimizer state by name, the loop state and its RNG; a resume reshards (another 
 checkpoint of another data-parallel strategy). Only ``evaluate()`` and ``save_pretrained`` get a
 whole model, gathered to rank 0's host memory (``StateDictOptions(full_state_dict=True,
 cpu_offload=True)``).
-Bytes per step: two AllGathers of every unit and a reduce-scatter of every gradient
-(strategies/plan/costmodel_fsdp.fsdp_bytes).
+Bytes per step: two AllGathers of every unit and a reduce-scatter of every gradient (frozen
+parameters have none; strategies/plan/costmodel_fsdp.fsdp_bytes).
 """
 from __future__ import annotations
 
@@ -143,7 +143,8 @@ class FsdpStep(TrainStep):
     def begin(self) -> None:
         ctx = self.ctx
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())   # the whole model's bytes
-        self.sent = fsdp_bytes(total, ctx.world_size, self.cfg.backend == "gloo") * self.cfg.accumulate
+        trained = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)   # reduced
+        self.sent = fsdp_bytes(total, ctx.world_size, self.cfg.backend == "gloo", trained) * self.cfg.accumulate
         self.remote = self.sent if ring_successor_remote(ctx, list(range(ctx.world_size))) else 0.0
         self.batches = worker_batches(ctx, self.loss_groups.control)   # the first batch's size checked against the peers'
 

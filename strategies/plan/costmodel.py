@@ -209,14 +209,17 @@ def split_tail(params, first_layer: int = 0):
 def estimate_allreduce(profile: Profile, cluster: ClusterSpec) -> Estimate:
     """``allreduce`` (DDP, every gradient dense, embeddings too): each worker sends
     2(N-1)/N * total bytes per step; step = fwd + max(bwd, AR(other layers)) + AR(layer 0)
-    + dense gradient materialisation of embedding tables + update of all parameters."""
+    + dense gradient materialisation of embedding tables + update of all parameters. Frozen
+    parameters (``ParamProfile.frozen``) are left out: DDP's reducer buckets only parameters
+    that require a gradient, and the optimizer steps none without one."""
     c = cost_setting(profile, cluster)
-    over, tail = split_tail(profile.params)
+    trained = profile.trained
+    over, tail = split_tail(trained)
     ar_over, ar_tail = c.allreduce(sum(p.bytes for p in over)), c.allreduce(sum(p.bytes for p in tail))
-    emb = sum(p.bytes for p in profile.params if p.embedding_module)
-    update = c.update(profile.total_bytes, len(profile.params)) + emb * c.update_per_byte
+    emb = sum(p.bytes for p in trained if p.embedding_module)
+    update = c.update(profile.trainable_bytes, len(trained)) + emb * c.update_per_byte
     step = c.data + c.host + c.fwd + c.under_backward(ar_over) + ar_tail + update
-    sent = 2 * (c.n - 1) / c.n * profile.total_bytes if c.n > 1 else 0.0
+    sent = 2 * (c.n - 1) / c.n * profile.trainable_bytes if c.n > 1 else 0.0
     return Estimate(ALLREDUCE.name, step, c.n * profile.samples_per_batch, sent,
                     {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over, "comm_tail": ar_tail,
                      "update": update}, placement={p.name: ON_ALLREDUCE for p in profile.params})
@@ -240,10 +243,11 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
     unprofiled, a dense-rate sum of the gathered rows and update of their union; where the
     optimizer takes no sparse gradients (Adam, AdamW, ...), a dense-rate sum of the gathered
-    rows into a dense table and a dense update of every table (strategies/dataparallel/sparse_grads.py)."""
+    rows into a dense table and a dense update of every table (strategies/dataparallel/sparse_grads.py).
+    Frozen parameters, tables included, exchange and update nothing (as in :func:`estimate_allreduce`)."""
     c = cost_setting(profile, cluster)
-    dense = [p for p in profile.params if not p.embedding_module]
-    sparse = [p for p in profile.params if p.embedding_module]
+    dense = [p for p in profile.trained if not p.embedding_module]
+    sparse = [p for p in profile.trained if p.embedding_module]
     densified = bool(sparse) and not profile.sparse_gradients_ok
     if c.gradient_exchange is not None and c.n > 1 and sparse:   # the whole exchange, dense too, measured
         over, tail = 0.0, c.gradient_exchange
@@ -266,7 +270,7 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     else:
         merge = gathered * c.update_per_byte
         sparse_update = sum(p.union_for(c.n) * p.bytes for p in sparse) * c.update_per_byte
-    update = c.update(sum(p.bytes for p in dense), len(profile.params)) + sparse_update
+    update = c.update(sum(p.bytes for p in dense), len(profile.trained)) + sparse_update
     step = c.data + c.host + c.fwd + c.under_backward(over) + tail + merge + update
     sent = (2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0) + \
         sum((c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse)

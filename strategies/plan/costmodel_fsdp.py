@@ -10,7 +10,12 @@ unit is resharded after its forward), and a ReduceScatter of its gradient after 
 A ring AllGather or ReduceScatter of B bytes moves (N-1)/N * B per worker (Thakur et al.,
 IJHPCA 2005), so a step moves 3(N-1)/N * P, 1.5x DDP's AllReduce. gloo has no native
 ReduceScatter: torch runs it as an AllReduce of the whole gradient (pytorch PR 149869), which
-moves 2(N-1)/N * P, so on CPU workers a step moves 4(N-1)/N * P.
+moves 2(N-1)/N * P, so on CPU workers a step moves 4(N-1)/N * P. Frozen parameters
+(``requires_grad=False``) are sharded and gathered like the rest, but have no gradient to
+reduce-scatter and no update: FSDP2's ``FSDPParamGroup.post_backward`` reduces only the
+parameters that hold a gradient, and its backward all-gather unshards a unit whole, frozen
+parameters included (a unit before the first trainable one may still be prefetched for
+backward, so both AllGathers count every parameter).
 
 FSDP prefetches the next unit's AllGather while the current one computes, so communication
 runs under the compute except the first unit's forward AllGather; where the workers fill
@@ -32,13 +37,15 @@ from hpar.strategies.plan.costmodel import Estimate, cost_setting, cpu_share, ri
 from hpar.strategies.profile.records import Profile
 
 
-def fsdp_bytes(total: float, n: int, gloo: bool) -> float:
-    """Bytes one worker sends per step: two AllGathers of every unit and a ReduceScatter of
-    every gradient (module docstring); 0 for one worker."""
+def fsdp_bytes(total: float, n: int, gloo: bool, trainable: float | None = None) -> float:
+    """Bytes one worker sends per step: two AllGathers of every unit (``total`` parameter bytes)
+    and a ReduceScatter of every gradient (``trainable`` bytes, the parameters that are not
+    frozen; None: all of ``total``) (module docstring); 0 for one worker."""
     if n <= 1:
         return 0.0
     share = (n - 1) / n * total
-    return 2 * share + (2 * share if gloo else share)
+    reduced = (n - 1) / n * (total if trainable is None else trainable)
+    return 2 * share + (2 * reduced if gloo else reduced)
 
 
 UNUSED_BY_RANK = ("the ranks' batches leave different parameters without a gradient in one step (routing, as in "
@@ -53,26 +60,26 @@ def estimate_fsdp(profile: Profile, cluster: ClusterSpec) -> Estimate:
     if profile.unused_by_rank and cluster.workers > 1:   # strategies/profile/unused.py
         return Estimate(FSDP.name, 0.0, 0, 0.0, feasible=False, note=UNUSED_BY_RANK)
     c = cost_setting(profile, cluster)
-    n, total = c.n, float(profile.total_bytes)
+    n, total, trained = c.n, float(profile.total_bytes), float(profile.trainable_bytes)
     gloo = profile.device == "cpu"
     units = max(1, len(profile.layers))
     # per unit one collective of each kind: at its measured fixed time where there is one
     gather = ring_allgather_s(total / n, n, c.bw, c.lat, rounds=units,
                               fixed_s=None if c.allgather_fixed is None else units * c.allgather_fixed)
     if gloo and c.reduce_scatter_fixed is not None:   # an AllReduce's bytes, the measured ReduceScatters' fixed time
-        scatter = ring_allreduce_s(total, n, c.bw, 0.0) + units * c.reduce_scatter_fixed
+        scatter = ring_allreduce_s(trained, n, c.bw, 0.0) + units * c.reduce_scatter_fixed
     elif gloo:
-        scatter = ring_allreduce_s(total, n, c.bw, c.lat)
+        scatter = ring_allreduce_s(trained, n, c.bw, c.lat)
     else:
-        scatter = ring_allgather_s(total / n, n, c.bw, c.lat, rounds=units,
+        scatter = ring_allgather_s(trained / n, n, c.bw, c.lat, rounds=units,
                                    fixed_s=None if c.reduce_scatter_fixed is None else units * c.reduce_scatter_fixed)
     first = gather * (profile.layers[0].param_bytes / total if profile.layers and total else 1.0)
     forward = max(c.fwd, gather - first) if c.overlap else c.fwd + gather - first
-    update = c.update(total / n, len(profile.params))   # every tensor, sharded
+    update = c.update(trained / n, len(profile.trained))   # every trainable tensor, sharded
     # FSDP's own copies and hooks, measured on one worker (profile/fsdp_cost.py); a projected device: not known
     own = cpu_share(cluster) * (profile.fsdp_overhead_s or 0.0) if cluster.device is None else 0.0
     step = c.data + c.host + first + forward + c.under_backward(gather + scatter) + update + own
-    return Estimate(FSDP.name, step, n * profile.samples_per_batch, fsdp_bytes(total, n, gloo),
+    return Estimate(FSDP.name, step, n * profile.samples_per_batch, fsdp_bytes(total, n, gloo, trained),
                     {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "allgather": 2 * gather,
                      "reducescatter": scatter, "comm_tail": first, "update": update,
                      "fsdp_own": own},

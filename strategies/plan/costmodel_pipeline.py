@@ -30,7 +30,9 @@ divisor of the batch (at least K where the batch has one)::
   hosts at the inter-host bandwidth divided by the number of ring edges (over all stages)
   that leave the busiest host, since the stages' AllReduces share each host's link. It
   runs after the step's last backward (no overlap, as strategies/pipeline/replicas.py does
-  it), as does the optimizer update of the stage's bytes.
+  it), as does the optimizer update of the stage's bytes. Both count only the trainable
+  parameters: a stage's frozen ones (``requires_grad=False``) get no optimizer slot and no
+  replica AllReduce (strategies/pipeline/pipeline_runtime.py, stage_loop.py).
 * samples per step: R x the batch (``--batch-size`` per replica, as ``allreduce``).
 
 Sources: PipeDream's planner (Narayanan et al., SOSP 2019, section 3.1: stage replication
@@ -127,9 +129,12 @@ def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batc
                             [l.param_bytes for l in layers], K, activation_bandwidth(cluster, grid))
     msg = message_s(c)
     period = max(plan.stage_s) + 2 * msg
-    stage_bytes = [float(sum(l.param_bytes for l in layers[a:b])) for a, b in plan.ranges]
+    # each stage's trainable bytes: its layers' less its frozen parameters (no gradient, no update)
+    stage_bytes = [max(0.0, float(sum(l.param_bytes for l in layers[a:b])
+                                  - sum(p.bytes for p in profile.params if p.frozen and a <= p.layer < b)))
+                   for a, b in plan.ranges]
     reduce = allreduce_seconds(cluster, grid, stage_bytes)
-    tensors = [sum(1 for p in profile.params if a <= p.layer < b) for a, b in plan.ranges]
+    tensors = [sum(1 for p in profile.trained if a <= p.layer < b) for a, b in plan.ranges]
     updates = [c.update(nbytes, count) for nbytes, count in zip(stage_bytes, tensors)]
     tail = max(ar + u for ar, u in zip(reduce, updates))
     # the first stage draws the batch; the last sends the step's loss to rank 0 (one message)

@@ -15,7 +15,8 @@ runtime's code) or **measured** (by the profile, strategies/profile/memory_profi
 * ``optimizer`` (measured r x counted bytes): the user's optimizer on a probe (SGD with momentum
   1, Adam/AdamW 2, Adagrad 1, plain SGD 0); hpar's mixed precision is autocast over fp32 master
   weights, so there is no separate master copy: its low-precision weight copies live in the
-  measured step.
+  measured step. Frozen parameters (``requires_grad=False``) are held but get no optimizer state,
+  gradient or DDP bucket (torch's optimizers and DDP's reducer skip them).
 * ``step`` (measured): activations, their gradients, temporaries and the gradients a step makes:
   ``max(forward peak, step peak - the profile's gradients + this strategy's gradients)``
   (strategies/profile/memory_profile.py), at the worker's batch (a pipeline: its stage's share of the
@@ -149,11 +150,11 @@ def _step(m: MemoryProfile | None, profile: Profile, grads: float, scale: float 
 
 
 def _split(profile: Profile, est: Estimate) -> tuple[float, float, list]:
-    """(bytes on AllReduce, embedding bytes among them, the parameters on the servers)."""
+    """(bytes the workers hold, the trainable ones among them: not frozen, the parameters on the servers)."""
     served = [p for p in profile.params if est.placement.get(p.name) == ON_SERVERS]
     names = {p.name for p in served}
     on_ar = [p for p in profile.params if p.name not in names]
-    return sum(p.bytes for p in on_ar), sum(p.bytes for p in on_ar if p.embedding_module), served
+    return sum(p.bytes for p in on_ar), sum(p.bytes for p in on_ar if not p.frozen), served
 
 
 def _rows(p, fraction: float) -> float:
@@ -164,22 +165,22 @@ def _rows(p, fraction: float) -> float:
 def allreduce_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str = "") -> dict[str, float]:
     """Worker terms of allreduce (module docstring): the whole model, its optimizer state,
     DDP's buckets, the step."""
-    m, r, total = profile.memory, _ratio(profile), profile.total_bytes
-    return {"params": total, "optimizer": r * total, "ddp_buckets": total,
-            "step": _step(m, profile, total, stepped=total), "data": m.data_bytes if m else 0}
+    m, r, total, trained = profile.memory, _ratio(profile), profile.total_bytes, profile.trainable_bytes
+    return {"params": total, "optimizer": r * trained, "ddp_buckets": trained,
+            "step": _step(m, profile, trained, stepped=trained), "data": m.data_bytes if m else 0}
 
 
 def sparse_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str = "") -> dict[str, float]:
     """Worker terms of allreduce-sparse (module docstring): DDP's buckets hold the dense part;
     the tables' rows of every worker are gathered."""
     m, r, n, total = profile.memory, _ratio(profile), cluster.workers, profile.total_bytes
-    tables = [p for p in profile.params if p.embedding_module]
-    dense = total - sum(p.bytes for p in tables)
+    tables = [p for p in profile.trained if p.embedding_module]
+    dense = profile.trainable_bytes - sum(p.bytes for p in tables)
     own = sum(_rows(p, p.alpha) for p in tables)
     gathered = sum(n * _rows(p, p.alpha) + p.union_for(n) * p.bytes for p in tables)
     if not profile.sparse_gradients_ok:
         gathered += sum(p.bytes for p in tables)
-    return {"params": total, "optimizer": r * total, "ddp_buckets": dense,
+    return {"params": total, "optimizer": r * profile.trainable_bytes, "ddp_buckets": dense,
             "step": _step(m, profile, dense + own, stepped=dense), "gathered": gathered,
             "data": m.data_bytes if m else 0}
 
@@ -188,13 +189,13 @@ def served_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule
     """Worker terms of hybrid and ps (module docstring): the AllReduce part, the rows pulled
     from the servers (ps: dense parameters pulled whole)."""
     m, r = profile.memory, _ratio(profile)
-    on_ar, _, served = _split(profile, est)
+    on_ar, trained, served = _split(profile, est)   # frozen ones: held, no gradient, state or DDP
     rows = [p for p in served if p.embedding_module]
     pulled = sum(_rows(p, p.alpha) for p in rows)
     whole = sum(p.bytes for p in served if not p.embedding_module)   # ps: dense parameters pulled whole
-    return {"params": on_ar + whole, "optimizer": r * on_ar, "ddp_buckets": on_ar,
-            "step": _step(m, profile, on_ar + whole + pulled, stepped=on_ar), "rows": 3 * pulled,
-            "data": m.data_bytes if m else 0, "runtime": RUNTIME_BYTES["hybrid_worker"] if on_ar else 0}
+    return {"params": on_ar + whole, "optimizer": r * trained, "ddp_buckets": trained,
+            "step": _step(m, profile, trained + whole + pulled, stepped=trained), "rows": 3 * pulled,
+            "data": m.data_bytes if m else 0, "runtime": RUNTIME_BYTES["hybrid_worker"] if trained else 0}
 
 
 def server_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict[str, float]:

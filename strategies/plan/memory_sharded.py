@@ -25,9 +25,9 @@ def fsdp_terms(profile: Profile, cluster: ClusterSpec, est: Estimate | None = No
     m, r, n, total = profile.memory, _ratio(profile), cluster.workers, profile.total_bytes
     units, root = fsdp_units(profile)
     pairs = max((a + b for a, b in zip(units, units[1:])), default=units[0] if units else 0)
-    shard = total / n
-    train = {"params": shard, "optimizer": r * shard, "unsharded": 2 * (root + pairs),
-             "step": _step(m, profile, shard, stepped=shard), "data": m.data_bytes if m else 0,
+    shard, trained = total / n, profile.trainable_bytes / n   # frozen parameters: sharded, no gradient or state
+    train = {"params": shard, "optimizer": r * trained, "unsharded": 2 * (root + pairs),
+             "step": _step(m, profile, trained, stepped=trained), "data": m.data_bytes if m else 0,
              "runtime": RUNTIME_BYTES["fsdp"]}
     build = total + shard if _on_cpu(profile, cluster) else 0
     if build > sum(train.values()):
@@ -54,7 +54,8 @@ def fsdp_final_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> d
     the model built to load it (P)."""
     total = profile.total_bytes
     shard = total / max(cluster.workers, 1)
-    return {"params": shard, "optimizer": _ratio(profile) * shard, "gathered": total, "copy": total}
+    trained = profile.trainable_bytes / max(cluster.workers, 1)   # frozen parameters have no optimizer state
+    return {"params": shard, "optimizer": _ratio(profile) * trained, "gathered": total, "copy": total}
 
 
 def served_final_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict[str, float]:
@@ -64,8 +65,8 @@ def served_final_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) ->
     parameters, the served dense ones pulled, and the served tables pulled whole when together
     they are at most EVAL_WHOLE_BYTES (else they stay served, row by row)."""
     from hpar.strategies.hybrid.worker_state import EVAL_WHOLE_BYTES
-    on_ar, _, served = _split(profile, est)
+    on_ar, trained, served = _split(profile, est)
     dense = sum(p.bytes for p in served if not p.embedding_module)
     tables = sum(p.bytes for p in served if p.embedding_module)
     pulled = tables if tables <= EVAL_WHOLE_BYTES else 0
-    return {"params": on_ar + dense, "optimizer": _ratio(profile) * on_ar, "copy": on_ar + dense + pulled}
+    return {"params": on_ar + dense, "optimizer": _ratio(profile) * trained, "copy": on_ar + dense + pulled}

@@ -96,10 +96,10 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
                 f"or stages is the single-device step{vs}.")
     if best.strategy == ALLREDUCE.name and share >= 0.5:
         return (f"allreduce: embedding tables hold {share:.0%} of the parameter bytes, but AllReduce of "
-                f"{_fmt_bytes(profile.total_bytes)}, overlapped with backward, is predicted faster "
+                f"{_fmt_bytes(profile.trainable_bytes)}, overlapped with backward, is predicted faster "
                 f"than moving their touched rows{vs}.")
     if best.strategy == ALLREDUCE.name:
-        return (f"allreduce: {_dense_why(share, profile)}, and AllReduce of {_fmt_bytes(profile.total_bytes)} "
+        return (f"allreduce: {_dense_why(share, profile)}, and AllReduce of {_fmt_bytes(profile.trainable_bytes)} "
                 f"overlaps backward{vs}.")
     if tie:
         return f"{best.strategy}: the simplest plan predicted within {TIE:.0%} of the fastest{vs}."

@@ -176,6 +176,15 @@ class Profile:
         return sum(p.bytes for p in self.params)
 
     @property
+    def trained(self) -> tuple[ParamProfile, ...]:
+        """The trainable parameters (not ``frozen``): those with a gradient to exchange and an update."""
+        return tuple(p for p in self.params if not p.frozen)
+
+    @property
+    def trainable_bytes(self) -> int:
+        return sum(p.bytes for p in self.trained)
+
+    @property
     def flops(self) -> int:
         return self.forward_flops + self.backward_flops
 
