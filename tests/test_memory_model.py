@@ -72,6 +72,22 @@ def test_a_pipeline_stage_holds_its_share_and_the_schedule_its_versions():
     assert gpipe == pytest.approx(4 * 0.5 * 10 * MB / 4, rel=1e-6)   # M in flight x its half x a micro-batch's
 
 
+def test_a_traced_models_first_trace_counts_on_a_cpu_stage_only():
+    """Term ``trace`` (issue 67): a pipeline stage of a model cut by torch's tracer, on a CPU, pays
+    the first trace (torch.export's modules); not a declared sequence, not a GPU's memory, not
+    another strategy; a profile from before the figure reads as 0."""
+    prof = profile()
+    prof = dataclasses.replace(prof, traced=True, memory=dataclasses.replace(prof.memory, trace_bytes=40 * MB))
+    est = Estimate("pipeline", 1.0, 32, 0.0, stages=((0, 2), (2, 4)), micro_batches=4)
+    assert predict(prof, cluster(), est, "1f1b").worker["trace"] == 40 * MB
+    assert predict(dataclasses.replace(prof, traced=False), cluster(), est, "1f1b").worker["trace"] == 0
+    assert predict(dataclasses.replace(prof, device="cuda"), cluster(), est, "1f1b").worker["trace"] == 0
+    assert "trace" not in predict(prof, cluster(), Estimate("allreduce", 1.0, 64, 0.0)).worker
+    old = {k: v for k, v in dataclasses.asdict(prof).items()}
+    del old["memory"]["trace_bytes"]
+    assert Profile.from_dict(old).memory.trace_bytes == 0
+
+
 def test_fsdp_shards_everything_but_the_units_it_runs():
     prof = profile(layers=8, layer_bytes=50 * MB)
     mem = predict(prof, cluster(workers=4), Estimate("fsdp", 1.0, 128, 0.0)).worker

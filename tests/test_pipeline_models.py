@@ -3,10 +3,11 @@ a Hugging Face T5 (encoder-decoder; its decoder keeps its own config with ``use_
 plain-torch mixture of experts whose blocks route tokens by their values (torch.export cannot
 trace their insides; the blocks run whole on their stages: strategies/models/block_trace.py),
 each under a 2-stage 1F1B pipeline equal to one process; a mixture of experts with no blocks
-to keep whole refused in one whole line with no graph dumps.
+to keep whole refused in one whole line with no graph dumps; a traced Llama's workers within the
+memory its profile predicts.
 
-The runs take a plan file (the stages `hpar profile --plan-out` would write), so that nothing
-is profiled: the trace in the launcher and in each stage is what these tests pay for.
+The equality runs take a plan file (the stages `hpar profile --plan-out` would write), so that
+nothing is profiled: the trace in the launcher and in each stage is what these tests pay for.
 """
 from __future__ import annotations
 
@@ -83,6 +84,27 @@ def test_mixture_of_experts_blocks_run_whole_on_their_stages_equal_to_one_proces
     assert names == ["pos+embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm+head"], names
     _, run_dir = _pipeline_run(tmp_path, reap_run, "moe_blocks", [[0, 3], [3, 6]], 4)
     _equal_to_one_process("moe_blocks", run_dir, 4, 0.05)
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_a_traced_pipeline_stays_within_its_predicted_memory(tmp_path, reap_run):
+    """(issue 67) `hpar run --strategy pipeline` of a model cut by torch's tracer, planned from
+    its profile: every worker's resident memory (its baseline plus its measured peak) stays
+    within the plan's prediction plus the measured overhead, as --worker-memory is checked. The
+    first trace in a worker imports torch.export's modules (term ``trace``, about 40 MB), which
+    a prediction without it missed by 80%."""
+    run_dir = tmp_path / "run"
+    reap_run(str(run_dir))
+    rc, out = hpar_to_file(tmp_path / "out.txt", "run", os.path.join(ZOO, "hf_llama_frozen.py"), "--gpus", "2",
+                           "--strategy", "pipeline", "--steps", "2", "--no-eval", "--run-dir", str(run_dir), timeout=400)
+    assert rc == 0, out[-3000:]
+    mem = json.loads((run_dir / "plan.json").read_text())["memory"]
+    assert mem["worker_terms"]["trace"] > 10 * 10 ** 6, mem
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    workers = [(r["baseline_bytes"], r["peak_bytes"]) for r in rows if r["kind"] == "memory" and r["role"] == "worker"]
+    cap = mem["worker_peak_bytes"] + mem["overhead_bytes"]
+    assert len(workers) == 2 and all(base + peak <= cap for base, peak in workers), (cap, workers, mem)
 
 
 def test_mixture_of_experts_without_blocks_is_refused_in_one_whole_line(tmp_path, reap_run):

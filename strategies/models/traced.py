@@ -59,6 +59,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hpar.strategies.common.measured_memory import PeakMemory, load_lazy_imports
 from hpar.strategies.models.block_trace import describe_failure, generation_flags_off, split_at_blocks
 from hpar.strategies.models.forward import inner_module, takes_keywords
 from hpar.strategies.models.traced_stage import Part, TracedStage
@@ -319,8 +320,24 @@ def traced_layers(model: nn.Module, example) -> TracedLayers:
     key = tuple((tuple(t.shape), t.dtype) for t in tree_flatten(example)[0] if isinstance(t, torch.Tensor))
     hit = _CACHE.get(model)
     if hit is None or hit[0] != key:
+        load_lazy_imports()   # torch._dynamo, in a worker's baseline already: not the trace's
+        mem = PeakMemory(torch.device("cpu"))   # host memory: a worker traces its model there
+        mem.start()
         _CACHE[model] = hit = (key, TracedLayers(model, example))
+        _FIRST_TRACE[:] = _FIRST_TRACE or [mem.peak_bytes() or 0]
     return hit[1]
 
 
-__all__ = ["block_names", "why_not_traceable", "TracedLayers", "TracedStage", "traced_layers"]
+_FIRST_TRACE: list[int] = []
+
+
+def first_trace_bytes() -> int:
+    """The resident peak (bytes, above its start) of the first successful trace in this process:
+    the modules torch.export and the tracers import on first use (about 40 MB of code and state
+    with torch 2.13: they are not in a worker's baseline, which opens before its stage is cut),
+    the graphs the trace keeps and its transients; 0 where none ran or it cannot be measured.
+    Every pipeline worker of a traced model pays it once (``MemoryProfile.trace_bytes``)."""
+    return _FIRST_TRACE[0] if _FIRST_TRACE else 0
+
+
+__all__ = ["block_names", "why_not_traceable", "TracedLayers", "TracedStage", "traced_layers", "first_trace_bytes"]

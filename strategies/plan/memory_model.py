@@ -43,6 +43,8 @@ runtime's code) or **measured** (by the profile, strategies/profile/memory_profi
   forward signature times the distinct signatures a worker's ``forwards`` forward passes meet
   beyond its first, estimated from the profile's census (strategies/profile/shapes.py); growth
   without a new shape counts once.
+* ``trace`` (measured): a pipeline stage of a model cut by torch's tracer, on a CPU: what the
+  process's first trace takes in host memory (the modules torch.export imports, the graphs).
 * ``runtime`` (measured): the runtimes' own memory beyond these terms (a hybrid worker's DDP
   reducer beside its client, a pipeline stage's and a server's point-to-point pairs and threads,
   FSDP's DTensor dispatch), a constant measured on tiny models (RUNTIME_BYTES).
@@ -255,7 +257,8 @@ def pipeline_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedu
                  "step": max(held * share * _step(m, profile, 0.0, 1.0 / M), m.optimizer_step_ratio * pk if m else 0),
                  "versions": pk * {"async-stash": held, "async-predict": 1, "async-2bw": 2}.get(schedule, 0),
                  "replica_allreduce": pk if est.replicas > 1 else 0,   # the stage's gradients flattened for it
-                 "data": (m.data_bytes if m else 0) if k in (0, K - 1) else 0, "runtime": RUNTIME_BYTES["stage"]}
+                 "data": (m.data_bytes if m else 0) if k in (0, K - 1) else 0, "runtime": RUNTIME_BYTES["stage"],
+                 "trace": m.trace_bytes if m and profile.traced and _on_cpu(profile, cluster) else 0}
         if sum(terms.values()) > sum(best.values()):
             best = terms
     return best

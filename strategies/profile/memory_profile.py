@@ -29,6 +29,10 @@ are measured rather than counted.
   convolutions, 11 MB), paid once by every worker process, inside its training;
   ``model_extra_bytes``: what ``model()`` keeps besides the parameters (examples/lm.py's corpus,
   for its vocabulary, 35 MB), in every process that builds the model, servers too.
+* ``trace_bytes``: the resident peak of this process's first trace of the model (a model cut by
+  torch's tracer, strategies/models/traced.py: ``first_trace_bytes``): the modules torch.export
+  imports on first use, the graphs, the trace's transients; a pipeline worker on a CPU cuts its
+  model inside its measured window, so it pays this once (0 where nothing was traced).
 * ``rows_suffice``: whether the parameter servers update only the rows a step touched with the
   user's optimizer (strategies/hybrid/shard.py: Adagrad and plain SGD; Adam and SGD with
   momentum update every row of a table, each step, under exact semantics).
@@ -50,6 +54,7 @@ import torch
 from torch import nn
 
 from hpar.strategies.common.measured_memory import PeakMemory
+from hpar.strategies.models.traced import first_trace_bytes
 from hpar.strategies.profile.records import MemoryProfile
 
 PROBE_NUMEL = 1 << 20   # optimizer state probe: 4 MiB of float32
@@ -201,6 +206,7 @@ def memory_profile(step: dict, batch_size: int, data: int, ratios: tuple[float, 
                          device_overhead_bytes=device_overhead_bytes(device), first_use_bytes=first_use,
                          model_extra_bytes=cold.get("model_bytes", 0), rows_suffice=rows_suffice(job),
                          growth_bytes=growth[0], growth_steps=growth[1], growth_new_shapes=growth[2],
+                         trace_bytes=first_trace_bytes(),
                          shape_counts=tuple(shapes), **step)
 
 

@@ -111,6 +111,7 @@ class MemoryProfile:
     growth_steps: int = 0
     growth_new_shapes: int = 0
     shape_counts: tuple[int, ...] = ()
+    trace_bytes: int = 0   # a traced model's first trace in a process (0: none, or a profile from before)
 
     def scaled(self, batch: float) -> "MemoryProfile":
         """The activation figures at ``batch`` samples (linear in the batch; the gradients
