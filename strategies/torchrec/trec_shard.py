@@ -7,12 +7,12 @@ optimizer, the sharding plan under a deadline, the user's initial rows in the sh
 1. ``apply_optimizer_in_backward(<the script's optimizer class>, tables, <its options>)``: the
    tables' rows are updated inside backward by FBGEMM's table-batched kernel, exactly
    (``exact_sgd``, ``exact_adagrad``; trec_optim.py maps the script's optimizer);
-2. the plan: worker rank 0 runs TorchRec's ``EmbeddingShardingPlanner`` (its own choice, or
-   every table of one sharding type for ``torchrec-tw/-rw/-cw``) and broadcasts the plan, or
-   its error, over the workers' gloo control group; a planner that refuses on rank 0 (TorchRec
-   raises there only, and its ``collective_plan`` would leave the peers waiting in the
-   broadcast forever) thus ends every worker with the same one line, and the control group's
-   timeout bounds the wait;
+2. the plan: every worker runs TorchRec's ``EmbeddingShardingPlanner`` (its own choice, or
+   every table of one sharding type for ``torchrec-tw/-rw/-cw``) on the same model, and the
+   workers compare their plans' digests and errors as JSON in tensors over the gloo control
+   group (TorchRec's ``collective_plan`` broadcasts a pickled plan from rank 0, and leaves the
+   peers waiting forever where its planner raised on rank 0 only); a refusal ends every worker
+   with the same one line;
 3. ``DistributedModelParallel``: the tables sharded as planned (all-to-all of ids and pooled
    rows; data-parallel tables AllReduced), the rest of the model wrapped in DDP over the same
    group; gradients are averaged over the workers (TorchRec's ``GRADIENT_DIVISION``, on by
@@ -71,31 +71,40 @@ def _min_columns(dim: int, world_size: int) -> int | None:
     return part if world_size > 1 and dim % world_size == 0 and part % 4 == 0 else None
 
 
-def plan_on_rank0(model: nn.Module, sharders: list, sharding: str | None, world_size: int, device: torch.device,
-                  control) -> object:
-    """The ShardingPlan of ``model``'s tables: planned on worker rank 0 (TorchRec's
-    ``EmbeddingShardingPlanner`` with ``Topology(world_size, compute_device)``; every table
-    constrained to ``sharding`` when given) and broadcast over ``control`` (gloo) with the
-    planner's error, if any. Raises ValueError (one line) on every worker when it failed."""
+def plan_on_every_worker(model: nn.Module, sharders: list, sharding: str | None, world_size: int,
+                         device: torch.device, control) -> object:
+    """The ShardingPlan of ``model``'s tables: every worker runs TorchRec's
+    ``EmbeddingShardingPlanner`` (``Topology(world_size, compute_device)``; every table
+    constrained to ``sharding`` when given) on the same model, so all make the same plan without
+    its collective broadcast (a pickle, and a wait forever where the planner raised on rank 0
+    only); the workers then compare their plans' digests and errors, as JSON in tensors over
+    ``control`` (strategies/common/gather.py). Raises ValueError (one line) on every worker when
+    any failed or their plans differ."""
+    import hashlib
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
-    box: list = [None]
-    if dist.get_rank(control) == 0:
-        try:
-            constraints = None
-            if sharding is not None:
-                constraints = {t.table.key: ParameterConstraints(sharding_types=[sharding],
-                                                                 min_partition=_min_columns(t.table.dim, world_size))
-                               for t in table_modules(model)}
-            topology = Topology(world_size=world_size, compute_device=device.type)
-            box[0] = EmbeddingShardingPlanner(topology=topology, constraints=constraints).plan(model, sharders)
-        except Exception as exc:   # noqa: BLE001 - whatever TorchRec's planner raises, every worker must hear it
-            box[0] = f"TorchRec's planner: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-    dist.broadcast_object_list(box, src=dist.get_global_rank(control, 0), group=control)
-    if isinstance(box[0], str):
+    from hpar.strategies.common.gather import all_gather_json
+    plan, mine = None, {"error": "", "digest": ""}
+    try:
+        constraints = None
+        if sharding is not None:
+            constraints = {t.table.key: ParameterConstraints(sharding_types=[sharding],
+                                                             min_partition=_min_columns(t.table.dim, world_size))
+                           for t in table_modules(model)}
+        topology = Topology(world_size=world_size, compute_device=device.type)
+        plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).plan(model, sharders)
+        mine["digest"] = hashlib.sha256(str(plan).encode()).hexdigest()
+    except Exception as exc:   # noqa: BLE001 - whatever TorchRec's planner raises, every worker must hear it
+        mine["error"] = f"TorchRec's planner: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    everyone = all_gather_json(mine, group=control)
+    errors = [e["error"] for e in everyone if e["error"]]
+    if errors:
         hint = f" (--strategy torchrec-{sharding[:1]}w asks for {sharding})" if sharding else ""
-        raise ValueError(f"{box[0]}{hint}; try --strategy torchrec, the planner's own choice")
-    return box[0]
+        raise ValueError(f"{errors[0]}{hint}; try --strategy torchrec, the planner's own choice")
+    if len({e["digest"] for e in everyone}) > 1:
+        raise ValueError("TorchRec's planner made different plans on the workers; try --strategy torchrec-tw, "
+                         "a fixed sharding")
+    return plan
 
 
 def _local_slices(value) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
@@ -133,18 +142,22 @@ def load_tables(dmp, tables: list[SwappedTable], weights: dict[str, torch.Tensor
 def gather_tables(dmp, tables: list[SwappedTable], control) -> dict[str, torch.Tensor]:
     """The whole ``(rows, dim)`` table of each of ``tables`` (the user's parameter name ->
     CPU tensor), assembled from every worker's shards: a collective over ``control`` (every
-    worker calls it; each gets the tables)."""
+    worker calls it; each gets the tables). Which slices each worker holds travels as JSON in
+    tensors (strategies/common/gather.py, never a pickle); the lowest rank holding a slice
+    (replicated tables: rank 0) writes it into a zero table, and an AllReduce sums them."""
+    from hpar.strategies.common.gather import all_gather_json
     state = dmp.state_dict()
-    mine = {t.weight: [(local.detach().cpu(), offsets) for local, offsets in _local_slices(state[table_key(t)])]
-            for t in tables}
-    everyone: list = [None] * dist.get_world_size(control)
-    dist.all_gather_object(everyone, mine, group=control)
-    out = {}
+    mine = {t.weight: _local_slices(state[table_key(t)]) for t in tables}
+    held = all_gather_json({w: [[*offsets, *local.shape] for local, offsets in parts] for w, parts in mine.items()},
+                           group=control)
+    me, out = dist.get_rank(control), {}
     for t in tables:
-        whole = torch.empty(t.rows, t.dim)
-        for part in everyone:
-            for local, (r, c) in part[t.weight]:
-                whole[r:r + local.shape[0], c:c + local.shape[1]] = local
+        parts = mine[t.weight]
+        whole = torch.zeros(t.rows, t.dim, dtype=parts[0][0].dtype if parts else torch.float32)
+        for local, (r, c) in parts:
+            if not any([r, c, *local.shape] in held[k][t.weight] for k in range(me)):
+                whole[r:r + local.shape[0], c:c + local.shape[1]] = local.detach().cpu()
+        dist.all_reduce(whole, group=control)
         out[t.weight] = whole
     return out
 
@@ -164,7 +177,7 @@ def shard(model: nn.Module, fused: tuple[type, dict], sharding: str | None, grou
     apply_optimizer_in_backward(opt_class, params, dict(options))   # it adds keys of its own
     sharders = [_sharder()]
     world = dist.get_world_size(groups.dense)
-    plan = plan_on_rank0(model, sharders, sharding, world, device, groups.control)
+    plan = plan_on_every_worker(model, sharders, sharding, world, device, groups.control)
     return DistributedModelParallel(model, env=ShardingEnv.from_process_group(groups.dense), device=device,
                                     plan=plan, sharders=sharders,
                                     data_parallel_wrapper=DefaultDataParallelWrapper(
