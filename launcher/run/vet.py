@@ -66,8 +66,8 @@ def vetted_plan(job, profile, cluster, model=None, needs: tuple = (), **choose) 
     if choose.get("force") is not None:
         return choose_plan(profile, cluster, **choose)
     plan = choose_plan(profile, cluster, **choose)
-    refused = {c.strategy: lacking(c.strategy, needs) for c in plan.candidates
-               if needs and c.available and lacking(c.strategy, needs)}
+    why_not = {c.strategy: lacking(c.strategy, needs) for c in plan.candidates if needs and c.available}
+    refused = {name: why for name, why in why_not.items() if why}
     if refused:
         plan = choose_plan(profile, cluster, refused=refused, **choose)
     for c in plan.candidates:
