@@ -1,4 +1,4 @@
-"""Benchmark the workers' hot-row caches (``--staleness s``, strategies/hybrid/cache.py, after
+"""Benchmark the workers' hot-row caches (``--staleness s``, strategies/runtimes/hybrid/cache.py, after
 HET: Miao et al., "HET: Scaling out Huge Embedding Model Training via Cache-enabled Distributed
 Framework", VLDB 2022) against plain ``hybrid``, in one run, as ratios.
 
@@ -72,10 +72,10 @@ def run_one(script: str, workers: int, steps: int, staleness: int | None, cache_
 
 
 def final_eval(script: str, run_dir: str) -> dict:
-    """The script's ``evaluate()`` on the model the run left (RUN_DIR/model, strategies/runstate/state.py)."""
+    """The script's ``evaluate()`` on the model the run left (RUN_DIR/model, strategies/state/state.py)."""
     import torch
-    from hpar.strategies.runstate import state
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.state import state
+    from hpar.strategies.job.contract import load_job
     job = load_job(script)
     torch.manual_seed(0)
     model = job.build_model()

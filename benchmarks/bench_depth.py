@@ -1,7 +1,7 @@
 """Depth table of hpar's pipeline schedules: accuracy and samples/s at K = 2, 4, 8 stages.
 
 Task: examples/deep_mlp.py (9-layer ReLU MLP, 32 -> 128 x 7 -> 10, on a random two-layer tanh
-teacher; batch 64). Accuracy: the single-process simulator (strategies/pipeline/sim.py,
+teacher; batch 64). Accuracy: the single-process simulator (strategies/runtimes/pipeline/sim.py,
 which tests/test_pipeline.py checks to give the multi-process runtime's bits) trains
 ``--steps`` batches, then the example's evaluate() on 2,048 held-out samples; mean over
 ``--seeds`` model seeds. Schedules run with M = 1 micro-batch per batch (one update per
@@ -37,8 +37,8 @@ def micro_for(schedule: str, stages: int) -> int:
 
 
 def accuracy(schedule: str, stages: int, steps: int, lr: float, seed: int) -> float:
-    from hpar.strategies.common.job import load_job
-    from hpar.strategies.pipeline.sim import simulate
+    from hpar.strategies.job.contract import load_job
+    from hpar.strategies.runtimes.pipeline.sim import simulate
     job = load_job(DEEP)
     r = simulate(job, schedule, stages, steps=steps, batch_size=64, micro_batches=micro_for(schedule, stages),
                  lr=lr, seed=seed)

@@ -11,7 +11,7 @@ Each configuration runs ``--repeats`` times, interleaved; the best median step t
 Convergence (``--convergence``): examples/cnn.py (scikit-learn digits, real data) with
 K stages (default 4) and M micro-batches (default 4) under ``1f1b``, ``async-stash``, ``async-predict`` and ``async`` for the same
 number of samples, validation accuracy from the example's evaluate(). Uses the
-single-process simulator (strategies/pipeline/sim.py), which tests/test_pipeline.py checks
+single-process simulator (strategies/runtimes/pipeline/sim.py), which tests/test_pipeline.py checks
 to give the same weights as the multi-process runtime.
 
 Usage: python benchmarks/bench_pipeline.py [--steps 12] [--repeats 2] [--convergence
@@ -42,7 +42,7 @@ CNN = os.path.join(ROOT, "examples", "cnn.py")
 def run_workers(script: str, strategy: str, world: int, steps: int, batch: int, schedule: str = "1f1b",
                 micro: int = 4, timeout: float = 600, lr: float = 0.001) -> dict:
     """Start ``world`` worker processes as the launcher does; returns rank 0's summary."""
-    from hpar.strategies.common.config import RunConfig
+    from hpar.strategies.job.config import RunConfig
     run_dir = tempfile.mkdtemp(prefix="hpar-bench-")
     cfg = RunConfig(script=script, strategy=strategy, world_size=world, steps=steps, batch_size=batch,
                     lr=lr, seed=0, run_dir=run_dir, schedule=schedule, micro_batches=micro,
@@ -97,8 +97,8 @@ def speed(steps: int, repeats: int) -> list[dict]:
 
 
 def convergence(steps: int, stages: int = 4, micro: int = 4) -> list[dict]:
-    from hpar.strategies.common.job import load_job
-    from hpar.strategies.pipeline.sim import simulate
+    from hpar.strategies.job.contract import load_job
+    from hpar.strategies.runtimes.pipeline.sim import simulate
     torch.set_num_threads(1)
     rows = []
     for schedule in ("1f1b", "async-stash", "async-predict", "async"):

@@ -12,8 +12,8 @@ import click
 from rich.console import Console
 
 from hpar.strategies.specs.registry import spec as strategy_spec
-from hpar.strategies.common.config import FIND_UNUSED_MODES, PRECISIONS, SCHEDULES, STRATEGIES
-from hpar.strategies.common.errors import JobError
+from hpar.strategies.job.config import FIND_UNUSED_MODES, PRECISIONS, SCHEDULES, STRATEGIES
+from hpar.strategies.job.errors import JobError
 
 from hpar.launcher.usage import EXIT_USAGE, fail, interrupted  # noqa: F401 (EXIT_USAGE: part of the CLI's interface)
 
@@ -111,14 +111,14 @@ def main() -> None:
 def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval_every, **given):
     """Train SCRIPT on --gpus workers (and servers) with the chosen strategy."""
     from hpar.launcher.run.flags import check_ranges
-    from hpar.strategies.common.config import check_cache_flags, check_loop_flags
-    from hpar.strategies.common.errors import check_script_file
+    from hpar.strategies.job.config import check_cache_flags, check_loop_flags
+    from hpar.strategies.job.errors import check_script_file
     try:   # what can be refused before torch is imported and the script loaded, in well under a second
         check_ranges(**given, tune_steps=tune_steps, min_hosts=min_hosts)
         check_loop_flags(precision, clip_grad_norm, accumulate, eval_every)
         check_cache_flags(given.get("cache_rows"), given.get("staleness"))
         if given.get("compress") is not None:
-            from hpar.strategies.common.compression import Compression
+            from hpar.strategies.job.compression import Compression
             Compression.parse(given["compress"])
         if given.get("script") and not given.get("resume_dir"):
             check_script_file(given["script"])   # there, readable, compiles
@@ -127,7 +127,7 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
     from hpar.launcher.commands import run as run_command
     from hpar.launcher.run.elastic import with_min_hosts
     from hpar.launcher.run.leftovers import ended_at_exit
-    from hpar.launcher.run.tuning import tune as tune_run
+    from hpar.strategies.plan.tuning import tune as tune_run
     console = Console(soft_wrap=True)
     from hpar.launcher.run.flags import Flags
     flags = Flags.of(loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,

@@ -108,7 +108,7 @@ def steps_done(run_dir: str) -> int:
 
 def checkpoints_ok(run_dir: str) -> list[str]:
     """Problems with the committed checkpoints (each verifies and loads), empty when none."""
-    from hpar.strategies.runstate import checkpoint
+    from hpar.strategies.state import checkpoint
     try:
         latest = checkpoint.latest_step(run_dir)
     except ValueError as exc:
@@ -118,7 +118,7 @@ def checkpoints_ok(run_dir: str) -> list[str]:
         if latest is not None and step <= latest:
             why = checkpoint.verify_step(run_dir, step)
             if why is None:
-                from hpar.strategies.runstate import state
+                from hpar.strategies.state import state
                 try:   # every process's state, read back whole (torch.distributed.checkpoint)
                     state.read_all(checkpoint.step_dir(run_dir, step))
                 except Exception as exc:
@@ -131,7 +131,7 @@ def checkpoints_ok(run_dir: str) -> list[str]:
 def same_model(a: str, b: str) -> bool:
     """Whether runs ``a`` and ``b`` left bitwise equal final models (RUN_DIR/model)."""
     import torch
-    from hpar.strategies.runstate import state
+    from hpar.strategies.state import state
     x, y = (state.read_all(os.path.join(d, state.FINAL)) for d in (a, b))
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
@@ -244,7 +244,7 @@ def chaos(args, rng: random.Random, work: str) -> int:
         kinds = [k for k in args.kinds.split(",") if (k != "disk_full" or root) and (k != "server_kill" or "hybrid" in strategies)
                  and (k != "link_cut" or CUT)]
         kind = rng.choice(kinds)
-        from hpar.strategies.runstate import checkpoint
+        from hpar.strategies.state import checkpoint
         if chain is not None and not chain[2] and checkpoint.usable_step(chain[1])[0] is None:
             records[-1]["chain_result"] = {"skipped": "faulted before its first checkpoint", "orphans": 0,
                                            "bit_identical": True}
@@ -332,7 +332,7 @@ def finish_chain(chain, script: str, log: str, reference: dict) -> dict:
     """Resume the chain's run to the end and compare its model with the uninterrupted one."""
     strategy, run_dir, tmpfs = chain
     try:
-        from hpar.strategies.runstate import checkpoint
+        from hpar.strategies.state import checkpoint
         resume = checkpoint.latest_step(run_dir) is not None
         if not resume:   # faulted before its first checkpoint: start again in a new directory
             run_dir = run_dir.rstrip("/") + "-again"

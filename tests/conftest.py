@@ -118,8 +118,8 @@ def reap_run():
 
 def final_state(run_dir) -> dict:
     """The trained model's state_dict a run left: RUN_DIR/model (torch.distributed.checkpoint,
-    every process's part: strategies/runstate/state.py), read whole in this process."""
-    from hpar.strategies.runstate import state
+    every process's part: strategies/state/state.py), read whole in this process."""
+    from hpar.strategies.state import state
     saved = state.read_all(os.path.join(str(run_dir), "model"))
     return {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
 
@@ -139,10 +139,10 @@ def single_process_reference(script: str, world_size: int, steps: int, batch_siz
     """One process trained ``steps`` steps, each on the concatenation of every rank's batch
     (mean loss): what N synchronous data-parallel workers must equal. Returns its state_dict;
     appends each step's loss to ``losses`` when given. The model is called as hpar calls it
-    (``model(**inputs)`` for a dict of its forward's names, strategies/models/forward.py)."""
+    (``model(**inputs)`` for a dict of its forward's names, strategies/job/forward.py)."""
     import torch
-    from hpar.strategies.models.forward import call_model
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.forward import call_model
+    from hpar.strategies.job.contract import load_job
     job = load_job(script)
     torch.manual_seed(seed)
     model = job.build_model()

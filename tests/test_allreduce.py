@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from hpar.strategies.common.job import load_job
+from hpar.strategies.job.contract import load_job
 
 from conftest import hpar, single_process_reference, final_state
 

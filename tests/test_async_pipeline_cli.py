@@ -27,9 +27,9 @@ def hpar_to_file(tmp_path, *args, timeout=240):
 @pytest.mark.timeout(300)
 def test_async_2bw_through_the_launcher_equals_the_simulator(tmp_path, reap_run):
     schedule, micro = "async-2bw", 2
-    from hpar.strategies.common.job import load_job
-    from hpar.strategies.pipeline.divergence import GuardConfig
-    from hpar.strategies.pipeline.sim import simulate
+    from hpar.strategies.job.contract import load_job
+    from hpar.strategies.runtimes.pipeline.divergence import GuardConfig
+    from hpar.strategies.runtimes.pipeline.sim import simulate
     run_dir = str(tmp_path / "run")
     reap_run(run_dir)
     code, out, err = hpar_to_file(tmp_path, "run", DEEP, "--gpus", "2", "--strategy", "pipeline", "--schedule", schedule,

@@ -20,7 +20,7 @@ STEPS, BATCH, LR = 6, 16, 0.05
 
 def _exported_eval(run_dir, tmp_path) -> float:
     """``hpar export`` of the run as one torch file, loaded into a fresh model and evaluated."""
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     out = tmp_path / "model.pt"
     code, text = hpar_to_file(tmp_path / "export.txt", "export", str(run_dir), "--format", "torch", "--out", str(out))
     assert code == 0, text
@@ -93,8 +93,8 @@ def test_auto_with_sync_batchnorm_chooses_only_what_honours_it():
     pipeline) are not runnable, each noting why, so auto never chooses one that hpar run then
     refuses (launcher/run/vet.vetted_plan's ``needs``)."""
     from hpar.launcher.run.cluster_build import build_cluster
-    from hpar.launcher.run.vet import vetted_plan
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.plan.vet import vetted_plan
+    from hpar.strategies.job.contract import load_job
     from hpar.strategies.profile.profiler import profile_job
     from hpar.strategies.specs.registry import spec
     job = load_job(SCRIPT)

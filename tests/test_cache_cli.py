@@ -1,5 +1,5 @@
 """The workers' hot-row caches through the real command line (``hpar run --staleness S
---cache-rows N``, strategies/hybrid/cache.py): S = 0 trains hybrid's model bit for bit, a run
+--cache-rows N``, strategies/runtimes/hybrid/cache.py): S = 0 trains hybrid's model bit for bit, a run
 resumed from a checkpoint equals one that went on, a cached row's gradients wait for its s +
 1-th update, bad flags are refused in one line, and
 ``hpar profile`` shows hybrid with and without the cache."""
@@ -76,7 +76,7 @@ def test_a_resume_with_the_cache_on_equals_the_run_that_went_on(tmp_path, reap_r
                           "--checkpoint-every", "5")
     assert summary["cache"]["staleness"] == 2 and summary["cache"]["hit_rate"] > 0.1   # the cache was read
     part, _ = _run(tmp_path, reap_run, script, "part", "--plan", str(plan), "--steps", "8", "--checkpoint-every", "5")
-    from hpar.strategies.runstate.state import saved_keys
+    from hpar.strategies.state.state import saved_keys
     keys = saved_keys(os.path.join(part, "checkpoints", "step-5"))
     assert {"cache.worker0.emb.weight", "cache.worker1.emb.weight", "cache.emb.weight.version"} <= keys
     code, out = hpar_to_file(tmp_path / "resumed.log", "run", "--resume", part, "--steps", "12", "--plain", "--no-eval",
@@ -151,7 +151,7 @@ def test_bad_cache_flags_are_refused_in_one_line_before_anything_starts(tmp_path
     ({"staleness": None}, "--cache-rows needs --staleness"),
 ])
 def test_a_run_config_refuses_the_cache_where_it_cannot_run(change, says):
-    from hpar.strategies.common.config import RunConfig
+    from hpar.strategies.job.config import RunConfig
     base = dict(script="x.py", strategy="hybrid", world_size=2, steps=5, batch_size=4, lr=0.1, seed=0, run_dir="r",
                 servers=1, staleness=1, cache_rows=10)
     RunConfig(**base)

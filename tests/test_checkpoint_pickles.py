@@ -1,4 +1,4 @@
-"""A run directory from elsewhere is data, not code (strategies/runstate/safe_read.py), through
+"""A run directory from elsewhere is data, not code (strategies/state/safe_read.py), through
 the real CLI: a crafted ``model/.metadata`` stops ``hpar export``, a crafted checkpoint
 ``.metadata`` or non-tensor item in a ``.distcp`` stops ``hpar run --resume``, each with exit 2
 and one line naming the file, and what the file asks for never runs. The crafted files carry
@@ -51,8 +51,8 @@ def copy_run(trained, tmp_path):
 
 
 def resign(path) -> None:
-    """Rewrite the SHA-256 beside ``path`` as hpar writes it (strategies/runstate/checkpoint.py)."""
-    from hpar.strategies.runstate.checkpoint import file_sha256
+    """Rewrite the SHA-256 beside ``path`` as hpar writes it (strategies/state/checkpoint.py)."""
+    from hpar.strategies.state.checkpoint import file_sha256
     with open(f"{path}.sha256", "w") as f:
         f.write(file_sha256(str(path)))
 
@@ -108,7 +108,7 @@ def test_export_refuses_a_crafted_model_metadata(trained, tmp_path):
 
 @pytest.mark.parametrize("what", ["metadata", "item"])
 def test_resume_refuses_a_crafted_checkpoint_before_any_process_starts(trained, tmp_path, what, reap_run):
-    from hpar.strategies.runstate import checkpoint
+    from hpar.strategies.state import checkpoint
     run_dir = copy_run(trained, tmp_path)
     reap_run(run_dir)
     marker = tmp_path / "ran"
@@ -131,7 +131,7 @@ def test_resume_refuses_a_crafted_checkpoint_before_any_process_starts(trained, 
 def test_a_refused_checkpoint_is_code_to_torch_itself(trained, tmp_path):
     """The vectors are real: torch's own readers run both crafted files."""
     import torch.distributed.checkpoint as dcp
-    from hpar.strategies.runstate import checkpoint
+    from hpar.strategies.state import checkpoint
     run_dir = copy_run(trained, tmp_path)
     path = checkpoint.step_dir(str(run_dir), 4)
     _, key = craft_byte_item(path, tmp_path / "item-ran")

@@ -78,7 +78,7 @@ def test_profile_and_plan_name_parameters_as_the_user_wrote_them():
     from torch._dynamo.utils import counters
 
     from hpar.launcher.run.cluster_build import build_cluster
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     job = load_job(os.path.join(ZOO, "compiled_bag.py"))
@@ -106,7 +106,7 @@ def test_hpar_profile_shows_and_plans_the_names_the_user_wrote(tmp_path):
 def test_compiled_sequential_is_profiled_by_its_layers_and_offered_as_a_pipeline(tmp_path):
     """A compiled nn.Sequential: the profile times its layers (the children of the module
     inside), a pipeline can cut them, and the names are the user's."""
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     from hpar.strategies.profile.profiler import profile_job
     script = write_script(tmp_path, '''
         import torch, torch.nn as nn
@@ -160,7 +160,7 @@ def test_fullgraph_with_a_served_table_is_refused_before_start(tmp_path):
 
 
 def test_check_fullgraph_only_refuses_a_served_table_under_fullgraph():
-    from hpar.strategies.hybrid.embedding import check_fullgraph
+    from hpar.strategies.runtimes.hybrid.embedding import check_fullgraph
     from torch import nn
     net = nn.Sequential(nn.Embedding(10, 2), nn.Linear(2, 1))
     served, kept = {"0.weight": "ps", "1.weight": "allreduce"}, {"0.weight": "allreduce", "1.weight": "ps"}

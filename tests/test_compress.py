@@ -1,5 +1,5 @@
-"""``hpar run --compress`` through the real command line (strategies/common/compression.py,
-strategies/dataparallel/compress_hooks.py): fp16 on allreduce equals a hand-computed fp16
+"""``hpar run --compress`` through the real command line (strategies/job/compression.py,
+strategies/runtimes/dataparallel/compress_hooks.py): fp16 on allreduce equals a hand-computed fp16
 round trip of the averaged gradient, PowerSGD trains and a resumed run equals the run that
 went on bit for bit, a strategy without DDP's AllReduce is refused in one line, and the
 memory model counts PowerSGD's buffers."""
@@ -42,7 +42,7 @@ def _expected(script: str, half: bool) -> dict:
     """The script's SGD step (lr 0.1) on the two workers' mean gradient, each rank's gradient computed
     here; ``half``: as torch's fp16_compress_hook averages it (cast to fp16, divided by the
     world size in fp16, summed in fp16, cast back), else in fp32."""
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     job = load_job(script)
     torch.manual_seed(0)
     model = job.build_model()
@@ -86,7 +86,7 @@ def test_powersgd_trains_and_a_resumed_run_equals_the_run_that_went_on(tmp_path,
     assert summary["loss_last_mean"] < summary["loss_first_mean"]
     assert summary["bytes_per_step"]["sent"] < 0.6 * 1089 * 4   # 2 plain steps of 4356 B, 6 of 680 B
     part, _, _ = _run(tmp_path, reap_run, "part", script, *flags, "--steps", "5")
-    from hpar.strategies.runstate.state import read_all, saved_keys
+    from hpar.strategies.state.state import read_all, saved_keys
     keys = saved_keys(os.path.join(part, "checkpoints", "step-4"))
     assert {"compress.worker0.error.0", "compress.worker1.q.0", "compress.worker0.layout.0", "compress.worker0.meta"} <= keys
     code, out = hpar_to_file(tmp_path / "resumed.log", "run", "--resume", part, "--steps", "8", "--plain",
@@ -99,7 +99,7 @@ def test_powersgd_trains_and_a_resumed_run_equals_the_run_that_went_on(tmp_path,
     assert saved["compress.worker0.error.0"].abs().max() > 1e-3
     assert not torch.equal(saved["compress.worker0.error.0"], saved["compress.worker1.error.0"])   # each worker's own
     # the memory model's PowerSGD buffers (error feedback, P and Q) against what a worker held: within 15%
-    from hpar.strategies.common.compression import Compression, powersgd_buffers
+    from hpar.strategies.job.compression import Compression, powersgd_buffers
     error, factors = powersgd_buffers([(32, 16), (32,), (16, 32), (16,), (1, 16), (1,)], Compression("powersgd", 1))
     held = {k: v.numel() * v.element_size() for k, v in saved.items() if k.startswith("compress.worker0.")}
     assert error == pytest.approx(held["compress.worker0.error.0"], rel=0.15)
@@ -120,8 +120,8 @@ def test_compress_is_refused_in_one_line_where_it_cannot_apply(tmp_path):
         lines = [line for line in out.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and words in lines[0] and "Traceback" not in out, out
         assert not os.path.exists(tmp_path / "never")
-    from hpar.strategies.common.compression import Compression
-    from hpar.strategies.common.config import compress_problem
+    from hpar.strategies.job.compression import Compression
+    from hpar.strategies.job.config import compress_problem
     assert "--strategy pipeline averages its replicas' gradients" in compress_problem(Compression("bf16"), "pipeline",
                                                                                        "fp32")
     assert "--strategy fsdp has no dense AllReduce" in compress_problem(Compression("fp16"), "fsdp", None)
@@ -140,7 +140,7 @@ def test_the_cost_and_memory_models_count_compressed_bytes_and_powersgds_buffers
     its factors beside the other terms; over a slow link on two hosts the compressed step is
     faster."""
     from test_memory_model import MB, profile
-    from hpar.strategies.common.compression import Compression
+    from hpar.strategies.job.compression import Compression
     from hpar.strategies.plan.cluster import ClusterSpec
     from hpar.strategies.plan.costmodel import estimate_allreduce
     from hpar.strategies.plan.costmodel_compress import estimate_compressed

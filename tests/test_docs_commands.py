@@ -299,7 +299,7 @@ def _check_result(command: Command, words: list[str], out: str, cwd: str, new: l
 def _check_exported_model(command: Command, path: str, run_dir: str):
     """docs/state.md's own use of the file: the run's script's model() loads it, strictly."""
     import torch
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     assert os.path.isfile(path), f"{command}: {path} was not written"
     with open(os.path.join(run_dir, "config.json")) as f:
         script = json.load(f)["script"]

@@ -1,7 +1,7 @@
 """Elastic restarts over SSH (launcher/run/elastic.py): with --max-restarts and --min-hosts, a
 host whose link stays down is left out at the restart and the run resumes from its last
 checkpoint on the hosts that answer, at their size (the checkpoint reshards:
-strategies/runstate/state.py); summary.json and the output say so. Real test hosts in network
+strategies/state/state.py); summary.json and the output say so. Real test hosts in network
 namespaces (root, iproute2, openssh-server; skipped otherwise)."""
 from __future__ import annotations
 

@@ -169,9 +169,9 @@ def test_hpar_layers_pipeline_equals_single_process(tmp_path):
     """A model that is not an nn.Sequential but names its layers with hpar_layers(): the
     profile counts them, the stages (state_dict keys as in the whole model) run them, and a
     synchronous pipeline equals single-process training."""
-    from hpar.strategies.common.job import load_job
-    from hpar.strategies.models.layers import model_layers
-    from hpar.strategies.pipeline.sim import simulate
+    from hpar.strategies.job.contract import load_job
+    from hpar.strategies.job.layers import model_layers
+    from hpar.strategies.runtimes.pipeline.sim import simulate
     from hpar.strategies.profile.profiler import pipeline_layers
     script = write_script(tmp_path, WITH_HPAR_LAYERS)
     job = load_job(script)
@@ -188,7 +188,7 @@ def test_hpar_layers_pipeline_equals_single_process(tmp_path):
 
 
 def test_hpar_layers_must_cover_the_model():
-    from hpar.strategies.models.layers import model_layers
+    from hpar.strategies.job.layers import model_layers
 
     class Partial(torch.nn.Module):
         def __init__(self):
@@ -205,10 +205,10 @@ def test_hpar_layers_must_cover_the_model():
 def test_tied_weight_is_one_dense_parameter():
     """The zoo's tied LM: the embedding tied to the output Linear is profiled dense and kept
     off the servers; the untied document table stays a row-sparse embedding."""
-    from hpar.strategies.hybrid.client import placement
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.runtimes.hybrid.client import placement
+    from hpar.strategies.job.contract import load_job
     from hpar.strategies.profile.profiler import profile_job
-    from hpar.strategies.models.tying import embedding_tables, shared_parameters
+    from hpar.strategies.job.tying import embedding_tables, shared_parameters
     job = load_job(os.path.join(REPO, "tests", "zoo", "tied_lm.py"))
     model = job.build_model()
     assert shared_parameters(model) == {"emb.weight": ["emb.weight", "out.weight"]}
@@ -223,7 +223,7 @@ def test_tied_weight_is_one_dense_parameter():
 
 
 def test_atomic_files_get_the_same_permissions_as_plain_ones(tmp_path):
-    from hpar.strategies.runstate.checkpoint import atomic_write_bytes
+    from hpar.strategies.state.checkpoint import atomic_write_bytes
     atomic_write_bytes(str(tmp_path / "summary.json"), b"{}")
     (tmp_path / "worker-0.log").write_text("")
     assert (tmp_path / "summary.json").stat().st_mode & 0o777 == (tmp_path / "worker-0.log").stat().st_mode & 0o777
@@ -320,7 +320,7 @@ def test_default_micro_batches_divide_the_batch():
     moves, saying so), else 4, each moved to the nearest divisor of at least the stages."""
     import io
     from rich.console import Console
-    from hpar.launcher.run.strategy_settings import default_micro_batches
+    from hpar.strategies.plan.strategy_settings import default_micro_batches
     said = io.StringIO()
     console = Console(file=said, width=200)
     assert default_micro_batches(console, Plan(strategy="pipeline", micro_batches=8), 32, 3) == 8 and not said.getvalue()

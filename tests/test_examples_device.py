@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from hpar.strategies.common.job import load_job
+from hpar.strategies.job.contract import load_job
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 

@@ -81,7 +81,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
         assert "SIGINT received" in out
         assert not run_processes(run_dir)
         assert json.load(open(os.path.join(run_dir, "summary.json")))["exit_code"] == 130
-    from hpar.strategies.runstate.checkpoint import latest_step
+    from hpar.strategies.state.checkpoint import latest_step
     saved = latest_step(run_dir)
     last = out.rstrip().splitlines()[-1]
     assert saved and last.startswith("hpar: interrupted (Ctrl-C) at step "), out[-2000:]

@@ -1,4 +1,4 @@
-"""DDP's find_unused_parameters (strategies/dataparallel/ddp.py, strategies/profile/unused.py): which
+"""DDP's find_unused_parameters (strategies/runtimes/dataparallel/ddp.py, strategies/profile/unused.py): which
 parameters a profiled step left without a gradient, the decision, and DDP's error turned into
 one line. The runs through `hpar run` are in tests/test_zoo.py (they reuse the zoo's runs)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from conftest import REPO
-from hpar.strategies.dataparallel.ddp import find_unused, reducer_names, unused_message
-from hpar.strategies.common.job import load_job
+from hpar.strategies.runtimes.dataparallel.ddp import find_unused, reducer_names, unused_message
+from hpar.strategies.job.contract import load_job
 from hpar.strategies.profile.profiler import profile_job
 from hpar.strategies.profile.unused import missing_gradients, unused_parameters
 

@@ -1,10 +1,10 @@
-"""How hpar calls the user's model (strategies/models/forward.py): a dict batch whose keys are the
+"""How hpar calls the user's model (strategies/job/forward.py): a dict batch whose keys are the
 forward's parameter names goes in as keyword arguments (the Hugging Face convention), any
 other batch as one argument; wrappers (DDP, torch.compile) are looked through."""
 import torch
 from torch import nn
 
-from hpar.strategies.models.forward import call_model, inner_module, takes_keywords
+from hpar.strategies.job.forward import call_model, inner_module, takes_keywords
 
 
 class Named(nn.Module):

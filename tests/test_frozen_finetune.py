@@ -8,7 +8,7 @@ frozen tensors bit-identical to their initial values (a frozen table is never se
 keeps it on the workers); a pipeline whose stage 0 holds only frozen layers (no optimizer
 there) trains at 2 and 4 stages equal to one process; ``auto`` runs what it chose. And the
 planner (``hpar profile``'s and ``auto``'s) lists as not runnable a candidate that `hpar run`
-would refuse before start, with the refusal's line (launcher/run/vet.py).
+would refuse before start, with the refusal's line (strategies/plan/vet.py).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _initial() -> tuple[dict, set]:
     """The model's state_dict as ``model()`` builds it under the run's seed (0), and the names
     of its frozen parameters (once)."""
     if not _INITIAL:
-        from hpar.strategies.common.job import load_job
+        from hpar.strategies.job.contract import load_job
         torch.manual_seed(0)
         model = load_job(SCRIPT).build_model()
         _INITIAL["state"] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -126,8 +126,8 @@ def test_planner_never_offers_what_run_refuses(tmp_path):
     ps as not runnable with that line, and chooses something else; the planner alone would
     have offered them."""
     from hpar.launcher.run.cluster_build import build_cluster
-    from hpar.launcher.run.vet import vetted_plan
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.plan.vet import vetted_plan
+    from hpar.strategies.job.contract import load_job
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     job = load_job(write_script(tmp_path, LEFT_OUT))

@@ -1,4 +1,4 @@
-"""``--strategy fsdp`` (strategies/dataparallel/fsdp.py, torch's FSDP2) through the real ``hpar run``: exact
+"""``--strategy fsdp`` (strategies/runtimes/dataparallel/fsdp.py, torch's FSDP2) through the real ``hpar run``: exact
 against one process on the concatenated batches with the training loop's features, checkpoints
 with torch.distributed.checkpoint that resume (also at another size), and the unit choice."""
 import json
@@ -7,7 +7,7 @@ import os
 import pytest
 from torch import nn
 
-from hpar.strategies.dataparallel.fsdp import units
+from hpar.strategies.runtimes.dataparallel.fsdp import units
 
 from conftest import final_state, write_script
 from test_training_loop import LOOP, close, reference, run_cli, worker0_losses

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hpar.strategies.common.config import RunConfig
+from hpar.strategies.job.config import RunConfig
 from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.plan.decision import Plan
 
@@ -28,7 +28,7 @@ def record_groups(monkeypatch, pg_rank: int) -> list:
 
 @pytest.mark.parametrize("strategy", ["hybrid", "ps"])
 def test_servers_only_join_gloo_and_workers_dense_group_is_nccl(monkeypatch, tmp_path, strategy):
-    from hpar.strategies.hybrid.hybrid_runtime import make_groups
+    from hpar.strategies.runtimes.hybrid.hybrid_runtime import make_groups
     from hpar.workers.worker import init_group
     n, s = 4, 2
     hosts = (0, 0, 1, 1, 0, 1)     # two hosts, local aggregation on: more groups to check

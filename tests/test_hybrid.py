@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hpar.strategies.plan.cluster import free_port
-from hpar.strategies.common.config import RunConfig
-from hpar.strategies.common.job import load_job
+from hpar.strategies.job.config import RunConfig
+from hpar.strategies.job.contract import load_job
 from hpar.strategies.plan.decision import Plan
 
 from conftest import single_process_reference, final_state
@@ -198,12 +198,12 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path):
 
 def test_a_checkpoint_reshards_onto_another_row_layout(tmp_path):
     """A server writes each table as a ShardedTensor of the parameter's shape, one shard per
-    partition at its row offset (strategies/hybrid/shard_state.py), so a server with another
+    partition at its row offset (strategies/runtimes/hybrid/shard_state.py), so a server with another
     layout (another plan's partitions) reads its rows back: the same rows, optimizer slots and
     update counts (torch.distributed.checkpoint reshards)."""
     import torch.distributed as dist
-    from hpar.strategies.hybrid.client import ps_tables
-    from hpar.strategies.hybrid.ps_server import Server
+    from hpar.strategies.runtimes.hybrid.client import ps_tables
+    from hpar.strategies.runtimes.hybrid.ps_server import Server
     script = write_job(tmp_path, "adagrad")
     job = load_job(script)
 
@@ -222,8 +222,8 @@ def test_a_checkpoint_reshards_onto_another_row_layout(tmp_path):
 
 
 def _reshard(tmp_path, server):
-    from hpar.strategies.runstate import state
-    from hpar.strategies.hybrid.shard_state import set_steps
+    from hpar.strategies.state import state
+    from hpar.strategies.runtimes.hybrid.shard_state import set_steps
     old = server({"user.weight": 2})
     for shard in old.shards.values():   # an update's state: Adagrad's sum and the step count
         shard.add_grad(None, torch.ones_like(shard.weight))
@@ -245,7 +245,7 @@ def test_an_embedding_without_a_planned_count_is_cut_finely_and_a_whole_table_on
     server (a vocabulary's frequent head, its first rows, lands on every server, not all on one),
     a table kept whole one per server, and a planned count still wins."""
     from torch import nn
-    from hpar.strategies.hybrid.client import ps_tables
+    from hpar.strategies.runtimes.hybrid.client import ps_tables
     model = nn.Sequential(nn.Embedding(1000, 2), nn.Linear(2, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tables = {t.name: t for t in ps_tables(model, opt, "ps", Plan(), 4)}
@@ -308,7 +308,7 @@ def test_the_next_steps_rows_are_requested_once_this_steps_last_table_is_pushed(
     batch tensors only when every module looked up this step has pushed, and the next step's
     prefetch takes those answers instead of pulling again."""
     from types import SimpleNamespace
-    from hpar.strategies.hybrid import ahead, embedding
+    from hpar.strategies.runtimes.hybrid import ahead, embedding
 
     class Client:
         def __init__(self):

@@ -1,6 +1,6 @@
 """Rows requested before the lookup that needs them: a sampled softmax's output table, whose
 candidates hold the batch's target words, gets the targets' rows with the step's first pulls
-and pulls only the sampled rows at lookup (strategies/hybrid/ahead.py)."""
+and pulls only the sampled rows at lookup (strategies/runtimes/hybrid/ahead.py)."""
 import json
 import os
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpar.strategies.hybrid import ahead, embedding
+from hpar.strategies.runtimes.hybrid import ahead, embedding
 from hpar.strategies.plan.decision import Plan
 
 from conftest import write_script, final_state

@@ -1,4 +1,4 @@
-"""The hot-row cache's version protocol in one process (strategies/hybrid/cache.py and
+"""The hot-row cache's version protocol in one process (strategies/runtimes/hybrid/cache.py and
 versions.py, after HET, VLDB 2022): workers' caches and a parameter server's books and row
 versions driven through synchronous steps, checking the staleness bound on every read and
 every held-back gradient; the pieces alone; the profile's prediction; the planner's candidate."""
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpar.strategies.hybrid.cache import CacheConfig, RowCache
-from hpar.strategies.hybrid.shard import RowLayout
-from hpar.strategies.hybrid.versions import CacheBook, mask_bytes, pack_bits, unpack_bits
+from hpar.strategies.runtimes.hybrid.cache import CacheConfig, RowCache
+from hpar.strategies.runtimes.hybrid.shard import RowLayout
+from hpar.strategies.runtimes.hybrid.versions import CacheBook, mask_bytes, pack_bits, unpack_bits
 from hpar.strategies.profile.hot_rows import HotRows, cache_shares
 
 
@@ -202,10 +202,10 @@ def test_the_planner_lists_hybrid_with_the_cache_and_takes_it_only_when_asked():
 
 
 def test_tune_names_the_cached_plan_hybrid_cache_and_tries_plain_hybrid_beside_it():
-    """--tune's candidates (launcher/run/tuning.py): a plan that runs hybrid with the caches is
+    """--tune's candidates (strategies/plan/tuning.py): a plan that runs hybrid with the caches is
     the hybrid-cache candidate, first; plain hybrid is another candidate, not the planner's."""
     import dataclasses
-    from hpar.launcher.run.tuning import candidates, planned_name
+    from hpar.strategies.plan.tuning import candidates, planned_name
     from hpar.strategies.plan.decision import Candidate, Plan
     rows = [Candidate("hybrid", available=True, samples_per_s=900.0, predicted_step_s=0.02, bytes_per_step=0.0),
             Candidate("hybrid-cache", available=True, samples_per_s=1000.0, predicted_step_s=0.018, bytes_per_step=0.0),

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpar.strategies.common.config import RunConfig
+from hpar.strategies.job.config import RunConfig
 from hpar.strategies.common.context import WorkerContext
-from hpar.strategies.common.job import load_job
+from hpar.strategies.job.contract import load_job
 
 from conftest import write_script
 
@@ -50,7 +50,7 @@ class _Allocations(TorchDispatchMode):
 
 
 def test_a_worker_builds_no_served_table_and_takes_the_dense_state_from_server_0(tmp_path, monkeypatch):
-    from hpar.strategies.hybrid import build, hybrid_runtime as runtime
+    from hpar.strategies.runtimes.hybrid import build, hybrid_runtime as runtime
     monkeypatch.setattr(dist, "new_group", lambda ranks=None, backend=None, **kw: object())
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     script = write_script(tmp_path, JOB)
@@ -79,7 +79,7 @@ def test_a_worker_builds_no_served_table_and_takes_the_dense_state_from_server_0
 
 
 def test_a_model_that_cannot_be_built_on_meta_is_built_on_the_cpu(tmp_path):
-    from hpar.strategies.hybrid.build import build_model
+    from hpar.strategies.runtimes.hybrid.build import build_model
     script = write_script(tmp_path, JOB + """
 class Scaled(M):
     def __init__(self):
@@ -114,7 +114,7 @@ class FakeEvent:
 
 def test_row_gradients_reach_the_host_by_a_non_blocking_copy_into_pinned_memory(monkeypatch):
     from hpar.strategies.common import devices
-    from hpar.strategies.hybrid.embedding import HostGradients
+    from hpar.strategies.runtimes.hybrid.embedding import HostGradients
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     pinned = []
     monkeypatch.setattr(devices, "host_buffer", lambda shape, dtype, device: pinned.append(device.type) or torch.empty(shape, dtype=dtype))
@@ -132,7 +132,7 @@ def test_row_gradients_reach_the_host_by_a_non_blocking_copy_into_pinned_memory(
 
 
 def test_lookups_read_ids_from_the_host_copy_of_the_batch():
-    from hpar.strategies.hybrid.embedding import StepClock
+    from hpar.strategies.runtimes.hybrid.embedding import StepClock
     host = (torch.tensor([3, 1, 3]), {"bag": torch.tensor([[0, 2]])})
     device = (host[0].clone(), {"bag": host[1]["bag"].clone()})     # stands for the batch moved to a GPU
     clock = StepClock()

@@ -1,4 +1,4 @@
-"""--precision fp16 under hybrid and ps (strategies/hybrid/fp16.py): the scaler's inf/NaN check
+"""--precision fp16 under hybrid and ps (strategies/runtimes/hybrid/fp16.py): the scaler's inf/NaN check
 covers the rows pushed to the servers, every worker takes the same decision before any push,
 and a skipped step changes nothing on the workers or the servers while the LR schedule goes on;
 through the real `hpar run`, against one process with torch's GradScaler."""
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from hpar.strategies.common.job import load_job
+from hpar.strategies.job.contract import load_job
 
 from conftest import _concat, write_script, final_state
 from test_training_loop import close, run_cli

@@ -12,7 +12,7 @@ PACKAGES = ("launcher", "strategies", "workers")
 
 
 def modules() -> dict[str, str]:
-    """{"hpar.strategies.dataparallel.allreduce": path} for every module of the package."""
+    """{"hpar.strategies.runtimes.dataparallel.allreduce": path} for every module of the package."""
     found = {}
     for top in PACKAGES:
         for root, dirs, files in os.walk(os.path.join(ROOT, top)):
@@ -169,3 +169,100 @@ def test_no_module_carries_a_dated_measurement():
     dated = [f"{os.path.relpath(p, ROOT)}:{i}" for p in modules().values()
              for i, line in enumerate(open(p, encoding="utf-8"), 1) if re.search(r"\b20\d\d-[01]\d-[0-3]\d\b", line)]
     assert not dated, f"dates in modules (move the measurement to BENCHMARKS.md): {dated}"
+
+
+# strategies/ holds the flow from the user's script to a running strategy; a folder imports only
+# folders before it (upstream), never one after it: what a stage decides cannot depend on how a
+# later stage carries it out. specs/ (what each strategy is, read by all) comes first.
+FLOW = ("specs", "job", "common", "state", "profile", "plan", "runtimes")
+
+
+def stage_of(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "strategies" and parts[2] in FLOW else None
+
+
+def arrows_up_the_flow(g: dict[str, set[str]]) -> list[str]:
+    """Each import from a strategies/ folder into a later folder of FLOW, and each import of
+    runtimes/ from launcher/ (the launcher plans and starts processes; the runtimes run in them)."""
+    out = []
+    for mod, deps in g.items():
+        here = stage_of(mod)
+        for d in sorted(deps):
+            there = stage_of(d)
+            if there is None:
+                continue
+            if here is not None and FLOW.index(there) > FLOW.index(here):
+                out.append(f"{mod} -> {d}")
+            elif mod.startswith("hpar.launcher") and there == "runtimes":
+                out.append(f"{mod} -> {d}")
+    return out
+
+
+def test_no_arrow_runs_up_the_flow():
+    found = [a for a in arrows_up_the_flow(graph()) if a not in KNOWN_UP]
+    assert not found, ("imports against the flow (move the shared piece upstream, e.g. a rule the "
+                       "plan needs out of the runtime): " + "; ".join(found))
+
+
+def test_the_flow_check_sees_an_arrow_up():
+    g = {"hpar.strategies.plan.a": {"hpar.strategies.runtimes.b"}, "hpar.strategies.runtimes.b": set(),
+         "hpar.launcher.c": {"hpar.strategies.runtimes.b", "hpar.strategies.plan.a"}}
+    assert sorted(arrows_up_the_flow(g)) == ["hpar.launcher.c -> hpar.strategies.runtimes.b",
+                                     "hpar.strategies.plan.a -> hpar.strategies.runtimes.b"]
+
+
+# Arrows still against the flow, each a piece to move upstream (the list only shrinks).
+KNOWN_UP = {
+    "hpar.launcher.bench.bench_plans -> hpar.strategies.runtimes.pipeline.schedules",
+    "hpar.launcher.bench.bench_plans -> hpar.strategies.runtimes.pipeline.ties",
+    "hpar.launcher.bench.bench_plans -> hpar.strategies.runtimes.pipeline.torch_peers",
+    "hpar.launcher.commands.profile -> hpar.strategies.runtimes.hybrid.cache",
+    "hpar.launcher.commands.run -> hpar.strategies.runtimes.dataparallel.ddp",
+    "hpar.launcher.commands.run -> hpar.strategies.runtimes.hybrid.cache",
+    "hpar.launcher.commands.run -> hpar.strategies.runtimes.hybrid.client",
+    "hpar.launcher.commands.run -> hpar.strategies.runtimes.hybrid.embedding",
+    "hpar.launcher.commands.run -> hpar.strategies.runtimes.pipeline.stage",
+    "hpar.launcher.commands.run -> hpar.strategies.runtimes.pipeline.ties",
+    "hpar.launcher.commands.run -> hpar.strategies.runtimes.pipeline.torch_peers",
+    "hpar.launcher.commands.run -> hpar.strategies.runtimes.pipeline.velocity",
+    "hpar.launcher.run.validate -> hpar.strategies.runtimes.pipeline.stage",
+    "hpar.strategies.job.config -> hpar.strategies.plan.decision",
+    "hpar.strategies.job.config -> hpar.strategies.runtimes.pipeline.divergence",
+    "hpar.strategies.job.contract -> hpar.strategies.common.measured_memory",
+    "hpar.strategies.job.hf -> hpar.strategies.state.checkpoint",
+    "hpar.strategies.job.traced -> hpar.strategies.common.measured_memory",
+    "hpar.strategies.plan.compress_setting -> hpar.strategies.runtimes.dataparallel.compress_hooks",
+    "hpar.strategies.plan.costmodel_cache -> hpar.strategies.runtimes.hybrid.cache",
+    "hpar.strategies.plan.costmodel_pipeline -> hpar.strategies.runtimes.pipeline.partition",
+    "hpar.strategies.plan.costmodel_pipeline -> hpar.strategies.runtimes.pipeline.replicas",
+    "hpar.strategies.plan.costmodel_pipeline -> hpar.strategies.runtimes.pipeline.schedules",
+    "hpar.strategies.plan.costmodel_ps -> hpar.strategies.runtimes.hybrid.shard",
+    "hpar.strategies.plan.fit -> hpar.strategies.runtimes.hybrid.cache",
+    "hpar.strategies.plan.fit -> hpar.strategies.runtimes.hybrid.client",
+    "hpar.strategies.plan.fit -> hpar.strategies.runtimes.pipeline.stage",
+    "hpar.strategies.plan.memory_model -> hpar.strategies.runtimes.hybrid.wire",
+    "hpar.strategies.plan.memory_model -> hpar.strategies.runtimes.pipeline.schedules",
+    "hpar.strategies.plan.memory_sharded -> hpar.strategies.runtimes.hybrid.worker_state",
+    "hpar.strategies.plan.pipeline_grid -> hpar.strategies.runtimes.pipeline.replicas",
+    "hpar.strategies.plan.pipeline_grid -> hpar.strategies.runtimes.pipeline.stage",
+    "hpar.strategies.plan.planner -> hpar.strategies.runtimes.hybrid.cache",
+    "hpar.strategies.plan.planner -> hpar.strategies.runtimes.pipeline.ties",
+    "hpar.strategies.plan.probe -> hpar.strategies.runtimes.hybrid.client",
+    "hpar.strategies.plan.probe -> hpar.strategies.runtimes.hybrid.ps_server",
+    "hpar.strategies.plan.strategy_settings -> hpar.strategies.runtimes.dataparallel.ddp",
+    "hpar.strategies.plan.strategy_settings -> hpar.strategies.runtimes.dataparallel.sparse_grads",
+    "hpar.strategies.plan.strategy_settings -> hpar.strategies.runtimes.hybrid.cache",
+    "hpar.strategies.plan.strategy_settings -> hpar.strategies.runtimes.hybrid.client",
+    "hpar.strategies.plan.strategy_settings -> hpar.strategies.runtimes.pipeline.schedules",
+    "hpar.strategies.plan.strategy_settings -> hpar.strategies.runtimes.pipeline.stage",
+    "hpar.strategies.plan.vet -> hpar.strategies.runtimes.hybrid.client",
+    "hpar.strategies.plan.vet -> hpar.strategies.runtimes.hybrid.embedding",
+    "hpar.strategies.profile.fsdp_cost -> hpar.strategies.runtimes.dataparallel.fsdp",
+    "hpar.strategies.profile.memory_profile -> hpar.strategies.runtimes.hybrid.shard",
+    "hpar.strategies.profile.profiler -> hpar.strategies.runtimes.pipeline.ties",
+    "hpar.strategies.profile.sparsity -> hpar.strategies.runtimes.hybrid.client",
+    "hpar.strategies.profile.update -> hpar.strategies.runtimes.dataparallel.sparse_grads",
+    "hpar.strategies.profile.update -> hpar.strategies.runtimes.hybrid.shard",
+    "hpar.strategies.specs.pipeline_spec -> hpar.strategies.runtimes.pipeline.schedules",
+}

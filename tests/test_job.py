@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hpar.strategies.common.job import JobError, check_job, load_job
+from hpar.strategies.job.contract import JobError, check_job, load_job
 
 from conftest import TINY, hpar, write_script
 

@@ -1,4 +1,4 @@
-"""Measured peak memory (strategies/common/measured_memory.py, launcher/run/peaks.py): every worker and
+"""Measured peak memory (strategies/common/measured_memory.py, strategies/plan/peaks.py): every worker and
 parameter server reports its peak above its baseline, in metrics.jsonl and summary.json."""
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from hpar.launcher.run.peaks import PeakFigures
+from hpar.strategies.plan.peaks import PeakFigures
 from hpar.strategies.common import measured_memory as memory
 from hpar.strategies.plan.decision import Plan
 

@@ -30,7 +30,7 @@ def _trained(out: str, code: int, run_dir: str, script: str = MOE) -> None:
 def test_probe_draws_several_ranks_batches():
     """Worker 0's batches alone reach every expert; worker 1's leave two out, a different two
     each step. A branch every rank skips in the same step is no difference between ranks."""
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     from hpar.strategies.profile.unused import probe_unused
     job = load_job(MOE)
     assert probe_unused(job, BATCH, 1) == probe_unused(job, BATCH, 1, budget_s=0.0)

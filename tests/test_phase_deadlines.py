@@ -43,7 +43,7 @@ def data(rank, world_size, batch_size):
     if rank == 1 and os.environ.get("RANK") == "1":
         hang()''')
 
-# the servers replay the LR schedule (strategies/hybrid/schedule.py): this one hangs there at step 2
+# the servers replay the LR schedule (strategies/runtimes/hybrid/schedule.py): this one hangs there at step 2
 SERVER_HANG = embed_script(steps=8) + HANG + '''
 def scheduler(opt):
     def factor(step):

@@ -11,10 +11,10 @@ from conftest import final_state
 import torch
 
 from hpar.strategies.plan.cluster import free_port
-from hpar.strategies.common.config import RunConfig
-from hpar.strategies.common.job import load_job
+from hpar.strategies.job.config import RunConfig
+from hpar.strategies.job.contract import load_job
 from hpar.strategies.plan.decision import Plan
-from hpar.strategies.pipeline.stage import draw_batch, split_micro
+from hpar.strategies.runtimes.pipeline.stage import draw_batch, split_micro
 
 SCRIPT = textwrap.dedent('''
     import torch
@@ -73,7 +73,7 @@ def run_pipeline(tmp_path, script_text=SCRIPT, timeout=60, **overrides):
     cfg = RunConfig(**fields)
     (run_dir / "config.json").write_text(cfg.to_json())
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.func", "hpar.workers.worker", "hpar.strategies.pipeline.pipeline_runtime"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.func", "hpar.workers.worker", "hpar.strategies.runtimes.pipeline.pipeline_runtime"])
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, cfg.world_size, port, str(run_dir / "config.json"),
                                               str(run_dir / f"rank{r}.log"))) for r in range(cfg.world_size)]
@@ -159,7 +159,7 @@ def assert_equal_state(state, ref):
 def test_async_schedules_equal_the_single_process_simulator_bit_for_bit(tmp_path, schedule):
     """The simulator is the reference of hpar's own schedules (same op order, same weights
     per pass): the 4-process runtime must give the very same bits."""
-    from hpar.strategies.pipeline.sim import simulate
+    from hpar.strategies.runtimes.pipeline.sim import simulate
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, schedule=schedule)
     assert codes == [0] * 4, logs
     job = load_job(str(tmp_path / "job.py"))
@@ -197,7 +197,7 @@ def _tiny_job(tmp_path, body):
 
 
 def test_non_sequential_model_is_refused_with_reason(tmp_path):
-    from hpar.strategies.pipeline.stage import stage_ranges
+    from hpar.strategies.runtimes.pipeline.stage import stage_ranges
     job = _tiny_job(tmp_path, '''
         import torch
         class Net(torch.nn.Module):
@@ -213,7 +213,7 @@ def test_non_sequential_model_is_refused_with_reason(tmp_path):
 
 
 def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):
-    from hpar.strategies.pipeline.stage import stage_ranges
+    from hpar.strategies.runtimes.pipeline.stage import stage_ranges
     job = load_job(str((tmp_path / "job.py").write_text(SCRIPT) and tmp_path / "job.py"))
     with pytest.raises(ValueError, match=r"6 pipeline stages \(--gpus / --pipeline-replicas\)"):
         stage_ranges(job.build_model(), 6)
@@ -222,7 +222,7 @@ def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):
     with pytest.raises(ValueError, match=r"into 2 contiguous stages \(--gpus / --pipeline-replicas\)"):
         stage_ranges(job.build_model(), 2, Plan(stages=[[0, 2], [3, 5]]))
     assert stage_ranges(job.build_model(), 2, Plan(stages=[[0, 1], [1, 5]])) == ((0, 1), (1, 5))
-    from hpar.strategies.common.config import RunConfig
+    from hpar.strategies.job.config import RunConfig
     args = dict(script="job.py", strategy="pipeline", world_size=2, steps=1, batch_size=8, lr=0.1, seed=0, run_dir="r")
     with pytest.raises(ValueError, match="--micro-batches 1: .*Schedule1F1B needs at least one per stage"):
         RunConfig(**args, schedule="torch-1f1b", micro_batches=1)
@@ -246,8 +246,8 @@ def test_divergence_guard_falls_back_or_stops_like_the_simulator(tmp_path, actio
     """lr 1.0 makes async-predict's loss rise (0.56 -> 0.91 at step 2, > 1.5 x the minimum):
     the guard trips there, the asynchronous stream is cut after step 2 + 1 + ceil(3/4) = 4,
     then the run goes on as 1f1b (sync) or ends (stop), exactly as the simulator does."""
-    from hpar.strategies.pipeline.divergence import GuardConfig
-    from hpar.strategies.pipeline.sim import simulate
+    from hpar.strategies.runtimes.pipeline.divergence import GuardConfig
+    from hpar.strategies.runtimes.pipeline.sim import simulate
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, schedule="async-predict", lr=1.0,
                                                on_divergence=action, divergence_factor=1.5)
     assert codes == [0] * 4, logs

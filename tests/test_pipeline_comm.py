@@ -5,7 +5,7 @@ operations run in order. The strictest model of that: every posted batch of oper
 (``Links`` posts its queued sends together with its next receive, one ``batch_isend_irecv``)
 completes only when every operation in it meets its counterpart in the peer's currently
 posted batch. These tests drive the real ``Links`` of every stage through the same calls as
-``strategies/pipeline/pipeline_runtime.py``, record the batches they post, and replay them under that
+``strategies/runtimes/pipeline/pipeline_runtime.py``, record the batches they post, and replay them under that
 model for every schedule, K = 2..8 stages and M = 1..8 micro-batches.
 """
 import itertools
@@ -13,8 +13,8 @@ import itertools
 import pytest
 import torch
 
-from hpar.strategies.pipeline.comm import Links
-from hpar.strategies.pipeline.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, is_synchronous, stage_ops
+from hpar.strategies.runtimes.pipeline.comm import Links
+from hpar.strategies.runtimes.pipeline.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, is_synchronous, stage_ops
 
 
 class Done:

@@ -1,4 +1,4 @@
-"""The training loop under the pipeline strategy (strategies/pipeline/stage_loop.py): clipping
+"""The training loop under the pipeline strategy (strategies/runtimes/pipeline/stage_loop.py): clipping
 by the norm over every stage, fp16's inf/NaN check agreed by every stage, the LR schedule,
 evaluate() during training on the gathered model, the script's log() at the last stage;
 runtime-level against one process, and through the real `hpar run`."""
@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 
-from hpar.strategies.common.config import RunConfig
-from hpar.strategies.common.job import load_job
+from hpar.strategies.job.config import RunConfig
+from hpar.strategies.job.contract import load_job
 from hpar.strategies.common.loop import DTYPES
-from hpar.strategies.pipeline.stage import split_micro
-from hpar.strategies.pipeline.stage_loop import async_clip_threshold
+from hpar.strategies.runtimes.pipeline.stage import split_micro
+from hpar.strategies.runtimes.pipeline.stage_loop import async_clip_threshold
 
 from conftest import write_script
 from test_pipeline import run_pipeline

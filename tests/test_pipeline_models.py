@@ -1,7 +1,7 @@
 """Pipelines of models beyond a straight trace, through the real `hpar run` (issue 67, item 4):
 a Hugging Face T5 (encoder-decoder; its decoder keeps its own config with ``use_cache``) and a
 plain-torch mixture of experts whose blocks route tokens by their values (torch.export cannot
-trace their insides; the blocks run whole on their stages: strategies/models/block_trace.py),
+trace their insides; the blocks run whole on their stages: strategies/job/block_trace.py),
 each under a 2-stage 1F1B pipeline equal to one process; a mixture of experts with no blocks
 to keep whole refused in one whole line with no graph dumps; a traced Llama's workers within the
 memory its profile predicts.
@@ -49,7 +49,7 @@ def _equal_to_one_process(name: str, run_dir, steps: int, lr: float) -> None:
 
 @needs_hf
 def test_generation_flags_are_off_in_every_config_while_tracing_and_back_after():
-    from hpar.strategies.models.block_trace import generation_flags_off
+    from hpar.strategies.job.block_trace import generation_flags_off
     import importlib.util as iu
     spec = iu.spec_from_file_location("hf_t5_zoo", os.path.join(ZOO, "hf_t5.py"))
     zoo = iu.module_from_spec(spec)
@@ -76,8 +76,8 @@ def test_t5_trains_under_a_two_stage_1f1b_pipeline_equal_to_one_process(tmp_path
 def test_mixture_of_experts_blocks_run_whole_on_their_stages_equal_to_one_process(tmp_path, reap_run):
     """Each MoE block (top-1 routing, an expert run only when a token picked it) is one opaque
     module on its stage; the layers are the stem, the 4 blocks and the tail."""
-    from hpar.strategies.common.job import load_job
-    from hpar.strategies.models.layers import model_layers
+    from hpar.strategies.job.contract import load_job
+    from hpar.strategies.job.layers import model_layers
     job = load_job(os.path.join(ZOO, "moe_blocks.py"))
     x, _ = next(job.batches(0, 1, 4))
     names = [n for n, _ in model_layers(job.build_model(), x)]

@@ -10,9 +10,9 @@ import torch
 
 from test_pipeline import SCRIPT, assert_close_state, run_pipeline
 
-from hpar.strategies.common.job import load_job
-from hpar.strategies.pipeline.replicas import Grid
-from hpar.strategies.pipeline.stage import split_micro
+from hpar.strategies.job.contract import load_job
+from hpar.strategies.runtimes.pipeline.replicas import Grid
+from hpar.strategies.runtimes.pipeline.stage import split_micro
 
 
 def test_grid_layouts_cover_every_rank_once():
@@ -25,7 +25,7 @@ def test_grid_layouts_cover_every_rank_once():
     assert Grid(2, 2, "replicas-adjacent").pipeline_ranks(1) == [1, 3]
     with pytest.raises(ValueError, match="layout"):
         Grid(2, 2, "diagonal")
-    from hpar.strategies.common.config import RunConfig
+    from hpar.strategies.job.config import RunConfig
     args = dict(script="j.py", strategy="pipeline", world_size=4, steps=1, batch_size=8, lr=0.1, seed=0, run_dir="r")
     with pytest.raises(ValueError, match="--pipeline-replicas 3: .*= --gpus 4; choose a divisor"):
         RunConfig(**args, replicas=3)
@@ -102,7 +102,7 @@ def test_checkpoint_by_replica_zero_resumes_every_replica(tmp_path):
     run_dir = tmp_path / "run-1f1b-4"
     codes, _, _, logs = run_pipeline(tmp_path, world_size=4, replicas=2, steps=6, checkpoint_every=3)
     assert codes == [0] * 4, logs
-    from hpar.strategies.runstate import state
+    from hpar.strategies.state import state
     keys = state.saved_keys(str(run_dir / "checkpoints" / "step-6"))
     assert {".".join(k.split(".")[:2]) for k in keys if k.startswith("rng.")} == \
         {f"rng.stage{k}-r{r}" for k in (0, 1) for r in (0, 1)}
@@ -178,8 +178,8 @@ def grid_transcripts(schedule: str, grid: Grid, M: int, steps: int = 2) -> list[
     as one batch that sends to and receives from every other member of the stage's group: it
     completes only when the whole group posts it, as a collective does."""
     from test_pipeline_comm import Recorder
-    from hpar.strategies.pipeline.comm import P2P, Links
-    from hpar.strategies.pipeline.schedules import is_synchronous, stage_ops, updates_after
+    from hpar.strategies.runtimes.pipeline.comm import P2P, Links
+    from hpar.strategies.runtimes.pipeline.schedules import is_synchronous, stage_ops, updates_after
     out = [None] * grid.size
     for rank in range(grid.size):
         k, r = grid.coords(rank)
@@ -259,7 +259,7 @@ def test_only_device_tensors_reach_nccl_groups_with_replicas(tmp_path):
     import json
     import torch.multiprocessing as mp
     from support.nccl_emulation import child
-    from hpar.strategies.common.config import RunConfig
+    from hpar.strategies.job.config import RunConfig
     from hpar.strategies.plan.cluster import free_port
     (tmp_path / "job.py").write_text(SCRIPT)
     cfg = RunConfig(script=str(tmp_path / "job.py"), strategy="pipeline", world_size=2, replicas=2, steps=3,

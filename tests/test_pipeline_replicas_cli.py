@@ -53,7 +53,7 @@ def test_pipeline_two_stages_by_two_replicas_through_the_launcher(two_by_two):
         assert torch.allclose(state[k], ref[k], rtol=1e-5, atol=1e-6), k
     # the reported loss of the last step: the mean over both replicas = the loss of the concatenated batch
     ref5 = single_process_reference(script, world_size=2, steps=5, batch_size=8, lr=0.1)
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     job = load_job(script)
     model = job.build_model()
     model.load_state_dict(ref5)
@@ -83,8 +83,8 @@ def test_more_stages_than_layers_is_one_line_and_exit_2(tmp_path):
 
 
 def test_replicas_flag_checks_before_planning(tmp_path):
-    from hpar.launcher.run.pipeline_grid import check_replicas_flag, plan_replicas, planner_replicas
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.plan.pipeline_grid import check_replicas_flag, plan_replicas, planner_replicas
+    from hpar.strategies.job.contract import load_job
     model = load_job(write_script(tmp_path, TINY)).build_model()
     with pytest.raises(ValueError, match="--pipeline-replicas 3: a pipeline plan is K stages x R replicas = --gpus 4; choose a divisor of 4"):
         check_replicas_flag(3, 4, "pipeline", model)
@@ -98,8 +98,8 @@ def test_replicas_flag_checks_before_planning(tmp_path):
 
 
 def test_plan_line_names_stages_replicas_and_layout():
-    from hpar.launcher.run.pipeline_grid import describe_plan
-    from hpar.strategies.common.config import RunConfig
+    from hpar.strategies.plan.pipeline_grid import describe_plan
+    from hpar.strategies.job.config import RunConfig
     args = dict(script="j.py", strategy="pipeline", steps=1, batch_size=8, lr=0.1, seed=0, run_dir="r")
     cfg = RunConfig(**args, world_size=4, replicas=2, micro_batches=1,
                     plan={"stages": [[0, 4], [4, 5]], "replicas": 2, "layout": "replicas-adjacent"})

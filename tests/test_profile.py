@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from hpar.strategies.common.job import load_job
+from hpar.strategies.job.contract import load_job
 from hpar.strategies.profile.profiler import Profile, pipeline_layers, profile_job
 
 SCRIPT = textwrap.dedent('''
@@ -116,7 +116,7 @@ def test_dense_gradient_with_few_rows_is_detected_sparse(tmp_path):
 
 def test_sequential_layers_are_the_top_level_children_and_hpar_layers_is_honoured():
     """A nested block is one layer: the pipeline's stages cut the same top-level children
-    (strategies/models/layers.py), so the profile must not flatten it."""
+    (strategies/job/layers.py), so the profile must not flatten it."""
     seq = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(3, 1)))
     layers, ok, reason = pipeline_layers(seq)
     assert ok and reason == "" and [n for n, _ in layers] == ["0", "1"]

@@ -303,7 +303,7 @@ def test_a_slow_data_pipeline_and_the_served_tables_dedup_are_in_every_predictio
 
 @pytest.mark.timeout(120)
 def test_request_probe_runs_hpars_own_client_and_server_and_leaves_nothing_behind():
-    """strategies/plan/probe.probe_requests: hpar's PSClient and Server (strategies/hybrid/
+    """strategies/plan/probe.probe_requests: hpar's PSClient and Server (strategies/runtimes/hybrid/
     server.py) answer each other over a loopback group in this process (a server that did not
     answer would leave the pull waiting: RuntimeError); the figure is CPU seconds per request,
     the threads it started (the server's inbox too) are gone when it returns, and torch's

@@ -175,7 +175,7 @@ def test_hpar_run_says_when_a_cpu_profile_plans_gpu_workers(tmp_path, monkeypatc
     from hpar.launcher.hosts import remote
     from hpar.launcher.procs.ssh import SSHOptions
     from hpar.strategies.profile.device import OnDevice
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     monkeypatch.setattr(remote, "prepare_remote", lambda *a, **kw: (SSHOptions(gpus={"a": 1, "b": 1}), "10.0.0.1"))
     from hpar.launcher.hosts import reach
     monkeypatch.setattr(reach, "check_reachable", lambda *a, **kw: None)   # hosts a and b exist only here

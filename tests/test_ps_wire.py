@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from hpar.strategies.hybrid import wire as ps_wire
+from hpar.strategies.runtimes.hybrid import wire as ps_wire
 from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.plan.decision import Plan
 
@@ -228,9 +228,9 @@ def _early_child(rank: int, port: int, out, sent):
     every server holding rows) before worker 0's push of step 0 is sent."""
     import time
     from torch import nn
-    from hpar.strategies.common.config import RunConfig
-    from hpar.strategies.hybrid.client import PSClient, ps_tables
-    from hpar.strategies.hybrid.ps_server import Server
+    from hpar.strategies.job.config import RunConfig
+    from hpar.strategies.runtimes.hybrid.client import PSClient, ps_tables
+    from hpar.strategies.runtimes.hybrid.ps_server import Server
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(8, 2))
     tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", Plan(), 1)

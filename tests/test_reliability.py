@@ -96,7 +96,7 @@ def test_hybrid_resume_after_the_final_checkpoint(tmp_path, reap_run):
     # no --plan: the server cut the 1000-row table into ROW_PARTITIONS_PER_SERVER (64) partitions,
     # written as one ShardedTensor of the table's shape with a shard per partition
     from torch.distributed.checkpoint import FileSystemReader
-    from hpar.strategies.runstate.checkpoint import step_dir
+    from hpar.strategies.state.checkpoint import step_dir
     table = FileSystemReader(step_dir(run_dir, 4)).read_metadata().state_dict_metadata["model.emb.weight"]
     assert tuple(table.size) == (1000, 8) and len(table.chunks) == 64
     shutil.rmtree(os.path.join(run_dir, "model"))   # killed after its final checkpoint: resumed at its last step
@@ -391,8 +391,8 @@ def test_health_blames_the_silent_process_not_its_waiting_peer(monkeypatch):
 
 
 def test_usable_step_falls_back_past_a_damaged_checkpoint(tmp_path):
-    from hpar.strategies.runstate import checkpoint
-    from hpar.strategies.runstate import state
+    from hpar.strategies.state import checkpoint
+    from hpar.strategies.state import state
     run_dir = str(tmp_path)
     for step in (2, 4):
         state.save(run_dir, step, {"model.w": torch.full((100,), float(step))})

@@ -1,4 +1,4 @@
-"""Resume at another size (launcher/run/reshape.py, strategies/runstate/state.py): `hpar run --resume
+"""Resume at another size (launcher/run/reshape.py, strategies/state/state.py): `hpar run --resume
 RUN_DIR` with another --gpus, --servers or pipeline shape reads every process's state in its
 new layout from the run's torch.distributed.checkpoint (tables re-partitioned over the new
 servers, stages re-cut), and continues as a run of the new shape would from that state: one
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import _concat, hpar_to_file, kill_left, write_script
-from hpar.strategies.models.forward import call_model
-from hpar.strategies.common.job import load_job
+from hpar.strategies.job.forward import call_model
+from hpar.strategies.job.contract import load_job
 
 pytestmark = pytest.mark.multiprocess
 

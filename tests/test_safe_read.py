@@ -1,4 +1,4 @@
-"""Checkpoints are read as data (strategies/runstate/safe_read.py): DCP's ``.metadata`` with an
+"""Checkpoints are read as data (strategies/state/safe_read.py): DCP's ``.metadata`` with an
 allowlist of its own types, non-tensor items with ``torch.load(weights_only=True)``; a crafted
 file is a one-line ValueError naming it, and what it asks for never runs. In one process."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hpar.strategies.runstate import safe_read, state
+from hpar.strategies.state import safe_read, state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
@@ -30,7 +30,7 @@ class Opens:
 
 
 def hpar_like_state() -> dict:
-    """State shaped as hpar's processes save it (strategies/runstate/state.py's namespace):
+    """State shaped as hpar's processes save it (strategies/state/state.py's namespace):
     weights, Adam's state and param groups by name, loop state (an LR schedule and an enabled
     GradScaler), random generators, a cache's int64 rows."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Sparse gradients only where the optimizer takes them (strategies/dataparallel/sparse_grads.py): the rule,
+"""Sparse gradients only where the optimizer takes them (strategies/runtimes/dataparallel/sparse_grads.py): the rule,
 allreduce-sparse with AdamW (its gathered rows made dense to step) equal to allreduce through
 the real `hpar run`, and the strategies whose parameter servers cannot apply an optimizer
 refused by the planner and before `hpar run` starts anything."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, hpar_to_file, run_processes, write_script, final_state
-from hpar.strategies.dataparallel.sparse_grads import densify, takes_sparse_gradients
+from hpar.strategies.runtimes.dataparallel.sparse_grads import densify, takes_sparse_gradients
 
 ZOO = os.path.join(REPO, "tests", "zoo")
 
@@ -69,7 +69,7 @@ def test_cost_model_prices_the_dense_step_and_refuses_servers_that_cannot_apply_
 
 
 def test_profile_says_what_the_optimizer_takes(tmp_path):
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     from hpar.strategies.profile.profiler import profile_job
     text = open(os.path.join(ZOO, "tied_lm.py")).read()
     rms = load_job(write_script(tmp_path, text + "\ndef optimizer(params):\n    return torch.optim.RMSprop(params, lr=0.01)\n"))

@@ -1,4 +1,4 @@
-"""The training spine (strategies/common/spine.py) with a toy step object, in one process and
+"""The training spine (strategies/runtimes/spine.py) with a toy step object, in one process and
 without torch.distributed: the order of its calls (resume, begin, steps, checkpoints and
 evaluations at their steps, in the step object's order, the final write, the result), the
 step a resume starts from, the meter's figures and an early last step."""
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 
-from hpar.strategies.common.config import RunConfig
+from hpar.strategies.job.config import RunConfig
 from hpar.strategies.common.context import WorkerContext
-from hpar.strategies.common import spine
-from hpar.strategies.common.spine import StepOutcome, TrainStep
+from hpar.strategies.runtimes import spine
+from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
 
 import torch
 

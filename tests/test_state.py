@@ -1,4 +1,4 @@
-"""Run state written where it lives (strategies/runstate/state.py): a full disk while writing a
+"""Run state written where it lives (strategies/state/state.py): a full disk while writing a
 checkpoint, and `hpar export` of a run's trained model, through the real CLI."""
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["allreduce", "hybrid"])
 def test_a_full_disk_names_the_path_keeps_the_last_checkpoint_and_resumes(tmp_path, small_disk, strategy):
-    from hpar.strategies.runstate import checkpoint
+    from hpar.strategies.state import checkpoint
     script = write_script(tmp_path, BIG)
     run_dir = small_disk / "run"
     rc, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--strategy", strategy,
@@ -93,7 +93,7 @@ def test_keep_checkpoints_leaves_the_newest_two_and_the_model_and_resume_goes_on
     servers write each one): steps 9 and 10 stay beside the final model; a resume continues
     from 10 and keeps pruning; `0` keeps every one."""
     from conftest import embed_script
-    from hpar.strategies.runstate import checkpoint
+    from hpar.strategies.state import checkpoint
     script = write_script(tmp_path, embed_script(steps=10))
     run_dir = tmp_path / "run"
     rc, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "2", "--strategy", "hybrid",

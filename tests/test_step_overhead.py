@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from hpar.strategies.common.job import load_job
+from hpar.strategies.job.contract import load_job
 from hpar.strategies.common.loop import precision_context
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.estimates import estimate_all, estimate_async_pipeline

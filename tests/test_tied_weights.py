@@ -1,7 +1,7 @@
 """A weight tied under two names (an output layer that is the embedding table) is stored once
 in RUN_DIR/model and in `hpar export --format torch|safetensors`, comes back under both names,
 and the profile and the plan's reason count it as an embedding table whose gradient is dense
-(strategies/runstate/aliases.py, strategies/plan/planner.py), through the real CLI."""
+(strategies/state/aliases.py, strategies/plan/planner.py), through the real CLI."""
 from __future__ import annotations
 
 import glob
@@ -46,7 +46,7 @@ NAMES = {"0.weight", "2.weight", "2.bias", "4.weight"}
 def _check_model_dir(run_dir) -> None:
     """RUN_DIR/model holds the table once: its keys (the tie recorded, not a second tensor) and
     its files' bytes (one copy, not the two the state_dict lists)."""
-    from hpar.strategies.runstate import state
+    from hpar.strategies.state import state
     keys = state.saved_keys(os.path.join(str(run_dir), "model"))
     assert "model.0.weight" in keys and "model.4.weight" not in keys and "tied.4.weight" in keys, keys
     stored = sum(os.path.getsize(f) for f in glob.glob(os.path.join(str(run_dir), "model", "*.distcp")))
@@ -57,7 +57,7 @@ def _check_exports(tmp_path, script: str, run_dir, want: dict) -> None:
     """`hpar export --format torch` is one copy of the table under both names (one storage) and
     loads strictly into the script's model(); `--format safetensors` is one copy under the first."""
     from safetensors.torch import load_file
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     rc, out = hpar_to_file(tmp_path / "e1.txt", "export", str(run_dir), "--format", "torch", "--out", str(tmp_path / "m.pt"))
     assert rc == 0, out
     assert TABLE < os.path.getsize(tmp_path / "m.pt") < TABLE + OTHERS + 16_000, os.path.getsize(tmp_path / "m.pt")

@@ -1,4 +1,4 @@
-"""torch.distributed.pipelining's schedules as hpar's peers (strategies/pipeline/torch_peers.py):
+"""torch.distributed.pipelining's schedules as hpar's peers (strategies/runtimes/pipeline/torch_peers.py):
 the interleaved 1F1B and ZB-V zero-bubble schedules run through `hpar run` with two chunks per
 process, train the same math as hpar's 1F1B, and report the bubble and peak memory per stage
 that `hpar bench` prints."""
@@ -13,7 +13,7 @@ from torch.torch_version import TorchVersion
 
 from conftest import REPO, hpar, hpar_to_file, kill_left, final_state
 from hpar.launcher.bench.plots import stage_figures
-from hpar.strategies.pipeline.torch_peers import ZBV_GLOO_MIN_TORCH, check_peer, chunk_ranks
+from hpar.strategies.runtimes.pipeline.torch_peers import ZBV_GLOO_MIN_TORCH, check_peer, chunk_ranks
 
 PIPE = os.path.join(REPO, "tests", "zoo", "pipe4.py")   # 8 layers: 2 processes x 2 chunks x 2 layers
 SCHEDULES = ("torch-interleaved-1f1b", "torch-zbv")
@@ -60,8 +60,8 @@ def test_stage_figures_from_a_summary():
 def reference():
     """hpar's 1F1B on 2 stages, simulated in this process (tests/test_pipeline.py checks the
     simulator against the multi-process runtime bit for bit)."""
-    from hpar.strategies.common.job import load_job
-    from hpar.strategies.pipeline.sim import simulate
+    from hpar.strategies.job.contract import load_job
+    from hpar.strategies.runtimes.pipeline.sim import simulate
     job = load_job(PIPE)
     return simulate(job, "1f1b", 2, steps=6, batch_size=8, micro_batches=4, lr=job.defaults["lr"]).model
 

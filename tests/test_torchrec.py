@@ -1,4 +1,4 @@
-"""``--strategy torchrec`` (strategies/torchrec/) through the real CLI: TorchRec's sharded tables
+"""``--strategy torchrec`` (strategies/runtimes/torchrec/) through the real CLI: TorchRec's sharded tables
 train examples/recsys.py and a user's model with weighted sum bags equal to one process; ``hpar
 bench`` reports it beside hybrid; what cannot run is one line before any worker starts. The runs
 need the optional install (scripts/install_torchrec.sh) and skip without it; the version check
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, final_state, hpar_to_file, single_process_reference, write_script
 
-from hpar.strategies.torchrec.trec_check import problem, versions
+from hpar.strategies.runtimes.torchrec.trec_check import problem, versions
 
 # the launcher's own check (package metadata: importing torchrec takes seconds); the runs then import it
 MISSING = problem(versions())
@@ -97,8 +97,8 @@ def test_checkpoint_resumes_exactly_and_at_another_worker_count(tmp_path, reap_r
     uninterrupted run (the tables' shards and Adagrad's fused sums restored through DCP); then
     resumed at 1 worker: its first step's loss is the 4-step model's on that worker's batch."""
     import itertools
-    from hpar.strategies.common.job import load_job
-    from hpar.strategies.models.forward import call_model
+    from hpar.strategies.job.contract import load_job
+    from hpar.strategies.job.forward import call_model
     script = write_script(tmp_path, BAGS)
     run_dir = str(tmp_path / "ck")
     reap_run(run_dir)

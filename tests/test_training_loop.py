@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-from hpar.strategies.common.config import RunConfig
-from hpar.strategies.common.job import JobError, load_job
+from hpar.strategies.job.config import RunConfig
+from hpar.strategies.job.contract import JobError, load_job
 from hpar.strategies.common.loop import step_schedule, step_tools
 
 from conftest import _concat, hpar, hpar_to_file, kill_left, write_script, final_state

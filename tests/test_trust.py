@@ -1,7 +1,7 @@
 """Run directories and exports, through the real CLI: hpar writes and cleans up only in folders
-it made (strategies/runstate/trust.py), `hpar export` writes into OUT beside what is there
-(strategies/runstate/export_files.py), a run directory others own or can write is refused, and the
-workers run only the config.json the launcher wrote (strategies/common/config.py)."""
+it made (strategies/state/trust.py), `hpar export` writes into OUT beside what is there
+(strategies/state/export_files.py), a run directory others own or can write is refused, and the
+workers run only the config.json the launcher wrote (strategies/job/config.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import TINY, hpar_to_file, kill_left, write_script
-from hpar.strategies.runstate.trust import MARKER
+from hpar.strategies.state.trust import MARKER
 
 pytestmark = pytest.mark.multiprocess
 
@@ -187,7 +187,7 @@ def test_a_worker_refuses_a_config_that_is_not_the_launchers(trained, tmp_path):
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert f"{config}: changed after the launcher wrote it" in proc.stdout + proc.stderr
-    from hpar.strategies.common.config import load_config
+    from hpar.strategies.job.config import load_config
     assert load_config(str(config), good).script.endswith("job.py")
 
 
@@ -195,7 +195,7 @@ def test_run_dir_hf_is_made_as_the_rest_of_the_run_not_0700(tmp_path):
     """RUN_DIR/hf (save_pretrained through a temp folder) gets the mode os.makedirs gives the
     run's other folders (the run directory itself is what keeps others out)."""
     transformers = pytest.importorskip("transformers")
-    from hpar.strategies.models.hf import save_pretrained_dir
+    from hpar.strategies.job.hf import save_pretrained_dir
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16,
                                                                  n_positions=8))
     old = os.umask(0o022)

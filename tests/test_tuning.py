@@ -1,4 +1,4 @@
-"""`--strategy auto` checked by measurement (launcher/run/tuning.py): short trials of the cost
+"""`--strategy auto` checked by measurement (strategies/plan/tuning.py): short trials of the cost
 model's best candidates, the fastest measured one trained. Unit tests of the rules, and the
 real `hpar run` on a job whose predicted winner is slowed in a way the model cannot see."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 import pytest
 
 from conftest import hpar_to_file, kill_left
-from hpar.launcher.run.tuning import Trial, candidates, choose, trial_steps
+from hpar.strategies.plan.tuning import Trial, candidates, choose, trial_steps
 from hpar.strategies.plan.decision import Candidate, Plan
 
 

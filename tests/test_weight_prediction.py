@@ -3,10 +3,10 @@ replays the pipeline schedules with the runtime's Stage code."""
 import pytest
 import torch
 
-from hpar.strategies.common.job import Job
-from hpar.strategies.pipeline.sim import simulate
-from hpar.strategies.pipeline.stage import split_micro
-from hpar.strategies.pipeline.prediction import PassWeights
+from hpar.strategies.job.contract import Job
+from hpar.strategies.runtimes.pipeline.sim import simulate
+from hpar.strategies.runtimes.pipeline.stage import split_micro
+from hpar.strategies.runtimes.pipeline.prediction import PassWeights
 
 
 def _layer(seed=0):
@@ -60,9 +60,9 @@ def test_without_momentum_v_is_the_last_gradient():
     lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, betas=(0.8, 0.99)),
 ])
 def test_velocity_is_the_optimizers_own_last_step_over_lr(make):
-    """v (strategies/pipeline/velocity.py) read after a step equals that step's movement / lr:
+    """v (strategies/runtimes/pipeline/velocity.py) read after a step equals that step's movement / lr:
     prediction extrapolates the direction the optimizer really moves in."""
-    from hpar.strategies.pipeline.velocity import velocity
+    from hpar.strategies.runtimes.pipeline.velocity import velocity
     torch.manual_seed(1)
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     opt = make(m.parameters())
@@ -308,7 +308,7 @@ def test_2bw_is_delay_one_sgd_at_every_depth(stages, micro):
 def test_divergence_guard_stop_and_sync_in_the_simulator():
     """lr 3 makes async-predict blow up on the small MLP; the guard cuts the asynchronous
     stream 1 + ceil((K-1)/M) steps after the trip and stops there or goes on as 1f1b."""
-    from hpar.strategies.pipeline.divergence import GuardConfig, LossWatch
+    from hpar.strategies.runtimes.pipeline.divergence import GuardConfig, LossWatch
     job = _mlp_job()
     kw = dict(steps=12, batch_size=8, micro_batches=2, lr=3.0)
     free = simulate(job, "async-predict", 3, **kw)

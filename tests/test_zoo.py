@@ -40,7 +40,7 @@ def offered(name: str) -> set[str]:
     """The strategies the planner marks as runnable for zoo model ``name`` on 2 workers."""
     if name not in _OFFERED:
         from hpar.launcher.commands.profile import build_cluster
-        from hpar.strategies.common.job import load_job
+        from hpar.strategies.job.contract import load_job
         from hpar.strategies.plan.planner import choose_plan
         from hpar.strategies.profile.profiler import profile_job
         job = load_job(os.path.join(ZOO, f"{name}.py"))
@@ -133,7 +133,7 @@ def test_zoo_data_parallel(tmp_path_factory, name, strategy):
     r = hpar_run(tmp_path_factory, name, strategy)
     check_trained(r)
     # DDP looks for unused parameters only where a profiled step left one without a gradient
-    # (strategies/dataparallel/ddp.py); torch then warns on the first step, which used the branch
+    # (strategies/runtimes/dataparallel/ddp.py); torch then warns on the first step, which used the branch
     assert ddp_warned(r) == (name == "sometimes_unused"), r["out"][-2000:]
     assert ("DDP looks for unused parameters every step" in r["out"]) == (name == "sometimes_unused"), r["out"][-2000:]
 

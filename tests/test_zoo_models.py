@@ -2,7 +2,7 @@
 Hugging Face GPT-2 (tied embedding), Llama (RMSNorm, rotary) and BERT (dict batches with
 padding and attention masks, fed as ``model(**batch)``) built from small configs, a ResNet
 written the usual way, and an nn.TransformerEncoder classifier. None is an nn.Sequential or has
-hpar_layers(): torch's tracer cuts them into pipeline stages (strategies/models/traced.py).
+hpar_layers(): torch's tracer cuts them into pipeline stages (strategies/job/traced.py).
 
 Synchronous pipelines must equal one process on the same batches (gradient accumulation over
 micro-batches), also with a weight tied across stages and with replicas; an asynchronous
@@ -43,7 +43,7 @@ def test_profile_offers_a_pipeline_with_its_stage_split(name):
     """`hpar profile`'s planner (in this process) lists pipeline as runnable for every zoo model
     here, with the layer range of each stage in its note."""
     from hpar.launcher.run.cluster_build import build_cluster
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     job = load_job(os.path.join(ZOO, f"{name}.py"))
@@ -91,8 +91,8 @@ def test_gpt2_tied_across_stages_stays_one_parameter(tmp_path_factory):
     r = hpar_run(tmp_path_factory, "hf_gpt2", "pipeline", 4, "--schedule", "1f1b", "--micro-batches", "4",
                  "--pipeline-replicas", "1", "--clip-grad-norm", "0.5", "--log-every", "1", "--checkpoint-every", "1", "--keep-checkpoints", "0")
     check_trained(r)
-    from hpar.strategies.runstate import state
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.state import state
+    from hpar.strategies.job.contract import load_job
     job = load_job(os.path.join(ZOO, "hf_gpt2.py"))
     torch.manual_seed(0)
     model = job.build_model()
@@ -203,7 +203,7 @@ def test_hpar_export_hf_loads_with_from_pretrained(tmp_path_factory, tmp_path):
     RUN_DIR/model): GPT2LMHeadModel.from_pretrained loads it, tied again, and its logits on a
     fixed batch equal the trained model's (the script's model() with the run's final state)."""
     from conftest import hpar_to_file
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     from transformers import GPT2LMHeadModel
     r = hpar_run(tmp_path_factory, "hf_gpt2", "pipeline", 4, "--schedule", "1f1b", "--micro-batches", "4",
                  "--pipeline-replicas", "1", "--clip-grad-norm", "0.5", "--log-every", "1", "--checkpoint-every", "1", "--keep-checkpoints", "0")

@@ -5,7 +5,7 @@ HPAR_NUM_SERVERS, HPAR_PG_RANK (= WORLD_SIZE + index), HPAR_PG_WORLD_SIZE, MASTE
 MASTER_PORT, HPAR_CONFIG. The server joins the default group, creates the same subgroups
 as the workers, builds its shard of every PS table (same seed, so the same initial values
 as the workers' model), then serves the workers until every one has finished
-(strategies/hybrid/ps_server.py). It reports bytes per step by table (``metric``) and
+(strategies/runtimes/hybrid/ps_server.py). It reports bytes per step by table (``metric``) and
 heartbeats through workers/report.py.
 """
 from __future__ import annotations
@@ -19,18 +19,18 @@ report.install_stack_dump()   # first, so that a stall during start-up can be di
 
 import torch  # noqa: E402
 
-from hpar.strategies.runstate import checkpoint
+from hpar.strategies.state import checkpoint
 
 from hpar.strategies.common import measured_memory as memory
-from hpar.strategies.common.config import load_config
-from hpar.strategies.models.forward import inner_module
-from hpar.strategies.hybrid.build import broadcast_dense
-from hpar.strategies.hybrid.client import ps_tables
-from hpar.strategies.hybrid.hybrid_runtime import make_groups
-from hpar.strategies.hybrid.schedule import ServerSchedule, group_index
-from hpar.strategies.hybrid.ps_server import Server
-from hpar.strategies.common.job import JobError, load_job
-from hpar.strategies.runstate.state import DiskFull
+from hpar.strategies.job.config import load_config
+from hpar.strategies.job.forward import inner_module
+from hpar.strategies.runtimes.hybrid.build import broadcast_dense
+from hpar.strategies.runtimes.hybrid.client import ps_tables
+from hpar.strategies.runtimes.hybrid.hybrid_runtime import make_groups
+from hpar.strategies.runtimes.hybrid.schedule import ServerSchedule, group_index
+from hpar.strategies.runtimes.hybrid.ps_server import Server
+from hpar.strategies.job.contract import JobError, load_job
+from hpar.strategies.state.state import DiskFull
 from hpar.workers.worker import cpu_threads, env_int, init_group, leave_group, run_entry
 
 

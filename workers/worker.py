@@ -23,15 +23,15 @@ import torch.distributed as dist
 from hpar.strategies.common import activity
 
 from hpar.strategies.common import measured_memory as memory
-from hpar.strategies.common.config import ConfigChanged, RunConfig, load_config
+from hpar.strategies.job.config import ConfigChanged, RunConfig, load_config
 from hpar.strategies.common.context import WorkerContext
 from hpar.strategies.common.devices import model_to_cpu
 from hpar.strategies.common.gather import all_gather_ints
 from hpar.strategies.common.groups import join_default_group
-from hpar.strategies.common.job import JobError, load_job
-from hpar.strategies.runstate.safe_read import UnsafeCheckpoint
-from hpar.strategies.runstate.state import DiskFull
-from hpar.strategies.models.hf import is_pretrained, save_pretrained_dir
+from hpar.strategies.job.contract import JobError, load_job
+from hpar.strategies.state.safe_read import UnsafeCheckpoint
+from hpar.strategies.state.state import DiskFull
+from hpar.strategies.job.hf import is_pretrained, save_pretrained_dir
 
 def env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
@@ -149,7 +149,7 @@ def main() -> int:
     result = train(ctx)
     report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures(),
                           "final_peak_bytes": memory.final_peak_bytes(), "trims": memory.trims()})
-    if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/runstate/state.py)
+    if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/state/state.py)
         assert result.model is not None or result.eval_last is not None, "rank 0 evaluates the whole model"
         report.emit("event", {"kind": "phase", "phase": "evaluate"})
         eval_last = result.eval_last
@@ -158,7 +158,7 @@ def main() -> int:
             if eval_last is None:
                 with activity.doing("in evaluate() after the last step"):
                     eval_last = job.run_evaluate(model) if cfg.eval else {}
-            if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/models/hf.py)
+            if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/job/hf.py)
                 with activity.doing("writing RUN_DIR/hf (save_pretrained)"):
                     save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
         report.emit("summary", {

@@ -127,7 +127,7 @@ def with_compress(names: tuple[str, ...], text: str | None) -> tuple[str, ...]:
     ``compress_hooks``), one row per ``--compress`` setting in ``text`` ("fp16,powersgd:2"; ``off``
     adds nothing: the uncompressed row is always there). ValueError naming ``--compress`` for a
     bad setting, or when no strategy in ``names`` can compress."""
-    from hpar.strategies.common.compression import Compression
+    from hpar.strategies.job.compression import Compression
     from hpar.strategies.specs.registry import spec
     if text is None:
         return names

@@ -31,7 +31,7 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
             return ("torch.distributed.pipelining's schedules run here on an nn.Sequential or hpar_layers() only; "
                     "this model is cut by tracing")
         if est is not None:
-            from hpar.strategies.pipeline.ties import schedule_problem, stages_of
+            from hpar.strategies.runtimes.pipeline.ties import schedule_problem, stages_of
             problem = schedule_problem({n: stages_of(held, est.stages) for n, held in profile.shared_params
                                         if len(stages_of(held, est.stages)) > 1}, schedule)
             if problem:
@@ -40,13 +40,13 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
             return (f"the plan's {est.micro_batches} micro-batch(es) per batch are fewer than the {gpus} stages "
                     "torch's Schedule1F1B needs (benchmarks/bench_pipeline.py compares it at M = 4)")
         if schedule.startswith("torch-") and est is not None:
-            from hpar.strategies.pipeline.torch_peers import check_peer
+            from hpar.strategies.runtimes.pipeline.torch_peers import check_peer
             try:
                 check_peer(schedule, len(profile.layers), gpus, est.micro_batches, profile.device)
             except ValueError as exc:
                 return str(exc)
         if schedule == "async-2bw" and est is not None:
-            from hpar.strategies.pipeline.schedules import check_2bw
+            from hpar.strategies.runtimes.pipeline.schedules import check_2bw
             try:
                 check_2bw(gpus, est.micro_batches)
             except ValueError as exc:
@@ -83,7 +83,7 @@ def _add_compressed(profile, names: tuple[str, ...], estimates: dict, cluster) -
     """Add to ``estimates`` (by cost-model strategy) each compressed row of ``names`` ("hybrid
     --compress fp16"), by its row name: its strategy's estimate with the AllReduce compressed
     (strategies/plan/costmodel_compress.py)."""
-    from hpar.strategies.common.compression import Compression
+    from hpar.strategies.job.compression import Compression
     from hpar.strategies.plan.costmodel_compress import estimate_compressed
     for n in names:
         base = estimates.get(bench_entry(n)[0])
@@ -99,7 +99,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     measured for this job (the emulated hosts' sparse exchange). Raises JobError/ValueError
     for a bad script or flags."""
     from hpar.strategies.plan.estimates import estimate_all
-    from hpar.strategies.common.job import check_job, load_job
+    from hpar.strategies.job.contract import check_job, load_job
     from hpar.strategies.plan.memory_model import forward_passes
     from hpar.strategies.profile.profiler import profile_job
     job = load_job(script)
@@ -127,7 +127,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     # the planner's plan of each planned strategy, so that its runs execute what was
     # predicted (pipeline: stages and micro-batches, one plan for hpar's and torch's schedules
     # alike; hybrid/ps: placement and partitions) rather than each run re-profiling
-    from hpar.strategies.runstate.checkpoint import atomic_write_bytes
+    from hpar.strategies.state.checkpoint import atomic_write_bytes
     from hpar.strategies.plan.planner import choose_plan
     stem = os.path.splitext(os.path.basename(script))[0]
     # what the predictions were made from, so that a later cost model can be checked on these runs

@@ -105,9 +105,9 @@ def _last_error(log_path: str) -> str:
 def drop_models(run_dir: str) -> list[str]:
     """Remove a finished bench run's trained model (``model/``, ``hf/``) and checkpoints: the
     bench keeps its figures, logs and metrics, not tens of MB of weights per run. Only in a
-    marked run directory (strategies/runstate/trust.py); returns what was removed."""
+    marked run directory (strategies/state/trust.py); returns what was removed."""
     import shutil
-    from hpar.strategies.runstate.trust import is_marked
+    from hpar.strategies.state.trust import is_marked
     if not is_marked(run_dir):
         return []
     gone = [os.path.join(run_dir, n) for n in ("model", "hf", "checkpoints") if os.path.isdir(os.path.join(run_dir, n))]

@@ -21,7 +21,7 @@ import os
 import click
 
 from hpar.launcher.usage import fail as _fail, table_console
-from hpar.strategies.common.errors import JobError
+from hpar.strategies.job.errors import JobError
 
 
 def _check_common(scripts, steps: int, timeout_s: float, plot_out, bench_dir, repeat: int = 1,
@@ -85,7 +85,7 @@ def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps
     emulate:H`` describes the same cluster: shared cores, loopback within a host). ``link``: the
     emulated link's (bandwidth, latency, ...) as measured (``EmulatedCluster.probe_link``), which the cost model then uses
     instead of the cap (its latency unless ``latency`` is given); ``capacity``: the memory of a
-    worker and a server (launcher/run/capacity.py), this machine's where not given."""
+    worker and a server (strategies/plan/capacity.py), this machine's where not given."""
     from hpar.launcher.run.cluster_build import build_cluster
     from hpar.strategies.plan.cluster import make_cluster
     bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
@@ -191,7 +191,7 @@ def bench(scripts, **given):
         if n_emulated is None and hosts:
             from hpar.launcher.hosts.hostfile import parse_hosts, place_workers
             place_workers(list(parse_hosts(hosts)), gpus)
-        from hpar.launcher.run.capacity import from_flags
+        from hpar.strategies.plan.capacity import from_flags
         capacity = from_flags(worker_memory, server_memory)
         emulated = EmulatedCluster(n_emulated, gpus, bw, link_queue) if n_emulated else None
     except JobError as exc:

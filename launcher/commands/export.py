@@ -1,11 +1,11 @@
 """``hpar export RUN_DIR --format torch|safetensors|hf --out PATH``: a run's trained model, which
 it wrote where it lived (RUN_DIR/model), as one file or directory people load
-(strategies/runstate/export_files.py)."""
+(strategies/state/export_files.py)."""
 from __future__ import annotations
 
 import click
 
-from hpar.strategies.runstate.export_files import FORMATS
+from hpar.strategies.state.export_files import FORMATS
 
 
 @click.command()
@@ -20,8 +20,8 @@ from hpar.strategies.runstate.export_files import FORMATS
 def export(run_dir, fmt, out, script, force):
     """Write RUN_DIR's trained model as FORMAT at OUT."""
     from hpar.launcher.usage import fail
-    from hpar.strategies.runstate.export_files import export as run_export
-    from hpar.strategies.common.job import JobError
+    from hpar.strategies.state.export_files import export as run_export
+    from hpar.strategies.job.contract import JobError
     try:
         written = run_export(run_dir, fmt, out, script, force)
     except (ValueError, JobError) as exc:

@@ -24,7 +24,7 @@ from hpar.launcher.run.cluster_build import DEFAULT_LATENCY, build_cluster
 
 CLUSTER_FLAGS = ("gpus", "hosts", "servers", "bandwidth", "latency", "device_tflops", "device_mem_gbps")
 from hpar.launcher.usage import fail as _fail, table_console
-from hpar.strategies.common.errors import JobError
+from hpar.strategies.job.errors import JobError
 
 def _human(n: float, unit: str = "B") -> str:
     for prefix in ("", "k", "M", "G", "T"):
@@ -170,22 +170,22 @@ def _capacity(cluster) -> str:
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Write the plan as JSON for `hpar run --plan`.")
 def profile(script, as_json, plan_out, **given):
     """Measure SCRIPT, predict every strategy on the cluster, and choose a plan."""
-    from hpar.strategies.common.errors import check_script_file
+    from hpar.strategies.job.errors import check_script_file
     try:
         check_script_file(script)   # there, readable, compiles: before torch is imported
     except ValueError as exc:
         _fail(str(exc))
-    from hpar.strategies.runstate.checkpoint import atomic_write_bytes
-    from hpar.strategies.common.config import check_cache_flags
-    from hpar.strategies.hybrid.cache import CacheConfig
+    from hpar.strategies.state.checkpoint import atomic_write_bytes
+    from hpar.strategies.job.config import check_cache_flags
+    from hpar.strategies.runtimes.hybrid.cache import CacheConfig
     cluster_flags = {k: given.pop(k) for k in CLUSTER_FLAGS}   # --gpus, --hosts, ...: launcher/run/cluster_build.py
     device, batch_size, timing_batch_size, precision = (given[k] for k in ("device", "batch_size", "timing_batch_size",
                                                                              "precision"))
     worker_memory, server_memory, staleness, cache_rows = (given[k] for k in ("worker_memory", "server_memory",
                                                                                "staleness", "cache_rows"))
-    from hpar.strategies.common.job import check_job, load_job
+    from hpar.strategies.job.contract import check_job, load_job
     from hpar.strategies.plan.memory_model import forward_passes
-    from hpar.launcher.run.vet import vetted_plan   # nothing runnable that `hpar run` would refuse
+    from hpar.strategies.plan.vet import vetted_plan   # nothing runnable that `hpar run` would refuse
     from hpar.strategies.profile.device import profile_device
     from hpar.strategies.profile.profiler import profile_job
     from hpar.launcher.run.leftovers import ended_at_exit
@@ -202,7 +202,7 @@ def profile(script, as_json, plan_out, **given):
             check_cache_flags(cache_rows, staleness)
             if timing_batch_size is not None and timing_batch_size < 1:
                 raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
-            from hpar.launcher.run.capacity import from_flags
+            from hpar.strategies.plan.capacity import from_flags
             capacity = from_flags(worker_memory, server_memory)
             measure_on = profile_device(device)
             cluster = build_cluster(**cluster_flags, measured_on=measure_on.type, capacity=capacity)

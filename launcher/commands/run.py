@@ -13,33 +13,33 @@ from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
 from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.device_choice import choose_devices, describe, local_gpus
-from hpar.launcher.run.capacity import from_flags
-from hpar.launcher.run.fit import fit_plan
+from hpar.strategies.plan.capacity import from_flags
+from hpar.strategies.plan.fit import fit_plan
 from hpar.launcher.run.flags import Flags, PlanFlags
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir, finished, resume_step
-from hpar.strategies.runstate.trust import check_trusted
+from hpar.strategies.state.trust import check_trusted
 from hpar.launcher.run.reshape import describe_reshape, old_settings
-from hpar.launcher.run.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
+from hpar.strategies.plan.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import LaunchOptions
-from hpar.strategies.runstate import checkpoint
+from hpar.strategies.state import checkpoint
 from hpar.strategies.plan.decision import Plan
-from hpar.strategies.common.config import sync_batchnorm_problem
-from hpar.strategies.common.config import FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags
-from hpar.strategies.dataparallel.ddp import find_unused
+from hpar.strategies.job.config import sync_batchnorm_problem
+from hpar.strategies.job.config import FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags
+from hpar.strategies.runtimes.dataparallel.ddp import find_unused
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import spec as strategy_spec, where
-from hpar.launcher.run import compress_setting
-from hpar.launcher.run.strategy_settings import (cache_settings, check_optimizer, check_unused_by_rank, ddp_find_unused,
+from hpar.strategies.plan import compress_setting
+from hpar.strategies.plan.strategy_settings import (cache_settings, check_optimizer, check_unused_by_rank, ddp_find_unused,
                                                  default_micro_batches)
-from hpar.strategies.models.forward import inner_module
-from hpar.strategies.common.job import check_job, load_job
+from hpar.strategies.job.forward import inner_module
+from hpar.strategies.job.contract import check_job, load_job
 from hpar.strategies.common.loop import check_precision
-from hpar.strategies.hybrid.client import placement
-from hpar.strategies.hybrid.embedding import check_fullgraph
-from hpar.strategies.models.layers import is_declared_sequence
-from hpar.strategies.pipeline.stage import check_pipeline, sequential_layers, split_micro
-from hpar.strategies.pipeline.ties import check_schedule, shared_across_stages
-from hpar.strategies.models.tying import embedding_tables
+from hpar.strategies.runtimes.hybrid.client import placement
+from hpar.strategies.runtimes.hybrid.embedding import check_fullgraph
+from hpar.strategies.job.layers import is_declared_sequence
+from hpar.strategies.runtimes.pipeline.stage import check_pipeline, sequential_layers, split_micro
+from hpar.strategies.runtimes.pipeline.ties import check_schedule, shared_across_stages
+from hpar.strategies.job.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
              "keep_checkpoints": 2,
@@ -100,7 +100,7 @@ def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: st
     """(strategy, Plan, the planner's Profile or None) from ``--plan``, or from the planner for ``auto`` and for
     ``pipeline`` (which needs its balanced stages), on ``capacity``'s memory (``--force``: a
     forced strategy that does not fit is planned anyway); the data-parallel strategies named
-    explicitly run with their defaults and no profiling (their memory: launcher/run/fit.py).
+    explicitly run with their defaults and no profiling (their memory: strategies/plan/fit.py).
     ``flags``: the plan's flags as resolved (launcher/run/flags.PlanFlags); ``cache``: the
     hot-row caches ``--staleness`` allows the planner to choose (hybrid/cache.CacheConfig, or None);
     ``forwards``: each worker's forward passes over the run (steps times accumulation)."""
@@ -128,7 +128,7 @@ def resolve(console: Console, flags: Flags):
     run, ``--find-unused-parameters`` and ``--allow-unequal-batches`` may change (how a run that
     failed on either goes on); ``--gpus``, ``--servers`` and the pipeline's shape make it
     resume at another size (launcher/run/reshape.py). ``--worker-memory``/``--server-memory``:
-    GB each process may use; ``--force`` runs a plan predicted not to fit (launcher/run/fit.py);
+    GB each process may use; ``--force`` runs a plan predicted not to fit (strategies/plan/fit.py);
     ``--staleness``/``--cache-rows``: the workers' hot-row caches
     (launcher/run/strategy_settings.cache_settings)."""
     j, p, h, r = flags.job, flags.plan, flags.hosts, flags.run
@@ -216,7 +216,7 @@ def resolve(console: Console, flags: Flags):
         if bs < 1:
             raise ValueError(f"--batch-size must be at least 1, got {bs}")
         model = check_job(job, bs)
-        # a model that is not a declared sequence is cut by tracing it on a batch (strategies/models/traced.py)
+        # a model that is not a declared sequence is cut by tracing it on a batch (strategies/job/traced.py)
         traced_on = None if is_declared_sequence(model) else next(job.batches(0, 1, bs))[0]
         strategy_flag = strategy
         strategy = check_replicas_flag(pipeline_replicas, gpus, strategy, model, traced_on)   # before the planner profiles
@@ -226,7 +226,7 @@ def resolve(console: Console, flags: Flags):
         pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
         staleness, cache_rows = pick(staleness, "staleness"), pick(cache_rows, "cache_rows")
         check_cache_flags(cache_rows, staleness)   # HPAR's keys too
-        from hpar.strategies.hybrid.cache import CacheConfig
+        from hpar.strategies.runtimes.hybrid.cache import CacheConfig
         from hpar.strategies.plan.memory_model import forward_passes
         resolved = dataclasses.replace(p, strategy=strategy, servers=servers,
                                        pipeline_replicas=planner_replicas(pipeline_replicas, schedule),
@@ -292,19 +292,19 @@ def resolve(console: Console, flags: Flags):
             compress=compress_setting.decide(console, compress, strategy, strategy_flag, device))
         check_precision(job, cfg, model)
         if spec.pipelined and cfg.schedule == "async-predict":
-            from hpar.strategies.pipeline.velocity import check_predictable
+            from hpar.strategies.runtimes.pipeline.velocity import check_predictable
             check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
         if spec.pipelined:
             example = None if traced_on is None else split_micro(traced_on, cfg.micro_batches)[0]
             ranges = check_pipeline(model, cfg.pipeline_stages, cfg.plan, cfg.micro_batches, bs, example)   # refuse a plan that cannot run, before any process
             check_schedule(shared_across_stages(sequential_layers(model, example), ranges), cfg.schedule)
             layers = None
-            if cfg.schedule.startswith("torch-"):   # strategies/pipeline/torch_peers.py (one pipeline: R = 1)
+            if cfg.schedule.startswith("torch-"):   # strategies/runtimes/pipeline/torch_peers.py (one pipeline: R = 1)
                 if traced_on is not None:
                     raise ValueError(f"--schedule {cfg.schedule}: torch.distributed.pipelining's schedules run here on "
                                      "an nn.Sequential or hpar_layers() only; this model is cut by tracing, which "
                                      "hpar's own schedules run (gpipe, 1f1b, async, async-stash, async-predict, async-2bw)")
-                from hpar.strategies.pipeline.torch_peers import VIRTUAL_STAGES, check_peer
+                from hpar.strategies.runtimes.pipeline.torch_peers import VIRTUAL_STAGES, check_peer
                 check_peer(cfg.schedule, len(sequential_layers(model)), gpus, cfg.micro_batches, cfg.device)
                 if VIRTUAL_STAGES[cfg.schedule] > 1:
                     layers = f"{VIRTUAL_STAGES[cfg.schedule]} chunks per process balanced on parameter counts"

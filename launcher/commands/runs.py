@@ -3,7 +3,7 @@ state and the command that resumes each; ``hpar clean RUN_DIR...`` removes the o
 names, after saying what and how much and asking (``--yes`` to skip the question).
 
 Only hpar's own run directories are listed or removed: those with its marker
-(strategies/runstate/trust.py), owned by this user and writable by nobody else; a folder of
+(strategies/state/trust.py), owned by this user and writable by nobody else; a folder of
 anything else, a run whose processes are still alive, and a path outside the named ones are
 never touched.
 """
@@ -16,7 +16,7 @@ import shutil
 import click
 
 from hpar.launcher.run.progress import human_bytes
-from hpar.strategies.runstate.trust import MARKER, check_trusted, is_marked
+from hpar.strategies.state.trust import MARKER, check_trusted, is_marked
 
 
 def _size(path: str) -> int:
@@ -36,7 +36,7 @@ def state(run_dir: str) -> tuple[str, str]:
     """(state in words, what to do next) of the run in ``run_dir``, from its summary.json and
     checkpoints: finished, interrupted or failed at step N, or no summary (running, or its
     launcher was killed)."""
-    from hpar.strategies.runstate.checkpoint import latest_step
+    from hpar.strategies.state.checkpoint import latest_step
     try:
         with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
             summary = json.load(f)

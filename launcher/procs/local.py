@@ -51,7 +51,7 @@ def run_specs(world_size: int, servers: int, config_path: str, master_addr: str,
     process group of world_size + servers ranks (HPAR_PG_RANK, HPAR_PG_WORLD_SIZE), servers
     after workers. ``host_of_*`` name each process's host (default: all "localhost").
     ``config_sha256`` (HPAR_CONFIG_SHA256): every process refuses a config.json that does not
-    hash to it (strategies/common/config.py ``load_config``).
+    hash to it (strategies/job/config.py ``load_config``).
     """
     python = python or sys.executable
     host_of_worker = host_of_worker or ["localhost"] * world_size

@@ -39,7 +39,7 @@ import time
 
 from hpar.launcher.hosts.environ import forwarded
 from hpar.launcher.procs.local import ProcessSpec
-from hpar.strategies.runstate.checkpoint import atomic_write_bytes
+from hpar.strategies.state.checkpoint import atomic_write_bytes
 
 HEARTBEAT_S = 4.0
 # Runs in every task: python -c BOOT TASKS.json
@@ -92,7 +92,7 @@ def task_table(specs: list[ProcessSpec], env: dict | None, cwd: str) -> list[dic
 
 def write_private(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically, readable by this user only (0600 from creation:
-    strategies/runstate/checkpoint.py ``atomic_write_bytes(..., private=True)``)."""
+    strategies/state/checkpoint.py ``atomic_write_bytes(..., private=True)``)."""
     atomic_write_bytes(path, data, private=True)
 
 

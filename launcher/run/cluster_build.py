@@ -21,9 +21,9 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, devic
     """ClusterSpec from the flags (see the module docstring); ``device_mem_gbps``: the projected
     device's memory bandwidth (GB/s); ``measured_on``: the device the profile measures on
     ("cuda": no CPU-core sharing in the cost model; None: "cuda" when this machine has a GPU);
-    ``capacity``: ``--worker-memory``/``--server-memory`` (launcher/run/capacity.py), this
+    ``capacity``: ``--worker-memory``/``--server-memory`` (strategies/plan/capacity.py), this
     machine's defaults filled in where every host is this one. Raises ValueError naming the flag."""
-    from hpar.launcher.run.capacity import Capacity, with_defaults
+    from hpar.strategies.plan.capacity import Capacity, with_defaults
     cluster = _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps, measured_on)
     local = cluster.device_flops is None and _all_local(hosts)
     procs = cluster.max_gpus_per_host + -(-cluster.servers // cluster.hosts)

@@ -6,7 +6,7 @@ same Python, torch and hpar, the script present). A host that fails it is left o
 restarts on the others, with as many workers as their slots hold (``--gpus`` at most), a
 parameter server on each host that has workers (at most as many as before), a pipeline's K
 stages with fewer replicas, and resumes from the last checkpoint at that size (every process
-reads what it holds in the new layout: strategies/runstate/state.py). Fewer than N answering hosts end
+reads what it holds in the new layout: strategies/state/state.py). Fewer than N answering hosts end
 the run, saying which did not answer. What happened is said in the live view and recorded in
 summary.json (``elastic``: per restart, the hosts kept, the hosts lost, the workers).
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.launcher.hosts.hostfile import Host, place_workers, total_slots
-from hpar.strategies.common.config import RunConfig
+from hpar.strategies.job.config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import math
 import os
 
 from hpar.strategies.specs.registry import spec as strategy_spec
-from hpar.strategies.runstate.checkpoint import atomic_write_bytes
+from hpar.strategies.state.checkpoint import atomic_write_bytes
 
 FILE = "first.json"
 

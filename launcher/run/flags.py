@@ -27,7 +27,7 @@ class JobFlags:
     no_eval: bool = False
     find_unused_parameters: str | None = None   # auto, on, off
     allow_unequal_batches: bool | None = None
-    sync_batchnorm: bool | None = None          # BatchNorm over every worker's batch (strategies/dataparallel/sync_batchnorm.py)
+    sync_batchnorm: bool | None = None          # BatchNorm over every worker's batch (strategies/runtimes/dataparallel/sync_batchnorm.py)
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class PlanFlags:
     force: bool = False
     staleness: int | None = None      # hybrid/ps: hot-row caches read rows up to this many updates stale
     cache_rows: float | None = None   # their rows per table (>= 1) or fraction of each table (< 1)
-    compress: str | None = None       # --compress: off, fp16, bf16, powersgd[:RANK] (strategies/common/compression.py)
+    compress: str | None = None       # --compress: off, fp16, bf16, powersgd[:RANK] (strategies/job/compression.py)
     needs: tuple = ()                 # capabilities (StrategySpec flags) auto's choice must have, e.g. ("sync_batchnorm",)
 
 

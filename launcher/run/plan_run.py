@@ -19,7 +19,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     ``compute`` says which, and ``hpar run`` warns when its workers use another device
     (:func:`compute_mismatch`). ``precision``: the workers' ``--precision`` (None: the
     script's), under which the forward passes are timed; ``capacity``: the memory each process
-    may use (launcher/run/capacity.py); ``cache``: the hot-row caches the user allowed
+    may use (strategies/plan/capacity.py); ``cache``: the hot-row caches the user allowed
     (``--staleness``: hybrid/cache.CacheConfig), which the planner may then choose;
     ``forwards``: each worker's forward passes over the run (its memory's growth). A plan of
     ``auto`` lists under ``alternatives`` the other strategies' plans that fit, for ``--tune``.
@@ -29,7 +29,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     force = None if flags.strategy == "auto" else flags.strategy
     schedule, pipeline_replicas = flags.schedule or "1f1b", flags.pipeline_replicas
     from hpar.launcher.run.cluster_build import build_cluster
-    from hpar.launcher.run.vet import vetted_plan
+    from hpar.strategies.plan.vet import vetted_plan
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     from hpar.strategies.profile.device import profile_device
@@ -37,12 +37,12 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     cluster = build_cluster(gpus, hosts_spec, flags.servers, None, None, None, measured_on=measure_on.type,
                             capacity=capacity)
     profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision)
-    # no candidate that `hpar run` would refuse before start is chosen (launcher/run/vet.py)
+    # no candidate that `hpar run` would refuse before start is chosen (strategies/plan/vet.py)
     plan = vetted_plan(job, profile, cluster, needs=flags.needs, schedule=schedule, force=force,
                        pipeline_replicas=pipeline_replicas, allow_misfit=flags.force, cache=cache, forwards=forwards)
     if force is not None:
         return plan, profile
-    alternatives = {}   # the plans --tune may try (launcher/run/tuning.py): those that fit
+    alternatives = {}   # the plans --tune may try (strategies/plan/tuning.py): those that fit
     for c in plan.candidates:
         if c.available and c.strategy != (HYBRID_CACHE.name if plan.cache else plan.strategy):
             try:

@@ -151,7 +151,7 @@ def stopped_line(s: dict, run_dir: str, exit_code: int) -> str:
     none). ``s`` empty: the run's summary.json is read."""
     import json
     import os
-    from hpar.strategies.runstate.checkpoint import latest_step
+    from hpar.strategies.state.checkpoint import latest_step
     if not s:
         try:
             with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:

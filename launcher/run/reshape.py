@@ -5,7 +5,7 @@ The run is planned afresh for the new shape, as a new run of the same script wou
 with the old run's own settings (its steps, learning rate, seed, batch size, precision,
 clipping, ...: :func:`old_settings`) where no flag says otherwise, and it resumes from the
 run's latest checkpoint: every process reads what it holds in the new shape from it
-(torch.distributed.checkpoint reshards: strategies/runstate/state.py), tables re-partitioned over the
+(torch.distributed.checkpoint reshards: strategies/state/state.py), tables re-partitioned over the
 new servers, stages re-cut. The new shape's batches continue at the checkpoint's step. With
 the same global batch (samples per optimizer step over all workers) the synchronous
 strategies continue as an uninterrupted run of the new shape would from that state; a
@@ -14,7 +14,7 @@ changed global batch is said in one line (:func:`describe_reshape`).
 from __future__ import annotations
 
 from hpar.strategies.specs.registry import spec as strategy_spec
-from hpar.strategies.common.config import RunConfig
+from hpar.strategies.job.config import RunConfig
 
 KEPT = ("steps", "batch_size", "lr", "seed", "log_every", "checkpoint_every", "keep_checkpoints", "precision", "clip_grad_norm",
         "accumulate", "eval_every", "staleness", "cache_rows")

@@ -2,14 +2,14 @@
 
 Layout::
 
-    RUN_DIR/.hpar-run          hpar's marker: hpar made this directory (strategies/runstate/trust.py)
+    RUN_DIR/.hpar-run          hpar's marker: hpar made this directory (strategies/state/trust.py)
     RUN_DIR/config.json        the resolved RunConfig (what every process reads)
     RUN_DIR/plan.json          the planner's plan, when there is one
     RUN_DIR/logs/worker-0.log  everything worker 0 printed (likewise server-<i>.log)
     RUN_DIR/metrics.jsonl      one JSON line per process per logging interval or heartbeat
     RUN_DIR/summary.json       written once at the end (also after a failure)
-    RUN_DIR/checkpoints/       see strategies/runstate/checkpoint.py
-    RUN_DIR/model/             the trained model, written where it lives (strategies/runstate/state.py)
+    RUN_DIR/checkpoints/       see strategies/state/checkpoint.py
+    RUN_DIR/model/             the trained model, written where it lives (strategies/state/state.py)
     RUN_DIR/hf/                a transformers model's save_pretrained directory (from_pretrained loads it)
     RUN_DIR/tensorboard/       TensorBoard event files, when tensorboard is installed
 """
@@ -22,9 +22,9 @@ import os
 from collections import deque
 
 from hpar.launcher.run.tensorboard import open_writer
-from hpar.strategies.runstate.checkpoint import atomic_write_bytes
-from hpar.strategies.runstate.trust import claim
-from hpar.strategies.common.config import RunConfig
+from hpar.strategies.state.checkpoint import atomic_write_bytes
+from hpar.strategies.state.trust import claim
+from hpar.strategies.job.config import RunConfig
 
 
 def default_run_dir() -> str:
@@ -34,7 +34,7 @@ def default_run_dir() -> str:
 
 class RunDir:
     """Files of one run. Log files are opened lazily and closed by :meth:`close`. The
-    directory is this user's marked run directory (strategies/runstate/trust.py ``claim``:
+    directory is this user's marked run directory (strategies/state/trust.py ``claim``:
     made 0700, or 0750 when ``group_readable``; ``adopt`` takes an unmarked run being
     resumed); raises ValueError as ``claim`` does."""
 

@@ -16,14 +16,14 @@ from hpar.launcher.run.batchcheck import BatchSizeCheck
 from hpar.launcher.run.elastic import shrink
 from hpar.launcher.run.first_figures import FirstFigures
 from hpar.launcher.run.health import heartbeat_interval
-from hpar.launcher.run.peaks import PeakFigures
+from hpar.strategies.plan.peaks import PeakFigures
 from hpar.launcher.run.progress import Progress, last_reported
 from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_host_local, port_taken
 from hpar.launcher.run.rundir import RunDir
 from hpar.launcher.run.supervisor import Outcome, Supervisor
 from hpar.launcher.run.validate import resume_step
-from hpar.strategies.runstate import checkpoint
-from hpar.strategies.common.config import RunConfig
+from hpar.strategies.state import checkpoint
+from hpar.strategies.job.config import RunConfig
 
 
 
@@ -121,7 +121,7 @@ def _elastic(cfg: RunConfig, opts: LaunchOptions, master: str, console: Console,
 def _unused_restart(cfg: RunConfig, outcome, console: Console) -> RunConfig:
     """The run again with DDP's ``find_unused_parameters`` on, from its last checkpoint (or the
     start), after a step left a parameter without a gradient that no profiled step had
-    (``outcome.cause``, strategies/dataparallel/ddp.py); said in one line."""
+    (``outcome.cause``, strategies/runtimes/dataparallel/ddp.py); said in one line."""
     try:
         step = resume_step(cfg.run_dir, lambda m: console.print(m, markup=False))
     except ValueError:
@@ -139,7 +139,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
     rundir = RunDir(cfg.run_dir, opts.group_readable, adopt=cfg.resume)
     previous = rundir.read_summary()
     figures = FirstFigures(rundir.path, cfg.world_size, cfg.strategy)
-    peaks = PeakFigures(rundir)   # measured peak memory per process (launcher/run/peaks.py)
+    peaks = PeakFigures(rundir)   # measured peak memory per process (strategies/plan/peaks.py)
     attempt = 0
     used_ports: set[int] = set()
     elastic: list[dict] = []   # the restarts that left hosts out (--min-hosts)

@@ -26,7 +26,7 @@ from hpar.launcher.run.progress import Progress
 from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_host_local, port_taken
 from hpar.launcher.run.rundir import RunDir
 from hpar.launcher.run.supervisor import Outcome, Supervisor
-from hpar.strategies.runstate.checkpoint import atomic_write_bytes
+from hpar.strategies.state.checkpoint import atomic_write_bytes
 
 STATS_S = 2.0
 

@@ -311,7 +311,7 @@ class Supervisor:
                 self.health.phase(id(proc), payload.get("phase", ""))
             elif what == "doing":   # strategies/common/activity.py: a worker's change of activity, seen at once
                 self.health.activity(id(proc), payload.get("what"))
-            elif what in ("refused", "unused"):   # unused: strategies/dataparallel/ddp.py, said by runner.py
+            elif what in ("refused", "unused"):   # unused: strategies/runtimes/dataparallel/ddp.py, said by runner.py
                 self._refused = self._refused or (proc, str(payload.get("message")), what == "unused")
             elif what == "ended" and isinstance(payload.get("processes"), list):   # workers/guard.py
                 self._ended.setdefault(spec.label, []).extend(str(x) for x in payload["processes"])

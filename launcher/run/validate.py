@@ -10,14 +10,14 @@ import os
 import tempfile
 
 from hpar.strategies.plan.decision import Plan
-from hpar.strategies.runstate import checkpoint
-from hpar.strategies.runstate.trust import check_trusted, check_unmarked
+from hpar.strategies.state import checkpoint
+from hpar.strategies.state.trust import check_trusted, check_unmarked
 
 
 def check_run_dir(path: str, flag: str = "--run-dir") -> None:
     """ValueError (one line naming ``path`` and the fix) unless ``path`` is a directory this
     process can write, or can be created as one (nothing is created here), that this user
-    alone can write (strategies/runstate/trust.py) and, for ``--run-dir``, that is new, empty
+    alone can write (strategies/state/trust.py) and, for ``--run-dir``, that is new, empty
     or marked as hpar's (a resumed run may predate the marker)."""
     check_trusted(path, flag)
     if flag == "--run-dir":
@@ -48,7 +48,7 @@ def check_plan_stages(plan: Plan, model, world_size: int, source: str, example=N
                                              for s in stages)):
         raise ValueError(f"{source}: 'stages' must be a list of [start, end] layer index pairs, got {stages!r:.80}; "
                          "write the plan with `hpar profile --plan-out`")
-    from hpar.strategies.pipeline.stage import stage_ranges
+    from hpar.strategies.runtimes.pipeline.stage import stage_ranges
     try:
         stage_ranges(model, world_size, plan, example)
     except ValueError as exc:
@@ -60,13 +60,13 @@ def resume_step(run_dir: str, say) -> int | None:
     ``latest`` is damaged or names a checkpoint that does not verify, ``latest`` is pointed at
     the newest complete one and ``say`` tells why; ValueError naming the files when there is
     a checkpoint but none verifies, or when its pickles name anything but checkpoint data
-    (strategies/runstate/safe_read.py: refused here, before any process loads it)."""
+    (strategies/state/safe_read.py: refused here, before any process loads it)."""
     step, problems = checkpoint.usable_step(run_dir)
     if step is None and problems:
         raise ValueError(f"{run_dir}: no complete checkpoint to resume from ({'; '.join(problems)}); "
                          "start a new run")
     if step is not None:
-        from hpar.strategies.runstate.safe_read import check   # imports torch.distributed.checkpoint: only here
+        from hpar.strategies.state.safe_read import check   # imports torch.distributed.checkpoint: only here
         check(checkpoint.step_dir(run_dir, step))
     if problems and step is not None:
         say(f"hpar: {problems[0]}; resuming from the previous complete checkpoint, step {step}")
@@ -84,7 +84,7 @@ def finished(run_dir: str, steps: int) -> dict | None:
     except (OSError, ValueError):
         return None
     done = isinstance(summary, dict) and summary.get("exit_code") == 0 and isinstance(summary.get("steps"), int)
-    from hpar.strategies.runstate.state import FINAL
+    from hpar.strategies.state.state import FINAL
     if not done or summary["steps"] < steps or not os.path.exists(os.path.join(run_dir, FINAL, ".metadata")):
         return None
     return summary

@@ -1,6 +1,6 @@
 """What every training runtime gets and gives back, and the step meter they share.
 
-A runtime (``strategies/dataparallel/allreduce.py``, ``hybrid.py``, ``pipeline.py``) is a function
+A runtime (``strategies/runtimes/dataparallel/allreduce.py``, ``hybrid.py``, ``pipeline.py``) is a function
 ``train(ctx: WorkerContext) -> TrainResult`` called in every worker process after the default
 process group is up. It reports progress through ``ctx.report`` (one dict per logging
 interval, see :class:`StepMeter`) and returns the trained model on worker rank 0.
@@ -14,8 +14,8 @@ from typing import Any, Callable
 import torch
 
 from hpar.strategies.common import measured_memory as memory
-from hpar.strategies.common.config import RunConfig
-from hpar.strategies.common.job import Job
+from hpar.strategies.job.config import RunConfig
+from hpar.strategies.job.contract import Job
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from hpar.strategies.common import activity
 from hpar.strategies.common.context import WorkerContext, batch_samples
 from hpar.strategies.common.gather import all_gather_ints
-from hpar.strategies.common.job import JobError
+from hpar.strategies.job.contract import JobError
 
 SKIPPING = "in data(), skipping the batches the run trained on before its checkpoint"
 DRAWING = "in data(), drawing its first batch"

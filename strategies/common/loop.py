@@ -31,9 +31,9 @@ from typing import Any, Callable
 import torch
 
 from hpar.strategies.common import activity
-from hpar.strategies.common.config import RunConfig
-from hpar.strategies.common.job import Job, JobError
-from hpar.strategies.models.forward import call_model
+from hpar.strategies.job.config import RunConfig
+from hpar.strategies.job.contract import Job, JobError
+from hpar.strategies.job.forward import call_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -9,5 +9,5 @@
 - ``planner``: the fastest predicted strategy hpar can run, as a :class:`Plan` (JSON-able).
 
 Pure functions of frozen values: may import ``hpar.strategies.profile`` and
-``hpar.strategies.pipeline.partition``; no process groups, no launcher, no workers.
+``hpar.strategies.runtimes.pipeline.partition``; no process groups, no launcher, no workers.
 """

@@ -1,5 +1,5 @@
 """Cost model of ``hybrid`` with the workers' hot-row caches (``hybrid-cache``: ``hpar run
---staleness s [--cache-rows N]``, strategies/hybrid/cache.py, after HET: Miao et al., "HET:
+--staleness s [--cache-rows N]``, strategies/runtimes/hybrid/cache.py, after HET: Miao et al., "HET:
 Scaling out Huge Embedding Model Training via Cache-enabled Distributed Framework", VLDB 2022).
 
 Per served embedding table, the profile's row frequencies (ParamProfile.hot_rows, counted over
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.servers_spec import HYBRID, HYBRID_CACHE
-from hpar.strategies.hybrid.cache import REFRESH_STEPS, CacheConfig
+from hpar.strategies.runtimes.hybrid.cache import REFRESH_STEPS, CacheConfig
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.profile.hot_rows import HotRows, cache_shares

@@ -1,18 +1,18 @@
-"""Cost model of ``--compress`` (strategies/common/compression.py): a strategy whose dense
+"""Cost model of ``--compress`` (strategies/job/compression.py): a strategy whose dense
 gradients go through DDP's AllReduce (spec ``compress_hooks``), with that AllReduce compressed.
 
 Bytes: the dense AllReduce's parameters (placed on AllReduce, trained, and not an embedding
 table that ``allreduce-sparse`` exchanges as sparse rows) put their compressed size on the ring
 instead of their own: half for fp16/bf16; for PowerSGD rank R, ``(n + m) R`` elements per
 n x m matrix it compresses, vectors and small matrices whole
-(:func:`~hpar.strategies.common.compression.wire_elements`).
+(:func:`~hpar.strategies.job.compression.wire_elements`).
 
 Seconds: the AllReduce's exposed time (what backward does not hide: all of it on busy cores)
 is taken out and the compressed one's put in: one AllReduce of the compressed bytes for
 fp16/bf16, three for PowerSGD (the uncompressed tensors, then P, then Q, one after the other:
 torch's ``powerSGD_hook``), each with the ring's fixed costs. The compression's own work is
 added to the step: PowerSGD's matmuls and Gram-Schmidt
-(:func:`~hpar.strategies.common.compression.powersgd_flops`) at the FLOP rate the profile
+(:func:`~hpar.strategies.job.compression.powersgd_flops`) at the FLOP rate the profile
 measured for the model's own forward and backward (or the projected device's roofline), and
 its error feedback (add, copy, subtract over the gradients) and a 16-bit cast at the profiled
 update rate per byte. These are roofline estimates, not a measured PowerSGD step; compression
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hpar.strategies.common.compression import (Compression, compressed_bytes, powersgd_buffers, powersgd_flops,
+from hpar.strategies.job.compression import (Compression, compressed_bytes, powersgd_buffers, powersgd_flops,
                                                  wire_elements)
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, cost_setting

@@ -3,7 +3,7 @@ parallelism), and the choice of (K, R, layout, M). Pure functions of a Profile a
 ClusterSpec, like ``strategies/plan/costmodel.py``, whose notation and helpers it uses.
 
 For every split N = K x R with 2 <= K <= layers (or the user's R), every rank layout of
-``strategies/pipeline/replicas.py`` (``stages-adjacent``: rank = r*K + k, a pipeline's stages
+``strategies/runtimes/pipeline/replicas.py`` (``stages-adjacent``: rank = r*K + k, a pipeline's stages
 on consecutive ranks, so within a host when K divides its GPUs; ``replicas-adjacent``: rank =
 k*R + r, a stage's replicas within a host) and M in {1, K, 2K, 4K}, each moved to the nearest
 divisor of the batch (at least K where the batch has one)::
@@ -29,10 +29,10 @@ divisor of the batch (at least K where the batch has one)::
   (``costmodel.ring_allreduce_s``): on one host at the host's collective bandwidth; across
   hosts at the inter-host bandwidth divided by the number of ring edges (over all stages)
   that leave the busiest host, since the stages' AllReduces share each host's link. It
-  runs after the step's last backward (no overlap, as strategies/pipeline/replicas.py does
+  runs after the step's last backward (no overlap, as strategies/runtimes/pipeline/replicas.py does
   it), as does the optimizer update of the stage's bytes. Both count only the trainable
   parameters: a stage's frozen ones (``requires_grad=False``) get no optimizer slot and no
-  replica AllReduce (strategies/pipeline/pipeline_runtime.py, stage_loop.py).
+  replica AllReduce (strategies/runtimes/pipeline/pipeline_runtime.py, stage_loop.py).
 * samples per step: R x the batch (``--batch-size`` per replica, as ``allreduce``).
 
 Sources: PipeDream's planner (Narayanan et al., SOSP 2019, section 3.1: stage replication
@@ -46,9 +46,9 @@ import math
 
 from hpar.strategies.specs.base import ON_ALLREDUCE
 from hpar.strategies.specs.pipeline_spec import PIPELINE
-from hpar.strategies.pipeline.partition import partition_stages
-from hpar.strategies.pipeline.schedules import micro_batch_count
-from hpar.strategies.pipeline.replicas import LAYOUTS, Grid
+from hpar.strategies.runtimes.pipeline.partition import partition_stages
+from hpar.strategies.runtimes.pipeline.schedules import micro_batch_count
+from hpar.strategies.runtimes.pipeline.replicas import LAYOUTS, Grid
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, cost_setting, cpu_share, ring_allreduce_s
 from hpar.strategies.plan.roofline import layer_seconds

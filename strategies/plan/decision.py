@@ -4,21 +4,21 @@ its runtime reads) and :class:`Candidate` (one strategy as predicted).
 A Plan is what ``hpar profile --plan-out`` writes (``Plan.to_dict()`` as JSON), what ``hpar run
 --plan FILE`` reads (:meth:`Plan.from_dict`, any subset of the keys: a partial plan such as
 ``{"strategy": "allreduce", "sparse_exchange": "allgather-padded"}``), and the run config's
-``plan`` field (strategies/common/config.py). Every field has a default that means "not
+``plan`` field (strategies/job/config.py). Every field has a default that means "not
 planned": the runtimes fall back to their own choice.
 
 The runtimes read: ``placement`` (parameter name -> "allreduce" | "ps") and ``partitions``
 (row partitions per PS-placed parameter), ``sparse_optimizer`` ("exact" or "lazy",
-strategies/hybrid/shard.py), ``local_aggregation`` (None: decided from the hosts,
-strategies/hybrid/hybrid_runtime.make_groups), ``pull_ahead`` (strategies/hybrid/worker_step.py),
+strategies/runtimes/hybrid/shard.py), ``local_aggregation`` (None: decided from the hosts,
+strategies/runtimes/hybrid/hybrid_runtime.make_groups), ``pull_ahead`` (strategies/runtimes/hybrid/worker_step.py),
 ``cache`` (the workers' hot-row caches: staleness, rows, ``hot_rows``, ``predicted_hit_rate``,
 ``refresh_steps``; strategies/plan/costmodel_cache.plan_cache), ``sparse_exchange``
-(allreduce-sparse: "gloo-sparse" | "allgather-padded", strategies/dataparallel/sparse_allgather.py);
+(allreduce-sparse: "gloo-sparse" | "allgather-padded", strategies/runtimes/dataparallel/sparse_allgather.py);
 pipeline: ``stages`` ([start, end) layer indices of ``profile.pipeline_layers(model)``),
-``replicas``, ``layout`` (strategies/pipeline/replicas.py), ``micro_batches`` and ``schedule``.
+``replicas``, ``layout`` (strategies/runtimes/pipeline/replicas.py), ``micro_batches`` and ``schedule``.
 ``hpar run`` reads ``unused_params`` (DDP's ``find_unused_parameters``), ``servers``,
 ``alternatives`` (the other candidates' plans as dicts, for ``--tune``) and records ``memory``
-(the predicted peaks, strategies/plan/memory_model.py) and ``tuning`` (launcher/run/tuning.py).
+(the predicted peaks, strategies/plan/memory_model.py) and ``tuning`` (strategies/plan/tuning.py).
 
 Torch-free and runtime-free: the run config imports it, and ``hpar --help`` must not import torch.
 """
@@ -71,10 +71,10 @@ class Plan:
     samples_per_s: float = 0.0
     compute: str = ""
     replicas: int = 1        # pipeline: R replicas of the K stages
-    layout: str = ""         # pipeline: rank layout (strategies/pipeline/replicas.py)
+    layout: str = ""         # pipeline: rank layout (strategies/runtimes/pipeline/replicas.py)
     pull_ahead: bool = True  # hybrid/ps: request the next step's rows during this one (hybrid/embedding.py)
     alternatives: dict = field(default_factory=dict)   # hpar run --strategy auto: the other candidates' plans (--tune)
-    unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/dataparallel/ddp.py
+    unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/runtimes/dataparallel/ddp.py
     cache: dict = field(default_factory=dict)   # hybrid with hot-row caches (costmodel_cache.plan_cache); {}: none
     memory: dict = field(default_factory=dict)   # the chosen candidate's predicted peaks (strategies/plan/memory_model.py)
     sparse_optimizer: str = "exact"   # hybrid/ps: the servers' sparse update, "exact" or "lazy" (hybrid/shard.py)

@@ -25,14 +25,14 @@ runtime's code) or **measured** (by the profile, strategies/profile/memory_profi
 * ``ddp_buckets`` (counted): DDP's flat gradient buckets, a second copy of every gradient it
   reduces (``gradient_as_bucket_view`` is off, torch's default).
 * ``gathered`` (counted): allreduce-sparse's AllGather of N workers' rows (ids and values), and
-  the dense table a non-sparse optimizer steps (strategies/dataparallel/sparse_grads.py).
+  the dense table a non-sparse optimizer steps (strategies/runtimes/dataparallel/sparse_grads.py).
 * ``rows`` (counted): hybrid/ps workers' pulled rows, the next step's pulled ahead, and the
   push messages of their gradients (the gradients are in ``step``); ``ps`` workers also pull
   every dense parameter whole.
 * ``versions`` (counted): weight versions of the asynchronous pipelines: a stashed copy per
   micro-batch in flight (async-stash), the predicted weights (async-predict), two versions
   (async-2bw); ``replica_allreduce``: with pipeline replicas, the stage's gradients flattened
-  for their AllReduce (strategies/pipeline/replicas.py).
+  for their AllReduce (strategies/runtimes/pipeline/replicas.py).
 * ``unsharded`` (counted): FSDP's gathered parameters of the unit it runs and the one it
   prefetches, and their unsharded gradients before the reduce-scatter; on a CPU the whole model
   is built once before it is sharded (``build``).
@@ -206,15 +206,15 @@ def server_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict[
     ceil(partitions / S) of them), r x that share of optimizer state, the pushes it holds (a
     step's of every worker but the last, which a table waits for, and the largest table's mean:
     every row of it where the update needs them all, as Adam's and momentum's exact semantics
-    do, strategies/hybrid/shard.py) with the update's temporaries, and its inbox
-    (strategies/hybrid/wire.py: INBOX_DEPTH receive buffers per worker, each as large as the
+    do, strategies/runtimes/hybrid/shard.py) with the update's temporaries, and its inbox
+    (strategies/runtimes/hybrid/wire.py: INBOX_DEPTH receive buffers per worker, each as large as the
     largest request carried inline); or, where more, the whole model it
     builds at start (``build``: its rows are then cut from it, copied where other servers hold
     the rest)."""
     _, _, served = _split(profile, est)
     if not served:
         return {}
-    from hpar.strategies.hybrid.wire import INBOX_DEPTH, INLINE_MAX
+    from hpar.strategies.runtimes.hybrid.wire import INBOX_DEPTH, INLINE_MAX
     m, s, n, r = profile.memory, cluster.servers, cluster.workers, _ratio(profile)
     shard = per_worker = largest = largest_shard = inline = 0.0
     for p in served:
@@ -266,8 +266,8 @@ def pipeline_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedu
 
 def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
     """The most micro-batches ``stage`` holds between forward and backward under ``schedule``
-    (its pass order, strategies/pipeline/schedules.py: GPipe M, 1F1B min(M, K - k))."""
-    from hpar.strategies.pipeline.schedules import stage_ops
+    (its pass order, strategies/runtimes/pipeline/schedules.py: GPipe M, 1F1B min(M, K - k))."""
+    from hpar.strategies.runtimes.pipeline.schedules import stage_ops
     count = micro_batches if schedule in ("gpipe", "1f1b", "torch-gpipe", "torch-1f1b") else 2 * micro_batches + stages
     name = schedule if not schedule.startswith("torch-") else schedule[len("torch-"):]
     if name not in ("gpipe", "1f1b", "async", "async-stash", "async-predict", "async-2bw"):

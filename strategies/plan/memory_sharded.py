@@ -36,7 +36,7 @@ def fsdp_terms(profile: Profile, cluster: ClusterSpec, est: Estimate | None = No
 
 
 def fsdp_units(profile: Profile) -> tuple[list[int], int]:
-    """(parameter bytes of each unit strategies/dataparallel/fsdp.py shards on its own, bytes the root keeps):
+    """(parameter bytes of each unit strategies/runtimes/dataparallel/fsdp.py shards on its own, bytes the root keeps):
     a declared sequence's layers and nothing; a traced model's repeated blocks (its layers but the
     first and the last) and those two; any other model one root holding everything, which FSDP
     gathers whole for the step."""
@@ -60,11 +60,11 @@ def fsdp_final_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> d
 
 def served_final_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict[str, float]:
     """Worker 0's terms while it builds ``evaluate()``'s copy under hybrid or ps
-    (strategies/hybrid/worker_state.model_copy): what it holds (the AllReduce part, its
+    (strategies/runtimes/hybrid/worker_state.model_copy): what it holds (the AllReduce part, its
     optimizer state, under ps the dense parameters pulled whole) and the copy: the model's own
     parameters, the served dense ones pulled, and the served tables pulled whole when together
     they are at most EVAL_WHOLE_BYTES (else they stay served, row by row)."""
-    from hpar.strategies.hybrid.worker_state import EVAL_WHOLE_BYTES
+    from hpar.strategies.runtimes.hybrid.worker_state import EVAL_WHOLE_BYTES
     on_ar, trained, served = _split(profile, est)
     dense = sum(p.bytes for p in served if not p.embedding_module)
     tables = sum(p.bytes for p in served if p.embedding_module)

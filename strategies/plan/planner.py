@@ -12,7 +12,7 @@ from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import ALLREDUCE, FSDP, HYBRID, PIPELINE, spec as strategy_spec
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.decision import Candidate, Plan
-from hpar.strategies.hybrid.cache import CacheConfig
+from hpar.strategies.runtimes.hybrid.cache import CacheConfig
 from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.plan.estimates import estimate_all, estimate_pipeline
 from hpar.strategies.plan.costmodel_cache import NAME as CACHED, SHOWN_STALENESS, estimate_hybrid_cache, plan_cache, profiled
@@ -20,7 +20,7 @@ from hpar.strategies.plan.costmodel_compress import shown_rows
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.plan.memory_model import predict as predict_memory, refusal
 from hpar.strategies.plan.pipeline_fit import fitting_layout
-from hpar.strategies.pipeline.ties import schedule_problem, stages_of
+from hpar.strategies.runtimes.pipeline.ties import schedule_problem, stages_of
 from hpar.strategies.profile.records import Profile
 
 
@@ -152,7 +152,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     s = ``SHOWN_STALENESS`` and not runnable: staleness trades accuracy, never chosen unasked.
     ``forwards``: the forward passes each worker runs (steps times accumulation), for the
     memory a worker's caches grow to. ``refused``: {strategy: the line ``hpar run`` refuses
-    it with} (launcher/run/vet.py), listed as not runnable with that line. Raises ValueError when no strategy fits, or when the forced one does not fit (its memory
+    it with} (strategies/plan/vet.py), listed as not runnable with that line. Raises ValueError when no strategy fits, or when the forced one does not fit (its memory
     too, unless ``allow_misfit``: ``hpar run --force``), with the reason."""
     estimates = estimate_all(profile, cluster)
     shown = cache or CacheConfig(0.0, SHOWN_STALENESS)

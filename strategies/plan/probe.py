@@ -154,7 +154,7 @@ def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
 
 def probe_requests(steps: int = 150, rows: int = 64, dim: int = 16, rounds: int = 3, timeout_s: float = 60.0) -> float:
     """CPU seconds one parameter-server request costs, all of it: hpar's own client
-    (strategies/hybrid/client.py) and server (strategies/hybrid/ps_server.py) serve an embedding
+    (strategies/runtimes/hybrid/client.py) and server (strategies/runtimes/hybrid/ps_server.py) serve an embedding
     table of ``4 * rows`` rows of ``dim`` floats (SGD) between two threads of this process over
     loopback gloo; each step the client pulls ``rows`` rows, pushes their gradients and sends
     DONE (three requests), and the server answers, adds and applies them. The figure is the
@@ -165,9 +165,9 @@ def probe_requests(steps: int = 150, rows: int = 64, dim: int = 16, rounds: int 
     machine: 0.36-0.55 ms (the old probe of the wire format alone read 0.17-0.26 ms).
     Raises RuntimeError if it fails."""
     from torch import nn
-    from hpar.strategies.common.config import RunConfig
-    from hpar.strategies.hybrid.client import PSClient, ps_tables
-    from hpar.strategies.hybrid.ps_server import Server
+    from hpar.strategies.job.config import RunConfig
+    from hpar.strategies.runtimes.hybrid.client import PSClient, ps_tables
+    from hpar.strategies.runtimes.hybrid.ps_server import Server
     from hpar.strategies.specs.registry import HYBRID
     pgs, warm, threads = _loopback_pair(timeout_s), 20, torch.get_num_threads()
     total = warm + steps

@@ -11,6 +11,6 @@
 - ``unused``: which trainable parameters a step leaves without a gradient (DDP's
   find_unused_parameters).
 
-May import ``hpar.strategies.common.job`` and ``context`` and torch; never the runtimes, the planner,
+May import ``hpar.strategies.job.contract`` and ``context`` and torch; never the runtimes, the planner,
 ``hpar.launcher`` or ``hpar.workers``.
 """

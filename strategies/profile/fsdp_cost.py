@@ -12,7 +12,7 @@ collective's bytes; on this project's 2-vCPU machine it is 0.6-1.8 ms per unit a
 the model, charging only its collectives, missed by 2-8x.
 
 Method: the user's model built twice, one copy ``fully_shard``-ed as the ``fsdp`` strategy
-does (strategies/dataparallel/fsdp.shard) over a process group of this one process, the two
+does (strategies/runtimes/dataparallel/fsdp.shard) over a process group of this one process, the two
 stepped in turn on the same batches with the user's optimizer and loss (warm-up steps
 first); the overhead is the difference of their shortest step times (on a shared machine a
 median of a few steps can even come out negative). Skipped (None) where the
@@ -35,7 +35,7 @@ SLOW_S = 0.5   # seconds of timed FSDP steps after which three are enough
 def _stepper(job, model, cast, clock):
     """A function of (inputs, targets) that runs one training step of ``model`` and returns
     its seconds on ``clock``."""
-    from hpar.strategies.models.forward import call_model
+    from hpar.strategies.job.forward import call_model
     from hpar.strategies.profile.update import probe_optimizer
     opt = probe_optimizer(job, list(model.parameters()))
 
@@ -55,11 +55,11 @@ def fsdp_overhead_s(job, device: torch.device, cast, batches: list, model_bytes:
     (module docstring): min(step of the fully_shard-ed copy) - min(step of the plain copy) over ``batches`` ([(inputs, targets)] already on the device; the first ``warmup``
     untimed), at least 0. None where it is not measured (module docstring)."""
     from hpar.strategies.common.devices import DeviceClock
-    from hpar.strategies.models.forward import inner_module
+    from hpar.strategies.job.forward import inner_module
     if model_bytes > MAX_BYTES or dist.is_initialized() or len(batches) <= warmup:
         return None
     try:
-        from hpar.strategies.dataparallel.fsdp import check_available, shard
+        from hpar.strategies.runtimes.dataparallel.fsdp import check_available, shard
         check_available()
     except (ImportError, ValueError):
         return None

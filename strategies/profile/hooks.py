@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import torch
-from hpar.strategies.common.job import Job
-from hpar.strategies.models.forward import call_model
-from hpar.strategies.models.tying import embedding_tables
+from hpar.strategies.job.contract import Job
+from hpar.strategies.job.forward import call_model
+from hpar.strategies.job.tying import embedding_tables
 from torch import nn
 
 STEP_BUDGET_S = 0.5         # longest timed step before timing moves to a smaller batch
@@ -19,7 +19,7 @@ MIN_TIMED_BATCH = 2         # no training-mode forward on one sample: BatchNorm 
 def embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every nn.Embedding / nn.EmbeddingBag of ``model`` whose weight is row-sparse, with its
     qualified name (a weight tied to a dense user is measured as a dense parameter:
-    ``strategies/models/tying.py``)."""
+    ``strategies/job/tying.py``)."""
     return embedding_tables(model)
 
 
@@ -165,7 +165,7 @@ def count_flops(model: nn.Module, layers, step) -> dict:
 
 
 def traced_layer_flops(layers, inputs) -> list[int]:
-    """FLOPs of one step per layer of a traced model (``strategies/models/traced.py``): each layer's
+    """FLOPs of one step per layer of a traced model (``strategies/job/traced.py``): each layer's
     forward counted on its own (torch's FlopCounterMode), times 3 for forward plus backward
     (the backward of a matmul costs two of its forwards), as for fused RNN kernels above."""
     from torch.utils.flop_counter import FlopCounterMode

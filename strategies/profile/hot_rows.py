@@ -1,5 +1,5 @@
 """How often each row of an embedding table is looked up, and what a worker's hot-row cache
-of the hottest rows would save (``--cache-rows N --staleness s``: strategies/hybrid/cache.py,
+of the hottest rows would save (``--cache-rows N --staleness s``: strategies/runtimes/hybrid/cache.py,
 after HET, Miao et al., VLDB 2022).
 
 :func:`row_counts` runs ``HOT_BATCHES`` batches (drawn round-robin from the workers' streams,
@@ -61,7 +61,7 @@ def row_counts(job, model: nn.Module, embs: list[tuple[str, nn.Module]], batch_s
     module)]``) of ``model``, over ``batches`` batches of the ``workers`` streams (see the module
     docstring); ``stop_early`` ends each forward once every module has seen its ids (when each
     is called once per forward). The model runs as the job's forward does, under no_grad."""
-    from hpar.strategies.models.forward import call_model
+    from hpar.strategies.job.forward import call_model
     if not embs:
         return {}
     names = [f"{n}.weight" if n else "weight" for n, _ in embs]

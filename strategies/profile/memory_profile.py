@@ -30,11 +30,11 @@ are measured rather than counted.
   ``model_extra_bytes``: what ``model()`` keeps besides the parameters (examples/lm.py's corpus,
   for its vocabulary, 35 MB), in every process that builds the model, servers too.
 * ``trace_bytes``: the resident peak of this process's first trace of the model (a model cut by
-  torch's tracer, strategies/models/traced.py: ``first_trace_bytes``): the modules torch.export
+  torch's tracer, strategies/job/traced.py: ``first_trace_bytes``): the modules torch.export
   imports on first use, the graphs, the trace's transients; a pipeline worker on a CPU cuts its
   model inside its measured window, so it pays this once (0 where nothing was traced).
 * ``rows_suffice``: whether the parameter servers update only the rows a step touched with the
-  user's optimizer (strategies/hybrid/shard.py: Adagrad and plain SGD; Adam and SGD with
+  user's optimizer (strategies/runtimes/hybrid/shard.py: Adagrad and plain SGD; Adam and SGD with
   momentum update every row of a table, each step, under exact semantics).
 * ``optimizer_state_ratio``: bytes of the user's optimizer state per parameter byte, after
   two steps on a probe (state appears at the first step; SGD with momentum 1, Adam 2,
@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from hpar.strategies.common.measured_memory import PeakMemory
-from hpar.strategies.models.traced import first_trace_bytes
+from hpar.strategies.job.traced import first_trace_bytes
 from hpar.strategies.profile.records import MemoryProfile
 
 PROBE_NUMEL = 1 << 20   # optimizer state probe: 4 MiB of float32
@@ -194,7 +194,7 @@ def memory_profile(step: dict, batch_size: int, data: int, ratios: tuple[float, 
                    device: torch.device, growth: tuple[int, int, int] = (0, 0, 0),
                    shapes: tuple[int, ...] = ()) -> MemoryProfile:
     """The MemoryProfile of a measured ``step`` (:func:`step_memory`) at ``batch_size`` of
-    ``job`` (its ``loaded_rss`` and ``cold`` figures, strategies/common/job.py); ``growth``: (bytes,
+    ``job`` (its ``loaded_rss`` and ``cold`` figures, strategies/job/contract.py); ``growth``: (bytes,
     steps, steps that met a new shape) of :class:`Growth`; ``shapes``: the counts of the job's
     census of forward shapes (strategies/profile/shapes.py)."""
     cold = job.cold if device.type == "cpu" else {}   # resident bytes: CPU workers only
@@ -214,7 +214,7 @@ def rows_suffice(job) -> bool:
     """Whether the servers' update of the user's optimizer touches only the pushed rows
     (``OptimizerSpec.touched_rows_suffice`` of its first param group on a probe); True where it
     cannot be built so (the servers then refuse it anyway)."""
-    from hpar.strategies.hybrid.shard import spec_from_group
+    from hpar.strategies.runtimes.hybrid.shard import spec_from_group
     try:
         opt = job.build_optimizer([nn.Parameter(torch.zeros(1))], lr=1e-3)
         return spec_from_group(opt, opt.param_groups[0]).touched_rows_suffice()

@@ -21,7 +21,7 @@ What is measured and how:
   (the usual 1:2 rule, e.g. Kaplan et al. 2020, "Scaling laws for neural language models").
 * sparsity: ``nn.Embedding``/``nn.EmbeddingBag`` weights are row-sparse whatever their
   ``sparse=`` flag, but for a table tied to a dense user (an output layer: its gradient is
-  dense; strategies/models/tying.py), measured as a dense parameter and marked ``tied_to``; the rows a batch touches are the unique ids fed to the module (forward
+  dense; strategies/job/tying.py), measured as a dense parameter and marked ``tied_to``; the rows a batch touches are the unique ids fed to the module (forward
   pre-hook). One full batch of each of N workers (``job.batches(rank, N, batch_size)``) is
   run forward, stopping early once every embedding module has seen its ids when each is
   called exactly once per forward pass. ``alpha`` is the mean fraction of rows one
@@ -36,7 +36,7 @@ What is measured and how:
 * unused parameters: the trainable ones left without a gradient by any of the warm-up and
   timed steps or by a few steps on each of several ranks' batches, and whether the ranks'
   sets differed in one step (``Profile.unused_params``, ``unused_by_rank``; DDP's
-  ``find_unused_parameters``, strategies/dataparallel/ddp.py).
+  ``find_unused_parameters``, strategies/runtimes/dataparallel/ddp.py).
 * ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
   times, FLOPs and activation bytes linearly to ``batch_size`` (for models too large to run
   at full batch within the 30 s budget); left None, it is ``batch_size`` unless one step
@@ -77,14 +77,14 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from hpar.strategies.common.devices import DeviceClock
-from hpar.strategies.common.job import Job, JobError, raised_in_script, user_error
-from hpar.strategies.models.forward import call_model
+from hpar.strategies.job.contract import Job, JobError, raised_in_script, user_error
+from hpar.strategies.job.forward import call_model
 from hpar.strategies.profile.device import data_seconds, OnDevice
-from hpar.strategies.models.forward import inner_module
-from hpar.strategies.models.layers import is_declared_sequence, model_layers
-from hpar.strategies.models.traced import TracedStage, why_not_traceable
-from hpar.strategies.models.tying import dense_shared_embeddings
-from hpar.strategies.pipeline.ties import shared_across_stages
+from hpar.strategies.job.forward import inner_module
+from hpar.strategies.job.layers import is_declared_sequence, model_layers
+from hpar.strategies.job.traced import TracedStage, why_not_traceable
+from hpar.strategies.job.tying import dense_shared_embeddings
+from hpar.strategies.runtimes.pipeline.ties import shared_across_stages
 from hpar.strategies.common.loop import precision_context
 from hpar.strategies.profile.hooks import (
     auto_timing_batch,
@@ -111,7 +111,7 @@ SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than 
 
 
 def pipeline_layers(model: nn.Module, examples=()) -> tuple[list[tuple[str, nn.Module]], bool, str]:
-    """The model's layers (``strategies/models/layers.py``: ``model.hpar_layers()``, the top-level
+    """The model's layers (``strategies/job/layers.py``: ``model.hpar_layers()``, the top-level
     children of an ``nn.Sequential``, or the blocks torch's tracer cuts it between, traced on
     the first of ``examples``, the inputs of the batches to be timed) as ``(name, module)``
     pairs, whether a pipeline can cut them, and why not. A model that cannot be cut is

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from hpar.strategies.models.forward import call_model, inner_module
-from hpar.strategies.models.layers import is_declared_sequence, model_layers
+from hpar.strategies.job.forward import call_model, inner_module
+from hpar.strategies.job.layers import is_declared_sequence, model_layers
 from hpar.strategies.common.loop import precision_context
 from hpar.strategies.profile import memory_profile as mem_probe
 from hpar.strategies.profile.device import OnDevice

@@ -21,7 +21,7 @@ class ParamProfile:
     many of the profiled batches looked each up (strategies/profile/hot_rows.py: the hot-row
     cache's first rows and its predicted hit rate); ``layer`` indexes ``Profile.layers`` (-1: none);
     ``tied_to``: for an embedding table whose weight a non-embedding module also holds (an output
-    layer tied to it: strategies/models/tying.py), the other names of that weight (its gradient
+    layer tied to it: strategies/job/tying.py), the other names of that weight (its gradient
     is dense, so it is measured and placed as a dense parameter, ``embedding_module`` False);
     ``frozen``: ``requires_grad=False`` (fine-tuning), never placed on the servers."""
 
@@ -164,7 +164,7 @@ class Profile:
     unused_params: tuple[str, ...] = ()   # trainable parameters without a gradient in a profiled step (profile/unused.py)
     unused_by_rank: bool = False   # ranks' batches left different parameters without a gradient in one step (MoE)
     evaluates: bool = False   # the script defines evaluate() (plan/memory_sharded.py: worker 0's whole copy)
-    traced: bool = False   # the layers come from torch's tracer (strategies/models/traced.py), not a declared sequence
+    traced: bool = False   # the layers come from torch's tracer (strategies/job/traced.py), not a declared sequence
     shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (parameter, the layers holding it): tied weights
     memory: MemoryProfile | None = None   # measured memory terms (profile/memory_profile.py); None: not measured
     update_s_per_tensor: float = 0.0   # the optimizer's step per parameter tensor (0: not measured)

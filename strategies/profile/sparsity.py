@@ -12,9 +12,9 @@ import time
 
 import torch
 from hpar.strategies.common.context import batch_samples
-from hpar.strategies.hybrid.client import dedup
-from hpar.strategies.common.job import Job
-from hpar.strategies.models.forward import call_model
+from hpar.strategies.runtimes.hybrid.client import dedup
+from hpar.strategies.job.contract import Job
+from hpar.strategies.job.forward import call_model
 from torch import nn
 
 ROW_BUCKETS = 256           # resolution of ParamProfile.row_mass
@@ -36,7 +36,7 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
     (union(n) = mean_r 1 - (1 - p_r)^n, shifted to meet the last measured point), ``union``
     its last value, ``mass`` the share of touches per contiguous row bucket (ROW_BUCKETS),
     ``dedup_s`` the median seconds to deduplicate one batch's ids on the host (what a worker
-    does per step for a table on the parameter servers, strategies/hybrid/client.dedup).
+    does per step for a table on the parameter servers, strategies/runtimes/hybrid/client.dedup).
     ``stop_early`` ends each forward once every module has seen its ids (valid when each is
     called once per forward). Raises JobError from the user's data() or forward."""
     R = min(workers, max_workers)

@@ -40,7 +40,7 @@ def whole_step_s(job, model, device: torch.device, cast, batches, steps: int = 6
     None when the batches run out before a step is timed."""
     from hpar.strategies.common.context import move_to
     from hpar.strategies.common.devices import DeviceClock
-    from hpar.strategies.models.forward import call_model
+    from hpar.strategies.job.forward import call_model
     from hpar.strategies.profile.update import probe_optimizer
     clock, opt, times = DeviceClock(device), probe_optimizer(job, list(model.parameters())), []
     for i in range(warmup + steps):
@@ -73,7 +73,7 @@ def step_overhead_s(job, device: torch.device, cast, batch_size: int, workers: i
     reports them as the user's)."""
     if device.type == "cpu" or model_bytes > MAX_BYTES:
         return None
-    from hpar.strategies.models.forward import inner_module
+    from hpar.strategies.job.forward import inner_module
     try:
         model = copy.deepcopy(inner_module(job.build_model())).to(device).train()
         seconds = whole_step_s(job, model, device, cast, job.batches(0, workers, batch_size))

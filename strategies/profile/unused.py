@@ -1,5 +1,5 @@
 """Which trainable parameters get no gradient in a step: what decides DDP's
-``find_unused_parameters`` (strategies/dataparallel/ddp.py).
+``find_unused_parameters`` (strategies/runtimes/dataparallel/ddp.py).
 
 DDP's reducer waits for the gradient of every parameter it holds. A parameter left out of a
 step's autograd graph (a branch some batches skip, a head the loss ignores) never reports
@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from hpar.strategies.common.job import Job, call_user
-from hpar.strategies.models.forward import call_model
+from hpar.strategies.job.contract import Job, call_user
+from hpar.strategies.job.forward import call_model
 from torch import nn
 
 PROBE_STEPS = 4   # batches probe_unused runs per rank: a branch skipped every other step shows in 2

@@ -17,11 +17,11 @@ or a GPU, timed with a synchronize around each step):
   embeddings hands it over: N workers' (ids, rows) concatenated, uncoalesced, so the
   optimizer's own coalesce is timed too. torch's sparse kernels (coalesce, sparse_mask) cost
   several times the dense per-byte figure, which is why ``allreduce-sparse`` needs its own
-  number. None when the optimizer takes no sparse gradient (``strategies/dataparallel/sparse_grads.py``:
+  number. None when the optimizer takes no sparse gradient (``strategies/runtimes/dataparallel/sparse_grads.py``:
   e.g. ``torch.optim.Adam``; ``allreduce-sparse`` then makes the gathered rows dense to step).
 
 And :func:`server_optimizer_problem`: whether the parameter servers of ``hybrid`` and ``ps``
-can apply the optimizer at all (strategies/hybrid/shard.py).
+can apply the optimizer at all (strategies/runtimes/hybrid/shard.py).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ import time
 import warnings
 
 import torch
-from hpar.strategies.common.job import Job, JobError
-from hpar.strategies.dataparallel.sparse_grads import takes_sparse_gradients
+from hpar.strategies.job.contract import Job, JobError
+from hpar.strategies.runtimes.dataparallel.sparse_grads import takes_sparse_gradients
 from torch import nn
 
 MIN_PROBE_BYTES = 4 << 20
@@ -134,7 +134,7 @@ def server_optimizer_problem(job: Job, model: nn.Module) -> str:
     (each param group's rule, ``hybrid.shard.spec_from_group``: SGD, Adagrad, Adam and AdamW
     without amsgrad or maximize), as one line with the fix; "" when they can, or when
     ``optimizer()`` fails on the model's parameters (the pre-start check reports that)."""
-    from hpar.strategies.hybrid.shard import spec_from_group
+    from hpar.strategies.runtimes.hybrid.shard import spec_from_group
     try:
         opt = job.build_optimizer(list(model.parameters()), lr=1e-3)
     except JobError:

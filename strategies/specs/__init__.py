@@ -7,5 +7,5 @@ strategy added from outside: one module defining a :class:`registry.StrategySpec
 point naming it). Each spec names its runtime (``train(ctx)``), its cost and memory model by
 ``module:function`` (loaded on first use, as entry points are), so that this package imports
 neither torch nor any runtime: the CLI reads the choices without importing them. The spec
-modules import only pure rule modules (strategies/pipeline/schedules.py, guard.py).
+modules import only pure rule modules (strategies/runtimes/pipeline/schedules.py, guard.py).
 """

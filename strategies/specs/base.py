@@ -44,9 +44,9 @@ class StrategySpec:
     strategy this one runs as when the model gives it nothing to do (no table to serve or to
     give sparse gradients): "" for none; ``compress_hooks``: its dense gradients are averaged
     by DDP's AllReduce, whose communication hook ``--compress`` replaces
-    (strategies/dataparallel/compress_hooks.py); ``sync_batchnorm``: its workers are
+    (strategies/runtimes/dataparallel/compress_hooks.py); ``sync_batchnorm``: its workers are
     data-parallel replicas whose BatchNorm layers can normalise over every worker's batch
-    (``--sync-batchnorm``, strategies/dataparallel/sync_batchnorm.py).
+    (``--sync-batchnorm``, strategies/runtimes/dataparallel/sync_batchnorm.py).
     """
 
     name: str

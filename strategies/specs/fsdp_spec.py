@@ -1,5 +1,5 @@
 """``fsdp``: fully sharded data parallelism with torch's FSDP2 (``fully_shard``,
-strategies/dataparallel/fsdp.py): parameters, gradients and optimizer state sharded over the
+strategies/runtimes/dataparallel/fsdp.py): parameters, gradients and optimizer state sharded over the
 workers, gathered per unit for its forward and backward (Zhao et al., "PyTorch FSDP", VLDB
 2023)."""
 from __future__ import annotations
@@ -17,9 +17,9 @@ def _check(cfg) -> str | None:
 
 FSDP = StrategySpec(
     name="fsdp", summary="FSDP2: parameters, gradients and optimizer state sharded over the workers",
-    runtime="hpar.strategies.dataparallel.fsdp:train",
+    runtime="hpar.strategies.runtimes.dataparallel.fsdp:train",
     estimate="hpar.strategies.plan.costmodel_fsdp:estimate_fsdp",
     worker_memory="hpar.strategies.plan.memory_sharded:fsdp_terms",
     evaluate_memory="hpar.strategies.plan.memory_sharded:fsdp_final_terms",
-    check_available="hpar.strategies.dataparallel.fsdp:check_available",
+    check_available="hpar.strategies.runtimes.dataparallel.fsdp:check_available",
     simplicity=3, check=_check, unused_by_rank=False, sync_batchnorm=True)   # FSDP2: plan/costmodel_fsdp.UNUSED_BY_RANK

@@ -1,10 +1,10 @@
-"""``pipeline``: balanced pipeline model parallelism (strategies/pipeline/): K stages of equal
+"""``pipeline``: balanced pipeline model parallelism (strategies/runtimes/pipeline/): K stages of equal
 predicted cost, R replicas of them, hpar's schedules (GPipe, 1F1B; asynchronous 1F1B with
 weight stashing, 2BW or SpecTrain's weight prediction: Chen et al., arXiv 1809.02839) and
 torch.distributed.pipelining's as peers. Its checks of a run config live here."""
 from __future__ import annotations
 
-from hpar.strategies.pipeline.schedules import check_2bw
+from hpar.strategies.runtimes.pipeline.schedules import check_2bw
 from hpar.strategies.specs.base import StrategySpec
 
 SYNC_SCHEDULES = ("gpipe", "1f1b")                 # hpar's synchronous schedules
@@ -33,7 +33,7 @@ def _torch_peer_problem(cfg) -> str | None:
 def _check(cfg) -> str | None:
     """Why a pipeline cannot run ``cfg``: its micro-batches already accumulate within a step
     (``--accumulate``); an asynchronous pipeline cannot skip a step on every stage (fp16,
-    strategies/pipeline/stage_loop.py); 2BW's shape rule (strategies/pipeline/schedules.py);
+    strategies/runtimes/pipeline/stage_loop.py); 2BW's shape rule (strategies/runtimes/pipeline/schedules.py);
     and what torch's pipelining peers lack (:func:`_torch_peer_problem`)."""
     if cfg.accumulate > 1:
         return ("--accumulate does not apply to --strategy pipeline: its micro-batches already accumulate "
@@ -55,7 +55,7 @@ def _check(cfg) -> str | None:
 
 PIPELINE = StrategySpec(
     name="pipeline", summary="balanced pipeline: K stages x R replicas, 1F1B or weight-predicting asynchronous schedules",
-    runtime="hpar.strategies.pipeline.pipeline_runtime:train",
+    runtime="hpar.strategies.runtimes.pipeline.pipeline_runtime:train",
     estimate="hpar.strategies.plan.estimates:estimate_pipeline",
     worker_memory="hpar.strategies.plan.memory_model:pipeline_terms",
     simplicity=2, pipelined=True, needs_plan=True, check=_check)

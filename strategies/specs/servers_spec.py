@@ -1,4 +1,4 @@
-"""The parameter-server family (strategies/hybrid/): ``hybrid`` (Parallax: Kim et al.,
+"""The parameter-server family (strategies/runtimes/hybrid/): ``hybrid`` (Parallax: Kim et al.,
 EuroSys 2019: sparse parameters on sharded parameter servers, dense ones on AllReduce),
 ``ps`` (every parameter on the servers), and the planner's ``hybrid-cache`` candidate (hybrid
 with the workers' hot-row caches, after HET: Miao et al., VLDB 2022; it runs as ``hybrid``
@@ -9,7 +9,7 @@ from hpar.strategies.specs.base import StrategySpec
 
 HYBRID = StrategySpec(
     name="hybrid", summary="Parallax: embedding tables on sharded parameter servers, dense parameters on AllReduce",
-    runtime="hpar.strategies.hybrid.hybrid_runtime:train",
+    runtime="hpar.strategies.runtimes.hybrid.hybrid_runtime:train",
     estimate="hpar.strategies.plan.costmodel_ps:estimate_hybrid",
     worker_memory="hpar.strategies.plan.memory_model:served_terms",
     evaluate_memory="hpar.strategies.plan.memory_sharded:served_final_terms",
@@ -24,7 +24,7 @@ HYBRID_CACHE = StrategySpec(
 
 PS = StrategySpec(
     name="ps", summary="every parameter on sharded parameter servers (pull, push)",
-    runtime="hpar.strategies.hybrid.hybrid_runtime:train",
+    runtime="hpar.strategies.runtimes.hybrid.hybrid_runtime:train",
     estimate="hpar.strategies.plan.costmodel_ps:estimate_ps",
     worker_memory="hpar.strategies.plan.memory_model:served_terms",
     evaluate_memory="hpar.strategies.plan.memory_sharded:served_final_terms",

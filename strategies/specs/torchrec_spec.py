@@ -1,5 +1,5 @@
 """``torchrec``: the user's embedding tables sharded by TorchRec's DistributedModelParallel
-(strategies/torchrec/), the rest of the model in DDP. TorchRec exchanges the ids and the looked-up
+(strategies/runtimes/torchrec/), the rest of the model in DDP. TorchRec exchanges the ids and the looked-up
 or pooled rows by all-to-all (table-, row- or column-wise shards; Ivchenko et al., "TorchRec: a
 PyTorch domain library for recommendation systems", RecSys 2022) where hybrid pulls and pushes
 rows from parameter servers. It needs the optional TorchRec install (scripts/install_torchrec.sh).
@@ -32,10 +32,10 @@ def _check(cfg) -> str | None:
 
 def _spec(name: str, summary: str, simplicity: int) -> StrategySpec:
     return StrategySpec(
-        name=name, summary=summary, runtime="hpar.strategies.torchrec.trec_runtime:train",
-        estimate=None, worker_memory="hpar.strategies.torchrec.trec_memory:torchrec_terms", simplicity=simplicity, ddp=True, check=_check,
-        check_available="hpar.strategies.torchrec.trec_check:check_available",
-        check_model="hpar.strategies.torchrec.trec_check:check_model")
+        name=name, summary=summary, runtime="hpar.strategies.runtimes.torchrec.trec_runtime:train",
+        estimate=None, worker_memory="hpar.strategies.runtimes.torchrec.trec_memory:torchrec_terms", simplicity=simplicity, ddp=True, check=_check,
+        check_available="hpar.strategies.runtimes.torchrec.trec_check:check_available",
+        check_model="hpar.strategies.runtimes.torchrec.trec_check:check_model")
 
 
 TORCHREC = _spec("torchrec", "TorchRec: tables sharded by DistributedModelParallel (its planner's choice), "

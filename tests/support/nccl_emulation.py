@@ -77,9 +77,9 @@ def child(rank: int, world: int, runs: list, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     violations = install()
-    from hpar.strategies.common.config import RunConfig
+    from hpar.strategies.job.config import RunConfig
     from hpar.strategies.common.context import WorkerContext
-    from hpar.strategies.common.job import load_job
+    from hpar.strategies.job.contract import load_job
     from hpar.strategies.specs.registry import spec
     from hpar.workers.worker import init_group
     out = {}

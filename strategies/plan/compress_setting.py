@@ -1,0 +1,56 @@
+"""``hpar run --compress``: the flag checked before the script is loaded, and the setting the run
+config carries decided (and said in one line where it changes) before any process starts. The
+setting itself: strategies/job/compression.py; the workers' hooks:
+strategies/runtimes/dataparallel/compress_hooks.py."""
+from __future__ import annotations
+
+from rich.console import Console
+
+from hpar.strategies.job.compression import Compression
+from hpar.strategies.job.config import RunConfig, compress_problem
+from hpar.strategies.specs.registry import spec as strategy_spec
+
+
+def early(flag: str | None, strategy: str, precision: str | None) -> Compression | None:
+    """``--compress`` parsed, or None when not given; ValueError (one line naming the flag)
+    for a bad value, or for a strategy named on the command line that cannot compress
+    (``auto`` is decided once the planner has chosen: :func:`decide`)."""
+    if flag is None:
+        return None
+    c = Compression.parse(flag)
+    if strategy != "auto":
+        problem = compress_problem(c, strategy, precision)
+        if problem:
+            raise ValueError(problem)
+    return c
+
+
+def decide(console: Console, c: Compression | None, strategy: str, strategy_flag: str, device: str) -> Compression:
+    """The run's compression: off when not asked; off, said in one line, when ``--strategy
+    auto`` chose a strategy without DDP's AllReduce (the other refusals are the run config's);
+    ``bf16`` on gloo (``device`` cpu) becomes ``fp16``, said in one line, where this torch
+    build's gloo cannot AllReduce bfloat16 (pytorch/pytorch#111131)."""
+    if c is None or not c.on:
+        return Compression()
+    if strategy_flag == "auto" and not strategy_spec(strategy).compress_hooks:
+        console.print(f"hpar: the planner chose {strategy}, which has no dense AllReduce through DDP, so --compress {c} "
+                      "does not apply; it runs uncompressed", markup=False)
+        return Compression()
+    if c.kind == "bf16" and device != "cuda":
+        from hpar.strategies.runtimes.dataparallel.compress_hooks import bf16_works
+        if not bf16_works():
+            console.print("hpar: --compress bf16: this torch build's gloo cannot AllReduce bfloat16 "
+                          "(pytorch/pytorch#111131); compressing to fp16 instead", markup=False)
+            return Compression("fp16")
+    return c
+
+
+def on_resume(cfg: RunConfig, flag: str | None) -> None:
+    """``--compress`` given with ``--resume``: refused in one line unless it is the run's own
+    (PowerSGD's state and the numbers depend on it)."""
+    if flag is not None and Compression.parse(flag) != cfg.compress:
+        raise ValueError(f"--compress {flag}: {cfg.run_dir} was trained with --compress {cfg.compress}, which its "
+                         "resume keeps; drop the flag")
+
+
+__all__ = ["early", "decide", "on_resume"]

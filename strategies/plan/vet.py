@@ -1,0 +1,85 @@
+"""The refusals ``hpar run`` makes once a plan is chosen, asked of every runnable candidate
+before the planner chooses: ``--strategy auto`` never picks a strategy that ``hpar run`` then
+refuses, and ``hpar profile`` never lists one as runnable (issue 67).
+
+The profile decides most of what can run (memory, the optimizer rule the servers can apply,
+a pipeline's split); what it cannot see is checked here on the model itself, with the same
+functions ``hpar run`` calls before start: the parameters a parameter server would serve
+must each be in a param group of the user's ``optimizer()`` with a rule the servers can run
+(launcher/run/strategy_settings.check_optimizer), and a ``torch.compile(fullgraph=True)``
+model cannot serve a table (strategies/runtimes/hybrid/embedding.check_fullgraph). A candidate that
+fails is listed as not runnable, its note the refusal's line, and the planner chooses again
+without it.
+"""
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.registry import spec as strategy_spec
+
+CHECK_LR = 1e-3   # the optimizer's learning rate in the checks (no rule the servers refuse depends on it)
+
+
+def refusal(job, model, strategy: str, plan: Plan) -> str:
+    """Why ``hpar run`` would refuse ``strategy`` under ``plan`` for ``model`` (as ``model()``
+    returned it) before anything starts, as one line without the script's name; "" when it
+    would not. Only strategies with parameter servers have such checks."""
+    spec = strategy_spec(strategy)
+    if not spec.servers:
+        return ""
+    from hpar.strategies.plan.strategy_settings import check_optimizer
+    from hpar.strategies.runtimes.hybrid.client import placement
+    from hpar.strategies.runtimes.hybrid.embedding import check_fullgraph
+    from hpar.strategies.job.forward import inner_module
+    inner = inner_module(model)
+    try:
+        check_fullgraph(model, placement(inner, strategy, plan))
+        check_optimizer(Console(file=io.StringIO()), job, inner, strategy, plan, max(plan.servers, 1), CHECK_LR)
+    except ValueError as exc:
+        why = str(exc)
+        prefix = f"{job.path}: --strategy {strategy}: "
+        return why[len(prefix):] if why.startswith(prefix) else why
+    return ""
+
+
+def lacking(strategy: str, needs: tuple) -> str:
+    """The flag ``strategy`` cannot honour among ``needs`` (StrategySpec capability names, as
+    ``--sync-batchnorm`` needs ``sync_batchnorm``), as one line; "" when it has them all."""
+    spec = strategy_spec(strategy)
+    missing = [n for n in needs if not getattr(spec, n)]
+    return f"--{missing[0].replace('_', '-')} does not apply to {strategy}" if missing else ""
+
+
+def vetted_plan(job, profile, cluster, model=None, needs: tuple = (), **choose) -> Plan:
+    """``choose_plan(profile, cluster, **choose)`` (strategies/plan/planner.py) where no
+    runnable candidate is one :func:`refusal` refuses: each runnable candidate's own plan
+    (``force``) is checked on ``model`` (built with ``job.build_model()`` when None and a
+    candidate needs it), and when any is refused the planner chooses again with those marked
+    not runnable (``refused``). A forced strategy (``choose["force"]``) is returned as
+    planned: ``hpar run`` refuses it itself, in its own words. ``needs``: capabilities every
+    candidate must have (:func:`lacking`; ``--sync-batchnorm``), the others not runnable.
+    Raises ValueError as ``choose_plan`` does (no strategy left that fits)."""
+    from hpar.strategies.plan.planner import choose_plan
+    if choose.get("force") is not None:
+        return choose_plan(profile, cluster, **choose)
+    plan = choose_plan(profile, cluster, **choose)
+    why_not = {c.strategy: lacking(c.strategy, needs) for c in plan.candidates if needs and c.available}
+    refused = {name: why for name, why in why_not.items() if why}
+    if refused:
+        plan = choose_plan(profile, cluster, refused=refused, **choose)
+    for c in plan.candidates:
+        if not c.available or not strategy_spec(c.strategy).servers:
+            continue
+        try:
+            own = plan if c.strategy == plan.strategy else choose_plan(profile, cluster, **{**choose, "force": c.strategy})
+        except ValueError:
+            continue   # its own plan does not fit: choose_plan says so in its note
+        if model is None:
+            model = job.build_model()
+        why = refusal(job, model, own.strategy, own)
+        if why:
+            refused[c.strategy] = why
+    return choose_plan(profile, cluster, refused=refused, **choose) if refused else plan
