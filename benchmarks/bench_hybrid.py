@@ -27,7 +27,7 @@ import torch
 
 from hpar.strategies.runtimes.dataparallel.allreduce import ring_allreduce_bytes
 from hpar.strategies.job.contract import load_job
-from hpar.strategies.runtimes.hybrid.client import embedding_weights
+from hpar.strategies.plan.placement import embedding_weights
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = ("hybrid", "allreduce", "allreduce-sparse")

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_dir = args.bench_dir or doc["settings"]["bench_dir"]
     request = args.request_cpu_s
     if request == "probe":
-        from hpar.strategies.plan.probe import probe_requests
+        from hpar.strategies.runtimes.hybrid.request_probe import probe_requests
         request = probe_requests()
         print(f"request CPU measured now: {request * 1e6:.0f} us")
     rows = repredict(doc, bench_dir, None if request is None else float(request), args.replace_request_cpu)

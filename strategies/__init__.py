@@ -1,14 +1,15 @@
-"""Everything that knows about training math, in subpackages that name the flow::
+"""Everything that knows about training math, in folders that name the flow from the user's
+script to a running strategy::
 
-    common/job (load the user's script) -> profile/ (measure) -> plan/ (decide) -> a runtime
-    in every process: dataparallel/ (DDP, FSDP), hybrid/ (Parallax), pipeline/ (SpecTrain)
+    job/ (the script, its model and optimizer, the run's config)
+      -> profile/ (measure the model on the workers' device)
+      -> plan/ (decide: cost and memory models, planner, placement, stage cuts, checks, fit)
+      -> runtimes/ (train, in every process: dataparallel/, hybrid/, pipeline/, torchrec/ and
+         the one training spine)
 
-What each strategy is (its needs, checks, cost and memory model, runtime) is its spec in
-specs/, read through specs/registry.py by everything above.
-
-Shared by the runtimes: common/ (the job, the run's config, the worker's context and meters,
-the training loop, devices, process groups, memory, phase activity, the first batch), models/
-(how the user's model is called, cut into layers, traced, tied; Hugging Face models) and
-runstate/ (checkpoints and the trained model with torch.distributed.checkpoint, export).
-Nothing here imports ``hpar.launcher`` or ``hpar.workers``.
+Read by all of them: specs/ (what each strategy is, the shape of a plan, the values a runtime
+and its models share), common/ (devices, process groups, measured memory, phase activity) and
+state/ (the files a run writes: checkpoints, the trained model, export). A folder imports only
+the folders before it in this order (specs, common, job, state, profile, plan, runtimes;
+tests/test_import_graph.py), and nothing here imports ``hpar.launcher`` or ``hpar.workers``.
 """

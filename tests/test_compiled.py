@@ -160,7 +160,7 @@ def test_fullgraph_with_a_served_table_is_refused_before_start(tmp_path):
 
 
 def test_check_fullgraph_only_refuses_a_served_table_under_fullgraph():
-    from hpar.strategies.runtimes.hybrid.embedding import check_fullgraph
+    from hpar.strategies.plan.placement import check_fullgraph
     from torch import nn
     net = nn.Sequential(nn.Embedding(10, 2), nn.Linear(2, 1))
     served, kept = {"0.weight": "ps", "1.weight": "allreduce"}, {"0.weight": "allreduce", "1.weight": "ps"}

@@ -274,7 +274,7 @@ def test_allreduce_sparse_uses_the_profiled_sparse_update_or_steps_dense():
     assert e.step_s == pytest.approx(0.1 + max(0.2, ar) + ag + update)
     no = estimate_allreduce_sparse(dataclasses.replace(prof, sparse_update_s_per_byte=None, sparse_gradients_ok=False), c)
     dense_step = 4 * 0.05 * 4_000_000 * 1e-9 + (4_000_000 + 40_000) * 1e-9   # gathered rows summed, every row stepped
-    assert no.feasible and "made dense to step" in no.note   # strategies/runtimes/dataparallel/sparse_grads.py
+    assert no.feasible and "made dense to step" in no.note   # strategies/job/optimizer_rules.py
     assert no.breakdown["merge"] + no.breakdown["update"] == pytest.approx(dense_step)
     # a measured exchange time (ClusterSpec.sparse_round_s) replaces the two rounds of N-1 latencies
     probed = estimate_allreduce_sparse(prof, dataclasses.replace(c, sparse_round_s=0.036))

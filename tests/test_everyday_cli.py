@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 from conftest import REPO, TINY, hpar_to_file, run_processes, single_process_reference, write_script
 
 RAISES_IN_FORWARD = '''
@@ -205,7 +205,7 @@ def test_hpar_layers_must_cover_the_model():
 def test_tied_weight_is_one_dense_parameter():
     """The zoo's tied LM: the embedding tied to the output Linear is profiled dense and kept
     off the servers; the untied document table stays a row-sparse embedding."""
-    from hpar.strategies.runtimes.hybrid.client import placement
+    from hpar.strategies.plan.placement import placement
     from hpar.strategies.job.contract import load_job
     from hpar.strategies.profile.profiler import profile_job
     from hpar.strategies.job.tying import embedding_tables, shared_parameters
@@ -252,7 +252,7 @@ def test_samples_per_s_is_samples_over_the_wall_clock_of_the_measured_window():
     interval means."""
     import time
     from types import SimpleNamespace
-    from hpar.strategies.common.context import StepMeter
+    from hpar.strategies.job.context import StepMeter
     reports = []
     ctx = SimpleNamespace(cfg=SimpleNamespace(log_every=3, steps=6), start_step=0, report=reports.append,
                           on_step=None, event=None, rank=0)

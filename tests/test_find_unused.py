@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from conftest import REPO
-from hpar.strategies.runtimes.dataparallel.ddp import find_unused, reducer_names, unused_message
+from hpar.strategies.runtimes.dataparallel.ddp import reducer_names, unused_message
+from hpar.strategies.job.config import find_unused
 from hpar.strategies.job.contract import load_job
 from hpar.strategies.profile.profiler import profile_job
 from hpar.strategies.profile.unused import missing_gradients, unused_parameters

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from hpar.strategies.job.config import RunConfig
 from hpar.strategies.plan.cluster import free_port
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 from conftest import embed_script, write_script
 

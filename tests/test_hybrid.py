@@ -14,7 +14,7 @@ import torch
 from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.job.config import RunConfig
 from hpar.strategies.job.contract import load_job
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 from conftest import single_process_reference, final_state
 

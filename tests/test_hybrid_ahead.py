@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hpar.strategies.runtimes.hybrid import ahead, embedding
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 from conftest import write_script, final_state
 from test_training_loop import close, reference, run_cli

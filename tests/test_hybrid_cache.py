@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpar.strategies.runtimes.hybrid.cache import CacheConfig, RowCache
+from hpar.strategies.runtimes.hybrid.cache import RowCache
+
+from hpar.strategies.specs.servers_spec import CacheConfig
 from hpar.strategies.runtimes.hybrid.shard import RowLayout
 from hpar.strategies.runtimes.hybrid.versions import CacheBook, mask_bytes, pack_bits, unpack_bits
 from hpar.strategies.profile.hot_rows import HotRows, cache_shares
@@ -206,7 +208,7 @@ def test_tune_names_the_cached_plan_hybrid_cache_and_tries_plain_hybrid_beside_i
     the hybrid-cache candidate, first; plain hybrid is another candidate, not the planner's."""
     import dataclasses
     from hpar.strategies.plan.tuning import candidates, planned_name
-    from hpar.strategies.plan.decision import Candidate, Plan
+    from hpar.strategies.specs.decision import Candidate, Plan
     rows = [Candidate("hybrid", available=True, samples_per_s=900.0, predicted_step_s=0.02, bytes_per_step=0.0),
             Candidate("hybrid-cache", available=True, samples_per_s=1000.0, predicted_step_s=0.018, bytes_per_step=0.0),
             Candidate("allreduce", available=True, samples_per_s=100.0, predicted_step_s=0.2, bytes_per_step=0.0)]

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpar.strategies.job.config import RunConfig
-from hpar.strategies.common.context import WorkerContext
+from hpar.strategies.job.context import WorkerContext
 from hpar.strategies.job.contract import load_job
 
 from conftest import write_script

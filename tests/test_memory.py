@@ -8,7 +8,7 @@ import torch
 
 from hpar.strategies.plan.peaks import PeakFigures
 from hpar.strategies.common import measured_memory as memory
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 from conftest import hpar_to_file, kill_left, write_script
 

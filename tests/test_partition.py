@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from hpar.strategies.runtimes.pipeline.partition import StagePlan, balanced_ranges, partition_stages, stage_send_s
+from hpar.strategies.plan.partition import StagePlan, balanced_ranges, partition_stages, stage_send_s
 
 
 def brute_force_bottleneck(compute, act, k, bw):

@@ -13,8 +13,8 @@ import torch
 from hpar.strategies.plan.cluster import free_port
 from hpar.strategies.job.config import RunConfig
 from hpar.strategies.job.contract import load_job
-from hpar.strategies.plan.decision import Plan
-from hpar.strategies.runtimes.pipeline.stage import draw_batch, split_micro
+from hpar.strategies.specs.decision import Plan
+from hpar.strategies.plan.stage_cuts import draw_batch, split_micro
 
 SCRIPT = textwrap.dedent('''
     import torch
@@ -197,7 +197,7 @@ def _tiny_job(tmp_path, body):
 
 
 def test_non_sequential_model_is_refused_with_reason(tmp_path):
-    from hpar.strategies.runtimes.pipeline.stage import stage_ranges
+    from hpar.strategies.plan.stage_cuts import stage_ranges
     job = _tiny_job(tmp_path, '''
         import torch
         class Net(torch.nn.Module):
@@ -213,7 +213,7 @@ def test_non_sequential_model_is_refused_with_reason(tmp_path):
 
 
 def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):
-    from hpar.strategies.runtimes.pipeline.stage import stage_ranges
+    from hpar.strategies.plan.stage_cuts import stage_ranges
     job = load_job(str((tmp_path / "job.py").write_text(SCRIPT) and tmp_path / "job.py"))
     with pytest.raises(ValueError, match=r"6 pipeline stages \(--gpus / --pipeline-replicas\)"):
         stage_ranges(job.build_model(), 6)

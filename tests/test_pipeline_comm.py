@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpar.strategies.runtimes.pipeline.comm import Links
-from hpar.strategies.runtimes.pipeline.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, is_synchronous, stage_ops
+from hpar.strategies.plan.schedules import ASYNC_SCHEDULES, SYNC_SCHEDULES, is_synchronous, stage_ops
 
 
 class Done:

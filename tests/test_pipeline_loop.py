@@ -10,8 +10,8 @@ import torch
 
 from hpar.strategies.job.config import RunConfig
 from hpar.strategies.job.contract import load_job
-from hpar.strategies.common.loop import DTYPES
-from hpar.strategies.runtimes.pipeline.stage import split_micro
+from hpar.strategies.job.loop import DTYPES
+from hpar.strategies.plan.stage_cuts import split_micro
 from hpar.strategies.runtimes.pipeline.stage_loop import async_clip_threshold
 
 from conftest import write_script

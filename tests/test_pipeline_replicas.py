@@ -11,8 +11,8 @@ import torch
 from test_pipeline import SCRIPT, assert_close_state, run_pipeline
 
 from hpar.strategies.job.contract import load_job
-from hpar.strategies.runtimes.pipeline.replicas import Grid
-from hpar.strategies.runtimes.pipeline.stage import split_micro
+from hpar.strategies.plan.pipeline_grid import Grid
+from hpar.strategies.plan.stage_cuts import split_micro
 
 
 def test_grid_layouts_cover_every_rank_once():
@@ -179,7 +179,7 @@ def grid_transcripts(schedule: str, grid: Grid, M: int, steps: int = 2) -> list[
     completes only when the whole group posts it, as a collective does."""
     from test_pipeline_comm import Recorder
     from hpar.strategies.runtimes.pipeline.comm import P2P, Links
-    from hpar.strategies.runtimes.pipeline.schedules import is_synchronous, stage_ops, updates_after
+    from hpar.strategies.plan.schedules import is_synchronous, stage_ops, updates_after
     out = [None] * grid.size
     for rank in range(grid.size):
         k, r = grid.coords(rank)

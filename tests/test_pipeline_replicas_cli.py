@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 from conftest import TINY, run_processes, single_process_reference, write_script, final_state
 

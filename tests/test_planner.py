@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 from hpar.strategies.plan.planner import choose_plan
 from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
 
@@ -111,11 +111,11 @@ def test_deep_wide_sequence_on_slow_link_gets_pipeline():
 
 
 def test_plan_json_round_trip():
-    """A Plan (strategies/plan/decision.py) goes through to_dict/from_dict and through the run
+    """A Plan (strategies/specs/decision.py) goes through to_dict/from_dict and through the run
     config's JSON unchanged; a partial plan keeps the defaults of what it leaves out; an unknown
     key is refused in one line naming it."""
     from hpar.strategies.job.config import RunConfig
-    from hpar.strategies.plan.decision import Candidate
+    from hpar.strategies.specs.decision import Candidate
     plan = choose_plan(cnn_profile(), ClusterSpec(1, (2,), 1, 1e9, 1e-5))
     plan = dataclasses.replace(plan, tuning={"chosen": plan.strategy}, sparse_exchange="allgather-padded",
                                local_aggregation=False, sparse_optimizer="lazy")
@@ -227,7 +227,7 @@ def test_micro_batches_divide_the_batch():
     batch, at least K where the batch has one: 3 stages and a batch of 32 (a plan of 3 micro-
     batches would be refused by `hpar run` itself) try 1, 4, 8, 16."""
     from hpar.strategies.plan.estimates import estimate_pipeline
-    from hpar.strategies.runtimes.pipeline.schedules import micro_batch_count
+    from hpar.strategies.plan.schedules import micro_batch_count
     assert [micro_batch_count(f, 32, min(f, 3)) for f in (1, 3, 6, 12)] == [1, 4, 8, 16]
     assert [micro_batch_count(f, 30, min(f, 4)) for f in (1, 4, 8, 16)] == [1, 5, 10, 15]   # 8: 6 and 10 tie, the larger
     assert micro_batch_count(3, 7, 3) == 7 and micro_batch_count(4, 2, 3) == 2   # none >= K in a batch of 2: the nearest
@@ -286,7 +286,7 @@ def test_pipeline_on_shared_cores_pays_measured_messages_and_the_cores_share():
     ring (allreduce_fixed_s / 2(N-1)), not the link's latency, twice a period and once for the
     step's loss; every layer's compute is slowed by the host's load alike (the last layer too,
     which takes the loss and the time no layer was given)."""
-    from hpar.strategies.runtimes.pipeline.replicas import Grid
+    from hpar.strategies.plan.pipeline_grid import Grid
     from hpar.strategies.plan.costmodel import cost_setting
     from hpar.strategies.plan.costmodel_pipeline import estimate_grid, message_s
     layers = [LayerProfile(str(i), f, b, 1, 0, 0) for i, (f, b) in enumerate([(0.003, 0.006), (0.001, 0.002)])]

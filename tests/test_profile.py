@@ -277,16 +277,16 @@ def test_forward_passes_are_timed_under_the_workers_precision(tmp_path, precisio
 
 
 def test_fsdp_overhead_is_measured_on_copies_and_skipped_where_it_cannot_be(job, monkeypatch):
-    """profile/fsdp_cost.py: FSDP2's own work per step (hooks, copies, DTensors) on one worker is
+    """runtimes/dataparallel/fsdp_cost.py: FSDP2's own work per step (hooks, copies, DTensors) on one worker is
     a positive figure, the user's model object untouched (model() hands out one object here);
     None inside a process group of the caller's or for a model over MAX_BYTES; the cost model
     charges it to every fsdp step, times the cores' share."""
     import dataclasses
     import torch.distributed as dist
-    from hpar.strategies.common.loop import precision_context
+    from hpar.strategies.job.loop import precision_context
     from hpar.strategies.plan.cluster import ClusterSpec
     from hpar.strategies.plan.costmodel_fsdp import estimate_fsdp
-    from hpar.strategies.profile import fsdp_cost
+    from hpar.strategies.runtimes.dataparallel import fsdp_cost
     user_model = job.build_model()
     batches = [next(job.batches(0, 1, 4)) for _ in range(12)]
     cast = precision_context("fp32", "cpu")

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpar.launcher.commands.profile import profile
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 LM = textwrap.dedent('''
     import torch
@@ -310,7 +310,7 @@ def test_request_probe_runs_hpars_own_client_and_server_and_leaves_nothing_behin
     intra-op threads are as they were."""
     import threading
     import torch
-    from hpar.strategies.plan.probe import probe_requests
+    from hpar.strategies.runtimes.hybrid.request_probe import probe_requests
     threads, before = torch.get_num_threads(), set(threading.enumerate())
     assert 1e-6 < probe_requests(steps=30, rounds=2) < 0.05
     assert torch.get_num_threads() == threads

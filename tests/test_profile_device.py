@@ -18,7 +18,7 @@ from torch import nn
 
 from hpar.launcher.commands.profile import profile
 from hpar.strategies.plan import roofline
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 from conftest import write_script
 

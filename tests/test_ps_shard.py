@@ -3,7 +3,9 @@ torch.optim on dense tensors (no processes)."""
 import pytest
 import torch
 
-from hpar.strategies.runtimes.hybrid.shard import OptimizerSpec, ParamShard, RowLayout, spec_from_group, table_view
+from hpar.strategies.runtimes.hybrid.shard import ParamShard, RowLayout, table_view
+
+from hpar.strategies.job.optimizer_rules import OptimizerSpec, spec_from_group
 
 
 @pytest.mark.parametrize("rows,parts,servers,first", [(10, 1, 1, 0), (10, 3, 2, 0), (7, 7, 3, 2), (100, 5, 2, 1),

@@ -8,7 +8,7 @@ import torch
 
 from hpar.strategies.runtimes.hybrid import wire as ps_wire
 from hpar.strategies.plan.cluster import free_port
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 
 def _payload(n: int, dim: int):

@@ -64,7 +64,7 @@ def test_pipeline_on_a_model_that_does_not_trace_is_refused_before_profiling(tmp
 
 
 def test_a_plan_file_with_a_mistyped_key_is_refused_in_one_line_naming_it(tmp_path):
-    """A plan file is read into the typed Plan (strategies/plan/decision.py): a key it does not
+    """A plan file is read into the typed Plan (strategies/specs/decision.py): a key it does not
     know is a typo, named with the key it may mean, before any process starts."""
     script = write_script(tmp_path)
     plan = tmp_path / "bad.json"

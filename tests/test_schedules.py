@@ -1,7 +1,7 @@
 """Pipeline schedules: orders, version distances, deadlock freedom, bubble."""
 import pytest
 
-from hpar.strategies.runtimes.pipeline.schedules import (Op, bubble_fraction, execution_order, is_synchronous,
+from hpar.strategies.plan.schedules import (Op, bubble_fraction, execution_order, is_synchronous,
                                        stage_ops)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpar.strategies.job.contract import load_job
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 from hpar.strategies.runtimes.dataparallel.sparse_allgather import padded_allgather_bytes, sparse_exchange
 
 from conftest import embed_script, hpar, run_processes, single_process_reference, write_script, final_state

@@ -1,4 +1,4 @@
-"""Sparse gradients only where the optimizer takes them (strategies/runtimes/dataparallel/sparse_grads.py): the rule,
+"""Sparse gradients only where the optimizer takes them (strategies/job/optimizer_rules.py): the rule,
 allreduce-sparse with AdamW (its gathered rows made dense to step) equal to allreduce through
 the real `hpar run`, and the strategies whose parameter servers cannot apply an optimizer
 refused by the planner and before `hpar run` starts anything."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, hpar_to_file, run_processes, write_script, final_state
-from hpar.strategies.runtimes.dataparallel.sparse_grads import densify, takes_sparse_gradients
+from hpar.strategies.job.optimizer_rules import densify, takes_sparse_gradients
 
 ZOO = os.path.join(REPO, "tests", "zoo")
 

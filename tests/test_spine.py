@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from hpar.strategies.job.config import RunConfig
-from hpar.strategies.common.context import WorkerContext
+from hpar.strategies.job.context import WorkerContext
 from hpar.strategies.runtimes import spine
 from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
 

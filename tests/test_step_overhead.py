@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpar.strategies.job.contract import load_job
-from hpar.strategies.common.loop import precision_context
+from hpar.strategies.job.loop import precision_context
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.estimates import estimate_all, estimate_async_pipeline
 from hpar.strategies.profile import step_overhead

@@ -13,7 +13,8 @@ from torch.torch_version import TorchVersion
 
 from conftest import REPO, hpar, hpar_to_file, kill_left, final_state
 from hpar.launcher.bench.plots import stage_figures
-from hpar.strategies.runtimes.pipeline.torch_peers import ZBV_GLOO_MIN_TORCH, check_peer, chunk_ranks
+from hpar.strategies.runtimes.pipeline.torch_peers import chunk_ranks
+from hpar.strategies.plan.stage_cuts import ZBV_GLOO_MIN_TORCH, check_peer
 
 PIPE = os.path.join(REPO, "tests", "zoo", "pipe4.py")   # 8 layers: 2 processes x 2 chunks x 2 layers
 SCHEDULES = ("torch-interleaved-1f1b", "torch-zbv")

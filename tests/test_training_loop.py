@@ -10,7 +10,7 @@ import torch
 
 from hpar.strategies.job.config import RunConfig
 from hpar.strategies.job.contract import JobError, load_job
-from hpar.strategies.common.loop import step_schedule, step_tools
+from hpar.strategies.job.loop import step_schedule, step_tools
 
 from conftest import _concat, hpar, hpar_to_file, kill_left, write_script, final_state
 
@@ -306,7 +306,7 @@ def test_parameter_servers_follow_the_schedule(tmp_path, strategy):
 def test_a_plan_can_turn_the_pull_ahead_off(tmp_path):
     """`"pull_ahead": false` in a plan file (how BENCHMARKS.md's A/B was run): `hpar run
     --strategy hybrid --plan` then requests no rows a step early, and trains the same model."""
-    from hpar.strategies.plan.decision import Plan
+    from hpar.strategies.specs.decision import Plan
     script = write_script(tmp_path, EMBED_SCHEDULED)
     plan = tmp_path / "plan.json"
     plan.write_text(Plan(strategy="hybrid", placement={}, partitions={}, servers=1, stages=[], micro_batches=1,

@@ -195,7 +195,7 @@ def test_run_dir_hf_is_made_as_the_rest_of_the_run_not_0700(tmp_path):
     """RUN_DIR/hf (save_pretrained through a temp folder) gets the mode os.makedirs gives the
     run's other folders (the run directory itself is what keeps others out)."""
     transformers = pytest.importorskip("transformers")
-    from hpar.strategies.job.hf import save_pretrained_dir
+    from hpar.strategies.state.hf_save import save_pretrained_dir
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16,
                                                                  n_positions=8))
     old = os.umask(0o022)

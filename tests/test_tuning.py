@@ -12,7 +12,7 @@ import pytest
 
 from conftest import hpar_to_file, kill_left
 from hpar.strategies.plan.tuning import Trial, candidates, choose, trial_steps
-from hpar.strategies.plan.decision import Candidate, Plan
+from hpar.strategies.specs.decision import Candidate, Plan
 
 
 def _plan(chosen: str, rows: list[tuple[str, float, bool]]) -> Plan:

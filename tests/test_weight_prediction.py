@@ -5,7 +5,7 @@ import torch
 
 from hpar.strategies.job.contract import Job
 from hpar.strategies.runtimes.pipeline.sim import simulate
-from hpar.strategies.runtimes.pipeline.stage import split_micro
+from hpar.strategies.plan.stage_cuts import split_micro
 from hpar.strategies.runtimes.pipeline.prediction import PassWeights
 
 

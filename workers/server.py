@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from hpar.strategies.common.context import peer_is_remote
+from hpar.strategies.job.context import peer_is_remote
 from hpar.workers import report
 
 report.install_stack_dump()   # first, so that a stall during start-up can be diagnosed too

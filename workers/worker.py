@@ -24,14 +24,14 @@ from hpar.strategies.common import activity
 
 from hpar.strategies.common import measured_memory as memory
 from hpar.strategies.job.config import ConfigChanged, RunConfig, load_config
-from hpar.strategies.common.context import WorkerContext
+from hpar.strategies.job.context import WorkerContext
 from hpar.strategies.common.devices import model_to_cpu
 from hpar.strategies.common.gather import all_gather_ints
 from hpar.strategies.common.groups import join_default_group
 from hpar.strategies.job.contract import JobError, load_job
 from hpar.strategies.state.safe_read import UnsafeCheckpoint
 from hpar.strategies.state.state import DiskFull
-from hpar.strategies.job.hf import is_pretrained, save_pretrained_dir
+from hpar.strategies.state.hf_save import is_pretrained, save_pretrained_dir
 
 def env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
@@ -78,7 +78,7 @@ def run_entry(main, prefix: str, user_errors: tuple) -> None:
     try:
         code = main()
     except user_errors as exc:
-        if not getattr(exc, "announced", False):   # else the launcher prints it, once (strategies/common/first_batch.py)
+        if not getattr(exc, "announced", False):   # else the launcher prints it, once (strategies/job/first_batch.py)
             print(f"{prefix}: {exc}", file=sys.stderr)
         if getattr(exc, "user_traceback", None):
             print(exc.user_traceback, file=sys.stderr)
@@ -158,7 +158,7 @@ def main() -> int:
             if eval_last is None:
                 with activity.doing("in evaluate() after the last step"):
                     eval_last = job.run_evaluate(model) if cfg.eval else {}
-            if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/job/hf.py)
+            if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/state/hf_save.py)
                 with activity.doing("writing RUN_DIR/hf (save_pretrained)"):
                     save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
         report.emit("summary", {

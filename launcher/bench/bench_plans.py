@@ -31,7 +31,8 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
             return ("torch.distributed.pipelining's schedules run here on an nn.Sequential or hpar_layers() only; "
                     "this model is cut by tracing")
         if est is not None:
-            from hpar.strategies.runtimes.pipeline.ties import schedule_problem, stages_of
+            from hpar.strategies.job.tying import stages_of
+            from hpar.strategies.plan.stage_cuts import schedule_problem
             problem = schedule_problem({n: stages_of(held, est.stages) for n, held in profile.shared_params
                                         if len(stages_of(held, est.stages)) > 1}, schedule)
             if problem:
@@ -40,13 +41,13 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
             return (f"the plan's {est.micro_batches} micro-batch(es) per batch are fewer than the {gpus} stages "
                     "torch's Schedule1F1B needs (benchmarks/bench_pipeline.py compares it at M = 4)")
         if schedule.startswith("torch-") and est is not None:
-            from hpar.strategies.runtimes.pipeline.torch_peers import check_peer
+            from hpar.strategies.plan.stage_cuts import check_peer
             try:
                 check_peer(schedule, len(profile.layers), gpus, est.micro_batches, profile.device)
             except ValueError as exc:
                 return str(exc)
         if schedule == "async-2bw" and est is not None:
-            from hpar.strategies.runtimes.pipeline.schedules import check_2bw
+            from hpar.strategies.specs.pipeline_spec import check_2bw
             try:
                 check_2bw(gpus, est.micro_batches)
             except ValueError as exc:

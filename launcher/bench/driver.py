@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.launcher.bench.bench_config import BenchConfig, bench_entry, row_compress, row_dir, steps_for
 from hpar.launcher.bench.plots import bytes_per_worker_step, combine_runs, memory_figures, stage_figures

@@ -8,7 +8,7 @@ import json
 import os
 import statistics
 
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 
 def bytes_per_worker_step(metrics_path: str) -> dict | None:

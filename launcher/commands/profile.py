@@ -177,7 +177,7 @@ def profile(script, as_json, plan_out, **given):
         _fail(str(exc))
     from hpar.strategies.state.checkpoint import atomic_write_bytes
     from hpar.strategies.job.config import check_cache_flags
-    from hpar.strategies.runtimes.hybrid.cache import CacheConfig
+    from hpar.strategies.specs.servers_spec import CacheConfig
     cluster_flags = {k: given.pop(k) for k in CLUSTER_FLAGS}   # --gpus, --hosts, ...: launcher/run/cluster_build.py
     device, batch_size, timing_batch_size, precision = (given[k] for k in ("device", "batch_size", "timing_batch_size",
                                                                              "precision"))

@@ -22,10 +22,9 @@ from hpar.launcher.run.reshape import describe_reshape, old_settings
 from hpar.strategies.plan.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import LaunchOptions
 from hpar.strategies.state import checkpoint
-from hpar.strategies.plan.decision import Plan
-from hpar.strategies.job.config import sync_batchnorm_problem
-from hpar.strategies.job.config import FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags
-from hpar.strategies.runtimes.dataparallel.ddp import find_unused
+from hpar.strategies.specs.decision import Plan
+from hpar.strategies.job.config import (FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags, find_unused,
+                                        staleness_problem, sync_batchnorm_problem)
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import spec as strategy_spec, where
 from hpar.strategies.plan import compress_setting
@@ -33,12 +32,13 @@ from hpar.strategies.plan.strategy_settings import (cache_settings, check_optimi
                                                  default_micro_batches)
 from hpar.strategies.job.forward import inner_module
 from hpar.strategies.job.contract import check_job, load_job
-from hpar.strategies.common.loop import check_precision
-from hpar.strategies.runtimes.hybrid.client import placement
-from hpar.strategies.runtimes.hybrid.embedding import check_fullgraph
+from hpar.strategies.job.loop import check_precision
+from hpar.strategies.plan.placement import placement
+from hpar.strategies.plan.placement import check_fullgraph
 from hpar.strategies.job.layers import is_declared_sequence
-from hpar.strategies.runtimes.pipeline.stage import check_pipeline, sequential_layers, split_micro
-from hpar.strategies.runtimes.pipeline.ties import check_schedule, shared_across_stages
+from hpar.strategies.plan.stage_cuts import check_pipeline, sequential_layers, split_micro
+from hpar.strategies.job.tying import shared_across_stages
+from hpar.strategies.plan.stage_cuts import check_schedule
 from hpar.strategies.job.tying import embedding_tables
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
@@ -59,10 +59,7 @@ def read_plan(path: str) -> Plan:
         raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}); write it with `hpar profile --plan-out`") from None
     if not isinstance(plan, dict) or "strategy" not in plan:
         raise ValueError(f"{path}: not an hpar plan (no 'strategy' key); write it with `hpar profile --plan-out`")
-    try:
-        return Plan.from_dict(plan)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {str(exc).removeprefix('--plan: ')}") from None   # as the file's other errors
+    return Plan.from_dict(plan, source=path)   # named as the file's other errors
 
 
 class NothingToDo(Exception):
@@ -145,9 +142,8 @@ def resolve(console: Console, flags: Flags):
     compress = compress_setting.early(p.compress, strategy, loop_flags.get("precision"))   # before the script loads
     if j.sync_batchnorm and sync_batchnorm_problem(strategy):   # before the script loads
         raise ValueError(sync_batchnorm_problem(strategy))
-    if staleness is not None and strategy != "auto" and not strategy_spec(strategy).servers:
-        raise ValueError(f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
-                         f"{', '.join(where(servers=True))} or auto, not {strategy}; drop it")
+    if staleness_problem(staleness, strategy):   # before the script loads
+        raise ValueError(staleness_problem(staleness, strategy))
     from hpar.launcher.hosts.emulated import parse_emulate
     if hosts and parse_emulate(hosts):
         raise ValueError(f"--hosts {hosts}: emulated hosts are built and torn down by hpar bench and priced by hpar "
@@ -226,7 +222,7 @@ def resolve(console: Console, flags: Flags):
         pick = lambda flag, key: flag if flag is not None else d.get(key, FALLBACKS.get(key))
         staleness, cache_rows = pick(staleness, "staleness"), pick(cache_rows, "cache_rows")
         check_cache_flags(cache_rows, staleness)   # HPAR's keys too
-        from hpar.strategies.runtimes.hybrid.cache import CacheConfig
+        from hpar.strategies.specs.servers_spec import CacheConfig
         from hpar.strategies.plan.memory_model import forward_passes
         resolved = dataclasses.replace(p, strategy=strategy, servers=servers,
                                        pipeline_replicas=planner_replicas(pipeline_replicas, schedule),
@@ -292,7 +288,7 @@ def resolve(console: Console, flags: Flags):
             compress=compress_setting.decide(console, compress, strategy, strategy_flag, device))
         check_precision(job, cfg, model)
         if spec.pipelined and cfg.schedule == "async-predict":
-            from hpar.strategies.runtimes.pipeline.velocity import check_predictable
+            from hpar.strategies.job.optimizer_rules import check_predictable
             check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
         if spec.pipelined:
             example = None if traced_on is None else split_micro(traced_on, cfg.micro_batches)[0]
@@ -304,7 +300,7 @@ def resolve(console: Console, flags: Flags):
                     raise ValueError(f"--schedule {cfg.schedule}: torch.distributed.pipelining's schedules run here on "
                                      "an nn.Sequential or hpar_layers() only; this model is cut by tracing, which "
                                      "hpar's own schedules run (gpipe, 1f1b, async, async-stash, async-predict, async-2bw)")
-                from hpar.strategies.runtimes.pipeline.torch_peers import VIRTUAL_STAGES, check_peer
+                from hpar.strategies.plan.stage_cuts import VIRTUAL_STAGES, check_peer
                 check_peer(cfg.schedule, len(sequential_layers(model)), gpus, cfg.micro_batches, cfg.device)
                 if VIRTUAL_STAGES[cfg.schedule] > 1:
                     layers = f"{VIRTUAL_STAGES[cfg.schedule]} chunks per process balanced on parameter counts"
@@ -337,7 +333,9 @@ def resolve(console: Console, flags: Flags):
         from hpar.launcher.run.plan_run import compute_mismatch
         if compute_mismatch(cfg.plan, chosen):   # CPU figures for GPU workers are never taken silently
             console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
-        cfg = fit_plan(console, cfg, job, model, capacity, host_list, p.force, profile)   # predicted peaks vs memory
+        local = not host_list or all(h.is_local for h in host_list)
+        cfg = fit_plan(console, cfg, job, model, capacity, [h.name for h in hosts_used], local, p.force,
+                       profile)   # predicted peaks vs memory
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, phase_timeout=phase_timeout,
                          max_restarts=max_restarts, group_readable=r.group_readable,
                          live=False if r.plain else None, sync=h.sync, env=extra_env, slurm=slurm,

@@ -3,7 +3,7 @@
 Synchronous data parallelism averages each worker's mean gradient, so with batches of 8 and 6
 samples a sample of the smaller batch weighs 8/6 as much as one of the larger: not the
 single-process training on the concatenated batch the user expects (DESIGN.md). The workers
-refuse such first batches before training (strategies/common/first_batch.py) unless
+refuse such first batches before training (strategies/job/first_batch.py) unless
 ``--allow-unequal-batches``; then each worker announces the size of its first batch (``batch``
 event, strategies/context.StepMeter) and, once all have, a differing set is printed once,
 naming ranks and sizes.
@@ -11,7 +11,7 @@ naming ranks and sizes.
 from __future__ import annotations
 
 from hpar.strategies.specs.registry import spec as strategy_spec
-from hpar.strategies.common.first_batch import sizes_text
+from hpar.strategies.job.first_batch import sizes_text
 
 
 class BatchSizeCheck:

@@ -50,7 +50,8 @@ def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem
     """build_cluster without the memory capacity."""
     from hpar.launcher.hosts.hostfile import parse_hosts
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
-    from hpar.strategies.plan.probe import probe_link, probe_requests
+    from hpar.strategies.plan.probe import probe_link
+    from hpar.strategies.specs.registry import HYBRID
     from hpar.launcher.hosts.slurm import allocation_hosts, in_allocation
     from hpar.launcher.hosts.emulated import parse_emulate
     emulated = parse_emulate(hosts)
@@ -85,7 +86,7 @@ def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem
     on_cpu = measured_on == "cpu" if measured_on else not torch.cuda.is_available()
     cores = float(os.cpu_count() or 1) if local and flops is None and on_cpu else None
     # a request's CPU matters where the processes share busy cores: only then is it measured
-    request_cpu = probe_requests() if cores is not None else None
+    request_cpu = HYBRID.load("cluster_probe")() if cores is not None else None
     cluster = make_cluster(slots, gpus, servers, bw, lat, device_flops=flops, source=source, cores_per_host=cores,
                            allreduce_Bps=allreduce_bw, device_mem_Bps=mem, request_cpu_s=request_cpu)
     if cores is not None and cluster.workers > 1:   # as many cores as they are worth computing at once
@@ -108,10 +109,11 @@ def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):
     network namespaces of this machine, each host's link capped at ``bandwidth`` (None: not
     capped, the loopback's rate). The hosts share this machine's cores (cpu_count / H each)
     and their processes talk to each other over its loopback (the probed intra-host rate); a
-    parameter-server request's CPU is measured too (strategies/plan/probe.probe_requests)."""
+    parameter-server request's CPU is measured too (the hybrid spec's ``cluster_probe``)."""
     from hpar.launcher.hosts.emulated import slots_per_host
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
-    from hpar.strategies.plan.probe import probe_link, probe_requests
+    from hpar.strategies.plan.probe import probe_link
+    from hpar.strategies.specs.registry import HYBRID
     gpus = gpus or hosts
     slots = [slots_per_host(hosts, gpus)] * hosts
     loop_bw, loop_lat = probe_link()[:2]
@@ -119,4 +121,4 @@ def _emulated_cluster(hosts: int, gpus, servers, bandwidth, latency):
     lat = parse_latency(latency) if latency is not None else loop_lat
     return make_cluster(slots, gpus, servers, bw, lat, intra_host_Bps=loop_bw,
                         source="flags" if bandwidth is not None else "probe",
-                        cores_per_host=(os.cpu_count() or 1) / hosts, request_cpu_s=probe_requests())
+                        cores_per_host=(os.cpu_count() or 1) / hosts, request_cpu_s=HYBRID.load("cluster_probe")())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import HYBRID_CACHE
 
 

@@ -175,7 +175,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             if outcome.unused:
                 console.print(f"hpar: {outcome.cause}", markup=False)
             interrupted = outcome.exit_code in (130, 143)
-            refused = outcome.exit_code == 2   # the script's input (strategies/common/first_batch.py): a restart cannot help
+            refused = outcome.exit_code == 2   # the script's input (strategies/job/first_batch.py): a restart cannot help
             if outcome.exit_code == 0 or interrupted or refused or attempt >= opts.max_restarts:
                 break
             attempt += 1

@@ -106,7 +106,7 @@ class Supervisor:
         exited: dict[int, int] = {}
         while True:
             self._drain(timeout=0.2)
-            if self._refused:   # a worker refused its first batch: stop everyone now (strategies/common/first_batch.py)
+            if self._refused:   # a worker refused its first batch: stop everyone now (strategies/job/first_batch.py)
                 return self._fail(self._refused[0], self._refused[1])
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name

@@ -9,7 +9,7 @@ import json
 import os
 import tempfile
 
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 from hpar.strategies.state import checkpoint
 from hpar.strategies.state.trust import check_trusted, check_unmarked
 
@@ -48,7 +48,7 @@ def check_plan_stages(plan: Plan, model, world_size: int, source: str, example=N
                                              for s in stages)):
         raise ValueError(f"{source}: 'stages' must be a list of [start, end] layer index pairs, got {stages!r:.80}; "
                          "write the plan with `hpar profile --plan-out`")
-    from hpar.strategies.runtimes.pipeline.stage import stage_ranges
+    from hpar.strategies.plan.stage_cuts import stage_ranges
     try:
         stage_ranges(model, world_size, plan, example)
     except ValueError as exc:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 DEFAULT_BACKEND = "gloo"
@@ -74,3 +75,15 @@ def mean_over_workers(values: list[float], groups: WorkerGroups, world_size: int
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, group=groups.control)
     return (t / world_size).tolist()
+
+
+def bf16_works() -> bool:
+    """Whether this torch build's gloo AllReduces bfloat16 (pytorch/pytorch#111131: "Invalid
+    scalar type" on some): one AllReduce on a one-process gloo group, no rendezvous. Every
+    process of a run runs the same build, so the launcher's answer holds for the workers."""
+    try:
+        pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+        pg.allreduce([torch.zeros(2, dtype=torch.bfloat16)]).wait()
+        return True
+    except (RuntimeError, ValueError, TypeError):
+        return False

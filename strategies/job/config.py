@@ -6,13 +6,35 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from hpar.strategies.job.compression import Compression
-from hpar.strategies.runtimes.pipeline.divergence import GuardConfig as check_guard
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import names, spec as strategy_spec, where
 
 STRATEGIES = names()   # --strategy's choices besides auto (strategies/specs/registry.py)
+
+# The divergence guard of asynchronous pipelines (--on-divergence; runtimes/pipeline/divergence.py).
+ACTIONS = ("off", "stop", "sync")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """``action``: off, stop or sync; ``factor``: trip when loss > factor * recent minimum
+    (> 1); ``window``: how many recent steps the minimum covers."""
+
+    action: str = "off"
+    factor: float = 2.0
+    window: int = 50
+
+    def __post_init__(self):
+        if self.action not in ACTIONS:
+            raise ValueError(f"--on-divergence {self.action!r}: choose one of {', '.join(ACTIONS)}")
+        if not self.factor > 1:
+            raise ValueError(f"--divergence-factor must be above 1, got {self.factor}")
+        if self.window < 1:
+            raise ValueError(f"divergence window must be at least 1, got {self.window}")
+
 
 # Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
 SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b",
@@ -77,7 +99,7 @@ class RunConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2      # the newest complete checkpoints kept on disk (0: all)
     resume: bool = False
-    plan: Plan = field(default_factory=Plan)   # the planner's Plan (strategies/plan/decision.py), may be empty
+    plan: Plan = field(default_factory=Plan)   # the planner's Plan (strategies/specs/decision.py), may be empty
     eval: bool = True
     precision: str = "fp32"        # autocast dtype of forward/backward: fp32 (off), bf16, fp16 (+ GradScaler)
     clip_grad_norm: float = 0.0    # clip the global norm of the averaged gradient to this (0: off)
@@ -89,13 +111,13 @@ class RunConfig:
     find_unused_parameters: bool = False   # DDP's (allreduce, allreduce-sparse, hybrid): see strategies/runtimes/dataparallel/ddp.py
     staleness: int | None = None   # hybrid/ps: a hot-row cache on every worker reads rows up to s updates stale (None: off)
     cache_rows: float = 0.0        # its rows per table (>= 1) or fraction of each table (< 1); 0: the default fraction
-    allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/common/first_batch.py)
+    allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/job/first_batch.py)
     sync_batchnorm: bool = False   # BatchNorm statistics over every worker's batch (strategies/runtimes/dataparallel/sync_batchnorm.py)
     compress: Compression = field(default_factory=Compression)   # --compress: DDP's AllReduce (strategies/job/compression.py)
 
     def __post_init__(self):
         if not isinstance(self.plan, Plan):   # config.json, or a caller's dict: a plan's keys, any subset
-            object.__setattr__(self, "plan", Plan.from_dict(self.plan or {}))
+            object.__setattr__(self, "plan", Plan.from_dict(self.plan or {}, source="config.json: plan"))
         object.__setattr__(self, "compress", Compression.of(self.compress))   # "fp16", or config.json's dict
         spec = strategy_spec(self.strategy)   # ValueError naming the choices for an unknown one
         if self.schedule not in SCHEDULES:
@@ -121,7 +143,7 @@ class RunConfig:
         if unsupported:
             raise ValueError(unsupported)
         if self.on_divergence != "off" or self.divergence_factor != 2.0:
-            check_guard(self.on_divergence, self.divergence_factor)
+            GuardConfig(self.on_divergence, self.divergence_factor)
             if not spec.pipelined or not self.schedule.startswith("async"):
                 raise ValueError(f"--on-divergence {self.on_divergence}: the guard watches asynchronous pipelines only "
                                  "(--strategy pipeline --schedule async-*); drop it for this run")
@@ -183,15 +205,24 @@ def not_supported(cfg: RunConfig) -> str | None:
     (strategies/runtimes/hybrid/cache.py)."""
     if cfg.sync_batchnorm and sync_batchnorm_problem(cfg.strategy):
         return sync_batchnorm_problem(cfg.strategy)
-    if cfg.staleness is not None and not strategy_spec(cfg.strategy).servers:
-        return (f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
-                f"{' or '.join(where(servers=True))}, not {cfg.strategy}; drop it")
+    if staleness_problem(cfg.staleness, cfg.strategy):
+        return staleness_problem(cfg.staleness, cfg.strategy)
     if compress_problem(cfg.compress, cfg.strategy, cfg.precision):
         return compress_problem(cfg.compress, cfg.strategy, cfg.precision)
     if cfg.staleness is not None and cfg.precision == "fp16":
         return ("--staleness with --precision fp16: the cache holds gradients back over several steps, which a step "
                 "skipped for inf/NaN could not take back; use --precision bf16 or fp32")
     return None
+
+
+def staleness_problem(staleness: int | None, strategy: str) -> str | None:
+    """Why ``--staleness`` cannot run with ``strategy`` (one line naming the flag and the way
+    out), or None: the hot-row cache caches the parameter servers' rows, so it needs a strategy
+    whose spec says ``servers`` (``auto`` then plans among those)."""
+    if staleness is None or strategy == "auto" or strategy_spec(strategy).servers:
+        return None
+    return (f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
+            f"{' or '.join(where(servers=True))}, not {strategy}; drop it")
 
 
 def compress_problem(c: Compression, strategy: str, precision: str | None) -> str | None:
@@ -212,3 +243,15 @@ def compress_problem(c: Compression, strategy: str, precision: str | None) -> st
         return (f"--compress {c} with --precision fp16: PowerSGD's error feedback would keep the inf/NaN of a step "
                 "the gradient scaler skips; use --precision bf16 or fp32, or --compress fp16")
     return None
+
+
+def find_unused(mode: str, unused: Iterable[str], ignored: Iterable[str] = ()) -> bool:
+    """DDP's ``find_unused_parameters`` for ``--find-unused-parameters MODE``: True for ``on``,
+    False for ``off``; for ``auto``, whether a parameter of ``unused`` (names that got no
+    gradient in a profiled step) is one DDP holds (not in ``ignored``: hybrid's served tables).
+    Raises ValueError naming the flag for another mode."""
+    if mode not in FIND_UNUSED_MODES:
+        raise ValueError(f"--find-unused-parameters {mode!r}: choose one of {', '.join(FIND_UNUSED_MODES)}")
+    if mode != "auto":
+        return mode == "on"
+    return bool(set(unused) - set(ignored))

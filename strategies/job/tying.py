@@ -13,6 +13,7 @@ embedding modules it may treat as row-sparse.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
@@ -62,3 +63,23 @@ def dense_shared_embeddings(model: nn.Module) -> dict[str, list[str]]:
     return {names[id(m.weight)]: shared_parameters(model).get(names[id(m.weight)], [])
             for _, m in model.named_modules()
             if isinstance(m, EMBEDDINGS) and id(m.weight) not in sparse and id(m.weight) in names}
+
+
+def shared_across_stages(layers, ranges) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+    """``{parameter name: (stages holding it, the parameter)}`` for every parameter of
+    ``layers`` (the model's ``(name, module)`` layers) held by two or more of the stages
+    ``ranges`` (``[start, end)`` layer ranges). The name is the first under which a layer
+    lists it (stages may list it under others: ``lm_head.weight`` for ``transformer.wte.weight``)."""
+    held: dict[int, list] = {}
+    for k, (a, b) in enumerate(ranges):
+        for _, layer in layers[a:b]:
+            for name, p in layer.named_parameters():
+                entry = held.setdefault(id(p), [name, [], p])
+                if k not in entry[1]:
+                    entry[1].append(k)
+    return {name: (tuple(stages), p) for name, stages, p in held.values() if len(stages) > 1}
+
+
+def stages_of(layers_held: tuple[int, ...], ranges) -> tuple[int, ...]:
+    """The stages (``ranges``: ``[start, end)`` layer ranges) holding the layers ``layers_held``."""
+    return tuple(sorted({k for k, (a, b) in enumerate(ranges) for i in layers_held if a <= i < b}))

@@ -1,13 +1,20 @@
-"""The planner: from a Profile and a cluster to a Plan, with the predicted cost of every strategy.
+"""The planner and everything decided before a process starts: from a Profile and a cluster
+to a Plan, with the predicted cost of every strategy.
 
-- ``cluster``: :class:`ClusterSpec` (hosts, workers per host, servers, link figures, given by
-  flags or measured by a short loopback probe).
-- ``costmodel``: predicted step time and bytes per worker per step of allreduce,
-  allreduce-sparse and pipeline (ring AllReduce: Patarasuk and Yuan 2009; pipeline bubble:
-  GPipe, Huang et al. 2019); ``costmodel_ps`` the same for ps and hybrid (Parallax, Kim et al.,
-  EuroSys 2019: placement of each parameter and partition counts).
-- ``planner``: the fastest predicted strategy hpar can run, as a :class:`Plan` (JSON-able).
+- ``cluster`` and ``probe*``: :class:`ClusterSpec` (hosts, workers, servers, link figures, given
+  by flags or measured by short probes).
+- ``costmodel*``, ``estimates``, ``roofline``: predicted step time and bytes per worker per step
+  (ring AllReduce: Patarasuk and Yuan 2009; Parallax's placement and partitions: Kim et al.,
+  EuroSys 2019; pipeline bubble: GPipe, Huang et al. 2019); ``memory_model``,
+  ``memory_sharded``, ``pipeline_fit``: each process's predicted peak memory.
+- ``planner``: the fastest predicted strategy hpar can run, as a Plan; ``vet``: the run's
+  refusals applied to every candidate; ``tuning``: ``--tune``'s short trials.
+- ``partition``, ``schedules``, ``stage_cuts``, ``pipeline_grid``: a pipeline's balanced
+  stages (PipeDream's planner), each stage's order of passes (GPipe, 1F1B, asynchronous), where
+  the model is cut, which rank holds which stage of which replica.
+- ``placement``: which parameter the parameter servers hold and with which update rule.
+- ``strategy_settings``, ``compress_setting``, ``capacity``, ``fit``, ``peaks``: the run's
+  settings per strategy and its memory fit, checked before start.
 
-Pure functions of frozen values: may import ``hpar.strategies.profile`` and
-``hpar.strategies.runtimes.pipeline.partition``; no process groups, no launcher, no workers.
+May import specs/, common/, job/, state/ and profile/; never a runtime.
 """

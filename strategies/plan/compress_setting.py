@@ -37,7 +37,7 @@ def decide(console: Console, c: Compression | None, strategy: str, strategy_flag
                       "does not apply; it runs uncompressed", markup=False)
         return Compression()
     if c.kind == "bf16" and device != "cuda":
-        from hpar.strategies.runtimes.dataparallel.compress_hooks import bf16_works
+        from hpar.strategies.common.groups import bf16_works
         if not bf16_works():
             console.print("hpar: --compress bf16: this torch build's gloo cannot AllReduce bfloat16 "
                           "(pytorch/pytorch#111131); compressing to fp16 instead", markup=False)

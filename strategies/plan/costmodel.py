@@ -243,7 +243,7 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     the profiled sparse update (torch's coalesce and sparse kernels) per gathered byte, or,
     unprofiled, a dense-rate sum of the gathered rows and update of their union; where the
     optimizer takes no sparse gradients (Adam, AdamW, ...), a dense-rate sum of the gathered
-    rows into a dense table and a dense update of every table (strategies/runtimes/dataparallel/sparse_grads.py).
+    rows into a dense table and a dense update of every table (strategies/job/optimizer_rules.py).
     Frozen parameters, tables included, exchange and update nothing (as in :func:`estimate_allreduce`)."""
     c = cost_setting(profile, cluster)
     dense = [p for p in profile.trained if not p.embedding_module]
@@ -263,7 +263,7 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
         over = c.allreduce(sum(p.bytes for p in d_over)) + ag(s_over)
         tail = c.allreduce(sum(p.bytes for p in d_tail)) + ag(s_tail) + rounds
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
-    if densified:   # strategies/runtimes/dataparallel/sparse_grads.py: the gathered rows summed into a dense table, stepped whole
+    if densified:   # strategies/job/optimizer_rules.py: the gathered rows summed into a dense table, stepped whole
         merge, sparse_update = gathered * c.update_per_byte, sum(p.bytes for p in sparse) * c.update_per_byte
     elif profile.sparse_update_s_per_byte:
         merge, sparse_update = 0.0, gathered * c.sparse_update_per_byte

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.servers_spec import HYBRID, HYBRID_CACHE
-from hpar.strategies.runtimes.hybrid.cache import REFRESH_STEPS, CacheConfig
+from hpar.strategies.specs.servers_spec import REFRESH_STEPS, CacheConfig
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.profile.hot_rows import HotRows, cache_shares

@@ -110,7 +110,7 @@ def shown_rows(profile: Profile, cluster: ClusterSpec, estimates: list[Estimate]
     AllReduce, one row per compression of :data:`SHOWN`, named ``"<strategy> --compress <c>"``,
     never runnable in the planner's choice (compression trades accuracy: ``hpar run --compress``
     turns it on). ``memory(est)``: the planner's memory prediction of an estimate (a dict)."""
-    from hpar.strategies.plan.decision import Candidate
+    from hpar.strategies.specs.decision import Candidate
     by_name = {e.strategy: e for e in estimates}
     out = []
     for cand in candidates:

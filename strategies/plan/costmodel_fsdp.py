@@ -22,7 +22,7 @@ runs under the compute except the first unit's forward AllGather; where the work
 their cores (``CostSetting.overlap`` False) it adds up instead. The optimizer steps 1/N of
 the parameters. FSDP's own work (copies into and out of the collectives' buffers, DTensors,
 hooks per unit) is the profile's ``fsdp_overhead_s``, measured on one worker
-(strategies/profile/fsdp_cost.py), scaled as compute where workers share cores. Where the
+(strategies/runtimes/dataparallel/fsdp_cost.py), scaled as compute where workers share cores. Where the
 cluster's small collectives were measured (``ClusterSpec.allgather_fixed_s``,
 ``reduce_scatter_fixed_s``), each unit's collectives pay that fixed time instead of N - 1
 latencies. What fsdp buys is memory (strategies/plan/memory_model.py): the planner takes it where
@@ -76,7 +76,7 @@ def estimate_fsdp(profile: Profile, cluster: ClusterSpec) -> Estimate:
     first = gather * (profile.layers[0].param_bytes / total if profile.layers and total else 1.0)
     forward = max(c.fwd, gather - first) if c.overlap else c.fwd + gather - first
     update = c.update(trained / n, len(profile.trained))   # every trainable tensor, sharded
-    # FSDP's own copies and hooks, measured on one worker (profile/fsdp_cost.py); a projected device: not known
+    # FSDP's own copies and hooks, measured on one worker (runtimes/dataparallel/fsdp_cost.py); a projected device: not known
     own = cpu_share(cluster) * (profile.fsdp_overhead_s or 0.0) if cluster.device is None else 0.0
     step = c.data + c.host + first + forward + c.under_backward(gather + scatter) + update + own
     return Estimate(FSDP.name, step, n * profile.samples_per_batch, fsdp_bytes(total, n, gloo, trained),

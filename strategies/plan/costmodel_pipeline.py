@@ -46,9 +46,9 @@ import math
 
 from hpar.strategies.specs.base import ON_ALLREDUCE
 from hpar.strategies.specs.pipeline_spec import PIPELINE
-from hpar.strategies.runtimes.pipeline.partition import partition_stages
-from hpar.strategies.runtimes.pipeline.schedules import micro_batch_count
-from hpar.strategies.runtimes.pipeline.replicas import LAYOUTS, Grid
+from hpar.strategies.plan.partition import partition_stages
+from hpar.strategies.plan.schedules import micro_batch_count
+from hpar.strategies.plan.pipeline_grid import LAYOUTS, Grid
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, cost_setting, cpu_share, ring_allreduce_s
 from hpar.strategies.plan.roofline import layer_seconds

@@ -25,7 +25,7 @@ from hpar.strategies.specs.base import ON_ALLREDUCE, ON_SERVERS
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import (CostSetting, Estimate, cost_setting, cpu_share, ring_allreduce_s,
                                             sparse_bytes, split_tail)
-from hpar.strategies.runtimes.hybrid.shard import ROW_PARTITIONS_PER_SERVER
+from hpar.strategies.specs.servers_spec import ROW_PARTITIONS_PER_SERVER
 from hpar.strategies.profile.records import ParamProfile, Profile
 
 # 1, 2, 4, ... up to the runtime's default for a table without a planned count

@@ -23,7 +23,7 @@ def run_estimate(cfg, model, profile):
     """The cost model's Estimate shape of the run ``cfg`` (what the memory model reads): its
     placement and partitions (hybrid, ps), stages, micro-batches and replicas (pipeline)."""
     from hpar.strategies.job.forward import inner_module
-    from hpar.strategies.runtimes.hybrid.client import placement
+    from hpar.strategies.plan.placement import placement
     from hpar.strategies.plan.costmodel import Estimate
     plan, spec = cfg.plan, strategy_spec(cfg.strategy)
     if spec.servers:
@@ -34,11 +34,11 @@ def run_estimate(cfg, model, profile):
     if spec.pipelined and plan.stages:
         stages = tuple(tuple(int(x) for x in r) for r in plan.stages)
     elif spec.pipelined:
-        from hpar.strategies.runtimes.pipeline.stage import stage_ranges
+        from hpar.strategies.plan.stage_cuts import stage_ranges
         stages = tuple(tuple(r) for r in stage_ranges(model, cfg.pipeline_stages, plan))
     breakdown = {}
     if getattr(cfg, "staleness", None) is not None and plan.cache:   # the workers' hot-row caches
-        from hpar.strategies.runtimes.hybrid.cache import CacheConfig
+        from hpar.strategies.specs.servers_spec import CacheConfig
         from hpar.strategies.plan.costmodel_cache import cache_bytes
         sizes = {p.name: p for p in profile.params if p.name in (plan.cache.get("hot_rows") or {})}
         config = CacheConfig(cfg.cache_rows, cfg.staleness)
@@ -80,13 +80,13 @@ def check(memory: dict, capacity: Capacity, strategy: str, force: bool, say) -> 
     raise ValueError(refusal(strategy, why))
 
 
-def fit_plan(console, cfg, job, model, given: Capacity, hosts: tuple, force: bool, profile=None):
+def fit_plan(console, cfg, job, model, given: Capacity, workers_on: list[str], local: bool, force: bool,
+             profile=None):
     """``cfg`` with the run's predicted peaks in ``cfg.plan.memory`` (:func:`predict_run`),
-    checked against ``given`` and, where the run is local, this machine's defaults
-    (:func:`check`: refused in one line unless ``force``)."""
-    from hpar.launcher.hosts.hostfile import place_workers
-    names = [h.name for h in place_workers(list(hosts), cfg.world_size)] if hosts else ["localhost"] * cfg.world_size
-    local = not hosts or all(h.is_local for h in hosts)
+    checked against ``given`` and, where the run is ``local``, this machine's defaults
+    (:func:`check`: refused in one line unless ``force``). ``workers_on``: the host name of
+    each worker rank (the busiest host's processes share its memory)."""
+    names = list(workers_on) or ["localhost"] * cfg.world_size
     busiest = max(names.count(n) for n in set(names)) + -(-cfg.servers // len(set(names)))
     capacity = with_defaults(given, local, cfg.device, busiest)
     try:

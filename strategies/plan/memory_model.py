@@ -25,7 +25,7 @@ runtime's code) or **measured** (by the profile, strategies/profile/memory_profi
 * ``ddp_buckets`` (counted): DDP's flat gradient buckets, a second copy of every gradient it
   reduces (``gradient_as_bucket_view`` is off, torch's default).
 * ``gathered`` (counted): allreduce-sparse's AllGather of N workers' rows (ids and values), and
-  the dense table a non-sparse optimizer steps (strategies/runtimes/dataparallel/sparse_grads.py).
+  the dense table a non-sparse optimizer steps (strategies/job/optimizer_rules.py).
 * ``rows`` (counted): hybrid/ps workers' pulled rows, the next step's pulled ahead, and the
   push messages of their gradients (the gradients are in ``step``); ``ps`` workers also pull
   every dense parameter whole.
@@ -214,7 +214,7 @@ def server_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> dict[
     _, _, served = _split(profile, est)
     if not served:
         return {}
-    from hpar.strategies.runtimes.hybrid.wire import INBOX_DEPTH, INLINE_MAX
+    from hpar.strategies.specs.servers_spec import INBOX_DEPTH, INLINE_MAX
     m, s, n, r = profile.memory, cluster.servers, cluster.workers, _ratio(profile)
     shard = per_worker = largest = largest_shard = inline = 0.0
     for p in served:
@@ -266,8 +266,8 @@ def pipeline_terms(profile: Profile, cluster: ClusterSpec, est: Estimate, schedu
 
 def in_flight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
     """The most micro-batches ``stage`` holds between forward and backward under ``schedule``
-    (its pass order, strategies/runtimes/pipeline/schedules.py: GPipe M, 1F1B min(M, K - k))."""
-    from hpar.strategies.runtimes.pipeline.schedules import stage_ops
+    (its pass order, strategies/plan/schedules.py: GPipe M, 1F1B min(M, K - k))."""
+    from hpar.strategies.plan.schedules import stage_ops
     count = micro_batches if schedule in ("gpipe", "1f1b", "torch-gpipe", "torch-1f1b") else 2 * micro_batches + stages
     name = schedule if not schedule.startswith("torch-") else schedule[len("torch-"):]
     if name not in ("gpipe", "1f1b", "async", "async-stash", "async-predict", "async-2bw"):

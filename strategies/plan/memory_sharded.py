@@ -64,7 +64,7 @@ def served_final_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) ->
     optimizer state, under ps the dense parameters pulled whole) and the copy: the model's own
     parameters, the served dense ones pulled, and the served tables pulled whole when together
     they are at most EVAL_WHOLE_BYTES (else they stay served, row by row)."""
-    from hpar.strategies.runtimes.hybrid.worker_state import EVAL_WHOLE_BYTES
+    from hpar.strategies.specs.servers_spec import EVAL_WHOLE_BYTES
     on_ar, trained, served = _split(profile, est)
     dense = sum(p.bytes for p in served if not p.embedding_module)
     tables = sum(p.bytes for p in served if p.embedding_module)

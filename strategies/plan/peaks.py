@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 FIGURES = ("peak_bytes", "rss_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "baseline_bytes",
            "final_peak_bytes",   # after the last step: the final write (and worker 0's copy for evaluate())

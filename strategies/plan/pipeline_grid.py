@@ -1,8 +1,11 @@
 """``hpar run``'s checks and message for a pipeline plan of K stages x R replicas
-(``--pipeline-replicas R``, strategies/runtimes/pipeline/replicas.py), made before any process starts."""
+(``--pipeline-replicas R``, strategies/runtimes/pipeline/replicas.py), made before any process starts,
+and the :class:`Grid`: which worker rank holds which stage of which replica."""
 from __future__ import annotations
 
-from hpar.strategies.plan.decision import Plan
+from dataclasses import dataclass
+
+from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import where
 
 
@@ -21,7 +24,7 @@ def check_replicas_flag(replicas: int | None, gpus: int, strategy: str, model, e
     if replicas < 1 or gpus % replicas:
         raise ValueError(f"--pipeline-replicas {replicas}: a pipeline plan is K stages x R replicas = --gpus {gpus}; "
                          f"choose a divisor of {gpus}")
-    from hpar.strategies.runtimes.pipeline.stage import sequential_layers
+    from hpar.strategies.plan.stage_cuts import sequential_layers
     layers = len(sequential_layers(model, example))
     if gpus // replicas > layers:
         raise ValueError(f"--pipeline-replicas {replicas}: --gpus {gpus} / {replicas} = {gpus // replicas} stages, but the "
@@ -52,7 +55,7 @@ def plan_replicas(plan: Plan, flag: int | None, source: str) -> int:
 def describe_plan(cfg, layers: str | None = None) -> str:
     """The line ``hpar run`` prints for a pipeline run: stages x replicas, the rank layout,
     the layer ranges (or ``layers``), micro-batches and schedule."""
-    from hpar.strategies.runtimes.pipeline.replicas import Grid
+
     grid = Grid.of(cfg)
     stages = cfg.plan.stages or []
     layers = layers or ", ".join(f"[{a}, {b})" for a, b in stages) or "balanced on parameter counts"
@@ -64,3 +67,55 @@ def describe_plan(cfg, layers: str | None = None) -> str:
     micro = f"{cfg.micro_batches} micro-batch{'es' if cfg.micro_batches != 1 else ''}"
     per = " per replica" if grid.replicas > 1 else ""
     return f"hpar: pipeline plan: {shape}, layers {layers}, {micro}{per}, schedule {cfg.schedule}"
+
+
+LAYOUTS = ("stages-adjacent", "replicas-adjacent")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """K ``stages`` x R ``replicas`` of a pipeline plan on K x R workers, placed by ``layout``
+    (one of LAYOUTS, see the module docstring). Raises ValueError for counts below 1 or an
+    unknown layout."""
+
+    stages: int
+    replicas: int = 1
+    layout: str = "stages-adjacent"
+
+    def __post_init__(self):
+        if self.stages < 1 or self.replicas < 1:
+            raise ValueError(f"a pipeline plan needs at least 1 stage and 1 replica, got {self.stages} x {self.replicas}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"pipeline layout {self.layout!r}: choose one of {', '.join(LAYOUTS)}")
+
+    @classmethod
+    def of(cls, cfg) -> "Grid":
+        """The grid of a RunConfig: ``cfg.replicas`` replicas of ``cfg.pipeline_stages`` stages,
+        the layout from ``cfg.plan`` (default ``stages-adjacent``)."""
+        return cls(cfg.pipeline_stages, cfg.replicas, cfg.plan.layout or LAYOUTS[0])
+
+    @property
+    def size(self) -> int:
+        return self.stages * self.replicas
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        """The worker rank of ``stage`` (0..K-1) of ``replica`` (0..R-1)."""
+        assert 0 <= stage < self.stages and 0 <= replica < self.replicas, (stage, replica)
+        if self.layout == "stages-adjacent":
+            return replica * self.stages + stage
+        return stage * self.replicas + replica
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of worker ``rank``."""
+        assert 0 <= rank < self.size, rank
+        if self.layout == "stages-adjacent":
+            return rank % self.stages, rank // self.stages
+        return rank // self.replicas, rank % self.replicas
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """Worker ranks of stages 0..K-1 of ``replica`` (its point-to-point peers)."""
+        return [self.rank_of(k, replica) for k in range(self.stages)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """Worker ranks of the R replicas of ``stage`` (its AllReduce group), replica order."""
+        return [self.rank_of(stage, r) for r in range(self.replicas)]

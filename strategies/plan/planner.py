@@ -1,7 +1,7 @@
 """Choose how to train: the fastest predicted strategy that hpar can run, as a :class:`Plan`.
 
 The :class:`Plan` and its :class:`Candidate` rows are typed values of
-strategies/plan/decision.py (what each field means and who reads it); ``hpar profile
+strategies/specs/decision.py (what each field means and who reads it); ``hpar profile
 --plan-out`` writes ``Plan.to_dict()`` and the run config's ``plan`` field holds the Plan.
 A candidate whose predicted peak does not fit the cluster's memory (``--worker-memory``,
 ``--server-memory``) is listed as not runnable with the one reason, and never chosen.
@@ -11,8 +11,8 @@ from __future__ import annotations
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import ALLREDUCE, FSDP, HYBRID, PIPELINE, spec as strategy_spec
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.decision import Candidate, Plan
-from hpar.strategies.runtimes.hybrid.cache import CacheConfig
+from hpar.strategies.specs.decision import Candidate, Plan
+from hpar.strategies.specs.servers_spec import CacheConfig
 from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.plan.estimates import estimate_all, estimate_pipeline
 from hpar.strategies.plan.costmodel_cache import NAME as CACHED, SHOWN_STALENESS, estimate_hybrid_cache, plan_cache, profiled
@@ -20,7 +20,8 @@ from hpar.strategies.plan.costmodel_compress import shown_rows
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.plan.memory_model import predict as predict_memory, refusal
 from hpar.strategies.plan.pipeline_fit import fitting_layout
-from hpar.strategies.runtimes.pipeline.ties import schedule_problem, stages_of
+from hpar.strategies.job.tying import stages_of
+from hpar.strategies.plan.stage_cuts import schedule_problem
 from hpar.strategies.profile.records import Profile
 
 

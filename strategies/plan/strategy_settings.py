@@ -10,9 +10,9 @@ from rich.console import Console
 
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.specs.base import ON_SERVERS
-from hpar.strategies.runtimes.dataparallel.ddp import find_unused
-from hpar.strategies.runtimes.hybrid.client import placement
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.job.config import find_unused
+from hpar.strategies.plan.placement import placement
+from hpar.strategies.specs.decision import Plan
 
 
 def default_micro_batches(console: Console, plan: Plan, batch_size: int, stages: int, model=None) -> int:
@@ -20,9 +20,9 @@ def default_micro_batches(console: Console, plan: Plan, batch_size: int, stages:
     them: the plan's (the planner's choice divides the batch it profiled), else 4, moved to
     the nearest divisor of ``batch_size`` of at least ``stages`` where there is one
     (``schedules.micro_batch_count``; said in one line when it moves); for a ``model`` with
-    BatchNorm, at most ``batch_size / 2`` (2 samples each: strategies/runtimes/pipeline/stage.py)."""
-    from hpar.strategies.runtimes.pipeline.schedules import micro_batch_count
-    from hpar.strategies.runtimes.pipeline.stage import batchnorm_names
+    BatchNorm, at most ``batch_size / 2`` (2 samples each: strategies/plan/stage_cuts.py)."""
+    from hpar.strategies.plan.schedules import micro_batch_count
+    from hpar.strategies.plan.stage_cuts import batchnorm_names
     want = plan.micro_batches or 4
     if model is not None and batch_size >= 2 and batch_size // want < 2 and batchnorm_names(model):
         fewer = max(d for d in range(1, batch_size // 2 + 1) if batch_size % d == 0)
@@ -82,15 +82,15 @@ def check_optimizer(console: Console, job, model, strategy: str, plan: Plan, ser
     ``hybrid``/``ps`` cannot apply to the tables they would serve (strategies/runtimes/hybrid/shard.py:
     SGD, Adagrad, Adam, AdamW); under ``allreduce-sparse`` say which tables' optimizer has no
     sparse kernel, so that their gathered rows are made dense before each step
-    (strategies/runtimes/dataparallel/sparse_grads.py)."""
+    (strategies/job/optimizer_rules.py)."""
     if strategy_spec(strategy).servers:
-        from hpar.strategies.runtimes.hybrid.client import ps_tables
+        from hpar.strategies.plan.placement import served_rules
         try:
-            ps_tables(model, job.build_optimizer(model.parameters(), lr), strategy, plan, max(servers, 1))
+            served_rules(model, job.build_optimizer(model.parameters(), lr), strategy, plan)
         except ValueError as exc:
             raise ValueError(f"{job.path}: --strategy {strategy}: {exc}") from None
     if strategy_spec(strategy).sparse_gradients:
-        from hpar.strategies.runtimes.dataparallel.sparse_grads import dense_before_step
+        from hpar.strategies.job.optimizer_rules import dense_before_step
         from hpar.strategies.job.tying import embedding_tables
         opt = job.build_optimizer(model.parameters(), lr)
         named = dict(model.named_parameters(remove_duplicate=False))
@@ -120,10 +120,10 @@ def cache_settings(console: Console, job, model, strategy: str, asked: str, plan
         console.print(f"hpar: --staleness {staleness}: the plan runs {strategy} without hot-row caches (predicted at "
                       "least as fast), so the flag is dropped", markup=False)
         return None, 0.0, plan
-    from hpar.strategies.runtimes.hybrid.cache import CacheConfig
+    from hpar.strategies.specs.servers_spec import CacheConfig
     cache = CacheConfig(float(cache_rows or 0.0), staleness)
     if not given.get("hot_rows"):
-        from hpar.strategies.runtimes.hybrid.client import placement
+        from hpar.strategies.plan.placement import placement
         from hpar.strategies.plan.costmodel_cache import plan_cache
         from hpar.strategies.profile.hot_rows import row_counts
         from hpar.strategies.job.tying import embedding_tables

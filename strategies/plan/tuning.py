@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from rich.console import Console
 
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import HYBRID_CACHE
 from hpar.strategies.state.trust import claim
 

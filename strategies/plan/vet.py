@@ -17,7 +17,7 @@ import io
 
 from rich.console import Console
 
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import spec as strategy_spec
 
 CHECK_LR = 1e-3   # the optimizer's learning rate in the checks (no rule the servers refuse depends on it)
@@ -31,8 +31,8 @@ def refusal(job, model, strategy: str, plan: Plan) -> str:
     if not spec.servers:
         return ""
     from hpar.strategies.plan.strategy_settings import check_optimizer
-    from hpar.strategies.runtimes.hybrid.client import placement
-    from hpar.strategies.runtimes.hybrid.embedding import check_fullgraph
+    from hpar.strategies.plan.placement import placement
+    from hpar.strategies.plan.placement import check_fullgraph
     from hpar.strategies.job.forward import inner_module
     inner = inner_module(model)
     try:

@@ -39,7 +39,7 @@ class OnDevice:
         self.job, self.device = job, device
 
     def batches(self, rank: int, world_size: int, batch_size: int):
-        from hpar.strategies.common.context import move_to
+        from hpar.strategies.job.context import move_to
         for inputs, targets in self.job.batches(rank, world_size, batch_size):
             yield move_to(inputs, self.device), move_to(targets, self.device)
 

@@ -214,7 +214,7 @@ def rows_suffice(job) -> bool:
     """Whether the servers' update of the user's optimizer touches only the pushed rows
     (``OptimizerSpec.touched_rows_suffice`` of its first param group on a probe); True where it
     cannot be built so (the servers then refuse it anyway)."""
-    from hpar.strategies.runtimes.hybrid.shard import spec_from_group
+    from hpar.strategies.job.optimizer_rules import spec_from_group
     try:
         opt = job.build_optimizer([nn.Parameter(torch.zeros(1))], lr=1e-3)
         return spec_from_group(opt, opt.param_groups[0]).touched_rows_suffice()

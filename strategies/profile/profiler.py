@@ -53,7 +53,7 @@ What is measured and how:
 
 * ``step_overhead_s``, on a GPU only: a whole step less its timed parts, the host's own seconds
   (``strategies/profile/step_overhead.py``); ``fsdp_overhead_s``: FSDP2's own work per step
-  (``strategies/profile/fsdp_cost.py``).
+  (``strategies/runtimes/dataparallel/fsdp_cost.py``).
 
 Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
 
@@ -84,8 +84,8 @@ from hpar.strategies.job.forward import inner_module
 from hpar.strategies.job.layers import is_declared_sequence, model_layers
 from hpar.strategies.job.traced import TracedStage, why_not_traceable
 from hpar.strategies.job.tying import dense_shared_embeddings
-from hpar.strategies.runtimes.pipeline.ties import shared_across_stages
-from hpar.strategies.common.loop import precision_context
+from hpar.strategies.job.tying import shared_across_stages
+from hpar.strategies.job.loop import precision_context
 from hpar.strategies.profile.hooks import (
     auto_timing_batch,
     fixed_share,
@@ -95,7 +95,6 @@ from hpar.strategies.profile.hooks import (
     embedding_modules,
     rows_touched,
 )
-from hpar.strategies.profile.fsdp_cost import fsdp_overhead_s
 from hpar.strategies.profile.step_overhead import step_overhead_s
 from hpar.strategies.profile.hot_rows import row_counts
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
@@ -105,6 +104,7 @@ from hpar.strategies.profile.sparsity import embedding_sparsity
 from hpar.strategies.profile.unused import missing_gradients, probe_unused
 from hpar.strategies.profile.update import (dense_update_cost, per_tensor_update_cost, probe_optimizer, server_optimizer_problem,
                                           sparse_update_cost)
+from hpar.strategies.specs.registry import FSDP
 from torch import nn
 
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
@@ -270,7 +270,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         update = dense_update_cost(job, model_bytes, device=dev)
         per_tensor = per_tensor_update_cost(job, device=dev)
         host_per_tensor = per_tensor_update_cost(job) if dev.type != "cpu" else None
-        fsdp_overhead = fsdp_overhead_s(job, dev, cast, timed, model_bytes)
+        fsdp_overhead = FSDP.load("profile_probe")(job, dev, cast, timed, model_bytes)
         tensors = sum(1 for _ in model.parameters())
         # at the timing batch, as forward and backward were timed (the host's own seconds hardly depend on it)
         charged = data_s + _median(fwd) + _median(bwd) + update * model_bytes + per_tensor * tensors

@@ -20,7 +20,7 @@ import torch
 
 from hpar.strategies.job.forward import call_model, inner_module
 from hpar.strategies.job.layers import is_declared_sequence, model_layers
-from hpar.strategies.common.loop import precision_context
+from hpar.strategies.job.loop import precision_context
 from hpar.strategies.profile import memory_profile as mem_probe
 from hpar.strategies.profile.device import OnDevice
 from hpar.strategies.profile.hooks import embedding_modules

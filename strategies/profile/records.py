@@ -169,7 +169,7 @@ class Profile:
     memory: MemoryProfile | None = None   # measured memory terms (profile/memory_profile.py); None: not measured
     update_s_per_tensor: float = 0.0   # the optimizer's step per parameter tensor (0: not measured)
     host_update_s_per_tensor: float | None = None   # the same on one CPU thread (servers; None: measured there already)
-    fsdp_overhead_s: float | None = None   # FSDP2's own work per step, one worker (profile/fsdp_cost.py; None: not measured)
+    fsdp_overhead_s: float | None = None   # FSDP2's own work per step, one worker (runtimes/dataparallel/fsdp_cost.py; None: not measured)
     step_overhead_s: float | None = None   # the host's own seconds a step on a GPU (profile/step_overhead.py; None: CPU)
 
     @property

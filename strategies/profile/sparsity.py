@@ -11,8 +11,8 @@ import statistics
 import time
 
 import torch
-from hpar.strategies.common.context import batch_samples
-from hpar.strategies.runtimes.hybrid.client import dedup
+from hpar.strategies.job.context import batch_samples
+
 from hpar.strategies.job.contract import Job
 from hpar.strategies.job.forward import call_model
 from torch import nn
@@ -103,3 +103,10 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
                   "mass": tuple(round(float(x), 6) for x in mass),
                   "dedup_s": statistics.median(dedup_s[n]) if dedup_s[n] else 0.0}
     return out
+
+
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique sorted ids, inverse)`` of an int64 id tensor of any shape; ``inverse`` has
+    the input's shape and indexes into the unique ids."""
+    uids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    return uids, inverse

@@ -38,7 +38,7 @@ def whole_step_s(job, model, device: torch.device, cast, batches, steps: int = 6
     each drawing its batch from ``batches`` (an iterator of host batches: (inputs, targets)).
     The least, since a spell of other work on the host lengthens steps and never shortens them;
     None when the batches run out before a step is timed."""
-    from hpar.strategies.common.context import move_to
+    from hpar.strategies.job.context import move_to
     from hpar.strategies.common.devices import DeviceClock
     from hpar.strategies.job.forward import call_model
     from hpar.strategies.profile.update import probe_optimizer

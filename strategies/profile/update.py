@@ -17,7 +17,7 @@ or a GPU, timed with a synchronize around each step):
   embeddings hands it over: N workers' (ids, rows) concatenated, uncoalesced, so the
   optimizer's own coalesce is timed too. torch's sparse kernels (coalesce, sparse_mask) cost
   several times the dense per-byte figure, which is why ``allreduce-sparse`` needs its own
-  number. None when the optimizer takes no sparse gradient (``strategies/runtimes/dataparallel/sparse_grads.py``:
+  number. None when the optimizer takes no sparse gradient (``strategies/job/optimizer_rules.py``:
   e.g. ``torch.optim.Adam``; ``allreduce-sparse`` then makes the gathered rows dense to step).
 
 And :func:`server_optimizer_problem`: whether the parameter servers of ``hybrid`` and ``ps``
@@ -31,7 +31,7 @@ import warnings
 
 import torch
 from hpar.strategies.job.contract import Job, JobError
-from hpar.strategies.runtimes.dataparallel.sparse_grads import takes_sparse_gradients
+from hpar.strategies.job.optimizer_rules import takes_sparse_gradients
 from torch import nn
 
 MIN_PROBE_BYTES = 4 << 20
@@ -100,7 +100,7 @@ def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int
     of the user's optimizer stepping a ``(rows, dim)`` float32 table (rows capped at
     MAX_PROBE_ROWS, alpha kept) whose gradient is ``workers`` uncoalesced sparse pushes of
     ``alpha * rows`` random rows each. None when the optimizer takes no sparse gradient
-    (``sparse_grads.takes_sparse_gradients``)."""
+    (``optimizer_rules.takes_sparse_gradients``)."""
     rows = max(1, min(int(rows), MAX_PROBE_ROWS))
     touched = max(1, round(alpha * rows))
     gen = torch.Generator().manual_seed(seed)
@@ -134,7 +134,7 @@ def server_optimizer_problem(job: Job, model: nn.Module) -> str:
     (each param group's rule, ``hybrid.shard.spec_from_group``: SGD, Adagrad, Adam and AdamW
     without amsgrad or maximize), as one line with the fix; "" when they can, or when
     ``optimizer()`` fails on the model's parameters (the pre-start check reports that)."""
-    from hpar.strategies.runtimes.hybrid.shard import spec_from_group
+    from hpar.strategies.job.optimizer_rules import spec_from_group
     try:
         opt = job.build_optimizer(list(model.parameters()), lr=1e-3)
     except JobError:

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hpar.strategies.common import measured_memory as memory
-from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext
+from hpar.strategies.job.context import StepMeter, TrainResult, WorkerContext
 from hpar.strategies.common.groups import mean_over_workers
-from hpar.strategies.common.loop import evaluate_during_training, evaluate_now
+from hpar.strategies.job.loop import evaluate_during_training, evaluate_now
 
 
 @dataclass

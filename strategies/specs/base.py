@@ -27,6 +27,11 @@ class StrategySpec:
     ``evaluate_memory``: ``"module:function"`` of worker 0's terms ``(Profile, ClusterSpec,
     Estimate) -> {term: bytes}`` after the last step, where ``evaluate()`` needs a whole copy
     of a model no worker holds whole (strategies/plan/memory_sharded.py; "": none).
+    ``profile_probe``: the runtime's own seconds per step on the profiled model, measured by
+    the profiler through it (``(job, device, cast, timed, model_bytes) -> float | None``; FSDP2's
+    shard and hooks); ``cluster_probe``: a measurement of the runtime on this machine the
+    cluster description records (``() -> float``: a parameter-server request's CPU seconds).
+    Both let the earlier stages measure a runtime without importing it ("": none).
     ``unused_by_rank``: it trains a model whose ranks' batches leave different parameters
     without a gradient in one step (a mixture of experts; strategies/profile/unused.py).
     ``check(cfg) -> str | None`` says, in one line naming the flag and the way out, why a run
@@ -69,10 +74,13 @@ class StrategySpec:
     check_model: str = ""
     unused_by_rank: bool = True
     evaluate_memory: str = ""
+    profile_probe: str = ""
+    cluster_probe: str = ""
 
     def load(self, what: str) -> Callable:
         """The function ``what`` (``"runtime"``, ``"estimate"``, ``"worker_memory"``,
-        ``"evaluate_memory"``, ``"check_available"`` or ``"check_model"``) names,
+        ``"evaluate_memory"``, ``"check_available"``, ``"check_model"``, ``"profile_probe"`` or
+        ``"cluster_probe"``) names,
         imported now. Raises ValueError when the spec names none."""
         ref = getattr(self, what)
         if not ref:

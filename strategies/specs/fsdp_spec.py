@@ -22,4 +22,5 @@ FSDP = StrategySpec(
     worker_memory="hpar.strategies.plan.memory_sharded:fsdp_terms",
     evaluate_memory="hpar.strategies.plan.memory_sharded:fsdp_final_terms",
     check_available="hpar.strategies.runtimes.dataparallel.fsdp:check_available",
+    profile_probe="hpar.strategies.runtimes.dataparallel.fsdp_cost:fsdp_overhead_s",
     simplicity=3, check=_check, unused_by_rank=False, sync_batchnorm=True)   # FSDP2: plan/costmodel_fsdp.UNUSED_BY_RANK

@@ -4,7 +4,6 @@ weight stashing, 2BW or SpecTrain's weight prediction: Chen et al., arXiv 1809.0
 torch.distributed.pipelining's as peers. Its checks of a run config live here."""
 from __future__ import annotations
 
-from hpar.strategies.runtimes.pipeline.schedules import check_2bw
 from hpar.strategies.specs.base import StrategySpec
 
 SYNC_SCHEDULES = ("gpipe", "1f1b")                 # hpar's synchronous schedules
@@ -33,7 +32,7 @@ def _torch_peer_problem(cfg) -> str | None:
 def _check(cfg) -> str | None:
     """Why a pipeline cannot run ``cfg``: its micro-batches already accumulate within a step
     (``--accumulate``); an asynchronous pipeline cannot skip a step on every stage (fp16,
-    strategies/runtimes/pipeline/stage_loop.py); 2BW's shape rule (strategies/runtimes/pipeline/schedules.py);
+    strategies/runtimes/pipeline/stage_loop.py); 2BW's shape rule (strategies/plan/schedules.py);
     and what torch's pipelining peers lack (:func:`_torch_peer_problem`)."""
     if cfg.accumulate > 1:
         return ("--accumulate does not apply to --strategy pipeline: its micro-batches already accumulate "
@@ -59,3 +58,11 @@ PIPELINE = StrategySpec(
     estimate="hpar.strategies.plan.estimates:estimate_pipeline",
     worker_memory="hpar.strategies.plan.memory_model:pipeline_terms",
     simplicity=2, pipelined=True, needs_plan=True, check=_check)
+
+def check_2bw(num_stages: int, num_micro: int, stages: str = "--gpus") -> None:
+    """Raise ValueError unless M >= K-1: PipeDream-2BW's batch b needs the weights after
+    batch b-2's update when its first forward runs, which 1F1B guarantees only then.
+    ``stages`` names K in the message (``--gpus``, or the stages of a K x R plan)."""
+    if num_micro < num_stages - 1:
+        raise ValueError(f"--micro-batches {num_micro}: --schedule async-2bw needs at least {stages} - 1 = {num_stages - 1} "
+                         "micro-batches per batch (PipeDream-2BW's delay of one); raise --micro-batches")

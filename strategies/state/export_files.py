@@ -150,7 +150,7 @@ def export(run_dir: str, fmt: str, out: str, script: str | None = None, force: b
 def _save_pretrained(run_dir: str, script: str | None, weights: dict, target: str) -> None:
     """The script's model with ``weights``, written with ``save_pretrained(target)``."""
     from hpar.strategies.job.config import RunConfig
-    from hpar.strategies.job.hf import is_pretrained, save_pretrained_dir
+    from hpar.strategies.state.hf_save import is_pretrained, save_pretrained_dir
     from hpar.strategies.job.forward import inner_module
     from hpar.strategies.job.contract import load_job
     if script is None:

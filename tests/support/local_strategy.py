@@ -28,7 +28,7 @@ def estimate_local(profile, cluster) -> Estimate:
 def train(ctx):
     """``cfg.steps`` optimizer steps on this worker's batches (``data(0, 1, batch_size)``):
     the whole model in this process; writes RUN_DIR/model like every runtime."""
-    from hpar.strategies.common.context import StepMeter, batch_samples, move_to
+    from hpar.strategies.job.context import StepMeter, batch_samples, move_to
     from hpar.strategies.job.forward import call_model
     from hpar.strategies.state import state as run_state
     cfg, job = ctx.cfg, ctx.job

@@ -78,7 +78,7 @@ def child(rank: int, world: int, runs: list, out_dir: str) -> None:
     torch.set_num_threads(1)
     violations = install()
     from hpar.strategies.job.config import RunConfig
-    from hpar.strategies.common.context import WorkerContext
+    from hpar.strategies.job.context import WorkerContext
     from hpar.strategies.job.contract import load_job
     from hpar.strategies.specs.registry import spec
     from hpar.workers.worker import init_group

@@ -7,7 +7,7 @@ gradients. ``allreduce-sparse``: embedding layers produce sparse gradients, whic
 exchanges with AllGather (what Horovod does by default for ``IndexedSlices``); on NCCL, which
 has no sparse AllReduce, with the padded AllGather of ``strategies/runtimes/dataparallel/sparse_allgather.py``.
 A table whose optimizer has no sparse kernel (Adam, AdamW, RMSprop, ...) is exchanged so too
-and its gradient made dense right before the step (``strategies/runtimes/dataparallel/sparse_grads.py``).
+and its gradient made dense right before the step (``strategies/job/optimizer_rules.py``).
 Gradients go over the workers' dense group (NCCL on CUDA), the final losses over the gloo
 control group (``strategies/common/groups.py``).
 
@@ -32,14 +32,14 @@ from hpar.strategies.runtimes.dataparallel.compress_hooks import Compressor
 from hpar.strategies.common.devices import cpu_copy
 from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.runtimes.dataparallel.sparse_allgather import padded_allgather_hook, sparse_exchange
-from hpar.strategies.runtimes.dataparallel.sparse_grads import dense_before_step, densify
+from hpar.strategies.job.optimizer_rules import dense_before_step, densify
 from hpar.strategies.runtimes.dataparallel import sync_batchnorm
 from hpar.strategies.job.tying import embedding_tables
-from hpar.strategies.common.context import (DENSE, ByteMeter, StepMeter, TrainResult, WorkerContext, ring_allreduce_bytes,
+from hpar.strategies.job.context import (DENSE, ByteMeter, StepMeter, TrainResult, WorkerContext, ring_allreduce_bytes,
                                      ring_successor_remote)
 from hpar.strategies.job.forward import inner_module
 from hpar.strategies.runtimes import spine
-from hpar.strategies.common.loop import StepTools, micro_steps, step_tools, worker_batches
+from hpar.strategies.job.loop import StepTools, micro_steps, step_tools, worker_batches
 from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
 
 def counting_allreduce_hook(state, bucket):
@@ -127,7 +127,7 @@ class AllreduceStep(TrainStep):
     """One DDP optimizer step of ``allreduce``/``allreduce-sparse`` for the training spine
     (strategies/runtimes/spine.py): ``--accumulate`` micro-steps (DDP's ``no_sync`` on all but
     the last), sparse tables made dense where their optimizer needs it, then unscale, clip,
-    step and schedule (strategies/common/loop.py). Bytes come from the DDP communication hook.
+    step and schedule (strategies/job/loop.py). Bytes come from the DDP communication hook.
 
     DDP wraps the model as ``model()`` returned it (``outer``: a ``torch.compile`` wrapper runs
     the forward compiled; DDP's hooks and AllReduce run outside it, on the gradients), while
@@ -204,5 +204,5 @@ def train(ctx: WorkerContext) -> TrainResult:
     spine). Each worker draws its own batches from ``data(rank, world_size, batch_size)``,
     ``--accumulate`` of them per step; gradients are averaged, so N workers equal one process
     on the concatenated N x accumulate batches with a mean loss, also with the script's
-    schedule, ``--clip-grad-norm`` and ``--precision`` (strategies/common/loop.py)."""
+    schedule, ``--clip-grad-norm`` and ``--precision`` (strategies/job/loop.py)."""
     return spine.train(ctx, AllreduceStep(ctx))

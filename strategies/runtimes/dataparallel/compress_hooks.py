@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
 
 from hpar.strategies.job.compression import MIN_COMPRESSION_RATE, Compression, start_iter
-from hpar.strategies.common.context import DENSE, ring_allreduce_bytes
+from hpar.strategies.job.context import DENSE, ring_allreduce_bytes
 
 _HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
@@ -222,16 +221,4 @@ def compressed_hook(state, bucket):
     return inner.run(bucket) if isinstance(inner, Compressor) else torch_hook(inner, bucket)
 
 
-def bf16_works() -> bool:
-    """Whether this torch build's gloo AllReduces bfloat16 (pytorch/pytorch#111131: "Invalid
-    scalar type" on some): one AllReduce on a one-process gloo group, no rendezvous. Every
-    process of a run runs the same build, so the launcher's answer holds for the workers."""
-    try:
-        pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
-        pg.allreduce([torch.zeros(2, dtype=torch.bfloat16)]).wait()
-        return True
-    except (RuntimeError, ValueError, TypeError):
-        return False
-
-
-__all__ = ["Compressor", "compressed_hook", "powersgd_wire", "bf16_works"]
+__all__ = ["Compressor", "compressed_hook", "powersgd_wire"]

@@ -21,24 +21,11 @@ from typing import Callable, Iterable
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpar.strategies.job.config import FIND_UNUSED_MODES
 from hpar.strategies.job.forward import inner_module
 from hpar.strategies.job.contract import JobError
 
 REDUCTION_ERROR = "Expected to have finished reduction in the prior iteration"
 FLAG = "--find-unused-parameters"
-
-
-def find_unused(mode: str, unused: Iterable[str], ignored: Iterable[str] = ()) -> bool:
-    """DDP's ``find_unused_parameters`` for ``--find-unused-parameters MODE``: True for ``on``,
-    False for ``off``; for ``auto``, whether a parameter of ``unused`` (names that got no
-    gradient in a profiled step) is one DDP holds (not in ``ignored``: hybrid's served tables).
-    Raises ValueError naming the flag for another mode."""
-    if mode not in FIND_UNUSED_MODES:
-        raise ValueError(f"{FLAG} {mode!r}: choose one of {', '.join(FIND_UNUSED_MODES)}")
-    if mode != "auto":
-        return mode == "on"
-    return bool(set(unused) - set(ignored))
 
 
 def wrap(model: torch.nn.Module, group, device: torch.device, find_unused_parameters: bool,

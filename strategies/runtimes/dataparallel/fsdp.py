@@ -20,7 +20,7 @@ summed), so hpar asks every unit for a SUM reduction divided by N itself
 (``set_force_sum_reduction_for_comms`` and ``set_gradient_divide_factor``), which is exact on
 any backend; tests compare N workers with one process on the concatenated batch.
 
-The training loop is allreduce's (strategies/common/loop.py): autocast (bf16; fp16 is refused, its
+The training loop is allreduce's (strategies/job/loop.py): autocast (bf16; fp16 is refused, its
 scaler's inf check would need a reduction over the shards), clipping by the global norm
 (``clip_grad_norm_`` on the sharded gradients reduces the norm over the workers),
 ``--accumulate`` (each micro-step's loss divided by N; every micro-step reduce-scatters, so the
@@ -53,12 +53,12 @@ except ImportError:   # pragma: no cover - torch < 2.6
 
 from hpar.strategies.state import state as run_state
 from hpar.strategies.runtimes.dataparallel.allreduce import resume_state, ring_successor_remote, save_state
-from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext
+from hpar.strategies.job.context import StepMeter, TrainResult, WorkerContext
 from hpar.strategies.job.forward import inner_module
 from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.job.layers import is_declared_sequence, model_layers
 from hpar.strategies.runtimes import spine
-from hpar.strategies.common.loop import evaluate_during_training, micro_steps, step_tools, worker_batches
+from hpar.strategies.job.loop import evaluate_during_training, micro_steps, step_tools, worker_batches
 from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
 from hpar.strategies.plan.costmodel_fsdp import fsdp_bytes
 

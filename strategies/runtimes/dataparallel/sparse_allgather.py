@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 EXCHANGES = ("gloo-sparse", "allgather-padded")
 
@@ -73,7 +73,7 @@ def padded_allgather_hook(state, bucket):
     AllReduce (ring bytes), sparse ones :func:`padded_allgather_mean`. ``state`` is
     (ByteMeter, N, group, whether the ring successor is on another host); ``bucket`` a
     dist.GradBucket (unannotated: DDP rejects string annotations)."""
-    from hpar.strategies.common.context import DENSE, ring_allreduce_bytes
+    from hpar.strategies.job.context import DENSE, ring_allreduce_bytes
     counter, world_size, group, remote = state
     buf = bucket.buffer()
     if not buf.is_sparse:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from hpar.strategies.runtimes.hybrid.client import PSClient, dedup
+from hpar.strategies.runtimes.hybrid.client import PSClient
+
+from hpar.strategies.profile.sparsity import dedup
 
 
 def batch_leaves(inputs, path: str = "") -> dict:

@@ -39,27 +39,8 @@ The first epoch's rows are the hottest of the profile's row frequencies
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
-
-REFRESH_STEPS = 100      # steps between the choices of the cached rows
-DEFAULT_FRACTION = 0.1   # --cache-rows when --staleness is given alone: a tenth of each table's rows
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """``--cache-rows`` (``rows``: >= 1 rows of each cached table, in (0, 1) a fraction of its
-    rows, 0 the default fraction) and ``--staleness`` s."""
-
-    rows: float
-    staleness: int
-
-    def rows_for(self, table_rows: int) -> int:
-        """The cache's capacity for a table of ``table_rows`` rows (at least 1, at most all)."""
-        want = self.rows or DEFAULT_FRACTION
-        n = int(want) if want >= 1 else int(round(want * table_rows))
-        return max(1, min(n, table_rows))
 
 
 class RowCache:

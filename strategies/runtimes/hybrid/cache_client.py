@@ -22,7 +22,9 @@ import time
 
 import torch
 
-from hpar.strategies.runtimes.hybrid.cache import REFRESH_STEPS, CacheConfig, RowCache
+from hpar.strategies.runtimes.hybrid.cache import RowCache
+
+from hpar.strategies.specs.servers_spec import REFRESH_STEPS, CacheConfig
 from hpar.strategies.runtimes.hybrid.versions import mask_bytes
 from hpar.strategies.runtimes.hybrid.wire import CACHE, PULL_CACHED, nbytes, reply_tag
 

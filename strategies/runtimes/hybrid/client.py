@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpar.strategies.specs.registry import spec as strategy_spec
-from hpar.strategies.specs.base import ON_ALLREDUCE, ON_SERVERS
-from hpar.strategies.common.context import ByteMeter
-from hpar.strategies.job.tying import dense_shared_embeddings, embedding_tables
-from hpar.strategies.plan.decision import Plan
-from hpar.strategies.runtimes.hybrid.shard import ROW_PARTITIONS_PER_SERVER, OptimizerSpec, RowLayout, spec_from_group, table_view
+from hpar.strategies.job.context import ByteMeter
+from hpar.strategies.specs.decision import Plan
+from hpar.strategies.runtimes.hybrid.shard import RowLayout, table_view
+from hpar.strategies.job.optimizer_rules import OptimizerSpec
+from hpar.strategies.plan.placement import embedding_weights, served_rules
+from hpar.strategies.specs.servers_spec import ROW_PARTITIONS_PER_SERVER
 from hpar.strategies.runtimes.hybrid.wire import CONTROL, DONE, FINISH, PULL, PUSH, TAG_DATA, TAG_REQUEST, encode, nbytes, p2p, reply_tag
 
 
@@ -55,52 +55,14 @@ class PSTable:
     dtype: torch.dtype = torch.float32
 
 
-def embedding_weights(model: torch.nn.Module) -> set[str]:
-    """Names of the row-sparse embedding weights of ``model`` (``tying.embedding_tables``:
-    every nn.Embedding / nn.EmbeddingBag weight except one tied to a dense user)."""
-    return {f"{n}.weight" if n else "weight" for n, _ in embedding_tables(model)}
-
-
-def placement(model: torch.nn.Module, strategy: str, plan: Plan) -> dict[str, str]:
-    """``{param name: "ps" | "allreduce"}``: ``plan.placement`` when given, else every
-    embedding weight on the PS for ``hybrid`` and everything for ``ps``. A frozen parameter
-    (``requires_grad=False``: no gradient, no update) is never served: it stays on the workers
-    with the dense part ("allreduce", though no gradient of it is exchanged), whatever the plan
-    says. Raises ValueError for a plan naming unknown parameters or places."""
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    return {n: (ON_ALLREDUCE if n in frozen else where) for n, where in _placement(model, strategy, plan).items()}
-
-
-def _placement(model: torch.nn.Module, strategy: str, plan: Plan) -> dict[str, str]:
-    """:func:`placement` before frozen parameters are kept on the workers."""
-    names = [n for n, _ in model.named_parameters()]
-    given = plan.placement
-    if not strategy_spec(strategy).ddp:   # ps: nothing on AllReduce
-        return {n: ON_SERVERS for n in names}
-    if given:
-        unknown = sorted(set(given) - set(names))
-        if unknown:
-            raise ValueError(f"plan placement names unknown parameters {unknown[:3]}; re-run `hpar profile` for this script")
-        bad = sorted({v for v in given.values()} - {ON_SERVERS, ON_ALLREDUCE})
-        if bad:
-            raise ValueError(f"plan placement has {bad}; each parameter goes to {ON_SERVERS!r} or {ON_ALLREDUCE!r}")
-        tied = dense_shared_embeddings(model)
-        served = sorted(n for n in tied if given.get(n) == ON_SERVERS)
-        if served:
-            raise ValueError(f"plan places {served[0]} on the servers, but it is tied to a dense user "
-                             f"({', '.join(tied[served[0]])}); keep it on allreduce (re-run `hpar profile`)")
-        return {n: given.get(n, ON_ALLREDUCE) for n in names}
-    emb = embedding_weights(model)
-    return {n: (ON_SERVERS if n in emb else ON_ALLREDUCE) for n in names}
-
-
 def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str, plan: Plan,
               num_servers: int) -> list[PSTable]:
     """The PS tables of ``model`` in ``named_parameters`` order (same on every process).
 
     ``opt`` is the user's optimizer, given all of ``model``'s parameters (a fine-tuning script
     keeps only the trainable ones; frozen ones are never served): each table takes its param
-    group's rule (ValueError if the PS cannot run it, or a served parameter is in no group). Partitions per parameter come
+    group's rule (``strategies/plan/placement.served_rules``: ValueError if the PS cannot run
+    it, or a served parameter is in no group). Partitions per parameter come
     from ``plan.partitions`` (fewer than the servers keeps a small table on fewer servers,
     so a worker sends it fewer requests). Without a planned count, an embedding table is cut
     into ``ROW_PARTITIONS_PER_SERVER`` partitions per server (at most one row each): a request
@@ -111,31 +73,16 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
     """
     if num_servers < 1:
         raise ValueError("--servers must be at least 1 for --strategy hybrid/ps")
-    place = placement(model, strategy, plan)
     emb = embedding_weights(model)
-    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-    mode = plan.sparse_optimizer
     tables = []
-    for name, p in model.named_parameters():
-        if place[name] != ON_SERVERS:
-            continue
-        if id(p) not in group_of:
-            raise ValueError(f"optimizer(): trainable parameter {name} is in no param group; pass it to the optimizer, "
-                             "or freeze it (requires_grad=False) to keep it fixed")
+    for name, p, rule in served_rules(model, opt, strategy, plan):
         view = table_view(p.detach())
         default = num_servers * ROW_PARTITIONS_PER_SERVER if name in emb else num_servers
         parts = int(plan.partitions.get(name, default))
         tables.append(PSTable(len(tables), name, tuple(p.shape), view.shape[0], view.shape[1],
                               "rows" if name in emb else "whole", RowLayout.make(view.shape[0], parts, num_servers, len(tables)),
-                              spec_from_group(opt, group_of[id(p)], mode), p.dtype))
+                              rule, p.dtype))
     return tables
-
-
-def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(unique sorted ids, inverse)`` of an int64 id tensor of any shape; ``inverse`` has
-    the input's shape and indexes into the unique ids."""
-    uids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    return uids, inverse
 
 
 def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,11 +44,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.common.devices import copy_to_host
 from hpar.strategies.runtimes.hybrid.ahead import batch_leaves, complete, covering_leaf, dedup_checked, in_rows
-from hpar.strategies.job.forward import inner_module
-from hpar.strategies.runtimes.hybrid.client import PSClient, PSTable, coalesce, embedding_weights
+from hpar.strategies.runtimes.hybrid.client import PSClient, PSTable, coalesce
 
 
 @dataclass
@@ -215,24 +213,6 @@ def attach(model: torch.nn.Module, tables: list[PSTable], client: PSClient, cloc
         module.weight.data = module.weight.data.new_empty(0, table.dim)
         served.append(item)
     return served
-
-
-def check_fullgraph(model: torch.nn.Module, place: dict[str, str]) -> None:
-    """Raise ValueError (one line, for the launcher to print before anything starts) when
-    ``model``, as ``model()`` returned it, was compiled with ``torch.compile(...,
-    fullgraph=True)`` and ``place`` (``client.placement`` of the module inside) serves an
-    embedding table from the parameter servers: its lookup is a graph break (see the module
-    docstring), which dynamo refuses under ``fullgraph`` ("Skip calling
-    torch.compiler.disable()d function") in every worker."""
-    wrapper, fullgraph = model, False
-    while isinstance(wrapper, torch.nn.Module):
-        fullgraph = fullgraph or bool(getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False))
-        wrapper = getattr(wrapper, "_orig_mod", None)
-    served = sorted(n for n in embedding_weights(inner_module(model)) if place.get(n) == ON_SERVERS)
-    if fullgraph and served:
-        raise ValueError(f"model() is compiled with fullgraph=True, but the parameter servers serve {served[0]}, whose "
-                         "rows are pulled in a graph break inside the forward; compile without fullgraph=True (the "
-                         "rest of the forward stays compiled) or use --strategy allreduce or allreduce-sparse")
 
 
 def detach(served: list[ServedEmbedding], weights: dict[str, torch.Tensor] | None = None) -> None:

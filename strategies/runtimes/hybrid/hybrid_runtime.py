@@ -40,16 +40,16 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from hpar.strategies.runtimes import spine
-from hpar.strategies.common.context import TrainResult, WorkerContext
+from hpar.strategies.job.context import TrainResult, WorkerContext
 from hpar.strategies.common.groups import WorkerGroups, worker_groups
 from hpar.strategies.runtimes.dataparallel.allreduce import set_sparse_gradients
 from hpar.strategies.runtimes.hybrid import build, embedding
-from hpar.strategies.runtimes.hybrid.cache import REFRESH_STEPS, CacheConfig
+from hpar.strategies.specs.servers_spec import REFRESH_STEPS, CacheConfig
 from hpar.strategies.runtimes.hybrid.cache_client import WorkerCaches
 from hpar.strategies.runtimes.hybrid.client import PSClient, ps_tables
 from hpar.strategies.runtimes.hybrid.worker_step import HybridStep, WorkerParts
 from hpar.strategies.job.forward import inner_module
-from hpar.strategies.plan.decision import Plan
+from hpar.strategies.specs.decision import Plan
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def _setup(ctx: WorkerContext) -> WorkerParts:
     whole = [(t, params[t.name]) for t in tables if t.kind == "whole"]
     ps_names = {t.name for t in tables}
     # the trainable parameters the workers hold: DDP and the workers' optimizer; a frozen one
-    # (kept on the workers, client.placement) is neither averaged nor stepped
+    # (kept on the workers, plan/placement.py) is neither averaged nor stepped
     dense = [p for n, p in model.named_parameters() if n not in ps_names and p.requires_grad]
     opt = job.build_optimizer(dense, cfg.lr) if dense else None
     return WorkerParts(outer, model, tables, groups, client, clock, served, whole, dense, opt)

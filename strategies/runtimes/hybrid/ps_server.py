@@ -25,16 +25,17 @@ from hpar.strategies.common import activity, measured_memory as memory
 from hpar.strategies.state import checkpoint
 from hpar.strategies.state import state as run_state
 from hpar.strategies.job.config import RunConfig
-from hpar.strategies.common.context import ByteMeter
+from hpar.strategies.job.context import ByteMeter
 from hpar.strategies.runtimes.hybrid.client import PSTable
 from hpar.strategies.runtimes.hybrid.schedule import ServerSchedule
 from hpar.strategies.runtimes.hybrid.shard import ParamShard, table_view
 from hpar.strategies.runtimes.hybrid.shard_state import server_entries, set_steps
 from hpar.strategies.job.tying import shared_parameters
 from hpar.strategies.runtimes.hybrid.versions import CacheBook
-from hpar.strategies.runtimes.hybrid.wire import (CACHE, CONTROL, DONE, FINISH, HEADER_BYTES, INBOX_DEPTH, PULL, PULL_CACHED, PUSH,
-                                         Inbox, Request, nbytes, p2p, reply_tag)
-from hpar.strategies.common.loop import clip_coefficient
+from hpar.strategies.runtimes.hybrid.wire import (CACHE, CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PULL_CACHED, PUSH,
+                                                  Inbox, Request, nbytes, p2p, reply_tag)
+from hpar.strategies.specs.servers_spec import INBOX_DEPTH
+from hpar.strategies.job.loop import clip_coefficient
 
 
 class Server:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hpar.strategies.runtimes.hybrid.shard import OptimizerSpec, spec_from_group
+from hpar.strategies.job.optimizer_rules import OptimizerSpec, spec_from_group
 from hpar.strategies.job.contract import Job
 
 

@@ -36,14 +36,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.optim import adagrad, adam, sgd
-
-MODES = ("exact", "lazy")
-
-# The partitions per server of an embedding table without a planned count (the finest count the
-# planner tries, strategies/plan/costmodel_ps.py). With one per server, lm.py's frequency-sorted
-# vocabulary on 8 servers puts 5.3x the mean touched rows on the busiest one (the profile's
-# estimate); with 64, 1.3x (1.33x measured over 40 steps of 8 workers; BENCHMARKS.md 14).
-ROW_PARTITIONS_PER_SERVER = 64
+from hpar.strategies.job.optimizer_rules import OptimizerSpec
 
 
 @dataclass(frozen=True)
@@ -112,58 +105,6 @@ class RowLayout:
             owned = (self._owners == server).to(torch.int64)
             self._shifts[server] = torch.cumsum(sizes * owned, 0) - sizes * owned - b[:-1]
         return self._shifts[server]
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """The server-side update rule and its hyper-parameters (torch.optim's names)."""
-
-    kind: str                  # "sgd" | "adagrad" | "adam"
-    lr: float
-    momentum: float = 0.0
-    dampening: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    decoupled_weight_decay: bool = False   # AdamW
-    lr_decay: float = 0.0
-    initial_accumulator_value: float = 0.0
-    eps: float = 1e-10
-    betas: tuple[float, float] = (0.9, 0.999)
-    mode: str = "exact"
-
-    def touched_rows_suffice(self) -> bool:
-        """True when untouched rows provably do not change (zero gradient, zero update)."""
-        if self.mode == "lazy":
-            return True
-        return self.weight_decay == 0 and (self.kind == "adagrad" or (self.kind == "sgd" and self.momentum == 0))
-
-
-def spec_from_group(opt: torch.optim.Optimizer, group: dict, mode: str = "exact") -> OptimizerSpec:
-    """The :class:`OptimizerSpec` of one param group of the user's optimizer.
-
-    Raises ValueError (naming the optimizer and the fix) for an optimizer or option the
-    parameter server cannot reproduce (maximize, amsgrad, other optimizer classes).
-    """
-    if mode not in MODES:
-        raise ValueError(f"plan sparse_optimizer {mode!r}: choose one of {', '.join(MODES)}")
-    name = type(opt).__name__
-    if group.get("maximize", False):
-        raise ValueError(f"optimizer(): {name}(maximize=True) is not supported on the parameter server; minimise the negated loss")
-    lr = float(group["lr"])
-    if isinstance(opt, torch.optim.SGD):
-        return OptimizerSpec("sgd", lr, momentum=float(group["momentum"]), dampening=float(group["dampening"]),
-                             nesterov=bool(group["nesterov"]), weight_decay=float(group["weight_decay"]), mode=mode)
-    if isinstance(opt, torch.optim.Adagrad):
-        return OptimizerSpec("adagrad", lr, weight_decay=float(group["weight_decay"]), lr_decay=float(group["lr_decay"]),
-                             initial_accumulator_value=float(group["initial_accumulator_value"]),
-                             eps=float(group["eps"]), mode=mode)
-    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        if group.get("amsgrad", False):
-            raise ValueError(f"optimizer(): {name}(amsgrad=True) is not supported on the parameter server; use amsgrad=False")
-        decoupled = isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-        return OptimizerSpec("adam", lr, weight_decay=float(group["weight_decay"]), decoupled_weight_decay=decoupled,
-                             eps=float(group["eps"]), betas=tuple(float(b) for b in group["betas"]), mode=mode)
-    raise ValueError(f"optimizer(): {name} cannot run on the parameter server; use SGD (with momentum), Adagrad, Adam or AdamW, or --strategy allreduce")
 
 
 class ParamShard:

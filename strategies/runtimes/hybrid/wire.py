@@ -31,14 +31,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from hpar.strategies.specs.servers_spec import INLINE_MAX
 
 PULL, PUSH, DONE, FINISH = 1, 2, 3, 4
 PULL_CACHED, CACHE = 5, 6   # the hot-row cache's (strategies/runtimes/hybrid/cache_client.py): a pull answered with bits, the rows cached
 TAG_REQUEST, TAG_DATA, TAG_REPLY = 11, 12, 1000
 HEADER_FIELDS = 6
 HEADER_BYTES = HEADER_FIELDS * 8
-INLINE_MAX = 4 << 20      # bytes of payload carried in the request message itself
-INBOX_DEPTH = 8           # a server's receives posted per worker (one buffer of INLINE_MAX each)
 CONTROL = "_control"      # byte-count key of DONE/FINISH messages
 
 

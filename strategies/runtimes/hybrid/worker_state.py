@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from hpar.strategies.common.devices import cpu_copy
-from hpar.strategies.common.context import WorkerContext
+from hpar.strategies.job.context import WorkerContext
 from hpar.strategies.job.forward import inner_module
 from hpar.strategies.job.tying import shared_parameters
 from hpar.strategies.state import checkpoint
 from hpar.strategies.state import state as run_state
 from hpar.strategies.runtimes.hybrid import embedding
 from hpar.strategies.runtimes.hybrid.client import PSClient
+from hpar.strategies.specs.servers_spec import EVAL_WHOLE_BYTES
 
 
 def served_names(model, ps_names: set[str]) -> frozenset:
@@ -53,12 +54,6 @@ def resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str], caches, co
     if compressor:
         compressor.restore(checkpoint.step_dir(ctx.cfg.run_dir, step))
     return step
-
-
-# Served tables up to this many bytes in all are pulled whole into evaluate()'s copy, so that
-# an evaluate() reading a table's .weight directly (examples/lm.py's full softmax) sees it;
-# larger ones stay served row by row, so that no process ever holds them whole (issue 48).
-EVAL_WHOLE_BYTES = 1 << 30
 
 
 def model_copy(outer, client: PSClient, whole, clock: embedding.StepClock, step: int,

@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.common import activity, measured_memory as memory
-from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
+from hpar.strategies.job.context import StepMeter, TrainResult, WorkerContext, batch_samples, move_to
 from hpar.strategies.common.devices import to_device
-from hpar.strategies.common.first_batch import check_first_batch, first_batch
+from hpar.strategies.job.first_batch import check_first_batch, first_batch
 from hpar.strategies.common.gather import all_gather_ints
-from hpar.strategies.common.loop import clip_coefficient, evaluate_now, step_tools
+from hpar.strategies.job.loop import clip_coefficient, evaluate_now, step_tools
 from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
 from hpar.strategies.runtimes.dataparallel.allreduce import DENSE, ring_allreduce_bytes, ring_successor_remote
 from hpar.strategies.runtimes.dataparallel.ddp import unused_error_named, wrap

@@ -6,19 +6,21 @@ prediction against the staleness of asynchronous pipelining. Stage balancing fol
 PipeDream's planner (Narayanan et al., SOSP 2019); GPipe (Huang et al., NeurIPS 2019) is the
 synchronous baseline.
 
-- ``partition``: contiguous layers into K stages of equal cost (dynamic programming).
-- ``schedules``: each stage's order of forward and backward passes (GPipe, 1F1B, async).
+- The plan's side (strategies/plan/): ``partition`` (contiguous layers into K stages of equal
+  cost, dynamic programming), ``schedules`` (each stage's order of forward and backward
+  passes: GPipe, 1F1B, async), ``stage_cuts`` (where the model is cut; what a run can take)
+  and ``pipeline_grid`` (K stages x R replicas).
 - ``stage``: one stage's layers and passes, independent of how tensors travel.
 - ``prediction``: which weights a pass uses: live, stashed (PipeDream) or predicted (SpecTrain).
   or one version old (PipeDream-2BW).
 - ``velocity``: the optimizer's update direction that prediction extrapolates (SGD, Adam, AdamW).
-- ``guard``: the divergence guard of asynchronous runs (stop, or fall back to 1F1B).
+- ``divergence``: the divergence guard of asynchronous runs (stop, or fall back to 1F1B).
 - ``comm``: point-to-point links between neighbour stages (torch.distributed send/recv).
 - ``runtime``: one process per stage running its schedule, in the training spine with
   ``stage_step`` (one batch of the stage's passes, the divergence guard, the step's end).
 - ``sim``: the same schedules in one process (a reference for tests and benchmarks).
 - ``torch_peers``: torch.distributed.pipelining's schedules on the same stages, for comparison.
 
-May import ``hpar.strategies`` (job, config, context, checkpoint) and torch; never
+May import the folders before runtimes/ and torch; never
 ``hpar.launcher`` or ``hpar.workers``.
 """

@@ -18,27 +18,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
 
-ACTIONS = ("off", "stop", "sync")
-
-
-@dataclass(frozen=True)
-class GuardConfig:
-    """``action``: off, stop or sync; ``factor``: trip when loss > factor * recent minimum
-    (> 1); ``window``: how many recent steps the minimum covers."""
-
-    action: str = "off"
-    factor: float = 2.0
-    window: int = 50
-
-    def __post_init__(self):
-        if self.action not in ACTIONS:
-            raise ValueError(f"--on-divergence {self.action!r}: choose one of {', '.join(ACTIONS)}")
-        if not self.factor > 1:
-            raise ValueError(f"--divergence-factor must be above 1, got {self.factor}")
-        if self.window < 1:
-            raise ValueError(f"divergence window must be at least 1, got {self.window}")
+from hpar.strategies.job.config import ACTIONS, GuardConfig  # noqa: F401 (the guard's settings live with the run config)
 
 
 class LossWatch:

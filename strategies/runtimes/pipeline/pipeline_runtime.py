@@ -20,7 +20,7 @@ and the gradient of its input to k-1 (its shape is known: the activation it rece
 Sends are posted together with the stage's next receive (``strategies/runtimes/pipeline/comm.py``:
 deadlock-free on NCCL) and awaited at the end of the step; receives block. Limits: activations between stages must be single tensors.
 
-Schedules (``strategies/runtimes/pipeline/schedules.py``): ``gpipe`` and ``1f1b`` flush every batch and step
+Schedules (``strategies/plan/schedules.py``): ``gpipe`` and ``1f1b`` flush every batch and step
 the optimizer once (loss of each micro-batch scaled by 1/M), exactly single-process
 gradient accumulation. ``async``, ``async-stash``, ``async-predict`` run PipeDream's
 asynchronous 1F1B over the stream of all micro-batches of the run (no flush) and update
@@ -54,11 +54,12 @@ from __future__ import annotations
 import torch
 
 from hpar.strategies.runtimes import spine
-from hpar.strategies.common.context import TrainResult, WorkerContext
+from hpar.strategies.job.context import TrainResult, WorkerContext
 from hpar.strategies.job.layers import is_declared_sequence
 from hpar.strategies.runtimes.pipeline.prediction import mode_for_schedule
-from hpar.strategies.runtimes.pipeline.replicas import Grid
-from hpar.strategies.runtimes.pipeline.stage import Stage, build_stages_model, example_micro_batch, stage_module, stage_ranges
+from hpar.strategies.plan.pipeline_grid import Grid
+from hpar.strategies.runtimes.pipeline.stage import Stage, build_stages_model, stage_module
+from hpar.strategies.plan.stage_cuts import example_micro_batch, stage_ranges
 from hpar.strategies.runtimes.pipeline.stage_step import PipelineStep
 
 

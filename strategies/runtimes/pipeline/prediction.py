@@ -52,7 +52,9 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from hpar.strategies.runtimes.pipeline.velocity import check_predictable, needs_last_grad, velocity
+from hpar.strategies.runtimes.pipeline.velocity import needs_last_grad, velocity
+
+from hpar.strategies.job.optimizer_rules import check_predictable
 
 MODES = ("sync", "async", "stash", "predict", "2bw")
 

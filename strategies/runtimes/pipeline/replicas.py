@@ -45,64 +45,14 @@ zero gradient in the average.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hpar.strategies.common.groups import DEFAULT_BACKEND, dense_backend
+from hpar.strategies.plan.pipeline_grid import Grid
 
-LAYOUTS = ("stages-adjacent", "replicas-adjacent")
 BUCKET_BYTES = 25 << 20   # DDP's default bucket (bucket_cap_mb=25)
-
-
-@dataclass(frozen=True)
-class Grid:
-    """K ``stages`` x R ``replicas`` of a pipeline plan on K x R workers, placed by ``layout``
-    (one of LAYOUTS, see the module docstring). Raises ValueError for counts below 1 or an
-    unknown layout."""
-
-    stages: int
-    replicas: int = 1
-    layout: str = "stages-adjacent"
-
-    def __post_init__(self):
-        if self.stages < 1 or self.replicas < 1:
-            raise ValueError(f"a pipeline plan needs at least 1 stage and 1 replica, got {self.stages} x {self.replicas}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"pipeline layout {self.layout!r}: choose one of {', '.join(LAYOUTS)}")
-
-    @classmethod
-    def of(cls, cfg) -> "Grid":
-        """The grid of a RunConfig: ``cfg.replicas`` replicas of ``cfg.pipeline_stages`` stages,
-        the layout from ``cfg.plan`` (default ``stages-adjacent``)."""
-        return cls(cfg.pipeline_stages, cfg.replicas, cfg.plan.layout or LAYOUTS[0])
-
-    @property
-    def size(self) -> int:
-        return self.stages * self.replicas
-
-    def rank_of(self, stage: int, replica: int) -> int:
-        """The worker rank of ``stage`` (0..K-1) of ``replica`` (0..R-1)."""
-        assert 0 <= stage < self.stages and 0 <= replica < self.replicas, (stage, replica)
-        if self.layout == "stages-adjacent":
-            return replica * self.stages + stage
-        return stage * self.replicas + replica
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        """(stage, replica) of worker ``rank``."""
-        assert 0 <= rank < self.size, rank
-        if self.layout == "stages-adjacent":
-            return rank % self.stages, rank // self.stages
-        return rank // self.replicas, rank % self.replicas
-
-    def pipeline_ranks(self, replica: int) -> list[int]:
-        """Worker ranks of stages 0..K-1 of ``replica`` (its point-to-point peers)."""
-        return [self.rank_of(k, replica) for k in range(self.stages)]
-
-    def stage_ranks(self, stage: int) -> list[int]:
-        """Worker ranks of the R replicas of ``stage`` (its AllReduce group), replica order."""
-        return [self.rank_of(stage, r) for r in range(self.replicas)]
 
 
 class StageReplicas:

@@ -14,11 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from hpar.strategies.job.contract import Job
-from hpar.strategies.runtimes.pipeline.schedules import execution_order, is_synchronous, stage_ops, updates_after, check_2bw
+from hpar.strategies.plan.schedules import execution_order, is_synchronous, stage_ops, updates_after
+from hpar.strategies.specs.pipeline_spec import check_2bw
 from hpar.strategies.job.layers import is_declared_sequence
-from hpar.strategies.runtimes.pipeline.stage import Stage, build_stages_model, example_micro_batch, split_micro, stage_module, stage_ranges
-from hpar.strategies.runtimes.pipeline.stage import sequential_layers as stage_layers
-from hpar.strategies.runtimes.pipeline.ties import check_schedule, shared_across_stages
+from hpar.strategies.runtimes.pipeline.stage import Stage, build_stages_model, stage_module
+from hpar.strategies.plan.stage_cuts import example_micro_batch, split_micro, stage_ranges
+from hpar.strategies.plan.stage_cuts import sequential_layers as stage_layers
+from hpar.strategies.job.tying import shared_across_stages
+from hpar.strategies.plan.stage_cuts import check_schedule
 from hpar.strategies.runtimes.pipeline.divergence import GuardConfig, LossWatch, cut_step, report
 from hpar.strategies.runtimes.pipeline.prediction import mode_for_schedule
 

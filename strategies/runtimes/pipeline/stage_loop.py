@@ -56,7 +56,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from hpar.strategies.job.config import RunConfig
 from hpar.strategies.common.devices import cpu_copy
 from hpar.strategies.common.gather import gather_state_dicts
-from hpar.strategies.common.loop import StepTools
+from hpar.strategies.job.loop import StepTools
 
 
 def grad_sq_sum(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -24,20 +24,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hpar.strategies.common import loop
-from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.job import loop
+from hpar.strategies.job.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.common.devices import ComputeTimer
-from hpar.strategies.common.first_batch import check_first_batch, first_batch
+from hpar.strategies.job.first_batch import check_first_batch, first_batch
 from hpar.strategies.common.gather import gather_json
 from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.common.measured_memory import PeakMemory
 from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
 from hpar.strategies.runtimes.pipeline import divergence as guard, stage_loop
 from hpar.strategies.runtimes.pipeline.comm import Links
-from hpar.strategies.runtimes.pipeline.replicas import Grid, StageReplicas
-from hpar.strategies.runtimes.pipeline.schedules import is_synchronous, stage_ops, updates_after
-from hpar.strategies.runtimes.pipeline.stage import Stage, describe, draw_batch, sequential_layers, split_micro
-from hpar.strategies.runtimes.pipeline.ties import TiedGradients, check_schedule, shared_across_stages
+from hpar.strategies.runtimes.pipeline.replicas import StageReplicas
+from hpar.strategies.plan.pipeline_grid import Grid
+from hpar.strategies.plan.schedules import is_synchronous, stage_ops, updates_after
+from hpar.strategies.runtimes.pipeline.stage import Stage, describe
+from hpar.strategies.plan.stage_cuts import draw_batch, sequential_layers, split_micro
+from hpar.strategies.runtimes.pipeline.ties import TiedGradients
+from hpar.strategies.job.tying import shared_across_stages
+from hpar.strategies.plan.stage_cuts import check_schedule
 from hpar.strategies.state import checkpoint
 from hpar.strategies.state import state as run_state
 

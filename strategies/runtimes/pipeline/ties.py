@@ -23,7 +23,7 @@ embedding's gradient over the first and last stage; DeepSpeed ``TiedLayerSpec`` 
 Only the synchronous schedules (gpipe, 1f1b) step all stages together; an asynchronous stage
 applies micro-batch j's update at its own time, so two copies could only agree by waiting for
 each other at every update (a flush per micro-batch). Asynchronous schedules with a parameter
-shared across stages are refused before start (:func:`check_schedule`).
+shared across stages are refused before start (``strategies/plan/stage_cuts.check_schedule``).
 """
 from __future__ import annotations
 
@@ -31,46 +31,6 @@ import torch
 import torch.distributed as dist
 
 from hpar.strategies.common.groups import dense_backend
-
-
-def shared_across_stages(layers, ranges) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
-    """``{parameter name: (stages holding it, the parameter)}`` for every parameter of
-    ``layers`` (the model's ``(name, module)`` layers) held by two or more of the stages
-    ``ranges`` (``[start, end)`` layer ranges). The name is the first under which a layer
-    lists it (stages may list it under others: ``lm_head.weight`` for ``transformer.wte.weight``)."""
-    held: dict[int, list] = {}
-    for k, (a, b) in enumerate(ranges):
-        for _, layer in layers[a:b]:
-            for name, p in layer.named_parameters():
-                entry = held.setdefault(id(p), [name, [], p])
-                if k not in entry[1]:
-                    entry[1].append(k)
-    return {name: (tuple(stages), p) for name, stages, p in held.values() if len(stages) > 1}
-
-
-def stages_of(layers_held: tuple[int, ...], ranges) -> tuple[int, ...]:
-    """The stages (``ranges``: ``[start, end)`` layer ranges) holding the layers ``layers_held``."""
-    return tuple(sorted({k for k, (a, b) in enumerate(ranges) for i in layers_held if a <= i < b}))
-
-
-def schedule_problem(shared: dict, schedule: str) -> str:
-    """Why ``schedule`` cannot run a pipeline whose ``shared`` parameters (name -> stages
-    holding it, or (stages, parameter)) span several stages ("" when it can): an asynchronous
-    schedule steps the stages at different times (module docstring)."""
-    if not shared or schedule in ("gpipe", "1f1b"):
-        return ""
-    name, stages = next(iter(shared.items()))
-    stages = stages[0] if isinstance(stages[0], tuple) else stages
-    return (f"--schedule {schedule}: parameter {name!r} is shared by stages {', '.join(map(str, stages))} (tied "
-            "weights); an asynchronous schedule steps the stages at different times, so the copies cannot stay one "
-            "parameter; use --schedule 1f1b or gpipe, or untie the weights")
-
-
-def check_schedule(shared: dict, schedule: str) -> None:
-    """ValueError (one line, the fix) for :func:`schedule_problem`."""
-    problem = schedule_problem(shared, schedule)
-    if problem:
-        raise ValueError(problem)
 
 
 class TiedGradients:
@@ -113,4 +73,4 @@ class TiedGradients:
         return [p for p in params if id(p) not in self.not_counted]
 
 
-__all__ = ["shared_across_stages", "stages_of", "schedule_problem", "check_schedule", "TiedGradients"]
+__all__ = ["TiedGradients"]

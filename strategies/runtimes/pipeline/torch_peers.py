@@ -28,19 +28,19 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.torch_version import TorchVersion
 
 from hpar.strategies.state import state as run_state
-from hpar.strategies.common.context import StepMeter, TrainResult, WorkerContext, move_to
+from hpar.strategies.job.context import StepMeter, TrainResult, WorkerContext, move_to
 from hpar.strategies.common.devices import DeviceClock
 from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.common.measured_memory import PeakMemory
-from hpar.strategies.common.loop import autocast
-from hpar.strategies.common.first_batch import check_first_batch, first_batch
+from hpar.strategies.job.loop import autocast
+from hpar.strategies.job.first_batch import check_first_batch, first_batch
 from hpar.strategies.common.gather import gather_json
 from hpar.strategies.runtimes import spine
 from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
-from hpar.strategies.runtimes.pipeline.stage import draw_batch, build_stages_model, describe, stage_module, stage_ranges
+from hpar.strategies.runtimes.pipeline.stage import build_stages_model, describe, stage_module
+from hpar.strategies.plan.stage_cuts import VIRTUAL_STAGES, draw_batch, stage_ranges
 
 
 class _ActivationBytes:
@@ -68,10 +68,6 @@ class _ActivationBytes:
         return out
 
 
-#: schedule -> number of virtual stages (chunks) per process
-VIRTUAL_STAGES = {"torch-gpipe": 1, "torch-1f1b": 1, "torch-interleaved-1f1b": 2, "torch-zbv": 2}
-
-
 def chunk_ranks(schedule: str, num_ranks: int) -> list[int]:
     """The process (rank) of each chunk, in layer order: ``[0, 1, .., K-1]`` for one stage per
     process, ``[0..K-1, 0..K-1]`` for interleaved 1F1B, ``[0..K-1, K-1..0]`` for ZB-V."""
@@ -81,32 +77,6 @@ def chunk_ranks(schedule: str, num_ranks: int) -> list[int]:
     if schedule == "torch-interleaved-1f1b":
         return list(range(K)) * 2
     return list(range(K)) + list(range(K - 1, -1, -1))
-
-
-ZBV_GLOO_MIN_TORCH = (2, 12)   # torch 2.11's ZB-V sends from a process to itself, which gloo refuses
-
-
-def check_peer(schedule: str, num_layers: int, num_ranks: int, micro_batches: int, device: str = "cpu",
-               torch_version: str = torch.__version__) -> None:
-    """ValueError with the fix when torch's ``schedule`` cannot run this model on ``num_ranks``
-    processes with ``micro_batches`` micro-batches on ``device`` ("cpu": gloo, "cuda": NCCL)
-    under ``torch_version`` (checked before any process starts)."""
-    chunks = VIRTUAL_STAGES[schedule] * num_ranks
-    if num_layers < chunks:
-        raise ValueError(f"--schedule {schedule} cuts the model into {chunks} chunks ({VIRTUAL_STAGES[schedule]} per "
-                         f"process) but it has {num_layers} layers; use fewer --gpus or --schedule torch-1f1b")
-    if schedule == "torch-1f1b" and micro_batches < num_ranks:
-        raise ValueError(f"--micro-batches {micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
-                         f"at least one per stage ({num_ranks}); raise it or use --schedule torch-gpipe")
-    rounds = max(1, micro_batches // num_ranks)
-    if schedule == "torch-interleaved-1f1b" and micro_batches % rounds:
-        raise ValueError(f"--micro-batches {micro_batches}: ScheduleInterleaved1F1B needs a multiple of "
-                         f"{rounds} (micro-batches // processes); use {rounds * (micro_batches // rounds)}")
-    if schedule == "torch-zbv" and device == "cpu" and TorchVersion(torch_version) < ZBV_GLOO_MIN_TORCH:
-        # torch 2.11's ZB-V opens its links with a send from the process holding the V's turn to
-        # itself, which gloo refuses ("Pair is not connected"); 2.12 and 2.13 run it
-        raise ValueError(f"--schedule torch-zbv on CPU (gloo) needs torch 2.12 or later (this is torch {torch_version}, "
-                         "whose ZB-V sends from a process to itself); upgrade torch or use --schedule torch-interleaved-1f1b")
 
 
 def _schedule(cfg, stages: list, loss_fn):

@@ -18,7 +18,7 @@ elsewhere than the weights go. Rules (the optimizer's state after its last step)
 
   (``max_exp_avg_sq`` in place of ``exp_avg_sq`` with amsgrad).
 
-Other optimizers (or ``maximize``, ``nesterov``) have no rule: :func:`check_predictable`
+Other optimizers (or ``maximize``, ``nesterov``) have no rule: ``optimizer_rules.check_predictable``
 raises a ValueError for them before a run starts, rather than predicting with a direction
 the optimizer does not take.
 """
@@ -27,25 +27,10 @@ from __future__ import annotations
 import torch
 
 
-def check_predictable(optimizer: torch.optim.Optimizer | None, where: str = "optimizer()") -> None:
-    """Raise ValueError (one line naming ``where`` and the fix) if ``--schedule async-predict``
-    has no prediction rule for ``optimizer``; None (a stage without parameters) is fine."""
-    if optimizer is None:
-        return
-    name = type(optimizer).__name__
-    fix = "use SGD, Adam or AdamW, or --schedule async-stash / async-2bw"
-    if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
-        raise ValueError(f"{where} returned {name}: --schedule async-predict has no weight prediction rule for it; {fix}")
-    for group in optimizer.param_groups:
-        if group.get("maximize") or group.get("nesterov"):
-            flag = "maximize" if group.get("maximize") else "nesterov"
-            raise ValueError(f"{where} returned {name}({flag}=True): --schedule async-predict has no weight prediction rule for it; {fix}")
-
-
 def velocity(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
              last_grad: torch.Tensor | None) -> torch.Tensor | None:
     """v of ``param`` (in parameter ``group`` of ``optimizer``, already checked by
-    :func:`check_predictable`): a tensor of the parameter's shape, or None before the
+    ``optimizer_rules.check_predictable``): a tensor of the parameter's shape, or None before the
     optimizer's first step. ``last_grad``: the gradient of the last step (plain SGD only).
     The caller predicts ``W - s * group["lr"] * v``."""
     state = optimizer.state.get(param, {})

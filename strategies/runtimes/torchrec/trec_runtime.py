@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from hpar.strategies.runtimes import spine
-from hpar.strategies.common.context import DENSE, ByteMeter, StepMeter, TrainResult, WorkerContext, ring_successor_remote
+from hpar.strategies.job.context import DENSE, ByteMeter, StepMeter, TrainResult, WorkerContext, ring_successor_remote
 from hpar.strategies.common.groups import worker_groups
-from hpar.strategies.common.loop import micro_steps, step_tools, worker_batches
+from hpar.strategies.job.loop import micro_steps, step_tools, worker_batches
 from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
 from hpar.strategies.job.forward import inner_module, takes_keywords
 from hpar.strategies.state import state as run_state
@@ -57,7 +57,7 @@ class TorchrecStep(TrainStep):
     """One optimizer step of ``torchrec`` for the training spine (strategies/runtimes/spine.py):
     forward and backward through DistributedModelParallel (the tables updated in the
     backward), then unscale-free step and schedule of the script's optimizer on the dense
-    parameters (strategies/common/loop.py); bytes from DDP's hook plus the all-to-all
+    parameters (strategies/job/loop.py); bytes from DDP's hook plus the all-to-all
     estimate of the module docstring."""
 
     def __init__(self, ctx: WorkerContext):
@@ -156,7 +156,7 @@ class TorchrecStep(TrainStep):
         return user
 
     def evaluate(self, steps_done: int) -> None:
-        from hpar.strategies.common.loop import evaluate_during_training
+        from hpar.strategies.job.loop import evaluate_during_training
         user = self.user_model()
         evaluate_during_training(self.job, self.cfg, self.ctx.rank, steps_done, lambda: user, self.ctx.report_eval)
 

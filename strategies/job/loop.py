@@ -102,10 +102,10 @@ def worker_batches(ctx, control=None):
     """This data-parallel worker's batches (``data(rank, world_size, batch_size)``), past the
     ``--accumulate`` batches of every step a resumed run already trained: the batches an
     uninterrupted run would draw next. The first is drawn here under the phase deadline
-    (strategies/common/first_batch.py) and, with ``control`` (the workers' gloo group), its size is
+    (strategies/job/first_batch.py) and, with ``control`` (the workers' gloo group), its size is
     checked against every peer's before any step (a collective: every worker calls it)."""
     import itertools
-    from hpar.strategies.common.first_batch import check_first_batch, first_batch
+    from hpar.strategies.job.first_batch import check_first_batch, first_batch
     drawn = ctx.job.batches(ctx.rank, ctx.world_size, ctx.cfg.batch_size)
     if ctx.start_step >= ctx.cfg.steps:
         return drawn
@@ -122,7 +122,7 @@ def micro_steps(ctx, model, batches, tools: StepTools, step: int, around=None):
     backward, inside ``around(last)`` where given (DDP's ``no_sync`` on all but the last
     micro-step); rank 0 runs the script's ``log()`` on the last. Returns (the step's loss, the
     logged metrics, the step's samples: the first micro-batch's times A)."""
-    from hpar.strategies.common.context import batch_samples, move_to
+    from hpar.strategies.job.context import batch_samples, move_to
     cfg, job = ctx.cfg, ctx.job
     step_loss, logged, samples = 0.0, {}, 0
     for micro in range(cfg.accumulate):

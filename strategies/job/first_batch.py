@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from hpar.strategies.common import activity
-from hpar.strategies.common.context import WorkerContext, batch_samples
+from hpar.strategies.job.context import WorkerContext, batch_samples
 from hpar.strategies.common.gather import all_gather_ints
 from hpar.strategies.job.contract import JobError
 

@@ -96,20 +96,21 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
+    def from_dict(cls, d: dict, source: str = "--plan") -> "Plan":
         """Inverse of :meth:`to_dict`, for any subset of its keys (the others keep their
-        defaults). Raises ValueError, one line, for something not a dict, an unknown key (naming
-        it, and the key it may be a typo of) or a candidate of the wrong shape."""
+        defaults). Raises ValueError, one line starting with ``source`` (where the plan came
+        from), for something not a dict, an unknown key (naming it, and the key it may be a typo
+        of) or a candidate of the wrong shape."""
         if isinstance(d, Plan):
             return d
         if not isinstance(d, dict):
-            raise ValueError(f"--plan: not an hpar plan (a JSON object), got {type(d).__name__}; {HOW}")
+            raise ValueError(f"{source}: not an hpar plan (a JSON object), got {type(d).__name__}; {HOW}")
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(k for k in d if k not in known)
         if unknown:
             near = difflib.get_close_matches(str(unknown[0]), known, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(f"--plan: unknown key {unknown[0]!r}{hint}; {HOW}")
+            raise ValueError(f"{source}: unknown key {unknown[0]!r}{hint}; {HOW}")
         d = dict(d)
         try:
             if "candidates" in d:
@@ -122,7 +123,7 @@ class Plan:
                 if name in d and d[name] is None:
                     d[name] = {}
         except (TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"--plan: not a plan written by hpar profile ({exc}); {HOW}") from None
+            raise ValueError(f"{source}: not a plan written by hpar profile ({exc}); {HOW}") from None
         return cls(**d)
 
 

@@ -112,14 +112,6 @@ def updates_after(schedule: str, micro: int, num_micro: int) -> bool:
     return schedule != "async-2bw" or (micro + 1) % num_micro == 0
 
 
-def check_2bw(num_stages: int, num_micro: int, stages: str = "--gpus") -> None:
-    """Raise ValueError unless M >= K-1: PipeDream-2BW's batch b needs the weights after
-    batch b-2's update when its first forward runs, which 1F1B guarantees only then.
-    ``stages`` names K in the message (``--gpus``, or the stages of a K x R plan)."""
-    if num_micro < num_stages - 1:
-        raise ValueError(f"--micro-batches {num_micro}: --schedule async-2bw needs at least {stages} - 1 = {num_stages - 1} "
-                         "micro-batches per batch (PipeDream-2BW's delay of one); raise --micro-batches")
-
 
 def micro_batch_count(target: int, batch_size: int, at_least: int = 1) -> int:
     """The micro-batches per batch nearest ``target`` that divide ``batch_size`` (the runtime
