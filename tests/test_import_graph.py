@@ -171,6 +171,35 @@ def test_no_module_carries_a_dated_measurement():
     assert not dated, f"dates in modules (move the measurement to BENCHMARKS.md): {dated}"
 
 
+MAX_DOCSTRING_LINES = 30   # what the module is for, what it owns, its sources; the reasoning lives in docs/
+
+
+def long_docstrings(paths, limit: int = MAX_DOCSTRING_LINES) -> list[str]:
+    """The modules among ``paths`` whose docstring runs over ``limit`` lines."""
+    out = []
+    for path in paths:
+        doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read()), clean=False)
+        if doc is not None and (n := len(doc.splitlines())) > limit:
+            out.append(f"{os.path.relpath(path, ROOT)} ({n})")
+    return out
+
+
+def test_no_module_docstring_is_over_30_lines():
+    """A module docstring says what the module is for, what it owns and the source of its
+    algorithm; the longer explanation goes to the docs/ page of that feature, measured figures
+    to BENCHMARKS.md."""
+    found = long_docstrings(modules().values())
+    assert not found, f"module docstrings over {MAX_DOCSTRING_LINES} lines (move the reasoning to docs/): {found}"
+
+
+def test_the_docstring_check_sees_a_long_one(tmp_path):
+    """The check finds a planted 31-line docstring and passes a 30-line one (it can fail)."""
+    (tmp_path / "long.py").write_text('"""' + "line\n" * 30 + 'line"""\nx = 1\n')
+    (tmp_path / "short.py").write_text('"""' + "line\n" * 29 + 'line"""\n')
+    found = long_docstrings([str(tmp_path / "long.py"), str(tmp_path / "short.py")])
+    assert found == [f"{os.path.relpath(tmp_path / 'long.py', ROOT)} (31)"]
+
+
 # strategies/ holds the flow from the user's script to a running strategy, in folders that name
 # it; a folder imports only folders before it (upstream), never one after it: what a stage
 # measures or decides cannot depend on how a later stage carries it out. First the two every

@@ -2,40 +2,28 @@
 ``strategies/plan/memory_model.py`` is checked against (BENCHMARKS.md, "Memory").
 
 A process's window opens after its imports (torch's lazy ones too, :func:`load_lazy_imports`)
-and its process-group setup, with :func:`start_process`, and closes at the end of its last
-training step (:func:`freeze_process`, called by the step meter, or when the figures are read).
-Worker 0's first ``evaluate()`` runs inside it under :func:`outside_window`: its own peak (a
-model copy, an evaluation batch) is not training's, what it leaves alive is (with eval on by
-default, lm.py's allreduce worker measured 197 MB against 250 predicted while evaluation ran
-before the window: it had paid the first forward's one-time state). What it reports
-(:meth:`PeakMemory.figures`) is the peak *above the window's baseline*, so the interpreter,
-libtorch and gloo are not counted (the memory model adds them as the measured fixed overhead):
+and its process-group setup (:func:`start_process`), and closes at the end of its last training
+step (:func:`freeze_process`). Worker 0's first ``evaluate()`` runs inside it under
+:func:`outside_window`: its own peak is not training's, what it leaves alive is.
+:meth:`PeakMemory.figures` reports the peak *above the window's baseline* (the memory model adds
+the fixed overhead):
 
 * CPU: the resident-set high-water mark (``VmHWM`` in ``/proc/self/status``, man proc(5)),
-  reset by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0), minus the resident set
-  (``VmRSS``) at the reset. glibc keeps freed memory for reuse (notes: "allocator retention"),
-  so before the baseline is read ``malloc_trim(0)`` hands back what earlier phases freed (the
-  first evaluation's model, the launcher-side checks). torch gives no allocator statistics on
-  CPU, so ``allocated_peak_bytes`` is None there and ``peak_bytes`` is the resident figure.
+  reset by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0), minus ``VmRSS`` at the
+  reset, after ``malloc_trim(0)`` hands back what earlier phases freed; ``allocated_peak_bytes``
+  is None (torch gives no CPU allocator statistics). A measuring process fixes glibc's mmap
+  threshold at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``, :func:`limit_retention`), so that large
+  freed blocks leave the resident set instead of staying on the heap (docs/strategies.md,
+  "Memory and --worker-memory").
+* CUDA: ``torch.cuda.max_memory_allocated`` (``peak_bytes``, what the memory model predicts) and
+  ``max_memory_reserved`` (what an out-of-memory error is measured against), reset with
+  ``reset_peak_memory_stats``, minus what was held at the reset; the host's resident peak beside
+  them (``rss_peak_bytes``).
 
-  A measuring process also fixes glibc's mmap threshold at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``,
-  :func:`limit_retention`): by default glibc raises it to the size of every large block freed
-  (up to 32 MiB), after which such blocks come from the heap and stay resident when freed, in
-  whichever thread's arena freed them; a pipeline stage of examples/wide.py then grew to 343 MB
-  above its start in 10 steps, against 181 MB of gradients, momentum, data and activations,
-  which it holds with the fixed threshold (steps within the run-to-run spread: 0.59 against
-  0.61 s; BENCHMARKS.md, "Memory"). Tensors of 1 MiB and more are then mapped and unmapped
-  whole, so the resident set follows the live ones.
-* CUDA: ``torch.cuda.max_memory_allocated`` (bytes held by tensors: ``peak_bytes``, what the
-  memory model predicts) and ``max_memory_reserved`` (the caching allocator's segments: what an
-  out-of-memory error is measured against) of the worker's device, reset with
-  ``reset_peak_memory_stats``, minus what was allocated and reserved at the reset; the host's
-  resident peak beside them (``rss_peak_bytes``).
-
-A later reset inside the window (a pipeline stage's own :class:`PeakMemory`, started when its
-training loop starts) would erase the process's high-water mark, so every reset first folds
-the process window's peak so far into it (:func:`_reset`). Where the mark cannot be reset
-(not Linux, a read-only /proc) the CPU figures are None rather than a guess.
+Invariant: a later reset inside the window (a pipeline stage's own :class:`PeakMemory`) first
+folds the window's peak so far into it (:func:`_reset`), so no reset erases the process's
+high-water mark. Where the mark cannot be reset (not Linux, a read-only /proc) the CPU figures
+are None rather than a guess.
 """
 from __future__ import annotations
 

@@ -1,51 +1,22 @@
 """The layers of a model that is not a sequence, cut by torch.distributed.pipelining's tracer.
 
-Most models people bring are not an ``nn.Sequential``: a ``transformers`` GPT-2, BERT or Llama,
-a ResNet with ``layer1..3``, an ``nn.TransformerEncoder`` classifier. Their forward has glue
-between the blocks (position embeddings, attention masks, rotary tables, a pooling and a
-flatten), so the blocks alone do not compose to the model. torch's own splitter does:
-``torch.distributed.pipelining.pipeline(model, mb_args, mb_kwargs, split_spec)`` traces the
-forward with ``torch.export`` and cuts the graph at ``SplitPoint``s into sub-GraphModules that
-pass each other exactly the tensors they need (a BERT mask made in the embeddings reaches every
-block; a Llama's rotary cos/sin too).
+Most models people bring (a ``transformers`` GPT-2, BERT or Llama, a ResNet, an
+``nn.TransformerEncoder`` classifier) have glue between their blocks (position embeddings,
+attention masks, rotary tables, a pooling), so the blocks alone do not compose to the model.
+torch's own splitter does: ``torch.distributed.pipelining.pipeline(model, mb_args, mb_kwargs,
+split_spec)`` traces the forward with ``torch.export`` and cuts the graph at ``SplitPoint``s into
+sub-GraphModules that pass each other exactly the tensors they need.
 
-The cut points here are the model's **repeated blocks**: the children of every ``nn.ModuleList``
-or ``nn.Sequential`` whose children are all of one class and hold parameters (with a Hugging
-Face model, the classes it declares in ``_no_split_modules``: ``GPT2Block``, ``BertLayer``,
-``LlamaDecoderLayer``), outermost containers only. The model is cut before the first block and
-after every block, so its layers are: the stem (everything before the first block), each block,
-and the tail (everything after the last one). hpar's profiler times these layers, its planner
-balances them into stages, and a pipeline stage runs a contiguous range of them.
-
-What runs (:class:`TracedLayers`): each layer is one of torch's sub-GraphModules. The values
-flowing between layers are the graph's **live values** after the layer, a tuple of tensors
-(the hidden state, and the mask or rotary tables that later blocks still read), in a fixed
-order, so a stage boundary sends a tuple of tensors. The first layer takes the user's inputs
-(a dict as ``model(**inputs)`` when ``strategies/job/forward.py`` says so); the last returns the
-user's own output type (HF's ``ModelOutput``, rebuilt from the graph's flat outputs with the
-pytree spec of one eager call), so ``loss(output, targets)`` gets what it gets on one process.
-
-Parameters: a layer module (:class:`TracedStage`) registers the parameters and buffers its
-sub-graphs read under the whole model's names, so its ``state_dict`` keys equal the whole
-model's. They are the model's own tensors; a tied weight (GPT-2's ``wte``/``lm_head``), which
-the tracer copies into every sub-graph that reads it, is mapped back to the one parameter, so a
-pipeline stage holding the stem and one holding the tail both hold it (see
-``strategies/runtimes/pipeline/ties.py`` for how they stay one). Each sub-graph reads its tensors through
-its own attributes; before every forward they are pointed at the stage's registered tensors, so
-``torch.func.functional_call`` (the asynchronous schedules' stashed and predicted weights) and
-``.to(device)`` reach the graph.
-
-Limits (torch.export): the graph is specialised to the shapes it was traced with (one
-micro-batch); every micro-batch must have those shapes (pad sequences to one length), which is
-checked. Factory calls in the graph carry the tracing device (``arange(..., device=cpu)``);
-they are re-targeted to the device of the inputs at the first forward there. A ``use_cache``
-KV cache is switched off for tracing in every config the model holds (T5's decoder keeps its
-own: strategies/job/block_trace.py). Data-dependent control flow inside the blocks (a
-mixture of experts' routing) stops torch.export; the model is then traced with torch.fx, its
-blocks kept whole (opaque modules run eagerly on their stage) and cut at the same places
-(block_trace.py). Data-dependent control flow between the blocks cannot be traced either
-way: such a model needs ``hpar_layers()``, and the refusal names the line that stopped each
-tracer.
+The cut points are the model's **repeated blocks** (the children of an ``nn.ModuleList`` or
+``nn.Sequential`` all of one class and holding parameters, outermost only; with a Hugging Face
+model the classes in ``_no_split_modules``): the layers are the stem, each block and the tail,
+which the profiler times, the planner balances into stages and a pipeline stage runs.
+:class:`TracedLayers` runs them, passing a tuple of the graph's live values between layers;
+:class:`TracedStage` holds a layer's parameters under the whole model's names, a tied weight
+mapped back to its one parameter. Limits: the trace is specialised to one micro-batch's shapes
+(checked); data-dependent control flow inside blocks falls back to torch.fx with the blocks kept
+whole (strategies/job/block_trace.py), and between blocks needs ``hpar_layers()``. How it works:
+docs/pipelines.md, "Tracing a model into stages" and "How it works".
 """
 from __future__ import annotations
 

@@ -2,43 +2,27 @@
 parallelism), and the choice of (K, R, layout, M). Pure functions of a Profile and a
 ClusterSpec, like ``strategies/plan/costmodel.py``, whose notation and helpers it uses.
 
-For every split N = K x R with 2 <= K <= layers (or the user's R), every rank layout of
-``strategies/runtimes/pipeline/replicas.py`` (``stages-adjacent``: rank = r*K + k, a pipeline's stages
-on consecutive ranks, so within a host when K divides its GPUs; ``replicas-adjacent``: rank =
-k*R + r, a stage's replicas within a host) and M in {1, K, 2K, 4K}, each moved to the nearest
-divisor of the batch (at least K where the batch has one)::
+For every split N = K x R with 2 <= K <= layers (or the user's R), both rank layouts of
+strategies/plan/pipeline_grid.py and M in {1, K, 2K, 4K} (each moved to the nearest divisor of
+the batch, at least K where the batch has one)::
 
     step = (M + K - 1) * period + max_k (allreduce_k + update_k) + message
 
-* ``period``: the slowest stage's seconds per micro-batch from PipeDream's partition DP
-  (``pipeline/partition.py``: compute of a micro-batch, ``fixed_share + (1 - fixed_share)/M``
-  of the batch's, plus its activation out and gradient in) + 2 messages; (M + K - 1)
-  periods is a synchronous step with a bubble of (K-1)/(M+K-1) (Huang et al., "GPipe",
-  NeurIPS 2019). On CPU workers every layer's profiled compute is slowed by the host's
-  ``cpu_share``, as in the other strategies (measured: with one micro-batch, where a
-  pipeline's stages take turns, 3 stages on 2 vCPUs still computed 1.4-1.8x slower than one
-  process stepping the same stage modules).
-* ``message``: one small point-to-point message (:func:`message_s`: the link's latency, or on
-  one host's CPU workers a measured message time); one more carries the step's loss from the
-  last stage to rank 0.
-* activations travel over the intra-host link when every stage boundary of every replica
-  stays within a host; otherwise over the inter-host link shared by the boundaries that
-  leave the busiest host at once (one bandwidth for all boundaries: the DP takes one, so the
-  slowest, an upper bound).
-* ``allreduce_k``: a ring AllReduce of stage k's parameter bytes over its R replicas
-  (``costmodel.ring_allreduce_s``): on one host at the host's collective bandwidth; across
-  hosts at the inter-host bandwidth divided by the number of ring edges (over all stages)
-  that leave the busiest host, since the stages' AllReduces share each host's link. It
-  runs after the step's last backward (no overlap, as strategies/runtimes/pipeline/replicas.py does
-  it), as does the optimizer update of the stage's bytes. Both count only the trainable
-  parameters: a stage's frozen ones (``requires_grad=False``) get no optimizer slot and no
-  replica AllReduce (strategies/runtimes/pipeline/pipeline_runtime.py, stage_loop.py).
-* samples per step: R x the batch (``--batch-size`` per replica, as ``allreduce``).
+``period`` is the slowest stage's seconds per micro-batch from PipeDream's partition DP
+(strategies/plan/partition.py: compute, ``fixed_share + (1 - fixed_share)/M`` of the batch's,
+plus its activation out and gradient in, over the intra-host link when every boundary stays
+within a host, else the inter-host link shared by the boundaries leaving the busiest host) + 2
+messages, slowed on CPU workers by the host's ``cpu_share`` as in the other strategies; (M + K -
+1) periods is a synchronous step with a bubble of (K-1)/(M+K-1) (Huang et al., "GPipe", NeurIPS
+2019). ``allreduce_k`` is a ring AllReduce of stage k's trainable bytes over its R replicas
+(``costmodel.ring_allreduce_s``; across hosts the rings of all stages share each host's link),
+run after the step's last backward with the update, no overlap, as replicas.py does it;
+``message`` carries the step's loss to rank 0 (:func:`message_s`). Samples per step: R x the
+batch. The user's view: docs/strategies.md, "The pipeline candidate".
 
 Sources: PipeDream's planner (Narayanan et al., SOSP 2019, section 3.1: stage replication
 and its AllReduce cost), Megatron-LM's pipeline x data parallel placement (Narayanan et al.,
-SC 2021, section 3.3: pipeline stages across nodes, data parallel replicas as the cost model
-decides), the alpha-beta message cost of ``costmodel``.
+SC 2021, section 3.3), the alpha-beta message cost of ``costmodel``.
 """
 from __future__ import annotations
 

@@ -4,54 +4,12 @@ records as ``predicted_peak_bytes`` next to the measured ``peak_bytes`` (strateg
 
 A peak is predicted *above the process's baseline* (after imports and process-group set-up),
 as the runs measure it; what must fit a device adds the measured fixed overhead
-(``overhead_bytes``; :func:`misfit`). Notation: P parameter bytes (P_k a pipeline stage's,
-P_s a server's shard), r the optimizer's state bytes per parameter byte, N workers, S servers,
-K stages, M micro-batches. Each term is **counted** (from parameter shapes, the plan and the
-runtime's code) or **measured** (by the profile, strategies/profile/memory_profile.py):
-
-* ``params`` (counted): the weights a process holds: P (data parallel), P/N (FSDP shards),
-  P_k (a pipeline stage on a GPU; on a CPU every stage builds the whole model first and keeps it,
-  so P), the dense part only where servers hold the tables.
-* ``optimizer`` (measured r x counted bytes): the user's optimizer on a probe (SGD with momentum
-  1, Adam/AdamW 2, Adagrad 1, plain SGD 0); hpar's mixed precision is autocast over fp32 master
-  weights, so there is no separate master copy: its low-precision weight copies live in the
-  measured step. Frozen parameters (``requires_grad=False``) are held but get no optimizer state,
-  gradient or DDP bucket (torch's optimizers and DDP's reducer skip them).
-* ``step`` (measured): activations, their gradients, temporaries and the gradients a step makes:
-  ``max(forward peak, step peak - the profile's gradients + this strategy's gradients)``
-  (strategies/profile/memory_profile.py), at the worker's batch (a pipeline: its stage's share of the
-  saved activations at the micro-batch, times the micro-batches it holds at once, which its
-  schedule's pass order gives: GPipe M, 1F1B and the asynchronous ones K - k).
-* ``ddp_buckets`` (counted): DDP's flat gradient buckets, a second copy of every gradient it
-  reduces (``gradient_as_bucket_view`` is off, torch's default).
-* ``gathered`` (counted): allreduce-sparse's AllGather of N workers' rows (ids and values), and
-  the dense table a non-sparse optimizer steps (strategies/job/optimizer_rules.py).
-* ``rows`` (counted): hybrid/ps workers' pulled rows, the next step's pulled ahead, and the
-  push messages of their gradients (the gradients are in ``step``); ``ps`` workers also pull
-  every dense parameter whole.
-* ``versions`` (counted): weight versions of the asynchronous pipelines: a stashed copy per
-  micro-batch in flight (async-stash), the predicted weights (async-predict), two versions
-  (async-2bw); ``replica_allreduce``: with pipeline replicas, the stage's gradients flattened
-  for their AllReduce (strategies/runtimes/pipeline/replicas.py).
-* ``unsharded`` (counted): FSDP's gathered parameters of the unit it runs and the one it
-  prefetches, and their unsharded gradients before the reduce-scatter; on a CPU the whole model
-  is built once before it is sharded (``build``).
-* ``data`` (measured): the ``data()`` iterator and its batch, and what its first draw imports.
-* ``first_use`` (measured): what a process's first forward adds once (kernels' state) and what
-  ``model()`` keeps besides the parameters; ``growth`` (measured per shape, counted shapes): what
-  steps on new shapes keep (kernels' caches per input shape): the profile's growth per new
-  forward signature times the distinct signatures a worker's ``forwards`` forward passes meet
-  beyond its first, estimated from the profile's census (strategies/profile/shapes.py); growth
-  without a new shape counts once.
-* ``trace`` (measured): a pipeline stage of a model cut by torch's tracer, on a CPU: what the
-  process's first trace takes in host memory (the modules torch.export imports, the graphs).
-* ``runtime`` (measured): the runtimes' own memory beyond these terms (a hybrid worker's DDP
-  reducer beside its client, a pipeline stage's and a server's point-to-point pairs and threads,
-  FSDP's DTensor dispatch), a constant measured on tiny models (RUNTIME_BYTES).
-* after the last step (counted; strategies/plan/memory_sharded.py, with FSDP's terms): worker
-  0's whole copy for ``evaluate()`` where no worker holds the model whole (``final``).
-* servers (counted): their table shards, the optimizer state of those rows (r x), the pushes of a
-  step (N workers' rows) and their mean, and, while starting, the whole model they build and cut.
+(``overhead_bytes``; :func:`misfit`). Each term is **counted** (from parameter shapes, the plan
+and the runtime's code) or **measured** (by the profile, strategies/profile/memory_profile.py);
+the terms, one by one: docs/strategies.md, "The terms of a predicted peak". Notation: P
+parameter bytes (P_k a pipeline stage's, P_s a server's shard), r the optimizer's state bytes
+per parameter byte, N workers, S servers, K stages, M micro-batches. After the last step:
+strategies/plan/memory_sharded.py.
 """
 from __future__ import annotations
 

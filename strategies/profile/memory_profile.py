@@ -2,51 +2,19 @@
 on the device the workers use; the terms of the memory model (strategies/plan/memory_model.py) that
 are measured rather than counted.
 
-* ``layer_saved_bytes``: the bytes each layer's forward saves for backward (what stays alive
-  from forward to backward, the activations a pipeline stage holds per micro-batch in
-  flight), through ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor's
-  storage counted once, parameters left out (they are counted as parameters); what the loss
-  saves goes to the last layer.
-* ``forward_peak_bytes``, ``step_peak_bytes``: the peak above the step's start (gradients set
-  to None first, as every runtime's ``zero_grad`` does) at the end of forward and loss, and over
-  forward, loss and backward (activations, their gradients, temporaries, autocast's
-  low-precision weight copies, and the gradients the step makes: ``step_grad_bytes``, those
-  of the profiled copy, whose embeddings make sparse ones). CUDA: the caching allocator's
-  ``max_memory_allocated``; CPU: the resident high-water mark after ``malloc_trim``
-  (strategies/common/measured_memory.py), as the workers measure themselves.
-* ``growth_bytes`` over ``growth_steps``: what the process kept after that many steps on new
-  batches beyond what it held after the first (gradients freed, ``malloc_trim``): kernels'
-  caches per input shape (examples/lm.py's sampled softmax sees new shapes most steps);
-  ``growth_new_shapes``: how many of those steps met a forward signature not met before, and
-  ``shape_counts``: a census of the job's forward signatures (strategies/profile/shapes.py),
-  from which the memory model predicts the new shapes of a run of any length.
-* ``data_bytes``: the peak of a fresh ``data()`` iterator drawing two batches and moving them
-  to the device (the iterator's own state, a corpus it keeps, the batch in hand), or, where
-  more, what the first draw in this process added (``Job.cold``, recorded by ``check_job``:
-  the modules ``data()`` imports on first use, scikit-learn for examples/cnn.py's digits, 86 MB).
-* ``first_use_bytes``: what the first forward in this process added beyond that forward's
-  activations (``Job.cold``): kernels' one-time state (oneDNN's for examples/cnn.py's
-  convolutions, 11 MB), paid once by every worker process, inside its training;
-  ``model_extra_bytes``: what ``model()`` keeps besides the parameters (examples/lm.py's corpus,
-  for its vocabulary, 35 MB), in every process that builds the model, servers too.
-* ``trace_bytes``: the resident peak of this process's first trace of the model (a model cut by
-  torch's tracer, strategies/job/traced.py: ``first_trace_bytes``): the modules torch.export
-  imports on first use, the graphs, the trace's transients; a pipeline worker on a CPU cuts its
-  model inside its measured window, so it pays this once (0 where nothing was traced).
-* ``rows_suffice``: whether the parameter servers update only the rows a step touched with the
-  user's optimizer (strategies/runtimes/hybrid/shard.py: Adagrad and plain SGD; Adam and SGD with
-  momentum update every row of a table, each step, under exact semantics).
-* ``optimizer_state_ratio``: bytes of the user's optimizer state per parameter byte, after
-  two steps on a probe (state appears at the first step; SGD with momentum 1, Adam 2,
-  Adagrad 1, plain SGD 0); ``optimizer_step_ratio``: the peak of a third step above what the
-  probe held, per parameter byte (the temporaries of torch's multi-tensor kernels: Adagrad's
-  and Adam's square roots, 1; SGD's momentum, 0).
-* ``process_bytes``: the resident set of this process once it had imported the user's script
-  (``Job.loaded_rss``: the interpreter, libtorch, hpar, the script and what it loads at import):
-  the fixed overhead of every process, which a process's peak comes on top of;
-  ``device_overhead_bytes``: on CUDA the device memory outside torch's allocator (the
-  context), 0 on CPU.
-All figures in bytes; activation figures at ``batch_size`` samples (they scale with it).
+:func:`memory_profile` fills the profile's memory fields: the bytes each layer's forward saves
+for backward (``layer_saved_bytes``, through ``torch.autograd.graph.saved_tensors_hooks``, each
+storage counted once, parameters left out), the peaks of forward and of a whole step
+(``forward_peak_bytes``, ``step_peak_bytes``; CUDA: ``max_memory_allocated``, CPU: the resident
+high-water mark after ``malloc_trim``, strategies/common/measured_memory.py, as the workers
+measure themselves), what new input shapes keep (``growth_bytes``, with the shape census of
+strategies/profile/shapes.py), what ``data()``, the first forward, ``model()`` and a first trace
+add once (``data_bytes``, ``first_use_bytes``, ``model_extra_bytes``, ``trace_bytes``), the
+optimizer's state and step per parameter byte (``optimizer_state_ratio``,
+``optimizer_step_ratio``), whether the servers update only touched rows (``rows_suffice``), and
+a process's fixed overhead (``process_bytes``, ``device_overhead_bytes``). What each term means
+in a prediction: docs/strategies.md, "The terms of a predicted peak". All figures in bytes;
+activation figures at ``batch_size`` samples (they scale with it).
 """
 from __future__ import annotations
 

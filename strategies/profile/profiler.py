@@ -1,70 +1,20 @@
 """Measure a user's job on this machine: per-parameter sparsity and per-layer costs.
 
-:func:`profile_job` returns a :class:`Profile`, a frozen value the cost model and planner
-read (``strategies/plan/costmodel.py``, ``strategies/plan/planner.py``). Everything is measured on a
-fresh deep copy of ``job.build_model()`` (the user's model object, its ``sparse=`` flags,
-the global torch RNG state and the thread count are left as they were), with
-``torch.set_num_threads(1)`` because every hpar CPU worker process runs with one thread, on the
-device the workers use (``device``: the CPU, or a GPU timed with CUDA events; the profile
-records which, see strategies/profile/device.py).
+:func:`profile_job` returns a :class:`Profile`, the frozen value the cost model and planner read
+(``strategies/plan/costmodel.py``, ``strategies/plan/planner.py``): per-layer forward/backward
+time, FLOPs and bytes, each parameter's gradient sparsity (``alpha``, ``union_curve``), the
+unused parameters, the optimizer's update cost, and on a GPU the host's own seconds per step.
+Everything is measured on a fresh deep copy of ``job.build_model()`` (the user's model object,
+its ``sparse=`` flags, the global torch RNG state and the thread count are left as they were),
+with ``torch.set_num_threads(1)`` as every hpar CPU worker runs, on the workers' device
+(strategies/profile/device.py); a ``torch.compile``-d model's ``net`` is profiled eagerly
+(``forward.inner_module``). How each figure is measured: docs/profile.md, "How it measures".
+Pipeline layers: :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
 
-What is measured and how:
-
-* compute: ``warmup`` untimed steps, then ``repeats`` timed forward+loss+backward steps on
-  rank 0's batches; every figure is the median over the repeats. Per-layer forward time is
-  taken between a forward pre-hook and a forward hook; per-layer backward time runs from the
-  moment the gradient of the layer's output is ready (a tensor hook) to the next such event
-  of any layer (or the end of backward), which is exact for a sequence of layers.
-* FLOPs: one extra step under ``torch.utils.flop_counter.FlopCounterMode``. Fused RNN kernels
-  (nn.LSTM/GRU/RNN without projection) report no FLOPs there, so they are counted
-  analytically: 2 FLOPs per multiply-add of the gate matrices, backward = 2x forward
-  (the usual 1:2 rule, e.g. Kaplan et al. 2020, "Scaling laws for neural language models").
-* sparsity: ``nn.Embedding``/``nn.EmbeddingBag`` weights are row-sparse whatever their
-  ``sparse=`` flag, but for a table tied to a dense user (an output layer: its gradient is
-  dense; strategies/job/tying.py), measured as a dense parameter and marked ``tied_to``; the rows a batch touches are the unique ids fed to the module (forward
-  pre-hook). One full batch of each of N workers (``job.batches(rank, N, batch_size)``) is
-  run forward, stopping early once every embedding module has seen its ids when each is
-  called exactly once per forward pass. ``alpha`` is the mean fraction of rows one
-  worker's batch touches; ``union_curve`` gives the fraction touched by the union of the
-  first k workers' batches. Beyond ``max_sparsity_workers`` workers the union is
-  extrapolated with independent per-row touch probabilities p_r (union(n) = mean_r
-  1-(1-p_r)^n, shifted to agree with the last measured point). Any other parameter whose
-  measured gradient has non-zero values in fewer than ``SPARSE_ROW_FRACTION`` of its rows
-  (first dimension) is reported sparse too, with alpha from the timed batches. Each
-  embedding's most looked-up rows, counted over ``hot_rows.HOT_BATCHES`` batches, are kept
-  for the hot-row cache (strategies/profile/hot_rows.py).
-* unused parameters: the trainable ones left without a gradient by any of the warm-up and
-  timed steps or by a few steps on each of several ranks' batches, and whether the ranks'
-  sets differed in one step (``Profile.unused_params``, ``unused_by_rank``; DDP's
-  ``find_unused_parameters``, strategies/runtimes/dataparallel/ddp.py).
-* ``timing_batch_size`` below ``batch_size`` profiles compute on smaller batches and scales
-  times, FLOPs and activation bytes linearly to ``batch_size`` (for models too large to run
-  at full batch within the 30 s budget); left None, it is ``batch_size`` unless one step
-  would exceed ``hooks.STEP_BUDGET_S`` (extrapolated from warm steps at 1/32 and
-  1/8 of the batch). Sparsity is always measured at ``batch_size``.
-* ``update_s_per_byte`` and ``sparse_update_s_per_byte``: the user's optimizer on a dense
-  probe of the model's size and on a sparse gradient shaped like the largest embedding's
-  gathered pushes (``strategies/profile/update.py``); the latter is None without an
-  embedding or when the optimizer takes no sparse gradients (``sparse_gradients_ok`` False:
-  ``allreduce-sparse`` makes them dense before its step); ``update_s_per_tensor``: its step's
-  cost per parameter tensor beside the bytes (torch's CPU optimizers loop over the tensors in
-  Python). ``server_optimizer_note`` says
-  why the parameter servers cannot apply the optimizer ("" where they can).
-
-* ``step_overhead_s``, on a GPU only: a whole step less its timed parts, the host's own seconds
-  (``strategies/profile/step_overhead.py``); ``fsdp_overhead_s``: FSDP2's own work per step
-  (``strategies/runtimes/dataparallel/fsdp_cost.py``).
-
-Pipeline layers: see :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
-
-Compiled models: when ``model()`` returns ``torch.compile(net)``, the profile measures ``net``
-itself (``forward.inner_module``), run eagerly. Its parameters are then named as the user wrote
-them (no ``_orig_mod.`` prefix), as the plan's placement, the runtimes and the saved model name
-them; and the per-layer timers, the embeddings' id hooks and the FLOP counter need the module
-boundaries that compilation fuses away (profiled through the wrapper, dynamo traced the hooks
-and recompiled up to its limit, and the plan predicted a 72 ms step for tests/zoo/dict_bag.py's
-model, 0.6 ms when profiled eagerly). So compute figures are those of the eager model, which
-compilation is meant to make faster. A pipeline cuts ``net`` too (its stages run eagerly).
+Sources: FLOPs from ``torch.utils.flop_counter.FlopCounterMode``; fused RNN kernels, which
+report none there, counted analytically (2 FLOPs per multiply-add of the gate matrices,
+backward = 2x forward: the usual 1:2 rule, e.g. Kaplan et al. 2020, "Scaling laws for neural
+language models").
 """
 from __future__ import annotations
 

@@ -21,16 +21,12 @@ top to bottom as one run does (nanoGPT's loop, torchtitan's ``train_step``)::
     first, last = mean over the workers of the first and last losses (step.loss_groups)
     return step.result(meter)               # the TrainResult with the strategy's own extras
 
-where ``checkpoint(n)`` is ``step.save(n)`` every ``--checkpoint-every`` steps and
-``evaluate(n)`` is ``step.evaluate(n)`` every ``--eval-every`` steps except the last
-(loop.evaluate_now). A step object is a :class:`TrainStep` subclass: it must define
-:meth:`TrainStep.step`, and overrides the other methods where its strategy differs (the
-defaults: no resume, no checkpoint, ``evaluate()`` of :meth:`TrainStep.model_copy` on worker
-rank 0, nothing written, ``meter.result`` with no model). It keeps its per-step state (pending
-sends, held pushes, the current micro-step) as attributes, and runs its own ``--accumulate``
-micro-steps inside ``step()`` (loop.micro_steps for DDP and FSDP; hybrid/ps pushes rows after
-each one; a pipeline has micro-batches instead). Steps are counted from 0 inside the
-loop; the hooks after a step get the number of steps done (``s + 1``), as checkpoints count.
+``checkpoint(n)`` is ``step.save(n)`` every ``--checkpoint-every`` steps and ``evaluate(n)`` is
+``step.evaluate(n)`` every ``--eval-every`` steps except the last (loop.evaluate_now). A step
+object is a :class:`TrainStep` subclass: it must define :meth:`TrainStep.step` and overrides the
+other methods where its strategy differs; it keeps its per-step state as attributes and runs its
+own ``--accumulate`` micro-steps inside ``step()`` (loop.micro_steps for DDP and FSDP). Steps are counted from 0 inside the loop; the
+hooks after a step get the number of steps done (``s + 1``), as checkpoints count.
 """
 from __future__ import annotations
 

@@ -2,41 +2,17 @@
 
 Every process of a run (the workers, and the parameter servers of ``hybrid``/``ps``) calls
 :func:`save` at the same step with the state it holds, and DCP writes it in parallel, each
-process its own file, with no process gathering another's. All processes share one namespace:
+process its own file, with no process gathering another's. All processes share one namespace
+(``model.<name>``, ``optim.<key>``, ``loop.<part>``, ``rng.<process>``, ``cache.*``,
+``compress.*``, ``meta``, ``tied.<name>``: docs/state.md, "What a checkpoint holds"); copies held
+by several processes are written from the lowest rank (:func:`write`), and a table the servers
+hold in row ranges is a ``ShardedTensor`` of the parameter's shape, so a load with another
+layout reshards it (launcher/run/reshape.py).
 
-==========================  ================================================================
-``model.<name>``            a parameter or persistent buffer under the name the user's model
-                            gives it. Replicas (DDP's workers, a pipeline stage's replicas, a
-                            weight tied across stages) hold copies: DCP writes the lowest
-                            rank's (:func:`write`: BatchNorm's running statistics differ). A
-                            table that parameter servers hold in row ranges is a
-                            ``ShardedTensor`` of the parameter's shape, one shard per range
-                            (its row offset), so a load with another layout reshards it.
-``optim.<key>``             optimizer state by parameter name (torch's flattened
-                            ``get_optimizer_state_dict``: ``state.<name>.exp_avg``, ...); a
-                            server's slots are row-sharded like its tables.
-``loop.<part>``             the training loop's state (LR schedule, GradScaler) of a part
-``rng.<process>``           each process's random generators (unique keys: DCP keeps one copy
-                            of equal keys, torch issues 120356 and 146566)
-``cache.<name>.version``    with the workers' hot-row caches: a served table's row versions
-                            (update counts), row-sharded like the table
-``cache.worker<r>.<name>``  worker r's cached rows of the next cache epoch
-                            (strategies/runtimes/hybrid/cache.py)
-``compress.worker<r>.*``    ``--compress powersgd``: worker r's step counter, generator, and
-                            per bucket its error feedback, P and Q factors and their layout
-                            (strategies/runtimes/dataparallel/compress_hooks.py)
-``meta``                    step, strategy and sizes of the run that wrote it
-``tied.<name>``             RUN_DIR/model only: a tied weight's later name, whose value is the
-                            name it is stored under (once: strategies/state/aliases.py)
-==========================  ================================================================
-
-Layout on disk: ``RUN_DIR/checkpoints/step-N/`` holds DCP's files (``__<rank>_<i>.distcp``
-and ``.metadata``) and a ``<file>.sha256`` beside each, written by the process that wrote the
-file; ``RUN_DIR/checkpoints/latest`` names the newest complete step and is only rewritten once
-every process has written (a barrier), so a crash mid-save leaves the previous checkpoint as
-it was, and ``--resume`` never sees a partial step (``checkpoint.usable_step`` checks every
-checksum). DCP's load reads each requested tensor's overlap with what was saved, so a run may
-resume with another number of workers, servers or stages (launcher/run/reshape.py).
+Invariant: ``RUN_DIR/checkpoints/latest`` names the newest complete step and is rewritten only
+once every process has written (a barrier), so a crash mid-save leaves the previous checkpoint
+as it was and ``--resume`` never sees a partial step (``checkpoint.usable_step`` checks every
+``.sha256`` beside DCP's files in ``checkpoints/step-N/``).
 
 Sources: torch.distributed.checkpoint (``dcp.save``/``dcp.load``, ``FileSystemWriter``);
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for name-keyed

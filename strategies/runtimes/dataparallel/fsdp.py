@@ -3,40 +3,20 @@
 gradients and optimizer state do not fit one device (Zhao et al., "PyTorch FSDP", VLDB 2023;
 ZeRO stage 3, Rajbhandari et al., SC 2020).
 
-Units: every layer of the model as ``strategies/job/layers.py`` defines them (``hpar_layers()``, an
-``nn.Sequential``'s children), or for another model its repeated blocks (``traced.block_names``:
-GPT-2's ``transformer.h.i``), each ``fully_shard``-ed, then the root, which keeps what no unit
-holds (embeddings, a head). A layer that shares a parameter with another (a tied weight) is left
-to the root: FSDP manages a parameter in one unit only. Every worker builds the whole model with
-the run's seed before sharding (the same initial weights as one process: FSDP2 does not
-broadcast them, pytorch#148756), so on a CPU a worker holds it once, briefly
-(strategies/plan/memory_model.py). The mesh is the workers' dense group (NCCL on CUDA, so nothing
-CPU-resident goes into NCCL; fully_shard moves the shards to the worker's device), from
-``DeviceMesh.from_group``.
+Units: every layer of the model (strategies/job/layers.py), or for another model its repeated
+blocks (``traced.block_names``), each ``fully_shard``-ed, then the root, which keeps what no unit
+holds (embeddings, a head, a tied weight: FSDP manages a parameter in one unit only). The mesh is
+the workers' dense group (``DeviceMesh.from_group``; NCCL on CUDA). The training loop is
+allreduce's (strategies/job/loop.py; fp16 refused, its scaler's inf check would need a reduction
+over the shards); checkpoints are each rank's shards through strategies/state/state.py, and only
+``evaluate()`` and ``save_pretrained`` get a whole model, gathered to rank 0's host memory.
 
-Gradients: FSDP averages them over the workers with a reduce-scatter. On gloo, FSDP2 once
-produced world-size-scaled (summed) gradients (pytorch#162338: its AVG went to a backend that
-summed), so hpar asks every unit for a SUM reduction divided by N itself
-(``set_force_sum_reduction_for_comms`` and ``set_gradient_divide_factor``), which is exact on
-any backend; tests compare N workers with one process on the concatenated batch.
-
-The training loop is allreduce's (strategies/job/loop.py): autocast (bf16; fp16 is refused, its
-scaler's inf check would need a reduction over the shards), clipping by the global norm
-(``clip_grad_norm_`` on the sharded gradients reduces the norm over the workers),
-``--accumulate`` (each micro-step's loss divided by N; every micro-step reduce-scatters, so the
-accumulated gradient stays sharded: a worker never holds an unsharded copy of it), the
-script's schedule, ``log()`` on rank 0, ``--eval-every`` (every worker takes part in gathering
-the full weights to rank 0, which evaluates a CPU copy). A compiled model's module runs
-eagerly (FSDP's hooks go around the module the user wrote).
-
-State: checkpoints and the trained model with ``torch.distributed.checkpoint``
-(strategies/state/state.py): each rank writes its own shards under the parameters' names, with the
-optimizer state by name, the loop state and its RNG; a resume reshards (another size, or a
-checkpoint of another data-parallel strategy). Only ``evaluate()`` and ``save_pretrained`` get a
-whole model, gathered to rank 0's host memory (``StateDictOptions(full_state_dict=True,
-cpu_offload=True)``).
-Bytes per step: two AllGathers of every unit and a reduce-scatter of every gradient (frozen
-parameters have none; strategies/plan/costmodel_fsdp.fsdp_bytes).
+Invariants: every worker builds the whole model with the run's seed before sharding (FSDP2 does
+not broadcast the initial weights, pytorch#148756), and every unit reduces its gradients as a
+SUM divided by N (``set_force_sum_reduction_for_comms``, ``set_gradient_divide_factor``: on gloo
+FSDP2's AVG once summed, pytorch#162338), so N workers equal one process on the concatenated
+batch on any backend. Bytes per step: two AllGathers of every unit and a reduce-scatter of every
+gradient (strategies/plan/costmodel_fsdp.fsdp_bytes). The user's view: docs/strategies.md, "fsdp".
 """
 from __future__ import annotations
 

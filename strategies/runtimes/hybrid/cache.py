@@ -3,39 +3,24 @@
 half is strategies/runtimes/hybrid/versions.py, the requests strategies/runtimes/hybrid/cache_client.py.
 
 Source: Miao et al., "HET: Scaling out Huge Embedding Model Training via Cache-enabled
-Distributed Framework", VLDB 2022. Word and item frequencies are skewed, so most of the rows a
-worker pulls every step are the same few thousand hot ones; HET keeps them in a cache on each
-worker with a clock per row, reads a cached row while its clock is at most s behind the
-server's, and holds back a cached row's gradients, pushing them when the bound requires.
+Distributed Framework", VLDB 2022: a cache of the hot rows on each worker with a clock per row,
+a cached row read while its clock is at most s behind the server's, a cached row's gradients
+held back and pushed when the bound requires.
 
 The rules here, for a table with a cache of the rows ``ids`` (at most N, the hottest):
+**reads** from the cache only where the server said, in an answer of the step before, that the
+row may be (``ok[slot] == step``: its version there at most s ahead of the copy's), so a read
+misses at most s of the server's updates; **writes** add up a cached row's gradients and count
+them, pushing everything held of the row with the gradient that would make the count s + 1
+(HET's bound), a pushed row counting as one worker's gradient of the step that pushes it;
+**epochs** end before a checkpoint, the last step and every ``REFRESH_STEPS`` steps (a plan's
+``cache.refresh_steps``), pushing everything held and choosing the rows again (the N most looked
+up, ties: the rows cached before, then the lower id). The first epoch's rows are the plan's
+``cache["hot_rows"]`` (strategies/profile/hot_rows.py).
 
-* **Reads.** A row the step looks up is read from the cache when the server said, in an answer
-  of the step before, that it may be (``ok[slot] == step``): its version there is at most s
-  ahead of the copy's (the bits of versions.py). Every other row is pulled, and a pulled row
-  of the cache is stored with the version it was sent at. So a read misses at most s of the
-  server's updates of the row; with s = 0 no row is ever read from the cache.
-* **Writes.** A cached row's gradients are added up here, and its clock counts them: this
-  worker's updates of the row the servers have not seen (``count``; a micro-step with a
-  gradient of the row is one). A gradient that would make the count s + 1 is pushed with
-  everything held of the row (HET's bound on a row's clock: at most s of this worker's updates
-  of a row held back), and at an epoch's end (below) everything held is pushed. A row updated
-  on every step is thus pushed every s + 1 steps; a row updated once in twenty steps carries
-  its gradients for up to 20 (s + 1) steps, or to the epoch's end. A pushed row counts as one
-  worker's gradient of the step that pushes it (mean over the workers), as any other. With s =
-  0 every gradient is due at once and passes through unchanged: the pushes, and so the
-  training, are ``hybrid``'s bit for bit.
-* **Epochs.** Before a checkpoint, the last step, and every ``REFRESH_STEPS`` steps (a plan's
-  ``cache.refresh_steps``), a step
-  pushes everything held and the next step starts an epoch: no copy is readable until it is
-  pulled again, and the servers are told the cache's rows afresh (``CACHE``). At a refresh the
-  rows are chosen again, the N most looked up during the epoch (ties: the rows cached before,
-  then the lower id). A checkpoint thus holds no gradient that a worker held back, and a run
-  resumed from it starts the same epoch as one that went on (the next epoch's rows are written
-  into the checkpoint), so resuming stays bit-identical.
-
-The first epoch's rows are the hottest of the profile's row frequencies
-(strategies/profile/hot_rows.py), the plan's ``cache["hot_rows"]``.
+Invariants: with s = 0 every gradient passes through unchanged, so the training is ``hybrid``'s
+bit for bit; a checkpoint holds no gradient a worker held back and carries the next epoch's rows,
+so a resumed run is bit-identical to one that went on. The user's view: docs/cache.md.
 """
 from __future__ import annotations
 

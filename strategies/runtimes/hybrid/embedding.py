@@ -1,40 +1,26 @@
 """Serve the user's nn.Embedding / nn.EmbeddingBag modules from the parameter server, without
 the user changing the model.
 
-:func:`attach` replaces the ``forward`` of each PS-placed embedding *instance* (the class
-stays the user's): the new forward deduplicates the ids of its input, pulls those rows from
-the servers for the current step, and looks up locally in the pulled ``(k, dim)`` rows with
-the same ``F.embedding`` / ``F.embedding_bag`` call on the remapped ids. The pulled rows are
-a leaf tensor; after backward its ``.grad`` holds exactly the row gradients to push. The
-module's own ``weight`` is emptied (it no longer needs the table's memory) and frozen, so
-DDP ignores it; :func:`detach` restores a full weight and the class's forward.
+:func:`attach` replaces the ``forward`` of each PS-placed embedding *instance* (the class stays
+the user's): the new forward deduplicates the ids of its input, pulls those rows from the
+servers for the current step, and looks up locally in the pulled ``(k, dim)`` rows with the same
+``F.embedding`` / ``F.embedding_bag`` call on the remapped ids. The pulled rows are a leaf
+tensor; after backward its ``.grad`` holds exactly the row gradients to push (summed per row
+over several calls of one module in a step). The module's own ``weight`` is emptied and frozen,
+so DDP ignores it; :func:`detach` restores a full weight and the class's forward.
 
-Several calls of one module in a step (e.g. sampled softmax looking up targets and
-negatives) each pull their rows; their gradients are summed per row before the push.
+Rows are requested ahead of the lookup where the batch gives their ids (``ahead.prefetch``,
+``ahead.PullAhead``, ``ahead.complete``: docs/strategies.md, "Pulls ahead"), and with
+``StepClock.on_gradients`` set a module's gradients are handed over from inside the backward
+pass once every lookup of the step has its gradient (a post-accumulate-grad hook), so an output
+embedding's push overlaps the backward of the layers below it.
 
-Rows ahead of the lookup: a module whose input was a batch tensor on an earlier step gets its
-rows requested before the forward (``ahead.prefetch``), or during the step before
-(``ahead.PullAhead``); one whose input included every id of a batch tensor on its first step
-(``ServedEmbedding.covers``: a sampled softmax's candidates hold the batch's targets) gets that
-tensor's rows before the forward, not a step ahead (their answers would share the links with
-the step's AllReduce), and pulls only the others at lookup (``ahead.complete``).
-
-Early pushes: with ``StepClock.on_gradients`` set, a module's gradients are handed over
-from inside the backward pass as soon as every lookup of this step has its gradient
-(a post-accumulate-grad hook on the pulled rows), so the push of an output embedding
-(sampled softmax) overlaps the backward of the layers below it.
-
-Compiled models: a ``model()`` that returns ``torch.compile(net)`` calls the served forward
-from inside the compiled region, and dynamo would trace into the pull (the client's
-``pg.recv`` on a gloo group is an object it cannot trace, ``UnsafeScriptObjectError``). The
-served forward is therefore wrapped in ``torch.compiler.disable``: a graph break, so the pull,
-the dedup and the lookup in the pulled rows run eagerly, as they do without compilation, and the
-rest of the user's forward stays compiled. The lookup's output (and through it the pulled
-rows' gradient and their post-accumulate-grad hook) joins the compiled graphs through autograd
-as any input does; uncompiled, the wrapper costs under 1 us a lookup. hpar does its surgery on
-the module the user wrote (the compiled wrapper's ``_orig_mod``,
-``strategies/forward.inner_module``), whose parameter names are the user's; a model compiled
-with ``fullgraph=True``, which forbids the break, is refused before start (:func:`check_fullgraph`).
+Compiled models: the served forward is wrapped in ``torch.compiler.disable`` (a graph break:
+dynamo cannot trace the client's ``pg.recv`` on a gloo group, ``UnsafeScriptObjectError``), so
+the pull, the dedup and the lookup run eagerly and the rest of the user's forward stays
+compiled; the lookup's output joins the compiled graphs through autograd as any input does. The
+surgery is on the module the user wrote (``_orig_mod``, ``strategies/job/forward.inner_module``);
+``fullgraph=True``, which forbids the break, is refused before start (:func:`check_fullgraph`).
 """
 from __future__ import annotations
 

@@ -11,27 +11,16 @@ worker-only process group averages the dense gradients, bucketed and overlapped 
 backward, (3) pushes (row ids, row gradients) to the owning servers and tells them it is
 done with the step; the servers apply the step once every worker is done. ``ps``: every
 parameter lives on the servers, dense ones pulled and pushed whole (TensorFlow-PS style).
+Round trips are cut by pulls ahead (ahead.py), pushes from inside backward, asynchronous pushes
+and DONE overlapping the dense optimizer step, and per-host aggregation of sparse gradients
+before they cross hosts (ps_client.LocalAggregator); hot rows may be cached on the workers
+(``--staleness s``: HET, VLDB 2022, strategies/runtimes/hybrid/cache.py).
 
-Round trips: rows of embeddings fed straight from the batch, or with the same tensor as
-another served embedding, are requested before they are needed (ahead.prefetch),
-so a step's pulls share one server wake-up; those fed from the batch are requested during the
-step before, once its last push left (ahead.PullAhead). A table's push leaves from inside backward as soon
-as its gradients are complete, and the server applies a table once every worker's push is in,
-so the sampled-softmax tables are updated while the workers still run the LSTM's backward;
-pushes and DONE are asynchronous and overlap the dense optimizer step. Workers on one host
-aggregate sparse gradients before pushing when a server lives on another host
-(ps_client.LocalAggregator).
-
-Scaling: sparse gradients are *averaged* over workers on the server (sum of pushes / N),
-as DDP averages the dense ones; so N workers with a mean loss each match one process on
-the concatenated batch with a mean loss (equal per-worker batch sizes).
-
-Hot rows (``--staleness s``): each worker caches a served table's hottest rows, reads a copy
-while it is at most s updates behind the servers' and holds a cached row's gradients back for
-at most s steps (HET, VLDB 2022: strategies/runtimes/hybrid/cache.py); s = 0 trains as without it.
-
-Checkpoints: the part ``worker0`` holds the dense parameters, the worker optimizer state
-and every worker's RNG state; ``server{i}`` parts hold the shards and their optimizer state.
+Invariant: sparse gradients are *averaged* over workers on the server (sum of pushes / N), as
+DDP averages the dense ones, so N workers with a mean loss each match one process on the
+concatenated batch with a mean loss (equal per-worker batch sizes). Checkpoints: the part
+``worker0`` holds the dense parameters, the worker optimizer state and every worker's RNG
+state; ``server{i}`` parts hold the shards and their optimizer state.
 """
 from __future__ import annotations
 

@@ -1,31 +1,27 @@
 """Server-side shard of the parameter server: row partitions and sparse optimizers.
 
-A PS-placed parameter is viewed as a table of ``rows x dim`` (an embedding weight as is;
-any other tensor with its first dimension as rows and the rest flattened). Its rows are cut
-into ``P`` contiguous row ranges (partitions, as Parallax's partitioner does, Kim et al.,
-"Parallax: Sparsity-aware Data Parallel Training of Deep Neural Networks", EuroSys 2019),
-and partition ``p`` lives on server ``(p + first) % S`` (round-robin from the table's first
-server; tables start on different servers, as TensorFlow places variables round-robin over
-its PS tasks, so a small table kept whole, ``P < S``, does not land on server 0 with all the
-others). A server keeps the partitions it owns concatenated in one local tensor
-(:class:`RowLayout` maps global row ids to local ones).
+A PS-placed parameter is viewed as a table of ``rows x dim`` (an embedding weight as is; any
+other tensor with its first dimension as rows and the rest flattened), cut into ``P`` contiguous
+row ranges (partitions, as Parallax's partitioner does, Kim et al., "Parallax: Sparsity-aware
+Data Parallel Training of Deep Neural Networks", EuroSys 2019); partition ``p`` lives on server
+``(p + first) % S`` (round-robin from the table's first server, as TensorFlow places variables
+over its PS tasks, so small tables do not all land on server 0). A server keeps its partitions
+concatenated in one local tensor (:class:`RowLayout` maps global row ids to local ones).
 
 Optimizers (:class:`ParamShard.apply`) run torch.optim's own functional updates of ``SGD``
 (momentum, dampening, nesterov, weight decay), ``Adagrad`` and ``Adam``/``AdamW``, with the
-gradient of one step being the *mean* over workers of their pushed row gradients (the dense
-AllReduce path averages too, so N workers equal one process on the concatenated batch with
-a mean loss). Sparse semantics (``mode``):
+gradient of one step being the *mean* over workers of their pushed row gradients (as the dense
+AllReduce averages, so N workers equal one process on the concatenated batch). Sparse semantics
+(``mode``):
 
-- ``"exact"`` (default): the update equals the dense torch optimizer's on the whole shard.
-  Where an untouched row's update is provably zero (plain SGD and Adagrad without weight
-  decay: zero gradient, zero step), only touched rows are computed. Otherwise (momentum,
-  Adam, weight decay) every row of the shard is updated each step the parameter had a
-  gradient, because the velocity / moments / decay still move untouched rows; this costs
-  O(rows) per step on the server, never on the network.
-- ``"lazy"``: only touched rows' parameters and state change (TensorFlow's sparse
-  ``apply`` ops, ``torch.optim.SparseAdam``); steps are still counted per shard, so Adam's
-  bias correction and Adagrad's lr decay follow the global step. Differs from dense
-  training for momentum, Adam and weight decay on rows a step did not touch.
+- ``"exact"`` (default): the update equals the dense torch optimizer's on the whole shard. Only
+  touched rows are computed where an untouched row's update is provably zero (plain SGD and
+  Adagrad without weight decay); otherwise (momentum, Adam, weight decay) every row of the shard
+  is updated each step the parameter had a gradient: O(rows) on the server, never on the network.
+- ``"lazy"``: only touched rows' parameters and state change (TensorFlow's sparse ``apply`` ops,
+  ``torch.optim.SparseAdam``); steps are counted per shard, so Adam's bias correction and
+  Adagrad's lr decay follow the global step. Differs from dense training for momentum, Adam and
+  weight decay on rows a step did not touch.
 
 A step with no push at all for a parameter leaves it and its state alone, like a dense
 optimizer skipping a parameter whose ``grad`` is None.

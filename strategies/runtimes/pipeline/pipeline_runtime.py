@@ -1,53 +1,21 @@
 """The ``pipeline`` strategy: one process per stage, activations forward and gradients
 backward with torch.distributed point-to-point messages.
 
-Stages: ``cfg.plan.stages`` (the planner's ``[start, end)`` layer ranges) when present,
-else contiguous ranges balanced on parameter counts (``stage.stage_ranges``). Every stage
-builds the whole model with ``torch.manual_seed(cfg.seed)`` and keeps its own layers, so
-the initial weights equal a single process's. world_size = K stages x R replicas
-(``--gpus``, ``cfg.replicas``; ranks, groups and gradient averaging of the replicas in
-``strategies/runtimes/pipeline/replicas.py``; R = 1 by default).
+Stages: ``cfg.plan.stages`` (the planner's ``[start, end)`` layer ranges) when present, else
+contiguous ranges balanced on parameter counts (``stage.stage_ranges``). Every stage builds the
+whole model with ``torch.manual_seed(cfg.seed)`` and keeps its own layers, so the initial
+weights equal a single process's. world_size = K stages x R replicas (strategies/runtimes/pipeline/replicas.py).
+Schedules: strategies/plan/schedules.py (the pass order) and strategies/runtimes/pipeline/prediction.py
+(the weights each pass uses); the loop: the training spine (strategies/runtimes/spine.py) with a
+stage's step (stage_step.py) and the cross-stage parts of stage_loop.py.
 
-Data: the first stage takes the inputs and the last stage the targets of the same batches,
-both from ``job.batches(r, R, cfg.batch_size)`` (replica r of R). Each draw runs
-under ``torch.random.fork_rng`` seeded by (seed, step), so a ``data()`` that uses torch's
-global RNG yields the same batches in both processes (other RNGs must be seeded by data()).
-A batch is split into ``cfg.micro_batches`` equal micro-batches along dim 0.
-
-Messages: stage k sends each micro-batch's output activation to k+1 (a small int64 header
-with dtype and shape over gloo, then the tensor over the workers' dense group, NCCL on CUDA)
-and the gradient of its input to k-1 (its shape is known: the activation it received).
-Sends are posted together with the stage's next receive (``strategies/runtimes/pipeline/comm.py``:
-deadlock-free on NCCL) and awaited at the end of the step; receives block. Limits: activations between stages must be single tensors.
-
-Schedules (``strategies/plan/schedules.py``): ``gpipe`` and ``1f1b`` flush every batch and step
-the optimizer once (loss of each micro-batch scaled by 1/M), exactly single-process
-gradient accumulation. ``async``, ``async-stash``, ``async-predict`` run PipeDream's
-asynchronous 1F1B over the stream of all micro-batches of the run (no flush) and update
-after every backward. The loss of each micro-batch is scaled by 1/M there too, so with SGD
-each update is lr/M times a micro-batch-mean gradient: the user's per-batch lr moves the
-weights as much per sample as in the synchronous schedules (linear scaling, Goyal et al.
-2017), only more often (an optimizer with scale-free steps, such as Adam, takes M full
-steps per batch instead). Weights per pass from
-``strategies/runtimes/pipeline/prediction.py``. A reported step is one batch of M micro-batches: a
-stage ends step s when it has run the backward (and update) of the batch's last
-micro-batch. In the asynchronous schedules checkpoints are taken at those boundaries too,
-where every stage has applied exactly the updates of the first (s+1)*M micro-batches; on
-resume the pipeline refills from there (``async-2bw``'s older version is not saved: the
-first batch after a resume runs on the checkpoint's weights). ``async-2bw`` steps once per
-batch, after the backward of its last micro-batch. With ``--on-divergence`` the last stage
-broadcasts its guard decision every step (``strategies/runtimes/pipeline/divergence.py``).
-
-The training loop: the training spine (``strategies/runtimes/spine.py``) with a stage's step
-(``strategies/runtimes/pipeline/stage_step.py``: the passes, the guard, the end of a step);
-``--clip-grad-norm``, fp16's scaler, the LR schedule, ``--eval-every`` and the script's ``log()``
-across stages: ``strategies/runtimes/pipeline/stage_loop.py``, hooked where a stage steps its optimizer
-and at the end of each step.
-
-Per step, every stage measures compute seconds (passes and updates), idle seconds (waiting
-for messages: the bubble) and bytes sent/received; ``TrainResult.extra["stages"]`` holds
-their means per stage (gathered to rank 0), with the stage's peak memory over the run
-(``peak_mem_bytes``, strategies/common/measured_memory.py).
+Invariants: the synchronous schedules (gpipe, 1f1b) equal single-process gradient accumulation
+(each micro-batch's loss scaled by 1/M, one optimizer step per batch); in the asynchronous ones
+a reported step ends when a stage has run the backward (and update) of the batch's last
+micro-batch, so a checkpoint holds exactly the updates of the first (s+1)*M micro-batches at
+every stage. How data, messages, the asynchronous learning rate and checkpoints work:
+docs/pipelines.md, "How it works". Sources: PipeDream's asynchronous 1F1B (Narayanan et al.,
+SOSP 2019); GPipe (Huang et al., NeurIPS 2019); linear scaling of the lr (Goyal et al. 2017).
 """
 from __future__ import annotations
 

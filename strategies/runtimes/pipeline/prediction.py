@@ -1,49 +1,25 @@
 """Which weights a pipeline pass uses: live weights, stashed versions (PipeDream) or
 predicted weights (SpecTrain).
 
-In asynchronous 1F1B (PipeDream, Narayanan et al., SOSP 2019) a stage updates its weights
-after every backward, while several micro-batches are between their forward and their
-backward. Micro-batch j's forward at stage k therefore sees weights s versions older than
-the ones its own update is made against (s from ``schedules.with_distances``: K-1-k on the
-1F1B order). Modes:
+In asynchronous 1F1B (PipeDream, Narayanan et al., SOSP 2019) a stage updates its weights after
+every backward, while several micro-batches are between their forward and their backward, so
+micro-batch j's forward at stage k sees weights s versions older than the ones its own update is
+made against (s from ``schedules.with_distances``: K-1-k on the 1F1B order). Modes:
 
 - ``sync``: the module's own parameters (gpipe/1f1b: no update inside a step).
-- ``async``: no correction. The forward uses the weights of that moment; the backward
-  reads the weights current at backward time (later versions), as plain asynchronous
-  pipelining does.
-- ``stash``: weight stashing (PipeDream): the forward runs on a copy of the weights that
-  the backward then uses too, so a micro-batch's gradient is consistent. Stage k holds
-  up to K-k versions (one per in-flight micro-batch).
-- ``predict``: weight prediction (SpecTrain, Chen, Yang, Cheng, "Efficient and Robust
-  Parallel DNN Training through Model Parallelism on Multi-GPU Platform",
-  arXiv 1809.02839, eq. 6). Before a pass with version distance s the stage sets::
+- ``async``: no correction; the backward reads the weights current at backward time.
+- ``stash``: weight stashing (PipeDream): the backward uses the copy its forward ran on;
+  stage k holds up to K-k versions.
+- ``predict``: weight prediction (SpecTrain, Chen, Yang, Cheng, "Efficient and Robust Parallel
+  DNN Training through Model Parallelism on Multi-GPU Platform", arXiv 1809.02839, eq. 6): a
+  pass with version distance s runs on ``W_hat = W - s * lr * v``, v the optimizer's own update
+  direction (strategies/runtimes/pipeline/velocity.py); the backward reads the live weights.
+- ``2bw``: PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training",
+  ICML 2021): a batch's gradients are applied once, every micro-batch of batch b running on
+  version b-1; needs M >= K-1.
 
-      W_hat = W - s * lr * v
-
-  where W are the live weights, lr the optimizer's learning rate of the parameter's group
-  and v the optimizer's own update direction (``strategies/runtimes/pipeline/velocity.py``: SGD's
-  momentum buffer, Adam/AdamW's m_hat / (sqrt(v_hat) + eps) plus decoupled weight decay);
-  s steps with a steady v move the weights by s * lr * v. Optimizers without a rule are
-  refused before the run starts. The backward (s = 0 on 1F1B) reads the live weights.
-- ``2bw``: PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
-  Training", ICML 2021): gradients of a batch of M micro-batches accumulate and are applied
-  once at the batch's end, W(t+1) = W(t) - lr * grad f(W(t-1)): every micro-batch of batch
-  b runs forward and backward on version b-1 (the weights after the updates of batches
-  0..b-2), a delay of one update whatever the depth. A stage holds the live weights and at
-  most two stashed versions; needs M >= K-1 so that version b-1 exists when batch b starts.
-
-Implementation: in the asynchronous modes a pass does not use the module's parameters
-directly but leaf tensors handed to ``torch.func.functional_call``. For ``async`` they are
-aliases of the parameters' storage (``p.data``, which has its own version counter), so the
-optimizer's in-place updates are visible to a later backward without tripping autograd's
-saved-tensor check; for ``stash`` they are clones. A ``predict`` forward computes
-W_hat = W - s * lr * v out of place into a reused buffer (one pass over W and v, nothing
-to restore) and runs on it; a saved-tensor hook (``torch.autograd.graph.saved_tensors_hooks``)
-stores every weight the forward saves for backward as a reference to the live parameter,
-so the backward reads the live weights, as with ``async``. After the backward the leaves'
-gradients become the parameters' ``.grad``. Limit: a layer whose autograd saves a tensor
-derived from a weight (rather than the weight or a view of it) keeps that derived value
-from the forward.
+How the asynchronous modes run a pass (``torch.func.functional_call`` on leaf tensors, a
+saved-tensor hook for ``predict``) and its one limit: docs/pipelines.md, "How it works".
 """
 from __future__ import annotations
 

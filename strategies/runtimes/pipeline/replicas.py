@@ -1,47 +1,24 @@
 """Pipeline x data parallelism: K stages x R replicas (PipeDream's and Megatron-LM's hybrid).
 
 A pipeline plan of ``world_size`` = K x R workers runs R copies (replicas) of a K-stage
-pipeline. Replica r trains on its own shard of the data (``data(r, R, batch_size)``:
-``--batch-size`` samples per replica, the same per-worker batch semantics as ``allreduce``),
-split into M micro-batches; the R replicas of stage k average that stage's gradients with an
-AllReduce over the stage's replica group before every optimizer step, so the R pipelines
-together equal one pipeline (and one process) on the concatenation of the R batches
-(Narayanan et al., "PipeDream", SOSP 2019, section 3.1, stage replication; Narayanan et al.,
-"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021,
-section 2.2: pipeline x data parallelism).
+pipeline. Replica r trains on its own shard of the data (``data(r, R, batch_size)``); the R
+replicas of stage k average that stage's gradients with an AllReduce over the stage's replica
+group before every optimizer step, so the R pipelines together equal one pipeline (and one
+process) on the concatenation of the R batches (Narayanan et al., "PipeDream", SOSP 2019,
+section 3.1, stage replication; Narayanan et al., "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", SC 2021, section 2.2: pipeline x data parallelism).
 
-Rank layout (:class:`Grid`), fixed by the plan's ``layout``:
+Rank layout (:class:`Grid`, strategies/plan/pipeline_grid.py), fixed by the plan's ``layout``:
+``stages-adjacent`` (default, ``rank = r * K + k``: a pipeline within a host when K divides its
+GPUs) or ``replicas-adjacent`` (``rank = k * R + r``: a stage's replica AllReduce within a host);
+the planner (strategies/plan/costmodel_pipeline.py) takes whichever is predicted cheaper.
 
-* ``stages-adjacent`` (default): ``rank = r * K + k``. A pipeline's stages are consecutive
-  ranks, so with K dividing the GPUs per host each pipeline stays within one host
-  (activations over the fast intra-host link) and a stage's replicas are spread over hosts.
-* ``replicas-adjacent``: ``rank = k * R + r``. A stage's replicas are consecutive ranks, so
-  with R dividing the GPUs per host each replica AllReduce stays within one host and only
-  activations cross hosts. The planner (``strategies/plan/costmodel_pipeline.py``) takes
-  whichever is predicted cheaper.
-
-Process groups: for every stage k, in order k = 0..K-1 on every rank (``dist.new_group`` is a
-collective over the default group), a group of its R replicas on the dense backend of
-``strategies/common/groups.py`` (NCCL on CUDA, gloo on CPU) for the gradients, and on CUDA a second
-gloo group for the step's loss (a CPU float never goes to NCCL). Point-to-point messages
-stay within a replica (``comm.Links`` with the replica's ranks), so every send still meets a
-receive posted by the same neighbour stage as in a single pipeline.
-
-Why not DDP over the replica group: DDP decides at forward time whether the next backward
-reduces (``no_sync`` must wrap the forward), and its reducer fires on the first backward
-that follows. In 1F1B and GPipe the forward of a step's last micro-batch is followed by the
-backwards of earlier micro-batches, so DDP would reduce a partial sum; and the asynchronous
-schedules run their passes through ``torch.func.functional_call`` on leaf tensors, which
-DDP's parameter hooks never see. So the gradients are averaged here with a bucketed
-AllReduce (flattened buckets of at most ``BUCKET_BYTES``, all posted asynchronously, then
-awaited) after the backward that completes them: the step's last backward in gpipe/1f1b
-and async-2bw, every backward in async/async-stash/async-predict (whose every backward is
-an optimizer step). Replicas start from the same seeded weights and apply the same
-averaged gradients, so they stay identical: a checkpoint is written by replica 0 of each
-stage only, and every replica loads it on resume.
-
-Limit: a parameter without a gradient on a replica (unused in its forward) counts as a
-zero gradient in the average.
+Invariant: the gradients are averaged here, with a bucketed AllReduce after the backward that
+completes them, not by DDP (whose reducer would fire on a partial sum under 1F1B and never sees
+the asynchronous schedules' ``functional_call`` leaves); replicas start from the same seeded
+weights and apply the same averaged gradients, so they stay identical and a checkpoint is
+written by replica 0 of each stage only. The reasoning, the process groups and the one limit:
+docs/pipelines.md, "How it works".
 """
 from __future__ import annotations
 

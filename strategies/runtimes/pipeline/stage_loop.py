@@ -2,48 +2,22 @@
 fp16's inf/NaN check over the stages, ``evaluate`` during training on the whole model, and
 the script's ``log()`` hook at the last stage.
 
-Every function that reduces takes the process group to reduce over: the stages of one
-pipeline (with data-parallel replicas of the pipeline, the stages of one replica, after
-the replicas' AllReduce of each stage's gradients). Tensors reduced over the workers' dense
-group stay on the worker's device (NCCL on CUDA, no host synchronisation); the weights
-gathered for ``evaluate`` are CPU copies and travel over a gloo group.
+Every function that reduces takes the process group to reduce over: the stages of one pipeline
+(with replicas, the stages of one replica, after the replicas' AllReduce of each stage's
+gradients). Tensors reduced over the workers' dense group stay on the worker's device (NCCL on
+CUDA); the weights gathered for ``evaluate`` are CPU copies over a gloo group.
 
-**Synchronous schedules** (gpipe, 1f1b) step every stage once per batch, after the batch's
-last backward, so one step can be agreed by all stages, as one process would do it
-(PyTorch's AMP recipe: scale the loss, unscale, clip, step unless inf/NaN, update the scale):
-
-1. fp16: the last stage multiplies each micro-batch's loss by the scale (the gradients
-   flowing back to the other stages carry it); each stage unscales its gradients and finds
-   inf/NaN; the found-inf flags are AllReduced over the stages (torch's
-   ``ShardedGradScaler``, which sums them: a sum above 0 is the MAX of the flags above 0), so
-   every stage skips the same step and updates its scale the same way. Every stage's scaler
-   therefore holds the same scale at every step.
-2. clipping: the sum of squares of every stage's (unscaled) gradient is AllReduced over the
-   stages; each stage scales its gradients by torch's coefficient
-   ``min(1, max_norm / (norm + 1e-6))``: ``torch.nn.utils.clip_grad_norm_`` on the whole
-   model in one process.
-3. the optimizer step (skipped on inf/NaN), the scale update, the script's LR schedule.
-
-**Asynchronous schedules** (async, async-stash, async-predict, async-2bw) update after each
-micro-batch (2bw: each batch) at every stage, and the stages apply a given micro-batch's
-update at different times: stage K-1 first, stage 0 about K-1 passes later. A norm or a
-found-inf flag spanning the stages would make every update wait for the slowest stage,
-which is a flush per update (the synchronous schedule, without its bubble accounting). So:
-
-- clipping is **per stage**: each stage clips the gradient of its own update by its own
-  norm, with the threshold scaled to what that update holds: ``max_norm * u / M`` for an
-  update of u of the batch's M micro-batches (u = 1 for async/stash/predict, whose update is
-  1/M of a micro-batch-mean gradient; u = M for 2bw). Where the global norm of the
-  synchronous batch gradient stays under ``max_norm`` no stage norm exceeds it either, so
-  nothing is clipped in either case; when clipping acts, each stage's share is bounded
-  separately (the global norm of an update is at most sqrt(K) * its threshold).
-- fp16 is refused (``strategies/config.not_supported``): no stage can know, before it
-  applies micro-batch j's update, whether a stage that applies it later finds inf/NaN, so
-  "a skipped step is skipped on every stage" cannot hold without that flush; bf16 needs no
-  scaler.
-
-The LR schedule steps with every optimizer step of a stage: once per batch (synchronous,
-2bw), once per micro-batch update (async, stash, predict).
+Invariants. Synchronous schedules (gpipe, 1f1b) step every stage once per batch as one process
+would (PyTorch's AMP recipe: scale the loss, unscale, clip, step unless inf/NaN, update the
+scale): the found-inf flags are AllReduced over the stages (torch's ``ShardedGradScaler``), so
+every stage skips the same steps and holds the same scale, and the clipping norm is the whole
+model's (the stages' sums of squares AllReduced, torch's coefficient ``min(1, max_norm / (norm +
+1e-6))``). Asynchronous schedules apply a micro-batch's update at different times on each stage,
+so a cross-stage norm or flag would be a flush per update: they clip per stage, to ``max_norm *
+u / M`` for an update of u of the batch's M micro-batches (nothing is clipped where the
+synchronous global norm stays under ``max_norm``), and refuse fp16 (bf16 needs no scaler). The
+LR schedule steps with every optimizer step of a stage. User-facing rules: docs/pipelines.md,
+"The training loop in a pipeline".
 """
 from __future__ import annotations
 
