@@ -77,9 +77,8 @@ def release_freed_memory_paced() -> None:
     after it: at most 1% of the process's time. Below the mmap threshold glibc keeps freed
     blocks inside its heaps, and steps whose tensors change size every step (a sparse
     gradient's rows, the ids a batch touches) leave them scattered where the heap's top cannot
-    be cut: examples/lm.py's hybrid workers held 235 MB above their start after 200 steps
-    where their live tensors and caches came to 210 MB; trimmed every step, 209 MB
-    (BENCHMARKS.md, "Peak memory"). What the memory model predicts is live memory, so a run
+    be cut (examples/lm.py's hybrid workers: BENCHMARKS.md, "Peak memory, predicted and
+    measured"). What the memory model predicts is live memory, so a run
     that keeps its free heap resident is a run that uses more than it must."""
     now = time.perf_counter()
     if now < _NEXT_TRIM[0]:
@@ -98,7 +97,7 @@ def trims() -> int:
 def load_lazy_imports() -> None:
     """Import what torch imports on first use in every runtime, so that it lands in the
     baseline (it is code, not training state): an optimizer's first construction imports
-    ``torch._dynamo`` and its dependencies, 76 MB of resident memory here (torch 2.13)."""
+    ``torch._dynamo`` and its dependencies, tens of MB of resident memory (BENCHMARKS.md, "Peak memory, predicted and measured")."""
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
 

@@ -304,8 +304,8 @@ _FIRST_TRACE: list[int] = []
 
 def first_trace_bytes() -> int:
     """The resident peak (bytes, above its start) of the first successful trace in this process:
-    the modules torch.export and the tracers import on first use (about 40 MB of code and state
-    with torch 2.13: they are not in a worker's baseline, which opens before its stage is cut),
+    the modules torch.export and the tracers import on first use (code and state, docs/strategies.md,
+    "Memory and --worker-memory": they are not in a worker's baseline, which opens before its stage is cut),
     the graphs the trace keeps and its transients; 0 where none ran or it cannot be measured.
     Every pipeline worker of a traced model pays it once (``MemoryProfile.trace_bytes``)."""
     return _FIRST_TRACE[0] if _FIRST_TRACE else 0

@@ -86,8 +86,7 @@ def message_s(c) -> float:
     that ring, which sends 2(N-1) messages one after another (Patarasuk and Yuan, "Bandwidth
     optimal all-reduce algorithms", JPDC 2009). The link probe's latency is the least of a few
     median round trips between two idle endpoints; a stage's message waits for a process that
-    shares busy cores, as the ring's do (a tiny 2-stage model on 2 vCPUs: 0.3-0.6 ms a message
-    where the latency reads 0.05-0.07 ms)."""
+    shares busy cores, as the ring's do (BENCHMARKS.md, "The cost model against measurement")."""
     if c.allreduce_fixed is not None and c.n > 1:
         return max(c.lat, c.allreduce_fixed / (2 * (c.n - 1)))
     return c.lat

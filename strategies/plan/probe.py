@@ -5,8 +5,8 @@ The two endpoints are two ``ProcessGroupGloo`` objects of a two-rank group, each
 its own thread of this process over a ``HashStore``. Their messages take the same path as
 those of two worker processes: gloo's TCP transport over the loopback interface (the tensors
 are copied into and out of the kernel's socket buffers; gloo releases the GIL while it
-waits). Starting two processes instead cost 5-15 s per ``hpar run`` on this project's 2-core
-test machine, most of it importing torch twice, for the same figures.
+waits). Starting two processes instead cost seconds per ``hpar run``, most of it importing
+torch twice, for the same figures (BENCHMARKS.md, "The cost model against measurement").
 
 Between two hosts the endpoints must be two processes: :func:`probe_peer` is one of them
 (``python -m hpar.strategies.plan.probe ADDR PORT RANK``), used by ``hpar bench`` to measure
@@ -156,7 +156,6 @@ def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: in
                timeout_s: float = 60.0) -> LinkFigures | None:
     """One endpoint of :func:`probe_link`'s measurement between two processes (two hosts): rank
     0 hosts the rendezvous store at ``addr:port``. Returns rank 0's LinkFigures, None on rank 1.
-    ``nbytes`` 2 MiB and 4 sends take about 4 s at 50 Mbit/s.
     Raises RuntimeError if the exchange fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, 2, rank == 0, timeout=timeout)
@@ -176,11 +175,9 @@ def probe_sparse_round(addr: str, port: int, rank: int, world: int, reps: int = 
     embedding's sparse gradient: an AllGather of the sizes, then of the row ids, then of the
     rows) of a one-row gradient of 64 floats over the ``world`` ranks, each timed after a
     small AllReduce lines the ranks up; the first two pay for set-up. The mean, not the
-    median: the times are bimodal (over 2 emulated hosts 1 ms or 7-12 ms) and a step pays
-    their expectation. Rank 0 hosts the rendezvous store at ``addr:port``. Returns the
-    seconds on rank 0, None on the others. On this project's emulated hosts (2 cores): 1-4 ms
-    over 2 hosts, 9-12 ms over 4, 36 ms over 8, where the cost model's two rounds of N - 1
-    latencies gave 0.2, 0.6 and 2 ms. Raises RuntimeError if the exchange fails."""
+    median: the times are bimodal and a step pays their expectation; they grow with N faster
+    than the cost model's two rounds of N - 1 latencies (BENCHMARKS.md, "The cost model against measurement"). Rank 0 hosts the rendezvous
+    store at ``addr:port``. Returns the seconds on rank 0, None on the others. Raises RuntimeError if the exchange fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, world, rank == 0, timeout=timeout)
     try:
@@ -223,17 +220,15 @@ def probe_gradient_exchange(addr: str, port: int, rank: int, world: int, items: 
     ``rows`` distinct rows of ``dim`` floats, the rows one worker's batch touches: gloo's sparse
     AllReduce) or ``[elements]`` (a bucket of dense float gradients: gloo's ring AllReduce), all
     in flight together. Returns the mean seconds on rank 0 over ``reps`` exchanges after one
-    warm-up (the mean: over the emulated links an exchange's time varies by 20% from one to the
+    warm-up (the mean: over the emulated links an exchange's time varies from one to the
     next, and a step pays its expectation; each exchange after a small AllReduce lines the
     ranks up and a 0.1 s pause, so the links start idle as after a step's compute), None on
     the others.
 
     Why, where :func:`probe_sparse_round` and the two-rank AllGather rate already price an
     exchange: a link's rate depends on the messages' sizes and how many are in flight, which
-    one figure per link cannot carry. Over the emulated hosts at 25 Mbit/s examples/lm.py's
-    sparse tables alone took 0.59, 1.27 and 2.95 s over 2, 4 and 8 hosts and its 643 KB dense
-    bucket alone 0.22, 0.35 and 0.39 s, but the two in flight together 0.93, 1.89 and 3.98 s,
-    0.13-0.64 s more than the sum (BENCHMARKS.md 14). Raises RuntimeError if the exchange fails."""
+    one figure per link cannot carry: sparse tables and a dense bucket in flight together took
+    longer than the sum of the two apart (BENCHMARKS.md, "The cost model against measurement"). Raises RuntimeError if the exchange fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, world, rank == 0, timeout=timeout)
     try:

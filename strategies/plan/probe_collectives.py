@@ -62,7 +62,7 @@ def probe_collectives(n: int, nbytes: int = 4096, reps: int = 30, warm: int = 5,
                       timeout_s: float = 60.0) -> CollectiveTimes | None:
     """The mean seconds of a gloo AllReduce, AllGather (each rank ``nbytes``), ReduceScatter
     (each rank's share ``nbytes``) and sparse AllReduce (a row of 16 floats each) over ``n`` ranks of this process (module docstring), each
-    timed ``reps`` times after ``warm`` untimed ones: about ``n`` x 0.3 s on a 2-vCPU machine.
+    timed ``reps`` times after ``warm`` untimed ones (a fraction of a second per rank).
     None for ``n`` < 2, ``n`` > MAX_ENDPOINTS, or when the probe fails or outlives ``timeout_s``
     (the cost model then keeps its N - 1 latencies)."""
     import threading

@@ -3,24 +3,20 @@ cost model's cores per host for workers on this machine's CPU (``ClusterSpec.cor
 read by ``costmodel.cpu_share`` and ``cpu_load``).
 
 Why not ``os.cpu_count()``: a virtual machine's vCPUs may share physical cores (hyperthreads
-of one core, or a host that gives the VM less than a core per vCPU). On this project's 2-vCPU
-test machine one 256 x 256 matrix product on each vCPU at once runs 1.25-1.7x slower than one
-alone (the two vCPUs are worth 1.2-1.6 cores), so two single-threaded workers compute 1.25-1.7x
-slower than one, and three or four slower still: the step times of 3 and 4 local workers
-imply their compute slowed 2.6-3.9x (BENCHMARKS.md, "auto against the bench"), where the
-model, dividing by 2 cores, charged 1.5x and 2x.
+of one core, or a host that gives the VM less than a core per vCPU), so single-threaded workers
+computing at once each compute slower than one alone, by more than dividing by the vCPUs says
+(BENCHMARKS.md, "The cost model against measurement" and "auto against the bench").
 
 Method: ``C = os.cpu_count()`` threads of this process (one intra-op thread each, as every
 hpar CPU worker runs) each time ``reps`` single-threaded matrix products at once, after one
 thread timed the same alone; the cores' worth is C x (time alone) / (mean time at once),
-between 1 and C, the median of a few rounds. Products of ``size`` x ``size`` floats (about
-0.3 ms each here) release the GIL for all but microseconds, so the threads compute in parallel
-as processes would. About 0.2 s.
+between 1 and C, the median of a few rounds. Products of ``size`` x ``size`` floats (a
+fraction of a millisecond each) release the GIL for all but microseconds, so the threads
+compute in parallel as processes would.
 
-What it misses: the figure is a matrix product's. Larger products share the vCPUs better
-(1024 x 1024: 1.6-1.9 cores' worth here), small kernels and Python between them worse: fitted
-to the step times of 17 local runs of 3 and 4 workers, the cores' worth that predicts them best
-is 1.1-1.3, where this probe reads 1.24-1.55.
+What it misses: the figure is a matrix product's. Larger products share the vCPUs better,
+small kernels and Python between them worse, so local runs of 3 and 4 workers are predicted
+best by a lower cores' worth than this probe reads (BENCHMARKS.md, "The cost model against measurement").
 """
 from __future__ import annotations
 

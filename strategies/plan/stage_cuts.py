@@ -103,7 +103,7 @@ def draw_batch(batches, seed: int, step: int):
     (targets) of every pipeline runtime draw the same batch from their own iterators. Only the
     CPU generator: ``torch.manual_seed`` would also reseed every CUDA generator (the model's
     dropout), which ``fork_rng(devices=[])`` does not restore, and where CUDA is not yet
-    initialised it formats a stack trace each call (0.3-0.5 ms a step on a 2-vCPU machine)."""
+    initialised it formats a stack trace each call (BENCHMARKS.md, "The cost model against measurement")."""
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed * 1_000_003 + step)
         return next(batches)

@@ -3,8 +3,8 @@
 timed work (strategies/plan/costmodel.py, ``CostSetting.host``).
 
 Why: the profile times a GPU's forward and backward with CUDA events, the optimizer on a probe
-and the data draw apart, and the model added them up; on one H100 and one H200 that predicted
-lm.py's step at 4.2-6.5 ms where 8.2-12.7 ms was measured (BENCHMARKS.md, "On one GPU"). Between
+and the data draw apart, and the model added them up, which predicted lm.py's step on one GPU
+well under what was measured (BENCHMARKS.md, "On one GPU: H100 and H200"). Between
 the timed regions the host runs Python while the device waits: the loss's ``.item()`` that
 every hpar worker reads each micro-step (strategies/common/loop.micro_steps), which stops the host from
 queueing the next step's kernels ahead; ``zero_grad``; the optimizer's own loop over the tensors

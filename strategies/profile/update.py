@@ -5,13 +5,12 @@ or a GPU, timed with a synchronize around each step):
 
 * ``dense_update_cost``: seconds per parameter byte of one ``opt.step()`` on a dense probe as
   large as the model's parameters (clamped to [4 MiB, 64 MiB]): a probe that fits the caches
-  runs 1.5-2x faster per byte than a model-sized one does (Adagrad here: 0.67 ns/byte at
-  4 MiB, 1.26 at 64 MiB), and every real update streams the whole model.
+  runs faster per byte than a model-sized one does (BENCHMARKS.md, "The cost model against measurement"), and every real update
+  streams the whole model.
 * ``per_tensor_update_cost``: seconds one ``opt.step()`` spends per parameter tensor beside
   its bytes: torch's CPU optimizers loop over the tensors in Python (``foreach`` is the default
   on CUDA only), so a model of many small tensors steps far slower than a flat probe of its
-  bytes says (here, one thread, idle: SGD 1.7 us a tensor, SGD with momentum 6.0, Adam 21.6,
-  AdamW 25.2, Adagrad 12.1; a 74-tensor BERT under AdamW, about 1.9 ms a step).
+  bytes says (BENCHMARKS.md, "The cost model against measurement").
 * ``sparse_update_cost``: seconds per byte of gathered gradient rows of one ``opt.step()`` on
   a row-sparse gradient (``torch.sparse_coo_tensor``), shaped as DDP with ``sparse=True``
   embeddings hands it over: N workers' (ids, rows) concatenated, uncoalesced, so the

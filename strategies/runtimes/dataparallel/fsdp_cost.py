@@ -7,9 +7,8 @@ shards into the buffer its AllGather fills and the gathered parameters out of it
 the unsharded parameters and then the gradient shards as DTensors, and frees the unsharded
 copies after each use (Zhao et al., "PyTorch FSDP", VLDB 2023; torch's FSDP2 design notes).
 That work costs the same whether the group has one rank or many, and none of it is a
-collective's bytes; on this project's 2-vCPU machine it is 0.6-1.8 ms per unit and step
-(a CNN of 5 units: 3.8 -> 7.6 ms a step; a 4-layer transformer encoder: 3.1 -> 9.9 ms), which
-the model, charging only its collectives, missed by 2-8x.
+collective's bytes, and a model charging only its collectives missed it several times over
+(BENCHMARKS.md, "The cost model against measurement").
 
 Method: the user's model built twice, one copy ``fully_shard``-ed as the ``fsdp`` strategy
 does (strategies/runtimes/dataparallel/fsdp.shard) over a process group of this one process, the two

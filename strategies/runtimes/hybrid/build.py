@@ -72,7 +72,8 @@ def to_empty_keeping_ties(model: torch.nn.Module, device: torch.device) -> None:
 class _NoInitOnMeta(TorchFunctionMode):
     """Initialisers (``torch.nn.init.*_``, in-place random fills) on a ``meta`` tensor return
     it untouched: its values do not exist, and ``normal_`` on ``meta`` (nn.Embedding's init)
-    would import torch's Python decompositions, ~6 s per process, for nothing."""
+    would import torch's Python decompositions, seconds per process (BENCHMARKS.md, "Launch and
+    teardown at scale"), for nothing."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
