@@ -71,6 +71,7 @@ def report(profile, cluster, plan) -> dict:
                         "host_update_s_per_byte": profile.host_update_s_per_byte,
                         "update_s_per_tensor": profile.update_s_per_tensor, "fsdp_overhead_s": profile.fsdp_overhead_s,
                         "step_overhead_s": profile.step_overhead_s,
+                        "compress_s": [list(x) for x in profile.compress_s] if profile.compress_s is not None else None,
                         "unused_params": list(profile.unused_params), "unused_by_rank": profile.unused_by_rank,
                         "memory": dataclasses.asdict(profile.memory) if profile.memory else None}}
 
@@ -166,6 +167,9 @@ def _capacity(cluster) -> str:
                    "(hybrid-cache; without it that row is shown at S = 4 and never chosen).")
 @click.option("--cache-rows", type=float, default=None,
               help="With --staleness: rows cached per table (>= 1) or a fraction of each table (< 1; default 0.1).")
+@click.option("--compress", default=None, metavar="off|fp16|bf16|powersgd[:RANK]",
+              help="Let the plan compress DDP's AllReduce this way (an accuracy trade: without it the compressed "
+                   "rows are shown and never chosen).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Write the plan as JSON for `hpar run --plan`.")
 def profile(script, as_json, plan_out, **given):
@@ -183,6 +187,11 @@ def profile(script, as_json, plan_out, **given):
                                                                              "precision"))
     worker_memory, server_memory, staleness, cache_rows = (given[k] for k in ("worker_memory", "server_memory",
                                                                                "staleness", "cache_rows"))
+    from hpar.strategies.job.compression import Compression
+    try:
+        compress = Compression.parse(given["compress"]) if given["compress"] is not None else None
+    except ValueError as exc:   # before the script is loaded
+        _fail(str(exc))
     from hpar.strategies.job.contract import check_job, load_job
     from hpar.strategies.plan.memory_model import forward_passes
     from hpar.strategies.plan.vet import vetted_plan   # nothing runnable that `hpar run` would refuse
@@ -208,11 +217,11 @@ def profile(script, as_json, plan_out, **given):
             cluster = build_cluster(**cluster_flags, measured_on=measure_on.type, capacity=capacity)
             check_job(job, bs)   # the user's own errors, named as theirs, before any measuring
             prof = profile_job(job, bs, cluster.workers, timing_batch_size=timing_batch_size, device=measure_on,
-                               precision=precision)
+                               precision=precision, compress=compress)
             steps = job.defaults.get("steps")   # the run's length as the script sets it: its workers' growth
             plan = vetted_plan(job, prof, cluster,
                                cache=CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None,
-                               forwards=forward_passes(steps, job.defaults.get("accumulate")))
+                               forwards=forward_passes(steps, job.defaults.get("accumulate")), compress=compress)
         except JobError as exc:
             _fail(str(exc), exc.user_traceback)
         except (ValueError, RuntimeError) as exc:

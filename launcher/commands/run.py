@@ -271,6 +271,8 @@ def resolve(console: Console, flags: Flags):
             note = spec.load("check_model")(job, inner, pick(lr, "lr"))
             if note:
                 console.print(note, markup=False)
+        # auto with --compress: the compression the planner chose (strategies/plan/compress_setting.py)
+        compress = compress_setting.from_plan(lambda m: console.print(m, markup=False), compress, plan)
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),

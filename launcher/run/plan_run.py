@@ -27,6 +27,8 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     from hpar.launcher.run.flags import PlanFlags
     flags = flags or PlanFlags()
     force = None if flags.strategy == "auto" else flags.strategy
+    from hpar.strategies.job.compression import Compression   # auto weighs the user's --compress (planner.choose_plan)
+    compress = Compression.parse(flags.compress) if flags.compress is not None and force is None else None
     schedule, pipeline_replicas = flags.schedule or "1f1b", flags.pipeline_replicas
     from hpar.launcher.run.cluster_build import build_cluster
     from hpar.strategies.plan.vet import vetted_plan
@@ -36,10 +38,11 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     measure_on = profile_device("cpu" if flags.device == "cpu" else "auto")
     cluster = build_cluster(gpus, hosts_spec, flags.servers, None, None, None, measured_on=measure_on.type,
                             capacity=capacity)
-    profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision)
+    profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision, compress=compress)
     # no candidate that `hpar run` would refuse before start is chosen (strategies/plan/vet.py)
     plan = vetted_plan(job, profile, cluster, needs=flags.needs, schedule=schedule, force=force,
-                       pipeline_replicas=pipeline_replicas, allow_misfit=flags.force, cache=cache, forwards=forwards)
+                       pipeline_replicas=pipeline_replicas, allow_misfit=flags.force, cache=cache, forwards=forwards,
+                       compress=compress)
     if force is not None:
         return plan, profile
     alternatives = {}   # the plans --tune may try (strategies/plan/tuning.py): those that fit

@@ -45,6 +45,23 @@ def decide(console: Console, c: Compression | None, strategy: str, strategy_flag
     return c
 
 
+def from_plan(say, c: Compression | None, plan) -> Compression | None:
+    """The compression the plan chose, for a run of ``plan`` (the planner's or ``--plan``'s)
+    under the user's ``--compress`` ``c``: ``c`` where the planner chose it (the plan's
+    ``compress``) or never weighed it (no runnable ``"<strategy> --compress <c>"`` row: a forced
+    strategy, a plan made without ``--compress``); off, said in one line via ``say``, where it
+    weighed it and predicted the strategy faster uncompressed. None stays None (not asked)."""
+    if c is None or not c.on or plan is None or plan.compress == str(c):
+        return c
+    row = next((x for x in plan.candidates if x.strategy == f"{plan.strategy} --compress {c}" and x.available), None)
+    if row is None:
+        return c
+    say(f"hpar: the planner predicts {plan.strategy} faster uncompressed ({plan.samples_per_s:,.0f} samples/s) than "
+        f"with --compress {c} ({row.samples_per_s:,.0f}); it runs uncompressed (--strategy {plan.strategy} "
+        f"--compress {c} forces it)")
+    return Compression()
+
+
 def on_resume(cfg: RunConfig, flag: str | None) -> None:
     """``--compress`` given with ``--resume``: refused in one line unless it is the run's own
     (PowerSGD's state and the numbers depend on it)."""
@@ -53,4 +70,4 @@ def on_resume(cfg: RunConfig, flag: str | None) -> None:
                          "resume keeps; drop the flag")
 
 
-__all__ = ["early", "decide", "on_resume"]
+__all__ = ["early", "decide", "from_plan", "on_resume"]

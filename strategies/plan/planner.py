@@ -8,6 +8,8 @@ A candidate whose predicted peak does not fit the cluster's memory (``--worker-m
 """
 from __future__ import annotations
 
+import dataclasses
+
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import ALLREDUCE, FSDP, HYBRID, PIPELINE, spec as strategy_spec
 from hpar.strategies.plan.cluster import ClusterSpec
@@ -20,6 +22,7 @@ from hpar.strategies.plan.costmodel_compress import shown_rows
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.plan.memory_model import predict as predict_memory, refusal
 from hpar.strategies.plan.pipeline_fit import fitting_layout
+from hpar.strategies.job.compression import Compression
 from hpar.strategies.job.tying import stages_of
 from hpar.strategies.plan.stage_cuts import schedule_problem
 from hpar.strategies.profile.records import Profile
@@ -120,13 +123,27 @@ def compute_source(profile: Profile, cluster: ClusterSpec) -> str:
 TIE = 0.05   # predictions within 5% of each other are a tie (the cost model is not finer than that)
 
 
-def _fastest_simplest(estimates: list[Estimate]) -> Estimate:
+def _fastest_simplest(estimates: list[Estimate], compressed: dict | None = None) -> Estimate:
     """The estimate with the highest predicted samples/s, except that among those within
     ``TIE`` (relative) of it the simplest strategy (the lowest ``StrategySpec.simplicity``:
-fewer moving parts, no servers or stages) is taken."""
+fewer moving parts, no servers or stages) is taken, and of one strategy the uncompressed
+estimate before one in ``compressed`` ({id(estimate): Compression}: no accuracy trade in a tie)."""
     top = max(e.samples_per_s for e in estimates)
     near = [e for e in estimates if e.samples_per_s >= top * (1 - TIE)]
-    return min(near, key=lambda e: (strategy_spec(e.strategy).simplicity, -e.samples_per_s))
+    return min(near, key=lambda e: (strategy_spec(e.strategy).simplicity, id(e) in (compressed or {}), -e.samples_per_s))
+
+
+def _compressed_why(best: Estimate, c: Compression, plain: list[Estimate], runner_up: Estimate | None) -> str:
+    """The reason of a plan with ``--compress c``: what it saves and its speed beside the same
+    strategy uncompressed (``plain``: the runnable uncompressed estimates) and the runner-up."""
+    same = next((e for e in plain if e.strategy == best.strategy), None)
+    vs = []
+    if same is not None and same.samples_per_s > 0:
+        vs.append(f"{best.samples_per_s / same.samples_per_s:.2f}x the predicted samples/s of {best.strategy} uncompressed")
+    if runner_up is not None and runner_up.strategy != best.strategy and runner_up.samples_per_s > 0:
+        vs.append(f"{best.samples_per_s / runner_up.samples_per_s:.2f}x that of the runner-up, {runner_up.strategy}")
+    return (f"{best.strategy} with --compress {c} (asked for; compression changes the numbers): "
+            f"{best.note.split(';')[0].split(': ', 1)[-1]}" + (", " + ", ".join(vs) if vs else "") + ".")
 
 
 def _cache_note(e: Estimate, cache: CacheConfig, asked: bool) -> str:
@@ -140,7 +157,8 @@ def _cache_note(e: Estimate, cache: CacheConfig, asked: bool) -> str:
 
 def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 force: str | None = None, pipeline_replicas: int | None = None, allow_misfit: bool = False,
-                cache: CacheConfig | None = None, forwards: int | None = None, refused: dict | None = None) -> Plan:
+                cache: CacheConfig | None = None, forwards: int | None = None, refused: dict | None = None,
+                compress: Compression | None = None) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and its peak memory
     (``plan/memory_model.predict``) and pick the highest samples/s among those that fit the job and
     the cluster's memory; the others are still listed as candidates with a note. A hybrid
@@ -153,7 +171,10 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     s = ``SHOWN_STALENESS`` and not runnable: staleness trades accuracy, never chosen unasked.
     ``forwards``: the forward passes each worker runs (steps times accumulation), for the
     memory a worker's caches grow to. ``refused``: {strategy: the line ``hpar run`` refuses
-    it with} (strategies/plan/vet.py), listed as not runnable with that line. Raises ValueError when no strategy fits, or when the forced one does not fit (its memory
+    it with} (strategies/plan/vet.py), listed as not runnable with that line. ``compress``: the
+    user's ``--compress``; then a strategy with DDP's AllReduce is also a candidate with its
+    AllReduce compressed (strategies/plan/costmodel_compress.py) that may win, and the plan's
+    ``compress`` says so; without it compressed rows are shown, never chosen. Raises ValueError when no strategy fits, or when the forced one does not fit (its memory
     too, unless ``allow_misfit``: ``hpar run --force``), with the reason."""
     estimates = estimate_all(profile, cluster)
     shown = cache or CacheConfig(0.0, SHOWN_STALENESS)
@@ -208,8 +229,9 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                                     note, dict(e.breakdown), mem.to_dict(cluster) if mem is not None else {}))
         if available:
             ok.append(e)
-    candidates = shown_rows(profile, cluster, estimates, candidates,   # --compress's rows, never chosen (costmodel_compress)
-                            lambda ce: predict_memory(profile, cluster, ce, schedule, forwards).to_dict(cluster))
+    candidates, runnable = shown_rows(profile, cluster, estimates, candidates,   # --compress's rows (costmodel_compress)
+                                      lambda ce: predict_memory(profile, cluster, ce, schedule, forwards), compress)
+    compressed = {id(ce): c for ce, c in runnable}
     if force is not None:
         forced = [e for e in estimates if e.strategy == force]
         if not forced or not forced[0].feasible:
@@ -222,9 +244,13 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         raise ValueError("no strategy fits this job" + (": " + "; ".join(f"{k} {v}" for k, v in misfits.items())
                                                        if misfits else ""))
     else:
-        best = _fastest_simplest(ok)
-    others = sorted((e for e in ok if e is not best), key=lambda e: -e.samples_per_s)
-    reason = _why(best, profile, cluster, others[0] if others else None)
+        best = _fastest_simplest(ok + [ce for ce, _ in runnable], compressed)
+    chosen_c = compressed.get(id(best))
+    others = sorted((e for e in ok + [ce for ce, _ in runnable] if e is not best), key=lambda e: -e.samples_per_s)
+    runner_up = others[0] if others else None
+    if runner_up is not None and id(runner_up) in compressed:   # named as its row in the reason
+        runner_up = dataclasses.replace(runner_up, strategy=f"{runner_up.strategy} --compress {compressed[id(runner_up)]}")
+    reason = (_compressed_why(best, chosen_c, ok, runner_up) if chosen_c else _why(best, profile, cluster, runner_up))
     fastest = _fastest_simplest([e for e in estimates if e.feasible and (e.strategy != CACHED or cache is not None)])
     if fastest is not best and fastest.samples_per_s > best.samples_per_s and fastest.strategy not in misfits:
         reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
@@ -233,7 +259,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     if left_out:
         reason += " Does not fit the memory: " + "; ".join(left_out) + "."
     best_spec = strategy_spec(best.strategy)
-    chosen = memory.get(best.strategy)
+    chosen = predict_memory(profile, cluster, best, schedule, forwards) if chosen_c else memory.get(best.strategy)
     cached = (plan_cache(*profiled(profile), cache, cluster.workers, {n for n, w in best.placement.items() if w == ON_SERVERS})
               if best.strategy == CACHED else {})
     return Plan(strategy=best_spec.runs_as or best.strategy, placement=dict(best.placement),
@@ -244,5 +270,5 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                 samples_per_s=best.samples_per_s, compute=compute_source(profile, cluster),
                 replicas=best.replicas if best_spec.pipelined else 1,
                 layout=best.layout if best_spec.pipelined else "", unused_params=list(profile.unused_params),
-                memory=chosen.to_dict(cluster) if chosen is not None else {})
+                memory=chosen.to_dict(cluster) if chosen is not None else {}, compress=str(chosen_c or ""))
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from rich.console import Console
 
+from hpar.strategies.plan.costmodel_compress import is_compressed_row
 from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import HYBRID_CACHE
 from hpar.strategies.state.trust import claim
@@ -76,7 +77,8 @@ def candidates(plan: Plan) -> list[tuple[str, float]]:
     """``(strategy, predicted step seconds)`` of the planner's runnable candidates within
     ``FACTOR`` of the best predicted samples/s, fastest first, at most ``MOST``; the first is
     the planner's choice."""
-    runnable = [c for c in plan.candidates if c.available and c.samples_per_s > 0]
+    runnable = [c for c in plan.candidates if c.available and c.samples_per_s > 0
+                and not is_compressed_row(c.strategy)]   # --compress's rows: trials run the user's --compress
     if not runnable:
         return []
     best = max(c.samples_per_s for c in runnable)

@@ -17,6 +17,7 @@ import io
 
 from rich.console import Console
 
+from hpar.strategies.plan.costmodel_compress import is_compressed_row
 from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import spec as strategy_spec
 
@@ -66,11 +67,12 @@ def vetted_plan(job, profile, cluster, model=None, needs: tuple = (), **choose) 
     if choose.get("force") is not None:
         return choose_plan(profile, cluster, **choose)
     plan = choose_plan(profile, cluster, **choose)
-    why_not = {c.strategy: lacking(c.strategy, needs) for c in plan.candidates if needs and c.available}
+    own = [c for c in plan.candidates if not is_compressed_row(c.strategy)]   # compressed rows: vetted as their strategy
+    why_not = {c.strategy: lacking(c.strategy, needs) for c in own if needs and c.available}
     refused = {name: why for name, why in why_not.items() if why}
     if refused:
         plan = choose_plan(profile, cluster, refused=refused, **choose)
-    for c in plan.candidates:
+    for c in own:
         if not c.available or not strategy_spec(c.strategy).servers:
             continue
         try:

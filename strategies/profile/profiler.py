@@ -28,13 +28,12 @@ from torch.utils._pytree import tree_flatten
 
 from hpar.strategies.common.devices import DeviceClock
 from hpar.strategies.job.contract import Job, JobError, raised_in_script, user_error
-from hpar.strategies.job.forward import call_model
+from hpar.strategies.job.forward import call_model, inner_module
 from hpar.strategies.profile.device import data_seconds, OnDevice
-from hpar.strategies.job.forward import inner_module
+from hpar.strategies.profile.compress_cost import profile_compression
 from hpar.strategies.job.layers import is_declared_sequence, model_layers
 from hpar.strategies.job.traced import TracedStage, why_not_traceable
-from hpar.strategies.job.tying import dense_shared_embeddings
-from hpar.strategies.job.tying import shared_across_stages
+from hpar.strategies.job.tying import dense_shared_embeddings, shared_across_stages
 from hpar.strategies.job.loop import precision_context
 from hpar.strategies.profile.hooks import (
     auto_timing_batch,
@@ -129,12 +128,13 @@ def _pooled_layer_times(layers, activation_bytes, lay_f, lay_b) -> tuple[list[fl
 
 def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmup: int = 2,
                 timing_batch_size: int | None = None, max_sparsity_workers: int = 16,
-                device: torch.device | str = "cpu", precision: str | None = None) -> Profile:
+                device: torch.device | str = "cpu", precision: str | None = None, compress=None) -> Profile:
     """Profile ``job`` for ``workers`` (N) data-parallel workers of ``batch_size`` each, the
     model and batches on ``device`` (CUDA: timed with CUDA events and synchronize, see
     strategies/profile/device.py). Forward passes are timed under the workers' autocast
     (``precision``: fp32, bf16, fp16; None: the script's ``HPAR["precision"]``, else fp32),
-    since bf16 on a CPU without bf16 units can be several times slower than fp32.
+    since bf16 on a CPU without bf16 units can be several times slower than fp32. ``compress``: a
+    ``--compress`` setting whose own compute to time beside the usual ones (profile/compress_cost.py).
 
     Returns a :class:`Profile` (see the module docstring for the method). Raises JobError
     when the user's functions fail, ValueError for a non-positive ``batch_size``,
@@ -221,6 +221,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         per_tensor = per_tensor_update_cost(job, device=dev)
         host_per_tensor = per_tensor_update_cost(job) if dev.type != "cpu" else None
         fsdp_overhead = FSDP.load("profile_probe")(job, dev, cast, timed, model_bytes)
+        compress_s = profile_compression(model, {f"{n}.weight" if n else "weight" for n, _ in embs}, dev, workers, compress)
         tensors = sum(1 for _ in model.parameters())
         # at the timing batch, as forward and backward were timed (the host's own seconds hardly depend on it)
         charged = data_s + _median(fwd) + _median(bwd) + update * model_bytes + per_tensor * tensors
@@ -285,7 +286,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                    compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
                    forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
                    update_s_per_byte=update, update_s_per_tensor=per_tensor,
-                   host_update_s_per_tensor=host_per_tensor, fsdp_overhead_s=fsdp_overhead,
+                   host_update_s_per_tensor=host_per_tensor, fsdp_overhead_s=fsdp_overhead, compress_s=compress_s,
                    step_overhead_s=host_overhead, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
                    sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
                    device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,

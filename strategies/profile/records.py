@@ -171,6 +171,9 @@ class Profile:
     host_update_s_per_tensor: float | None = None   # the same on one CPU thread (servers; None: measured there already)
     fsdp_overhead_s: float | None = None   # FSDP2's own work per step, one worker (runtimes/dataparallel/fsdp_cost.py; None: not measured)
     step_overhead_s: float | None = None   # the host's own seconds a step on a GPU (profile/step_overhead.py; None: CPU)
+    # --compress's own compute per step on the device: (setting, dense layers' s, embedding tables' s; -1: not
+    # measured), profile/compress_cost.py; None: not measured (a profile from before)
+    compress_s: tuple[tuple[str, float, float], ...] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -189,6 +192,11 @@ class Profile:
     def flops(self) -> int:
         return self.forward_flops + self.backward_flops
 
+    def compression_s(self, setting: str) -> tuple[float, float] | None:
+        """The measured seconds per step of compression ``setting`` (``"powersgd:2"``): (the
+        dense layers', the embedding tables'; -1.0 not measured); None where not measured."""
+        return next(((d, t) for s, d, t in self.compress_s or () if s == setting), None)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -205,6 +213,8 @@ class Profile:
         d["layers"] = tuple(LayerProfile(**l) for l in d["layers"])
         d["unused_params"] = tuple(d.get("unused_params", ()))
         d["shared_params"] = tuple((n, tuple(ls)) for n, ls in d.get("shared_params", ()))
+        if d.get("compress_s") is not None:
+            d["compress_s"] = tuple((str(c), float(a), float(b)) for c, a, b in d["compress_s"])
         if d.get("memory"):
             d["memory"] = MemoryProfile(**{**d["memory"], "layer_saved_bytes": tuple(d["memory"]["layer_saved_bytes"]),
                                            "shape_counts": tuple(d["memory"].get("shape_counts", ()))})

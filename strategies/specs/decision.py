@@ -81,6 +81,7 @@ class Plan:
     sparse_exchange: str = ""         # allreduce-sparse: "gloo-sparse" | "allgather-padded" ("": by backend)
     local_aggregation: bool | None = None   # hybrid: sum a host's pushes first (None: when a server is remote)
     tuning: dict = field(default_factory=dict)   # --tune's trials and choice (launcher/run/tuning.record)
+    compress: str = ""   # the --compress setting the planner chose (auto with --compress; plan/costmodel_compress.py): "" none
 
     @property
     def empty(self) -> bool:
