@@ -192,7 +192,8 @@ _register_commands()
 def entry() -> None:
     """The ``hpar`` executable: :func:`main`, then a quick exit. Finalizing an interpreter that
     imported torch takes a noticeable part of a second (module teardown, more once an optimizer
-    has imported torch._dynamo; BENCHMARKS.md, "Launch and teardown at scale"), paid by every command after its last line. By then hpar has nothing left
+    has imported torch._dynamo; BENCHMARKS.md, "Launch and teardown at scale"), paid by every
+    command after its last line. By then hpar has nothing left
     to do: its atexit handlers run, its output is flushed, and the process ends with main's
     exit status (``os._exit``). Where a thread is still running, or the exit carries a message
     (``sys.exit("...")``), Python's own exit, which waits for the thread or prints the message."""

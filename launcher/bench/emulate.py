@@ -214,7 +214,8 @@ class EmulatedCluster:
         """CPU threads per process: every emulated host sees all of this machine's cores, so
         ``hpar run`` would give each host's processes all of them, and H hosts would run H
         times too many threads (OpenMP's spinning threads then take turns on the cores; BENCHMARKS.md,
-        "hpar bench on one machine and on two emulated hosts"). The cores are shared out instead: cpu_count over
+        "hpar bench on one machine and on two emulated hosts"). The cores are shared out
+        instead: cpu_count over
         every worker and one server per host (hybrid's and ps's), at least 1."""
         return max(1, (os.cpu_count() or 1) // (self.n_hosts * (self.slots + 1)))
 

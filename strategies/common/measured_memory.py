@@ -97,7 +97,8 @@ def trims() -> int:
 def load_lazy_imports() -> None:
     """Import what torch imports on first use in every runtime, so that it lands in the
     baseline (it is code, not training state): an optimizer's first construction imports
-    ``torch._dynamo`` and its dependencies, tens of MB of resident memory (BENCHMARKS.md, "Peak memory, predicted and measured")."""
+    ``torch._dynamo`` and its dependencies, tens of MB of resident memory (BENCHMARKS.md, "Peak
+    memory, predicted and measured")."""
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
 

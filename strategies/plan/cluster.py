@@ -63,7 +63,9 @@ class ClusterSpec:
     is refused for memory (strategies/plan/memory_model.py). ``allreduce_fixed_s``, ``allgather_fixed_s``
     and ``reduce_scatter_fixed_s``: seconds of one small gloo collective of that kind over the
     workers of a one-host cluster on this machine's CPU, bytes aside (wake-ups of gloo's threads
-    on shared cores, many times the link's latency (BENCHMARKS.md, "The cost model against measurement")), measured by strategies/plan/probe_collectives.py; None: not measured, the cost model
+    on shared cores, many times the link's latency (BENCHMARKS.md, "The cost model against
+    measurement")), measured by strategies/plan/probe_collectives.py; None: not measured, the
+    cost model
     charges N - 1 latencies per round."""
 
     hosts: int

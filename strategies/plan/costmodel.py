@@ -233,7 +233,8 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     Fixed costs: two rounds of N-1 latencies per table, or, where the exchange's fixed time over
     the N workers was probed (``ClusterSpec.sparse_round_s``), that time once per wave of
     ``GLOO_THREADS`` tables, at the end of backward (the exchanges are in flight together,
-    which takes less than one after another (BENCHMARKS.md, "The cost model against measurement")). Where this job's whole exchange was
+    which takes less than one after another (BENCHMARKS.md, "The cost model against
+    measurement")). Where this job's whole exchange was
     measured at its own sizes (``ClusterSpec.gradient_exchange_s``, ``hpar bench`` on emulated
     hosts: the sparse tables and the dense buckets in flight together, which over a slow link
     took longer than the two apart), that time replaces the AllReduce, the AllGathers and their

@@ -176,8 +176,10 @@ def probe_sparse_round(addr: str, port: int, rank: int, world: int, reps: int = 
     rows) of a one-row gradient of 64 floats over the ``world`` ranks, each timed after a
     small AllReduce lines the ranks up; the first two pay for set-up. The mean, not the
     median: the times are bimodal and a step pays their expectation; they grow with N faster
-    than the cost model's two rounds of N - 1 latencies (BENCHMARKS.md, "The cost model against measurement"). Rank 0 hosts the rendezvous
-    store at ``addr:port``. Returns the seconds on rank 0, None on the others. Raises RuntimeError if the exchange fails."""
+    than the cost model's two rounds of N - 1 latencies (BENCHMARKS.md, "The cost model against
+    measurement"). Rank 0 hosts the rendezvous
+    store at ``addr:port``. Returns the seconds on rank 0, None on the others. Raises
+    RuntimeError if the exchange fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, world, rank == 0, timeout=timeout)
     try:
@@ -228,7 +230,8 @@ def probe_gradient_exchange(addr: str, port: int, rank: int, world: int, items: 
     Why, where :func:`probe_sparse_round` and the two-rank AllGather rate already price an
     exchange: a link's rate depends on the messages' sizes and how many are in flight, which
     one figure per link cannot carry: sparse tables and a dense bucket in flight together took
-    longer than the sum of the two apart (BENCHMARKS.md, "The cost model against measurement"). Raises RuntimeError if the exchange fails."""
+    longer than the sum of the two apart (BENCHMARKS.md, "The cost model against measurement").
+    Raises RuntimeError if the exchange fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, world, rank == 0, timeout=timeout)
     try:

@@ -50,7 +50,8 @@ class OnDevice:
 def data_seconds(on_dev: OnDevice, batch_size: int, workers: int, draws: int = 8) -> float:
     """Median seconds to draw one batch of ``batch_size`` from rank 0's ``data()`` stream and
     move it to the device (``on_dev``), as a worker does before every forward: the data
-    pipeline's share of a step, which a worker pays whatever the strategy (BENCHMARKS.md, "The cost model against measurement"). The first draw, which
+    pipeline's share of a step, which a worker pays whatever the strategy (BENCHMARKS.md, "The
+    cost model against measurement"). The first draw, which
     may build caches, is not counted. Raises JobError from the user's ``data()``."""
     clock = DeviceClock(on_dev.device)   # now(): the host clock once the device's copies are done
     batches = on_dev.batches(0, workers, batch_size)

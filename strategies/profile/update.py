@@ -5,7 +5,8 @@ or a GPU, timed with a synchronize around each step):
 
 * ``dense_update_cost``: seconds per parameter byte of one ``opt.step()`` on a dense probe as
   large as the model's parameters (clamped to [4 MiB, 64 MiB]): a probe that fits the caches
-  runs faster per byte than a model-sized one does (BENCHMARKS.md, "The cost model against measurement"), and every real update
+  runs faster per byte than a model-sized one does (BENCHMARKS.md, "The cost model against
+  measurement"), and every real update
   streams the whole model.
 * ``per_tensor_update_cost``: seconds one ``opt.step()`` spends per parameter tensor beside
   its bytes: torch's CPU optimizers loop over the tensors in Python (``foreach`` is the default

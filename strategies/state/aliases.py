@@ -2,7 +2,9 @@
 
 GPT-2 ties its output projection to its token embedding: ``model.state_dict()`` lists the one
 tensor twice (``transformer.wte.weight`` and ``lm_head.weight``), and torch.distributed.checkpoint
-writes every key it is given, so RUN_DIR/model held the weight twice (BENCHMARKS.md, "Peak memory, predicted and measured"). :func:`stored_once` keeps each tensor under the first name that a
+writes every key it is given, so RUN_DIR/model held the weight twice (BENCHMARKS.md, "Peak
+memory, predicted and measured"). :func:`stored_once` keeps each tensor under the first name
+that a
 process's entries give it (the model's ``state_dict`` order: strategies/state/state.py
 ``write_final``) and records every other name as a ``tied.<name>`` entry whose value is that
 first name (a string: a non-tensor item of the checkpoint, read back as data through

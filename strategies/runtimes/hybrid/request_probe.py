@@ -21,7 +21,8 @@ def probe_requests(steps: int = 150, rows: int = 64, dim: int = 16, rounds: int 
     process's CPU time (``time.process_time``: both ends, gloo's I/O threads and the system
     time of their sockets) over ``steps`` steps after 20 warm-up ones, per request; the median
     of ``rounds`` rounds, with one intra-op thread. Dedup of the ids and the update's bytes are
-    left out (the cost model has terms of their own for them). Figures: (BENCHMARKS.md, "The cost model against measurement").
+    left out (the cost model has terms of their own for them). Figures: (BENCHMARKS.md, "The
+    cost model against measurement").
     Raises RuntimeError if it fails."""
     from torch import nn
     from hpar.strategies.job.config import RunConfig
