@@ -70,6 +70,17 @@ def test_the_compressions_compute_is_measured_grows_with_the_gradients_and_is_wh
         "compress_work"]
 
 
+def test_a_model_over_the_cap_is_timed_on_the_tensors_that_fit_and_scaled(monkeypatch):
+    """profile_compression times at most CAP bytes of gradients at once: a dense group over it is
+    timed on its tensors that fit and scaled up (positive); a table group none of whose
+    tensors fits is not measured (-1.0, the cost model's estimate then)."""
+    from hpar.strategies.profile import compress_cost
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 16), torch.nn.Linear(16, 64), torch.nn.Linear(64, 64))
+    monkeypatch.setattr(compress_cost, "CAP", 4 * (64 * 16 + 64))   # the first Linear's weight and bias
+    got = {s: (d, t) for s, d, t in compress_cost.profile_compression(model, {"0.weight"}, torch.device("cpu"), 2)}
+    assert all(0 < d < math.inf and t == -1.0 for d, t in got.values())
+
+
 def test_auto_with_compress_may_choose_a_compressed_plan_and_the_run_takes_the_plans_compression():
     """On a synthetic profile whose dense AllReduce dominates (four 1000 x 25000 layers, two
     hosts at 25 Mbit/s, no pipeline): without --compress no compressed row is runnable and none is chosen;

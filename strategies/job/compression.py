@@ -134,5 +134,12 @@ def powersgd_flops(shapes: list[tuple[int, ...]], c: Compression) -> float:
     return total
 
 
-__all__ = ["Compression", "KINDS", "DEFAULT_RANK", "FLAG", "start_iter", "wire_elements", "compressed_bytes",
+def compression_work(shapes: list[tuple[int, ...]], c: Compression) -> float:
+    """The estimated work of compressing gradients of ``shapes`` under ``c``, in no unit: what
+    scales a measured time from some tensors to others (PowerSGD's :func:`powersgd_flops` plus
+    the elements every setting touches)."""
+    return powersgd_flops(shapes, c) + sum(math.prod(s) if s else 1 for s in shapes)
+
+
+__all__ = ["Compression", "compression_work", "KINDS", "DEFAULT_RANK", "FLAG", "start_iter", "wire_elements", "compressed_bytes",
            "powersgd_buffers", "powersgd_flops"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hpar.strategies.job.compression import (Compression, compressed_bytes, powersgd_buffers, powersgd_flops,
+from hpar.strategies.job.compression import (Compression, compressed_bytes, compression_work, powersgd_buffers, powersgd_flops,
                                                  wire_elements)
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, cost_setting, cpu_share
@@ -97,7 +97,7 @@ def measured_work(profile: Profile, params: list[ParamProfile], c: Compression) 
     """The profile's measured seconds per step of ``c``'s own compute (one thread, the profile's
     device) for the gradients of ``params``: the dense layers' and the embedding tables'
     measurements, each times the share of ``params`` in its estimated work (FLOPs plus
-    elements: :func:`_work`). None where the profile has none for ``c``, or ``params`` hold a
+    elements: ``compression_work``). None where the profile has none for ``c``, or ``params`` hold a
     table it could not measure."""
     got = profile.compression_s(str(c))
     if got is None:
@@ -109,16 +109,9 @@ def measured_work(profile: Profile, params: list[ParamProfile], c: Compression) 
             continue
         if measured_s < 0:
             return None
-        whole = _work([p for p in profile.trained if p.embedding_module == tables], c)
-        total += measured_s * (_work(part, c) / whole if whole else 1.0)
+        whole = compression_work([tuple(p.shape) for p in profile.trained if p.embedding_module == tables], c)
+        total += measured_s * (compression_work([tuple(p.shape) for p in part], c) / whole if whole else 1.0)
     return total
-
-
-def _work(params: list[ParamProfile], c: Compression) -> float:
-    """The estimated work of compressing ``params`` under ``c``: PowerSGD's FLOPs plus the
-    elements every setting touches."""
-    shapes = [tuple(p.shape) for p in params]
-    return powersgd_flops(shapes, c) + sum(math.prod(s) if s else 1 for s in shapes)
 
 
 def _powersgd_pieces(shapes: list[tuple[int, ...]], c: Compression, per_elem: float) -> tuple[float, float, float]:

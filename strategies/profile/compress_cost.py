@@ -28,7 +28,7 @@ import statistics
 import torch
 
 from hpar.strategies.common.devices import DeviceClock
-from hpar.strategies.job.compression import Compression, wire_elements
+from hpar.strategies.job.compression import Compression, compression_work, wire_elements
 
 MEASURED = (Compression("fp16"), Compression("bf16"), Compression("powersgd", 1), Compression("powersgd", 2),
             Compression("powersgd", 4))   # measured by every profile; a run's other rank is added to these
@@ -126,18 +126,24 @@ def profile_compression(model: torch.nn.Module, tables: set[str], device: torch.
     layers and for the embedding tables named in ``tables`` (what ``allreduce`` compresses
     beside them; hybrid and allreduce-sparse compress the dense layers only): ``((setting,
     dense seconds, tables seconds), ...)`` for :data:`MEASURED` and ``extra`` (a run's other
-    PowerSGD rank). Tables larger than :data:`TABLES_CAP` bytes are not measured (-1.0: the
-    cost model estimates them)."""
+    PowerSGD rank). A group over :data:`CAP` bytes is timed on the tensors that fit in it, in
+    order, and scaled to the whole by its estimated work (``compression_work``); -1.0 where no tensor of it fits (the cost
+    model then estimates it)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    dense = [tuple(p.shape) for n, p in named if n not in tables]
-    emb = [tuple(p.shape) for n, p in named if n in tables]
     settings = MEASURED + ((extra,) if extra is not None and extra.on and extra not in MEASURED else ())
-    d = dict(compression_seconds(dense, device, world, settings))
-    fits = 4 * sum(math.prod(s) for s in emb) <= TABLES_CAP
-    t = dict(compression_seconds(emb, device, world, settings)) if fits else {}
-    return tuple((str(c), d.get(str(c), 0.0), t.get(str(c), 0.0 if not emb else -1.0)) for c in settings)
+    groups = []
+    for shapes in ([tuple(p.shape) for n, p in named if n not in tables], [tuple(p.shape) for n, p in named if n in tables]):
+        timed, size = [], 0
+        for s in shapes:
+            if size + 4 * math.prod(s) <= CAP:
+                timed.append(s)
+                size += 4 * math.prod(s)
+        got = dict(compression_seconds(timed, device, world, settings))
+        groups.append({str(c): (got[str(c)] * compression_work(shapes, c) / compression_work(timed, c) if timed else (-1.0 if shapes else 0.0))
+                       for c in settings})
+    return tuple((str(c), groups[0][str(c)], groups[1][str(c)]) for c in settings)
 
 
-TABLES_CAP = 256 * 2 ** 20   # embedding tables above this many fp32 bytes: not measured (three copies on the device)
+CAP = 256 * 2 ** 20   # fp32 bytes of gradients timed at once (three copies on the device: 768 MiB)
 
-__all__ = ["compression_seconds", "profile_compression", "MEASURED", "TABLES_CAP"]
+__all__ = ["compression_seconds", "profile_compression", "MEASURED", "CAP"]
