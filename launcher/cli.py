@@ -140,7 +140,10 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
             cfg, opts, master = run_command.resolve(console, flags)
             opts = with_min_hosts(opts, min_hosts)
             if flags.plan.strategy == "auto" and not flags.plan.plan_file and not flags.run.resume_dir:   # run/tuning.py
-                def resolve_for(con, chosen, path, directory, n, trial):
+                def console_for(out):   # a trial's output goes to its own file (strategies/plan/tuning.py)
+                    return console if out is None else Console(file=out, soft_wrap=True)
+
+                def resolve_for(out, chosen, path, directory, n, trial):
                     over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
                     if strategy_spec(chosen).runs_as:   # hybrid-cache: hybrid with the caches its plan file names
                         over["strategy"] = strategy_spec(chosen).runs_as
@@ -150,9 +153,11 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
                         over.update(compress=None)   # a candidate without DDP's AllReduce runs uncompressed
                     if trial:
                         over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
-                    c, o, m = run_command.resolve(con, flags.but(**over))
+                    c, o, m = run_command.resolve(console_for(out), flags.but(**over))
                     return c, (o if trial else with_min_hosts(o, min_hosts)), m
-                cfg, opts, master = tune_run(console, cfg, opts, master, tune, tune_steps, resolve_for, launch)
+                cfg, opts, master = tune_run(lambda m: console.print(m, markup=False), cfg, opts, master, tune,
+                                             tune_steps, resolve_for,
+                                             lambda c, o, out, m: launch(c, o, console_for(out), m))
         except run_command.NothingToDo as done:   # --resume of a finished run: its own figures, exit 0
             console.print(str(done), markup=False)
             sys.exit(0)

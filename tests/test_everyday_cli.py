@@ -318,13 +318,10 @@ def test_pipeline_on_three_workers_chooses_micro_batches_that_divide_the_batch(t
 def test_default_micro_batches_divide_the_batch():
     """Without --micro-batches or HPAR's: the plan's M (a plan file made for another batch size
     moves, saying so), else 4, each moved to the nearest divisor of at least the stages."""
-    import io
-    from rich.console import Console
     from hpar.strategies.plan.strategy_settings import default_micro_batches
-    said = io.StringIO()
-    console = Console(file=said, width=200)
-    assert default_micro_batches(console, Plan(strategy="pipeline", micro_batches=8), 32, 3) == 8 and not said.getvalue()
-    assert default_micro_batches(console, Plan(strategy="pipeline", micro_batches=3), 32, 3) == 4
-    assert "the plan's 3 micro-batches do not divide --batch-size 32; using 4" in said.getvalue()
-    assert default_micro_batches(console, Plan(strategy="pipeline"), 30, 2) == 5   # 3 and 5 tie: the larger
-    assert default_micro_batches(console, Plan(strategy="pipeline"), 32, 2) == 4
+    said: list[str] = []
+    assert default_micro_batches(said.append, Plan(strategy="pipeline", micro_batches=8), 32, 3) == 8 and not said
+    assert default_micro_batches(said.append, Plan(strategy="pipeline", micro_batches=3), 32, 3) == 4
+    assert said == ["hpar: the plan's 3 micro-batches do not divide --batch-size 32; using 4"]
+    assert default_micro_batches(said.append, Plan(strategy="pipeline"), 30, 2) == 5   # 3 and 5 tie: the larger
+    assert default_micro_batches(said.append, Plan(strategy="pipeline"), 32, 2) == 4

@@ -127,8 +127,12 @@ def resolve(console: Console, flags: Flags):
     resume at another size (launcher/run/reshape.py). ``--worker-memory``/``--server-memory``:
     GB each process may use; ``--force`` runs a plan predicted not to fit (strategies/plan/fit.py);
     ``--staleness``/``--cache-rows``: the workers' hot-row caches
-    (launcher/run/strategy_settings.cache_settings)."""
+    (strategies/plan/strategy_settings.cache_settings)."""
     j, p, h, r = flags.job, flags.plan, flags.hosts, flags.run
+
+    def say(line: str) -> None:   # the plan stage's one-line notes, printed as given
+        console.print(line, markup=False)
+
     script, steps, batch_size, lr, seed, log_every = j.script, j.steps, j.batch_size, j.lr, j.seed, j.log_every
     loop_flags, no_eval, find_unused_parameters = j.loop_flags, j.no_eval, j.find_unused_parameters
     strategy, plan_file, servers, schedule, device = p.strategy, p.plan_file, p.servers, p.schedule, p.device
@@ -160,7 +164,7 @@ def resolve(console: Console, flags: Flags):
                                           ("--micro-batches", micro_batches), ("--pipeline-replicas", pipeline_replicas))
                  if value is not None] + (["--strategy"] if strategy != "auto" else [])
         if given:   # resume at another size or plan: planned afresh from the run's own settings (launcher/run/reshape.py)
-            reshaped = resumed_config(resume_dir, script, steps, say=lambda m: console.print(m, markup=False))
+            reshaped = resumed_config(resume_dir, script, steps, say=say)
             script, run_dir, resume_dir = reshaped.script, reshaped.run_dir, None
             strategy = reshaped.strategy if strategy == "auto" and not plan_file else strategy
             servers = servers if servers is not None or strategy != reshaped.strategy else (reshaped.servers or None)
@@ -175,7 +179,7 @@ def resolve(console: Console, flags: Flags):
     if max_restarts < 0 or stall_timeout < 0 or (phase_timeout or 0) < 0:
         raise ValueError("--max-restarts, --stall-timeout and --phase-timeout must not be negative")
     if resume_dir:
-        cfg = resumed_config(resume_dir, script, steps, say=lambda m: console.print(m, markup=False))
+        cfg = resumed_config(resume_dir, script, steps, say=say)
         if r.keep_checkpoints is not None:
             cfg = cfg.replace(keep_checkpoints=r.keep_checkpoints)
         job = load_job(cfg.script)
@@ -255,7 +259,7 @@ def resolve(console: Console, flags: Flags):
         if not spec.servers and servers:
             raise ValueError(f"--servers {servers} only applies to --strategy {' or '.join(where(servers=True))}, "
                              f"not {strategy}")
-        staleness, cache_rows, plan = cache_settings(console, job, inner, strategy, strategy_flag, plan, staleness,
+        staleness, cache_rows, plan = cache_settings(say, job, inner, strategy, strategy_flag, plan, staleness,
                                                      cache_rows, bs, gpus)
         unused_mode = pick(find_unused_parameters, "find_unused_parameters")
         if unused_mode not in FIND_UNUSED_MODES:
@@ -263,7 +267,7 @@ def resolve(console: Console, flags: Flags):
         if find_unused_parameters not in (None, "auto") and strategy_flag != "auto" and not spec.ddp:
             raise ValueError(f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
                              f"(only {', '.join(where(ddp=True))} do); drop it")
-        check_optimizer(console, job, inner, strategy, plan, servers, pick(lr, "lr"))
+        check_optimizer(say, job, inner, strategy, plan, servers, pick(lr, "lr"))
         check_unused_by_rank(job, strategy, plan, inner, bs, gpus)   # FSDP2 and a mixture of experts
         if spec.check_available:
             spec.load("check_available")()   # a library the strategy needs (FSDP2: torch.distributed.fsdp)
@@ -278,16 +282,16 @@ def resolve(console: Console, flags: Flags):
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
             device="cpu" if device == "auto" else device, log_every=pick(log_every, "log_every"), servers=servers,
             schedule=schedule or plan.schedule or "1f1b",
-            micro_batches=micro_batches or d.get("micro_batches") or default_micro_batches(console, plan, bs, gpus // replicas, model),
+            micro_batches=micro_batches or d.get("micro_batches") or default_micro_batches(say, plan, bs, gpus // replicas, model),
             checkpoint_every=pick(checkpoint_every, "checkpoint_every"), plan=plan, eval=not no_eval,
             keep_checkpoints=pick(r.keep_checkpoints, "keep_checkpoints"),
             **{key: pick(loop_flags.get(key), key) for key in ("precision", "clip_grad_norm", "accumulate", "eval_every")},
             on_divergence=r.on_divergence, divergence_factor=r.divergence_factor, replicas=replicas,
-            find_unused_parameters=ddp_find_unused(console, job, unused_mode, strategy, plan, inner, bs, gpus),
+            find_unused_parameters=ddp_find_unused(say, job, unused_mode, strategy, plan, inner, bs, gpus),
             allow_unequal_batches=bool(pick(j.allow_unequal_batches, "allow_unequal_batches")),
             sync_batchnorm=bool(pick(j.sync_batchnorm, "sync_batchnorm")),
             staleness=staleness, cache_rows=cache_rows,
-            compress=compress_setting.decide(console, compress, strategy, strategy_flag, device))
+            compress=compress_setting.decide(say, compress, strategy, strategy_flag, device))
         check_precision(job, cfg, model)
         if spec.pipelined and cfg.schedule == "async-predict":
             from hpar.strategies.job.optimizer_rules import check_predictable
@@ -336,7 +340,7 @@ def resolve(console: Console, flags: Flags):
         if compute_mismatch(cfg.plan, chosen):   # CPU figures for GPU workers are never taken silently
             console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
         local = not host_list or all(h.is_local for h in host_list)
-        cfg = fit_plan(console, cfg, job, model, capacity, [h.name for h in hosts_used], local, p.force,
+        cfg = fit_plan(say, cfg, job, model, capacity, [h.name for h in hosts_used], local, p.force,
                        profile)   # predicted peaks vs memory
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, phase_timeout=phase_timeout,
                          max_restarts=max_restarts, group_readable=r.group_readable,

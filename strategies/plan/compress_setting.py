@@ -4,7 +4,7 @@ setting itself: strategies/job/compression.py; the workers' hooks:
 strategies/runtimes/dataparallel/compress_hooks.py."""
 from __future__ import annotations
 
-from rich.console import Console
+from typing import Callable
 
 from hpar.strategies.job.compression import Compression
 from hpar.strategies.job.config import RunConfig, compress_problem
@@ -25,7 +25,8 @@ def early(flag: str | None, strategy: str, precision: str | None) -> Compression
     return c
 
 
-def decide(console: Console, c: Compression | None, strategy: str, strategy_flag: str, device: str) -> Compression:
+def decide(say: Callable[[str], None], c: Compression | None, strategy: str, strategy_flag: str,
+           device: str) -> Compression:
     """The run's compression: off when not asked; off, said in one line, when ``--strategy
     auto`` chose a strategy without DDP's AllReduce (the other refusals are the run config's);
     ``bf16`` on gloo (``device`` cpu) becomes ``fp16``, said in one line, where this torch
@@ -33,14 +34,14 @@ def decide(console: Console, c: Compression | None, strategy: str, strategy_flag
     if c is None or not c.on:
         return Compression()
     if strategy_flag == "auto" and not strategy_spec(strategy).compress_hooks:
-        console.print(f"hpar: the planner chose {strategy}, which has no dense AllReduce through DDP, so --compress {c} "
-                      "does not apply; it runs uncompressed", markup=False)
+        say(f"hpar: the planner chose {strategy}, which has no dense AllReduce through DDP, so --compress {c} "
+            "does not apply; it runs uncompressed")
         return Compression()
     if c.kind == "bf16" and device != "cuda":
         from hpar.strategies.common.groups import bf16_works
         if not bf16_works():
-            console.print("hpar: --compress bf16: this torch build's gloo cannot AllReduce bfloat16 "
-                          "(pytorch/pytorch#111131); compressing to fp16 instead", markup=False)
+            say("hpar: --compress bf16: this torch build's gloo cannot AllReduce bfloat16 "
+                "(pytorch/pytorch#111131); compressing to fp16 instead")
             return Compression("fp16")
     return c
 

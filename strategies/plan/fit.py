@@ -13,6 +13,7 @@ plan's ``memory`` and from there into summary.json beside the measured peaks.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.specs.base import ON_ALLREDUCE
@@ -80,8 +81,8 @@ def check(memory: dict, capacity: Capacity, strategy: str, force: bool, say) -> 
     raise ValueError(refusal(strategy, why))
 
 
-def fit_plan(console, cfg, job, model, given: Capacity, workers_on: list[str], local: bool, force: bool,
-             profile=None):
+def fit_plan(say: Callable[[str], None], cfg, job, model, given: Capacity, workers_on: list[str], local: bool,
+             force: bool, profile=None):
     """``cfg`` with the run's predicted peaks in ``cfg.plan.memory`` (:func:`predict_run`),
     checked against ``given`` and, where the run is ``local``, this machine's defaults
     (:func:`check`: refused in one line unless ``force``). ``workers_on``: the host name of
@@ -92,10 +93,10 @@ def fit_plan(console, cfg, job, model, given: Capacity, workers_on: list[str], l
     try:
         memory = predict_run(cfg, job, model, profile) or cfg.plan.memory
     except Exception as exc:   # a prediction must not stop a run the pre-start checks passed; say why it is missing
-        console.print(f"hpar: warning: no memory prediction for this run ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0] if str(exc) else ''}); it is not checked against the memory", markup=False)
+        say(f"hpar: warning: no memory prediction for this run ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); it is not checked against the memory")
         memory = cfg.plan.memory
     if memory:
         cfg = cfg.replace(plan=dataclasses.replace(cfg.plan, memory=memory))
-        check(memory, capacity, cfg.strategy, force, lambda m: console.print(m, markup=False))
+        check(memory, capacity, cfg.strategy, force, say)
     return cfg

@@ -5,8 +5,7 @@ micro-batches, and whether the user's optimizer can step the gradients the strat
 from __future__ import annotations
 
 import dataclasses
-
-from rich.console import Console
+from typing import Callable
 
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.specs.base import ON_SERVERS
@@ -15,7 +14,7 @@ from hpar.strategies.plan.placement import placement
 from hpar.strategies.specs.decision import Plan
 
 
-def default_micro_batches(console: Console, plan: Plan, batch_size: int, stages: int, model=None) -> int:
+def default_micro_batches(say: Callable[[str], None], plan: Plan, batch_size: int, stages: int, model=None) -> int:
     """Micro-batches per batch when neither ``--micro-batches`` nor the script's HPAR gives
     them: the plan's (the planner's choice divides the batch it profiled), else 4, moved to
     the nearest divisor of ``batch_size`` of at least ``stages`` where there is one
@@ -26,19 +25,18 @@ def default_micro_batches(console: Console, plan: Plan, batch_size: int, stages:
     want = plan.micro_batches or 4
     if model is not None and batch_size >= 2 and batch_size // want < 2 and batchnorm_names(model):
         fewer = max(d for d in range(1, batch_size // 2 + 1) if batch_size % d == 0)
-        console.print(f"hpar: {fewer} micro-batches instead of {want}: BatchNorm needs at least 2 samples in each "
-                      f"of a --batch-size {batch_size}", markup=False)
+        say(f"hpar: {fewer} micro-batches instead of {want}: BatchNorm needs at least 2 samples in each "
+            f"of a --batch-size {batch_size}")
         return fewer
     if batch_size % want == 0:
         return want
     m = micro_batch_count(want, batch_size, min(want, stages))
     if plan.micro_batches:
-        console.print(f"hpar: the plan's {want} micro-batches do not divide --batch-size {batch_size}; using {m}",
-                      markup=False)
+        say(f"hpar: the plan's {want} micro-batches do not divide --batch-size {batch_size}; using {m}")
     return m
 
 
-def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: Plan, model, batch_size: int,
+def ddp_find_unused(say: Callable[[str], None], job, mode: str, strategy: str, plan: Plan, model, batch_size: int,
                     gpus: int) -> bool:
     """DDP's ``find_unused_parameters`` for this run (strategies/runtimes/dataparallel/ddp.py): ``on``/``off`` as
     given; ``auto``: whether a parameter DDP holds (hybrid's served tables left out) got no
@@ -58,8 +56,8 @@ def ddp_find_unused(console: Console, job, mode: str, strategy: str, plan: Plan,
         if strategy_spec(strategy).servers else []
     held = sorted(set(unused) - set(served))
     if held:
-        console.print(f"hpar: DDP looks for unused parameters every step (find_unused_parameters): {', '.join(held[:4])}"
-                      f"{', ...' if len(held) > 4 else ''} got no gradient in a profiled step", markup=False)
+        say(f"hpar: DDP looks for unused parameters every step (find_unused_parameters): {', '.join(held[:4])}"
+            f"{', ...' if len(held) > 4 else ''} got no gradient in a profiled step")
     return bool(held)
 
 
@@ -77,7 +75,7 @@ def check_unused_by_rank(job, strategy: str, plan: Plan, model, batch_size: int,
         raise ValueError(f"{job.path}: --strategy {strategy}: {UNUSED_BY_RANK}")
 
 
-def check_optimizer(console: Console, job, model, strategy: str, plan: Plan, servers: int, lr: float) -> None:
+def check_optimizer(say: Callable[[str], None], job, model, strategy: str, plan: Plan, servers: int, lr: float) -> None:
     """Refuse (ValueError, one line naming the fix) an optimizer the parameter servers of
     ``hybrid``/``ps`` cannot apply to the tables they would serve (strategies/runtimes/hybrid/shard.py:
     SGD, Adagrad, Adam, AdamW); under ``allreduce-sparse`` say which tables' optimizer has no
@@ -97,12 +95,11 @@ def check_optimizer(console: Console, job, model, strategy: str, plan: Plan, ser
         tables = [f"{n}.weight" if n else "weight" for n, _ in embedding_tables(model)]
         dense = [n for n, _ in dense_before_step(opt, [(n, named[n]) for n in tables])]
         if dense:
-            console.print(f"hpar: {type(opt).__name__} takes no sparse gradients: {', '.join(dense[:3])}"
-                          f"{', ...' if len(dense) > 3 else ''} exchanged sparse, made dense before each step",
-                          markup=False)
+            say(f"hpar: {type(opt).__name__} takes no sparse gradients: {', '.join(dense[:3])}"
+                f"{', ...' if len(dense) > 3 else ''} exchanged sparse, made dense before each step")
 
 
-def cache_settings(console: Console, job, model, strategy: str, asked: str, plan: Plan, staleness: int | None,
+def cache_settings(say: Callable[[str], None], job, model, strategy: str, asked: str, plan: Plan, staleness: int | None,
                    cache_rows: float | None, batch_size: int, gpus: int) -> tuple[int | None, float, Plan]:
     """``(staleness, cache_rows, plan)`` of the run's hot-row caches (strategies/runtimes/hybrid/cache.py):
     the flags', else those of a plan file made with ``--staleness`` (``plan.cache``), else
@@ -117,8 +114,8 @@ def cache_settings(console: Console, job, model, strategy: str, asked: str, plan
     if staleness is None:
         return None, 0.0, plan
     if not strategy_spec(strategy).servers or (asked == "auto" and not given):
-        console.print(f"hpar: --staleness {staleness}: the plan runs {strategy} without hot-row caches (predicted at "
-                      "least as fast), so the flag is dropped", markup=False)
+        say(f"hpar: --staleness {staleness}: the plan runs {strategy} without hot-row caches (predicted at "
+            "least as fast), so the flag is dropped")
         return None, 0.0, plan
     from hpar.strategies.specs.servers_spec import CacheConfig
     cache = CacheConfig(float(cache_rows or 0.0), staleness)
@@ -134,6 +131,6 @@ def cache_settings(console: Console, job, model, strategy: str, asked: str, plan
         given = plan_cache(hot, {n: int(params[n].shape[0]) for n in hot}, cache, gpus, served)
     plan = dataclasses.replace(plan, cache={**given, "staleness": staleness, "rows": cache.rows})
     rows = f"{cache.rows:g} rows" if cache.rows >= 1 else f"{(cache.rows or 0.1):.0%} of the rows"
-    console.print(f"hpar: hot-row caches: {rows} of each served table on every worker, reads up to {staleness} "
-                  f"update(s) stale; predicted hit rate {plan.cache.get('predicted_hit_rate', 0):.0%}", markup=False)
+    say(f"hpar: hot-row caches: {rows} of each served table on every worker, reads up to {staleness} "
+        f"update(s) stale; predicted hit rate {plan.cache.get('predicted_hit_rate', 0):.0%}")
     return staleness, cache.rows, plan

@@ -25,8 +25,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, replace
-
-from rich.console import Console
+from typing import Callable
 
 from hpar.strategies.plan.costmodel_compress import is_compressed_row
 from hpar.strategies.specs.decision import Plan
@@ -135,10 +134,12 @@ def _ordinal(n: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(n, f"#{n}")
 
 
-def run_trials(console: Console, cfg, cands: list[tuple[str, float]], steps: int, resolve_for, launch) -> list[Trial]:
-    """Run each candidate for ``WARMUP + steps`` steps: ``resolve_for(strategy, plan_file,
-    run_dir, steps)`` gives its (config, options, rendezvous address) as ``hpar run`` would,
-    ``launch`` runs it; its output goes to its trial directory's ``output.txt``."""
+def run_trials(say: Callable[[str], None], cfg, cands: list[tuple[str, float]], steps: int, resolve_for,
+               launch) -> list[Trial]:
+    """Run each candidate for ``WARMUP + steps`` steps: ``resolve_for(out, strategy, plan_file,
+    run_dir, steps, True)`` gives its (config, options, rendezvous address) as ``hpar run`` would,
+    ``launch(cfg, opts, out, master)`` runs it; ``out``, the text file its output goes to, is its
+    trial directory's ``output.txt``. One line per trial goes to ``say``."""
     trials = []
     for strategy, predicted in cands:
         directory = os.path.join(cfg.run_dir, "trials", strategy)
@@ -150,25 +151,23 @@ def run_trials(console: Console, cfg, cands: list[tuple[str, float]], steps: int
         with open(plan_file, "w", encoding="utf-8") as f:
             json.dump({k: v for k, v in plan.to_dict().items() if k not in ("alternatives", "tuning")}, f)
         with open(os.path.join(directory, "output.txt"), "w", encoding="utf-8") as out:
-            quiet = Console(file=out, soft_wrap=True)
             start = time.monotonic()
             try:
-                tcfg, topts, master = resolve_for(quiet, strategy, plan_file, os.path.join(directory, "run"),
+                tcfg, topts, master = resolve_for(out, strategy, plan_file, os.path.join(directory, "run"),
                                                   WARMUP + steps, True)
-                outcome = launch(tcfg, replace(topts, live=False, max_restarts=0, min_hosts=0), quiet, master)
+                outcome = launch(tcfg, replace(topts, live=False, max_restarts=0, min_hosts=0), out, master)
             except ValueError as exc:
-                quiet.print(f"hpar: {exc}", markup=False)
+                out.write(f"hpar: {exc}\n")
                 trials.append(Trial(strategy, predicted, wall_s=time.monotonic() - start, exit_code=2))
                 continue
         s = outcome.summary or {}
         trial = Trial(strategy, predicted, s.get("step_s_p50", math.nan), s.get("step_s_p90", math.nan),
                       s.get("samples_per_s", 0.0), time.monotonic() - start, outcome.exit_code, steps)
         trials.append(trial)
-        console.print(f"hpar: trial {strategy}: predicted {predicted * 1e3:.1f} ms/step, measured "
-                      f"{trial.step_s_p50 * 1e3:.1f} ms (p90 {trial.step_s_p90 * 1e3:.1f}), "
-                      f"{trial.samples_per_s:,.0f} samples/s" if outcome.exit_code == 0 else
-                      f"hpar: trial {strategy}: ended with exit code {outcome.exit_code} (see {directory}/output.txt)",
-                      markup=False)
+        say(f"hpar: trial {strategy}: predicted {predicted * 1e3:.1f} ms/step, measured "
+            f"{trial.step_s_p50 * 1e3:.1f} ms (p90 {trial.step_s_p90 * 1e3:.1f}), "
+            f"{trial.samples_per_s:,.0f} samples/s" if outcome.exit_code == 0 else
+            f"hpar: trial {strategy}: ended with exit code {outcome.exit_code} (see {directory}/output.txt)")
     return trials
 
 
@@ -180,29 +179,30 @@ def record(trials: list[Trial], chosen: str, reason: str, note: str) -> dict:
             "chosen": chosen, "reason": reason, "trial_s": sum(t.wall_s for t in trials), **({"note": note} if note else {})}
 
 
-def tune(console: Console, cfg, opts, master: str, mode: str, steps: int, resolve_for, launch):
+def tune(say: Callable[[str], None], cfg, opts, master: str, mode: str, steps: int, resolve_for, launch):
     """The run to start after ``--tune``'s trials (module docstring): ``cfg``, ``opts``,
     ``master`` as ``hpar run`` resolved them for the planner's choice, or those of the
     strategy that measured faster; its plan records the trials under ``tuning``.
-    ``resolve_for(console, strategy, plan_file, run_dir, steps, trial)`` resolves a candidate
+    ``resolve_for(out, strategy, plan_file, run_dir, steps, trial)`` resolves a candidate
     as ``hpar run --plan plan_file`` would (``trial``: a short run without evaluation or
-    checkpoints); ``launch(cfg, opts, console, master)`` runs one."""
+    checkpoints; ``out``: the text file a trial's output goes to, None for the run's own
+    output); ``launch(cfg, opts, out, master)`` runs one; ``say`` prints one line."""
     cands = candidates(cfg.plan)
     n, note = trial_steps(mode, steps, cfg.steps, cands)
     if note:
-        console.print(f"hpar: --tune: {note}", markup=False)
+        say(f"hpar: --tune: {note}")
     if n == 0:
         return cfg, opts, master
-    console.print(f"hpar: --tune: a {WARMUP}+{n}-step trial of each of {', '.join(s for s, _ in cands)} "
-                  "(the cost model's best and those within 2x of it)", markup=False)
+    say(f"hpar: --tune: a {WARMUP}+{n}-step trial of each of {', '.join(s for s, _ in cands)} "
+        "(the cost model's best and those within 2x of it)")
     claim(cfg.run_dir, opts.group_readable)   # the run's own directory, marked before the trials write into it
-    trials = run_trials(console, cfg, cands, n, resolve_for, launch)
+    trials = run_trials(say, cfg, cands, n, resolve_for, launch)
     chosen, reason = choose(trials)
-    console.print(f"hpar: --tune chose {reason} (trials: {sum(t.wall_s for t in trials):.0f} s)", markup=False)
+    say(f"hpar: --tune chose {reason} (trials: {sum(t.wall_s for t in trials):.0f} s)")
     tuning = record(trials, chosen, reason, note)
     if chosen != planned_name(cfg.plan):
         plan_file = os.path.join(cfg.run_dir, "trials", chosen, "plan.json")
-        cfg, opts, master = resolve_for(console, chosen, plan_file, cfg.run_dir, cfg.steps, False)
+        cfg, opts, master = resolve_for(None, chosen, plan_file, cfg.run_dir, cfg.steps, False)
     return cfg.replace(plan=replace(cfg.plan, tuning=tuning)), opts, master
 
 

@@ -6,16 +6,12 @@ The profile decides most of what can run (memory, the optimizer rule the servers
 a pipeline's split); what it cannot see is checked here on the model itself, with the same
 functions ``hpar run`` calls before start: the parameters a parameter server would serve
 must each be in a param group of the user's ``optimizer()`` with a rule the servers can run
-(launcher/run/strategy_settings.check_optimizer), and a ``torch.compile(fullgraph=True)``
+(strategies/plan/strategy_settings.check_optimizer), and a ``torch.compile(fullgraph=True)``
 model cannot serve a table (strategies/runtimes/hybrid/embedding.check_fullgraph). A candidate that
 fails is listed as not runnable, its note the refusal's line, and the planner chooses again
 without it.
 """
 from __future__ import annotations
-
-import io
-
-from rich.console import Console
 
 from hpar.strategies.plan.costmodel_compress import is_compressed_row
 from hpar.strategies.specs.decision import Plan
@@ -38,7 +34,7 @@ def refusal(job, model, strategy: str, plan: Plan) -> str:
     inner = inner_module(model)
     try:
         check_fullgraph(model, placement(inner, strategy, plan))
-        check_optimizer(Console(file=io.StringIO()), job, inner, strategy, plan, max(plan.servers, 1), CHECK_LR)
+        check_optimizer(lambda _: None, job, inner, strategy, plan, max(plan.servers, 1), CHECK_LR)
     except ValueError as exc:
         why = str(exc)
         prefix = f"{job.path}: --strategy {strategy}: "
