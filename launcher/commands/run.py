@@ -276,7 +276,7 @@ def resolve(console: Console, flags: Flags):
             if note:
                 console.print(note, markup=False)
         # auto with --compress: the compression the planner chose (strategies/plan/compress_setting.py)
-        compress = compress_setting.from_plan(lambda m: console.print(m, markup=False), compress, plan)
+        compress = compress_setting.from_plan(say, compress, plan)
         cfg = RunConfig(
             script=job.path, strategy=strategy, world_size=gpus, steps=pick(steps, "steps"), batch_size=bs,
             lr=pick(lr, "lr"), seed=pick(seed, "seed"), run_dir=os.path.abspath(run_dir or default_run_dir()),
