@@ -65,6 +65,32 @@ def test_without_ray_hosts_ray_is_one_line(tmp_path):
     assert out.stderr.strip().splitlines() == ["hpar: --hosts ray: Ray is not installed here; pip install 'hpar[ray]'"]
 
 
+def _node(ip, cpus=2.0, gpus=0, alive=True):
+    res = {"CPU": cpus, "memory": 8e9, f"node:{ip}": 1.0, **({"GPU": float(gpus)} if gpus else {})}
+    return {"Alive": alive, "NodeManagerAddress": ip, "Resources": res, "NodeID": ip.replace(".", "")}
+
+
+def test_the_node_table_becomes_hosts_and_bundles_pin_processes_to_them():
+    """Dead nodes and nodes without CPUs run nothing; a GPU node has a slot per GPU, a CPU node
+    one; the launcher's node first, then by address; a rank reserves a GPU (or a CPU), a server
+    only its node."""
+    from hpar.launcher.hosts.ray_nodes import node_hosts
+    from hpar.launcher.procs.local import ProcessSpec
+    from hpar.launcher.procs.ray_actor import bundle
+    nodes = [_node("10.0.0.10"), _node("10.0.0.9", gpus=4), _node("10.0.0.2", cpus=0), _node("10.0.0.3", alive=False),
+             _node("10.0.0.11")]
+    hosts = node_hosts(nodes, here="10.0.0.11")
+    assert [(h.name, h.slots, h.gpus) for h in hosts] == [("10.0.0.11", 1, 0), ("10.0.0.9", 4, 4), ("10.0.0.10", 1, 0)]
+    assert not any(h.is_local for h in hosts)
+    rank = ProcessSpec("worker", 0, "10.0.0.9", ("python",))
+    server = ProcessSpec("server", 0, "10.0.0.10", ("python",))
+    assert bundle(rank, hosts[1]) == {"node:10.0.0.9": 0.001, "GPU": 1.0}
+    assert bundle(ProcessSpec("rank", 1, "10.0.0.11", ("python",)), hosts[0]) == {"node:10.0.0.11": 0.001, "CPU": 1.0}
+    assert bundle(server, hosts[2]) == {"node:10.0.0.10": 0.001}
+    with pytest.raises(ValueError, match="no alive node with CPUs"):
+        node_hosts([_node("10.0.0.3", alive=False)])
+
+
 @pytest.fixture(scope="module")
 def profiled(cluster, tmp_path_factory):
     """``hpar profile --hosts ray`` on the head node: (exit code, output, the plan file), the plan

@@ -68,6 +68,7 @@ class RayRun:
         self._agents: list = []
         self._lock = threading.Lock()
         self.released = False
+        self._failed: str | None = None   # why the placement failed: the other processes' starts say it at once
 
     def _ray(self):
         from hpar.launcher.hosts.ray_nodes import import_ray
@@ -79,8 +80,8 @@ class RayRun:
         with self._lock:
             if self._pg is not None:
                 return self._pg
-            if self.released:
-                raise RuntimeError("the run is being stopped")
+            if self.released or self._failed:
+                raise RuntimeError(self._failed or "the run is being stopped")
             ray = self._ray()
             from ray.util.placement_group import placement_group, remove_placement_group
             pg = placement_group(self.bundles, strategy="PACK", name=f"hpar-{os.getpid()}-{id(self):x}")
@@ -92,9 +93,10 @@ class RayRun:
                 for b in self.bundles:
                     for key, value in b.items():
                         wanted[key] = wanted.get(key, 0.0) + value
-                raise RuntimeError(f"Ray could not place the run's {len(self.bundles)} processes within "
-                                   f"{PLACE_TIMEOUT_S:.0f} s (HPAR_RAY_PLACE_TIMEOUT); they need "
-                                   f"{json.dumps(wanted)}: free them or add nodes (`ray status`)") from None
+                self._failed = (f"Ray could not place the run's {len(self.bundles)} processes within "
+                                f"{PLACE_TIMEOUT_S:.0f} s (HPAR_RAY_PLACE_TIMEOUT); they need "
+                                f"{json.dumps(wanted)}: free them or add nodes (`ray status`)")
+                raise RuntimeError(self._failed) from None
             self._pg = pg
             return pg
 
