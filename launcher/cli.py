@@ -28,7 +28,8 @@ def main() -> None:
 @main.command()
 @click.argument("script", required=False, type=click.Path(dir_okay=False))
 @click.option("--gpus", type=int, default=None, help="Number of workers (GPUs, or CPU processes without CUDA). Default 1.")
-@click.option("--hosts", default=None, help="Host file or inline list 'a:2,b:2'; default this machine only.")
+@click.option("--hosts", default=None, help="Host file or inline list 'a:2,b:2', or ray / ray://HEAD:10001 (a Ray cluster's nodes); "
+              "default this machine only.")
 @click.option("--strategy", type=click.Choice(("auto",) + STRATEGIES), default="auto", show_default=True,
               help="auto: profile the model and take the planner's choice.")
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False), default=None, help="Run a plan written by `hpar profile --plan-out`.")

@@ -189,8 +189,9 @@ def bench(scripts, **given):
         if link_queue != "fifo" and not n_emulated:
             raise ValueError(f"--link-queue {link_queue} shapes emulated links: use it with --hosts emulate:H or --scale")
         if n_emulated is None and hosts:
-            from hpar.launcher.hosts.hostfile import parse_hosts, place_workers
-            place_workers(list(parse_hosts(hosts)), gpus)
+            from hpar.launcher.hosts.hostfile import place_workers
+            from hpar.launcher.hosts.ray_nodes import cluster_hosts
+            place_workers(list(cluster_hosts(hosts)), gpus)
         from hpar.strategies.plan.capacity import from_flags
         capacity = from_flags(worker_memory, server_memory)
         emulated = EmulatedCluster(n_emulated, gpus, bw, link_queue) if n_emulated else None

@@ -25,7 +25,8 @@ def resolve(console: Console, script: str, args: tuple, flags, run_dir: str | No
     SSH, --env, --sync)."""
     gpus, hosts = flags.gpus, flags.hosts
     from hpar.launcher.hosts.environ import describe, parse_env_flags
-    from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
+    from hpar.launcher.hosts.hostfile import place_workers, total_slots
+    from hpar.launcher.hosts.ray_nodes import cluster_hosts, describe as describe_ray, is_ray
     from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
     from hpar.launcher.run.rundir import default_run_dir
     from hpar.launcher.run.runner import LaunchOptions
@@ -38,7 +39,10 @@ def resolve(console: Console, script: str, args: tuple, flags, run_dir: str | No
     extra_env = parse_env_flags(flags.env)
     if max_restarts < 0:
         raise ValueError("--max-restarts must not be negative")
-    host_list = tuple(parse_hosts(hosts)) if hosts else ()
+    host_list = tuple(cluster_hosts(hosts)) if hosts else ()   # a Ray cluster's nodes for --hosts ray
+    ray = is_ray(host_list)
+    if ray:
+        console.print(f"hpar: {describe_ray(list(host_list))}", markup=False)
     slurm = not host_list and in_allocation()
     if slurm:
         host_list = tuple(allocation_hosts())
@@ -62,11 +66,14 @@ def resolve(console: Console, script: str, args: tuple, flags, run_dir: str | No
         from hpar.launcher.hosts.preflight import resolve_master
         master = resolve_master(place_workers(list(host_list), gpus))
         console.print(f"hpar: {describe(extra_env)}", markup=False)
+    elif ray:   # rank 0's node as Ray reports it
+        master = place_workers(list(host_list), gpus)[0].name
+        console.print(f"hpar: {describe(extra_env)}", markup=False)
     elif host_list and (flags.ssh_local or any(not h.is_local for h in host_list)):
         from hpar.launcher.hosts.remote import prepare_remote
         ssh_opts, master = prepare_remote(console, host_list, run, flags, env=extra_env)
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, max_restarts=max_restarts, live=False if plain else None,
-                         sync=flags.sync, env=extra_env, slurm=slurm)
+                         sync=flags.sync, env=extra_env, slurm=slurm, ray=ray)
     return run, opts, master
 
 
@@ -75,7 +82,8 @@ def resolve(console: Console, script: str, args: tuple, flags, run_dir: str | No
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--gpus", type=int, default=None, help="Processes (default: every slot of --hosts or of the Slurm allocation, else 1).")
-@click.option("--hosts", default=None, help="Host file or inline list 'a:2,b:2'; default this machine (or the Slurm allocation).")
+@click.option("--hosts", default=None, help="Host file or inline list 'a:2,b:2', or ray / ray://HEAD:10001 (a Ray cluster's "
+              "nodes); default this machine (or the Slurm allocation).")
 @click.option("--run-dir", default=None, help="Run directory for logs and the summary (default runs/<timestamp>); "
               "a new or empty one, made readable by you only.")
 @click.option("--group-readable", is_flag=True, help="Make a new run directory readable (never writable) by your group: "

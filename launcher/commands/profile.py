@@ -144,7 +144,7 @@ def _capacity(cluster) -> str:
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.option("--gpus", type=int, default=None, help="Workers to plan for (default: every slot of --hosts or of the Slurm allocation, else 1).")
 @click.option("--hosts", default=None, help="Host file, inline 'a:2,b:2', HxG (H hosts of G GPUs) for a projection, "
-                                          "or emulate:H (hpar bench's emulated hosts).")
+                                          "emulate:H (hpar bench's emulated hosts), or ray / ray://HEAD:10001 (a Ray cluster's nodes).")
 @click.option("--servers", type=int, default=None, help="Parameter servers (default one per host).")
 @click.option("--bandwidth", default=None, help="Link bandwidth, e.g. 10Gbps, 25GB/s (default: measured on this machine).")
 @click.option("--latency", default=None, help=f"Per-message latency, e.g. 50us, 1ms (default: measured, else {DEFAULT_LATENCY}).")

@@ -9,7 +9,8 @@ import os
 from rich.console import Console
 
 from hpar.launcher.hosts.environ import describe as describe_env, parse_env_flags
-from hpar.launcher.hosts.hostfile import parse_hosts, place_workers, total_slots
+from hpar.launcher.hosts.hostfile import place_workers, total_slots
+from hpar.launcher.hosts.ray_nodes import cluster_hosts, describe as describe_ray, is_ray
 from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
 from hpar.launcher.run.device_choice import choose_devices, describe, local_gpus
@@ -168,7 +169,9 @@ def resolve(console: Console, flags: Flags):
             script, run_dir, resume_dir = reshaped.script, reshaped.run_dir, None
             strategy = reshaped.strategy if strategy == "auto" and not plan_file else strategy
             servers = servers if servers is not None or strategy != reshaped.strategy else (reshaped.servers or None)
-    host_list = tuple(parse_hosts(hosts)) if hosts else ()
+    host_list = tuple(cluster_hosts(hosts)) if hosts else ()   # a Ray cluster's nodes for --hosts ray
+    if ray := is_ray(host_list):
+        console.print(f"hpar: {describe_ray(list(host_list))}", markup=False)
     remote_ready = None   # (SSHOptions, rendezvous address) once the preflight passed
     extra_env = parse_env_flags(h.env)
     slurm = not host_list and in_allocation()
@@ -202,7 +205,7 @@ def resolve(console: Console, flags: Flags):
             raise ValueError(f"--gpus must be at least 1, got {gpus}")
         if host_list:
             place_workers(list(host_list), gpus)
-        if host_list and not slurm:   # names and SSH ports at once, in seconds, before a minute of profiling
+        if host_list and not slurm and not ray:   # names and SSH ports at once, in seconds, before a minute of profiling
             from hpar.launcher.hosts.reach import check_reachable
             from hpar.launcher.hosts.remote import ssh_options
             ssh_options(ssh_key=h.ssh_key, ssh_port=h.ssh_port)   # the flags first: a missing key file, a bad port
@@ -319,7 +322,7 @@ def resolve(console: Console, flags: Flags):
     if resume_dir:
         check_run_dir(cfg.run_dir, "--resume")
     ssh_opts, master = None, "127.0.0.1"
-    if slurm:
+    if slurm or ray:   # rank 0's host (on Ray: its node's address as Ray reports it, never the driver's)
         from hpar.launcher.hosts.preflight import resolve_master
         master = resolve_master(place_workers(list(host_list), cfg.world_size))
         console.print(f"hpar: {describe_env(extra_env)}", markup=False)
@@ -330,6 +333,7 @@ def resolve(console: Console, flags: Flags):
         seen = getattr(ssh_opts, "gpus", None) or {}
         if slurm and os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():   # Slurm's count for every node
             seen = {h.name: int(os.environ["SLURM_GPUS_ON_NODE"]) for h in host_list}
+        seen = {h.name: h.gpus for h in host_list} if ray else seen   # the GPUs Ray reports per node
         hosts_used = place_workers(list(host_list), cfg.world_size) if host_list else []
         rows = [(n, sum(1 for h in hosts_used if h.name == n), seen.get(n, local_gpus()))
                 for n in dict.fromkeys(h.name for h in hosts_used)] or [("localhost", cfg.world_size, local_gpus())]
@@ -344,6 +348,6 @@ def resolve(console: Console, flags: Flags):
                        profile)   # predicted peaks vs memory
     opts = LaunchOptions(hosts=host_list, ssh=ssh_opts, stall_timeout=stall_timeout, phase_timeout=phase_timeout,
                          max_restarts=max_restarts, group_readable=r.group_readable,
-                         live=False if r.plain else None, sync=h.sync, env=extra_env, slurm=slurm,
+                         live=False if r.plain else None, sync=h.sync, env=extra_env, slurm=slurm, ray=ray,
                          unused_restart=(find_unused_parameters or job.defaults.get("find_unused_parameters")) != "off")
     return cfg, opts, master

@@ -26,9 +26,10 @@ def describe_exit(code: int, signal_seen: int | None) -> str:
     return f"exit code {code}"
 
 
-def lost_host(host: str) -> str:
-    """The failure of a process whose host stopped answering (its SSH connection broke)."""
-    return (f"lost the connection to its host {host} (link or host down, or sshd gone); its processes "
+def lost_host(host: str, how: str | None = None) -> str:
+    """The failure of a process whose host stopped answering (its SSH connection broke, or
+    ``how`` it was lost: a Ray node whose actor stopped answering)."""
+    return (f"lost the connection to its host {host} ({how or 'link or host down, or sshd gone'}); its processes "
             "there stop by themselves (guard heartbeat)")
 
 

@@ -34,21 +34,21 @@ def build_cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, devic
 def _all_local(hosts) -> bool:
     """Whether every host of ``--hosts`` is this machine (no flag: yes; emulated hosts share it)."""
     from hpar.launcher.hosts.emulated import parse_emulate
-    from hpar.launcher.hosts.hostfile import parse_hosts
+    from hpar.launcher.hosts.ray_nodes import cluster_hosts
     from hpar.launcher.hosts.slurm import in_allocation
     if not hosts:
         return not in_allocation()
     if parse_emulate(hosts):
         return True
     try:
-        return all(h.is_local for h in parse_hosts(hosts))
+        return all(h.is_local for h in cluster_hosts(hosts))
     except ValueError:   # HxG: a projection
         return False
 
 
 def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem_gbps=None, measured_on=None):
     """build_cluster without the memory capacity."""
-    from hpar.launcher.hosts.hostfile import parse_hosts
+    from hpar.launcher.hosts.ray_nodes import cluster_hosts
     from hpar.strategies.plan.cluster import make_cluster, parse_bandwidth, parse_latency
     from hpar.strategies.plan.probe import probe_link
     from hpar.strategies.specs.registry import HYBRID
@@ -61,7 +61,7 @@ def _cluster(gpus, hosts, servers, bandwidth, latency, device_tflops, device_mem
                              "(they project to a device you do not have)")
         return _emulated_cluster(emulated, gpus, servers, bandwidth, latency)
     # inside a Slurm allocation the hosts and their slots come from Slurm unless --hosts is given
-    host_list = parse_hosts(hosts) if hosts else (allocation_hosts() if in_allocation() else [])
+    host_list = cluster_hosts(hosts) if hosts else (allocation_hosts() if in_allocation() else [])
     if device_tflops is not None and device_tflops <= 0:
         raise ValueError(f"--device-tflops must be positive, got {device_tflops}")
     if device_mem_gbps is not None and device_mem_gbps <= 0:

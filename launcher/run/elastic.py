@@ -74,8 +74,8 @@ def with_min_hosts(opts, min_hosts: int):
         raise ValueError(f"--min-hosts must not be negative, got {min_hosts}")
     if opts.max_restarts < 1:
         raise ValueError(f"--min-hosts {min_hosts} applies to restarts: add --max-restarts N")
-    if not opts.hosts or opts.ssh is None:
-        raise ValueError(f"--min-hosts {min_hosts} needs hosts reached over SSH (--hosts)")
+    if not opts.hosts or (opts.ssh is None and not getattr(opts, "ray", False)):
+        raise ValueError(f"--min-hosts {min_hosts} needs hosts reached over SSH (--hosts) or a Ray cluster (--hosts ray)")
     if min_hosts > len(opts.hosts):
         raise ValueError(f"--min-hosts {min_hosts}: only {len(opts.hosts)} host(s) given")
     return replace(opts, min_hosts=min_hosts)

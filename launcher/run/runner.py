@@ -44,6 +44,7 @@ class LaunchOptions:
     min_hosts: int = 0                       # --min-hosts: restarts go on with the hosts that answer (launcher/run/elastic.py)
     group_readable: bool = False             # --group-readable: a new run directory is made 0750, not 0700
     unused_restart: bool = True              # a DDP step left a parameter unused: restart with find_unused_parameters on
+    ray: bool = False                        # --hosts ray: processes start as Ray actors (launcher/procs/ray_actor.py)
 
 
 def placement(cfg: RunConfig, hosts: tuple[Host, ...]) -> tuple[list[Host], list[Host]]:
@@ -90,6 +91,9 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
     if opts.slurm:
         from hpar.launcher.procs.srun import SrunStep
         return SrunStep(specs, lines, rundir.path, python=python, env=opts.env).processes
+    if opts.ray:
+        from hpar.launcher.procs.ray_actor import RayRun
+        return RayRun(specs, lines, by_name).processes
     for spec in specs:
         remote = opts.ssh is not None and (not by_name[spec.host].is_local or getattr(opts.ssh, "force_ssh", False))
         if remote:
@@ -101,13 +105,18 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
 
 
 def _elastic(cfg: RunConfig, opts: LaunchOptions, master: str, console: Console, attempt: int,
-             elastic: list[dict]) -> tuple[RunConfig, LaunchOptions, str, bool]:
+             elastic: list[dict], lost: set) -> tuple[RunConfig, LaunchOptions, str, bool]:
     """Before restart ``attempt`` with ``--min-hosts``: check the hosts again and go on with
-    those that answer (launcher/run/elastic.py); returns the restart's config, options and
-    rendezvous address, and whether to restart at all."""
+    those that answer (launcher/run/elastic.py; on a Ray cluster: its alive nodes less those
+    ``lost`` in the attempt); returns the restart's config, options and rendezvous address, and
+    whether to restart at all."""
     from hpar.launcher.hosts.preflight import preflight, resolve_master
-    report = preflight(list(opts.hosts), cfg.script, opts.ssh, 0)
-    answering = {row.host: row.problem for row in report.rows}
+    if opts.ray:
+        from hpar.launcher.hosts.ray_nodes import gone
+        answering = {name: why or ("lost during the run" if name in lost else "") for name, why in gone(opts.hosts).items()}
+    else:
+        report = preflight(list(opts.hosts), cfg.script, opts.ssh, 0)
+        answering = {row.host: row.problem for row in report.rows}
     if not any(answering.values()):
         return cfg, opts, master, True
     plan = shrink(cfg, opts.hosts, answering, opts.min_hosts)
@@ -133,6 +142,13 @@ def _unused_restart(cfg: RunConfig, outcome, console: Console) -> RunConfig:
     return cfg.replace(find_unused_parameters=True, resume=step is not None)
 
 
+def release(procs) -> None:
+    """Remove what an engine holds for an attempt's processes: the placement group and actors of
+    a Ray run (launcher/procs/ray_actor.py); nothing for the other hosts."""
+    for run in {id(p.run): p.run for p in procs if hasattr(getattr(p, "run", None), "release")}.values():
+        run.release()
+
+
 def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = "127.0.0.1") -> Outcome:
     """Run ``cfg`` to the end (with up to ``opts.max_restarts`` restarts from the last
     checkpoint). Writes RUN_DIR/summary.json with ``exit_code`` in every case."""
@@ -156,13 +172,16 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                 console.print(f"hpar: {rdv.describe()}", markup=False)
                 procs = _processes(cfg, rundir, replace(opts, env={**rdv.env, **opts.env}), lines, master, rdv.port)
                 labels = [(p.spec.label, p.spec.host) for p in procs]
-                with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
-                    sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
-                    hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event),
-                                                 peaks.on_event(proc, event))
-                    sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
-                                     total_steps=cfg.steps, on_event=hooks, phase_timeout=opts.phase_timeout)
-                    outcome = sup.run()
+                try:
+                    with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
+                        sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
+                        hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event),
+                                                     peaks.on_event(proc, event))
+                        sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
+                                         total_steps=cfg.steps, on_event=hooks, phase_timeout=opts.phase_timeout)
+                        outcome = sup.run()
+                finally:
+                    release(procs)   # a Ray attempt's placement group and actors, on every path
             checkpoint.remove_temp_files(rundir.path)
             used_ports.add(rdv.port)
             if outcome.exit_code != 0 and not rdv.hosted and port_taken(rundir, procs) and len(used_ports) <= MAX_PORT_RETRIES:
@@ -179,8 +198,9 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             if outcome.exit_code == 0 or interrupted or refused or attempt >= opts.max_restarts:
                 break
             attempt += 1
-            if opts.min_hosts and opts.ssh is not None and opts.hosts:
-                cfg, opts, master, go_on = _elastic(cfg, opts, master, console, attempt, elastic)
+            if opts.min_hosts and (opts.ssh is not None or opts.ray) and opts.hosts:
+                lost = {p.spec.host for p in procs if p.host_lost}
+                cfg, opts, master, go_on = _elastic(cfg, opts, master, console, attempt, elastic, lost)
                 if not go_on:
                     break
             try:

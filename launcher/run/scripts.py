@@ -25,6 +25,7 @@ from hpar.launcher.procs.local import LocalProcess, ProcessSpec
 from hpar.launcher.run.progress import Progress
 from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_host_local, port_taken
 from hpar.launcher.run.rundir import RunDir
+from hpar.launcher.run.runner import release
 from hpar.launcher.run.supervisor import Outcome, Supervisor
 from hpar.strategies.state.checkpoint import atomic_write_bytes
 
@@ -72,6 +73,9 @@ def _processes(specs: list[ProcessSpec], opts, rundir: RunDir, lines: "queue.Que
         from hpar.launcher.procs.srun import SrunStep
         return SrunStep(specs, lines, rundir.path, env=opts.env).processes
     by_name = {h.name: h for h in opts.hosts}
+    if getattr(opts, "ray", False):
+        from hpar.launcher.procs.ray_actor import RayRun
+        return RayRun(specs, lines, by_name).processes
     procs = []
     for spec in specs:
         remote = opts.ssh is not None and (not by_name[spec.host].is_local or opts.ssh.force_ssh)
@@ -101,8 +105,11 @@ def run_script(run: ScriptRun, opts, console: Console, master: str = "127.0.0.1"
                 for spec in specs:
                     spec.env.update({k: v for k, v in {**rdv.env, **opts.env}.items() if k not in spec.env})
                 procs = _processes(specs, opts, rundir, lines)
-                with Progress([(p.spec.label, p.spec.host) for p in procs], 0, live=opts.live, console=console) as progress:
-                    outcome = Supervisor(procs, lines, rundir, progress, 0.0, opts.grace).run()
+                try:
+                    with Progress([(p.spec.label, p.spec.host) for p in procs], 0, live=opts.live, console=console) as progress:
+                        outcome = Supervisor(procs, lines, rundir, progress, 0.0, opts.grace).run()
+                finally:
+                    release(procs)   # a Ray attempt's placement group and actors
             used_ports.add(rdv.port)
             if outcome.exit_code != 0 and not rdv.hosted and port_taken(rundir, procs) and len(used_ports) <= MAX_PORT_RETRIES:
                 console.print(f"hpar: rendezvous port {rdv.port} was taken (EADDRINUSE); starting again on another port",

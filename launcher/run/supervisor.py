@@ -150,7 +150,7 @@ class Supervisor:
                     self._exit_seen.setdefault(id(p), len(self._exit_seen))
                 first = min(candidates, key=lambda p: (self._blame_order(p), self._exit_seen[id(p)]))
                 if first.host_lost:   # the link, the host or its sshd: its guards stop their groups there
-                    return self._fail(first, lost_host(first.spec.host))
+                    return self._fail(first, lost_host(first.spec.host, getattr(first, "lost_how", None)))
                 return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
             if len(exited) == len(self.procs):
                 self._drain_to_end(2.0)   # the guards' last lines: what they ended outside their groups
@@ -175,7 +175,7 @@ class Supervisor:
         odd, mute = self._diagnose()
         lost = [p for p in self.procs if p.host_lost]
         if lost:   # silent because its host is cut off (found while the stacks were asked for)
-            return self._fail(lost[0], lost_host(lost[0].spec.host))
+            return self._fail(lost[0], lost_host(lost[0].spec.host, getattr(lost[0], "lost_how", None)))
         key, cause = stalled[0]
         # a silent process, or one stuck past the phase deadline in what it said it was doing, is
         # the culprit whatever the stacks show; otherwise the stacks decide
