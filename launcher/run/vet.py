@@ -4,8 +4,10 @@ refuses, and ``hpar profile`` never lists one as runnable (issue 67).
 
 The profile decides most of what can run (memory, the optimizer rule the servers can apply,
 a pipeline's split); what it cannot see is checked here on the model itself, with the same
-functions ``hpar run`` calls before start: the parameters a parameter server would serve
-must each be in a param group of the user's ``optimizer()`` with a rule the servers can run
+functions ``hpar run`` calls before start: a strategy's own ``check_model`` (torchrec: a table
+to shard, an optimizer TorchRec can fuse, no ``scheduler()``), and for parameter servers: the
+parameters a parameter server would serve must each be in a param group of the user's
+``optimizer()`` with a rule the servers can run
 (launcher/run/strategy_settings.check_optimizer), and a ``torch.compile(fullgraph=True)``
 model cannot serve a table (strategies/hybrid/embedding.check_fullgraph). A candidate that
 fails is listed as not runnable, its note the refusal's line, and the planner chooses again
@@ -26,8 +28,16 @@ CHECK_LR = 1e-3   # the optimizer's learning rate in the checks (no rule the ser
 def refusal(job, model, strategy: str, plan: Plan) -> str:
     """Why ``hpar run`` would refuse ``strategy`` under ``plan`` for ``model`` (as ``model()``
     returned it) before anything starts, as one line without the script's name; "" when it
-    would not. Only strategies with parameter servers have such checks."""
+    would not: the spec's ``check_model`` (torchrec), and the parameter servers' checks."""
     spec = strategy_spec(strategy)
+    if spec.check_model and not spec.servers:   # torchrec: its tables and the optimizer it can fuse
+        from hpar.strategies.models.forward import inner_module
+        try:
+            spec.load("check_model")(job, inner_module(model), CHECK_LR)
+        except ValueError as exc:
+            why = str(exc)
+            return why[len(f"{job.path}: "):] if why.startswith(f"{job.path}: ") else why
+        return ""
     if not spec.servers:
         return ""
     from hpar.launcher.run.strategy_settings import check_optimizer
@@ -71,10 +81,12 @@ def vetted_plan(job, profile, cluster, model=None, needs: tuple = (), **choose) 
     if refused:
         plan = choose_plan(profile, cluster, refused=refused, **choose)
     for c in plan.candidates:
-        if not c.available or not strategy_spec(c.strategy).servers:
+        spec = strategy_spec(c.strategy) if " " not in c.strategy else None   # (--compress rows are not strategies)
+        if not c.available or spec is None or not (spec.servers or spec.check_model):
             continue
         try:
-            own = plan if c.strategy == plan.strategy else choose_plan(profile, cluster, **{**choose, "force": c.strategy})
+            own = plan if c.strategy == plan.strategy or not spec.servers else \
+                choose_plan(profile, cluster, **{**choose, "force": c.strategy})
         except ValueError:
             continue   # its own plan does not fit: choose_plan says so in its note
         if model is None:

@@ -4,12 +4,14 @@ The :class:`Plan` and its :class:`Candidate` rows are typed values of
 strategies/plan/decision.py (what each field means and who reads it); ``hpar profile
 --plan-out`` writes ``Plan.to_dict()`` and the run config's ``plan`` field holds the Plan.
 A candidate whose predicted peak does not fit the cluster's memory (``--worker-memory``,
-``--server-memory``) is listed as not runnable with the one reason, and never chosen.
+``--server-memory``) is listed as not runnable with the one reason, and never chosen; so is one
+whose library this install lacks (its spec's ``check_available``: TorchRec's optional install).
 """
 from __future__ import annotations
 
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import ALLREDUCE, FSDP, HYBRID, PIPELINE, spec as strategy_spec
+from hpar.strategies.specs.torchrec_spec import SHARDINGS as TORCHREC_SHARDINGS
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.decision import Candidate, Plan
 from hpar.strategies.hybrid.cache import CacheConfig
@@ -88,6 +90,10 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
         return (f"pipeline: {_fmt_bytes(profile.total_bytes)} of parameters would cross a "
                 f"{_fmt_bytes(cluster.bandwidth_Bps)}/s link every step with data parallelism, while "
                 f"the {len(best.stages)} stages only exchange activations{vs}.")
+    if best.strategy in TORCHREC_SHARDINGS:
+        return (f"{best.strategy}: TorchRec's all-to-alls send {_fmt_bytes(best.bytes_per_step)} per worker per step "
+                f"(the ids, and the looked-up or pooled rows and their gradients, not the touched rows; "
+                f"{best.note}){vs}.")
     if best.strategy == FSDP.name:
         return (f"fsdp: each worker holds 1/{cluster.workers} of the {_fmt_bytes(profile.total_bytes)} of parameters, "
                 f"of their gradients and of the optimizer state, gathering one layer's weights at a time{vs}.")
@@ -126,6 +132,19 @@ fewer moving parts, no servers or stages) is taken."""
     top = max(e.samples_per_s for e in estimates)
     near = [e for e in estimates if e.samples_per_s >= top * (1 - TIE)]
     return min(near, key=lambda e: (strategy_spec(e.strategy).simplicity, -e.samples_per_s))
+
+
+def unavailable(name: str) -> str:
+    """Why strategy ``name`` cannot run in this install: its spec's ``check_available`` line (an
+    optional library missing or of another version: torchrec), "" when it can or has no check."""
+    spec = strategy_spec(name)
+    if not spec.check_available:
+        return ""
+    try:
+        spec.load("check_available")()
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
 def _cache_note(e: Estimate, cache: CacheConfig, asked: bool) -> str:
@@ -172,6 +191,9 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             note = _cache_note(e, shown, cache is not None) + ("; " + note if note else "")
             available = available and cache is not None
         spec = strategy_spec(e.strategy)
+        missing = unavailable(e.strategy) if available else ""
+        if missing:   # an optional library this install lacks: listed with its one line, never chosen
+            note, available = missing, False
         if spec.servers and spec.ddp and e.feasible and ON_SERVERS not in e.placement.values():
             trained = [p for p in profile.params if p.embedding_module and not p.frozen]
             why = ("every embedding table costs less on AllReduce" if trained
