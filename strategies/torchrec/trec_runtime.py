@@ -15,7 +15,8 @@ communication hook, as ``allreduce`` counts it; the all-to-all of a sharded tabl
 from the ids and bags its lookups took this step: the ids (8 bytes each) and bag lengths (8
 bytes) go to the shards' owners, the pooled rows (4 bytes x dim per bag) come back and their
 gradients return, each a fraction (N-1)/N leaving the worker; a row-wise table's pooled rows
-are partial sums from every worker (a reduce-scatter of N times the worker's bags).
+are partial sums from every worker (a reduce-scatter of N times the worker's bags); a
+column-wise table's ids go to each of the N-1 other column shards' owners.
 """
 from __future__ import annotations
 
@@ -112,6 +113,7 @@ class TorchrecStep(TrainStep):
             ddp.register_comm_hook((self.counter, ctx.world_size, groups.dense, remote), counting_allreduce_hook)
         kinds = {t.key: self._sharding(t) for t in self.tables}
         self.row_wise = {k for k, kind in kinds.items() if kind == "row_wise"}
+        self.column_wise = {k for k, kind in kinds.items() if kind == "column_wise"}
         if ctx.rank == 0:
             print("torchrec shards " + ", ".join(f"{t.module} {kinds[t.key]}" for t in self.tables), flush=True)
         self.call = UserCall(self.dmp, self.model)
@@ -130,7 +132,8 @@ class TorchrecStep(TrainStep):
             ids, bags = m.traffic
             m.traffic[0] = m.traffic[1] = 0
             pooled = bags * m.table.dim * 4 * (n if m.table.key in self.row_wise else 1)
-            total += (ids * 8 + bags * 8 + 2 * pooled) * (n - 1) / n
+            spread = n if m.table.key in self.column_wise else 1   # every column shard needs every id
+            total += ((ids * 8 + bags * 8) * spread + 2 * pooled) * (n - 1) / n
         return total
 
     def step(self, step: int) -> StepOutcome:
