@@ -16,8 +16,9 @@ O * D * e bytes (the pooled rows one worker gets back), a worker sends per step
   backward; per worker on average (N-1)/N * (ids + 2 rows), the owner's link the busiest;
 - row-wise, rows split over the N workers: a worker sends (N-1)/N of its ``ids`` to the
   rows' owners; each worker pools partial sums for every worker's bags and a reduce-scatter
-  gives each its own (N-1) * rows sent per worker), backward an all-gather of the gradients
-  (N-1) * rows: N times table-wise's rows, balanced;
+  gives each its own ((N-1) * rows sent per worker; twice that on gloo, whose reduce-scatter
+  moves an AllReduce's bytes), backward an all-gather of the gradients (N-1) * rows: N times
+  table-wise's rows, balanced;
 - column-wise, D/N columns on each worker: every worker needs every shard, so it sends its
   ``ids`` to all N-1 others, and (N-1)/N * rows forward and backward, balanced.
 
@@ -46,6 +47,10 @@ from hpar.strategies.specs.base import ON_ALLREDUCE
 from hpar.strategies.specs.torchrec_spec import SHARDINGS, TORCHREC, TORCHREC_CW, TORCHREC_RW, TORCHREC_TW
 
 LENGTH_BYTES = 8    # one int64 bag length per bag in the KeyedJaggedTensor
+# gloo's reduce-scatter moves as many bytes as an AllReduce of the whole buffer: a row-wise
+# recsys.py over 2 emulated hosts sent 1.39-1.46x the bytes counted with a plain reduce-scatter
+# on the hosts' TCP sockets (table-wise 1.03x), the extra one more copy of the pooled rows
+GLOO_REDUCE_SCATTER = 2.0
 SPARSE_ROUND_COLLECTIVES = 3   # gloo's sparse AllReduce: AllGathers of the sizes, the ids, the rows
 A2A_PER_STEP = 5    # per table: splits, lengths, ids forward (KJTAllToAll); pooled rows; their gradients
 
@@ -92,9 +97,11 @@ def _owners(tables: list[TableTraffic], n: int) -> list[int]:
     return owner
 
 
-def table_phases(t: TableTraffic, sharding: str, n: int, owner: int = 0) -> tuple[dict, list]:
+def table_phases(t: TableTraffic, sharding: str, n: int, owner: int = 0, gloo: bool = True) -> tuple[dict, list]:
     """({"ids", "rows", "grads"}: Phase, fused-update bytes per rank) of table ``t`` under
-    ``sharding`` on ``n`` ranks, ``owner`` its rank when table-wise (module docstring)."""
+    ``sharding`` on ``n`` ranks, ``owner`` its rank when table-wise (module docstring). ``gloo``
+    (CPU workers): a row-wise table's reduce-scatter moves twice its bytes, as an AllReduce of
+    the partial sums would (:data:`GLOO_REDUCE_SCATTER`)."""
     ph = {k: Phase([0.0] * n, [0.0] * n) for k in ("ids", "rows", "grads")}
     if sharding == "table_wise":
         update = [t.update if r == owner else 0.0 for r in range(n)]
@@ -109,8 +116,9 @@ def table_phases(t: TableTraffic, sharding: str, n: int, owner: int = 0) -> tupl
         return ph, update
     ids = (n - 1) / n * t.ids if sharding == "row_wise" else (n - 1) * t.ids
     rows = (n - 1) * t.rows if sharding == "row_wise" else (n - 1) / n * t.rows
+    forward = rows * (GLOO_REDUCE_SCATTER if sharding == "row_wise" and gloo else 1.0)
     for r in range(n):
-        for k, b in (("ids", ids), ("rows", rows), ("grads", rows)):
+        for k, b in (("ids", ids), ("rows", forward), ("grads", rows)):
             ph[k].sent[r] += b
             ph[k].recv[r] += b
     return ph, [t.update / n] * n
@@ -177,10 +185,11 @@ def estimate_sharding(profile: Profile, cluster: ClusterSpec, sharding: str, nam
     c = cost_setting(profile, cluster)
     tables = [table_traffic(p, c.n, profile.samples_per_batch) for p in profile.trained if p.embedding_module]
     dense = [p for p in profile.trained if not p.embedding_module]
+    gloo = cluster.device_flops is None and profile.device == "cpu"   # CPU workers: their collectives run on gloo
     owners = _owners(tables, c.n) if sharding == "table_wise" else [0] * len(tables)
     a2a, update, sent = {"ids": 0.0, "rows": 0.0, "grads": 0.0}, [0.0] * c.n, 0.0
     for t, owner in zip(tables, owners):   # one collection per table: its own all-to-alls, one after another
-        phases, upd = table_phases(t, sharding, c.n, owner)
+        phases, upd = table_phases(t, sharding, c.n, owner, gloo)
         update = [a + b for a, b in zip(update, upd)]
         for k, v in phases.items():
             a2a[k] += phase_seconds(v, c)
