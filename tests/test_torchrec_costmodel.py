@@ -145,3 +145,12 @@ def test_profile_lists_torchrec_rows_and_auto_takes_them_on_slow_links(tmp_path)
     else:
         assert not picked.startswith("torchrec")
         assert all(not mine[s]["available"] and "needs TorchRec" in mine[s]["note"] for s in rows)
+
+
+def test_auto_leaves_out_what_the_runs_settings_refuse():
+    from hpar.launcher.run.vet import unsettled
+    bf16 = (("precision", "bf16"), ("clip_grad_norm", 0.0), ("accumulate", 1))
+    assert unsettled("torchrec-tw", bf16).startswith("--precision bf16 is not supported with --strategy torchrec-tw")
+    assert "--clip-grad-norm" in unsettled("torchrec", (("precision", "fp32"), ("clip_grad_norm", 1.0)))
+    assert unsettled("torchrec-rw", (("precision", "fp32"), ("clip_grad_norm", 0.0), ("accumulate", 1))) == ""
+    assert unsettled("hybrid", bf16) == "" and unsettled("torchrec", ()) == ""

@@ -230,7 +230,9 @@ def resolve(console: Console, flags: Flags):
         from hpar.strategies.plan.memory_model import forward_passes
         resolved = dataclasses.replace(p, strategy=strategy, servers=servers,
                                        pipeline_replicas=planner_replicas(pipeline_replicas, schedule),
-                                       needs=("sync_batchnorm",) if pick(j.sync_batchnorm, "sync_batchnorm") else ())
+                                       needs=("sync_batchnorm",) if pick(j.sync_batchnorm, "sync_batchnorm") else (),
+                                       settings=tuple((k, pick(loop_flags.get(k), k))
+                                                      for k in ("precision", "clip_grad_norm", "accumulate")))
         strategy, plan, profile = plan_for(console, job, resolved, bs, hosts, gpus, (loop_flags or {}).get("precision"),
                                            capacity, CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None,
                                            forward_passes(pick(steps, "steps"), pick(loop_flags.get("accumulate"), "accumulate")))

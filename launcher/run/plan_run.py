@@ -38,7 +38,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
                             capacity=capacity)
     profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision)
     # no candidate that `hpar run` would refuse before start is chosen (launcher/run/vet.py)
-    plan = vetted_plan(job, profile, cluster, needs=flags.needs, schedule=schedule, force=force,
+    plan = vetted_plan(job, profile, cluster, needs=flags.needs, settings=flags.settings, schedule=schedule, force=force,
                        pipeline_replicas=pipeline_replicas, allow_misfit=flags.force, cache=cache, forwards=forwards)
     if force is not None:
         return plan, profile

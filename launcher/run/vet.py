@@ -16,6 +16,7 @@ without it.
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 from rich.console import Console
 
@@ -63,12 +64,29 @@ def lacking(strategy: str, needs: tuple) -> str:
     return f"--{missing[0].replace('_', '-')} does not apply to {strategy}" if missing else ""
 
 
-def vetted_plan(job, profile, cluster, model=None, needs: tuple = (), **choose) -> Plan:
+def unsettled(strategy: str, settings: tuple, schedule: str | None = None) -> str:
+    """The run setting ``strategy`` cannot honour (its spec's ``check``, as RunConfig asks it
+    before start: torchrec with ``--precision bf16``, ``--clip-grad-norm``, ``--accumulate``),
+    as one line; "" when it can. ``settings``: the run's ``(key, value)`` pairs of precision,
+    clip_grad_norm and accumulate (flags, else the script's HPAR); the others at their defaults."""
+    spec = strategy_spec(strategy)
+    if not settings or spec.check is None:
+        return ""
+    cfg = SimpleNamespace(**{"strategy": strategy, "schedule": schedule or "1f1b", "precision": "fp32",
+                             "clip_grad_norm": 0.0, "accumulate": 1, **dict(settings)})
+    try:
+        return spec.problem(cfg) or ""
+    except AttributeError:   # a check reading a setting the planner is not given: `hpar run` asks it later
+        return ""
+
+
+def vetted_plan(job, profile, cluster, model=None, needs: tuple = (), settings: tuple = (), **choose) -> Plan:
     """``choose_plan(profile, cluster, **choose)`` (strategies/plan/planner.py) where no
     runnable candidate is one :func:`refusal` refuses: each runnable candidate's own plan
     (``force``) is checked on ``model`` (built with ``job.build_model()`` when None and a
     candidate needs it), and when any is refused the planner chooses again with those marked
-    not runnable (``refused``). A forced strategy (``choose["force"]``) is returned as
+    not runnable (``refused``); so is one whose spec's ``check`` refuses the run's ``settings``
+    (:func:`unsettled`). A forced strategy (``choose["force"]``) is returned as
     planned: ``hpar run`` refuses it itself, in its own words. ``needs``: capabilities every
     candidate must have (:func:`lacking`; ``--sync-batchnorm``), the others not runnable.
     Raises ValueError as ``choose_plan`` does (no strategy left that fits)."""
@@ -76,7 +94,8 @@ def vetted_plan(job, profile, cluster, model=None, needs: tuple = (), **choose) 
     if choose.get("force") is not None:
         return choose_plan(profile, cluster, **choose)
     plan = choose_plan(profile, cluster, **choose)
-    why_not = {c.strategy: lacking(c.strategy, needs) for c in plan.candidates if needs and c.available}
+    why_not = {c.strategy: lacking(c.strategy, needs) or unsettled(c.strategy, settings, choose.get("schedule"))
+               for c in plan.candidates if (needs or settings) and c.available}
     refused = {name: why for name, why in why_not.items() if why}
     if refused:
         plan = choose_plan(profile, cluster, refused=refused, **choose)
