@@ -154,3 +154,20 @@ def test_auto_leaves_out_what_the_runs_settings_refuse():
     assert "--clip-grad-norm" in unsettled("torchrec", (("precision", "fp32"), ("clip_grad_norm", 1.0)))
     assert unsettled("torchrec-rw", (("precision", "fp32"), ("clip_grad_norm", 0.0), ("accumulate", 1))) == ""
     assert unsettled("hybrid", bf16) == "" and unsettled("torchrec", ()) == ""
+
+
+def test_a_table_fbgemm_cannot_hold_makes_every_torchrec_row_infeasible():
+    from torch import nn
+
+    from hpar.strategies.torchrec.trec_tables import table_problem
+    prof = _profile()
+    bias = ParamProfile("bias.weight", (500, 1), 500 * 4, True, 0.1, 0.2, True, 0, lookups=B, bags=B)
+    narrow = Profile(**{**prof.__dict__, "params": prof.params + (bias,)})
+    cluster = make_cluster([2], None, None, 1e9, 1e-5)
+    for est in (estimate_torchrec, estimate_torchrec_tw, estimate_torchrec_rw, estimate_torchrec_cw):
+        e = est(narrow, cluster)
+        assert not e.feasible and e.note.startswith("bias.weight is not a multiple of 4 columns wide")
+    # what hpar run refuses before start, in one line (lm.py's per-word softmax bias)
+    line = table_problem("softmax_b", nn.Embedding(10, 1), False)
+    assert line == ("--strategy torchrec: softmax_b is 1 columns wide; FBGEMM's table kernels need a multiple of 4: "
+                    "widen it or use another strategy")

@@ -44,6 +44,7 @@ from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import INDEX_BYTES, CostSetting, Estimate, cost_setting, split_tail
 from hpar.strategies.profile.records import ParamProfile, Profile
 from hpar.strategies.specs.base import ON_ALLREDUCE
+from hpar.strategies.torchrec.trec_tables import COLUMN_MULTIPLE
 from hpar.strategies.specs.torchrec_spec import SHARDINGS, TORCHREC, TORCHREC_CW, TORCHREC_RW, TORCHREC_TW
 
 LENGTH_BYTES = 8    # one int64 bag length per bag in the KeyedJaggedTensor
@@ -165,13 +166,17 @@ def collectives_fixed_s(c: CostSetting, sharding: str) -> float:
 
 
 def sharding_problem(profile: Profile) -> str:
-    """Why no TorchRec sharding can run this model ("" when one can): no trainable table,
-    or a table tied to a dense layer (the swap would untie it)."""
+    """Why no TorchRec sharding can run this model ("" when one can): no trainable table, a
+    table tied to a dense layer (the swap would untie it), or one whose width is not a multiple
+    of 4 columns (trec_tables.table_problem)."""
     if any(p.tied_to and p.sparse for p in profile.params) or any(p.tied_to for p in profile.params
                                                                    if p.embedding_module):
         return "an embedding table is tied to a dense layer; TorchRec shards one table per module"
     if not any(p.embedding_module and not p.frozen for p in profile.params):
         return "no trainable nn.Embedding/nn.EmbeddingBag table to shard"
+    narrow = [p.name for p in profile.trained if p.embedding_module and len(p.shape) > 1 and p.shape[1] % COLUMN_MULTIPLE]
+    if narrow:
+        return f"{narrow[0]} is not a multiple of {COLUMN_MULTIPLE} columns wide, which FBGEMM's table kernels need"
     return ""
 
 
