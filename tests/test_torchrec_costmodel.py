@@ -80,12 +80,13 @@ def test_auto_takes_torchrec_where_it_is_predicted_fastest_and_never_without_the
     plan = choose_plan(heavy, slow)
     assert plan.strategy.startswith("torchrec"), plan.reason
     assert "TorchRec's all-to-alls send" in plan.reason
+    assert "of torchrec." not in plan.reason   # the runner-up named is another plan, not the same one renamed
     light = _profile(bag_ids=1, rows=50)   # a tiny table: its collectives' latencies cost more than its rows
     assert not choose_plan(light, slow).strategy.startswith("torchrec")
     line = "--strategy torchrec needs TorchRec (torchrec not installed): install ..."
     monkeypatch.setattr(trec_check, "check_available", lambda: (_ for _ in ()).throw(ValueError(line)))
     missing = choose_plan(heavy, slow)
-    assert not missing.strategy.startswith("torchrec")
+    assert not missing.strategy.startswith("torchrec") and "torchrec" not in missing.reason   # not "predicted faster"
     rows = [c for c in missing.candidates if c.strategy.startswith("torchrec")]
     assert len(rows) == 4 and all(not c.available and c.note == line and c.predicted_step_s > 0 for c in rows)
 

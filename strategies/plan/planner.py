@@ -184,6 +184,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     estimates = [fitting_layout(profile, cluster, e, schedule, forwards, pipeline_replicas)
                  if strategy_spec(e.strategy).pipelined else e for e in estimates]   # the fastest K x R that fits
     candidates, ok, misfits, memory = [], [], {}, {}
+    withheld = set(refused or {})   # not installed, or refused before start: never "predicted faster" in the reason
     for e in estimates:
         note = e.note
         available = e.feasible
@@ -194,6 +195,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         missing = unavailable(e.strategy) if available else ""
         if missing:   # an optional library this install lacks: listed with its one line, never chosen
             note, available = missing, False
+            withheld.add(e.strategy)
         if spec.servers and spec.ddp and e.feasible and ON_SERVERS not in e.placement.values():
             trained = [p for p in profile.params if p.embedding_module and not p.frozen]
             why = ("every embedding table costs less on AllReduce" if trained
@@ -244,9 +246,11 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
                                                        if misfits else ""))
     else:
         best = _fastest_simplest(ok)
-    others = sorted((e for e in ok if e is not best), key=lambda e: -e.samples_per_s)
+    others = sorted((e for e in ok if e is not best and (e.step_s, e.bytes_per_step) != (best.step_s, best.bytes_per_step)),
+                    key=lambda e: -e.samples_per_s)   # (the same prediction under another name: torchrec's planner row)
     reason = _why(best, profile, cluster, others[0] if others else None)
-    fastest = _fastest_simplest([e for e in estimates if e.feasible and (e.strategy != CACHED or cache is not None)])
+    fastest = _fastest_simplest([e for e in estimates if e.feasible and e.strategy not in withheld
+                                 and (e.strategy != CACHED or cache is not None)])
     if fastest is not best and fastest.samples_per_s > best.samples_per_s and fastest.strategy not in misfits:
         reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
     left_out = [f"{k} {v}" + (f" (predicted faster, {e.samples_per_s:,.0f} samples/s)" if e.samples_per_s > best.samples_per_s else "")
