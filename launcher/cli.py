@@ -126,6 +126,7 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
     except ValueError as exc:
         fail(str(exc))
     from hpar.launcher.commands import run as run_command
+    from hpar.launcher.run.reshape import NothingToDo
     from hpar.launcher.run.elastic import with_min_hosts
     from hpar.launcher.run.leftovers import ended_at_exit
     from hpar.strategies.plan.tuning import tune as tune_run
@@ -159,7 +160,7 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
                 cfg, opts, master = tune_run(lambda m: console.print(m, markup=False), cfg, opts, master, tune,
                                              tune_steps, resolve_for,
                                              lambda c, o, out, m: launch(c, o, console_for(out), m))
-        except run_command.NothingToDo as done:   # --resume of a finished run: its own figures, exit 0
+        except NothingToDo as done:   # --resume of a finished run: its own figures, exit 0
             console.print(str(done), markup=False)
             sys.exit(0)
         except JobError as exc:

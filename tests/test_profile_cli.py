@@ -61,7 +61,8 @@ def test_json_output_and_plan_out(scripts):
     assert d["parameters"][0]["name"] == "emb.weight"
     assert [l["name"] for l in d["layers"]] == ["emb", "mid", "out"]
     assert {c["strategy"] for c in d["candidates"] if " --compress " not in c["strategy"]} == {
-        "allreduce", "allreduce-sparse", "ps", "hybrid", "hybrid-cache", "pipeline", "fsdp"}
+        "allreduce", "allreduce-sparse", "ps", "hybrid", "hybrid-cache", "pipeline", "fsdp",
+        "torchrec", "torchrec-tw", "torchrec-rw", "torchrec-cw"}   # TorchRec's rows: not runnable without its install
     # --compress's rows beside the strategies with DDP's AllReduce, fewer bytes, never runnable unasked (issue 66)
     squeezed = {c["strategy"]: c for c in d["candidates"] if " --compress " in c["strategy"]}
     plain = {c["strategy"]: c for c in d["candidates"]}

@@ -39,7 +39,7 @@ def report(profile, cluster, plan) -> dict:
     params = [{"name": p.name, "shape": list(p.shape), "bytes": p.bytes, "sparse": p.sparse,
                "alpha": p.alpha, "union_alpha": p.union_alpha, "embedding_module": p.embedding_module,
                "layer": p.layer, "placement": plan.placement.get(p.name, ON_ALLREDUCE), "dedup_s": p.dedup_s,
-               "tied_to": list(p.tied_to)}
+               "tied_to": list(p.tied_to), "lookups": p.lookups, "bags": p.bags}
               for p in profile.params]
     layers = [{"name": l.name, "forward_s": l.forward_s, "backward_s": l.backward_s, "flops": l.flops,
                "activation_bytes": l.activation_bytes, "param_bytes": l.param_bytes} for l in profile.layers]

@@ -17,12 +17,10 @@ from hpar.launcher.run.device_choice import choose_devices, describe, local_gpus
 from hpar.strategies.plan.capacity import from_flags
 from hpar.strategies.plan.fit import fit_plan
 from hpar.launcher.run.flags import Flags, PlanFlags
-from hpar.launcher.run.validate import check_plan_stages, check_run_dir, finished, resume_step
-from hpar.strategies.state.trust import check_trusted
-from hpar.launcher.run.reshape import describe_reshape, old_settings
+from hpar.launcher.run.validate import check_plan_stages, check_run_dir
+from hpar.launcher.run.reshape import describe_reshape, old_settings, resumed_config
 from hpar.strategies.plan.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import LaunchOptions
-from hpar.strategies.state import checkpoint
 from hpar.strategies.specs.decision import Plan
 from hpar.strategies.job.config import (FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags, find_unused,
                                         staleness_problem, sync_batchnorm_problem)
@@ -61,35 +59,6 @@ def read_plan(path: str) -> Plan:
     if not isinstance(plan, dict) or "strategy" not in plan:
         raise ValueError(f"{path}: not an hpar plan (no 'strategy' key); write it with `hpar profile --plan-out`")
     return Plan.from_dict(plan, source=path)   # named as the file's other errors
-
-
-class NothingToDo(Exception):
-    """``--resume`` of a run that already finished the steps asked for; ``str()`` is the line
-    to print (the run's own figures, from its summary.json), and nothing starts (exit 0)."""
-
-
-def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=print) -> RunConfig:
-    """The config of the run in ``resume_dir``, set to resume from its last complete checkpoint
-    (checked before anything starts: launcher/run/validate.py). Raises NothingToDo when that
-    run finished at ``steps`` (default: its own) or beyond."""
-    path = os.path.join(resume_dir, "config.json")
-    check_trusted(resume_dir, "--resume")   # its config names the code every worker runs
-    if not os.path.exists(path):
-        raise ValueError(f"--resume {resume_dir}: no config.json there; pass the run directory of an earlier `hpar run`")
-    cfg = RunConfig.from_json(open(path, encoding="utf-8").read())
-    if script and os.path.abspath(script) != cfg.script:
-        raise ValueError(f"--resume {resume_dir}: that run trained {cfg.script}, not {os.path.abspath(script)}")
-    summary = finished(resume_dir, steps or cfg.steps)
-    if summary is not None:
-        from hpar.launcher.run.progress import final_line
-        checkpoint.remove_temp_files(resume_dir)   # as every start does: what a killed write left
-        raise NothingToDo(final_line(summary, os.path.abspath(resume_dir),
-                                     f"nothing to do: the run finished at step {summary['steps']}"))
-    step = resume_step(resume_dir, say)
-    if step is None:
-        raise ValueError(f"--resume {resume_dir}: no checkpoint there; start runs with --checkpoint-every N to resume them")
-    say(f"hpar: resuming {os.path.abspath(resume_dir)} from its checkpoint of step {step}")
-    return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))
 
 
 def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: str | None, gpus: int,
@@ -233,7 +202,9 @@ def resolve(console: Console, flags: Flags):
         from hpar.strategies.plan.memory_model import forward_passes
         resolved = dataclasses.replace(p, strategy=strategy, servers=servers,
                                        pipeline_replicas=planner_replicas(pipeline_replicas, schedule),
-                                       needs=("sync_batchnorm",) if pick(j.sync_batchnorm, "sync_batchnorm") else ())
+                                       needs=("sync_batchnorm",) if pick(j.sync_batchnorm, "sync_batchnorm") else (),
+                                       settings=tuple((k, pick(loop_flags.get(k), k))
+                                                      for k in ("precision", "clip_grad_norm", "accumulate")))
         strategy, plan, profile = plan_for(console, job, resolved, bs, hosts, gpus, (loop_flags or {}).get("precision"),
                                            capacity, CacheConfig(cache_rows or 0.0, staleness) if staleness is not None else None,
                                            forward_passes(pick(steps, "steps"), pick(loop_flags.get("accumulate"), "accumulate")))

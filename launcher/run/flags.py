@@ -51,6 +51,7 @@ class PlanFlags:
     cache_rows: float | None = None   # their rows per table (>= 1) or fraction of each table (< 1)
     compress: str | None = None       # --compress: off, fp16, bf16, powersgd[:RANK] (strategies/job/compression.py)
     needs: tuple = ()                 # capabilities (StrategySpec flags) auto's choice must have, e.g. ("sync_batchnorm",)
+    settings: tuple = ()              # (key, value) of precision, clip_grad_norm, accumulate: auto's choice must honour them
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
                             capacity=capacity)
     profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision, compress=compress)
     # no candidate that `hpar run` would refuse before start is chosen (strategies/plan/vet.py)
-    plan = vetted_plan(job, profile, cluster, needs=flags.needs, schedule=schedule, force=force,
+    plan = vetted_plan(job, profile, cluster, needs=flags.needs, settings=flags.settings, schedule=schedule, force=force,
                        pipeline_replicas=pipeline_replicas, allow_misfit=flags.force, cache=cache, forwards=forwards,
                        compress=compress)
     if force is not None:

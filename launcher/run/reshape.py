@@ -1,4 +1,5 @@
-"""``hpar run --resume RUN_DIR`` with another size or plan (``--gpus``, ``--hosts``,
+"""``hpar run --resume RUN_DIR``: the run's own config set to resume (:func:`resumed_config`), and
+the resume with another size or plan (``--gpus``, ``--hosts``,
 ``--servers``, ``--strategy``, ``--plan``, ``--pipeline-replicas``, ``--batch-size``, ...).
 
 The run is planned afresh for the new shape, as a new run of the same script would be, but
@@ -13,6 +14,11 @@ changed global batch is said in one line (:func:`describe_reshape`).
 """
 from __future__ import annotations
 
+import os
+
+from hpar.launcher.run.validate import finished, resume_step
+from hpar.strategies.state import checkpoint
+from hpar.strategies.state.trust import check_trusted
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.job.config import RunConfig
 
@@ -52,3 +58,32 @@ def describe_reshape(old: RunConfig, new: RunConfig) -> str:
 
 
 __all__ = ["old_settings", "global_batch", "describe_reshape", "shape"]
+
+
+class NothingToDo(Exception):
+    """``--resume`` of a run that already finished the steps asked for; ``str()`` is the line
+    to print (the run's own figures, from its summary.json), and nothing starts (exit 0)."""
+
+
+def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=print) -> RunConfig:
+    """The config of the run in ``resume_dir``, set to resume from its last complete checkpoint
+    (checked before anything starts: launcher/run/validate.py). Raises NothingToDo when that
+    run finished at ``steps`` (default: its own) or beyond."""
+    path = os.path.join(resume_dir, "config.json")
+    check_trusted(resume_dir, "--resume")   # its config names the code every worker runs
+    if not os.path.exists(path):
+        raise ValueError(f"--resume {resume_dir}: no config.json there; pass the run directory of an earlier `hpar run`")
+    cfg = RunConfig.from_json(open(path, encoding="utf-8").read())
+    if script and os.path.abspath(script) != cfg.script:
+        raise ValueError(f"--resume {resume_dir}: that run trained {cfg.script}, not {os.path.abspath(script)}")
+    summary = finished(resume_dir, steps or cfg.steps)
+    if summary is not None:
+        from hpar.launcher.run.progress import final_line
+        checkpoint.remove_temp_files(resume_dir)   # as every start does: what a killed write left
+        raise NothingToDo(final_line(summary, os.path.abspath(resume_dir),
+                                     f"nothing to do: the run finished at step {summary['steps']}"))
+    step = resume_step(resume_dir, say)
+    if step is None:
+        raise ValueError(f"--resume {resume_dir}: no checkpoint there; start runs with --checkpoint-every N to resume them")
+    say(f"hpar: resuming {os.path.abspath(resume_dir)} from its checkpoint of step {step}")
+    return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))

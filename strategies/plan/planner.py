@@ -4,7 +4,8 @@ The :class:`Plan` and its :class:`Candidate` rows are typed values of
 strategies/specs/decision.py (what each field means and who reads it); ``hpar profile
 --plan-out`` writes ``Plan.to_dict()`` and the run config's ``plan`` field holds the Plan.
 A candidate whose predicted peak does not fit the cluster's memory (``--worker-memory``,
-``--server-memory``) is listed as not runnable with the one reason, and never chosen.
+``--server-memory``) is listed as not runnable with the one reason, and never chosen; so is one
+whose library this install lacks (its spec's ``check_available``: TorchRec's optional install).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import dataclasses
 
 from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import ALLREDUCE, FSDP, HYBRID, PIPELINE, spec as strategy_spec
+from hpar.strategies.specs.torchrec_spec import SHARDINGS as TORCHREC_SHARDINGS
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.specs.decision import Candidate, Plan
 from hpar.strategies.specs.servers_spec import CacheConfig
@@ -92,6 +94,10 @@ def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Esti
         return (f"pipeline: {_fmt_bytes(profile.total_bytes)} of parameters would cross a "
                 f"{_fmt_bytes(cluster.bandwidth_Bps)}/s link every step with data parallelism, while "
                 f"the {len(best.stages)} stages only exchange activations{vs}.")
+    if best.strategy in TORCHREC_SHARDINGS:
+        return (f"{best.strategy}: TorchRec's all-to-alls send {_fmt_bytes(best.bytes_per_step)} per worker per step "
+                f"(the ids, and the looked-up or pooled rows and their gradients, not the touched rows; "
+                f"{best.note}){vs}.")
     if best.strategy == FSDP.name:
         return (f"fsdp: each worker holds 1/{cluster.workers} of the {_fmt_bytes(profile.total_bytes)} of parameters, "
                 f"of their gradients and of the optimizer state, gathering one layer's weights at a time{vs}.")
@@ -146,6 +152,19 @@ def _compressed_why(best: Estimate, c: Compression, plain: list[Estimate], runne
             f"{best.note.split(';')[0].split(': ', 1)[-1]}" + (", " + ", ".join(vs) if vs else "") + ".")
 
 
+def unavailable(name: str) -> str:
+    """Why strategy ``name`` cannot run in this install: its spec's ``check_available`` line (an
+    optional library missing or of another version: torchrec), "" when it can or has no check."""
+    spec = strategy_spec(name)
+    if not spec.check_available:
+        return ""
+    try:
+        spec.load("check_available")()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def _cache_note(e: Estimate, cache: CacheConfig, asked: bool) -> str:
     """The hybrid-cache candidate's note: the cache it was predicted for, and how to allow it."""
     note = (f"cache of {cache.rows:g} rows per table" if cache.rows >= 1 else
@@ -187,6 +206,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     estimates = [fitting_layout(profile, cluster, e, schedule, forwards, pipeline_replicas)
                  if strategy_spec(e.strategy).pipelined else e for e in estimates]   # the fastest K x R that fits
     candidates, ok, misfits, memory = [], [], {}, {}
+    withheld = set(refused or {})   # not installed, or refused before start: never "predicted faster" in the reason
     for e in estimates:
         note = e.note
         available = e.feasible
@@ -194,6 +214,10 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             note = _cache_note(e, shown, cache is not None) + ("; " + note if note else "")
             available = available and cache is not None
         spec = strategy_spec(e.strategy)
+        missing = unavailable(e.strategy) if available else ""
+        if missing:   # an optional library this install lacks: listed with its one line, never chosen
+            note, available = missing, False
+            withheld.add(e.strategy)
         if spec.servers and spec.ddp and e.feasible and ON_SERVERS not in e.placement.values():
             trained = [p for p in profile.params if p.embedding_module and not p.frozen]
             why = ("every embedding table costs less on AllReduce" if trained
@@ -246,12 +270,15 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     else:
         best = _fastest_simplest(ok + [ce for ce, _ in runnable], compressed)
     chosen_c = compressed.get(id(best))
-    others = sorted((e for e in ok + [ce for ce, _ in runnable] if e is not best), key=lambda e: -e.samples_per_s)
+    others = sorted((e for e in ok + [ce for ce, _ in runnable] if e is not best
+                     and (e.step_s, e.bytes_per_step) != (best.step_s, best.bytes_per_step)),
+                    key=lambda e: -e.samples_per_s)   # (the same prediction under another name: torchrec's planner row)
     runner_up = others[0] if others else None
     if runner_up is not None and id(runner_up) in compressed:   # named as its row in the reason
         runner_up = dataclasses.replace(runner_up, strategy=f"{runner_up.strategy} --compress {compressed[id(runner_up)]}")
     reason = (_compressed_why(best, chosen_c, ok, runner_up) if chosen_c else _why(best, profile, cluster, runner_up))
-    fastest = _fastest_simplest([e for e in estimates if e.feasible and (e.strategy != CACHED or cache is not None)])
+    fastest = _fastest_simplest([e for e in estimates if e.feasible and e.strategy not in withheld
+                                 and (e.strategy != CACHED or cache is not None)])
     if fastest is not best and fastest.samples_per_s > best.samples_per_s and fastest.strategy not in misfits:
         reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
     left_out = [f"{k} {v}" + (f" (predicted faster, {e.samples_per_s:,.0f} samples/s)" if e.samples_per_s > best.samples_per_s else "")

@@ -259,7 +259,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             h = hot[name]
             pp = ParamProfile(name, tuple(p.shape), nbytes, True, st["alpha"], st["union"], True,
                               layer_of.get(id(p), -1), st["curve"], st["mass"], st["dedup_s"],
-                              h.ids, h.counts, h.batches, h.touches)
+                              h.ids, h.counts, h.batches, h.touches, lookups=st["lookups"], bags=st["bags"])
         elif name in grad_rows and _median([f for f, _ in grad_rows[name]]) < SPARSE_ROW_FRACTION:
             fr = [f for f, _ in grad_rows[name]]
             union = float(torch.stack([m for _, m in grad_rows[name]]).any(0).float().mean())

@@ -23,7 +23,10 @@ class ParamProfile:
     ``tied_to``: for an embedding table whose weight a non-embedding module also holds (an output
     layer tied to it: strategies/job/tying.py), the other names of that weight (its gradient
     is dense, so it is measured and placed as a dense parameter, ``embedding_module`` False);
-    ``frozen``: ``requires_grad=False`` (fine-tuning), never placed on the servers."""
+    ``frozen``: ``requires_grad=False`` (fine-tuning), never placed on the servers; ``lookups``/``bags``
+    (embeddings) the ids one worker's batch feeds the table and the rows the lookup returns (an
+    nn.EmbeddingBag's pooled bags, an nn.Embedding's one row per id): what TorchRec's all-to-alls
+    carry (strategies/plan/costmodel_torchrec.py)."""
 
     name: str
     shape: tuple[int, ...]
@@ -42,6 +45,8 @@ class ParamProfile:
     hot_touches: int = 0
     tied_to: tuple[str, ...] = ()
     frozen: bool = False   # requires_grad=False: no gradient, no update; kept on the workers, never served
+    lookups: float = 0.0   # embeddings: ids one worker's batch looks up (sparsity.py; 0: not measured)
+    bags: float = 0.0      # embeddings: rows its lookups return: pooled bags, or one per id (0: not measured)
 
     def hot(self):
         """The profiled row frequencies as hot_rows.HotRows (None where none were measured)."""

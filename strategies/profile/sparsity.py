@@ -20,6 +20,17 @@ from torch import nn
 ROW_BUCKETS = 256           # resolution of ParamProfile.row_mass
 
 
+def _bags(module: nn.Module, args: tuple) -> int:
+    """Rows ``module``'s forward on ``args`` returns: an nn.EmbeddingBag's bags (a 2-D input's
+    rows, else its offsets, less the last with ``include_last_offset``), an nn.Embedding's ids."""
+    ids = args[0]
+    if not isinstance(module, nn.EmbeddingBag):
+        return ids.numel()
+    if ids.dim() == 2 or len(args) < 2 or args[1] is None:
+        return ids.shape[0] if ids.dim() == 2 else 1
+    return args[1].numel() - (1 if module.include_last_offset else 0)
+
+
 class _StopForward(Exception):
     """Raised from a hook to end a forward pass once every embedding has seen its ids."""
 
@@ -36,7 +47,9 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
     (union(n) = mean_r 1 - (1 - p_r)^n, shifted to meet the last measured point), ``union``
     its last value, ``mass`` the share of touches per contiguous row bucket (ROW_BUCKETS),
     ``dedup_s`` the median seconds to deduplicate one batch's ids on the host (what a worker
-    does per step for a table on the parameter servers, strategies/runtimes/hybrid/client.dedup).
+    does per step for a table on the parameter servers, strategies/profile/sparsity.dedup),
+    ``lookups``/``bags`` the mean ids one worker's batch feeds the module and rows it returns
+    (:func:`_bags`; every call in a forward counted).
     ``stop_early`` ends each forward once every module has seen its ids (valid when each is
     called once per forward). Raises JobError from the user's data() or forward."""
     R = min(workers, max_workers)
@@ -48,6 +61,8 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
     seen: set = set()
     samples = 0
     dedup_s = {n: [] for n in names}
+    lookups = {n: [] for n in names}   # per worker: (ids looked up, rows returned)
+    looked: dict = {}
 
     def hook(module, args):
         name = names[[m for _, m in embs].index(module)]
@@ -55,6 +70,8 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
             t0 = time.perf_counter()
             dedup(args[0].detach().to("cpu", torch.int64))
             dedup_s[name].append(time.perf_counter() - t0)
+        looked[name] = looked.get(name, (0, 0))
+        looked[name] = (looked[name][0] + args[0].numel(), looked[name][1] + _bags(module, args))
         ids = args[0].reshape(-1).unique().to("cpu")   # the counts live on the host, whatever the device
         hit = torch.zeros(module.weight.shape[0], dtype=torch.bool)
         hit[ids] = True
@@ -71,6 +88,7 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
             if not embs:
                 break
             cur = {n: torch.zeros(counts[n].shape[0], dtype=torch.bool) for n in names}
+            looked = {}
             seen.clear()
             with torch.no_grad():
                 try:
@@ -78,6 +96,7 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
                 except _StopForward:
                     pass
             for n in names:
+                lookups[n].append(looked.get(n, (0, 0)))
                 counts[n] += cur[n].int()
                 per_worker[n].append(float(cur[n].float().mean()))
                 if rank + 1 in curve_at:
@@ -101,7 +120,9 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
         mass = mass / mass.sum().clamp_min(1)
         out[n] = {"alpha": sum(per_worker[n]) / len(per_worker[n]), "union": curve[-1][1], "curve": tuple(curve),
                   "mass": tuple(round(float(x), 6) for x in mass),
-                  "dedup_s": statistics.median(dedup_s[n]) if dedup_s[n] else 0.0}
+                  "dedup_s": statistics.median(dedup_s[n]) if dedup_s[n] else 0.0,
+                  "lookups": statistics.fmean(i for i, _ in lookups[n]) if lookups[n] else 0.0,
+                  "bags": statistics.fmean(b for _, b in lookups[n]) if lookups[n] else 0.0}
     return out
 
 

@@ -6,6 +6,8 @@ rows from parameter servers. It needs the optional TorchRec install (scripts/ins
 
 ``torchrec`` takes the sharding TorchRec's planner chooses; ``torchrec-tw``, ``torchrec-rw`` and
 ``torchrec-cw`` shard every table one way (:data:`SHARDINGS`), for ``hpar bench`` to compare.
+Their cost model is strategies/plan/costmodel_torchrec.py; the planner lists them as not
+runnable, with ``check_available``'s one line, where TorchRec is not installed.
 """
 from __future__ import annotations
 
@@ -31,15 +33,19 @@ def _check(cfg) -> str | None:
 
 
 def _spec(name: str, summary: str, simplicity: int) -> StrategySpec:
+    estimate = "hpar.strategies.plan.costmodel_torchrec:estimate_" + name.replace("-", "_")
     return StrategySpec(
         name=name, summary=summary, runtime="hpar.strategies.runtimes.torchrec.trec_runtime:train",
-        estimate=None, worker_memory="hpar.strategies.runtimes.torchrec.trec_memory:torchrec_terms", simplicity=simplicity, ddp=True, check=_check,
+        estimate=estimate, worker_memory="hpar.strategies.runtimes.torchrec.trec_memory:torchrec_terms", simplicity=simplicity, ddp=True, check=_check,
         check_available="hpar.strategies.runtimes.torchrec.trec_check:check_available",
         check_model="hpar.strategies.runtimes.torchrec.trec_check:check_model")
 
 
 TORCHREC = _spec("torchrec", "TorchRec: tables sharded by DistributedModelParallel (its planner's choice), "
-                 "all-to-all of pooled rows, the rest in DDP", 7)
+                 "all-to-all of pooled rows, the rest in DDP", 9)   # after -tw/-rw/-cw: on a tie auto runs the costed one
 TORCHREC_TW = _spec("torchrec-tw", "TorchRec with every table whole on one worker (table-wise)", 8)
 TORCHREC_RW = _spec("torchrec-rw", "TorchRec with every table's rows split over the workers (row-wise)", 8)
 TORCHREC_CW = _spec("torchrec-cw", "TorchRec with every table's columns split over the workers (column-wise)", 8)
+
+
+COLUMN_MULTIPLE = 4   # FBGEMM's table-batched kernels hold rows of a multiple of 4 columns (_assert_local_cols_divisible_by_4)

@@ -15,11 +15,14 @@ communication hook, as ``allreduce`` counts it; the all-to-all of a sharded tabl
 from the ids and bags its lookups took this step: the ids (8 bytes each) and bag lengths (8
 bytes) go to the shards' owners, the pooled rows (4 bytes x dim per bag) come back and their
 gradients return, each a fraction (N-1)/N leaving the worker; a row-wise table's pooled rows
-are partial sums from every worker (a reduce-scatter of N times the worker's bags).
+are partial sums from every worker (a reduce-scatter of N times the worker's bags, which on
+gloo moves an AllReduce's bytes, twice: costmodel_torchrec.GLOO_REDUCE_SCATTER); a
+column-wise table's ids go to each of the N-1 other column shards' owners.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hpar.strategies.runtimes import spine
@@ -28,6 +31,7 @@ from hpar.strategies.common.groups import worker_groups
 from hpar.strategies.job.loop import micro_steps, step_tools, worker_batches
 from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
 from hpar.strategies.job.forward import inner_module, takes_keywords
+from hpar.strategies.plan.costmodel_torchrec import GLOO_REDUCE_SCATTER
 from hpar.strategies.state import state as run_state
 from hpar.strategies.specs.torchrec_spec import SHARDINGS
 from hpar.strategies.runtimes.torchrec import trec_state
@@ -112,6 +116,8 @@ class TorchrecStep(TrainStep):
             ddp.register_comm_hook((self.counter, ctx.world_size, groups.dense, remote), counting_allreduce_hook)
         kinds = {t.key: self._sharding(t) for t in self.tables}
         self.row_wise = {k for k, kind in kinds.items() if kind == "row_wise"}
+        self.column_wise = {k for k, kind in kinds.items() if kind == "column_wise"}
+        self.scatter = GLOO_REDUCE_SCATTER if dist.get_backend(groups.dense) == "gloo" else 1.0
         if ctx.rank == 0:
             print("torchrec shards " + ", ".join(f"{t.module} {kinds[t.key]}" for t in self.tables), flush=True)
         self.call = UserCall(self.dmp, self.model)
@@ -130,7 +136,9 @@ class TorchrecStep(TrainStep):
             ids, bags = m.traffic
             m.traffic[0] = m.traffic[1] = 0
             pooled = bags * m.table.dim * 4 * (n if m.table.key in self.row_wise else 1)
-            total += (ids * 8 + bags * 8 + 2 * pooled) * (n - 1) / n
+            spread = n if m.table.key in self.column_wise else 1   # every column shard needs every id
+            scatter = self.scatter if m.table.key in self.row_wise else 1.0
+            total += ((ids * 8 + bags * 8) * spread + (1 + scatter) * pooled) * (n - 1) / n
         return total
 
     def step(self, step: int) -> StepOutcome:

@@ -14,8 +14,9 @@ by all-to-all (TorchRec's table-, row- and column-wise shardings).
 
 What TorchRec's kernels cannot reproduce is refused by :func:`table_problem`, one line each:
 ``max_norm`` and ``scale_grad_by_freq`` (they depend on the whole table or batch),
-``padding_idx`` (TorchRec has no padding row), mode ``"max"`` (TorchRec pools by SUM or MEAN)
-and a table another module also holds (the swap would untie it).
+``padding_idx`` (TorchRec has no padding row), mode ``"max"`` (TorchRec pools by SUM or MEAN),
+a width that is not a multiple of 4 columns (FBGEMM's kernels assert it: a per-word bias table
+of one column) and a table another module also holds (the swap would untie it).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from hpar.strategies.job.tying import embedding_tables, holders
+from hpar.strategies.specs.torchrec_spec import COLUMN_MULTIPLE
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ def table_problem(name: str, module: nn.Module, shared: bool) -> str | None:
         return f"{where} has padding_idx={module.padding_idx}, which TorchRec's tables lack; drop it"
     if isinstance(module, nn.EmbeddingBag) and module.mode not in ("sum", "mean"):
         return f"{where} pools with mode={module.mode!r}; TorchRec pools by sum or mean"
+    if module.embedding_dim % COLUMN_MULTIPLE:
+        return (f"{where} is {module.embedding_dim} columns wide; FBGEMM's table kernels need a multiple of "
+                f"{COLUMN_MULTIPLE}: widen it or use another strategy")
     return None
 
 
