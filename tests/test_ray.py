@@ -1,8 +1,8 @@
 """``--hosts ray``: hpar's plan placed on a real Ray cluster of 3 nodes (a head and two workers,
 each ``ray start`` in its own network namespace: tests/support/ray_cluster.py), through the real
-CLI: the cluster read into the planner, hybrid training equal to one process (over Ray Client),
-a torchrun-style script, the launcher SIGKILLed, and a node's raylet SIGKILLed mid-run (the
-run resumes on the two nodes left). One cluster for the module (Ray starts slowly on 2 cores);
+CLI: the cluster read into the planner, hybrid training and a 2-stage pipeline equal to one
+process (over Ray Client), a torchrun-style script, the launcher SIGKILLed, and a node's raylet
+SIGKILLed mid-run (the run resumes on the two nodes left). One cluster for the module (Ray starts slowly on 2 cores);
 the raylet test runs last since it takes a node away."""
 from __future__ import annotations
 
@@ -164,6 +164,27 @@ def test_launch_runs_a_torchrun_script_and_a_killed_launcher_leaves_nothing(clus
             proc.kill()
     from hpar.launcher.procs.ray_actor import HEARTBEAT_S
     assert gone < HEARTBEAT_S + 5, f"left {gone:.1f} s after the launcher's SIGKILL"
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_stages_on_two_nodes_equal_one_process(cluster, tmp_path, reap_run):
+    """A 2-stage 1F1B pipeline over Ray Client: stage 0 on the first node, stage 1 on the second
+    (each rank its node's bundle), trained equal to one process on the same batches."""
+    script, run_dir = write_script(tmp_path), tmp_path / "run"
+    reap_run(str(run_dir))
+    code, out = hpar_to_file(tmp_path / "run.log", "run", script, "--hosts", cluster.client, "--gpus", "2",
+                             "--strategy", "pipeline", "--schedule", "1f1b", "--micro-batches", "2", "--steps", "4",
+                             "--no-eval", "--plain", "--run-dir", str(run_dir), timeout=140, cwd=ROOT)
+    assert code == 0, out[-4000:]
+    nodes = cluster.made.addresses
+    for rank in range(2):   # stage k on node k: the plan's placement held by the bundles
+        assert f"[{nodes[rank]} worker {rank}] step 4/4" in out, out[-3000:]
+    got, want = final_state(run_dir), single_process_reference(script, 1, 4, 8, 0.1)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert ray_cluster.run_leftovers(cluster, wait=5) == {}
+    assert ray_cluster.live_placement_groups(cluster) == []
 
 
 @pytest.mark.timeout(240)

@@ -28,6 +28,7 @@ import signal as signals
 import threading
 
 from hpar.launcher.procs.local import ProcessSpec
+from hpar.launcher.procs.ssh import started_group
 
 HEARTBEAT_S = 4.0        # the guard stops its group after this long without a heartbeat byte
 LINK_TIMEOUT_S = 10.0    # an agent that does not answer a read this long: its node is lost
@@ -189,12 +190,9 @@ class RayProcess:
         lines.put((self, None))
 
     def _record(self, line: str) -> None:
-        try:
-            event = json.loads(line[len("@hpar event "):])
-        except ValueError:
-            return
-        if event.get("kind") == "started" and isinstance(event.get("pgid"), int):
-            self.pid = self.pgid = event["pgid"]   # the guard leads its group, as over SSH
+        pgid = started_group(line)
+        if pgid is not None:
+            self.pid = self.pgid = pgid   # the guard leads its group, as over SSH
 
     def poll(self) -> int | None:
         """Exit code once the process ended and its output is read; None while running; -N

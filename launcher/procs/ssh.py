@@ -66,6 +66,18 @@ def _is_dead(host: Host) -> bool:
         return time.monotonic() - _dead.get(host.name, -DEAD_FOR_S) < DEAD_FOR_S
 
 
+def started_group(line: str) -> int | None:
+    """The process group the guard leads, from its ``@hpar event {"kind": "started", "pgid": N}``
+    line; None for any other line (the first lines a remote process prints name its group)."""
+    try:
+        event = json.loads(line[len("@hpar event "):])
+    except ValueError:
+        return None
+    if isinstance(event, dict) and event.get("kind") == "started" and isinstance(event.get("pgid"), int):
+        return event["pgid"]
+    return None
+
+
 def remote_environment(spec: ProcessSpec) -> dict[str, str]:
     """What the process of ``spec`` gets on its host: the allowlisted part of the launcher's
     environment (launcher/hosts/environ.py) under the spec's own variables (``--env`` included).
@@ -169,12 +181,9 @@ class RemoteProcess:
         self._lines.put((self, None))
 
     def _record(self, line: str) -> None:
-        try:
-            event = json.loads(line[len("@hpar event "):])
-        except ValueError:
-            return
-        if event.get("kind") == "started" and isinstance(event.get("pgid"), int):
-            self.pid = self.pgid = event["pgid"]  # the guard leads its group, as locally
+        pgid = started_group(line)
+        if pgid is not None:
+            self.pid = self.pgid = pgid  # the guard leads its group, as locally
 
     def poll(self) -> int | None:
         """Exit code once the remote process has ended and its output is read; None while
