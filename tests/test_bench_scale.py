@@ -82,18 +82,18 @@ def test_emulated_hosts_talk_within_a_host_over_loopback_not_the_capped_link():
     cost model's intra-host rate is the probed loopback, not --link-rate (the capped rate made
     every hybrid step pay a server 'copying' its traffic at 50 Mbit/s: 0.36 s of CPU that was
     not there), and the hosts share this machine's cores."""
-    from hpar.launcher.commands.bench import _cluster_factory
-    c = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2)(2)
+    from hpar.launcher.bench.bench_setup import cluster_factory
+    c = cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2)(2)
     assert c.hosts == 2 and c.bandwidth_Bps == 6.25e6 and c.intra_Bps > 10 * 6.25e6
     assert c.cores_per_host == pytest.approx((os.cpu_count() or 1) / 2)
     # with the link as measured between the hosts, the model takes it (and its latency) over the cap
     from hpar.strategies.plan.probe import LinkFigures
     link = LinkFigures(5.9e6, 1e-4, 5.8e6, 3.1e6)
-    m = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2, link)(2)
+    m = cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2, link)(2)
     assert m.bandwidth_Bps == 5.9e6 and m.latency_s == 1e-4 and m.source == "probe between emulated hosts"
     assert m.allgather_Bps == 3.1e6 and m.gather_Bps == 3.1e6   # and the AllGather as measured
     assert m.sparse_round_s is None   # not probed here
-    m = _cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2, link._replace(sparse_round_s=0.01))
+    m = cluster_factory(None, "10.77.99.2:1,10.77.99.3:1", 6.25e6, None, None, 2, 2, link._replace(sparse_round_s=0.01))
     assert m(2).sparse_round_s == 0.01 and m(4).sparse_round_s is None   # measured over 2 hosts: not for a projection to 4
 
 

@@ -12,106 +12,14 @@ model's projection to N GPUs (hosts of as many GPUs as the bench's), marked PROJ
 """
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import functools
 import json
-import os
 
 import click
 
+from hpar.launcher.bench.bench_setup import check_common, cluster_factory, link_words, probe_emulated_link, with_exchange
 from hpar.launcher.usage import fail as _fail, table_console
 from hpar.strategies.job.errors import JobError
-
-
-def _check_common(scripts, steps: int, timeout_s: float, plot_out, bench_dir, repeat: int = 1,
-                  min_seconds: float = 0.0) -> str:
-    """The checks every ``hpar bench`` makes before it runs anything (ValueError naming the
-    flag or the script); returns the absolute bench directory (default runs/bench-<UTC time>)."""
-    if steps < 4:
-        raise ValueError(f"--steps must be at least 4 (2 warm-up steps, then measured ones), got {steps}")
-    if timeout_s <= 0:
-        raise ValueError(f"--timeout must be positive, got {timeout_s}")
-    if repeat < 1:
-        raise ValueError(f"--repeat must be at least 1, got {repeat}")
-    if min_seconds < 0:
-        raise ValueError(f"--min-seconds must be 0 or more, got {min_seconds}")
-    for s in scripts:
-        if not os.path.isfile(s):
-            raise ValueError(f"{s}: no such script; pass the path of a training script")
-    if plot_out:
-        import importlib.util
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--plot needs matplotlib: pip install 'hpar[plot]' (or matplotlib)")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return os.path.abspath(bench_dir or os.path.join("runs", f"bench-{stamp}"))
-
-
-def _probe(em, console):
-    """The emulated link's LinkFigures as measured, announced on the console (None on one host)."""
-    link = em.probe_link()
-    if link is not None:
-        cap = f" (cap {em.bandwidth_Bps / 1e6:.2f} MB/s)" if em.bandwidth_Bps else ""
-        console.print(f"hpar bench: emulated link measured at {link[0] / 1e6:.2f} MB/s{cap}, "
-                      f"latency {link[1] * 1e6:.0f} us"
-                      + (f", a sparse gradient's exchange over {em.n_hosts} hosts {link.sparse_round_s * 1e3:.1f} ms"
-                         if link.sparse_round_s is not None else ""), markup=False)
-    return link
-
-
-def _with_exchange(em, console, profile, cluster):
-    """``cluster`` with the job's allreduce-sparse gradient exchange (sparse tables and dense
-    buckets in flight together) as measured over the emulated hosts at its own sizes
-    (``EmulatedCluster.probe_exchange``), announced on the console; unchanged without an
-    embedding table, on one host, or with more workers than hosts (the probe runs one process
-    per host)."""
-    if cluster.workers != em.n_hosts:
-        return cluster
-    seconds = em.probe_exchange(profile)
-    if seconds is None:
-        return cluster
-    console.print(f"hpar bench: this script's gradient exchange (sparse tables and dense buckets) over "
-                  f"{em.n_hosts} hosts, measured at its own sizes: {seconds * 1e3:.1f} ms", markup=False)
-    return dataclasses.replace(cluster, gradient_exchange_s=seconds)
-
-
-def _cluster_factory(gpus_per_host: int | None, hosts: str | None, bandwidth_Bps: float | None,
-                     latency: str | None, device_tflops: float | None, bench_gpus: int,
-                     emulated_hosts: int | None = None, link=None, capacity=None):
-    """gpus -> ClusterSpec for the cost model: the bench's hosts for the bench's GPU count;
-    for a projection, hosts of ``gpus_per_host`` (or of the bench's busiest host) GPUs each.
-    The link is ``bandwidth_Bps`` or one loopback probe (``profile_cli.build_cluster``).
-    ``emulated_hosts`` H: the hosts are this machine's namespaces (``hpar profile --hosts
-    emulate:H`` describes the same cluster: shared cores, loopback within a host). ``link``: the
-    emulated link's (bandwidth, latency, ...) as measured (``EmulatedCluster.probe_link``), which the cost model then uses
-    instead of the cap (its latency unless ``latency`` is given); ``capacity``: the memory of a
-    worker and a server (strategies/plan/capacity.py), this machine's where not given."""
-    from hpar.launcher.run.cluster_build import build_cluster
-    from hpar.strategies.plan.cluster import make_cluster
-    bw = f"{bandwidth_Bps}B/s" if bandwidth_Bps else None
-    base = build_cluster(bench_gpus, f"emulate:{emulated_hosts}" if emulated_hosts else hosts, None, bw, latency, None,
-                         capacity=capacity)
-    if link is not None:
-        base = dataclasses.replace(base, bandwidth_Bps=link[0], latency_s=base.latency_s if latency else link[1],
-                                   allgather_Bps=link.allgather_Bps, sparse_round_s=link.sparse_round_s,
-                                   source="probe between emulated hosts")
-
-    def cluster_of(gpus: int):
-        flops = device_tflops * 1e12 if device_tflops and gpus != bench_gpus else None
-        if gpus == bench_gpus and not flops:
-            return base
-        g = gpus_per_host or base.max_gpus_per_host
-        return make_cluster([g] * -(-gpus // g), gpus, None, base.bandwidth_Bps, base.latency_s, device_flops=flops,
-                            source=base.source, allreduce_Bps=None if flops else base.allreduce_Bps,
-                            allgather_Bps=base.allgather_Bps)
-    return cluster_of
-
-
-def _link_words(link_rate: str | None, link_queue: str) -> str:
-    """`` at 25mbit`` (`` at 25mbit, fair queues``) for the titles; empty without a cap."""
-    if not link_rate:
-        return ""
-    return f" at {link_rate}" + (", fair queues" if link_queue == "fair" else "")
 
 
 @click.command()
@@ -169,7 +77,8 @@ def bench(scripts, **given):
                  if click.get_current_context().get_parameter_source(v).name != "DEFAULT"]
         if given:
             _fail(f"--scale sets the hosts and workers (one per emulated host); drop {', '.join(given)}")
-        return _bench_scale(scripts, flags)
+        from hpar.launcher.bench.scale_command import bench_scale
+        return bench_scale(scripts, flags)
     from hpar.launcher.bench import bench_report as report
     from hpar.launcher.bench.bench_config import BenchConfig, parse_strategies, with_compress
     from hpar.launcher.bench.driver import run_bench
@@ -183,7 +92,7 @@ def bench(scripts, **given):
             raise ValueError(f"--gpus must be at least 1, got {gpus}")
         if project < 0 or (gpus_per_host is not None and gpus_per_host < 1):
             raise ValueError("--project and --gpus-per-host must be positive")
-        bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir, repeat, min_seconds)
+        bench_dir = check_common(scripts, steps, timeout_s, plot_out, bench_dir, repeat, min_seconds)
         bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
         n_emulated = parse_emulate(hosts)
         if link_queue != "fifo" and not n_emulated:
@@ -211,12 +120,12 @@ def bench(scripts, **given):
                               threads=emulated.threads if emulated else None, repeat=repeat,
                               min_seconds=min_seconds, worker_memory_gb=worker_memory, server_memory_gb=server_memory,
                               keep_models=flags.keep_models)
-            link = _probe(emulated, console) if emulated else None
-            cluster_of = _cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated, link,
+            link = probe_emulated_link(emulated, console) if emulated else None
+            cluster_of = cluster_factory(gpus_per_host, run_hosts, bw, latency, device_tflops, gpus, n_emulated, link,
                                           capacity)
             results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
                                 around_run=emulated.around_run if emulated else None,
-                                refine=functools.partial(_with_exchange, emulated, console) if emulated else None)
+                                refine=functools.partial(with_exchange, emulated, console) if emulated else None)
             emulation = {**emulated.describe(), "link_probe": None if link is None else link._asdict()} if emulated else None
         finally:
             if emulated:
@@ -225,7 +134,7 @@ def bench(scripts, **given):
         _fail(str(exc), exc.user_traceback)
     except (ValueError, RuntimeError, PermissionError) as exc:
         _fail(str(exc))
-    where = f"emulated {n_emulated} hosts{_link_words(link_rate, link_queue)}" if emulated else (hosts or "this machine")
+    where = f"emulated {n_emulated} hosts{link_words(link_rate, link_queue)}" if emulated else (hosts or "this machine")
     title = f"{gpus} workers, {where}, {steps} steps"
     report.print_tables(console, results, title)
     if memory_table:
@@ -258,59 +167,3 @@ def bench(scripts, **given):
     console.print(f"hpar bench: the runs (logs, metrics, summaries{', models' if flags.keep_models else ''}) are in "
                   f"{bench_dir}" + ("" if flags.keep_models else "; their models were removed once read "
                                     "(--keep-models keeps them)"), markup=False)
-
-
-def _bench_scale(scripts, flags) -> None:
-    """``hpar bench --scale``: one bench per host count on emulated hosts (launcher/bench/scale.py);
-    ``flags``: launcher/bench/bench_config.BenchFlags."""
-    scale, link_rate, latency, link_queue, strategies = flags.scale, flags.link_rate, flags.latency, flags.link_queue, flags.strategies
-    steps, batch_size, seed, precision = flags.steps, flags.batch_size, flags.seed, flags.precision
-    json_out, plot_out, bench_dir, timeout_s = flags.json_out, flags.plot_out, flags.bench_dir, flags.timeout_s
-    repeat, min_seconds = flags.repeat, flags.min_seconds
-    from hpar.launcher.bench import bench_report as report
-    from hpar.launcher.bench.bench_config import BenchConfig, parse_strategies, with_compress
-    from hpar.launcher.bench.driver import run_bench
-    from hpar.launcher.bench.emulate import EmulatedCluster
-    from hpar.launcher.bench.scale import parse_scale, plot_scale, points, print_scale, rankings
-    from hpar.strategies.plan.cluster import parse_bandwidth
-    console = table_console(140)
-    try:
-        counts = parse_scale(scale)
-        names = with_compress(parse_strategies(strategies), flags.compress)
-        bench_dir = _check_common(scripts, steps, timeout_s, plot_out, bench_dir, repeat, min_seconds)
-        bw = parse_bandwidth(link_rate, "--link-rate") if link_rate else None
-        pts, links, emulations = [], {}, {}
-        for n in counts:
-            with EmulatedCluster(n, n, bw, link_queue) as em:
-                cfg = BenchConfig(scripts=tuple(scripts), gpus=n, strategies=names, steps=steps,
-                                  bench_dir=os.path.join(bench_dir, f"hosts-{n}"), batch_size=batch_size, seed=seed,
-                                  hosts=em.host_file, ssh_key=em.key, bandwidth_Bps=bw, timeout_s=timeout_s,
-                                  precision=precision, threads=em.threads, repeat=repeat, min_seconds=min_seconds,
-                                  keep_models=flags.keep_models)
-                link = _probe(em, console)
-                links[n] = None if link is None else link._asdict()
-                emulations[n] = em.describe()
-                cluster_of = _cluster_factory(None, em.host_file, bw, latency, None, n, n, link)
-                results = run_bench(cfg, cluster_of, say=lambda m: console.print(m, markup=False),
-                                    around_run=em.around_run, refine=functools.partial(_with_exchange, em, console))
-            pts += points(n, results)
-    except JobError as exc:
-        _fail(str(exc), exc.user_traceback)
-    except (ValueError, RuntimeError, PermissionError) as exc:
-        _fail(str(exc))
-    print_scale(console, pts)
-    title = f"one worker per emulated host{_link_words(link_rate, link_queue)}, {steps} steps"
-    if json_out:
-        doc = {"command": report.command_line(), "machine": report.machine(),
-               "settings": {"scale": list(counts), "link_rate": link_rate, "link_queue": link_queue, "latency": latency,
-                            "steps": steps, "precision": precision, "repeat": repeat, "min_seconds": min_seconds,
-                            "batch_size": batch_size, "seed": seed, "bench_dir": bench_dir,
-                            "link_probe": {str(n): v for n, v in links.items()},
-                            "emulation": {str(n): v for n, v in emulations.items()}},
-               "points": [dataclasses.asdict(p) for p in pts], "rankings": rankings(pts)}
-        with open(json_out, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-        console.print(f"hpar bench: results written to {json_out}", markup=False)
-    if plot_out:
-        plot_scale(pts, plot_out, title)
-        console.print(f"hpar bench: plot written to {plot_out}", markup=False)
