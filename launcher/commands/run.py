@@ -2,29 +2,27 @@
 host list into a RunConfig and LaunchOptions, checking everything before a process starts."""
 from __future__ import annotations
 
-import json
 import dataclasses
 import os
 
 from rich.console import Console
 
-from hpar.launcher.hosts.environ import describe as describe_env, parse_env_flags
+from hpar.launcher.hosts.environ import parse_env_flags
 from hpar.launcher.hosts.hostfile import place_workers, total_slots
 from hpar.launcher.hosts.ray_nodes import cluster_hosts, describe as describe_ray, is_ray
 from hpar.launcher.hosts.slurm import allocation_hosts, describe as describe_allocation, in_allocation
 from hpar.launcher.run.rundir import default_run_dir
-from hpar.launcher.run.device_choice import choose_devices, describe, local_gpus
+from hpar.launcher.run.run_hosts import rank0_address, run_device
 from hpar.strategies.plan.capacity import from_flags
 from hpar.strategies.plan.fit import fit_plan
-from hpar.launcher.run.flags import Flags, PlanFlags
+from hpar.launcher.run.flags import Flags
+from hpar.launcher.run.plan_source import check_pipelined_run, plain_when_idle, plan_for
 from hpar.launcher.run.validate import check_plan_stages, check_run_dir
 from hpar.launcher.run.reshape import describe_reshape, old_settings, resumed_config
-from hpar.strategies.plan.pipeline_grid import check_replicas_flag, describe_plan, plan_replicas, planner_replicas
+from hpar.strategies.plan.pipeline_grid import check_replicas_flag, plan_replicas, planner_replicas
 from hpar.launcher.run.runner import LaunchOptions
-from hpar.strategies.specs.decision import Plan
 from hpar.strategies.job.config import (FIND_UNUSED_MODES, RunConfig, check_cache_flags, check_loop_flags, find_unused,
                                         staleness_problem, sync_batchnorm_problem)
-from hpar.strategies.specs.base import ON_SERVERS
 from hpar.strategies.specs.registry import spec as strategy_spec, where
 from hpar.strategies.plan import compress_setting
 from hpar.strategies.plan.strategy_settings import (cache_settings, check_optimizer, check_unused_by_rank, ddp_find_unused,
@@ -35,57 +33,12 @@ from hpar.strategies.job.loop import check_precision
 from hpar.strategies.plan.placement import placement
 from hpar.strategies.plan.placement import check_fullgraph
 from hpar.strategies.job.layers import is_declared_sequence
-from hpar.strategies.plan.stage_cuts import check_pipeline, sequential_layers, split_micro
-from hpar.strategies.job.tying import shared_across_stages
-from hpar.strategies.plan.stage_cuts import check_schedule
-from hpar.strategies.job.tying import embedding_tables
+from hpar.strategies.plan.stage_cuts import sequential_layers
 
 FALLBACKS = {"steps": 100, "batch_size": 32, "lr": 0.01, "seed": 0, "log_every": 10, "checkpoint_every": 0,
              "keep_checkpoints": 2,
              "precision": "fp32", "clip_grad_norm": 0.0, "accumulate": 1, "eval_every": 0,
              "find_unused_parameters": "auto", "allow_unequal_batches": False}
-
-
-def read_plan(path: str) -> Plan:
-    """A plan written by ``hpar profile --plan-out`` (or any subset of its keys, with
-    ``strategy``); ValueError, one line naming the file, otherwise (an unknown key named)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            plan = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the plan ({exc.strerror}); pass a file written by `hpar profile --plan-out`") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}); write it with `hpar profile --plan-out`") from None
-    if not isinstance(plan, dict) or "strategy" not in plan:
-        raise ValueError(f"{path}: not an hpar plan (no 'strategy' key); write it with `hpar profile --plan-out`")
-    return Plan.from_dict(plan, source=path)   # named as the file's other errors
-
-
-def plan_for(console: Console, job, flags: PlanFlags, batch_size: int, hosts: str | None, gpus: int,
-             precision: str | None = None, capacity=None, cache=None, forwards: int | None = None
-             ) -> tuple[str, Plan, object]:
-    """(strategy, Plan, the planner's Profile or None) from ``--plan``, or from the planner for ``auto`` and for
-    ``pipeline`` (which needs its balanced stages), on ``capacity``'s memory (``--force``: a
-    forced strategy that does not fit is planned anyway); the data-parallel strategies named
-    explicitly run with their defaults and no profiling (their memory: strategies/plan/fit.py).
-    ``flags``: the plan's flags as resolved (launcher/run/flags.PlanFlags); ``cache``: the
-    hot-row caches ``--staleness`` allows the planner to choose (hybrid/cache.CacheConfig, or None);
-    ``forwards``: each worker's forward passes over the run (steps times accumulation)."""
-    strategy, plan_file = flags.strategy, flags.plan_file
-    if plan_file:
-        plan = read_plan(plan_file)
-        if strategy not in ("auto", plan.strategy):
-            raise ValueError(f"--strategy {strategy} contradicts --plan {plan_file} (strategy {plan.strategy}); drop one")
-        console.print(f"hpar: strategy {plan.strategy} from {plan_file}", markup=False)
-        return plan.strategy, plan, None
-    if strategy != "auto" and not strategy_spec(strategy).needs_plan:
-        return strategy, Plan(strategy=strategy), None
-    from hpar.launcher.run.plan_run import plan_job
-    plan, profile = plan_job(job, batch_size, hosts, gpus, flags, precision=precision, capacity=capacity, cache=cache,
-                             forwards=forwards)
-    if strategy == "auto":
-        console.print(f"hpar: --strategy auto chose {plan.reason}", markup=False)   # the reason starts with the name
-    return plan.strategy, plan, profile
 
 
 def resolve(console: Console, flags: Flags):
@@ -215,14 +168,7 @@ def resolve(console: Console, flags: Flags):
         # placement() raises for a plan naming unknown parameters before anything starts; parameters are named
         # as the user wrote them, inside a torch.compile wrapper, as the profile and the workers name them
         inner = inner_module(model)
-        if spec.servers and spec.plain and ON_SERVERS not in placement(inner, strategy, plan).values() and servers is None:
-            console.print(f"hpar: {strategy} would put no parameter on the servers (no trainable embedding table, or the plan "
-                          f"keeps them on AllReduce), so it runs as {spec.plain} (no parameter server to start)", markup=False)
-            strategy, spec = spec.plain, strategy_spec(spec.plain)
-        if spec.sparse_gradients and spec.plain and not embedding_tables(inner):
-            console.print(f"hpar: {strategy} has no embedding table to give sparse gradients, so it runs as "
-                          f"{spec.plain} (the same program)", markup=False)
-            strategy, spec = spec.plain, strategy_spec(spec.plain)
+        strategy, spec = plain_when_idle(console, strategy, inner, plan, servers)
         if spec.servers:
             check_fullgraph(model, placement(inner, strategy, plan))
         used_hosts = len({h.name for h in place_workers(list(host_list), gpus)}) if host_list else 1
@@ -267,24 +213,8 @@ def resolve(console: Console, flags: Flags):
             staleness=staleness, cache_rows=cache_rows,
             compress=compress_setting.decide(say, compress, strategy, strategy_flag, device))
         check_precision(job, cfg, model)
-        if spec.pipelined and cfg.schedule == "async-predict":
-            from hpar.strategies.job.optimizer_rules import check_predictable
-            check_predictable(job.build_optimizer(model.parameters(), cfg.lr), f"{job.path}: optimizer()")
         if spec.pipelined:
-            example = None if traced_on is None else split_micro(traced_on, cfg.micro_batches)[0]
-            ranges = check_pipeline(model, cfg.pipeline_stages, cfg.plan, cfg.micro_batches, bs, example)   # refuse a plan that cannot run, before any process
-            check_schedule(shared_across_stages(sequential_layers(model, example), ranges), cfg.schedule)
-            layers = None
-            if cfg.schedule.startswith("torch-"):   # strategies/runtimes/pipeline/torch_peers.py (one pipeline: R = 1)
-                if traced_on is not None:
-                    raise ValueError(f"--schedule {cfg.schedule}: torch.distributed.pipelining's schedules run here on "
-                                     "an nn.Sequential or hpar_layers() only; this model is cut by tracing, which "
-                                     "hpar's own schedules run (gpipe, 1f1b, async, async-stash, async-predict, async-2bw)")
-                from hpar.strategies.plan.stage_cuts import VIRTUAL_STAGES, check_peer
-                check_peer(cfg.schedule, len(sequential_layers(model)), gpus, cfg.micro_batches, cfg.device)
-                if VIRTUAL_STAGES[cfg.schedule] > 1:
-                    layers = f"{VIRTUAL_STAGES[cfg.schedule]} chunks per process balanced on parameter counts"
-            console.print(describe_plan(cfg, layers), markup=False)
+            check_pipelined_run(console, job, cfg, model, traced_on, bs, gpus)
         if reshaped is not None:
             cfg = cfg.replace(resume=True)
             console.print(f"hpar: {describe_reshape(reshaped, cfg)}", markup=False)
@@ -292,25 +222,10 @@ def resolve(console: Console, flags: Flags):
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run; pick a new directory or use --resume")
     if resume_dir:
         check_run_dir(cfg.run_dir, "--resume")
-    ssh_opts, master = None, "127.0.0.1"
-    if slurm or ray:   # rank 0's host (on Ray: its node's address as Ray reports it, never the driver's)
-        from hpar.launcher.hosts.preflight import resolve_master
-        master = resolve_master(place_workers(list(host_list), cfg.world_size))
-        console.print(f"hpar: {describe_env(extra_env)}", markup=False)
-    elif host_list and (h.ssh_local or any(not host.is_local for host in host_list)):
-        from hpar.launcher.hosts.remote import prepare_remote
-        ssh_opts, master = remote_ready or prepare_remote(console, host_list, cfg, h, env=extra_env)
+    ssh_opts, master = rank0_address(console, cfg, host_list, h, slurm, ray, extra_env, remote_ready)
     if not resume_dir:   # a resumed run keeps its device
-        seen = getattr(ssh_opts, "gpus", None) or {}
-        if slurm and os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():   # Slurm's count for every node
-            seen = {h.name: int(os.environ["SLURM_GPUS_ON_NODE"]) for h in host_list}
-        seen = {h.name: h.gpus for h in host_list} if ray else seen   # the GPUs Ray reports per node
-        hosts_used = place_workers(list(host_list), cfg.world_size) if host_list else []
-        rows = [(n, sum(1 for h in hosts_used if h.name == n), seen.get(n, local_gpus()))
-                for n in dict.fromkeys(h.name for h in hosts_used)] or [("localhost", cfg.world_size, local_gpus())]
-        chosen, per_host = choose_devices(rows, device)
-        cfg = cfg.replace(device=chosen)
-        console.print(f"hpar: {describe(chosen, per_host, cfg.servers)}", markup=False)
+        cfg, hosts_used = run_device(console, cfg, host_list, ssh_opts, slurm, ray, device)
+        chosen = cfg.device
         from hpar.launcher.run.plan_run import compute_mismatch
         if compute_mismatch(cfg.plan, chosen):   # CPU figures for GPU workers are never taken silently
             console.print(f"hpar: {compute_mismatch(cfg.plan, chosen)}", markup=False)
