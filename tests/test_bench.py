@@ -185,7 +185,7 @@ def test_bench_tiny_job_in_rounds_json_and_plot(tmp_path):
 
 
 def test_byte_check_window_and_interpolation(tmp_path):
-    from hpar.launcher.bench.emulate import Sample, byte_check
+    from hpar.launcher.bench.byte_counts import Sample, byte_check
     rows = []
     for step in (2, 4, 6, 8):
         t = 100.0 + step
@@ -233,7 +233,7 @@ def test_pipeline_entries_run_the_planned_micro_batches(tmp_path):
 
 
 def test_socket_total_counts_growth_new_sockets_and_survives_closed_ones():
-    from hpar.launcher.bench.emulate import socket_total
+    from hpar.launcher.bench.byte_counts import socket_total
     assert socket_total({}, {"a b": 100}) == 100
     # "a b" grew by 50, "c d" closed (its last bytes are lost, the total does not drop), "e f" is new
     assert socket_total({"a b": 100, "c d": 400}, {"a b": 150, "e f": 30}) == 80
