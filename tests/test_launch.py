@@ -145,7 +145,7 @@ def test_two_runs_started_at_once_do_not_share_a_port(tmp_path):
 def test_environment_allowlist(monkeypatch):
     from hpar.launcher.hosts.environ import allowlisted, describe, parse_env_flags
     from hpar.launcher.procs.local import ProcessSpec
-    from hpar.launcher.procs.srun import step_environment
+    from hpar.launcher.procs.srun_tasks import step_environment
     from hpar.launcher.procs.ssh import remote_command, remote_environment
     environ = {"PYTHONPATH": "/p", "NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "4",
                "TORCH_LOGS": "dynamo", "HF_HOME": "/hf", "WANDB_API_KEY": "k", "AWS_SECRET_ACCESS_KEY": "no",

@@ -111,7 +111,7 @@ def test_remote_environment_travels_on_stdin_and_the_rest_is_left(monkeypatch, t
 
 
 def test_srun_task_file_holds_hpar_variables_only_and_is_private(tmp_path):
-    from hpar.launcher.procs.srun import task_table, write_private
+    from hpar.launcher.procs.srun_tasks import task_table, write_private
     secret = "s3cr3t-" + secrets.token_hex(8)
     step_env = {"HPAR_TEST_SECRET": secret, "OMP_NUM_THREADS": "2"}
     specs = [ProcessSpec("worker", r, "n1", (PY, "-m", "x"), {"RANK": str(r), "OMP_NUM_THREADS": "3", **step_env})
