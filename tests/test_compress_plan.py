@@ -121,7 +121,7 @@ def test_hpar_profile_with_compress_lists_runnable_compressed_rows_and_chooses_t
     fp16 rows shown, not runnable) and the plan is the fastest runnable candidate (within the
     planner's tie), its ``compress`` set where that is a compressed row; without ``--compress``
     no compressed row is runnable and the plan is uncompressed."""
-    from hpar.strategies.plan.planner import TIE
+    from hpar.strategies.plan.plan_reasons import TIE
     script = write_script(tmp_path, WIDE, "wide.py")
     link = ("--gpus", "2", "--bandwidth", "25Mbps", "--latency", "1ms", "--json")
     code, out = hpar_to_file(tmp_path / "asked.json", "profile", script, *link, "--compress", "powersgd:2")

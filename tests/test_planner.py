@@ -183,7 +183,7 @@ def test_hybrid_with_nothing_on_its_servers_never_wins_and_near_ties_go_simpler(
     """A dense CNN where the cost model puts hybrid (every parameter on AllReduce) a hair ahead
     of allreduce: the plan is allreduce, hybrid is listed as not runnable in its own name;
     predictions within TIE of each other go to the simpler strategy."""
-    from hpar.strategies.plan import estimates, planner
+    from hpar.strategies.plan import estimates, plan_reasons, planner
     from hpar.strategies.plan.costmodel import Estimate
     real = estimates.estimate_all
 
@@ -197,10 +197,10 @@ def test_hybrid_with_nothing_on_its_servers_never_wins_and_near_ties_go_simpler(
     assert plan.strategy == "allreduce" and not hybrid.available and "same as allreduce" in hybrid.note
     assert plan.reason.startswith("allreduce: ") and plan.reason.count("allreduce:") == 1
     est = lambda name, step: Estimate(name, step, 32, 0.0)
-    assert planner._fastest_simplest([est("pipeline", 0.098), est("allreduce", 0.1)]).strategy == "allreduce"
-    assert planner._fastest_simplest([est("pipeline", 0.05), est("allreduce", 0.1)]).strategy == "pipeline"
+    assert plan_reasons.fastest_simplest([est("pipeline", 0.098), est("allreduce", 0.1)]).strategy == "allreduce"
+    assert plan_reasons.fastest_simplest([est("pipeline", 0.05), est("allreduce", 0.1)]).strategy == "pipeline"
     # the reason of a tie says why the slower prediction was taken
-    why = planner._why(est("allreduce", 0.1), cnn_profile(), ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1,
+    why = plan_reasons.plan_reason(est("allreduce", 0.1), cnn_profile(), ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1,
                        bandwidth_Bps=1.25e9, latency_s=0.0), est("pipeline", 0.098))
     assert why.startswith("allreduce: the gradients are dense") and why.endswith(
         "; taken though pipeline is predicted faster (0.98x its samples/s): within 5% of the fastest, the simpler plan "

@@ -130,11 +130,11 @@ def test_profile_and_plan_name_the_tied_table_as_an_embedding_table_with_a_dense
            "backward_s": 0.0, "forward_flops": 0, "backward_flops": 0, "update_s_per_byte": 0.0, "timing_batch_size": 1}
     assert Profile.from_dict(old).params[0].tied_to == ()
     # GPT-2: a tied token table and a small row-sparse position table
-    from hpar.strategies.plan import planner
+    from hpar.strategies.plan import plan_reasons
     mixed = Profile.from_dict({**old, "params": [
         {**old["params"][0], "name": "wte.weight", "bytes": 750, "tied_to": ["lm_head.weight"]},
         {**old["params"][0], "name": "wpe.weight", "bytes": 3, "sparse": True, "embedding_module": True},
         {**old["params"][0], "name": "h.weight", "bytes": 247}]})
-    assert planner._dense_why(0.003, mixed) == (
+    assert plan_reasons.dense_why(0.003, mixed) == (
         "the gradients are mostly dense: 75% of the bytes are in embedding tables, 0.3% in row-sparse ones; the "
         "others are tied to a dense layer (wte.weight tied to lm_head.weight), so their gradients are dense")

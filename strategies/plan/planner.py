@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from hpar.strategies.specs.base import ON_SERVERS
-from hpar.strategies.specs.registry import ALLREDUCE, FSDP, HYBRID, PIPELINE, spec as strategy_spec
-from hpar.strategies.specs.torchrec_spec import SHARDINGS as TORCHREC_SHARDINGS
+from hpar.strategies.specs.registry import HYBRID, spec as strategy_spec
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.specs.decision import Candidate, Plan
 from hpar.strategies.specs.servers_spec import CacheConfig
@@ -24,96 +23,11 @@ from hpar.strategies.plan.costmodel_compress import shown_rows
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.plan.memory_model import predict as predict_memory, refusal
 from hpar.strategies.plan.pipeline_fit import fitting_layout
+from hpar.strategies.plan.plan_reasons import compressed_why, fastest_simplest, plan_reason, tied_note
 from hpar.strategies.job.compression import Compression
 from hpar.strategies.job.tying import stages_of
 from hpar.strategies.plan.stage_cuts import schedule_problem
 from hpar.strategies.profile.records import Profile
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def _tied(profile: Profile) -> tuple[float, str]:
-    """(the share of the parameter bytes in embedding tables tied to a dense layer, their ties as
-    words: "transformer.wte.weight tied to lm_head.weight"; "" when there are none)."""
-    tied = [p for p in profile.params if p.tied_to]
-    words = "; ".join(f"{p.name} tied to {', '.join(p.tied_to)}" for p in tied[:2]) + ("; ..." if len(tied) > 2 else "")
-    return sum(p.bytes for p in tied) / max(profile.total_bytes, 1), words
-
-
-def _dense_why(share: float, profile: Profile) -> str:
-    """Why the gradients are dense, in the allreduce reason: the share of the bytes in row-sparse
-    embedding tables, and the tables whose tie to a dense layer makes their gradients dense."""
-    tied, words = _tied(profile)
-    if not words:
-        return f"the gradients are dense ({share:.0%} of the bytes in embedding tables)"
-    if not share:
-        return (f"the gradients are dense: {tied:.0%} of the bytes are in embedding tables, all tied to a dense "
-                f"layer ({words}), so their gradients are dense")
-    sparse = f"{share:.1%}" if share < 0.01 else f"{share:.0%}"
-    return (f"the gradients are mostly dense: {share + tied:.0%} of the bytes are in embedding tables, {sparse} in "
-            f"row-sparse ones; the others are tied to a dense layer ({words}), so their gradients are dense")
-
-
-def _tied_note(profile: Profile) -> str:
-    """": a tied to b, so its gradient is dense" where the model has embedding tables tied to a
-    dense layer; "" otherwise."""
-    words = _tied(profile)[1]
-    one = sum(1 for p in profile.params if p.tied_to) == 1
-    return f": {words}, so {'its gradient is' if one else 'their gradients are'} dense" if words else ""
-
-
-def _why(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_up: Estimate | None) -> str:
-    sparse = [p for p in profile.params if p.embedding_module]
-    share = sum(p.bytes for p in sparse) / max(profile.total_bytes, 1)
-    vs = (f", {best.samples_per_s / runner_up.samples_per_s:.2f}x the predicted samples/s of "
-          f"{runner_up.strategy}") if runner_up and runner_up.samples_per_s > 0 else ""
-    tie = bool(vs) and best.samples_per_s < runner_up.samples_per_s   # _fastest_simplest's tie rule
-    if tie:
-        vs = (f"; taken though {runner_up.strategy} is predicted faster ({best.samples_per_s / runner_up.samples_per_s:.2f}x "
-              f"its samples/s): within {TIE:.0%} of the fastest, the simpler plan wins (a tie: the cost model is "
-              "not finer than that)")
-    if best.strategy == HYBRID.name:
-        a = max(p.alpha for p in sparse) if sparse else 0
-        return (f"hybrid: embedding tables hold {share:.0%} of the parameter bytes and a batch touches "
-                f"at most {a:.2%} of their rows, so the servers move only touched rows while dense "
-                f"gradients use AllReduce{vs}.")
-    if best.strategy == CACHED:
-        return (f"hybrid with hot-row caches (--staleness): a worker reads the hottest rows from its cache "
-                f"{best.breakdown.get('hit_rate', 0):.0%} of the time (predicted), pulling and pushing fewer rows{vs}.")
-    if best.strategy == PIPELINE.name and best.replicas > 1:
-        return (f"pipeline: {len(best.stages)} stages x {best.replicas} replicas: each replica AllReduce moves only "
-                f"a stage's share of the {_fmt_bytes(profile.total_bytes)} of parameters, and the stages "
-                f"exchange activations{vs}.")
-    if best.strategy == PIPELINE.name:
-        return (f"pipeline: {_fmt_bytes(profile.total_bytes)} of parameters would cross a "
-                f"{_fmt_bytes(cluster.bandwidth_Bps)}/s link every step with data parallelism, while "
-                f"the {len(best.stages)} stages only exchange activations{vs}.")
-    if best.strategy in TORCHREC_SHARDINGS:
-        return (f"{best.strategy}: TorchRec's all-to-alls send {_fmt_bytes(best.bytes_per_step)} per worker per step "
-                f"(the ids, and the looked-up or pooled rows and their gradients, not the touched rows; "
-                f"{best.note}){vs}.")
-    if best.strategy == FSDP.name:
-        return (f"fsdp: each worker holds 1/{cluster.workers} of the {_fmt_bytes(profile.total_bytes)} of parameters, "
-                f"of their gradients and of the optimizer state, gathering one layer's weights at a time{vs}.")
-    if best.strategy == ALLREDUCE.name and cluster.workers == 1:
-        return (f"allreduce: one worker, so no gradient is exchanged and the plan without servers "
-                f"or stages is the single-device step{vs}.")
-    if best.strategy == ALLREDUCE.name and share >= 0.5:
-        return (f"allreduce: embedding tables hold {share:.0%} of the parameter bytes, but AllReduce of "
-                f"{_fmt_bytes(profile.trainable_bytes)}, overlapped with backward, is predicted faster "
-                f"than moving their touched rows{vs}.")
-    if best.strategy == ALLREDUCE.name:
-        return (f"allreduce: {_dense_why(share, profile)}, and AllReduce of {_fmt_bytes(profile.trainable_bytes)} "
-                f"overlaps backward{vs}.")
-    if tie:
-        return f"{best.strategy}: the simplest plan predicted within {TIE:.0%} of the fastest{vs}."
-    return f"{best.strategy}: the fastest predicted step that can run{vs}."
 
 
 def compute_source(profile: Profile, cluster: ClusterSpec) -> str:
@@ -124,32 +38,6 @@ def compute_source(profile: Profile, cluster: ClusterSpec) -> str:
         return f"measured on {profile.device}"
     mem = f", {cluster.device_mem_Bps / 1e9:g} GB/s" if cluster.device_mem_Bps else ""
     return f"projected: {cluster.device_flops / 1e12:g} TFLOP/s{mem} (from a profile on {profile.device})"
-
-
-TIE = 0.05   # predictions within 5% of each other are a tie (the cost model is not finer than that)
-
-
-def _fastest_simplest(estimates: list[Estimate], compressed: dict | None = None) -> Estimate:
-    """The estimate with the highest predicted samples/s, except that among those within
-    ``TIE`` (relative) of it the simplest strategy (the lowest ``StrategySpec.simplicity``:
-fewer moving parts, no servers or stages) is taken, and of one strategy the uncompressed
-estimate before one in ``compressed`` ({id(estimate): Compression}: no accuracy trade in a tie)."""
-    top = max(e.samples_per_s for e in estimates)
-    near = [e for e in estimates if e.samples_per_s >= top * (1 - TIE)]
-    return min(near, key=lambda e: (strategy_spec(e.strategy).simplicity, id(e) in (compressed or {}), -e.samples_per_s))
-
-
-def _compressed_why(best: Estimate, c: Compression, plain: list[Estimate], runner_up: Estimate | None) -> str:
-    """The reason of a plan with ``--compress c``: what it saves and its speed beside the same
-    strategy uncompressed (``plain``: the runnable uncompressed estimates) and the runner-up."""
-    same = next((e for e in plain if e.strategy == best.strategy), None)
-    vs = []
-    if same is not None and same.samples_per_s > 0:
-        vs.append(f"{best.samples_per_s / same.samples_per_s:.2f}x the predicted samples/s of {best.strategy} uncompressed")
-    if runner_up is not None and runner_up.strategy != best.strategy and runner_up.samples_per_s > 0:
-        vs.append(f"{best.samples_per_s / runner_up.samples_per_s:.2f}x that of the runner-up, {runner_up.strategy}")
-    return (f"{best.strategy} with --compress {c} (asked for; compression changes the numbers): "
-            f"{best.note.split(';')[0].split(': ', 1)[-1]}" + (", " + ", ".join(vs) if vs else "") + ".")
 
 
 def unavailable(name: str) -> str:
@@ -223,12 +111,12 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             why = ("every embedding table costs less on AllReduce" if trained
                    else "every embedding table is frozen (requires_grad=False): nothing to place on servers"
                    if any(p.embedding_module for p in profile.params)
-                   else "no embedding table to place on servers" + _tied_note(profile))
+                   else "no embedding table to place on servers" + tied_note(profile))
             note = (note + "; " if note else "") + f"{why} (same as allreduce)"
             available = False   # it would run as allreduce: never the winner in its own name
         if spec.sparse_gradients and e.feasible and not any(p.embedding_module and not p.frozen for p in profile.params):
             note = (note + "; " if note else "") + \
-                f"no embedding table to give sparse gradients{_tied_note(profile)} (same as allreduce)"
+                f"no embedding table to give sparse gradients{tied_note(profile)} (same as allreduce)"
             available = False   # `hpar run` runs it as allreduce
         if spec.pipelined and e.feasible:
             note = describe_pipeline(e) + ("; " + note if note else "")
@@ -268,7 +156,7 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         raise ValueError("no strategy fits this job" + (": " + "; ".join(f"{k} {v}" for k, v in misfits.items())
                                                        if misfits else ""))
     else:
-        best = _fastest_simplest(ok + [ce for ce, _ in runnable], compressed)
+        best = fastest_simplest(ok + [ce for ce, _ in runnable], compressed)
     chosen_c = compressed.get(id(best))
     others = sorted((e for e in ok + [ce for ce, _ in runnable] if e is not best
                      and (e.step_s, e.bytes_per_step) != (best.step_s, best.bytes_per_step)),
@@ -276,8 +164,8 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
     runner_up = others[0] if others else None
     if runner_up is not None and id(runner_up) in compressed:   # named as its row in the reason
         runner_up = dataclasses.replace(runner_up, strategy=f"{runner_up.strategy} --compress {compressed[id(runner_up)]}")
-    reason = (_compressed_why(best, chosen_c, ok, runner_up) if chosen_c else _why(best, profile, cluster, runner_up))
-    fastest = _fastest_simplest([e for e in estimates if e.feasible and e.strategy not in withheld
+    reason = (compressed_why(best, chosen_c, ok, runner_up) if chosen_c else plan_reason(best, profile, cluster, runner_up))
+    fastest = fastest_simplest([e for e in estimates if e.feasible and e.strategy not in withheld
                                  and (e.strategy != CACHED or cache is not None)])
     if fastest is not best and fastest.samples_per_s > best.samples_per_s and fastest.strategy not in misfits:
         reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
