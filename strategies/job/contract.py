@@ -30,6 +30,7 @@ import torch
 
 from hpar.strategies.job.errors import JobError, check_script_file  # noqa: F401 (apart: the CLI names them without torch)
 from hpar.strategies.job.forward import call_model
+from hpar.strategies.job.user_errors import call_user, describe_error, user_error, user_frame, user_traceback_of, where_in_script
 
 REQUIRED = ("model", "data", "loss")
 OPTIONAL = ("optimizer", "scheduler", "evaluate", "log")
@@ -159,20 +160,11 @@ def _user_items(job: Job, it):
         except JobError:
             raise
         except Exception as exc:
-            frame = _user_frame(job, exc.__traceback__)
+            frame = user_frame(job, exc.__traceback__)
             inside = "" if frame is None or frame.name == "data" else " in data()"
-            raise JobError(f"{_where(job, frame, 'data()')} raised {type(exc).__name__} while producing a batch{inside}: "
-                           f"{_describe(exc).split(': ', 1)[-1]}", user_traceback=_user_traceback(job, exc)) from exc
+            raise JobError(f"{where_in_script(job, frame, 'data()')} raised {type(exc).__name__} while producing a batch{inside}: "
+                           f"{describe_error(exc).split(': ', 1)[-1]}", user_traceback=user_traceback_of(job, exc)) from exc
         yield item
-
-
-def _describe(exc: BaseException) -> str:
-    """``Type: message`` on one line, with the fix for a package the script needs but lacks."""
-    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    if isinstance(exc, ModuleNotFoundError) and exc.name:
-        text += (f" (install the package that provides {exc.name!r}; for hpar's own examples: "
-                 "pip install -e '.[examples]')")
-    return text
 
 
 def _call(job: Job, name: str, *args):
@@ -209,7 +201,7 @@ def load_job(path: str) -> Job:
                        "code that runs it with `if __name__ == \"__main__\":`",
                        user_traceback=traceback.format_exc()) from None
     except Exception as exc:
-        raise JobError(f"{path}: importing the script raised {_describe(exc)}",
+        raise JobError(f"{path}: importing the script raised {describe_error(exc)}",
                        user_traceback=traceback.format_exc()) from exc
     fns = {}
     arity = ARITY
@@ -287,52 +279,3 @@ def check_job(job: Job, batch_size: int) -> torch.nn.Module:
                         batch_size=batch_size)
     job.build_scheduler(job.build_optimizer(model.parameters(), lr=0.01))
     return model
-
-
-def _user_frame(job: Job, tb) -> traceback.FrameSummary | None:
-    """The innermost frame of ``tb`` in the user's script (None if none is)."""
-    frames = [f for f in traceback.extract_tb(tb) if os.path.abspath(f.filename) == job.path]
-    return frames[-1] if frames else None
-
-
-def _where(job: Job, frame: traceback.FrameSummary | None, what: str) -> str:
-    """``FILE:LINE: function()`` of ``frame`` in the user's script, ``FILE: what`` without one."""
-    return f"{job.path}:{frame.lineno}: {frame.name}()" if frame else f"{job.path}: {what}"
-
-
-def _user_traceback(job: Job, exc: BaseException) -> str:
-    """The traceback of ``exc`` from the first frame in the user's script on (hpar's and
-    torch's calling frames above it dropped; all of it when the script is not on the stack)."""
-    te = traceback.TracebackException.from_exception(exc)
-    first = next((i for i, f in enumerate(te.stack) if os.path.abspath(f.filename) == job.path), 0)
-    te.stack = traceback.StackSummary.from_list(list(te.stack)[first:])
-    return "".join(te.format())
-
-
-def call_user(job: Job, what: str, fn: Callable, *args):
-    """``fn(*args)`` where ``fn`` runs the user's code (their model's forward, a backward
-    through their layers). An exception becomes a JobError whose one line names the file,
-    line and function of the user's code where it was raised (``what`` when no frame of the
-    script is on the stack), with the user's traceback kept in ``user_traceback``."""
-    try:
-        return fn(*args)
-    except JobError:
-        raise
-    except Exception as exc:
-        raise user_error(job, exc, what) from exc
-
-
-def user_error(job: Job, exc: BaseException, what: str, during: str = "") -> JobError:
-    """The JobError for ``exc`` raised by the user's code: one line naming the file, line and
-    function of the innermost frame in the script (``what`` when none is on the stack), then
-    ``during`` in brackets when given (e.g. "while profiling on cuda:0"); the user's
-    traceback in ``user_traceback``."""
-    where = _where(job, _user_frame(job, exc.__traceback__), what)
-    tail = f" ({during})" if during else ""
-    return JobError(f"{where} raised {_describe(exc)}{tail}", user_traceback=_user_traceback(job, exc))
-
-
-def raised_in_script(job: Job, exc: BaseException) -> bool:
-    """Whether a frame of the user's script is on ``exc``'s traceback (their code raised it,
-    or called what raised it)."""
-    return _user_frame(job, exc.__traceback__) is not None

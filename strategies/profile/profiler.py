@@ -27,7 +27,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from hpar.strategies.common.devices import DeviceClock
-from hpar.strategies.job.contract import Job, JobError, raised_in_script, user_error
+from hpar.strategies.job.contract import Job, JobError
+from hpar.strategies.job.user_errors import raised_in_script, user_error
 from hpar.strategies.job.forward import call_model, inner_module
 from hpar.strategies.profile.device import data_seconds, OnDevice
 from hpar.strategies.profile.compress_cost import profile_compression

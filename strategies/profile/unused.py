@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from hpar.strategies.job.contract import Job, call_user
+from hpar.strategies.job.contract import Job
+from hpar.strategies.job.user_errors import call_user
 from hpar.strategies.job.forward import call_model
 from torch import nn
 
