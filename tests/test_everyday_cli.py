@@ -172,7 +172,7 @@ def test_hpar_layers_pipeline_equals_single_process(tmp_path):
     from hpar.strategies.job.contract import load_job
     from hpar.strategies.job.layers import model_layers
     from hpar.strategies.runtimes.pipeline.sim import simulate
-    from hpar.strategies.profile.profiler import pipeline_layers
+    from hpar.strategies.profile.layer_timing import pipeline_layers
     script = write_script(tmp_path, WITH_HPAR_LAYERS)
     job = load_job(script)
     model = job.build_model()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hpar.strategies.job.contract import load_job
-from hpar.strategies.profile.profiler import Profile, pipeline_layers, profile_job
+from hpar.strategies.profile.layer_timing import pipeline_layers
+from hpar.strategies.profile.profiler import Profile, profile_job
 
 SCRIPT = textwrap.dedent('''
     import torch

@@ -9,7 +9,7 @@ its ``sparse=`` flags, the global torch RNG state and the thread count are left 
 with ``torch.set_num_threads(1)`` as every hpar CPU worker runs, on the workers' device
 (strategies/profile/device.py); a ``torch.compile``-d model's ``net`` is profiled eagerly
 (``forward.inner_module``). How each figure is measured: docs/profile.md, "How it measures".
-Pipeline layers: :func:`pipeline_layers` (nn.Sequential, or ``model.hpar_layers()``).
+Pipeline layers: :func:`pipeline_layers` (strategies/profile/layer_timing.py; nn.Sequential, or ``model.hpar_layers()``).
 
 Sources: FLOPs from ``torch.utils.flop_counter.FlopCounterMode``; fused RNN kernels, which
 report none there, counted analytically (2 FLOPs per multiply-add of the gate matrices,
@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import statistics
 import time
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from hpar.strategies.common.devices import DeviceClock
-from hpar.strategies.job.contract import Job, JobError
+from hpar.strategies.job.contract import Job
 from hpar.strategies.job.user_errors import raised_in_script, user_error
 from hpar.strategies.job.forward import call_model, inner_module
 from hpar.strategies.profile.device import data_seconds, OnDevice
 from hpar.strategies.profile.compress_cost import profile_compression
-from hpar.strategies.job.layers import is_declared_sequence, model_layers
-from hpar.strategies.job.traced import TracedStage, why_not_traceable
+from hpar.strategies.job.traced import TracedStage
 from hpar.strategies.job.tying import dense_shared_embeddings, shared_across_stages
 from hpar.strategies.job.loop import precision_context
 from hpar.strategies.profile.hooks import (
@@ -47,6 +44,7 @@ from hpar.strategies.profile.hooks import (
 )
 from hpar.strategies.profile.step_overhead import step_overhead_s
 from hpar.strategies.profile.hot_rows import row_counts
+from hpar.strategies.profile.layer_timing import cast_loss, compose, median_or_zero, pipeline_layers, pooled_layer_times
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
 from hpar.strategies.profile.shapes import ShapeCensus, draw
 from hpar.strategies.profile import memory_profile as mem_probe
@@ -55,76 +53,8 @@ from hpar.strategies.profile.unused import missing_gradients, probe_unused
 from hpar.strategies.profile.update import (dense_update_cost, per_tensor_update_cost, probe_optimizer, server_optimizer_problem,
                                           sparse_update_cost)
 from hpar.strategies.specs.registry import FSDP
-from torch import nn
 
 SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
-
-
-def pipeline_layers(model: nn.Module, examples=()) -> tuple[list[tuple[str, nn.Module]], bool, str]:
-    """The model's layers (``strategies/job/layers.py``: ``model.hpar_layers()``, the top-level
-    children of an ``nn.Sequential``, or the blocks torch's tracer cuts it between, traced on
-    the first of ``examples``, the inputs of the batches to be timed) as ``(name, module)``
-    pairs, whether a pipeline can cut them, and why not. A model that cannot be cut is
-    profiled by its top-level children; ``hpar_layers()`` returning something unusable
-    raises JobError. A traced model whose ``examples`` change shape cannot be cut (its graph
-    is specialised to one shape)."""
-    if is_declared_sequence(model):
-        try:
-            layers = model_layers(model)
-        except ValueError as exc:
-            raise JobError(str(exc)) from None
-        if len(layers) < 2:
-            return layers, False, "the sequence has fewer than 2 layers"
-        return layers, True, ""
-    children = list(inner_module(model).named_children())
-    shapes = {tuple(tuple(t.shape) for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)) for x in examples}
-    if len(shapes) > 1:
-        return children, False, ("its batches change shape (a traced pipeline needs one shape; pad sequences to one "
-                                 "length) and it has no hpar_layers()")
-    reason = why_not_traceable(model)
-    if reason or not examples:
-        return children, False, f"not a sequence of layers: {reason or 'no batch to trace it on'}"
-    try:
-        return model_layers(model, examples[0]), True, ""
-    except ValueError as exc:
-        return children, False, str(exc)
-
-
-def _compose(layers: list[tuple[str, nn.Module]], inputs):
-    """The layers applied in order to ``inputs``: the model's forward, cut."""
-    for _, layer in layers:
-        inputs = layer(inputs)
-    return inputs
-
-
-def _cast_loss(job: Job, cast, run, inputs, targets):
-    """The loss of one forward pass under the workers' precision (``cast``)."""
-    with cast():
-        return job.compute_loss(run(inputs), targets)
-
-
-def _median(xs):
-    return statistics.median(xs) if xs else 0.0
-
-
-def _pooled_layer_times(layers, activation_bytes, lay_f, lay_b) -> tuple[list[float], list[float]]:
-    """Median forward and backward seconds per layer, pooled over identical layers: layers of
-    the same type, parameter shapes and output size do the same work, so each gets the
-    median over all their repeats. This keeps timing noise from splitting a stack of equal
-    layers unevenly into pipeline stages."""
-    def kind(li):
-        m = layers[li][1]
-        return (type(m).__name__, tuple(tuple(p.shape) for p in m.parameters()), activation_bytes[li])
-    groups: dict = {}
-    for li in range(len(layers)):
-        groups.setdefault(kind(li), []).append(li)
-    fwd, bwd = [0.0] * len(layers), [0.0] * len(layers)
-    for members in groups.values():
-        f = _median([x[li] for x in lay_f for li in members])
-        b = _median([x[li] for x in lay_b for li in members])
-        for li in members:
-            fwd[li], bwd[li] = f, b
-    return fwd, bwd
 
 
 def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmup: int = 2,
@@ -164,7 +94,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         timed = [next(batches) for _ in range(warmup + repeats)]
         layers, is_seq, reason = pipeline_layers(model, [x for x, _ in timed])
         traced = is_seq and isinstance(layers[0][1], TracedStage)
-        run = (lambda x: _compose(layers, x)) if traced else (lambda x: call_model(model, x))
+        run = (lambda x: compose(layers, x)) if traced else (lambda x: call_model(model, x))
         timer = LayerTimer(layers, [m for _, m in embs], clock)
         fwd, bwd, lay_f, lay_b, grad_rows, unused = [], [], [], [], {}, set()
         with timer:
@@ -196,15 +126,15 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         new_shapes = 0
         with ShapeCensus(model) as census, torch.no_grad():
             for i, (inputs, targets) in enumerate(timed):
-                _cast_loss(job, cast, run, inputs, targets)
+                cast_loss(job, cast, run, inputs, targets)
                 new_shapes += census.record() and i >= warmup
         grown = (kept, repeats, new_shapes) if warmup else (0, 0, 0)
         with ShapeCensus(model) as met:   # the shapes a worker meets at the run's batch (profile/shapes.py);
             whole = lambda x: call_model(model, x)   # the model itself: a traced graph keeps the timing batch's shapes
-            draw(met, lambda b: _cast_loss(job, cast, whole, *b), on_dev.batches(0, workers, batch_size))
+            draw(met, lambda b: cast_loss(job, cast, whole, *b), on_dev.batches(0, workers, batch_size))
         inputs, targets = timed[-1]
         step_mem = mem_probe.step_memory(model, [m for _, m in layers],
-                                         lambda: _cast_loss(job, cast, run, inputs, targets), dev)
+                                         lambda: cast_loss(job, cast, run, inputs, targets), dev)
         model.zero_grad(set_to_none=True)
         flops = count_flops(model, [] if traced else layers, lambda: job.compute_loss(run(inputs), targets))
         if traced:
@@ -225,7 +155,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         compress_s = profile_compression(model, {f"{n}.weight" if n else "weight" for n, _ in embs}, dev, workers, compress)
         tensors = sum(1 for _ in model.parameters())
         # at the timing batch, as forward and backward were timed (the host's own seconds hardly depend on it)
-        charged = data_s + _median(fwd) + _median(bwd) + update * model_bytes + per_tensor * tensors
+        charged = data_s + median_or_zero(fwd) + median_or_zero(bwd) + update * model_bytes + per_tensor * tensors
         host_overhead = step_overhead_s(job, dev, cast, tbs, workers, charged, model_bytes)
         host_update = dense_update_cost(job, model_bytes) if dev.type != "cpu" else None
         sparse_update, sparse_ok = None, True
@@ -261,7 +191,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             pp = ParamProfile(name, tuple(p.shape), nbytes, True, st["alpha"], st["union"], True,
                               layer_of.get(id(p), -1), st["curve"], st["mass"], st["dedup_s"],
                               h.ids, h.counts, h.batches, h.touches, lookups=st["lookups"], bags=st["bags"])
-        elif name in grad_rows and _median([f for f, _ in grad_rows[name]]) < SPARSE_ROW_FRACTION:
+        elif name in grad_rows and median_or_zero([f for f, _ in grad_rows[name]]) < SPARSE_ROW_FRACTION:
             fr = [f for f, _ in grad_rows[name]]
             union = float(torch.stack([m for _, m in grad_rows[name]]).any(0).float().mean())
             pp = ParamProfile(name, tuple(p.shape), nbytes, True, float(sum(fr) / len(fr)), union,
@@ -272,7 +202,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         params.append(dataclasses.replace(pp, frozen=not p.requires_grad))
     params.sort(key=lambda q: (not q.sparse, -q.bytes))
     lp = []
-    fwd_of, bwd_of = _pooled_layer_times(layers, timer.activation_bytes, lay_f, lay_b)
+    fwd_of, bwd_of = pooled_layer_times(layers, timer.activation_bytes, lay_f, lay_b)
     for li, (name, m) in enumerate(layers):
         lp.append(LayerProfile(
             name=name,
@@ -281,7 +211,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
             flops=int(flops["layers"][li] * scale),
             activation_bytes=int(timer.activation_bytes[li] * scale),
             param_bytes=sum(q.numel() * q.element_size() for q in m.parameters())))
-    f_s, b_s = _median(fwd) * scale, _median(bwd) * scale
+    f_s, b_s = median_or_zero(fwd) * scale, median_or_zero(bwd) * scale
     return Profile(params=tuple(params), layers=tuple(lp), batch_size=batch_size, samples_per_batch=samples,
                    workers=workers, is_sequential=is_seq, sequential_reason=reason,
                    compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
