@@ -10,7 +10,7 @@ planned": the runtimes fall back to their own choice.
 The runtimes read: ``placement`` (parameter name -> "allreduce" | "ps") and ``partitions``
 (row partitions per PS-placed parameter), ``sparse_optimizer`` ("exact" or "lazy",
 strategies/runtimes/hybrid/shard.py), ``local_aggregation`` (None: decided from the hosts,
-strategies/runtimes/hybrid/hybrid_runtime.make_groups), ``pull_ahead`` (strategies/runtimes/hybrid/worker_step.py),
+strategies/runtimes/hybrid/hybrid_runtime.make_groups), ``pull_ahead`` (strategies/runtimes/hybrid/worker_parts.py),
 ``cache`` (the workers' hot-row caches: staleness, rows, ``hot_rows``, ``predicted_hit_rate``,
 ``refresh_steps``; strategies/plan/costmodel_cache.plan_cache), ``sparse_exchange``
 (allreduce-sparse: "gloo-sparse" | "allgather-padded", strategies/runtimes/dataparallel/sparse_allgather.py);

@@ -36,7 +36,8 @@ from hpar.strategies.runtimes.hybrid import build, embedding
 from hpar.strategies.specs.servers_spec import REFRESH_STEPS, CacheConfig
 from hpar.strategies.runtimes.hybrid.cache_client import WorkerCaches
 from hpar.strategies.runtimes.hybrid.client import PSClient, ps_tables
-from hpar.strategies.runtimes.hybrid.worker_step import HybridStep, WorkerParts
+from hpar.strategies.runtimes.hybrid.worker_parts import WorkerParts
+from hpar.strategies.runtimes.hybrid.worker_step import HybridStep
 from hpar.strategies.job.forward import inner_module
 from hpar.strategies.specs.decision import Plan
 

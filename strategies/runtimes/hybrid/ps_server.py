@@ -137,7 +137,7 @@ class Server:
         """``--clip-grad-norm``: the step's mean gradients of every open table, scaled by the
         global clipping coefficient, applied. The global sum of squares is one AllReduce over
         the default group: each server adds its shards' part, worker 0 the dense part
-        (strategies/runtimes/hybrid/worker_step.clip_with_servers makes the same call after its DONE)."""
+        (strategies/runtimes/hybrid/worker_parts.clip_with_servers makes the same call after its DONE)."""
         open_tables = [tid for tid, at in self.table_step.items() if at == self.applied]
         specs, grads = {}, {}
         for tid in open_tables:
