@@ -29,6 +29,7 @@ Usage: ``python benchmarks/bench_cache.py [--scripts examples/lm.py,examples/rec
 [--plot out.png]`` for the table and plot of earlier runs. Errors: a failed run raises RuntimeError with
 the end of its output; the emulated hosts are removed on the way out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,17 +54,48 @@ def _rate_Bps(rate: str) -> float:
     raise ValueError(f"--rate {rate}: give e.g. 100mbit")
 
 
-def run_one(script: str, workers: int, steps: int, staleness: int | None, cache_rows: float, run_dir: str,
-            cluster_args: list[str]) -> dict:
+def run_one(
+    script: str,
+    workers: int,
+    steps: int,
+    staleness: int | None,
+    cache_rows: float,
+    run_dir: str,
+    cluster_args: list[str],
+) -> dict:
     """``hpar run`` one configuration (stdout to RUN_DIR.log); returns its summary.json."""
-    cmd = [sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", str(workers), "--strategy", "hybrid",
-           "--steps", str(steps), "--run-dir", run_dir, "--plain", "--no-eval", "--precision", "fp32",
-           "--log-every", str(max(1, steps // 3)), *cluster_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpar.launcher.cli",
+        "run",
+        script,
+        "--gpus",
+        str(workers),
+        "--strategy",
+        "hybrid",
+        "--steps",
+        str(steps),
+        "--run-dir",
+        run_dir,
+        "--plain",
+        "--no-eval",
+        "--precision",
+        "fp32",
+        "--log-every",
+        str(max(1, steps // 3)),
+        *cluster_args,
+    ]
     if staleness is not None:
         cmd += ["--staleness", str(staleness), "--cache-rows", f"{cache_rows:g}"]
     with open(run_dir + ".log", "w") as out:
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}).returncode
+        code = subprocess.run(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+        ).returncode
     if code != 0:
         with open(run_dir + ".log") as f:
             raise RuntimeError(f"{' '.join(cmd)} failed ({code}):\n{f.read()[-3000:]}")
@@ -76,23 +108,32 @@ def final_eval(script: str, run_dir: str) -> dict:
     import torch
     from hpar.strategies.state import state
     from hpar.strategies.job.contract import load_job
+
     job = load_job(script)
     torch.manual_seed(0)
     model = job.build_model()
     saved = state.read_all(os.path.join(run_dir, "model"))
-    model.load_state_dict({k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")})
+    model.load_state_dict({k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")})
     return job.run_evaluate(model)
 
 
 def figures(summary: dict, evaluation: dict) -> dict:
     b = summary.get("bytes_per_step") or {}
     cache = summary.get("cache") or {}
-    tables = sum(v.get("sent", 0.0) + v.get("recv", 0.0) for k, v in (summary.get("by_param") or {}).items()
-                 if not k.startswith("_"))   # the served tables' pulls and pushes, not the dense AllReduce
-    return {"samples_per_s": summary["samples_per_s"], "bytes": b.get("sent", 0.0) + b.get("recv", 0.0),
-            "table_bytes": tables,
-            "hit_rate": cache.get("hit_rate"), "predicted_hit_rate": cache.get("predicted_hit_rate"),
-            "eval": evaluation, "step_s_p50": summary.get("step_s_p50")}
+    tables = sum(
+        v.get("sent", 0.0) + v.get("recv", 0.0)
+        for k, v in (summary.get("by_param") or {}).items()
+        if not k.startswith("_")
+    )  # the served tables' pulls and pushes, not the dense AllReduce
+    return {
+        "samples_per_s": summary["samples_per_s"],
+        "bytes": b.get("sent", 0.0) + b.get("recv", 0.0),
+        "table_bytes": tables,
+        "hit_rate": cache.get("hit_rate"),
+        "predicted_hit_rate": cache.get("predicted_hit_rate"),
+        "eval": evaluation,
+        "step_s_p50": summary.get("step_s_p50"),
+    }
 
 
 def bench_cluster(scripts: list[str], label: str, workers: int, cluster_args: list[str], args, root: str) -> list[dict]:
@@ -109,37 +150,54 @@ def bench_cluster(scripts: list[str], label: str, workers: int, cluster_args: li
                 summary = run_one(script, workers, args.steps, c, args.cache_rows, run_dir, cluster_args)
                 fig = figures(summary, final_eval(script, run_dir))
                 got[c].append(fig)
-                print(f"bench_cache: {name}: {fig['samples_per_s']:,.0f} samples/s, {fig['bytes'] / 1e6:.2f} MB/step, "
-                      f"hit {fig['hit_rate']}, predicted {fig['predicted_hit_rate']}, eval {fig['eval']} "
-                      f"({time.time() - t0:.0f} s)", flush=True)
+                print(
+                    f"bench_cache: {name}: {fig['samples_per_s']:,.0f} samples/s, {fig['bytes'] / 1e6:.2f} MB/step, "
+                    f"hit {fig['hit_rate']}, predicted {fig['predicted_hit_rate']}, eval {fig['eval']} "
+                    f"({time.time() - t0:.0f} s)",
+                    flush=True,
+                )
         base = got[None]
         for c in configs:
             runs = got[c]
-            rows.append({"script": os.path.basename(script), "cluster": label, "staleness": c, "runs": runs,
-                         "samples_ratio": [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs, base)],
-                         "bytes_ratio": [a["bytes"] / b["bytes"] for a, b in zip(runs, base)],
-                         "table_bytes_ratio": [a["table_bytes"] / b["table_bytes"] for a, b in zip(runs, base)]})
+            rows.append(
+                {
+                    "script": os.path.basename(script),
+                    "cluster": label,
+                    "staleness": c,
+                    "runs": runs,
+                    "samples_ratio": [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs, base)],
+                    "bytes_ratio": [a["bytes"] / b["bytes"] for a, b in zip(runs, base)],
+                    "table_bytes_ratio": [a["table_bytes"] / b["table_bytes"] for a, b in zip(runs, base)],
+                }
+            )
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     """The table of the BENCHMARKS.md section (figures of the best round; ratios over rounds)."""
-    out = ["| script | cluster | s | samples/s (best) | x hybrid (rounds) | MB/worker/step | x hybrid | tables' MB "
-           "| x hybrid | hit rate measured / predicted | final eval | eval x hybrid |",
-           "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---:|"]
+    out = [
+        "| script | cluster | s | samples/s (best) | x hybrid (rounds) | MB/worker/step | x hybrid | tables' MB "
+        "| x hybrid | hit rate measured / predicted | final eval | eval x hybrid |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---:|",
+    ]
     for row in rows:
         runs = row["runs"]
         best = max(runs, key=lambda f: f["samples_per_s"])
-        (metric, value), = list(best["eval"].items())[:1] or [("-", math.nan)]
-        base = next(r for r in rows if r["script"] == row["script"] and r["cluster"] == row["cluster"]
-                    and r["staleness"] is None)
+        ((metric, value),) = list(best["eval"].items())[:1] or [("-", math.nan)]
+        base = next(
+            r
+            for r in rows
+            if r["script"] == row["script"] and r["cluster"] == row["cluster"] and r["staleness"] is None
+        )
         base_eval = list(base["runs"][runs.index(best)]["eval"].values())[0] if base["runs"][0]["eval"] else math.nan
         hit = "-" if best["hit_rate"] is None else f"{best['hit_rate']:.1%} / {best['predicted_hit_rate']:.1%}"
         ratios = ", ".join(f"{x:.2f}" for x in row["samples_ratio"])
-        out.append(f"| {row['script']} | {row['cluster']} | {'hybrid' if row['staleness'] is None else row['staleness']} "
-                   f"| {best['samples_per_s']:,.0f} | {ratios} | {best['bytes'] / 1e6:.2f} "
-                   f"| {min(row['bytes_ratio']):.2f} | {best['table_bytes'] / 1e6:.2f} "
-                   f"| {min(row['table_bytes_ratio']):.2f} | {hit} | {metric} {value:.4g} | {value / base_eval:.4f} |")
+        out.append(
+            f"| {row['script']} | {row['cluster']} | {'hybrid' if row['staleness'] is None else row['staleness']} "
+            f"| {best['samples_per_s']:,.0f} | {ratios} | {best['bytes'] / 1e6:.2f} "
+            f"| {min(row['bytes_ratio']):.2f} | {best['table_bytes'] / 1e6:.2f} "
+            f"| {min(row['table_bytes_ratio']):.2f} | {hit} | {metric} {value:.4g} | {value / base_eval:.4f} |"
+        )
     return "\n".join(out)
 
 
@@ -147,6 +205,7 @@ def plot(rows: list[dict], path: str) -> None:
     """Write a PNG: against s, per script and cluster, the tables' bytes, all bytes, samples/s
     and the final evaluation, each as a ratio to hybrid's (best round)."""
     from hpar.launcher.bench.bench_report import pyplot
+
     plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     titles = ["served tables' bytes / step", "all bytes / step", "samples/s", "final evaluation"]
@@ -156,10 +215,12 @@ def plot(rows: list[dict], path: str) -> None:
         cached = sorted((r for r in mine if r["staleness"] is not None), key=lambda r: r["staleness"])
         xs = [r["staleness"] for r in cached]
         firsts = [r["runs"][0] for r in cached]
-        ys = [[f["table_bytes"] / base["table_bytes"] for f in firsts],
-              [f["bytes"] / base["bytes"] for f in firsts],
-              [max(r["samples_ratio"]) for r in cached],
-              [list(f["eval"].values())[0] / list(base["eval"].values())[0] if f["eval"] else math.nan for f in firsts]]
+        ys = [
+            [f["table_bytes"] / base["table_bytes"] for f in firsts],
+            [f["bytes"] / base["bytes"] for f in firsts],
+            [max(r["samples_ratio"]) for r in cached],
+            [list(f["eval"].values())[0] / list(base["eval"].values())[0] if f["eval"] else math.nan for f in firsts],
+        ]
         for ax, y in zip(axes, ys):
             ax.plot(xs, y, marker="o", label=f"{key[0]}, {key[1]}")
     for ax, title in zip(axes, titles):
@@ -183,8 +244,11 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None, help="write the markdown table here too")
     ap.add_argument("--plot", default=None, help="write a PNG of the ratios against s here (matplotlib)")
-    ap.add_argument("--from-json", default=None, help="comma-separated --json files of earlier runs: "
-                    "table and plot of their rows, nothing run")
+    ap.add_argument(
+        "--from-json",
+        default=None,
+        help="comma-separated --json files of earlier runs: table and plot of their rows, nothing run",
+    )
     args = ap.parse_args()
     if args.from_json:
         rows = [row for f in args.from_json.split(",") for row in json.load(open(f))["rows"]]
@@ -202,13 +266,16 @@ def main() -> int:
             rows += bench_cluster(scripts, f"{n} local workers", n, [], args, root)
             continue
         from hpar.launcher.bench.emulate import EmulatedCluster
+
         n = int(spec)
         with EmulatedCluster(n, n, _rate_Bps(args.rate)) as em:
             cluster = ["--hosts", em.host_file, "--ssh-key", em.made.key, "--env", "OMP_NUM_THREADS"]
             rows += bench_cluster(scripts, f"{n} hosts at {args.rate}", n, cluster, args, root)
     table = markdown(rows)
-    print(f"\nbench_cache: {started:%Y-%m-%d %H:%M}-{datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC, "
-          f"{args.steps} steps, cache rows {args.cache_rows:g}, run dirs under {root}\n{table}")
+    print(
+        f"\nbench_cache: {started:%Y-%m-%d %H:%M}-{datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC, "
+        f"{args.steps} steps, cache rows {args.cache_rows:g}, run dirs under {root}\n{table}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

@@ -12,6 +12,7 @@ Usage: ``python benchmarks/bench_cpu.py BENCH_DIR [--cores N]`` (default: this m
 where BENCH_DIR is an ``hpar bench --scale`` directory (``hosts-N/<script>/<strategy>/``) or a
 single run directory. Prints one markdown row per run with heartbeats in its training window.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,11 @@ def run_cpu(run_dir: str) -> dict | None:
     except (OSError, ValueError):
         return None
     steps, rate = summary.get("steps") or 0, summary.get("samples_per_s") or 0
-    beats = [b for b in (json.loads(line) for line in lines if line.strip())
-             if b.get("kind") == "heartbeat" and "cpu_percent" in b]
+    beats = [
+        b
+        for b in (json.loads(line) for line in lines if line.strip())
+        if b.get("kind") == "heartbeat" and "cpu_percent" in b
+    ]
     window = [b["time"] for b in beats if b.get("role") == "worker" and 2 <= b.get("at_step", 0) <= steps - 2]
     if len(window) < 2 or not rate:
         return None
@@ -47,9 +51,14 @@ def run_cpu(run_dir: str) -> dict | None:
             per.setdefault((b["role"], b["rank"]), []).append(b["cpu_percent"])
     pct = {role: sum(statistics.mean(v) for (r, _), v in per.items() if r == role) for role in ("worker", "server")}
     step_s = config["batch_size"] * config["world_size"] / rate
-    return {"workers_pct": pct["worker"], "servers_pct": pct["server"], "step_s": step_s,
-            "worker_cpu_s": pct["worker"] / 100 * step_s, "server_cpu_s": pct["server"] / 100 * step_s,
-            "processes": len(per)}
+    return {
+        "workers_pct": pct["worker"],
+        "servers_pct": pct["server"],
+        "step_s": step_s,
+        "worker_cpu_s": pct["worker"] / 100 * step_s,
+        "server_cpu_s": pct["server"] / 100 * step_s,
+        "processes": len(per),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=float, default=float(os.cpu_count() or 1))
     args = ap.parse_args(argv)
     runs = sorted(glob.glob(os.path.join(args.bench_dir, "hosts-*", "*", "*", ""))) or [args.bench_dir]
-    print("| run | step (ms) | workers' CPU (% of a core) | servers' CPU | CPU ms per step, workers + servers | "
-          "share of the cores |")
+    print(
+        "| run | step (ms) | workers' CPU (% of a core) | servers' CPU | CPU ms per step, workers + servers | "
+        "share of the cores |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for run in runs:
         got = run_cpu(run)
@@ -67,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         name = "/".join(os.path.normpath(run).split(os.sep)[-3:])
         total = got["workers_pct"] + got["servers_pct"]
-        print(f"| {name} | {1e3 * got['step_s']:,.1f} | {got['workers_pct']:.0f} | {got['servers_pct']:.0f} | "
-              f"{1e3 * got['worker_cpu_s']:,.1f} + {1e3 * got['server_cpu_s']:,.1f} | {total / args.cores:.0f}% |")
+        print(
+            f"| {name} | {1e3 * got['step_s']:,.1f} | {got['workers_pct']:.0f} | {got['servers_pct']:.0f} | "
+            f"{1e3 * got['worker_cpu_s']:,.1f} + {1e3 * got['server_cpu_s']:,.1f} | {total / args.cores:.0f}% |"
+        )
     return 0
 
 

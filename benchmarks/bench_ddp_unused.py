@@ -10,6 +10,7 @@ It reports the median step time of each setting, the ratio on/off and the run-to
 
 Usage: python benchmarks/bench_ddp_unused.py [--steps 30] [--repeats 3] [examples/wide.py ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,13 +63,19 @@ def _worker(rank: int, port: int, jobs: list, out) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("scripts", nargs="*", default=[os.path.join(ROOT, "examples", s) for s in ("wide.py", "lm.py", "cnn.py")])
+    ap.add_argument(
+        "scripts", nargs="*", default=[os.path.join(ROOT, "examples", s) for s in ("wide.py", "lm.py", "cnn.py")]
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=32)
     args = ap.parse_args()
-    jobs = [(s, args.steps, args.batch_size, flag) for _ in range(args.repeats) for s in args.scripts
-            for flag in (True, False)]
+    jobs = [
+        (s, args.steps, args.batch_size, flag)
+        for _ in range(args.repeats)
+        for s in args.scripts
+        for flag in (True, False)
+    ]
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(free_port(), jobs, out), nprocs=2)
     print(f"command: python benchmarks/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}".rstrip())
@@ -80,8 +87,10 @@ def main() -> None:
         off = [out[k] for k, j in enumerate(jobs) if j[0] == s and not j[3]]
         spread = max(max(on) / min(on), max(off) / min(off))
         ratio = statistics.median(on) / statistics.median(off)
-        print(f"| {os.path.basename(s)} | {1e3 * statistics.median(on):.2f} | {1e3 * statistics.median(off):.2f} | "
-              f"{ratio:.3f} | {spread:.3f} |")
+        print(
+            f"| {os.path.basename(s)} | {1e3 * statistics.median(on):.2f} | {1e3 * statistics.median(off):.2f} | "
+            f"{ratio:.3f} | {spread:.3f} |"
+        )
 
 
 if __name__ == "__main__":

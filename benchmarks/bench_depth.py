@@ -15,6 +15,7 @@ for that many steps of the same configuration, rank 0's summary (samples_per_s).
 Usage: python benchmarks/bench_depth.py [--opt sgd|adamw] [--lr 0.6] [--steps 875] [--seeds 1]
 [--depths 2 4 8] [--speed-steps 0] [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,15 +40,18 @@ def micro_for(schedule: str, stages: int) -> int:
 def accuracy(schedule: str, stages: int, steps: int, lr: float, seed: int) -> float:
     from hpar.strategies.job.contract import load_job
     from hpar.strategies.runtimes.pipeline.sim import simulate
+
     job = load_job(DEEP)
-    r = simulate(job, schedule, stages, steps=steps, batch_size=64, micro_batches=micro_for(schedule, stages),
-                 lr=lr, seed=seed)
+    r = simulate(
+        job, schedule, stages, steps=steps, batch_size=64, micro_batches=micro_for(schedule, stages), lr=lr, seed=seed
+    )
     return job.run_evaluate(r.model)["accuracy"]
 
 
 def samples_per_s(schedule: str, stages: int, steps: int, lr: float) -> float:
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from bench_pipeline import run_workers
+
     s = run_workers(DEEP, "pipeline", stages, steps, 64, schedule, micro_for(schedule, stages), lr=lr)
     return s["samples_per_s"]
 
@@ -65,12 +69,16 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["HPAR_DEEP_MLP_OPT"] = args.opt
     torch.set_num_threads(1)
-    lines = [f"Command: `python benchmarks/bench_depth.py {' '.join(sys.argv[1:])}`  ",
-             f"Machine: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, shared with other jobs; "
-             f"date {datetime.datetime.now().isoformat(timespec='minutes')}; torch {torch.__version__}", "",
-             "| K | schedule | M | val accuracy (mean" + (f" of {args.seeds} seeds, min-max)" if args.seeds > 1 else ")")
-             + (" | samples/s |" if args.speed_steps else " |"),
-             "|---|---|---|---|" + ("---|" if args.speed_steps else "")]
+    lines = [
+        f"Command: `python benchmarks/bench_depth.py {' '.join(sys.argv[1:])}`  ",
+        f"Machine: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, shared with other jobs; "
+        f"date {datetime.datetime.now().isoformat(timespec='minutes')}; torch {torch.__version__}",
+        "",
+        "| K | schedule | M | val accuracy (mean"
+        + (f" of {args.seeds} seeds, min-max)" if args.seeds > 1 else ")")
+        + (" | samples/s |" if args.speed_steps else " |"),
+        "|---|---|---|---|" + ("---|" if args.speed_steps else ""),
+    ]
     for k in args.depths:
         for schedule in args.schedules:
             accs = [accuracy(schedule, k, args.steps, args.lr, seed) for seed in range(args.seeds)]

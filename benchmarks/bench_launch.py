@@ -23,6 +23,7 @@ evaluates it at ``--project`` hosts. On one machine every emulated host shares t
 the start-up figures include CPU contention that real hosts do not have: the fit's slope is an
 upper bound of the per-host cost. Needs root, iproute2 and openssh-server.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import testhosts  # noqa: E402
 
-SCRIPT = '''
+SCRIPT = """
 import time, torch, torch.nn as nn
 HPAR = {"steps": 100000, "batch_size": 8, "lr": 0.01, "log_every": 1}
 def model():
@@ -56,7 +57,7 @@ def data(rank, world_size, batch_size):
         yield x, x.sum(1, keepdim=True)
 def loss(output, targets):
     return ((output - targets) ** 2).mean()
-'''
+"""
 
 
 def _alive_in(namespaces: list[str]) -> list[int]:
@@ -98,10 +99,34 @@ def one_run(made, per_host: int, work: str) -> dict:
     os.rmdir(run_dir)
     connections = accepted(made)
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--hosts", hosts, "--gpus",
-                             str(world), "--strategy", "allreduce", "--ssh-key", made.key, "--ssh-known-hosts", made.known_hosts, "--plain", "--no-eval",
-                             "--run-dir", run_dir], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpar.launcher.cli",
+            "run",
+            script,
+            "--hosts",
+            hosts,
+            "--gpus",
+            str(world),
+            "--strategy",
+            "allreduce",
+            "--ssh-key",
+            made.key,
+            "--ssh-known-hosts",
+            made.known_hosts,
+            "--plain",
+            "--no-eval",
+            "--run-dir",
+            run_dir,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     preflight = None
     first_step: set[int] = set()
     lines = []
@@ -134,6 +159,7 @@ def one_run(made, per_host: int, work: str) -> dict:
             while time.monotonic() - killed < 60 and _alive_in(namespaces):
                 time.sleep(0.05)
             gone.append(time.monotonic())
+
         killed = time.monotonic()
         os.kill(victims[0], signal.SIGKILL)
         watcher = threading.Thread(target=watch, daemon=True)
@@ -145,9 +171,16 @@ def one_run(made, per_host: int, work: str) -> dict:
         exited = time.monotonic()
         watcher.join()
         gone = gone[0]
-        return {"preflight_s": preflight - t0, "startup_s": started - preflight, "teardown_s": gone - killed,
-                "detect_s": (detected or exited) - killed, "launcher_exit_s": exited - killed,
-                "exit_code": proc.wait(), "processes": world, "ssh_connections": accepted(made) - connections}
+        return {
+            "preflight_s": preflight - t0,
+            "startup_s": started - preflight,
+            "teardown_s": gone - killed,
+            "detect_s": (detected or exited) - killed,
+            "launcher_exit_s": exited - killed,
+            "exit_code": proc.wait(),
+            "processes": world,
+            "ssh_connections": accepted(made) - connections,
+        }
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -167,11 +200,20 @@ def idle_run(made, per_host: int) -> dict:
     from hpar.launcher.procs.local import ProcessSpec
     from hpar.launcher.procs.ssh import RemoteProcess, SSHOptions
     from hpar.launcher.run import teardown
+
     lines: queue.Queue = queue.Queue()
     opts = SSHOptions(key=made.key, known_hosts=made.known_hosts)
     py, idle = sys.executable, "import time; print('up', flush=True); time.sleep(600)"
-    procs = [RemoteProcess(ProcessSpec("worker", i * per_host + j, a, (py, "-m", "hpar.workers.guard", py, "-c", idle)),
-                           Host(a, user="root"), opts, lines) for i, a in enumerate(made.addresses) for j in range(per_host)]
+    procs = [
+        RemoteProcess(
+            ProcessSpec("worker", i * per_host + j, a, (py, "-m", "hpar.workers.guard", py, "-c", idle)),
+            Host(a, user="root"),
+            opts,
+            lines,
+        )
+        for i, a in enumerate(made.addresses)
+        for j in range(per_host)
+    ]
     with ThreadPoolExecutor(64) as pool:
         list(pool.map(lambda p: p.start(), procs))
     up, deadline = 0, time.monotonic() + 120
@@ -179,7 +221,7 @@ def idle_run(made, per_host: int) -> dict:
         up += lines.get(timeout=120)[1] == "up"
     assert all(p.pgid for p in procs), "a process did not report its group"
     connections = accepted(made)
-    per_host: list[float] = []   # each host's command, from its call to its answer
+    per_host: list[float] = []  # each host's command, from its call to its answer
 
     def timed(real):
         def control(shell, timeout=3.0):
@@ -188,7 +230,9 @@ def idle_run(made, per_host: int) -> dict:
                 return real(shell, timeout)
             finally:
                 per_host.append(time.monotonic() - start)
+
         return control
+
     for p in procs:
         p.control = timed(p.control)
     t0 = time.monotonic()
@@ -197,9 +241,15 @@ def idle_run(made, per_host: int) -> dict:
     leftover = _alive_in([h.namespace for h in made.hosts])
     for p in procs:
         p.close()
-    return {"teardown_s": took, "not_confirmed": left, "left_on_hosts": len(leftover),
-            "ssh_connections": accepted(made) - connections, "host_commands": len(per_host),
-            "host_command_median_s": statistics.median(per_host), "overlap": sum(per_host) / took}
+    return {
+        "teardown_s": took,
+        "not_confirmed": left,
+        "left_on_hosts": len(leftover),
+        "ssh_connections": accepted(made) - connections,
+        "host_commands": len(per_host),
+        "host_command_median_s": statistics.median(per_host),
+        "overlap": sum(per_host) / took,
+    }
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -229,20 +279,27 @@ def main(argv: list[str] | None = None) -> int:
         made = testhosts.up(h, prefix=prefix, net=250 + index % 6)  # above the tests' 100..249
         try:
             with tempfile.TemporaryDirectory() as work:
-                runs = [(idle_run if args.idle else one_run)(made, args.per_host, *([] if args.idle else [work]))
-                        for _ in range(args.repeats)]
+                runs = [
+                    (idle_run if args.idle else one_run)(made, args.per_host, *([] if args.idle else [work]))
+                    for _ in range(args.repeats)
+                ]
         finally:
             testhosts.down(prefix)
         results[h] = runs
-        keys = ("teardown_s", "host_command_median_s", "overlap", "host_commands", "left_on_hosts",
-                "ssh_connections") if args.idle else (
-            "preflight_s", "startup_s", "teardown_s", "detect_s", "launcher_exit_s", "ssh_connections")
+        keys = (
+            ("teardown_s", "host_command_median_s", "overlap", "host_commands", "left_on_hosts", "ssh_connections")
+            if args.idle
+            else ("preflight_s", "startup_s", "teardown_s", "detect_s", "launcher_exit_s", "ssh_connections")
+        )
         for key in keys:
             values = [r[key] for r in runs]
-            print(f"{h} hosts x {args.per_host}: {key} median {statistics.median(values):.2f} "
-                  f"(min {min(values):.2f}, max {max(values):.2f})", flush=True)
+            print(
+                f"{h} hosts x {args.per_host}: {key} median {statistics.median(values):.2f} "
+                f"(min {min(values):.2f}, max {max(values):.2f})",
+                flush=True,
+            )
     projection = {}
-    for key in (("teardown_s",) if args.idle else ("preflight_s", "startup_s", "teardown_s")):
+    for key in ("teardown_s",) if args.idle else ("preflight_s", "startup_s", "teardown_s"):
         xs = [float(h) for h in results]
         ys = [statistics.median(r[key] for r in results[h]) for h in results]
         a, b = fit(xs, ys)

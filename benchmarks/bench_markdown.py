@@ -10,6 +10,7 @@ slowest-fastest with ``--repeat``, prediction and predicted/measured), the cost 
 error per script, and the measured and predicted orders per point. Runs that reported their
 peak memory add the predicted-against-measured table of ``hpar bench --memory``.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,25 +45,40 @@ def render_scale(doc: dict) -> str:
     command = doc["command"] if isinstance(doc["command"], str) else " ".join(doc["command"])
     pts = doc["points"]
     strategies = list(dict.fromkeys(p["strategy"] for p in pts))
-    out = [f"Command: `{command.replace(os.getcwd() + os.sep, '')}`  ",
-           f"Machine: {m.get('cpu_count', '?')} x {m.get('cpu_model', '?')}, torch {m.get('torch')}.", "",
-           "samples/s, all workers: median run [slowest-fastest run] (prediction, predicted/measured)", "",
-           "| script | workers | " + " | ".join(strategies) + " |", "|---|---:|" + "---|" * len(strategies)]
+    out = [
+        f"Command: `{command.replace(os.getcwd() + os.sep, '')}`  ",
+        f"Machine: {m.get('cpu_count', '?')} x {m.get('cpu_model', '?')}, torch {m.get('torch')}.",
+        "",
+        "samples/s, all workers: median run [slowest-fastest run] (prediction, predicted/measured)",
+        "",
+        "| script | workers | " + " | ".join(strategies) + " |",
+        "|---|---:|" + "---|" * len(strategies),
+    ]
     for script in dict.fromkeys(p["script"] for p in pts):
         mine = [p for p in pts if p["script"] == script]
         for n in sorted({p["workers"] for p in mine}):
             cell = {p["strategy"]: p for p in mine if p["workers"] == n}
-            out.append(f"| {os.path.basename(script)} | {n} | " + " | ".join(_point(cell.get(s)) for s in strategies) + " |")
+            out.append(
+                f"| {os.path.basename(script)} | {n} | " + " | ".join(_point(cell.get(s)) for s in strategies) + " |"
+            )
     out.append("")
     for script in dict.fromkeys(p["script"] for p in pts):
-        errs = [abs(p["predicted_samples_per_s"] / p["samples_per_s"] - 1) for p in pts if p["script"] == script
-                and p.get("samples_per_s") and p.get("predicted_samples_per_s")]
+        errs = [
+            abs(p["predicted_samples_per_s"] / p["samples_per_s"] - 1)
+            for p in pts
+            if p["script"] == script and p.get("samples_per_s") and p.get("predicted_samples_per_s")
+        ]
         rows = [r for r in doc.get("rankings", []) if r["script"] == script]
         if errs:
-            out.append(f"- {os.path.basename(script)}: mean absolute error {100 * sum(errs) / len(errs):.0f}% over "
-                       f"{len(errs)} points; order as measured at {sum(r['agree'] for r in rows)} of {len(rows)} points"
-                       + (f", where the runs do not overlap at {sum(r.get('agree_beyond_spread', r['agree']) for r in rows)}"
-                          if any("agree_beyond_spread" in r for r in rows) else ""))
+            out.append(
+                f"- {os.path.basename(script)}: mean absolute error {100 * sum(errs) / len(errs):.0f}% over "
+                f"{len(errs)} points; order as measured at {sum(r['agree'] for r in rows)} of {len(rows)} points"
+                + (
+                    f", where the runs do not overlap at {sum(r.get('agree_beyond_spread', r['agree']) for r in rows)}"
+                    if any("agree_beyond_spread" in r for r in rows)
+                    else ""
+                )
+            )
     return "\n".join(out)
 
 
@@ -73,42 +89,57 @@ def render(doc: dict) -> str:
     m = doc.get("machine", {})
     command = doc["command"] if isinstance(doc["command"], str) else " ".join(doc["command"])
     command = command.replace(os.getcwd() + os.sep, "")
-    out = [f"Command: `{command}`  ",
-           f"Date: {doc.get('date')}; machine: {m.get('cpu_count', '?')} x {m.get('cpu_model', '?')}, "
-           f"{m.get('memory_bytes', 0) / 2**30:.1f} GiB, GPU: {m.get('gpu') or 'none'}; torch {m.get('torch', doc.get('torch'))}.", ""]
+    out = [
+        f"Command: `{command}`  ",
+        f"Date: {doc.get('date')}; machine: {m.get('cpu_count', '?')} x {m.get('cpu_model', '?')}, "
+        f"{m.get('memory_bytes', 0) / 2**30:.1f} GiB, GPU: {m.get('gpu') or 'none'}; torch {m.get('torch', doc.get('torch'))}.",
+        "",
+    ]
     by_script: dict[str, list] = {}
     for r in doc["results"]:
         by_script.setdefault(os.path.basename(r["script"]), []).append(r)
     for script, rows in by_script.items():
-        out += [f"**{script}**", "",
-                "| strategy | samples/s | step p50 | step p90 | sent/worker/step | recv/worker/step | predicted step | pred/meas | x fastest |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [
+            f"**{script}**",
+            "",
+            "| strategy | samples/s | step p50 | step p90 | sent/worker/step | recv/worker/step | predicted step | pred/meas | x fastest |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         skipped: dict[str, list[str]] = {}
         for r in rows:
             if r.get("reason"):
                 skipped.setdefault(r["reason"], []).append(r["strategy"])
                 continue
             b = r.get("bytes_per_step") or {}
-            pm = (r["predicted_step_s"] / r["step_s_p50"]) if r.get("predicted_step_s") and r.get("step_s_p50") else None
+            pm = (
+                (r["predicted_step_s"] / r["step_s_p50"]) if r.get("predicted_step_s") and r.get("step_s_p50") else None
+            )
             ran_as = (r.get("extra") or {}).get("ran_as")
-            out.append(f"| {r['strategy']}{f' (ran as {ran_as})' if ran_as else ''} | {r['samples_per_s']:,.1f} | {_ms(r.get('step_s_p50'))} | {_ms(r.get('step_s_p90'))} | "
-                       f"{_mb(b.get('sent'))} | {_mb(b.get('recv'))} | {_ms(r.get('predicted_step_s'))} | "
-                       f"{'-' if pm is None else f'{pm:.2f}'} | {r['ratio']:.2f} |")
+            out.append(
+                f"| {r['strategy']}{f' (ran as {ran_as})' if ran_as else ''} | {r['samples_per_s']:,.1f} | {_ms(r.get('step_s_p50'))} | {_ms(r.get('step_s_p90'))} | "
+                f"{_mb(b.get('sent'))} | {_mb(b.get('recv'))} | {_ms(r.get('predicted_step_s'))} | "
+                f"{'-' if pm is None else f'{pm:.2f}'} | {r['ratio']:.2f} |"
+            )
         notes = [f"- not run: {', '.join(names)}: {reason}" for reason, names in skipped.items()]
         out += [""] + notes + ([""] if notes else [])
         checks = [(r["strategy"], r["counters"]) for r in rows if r.get("counters")]
         if checks:
-            out += ["Byte check (all hosts, bytes per step after warm-up): hpar's own accounting of every byte sent vs the "
-                    "kernel's TCP socket counters (loopback included), and hpar's bytes addressed to another host vs the "
-                    "bytes that left the hosts' interfaces (frames, and their TCP payload: less 66 header bytes per packet).", "",
-                    "| strategy | hpar | TCP sockets | TCP / hpar | hpar to other hosts | interfaces | payload | payload / hpar to other hosts |",
-                    "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            out += [
+                "Byte check (all hosts, bytes per step after warm-up): hpar's own accounting of every byte sent vs the "
+                "kernel's TCP socket counters (loopback included), and hpar's bytes addressed to another host vs the "
+                "bytes that left the hosts' interfaces (frames, and their TCP payload: less 66 header bytes per packet).",
+                "",
+                "| strategy | hpar | TCP sockets | TCP / hpar | hpar to other hosts | interfaces | payload | payload / hpar to other hosts |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|",
+            ]
             for name, c in checks:
                 h, t, i = c.get("hpar_bytes_per_step"), c.get("tcp_bytes_per_step"), c.get("interface_bytes_per_step")
                 rem, pay = c.get("hpar_remote_bytes_per_step"), c.get("interface_payload_bytes_per_step")
                 ratio = lambda x, d: "-" if not (x and d) else f"{x / d:.2f}"
-                out.append(f"| {name} | {_mb(h)} | {_mb(t)} | {ratio(t, h)} | {_mb(rem)} | {_mb(i)} | {_mb(pay)} | "
-                           f"{ratio(pay, rem)} |")
+                out.append(
+                    f"| {name} | {_mb(h)} | {_mb(t)} | {ratio(t, h)} | {_mb(rem)} | {_mb(i)} | {_mb(pay)} | "
+                    f"{ratio(pay, rem)} |"
+                )
             out.append("")
     return "\n".join(out + render_memory(doc))
 
@@ -118,20 +149,26 @@ def render_memory(doc: dict) -> list[str]:
     launcher/bench/memory_report.py) of a bench document whose runs reported their peaks."""
     from types import SimpleNamespace
     from hpar.launcher.bench.memory_report import rows
+
     found = rows([SimpleNamespace(**r) for r in doc["results"]])
     if not found:
         return []
     mb = lambda n: "-" if n is None else f"{n / 1e6:,.0f} MB"
     pct = lambda x: "-" if x is None else f"{x:+.0%}"
-    out = ["Peak memory per process above its baseline, predicted (strategies/plan/memory_model.py) and measured "
-           "(the largest worker's and server's, strategies/common/measured_memory.py):", "",
-           "| script | strategy | worker predicted | worker measured | error | server predicted | server measured | error | dominant terms (worker; server) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    out = [
+        "Peak memory per process above its baseline, predicted (strategies/plan/memory_model.py) and measured "
+        "(the largest worker's and server's, strategies/common/measured_memory.py):",
+        "",
+        "| script | strategy | worker predicted | worker measured | error | server predicted | server measured | error | dominant terms (worker; server) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in found:
         terms = r["worker_terms"] + ("; " + r["server_terms"] if r["server_terms"] != "-" else "")
-        out.append(f"| {r['script']} | {r['strategy']} | {mb(r['worker_predicted'])} | {mb(r['worker_measured'])} | "
-                   f"{pct(r['worker_error'])} | {mb(r['server_predicted'])} | {mb(r['server_measured'])} | "
-                   f"{pct(r['server_error'])} | {terms} |")
+        out.append(
+            f"| {r['script']} | {r['strategy']} | {mb(r['worker_predicted'])} | {mb(r['worker_measured'])} | "
+            f"{pct(r['worker_error'])} | {mb(r['server_predicted'])} | {mb(r['server_measured'])} | "
+            f"{pct(r['server_error'])} | {terms} |"
+        )
     return out + [""]
 
 

@@ -15,6 +15,7 @@ the wrapper script written for each run sets the schedule's length to steps x up
 Usage: python benchmarks/pipeline_convergence.py [--gpus 4] [--micro-batches 4] [--steps 200]
 [--clip 1.0] [--seeds 0 1] [--schedules 1f1b async-stash async-predict] [--out FILE] [--work DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WRAPPER = '''
+WRAPPER = """
 import math, sys
 import torch
 sys.path.insert(0, {examples!r})
@@ -42,7 +43,7 @@ def scheduler(opt):   # 10 batches of linear warm-up, then cosine decay to 0 at 
     total, warm = HPAR["steps"] * UPDATES_PER_STEP, 10 * UPDATES_PER_STEP
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-'''
+"""
 
 
 def run(schedule: str, seed: int, args, work: str) -> dict:
@@ -53,16 +54,43 @@ def run(schedule: str, seed: int, args, work: str) -> dict:
     run_dir = os.path.join(work, f"run_{schedule}_{seed}")
     t0 = time.time()
     with open(run_dir + ".out", "w") as out:
-        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", str(args.gpus),
-                               "--strategy", "pipeline", "--schedule", schedule, "--micro-batches",
-                               str(args.micro_batches), "--clip-grad-norm", str(args.clip), "--seed", str(seed),
-                               "--run-dir", run_dir, "--plain"], stdout=out, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hpar.launcher.cli",
+                "run",
+                script,
+                "--gpus",
+                str(args.gpus),
+                "--strategy",
+                "pipeline",
+                "--schedule",
+                schedule,
+                "--micro-batches",
+                str(args.micro_batches),
+                "--clip-grad-norm",
+                str(args.clip),
+                "--seed",
+                str(seed),
+                "--run-dir",
+                run_dir,
+                "--plain",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        ).returncode
     if code != 0:
         tail = open(run_dir + ".out").read().splitlines()[-15:]
         raise SystemExit(f"{schedule} seed {seed} failed with exit code {code}:\n" + "\n".join(tail))
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
-    return {"schedule": schedule, "seed": seed, "accuracy": summary["eval_last"]["accuracy"],
-            "val_loss": summary["eval_last"]["loss"], "wall_s": round(time.time() - t0, 1)}
+    return {
+        "schedule": schedule,
+        "seed": seed,
+        "accuracy": summary["eval_last"]["accuracy"],
+        "val_loss": summary["eval_last"]["loss"],
+        "wall_s": round(time.time() - t0, 1),
+    }
 
 
 def main() -> None:
@@ -74,18 +102,22 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--schedules", nargs="+", default=["1f1b", "async-stash", "async-predict"])
     ap.add_argument("--out")
-    ap.add_argument("--work", help="directory for the wrapper scripts and run directories (default: a new temporary one)")
+    ap.add_argument(
+        "--work", help="directory for the wrapper scripts and run directories (default: a new temporary one)"
+    )
     args = ap.parse_args()
     rows = []
-    work = args.work or tempfile.mkdtemp(prefix="hpar-conv-")   # kept: the runs' directories and output
+    work = args.work or tempfile.mkdtemp(prefix="hpar-conv-")  # kept: the runs' directories and output
     os.makedirs(work, exist_ok=True)
     for schedule in args.schedules:
         for seed in args.seeds:
             rows.append(run(schedule, seed, args, work))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\nexamples/cnn.py, {args.gpus} stages, M={args.micro_batches}, {args.steps} steps, "
-          f"warm-up + cosine LR, --clip-grad-norm {args.clip}; {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores\n")
+    print(
+        f"\nexamples/cnn.py, {args.gpus} stages, M={args.micro_batches}, {args.steps} steps, "
+        f"warm-up + cosine LR, --clip-grad-norm {args.clip}; {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores\n"
+    )
     print("| schedule | accuracy per seed | mean | val loss (mean) |\n|---|---|---|---|")
     base = None
     for schedule in args.schedules:
@@ -93,8 +125,10 @@ def main() -> None:
         mean = statistics.mean(r["accuracy"] for r in mine)
         base = mean if base is None else base
         accs = ", ".join(f"{r['accuracy']:.4f}" for r in mine)
-        print(f"| {schedule} | {accs} | {mean:.4f} "
-              f"({100 * (mean - base):+.1f} points) | {statistics.mean(r['val_loss'] for r in mine):.4f} |")
+        print(
+            f"| {schedule} | {accs} | {mean:.4f} "
+            f"({100 * (mean - base):+.1f} points) | {statistics.mean(r['val_loss'] for r in mine):.4f} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

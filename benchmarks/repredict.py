@@ -16,6 +16,7 @@ Usage: ``python benchmarks/repredict.py scale.json [--bench-dir DIR] [--request-
 measure it now with strategies/plan/probe.probe_requests); with ``--replace-request-cpu``
 every saved cluster gets it (benches saved before the request probe measured what it does now).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,17 @@ def repredict(doc: dict, bench_dir: str, request_cpu_s: float | None = None, rep
             est = None if row_compress(p["strategy"]) else estimates.get(bench_entry(p["strategy"])[0])
             if est is not None and est.feasible and est.step_s > 0:
                 now = p["workers"] * profile.batch_size / est.step_s
-        rows.append({"script": stem, "strategy": p["strategy"], "workers": p["workers"], "measured": p["samples_per_s"],
-                     "then": p.get("predicted_samples_per_s"), "now": now, "ran_as": p.get("ran_as")})
+        rows.append(
+            {
+                "script": stem,
+                "strategy": p["strategy"],
+                "workers": p["workers"],
+                "measured": p["samples_per_s"],
+                "then": p.get("predicted_samples_per_s"),
+                "now": now,
+                "ran_as": p.get("ran_as"),
+            }
+        )
     return rows
 
 
@@ -81,14 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("scale_json")
     ap.add_argument("--bench-dir", default=None)
     ap.add_argument("--request-cpu-s", default=None)
-    ap.add_argument("--replace-request-cpu", action="store_true",
-                    help="use --request-cpu-s for every saved cluster, not only those without one")
+    ap.add_argument(
+        "--replace-request-cpu",
+        action="store_true",
+        help="use --request-cpu-s for every saved cluster, not only those without one",
+    )
     args = ap.parse_args(argv)
     doc = json.load(open(args.scale_json, encoding="utf-8"))
     bench_dir = args.bench_dir or doc["settings"]["bench_dir"]
     request = args.request_cpu_s
     if request == "probe":
         from hpar.strategies.runtimes.hybrid.request_probe import probe_requests
+
         request = probe_requests()
         print(f"request CPU measured now: {request * 1e6:.0f} us")
     rows = repredict(doc, bench_dir, None if request is None else float(request), args.replace_request_cpu)
@@ -96,20 +110,27 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---|---:|---:|---:|")
     for r in rows:
         cell = lambda v: "-" if not v else f"{v:,.0f} ({v / r['measured']:.2f})"
-        print(f"| {r['script']} | {r['workers']} | {r['strategy']} | {r['measured']:,.0f} | {cell(r['then'])} | {cell(r['now'])} |")
+        print(
+            f"| {r['script']} | {r['workers']} | {r['strategy']} | {r['measured']:,.0f} | {cell(r['then'])} | {cell(r['now'])} |"
+        )
     for script in dict.fromkeys(r["script"] for r in rows):
         mine = [r for r in rows if r["script"] == script]
         wrong = []
         for n in sorted({r["workers"] for r in mine}):
             here = [r for r in mine if r["workers"] == n and r["now"] and not r["ran_as"]]
-            if len(here) > 1 and [r["strategy"] for r in sorted(here, key=lambda r: -r["measured"])] != \
-                    [r["strategy"] for r in sorted(here, key=lambda r: -r["now"])]:
+            if len(here) > 1 and [r["strategy"] for r in sorted(here, key=lambda r: -r["measured"])] != [
+                r["strategy"] for r in sorted(here, key=lambda r: -r["now"])
+            ]:
                 wrong.append(n)
         if not any(r["now"] for r in mine):
-            print(f"- {script}: mean absolute error then {_mape(mine, 'then')} points; no saved profiles to predict now")
+            print(
+                f"- {script}: mean absolute error then {_mape(mine, 'then')} points; no saved profiles to predict now"
+            )
             continue
-        print(f"- {script}: mean absolute error then {_mape(mine, 'then')}, now {_mape(mine, 'now')} points; "
-              f"predicted order differs from the measured one at {wrong or 'no'} workers")
+        print(
+            f"- {script}: mean absolute error then {_mape(mine, 'then')}, now {_mape(mine, 'now')} points; "
+            f"predicted order differs from the measured one at {wrong or 'no'} workers"
+        )
     return 0
 
 

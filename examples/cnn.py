@@ -6,6 +6,7 @@ download is needed). The first 1,500 images (after a fixed shuffle) train, the o
 validate. The model is an ``nn.Sequential`` of 12 layers, so it can also be pipelined.
 Run: ``hpar run examples/cnn.py --gpus 2``.
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ def digits():
     """(images (N, 1, 8, 8) scaled to [0, 1], labels (N,)), in a fixed shuffled order."""
     if "digits" not in _CACHE:
         from sklearn.datasets import load_digits
+
         d = load_digits()
         x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
         y = torch.tensor(d.target, dtype=torch.long)
@@ -29,13 +31,17 @@ def digits():
 
 def model():
     return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
         nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(64 * 2 * 2, 128), nn.ReLU(),
+        nn.Linear(64 * 2 * 2, 128),
+        nn.ReLU(),
         nn.Linear(128, 10),
     )
 
@@ -50,7 +56,7 @@ def data(rank, world_size, batch_size):
     order = torch.randperm(TRAIN, generator=torch.Generator().manual_seed(epoch))
     step = world_size * batch_size
     for start in range(0, TRAIN - step + 1, step):
-        idx = order[start + rank * batch_size: start + (rank + 1) * batch_size]
+        idx = order[start + rank * batch_size : start + (rank + 1) * batch_size]
         yield x[idx], y[idx]
 
 
@@ -67,5 +73,4 @@ def evaluate(model):
     dev = next(model.parameters()).device
     x, y = (t[TRAIN:].to(dev) for t in digits())
     logits = model(x)
-    return {"accuracy": (logits.argmax(1) == y).float().mean().item(),
-            "loss": F.cross_entropy(logits, y).item()}
+    return {"accuracy": (logits.argmax(1) == y).float().mean().item(), "loss": F.cross_entropy(logits, y).item()}

@@ -10,6 +10,7 @@ is present (LOCAL_RANK picks it), CPU with gloo otherwise. Rank 0 prints the los
 it saves a checkpoint after every epoch and every rank resumes from it when started again
 (``hpar launch --max-restarts N``).
 """
+
 import argparse
 import os
 
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 def digits():
     """(train, validation) TensorDatasets of images (N, 1, 8, 8) in [0, 1] and labels (N,)."""
     from sklearn.datasets import load_digits
+
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(d.target, dtype=torch.long)
@@ -33,8 +35,15 @@ def digits():
 
 
 def build_model() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                         nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 def main() -> None:
@@ -85,6 +94,7 @@ def main() -> None:
                 print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
             if args.step_sleep:
                 import time
+
                 time.sleep(args.step_sleep)
         if rank == 0:
             model.eval()

@@ -8,6 +8,7 @@ Run: ``hpar run examples/deep_mlp.py --gpus 8 --strategy pipeline --micro-batche
 Optimizer: SGD with momentum 0.9 and dampening 0.9 (the exponential moving average form of
 SpecTrain), or AdamW with ``HPAR_DEEP_MLP_OPT=adamw``.
 """
+
 import os
 
 import torch
@@ -23,8 +24,7 @@ def teacher():
     """The fixed random teacher (seed 7), built once per process."""
     if "t" not in _TEACHER:
         g = torch.Generator().manual_seed(7)
-        _TEACHER["t"] = (torch.randn(DIM, 64, generator=g) / DIM ** 0.5,
-                         torch.randn(64, CLASSES, generator=g) / 8.0)
+        _TEACHER["t"] = (torch.randn(DIM, 64, generator=g) / DIM**0.5, torch.randn(64, CLASSES, generator=g) / 8.0)
     return _TEACHER["t"]
 
 
@@ -38,7 +38,7 @@ def model():
     for _ in range(DEPTH - 2):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
     layers.append(nn.Linear(WIDTH, CLASSES))
-    for layer in layers[:-1]:   # Glorot initialisation: with torch's default the deep stack barely trains
+    for layer in layers[:-1]:  # Glorot initialisation: with torch's default the deep stack barely trains
         if isinstance(layer, nn.Linear):
             nn.init.xavier_normal_(layer.weight)
             nn.init.zeros_(layer.bias)
@@ -67,5 +67,7 @@ def evaluate(model):
     x = torch.randn(2048, DIM, generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
         logits = model(x)
-    return {"accuracy": (logits.argmax(1) == labels(x)).float().mean().item(),
-            "loss": F.cross_entropy(logits, labels(x)).item()}
+    return {
+        "accuracy": (logits.argmax(1) == labels(x)).float().mean().item(),
+        "loss": F.cross_entropy(logits, labels(x)).item(),
+    }

@@ -15,6 +15,7 @@ Data: WikiText-2 *test* for training, *valid* for evaluation (examples/data/wiki
 CC BY-SA 3.0). Needs the ``hf`` extra: ``pip install -e '.[hf]'``.
 Run: ``hpar run examples/hf_gpt2.py --gpus 2``.
 """
+
 import math
 import os
 import sys
@@ -35,8 +36,20 @@ def model():
     vocab = len(corpus()[0])
     # no dropout: a short run does not need it, and without it every strategy (a pipeline's
     # stages draw their own random numbers) trains exactly the weights one process trains
-    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=CONTEXT, n_embd=128, n_layer=4, n_head=4,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=vocab,
+            n_positions=CONTEXT,
+            n_embd=128,
+            n_layer=4,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def data(rank, world_size, batch_size):
@@ -63,8 +76,10 @@ def evaluate(model):
     dev = next(model.parameters()).device
     ids = corpus()[2][: EVAL_TOKENS + 1].to(dev)
     rows = (len(ids) - 1) // CONTEXT
-    x, y = ids[: rows * CONTEXT].view(rows, CONTEXT), ids[1: rows * CONTEXT + 1].view(rows, CONTEXT)
-    total = sum(F.cross_entropy(model(x[i:i + 32]).logits.flatten(0, 1), y[i:i + 32].flatten(), reduction="sum").item()
-                for i in range(0, rows, 32))
+    x, y = ids[: rows * CONTEXT].view(rows, CONTEXT), ids[1 : rows * CONTEXT + 1].view(rows, CONTEXT)
+    total = sum(
+        F.cross_entropy(model(x[i : i + 32]).logits.flatten(0, 1), y[i : i + 32].flatten(), reduction="sum").item()
+        for i in range(0, rows, 32)
+    )
     val = total / y.numel()
     return {"val_loss": val, "perplexity": math.exp(val)}

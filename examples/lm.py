@@ -11,6 +11,7 @@ softmax perplexity on the validation split.
 Data: trains on WikiText-2 *test*, evaluates on *valid* (examples/data/wikitext-2, CC BY-SA 3.0).
 Run: ``hpar run examples/lm.py --gpus 2``.
 """
+
 import collections
 import gzip
 import math
@@ -28,9 +29,16 @@ HIDDEN = 96
 NUM_SAMPLED = 128
 EVAL_TOKENS = 10_000
 
-HPAR = {"batch_size": 32, "steps": 200, "lr": 0.05, "log_every": 10, "precision": "bf16", "eval_every": 50,
-        "clip_grad_norm": 2.0}
-WARMUP = 20   # steps of linear warm-up before the cosine decay
+HPAR = {
+    "batch_size": 32,
+    "steps": 200,
+    "lr": 0.05,
+    "log_every": 10,
+    "precision": "bf16",
+    "eval_every": 50,
+    "clip_grad_norm": 2.0,
+}
+WARMUP = 20  # steps of linear warm-up before the cosine decay
 
 
 def _tokens(split):
@@ -91,7 +99,7 @@ class SampledSoftmaxLM(nn.Module):
         h = self.hidden(tokens)
         if not self.training:
             return h @ self.softmax_w.weight.t() + self.softmax_b.weight.t()
-        u = torch.rand(NUM_SAMPLED, device=targets.device)   # on the targets' device (CPU or GPU)
+        u = torch.rand(NUM_SAMPLED, device=targets.device)  # on the targets' device (CPU or GPU)
         sampled = (torch.exp(u * math.log(self.vocab_size + 1)) - 1).long().clamp_(0, self.vocab_size - 1)
         candidates, inverse = torch.unique(torch.cat([targets.reshape(-1), sampled]), return_inverse=True)
         logits = h @ self.softmax_w(candidates).t() + self.softmax_b(candidates).t()
@@ -108,12 +116,12 @@ def windows(rank, world_size, batch_size, length):
     tokens and of the tokens one position on (the targets)."""
     ids = corpus()[1]
     shard = len(ids) // world_size
-    ids = ids[rank * shard:(rank + 1) * shard]
+    ids = ids[rank * shard : (rank + 1) * shard]
     rows = (len(ids) - 1) // batch_size
     x = ids[: rows * batch_size].view(batch_size, rows)
-    y = ids[1: rows * batch_size + 1].view(batch_size, rows)
+    y = ids[1 : rows * batch_size + 1].view(batch_size, rows)
     for i in range(0, rows - length + 1, length):
-        yield x[:, i:i + length], y[:, i:i + length]
+        yield x[:, i : i + length], y[:, i : i + length]
 
 
 def data(rank, world_size, batch_size):
@@ -135,10 +143,12 @@ def optimizer(params):
 
 def warmup_cosine(opt, total, warmup=WARMUP):
     """Linear warm-up over ``warmup`` steps, then cosine decay to 10% of the rate at step ``total``."""
+
     def factor(step):
         if step < warmup:
             return (step + 1) / warmup
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
@@ -154,10 +164,10 @@ def evaluate(model):
     ids = corpus()[2][: EVAL_TOKENS + 1].to(dev)
     rows = (len(ids) - 1) // BPTT
     x = ids[: rows * BPTT].view(rows, BPTT)
-    y = ids[1: rows * BPTT + 1].view(rows, BPTT)
+    y = ids[1 : rows * BPTT + 1].view(rows, BPTT)
     total, count = 0.0, 0
     for i in range(0, rows, 64):
-        logits = model((x[i:i + 64], y[i:i + 64]))
-        total += F.cross_entropy(logits, y[i:i + 64].reshape(-1), reduction="sum").item()
-        count += y[i:i + 64].numel()
+        logits = model((x[i : i + 64], y[i : i + 64]))
+        total += F.cross_entropy(logits, y[i : i + 64].reshape(-1), reduction="sum").item()
+        count += y[i : i + 64].numel()
     return {"perplexity": math.exp(total / count)}

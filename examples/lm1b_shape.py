@@ -20,6 +20,7 @@ with ``--device-tflops`` the compute time comes from FLOPs anyway. Run::
 
     hpar profile examples/lm1b_shape.py --gpus 48 --hosts 8x6 --bandwidth 100Gbps --device-tflops 4
 """
+
 import math
 
 import torch
@@ -70,7 +71,7 @@ class LM1BShape(nn.Module):
         flat = targets.reshape(-1)
         sampled = log_uniform((NUM_SAMPLED,)).to(flat.device)
         ids = torch.cat([flat, sampled])
-        w, b = self.softmax_w(ids), self.softmax_b(ids).squeeze(1)   # looked up first, see above
+        w, b = self.softmax_w(ids), self.softmax_b(ids).squeeze(1)  # looked up first, see above
         h, _ = self.lstm(self.embedding(tokens))
         h = h.reshape(-1, EMBED)
         n = flat.numel()

@@ -14,6 +14,7 @@ rows: the case hybrid data parallelism (Parallax) is for.
 
 Run: ``hpar run examples/recsys.py --gpus 2 --strategy hybrid``.
 """
+
 import math
 
 import torch
@@ -56,8 +57,11 @@ def _truth():
     """The hidden ground-truth model that draws the click labels (fixed seed)."""
     if "truth" not in _CACHE:
         g = torch.Generator().manual_seed(12345)
-        _CACHE["truth"] = (torch.randn(USERS, LATENT, generator=g), torch.randn(ITEMS, LATENT, generator=g),
-                           torch.randn(ITEMS, generator=g) * 0.5)
+        _CACHE["truth"] = (
+            torch.randn(USERS, LATENT, generator=g),
+            torch.randn(ITEMS, LATENT, generator=g),
+            torch.randn(ITEMS, generator=g) * 0.5,
+        )
     return _CACHE["truth"]
 
 
@@ -67,7 +71,9 @@ def _samples(n, generator):
     categories = items % CATEGORIES
     history = zipf(ITEMS, (n, HISTORY), generator)
     u, v, b = _truth()
-    score = (u[users] * v[items]).sum(1) / math.sqrt(LATENT) * 1.5 + b[items] + 0.2 * (v[history].mean(1) * v[items]).sum(1)
+    score = (
+        (u[users] * v[items]).sum(1) / math.sqrt(LATENT) * 1.5 + b[items] + 0.2 * (v[history].mean(1) * v[items]).sum(1)
+    )
     clicks = torch.bernoulli(torch.sigmoid(score), generator=generator)
     return {"user": users, "item": items, "category": categories, "history": history}, clicks
 
@@ -132,6 +138,7 @@ def evaluate(model):
     device the model is: hpar hands it over on the CPU; the metrics are computed on the CPU)."""
     dev = next(model.parameters()).device
     x, y = _samples(VALID_SAMPLES, torch.Generator().manual_seed(999))
-    logits = torch.cat([model({k: v[i:i + 4096].to(dev) for k, v in x.items()}).cpu()
-                        for i in range(0, VALID_SAMPLES, 4096)])
+    logits = torch.cat(
+        [model({k: v[i : i + 4096].to(dev) for k, v in x.items()}).cpu() for i in range(0, VALID_SAMPLES, 4096)]
+    )
     return {"auc": auc(logits, y), "logloss": F.binary_cross_entropy_with_logits(logits, y).item()}

@@ -9,6 +9,7 @@ The data are SYNTHETIC: Gaussian inputs and a fixed random linear target, drawn 
 seeded generator, only so that the benchmark has something to compute on; the model learns
 nothing of interest from them. Run: ``hpar run examples/wide.py --gpus 2 --strategy pipeline``.
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ def data(rank, world_size, batch_size):
     """Synthetic batches: x ~ N(0, 1) of shape (batch_size, 2048), target = x @ A / sqrt(2048)
     for a fixed random A; 64 batches per epoch, different for every rank."""
     g = torch.Generator().manual_seed(1000 + rank)
-    a = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)) / WIDTH ** 0.5
+    a = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)) / WIDTH**0.5
     for _ in range(64):
         x = torch.randn(batch_size, WIDTH, generator=g)
         yield x, x @ a

@@ -4,6 +4,7 @@
 User errors (a bad script, flag, host file or plan) print one line ``hpar: <message>`` on
 stderr and exit with code 2 before any process starts.
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,15 +33,17 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
     from hpar.launcher.run.flags import check_ranges
     from hpar.strategies.job.config import check_cache_flags, check_loop_flags
     from hpar.strategies.job.errors import check_script_file
-    try:   # what can be refused before torch is imported and the script loaded, in well under a second
+
+    try:  # what can be refused before torch is imported and the script loaded, in well under a second
         check_ranges(**given, tune_steps=tune_steps, min_hosts=min_hosts)
         check_loop_flags(precision, clip_grad_norm, accumulate, eval_every)
         check_cache_flags(given.get("cache_rows"), given.get("staleness"))
         if given.get("compress") is not None:
             from hpar.strategies.job.compression import Compression
+
             Compression.parse(given["compress"])
         if given.get("script") and not given.get("resume_dir"):
-            check_script_file(given["script"])   # there, readable, compiles
+            check_script_file(given["script"])  # there, readable, compiles
     except ValueError as exc:
         fail(str(exc))
     from hpar.launcher.commands import run as run_command
@@ -48,37 +51,56 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
     from hpar.launcher.run.elastic import with_min_hosts
     from hpar.launcher.run.leftovers import ended_at_exit
     from hpar.strategies.plan.tuning import tune as tune_run
+
     console = Console(soft_wrap=True)
     from hpar.launcher.run.flags import Flags
-    flags = Flags.of(loop_flags={"precision": precision, "clip_grad_norm": clip_grad_norm, "accumulate": accumulate,
-                                 "eval_every": eval_every}, **given)   # launcher/run/flags.py
+
+    flags = Flags.of(
+        loop_flags={
+            "precision": precision,
+            "clip_grad_norm": clip_grad_norm,
+            "accumulate": accumulate,
+            "eval_every": eval_every,
+        },
+        **given,
+    )  # launcher/run/flags.py
     from hpar.launcher.run.runner import launch
-    with ended_at_exit(lambda line: console.print(line, markup=False)):   # what the script left running in the launcher
+
+    with ended_at_exit(lambda line: console.print(line, markup=False)):  # what the script left running in the launcher
         try:
             if tune_steps < 1:
                 raise ValueError(f"--tune-steps must be at least 1, got {tune_steps}")
             cfg, opts, master = run_command.resolve(console, flags)
             opts = with_min_hosts(opts, min_hosts)
-            if flags.plan.strategy == "auto" and not flags.plan.plan_file and not flags.run.resume_dir:   # run/tuning.py
-                def console_for(out):   # a trial's output goes to its own file (strategies/plan/tuning.py)
+            if flags.plan.strategy == "auto" and not flags.plan.plan_file and not flags.run.resume_dir:  # run/tuning.py
+
+                def console_for(out):  # a trial's output goes to its own file (strategies/plan/tuning.py)
                     return console if out is None else Console(file=out, soft_wrap=True)
 
                 def resolve_for(out, chosen, path, directory, n, trial):
                     over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
-                    if strategy_spec(chosen).runs_as:   # hybrid-cache: hybrid with the caches its plan file names
+                    if strategy_spec(chosen).runs_as:  # hybrid-cache: hybrid with the caches its plan file names
                         over["strategy"] = strategy_spec(chosen).runs_as
-                    elif flags.plan.staleness is not None:   # the other candidates run without the caches
+                    elif flags.plan.staleness is not None:  # the other candidates run without the caches
                         over.update(staleness=None, cache_rows=None)
                     if flags.plan.compress is not None and not strategy_spec(over["strategy"]).compress_hooks:
-                        over.update(compress=None)   # a candidate without DDP's AllReduce runs uncompressed
+                        over.update(compress=None)  # a candidate without DDP's AllReduce runs uncompressed
                     if trial:
                         over.update(no_eval=True, checkpoint_every=0, plain=True, max_restarts=0)
                     c, o, m = run_command.resolve(console_for(out), flags.but(**over))
                     return c, (o if trial else with_min_hosts(o, min_hosts)), m
-                cfg, opts, master = tune_run(lambda m: console.print(m, markup=False), cfg, opts, master, tune,
-                                             tune_steps, resolve_for,
-                                             lambda c, o, out, m: launch(c, o, console_for(out), m))
-        except NothingToDo as done:   # --resume of a finished run: its own figures, exit 0
+
+                cfg, opts, master = tune_run(
+                    lambda m: console.print(m, markup=False),
+                    cfg,
+                    opts,
+                    master,
+                    tune,
+                    tune_steps,
+                    resolve_for,
+                    lambda c, o, out, m: launch(c, o, console_for(out), m),
+                )
+        except NothingToDo as done:  # --resume of a finished run: its own figures, exit 0
             console.print(str(done), markup=False)
             sys.exit(0)
         except JobError as exc:
@@ -89,6 +111,7 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
             interrupted("loading, profiling and planning the run")
         outcome = launch(cfg, opts, console, master)
         from hpar.launcher.run.progress import final_line, stopped_line
+
         if outcome.exit_code == 0 and outcome.summary:
             console.print(final_line(outcome.summary, cfg.run_dir), markup=False)
         elif outcome.exit_code != 0:
@@ -103,6 +126,7 @@ def _register_commands() -> None:
     from hpar.launcher.commands.launch import launch
     from hpar.launcher.commands.profile import profile
     from hpar.launcher.commands.runs import clean, runs
+
     main.add_command(runs)
     main.add_command(clean)
     main.add_command(profile)
@@ -125,6 +149,7 @@ def entry() -> None:
     import atexit
     import os
     import threading
+
     try:
         main()
         code = 0

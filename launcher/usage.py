@@ -2,6 +2,7 @@
 user's own traceback after it, where their code raised), exit code 2 (click's for usage
 errors). Shared by the commands, so none imports another or the CLI's entry point.
 """
+
 from __future__ import annotations
 
 import sys
@@ -9,7 +10,7 @@ import sys
 import click
 
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
 
 def interrupted(phase: str) -> None:
@@ -33,5 +34,6 @@ def table_console(min_width: int):
     ``min_width`` columns; written to a file or a pipe (CI, a batch job's log) 220 columns, so
     a log keeps every cell whole instead of wrapping it into ellipses."""
     from rich.console import Console
+
     probe = Console()
     return Console(soft_wrap=False, width=max(probe.width, min_width) if probe.is_terminal else 220)

@@ -24,6 +24,7 @@ one an uninterrupted run of the same strategy trains. Figures: detection time (f
 launcher's failure or signal line) and teardown time (fault to no process left), median/max.
 Exit code 0 when every check passed, 1 otherwise; the JSON report lists every fault.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,12 @@ import time
 
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # testhosts, beside this script
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # testhosts, beside this script
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from support.runprocs import Launcher, run_processes, wait_for  # noqa: E402  (tests/support/: shared with the tests)
 
 STEPS, EVERY, EVAL_EVERY = 24, 3, 4
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import os, time, torch, torch.nn as nn
     HPAR = {"steps": 24, "batch_size": 4, "lr": 0.01, "log_every": 1}
     HERE = os.path.dirname(os.path.abspath(__file__))
@@ -76,12 +77,24 @@ SCRIPT = textwrap.dedent('''
     def evaluate(model):
         hang_if("eval")
         return {"param_sum": float(sum(p.detach().sum() for p in model.parameters()))}
-''')
-FAULTS = ("worker_kill", "server_kill", "guard_kill", "worker_stop", "launcher_kill", "launcher_int",
-          "launcher_term", "checkpoint_kill", "disk_full", "link_cut", "eval_hang", "first_batch_hang")
+""")
+FAULTS = (
+    "worker_kill",
+    "server_kill",
+    "guard_kill",
+    "worker_stop",
+    "launcher_kill",
+    "launcher_int",
+    "launcher_term",
+    "checkpoint_kill",
+    "disk_full",
+    "link_cut",
+    "eval_hang",
+    "first_batch_hang",
+)
 STALL = 4.0
-HOSTS: list[str] = []   # with --emulate: the --hosts/--ssh-* arguments of every run
-CUT: list = []          # with --emulate: the test hosts (testhosts.TestHosts), and the index of a cut link
+HOSTS: list[str] = []  # with --emulate: the --hosts/--ssh-* arguments of every run
+CUT: list = []  # with --emulate: the test hosts (testhosts.TestHosts), and the index of a cut link
 
 
 def find(run_dir: str, module: str, rank: str | None = None, guard: bool = False) -> psutil.Process | None:
@@ -92,9 +105,13 @@ def find(run_dir: str, module: str, rank: str | None = None, guard: bool = False
         except psutil.Error:
             continue
         if cmd[1:2] == ["-c"]:
-            continue   # over SSH: the session wrapper above the guard (launcher/procs/ssh.py)
+            continue  # over SSH: the session wrapper above the guard (launcher/procs/ssh.py)
         is_guard = cmd[1:3] == ["-m", "hpar.workers.guard"]
-        if module in cmd and is_guard == guard and (rank is None or env.get("RANK", env.get("HPAR_SERVER_INDEX")) == rank):
+        if (
+            module in cmd
+            and is_guard == guard
+            and (rank is None or env.get("RANK", env.get("HPAR_SERVER_INDEX")) == rank)
+        ):
             return p
     return None
 
@@ -109,6 +126,7 @@ def steps_done(run_dir: str) -> int:
 def checkpoints_ok(run_dir: str) -> list[str]:
     """Problems with the committed checkpoints (each verifies and loads), empty when none."""
     from hpar.strategies.state import checkpoint
+
     try:
         latest = checkpoint.latest_step(run_dir)
     except ValueError as exc:
@@ -119,7 +137,8 @@ def checkpoints_ok(run_dir: str) -> list[str]:
             why = checkpoint.verify_step(run_dir, step)
             if why is None:
                 from hpar.strategies.state import state
-                try:   # every process's state, read back whole (torch.distributed.checkpoint)
+
+                try:  # every process's state, read back whole (torch.distributed.checkpoint)
                     state.read_all(checkpoint.step_dir(run_dir, step))
                 except Exception as exc:
                     why = f"{checkpoint.step_dir(run_dir, step)}: {exc}"
@@ -132,6 +151,7 @@ def same_model(a: str, b: str) -> bool:
     """Whether runs ``a`` and ``b`` left bitwise equal final models (RUN_DIR/model)."""
     import torch
     from hpar.strategies.state import state
+
     x, y = (state.read_all(os.path.join(d, state.FINAL)) for d in (a, b))
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
@@ -140,8 +160,20 @@ def run_args(script: str, strategy: str, run_dir: str, resume: bool) -> list[str
     common = ["--plain", "--stall-timeout", str(STALL), *HOSTS]
     if resume:
         return ["--resume", run_dir, *common]
-    return [script, "--gpus", "2", "--strategy", strategy, "--checkpoint-every", str(EVERY), "--eval-every",
-            str(EVAL_EVERY), "--run-dir", run_dir, *common]
+    return [
+        script,
+        "--gpus",
+        "2",
+        "--strategy",
+        strategy,
+        "--checkpoint-every",
+        str(EVERY),
+        "--eval-every",
+        str(EVAL_EVERY),
+        "--run-dir",
+        run_dir,
+        *common,
+    ]
 
 
 def inject(kind: str, strategy: str, run_dir: str, launcher: Launcher, rng: random.Random) -> str | None:
@@ -154,8 +186,9 @@ def inject(kind: str, strategy: str, run_dir: str, launcher: Launcher, rng: rand
             return "process not found"
         p.send_signal(signal.SIGSTOP if kind == "worker_stop" else signal.SIGKILL)
     elif kind.startswith("launcher_"):
-        launcher.proc.send_signal({"launcher_kill": signal.SIGKILL, "launcher_int": signal.SIGINT,
-                                   "launcher_term": signal.SIGTERM}[kind])
+        launcher.proc.send_signal(
+            {"launcher_kill": signal.SIGKILL, "launcher_int": signal.SIGINT, "launcher_term": signal.SIGTERM}[kind]
+        )
     elif kind == "checkpoint_kill":
         ckpt = os.path.join(run_dir, "checkpoints")
         writer = find(run_dir, "hpar.workers.worker", "0")
@@ -167,11 +200,12 @@ def inject(kind: str, strategy: str, run_dir: str, launcher: Launcher, rng: rand
             return "no checkpoint write caught in 20 s (killed anyway)"
     elif kind == "link_cut":
         import testhosts
+
         made = CUT[0]
         index = rng.randrange(len(made.hosts))
         testhosts.set_link(made.prefix, index, False)
         CUT[1:] = [index]
-    elif kind == "eval_hang":   # the next evaluate() on worker 0 hangs
+    elif kind == "eval_hang":  # the next evaluate() on worker 0 hangs
         open(os.path.join(os.path.dirname(run_dir), "hang-eval"), "w").close()
     elif kind == "disk_full":
         filler = os.path.join(run_dir, "filler")
@@ -193,11 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON report file")
     ap.add_argument("--work", default=None, help="directory for the runs (default: a temporary one, removed)")
     ap.add_argument("--kinds", default=",".join(FAULTS), help="the faults to draw from (comma-separated)")
-    ap.add_argument("--emulate", type=int, default=0, metavar="H", help="run over SSH on H test hosts (root), with link cuts")
+    ap.add_argument(
+        "--emulate", type=int, default=0, metavar="H", help="run over SSH on H test hosts (root), with link cuts"
+    )
     args = ap.parse_args(argv)
     unknown = set(args.kinds.split(",")) - set(FAULTS)
     if unknown or (args.kinds == "link_cut" and not args.emulate):
-        ap.error(f"--kinds: {', '.join(sorted(unknown)) or 'link_cut'} is not a fault here (link_cut needs --emulate H)")
+        ap.error(
+            f"--kinds: {', '.join(sorted(unknown)) or 'link_cut'} is not a fault here (link_cut needs --emulate H)"
+        )
     rng = random.Random(args.seed)
     work = args.work or tempfile.mkdtemp(prefix="hpar-chaos-")
     os.makedirs(work, exist_ok=True)
@@ -209,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 def emulated(args, work: str) -> int:
     """The chaos run over ``args.emulate`` test hosts, which are removed afterwards."""
     import testhosts
+
     reason = testhosts.unavailable()
     if reason:
         print(f"chaos: --emulate: {reason}", file=sys.stderr)
@@ -234,20 +273,29 @@ def chaos(args, rng: random.Random, work: str) -> int:
     strategies = args.strategies.split(",")
     root = os.geteuid() == 0
     reference = {}
-    for s in strategies:   # the uninterrupted runs every resume must equal
+    for s in strategies:  # the uninterrupted runs every resume must equal
         d = os.path.join(work, f"reference-{s}")
         code = Launcher(run_args(script, s, d, False), log).wait(600)
         assert code == 0, f"the uninterrupted {s} run failed ({code}); see {log}"
         reference[s] = d
-    records, chains, chain = [], 0, None   # chain: (strategy, run dir, on tmpfs)
+    records, chains, chain = [], 0, None  # chain: (strategy, run dir, on tmpfs)
     for i in range(args.faults):
-        kinds = [k for k in args.kinds.split(",") if (k != "disk_full" or root) and (k != "server_kill" or "hybrid" in strategies)
-                 and (k != "link_cut" or CUT)]
+        kinds = [
+            k
+            for k in args.kinds.split(",")
+            if (k != "disk_full" or root)
+            and (k != "server_kill" or "hybrid" in strategies)
+            and (k != "link_cut" or CUT)
+        ]
         kind = rng.choice(kinds)
         from hpar.strategies.state import checkpoint
+
         if chain is not None and not chain[2] and checkpoint.usable_step(chain[1])[0] is None:
-            records[-1]["chain_result"] = {"skipped": "faulted before its first checkpoint", "orphans": 0,
-                                           "bit_identical": True}
+            records[-1]["chain_result"] = {
+                "skipped": "faulted before its first checkpoint",
+                "orphans": 0,
+                "bit_identical": True,
+            }
             chain = None
         if kind == "disk_full" or chain is None or chain[2] or rng.random() < 0.3:
             if chain is not None:
@@ -266,33 +314,41 @@ def chaos(args, rng: random.Random, work: str) -> int:
             if strategy != "hybrid" and kind == "server_kill":
                 kind = "worker_kill"
             resume = True
-        at_start = kind == "first_batch_hang"   # the run (or the resume) starts with the fault
+        at_start = kind == "first_batch_hang"  # the run (or the resume) starts with the fault
         if at_start:
             open(os.path.join(work, "hang-data"), "w").write(str(rng.randrange(2)))
         launcher = Launcher(run_args(script, strategy, run_dir, resume), log)
         before = steps_done(run_dir)
         if not at_start:
-            wait_for(lambda: steps_done(run_dir) >= before + 2 * rng.randint(1, 4) or launcher.proc.poll() is not None, 120)
+            wait_for(
+                lambda: steps_done(run_dir) >= before + 2 * rng.randint(1, 4) or launcher.proc.poll() is not None, 120
+            )
         rec = {"fault": kind, "strategy": strategy, "resumed": resume, "run_dir": run_dir}
         if launcher.proc.poll() is not None:
             rec["skipped"] = f"the run ended before the fault (exit {launcher.proc.returncode})"
         else:
             t0 = time.monotonic()
             why = None if at_start else inject(kind, strategy, run_dir, launcher, rng)
-            if at_start:   # its processes have yet to start: the fault is on once the hang began
-                wait_for(lambda: os.path.exists(os.path.join(work, "hang-started")) or launcher.proc.poll() is not None, 120)
+            if at_start:  # its processes have yet to start: the fault is on once the hang began
+                wait_for(
+                    lambda: os.path.exists(os.path.join(work, "hang-started")) or launcher.proc.poll() is not None, 120
+                )
             if why:
                 rec["note"] = why
             # teardown: fault to no process of the run left (the launcher's own exit not counted)
             gone = wait_for(lambda: not run_processes(run_dir), 135)
             t_gone = time.monotonic()
             code = launcher.wait(120)
-            if kind == "link_cut":   # back up once the launcher is done: nothing may be left there
+            if kind == "link_cut":  # back up once the launcher is done: nothing may be left there
                 import testhosts
+
                 testhosts.set_link(CUT[0].prefix, CUT[1], True)
                 lost = CUT[0].addresses[CUT[1]]
-                rec.update(cut_host=lost, host_named=launcher.first_line(f" on {lost} failed: ") is not None,
-                           said_lost=launcher.first_line(f"lost the connection to its host {lost}") is not None)
+                rec.update(
+                    cut_host=lost,
+                    host_named=launcher.first_line(f" on {lost} failed: ") is not None,
+                    said_lost=launcher.first_line(f"lost the connection to its host {lost}") is not None,
+                )
             gone = gone and wait_for(lambda: not run_processes(run_dir), 15)
             left = run_processes(run_dir)
             for p in left:
@@ -300,13 +356,19 @@ def chaos(args, rng: random.Random, work: str) -> int:
             if launcher.proc.poll() is None:
                 launcher.proc.kill()
             seen = launcher.first_line("failed:", "received, stopping") if kind != "launcher_kill" else None
-            if kind.endswith("_hang"):   # counted from when the process began to hang
+            if kind.endswith("_hang"):  # counted from when the process began to hang
                 began = hang_began(work)
                 t0 = began if began is not None else t0
-                rec.update(hang_named=launcher.first_line("failed: stalled: in ") is not None, hang_began=began is not None)
-            rec.update(exit_code=code, orphans=len(left), teardown_s=round(t_gone - t0, 2) if gone else None,
-                       detection_s=round(seen - t0, 2) if seen else None)
-        for name in ("hang-data", "hang-eval", "hang-started"):   # the next run or resume goes on
+                rec.update(
+                    hang_named=launcher.first_line("failed: stalled: in ") is not None, hang_began=began is not None
+                )
+            rec.update(
+                exit_code=code,
+                orphans=len(left),
+                teardown_s=round(t_gone - t0, 2) if gone else None,
+                detection_s=round(seen - t0, 2) if seen else None,
+            )
+        for name in ("hang-data", "hang-eval", "hang-started"):  # the next run or resume goes on
             if os.path.exists(os.path.join(work, name)):
                 os.unlink(os.path.join(work, name))
         if chain[2]:
@@ -333,8 +395,9 @@ def finish_chain(chain, script: str, log: str, reference: dict) -> dict:
     strategy, run_dir, tmpfs = chain
     try:
         from hpar.strategies.state import checkpoint
+
         resume = checkpoint.latest_step(run_dir) is not None
-        if not resume:   # faulted before its first checkpoint: start again in a new directory
+        if not resume:  # faulted before its first checkpoint: start again in a new directory
             run_dir = run_dir.rstrip("/") + "-again"
         code = Launcher(run_args(script, strategy, run_dir, resume), log).wait(600)
         equal = code == 0 and same_model(run_dir, reference[strategy])
@@ -350,7 +413,9 @@ def report(records: list[dict], chains: int, args, work: str) -> int:
     tear = [r["teardown_s"] for r in done if r.get("teardown_s") is not None]
     results = [r["chain_result"] for r in records if "chain_result" in r and "skipped" not in r["chain_result"]]
     figures = {
-        "faults": len(records), "injected": len(done), "chains": chains,
+        "faults": len(records),
+        "injected": len(done),
+        "chains": chains,
         "orphans": sum(r.get("orphans", 0) for r in done) + sum(c["orphans"] for c in results),
         "processes_not_gone_in_15s": sum(1 for r in done if r.get("teardown_s") is None),
         "checkpoint_problems": sum(len(r["checkpoint_problems"]) for r in records),
@@ -367,9 +432,14 @@ def report(records: list[dict], chains: int, args, work: str) -> int:
             json.dump({"figures": figures, "faults": records}, f, indent=2)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    ok = (figures["orphans"] == 0 and figures["lost_host_not_named"] == 0 and figures["checkpoint_problems"] == 0
-          and figures["processes_not_gone_in_15s"] == 0 and figures["hangs_not_named"] == 0
-          and all(c["bit_identical"] for c in results))
+    ok = (
+        figures["orphans"] == 0
+        and figures["lost_host_not_named"] == 0
+        and figures["checkpoint_problems"] == 0
+        and figures["processes_not_gone_in_15s"] == 0
+        and figures["hangs_not_named"] == 0
+        and all(c["bit_identical"] for c in results)
+    )
     return 0 if ok else 1
 
 

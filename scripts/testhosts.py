@@ -23,6 +23,7 @@ traffic only ever goes to the addresses made here. They share this machine's fil
 removes the directory. Both commands are idempotent; ``up`` on existing hosts re-creates them.
 Needs root, iproute2, tc, sshd and ssh-keygen; ``unavailable()`` says what is missing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # also when imported by path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when imported by path
 import linkqueue  # noqa: E402
 
 SSHD = "/usr/sbin/sshd"
@@ -69,7 +70,7 @@ class TestHosts:
     ssh_config: str
     user: str = "root"
     port: int = 22
-    known_hosts: str = ""   # the hosts' keys, for --ssh-known-hosts / HPAR_SSH_KNOWN_HOSTS
+    known_hosts: str = ""  # the hosts' keys, for --ssh-known-hosts / HPAR_SSH_KNOWN_HOSTS
 
     @property
     def addresses(self) -> list[str]:
@@ -135,14 +136,18 @@ def _cap(rate_bits: int, device: str, namespace: str | None, queue: str) -> None
         _sh(*(["ip", "netns", "exec", namespace] if namespace else []), "tc", "-batch", batch.name)
 
 
-DASH = ('ForceCommand case "$SSH_ORIGINAL_COMMAND" in internal-sftp) exec /usr/lib/openssh/sftp-server;; '
-        '*) exec /bin/dash -c "$SSH_ORIGINAL_COMMAND";; esac\n')
+DASH = (
+    'ForceCommand case "$SSH_ORIGINAL_COMMAND" in internal-sftp) exec /usr/lib/openssh/sftp-server;; '
+    '*) exec /bin/dash -c "$SSH_ORIGINAL_COMMAND";; esac\n'
+)
 
 
 def _sshd_config(directory: str, address: str, index: int, shell: str | None = None) -> str:
     path = os.path.join(directory, f"sshd-{index}.conf")
     with open(path, "w") as f:
-        f.write((DASH if shell == "dash" else "") + f"""Port 22
+        f.write(
+            (DASH if shell == "dash" else "")
+            + f"""Port 22
 ListenAddress {address}
 HostKey {directory}/host_key
 AuthorizedKeysFile {directory}/authorized_keys
@@ -159,7 +164,8 @@ MaxSessions 200
 ClientAliveInterval 1
 ClientAliveCountMax 3
 Subsystem sftp internal-sftp
-""")
+"""
+        )
     return path
 
 
@@ -170,9 +176,13 @@ def _start_sshd(namespace: str, config: str, log: str, address: str, timeout: fl
     """Start sshd in the foreground (-D) as our child in its own session, so that ``down`` in
     this process reaps it; wait until it accepts connections (on the 2-core CI machine under the
     whole suite one took over 10 s). Returns its PID."""
-    proc = subprocess.Popen(["ip", "netns", "exec", namespace, SSHD, "-D", "-f", config, "-E", log],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", namespace, SSHD, "-D", "-f", config, "-E", log],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     _CHILDREN[proc.pid] = proc
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -186,8 +196,9 @@ def _start_sshd(namespace: str, config: str, log: str, address: str, timeout: fl
     raise RuntimeError(f"sshd in {namespace} did not accept connections within {timeout} s; see {log}")
 
 
-def up(k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0, queue: str = "fifo",
-       shell: str | None = None) -> TestHosts:
+def up(
+    k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0, queue: str = "fifo", shell: str | None = None
+) -> TestHosts:
     """Create ``k`` test hosts (removing any left from an earlier ``up`` with this prefix), each
     link capped at ``rate`` behind the queue ``queue`` (scripts/linkqueue.py), commands under
     ``dash -c`` with ``shell="dash"`` (see the module docstring). Raises
@@ -197,7 +208,7 @@ def up(k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0, queue
     assert shell in (None, "dash"), f"shell {shell!r}: only dash"
     rate_bits = _rate_bits(rate) if rate else None
     if rate_bits:
-        linkqueue.commands(queue, rate_bits, "eth0")   # ValueError before anything is made
+        linkqueue.commands(queue, rate_bits, "eth0")  # ValueError before anything is made
     if os.geteuid() != 0:
         raise PermissionError("testhosts: needs root (run as root or with sudo)")
     down(prefix)
@@ -246,14 +257,26 @@ def up(k: int, rate: str | None = None, prefix: str = "hpt", net: int = 0, queue
         f.writelines(f"root@{h.address}:22 slots=1\n" for h in hosts)
     ssh_config = os.path.join(directory, "ssh_config")
     with open(ssh_config, "w") as f:
-        f.write(f"Host {subnet}.*\n  User root\n  IdentityFile {directory}/client_key\n  IdentitiesOnly yes\n"
-                f"  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")
-    known_hosts = os.path.join(directory, "known_hosts")   # every host shares the one host key
+        f.write(
+            f"Host {subnet}.*\n  User root\n  IdentityFile {directory}/client_key\n  IdentitiesOnly yes\n"
+            f"  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+        )
+    known_hosts = os.path.join(directory, "known_hosts")  # every host shares the one host key
     host_key = open(f"{directory}/host_key.pub").read().split()[:2]
     with open(known_hosts, "w") as f:
         f.writelines(f"{h.address} {' '.join(host_key)}\n" for h in hosts)
-    return TestHosts(prefix, net, directory, state["bridge"], f"{subnet}.1", tuple(hosts),
-                     f"{directory}/client_key", host_file, ssh_config, known_hosts=known_hosts)
+    return TestHosts(
+        prefix,
+        net,
+        directory,
+        state["bridge"],
+        f"{subnet}.1",
+        tuple(hosts),
+        f"{directory}/client_key",
+        host_file,
+        ssh_config,
+        known_hosts=known_hosts,
+    )
 
 
 def _save(directory: str, state: dict) -> None:
@@ -320,8 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("k", type=int)
     p_up.add_argument("--rate", default=None, help="cap each host's link, e.g. 1gbit")
     p_up.add_argument("--net", type=int, default=0, help="third octet of 10.77.NET.0/24")
-    p_up.add_argument("--queue", choices=linkqueue.QUEUES, default="fifo",
-                      help="the queue behind --rate: fifo (tbf) or fair (per-flow, small packets first; see linkqueue.py)")
+    p_up.add_argument(
+        "--queue",
+        choices=linkqueue.QUEUES,
+        default="fifo",
+        help="the queue behind --rate: fifo (tbf) or fair (per-flow, small packets first; see linkqueue.py)",
+    )
     p_up.add_argument("--shell", choices=["dash"], default=None, help="run commands under dash -c (ForceCommand)")
     p_down = sub.add_parser("down", help="remove the test hosts")
     p_link = sub.add_parser("link", help="take a host's link down or up")
@@ -335,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "up":
-            print(up(args.k, rate=args.rate, prefix=args.prefix, net=args.net, queue=args.queue, shell=args.shell).to_json())
+            print(
+                up(
+                    args.k, rate=args.rate, prefix=args.prefix, net=args.net, queue=args.queue, shell=args.shell
+                ).to_json()
+            )
         elif args.command == "down":
             down(args.prefix)
         else:

@@ -1,6 +1,7 @@
 """Shared test helpers: tiny user scripts, running the hpar CLI in a subprocess, finding
 every process that belongs to a run (by the HPAR_CONFIG path in its environment), and the
 single-process training every synchronous strategy must reproduce."""
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from support.runprocs import run_processes, wait_for  # noqa: E402,F401  (shared with scripts/chaos.py)
 
-TINY = '''
+TINY = """
 import torch, torch.nn as nn
 HPAR = {"steps": 20, "batch_size": 8, "lr": 0.1, "log_every": 5}
 def model():
@@ -36,12 +37,12 @@ def optimizer(params):
 def evaluate(model):
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(7))
     return {"mse": float(((model(x) - x.sum(1, keepdim=True)) ** 2).mean())}
-'''
+"""
 
 
 # A tiny model with one embedding table (served by the parameter servers under hybrid/ps);
 # SLEEP seconds per batch make it slow enough to interrupt.
-EMBED_TINY = '''
+EMBED_TINY = """
 import time, torch, torch.nn as nn
 HPAR = {"steps": STEPS, "batch_size": 4, "lr": 0.1, "log_every": 2}
 class M(nn.Module):
@@ -58,7 +59,7 @@ def data(rank, world_size, batch_size):
         time.sleep(SLEEP)
         yield torch.randint(0, 1000, (batch_size,), generator=g), torch.randn(batch_size, generator=g)
 def loss(o, t): return ((o - t) ** 2).mean()
-'''
+"""
 
 
 def embed_script(steps: int = 10, sleep: float = 0.0) -> str:
@@ -84,16 +85,24 @@ def tiny_script(tmp_path) -> str:
 
 def hpar(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """Run ``python -m hpar.launcher.cli ARGS`` and capture its output (text)."""
-    return subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "hpar.launcher.cli", *args], capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
 def hpar_to_file(out, *args: str, timeout: float = 240, cwd=None, env=None) -> tuple[int, str]:
     """Run ``python -m hpar.launcher.cli ARGS`` with stdout and stderr to the file ``out`` and
     stdin closed, as a batch job or CI runs it; returns (exit code, the output)."""
     with open(out, "w") as f:
-        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], stdout=f, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, timeout=timeout, cwd=cwd, env=env).returncode
+        code = subprocess.run(
+            [sys.executable, "-m", "hpar.launcher.cli", *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=timeout,
+            cwd=cwd,
+            env=env,
+        ).returncode
     with open(out) as f:
         return code, f.read()
 
@@ -120,13 +129,15 @@ def final_state(run_dir) -> dict:
     """The trained model's state_dict a run left: RUN_DIR/model (torch.distributed.checkpoint,
     every process's part: strategies/state/state.py), read whole in this process."""
     from hpar.strategies.state import state
+
     saved = state.read_all(os.path.join(str(run_dir), "model"))
-    return {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+    return {k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")}
 
 
 def _concat(parts):
     """Concatenate along dim 0 a list of batches: tensors, or tuples/lists/dicts of them."""
     import torch
+
     if isinstance(parts[0], torch.Tensor):
         return torch.cat(parts)
     if isinstance(parts[0], dict):
@@ -134,8 +145,9 @@ def _concat(parts):
     return type(parts[0])(_concat([p[k] for p in parts]) for k in range(len(parts[0])))
 
 
-def single_process_reference(script: str, world_size: int, steps: int, batch_size: int, lr: float,
-                             seed: int = 0, losses: list | None = None) -> dict:
+def single_process_reference(
+    script: str, world_size: int, steps: int, batch_size: int, lr: float, seed: int = 0, losses: list | None = None
+) -> dict:
     """One process trained ``steps`` steps, each on the concatenation of every rank's batch
     (mean loss): what N synchronous data-parallel workers must equal. Returns its state_dict;
     appends each step's loss to ``losses`` when given. The model is called as hpar calls it
@@ -143,6 +155,7 @@ def single_process_reference(script: str, world_size: int, steps: int, batch_siz
     import torch
     from hpar.strategies.job.forward import call_model
     from hpar.strategies.job.contract import load_job
+
     job = load_job(script)
     torch.manual_seed(seed)
     model = job.build_model()

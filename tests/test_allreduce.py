@@ -1,4 +1,5 @@
 """`allreduce` (DDP) with 2 workers equals one process trained on the concatenated batches."""
+
 import json
 import os
 
@@ -24,8 +25,21 @@ def assert_close_state(got: dict, want: dict, rtol: float = 1e-5) -> None:
 def test_two_workers_match_single_process(tiny_script, tmp_path, reap_run):
     run_dir = str(tmp_path / "run")
     reap_run(run_dir)
-    res = hpar("run", tiny_script, "--gpus", "2", "--strategy", "allreduce", "--steps", "20", "--seed", "3",
-               "--run-dir", run_dir, "--plain")
+    res = hpar(
+        "run",
+        tiny_script,
+        "--gpus",
+        "2",
+        "--strategy",
+        "allreduce",
+        "--steps",
+        "20",
+        "--seed",
+        "3",
+        "--run-dir",
+        run_dir,
+        "--plain",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["strategy"] == "allreduce" and summary["world_size"] == 2 and summary["exit_code"] == 0
@@ -45,12 +59,10 @@ def test_two_workers_match_single_process(tiny_script, tmp_path, reap_run):
     assert json.load(open(os.path.join(run_dir, "config.json")))["world_size"] == 2
 
 
-
-
-
 @pytest.mark.timeout(180)
 def test_allreduce_sparse_matches_and_counts_allgather_bytes(tmp_path, reap_run):
     from conftest import embed_script, write_script
+
     script = write_script(tmp_path, embed_script(steps=10))
     run_dir = str(tmp_path / "run")
     reap_run(run_dir)

@@ -11,6 +11,7 @@ aot_eager 1.0 s, eager 0.2 s; a 2-worker `hpar run --strategy hybrid` took 37 s 
 and a cold cache against 15 s with aot_eager. So these runs use aot_eager; inductor gave the
 same weights (within 3e-7 of the uncompiled run) for allreduce and hybrid by hand.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,12 @@ from test_zoo import ZOO, check_trained, hpar_run
 NAMES = {"bag.weight", "dense.weight", "dense.bias", "head.weight", "head.bias"}
 # allreduce and hybrid evaluate, also after step 6 (a copy of the compiled model: under hybrid
 # one that model() built, with every served row pulled); the other two run with --no-eval, as the zoo does
-RUNS = {"allreduce": (("--eval-every", "6"), True), "allreduce-sparse": ((), False),
-        "hybrid": (("--eval-every", "6"), True), "ps": ((), False)}
+RUNS = {
+    "allreduce": (("--eval-every", "6"), True),
+    "allreduce-sparse": ((), False),
+    "hybrid": (("--eval-every", "6"), True),
+    "ps": ((), False),
+}
 
 
 def compiled_run(tmp_path_factory, strategy: str) -> dict:
@@ -50,7 +55,7 @@ def test_compiled_model_trains_as_the_uncompiled_one(tmp_path_factory, strategy)
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
     for key in ("loss_first_mean", "loss_last_mean"):
         assert r["summary"][key] == pytest.approx(plain["summary"][key], rel=1e-4), key
-    if strategy in ("hybrid", "ps"):   # the table is served, under the name the user wrote
+    if strategy in ("hybrid", "ps"):  # the table is served, under the name the user wrote
         assert "bag.weight" in r["summary"]["ps_params"] and "runs as allreduce" not in r["out"], r["out"][-2000:]
 
 
@@ -64,8 +69,14 @@ def test_compiled_model_evaluates_during_and_after_hybrid_as_allreduce(tmp_path_
     check_trained(ar)
     for key in ("eval_first", "eval_last"):
         assert hy["summary"][key]["mse"] == pytest.approx(ar["summary"][key]["mse"], rel=1e-4), key
-    during = [[m for m in map(json.loads, (r["run_dir"] / "metrics.jsonl").read_text().splitlines())
-               if m.get("kind") == "eval"] for r in (hy, ar)]
+    during = [
+        [
+            m
+            for m in map(json.loads, (r["run_dir"] / "metrics.jsonl").read_text().splitlines())
+            if m.get("kind") == "eval"
+        ]
+        for r in (hy, ar)
+    ]
     assert [e["step"] for e in during[0]] == [e["step"] for e in during[1]] == [6], during
     assert during[0][0]["mse"] == pytest.approx(during[1][0]["mse"], rel=1e-4)
     assert hy["summary"]["eval_first"]["mse"] > during[0][0]["mse"] > hy["summary"]["eval_last"]["mse"]
@@ -81,6 +92,7 @@ def test_profile_and_plan_name_parameters_as_the_user_wrote_them():
     from hpar.strategies.job.contract import load_job
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
+
     job = load_job(os.path.join(ZOO, "compiled_bag.py"))
     graphs = counters["stats"]["unique_graphs"]
     profile = profile_job(job, 8, 2, repeats=1, warmup=1)
@@ -96,8 +108,19 @@ def test_hpar_profile_shows_and_plans_the_names_the_user_wrote(tmp_path):
     """The real `hpar profile`, stdout to a file: the parameter table and the plan file name
     the compiled model's parameters as the user wrote them."""
     plan = tmp_path / "plan.json"
-    rc, out = hpar_to_file(tmp_path / "out.txt", "profile", os.path.join(ZOO, "compiled_bag.py"), "--gpus", "2",
-                           "--bandwidth", "10Gbps", "--latency", "50us", "--plan-out", str(plan))
+    rc, out = hpar_to_file(
+        tmp_path / "out.txt",
+        "profile",
+        os.path.join(ZOO, "compiled_bag.py"),
+        "--gpus",
+        "2",
+        "--bandwidth",
+        "10Gbps",
+        "--latency",
+        "50us",
+        "--plan-out",
+        str(plan),
+    )
     assert rc == 0, out
     assert "_orig_mod" not in out and all(name in out for name in NAMES), out
     assert set(json.loads(plan.read_text())["placement"]) == NAMES
@@ -108,7 +131,10 @@ def test_compiled_sequential_is_profiled_by_its_layers_and_offered_as_a_pipeline
     inside), a pipeline can cut them, and the names are the user's."""
     from hpar.strategies.job.contract import load_job
     from hpar.strategies.profile.profiler import profile_job
-    script = write_script(tmp_path, '''
+
+    script = write_script(
+        tmp_path,
+        """
         import torch, torch.nn as nn
         def model():
             return torch.compile(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), backend="eager")
@@ -117,14 +143,15 @@ def test_compiled_sequential_is_profiled_by_its_layers_and_offered_as_a_pipeline
                 yield torch.randn(batch_size, 4), torch.randn(batch_size, 1)
         def loss(output, targets):
             return ((output - targets) ** 2).mean()
-        ''')
+        """,
+    )
     profile = profile_job(load_job(script), 8, 2, repeats=1, warmup=1)
     assert [layer.name for layer in profile.layers] == ["0", "1", "2"]
     assert profile.is_sequential and not profile.traced
     assert {p.name for p in profile.params} == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
-FULLGRAPH = '''
+FULLGRAPH = """
 import torch, torch.nn as nn
 HPAR = {"steps": 4, "batch_size": 4}
 class M(nn.Module):
@@ -141,7 +168,7 @@ def data(rank, world_size, batch_size):
         yield torch.randint(0, 100, (batch_size,)), torch.randn(batch_size)
 def loss(output, targets):
     return ((output - targets) ** 2).mean()
-'''
+"""
 
 
 @pytest.mark.timeout(120)
@@ -149,23 +176,28 @@ def test_fullgraph_with_a_served_table_is_refused_before_start(tmp_path):
     """torch.compile(..., fullgraph=True) forbids the graph break at a served table's lookup:
     `hpar run --strategy hybrid` says so in one line, exit 2, before any process starts."""
     run_dir = str(tmp_path / "run")
-    res = hpar("run", write_script(tmp_path, FULLGRAPH), "--gpus", "2", "--strategy",
-               "hybrid", "--run-dir", run_dir, "--plain")
+    res = hpar(
+        "run", write_script(tmp_path, FULLGRAPH), "--gpus", "2", "--strategy", "hybrid", "--run-dir", run_dir, "--plain"
+    )
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.strip().splitlines() == [
         "hpar: model() is compiled with fullgraph=True, but the parameter servers serve emb.weight, whose rows are "
         "pulled in a graph break inside the forward; compile without fullgraph=True (the rest of the forward stays "
-        "compiled) or use --strategy allreduce or allreduce-sparse"]
+        "compiled) or use --strategy allreduce or allreduce-sparse"
+    ]
     assert not os.path.exists(os.path.join(run_dir, "config.json")) and not run_processes(run_dir)
 
 
 def test_check_fullgraph_only_refuses_a_served_table_under_fullgraph():
     from hpar.strategies.plan.placement import check_fullgraph
     from torch import nn
+
     net = nn.Sequential(nn.Embedding(10, 2), nn.Linear(2, 1))
     served, kept = {"0.weight": "ps", "1.weight": "allreduce"}, {"0.weight": "allreduce", "1.weight": "ps"}
     with pytest.raises(ValueError, match="serve 0.weight"):
         check_fullgraph(torch.compile(net, backend="eager", fullgraph=True), served)
-    check_fullgraph(torch.compile(net, backend="eager", fullgraph=True), kept)   # a dense layer on the servers: no lookup
+    check_fullgraph(
+        torch.compile(net, backend="eager", fullgraph=True), kept
+    )  # a dense layer on the servers: no lookup
     check_fullgraph(torch.compile(net, backend="eager"), served)
     check_fullgraph(net, served)

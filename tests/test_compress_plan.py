@@ -3,6 +3,7 @@ workers' device (strategies/profile/compress_cost.py) and the cost model uses it
 auto`` / ``hpar profile`` with ``--compress`` may choose a compressed plan, and never without it
 (strategies/plan/costmodel_compress.shown_rows, planner.choose_plan); the run takes the plan's
 compression (strategies/plan/compress_setting.from_plan)."""
+
 import dataclasses
 import json
 import math
@@ -13,7 +14,7 @@ import torch
 from conftest import hpar_to_file, write_script
 
 # weight matrices PowerSGD compresses at rank 2 ((n + m) r * 2 < n m), biases it sends whole
-WIDE = '''
+WIDE = """
 import torch, torch.nn as nn
 HPAR = {"steps": 4, "batch_size": 8, "lr": 0.1, "log_every": 1}
 def model():
@@ -27,7 +28,7 @@ def loss(output, targets):
     return ((output - targets) ** 2).mean()
 def optimizer(params):
     return torch.optim.SGD(params, lr=0.1)
-'''
+"""
 
 
 def test_the_compressions_compute_is_measured_grows_with_the_gradients_and_is_what_the_cost_model_uses():
@@ -42,6 +43,7 @@ def test_the_compressions_compute_is_measured_grows_with_the_gradients_and_is_wh
     from hpar.strategies.profile.compress_cost import MEASURED, compression_seconds
     from hpar.strategies.profile.records import Profile
     from test_memory_model import profile
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -66,8 +68,10 @@ def test_the_compressions_compute_is_measured_grows_with_the_gradients_and_is_wh
     assert low.breakdown["compress_measured"] == 1.0
     assert low.breakdown["compress_work"] == pytest.approx(cpu_share(slow) * 0.25)
     guessed = estimate_compressed(profile(), slow, estimate_allreduce(profile(), slow), Compression("powersgd", 4))
-    assert guessed.breakdown["compress_measured"] == 0.0 and guessed.breakdown["compress_work"] != low.breakdown[
-        "compress_work"]
+    assert (
+        guessed.breakdown["compress_measured"] == 0.0
+        and guessed.breakdown["compress_work"] != low.breakdown["compress_work"]
+    )
 
 
 def test_a_model_over_the_cap_is_timed_on_the_tensors_that_fit_and_scaled(monkeypatch):
@@ -75,8 +79,9 @@ def test_a_model_over_the_cap_is_timed_on_the_tensors_that_fit_and_scaled(monkey
     timed on its tensors that fit and scaled up (positive); a table group none of whose
     tensors fits is not measured (-1.0, the cost model's estimate then)."""
     from hpar.strategies.profile import compress_cost
+
     model = torch.nn.Sequential(torch.nn.Embedding(1000, 16), torch.nn.Linear(16, 64), torch.nn.Linear(64, 64))
-    monkeypatch.setattr(compress_cost, "CAP", 4 * (64 * 16 + 64))   # the first Linear's weight and bias
+    monkeypatch.setattr(compress_cost, "CAP", 4 * (64 * 16 + 64))  # the first Linear's weight and bias
     got = {s: (d, t) for s, d, t in compress_cost.profile_compression(model, {"0.weight"}, torch.device("cpu"), 2)}
     assert all(0 < d < math.inf and t == -1.0 for d, t in got.values())
 
@@ -92,7 +97,8 @@ def test_auto_with_compress_may_choose_a_compressed_plan_and_the_run_takes_the_p
     from hpar.strategies.plan.compress_setting import from_plan
     from hpar.strategies.plan.planner import choose_plan
     from test_memory_model import profile
-    prof = dataclasses.replace(profile(), compress_s=(("powersgd:4", 0.05, 0.0),), is_sequential=False)   # no pipeline
+
+    prof = dataclasses.replace(profile(), compress_s=(("powersgd:4", 0.05, 0.0),), is_sequential=False)  # no pipeline
     slow = ClusterSpec(hosts=2, gpus_per_host=(1, 1), servers=1, bandwidth_Bps=25e6 / 8, latency_s=1e-3)
     plain = choose_plan(prof, slow)
     assert plain.compress == "" and not [c for c in plain.candidates if " --compress " in c.strategy and c.available]
@@ -105,8 +111,8 @@ def test_auto_with_compress_may_choose_a_compressed_plan_and_the_run_takes_the_p
     said = []
     c = Compression("powersgd", 4)
     assert from_plan(said.append, c, asked) == c and from_plan(said.append, None, asked) is None
-    assert from_plan(said.append, c, plain) == c and not said   # a plan that never weighed it: the flag as given
-    lost = dataclasses.replace(asked, compress="")   # weighed and not chosen: uncompressed, in one line
+    assert from_plan(said.append, c, plain) == c and not said  # a plan that never weighed it: the flag as given
+    lost = dataclasses.replace(asked, compress="")  # weighed and not chosen: uncompressed, in one line
     assert from_plan(said.append, c, lost) == Compression() and len(said) == 1 and "uncompressed" in said[0]
 
 
@@ -122,6 +128,7 @@ def test_hpar_profile_with_compress_lists_runnable_compressed_rows_and_chooses_t
     planner's tie), its ``compress`` set where that is a compressed row; without ``--compress``
     no compressed row is runnable and the plan is uncompressed."""
     from hpar.strategies.plan.plan_reasons import TIE
+
     script = write_script(tmp_path, WIDE, "wide.py")
     link = ("--gpus", "2", "--bandwidth", "25Mbps", "--latency", "1ms", "--json")
     code, out = hpar_to_file(tmp_path / "asked.json", "profile", script, *link, "--compress", "powersgd:2")
@@ -142,4 +149,4 @@ def test_hpar_profile_with_compress_lists_runnable_compressed_rows_and_chooses_t
     d = _last_json(out)
     assert d["plan"]["compress"] == ""
     assert not [c for c in d["candidates"] if " --compress " in c["strategy"] and c["available"]]
-    assert [c for c in d["candidates"] if " --compress " in c["strategy"]]   # shown all the same
+    assert [c for c in d["candidates"] if " --compress " in c["strategy"]]  # shown all the same

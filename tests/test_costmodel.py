@@ -1,4 +1,5 @@
 """Cost-model formulas and cluster parsing, against hand computations."""
+
 import pytest
 
 from hpar.strategies.plan.cluster import ClusterSpec, make_cluster, parse_bandwidth, parse_latency
@@ -7,9 +8,19 @@ from hpar.strategies.plan.costmodel_ps import server_imbalance
 from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("10Gbps", 1.25e9), ("10Gbit", 1.25e9), ("1gbit", 1.25e8), ("100Mb/s", 1.25e7),
-    ("25GB/s", 25e9), ("25GBps", 25e9), ("1GiB/s", 2 ** 30), ("800 Mbit/s", 1e8)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("10Gbps", 1.25e9),
+        ("10Gbit", 1.25e9),
+        ("1gbit", 1.25e8),
+        ("100Mb/s", 1.25e7),
+        ("25GB/s", 25e9),
+        ("25GBps", 25e9),
+        ("1GiB/s", 2**30),
+        ("800 Mbit/s", 1e8),
+    ],
+)
 def test_parse_bandwidth(text, expected):
     assert parse_bandwidth(text) == pytest.approx(expected)
 
@@ -63,21 +74,36 @@ def test_sparse_bytes_counts_row_ids():
 
 
 def test_server_imbalance_from_row_mass():
-    uniform = ParamProfile("e", (1024, 4), 16384, True, .1, .3, True, row_mass=tuple([1 / 256] * 256))
+    uniform = ParamProfile("e", (1024, 4), 16384, True, 0.1, 0.3, True, row_mass=tuple([1 / 256] * 256))
     assert server_imbalance(uniform, 4, 4) == pytest.approx(1.0)
     # all touches in the first eighth of the rows (frequent words first): with 4 partitions on
     # 4 servers one server takes everything; with 32 partitions the hot eighth spans 4 of them
-    hot = ParamProfile("e", (1024, 4), 16384, True, .1, .3, True, row_mass=tuple([1 / 32] * 32 + [0.0] * 224))
+    hot = ParamProfile("e", (1024, 4), 16384, True, 0.1, 0.3, True, row_mass=tuple([1 / 32] * 32 + [0.0] * 224))
     assert server_imbalance(hot, 4, 4) == pytest.approx(4.0)
     assert server_imbalance(hot, 32, 4) == pytest.approx(1.0)
 
 
 def test_allreduce_sparse_estimate_by_hand():
-    emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.15, True, layer=0,
-                       union_curve=((1, 0.05), (4, 0.15)))
+    emb = ParamProfile(
+        "emb", (10_000, 100), 4_000_000, True, 0.05, 0.15, True, layer=0, union_curve=((1, 0.05), (4, 0.15))
+    )
     lin = ParamProfile("lin", (100, 100), 40_000, False, 1.0, 1.0, False, layer=1)
-    prof = Profile((emb, lin), (LayerProfile("emb", 0, 0, 0, 1, 4_000_000), LayerProfile("lin", 0, 0, 1, 1, 40_000)),
-                   8, 8, 4, False, "x", 0.3, 0.1, 0.2, 10, 20, 1e-9, 8)
+    prof = Profile(
+        (emb, lin),
+        (LayerProfile("emb", 0, 0, 0, 1, 4_000_000), LayerProfile("lin", 0, 0, 1, 1, 40_000)),
+        8,
+        8,
+        4,
+        False,
+        "x",
+        0.3,
+        0.1,
+        0.2,
+        10,
+        20,
+        1e-9,
+        8,
+    )
     c = ClusterSpec(1, (4,), 1, 1e8, 1e-4)
     e = estimate_allreduce_sparse(prof, c)
     ag = 2 * 3 * 1e-4 + 3 * 500 * 408 / 1e8
@@ -93,18 +119,33 @@ def test_allreduce_sparse_gathers_at_the_probed_allgather_rate_between_hosts():
     """The sparse AllGather is priced at the AllGather rate probed between two hosts (gloo
     sends and receives it on one connection, slower than the one-way link); the dense
     AllReduce keeps the link's rate, and without a probed figure nothing changes."""
-    emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.15, True, layer=0,
-                       union_curve=((1, 0.05), (4, 0.15)))
+    emb = ParamProfile(
+        "emb", (10_000, 100), 4_000_000, True, 0.05, 0.15, True, layer=0, union_curve=((1, 0.05), (4, 0.15))
+    )
     lin = ParamProfile("lin", (100, 100), 40_000, False, 1.0, 1.0, False, layer=1)
-    prof = Profile((emb, lin), (LayerProfile("emb", 0, 0, 0, 1, 4_000_000), LayerProfile("lin", 0, 0, 1, 1, 40_000)),
-                   8, 8, 4, False, "x", 0.3, 0.1, 0.2, 10, 20, 1e-9, 8)
+    prof = Profile(
+        (emb, lin),
+        (LayerProfile("emb", 0, 0, 0, 1, 4_000_000), LayerProfile("lin", 0, 0, 1, 1, 40_000)),
+        8,
+        8,
+        4,
+        False,
+        "x",
+        0.3,
+        0.1,
+        0.2,
+        10,
+        20,
+        1e-9,
+        8,
+    )
     plain = make_cluster([1] * 4, 4, None, 1e8, 1e-4)
     probed = make_cluster([1] * 4, 4, None, 1e8, 1e-4, allgather_Bps=0.5e8)
     assert plain.gather_Bps == 1e8 and probed.gather_Bps == 0.5e8
-    assert make_cluster(None, 4, None, 1e8, 1e-4, allreduce_Bps=2e7, allgather_Bps=0.5e8).gather_Bps == 2e7   # one host
+    assert make_cluster(None, 4, None, 1e8, 1e-4, allreduce_Bps=2e7, allgather_Bps=0.5e8).gather_Bps == 2e7  # one host
     a, b = estimate_allreduce_sparse(prof, plain), estimate_allreduce_sparse(prof, probed)
-    assert b.breakdown["comm_tail"] - a.breakdown["comm_tail"] == pytest.approx(3 * 500 * 408 / 1e8)   # twice as long
-    assert b.breakdown["comm_overlap"] == pytest.approx(a.breakdown["comm_overlap"])   # the dense ring: the link
+    assert b.breakdown["comm_tail"] - a.breakdown["comm_tail"] == pytest.approx(3 * 500 * 408 / 1e8)  # twice as long
+    assert b.breakdown["comm_overlap"] == pytest.approx(a.breakdown["comm_overlap"])  # the dense ring: the link
     assert b.bytes_per_step == a.bytes_per_step
 
 
@@ -112,35 +153,76 @@ def _emb_and_dense(workers: int, sequential: bool = False, dedup_s: float = 0.0)
     """A profile of two layers: a 10,000 x 64 embedding (layer 0; a batch touches 5% of its
     rows, 2 workers' batches 10%; ``dedup_s`` its ids' dedup) and a 64 x 64 dense weight (layer
     1); 30 ms forward and 40 ms backward per batch of 32, updates at 1e-10 s per byte."""
-    emb = ParamProfile("emb.weight", (10_000, 64), 2_560_000, True, 0.05, 0.1, True, layer=0,
-                       union_curve=((1, 0.05), (2, 0.1)), dedup_s=dedup_s)
+    emb = ParamProfile(
+        "emb.weight",
+        (10_000, 64),
+        2_560_000,
+        True,
+        0.05,
+        0.1,
+        True,
+        layer=0,
+        union_curve=((1, 0.05), (2, 0.1)),
+        dedup_s=dedup_s,
+    )
     lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
-    return Profile(params=(emb, lin), layers=(LayerProfile("emb", .01, .01, 0, 10, emb.bytes),
-                                              LayerProfile("out", .02, .03, 10**6, 10, lin.bytes)),
-                   batch_size=32, samples_per_batch=32, workers=workers, is_sequential=sequential,
-                   sequential_reason="" if sequential else "x", compute_s=0.07, forward_s=0.03, backward_s=0.04,
-                   forward_flops=10**6, backward_flops=2 * 10**6, update_s_per_byte=1e-10, timing_batch_size=32)
+    return Profile(
+        params=(emb, lin),
+        layers=(
+            LayerProfile("emb", 0.01, 0.01, 0, 10, emb.bytes),
+            LayerProfile("out", 0.02, 0.03, 10**6, 10, lin.bytes),
+        ),
+        batch_size=32,
+        samples_per_batch=32,
+        workers=workers,
+        is_sequential=sequential,
+        sequential_reason="" if sequential else "x",
+        compute_s=0.07,
+        forward_s=0.03,
+        backward_s=0.04,
+        forward_flops=10**6,
+        backward_flops=2 * 10**6,
+        update_s_per_byte=1e-10,
+        timing_batch_size=32,
+    )
 
 
 def test_on_busy_cores_the_step_is_a_workers_path_or_the_hosts_cpu_work_over_their_cores():
     from hpar.strategies.plan.costmodel import cpu_load, cpu_share, estimate_allreduce_sparse
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid
+
     prof = _emb_and_dense(workers=2)
     shared = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0, cores_per_host=2)
     own = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0)
     # 2 workers on 2 cores: compute runs at full speed, but no core is left for the server
     assert cpu_share(shared) == 1.0 and cpu_load(shared, with_servers=True) == 1.5
-    assert cpu_share(ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1e9, latency_s=0.0,
-                                 cores_per_host=2)) == 2.0
-    assert cpu_load(ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1e9, latency_s=0.0,
-                                cores_per_host=2, device_flops=1e12)) is None   # accelerators
+    assert (
+        cpu_share(
+            ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1e9, latency_s=0.0, cores_per_host=2)
+        )
+        == 2.0
+    )
+    assert (
+        cpu_load(
+            ClusterSpec(
+                hosts=1,
+                gpus_per_host=(4,),
+                servers=1,
+                bandwidth_Bps=1e9,
+                latency_s=0.0,
+                cores_per_host=2,
+                device_flops=1e12,
+            )
+        )
+        is None
+    )  # accelerators
     # per step: pull 5% of the rows to each of 2 workers (row 256 B + 8 B id), receive both
     # workers' pushes (no local aggregation on one host), update the union (10% of the rows)
     pull_w = 500 * 264
-    link = 2 * pull_w / 1e9                      # each direction, the server's share of the link
+    link = 2 * pull_w / 1e9  # each direction, the server's share of the link
     server = (2 * pull_w + 0.1 * 2_560_000) * 1e-10
-    busy = server + 4 * pull_w / 1e9             # + copying its traffic through the kernel
-    ar, dense = 16_384 / 1e9, 16_384 * 1e-10     # the dense layer's AllReduce and update
+    busy = server + 4 * pull_w / 1e9  # + copying its traffic through the kernel
+    ar, dense = 16_384 / 1e9, 16_384 * 1e-10  # the dense layer's AllReduce and update
     h_shared, h_own = estimate_hybrid(prof, shared), estimate_hybrid(prof, own)
     assert h_shared.breakdown["server_cpu"] == pytest.approx(busy)
     assert h_shared.breakdown["forward"] == pytest.approx(0.03)
@@ -151,13 +233,14 @@ def test_on_busy_cores_the_step_is_a_workers_path_or_the_hosts_cpu_work_over_the
     assert h_shared.step_s == pytest.approx(serial)
     # 2 workers and their server on half a core (emulated hosts): compute runs at 1/4 speed,
     # and the requests' CPU (0.2 ms, 0.8 at a quarter of a core) is charged
-    crowded = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0,
-                          cores_per_host=0.5, request_cpu_s=2e-4)
+    crowded = ClusterSpec(
+        hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=0.0, cores_per_host=0.5, request_cpu_s=2e-4
+    )
     h = estimate_hybrid(prof, crowded)
     assert h.placement["emb.weight"] == "ps"
     worker = 4 * (0.03 + 0.04) + h.breakdown["update"]
     requests = h.breakdown["requests"]
-    assert requests == pytest.approx((2 + 1) * 4 * 2e-4)   # a pull, a push and a DONE, at 4x
+    assert requests == pytest.approx((2 + 1) * 4 * 2e-4)  # a pull, a push and a DONE, at 4x
     links = h.breakdown["pull"] + h.breakdown["comm_overlap"] + h.breakdown["comm_tail"]
     # the longer of the worker's path (both ends of its requests) and the host's CPU work
     cpu = (2 * (worker + requests) + h.breakdown["server_cpu"]) / 4 / 0.5
@@ -180,6 +263,7 @@ def test_requests_cost_their_measured_cpu_on_busy_cores_only():
     nothing is charged; a table whose requests cost more than its AllReduce goes to AllReduce."""
     from dataclasses import replace
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid, estimate_ps
+
     prof = _emb_and_dense(workers=4)
     # 4 emulated hosts of one worker on 2 cores: load 2 (cpu_share), busy cores
     busy = make_cluster([1] * 4, 4, None, 1e7, 1e-4, cores_per_host=0.5)
@@ -187,7 +271,7 @@ def test_requests_cost_their_measured_cpu_on_busy_cores_only():
     base, charged = estimate_hybrid(prof, busy), estimate_hybrid(prof, measured)
     assert base.breakdown["requests"] == 0.0 and base.placement["emb.weight"] == "ps"
     parts = charged.partitions["emb.weight"]
-    per_worker = 2 * min(4, parts) + 4        # a pull and a push to each holder, a DONE to each server
+    per_worker = 2 * min(4, parts) + 4  # a pull and a push to each holder, a DONE to each server
     requests = charged.breakdown["requests"]
     assert requests == pytest.approx(per_worker * 2 * 2e-4)
     # both ends of its requests on the worker's path (it waits for the server's end) and in
@@ -214,17 +298,33 @@ def test_small_tables_go_to_fewer_servers_when_requests_cost_cpu():
     request cost the busiest server's share (S/P at best with P < S) keeps one partition per server at least."""
     from dataclasses import replace
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid
-    small = ParamProfile("cat.weight", (1_000, 16), 64_000, True, 0.15, 0.5, True, layer=0,
-                         union_curve=((1, 0.15), (8, 0.5)))
-    big = ParamProfile("user.weight", (1_000_000, 64), 256_000_000, True, 0.2, 0.8, True, layer=0,
-                       union_curve=((1, 0.2), (8, 0.8)))
+
+    small = ParamProfile(
+        "cat.weight", (1_000, 16), 64_000, True, 0.15, 0.5, True, layer=0, union_curve=((1, 0.15), (8, 0.5))
+    )
+    big = ParamProfile(
+        "user.weight", (1_000_000, 64), 256_000_000, True, 0.2, 0.8, True, layer=0, union_curve=((1, 0.2), (8, 0.8))
+    )
     lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
-    prof = Profile(params=(small, big, lin),
-                   layers=(LayerProfile("emb", .001, .001, 0, 10, small.bytes + big.bytes),
-                           LayerProfile("out", .002, .003, 10**6, 10, lin.bytes)),
-                   batch_size=256, samples_per_batch=256, workers=8, is_sequential=False, sequential_reason="x",
-                   compute_s=0.007, forward_s=0.003, backward_s=0.004, forward_flops=10**6, backward_flops=2 * 10**6,
-                   update_s_per_byte=1e-10, timing_batch_size=256)
+    prof = Profile(
+        params=(small, big, lin),
+        layers=(
+            LayerProfile("emb", 0.001, 0.001, 0, 10, small.bytes + big.bytes),
+            LayerProfile("out", 0.002, 0.003, 10**6, 10, lin.bytes),
+        ),
+        batch_size=256,
+        samples_per_batch=256,
+        workers=8,
+        is_sequential=False,
+        sequential_reason="x",
+        compute_s=0.007,
+        forward_s=0.003,
+        backward_s=0.004,
+        forward_flops=10**6,
+        backward_flops=2 * 10**6,
+        update_s_per_byte=1e-10,
+        timing_batch_size=256,
+    )
     busy = make_cluster([1] * 8, 8, None, 6.25e6, 7e-5, cores_per_host=0.25)
     charged = estimate_hybrid(prof, replace(busy, request_cpu_s=2.3e-4))
     assert charged.partitions["cat.weight"] < 8 <= charged.partitions["user.weight"]
@@ -239,49 +339,105 @@ def test_a_skewed_table_is_cut_finely_whatever_the_latency():
     link latency of 1 ms as at 1 us, and the pull's latency term is N * lat, not N * P/S * lat."""
     from hpar.strategies.plan.costmodel import cost_setting
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid, on_ps
-    mass = (0.4,) + (0.6 / 255,) * 255           # 40% of the touched rows in the first 1/256
-    emb = ParamProfile("emb.weight", (1_000_000, 64), 256_000_000, True, 0.01, 0.05, True, layer=0,
-                       union_curve=((1, 0.01), (8, 0.05)), row_mass=mass)
+
+    mass = (0.4,) + (0.6 / 255,) * 255  # 40% of the touched rows in the first 1/256
+    emb = ParamProfile(
+        "emb.weight",
+        (1_000_000, 64),
+        256_000_000,
+        True,
+        0.01,
+        0.05,
+        True,
+        layer=0,
+        union_curve=((1, 0.01), (8, 0.05)),
+        row_mass=mass,
+    )
     lin = ParamProfile("out.weight", (64, 64), 16_384, False, 1.0, 1.0, False, layer=1)
-    prof = Profile(params=(emb, lin),
-                   layers=(LayerProfile("emb", .001, .001, 0, 10, emb.bytes), LayerProfile("out", .002, .003, 10**6, 10, lin.bytes)),
-                   batch_size=256, samples_per_batch=256, workers=8, is_sequential=False, sequential_reason="x",
-                   compute_s=0.007, forward_s=0.003, backward_s=0.004, forward_flops=10**6, backward_flops=2 * 10**6,
-                   update_s_per_byte=1e-10, timing_batch_size=256)
+    prof = Profile(
+        params=(emb, lin),
+        layers=(
+            LayerProfile("emb", 0.001, 0.001, 0, 10, emb.bytes),
+            LayerProfile("out", 0.002, 0.003, 10**6, 10, lin.bytes),
+        ),
+        batch_size=256,
+        samples_per_batch=256,
+        workers=8,
+        is_sequential=False,
+        sequential_reason="x",
+        compute_s=0.007,
+        forward_s=0.003,
+        backward_s=0.004,
+        forward_flops=10**6,
+        backward_flops=2 * 10**6,
+        update_s_per_byte=1e-10,
+        timing_batch_size=256,
+    )
     for lat in (1e-6, 1e-3):
         cluster = make_cluster([1] * 8, 8, None, 1.25e9, lat)
         assert estimate_hybrid(prof, cluster).partitions["emb.weight"] == 8 * 64
         c = cost_setting(prof, cluster, with_servers=True)
         fine = on_ps(emb, c, True)
-        bytes_s = max(8 * emb.alpha * 1_000_000 * (256 + 8) * server_imbalance(emb, 512, 8) / 8,
-                      emb.alpha * 1_000_000 * (256 + 8)) * 7 / 8 / 1.25e9
+        bytes_s = (
+            max(
+                8 * emb.alpha * 1_000_000 * (256 + 8) * server_imbalance(emb, 512, 8) / 8,
+                emb.alpha * 1_000_000 * (256 + 8),
+            )
+            * 7
+            / 8
+            / 1.25e9
+        )
         assert fine.pull == pytest.approx(bytes_s + 8 * lat, rel=1e-6)
 
 
 def test_allreduce_sparse_uses_the_profiled_sparse_update_or_steps_dense():
     import dataclasses
-    emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.15, True, layer=0,
-                       union_curve=((1, 0.05), (4, 0.15)))
+
+    emb = ParamProfile(
+        "emb", (10_000, 100), 4_000_000, True, 0.05, 0.15, True, layer=0, union_curve=((1, 0.05), (4, 0.15))
+    )
     lin = ParamProfile("lin", (100, 100), 40_000, False, 1.0, 1.0, False, layer=1)
-    prof = Profile((emb, lin), (LayerProfile("emb", 0, 0, 0, 1, 4_000_000), LayerProfile("lin", 0, 0, 1, 1, 40_000)),
-                   8, 8, 4, False, "x", 0.3, 0.1, 0.2, 10, 20, 1e-9, 8, sparse_update_s_per_byte=5e-9)
+    prof = Profile(
+        (emb, lin),
+        (LayerProfile("emb", 0, 0, 0, 1, 4_000_000), LayerProfile("lin", 0, 0, 1, 1, 40_000)),
+        8,
+        8,
+        4,
+        False,
+        "x",
+        0.3,
+        0.1,
+        0.2,
+        10,
+        20,
+        1e-9,
+        8,
+        sparse_update_s_per_byte=5e-9,
+    )
     c = ClusterSpec(1, (4,), 1, 1e8, 1e-4)
     e = estimate_allreduce_sparse(prof, c)
     ag = 2 * 3 * 1e-4 + 3 * 500 * 408 / 1e8
     ar = 2 * 3 * 1e-4 + 1.5 * 40_000 / 1e8
-    update = 40_000 * 1e-9 + 4 * 0.05 * 4_000_000 * 5e-9   # dense rate + the 4 gathered pushes at the sparse rate
+    update = 40_000 * 1e-9 + 4 * 0.05 * 4_000_000 * 5e-9  # dense rate + the 4 gathered pushes at the sparse rate
     assert e.breakdown["merge"] == 0.0 and e.breakdown["update"] == pytest.approx(update)
     assert e.step_s == pytest.approx(0.1 + max(0.2, ar) + ag + update)
-    no = estimate_allreduce_sparse(dataclasses.replace(prof, sparse_update_s_per_byte=None, sparse_gradients_ok=False), c)
-    dense_step = 4 * 0.05 * 4_000_000 * 1e-9 + (4_000_000 + 40_000) * 1e-9   # gathered rows summed, every row stepped
-    assert no.feasible and "made dense to step" in no.note   # strategies/job/optimizer_rules.py
+    no = estimate_allreduce_sparse(
+        dataclasses.replace(prof, sparse_update_s_per_byte=None, sparse_gradients_ok=False), c
+    )
+    dense_step = 4 * 0.05 * 4_000_000 * 1e-9 + (4_000_000 + 40_000) * 1e-9  # gathered rows summed, every row stepped
+    assert no.feasible and "made dense to step" in no.note  # strategies/job/optimizer_rules.py
     assert no.breakdown["merge"] + no.breakdown["update"] == pytest.approx(dense_step)
     # a measured exchange time (ClusterSpec.sparse_round_s) replaces the two rounds of N-1 latencies
     probed = estimate_allreduce_sparse(prof, dataclasses.replace(c, sparse_round_s=0.036))
     assert probed.step_s == pytest.approx(0.1 + max(0.2, ar) + ag - 2 * 3 * 1e-4 + 0.036 + update)
     # three tables: their exchanges are in flight together, two at a time (gloo's work threads)
-    three = dataclasses.replace(prof, params=(emb, dataclasses.replace(emb, name="e2"), dataclasses.replace(emb, name="e3"), lin))
-    fixed = [estimate_allreduce_sparse(three, dataclasses.replace(c, sparse_round_s=r)).breakdown["comm_tail"] for r in (0.0, 0.036)]
+    three = dataclasses.replace(
+        prof, params=(emb, dataclasses.replace(emb, name="e2"), dataclasses.replace(emb, name="e3"), lin)
+    )
+    fixed = [
+        estimate_allreduce_sparse(three, dataclasses.replace(c, sparse_round_s=r)).breakdown["comm_tail"]
+        for r in (0.0, 0.036)
+    ]
     assert fixed[1] - fixed[0] == pytest.approx(2 * 0.036)
     # the job's whole exchange measured at its sizes (ClusterSpec.gradient_exchange_s, hpar bench on
     # emulated hosts: tables and dense buckets in flight together) replaces the AllReduce, the
@@ -290,25 +446,45 @@ def test_allreduce_sparse_uses_the_profiled_sparse_update_or_steps_dense():
     assert exchanged.step_s == pytest.approx(0.1 + 0.2 + 0.5 + update)
     assert exchanged.breakdown["comm_tail"] == pytest.approx(0.5) and exchanged.breakdown["comm_overlap"] == 0.0
     assert exchanged.bytes_per_step == e.bytes_per_step
-    assert estimate_allreduce_sparse(prof, dataclasses.replace(c, hosts=1, gpus_per_host=(1,), gradient_exchange_s=0.5)).step_s \
-        == estimate_allreduce_sparse(prof, dataclasses.replace(c, hosts=1, gpus_per_host=(1,))).step_s   # one worker: nothing exchanged
+    assert (
+        estimate_allreduce_sparse(
+            prof, dataclasses.replace(c, hosts=1, gpus_per_host=(1,), gradient_exchange_s=0.5)
+        ).step_s
+        == estimate_allreduce_sparse(prof, dataclasses.replace(c, hosts=1, gpus_per_host=(1,))).step_s
+    )  # one worker: nothing exchanged
 
 
 def test_single_host_collectives_use_the_measured_allreduce_bandwidth_and_ps_traffic_the_link():
     from hpar.strategies.plan.costmodel import estimate_allreduce
     from hpar.strategies.plan.costmodel_ps import estimate_hybrid
+
     lin = ParamProfile("lin", (1000, 1000), 4_000_000, False, 1.0, 1.0, False, layer=1)
-    emb = ParamProfile("emb", (10_000, 100), 4_000_000, True, 0.05, 0.1, True, layer=0,
-                       union_curve=((1, 0.05), (2, 0.1)))
-    prof = Profile((emb, lin), (LayerProfile("emb", 0, 0, 0, 1, emb.bytes), LayerProfile("lin", 0, 0, 1, 1, lin.bytes)),
-                   8, 8, 2, False, "x", 0.0, 0.0, 0.0, 1, 1, 0.0, 8)
+    emb = ParamProfile(
+        "emb", (10_000, 100), 4_000_000, True, 0.05, 0.1, True, layer=0, union_curve=((1, 0.05), (2, 0.1))
+    )
+    prof = Profile(
+        (emb, lin),
+        (LayerProfile("emb", 0, 0, 0, 1, emb.bytes), LayerProfile("lin", 0, 0, 1, 1, lin.bytes)),
+        8,
+        8,
+        2,
+        False,
+        "x",
+        0.0,
+        0.0,
+        0.0,
+        1,
+        1,
+        0.0,
+        8,
+    )
     one = ClusterSpec(1, (2,), 1, 1e9, 0.0, allreduce_Bps=2e8)
     two = ClusterSpec(2, (1, 1), 1, 1e9, 0.0, allreduce_Bps=2e8)
     assert one.collective_Bps == 2e8 and two.collective_Bps == 1e9
     # ring AllReduce of every byte, N = 2: 2(N-1)/N * 8 MB over the measured AllReduce figure
     assert estimate_allreduce(prof, one).step_s == pytest.approx(8_000_000 / 2e8)
     h = estimate_hybrid(prof, one)
-    assert h.breakdown["comm_overlap"] == pytest.approx(4_000_000 / 2e8)   # the dense layer's AllReduce
+    assert h.breakdown["comm_overlap"] == pytest.approx(4_000_000 / 2e8)  # the dense layer's AllReduce
     # the pull of the touched rows crosses the point-to-point link, not the AllReduce figure
     assert h.breakdown["pull"] == pytest.approx(2 * 500 * 408 / 1e9)
 
@@ -320,11 +496,26 @@ def test_measured_collective_times_replace_the_latencies_on_one_host_only():
     import dataclasses
     from hpar.strategies.plan.costmodel import estimate_allreduce
     from hpar.strategies.plan.costmodel_fsdp import estimate_fsdp
+
     assert ring_allreduce_s(100e6, 4, 1e9, 1e-4, fixed_s=0.01) == pytest.approx(4 * 0.01 + 1.5 * 0.1)
     lin = ParamProfile("lin", (1000, 1000), 4_000_000, False, 1.0, 1.0, False, layer=1)
     head = ParamProfile("head", (1000, 10), 40_000, False, 1.0, 1.0, False, layer=2)
-    prof = Profile((lin, head), (LayerProfile("lin", 0, 0, 1, 1, lin.bytes), LayerProfile("head", 0, 0, 1, 1, head.bytes)),
-                   8, 8, 2, False, "cpu", 0.0, 0.0, 0.0, 1, 1, 0.0, 8)
+    prof = Profile(
+        (lin, head),
+        (LayerProfile("lin", 0, 0, 1, 1, lin.bytes), LayerProfile("head", 0, 0, 1, 1, head.bytes)),
+        8,
+        8,
+        2,
+        False,
+        "cpu",
+        0.0,
+        0.0,
+        0.0,
+        1,
+        1,
+        0.0,
+        8,
+    )
     one = ClusterSpec(1, (2,), 1, 1e9, 0.0, allreduce_Bps=2e8)
     fixed = dataclasses.replace(one, allreduce_fixed_s=0.002, allgather_fixed_s=0.001, reduce_scatter_fixed_s=0.003)
     # one bucket (layers 1 and 2, under backward; layer 0 has no parameter here): 2 ms more
@@ -333,21 +524,42 @@ def test_measured_collective_times_replace_the_latencies_on_one_host_only():
     extra = estimate_fsdp(prof, fixed).step_s - estimate_fsdp(prof, one).step_s
     assert extra == pytest.approx(2 * (2 * 0.001 + 0.003))
     two = ClusterSpec(2, (1, 1), 1, 1e9, 0.0)
-    assert estimate_allreduce(prof, dataclasses.replace(two, allreduce_fixed_s=0.5)).step_s == \
-        pytest.approx(estimate_allreduce(prof, two).step_s)
+    assert estimate_allreduce(prof, dataclasses.replace(two, allreduce_fixed_s=0.5)).step_s == pytest.approx(
+        estimate_allreduce(prof, two).step_s
+    )
 
 
 def test_hybrid_places_each_embedding_where_it_costs_less():
     from hpar.strategies.plan.costmodel_ps import allreduce_cost, estimate_hybrid, on_ps
     from hpar.strategies.plan.costmodel import cost_setting
-    big = ParamProfile("big.weight", (100_000, 64), 25_600_000, True, 0.01, 0.02, True, layer=0,
-                       union_curve=((1, 0.01), (2, 0.02)))
-    small = ParamProfile("bias.weight", (1000, 1), 4000, True, 0.5, 0.75, True, layer=2,
-                         union_curve=((1, 0.5), (2, 0.75)))
+
+    big = ParamProfile(
+        "big.weight", (100_000, 64), 25_600_000, True, 0.01, 0.02, True, layer=0, union_curve=((1, 0.01), (2, 0.02))
+    )
+    small = ParamProfile(
+        "bias.weight", (1000, 1), 4000, True, 0.5, 0.75, True, layer=2, union_curve=((1, 0.5), (2, 0.75))
+    )
     lin = ParamProfile("lin.weight", (100, 100), 40_000, False, 1.0, 1.0, False, layer=1)
-    prof = Profile((big, lin, small), (LayerProfile("big", 0, 0, 0, 1, big.bytes), LayerProfile("lin", 0, 0, 1, 1, lin.bytes),
-                                       LayerProfile("bias", 0, 0, 0, 1, small.bytes)),
-                   8, 8, 2, False, "x", 0.0, 0.0, 0.0, 1, 1, 1e-10, 8)
+    prof = Profile(
+        (big, lin, small),
+        (
+            LayerProfile("big", 0, 0, 0, 1, big.bytes),
+            LayerProfile("lin", 0, 0, 1, 1, lin.bytes),
+            LayerProfile("bias", 0, 0, 0, 1, small.bytes),
+        ),
+        8,
+        8,
+        2,
+        False,
+        "x",
+        0.0,
+        0.0,
+        0.0,
+        1,
+        1,
+        1e-10,
+        8,
+    )
     c = ClusterSpec(2, (1, 1), 2, 1e9, 1e-3)
     setting = cost_setting(prof, c)
     # the small table: AllReduce = 2(N-1) latencies + its bytes + two passes of updates;
@@ -374,13 +586,14 @@ def test_link_probe_latency_is_the_least_of_three_rounds(monkeypatch):
     class FakeGroup:
         def allreduce(self, tensors):
             return Done()
+
     rounds = iter([[9.0, 9.0] + [4e-3] * 10, [1.0] * 5, [9.0, 9.0] + [1.4e-4] * 10, [9.0, 9.0] + [3e-3] * 10])
     monkeypatch.setattr(probe, "_exchange", lambda pg, rank, out, back, n: next(rounds))
     out = {}
     probe._endpoint(FakeGroup(), 0, 4096, 12, 4, out)
     assert "error0" not in out, out
     figures = probe._figures(out, 4096)
-    assert figures.latency_s == pytest.approx(0.7e-4)     # half the quiet round's median
+    assert figures.latency_s == pytest.approx(0.7e-4)  # half the quiet round's median
     assert figures.bandwidth_Bps == pytest.approx(4096 / (1.0 - 1.4e-4))
 
 
@@ -390,11 +603,13 @@ def test_every_strategy_pays_the_batch_draw_and_served_tables_their_dedup():
     and ps, and a table on AllReduce does not."""
     from dataclasses import replace
     from hpar.strategies.plan.estimates import estimate_all
+
     prof = _emb_and_dense(workers=2, sequential=True, dedup_s=3e-4)
     emb, lin = prof.params
-    for cores, load in ((None, 1.0), (1, 2.0)):    # 2 workers on 1 core: everything on it takes twice as long
-        cluster = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=1e-5,
-                              cores_per_host=cores)
+    for cores, load in ((None, 1.0), (1, 2.0)):  # 2 workers on 1 core: everything on it takes twice as long
+        cluster = ClusterSpec(
+            hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=1e-5, cores_per_host=cores
+        )
         before = {e.strategy: e for e in estimate_all(prof, cluster)}
         after = {e.strategy: e for e in estimate_all(replace(prof, data_s=2e-3), cluster)}
         for name in ("allreduce", "allreduce-sparse", "ps", "hybrid", "pipeline"):
@@ -403,7 +618,9 @@ def test_every_strategy_pays_the_batch_draw_and_served_tables_their_dedup():
         assert after["hybrid"].placement["emb.weight"] == "ps"
         assert after["hybrid"].breakdown["lookup"] == pytest.approx(load * 3e-4)
         no_dedup = estimate_all(replace(prof, params=(replace(emb, dedup_s=0.0), lin)), cluster)
-        assert before["hybrid"].step_s - {e.strategy: e for e in no_dedup}["hybrid"].step_s == pytest.approx(load * 3e-4)
+        assert before["hybrid"].step_s - {e.strategy: e for e in no_dedup}["hybrid"].step_s == pytest.approx(
+            load * 3e-4
+        )
 
 
 def test_frozen_parameters_are_neither_exchanged_nor_updated_by_any_strategy():
@@ -416,26 +633,28 @@ def test_frozen_parameters_are_neither_exchanged_nor_updated_by_any_strategy():
     from hpar.strategies.plan.costmodel_compress import estimate_compressed
     from hpar.strategies.plan.costmodel_fsdp import estimate_fsdp
     from hpar.strategies.plan.costmodel_pipeline import estimate_pipeline_grid
+
     prof = _emb_and_dense(workers=2, sequential=True)
     emb, lin = prof.params
     frozen = replace(prof, params=(replace(emb, frozen=True), lin))
     assert frozen.trainable_bytes == lin.bytes and frozen.total_bytes == prof.total_bytes
     two = ClusterSpec(hosts=1, gpus_per_host=(2,), servers=1, bandwidth_Bps=1e9, latency_s=1e-5)
     ar, ar_all = estimate_allreduce(frozen, two), estimate_allreduce(prof, two)
-    assert ar.bytes_per_step == lin.bytes and ar_all.bytes_per_step == emb.bytes + lin.bytes   # 2(N-1)/N = 1
+    assert ar.bytes_per_step == lin.bytes and ar_all.bytes_per_step == emb.bytes + lin.bytes  # 2(N-1)/N = 1
     assert ar.breakdown["update"] == pytest.approx(lin.bytes * 1e-10) and ar.breakdown["comm_tail"] == 0.0
     half = estimate_compressed(frozen, two, ar, Compression("fp16"))
-    assert half.bytes_per_step == pytest.approx(lin.bytes / 2)   # fp16: half of what is sent, nothing frozen
+    assert half.bytes_per_step == pytest.approx(lin.bytes / 2)  # fp16: half of what is sent, nothing frozen
     sparse = estimate_allreduce_sparse(frozen, two)
-    assert sparse.bytes_per_step == lin.bytes and sparse.breakdown["merge"] == 0.0   # no gathered rows
+    assert sparse.bytes_per_step == lin.bytes and sparse.breakdown["merge"] == 0.0  # no gathered rows
     fsdp, fsdp_all = estimate_fsdp(frozen, two), estimate_fsdp(prof, two)
-    share = emb.bytes / 2 + lin.bytes / 2   # (N-1)/N of every parameter: gathered twice, frozen ones too
-    assert fsdp.bytes_per_step == pytest.approx(2 * share + 2 * lin.bytes / 2)   # gloo: ReduceScatter as AllReduce
+    share = emb.bytes / 2 + lin.bytes / 2  # (N-1)/N of every parameter: gathered twice, frozen ones too
+    assert fsdp.bytes_per_step == pytest.approx(2 * share + 2 * lin.bytes / 2)  # gloo: ReduceScatter as AllReduce
     assert fsdp_all.bytes_per_step == pytest.approx(4 * share)
     assert fsdp.breakdown["update"] == pytest.approx(lin.bytes / 2 * 1e-10)
     four = ClusterSpec(hosts=1, gpus_per_host=(4,), servers=1, bandwidth_Bps=1e9, latency_s=1e-5)
-    pipe = estimate_pipeline_grid(frozen, four, replicas=2)   # 2 stages x 2 replicas: stage 0 all frozen
+    pipe = estimate_pipeline_grid(frozen, four, replicas=2)  # 2 stages x 2 replicas: stage 0 all frozen
     assert pipe.stages == ((0, 1), (1, 2))
-    assert pipe.breakdown["update"] == pytest.approx(lin.bytes * 1e-10)   # stage 0 steps nothing
-    assert pipe.bytes_per_step - estimate_pipeline_grid(prof, four, replicas=2).bytes_per_step == \
-        pytest.approx(-emb.bytes / 2)   # stage 0's replicas average nothing (per worker: over K = 2 stages)
+    assert pipe.breakdown["update"] == pytest.approx(lin.bytes * 1e-10)  # stage 0 steps nothing
+    assert pipe.bytes_per_step - estimate_pipeline_grid(prof, four, replicas=2).bytes_per_step == pytest.approx(
+        -emb.bytes / 2
+    )  # stage 0's replicas average nothing (per worker: over K = 2 stages)

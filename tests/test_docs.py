@@ -3,6 +3,7 @@ BENCHMARKS.md and benchmarks/notes/ names a file that exists, and every #anchor 
 Markdown file names one of its headings (GitHub's heading ids); README.md stays short and links
 every reference page in docs/; docs/run.md (launch.md, profile.md, bench.md) names every flag
 of its command and no other. No network: links to other sites are not fetched."""
+
 from __future__ import annotations
 
 import glob
@@ -15,7 +16,7 @@ import pytest
 
 from conftest import REPO
 
-README_MAX_LINES = 220   # issue 49: a README a newcomer reads; the reference is in docs/
+README_MAX_LINES = 220  # issue 49: a README a newcomer reads; the reference is in docs/
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
@@ -44,7 +45,7 @@ def _anchors(path: str) -> set[str]:
 
 def _links(path: str) -> list[str]:
     text, out = open(path, encoding="utf-8").read(), []
-    text = re.sub(r"```.*?```", "", text, flags=re.S)   # code blocks hold no links
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
     for target in LINK.findall(text):
         if re.match(r"^[a-z]+:", target) or target.startswith("mailto:"):
             continue
@@ -76,12 +77,15 @@ def test_readme_stays_short():
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         lines = f.read().splitlines()
     assert len(lines) <= README_MAX_LINES, (
-        f"README.md has {len(lines)} lines, over {README_MAX_LINES}: move the detail to a page in docs/")
+        f"README.md has {len(lines)} lines, over {README_MAX_LINES}: move the detail to a page in docs/"
+    )
 
 
 def test_readme_links_every_docs_page():
-    linked = {os.path.normpath(os.path.join(REPO, target.partition("#")[0]))
-              for target in _links(os.path.join(REPO, "README.md"))}
+    linked = {
+        os.path.normpath(os.path.join(REPO, target.partition("#")[0]))
+        for target in _links(os.path.join(REPO, "README.md"))
+    }
     pages = sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
     unlinked = [os.path.relpath(p, REPO) for p in pages if os.path.normpath(p) not in linked]
     assert not unlinked, f"README.md does not link these reference pages: {unlinked}"
@@ -106,14 +110,20 @@ HELP_OPTION = re.compile(r"^\s{1,4}(?:-\w, )?(--[a-z][a-z0-9-]*)", re.M)
 
 def _help_flags(command: str) -> set[str]:
     """The options `hpar COMMAND --help` lists (one per line of its Options section)."""
-    out = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", command, "--help"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpar.launcher.cli", command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     return set(HELP_OPTION.findall(out.stdout)) - {"--help"}
 
 
-@pytest.mark.parametrize("page,command", [("run.md", "run"), ("launch.md", "launch"),
-                                          ("profile.md", "profile"), ("bench.md", "bench")])
+@pytest.mark.parametrize(
+    "page,command", [("run.md", "run"), ("launch.md", "launch"), ("profile.md", "profile"), ("bench.md", "bench")]
+)
 def test_a_command_page_documents_exactly_its_flags(page, command):
     """docs/run.md (and the pages of launch, profile and bench) name only flags that the
     command's --help lists, and every one of them: a flag renamed, removed or added cannot go

@@ -34,6 +34,7 @@ output shown as an example (`$ hpar run ...` followed by its lines); the test su
 (`python -m pytest`), and scripts/ and benchmarks/ tools that need a bench's results or run for
 many minutes (scripts/chaos.py, benchmarks/bench_markdown.py).
 """
+
 from __future__ import annotations
 
 import ast
@@ -53,12 +54,13 @@ from conftest import REPO, hpar_to_file, kill_left
 MARK = re.compile(r"^<!--\s*runnable(?::(?P<args>[^>]*?))?\s*-->$")
 SHELL_FENCE = re.compile(r"^```(?:bash|sh|shell)\s*$")
 PLACEHOLDER = "runs/RUN"
-COMMAND_TIMEOUT = 300   # seconds for one command; a shortened run takes 20-90 s on a busy 2-core machine
+COMMAND_TIMEOUT = 300  # seconds for one command; a shortened run takes 20-90 s on a busy 2-core machine
 
 
 @dataclass
 class Command:
     """One command of a marked block: where it stands, its words, and what its mark appends."""
+
     page: str
     line: int
     words: list[str]
@@ -144,29 +146,37 @@ def test_every_mark_stands_before_a_shell_block_of_hpar_commands():
         assert found[page], f"{page}: no runnable block found (its marks are documented in this file)"
     readme = found["README.md"]
     assert readme[0].words[:3] == ["hpar", "run", "examples/lm.py"] and readme[0].extra, (
-        f"README's first command is not the marked, shortened lm.py run: {readme[0]}")
+        f"README's first command is not the marked, shortened lm.py run: {readme[0]}"
+    )
 
 
 def test_the_parser_splits_chains_and_refuses_other_operators(tmp_path):
     """`&&` chains are split and `pip install` steps dropped; a pipe, a misspelt mark, a mark
     away from its block and a non-hpar command are refused with the page and line."""
     page = tmp_path / "p.md"
-    page.write_text("<!-- runnable: --steps 2 -->\n```bash\npip install -e . && hpar run a.py --gpus 2"
-                    "   # note\nhpar export runs/RUN \\\n  --out m.pt\n```\n")
+    page.write_text(
+        "<!-- runnable: --steps 2 -->\n```bash\npip install -e . && hpar run a.py --gpus 2"
+        "   # note\nhpar export runs/RUN \\\n  --out m.pt\n```\n"
+    )
     got = [(c.line, c.words, c.extra) for c in marked_commands("p.md", str(tmp_path))]
-    assert got == [(3, ["hpar", "run", "a.py", "--gpus", "2"], ["--steps", "2"]),
-                   (4, ["hpar", "export", "runs/RUN", "--out", "m.pt"], [])], got
-    for text, says in [("<!-- runnable -->\n```bash\nhpar runs | head\n```\n", "p.md:3: `|`"),
-                       ("<!-- runable -->\n```bash\nhpar runs\n```\n", "p.md:1: not a runnable mark"),
-                       ("<!-- runnable -->\n\n```bash\nhpar runs\n```\n", "p.md:1: a runnable mark must"),
-                       ("<!-- runnable -->\n```python\nimport torch\n```\n", "p.md:1: a runnable mark must"),
-                       ("<!-- runnable -->\n```bash\nls runs\n```\n", "p.md:3: `ls runs`")]:
+    assert got == [
+        (3, ["hpar", "run", "a.py", "--gpus", "2"], ["--steps", "2"]),
+        (4, ["hpar", "export", "runs/RUN", "--out", "m.pt"], []),
+    ], got
+    for text, says in [
+        ("<!-- runnable -->\n```bash\nhpar runs | head\n```\n", "p.md:3: `|`"),
+        ("<!-- runable -->\n```bash\nhpar runs\n```\n", "p.md:1: not a runnable mark"),
+        ("<!-- runnable -->\n\n```bash\nhpar runs\n```\n", "p.md:1: a runnable mark must"),
+        ("<!-- runnable -->\n```python\nimport torch\n```\n", "p.md:1: a runnable mark must"),
+        ("<!-- runnable -->\n```bash\nls runs\n```\n", "p.md:3: `ls runs`"),
+    ]:
         page.write_text(text)
         with pytest.raises(ValueError, match=re.escape(says)):
             marked_commands("p.md", str(tmp_path))
 
 
 # ---- the install a page names ----------------------------------------------------------------
+
 
 def _third_party_imports(script: str, seen: set[str] | None = None) -> set[str]:
     """Top-level modules ``script`` imports (anywhere in it, and in the examples/ modules it
@@ -179,8 +189,13 @@ def _third_party_imports(script: str, seen: set[str] | None = None) -> set[str]:
         tree = ast.parse(f.read())
     found: set[str] = set()
     for node in ast.walk(tree):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                 else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level
+            else []
+        )
         for name in names:
             top = name.split(".")[0]
             beside = os.path.join(os.path.dirname(script), top + ".py")
@@ -211,7 +226,8 @@ def test_a_marked_script_that_needs_an_extra_is_on_a_page_naming_that_install():
     """examples/cnn.py and ddp_digits.py need scikit-learn, hf_gpt2.py transformers: a page that
     runs one names `pip install -e '.[EXTRA]'` for an extra that brings it."""
     assert _extras_of("sklearn") == {"examples"} and "hf" in _extras_of("transformers"), (
-        "hpar's metadata does not map scikit-learn/transformers to their extras: reinstall (pip install -e .)")
+        "hpar's metadata does not map scikit-learn/transformers to their extras: reinstall (pip install -e .)"
+    )
     missing, checked = [], 0
     for page in marked_pages():
         with open(os.path.join(REPO, page), encoding="utf-8") as f:
@@ -224,20 +240,27 @@ def test_a_marked_script_that_needs_an_extra_is_on_a_page_naming_that_install():
                 for module in sorted(_third_party_imports(os.path.join(REPO, word))):
                     extras = _extras_of(module)
                     if extras and not any(
-                            f"pip install -e '.[{e}]'" in text or f'pip install -e ".[{e}]"' in text for e in extras):
-                        missing.append(f"{command}: {word} imports {module}, which needs "
-                                       f"pip install -e '.[{sorted(extras)[0]}]'; the page does not name it")
+                        f"pip install -e '.[{e}]'" in text or f'pip install -e ".[{e}]"' in text for e in extras
+                    ):
+                        missing.append(
+                            f"{command}: {word} imports {module}, which needs "
+                            f"pip install -e '.[{sorted(extras)[0]}]'; the page does not name it"
+                        )
     assert checked >= 3, f"only {checked} example scripts found in the marked commands"
     assert not missing, "\n".join(missing)
 
 
 # ---- running them ---------------------------------------------------------------------------
 
+
 def _run_dirs(cwd: str) -> list[str]:
     """Every run directory under cwd/runs (one that holds a config.json), one level down too
     (a bench's runs)."""
-    return sorted(os.path.dirname(p) for pattern in ("runs/*/config.json", "runs/*/*/config.json")
-                  for p in glob.glob(os.path.join(cwd, pattern)))
+    return sorted(
+        os.path.dirname(p)
+        for pattern in ("runs/*/config.json", "runs/*/*/config.json")
+        for p in glob.glob(os.path.join(cwd, pattern))
+    )
 
 
 def _listing(cwd: str) -> set[str]:
@@ -266,13 +289,15 @@ def _check_result(command: Command, words: list[str], out: str, cwd: str, new: l
         assert summary["exit_code"] == 0, f"{command}: summary.json says exit code {summary['exit_code']}"
         if sub == "run":
             assert re.search(r"^hpar: done: .* run dir .*" + re.escape(new[0]), out, re.M), (
-                f"{command}: no `hpar: done: ... run dir` line naming {new[0]}\n{out[-3000:]}")
+                f"{command}: no `hpar: done: ... run dir` line naming {new[0]}\n{out[-3000:]}"
+            )
             steps = _flag(words, "--steps")
             if steps is not None:
                 assert summary["steps"] == int(steps), f"{command}: summary.json says {summary['steps']} steps"
     elif sub == "profile":
         assert re.search(r"^Plan: \S+", out, re.M) and "profiled in" in out, (
-            f"{command}: no `Plan:` and `profiled in` lines\n{out[-3000:]}")
+            f"{command}: no `Plan:` and `profiled in` lines\n{out[-3000:]}"
+        )
     elif sub == "export":
         target = os.path.join(cwd, _flag(words, "--out"))
         fmt = _flag(words, "--format") or "torch"
@@ -285,8 +310,9 @@ def _check_result(command: Command, words: list[str], out: str, cwd: str, new: l
         directory = words[2] if len(words) > 2 else "runs"
         listed = re.findall(r"^(\S+)  ", out, re.M)
         names = os.listdir(os.path.join(cwd, directory)) if os.path.isdir(os.path.join(cwd, directory)) else []
-        marked = sorted(os.path.join(directory, n) for n in names
-                        if os.path.exists(os.path.join(cwd, directory, n, ".hpar-run")))
+        marked = sorted(
+            os.path.join(directory, n) for n in names if os.path.exists(os.path.join(cwd, directory, n, ".hpar-run"))
+        )
         assert marked and sorted(listed) == marked, f"{command}: lists {listed}, {directory} holds {marked}\n{out}"
     elif sub == "clean":
         named = [w for w in words[2:] if not w.startswith("-")]
@@ -300,13 +326,14 @@ def _check_exported_model(command: Command, path: str, run_dir: str):
     """docs/state.md's own use of the file: the run's script's model() loads it, strictly."""
     import torch
     from hpar.strategies.job.contract import load_job
+
     assert os.path.isfile(path), f"{command}: {path} was not written"
     with open(os.path.join(run_dir, "config.json")) as f:
         script = json.load(f)["script"]
     model = load_job(script).build_model()
     saved = torch.load(path, weights_only=True)
     assert saved and all(isinstance(v, torch.Tensor) for v in saved.values()), f"{command}: {path}: {type(saved)}"
-    model.load_state_dict(saved)   # raises on a missing or unexpected key, or a wrong shape
+    model.load_state_dict(saved)  # raises on a missing or unexpected key, or a wrong shape
 
 
 def run_page(commands: list[Command], tmp_path) -> None:
@@ -336,11 +363,15 @@ def run_page(commands: list[Command], tmp_path) -> None:
 def test_a_failing_command_fails_its_page(tmp_path):
     """The page test can fail: a command that exits 2 (a script that is not there), `runs/RUN`
     before any run, and a listing of no run each fail with the page and line."""
+
     def page(*lines):
         return [Command("p.md", i + 1, shlex.split(line)) for i, line in enumerate(lines)]
-    cases = [(page("hpar profile examples/missing.py --gpus 2"), "p.md:1: hpar profile examples/missing.py"),
-             (page("hpar export runs/RUN --out m.pt"), "p.md:1: hpar export runs/RUN --out m.pt: runs/RUN before"),
-             (page("hpar runs ."), "p.md:1: hpar runs .: lists [], . holds []")]
+
+    cases = [
+        (page("hpar profile examples/missing.py --gpus 2"), "p.md:1: hpar profile examples/missing.py"),
+        (page("hpar export runs/RUN --out m.pt"), "p.md:1: hpar export runs/RUN --out m.pt: runs/RUN before"),
+        (page("hpar runs ."), "p.md:1: hpar runs .: lists [], . holds []"),
+    ]
     for i, (commands, says) in enumerate(cases):
         with pytest.raises(AssertionError, match=re.escape(says)):
             run_page(commands, tmp_path / str(i))

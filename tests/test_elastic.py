@@ -3,6 +3,7 @@ host whose link stays down is left out at the restart and the run resumes from i
 checkpoint on the hosts that answer, at their size (the checkpoint reshards:
 strategies/state/state.py); summary.json and the output say so. Real test hosts in network
 namespaces (root, iproute2, openssh-server; skipped otherwise)."""
+
 from __future__ import annotations
 
 import json
@@ -25,17 +26,34 @@ def hosts():
 @real_run(300)
 def test_a_host_that_stays_down_is_left_out_at_the_restart(hosts, tmp_path):
     import testhosts
-    script = write_script(tmp_path, TINY.replace('"steps": 20', '"steps": 40').replace(
-        "yield x,", "__import__('time').sleep(0.1)\n        yield x,"))
-    proc = _start_long_run(hosts, tmp_path, "--strategy", "hybrid", "--checkpoint-every", "3", "--max-restarts", "1",
-                           "--min-hosts", "1", script=script, steps=40)
+
+    script = write_script(
+        tmp_path,
+        TINY.replace('"steps": 20', '"steps": 40').replace(
+            "yield x,", "__import__('time').sleep(0.1)\n        yield x,"
+        ),
+    )
+    proc = _start_long_run(
+        hosts,
+        tmp_path,
+        "--strategy",
+        "hybrid",
+        "--checkpoint-every",
+        "3",
+        "--max-restarts",
+        "1",
+        "--min-hosts",
+        "1",
+        script=script,
+        steps=40,
+    )
     try:
         _wait_training(proc, timeout=90)
         latest = tmp_path / "run" / "checkpoints" / "latest"
         deadline = time.monotonic() + 60
         while not (latest.exists() and int(latest.read_text()) >= 6) and time.monotonic() < deadline:
             time.sleep(0.2)
-        testhosts.set_link(hosts.prefix, 1, False)   # host 1 is gone for good
+        testhosts.set_link(hosts.prefix, 1, False)  # host 1 is gone for good
         out, _ = proc.communicate(timeout=200)
     finally:
         if proc.poll() is None:

@@ -1,6 +1,7 @@
 """The shipped examples are device-agnostic (issue 13, item 6): with the model on another
 device than the CPU (``meta`` here: no GPU on this machine), every tensor that reaches a layer
 in ``evaluate(model)`` and in a training forward is on the model's device."""
+
 import os
 
 import pytest
@@ -22,7 +23,7 @@ def _check_devices(model: torch.nn.Module, device: torch.device, stop_after: typ
 
     def pre(module, args, kwargs):
         for t in [*args, *kwargs.values()]:
-            for x in (t if isinstance(t, (tuple, list)) else [t]):
+            for x in t if isinstance(t, (tuple, list)) else [t]:
                 if isinstance(x, torch.Tensor):
                     assert x.device == device, f"{type(module).__name__} got a tensor on {x.device}, model on {device}"
         seen.append(type(module).__name__)
@@ -39,11 +40,14 @@ def autocast_on_meta(monkeypatch):
     """``meta`` stands in for a GPU here; autocast has no meta device type, so a model that
     enters ``torch.autocast(x.device.type)`` gets the CPU's (on a GPU it would get CUDA's)."""
     real = torch.autocast
-    monkeypatch.setattr(torch, "autocast", lambda device_type, *a, **kw: real("cpu" if device_type == "meta" else device_type, *a, **kw))
+    monkeypatch.setattr(
+        torch, "autocast", lambda device_type, *a, **kw: real("cpu" if device_type == "meta" else device_type, *a, **kw)
+    )
 
 
-@pytest.mark.parametrize("name, stop_after", [("lm.py", torch.nn.Linear), ("cnn.py", torch.nn.Linear),
-                                              ("recsys.py", torch.nn.Linear)])
+@pytest.mark.parametrize(
+    "name, stop_after", [("lm.py", torch.nn.Linear), ("cnn.py", torch.nn.Linear), ("recsys.py", torch.nn.Linear)]
+)
 def test_evaluate_feeds_the_models_device(name, stop_after):
     job = load_job(os.path.join(EXAMPLES, name))
     model = job.build_model().to("meta").eval()
@@ -58,7 +62,7 @@ def test_lm_sampled_negatives_follow_the_targets_device():
     model = job.build_model().to("meta").train()
     (tokens, targets), _ = next(job.batches(0, 1, 4))
     _check_devices(model, torch.device("meta"), torch.nn.Embedding)
-    model.embedding._forward_pre_hooks.clear()     # check the output table's lookup: the candidates
+    model.embedding._forward_pre_hooks.clear()  # check the output table's lookup: the candidates
     _check_devices(model.softmax_w, torch.device("meta"), torch.nn.Embedding)
     with pytest.raises((Reached, NotImplementedError)) as info:
         model((tokens.to("meta"), targets.to("meta")))

@@ -1,5 +1,6 @@
 """A worker or server killed mid-run, Ctrl-C, the launcher itself killed, and --max-restarts:
 the exit code and message are right and nothing of the run is left."""
+
 import contextlib
 import json
 import os
@@ -14,9 +15,11 @@ from conftest import TINY, embed_script, run_processes, wait_for, write_script, 
 
 pytestmark = [pytest.mark.multiprocess]
 
-SLOW = TINY.replace('HPAR = {"steps": 20', 'import time\nHPAR = {"steps": 100000').replace(
-    "yield x, x.sum(1, keepdim=True)", "time.sleep(0.05)\n        yield x, x.sum(1, keepdim=True)").replace(
-    '"log_every": 5', '"log_every": 2')
+SLOW = (
+    TINY.replace('HPAR = {"steps": 20', 'import time\nHPAR = {"steps": 100000')
+    .replace("yield x, x.sum(1, keepdim=True)", "time.sleep(0.05)\n        yield x, x.sum(1, keepdim=True)")
+    .replace('"log_every": 5', '"log_every": 2')
+)
 
 
 @contextlib.contextmanager
@@ -25,9 +28,25 @@ def running(tmp_path, text: str, *flags: str, progress: int = 4):
     once ``progress`` metric lines are in; afterwards kill whatever is left of the run."""
     script = write_script(tmp_path, text)
     run_dir = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", "2",
-                             "--run-dir", run_dir, "--plain", "--no-eval", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpar.launcher.cli",
+            "run",
+            script,
+            "--gpus",
+            "2",
+            "--run-dir",
+            run_dir,
+            "--plain",
+            "--no-eval",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         metrics = os.path.join(run_dir, "metrics.jsonl")
         ok = wait_for(lambda: os.path.exists(metrics) and open(metrics).read().count('"kind":"metric"') >= progress, 90)
@@ -82,15 +101,23 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
         assert not run_processes(run_dir)
         assert json.load(open(os.path.join(run_dir, "summary.json")))["exit_code"] == 130
     from hpar.strategies.state.checkpoint import latest_step
+
     saved = latest_step(run_dir)
     last = out.rstrip().splitlines()[-1]
     assert saved and last.startswith("hpar: interrupted (Ctrl-C) at step "), out[-2000:]
-    assert last.endswith(f"; run dir {run_dir}; last complete checkpoint: step {saved}; resume with: "
-                         f"hpar run --resume {run_dir}"), last
+    assert last.endswith(
+        f"; run dir {run_dir}; last complete checkpoint: step {saved}; resume with: hpar run --resume {run_dir}"
+    ), last
     command = last.split("resume with: ")[1].split() + ["--steps", str(saved + 2), "--plain", "--no-eval"]
     assert command[:3] == ["hpar", "run", "--resume"]
-    done = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *command[1:]], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [sys.executable, "-m", "hpar.launcher.cli", *command[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0 and not run_processes(run_dir), done.stdout[-2000:]
     assert f"hpar: resuming {run_dir} from its checkpoint of step {saved}" in done.stdout, done.stdout[-2000:]
     assert f"step {saved + 2}/{saved + 2}" in done.stdout
@@ -110,8 +137,12 @@ def test_ctrl_c_while_profiling_exits_130_with_hpars_line(tmp_path):
     script = write_script(tmp_path, text)
     for command in (["run", script, "--gpus", "2", "--run-dir", str(tmp_path / "run")], ["profile", script]):
         marker.unlink(missing_ok=True)
-        proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", *command], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hpar.launcher.cli", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             assert wait_for(marker.exists, 90), "profiling never drew a batch"
             proc.send_signal(signal.SIGINT)
@@ -135,9 +166,11 @@ def test_launcher_sigkill_leaves_nothing(tmp_path):
 def test_max_restarts_resumes_and_finishes(tmp_path):
     from conftest import single_process_reference
     from test_allreduce import assert_close_state
+
     text = SLOW.replace('"steps": 100000', '"steps": 40')
-    with running(tmp_path, text, "--strategy", "allreduce", "--checkpoint-every", "5", "--max-restarts", "1",
-                 progress=0) as (proc, run_dir):
+    with running(
+        tmp_path, text, "--strategy", "allreduce", "--checkpoint-every", "5", "--max-restarts", "1", progress=0
+    ) as (proc, run_dir):
         latest = os.path.join(run_dir, "checkpoints", "latest")
         assert wait_for(lambda: os.path.exists(latest) and int(open(latest).read()) >= 10, 90)
         process_of(run_dir, "hpar.workers.worker", rank=1).kill()

@@ -1,6 +1,7 @@
 """How hpar calls the user's model (strategies/job/forward.py): a dict batch whose keys are the
 forward's parameter names goes in as keyword arguments (the Hugging Face convention), any
 other batch as one argument; wrappers (DDP, torch.compile) are looked through."""
+
 import torch
 from torch import nn
 

@@ -10,6 +10,7 @@ there) trains at 2 and 4 stages equal to one process; ``auto`` runs what it chos
 planner (``hpar profile``'s and ``auto``'s) lists as not runnable a candidate that `hpar run`
 would refuse before start, with the refusal's line (strategies/plan/vet.py).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,9 @@ from conftest import final_state, single_process_reference, write_script
 from test_zoo import ZOO, check_trained, hpar_run
 
 pytestmark = pytest.mark.multiprocess
-needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                              reason="transformers is not installed (pip install -e '.[hf]')")
+needs_hf = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed (pip install -e '.[hf]')"
+)
 NAME, STEPS, BATCH, LR = "hf_llama_frozen", 4, 8, 0.05
 SCRIPT = os.path.join(ZOO, f"{NAME}.py")
 
@@ -37,6 +39,7 @@ def _initial() -> tuple[dict, set]:
     of its frozen parameters (once)."""
     if not _INITIAL:
         from hpar.strategies.job.contract import load_job
+
         torch.manual_seed(0)
         model = load_job(SCRIPT).build_model()
         _INITIAL["state"] = {k: v.clone() for k, v in model.state_dict().items()}
@@ -58,7 +61,7 @@ def _check_against_one_process(r: dict, world_size: int) -> None:
             assert torch.equal(got[k], initial[k]), k
         else:
             torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
-    assert not torch.equal(got["lm_head.weight"], initial["lm_head.weight"])   # the rest did train
+    assert not torch.equal(got["lm_head.weight"], initial["lm_head.weight"])  # the rest did train
 
 
 @needs_hf
@@ -130,11 +133,12 @@ def test_planner_never_offers_what_run_refuses(tmp_path):
     from hpar.strategies.job.contract import load_job
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
+
     job = load_job(write_script(tmp_path, LEFT_OUT))
     profile = profile_job(job, 16, 2, repeats=1, warmup=1)
     cluster = build_cluster(2, None, None, "10Gbps", "50us", None)
     plain = {c.strategy: c for c in choose_plan(profile, cluster).candidates}
-    assert plain["ps"].available, plain["ps"]   # what the planner would offer without the checks
+    assert plain["ps"].available, plain["ps"]  # what the planner would offer without the checks
     plan = vetted_plan(job, profile, cluster)
     vetted = {c.strategy: c for c in plan.candidates}
     for name in ("hybrid", "ps"):

@@ -1,6 +1,7 @@
 """``--strategy fsdp`` (strategies/runtimes/dataparallel/fsdp.py, torch's FSDP2) through the real ``hpar run``: exact
 against one process on the concatenated batches with the training loop's features, checkpoints
 with torch.distributed.checkpoint that resume (also at another size), and the unit choice."""
+
 import json
 import os
 
@@ -22,19 +23,20 @@ def test_fsdp_equals_one_process_with_a_schedule_and_clipping(tmp_path, workers,
     batches after 20 steps, every weight within 1e-5 (2 workers also with --accumulate 2,
     --eval-every and log()); nothing is left running."""
     script = write_script(tmp_path, LOOP)
-    code, run_dir, out = run_cli(tmp_path, script, "--gpus", str(workers), "--strategy", "fsdp", "--seed", "3",
-                                 "--clip-grad-norm", "0.5", *extra)
+    code, run_dir, out = run_cli(
+        tmp_path, script, "--gpus", str(workers), "--strategy", "fsdp", "--seed", "3", "--clip-grad-norm", "0.5", *extra
+    )
     assert code == 0, out
     accumulate = 2 if "--accumulate" in extra else 1
     want, losses = reference(script, workers, 20, 8, 0.1, seed=3, accumulate=accumulate, clip=0.5)
     close(final_state(run_dir), want)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["strategy"] == "fsdp" and summary["loss_last"] == pytest.approx(losses[-1], rel=1e-5)
-    assert summary["fsdp_units"] == 3   # Block, Linear, Linear: the model's layers with weights
+    assert summary["fsdp_units"] == 3  # Block, Linear, Linear: the model's layers with weights
     assert summary["peak_bytes"]["worker"] > 0 and summary["predicted_peak_bytes"]["worker"] > 0
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     w0 = [m for m in rows if m["kind"] == "metric" and m["rank"] == 0]
-    assert [round(m["lr"], 6) for m in w0] == [0.1, 0.1, 0.05, 0.05]   # the schedule: warm-up, then halved
+    assert [round(m["lr"], 6) for m in w0] == [0.1, 0.1, 0.05, 0.05]  # the schedule: warm-up, then halved
     if extra:
         assert [m["step"] for m in rows if m["kind"] == "eval"] == [5, 10, 15]
         assert all("abs_err" in m["logged"] for m in w0)
@@ -49,13 +51,34 @@ def test_fsdp_checkpoints_resume_like_an_uninterrupted_run(tmp_path):
     process trained 20 steps on the concatenated batches: the schedule's and the momentum's
     state came back."""
     script = write_script(tmp_path, LOOP)
-    code, part, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", "fsdp", "--seed", "3", "--no-eval",
-                              "--steps", "10", "--checkpoint-every", "5", name="part")
+    code, part, out = run_cli(
+        tmp_path,
+        script,
+        "--gpus",
+        "2",
+        "--strategy",
+        "fsdp",
+        "--seed",
+        "3",
+        "--no-eval",
+        "--steps",
+        "10",
+        "--checkpoint-every",
+        "5",
+        name="part",
+    )
     assert code == 0, out
     step10 = os.path.join(part, "checkpoints", "step-10")
-    assert sorted(os.listdir(step10)) == [".metadata", ".metadata.sha256", "__0_0.distcp", "__0_0.distcp.sha256",
-                                          "__1_0.distcp", "__1_0.distcp.sha256"]   # each rank its own shards
+    assert sorted(os.listdir(step10)) == [
+        ".metadata",
+        ".metadata.sha256",
+        "__0_0.distcp",
+        "__0_0.distcp.sha256",
+        "__1_0.distcp",
+        "__1_0.distcp.sha256",
+    ]  # each rank its own shards
     from torch.distributed.checkpoint import FileSystemReader
+
     saved = FileSystemReader(step10).read_metadata().state_dict_metadata
     weight = next(k for k in saved if k.startswith("model.") and k.endswith("weight"))
     assert len(saved[weight].chunks) == 2, "a weight written as two shards, not gathered"
@@ -68,6 +91,7 @@ def test_fsdp_checkpoints_resume_like_an_uninterrupted_run(tmp_path):
 
 def _resume(tmp_path, run_dir):
     from conftest import hpar_to_file, kill_left
+
     code, out = hpar_to_file(tmp_path / "resume.out", "run", "--resume", run_dir, "--steps", "20", "--no-eval")
     assert not kill_left(run_dir), "processes left behind"
     return code, out
@@ -75,19 +99,22 @@ def _resume(tmp_path, run_dir):
 
 def test_fsdp_refuses_fp16_in_one_line(tmp_path):
     from conftest import hpar
+
     script = write_script(tmp_path, LOOP)
-    r = hpar("run", script, "--gpus", "2", "--strategy", "fsdp", "--precision", "fp16",
-             "--run-dir", str(tmp_path / "run"))
+    r = hpar(
+        "run", script, "--gpus", "2", "--strategy", "fsdp", "--precision", "fp16", "--run-dir", str(tmp_path / "run")
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "hpar: --precision fp16 is not supported with --strategy fsdp (its gradient scaler's inf/NaN check would "
-        "span the shards); use --precision bf16"]
+        "span the shards); use --precision bf16"
+    ]
 
 
 def test_units_are_the_layers_with_weights_and_a_tied_weight_stays_with_the_root():
     emb, head = nn.Embedding(10, 4), nn.Linear(4, 10)
     head.weight = emb.weight
     model = nn.Sequential(emb, nn.Linear(4, 4), nn.ReLU(), head)
-    assert units(model) == [model[1]]   # the tied pair is the root's; the ReLU holds nothing
+    assert units(model) == [model[1]]  # the tied pair is the root's; the ReLU holds nothing
 
     class Blocks(nn.Module):
         def __init__(self):
@@ -99,5 +126,6 @@ def test_units_are_the_layers_with_weights_and_a_tied_weight_stays_with_the_root
             for b in self.blocks:
                 x = b(x)
             return x
+
     net = Blocks()
-    assert units(net) == list(net.blocks)   # a model that is not a sequence: its repeated blocks
+    assert units(net) == list(net.blocks)  # a model that is not a sequence: its repeated blocks

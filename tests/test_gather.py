@@ -1,6 +1,7 @@
 """strategies/common/gather.py: the tensor collectives that replace torch's pickling
 ``*_object`` collectives give the same results as those, over a real two-process gloo group,
 and the shipped code no longer calls an ``*_object`` collective (issue 61)."""
+
 from __future__ import annotations
 
 import json
@@ -17,25 +18,39 @@ from conftest import REPO
 from hpar.strategies.plan.cluster import free_port
 
 # what each rank sends: mixed JSON documents (None, NaN, nested lists, strings) of unequal length
-DOCS = [{"stage": 0, "layers": [0, 3], "compute_s": 0.125, "idle_s": None, "peak_mem_bytes": 2 ** 40 + 3,
-         "name": "stagé", "nan": float("nan")},
-        {"stage": 1, "replica": 1, "layers": [[3, 5], [7, 9]], "compute_s": 1e-9, "idle_s": 0.5,
-         "peak_mem_bytes": None}]
+DOCS = [
+    {
+        "stage": 0,
+        "layers": [0, 3],
+        "compute_s": 0.125,
+        "idle_s": None,
+        "peak_mem_bytes": 2**40 + 3,
+        "name": "stagé",
+        "nan": float("nan"),
+    },
+    {"stage": 1, "replica": 1, "layers": [[3, 5], [7, 9]], "compute_s": 1e-9, "idle_s": 0.5, "peak_mem_bytes": None},
+]
 
 
 def _state(rank: int) -> dict:
     g = torch.Generator().manual_seed(rank)
-    return {f"layer{rank}.weight": torch.randn(3, 4, generator=g), f"layer{rank}.bias": torch.randn(4, generator=g),
-            f"norm{rank}.steps": torch.tensor(rank + 7), f"emb{rank}": torch.randn(5, 2, generator=g).to(torch.bfloat16),
-            f"mask{rank}": torch.tensor([True, False, rank == 1]), f"empty{rank}": torch.zeros(0, 3),
-            f"half{rank}": torch.randn(2, 3, generator=g).half()[:, 1:]}   # not contiguous
+    return {
+        f"layer{rank}.weight": torch.randn(3, 4, generator=g),
+        f"layer{rank}.bias": torch.randn(4, generator=g),
+        f"norm{rank}.steps": torch.tensor(rank + 7),
+        f"emb{rank}": torch.randn(5, 2, generator=g).to(torch.bfloat16),
+        f"mask{rank}": torch.tensor([True, False, rank == 1]),
+        f"empty{rank}": torch.zeros(0, 3),
+        f"half{rank}": torch.randn(2, 3, generator=g).half()[:, 1:],
+    }  # not contiguous
 
 
 def _child(rank: int, port: int, out: str) -> None:
     from hpar.strategies.common.gather import all_gather_ints, all_gather_json, gather_json, gather_state_dicts
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = {}
-    mine = [rank, 2 ** 40 + rank, -1]
+    mine = [rank, 2**40 + rank, -1]
     objects = [None, None]
     dist.all_gather_object(objects, mine)
     results["ints"] = (all_gather_ints(mine), [list(o) for o in objects])
@@ -87,6 +102,7 @@ def test_tensor_collectives_give_what_the_object_collectives_gave(tmp_path):
 
 def test_json_documents_refuse_what_json_cannot_hold():
     from hpar.strategies.common.gather import _dtype, _encode
+
     with pytest.raises(TypeError):
         _encode({"x": object()})
     assert json.loads(_encode({"a": (1, 2.5, None)})) == {"a": [1, 2.5, None]}
@@ -105,6 +121,7 @@ def test_no_pickling_object_collective_is_left():
             for f in files:
                 if f.endswith(".py"):
                     text = open(os.path.join(root, f), encoding="utf-8").read()
-                    found += [f"{os.path.join(root, f)}: {m}" for m in
-                              re.findall(r"dist\.\w+_object(?:_list)?\(", text)]
+                    found += [
+                        f"{os.path.join(root, f)}: {m}" for m in re.findall(r"dist\.\w+_object(?:_list)?\(", text)
+                    ]
     assert not found, found

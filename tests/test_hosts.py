@@ -1,4 +1,5 @@
 """Host list parsing and worker placement (launcher/hosts/hostfile.py): no processes, no network."""
+
 from __future__ import annotations
 
 import os
@@ -147,12 +148,33 @@ def test_bad_inline_names_flag(spec, problem):
     assert str(info.value).startswith("--hosts")
 
 
-@pytest.mark.parametrize("name,ok", [
-    ("node1", True), ("a.b.c", True), ("fqdn.example.", True), ("10.1.2.3", True), ("::1", True),
-    ("2001:db8::2", True), ("1node", True), ("", False), ("a b", False), ("a\tb", False), ("-a", False),
-    ("a-", False), ("a..b", False), ("a/b", False), ("a$b", False), ("a`b`", False), ("a\nb", False),
-    ("256.0.0.1", False), ("1.2.3", False), ("x" * 254, False), ("[::1]", False), ("a*", False),
-])
+@pytest.mark.parametrize(
+    "name,ok",
+    [
+        ("node1", True),
+        ("a.b.c", True),
+        ("fqdn.example.", True),
+        ("10.1.2.3", True),
+        ("::1", True),
+        ("2001:db8::2", True),
+        ("1node", True),
+        ("", False),
+        ("a b", False),
+        ("a\tb", False),
+        ("-a", False),
+        ("a-", False),
+        ("a..b", False),
+        ("a/b", False),
+        ("a$b", False),
+        ("a`b`", False),
+        ("a\nb", False),
+        ("256.0.0.1", False),
+        ("1.2.3", False),
+        ("x" * 254, False),
+        ("[::1]", False),
+        ("a*", False),
+    ],
+)
 def test_valid_host_name(name, ok):
     assert valid_host_name(name) is ok
 
@@ -166,13 +188,16 @@ def test_is_local():
     assert not Host("node1").is_local
 
 
-@pytest.mark.parametrize("slots,gpus,expected", [
-    ([2, 2], 4, ["a", "a", "b", "b"]),
-    ([2, 2], 3, ["a", "a", "b"]),
-    ([2, 2], 1, ["a"]),
-    ([1, 3, 2], 5, ["a", "b", "b", "b", "c"]),
-    ([4], 4, ["a"] * 4),
-])
+@pytest.mark.parametrize(
+    "slots,gpus,expected",
+    [
+        ([2, 2], 4, ["a", "a", "b", "b"]),
+        ([2, 2], 3, ["a", "a", "b"]),
+        ([2, 2], 1, ["a"]),
+        ([1, 3, 2], 5, ["a", "b", "b", "b", "c"]),
+        ([4], 4, ["a"] * 4),
+    ],
+)
 def test_place_workers(slots, gpus, expected):
     hosts = [Host(name, n) for name, n in zip("abc", slots)]
     assert [h.name for h in place_workers(hosts, gpus)] == expected
@@ -196,6 +221,7 @@ def test_cpu_threads_come_from_the_host_that_runs_the_process(monkeypatch):
     from hpar.launcher.hosts.hostfile import Host
     from hpar.launcher.run.runner import LaunchOptions, thread_env
     from hpar.workers.worker import cpu_threads
+
     spec = lambda: SimpleNamespace(env={})
     local, remote = Host("localhost", 4), Host("node7", 4)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -206,19 +232,23 @@ def test_cpu_threads_come_from_the_host_that_runs_the_process(monkeypatch):
     thread_env(s, remote, 3, LaunchOptions())
     assert s.env == {"HPAR_PROCS_ON_HOST": "3"}
     s = spec()
-    thread_env(s, local, 1, LaunchOptions(slurm=True))   # a Slurm node counts its own cores
+    thread_env(s, local, 1, LaunchOptions(slurm=True))  # a Slurm node counts its own cores
     assert s.env == {"HPAR_PROCS_ON_HOST": "1"}
     for host in (local, remote):
         s = spec()
         thread_env(s, host, 3, LaunchOptions(env={"OMP_NUM_THREADS": "5"}))
         assert s.env == {"HPAR_THREADS": "5"}
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")   # exported in the launcher's shell: every host, --env wins
-    for host, opts, want in ((local, LaunchOptions(), "3"), (remote, LaunchOptions(), "3"),
-                             (local, LaunchOptions(slurm=True), "3"), (remote, LaunchOptions(env={"OMP_NUM_THREADS": "5"}), "5")):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # exported in the launcher's shell: every host, --env wins
+    for host, opts, want in (
+        (local, LaunchOptions(), "3"),
+        (remote, LaunchOptions(), "3"),
+        (local, LaunchOptions(slurm=True), "3"),
+        (remote, LaunchOptions(env={"OMP_NUM_THREADS": "5"}), "5"),
+    ):
         s = spec()
         thread_env(s, host, 2, opts)
         assert s.env == {"HPAR_THREADS": want}
-    monkeypatch.setenv("OMP_NUM_THREADS", "")   # empty or not a count: hpar's own choice
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # empty or not a count: hpar's own choice
     s = spec()
     thread_env(s, remote, 3, LaunchOptions())
     assert s.env == {"HPAR_PROCS_ON_HOST": "3"}

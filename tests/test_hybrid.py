@@ -1,6 +1,7 @@
 """Multi-process tests of the hybrid / ps runtimes: N workers and S parameter servers,
 started with the real entry points (python -m hpar.workers.worker / .server) on gloo, must
 match single-process training on the concatenated batches."""
+
 import json
 import os
 import subprocess
@@ -55,8 +56,7 @@ JOB = textwrap.dedent('''
         return OPTIMIZER
 ''')
 
-OPTS = {"momentum": "torch.optim.SGD(params, lr=0.1, momentum=0.9)",
-        "adagrad": "torch.optim.Adagrad(params, lr=0.1)"}
+OPTS = {"momentum": "torch.optim.SGD(params, lr=0.1, momentum=0.9)", "adagrad": "torch.optim.Adagrad(params, lr=0.1)"}
 
 
 def write_job(tmp_path, opt: str) -> str:
@@ -74,9 +74,18 @@ def launch(cfg: RunConfig, timeout: float = 150, hosts: tuple = None) -> dict:
     with open(conf, "w") as f:
         f.write(cfg.to_json())
     n, s = cfg.world_size, cfg.servers
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "HPAR_CONFIG": conf,
-            "WORLD_SIZE": str(n), "HPAR_PG_WORLD_SIZE": str(n + s), "HPAR_NUM_SERVERS": str(s),
-            "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1", "HPAR_PG_TIMEOUT": "120"}
+    base = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "HPAR_CONFIG": conf,
+        "WORLD_SIZE": str(n),
+        "HPAR_PG_WORLD_SIZE": str(n + s),
+        "HPAR_NUM_SERVERS": str(s),
+        "LOCAL_WORLD_SIZE": str(n),
+        "OMP_NUM_THREADS": "1",
+        "HPAR_PG_TIMEOUT": "120",
+    }
     hosts = hosts or (0,) * (n + s)
     procs, logs = [], []
 
@@ -87,11 +96,17 @@ def launch(cfg: RunConfig, timeout: float = 150, hosts: tuple = None) -> dict:
 
     try:
         for r in range(n):
-            start("hpar.workers.worker", {**base, "RANK": str(r), "LOCAL_RANK": str(r), "HPAR_PG_RANK": str(r),
-                                          "GROUP_RANK": str(hosts[r])}, f"worker{r}")
+            start(
+                "hpar.workers.worker",
+                {**base, "RANK": str(r), "LOCAL_RANK": str(r), "HPAR_PG_RANK": str(r), "GROUP_RANK": str(hosts[r])},
+                f"worker{r}",
+            )
         for i in range(s):
-            start("hpar.workers.server", {**base, "HPAR_SERVER_INDEX": str(i), "HPAR_PG_RANK": str(n + i),
-                                          "GROUP_RANK": str(hosts[n + i])}, f"server{i}")
+            start(
+                "hpar.workers.server",
+                {**base, "HPAR_SERVER_INDEX": str(i), "HPAR_PG_RANK": str(n + i), "GROUP_RANK": str(hosts[n + i])},
+                f"server{i}",
+            )
         deadline = time.monotonic() + timeout
         for p in procs:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -111,7 +126,7 @@ def launch(cfg: RunConfig, timeout: float = 150, hosts: tuple = None) -> dict:
         assert p.returncode == 0, f"process {i} exit {p.returncode}:\n" + "\n".join(o[-2500:] for o in outs)
     summary = [line for line in outs[0].splitlines() if line.startswith("@hpar summary ")]
     assert summary, outs[0][-3000:]
-    return {"summary": json.loads(summary[0][len("@hpar summary "):]), "outputs": outs}
+    return {"summary": json.loads(summary[0][len("@hpar summary ") :]), "outputs": outs}
 
 
 def assert_same(got: dict, want: dict, rtol=1e-5):
@@ -121,17 +136,33 @@ def assert_same(got: dict, want: dict, rtol=1e-5):
 
 
 def config(tmp_path, script, strategy="hybrid", world=2, servers=1, steps=20, **kw) -> RunConfig:
-    return RunConfig(script=script, strategy=strategy, world_size=world, steps=steps, batch_size=4, lr=0.1,
-                     seed=0, run_dir=str(tmp_path / kw.pop("name", "run")), servers=servers, log_every=5,
-                     eval=False, **kw)
+    return RunConfig(
+        script=script,
+        strategy=strategy,
+        world_size=world,
+        steps=steps,
+        batch_size=4,
+        lr=0.1,
+        seed=0,
+        run_dir=str(tmp_path / kw.pop("name", "run")),
+        servers=servers,
+        log_every=5,
+        eval=False,
+        **kw,
+    )
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("opt,world,servers,partitions", [
-    ("momentum", 2, 1, {}), ("momentum", 3, 2, {"user.weight": 3}),
-    ("adagrad", 2, 2, {"user.weight": 1, "items.weight": 1}),   # each table whole, on its own server
-    ("adagrad", 3, 1, {})])
+@pytest.mark.parametrize(
+    "opt,world,servers,partitions",
+    [
+        ("momentum", 2, 1, {}),
+        ("momentum", 3, 2, {"user.weight": 3}),
+        ("adagrad", 2, 2, {"user.weight": 1, "items.weight": 1}),  # each table whole, on its own server
+        ("adagrad", 3, 1, {}),
+    ],
+)
 def test_hybrid_matches_single_process(tmp_path, opt, world, servers, partitions):
     script = write_job(tmp_path, opt)
     cfg = config(tmp_path, script, world=world, servers=servers, plan={"partitions": partitions} if partitions else {})
@@ -180,11 +211,12 @@ def test_checkpoint_resume_matches_uninterrupted(tmp_path):
     launch(first)
     assert open(os.path.join(first.run_dir, "checkpoints", "latest")).read().strip() == "6"
     files = os.listdir(os.path.join(first.run_dir, "checkpoints", "step-3"))
-    assert {f"__{r}_0.distcp" for r in range(4)} <= set(files) and ".metadata" in files   # 2 workers, 2 servers
+    assert {f"__{r}_0.distcp" for r in range(4)} <= set(files) and ".metadata" in files  # 2 workers, 2 servers
     # each served table is one key whose chunks (one per partition, from both servers) cover every
     # row once: DCP keeps one copy of a key that several ranks write whole, so per-server tables
     # saved as plain tensors under one name would lose a server's rows without an error
     from torch.distributed.checkpoint import FileSystemReader
+
     saved = FileSystemReader(os.path.join(first.run_dir, "checkpoints", "step-3")).read_metadata().state_dict_metadata
     for name in ("model.user.weight", "model.items.weight"):
         rows = sorted((c.offsets[0], c.sizes[0]) for c in saved[name].chunks)
@@ -204,17 +236,21 @@ def test_a_checkpoint_reshards_onto_another_row_layout(tmp_path):
     import torch.distributed as dist
     from hpar.strategies.runtimes.hybrid.client import ps_tables
     from hpar.strategies.runtimes.hybrid.ps_server import Server
+
     script = write_job(tmp_path, "adagrad")
     job = load_job(script)
 
     def server(partitions, seed=0):
         torch.manual_seed(seed)
         model = job.build_model()
-        tables = ps_tables(model, job.build_optimizer(model.parameters(), 0.1), "hybrid",
-                           Plan(partitions=partitions), 1)
+        tables = ps_tables(
+            model, job.build_optimizer(model.parameters(), 0.1), "hybrid", Plan(partitions=partitions), 1
+        )
         return Server(config(tmp_path, script, servers=1), tables, model, index=0, num_workers=2)
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)   # ShardedTensor needs one
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1
+    )  # ShardedTensor needs one
     try:
         _reshard(tmp_path, server)
     finally:
@@ -224,8 +260,9 @@ def test_a_checkpoint_reshards_onto_another_row_layout(tmp_path):
 def _reshard(tmp_path, server):
     from hpar.strategies.state import state
     from hpar.strategies.runtimes.hybrid.shard_state import set_steps
+
     old = server({"user.weight": 2})
-    for shard in old.shards.values():   # an update's state: Adagrad's sum and the step count
+    for shard in old.shards.values():  # an update's state: Adagrad's sum and the step count
         shard.add_grad(None, torch.ones_like(shard.weight))
         shard.apply(2)
     path = str(tmp_path / "ck")
@@ -246,12 +283,13 @@ def test_an_embedding_without_a_planned_count_is_cut_finely_and_a_whole_table_on
     a table kept whole one per server, and a planned count still wins."""
     from torch import nn
     from hpar.strategies.runtimes.hybrid.client import ps_tables
+
     model = nn.Sequential(nn.Embedding(1000, 2), nn.Linear(2, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tables = {t.name: t for t in ps_tables(model, opt, "ps", Plan(), 4)}
     assert tables["0.weight"].layout.num_partitions == 4 * 64
     assert tables["1.weight"].layout.num_partitions == 4 and tables["1.weight"].kind == "whole"
-    head = tables["0.weight"].layout.server_of(torch.arange(16))    # the 16 most frequent words
+    head = tables["0.weight"].layout.server_of(torch.arange(16))  # the 16 most frequent words
     assert sorted(set(head.tolist())) == [0, 1, 2, 3]
     planned = {t.name: t for t in ps_tables(model, opt, "ps", Plan(partitions={"0.weight": 4}), 4)}
     assert set(planned["0.weight"].layout.server_of(torch.arange(16)).tolist()) == {0}
@@ -263,31 +301,72 @@ def _resolve(tmp_path, script: str, plan, strategy: str, servers):
     from rich.console import Console
     from hpar.launcher.commands.run import resolve
     from hpar.launcher.run.flags import Flags
+
     out = io.StringIO()
-    flags = dict.fromkeys(["hosts", "steps", "batch_size", "lr", "seed", "log_every", "schedule", "micro_batches",
-                           "checkpoint_every", "resume_dir", "ssh_key", "ssh_port", "ssh_user", "python_path"])
-    cfg, _, _ = resolve(Console(file=out, width=400), Flags.of(
-        script=script, gpus=2, strategy=strategy, plan_file=plan and str(plan), run_dir=str(tmp_path / "run"),
-        servers=servers, max_restarts=0, stall_timeout=0, no_eval=True, plain=True, ssh_local=False, sync=False, **flags))
+    flags = dict.fromkeys(
+        [
+            "hosts",
+            "steps",
+            "batch_size",
+            "lr",
+            "seed",
+            "log_every",
+            "schedule",
+            "micro_batches",
+            "checkpoint_every",
+            "resume_dir",
+            "ssh_key",
+            "ssh_port",
+            "ssh_user",
+            "python_path",
+        ]
+    )
+    cfg, _, _ = resolve(
+        Console(file=out, width=400),
+        Flags.of(
+            script=script,
+            gpus=2,
+            strategy=strategy,
+            plan_file=plan and str(plan),
+            run_dir=str(tmp_path / "run"),
+            servers=servers,
+            max_restarts=0,
+            stall_timeout=0,
+            no_eval=True,
+            plain=True,
+            ssh_local=False,
+            sync=False,
+            **flags,
+        ),
+    )
     return cfg, out.getvalue()
 
 
-@pytest.mark.parametrize("where, servers, runs", [
-    ("allreduce", None, "allreduce"), ("ps", None, "hybrid"), ("allreduce", 1, "hybrid"),
-    ("default", None, "hybrid"),        # no plan: every embedding table on the servers
-    ("no embedding", None, "allreduce"), ("no embedding", 1, "hybrid")])
+@pytest.mark.parametrize(
+    "where, servers, runs",
+    [
+        ("allreduce", None, "allreduce"),
+        ("ps", None, "hybrid"),
+        ("allreduce", 1, "hybrid"),
+        ("default", None, "hybrid"),  # no plan: every embedding table on the servers
+        ("no embedding", None, "allreduce"),
+        ("no embedding", 1, "hybrid"),
+    ],
+)
 def test_hybrid_with_nothing_on_servers_runs_as_allreduce(tmp_path, where, servers, runs):
     """hybrid that would put no parameter on the servers (a plan keeping every table on
     AllReduce, or a model without embeddings) starts no idle server, unless --servers asks
     for one."""
     from conftest import write_script
+
     script = write_script(tmp_path) if where == "no embedding" else write_job(tmp_path, "momentum")
     plan = None
     if where in ("allreduce", "ps"):
         names = [n for n, _ in load_job(script).build_model().named_parameters()]
         plan = tmp_path / "plan.json"
-        plan.write_text(json.dumps({"strategy": "hybrid", "placement": {n: where if "user" in n else "allreduce"
-                                                                        for n in names}}))
+        plan.write_text(
+            json.dumps({"strategy": "hybrid", "placement": {n: where if "user" in n else "allreduce" for n in names}})
+        )
     cfg, text = _resolve(tmp_path, script, plan, "auto" if plan else "hybrid", servers)
     assert cfg.strategy == runs and cfg.servers == (0 if runs == "allreduce" else 1)
     assert ("runs as allreduce" in text) == (runs == "allreduce")
@@ -331,28 +410,28 @@ def test_the_next_steps_rows_are_requested_once_this_steps_last_table_is_pushed(
     pulls = ahead.PullAhead([fed, derived], client, batches())
     first = next(pulls)
     assert drawn == [0]
-    fed.records = derived.records = [(torch.tensor([1]), torch.zeros(1, 2))]   # step 0's lookups
+    fed.records = derived.records = [(torch.tensor([1]), torch.zeros(1, 2))]  # step 0's lookups
     pulls.plan(1)
-    assert drawn == [0, 1] and client.pulls == []          # read, nothing sent yet
+    assert drawn == [0, 1] and client.pulls == []  # read, nothing sent yet
     fed.pushed = True
     pulls.send()
-    assert client.pulls == []                              # derived has not pushed
+    assert client.pulls == []  # derived has not pushed
     derived.pushed = True
     pulls.send()
     assert client.pulls == [("fed", [1, 3], 1)] and pulls.sent == 1
     fed.clear()
     derived.clear()
-    assert fed.ahead is not None                           # clear() keeps the next step's answer
+    assert fed.ahead is not None  # clear() keeps the next step's answer
     second = next(pulls)
-    assert second is not first and drawn == [0, 1]         # the batch read ahead, not a new one
+    assert second is not first and drawn == [0, 1]  # the batch read ahead, not a new one
     clock = embedding.StepClock()
     clock.set_batch(second[0], second[0])
     ahead.prefetch([fed, derived], client, clock)
     assert len(client.pulls) == 1 and fed.prefetched[0] is second[0][0] and fed.ahead is None
     pulls.plan(2)
-    pulls.send(force=True)                                 # after backward, whatever was pushed
+    pulls.send(force=True)  # after backward, whatever was pushed
     assert client.pulls[-1] == ("fed", [1, 4], 2)
     next(pulls)
-    pulls.plan(3)                                          # no batch left: nothing planned
+    pulls.plan(3)  # no batch left: nothing planned
     pulls.send(force=True)
     assert pulls.sent == 2 and drawn == [0, 1, 2]

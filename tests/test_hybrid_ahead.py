@@ -1,6 +1,7 @@
 """Rows requested before the lookup that needs them: a sampled softmax's output table, whose
 candidates hold the batch's target words, gets the targets' rows with the step's first pulls
 and pulls only the sampled rows at lookup (strategies/runtimes/hybrid/ahead.py)."""
+
 import json
 import os
 from types import SimpleNamespace
@@ -63,10 +64,14 @@ class Client:
 
 def test_the_covering_batch_tensor_is_the_largest_whose_ids_were_all_looked_up():
     looked_up = torch.tensor([0, 2, 3, 5, 7, 9])
-    leaves = {"/0": torch.tensor([[2, 3], [3, 11]]),   # 11 was not looked up
-              "/1": torch.tensor([3, 5, 5]), "/2": torch.tensor([9, 2, 7, 5]), "/3": torch.tensor([-1, 2])}
+    leaves = {
+        "/0": torch.tensor([[2, 3], [3, 11]]),  # 11 was not looked up
+        "/1": torch.tensor([3, 5, 5]),
+        "/2": torch.tensor([9, 2, 7, 5]),
+        "/3": torch.tensor([-1, 2]),
+    }
     assert ahead.covering_leaf(looked_up, leaves, rows=12) == "/2"
-    assert ahead.covering_leaf(looked_up, leaves, rows=9) == "/1"     # /2 holds row 9 of a 9-row table
+    assert ahead.covering_leaf(looked_up, leaves, rows=9) == "/1"  # /2 holds row 9 of a 9-row table
     assert ahead.covering_leaf(torch.tensor([1, 4]), leaves, rows=12) is None
 
 
@@ -107,10 +112,23 @@ def test_a_sampled_output_table_gets_its_targets_rows_ahead_and_trains_the_same_
     # with the step's first pulls, before its forward, not a step ahead
     assert summary["pulls_ahead"] == 9
     plan = tmp_path / "plan.json"
-    plan.write_text(Plan(strategy="hybrid", placement={}, partitions={}, servers=1, stages=[], micro_batches=1,
-                         schedule="1f1b", reason="", candidates=[], pull_ahead=False).to_json())
-    code, off_dir, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", "hybrid", "--plan", str(plan),
-                                 "--no-eval", name="off")
+    plan.write_text(
+        Plan(
+            strategy="hybrid",
+            placement={},
+            partitions={},
+            servers=1,
+            stages=[],
+            micro_batches=1,
+            schedule="1f1b",
+            reason="",
+            candidates=[],
+            pull_ahead=False,
+        ).to_json()
+    )
+    code, off_dir, out = run_cli(
+        tmp_path, script, "--gpus", "2", "--strategy", "hybrid", "--plan", str(plan), "--no-eval", name="off"
+    )
     assert code == 0, out
     off = json.load(open(os.path.join(off_dir, "summary.json")))
     close(final_state(off_dir), want)

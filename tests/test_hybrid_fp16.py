@@ -2,6 +2,7 @@
 covers the rows pushed to the servers, every worker takes the same decision before any push,
 and a skipped step changes nothing on the workers or the servers while the LR schedule goes on;
 through the real `hpar run`, against one process with torch's GradScaler."""
+
 import json
 import os
 
@@ -41,8 +42,9 @@ def scheduler(opt):
 """
 
 
-def one_process_fp16(script: str, world_size: int, steps: int, batch_size: int, lr: float, seed: int = 0,
-                     clip: float = 0.0) -> tuple[dict, list[bool], list[float]]:
+def one_process_fp16(
+    script: str, world_size: int, steps: int, batch_size: int, lr: float, seed: int = 0, clip: float = 0.0
+) -> tuple[dict, list[bool], list[float]]:
     """One process on the concatenation of every rank's batch, under fp16 autocast with torch's
     GradScaler (unscale, clip, step unless inf/NaN, update the scale, step the schedule).
     Returns (state_dict, whether each step went through, each step's loss)."""
@@ -80,11 +82,22 @@ def test_fp16_skips_a_step_whose_pushed_rows_are_inf_on_every_worker_and_server(
     skip their dense step, nothing is pushed, the server leaves its rows and Adam state alone
     and its schedule goes on, so 2 workers and a server equal one process with GradScaler."""
     script = write_script(tmp_path, EMBED_FP16)
-    code, run_dir, out = run_cli(tmp_path, script, "--gpus", "2", "--strategy", strategy, "--precision", "fp16",
-                                 "--clip-grad-norm", "0.5", "--no-eval")
+    code, run_dir, out = run_cli(
+        tmp_path,
+        script,
+        "--gpus",
+        "2",
+        "--strategy",
+        strategy,
+        "--precision",
+        "fp16",
+        "--clip-grad-norm",
+        "0.5",
+        "--no-eval",
+    )
     assert code == 0, out
     want, stepped, losses = one_process_fp16(script, 2, 8, 4, 0.1, clip=0.5)
-    assert stepped == [True, True, True, False, True, True, True, True]   # the marker's step only
+    assert stepped == [True, True, True, False, True, True, True, True]  # the marker's step only
     close(final_state(run_dir), want, rtol=1e-3)
     rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
     workers = [[m for m in rows if m["kind"] == "metric" and m["role"] == "worker" and m["rank"] == r] for r in (0, 1)]

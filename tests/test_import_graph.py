@@ -2,6 +2,7 @@
 function) a module that imports it back, directly or through others, and no command module
 imports another command or the CLI's entry point (helpers they share live in launcher/run/,
 launcher/usage.py). Read from the source with ``ast``, so nothing is imported."""
+
 from __future__ import annotations
 
 import ast
@@ -70,6 +71,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
                     break
             if len(comp) > 1:
                 out.append(sorted(comp))
+
     for v in sorted(g):
         if v not in index:
             visit(v)
@@ -79,15 +81,17 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circles():
     found = cycles(graph())
     assert not found, "modules that import each other (move what they share into a third): " + "; ".join(
-        " <-> ".join(c) for c in found)
+        " <-> ".join(c) for c in found
+    )
 
 
 def test_commands_import_no_other_command_nor_the_cli():
     g = graph()
     for mod, deps in g.items():
         if mod.startswith("hpar.launcher.commands."):
-            bad = sorted(d for d in deps if d == "hpar.launcher.cli" or
-                         (d.startswith("hpar.launcher.commands.") and d != mod))
+            bad = sorted(
+                d for d in deps if d == "hpar.launcher.cli" or (d.startswith("hpar.launcher.commands.") and d != mod)
+            )
             assert not bad, f"{mod} imports {bad}: shared helpers belong in launcher/run/ or launcher/usage.py"
 
 
@@ -131,12 +135,15 @@ def test_no_function_takes_more_than_10_parameters():
     assert not found, found
 
 
-MAX_LINES = 350   # one concern per module (DEVELOPERS.md: modules of 100-350 lines)
+MAX_LINES = 350  # one concern per module (DEVELOPERS.md: modules of 100-350 lines)
 
 
 def test_no_module_is_over_350_lines():
-    long = [f"{os.path.relpath(p, ROOT)} ({n})" for p in modules().values()
-            if (n := sum(1 for _ in open(p, encoding="utf-8"))) > MAX_LINES]
+    long = [
+        f"{os.path.relpath(p, ROOT)} ({n})"
+        for p in modules().values()
+        if (n := sum(1 for _ in open(p, encoding="utf-8"))) > MAX_LINES
+    ]
     assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
 
 
@@ -166,12 +173,17 @@ def test_no_module_carries_a_dated_measurement():
     """Measured figures and their dates live in BENCHMARKS.md and benchmarks/notes/; a module
     says what it is for and cites its sources (a date in the code goes stale unseen)."""
     import re
-    dated = [f"{os.path.relpath(p, ROOT)}:{i}" for p in modules().values()
-             for i, line in enumerate(open(p, encoding="utf-8"), 1) if re.search(r"\b20\d\d-[01]\d-[0-3]\d\b", line)]
+
+    dated = [
+        f"{os.path.relpath(p, ROOT)}:{i}"
+        for p in modules().values()
+        for i, line in enumerate(open(p, encoding="utf-8"), 1)
+        if re.search(r"\b20\d\d-[01]\d-[0-3]\d\b", line)
+    ]
     assert not dated, f"dates in modules (move the measurement to BENCHMARKS.md): {dated}"
 
 
-MAX_DOCSTRING_LINES = 30   # what the module is for, what it owns, its sources; the reasoning lives in docs/
+MAX_DOCSTRING_LINES = 30  # what the module is for, what it owns, its sources; the reasoning lives in docs/
 
 
 def long_docstrings(paths, limit: int = MAX_DOCSTRING_LINES) -> list[str]:
@@ -235,20 +247,31 @@ def arrows_up_the_flow(g: dict[str, set[str]]) -> list[str]:
 
 def test_no_arrow_runs_up_the_flow():
     found = arrows_up_the_flow(graph())
-    assert not found, ("imports against the flow (move the shared piece upstream, e.g. a rule the "
-                       "plan needs out of the runtime): " + "; ".join(found))
+    assert not found, (
+        "imports against the flow (move the shared piece upstream, e.g. a rule the "
+        "plan needs out of the runtime): " + "; ".join(found)
+    )
 
 
 def test_the_flow_check_sees_an_arrow_up():
-    g = {"hpar.strategies.plan.a": {"hpar.strategies.runtimes.b"}, "hpar.strategies.runtimes.b": set(),
-         "hpar.launcher.c": {"hpar.strategies.runtimes.b", "hpar.strategies.plan.a"}}
-    assert sorted(arrows_up_the_flow(g)) == ["hpar.launcher.c -> hpar.strategies.runtimes.b",
-                                     "hpar.strategies.plan.a -> hpar.strategies.runtimes.b"]
-
+    g = {
+        "hpar.strategies.plan.a": {"hpar.strategies.runtimes.b"},
+        "hpar.strategies.runtimes.b": set(),
+        "hpar.launcher.c": {"hpar.strategies.runtimes.b", "hpar.strategies.plan.a"},
+    }
+    assert sorted(arrows_up_the_flow(g)) == [
+        "hpar.launcher.c -> hpar.strategies.runtimes.b",
+        "hpar.strategies.plan.a -> hpar.strategies.runtimes.b",
+    ]
 
 
 def test_strategies_import_neither_the_launcher_nor_the_workers():
     """Training math never reaches for hosts or processes: what it needs from them is passed in."""
-    bad = [f"{m} -> {d}" for m, deps in graph().items() if m.startswith("hpar.strategies")
-           for d in sorted(deps) if d.startswith(("hpar.launcher", "hpar.workers"))]
+    bad = [
+        f"{m} -> {d}"
+        for m, deps in graph().items()
+        if m.startswith("hpar.strategies")
+        for d in sorted(deps)
+        if d.startswith(("hpar.launcher", "hpar.workers"))
+    ]
     assert not bad, bad

@@ -1,4 +1,5 @@
 """The user-script contract: loading, checking, and the one-line errors for bad scripts."""
+
 import pytest
 import torch
 
@@ -38,16 +39,44 @@ BAD = [
     ("missing data", TINY.replace("def data(", "def dat("), "missing function data()"),
     ("missing loss", TINY.replace("def loss(", "def los("), "missing function loss()"),
     ("syntax error", TINY + "\ndef broken(:\n", "syntax error"),
-    ("import raises", "raise RuntimeError('boom at import')\n" + TINY, "importing the script raised RuntimeError: boom at import"),
+    (
+        "import raises",
+        "raise RuntimeError('boom at import')\n" + TINY,
+        "importing the script raised RuntimeError: boom at import",
+    ),
     ("model not a function", TINY + "\nmodel = 3\n", "model is a int, expected a function"),
-    ("data wrong arity", TINY.replace("def data(rank, world_size, batch_size):", "def data(rank):"), "data() must take 3"),
-    ("model returns wrong type", TINY.replace("return nn.Sequential(", "return 5 or nn.Sequential("), "model() returned int"),
+    (
+        "data wrong arity",
+        TINY.replace("def data(rank, world_size, batch_size):", "def data(rank):"),
+        "data() must take 3",
+    ),
+    (
+        "model returns wrong type",
+        TINY.replace("return nn.Sequential(", "return 5 or nn.Sequential("),
+        "model() returned int",
+    ),
     ("data yields non-pair", TINY.replace("yield x, x.sum(1, keepdim=True)", "yield x"), "data() yielded Tensor"),
     ("data empty", TINY.replace("range(10_000)", "range(0)"), "yielded no batch"),
-    ("loss not scalar", TINY.replace("return ((output - targets) ** 2).mean()", "return (output - targets) ** 2"), "loss() returned Tensor"),
-    ("loss raises", TINY.replace("return ((output - targets) ** 2).mean()", "raise KeyError('oops')"), "loss() raised KeyError"),
-    ("optimizer wrong type", TINY.replace("return torch.optim.SGD(params, lr=0.1, momentum=0.9)", "return 1"), "optimizer() returned int"),
-    ("HPAR not a dict", TINY.replace('HPAR = {"steps": 20', 'HPAR = [{"steps": 20') .replace('"log_every": 5}', '"log_every": 5}]'), "HPAR is a list"),
+    (
+        "loss not scalar",
+        TINY.replace("return ((output - targets) ** 2).mean()", "return (output - targets) ** 2"),
+        "loss() returned Tensor",
+    ),
+    (
+        "loss raises",
+        TINY.replace("return ((output - targets) ** 2).mean()", "raise KeyError('oops')"),
+        "loss() raised KeyError",
+    ),
+    (
+        "optimizer wrong type",
+        TINY.replace("return torch.optim.SGD(params, lr=0.1, momentum=0.9)", "return 1"),
+        "optimizer() returned int",
+    ),
+    (
+        "HPAR not a dict",
+        TINY.replace('HPAR = {"steps": 20', 'HPAR = [{"steps": 20').replace('"log_every": 5}', '"log_every": 5}]'),
+        "HPAR is a list",
+    ),
     ("HPAR unknown key", TINY.replace('"log_every": 5}', '"log_every": 5, "epochs": 3}'), "unknown key 'epochs'"),
     ("HPAR wrong type", TINY.replace('"steps": 20', '"steps": "20"'), "HPAR['steps']"),
 ]
@@ -74,7 +103,11 @@ def test_syntax_error_names_the_line(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name,text,expected", [BAD[0], BAD[3], BAD[4], BAD[7], BAD[11]], ids=["missing", "syntax", "import", "type", "raises"])
+@pytest.mark.parametrize(
+    "name,text,expected",
+    [BAD[0], BAD[3], BAD[4], BAD[7], BAD[11]],
+    ids=["missing", "syntax", "import", "type", "raises"],
+)
 def test_cli_exits_2_and_starts_nothing(tmp_path, name, text, expected):
     path = write_script(tmp_path, text)
     run_dir = tmp_path / "run"
@@ -90,7 +123,10 @@ def test_cli_exits_2_and_starts_nothing(tmp_path, name, text, expected):
 def test_evaluate_gets_the_model_in_eval_mode_without_grad_and_train_mode_comes_back(tmp_path):
     """docs/contract.md: evaluate(model) runs in eval mode under no_grad; the model is back in
     train mode afterwards, also when evaluate() raised."""
-    script = write_script(tmp_path, TINY + '''
+    script = write_script(
+        tmp_path,
+        TINY
+        + """
 seen = []
 def evaluate(model):
     import torch
@@ -98,7 +134,8 @@ def evaluate(model):
     if len(seen) > 1:
         raise RuntimeError("broken metric")
     return {"n": 1.0}
-''')
+""",
+    )
     job = load_job(script)
     model = job.build_model()
     assert job.run_evaluate(model) == {"n": 1.0} and model.training

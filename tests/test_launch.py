@@ -1,6 +1,7 @@
 """``hpar launch``: torchrun-style scripts run unmodified under hpar's supervision, here and on
 two network-namespace test hosts; rendezvous ports of runs started at once; the environment
 that reaches remote processes."""
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from conftest import REPO, TINY, hpar_to_file, run_processes, wait_for, write_sc
 DDP = os.path.join(REPO, "examples", "ddp_digits.py")
 
 # A torchrun-style script: joins the group itself, AllReduces its rank, prints what it got.
-TORCHRUN = '''
+TORCHRUN = """
 import os, sys, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -32,7 +33,7 @@ if "--fail-first" in sys.argv and rank == 1 and os.environ["TORCHELASTIC_RESTART
     raise RuntimeError("rank 1 fails on purpose")
 dist.barrier()
 dist.destroy_process_group()
-'''
+"""
 
 
 def launch(*args: str, log: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -48,15 +49,30 @@ def test_launch_passes_arguments_and_torchrun_environment(tmp_path, reap_run):
     script = write_script(tmp_path, TORCHRUN, "train.py")
     run_dir = tmp_path / "run"
     reap_run(str(run_dir))
-    out = launch("--gpus", "3", "--plain", "--run-dir", str(run_dir), script, "--alpha", "1", "-x", "--gpus", "9",
-                 log=str(tmp_path / "out.txt"))
+    out = launch(
+        "--gpus",
+        "3",
+        "--plain",
+        "--run-dir",
+        str(run_dir),
+        script,
+        "--alpha",
+        "1",
+        "-x",
+        "--gpus",
+        "9",
+        log=str(tmp_path / "out.txt"),
+    )
     assert out.returncode == 0, out.stdout[-3000:]
     for rank in range(3):
-        assert (f"[localhost rank {rank}] rank {rank}/3 local {rank}/3 sum 6 args ['--alpha', '1', '-x', '--gpus', '9'] "
-                f"restart 0") in out.stdout, out.stdout[-3000:]
+        assert (
+            f"[localhost rank {rank}] rank {rank}/3 local {rank}/3 sum 6 args ['--alpha', '1', '-x', '--gpus', '9'] "
+            f"restart 0"
+        ) in out.stdout, out.stdout[-3000:]
         assert (run_dir / "logs" / f"rank-{rank}.log").exists()
     assert "held by the launcher" in out.stdout and "hpar: done: 3 process(es) exited 0" in out.stdout
     import json
+
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["world_size"] == 3 and summary["args"][0] == "--alpha"
 
@@ -69,18 +85,31 @@ def test_launch_failure_is_reported_and_max_restarts_starts_again(tmp_path, reap
     script = write_script(tmp_path, TORCHRUN, "train.py")
     run_dir = tmp_path / "run"
     reap_run(str(run_dir))
-    out = launch("--gpus", "2", "--plain", "--max-restarts", "1", "--run-dir", str(run_dir), script, "--fail-first",
-                 log=str(tmp_path / "b.txt"))
+    out = launch(
+        "--gpus",
+        "2",
+        "--plain",
+        "--max-restarts",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        script,
+        "--fail-first",
+        log=str(tmp_path / "b.txt"),
+    )
     assert out.returncode == 0, out.stdout[-3000:]
     # the script's own process exits 1 with its traceback, or, now and then, gloo's threads abort
     # its interpreter's shutdown after the traceback ("terminate called without an active
     # exception"): hpar reports what the process ended with, rank and host named either way
-    assert ("rank 1 on localhost failed: exit code 1" in out.stdout
-            or "rank 1 on localhost failed: killed by SIGABRT" in out.stdout), out.stdout[-3000:]
+    assert (
+        "rank 1 on localhost failed: exit code 1" in out.stdout
+        or "rank 1 on localhost failed: killed by SIGABRT" in out.stdout
+    ), out.stdout[-3000:]
     assert "RuntimeError: rank 1 fails on purpose" in out.stdout  # their traceback, in the failure report
     assert "hpar: restart 1/1" in out.stdout and "[localhost rank 1] rank 1/2 local 1/2 sum 3" in out.stdout
     assert "restart 1 mark" in out.stdout
     import json
+
     assert json.loads((run_dir / "summary.json").read_text())["restarts"] == 1
 
 
@@ -88,8 +117,11 @@ def test_contract_and_torchrun_scripts_are_told_apart(tmp_path):
     from click.testing import CliRunner
     from hpar.launcher.cli import main
     from hpar.launcher.commands.launch import script_kind
+
     contract, torchrun = write_script(tmp_path, TINY), write_script(tmp_path, TORCHRUN, "train.py")
-    assert script_kind(contract) == "contract" and script_kind(torchrun) == "torchrun" and script_kind(DDP) == "torchrun"
+    assert (
+        script_kind(contract) == "contract" and script_kind(torchrun) == "torchrun" and script_kind(DDP) == "torchrun"
+    )
     runner = CliRunner()
     result = runner.invoke(main, ["launch", "--run-dir", str(tmp_path / "r1"), contract])
     assert result.exit_code == 2 and "follows hpar's contract" in result.stderr and "hpar run" in result.stderr
@@ -131,9 +163,26 @@ def test_two_runs_started_at_once_do_not_share_a_port(tmp_path):
     procs = []
     for i in range(2):
         log = open(tmp_path / f"out{i}.txt", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "launch", "--gpus", "2", "--plain",
-                                       "--run-dir", str(tmp_path / f"run{i}"), script], stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=REPO, env=env))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "hpar.launcher.cli",
+                    "launch",
+                    "--gpus",
+                    "2",
+                    "--plain",
+                    "--run-dir",
+                    str(tmp_path / f"run{i}"),
+                    script,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=env,
+            )
+        )
     codes = [p.wait(timeout=200) for p in procs]
     texts = [(tmp_path / f"out{i}.txt").read_text() for i in range(2)]
     assert codes == [0, 0], texts
@@ -147,11 +196,29 @@ def test_environment_allowlist(monkeypatch):
     from hpar.launcher.procs.local import ProcessSpec
     from hpar.launcher.procs.srun_tasks import step_environment
     from hpar.launcher.procs.ssh import remote_command, remote_environment
-    environ = {"PYTHONPATH": "/p", "NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "4",
-               "TORCH_LOGS": "dynamo", "HF_HOME": "/hf", "WANDB_API_KEY": "k", "AWS_SECRET_ACCESS_KEY": "no",
-               "PATH": "/bin", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0", "HPAR_CONFIG": "/x", "SSH_AUTH_SOCK": "/s"}
-    assert set(allowlisted(environ)) == {"PYTHONPATH", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS",
-                                         "TORCH_LOGS"}   # HF_*, WANDB_*: only with --env (issue 61)
+
+    environ = {
+        "PYTHONPATH": "/p",
+        "NCCL_DEBUG": "INFO",
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "OMP_NUM_THREADS": "4",
+        "TORCH_LOGS": "dynamo",
+        "HF_HOME": "/hf",
+        "WANDB_API_KEY": "k",
+        "AWS_SECRET_ACCESS_KEY": "no",
+        "PATH": "/bin",
+        "HOME": "/root",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "HPAR_CONFIG": "/x",
+        "SSH_AUTH_SOCK": "/s",
+    }
+    assert set(allowlisted(environ)) == {
+        "PYTHONPATH",
+        "NCCL_DEBUG",
+        "GLOO_SOCKET_IFNAME",
+        "OMP_NUM_THREADS",
+        "TORCH_LOGS",
+    }  # HF_*, WANDB_*: only with --env (issue 61)
     assert parse_env_flags(("AWS_SECRET_ACCESS_KEY", "A=1=2"), environ) == {"AWS_SECRET_ACCESS_KEY": "no", "A": "1=2"}
     for bad in ("1X=2", "A B", "UNSET_HERE"):
         with pytest.raises(ValueError, match="--env"):
@@ -168,13 +235,14 @@ def test_environment_allowlist(monkeypatch):
     for key, value in environ.items():
         monkeypatch.setenv(key, value)
     spec = ProcessSpec("worker", 0, "h", ("python3", "-c", "1"), {"RANK": "0"})
-    sent = remote_environment(spec)   # over the channel's stdin; the command holds no environment
+    sent = remote_environment(spec)  # over the channel's stdin; the command holds no environment
     assert sent["NCCL_DEBUG"] == "INFO" and sent["RANK"] == "0" and "WANDB_API_KEY" not in sent
     assert "AWS_SECRET_ACCESS_KEY" not in sent and "PATH" not in sent and "HPAR_CONFIG" not in sent
     assert "NCCL_DEBUG=" not in remote_command(spec, cwd="/w") and "RANK=" not in remote_command(spec, cwd="/w")
 
 
 # --- on two network-namespace test hosts ------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def hosts():
@@ -195,8 +263,19 @@ def _netns(test):
 
 @_netns
 def test_launch_ddp_example_on_two_hosts(hosts, tmp_path):
-    out = launch("--hosts", _hosts_file(tmp_path, hosts), "--ssh-key", hosts.key, "--plain", "--run-dir",
-                 str(tmp_path / "run"), DDP, "--epochs", "1", log=str(tmp_path / "o.txt"))
+    out = launch(
+        "--hosts",
+        _hosts_file(tmp_path, hosts),
+        "--ssh-key",
+        hosts.key,
+        "--plain",
+        "--run-dir",
+        str(tmp_path / "run"),
+        DDP,
+        "--epochs",
+        "1",
+        log=str(tmp_path / "o.txt"),
+    )
     assert out.returncode == 0, out.stdout[-3000:]
     assert "preflight: 2 host(s) ok" in out.stdout and "bound by rank 0" in out.stdout
     assert f"[{hosts.addresses[0]} rank 0] epoch 0 validation accuracy" in out.stdout, out.stdout[-2000:]
@@ -211,14 +290,37 @@ def test_port_retry_and_environment_on_two_hosts(hosts, tmp_path):
     outside the allowlist does not."""
     script = write_script(tmp_path, TORCHRUN, "train.py")
     port = 20000 + os.getpid() % 10000
-    listener = subprocess.Popen(["ip", "netns", "exec", hosts.hosts[0].namespace, sys.executable, "-c",
-                                 f"import socket,time\ns=socket.socket()\ns.bind(('',{port}))\ns.listen()\n"
-                                 "print('listening',flush=True)\ntime.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    listener = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            hosts.hosts[0].namespace,
+            sys.executable,
+            "-c",
+            f"import socket,time\ns=socket.socket()\ns.bind(('',{port}))\ns.listen()\n"
+            "print('listening',flush=True)\ntime.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert listener.stdout.readline().strip() == "listening"
         env = dict(os.environ, HPAR_MASTER_PORT=str(port), SECRET_FOR_TEST="leak")
-        out = launch("--hosts", _hosts_file(tmp_path, hosts), "--ssh-key", hosts.key, "--plain", "--env",
-                     "HPAR_MARK=7", "--run-dir", str(tmp_path / "run"), script, env=env, log=str(tmp_path / "o.txt"))
+        out = launch(
+            "--hosts",
+            _hosts_file(tmp_path, hosts),
+            "--ssh-key",
+            hosts.key,
+            "--plain",
+            "--env",
+            "HPAR_MARK=7",
+            "--run-dir",
+            str(tmp_path / "run"),
+            script,
+            env=env,
+            log=str(tmp_path / "o.txt"),
+        )
     finally:
         listener.kill()
         listener.wait()
@@ -233,11 +335,32 @@ def test_port_retry_and_environment_on_two_hosts(hosts, tmp_path):
 def test_sigkilled_rank_on_a_remote_host_leaves_nothing_within_10s(hosts, tmp_path):
     log = tmp_path / "o.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "launch", "--hosts",
-                                 _hosts_file(tmp_path, hosts), "--ssh-key", hosts.key, "--plain", "--run-dir",
-                                 str(tmp_path / "run"), DDP, "--epochs", "1000", "--log-every", "1",
-                                 "--step-sleep", "0.05"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hpar.launcher.cli",
+                "launch",
+                "--hosts",
+                _hosts_file(tmp_path, hosts),
+                "--ssh-key",
+                hosts.key,
+                "--plain",
+                "--run-dir",
+                str(tmp_path / "run"),
+                DDP,
+                "--epochs",
+                "1000",
+                "--log-every",
+                "1",
+                "--step-sleep",
+                "0.05",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
     try:
         assert wait_for(lambda: "rank 0] epoch 0 step 3 " in log.read_text(), 120), log.read_text()[-2000:]
         victims = []
@@ -306,12 +429,15 @@ def test_supervisor_starts_every_process_at_once(tmp_path):
     assert outcome.exit_code == 0, outcome
 
 
-@pytest.mark.parametrize("codes, said, blamed", [
-    ((1, 1), {0: "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:13467"}, 1),
-    ((-signal.SIGABRT, 1), {}, 1),      # gloo's abort on a vanished peer is a consequence
-    ((1, 1), {}, 0),                    # nothing tells them apart: the exit seen first
-    ((1, -signal.SIGKILL), {}, 1),      # a signal from outside comes before everything
-])
+@pytest.mark.parametrize(
+    "codes, said, blamed",
+    [
+        ((1, 1), {0: "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:13467"}, 1),
+        ((-signal.SIGABRT, 1), {}, 1),  # gloo's abort on a vanished peer is a consequence
+        ((1, 1), {}, 0),  # nothing tells them apart: the exit seen first
+        ((1, -signal.SIGKILL), {}, 1),  # a signal from outside comes before everything
+    ],
+)
 def test_supervisor_blames_the_root_cause_not_the_peer_it_took_down(tmp_path, codes, said, blamed):
     """Two ranks whose exits are seen in the same poll: the one whose output says a peer
     vanished (gloo's 'Connection closed by peer'), or that gloo aborted, is not the cause."""
@@ -361,6 +487,6 @@ def test_a_failure_report_shows_the_scripts_lines_not_hpars_protocol(tmp_path, r
     reap_run(str(run_dir))
     out = launch("--gpus", "1", "--plain", "--run-dir", str(run_dir), script, log=str(tmp_path / "out.txt"))
     assert out.returncode == 1 and "No module named 'no_such_package_for_hpar'" in out.stdout, out.stdout[-3000:]
-    assert "@hpar heartbeat" in (run_dir / "logs" / "rank-0.log").read_text()   # it was there to leak
-    report = out.stdout[out.stdout.index("last lines of rank-0.log"):]
+    assert "@hpar heartbeat" in (run_dir / "logs" / "rank-0.log").read_text()  # it was there to leak
+    report = out.stdout[out.stdout.index("last lines of rank-0.log") :]
     assert "@hpar" not in report, report

@@ -1,6 +1,7 @@
 """The memory model (strategies/plan/memory_model.py) and the planner's fit test, on synthetic
 profiles: each strategy's counted terms, the schedules' micro-batches in flight, and a
 candidate that does not fit never chosen."""
+
 import dataclasses
 
 import pytest
@@ -11,27 +12,54 @@ from hpar.strategies.plan.memory_model import in_flight, misfit, predict
 from hpar.strategies.plan.planner import choose_plan
 from hpar.strategies.profile.records import LayerProfile, MemoryProfile, ParamProfile, Profile
 
-MB = 10 ** 6
+MB = 10**6
 
 
 def profile(layers=4, layer_bytes=100 * MB, table_bytes=0, ratio=1.0, step_ratio=0.0, device="cpu") -> Profile:
     """``layers`` dense layers of ``layer_bytes`` each (and an embedding table), measured at a
     step of 10 MB of activations (2.5 MB saved per layer) besides its gradients."""
-    params = [ParamProfile(f"l{i}.weight", (1000, layer_bytes // 4000), layer_bytes, False, 1.0, 1.0, False, i)
-              for i in range(layers)]
+    params = [
+        ParamProfile(f"l{i}.weight", (1000, layer_bytes // 4000), layer_bytes, False, 1.0, 1.0, False, i)
+        for i in range(layers)
+    ]
     if table_bytes:
-        params.insert(0, ParamProfile("emb.weight", (10_000, table_bytes // 40_000), table_bytes, True, 0.01, 0.02,
-                                      True, 0))
+        params.insert(
+            0, ParamProfile("emb.weight", (10_000, table_bytes // 40_000), table_bytes, True, 0.01, 0.02, True, 0)
+        )
     grads = layers * layer_bytes
-    mem = MemoryProfile(batch_size=32, layer_saved_bytes=(int(2.5 * MB),) * layers, forward_peak_bytes=8 * MB,
-                        step_peak_bytes=grads + 10 * MB, step_grad_bytes=grads, data_bytes=MB,
-                        optimizer_state_ratio=ratio, process_bytes=300 * MB, optimizer_step_ratio=step_ratio)
-    lps = tuple(LayerProfile(f"l{i}", 0.01, 0.02, 10 ** 9, 1000, layer_bytes + (table_bytes if i == 0 else 0))
-                for i in range(layers))
-    return Profile(params=tuple(params), layers=lps, batch_size=32, samples_per_batch=32, workers=2,
-                   is_sequential=True, sequential_reason="", compute_s=0.12, forward_s=0.04, backward_s=0.08,
-                   forward_flops=10 ** 9, backward_flops=2 * 10 ** 9, update_s_per_byte=1e-10, timing_batch_size=32,
-                   device=device, memory=mem)
+    mem = MemoryProfile(
+        batch_size=32,
+        layer_saved_bytes=(int(2.5 * MB),) * layers,
+        forward_peak_bytes=8 * MB,
+        step_peak_bytes=grads + 10 * MB,
+        step_grad_bytes=grads,
+        data_bytes=MB,
+        optimizer_state_ratio=ratio,
+        process_bytes=300 * MB,
+        optimizer_step_ratio=step_ratio,
+    )
+    lps = tuple(
+        LayerProfile(f"l{i}", 0.01, 0.02, 10**9, 1000, layer_bytes + (table_bytes if i == 0 else 0))
+        for i in range(layers)
+    )
+    return Profile(
+        params=tuple(params),
+        layers=lps,
+        batch_size=32,
+        samples_per_batch=32,
+        workers=2,
+        is_sequential=True,
+        sequential_reason="",
+        compute_s=0.12,
+        forward_s=0.04,
+        backward_s=0.08,
+        forward_flops=10**9,
+        backward_flops=2 * 10**9,
+        update_s_per_byte=1e-10,
+        timing_batch_size=32,
+        device=device,
+        memory=mem,
+    )
 
 
 def cluster(workers=2, servers=None, **kw):
@@ -39,21 +67,22 @@ def cluster(workers=2, servers=None, **kw):
 
 
 def test_allreduce_holds_weights_state_buckets_and_a_step():
-    prof = profile(ratio=2.0)   # Adam: two state tensors per weight
+    prof = profile(ratio=2.0)  # Adam: two state tensors per weight
     mem = predict(prof, cluster(), Estimate("allreduce", 1.0, 64, 0.0))
     p = 400 * MB
     assert mem.worker["params"] == p and mem.worker["optimizer"] == 2 * p and mem.worker["ddp_buckets"] == p
-    assert mem.worker["step"] == p + 10 * MB   # the measured step with its dense gradients
+    assert mem.worker["step"] == p + 10 * MB  # the measured step with its dense gradients
     assert mem.worker_peak_bytes == sum(mem.worker.values()) and mem.server_peak_bytes is None
 
 
 def test_the_optimizer_step_temporaries_count_where_they_exceed_the_activations():
     mem = predict(profile(step_ratio=1.0), cluster(), Estimate("allreduce", 1.0, 64, 0.0))
-    assert mem.worker["step"] == 2 * 400 * MB   # gradients and a temporary as large (Adagrad's sqrt)
+    assert mem.worker["step"] == 2 * 400 * MB  # gradients and a temporary as large (Adagrad's sqrt)
 
 
-@pytest.mark.parametrize("schedule, held", [("gpipe", [8, 8]), ("1f1b", [2, 1]), ("async", [2, 1]),
-                                            ("async-stash", [2, 1])])
+@pytest.mark.parametrize(
+    "schedule, held", [("gpipe", [8, 8]), ("1f1b", [2, 1]), ("async", [2, 1]), ("async-stash", [2, 1])]
+)
 def test_micro_batches_in_flight_follow_the_schedule(schedule, held):
     assert [in_flight(schedule, 2, k, 8) for k in range(2)] == held
     assert in_flight("1f1b", 4, 0, 2) == 2 and in_flight("gpipe", 4, 3, 2) == 2
@@ -65,11 +94,11 @@ def test_a_pipeline_stage_holds_its_share_and_the_schedule_its_versions():
     sync = predict(prof, cluster(), est, "1f1b").worker
     stash = predict(prof, cluster(), est, "async-stash").worker
     assert sync["gradients"] == 200 * MB and sync["versions"] == 0
-    assert sync["params"] == 400 * MB   # on a CPU every stage keeps the whole model it was cut from
+    assert sync["params"] == 400 * MB  # on a CPU every stage keeps the whole model it was cut from
     assert predict(dataclasses.replace(prof, device="cuda"), cluster(), est, "1f1b").worker["params"] == 200 * MB
-    assert stash["versions"] == 2 * 200 * MB   # stage 0 of 2: a copy per micro-batch in flight
+    assert stash["versions"] == 2 * 200 * MB  # stage 0 of 2: a copy per micro-batch in flight
     gpipe = predict(prof, cluster(), est, "gpipe").worker["step"]
-    assert gpipe == pytest.approx(4 * 0.5 * 10 * MB / 4, rel=1e-6)   # M in flight x its half x a micro-batch's
+    assert gpipe == pytest.approx(4 * 0.5 * 10 * MB / 4, rel=1e-6)  # M in flight x its half x a micro-batch's
 
 
 def test_a_traced_models_first_trace_counts_on_a_cpu_stage_only():
@@ -91,27 +120,33 @@ def test_a_traced_models_first_trace_counts_on_a_cpu_stage_only():
 def test_fsdp_shards_everything_but_the_units_it_runs():
     prof = profile(layers=8, layer_bytes=50 * MB)
     mem = predict(prof, cluster(workers=4), Estimate("fsdp", 1.0, 128, 0.0)).worker
-    assert mem["params"] == 100 * MB and mem["optimizer"] == 100 * MB   # 400 MB over 4 workers
-    assert mem["unsharded"] == 2 * 2 * 50 * MB   # the running and the prefetched unit, and their gradients
-    build = predict(dataclasses.replace(prof, layers=prof.layers[:1]), cluster(workers=8),
-                    Estimate("fsdp", 1.0, 256, 0.0)).worker
-    assert set(build) == {"build", "first_use", "growth"}   # the whole model built before sharding dominates
+    assert mem["params"] == 100 * MB and mem["optimizer"] == 100 * MB  # 400 MB over 4 workers
+    assert mem["unsharded"] == 2 * 2 * 50 * MB  # the running and the prefetched unit, and their gradients
+    build = predict(
+        dataclasses.replace(prof, layers=prof.layers[:1]), cluster(workers=8), Estimate("fsdp", 1.0, 256, 0.0)
+    ).worker
+    assert set(build) == {"build", "first_use", "growth"}  # the whole model built before sharding dominates
 
 
 def test_servers_hold_their_rows_and_their_state():
     prof = profile(layers=1, layer_bytes=10 * MB, table_bytes=800 * MB, ratio=3.0)
     place = {"emb.weight": "ps", "l0.weight": "allreduce"}
-    mem = predict(prof, cluster(servers=2), Estimate("hybrid", 1.0, 64, 0.0, placement=place,
-                                                     partitions={"emb.weight": 8}))
+    mem = predict(
+        prof, cluster(servers=2), Estimate("hybrid", 1.0, 64, 0.0, placement=place, partitions={"emb.weight": 8})
+    )
     assert mem.server["shard"] == 400 * MB and mem.server["optimizer"] == 3 * 400 * MB
-    assert mem.worker["params"] == 10 * MB   # the table stays on the servers
+    assert mem.worker["params"] == 10 * MB  # the table stays on the servers
     # a server builds the whole model at start and copies its rows out: where that is more, it is the peak
-    light = predict(dataclasses.replace(prof, memory=dataclasses.replace(prof.memory, optimizer_state_ratio=0.0)),
-                    cluster(servers=2), Estimate("hybrid", 1.0, 64, 0.0, placement=place, partitions={"emb.weight": 8}))
+    light = predict(
+        dataclasses.replace(prof, memory=dataclasses.replace(prof.memory, optimizer_state_ratio=0.0)),
+        cluster(servers=2),
+        Estimate("hybrid", 1.0, 64, 0.0, placement=place, partitions={"emb.weight": 8}),
+    )
     assert light.server == {"build": 810 * MB + 400 * MB}
-    odd = predict(prof, cluster(servers=2), Estimate("hybrid", 1.0, 64, 0.0, placement=place,
-                                                     partitions={"emb.weight": 3}))
-    assert odd.server["shard"] == pytest.approx(800 * MB * 2 / 3)   # 2 of 3 partitions on server 0
+    odd = predict(
+        prof, cluster(servers=2), Estimate("hybrid", 1.0, 64, 0.0, placement=place, partitions={"emb.weight": 3})
+    )
+    assert odd.server["shard"] == pytest.approx(800 * MB * 2 / 3)  # 2 of 3 partitions on server 0
 
 
 def test_a_candidate_that_does_not_fit_is_never_chosen_and_a_forced_one_is_refused():
@@ -127,13 +162,20 @@ def test_a_candidate_that_does_not_fit_is_never_chosen_and_a_forced_one_is_refus
     assert f"Does not fit the memory: allreduce {ar.note}" in plan.reason
     with pytest.raises(ValueError, match=r"--strategy allreduce needs .* GB per worker, .* --force"):
         choose_plan(prof, cluster(worker_memory_bytes=cap), force="allreduce")
-    assert choose_plan(prof, cluster(worker_memory_bytes=cap), force="allreduce", allow_misfit=True).strategy == "allreduce"
+    assert (
+        choose_plan(prof, cluster(worker_memory_bytes=cap), force="allreduce", allow_misfit=True).strategy
+        == "allreduce"
+    )
     assert plan.memory["worker_peak_bytes"] > 0
 
 
 def test_misfit_names_the_side_that_does_not_fit():
-    memory = {"worker_peak_bytes": 2 * 10 ** 9, "server_peak_bytes": 5 * 10 ** 9, "overhead_bytes": 10 ** 9,
-              "server_overhead_bytes": 10 ** 9}
+    memory = {
+        "worker_peak_bytes": 2 * 10**9,
+        "server_peak_bytes": 5 * 10**9,
+        "overhead_bytes": 10**9,
+        "server_overhead_bytes": 10**9,
+    }
     assert misfit(memory, 3.5e9, None) == ""
     assert misfit(memory, 2.5e9, None) == "needs 3 GB per worker, 2.5 GB available"
     assert misfit(memory, 4e9, 5.5e9) == "needs 6 GB per server, 5.5 GB available"
@@ -142,6 +184,7 @@ def test_misfit_names_the_side_that_does_not_fit():
 def test_bench_skips_a_strategy_that_does_not_fit_with_the_reason():
     from hpar.launcher.bench.bench_plans import does_not_fit
     from hpar.strategies.plan.estimates import estimate_all
+
     prof = profile(ratio=2.0)
     tight = cluster(worker_memory_bytes=1.7e9)
     estimates = {e.strategy: e for e in estimate_all(prof, tight)}
@@ -184,7 +227,7 @@ def test_frozen_parameters_are_held_without_gradients_buckets_or_optimizer_state
     sparse = predict(frozen, cluster(), Estimate("allreduce-sparse", 1.0, 64, 0.0)).worker
     assert sparse["optimizer"] == 2 * 300 * MB and sparse["ddp_buckets"] == 300 * MB
     fsdp = predict(frozen, cluster(workers=4), Estimate("fsdp", 1.0, 128, 0.0)).worker
-    assert fsdp["params"] == 100 * MB and fsdp["optimizer"] == 2 * 75 * MB   # sharded, state for 300 MB / 4
+    assert fsdp["params"] == 100 * MB and fsdp["optimizer"] == 2 * 75 * MB  # sharded, state for 300 MB / 4
     place = {"l0.weight": "allreduce"} | {f"l{i}.weight": "ps" for i in range(1, 4)}
     ps = predict(frozen, cluster(servers=2), Estimate("ps", 1.0, 64, 0.0, placement=place)).worker
     assert ps["params"] == 400 * MB and ps["optimizer"] == 0 and ps["ddp_buckets"] == 0 and ps["runtime"] == 0

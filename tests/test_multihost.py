@@ -1,5 +1,6 @@
 """``hpar run --hosts``: bad input refused before anything starts (exit 2, one line), and real
 runs over SSH to network-namespace test hosts, with faults that must leave nothing behind."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,14 @@ LM = os.path.join(ROOT, "examples", "lm.py")
 
 
 def hpar_run(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "run", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "hpar.launcher.cli", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        **kw,
+    )
 
 
 def cli_run(*args: str) -> subprocess.CompletedProcess:
@@ -28,6 +35,7 @@ def cli_run(*args: str) -> subprocess.CompletedProcess:
     without paying for a fresh interpreter and torch import per case)."""
     from click.testing import CliRunner
     from hpar.launcher.cli import main
+
     result = CliRunner().invoke(main, ["run", *args])
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
@@ -37,10 +45,12 @@ def cli_run(*args: str) -> subprocess.CompletedProcess:
 def real_run(timeout_s: int):
     """Marks of a test that trains over SSH on the network-namespace test hosts: netns,
     multiprocess, slow, and a hard timeout of ``timeout_s`` seconds."""
+
     def mark(test):
         for m in (pytest.mark.timeout(timeout_s), pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.netns):
             test = m(test)
         return test
+
     return mark
 
 
@@ -114,16 +124,25 @@ def test_hostile_script_path_is_refused(tmp_path):
 def test_preflight_row_names_missing_or_different_script_and_versions():
     want = {"python": "3.11.7", "torch": "2.1", "hpar": "0.1.0", "script": "abc"}
     from hpar.launcher.hosts.hostfile import Host
+
     base = {"python": "3.11.7", "torch": "2.1", "hpar": "0.1.0", "script": "abc", "ifname": "eth0", "port_free": True}
-    assert _row(Host("h"), base, want, "/s.py", 1234, True) == HostCheck("h", True, "", "3.11.7", "2.1", "0.1.0", 0, "eth0")
-    for change, text in [({"script": None}, "script /s.py not found"), ({"script": "zzz"}, "differs from the launcher's copy"),
-                         ({"torch": "2.0"}, "torch 2.0 differs"), ({"hpar": None}, "hpar not found"),
-                         ({"port_free": False}, "port 1234 is in use"), ({"ifname": None}, "no interface")]:
+    assert _row(Host("h"), base, want, "/s.py", 1234, True) == HostCheck(
+        "h", True, "", "3.11.7", "2.1", "0.1.0", 0, "eth0"
+    )
+    for change, text in [
+        ({"script": None}, "script /s.py not found"),
+        ({"script": "zzz"}, "differs from the launcher's copy"),
+        ({"torch": "2.0"}, "torch 2.0 differs"),
+        ({"hpar": None}, "hpar not found"),
+        ({"port_free": False}, "port 1234 is in use"),
+        ({"ifname": None}, "no interface"),
+    ]:
         row = _row(Host("h"), {**base, **change}, want, "/s.py", 1234, True)
         assert not row.ok and text in row.problem
 
 
 # --- over real SSH to test hosts ------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def hosts():
@@ -155,12 +174,25 @@ def test_bad_hosts_fail_preflight(hosts, tmp_path, name, text, args, problem):
         args = [str(tmp_path / "wrong") if a == "WRONGKEY" else a for a in args]
     else:
         args = ["--ssh-key", hosts.key, *args]
-    out = hpar_run(LM, "--hosts", host_file, "--gpus", "2", "--strategy", "allreduce", "--steps", "1", "--plain",
-                   "--run-dir", str(tmp_path / "run"), *args)
+    out = hpar_run(
+        LM,
+        "--hosts",
+        host_file,
+        "--gpus",
+        "2",
+        "--strategy",
+        "allreduce",
+        "--steps",
+        "1",
+        "--plain",
+        "--run-dir",
+        str(tmp_path / "run"),
+        *args,
+    )
     line = _error_line(out)
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert problem in line, line
-    if name != "unreachable port":   # a closed port is refused before profiling (launcher/hosts/reach.py)
+    if name != "unreachable port":  # a closed port is refused before profiling (launcher/hosts/reach.py)
         assert "preflight failed" in line and "hpar preflight" in out.stdout + out.stderr, line  # the table
     assert not (tmp_path / "run").exists()
     assert netns_hosts.leftovers(hosts, wait=2) == {}
@@ -172,11 +204,23 @@ def test_a_host_that_refuses_the_login_is_refused_before_profiling(hosts, tmp_pa
     """--strategy auto profiles the model for a minute on real models: a host whose SSH login
     fails (a key it does not know) is refused by the preflight first, the planner never runs."""
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "wrong")], check=True)
-    out = hpar_run(LM, "--hosts", _host_file(tmp_path, hosts), "--gpus", "2", "--steps", "1", "--plain",
-                   "--ssh-key", str(tmp_path / "wrong"), "--run-dir", str(tmp_path / "run"))
+    out = hpar_run(
+        LM,
+        "--hosts",
+        _host_file(tmp_path, hosts),
+        "--gpus",
+        "2",
+        "--steps",
+        "1",
+        "--plain",
+        "--ssh-key",
+        str(tmp_path / "wrong"),
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     line = _error_line(out)
     assert out.returncode == 2 and "authentication failed" in line and "preflight failed" in line, line
-    assert "chose" not in out.stdout and "profil" not in out.stdout.lower(), out.stdout   # no plan, no profile
+    assert "chose" not in out.stdout and "profil" not in out.stdout.lower(), out.stdout  # no plan, no profile
     assert not (tmp_path / "run").exists()
     assert netns_hosts.leftovers(hosts, wait=2) == {}
 
@@ -184,9 +228,26 @@ def test_a_host_that_refuses_the_login_is_refused_before_profiling(hosts, tmp_pa
 @real_run(120)
 def test_run_spreads_workers_over_two_hosts(hosts, tmp_path):
     run_dir = tmp_path / "run"
-    out = hpar_run(LM, "--hosts", _host_file(tmp_path, hosts), "--gpus", "4", "--steps", "6", "--log-every", "2",
-                   "--strategy", "hybrid", "--ssh-key", hosts.key, "--plain", "--no-eval", "--run-dir", str(run_dir),
-                   timeout=110)
+    out = hpar_run(
+        LM,
+        "--hosts",
+        _host_file(tmp_path, hosts),
+        "--gpus",
+        "4",
+        "--steps",
+        "6",
+        "--log-every",
+        "2",
+        "--strategy",
+        "hybrid",
+        "--ssh-key",
+        hosts.key,
+        "--plain",
+        "--no-eval",
+        "--run-dir",
+        str(run_dir),
+        timeout=110,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout + out.stderr
     for rank, address in enumerate([hosts.addresses[0]] * 2 + [hosts.addresses[1]] * 2):
@@ -198,6 +259,7 @@ def test_run_spreads_workers_over_two_hosts(hosts, tmp_path):
     # and 3 also send their ring AllReduce bytes across (1 -> 2, 3 -> 0); each server answers
     # two workers on the other host
     import json
+
     last = {}
     for line in open(run_dir / "metrics.jsonl"):
         m = json.loads(line)
@@ -219,10 +281,35 @@ def test_run_spreads_workers_over_two_hosts(hosts, tmp_path):
 
 
 def _start_long_run(hosts, tmp_path, *extra: str, script: str = LM, steps: int = 100000) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--hosts", _host_file(tmp_path, hosts),
-                             "--gpus", "4", "--steps", str(steps), "--log-every", "1", "--ssh-key", hosts.key, "--plain",
-                             "--no-eval", "--run-dir", str(tmp_path / "run"), *(extra or ("--strategy", "allreduce"))],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpar.launcher.cli",
+            "run",
+            script,
+            "--hosts",
+            _host_file(tmp_path, hosts),
+            "--gpus",
+            "4",
+            "--steps",
+            str(steps),
+            "--log-every",
+            "1",
+            "--ssh-key",
+            hosts.key,
+            "--plain",
+            "--no-eval",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *(extra or ("--strategy", "allreduce")),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_training(proc: subprocess.Popen, timeout: float = 60) -> list[str]:
@@ -261,6 +348,7 @@ def long_run(hosts, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         import testhosts
+
         testhosts.set_link(hosts.prefix, 1, True)
 
 
@@ -272,28 +360,32 @@ def test_sigkill_of_a_remote_worker_stops_everything(hosts, long_run):
     victims = _worker_pids(hosts, 1)
     assert len(victims) == 2, victims
     from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(1) as reader:   # the launcher's output, read while the test polls the hosts
+
+    with ThreadPoolExecutor(1) as reader:  # the launcher's output, read while the test polls the hosts
         output = reader.submit(long_run.communicate, timeout=60)
         os.kill(victims[0], signal.SIGKILL)
         killed = time.monotonic()
-        assert netns_hosts.leftovers(hosts, wait=10) == {}   # polled every 0.2 s
+        assert netns_hosts.leftovers(hosts, wait=10) == {}  # polled every 0.2 s
         gone = time.monotonic() - killed
         out = output.result()[0]
     assert long_run.returncode == 1
-    assert f"worker 2 on {hosts.addresses[1]} failed: killed by SIGKILL" in out \
-        or f"worker 3 on {hosts.addresses[1]} failed: killed by SIGKILL" in out, out[-2000:]
+    assert (
+        f"worker 2 on {hosts.addresses[1]} failed: killed by SIGKILL" in out
+        or f"worker 3 on {hosts.addresses[1]} failed: killed by SIGKILL" in out
+    ), out[-2000:]
     assert gone < 10, f"nothing may be left 10 s after the kill ({gone:.1f} s)"
 
 
 @real_run(120)
 def test_link_down_mid_run_stops_everything(hosts, long_run):
     import testhosts
+
     _wait_training(long_run)
     testhosts.set_link(hosts.prefix, 1, False)
     start = time.monotonic()
     out, _ = long_run.communicate(timeout=60)
     stopped = time.monotonic() - start
-    testhosts.set_link(hosts.prefix, 1, True)   # the link is back once the launcher is done (issue 18's link cut)
+    testhosts.set_link(hosts.prefix, 1, True)  # the link is back once the launcher is done (issue 18's link cut)
     assert long_run.returncode == 1
     assert f"on {hosts.addresses[1]} failed: lost the connection to its host {hosts.addresses[1]}" in out, out[-2000:]
     # the cut host's guards stop their groups by themselves (no heartbeat from the launcher)
@@ -350,10 +442,25 @@ def test_ctrl_c_over_ssh_stops_every_host(hosts, tmp_path):
 @real_run(300)
 def test_max_restarts_over_ssh_resumes_and_finishes(hosts, tmp_path):
     from conftest import TINY, write_script
-    script = write_script(tmp_path, TINY.replace('"steps": 20', '"steps": 60').replace(
-        "yield x,", "__import__('time').sleep(0.1)\n        yield x,"))
-    with _long_run(hosts, tmp_path, "--strategy", "allreduce", "--checkpoint-every", "3", "--max-restarts", "1",
-                   script=script, steps=60) as proc:
+
+    script = write_script(
+        tmp_path,
+        TINY.replace('"steps": 20', '"steps": 60').replace(
+            "yield x,", "__import__('time').sleep(0.1)\n        yield x,"
+        ),
+    )
+    with _long_run(
+        hosts,
+        tmp_path,
+        "--strategy",
+        "allreduce",
+        "--checkpoint-every",
+        "3",
+        "--max-restarts",
+        "1",
+        script=script,
+        steps=60,
+    ) as proc:
         latest = tmp_path / "run" / "checkpoints" / "latest"
         deadline = time.monotonic() + 60
         while not (latest.exists() and int(latest.read_text()) >= 6) and time.monotonic() < deadline:
@@ -375,16 +482,37 @@ def test_helpers_in_sessions_of_their_own_end_with_a_run_over_ssh(hosts, tmp_pat
     teardown on its host (workers/stopgroups.py finds it under the guard before signalling, and
     the guard, told to stop, ends it too); both are named, nothing is left on either host."""
     from conftest import TINY, write_script
-    script = write_script(tmp_path, TINY.replace("def data(rank, world_size, batch_size):", '''import os, subprocess, sys
+
+    script = write_script(
+        tmp_path,
+        TINY.replace(
+            "def data(rank, world_size, batch_size):",
+            """import os, subprocess, sys
 def data(rank, world_size, batch_size):
     if os.environ.get("RANK") is not None:
         subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                           "time.sleep(600)", "hpar-test-helper"], start_new_session=True)
         if os.environ["RANK"] == "1":
             __import__("time").sleep(3)
-            raise RuntimeError("worker 1 fails with its helper running")'''))
-    out = hpar_run(script, "--hosts", _host_file(tmp_path, hosts, slots=1), "--gpus", "2", "--strategy", "allreduce",
-                   "--ssh-key", hosts.key, "--plain", "--no-eval", "--run-dir", str(tmp_path / "run"), timeout=180)
+            raise RuntimeError("worker 1 fails with its helper running")""",
+        ),
+    )
+    out = hpar_run(
+        script,
+        "--hosts",
+        _host_file(tmp_path, hosts, slots=1),
+        "--gpus",
+        "2",
+        "--strategy",
+        "allreduce",
+        "--ssh-key",
+        hosts.key,
+        "--plain",
+        "--no-eval",
+        "--run-dir",
+        str(tmp_path / "run"),
+        timeout=180,
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 1, text[-3000:]
     ended = [line for line in text.splitlines() if line.startswith("hpar: ended ")]

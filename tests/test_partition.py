@@ -1,4 +1,5 @@
 """The pipeline partitioner: contiguous stages minimising the slowest stage."""
+
 import itertools
 import random
 
@@ -68,7 +69,10 @@ def test_memory_estimate_counts_params_grads_optimizer_and_in_flight_activations
 
 
 def test_fewer_layers_than_stages_names_the_flag():
-    with pytest.raises(ValueError, match=r"4 pipeline stages \(--gpus / --pipeline-replicas\): the model has only 3 layers; use 3 stages or fewer"):
+    with pytest.raises(
+        ValueError,
+        match=r"4 pipeline stages \(--gpus / --pipeline-replicas\): the model has only 3 layers; use 3 stages or fewer",
+    ):
         partition_stages([1.0] * 3, [0] * 3, [0] * 3, 4, 1e9)
 
 

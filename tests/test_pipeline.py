@@ -1,5 +1,6 @@
 """The pipeline runtime as real gloo processes: exactness of gpipe/1f1b, async schedules,
 stage figures, checkpoints and user errors."""
+
 import json
 import multiprocessing as mp
 import os
@@ -16,7 +17,7 @@ from hpar.strategies.job.contract import load_job
 from hpar.strategies.specs.decision import Plan
 from hpar.strategies.plan.stage_cuts import draw_batch, split_micro
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import torch
     HPAR = {"batch_size": 8, "steps": 10, "lr": 0.1}
 
@@ -38,23 +39,32 @@ SCRIPT = textwrap.dedent('''
 
     def evaluate(model):
         return {"w0": float(model[0].weight.sum())}
-''')
+""")
 
 
 def _child(rank, world, port, config_path, log_path):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), HPAR_CONFIG=config_path, HPAR_PG_TIMEOUT="60")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HPAR_CONFIG=config_path,
+        HPAR_PG_TIMEOUT="60",
+    )
     torch.set_num_threads(1)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     from hpar.workers import worker
+
     try:
         code = worker.main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - report and exit non-zero
         import traceback
+
         traceback.print_exc()
         code = 3
     os.sys.stdout.flush()
@@ -67,16 +77,39 @@ def run_pipeline(tmp_path, script_text=SCRIPT, timeout=60, **overrides):
     script.write_text(script_text)
     run_dir = tmp_path / f"run-{overrides.get('schedule', '1f1b')}-{overrides.get('world_size', 2)}"
     run_dir.mkdir(exist_ok=True)
-    fields = dict(script=str(script), strategy="pipeline", world_size=2, steps=10, batch_size=8, lr=0.1,
-                  seed=3, run_dir=str(run_dir), log_every=5, micro_batches=4, schedule="1f1b")
+    fields = dict(
+        script=str(script),
+        strategy="pipeline",
+        world_size=2,
+        steps=10,
+        batch_size=8,
+        lr=0.1,
+        seed=3,
+        run_dir=str(run_dir),
+        log_every=5,
+        micro_batches=4,
+        schedule="1f1b",
+    )
     fields.update(overrides)
     cfg = RunConfig(**fields)
     (run_dir / "config.json").write_text(cfg.to_json())
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.func", "hpar.workers.worker", "hpar.strategies.runtimes.pipeline.pipeline_runtime"])
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "torch._dynamo",
+            "torch.func",
+            "hpar.workers.worker",
+            "hpar.strategies.runtimes.pipeline.pipeline_runtime",
+        ]
+    )
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, cfg.world_size, port, str(run_dir / "config.json"),
-                                              str(run_dir / f"rank{r}.log"))) for r in range(cfg.world_size)]
+    procs = [
+        ctx.Process(
+            target=_child, args=(r, cfg.world_size, port, str(run_dir / "config.json"), str(run_dir / f"rank{r}.log"))
+        )
+        for r in range(cfg.world_size)
+    ]
     for p in procs:
         p.start()
     try:
@@ -92,7 +125,7 @@ def run_pipeline(tmp_path, script_text=SCRIPT, timeout=60, **overrides):
     summary = None
     for line in logs[0].splitlines():
         if line.startswith("@hpar summary "):
-            summary = json.loads(line[len("@hpar summary "):])
+            summary = json.loads(line[len("@hpar summary ") :])
     state = final_state(run_dir) if (run_dir / "model").exists() else None
     return codes, summary, state, logs
 
@@ -160,6 +193,7 @@ def test_async_schedules_equal_the_single_process_simulator_bit_for_bit(tmp_path
     """The simulator is the reference of hpar's own schedules (same op order, same weights
     per pass): the 4-process runtime must give the very same bits."""
     from hpar.strategies.runtimes.pipeline.sim import simulate
+
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, schedule=schedule)
     assert codes == [0] * 4, logs
     job = load_job(str(tmp_path / "job.py"))
@@ -168,7 +202,7 @@ def test_async_schedules_equal_the_single_process_simulator_bit_for_bit(tmp_path
     assert summary["loss_last"] == sim.losses[-1]
     # stage k holds at most K-k micro-batches between forward and backward (PipeDream)
     assert [s["max_in_flight"] for s in summary["stages"]] == [4, 3, 2, 1]
-    if schedule == "async-2bw":   # PipeDream-2BW: the live weights and at most two stashed versions
+    if schedule == "async-2bw":  # PipeDream-2BW: the live weights and at most two stashed versions
         assert all(1 <= s["weight_versions"] <= 2 for s in summary["stages"])
     ref, _ = reference(tmp_path)
     assert any((state[k] - ref[k]).abs().max() > 1e-4 for k in ref)  # async is not the sync result
@@ -183,8 +217,8 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
     assert codes == [0] * 3, logs
     files = sorted(os.listdir(run_dir / "checkpoints" / "step-6"))
     parts = [f for f in files if not f.endswith(".sha256")]
-    assert parts == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]   # one file per stage
-    assert all(f + ".sha256" in files for f in parts)   # each with its checksum beside it
+    assert parts == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]  # one file per stage
+    assert all(f + ".sha256" in files for f in parts)  # each with its checksum beside it
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=3, steps=10, resume=True)
     assert codes == [0] * 3, logs
     assert_close_state(state, ref)
@@ -198,7 +232,10 @@ def _tiny_job(tmp_path, body):
 
 def test_non_sequential_model_is_refused_with_reason(tmp_path):
     from hpar.strategies.plan.stage_cuts import stage_ranges
-    job = _tiny_job(tmp_path, '''
+
+    job = _tiny_job(
+        tmp_path,
+        """
         import torch
         class Net(torch.nn.Module):
             def __init__(self):
@@ -207,13 +244,15 @@ def test_non_sequential_model_is_refused_with_reason(tmp_path):
         def model(): return Net()
         def data(r, w, b): yield torch.zeros(b, 2), torch.zeros(b, 2)
         def loss(o, t): return (o - t).pow(2).mean()
-    ''')
+    """,
+    )
     with pytest.raises(ValueError, match="not a sequence of layers and it has no repeated blocks.*hpar_layers()"):
         stage_ranges(job.build_model(), 2, example=torch.zeros(4, 2))
 
 
 def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):
     from hpar.strategies.plan.stage_cuts import stage_ranges
+
     job = load_job(str((tmp_path / "job.py").write_text(SCRIPT) and tmp_path / "job.py"))
     with pytest.raises(ValueError, match=r"6 pipeline stages \(--gpus / --pipeline-replicas\)"):
         stage_ranges(job.build_model(), 6)
@@ -223,10 +262,11 @@ def test_fewer_layers_than_stages_and_bad_micro_batches(tmp_path):
         stage_ranges(job.build_model(), 2, Plan(stages=[[0, 2], [3, 5]]))
     assert stage_ranges(job.build_model(), 2, Plan(stages=[[0, 1], [1, 5]])) == ((0, 1), (1, 5))
     from hpar.strategies.job.config import RunConfig
+
     args = dict(script="job.py", strategy="pipeline", world_size=2, steps=1, batch_size=8, lr=0.1, seed=0, run_dir="r")
     with pytest.raises(ValueError, match="--micro-batches 1: .*Schedule1F1B needs at least one per stage"):
         RunConfig(**args, schedule="torch-1f1b", micro_batches=1)
-    assert RunConfig(**args, schedule="1f1b", micro_batches=1).micro_batches == 1    # hpar's own 1F1B runs M < K
+    assert RunConfig(**args, schedule="1f1b", micro_batches=1).micro_batches == 1  # hpar's own 1F1B runs M < K
 
 
 @pytest.mark.multiprocess
@@ -248,31 +288,46 @@ def test_divergence_guard_falls_back_or_stops_like_the_simulator(tmp_path, actio
     then the run goes on as 1f1b (sync) or ends (stop), exactly as the simulator does."""
     from hpar.strategies.runtimes.pipeline.divergence import GuardConfig
     from hpar.strategies.runtimes.pipeline.sim import simulate
-    codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, schedule="async-predict", lr=1.0,
-                                               on_divergence=action, divergence_factor=1.5)
+
+    codes, summary, state, logs = run_pipeline(
+        tmp_path, world_size=4, schedule="async-predict", lr=1.0, on_divergence=action, divergence_factor=1.5
+    )
     assert codes == [0] * 4, logs
     job = load_job(str(tmp_path / "job.py"))
-    sim = simulate(job, "async-predict", 4, steps=10, batch_size=8, micro_batches=4, lr=1.0, seed=3,
-                   guard=GuardConfig(action, 1.5))
+    sim = simulate(
+        job, "async-predict", 4, steps=10, batch_size=8, micro_batches=4, lr=1.0, seed=3, guard=GuardConfig(action, 1.5)
+    )
     assert sim.divergence["tripped"] and sim.divergence["step"] == 2 and sim.divergence["async_steps"] == 4
     assert sim.divergence["sync_steps"] == (6 if action == "sync" else 0)
     assert summary["divergence"] == sim.divergence
     assert_equal_state(state, sim.model.state_dict())
     assert summary["loss_last"] == sim.losses[-1]
     with pytest.raises(ValueError, match="--on-divergence sync: the guard watches asynchronous pipelines only"):
-        RunConfig(script="j.py", strategy="pipeline", world_size=2, steps=1, batch_size=8, lr=0.1, seed=0,
-                  run_dir="r", schedule="1f1b", on_divergence="sync")
+        RunConfig(
+            script="j.py",
+            strategy="pipeline",
+            world_size=2,
+            steps=1,
+            batch_size=8,
+            lr=0.1,
+            seed=0,
+            run_dir="r",
+            schedule="1f1b",
+            on_divergence="sync",
+        )
 
 
 def test_draw_batch_seeds_only_the_cpu_generator(monkeypatch):
     """The first and last stage draw the same batch for a step; the caller's RNG is restored, and
     no CUDA generator is reseeded (torch.manual_seed would reseed the model's dropout on a GPU)."""
+
     def batches():
         while True:
             yield torch.randn(3), torch.rand(2)
 
     def no_cuda(*args, **kwargs):
         raise AssertionError("draw_batch reseeded a CUDA generator")
+
     torch.manual_seed(5)
     monkeypatch.setattr(torch.cuda, "manual_seed_all", no_cuda)
     monkeypatch.setattr(torch.cuda, "manual_seed", no_cuda)

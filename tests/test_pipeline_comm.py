@@ -8,6 +8,7 @@ posted batch. These tests drive the real ``Links`` of every stage through the sa
 ``strategies/runtimes/pipeline/pipeline_runtime.py``, record the batches they post, and replay them under that
 model for every schedule, K = 2..8 stages and M = 1..8 micro-batches.
 """
+
 import itertools
 
 import pytest
@@ -139,7 +140,7 @@ def test_the_model_finds_the_unpaired_1f1b_deadlock():
     # each send posted alone (the order before the fix): stage 0 sends activation 1 while
     # stage 1 sends gradient 0, neither receive posted
     assert not replay(transcripts("1f1b", 2, 2, links_class=Unpaired))
-    assert replay(transcripts("gpipe", 2, 1, links_class=Unpaired))   # nothing to cross with one micro-batch
+    assert replay(transcripts("gpipe", 2, 1, links_class=Unpaired))  # nothing to cross with one micro-batch
     # and with every channel blocking, the end-of-step loss would need its own pairing
     assert not replay(transcripts("async", 2, 1), buffered=())
 
@@ -147,6 +148,6 @@ def test_the_model_finds_the_unpaired_1f1b_deadlock():
 def test_headers_and_losses_travel_on_the_host_channel():
     stages = transcripts("1f1b", 3, 4, steps=1)
     flat = [x for b in stages[0] + stages[1] + stages[2] for x in b]
-    assert ("send", 1, "host") in flat and ("send", 0, "host") in flat        # header 0->1, loss 2->0
+    assert ("send", 1, "host") in flat and ("send", 0, "host") in flat  # header 0->1, loss 2->0
     from_2 = [ch for b in stages[1] for op, peer, ch in b if op == "recv" and peer == 2]
-    assert from_2 and set(from_2) == {"dense"}    # stage 1 gets only gradients from stage 2, on the dense group
+    assert from_2 and set(from_2) == {"dense"}  # stage 1 gets only gradients from stage 2, on the dense group

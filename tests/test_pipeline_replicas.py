@@ -2,6 +2,7 @@
 1f1b with K = 2, R = 2 against one process on the concatenated batch, the asynchronous
 schedules with replicas, checkpoints written by replica 0 and resumed by every replica, and
 the planner's (K, R) choice."""
+
 import itertools
 import os
 
@@ -26,6 +27,7 @@ def test_grid_layouts_cover_every_rank_once():
     with pytest.raises(ValueError, match="layout"):
         Grid(2, 2, "diagonal")
     from hpar.strategies.job.config import RunConfig
+
     args = dict(script="j.py", strategy="pipeline", world_size=4, steps=1, batch_size=8, lr=0.1, seed=0, run_dir="r")
     with pytest.raises(ValueError, match="--pipeline-replicas 3: .*= --gpus 4; choose a divisor"):
         RunConfig(**args, replicas=3)
@@ -59,19 +61,22 @@ def reference(tmp_path, replicas=2, steps=10, batch_size=8, micro=4, lr=0.1, see
         opt.step()
         losses.append(float(loss.detach()))
     assert not clip or clipped, "the clipping threshold must bind for the test to mean anything"
-    assert split_micro(x, micro)   # the runtime's micro-batches divide the batch
+    assert split_micro(x, micro)  # the runtime's micro-batches divide the batch
     return model.state_dict(), losses
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("schedule,layout,clip", [("gpipe", "stages-adjacent", 0.0), ("1f1b", "replicas-adjacent", 0.3)])
+@pytest.mark.parametrize(
+    "schedule,layout,clip", [("gpipe", "stages-adjacent", 0.0), ("1f1b", "replicas-adjacent", 0.3)]
+)
 def test_two_stages_by_two_replicas_equal_one_process_on_the_concatenated_batch(tmp_path, schedule, layout, clip):
     """With clipping, the norm spans every stage of the replica-averaged gradient (each
     stage's sum of squares counted once, not once per replica)."""
     ref, ref_losses = reference(tmp_path, clip=clip)
-    codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, replicas=2, schedule=schedule,
-                                               plan={"layout": layout}, clip_grad_norm=clip)
+    codes, summary, state, logs = run_pipeline(
+        tmp_path, world_size=4, replicas=2, schedule=schedule, plan={"layout": layout}, clip_grad_norm=clip
+    )
     assert codes == [0] * 4, logs
     assert_close_state(state, ref)
     assert summary["loss_first"] == pytest.approx(ref_losses[0], rel=1e-5)
@@ -87,8 +92,9 @@ def test_two_stages_by_two_replicas_equal_one_process_on_the_concatenated_batch(
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_async_schedule_runs_with_replicas_and_lowers_the_loss(tmp_path):
-    codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, replicas=2, schedule="async-predict",
-                                               steps=14, lr=0.05)
+    codes, summary, state, logs = run_pipeline(
+        tmp_path, world_size=4, replicas=2, schedule="async-predict", steps=14, lr=0.05
+    )
     assert codes == [0] * 4, logs
     assert summary["pipeline_replicas"] == 2
     assert summary["loss_last"] < 0.5 * summary["loss_first"], summary
@@ -103,10 +109,12 @@ def test_checkpoint_by_replica_zero_resumes_every_replica(tmp_path):
     codes, _, _, logs = run_pipeline(tmp_path, world_size=4, replicas=2, steps=6, checkpoint_every=3)
     assert codes == [0] * 4, logs
     from hpar.strategies.state import state
+
     keys = state.saved_keys(str(run_dir / "checkpoints" / "step-6"))
-    assert {".".join(k.split(".")[:2]) for k in keys if k.startswith("rng.")} == \
-        {f"rng.stage{k}-r{r}" for k in (0, 1) for r in (0, 1)}
-    assert any(k.startswith("loop.stage1") for k in keys)   # equal copies (a stage's replicas) are written once
+    assert {".".join(k.split(".")[:2]) for k in keys if k.startswith("rng.")} == {
+        f"rng.stage{k}-r{r}" for k in (0, 1) for r in (0, 1)
+    }
+    assert any(k.startswith("loop.stage1") for k in keys)  # equal copies (a stage's replicas) are written once
     codes, summary, state, logs = run_pipeline(tmp_path, world_size=4, replicas=2, steps=10, resume=True)
     assert codes == [0] * 4, logs
     assert_close_state(state, ref)
@@ -115,12 +123,27 @@ def test_checkpoint_by_replica_zero_resumes_every_replica(tmp_path):
 def grid_profile(param_bytes: int, activation_bytes: int):
     """4 layers of 0.01 s forward + 0.02 s backward each, a batch of 32 samples."""
     from hpar.strategies.profile.profiler import LayerProfile, ParamProfile, Profile
-    params = [ParamProfile(f"{i}.weight", (param_bytes // 4,), param_bytes, False, 1.0, 1.0, False, layer=i)
-              for i in range(4)]
+
+    params = [
+        ParamProfile(f"{i}.weight", (param_bytes // 4,), param_bytes, False, 1.0, 1.0, False, layer=i) for i in range(4)
+    ]
     layers = [LayerProfile(str(i), 0.01, 0.02, 10**6, activation_bytes, param_bytes) for i in range(4)]
-    return Profile(params=tuple(params), layers=tuple(layers), batch_size=32, samples_per_batch=32, workers=4,
-                   is_sequential=True, sequential_reason="", compute_s=0.12, forward_s=0.04, backward_s=0.08,
-                   forward_flops=10**6, backward_flops=2 * 10**6, update_s_per_byte=1e-10, timing_batch_size=32)
+    return Profile(
+        params=tuple(params),
+        layers=tuple(layers),
+        batch_size=32,
+        samples_per_batch=32,
+        workers=4,
+        is_sequential=True,
+        sequential_reason="",
+        compute_s=0.12,
+        forward_s=0.04,
+        backward_s=0.08,
+        forward_flops=10**6,
+        backward_flops=2 * 10**6,
+        update_s_per_byte=1e-10,
+        timing_batch_size=32,
+    )
 
 
 def test_planner_places_replicas_or_stages_within_a_host_where_that_is_cheaper():
@@ -130,8 +153,10 @@ def test_planner_places_replicas_or_stages_within_a_host_where_that_is_cheaper()
     from hpar.strategies.plan.cluster import ClusterSpec
     from hpar.strategies.plan.estimates import estimate_pipeline
     from hpar.strategies.plan.costmodel_pipeline import estimate_grid
-    cluster = ClusterSpec(hosts=2, gpus_per_host=(2, 2), servers=2, bandwidth_Bps=1e9, latency_s=0.0,
-                          intra_host_Bps=1e10)
+
+    cluster = ClusterSpec(
+        hosts=2, gpus_per_host=(2, 2), servers=2, bandwidth_Bps=1e9, latency_s=0.0, intra_host_Bps=1e10
+    )
     heavy_params = grid_profile(100_000_000, 1000)
     est = estimate_grid(heavy_params, cluster, Grid(2, 2, "replicas-adjacent"), 2)
     # stage of 2 layers, a micro-batch of half the batch: 0.03 s + 500 B over the shared inter-host link
@@ -145,7 +170,7 @@ def test_planner_places_replicas_or_stages_within_a_host_where_that_is_cheaper()
     assert across.step_s == pytest.approx(3 * (0.03 + 500 / 1e10) + 2e8 / (1e9 / 2) + 2e8 * 1e-10, rel=1e-9)
     forced = estimate_pipeline(heavy_params, cluster, replicas=2)
     assert (forced.replicas, forced.layout) == (2, "replicas-adjacent")
-    assert estimate_pipeline(heavy_params, cluster).replicas == 1   # 200 MB stages: no replicas at all
+    assert estimate_pipeline(heavy_params, cluster).replicas == 1  # 200 MB stages: no replicas at all
     heavy_acts = grid_profile(1000, 100_000_000)
     assert estimate_pipeline(heavy_acts, cluster, replicas=2).layout == "stages-adjacent"
 
@@ -157,10 +182,22 @@ def test_profile_prints_a_k_by_r_pipeline_plan_for_wide_on_48_gpus(tmp_path):
     import json
     from click.testing import CliRunner
     from hpar.launcher.commands.profile import profile
+
     wide = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "wide.py")
     plan_out = tmp_path / "plan.json"
-    args = [wide, "--gpus", "48", "--hosts", "8x6", "--bandwidth", "100Gbps", "--device-tflops", "15",
-            "--timing-batch-size", "4"]
+    args = [
+        wide,
+        "--gpus",
+        "48",
+        "--hosts",
+        "8x6",
+        "--bandwidth",
+        "100Gbps",
+        "--device-tflops",
+        "15",
+        "--timing-batch-size",
+        "4",
+    ]
     res = CliRunner().invoke(profile, args + ["--json", "--plan-out", str(plan_out)])
     assert res.exit_code == 0, res.output
     pipe = next(c for c in json.loads(res.stdout)["candidates"] if c["strategy"] == "pipeline")
@@ -180,6 +217,7 @@ def grid_transcripts(schedule: str, grid: Grid, M: int, steps: int = 2) -> list[
     from test_pipeline_comm import Recorder
     from hpar.strategies.runtimes.pipeline.comm import P2P, Links
     from hpar.strategies.plan.schedules import is_synchronous, stage_ops, updates_after
+
     out = [None] * grid.size
     for rank in range(grid.size):
         k, r = grid.coords(rank)
@@ -236,6 +274,7 @@ def test_replicas_cannot_deadlock_and_messages_stay_within_a_replica(schedule):
     """tests/test_pipeline_comm.py's model (a dense send blocks until its receive is posted)
     over every worker of K x R grids, with the replica AllReduces as blocking collectives."""
     from test_pipeline_comm import replay
+
     for K, R, layout in itertools.product((2, 3, 4), (2, 3), ("stages-adjacent", "replicas-adjacent")):
         grid = Grid(K, R, layout)
         for M in (1, 2, 4):
@@ -261,10 +300,24 @@ def test_only_device_tensors_reach_nccl_groups_with_replicas(tmp_path):
     from support.nccl_emulation import child
     from hpar.strategies.job.config import RunConfig
     from hpar.strategies.plan.cluster import free_port
+
     (tmp_path / "job.py").write_text(SCRIPT)
-    cfg = RunConfig(script=str(tmp_path / "job.py"), strategy="pipeline", world_size=2, replicas=2, steps=3,
-                    batch_size=8, lr=0.1, seed=0, run_dir=str(tmp_path / "run"), device="cuda", log_every=1,
-                    eval=False, schedule="1f1b", micro_batches=2)
+    cfg = RunConfig(
+        script=str(tmp_path / "job.py"),
+        strategy="pipeline",
+        world_size=2,
+        replicas=2,
+        steps=3,
+        batch_size=8,
+        lr=0.1,
+        seed=0,
+        run_dir=str(tmp_path / "run"),
+        device="cuda",
+        log_every=1,
+        eval=False,
+        schedule="1f1b",
+        micro_batches=2,
+    )
     os.makedirs(cfg.run_dir)
     (tmp_path / "config.json").write_text(cfg.to_json())
     out = tmp_path / "out"

@@ -1,6 +1,7 @@
 """`hpar run --strategy pipeline --gpus 4` as 2 stages x 2 replicas through the real launcher
 (stdout to a file): the plan line, exit code, the trained model against one process on the
 concatenated batch, nothing left behind; and the one-line refusals of --pipeline-replicas."""
+
 import json
 import os
 import subprocess
@@ -20,8 +21,9 @@ def hpar_to_file(tmp_path, *args, timeout=240):
     """Run the real CLI with stdout and stderr to files; returns (exit code, stdout, stderr)."""
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with open(out, "w") as fo, open(err, "w") as fe:
-        code = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], stdout=fo, stderr=fe,
-                              timeout=timeout).returncode
+        code = subprocess.run(
+            [sys.executable, "-m", "hpar.launcher.cli", *args], stdout=fo, stderr=fe, timeout=timeout
+        ).returncode
     return code, out.read_text(), err.read_text()
 
 
@@ -30,9 +32,26 @@ def two_by_two(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("pipedp")
     script = write_script(tmp_path, TINY)
     run_dir = str(tmp_path / "run")
-    code, out, err = hpar_to_file(tmp_path, "run", script, "--gpus", "4", "--strategy", "pipeline",
-                                  "--pipeline-replicas", "2", "--steps", "6", "--batch-size", "8", "--lr", "0.1",
-                                  "--run-dir", run_dir, "--plain")
+    code, out, err = hpar_to_file(
+        tmp_path,
+        "run",
+        script,
+        "--gpus",
+        "4",
+        "--strategy",
+        "pipeline",
+        "--pipeline-replicas",
+        "2",
+        "--steps",
+        "6",
+        "--batch-size",
+        "8",
+        "--lr",
+        "0.1",
+        "--run-dir",
+        run_dir,
+        "--plain",
+    )
     return script, run_dir, code, out, err
 
 
@@ -54,6 +73,7 @@ def test_pipeline_two_stages_by_two_replicas_through_the_launcher(two_by_two):
     # the reported loss of the last step: the mean over both replicas = the loss of the concatenated batch
     ref5 = single_process_reference(script, world_size=2, steps=5, batch_size=8, lr=0.1)
     from hpar.strategies.job.contract import load_job
+
     job = load_job(script)
     model = job.build_model()
     model.load_state_dict(ref5)
@@ -72,25 +92,49 @@ def test_more_stages_than_layers_is_one_line_and_exit_2(tmp_path):
     before the planner profiles anything."""
     from click.testing import CliRunner
     from hpar.launcher.cli import main
+
     script = write_script(tmp_path, TINY)
     run_dir = tmp_path / "run"
-    res = CliRunner().invoke(main, ["run", script, "--strategy", "pipeline", "--gpus", "8", "--pipeline-replicas", "1",
-                                    "--run-dir", str(run_dir), "--plain"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "run",
+            script,
+            "--strategy",
+            "pipeline",
+            "--gpus",
+            "8",
+            "--pipeline-replicas",
+            "1",
+            "--run-dir",
+            str(run_dir),
+            "--plain",
+        ],
+    )
     assert res.exit_code == 2, res.output
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--pipeline-replicas 1: --gpus 8 / 1 = 8 stages, but the model has only 5 layers" in lines[0], res.stderr
+    assert (
+        len(lines) == 1
+        and "--pipeline-replicas 1: --gpus 8 / 1 = 8 stages, but the model has only 5 layers" in lines[0]
+    ), res.stderr
     assert not run_dir.exists() and not run_processes(str(run_dir))
 
 
 def test_replicas_flag_checks_before_planning(tmp_path):
     from hpar.strategies.plan.pipeline_grid import check_replicas_flag, plan_replicas, planner_replicas
     from hpar.strategies.job.contract import load_job
+
     model = load_job(write_script(tmp_path, TINY)).build_model()
-    with pytest.raises(ValueError, match="--pipeline-replicas 3: a pipeline plan is K stages x R replicas = --gpus 4; choose a divisor of 4"):
+    with pytest.raises(
+        ValueError,
+        match="--pipeline-replicas 3: a pipeline plan is K stages x R replicas = --gpus 4; choose a divisor of 4",
+    ):
         check_replicas_flag(3, 4, "pipeline", model)
     with pytest.raises(ValueError, match="--pipeline-replicas 2 applies to --strategy pipeline only, not allreduce"):
         check_replicas_flag(2, 4, "allreduce", model)
-    assert check_replicas_flag(2, 4, "auto", model) == "pipeline" and check_replicas_flag(None, 4, "auto", model) == "auto"
+    assert (
+        check_replicas_flag(2, 4, "auto", model) == "pipeline" and check_replicas_flag(None, 4, "auto", model) == "auto"
+    )
     with pytest.raises(ValueError, match="--pipeline-replicas 1 contradicts plan.json .2 replicas"):
         plan_replicas(Plan(replicas=2), 1, "plan.json")
     assert plan_replicas(Plan(), None, "plan.json") == 1
@@ -100,10 +144,20 @@ def test_replicas_flag_checks_before_planning(tmp_path):
 def test_plan_line_names_stages_replicas_and_layout():
     from hpar.strategies.plan.pipeline_grid import describe_plan
     from hpar.strategies.job.config import RunConfig
+
     args = dict(script="j.py", strategy="pipeline", steps=1, batch_size=8, lr=0.1, seed=0, run_dir="r")
-    cfg = RunConfig(**args, world_size=4, replicas=2, micro_batches=1,
-                    plan={"stages": [[0, 4], [4, 5]], "replicas": 2, "layout": "replicas-adjacent"})
-    assert describe_plan(cfg) == ("hpar: pipeline plan: 2 stages x 2 replicas (rank = k*R + r, replicas-adjacent), "
-                                  "layers [0, 4), [4, 5), 1 micro-batch per replica, schedule 1f1b")
-    assert describe_plan(RunConfig(**args, world_size=2, micro_batches=4)) == \
-        "hpar: pipeline plan: 2 stages, layers balanced on parameter counts, 4 micro-batches, schedule 1f1b"
+    cfg = RunConfig(
+        **args,
+        world_size=4,
+        replicas=2,
+        micro_batches=1,
+        plan={"stages": [[0, 4], [4, 5]], "replicas": 2, "layout": "replicas-adjacent"},
+    )
+    assert describe_plan(cfg) == (
+        "hpar: pipeline plan: 2 stages x 2 replicas (rank = k*R + r, replicas-adjacent), "
+        "layers [0, 4), [4, 5), 1 micro-batch per replica, schedule 1f1b"
+    )
+    assert (
+        describe_plan(RunConfig(**args, world_size=2, micro_batches=4))
+        == "hpar: pipeline plan: 2 stages, layers balanced on parameter counts, 4 micro-batches, schedule 1f1b"
+    )

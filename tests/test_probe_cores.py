@@ -1,5 +1,6 @@
 """The cores' worth this machine's workers get computing at once (strategies/plan/probe_cores.py)
 and how the cost model uses it (costmodel.cpu_share)."""
+
 import os
 
 import pytest
@@ -16,7 +17,7 @@ def test_the_probe_reads_between_one_and_the_cores_and_leaves_the_thread_count()
     got = probe_cores.effective_cores(max(cores, 2), rounds=3)
     assert got is not None and 1.0 <= got <= max(cores, 2)
     assert torch.get_num_threads() == threads
-    assert probe_cores.effective_cores(1) is None   # one core: nothing shared
+    assert probe_cores.effective_cores(1) is None  # one core: nothing shared
 
 
 def test_the_median_reading_is_kept_within_one_and_the_cores(monkeypatch):
@@ -42,6 +43,7 @@ def test_workers_compute_as_slowly_as_their_share_of_the_cores_worth(monkeypatch
     if torch.cuda.is_available():
         pytest.skip("this machine's workers would use its GPU")
     from hpar.launcher.run.cluster_build import build_cluster
+
     monkeypatch.setattr(probe_cores, "effective_cores", lambda cores=None, **kw: 1.25)
     c = build_cluster(3, None, None, "1Gbps", None, None)
     assert c.cores_per_host == 1.25 and cpu_share(c) == pytest.approx(3 / 1.25)

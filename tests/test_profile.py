@@ -1,4 +1,5 @@
 """Profiling a tiny real model: sparsity, layers, FLOPs, time, and the user's model untouched."""
+
 import textwrap
 import time
 
@@ -9,7 +10,7 @@ from hpar.strategies.job.contract import load_job
 from hpar.strategies.profile.layer_timing import pipeline_layers
 from hpar.strategies.profile.profiler import Profile, profile_job
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
     V = 500
@@ -37,7 +38,7 @@ SCRIPT = textwrap.dedent('''
 
     def loss(output, targets):
         return nn.functional.cross_entropy(output, targets)
-''')
+""")
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def test_profile_tiny_model(job):
     assert emb.union_alpha == pytest.approx(union, rel=1e-6)
     assert emb.union_for(1) == pytest.approx(alpha, rel=1e-6)
     assert sum(emb.row_mass) == pytest.approx(1.0, abs=1e-4)
-    assert prof.params[0].name == "emb.weight"          # sparse first
+    assert prof.params[0].name == "emb.weight"  # sparse first
     dense = [p for p in prof.params if not p.sparse]
     assert {p.name for p in dense} >= {"lstm.weight_ih_l0", "out.weight"}
     assert all(p.alpha == 1.0 for p in dense)
@@ -94,7 +95,8 @@ def test_profile_tiny_model(job):
 
 def test_dense_gradient_with_few_rows_is_detected_sparse(tmp_path):
     path = tmp_path / "rows.py"
-    path.write_text(textwrap.dedent('''
+    path.write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
         class Pick(nn.Module):
@@ -108,11 +110,12 @@ def test_dense_gradient_with_few_rows_is_detected_sparse(tmp_path):
             while True:
                 yield torch.randint(0, 1000, (batch_size, 2)), torch.zeros(batch_size, 4)
         def loss(o, t): return ((o - t) ** 2).mean()
-    '''))
+    """)
+    )
     prof = profile_job(load_job(str(path)), batch_size=4, workers=2, repeats=2)
     (table,) = prof.params
     assert table.sparse and not table.embedding_module
-    assert 0 < table.alpha <= 8 / 1000 + 1e-6   # 4 samples x 2 ids of 1000 rows
+    assert 0 < table.alpha <= 8 / 1000 + 1e-6  # 4 samples x 2 ids of 1000 rows
 
 
 def test_sequential_layers_are_the_top_level_children_and_hpar_layers_is_honoured():
@@ -126,17 +129,21 @@ def test_sequential_layers_are_the_top_level_children_and_hpar_layers_is_honoure
         def __init__(self):
             super().__init__()
             self.body = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+
         def forward(self, x):
             return self.body(x)
+
         def hpar_layers(self):
             return self.body
+
     layers, ok, _ = pipeline_layers(Wrapped())
     assert ok and [n for n, _ in layers] == ["body.0", "body.1"]
 
 
 def test_sequential_model_profile_and_timing_scale(tmp_path):
     path = tmp_path / "mlp.py"
-    path.write_text(textwrap.dedent('''
+    path.write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
         def model(): return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -144,16 +151,17 @@ def test_sequential_model_profile_and_timing_scale(tmp_path):
             while True:
                 yield torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))
         def loss(o, t): return nn.functional.cross_entropy(o, t)
-    '''))
+    """)
+    )
     job = load_job(str(path))
     full = profile_job(job, batch_size=16, workers=2, repeats=2)
     assert full.is_sequential and len(full.layers) == 3
-    assert full.layers[0].flops == 2 * 2 * 16 * 32 * 64   # fwd + grad weight (the input needs no grad)
-    assert full.layers[2].flops == 3 * 2 * 16 * 64 * 10   # fwd + grad input + grad weight
+    assert full.layers[0].flops == 2 * 2 * 16 * 32 * 64  # fwd + grad weight (the input needs no grad)
+    assert full.layers[2].flops == 3 * 2 * 16 * 64 * 10  # fwd + grad input + grad weight
     assert full.layers[2].activation_bytes == 16 * 10 * 4
     half = profile_job(job, batch_size=16, workers=2, repeats=2, timing_batch_size=8)
     assert half.timing_batch_size == 8
-    assert half.layers[0].flops == full.layers[0].flops     # scaled linearly from batch 8 to 16
+    assert half.layers[0].flops == full.layers[0].flops  # scaled linearly from batch 8 to 16
     assert half.layers[2].activation_bytes == full.layers[2].activation_bytes
     assert not any(p.sparse for p in full.params)
 
@@ -165,11 +173,12 @@ def test_bad_arguments(job):
 
 def test_update_probes_time_dense_and_sparse_steps_and_flag_optimizers_without_sparse_support(tmp_path):
     from hpar.strategies.profile.update import dense_update_cost, sparse_update_cost
+
     adagrad, adam = tmp_path / "adagrad.py", tmp_path / "adam.py"
     adagrad.write_text(SCRIPT + "\ndef optimizer(params):\n    return torch.optim.Adagrad(params, lr=0.1)\n")
     adam.write_text(SCRIPT + "\ndef optimizer(params):\n    return torch.optim.Adam(params, lr=0.1)\n")
     job_ada, job_adam = load_job(str(adagrad)), load_job(str(adam))
-    assert 0 < dense_update_cost(job_ada, 1 << 20) < 1e-6          # seconds per byte
+    assert 0 < dense_update_cost(job_ada, 1 << 20) < 1e-6  # seconds per byte
     per_byte = sparse_update_cost(job_ada, rows=5000, dim=16, alpha=0.02, workers=2)
     assert per_byte is not None and 0 < per_byte < 1e-5
     assert sparse_update_cost(job_adam, rows=5000, dim=16, alpha=0.02, workers=2) is None
@@ -192,6 +201,7 @@ class _Clock:
 @pytest.fixture
 def sleep_clock(monkeypatch):
     import time
+
     clock = _Clock()
     monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
     monkeypatch.setattr(time, "sleep", clock.sleep)
@@ -200,8 +210,9 @@ def sleep_clock(monkeypatch):
 
 def _sleeping_job(tmp_path, seconds: str):
     """The tiny script with ``time.sleep(<seconds>)`` added to its forward (``x`` is the input)."""
-    text = SCRIPT.replace("        return self.out(h[:, -1])",
-                          f"        time.sleep({seconds})\n        return self.out(h[:, -1])")
+    text = SCRIPT.replace(
+        "        return self.out(h[:, -1])", f"        time.sleep({seconds})\n        return self.out(h[:, -1])"
+    )
     assert text != SCRIPT
     path = tmp_path / "sleeping.py"
     path.write_text(text.replace("import torch\n", "import time\nimport torch\n", 1))
@@ -212,8 +223,11 @@ def test_per_tensor_probe_times_the_optimizers_step_per_parameter_tensor(tmp_pat
     """An optimizer whose step sleeps 1 ms per parameter tensor costs exactly 1 ms a tensor
     (the fake clock moves only with the sleeps); SGD's step costs a little per tensor."""
     from hpar.strategies.profile.update import per_tensor_update_cost
+
     sleepy = tmp_path / "sleepy.py"
-    sleepy.write_text(SCRIPT.replace("import torch\n", "import time\nimport torch\n", 1) + """
+    sleepy.write_text(
+        SCRIPT.replace("import torch\n", "import time\nimport torch\n", 1)
+        + """
 class Sleepy(torch.optim.SGD):
     def step(self, closure=None):
         for group in self.param_groups:
@@ -221,7 +235,8 @@ class Sleepy(torch.optim.SGD):
                 time.sleep(1e-3)
 def optimizer(params):
     return Sleepy(params, lr=0.1)
-""")
+"""
+    )
     assert per_tensor_update_cost(load_job(str(sleepy))) == pytest.approx(1e-3)
 
 
@@ -229,6 +244,7 @@ def test_timing_batch_stays_full_when_a_fixed_cost_dominates_a_small_batch(tmp_p
     """A step of 0.1 s whatever the batch (a sampled softmax's negatives, say) fits the 0.5 s
     budget at full batch; scaling a batch-1 step by 32 would have called it 3.2 s."""
     from hpar.strategies.profile.hooks import auto_timing_batch
+
     job = _sleeping_job(tmp_path, "0.1")
     assert auto_timing_batch(job, job.build_model(), 64, 1) == 64
 
@@ -236,9 +252,10 @@ def test_timing_batch_stays_full_when_a_fixed_cost_dominates_a_small_batch(tmp_p
 def test_fixed_share_separates_per_step_from_per_sample_cost(tmp_path, sleep_clock):
     """A step sleeping 0.06 s + 0.005 s per sample: at batch 16, 0.06 of its 0.14 s is fixed."""
     from hpar.strategies.profile.hooks import fixed_share
+
     job = _sleeping_job(tmp_path, "0.06 + 0.005 * x.shape[0]")
     assert fixed_share(job, job.build_model(), 16, 1) == pytest.approx(0.06 / 0.14, abs=0.08)
-    assert fixed_share(job, job.build_model(), 3, 1) == 0.0      # no quarter batch to compare with
+    assert fixed_share(job, job.build_model(), 3, 1) == 0.0  # no quarter batch to compare with
 
 
 DTYPE_SPY = """
@@ -262,7 +279,9 @@ def loss(o, t): return ((o.float() - t) ** 2).mean()
 """
 
 
-@pytest.mark.parametrize("precision, dtype", [(None, torch.bfloat16), ("fp32", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "precision, dtype", [(None, torch.bfloat16), ("fp32", torch.float32), ("bf16", torch.bfloat16)]
+)
 def test_forward_passes_are_timed_under_the_workers_precision(tmp_path, precision, dtype):
     """bf16 autocast on a CPU without bf16 units ran examples/lm.py 6-7x slower than fp32, so
     a profile timed in fp32 mispredicted its runs: the timed forwards use the run's
@@ -288,6 +307,7 @@ def test_fsdp_overhead_is_measured_on_copies_and_skipped_where_it_cannot_be(job,
     from hpar.strategies.plan.cluster import ClusterSpec
     from hpar.strategies.plan.costmodel_fsdp import estimate_fsdp
     from hpar.strategies.runtimes.dataparallel import fsdp_cost
+
     user_model = job.build_model()
     batches = [next(job.batches(0, 1, 4)) for _ in range(12)]
     cast = precision_context("fp32", "cpu")
@@ -301,8 +321,8 @@ def test_fsdp_overhead_is_measured_on_copies_and_skipped_where_it_cannot_be(job,
     finally:
         dist.destroy_process_group()
     prof = profile_job(job, batch_size=4, workers=2, repeats=2)
-    assert prof.fsdp_overhead_s is not None   # measured (its sign on 12 steps: above)
-    cluster = ClusterSpec(1, (2,), 1, 1e9, 0.0, cores_per_host=1.0)   # two workers on one core: twice the time
+    assert prof.fsdp_overhead_s is not None  # measured (its sign on 12 steps: above)
+    cluster = ClusterSpec(1, (2,), 1, 1e9, 0.0, cores_per_host=1.0)  # two workers on one core: twice the time
     base = estimate_fsdp(dataclasses.replace(prof, fsdp_overhead_s=None), cluster)
     charged = estimate_fsdp(dataclasses.replace(prof, fsdp_overhead_s=0.01), cluster)
     assert charged.step_s == pytest.approx(base.step_s + 0.02) and charged.breakdown["fsdp_own"] == pytest.approx(0.02)

@@ -1,4 +1,5 @@
 """`hpar profile` through click's CliRunner on tiny scripts (link figures from flags; one test runs the loopback probe)."""
+
 import re
 import json
 import os
@@ -10,7 +11,7 @@ from click.testing import CliRunner
 from hpar.launcher.commands.profile import profile
 from hpar.strategies.specs.decision import Plan
 
-LM = textwrap.dedent('''
+LM = textwrap.dedent("""
     import torch
     from torch import nn
     V = 5000
@@ -29,9 +30,9 @@ LM = textwrap.dedent('''
         while True:
             yield torch.randint(0, V, (batch_size, 5), generator=g), torch.randint(0, 3, (batch_size,), generator=g)
     def loss(o, t): return nn.functional.cross_entropy(o, t)
-''')
+""")
 
-MLP = textwrap.dedent('''
+MLP = textwrap.dedent("""
     import torch
     from torch import nn
     def model(): return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -39,7 +40,7 @@ MLP = textwrap.dedent('''
         while True:
             yield torch.randn(batch_size, 8), torch.randint(0, 2, (batch_size,))
     def loss(o, t): return nn.functional.cross_entropy(o, t)
-''')
+""")
 
 
 @pytest.fixture
@@ -51,8 +52,23 @@ def scripts(tmp_path):
 
 def test_json_output_and_plan_out(scripts):
     out = scripts / "plan.json"
-    res = CliRunner().invoke(profile, [str(scripts / "lm.py"), "--gpus", "4", "--hosts", "2x2", "--bandwidth", "1Gbps",
-                                       "--latency", "20us", "--json", "--plan-out", str(out)])
+    res = CliRunner().invoke(
+        profile,
+        [
+            str(scripts / "lm.py"),
+            "--gpus",
+            "4",
+            "--hosts",
+            "2x2",
+            "--bandwidth",
+            "1Gbps",
+            "--latency",
+            "20us",
+            "--json",
+            "--plan-out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     assert set(d) >= {"parameters", "layers", "candidates", "plan"}
@@ -61,15 +77,27 @@ def test_json_output_and_plan_out(scripts):
     assert d["parameters"][0]["name"] == "emb.weight"
     assert [l["name"] for l in d["layers"]] == ["emb", "mid", "out"]
     assert {c["strategy"] for c in d["candidates"] if " --compress " not in c["strategy"]} == {
-        "allreduce", "allreduce-sparse", "ps", "hybrid", "hybrid-cache", "pipeline", "fsdp",
-        "torchrec", "torchrec-tw", "torchrec-rw", "torchrec-cw"}   # TorchRec's rows: not runnable without its install
+        "allreduce",
+        "allreduce-sparse",
+        "ps",
+        "hybrid",
+        "hybrid-cache",
+        "pipeline",
+        "fsdp",
+        "torchrec",
+        "torchrec-tw",
+        "torchrec-rw",
+        "torchrec-cw",
+    }  # TorchRec's rows: not runnable without its install
     # --compress's rows beside the strategies with DDP's AllReduce, fewer bytes, never runnable unasked (issue 66)
     squeezed = {c["strategy"]: c for c in d["candidates"] if " --compress " in c["strategy"]}
     plain = {c["strategy"]: c for c in d["candidates"]}
     assert {"allreduce --compress fp16", "allreduce --compress powersgd:2"} <= set(squeezed)
-    assert all(not c["available"] and c["bytes_per_step"] < plain[name.split(" ")[0]]["bytes_per_step"]
-               for name, c in squeezed.items())
-    assert not next(c for c in d["candidates"] if c["strategy"] == "hybrid-cache")["available"]   # no --staleness
+    assert all(
+        not c["available"] and c["bytes_per_step"] < plain[name.split(" ")[0]]["bytes_per_step"]
+        for name, c in squeezed.items()
+    )
+    assert not next(c for c in d["candidates"] if c["strategy"] == "hybrid-cache")["available"]  # no --staleness
     assert all(c["predicted_step_s"] > 0 for c in d["candidates"] if c["strategy"] != "pipeline")
     assert d["cluster"]["workers"] == 4 and d["cluster"]["hosts"] == 2 and d["cluster"]["bandwidth_Bps"] == 1.25e8
     assert set(d["plan"]["placement"]) == {p["name"] for p in d["parameters"]}
@@ -79,23 +107,28 @@ def test_json_output_and_plan_out(scripts):
 
 
 def test_tables_and_projection(scripts):
-    res = CliRunner().invoke(profile, [str(scripts / "mlp.py"), "--gpus", "2", "--bandwidth", "10Gbps",
-                                       "--device-tflops", "10", "--batch-size", "8"])
+    res = CliRunner().invoke(
+        profile,
+        [str(scripts / "mlp.py"), "--gpus", "2", "--bandwidth", "10Gbps", "--device-tflops", "10", "--batch-size", "8"],
+    )
     assert res.exit_code == 0, res.output
     for text in ("Parameters", "Layers", "Candidates", "Plan:", "allreduce", "pipeline"):
         assert text in res.output
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--bandwidth", "fast"], "--bandwidth"),
-    (["--bandwidth", "1Gbps", "--latency", "5"], "--latency"),
-    (["--bandwidth", "1Gbps", "--gpus", "9", "--hosts", "2x2"], "--gpus"),
-    (["--bandwidth", "1Gbps", "--hosts", "a:b"], "--hosts"),
-    (["--bandwidth", "1Gbps", "--device-tflops", "-1"], "--device-tflops"),
-    (["--bandwidth", "1Gbps", "--hosts", "emulate:0"], "emulate:H"),
-    (["--bandwidth", "1Gbps", "--hosts", "emulate:4", "--gpus", "2"], "at least one GPU per host"),
-    (["--bandwidth", "1Gbps", "--hosts", "emulate:2", "--device-tflops", "15"], "--device-tflops"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--bandwidth", "fast"], "--bandwidth"),
+        (["--bandwidth", "1Gbps", "--latency", "5"], "--latency"),
+        (["--bandwidth", "1Gbps", "--gpus", "9", "--hosts", "2x2"], "--gpus"),
+        (["--bandwidth", "1Gbps", "--hosts", "a:b"], "--hosts"),
+        (["--bandwidth", "1Gbps", "--device-tflops", "-1"], "--device-tflops"),
+        (["--bandwidth", "1Gbps", "--hosts", "emulate:0"], "emulate:H"),
+        (["--bandwidth", "1Gbps", "--hosts", "emulate:4", "--gpus", "2"], "at least one GPU per host"),
+        (["--bandwidth", "1Gbps", "--hosts", "emulate:2", "--device-tflops", "15"], "--device-tflops"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(scripts, args, message):
     res = CliRunner().invoke(profile, [str(scripts / "mlp.py")] + args)
     assert res.exit_code == 2
@@ -112,34 +145,38 @@ def test_bad_script_exit_2(scripts):
 @pytest.mark.timeout(120)
 def test_local_cluster_is_probed_for_link_and_allreduce_figures():
     from hpar.launcher.run.cluster_build import build_cluster
+
     c = build_cluster(2, None, None, None, None, None)
     assert c.source == "probe" and c.hosts == 1 and c.workers == 2
     assert 0 < c.bandwidth_Bps < 1e12 and 0 <= c.latency_s < 0.1
     assert 0 < c.allreduce_Bps < 1e12 and c.collective_Bps == c.allreduce_Bps
     from hpar.strategies.plan.probe import probe_link
-    assert c.allgather_Bps is None   # one host: the AllGather is not probed (the model uses allreduce_Bps)
+
+    assert c.allgather_Bps is None  # one host: the AllGather is not probed (the model uses allreduce_Bps)
     assert 0 < probe_link(nbytes=1 << 20, pings=4, sends=2, allgather=True).allgather_Bps < 1e12
     # CPU workers sharing this machine's cores: a parameter-server request's CPU is measured too
     # ... and the cores' worth the workers get computing at once (probe_cores.py): at most the cores
     cores = os.cpu_count() or 1
     assert (1.0 <= c.cores_per_host <= cores if cores > 1 else c.cores_per_host == 1) and 1e-6 < c.request_cpu_s < 0.05
-    assert build_cluster(1, None, None, None, None, None).cores_per_host == cores   # one worker: not probed
-    assert build_cluster(2, None, None, "1Gbps", None, 100.0).request_cpu_s is None   # a projected GPU: not charged
+    assert build_cluster(1, None, None, None, None, None).cores_per_host == cores  # one worker: not probed
+    assert build_cluster(2, None, None, "1Gbps", None, 100.0).request_cpu_s is None  # a projected GPU: not charged
     # gloo's small collectives among the two workers: measured
-    assert all(0 < t < 0.5 for t in (c.allreduce_fixed_s, c.allgather_fixed_s, c.reduce_scatter_fixed_s,
-                                     c.sparse_round_s))
-    assert build_cluster(1, None, None, None, None, None).allreduce_fixed_s is None   # one worker: no collective
-    assert build_cluster(2, None, None, "1Gbps", None, 100.0).allreduce_fixed_s is None   # not this CPU's
+    assert all(
+        0 < t < 0.5 for t in (c.allreduce_fixed_s, c.allgather_fixed_s, c.reduce_scatter_fixed_s, c.sparse_round_s)
+    )
+    assert build_cluster(1, None, None, None, None, None).allreduce_fixed_s is None  # one worker: no collective
+    assert build_cluster(2, None, None, "1Gbps", None, 100.0).allreduce_fixed_s is None  # not this CPU's
 
 
 def test_collective_probe_times_each_kind_over_n_threads_and_refuses_what_it_cannot_measure():
     from hpar.strategies.plan.probe_collectives import MAX_ENDPOINTS, probe_collectives
     import threading
+
     before = threading.active_count()
     three = probe_collectives(3, reps=5, warm=1)
     assert three is not None and all(0 < t < 1.0 for t in three)
     assert probe_collectives(1) is None and probe_collectives(MAX_ENDPOINTS + 1) is None
-    assert threading.active_count() <= before + 1   # its endpoints' threads have ended
+    assert threading.active_count() <= before + 1  # its endpoints' threads have ended
 
 
 def rank0_of_three_threads(probe, limit_s: float) -> float:
@@ -148,13 +185,15 @@ def rank0_of_three_threads(probe, limit_s: float) -> float:
     (checked to lie in (0, ``limit_s``)), which this returns."""
     import threading
     from hpar.strategies.plan.cluster import free_port
+
     port, out = free_port(), {}
 
     def rank(r):
         try:
             out[r] = probe("127.0.0.1", port, r, 3)
-        except Exception as exc:   # reported below
+        except Exception as exc:  # reported below
             out[r] = exc
+
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
     for t in threads:
         t.start()
@@ -171,16 +210,18 @@ def test_gradient_exchange_probe_times_a_jobs_tables_and_dense_buckets_in_flight
     rows) and a dense bucket between them: rank 0 gets the mean seconds of the exchange; more
     rows, or a larger dense bucket, take longer."""
     from hpar.strategies.plan.probe import probe_gradient_exchange
+
     exchange = lambda items: lambda *where: probe_gradient_exchange(*where, items, reps=2, timeout_s=60)
     small = rank0_of_three_threads(exchange([[4, 8, 100], [64], [2, 8, 50]]), 5.0)
-    assert rank0_of_three_threads(exchange([[20_000, 256, 40_000], [64], [2, 8, 50]]), 5.0) > small   # 20 MB a rank
-    assert rank0_of_three_threads(exchange([[4, 8, 100], [5_000_000], [2, 8, 50]]), 5.0) > small   # 20 MB dense
+    assert rank0_of_three_threads(exchange([[20_000, 256, 40_000], [64], [2, 8, 50]]), 5.0) > small  # 20 MB a rank
+    assert rank0_of_three_threads(exchange([[4, 8, 100], [5_000_000], [2, 8, 50]]), 5.0) > small  # 20 MB dense
 
 
 @pytest.mark.timeout(120)
 def test_sparse_round_probe_times_gloos_sparse_allreduce_over_all_ranks():
     """probe_sparse_round: rank 0 gets the mean seconds of a one-row sparse AllReduce."""
     from hpar.strategies.plan.probe import probe_sparse_round
+
     rank0_of_three_threads(lambda *where: probe_sparse_round(*where, reps=4, timeout_s=60), 1.0)
 
 
@@ -196,18 +237,38 @@ def test_profile_of_the_benchs_emulated_cluster_picks_hybrid_for_the_lm(tmp_path
     import os
     import subprocess
     import sys
+
     lm = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "lm.py")
     out = tmp_path / "profile.json"
     with open(out, "w") as f:
-        res = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "profile", lm, "--gpus", "8", "--hosts",
-                              "emulate:8", "--bandwidth", "10mbit", "--precision", "fp32", "--json"],
-                             stdout=f, stderr=subprocess.PIPE, text=True, timeout=170)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hpar.launcher.cli",
+                "profile",
+                lm,
+                "--gpus",
+                "8",
+                "--hosts",
+                "emulate:8",
+                "--bandwidth",
+                "10mbit",
+                "--precision",
+                "fp32",
+                "--json",
+            ],
+            stdout=f,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=170,
+        )
     assert res.returncode == 0, res.stderr
     d = json.loads(out.read_text())
     c = d["cluster"]
     assert c["hosts"] == 8 and c["gpus_per_host"] == [1] * 8 and c["bandwidth_Bps"] == pytest.approx(1.25e6)
     assert c["cores_per_host"] == pytest.approx((os.cpu_count() or 1) / 8)
-    assert 1e-6 < c["request_cpu_s"] < 0.05   # measured; its charge is in the PS strategies' breakdown
+    assert 1e-6 < c["request_cpu_s"] < 0.05  # measured; its charge is in the PS strategies' breakdown
     hybrid = next(x for x in d["candidates"] if x["strategy"] == "hybrid")
     assert hybrid["breakdown"]["requests"] > 0
     assert d["plan"]["strategy"] == "hybrid"
@@ -224,12 +285,18 @@ def test_profile_on_one_worker_says_nothing_is_exchanged(tmp_path):
     import subprocess
     import sys
     import psutil
+
     zoo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo", "tied_lm.py")
     out = tmp_path / "stdout.txt"
-    before = set(psutil.Process().children(recursive=True))   # other tests' fixtures (sshd, Slurm) may own some
+    before = set(psutil.Process().children(recursive=True))  # other tests' fixtures (sshd, Slurm) may own some
     with open(out, "w") as f:
-        res = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "profile", zoo, "--gpus", "1"],
-                             stdout=f, stderr=subprocess.PIPE, text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-m", "hpar.launcher.cli", "profile", zoo, "--gpus", "1"],
+            stdout=f,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     assert res.returncode == 0, res.stderr
     plan = next(line for line in out.read_text().splitlines() if line.startswith("Plan: "))
     assert plan.startswith("Plan: allreduce: one worker, so no gradient is exchanged"), plan
@@ -247,16 +314,24 @@ def test_profile_measures_the_local_collectives_and_fsdps_own_work_and_charges_t
     import subprocess
     import sys
     import psutil
+
     zoo = os.path.join(os.path.dirname(__file__), "zoo", "encoder.py")
     out = tmp_path / "stdout.json"
     before = set(psutil.Process().children(recursive=True))
     with open(out, "w") as f:
-        res = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "profile", zoo, "--gpus", "2", "--json"],
-                             stdout=f, stderr=subprocess.PIPE, text=True, timeout=150)
+        res = subprocess.run(
+            [sys.executable, "-m", "hpar.launcher.cli", "profile", zoo, "--gpus", "2", "--json"],
+            stdout=f,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=150,
+        )
     assert res.returncode == 0, res.stderr
     d = json.loads(out.read_text())
-    fixed = {k: d["cluster"][k] for k in ("allreduce_fixed_s", "allgather_fixed_s", "reduce_scatter_fixed_s",
-                                          "sparse_round_s")}
+    fixed = {
+        k: d["cluster"][k]
+        for k in ("allreduce_fixed_s", "allgather_fixed_s", "reduce_scatter_fixed_s", "sparse_round_s")
+    }
     assert d["cluster"]["source"] == "probe" and all(0 < t < 0.5 for t in fixed.values()), fixed
     # the cores' worth two workers get computing at once, measured (probe_cores.py): 1 to the cores
     assert 1.0 <= d["cluster"]["cores_per_host"] <= max(os.cpu_count() or 1, 1)
@@ -278,6 +353,7 @@ def test_a_slow_data_pipeline_and_the_served_tables_dedup_are_in_every_predictio
     import subprocess
     import sys
     import psutil
+
     script = tmp_path / "slow_data.py"
     slow = LM.replace("    while True:\n", "    while True:\n        __import__('time').sleep(0.01)\n")
     assert slow != LM
@@ -285,20 +361,39 @@ def test_a_slow_data_pipeline_and_the_served_tables_dedup_are_in_every_predictio
     out = tmp_path / "stdout.json"
     before = set(psutil.Process().children(recursive=True))
     with open(out, "w") as f:
-        res = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "profile", str(script), "--gpus", "2",
-                              "--hosts", "2x1", "--bandwidth", "1Gbps", "--latency", "20us", "--json"],
-                             stdout=f, stderr=subprocess.PIPE, text=True, timeout=120)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hpar.launcher.cli",
+                "profile",
+                str(script),
+                "--gpus",
+                "2",
+                "--hosts",
+                "2x1",
+                "--bandwidth",
+                "1Gbps",
+                "--latency",
+                "20us",
+                "--json",
+            ],
+            stdout=f,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     assert res.returncode == 0, res.stderr
     d = json.loads(out.read_text())
     assert 0.009 < d["profile"]["data_s"] < 0.1
-    assert 0 < d["profile"]["update_s_per_tensor"] < 1e-3   # the optimizer's step per parameter tensor
+    assert 0 < d["profile"]["update_s_per_tensor"] < 1e-3  # the optimizer's step per parameter tensor
     emb = next(p for p in d["parameters"] if p["name"] == "emb.weight")
     assert emb["dedup_s"] > 0
     for c in d["candidates"]:
         if c["available"]:
             assert c["breakdown"]["data"] >= d["profile"]["data_s"], c["strategy"]
     hybrid = next(c for c in d["candidates"] if c["strategy"] == "hybrid")
-    assert hybrid["breakdown"]["lookup"] >= emb["dedup_s"]     # the table is on the servers
+    assert hybrid["breakdown"]["lookup"] >= emb["dedup_s"]  # the table is on the servers
     assert set(psutil.Process().children(recursive=True)) - before == set()
 
 
@@ -312,6 +407,7 @@ def test_request_probe_runs_hpars_own_client_and_server_and_leaves_nothing_behin
     import threading
     import torch
     from hpar.strategies.runtimes.hybrid.request_probe import probe_requests
+
     threads, before = torch.get_num_threads(), set(threading.enumerate())
     assert 1e-6 < probe_requests(steps=30, rounds=2) < 0.05
     assert torch.get_num_threads() == threads
@@ -323,15 +419,34 @@ def test_backward_per_layer_is_shown_only_where_the_layers_compose_the_model(scr
     whose forward has its own code between modules (not a sequence) gets `-` per layer and the
     step's whole backward in a line, never one module charged another's backward."""
     from conftest import hpar_to_file
-    code, out = hpar_to_file(tmp_path / "lm.out", "profile", str(scripts / "lm.py"), "--gpus", "2",
-                             "--bandwidth", "10Gbps", "--batch-size", "8")
+
+    code, out = hpar_to_file(
+        tmp_path / "lm.out",
+        "profile",
+        str(scripts / "lm.py"),
+        "--gpus",
+        "2",
+        "--bandwidth",
+        "10Gbps",
+        "--batch-size",
+        "8",
+    )
     assert code == 0, out
     rows = [l for l in out.splitlines() if re.match(r"^\s*│\s*\d+\s*│", l)]
-    layer_rows = [r for r in rows if r.count("│") == 8]   # the layer table: 7 columns
+    layer_rows = [r for r in rows if r.count("│") == 8]  # the layer table: 7 columns
     assert layer_rows and all(r.split("│")[4].strip() == "-" for r in layer_rows), out
     assert re.search(r"backward: \d+\.\d\d ms in all; per layer only for a sequence of layers", out), out
-    code, out = hpar_to_file(tmp_path / "mlp.out", "profile", str(scripts / "mlp.py"), "--gpus", "2",
-                             "--bandwidth", "10Gbps", "--batch-size", "8")
+    code, out = hpar_to_file(
+        tmp_path / "mlp.out",
+        "profile",
+        str(scripts / "mlp.py"),
+        "--gpus",
+        "2",
+        "--bandwidth",
+        "10Gbps",
+        "--batch-size",
+        "8",
+    )
     assert code == 0 and "in all; per layer only" not in out, out
     layer_rows = [r for r in out.splitlines() if re.match(r"^\s*│\s*\d+\s*│", r) and r.count("│") == 8]
     assert layer_rows and all(r.split("│")[4].strip().endswith(" ms") for r in layer_rows), out

@@ -1,5 +1,6 @@
 """Unit tests of the parameter-server shard: row layout and the sparse optimizers against
 torch.optim on dense tensors (no processes)."""
+
 import pytest
 import torch
 
@@ -8,8 +9,10 @@ from hpar.strategies.runtimes.hybrid.shard import ParamShard, RowLayout, table_v
 from hpar.strategies.job.optimizer_rules import OptimizerSpec, spec_from_group
 
 
-@pytest.mark.parametrize("rows,parts,servers,first", [(10, 1, 1, 0), (10, 3, 2, 0), (7, 7, 3, 2), (100, 5, 2, 1),
-                                                      (5, 2, 4, 0), (5, 2, 4, 3), (12, 1, 4, 2)])
+@pytest.mark.parametrize(
+    "rows,parts,servers,first",
+    [(10, 1, 1, 0), (10, 3, 2, 0), (7, 7, 3, 2), (100, 5, 2, 1), (5, 2, 4, 0), (5, 2, 4, 3), (12, 1, 4, 2)],
+)
 def test_layout_covers_every_row_once(rows, parts, servers, first):
     lay = RowLayout.make(rows, parts, servers, first)
     held = [lay.server_rows(s) for s in range(servers)]
@@ -30,7 +33,7 @@ def test_layout_clamps_partitions_and_round_robin():
 def test_layout_starts_at_its_first_server_and_fewer_partitions_use_fewer_servers():
     """ps_tables gives table t first server t % S: a table kept whole (P = 1) lives on one
     server, and partitions go round-robin from the first server on."""
-    whole = RowLayout.make(12, 1, 4, first_server=6)     # 6 % 4
+    whole = RowLayout.make(12, 1, 4, first_server=6)  # 6 % 4
     assert whole.first_server == 2
     assert [whole.server_rows(s).numel() for s in range(4)] == [0, 0, 12, 0]
     assert torch.equal(whole.local_index(2, torch.tensor([11, 0, 5])), torch.tensor([11, 0, 5]))
@@ -82,7 +85,9 @@ OPTIMIZERS = {
     "nesterov_damp": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.02),
     "dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.7, dampening=0.3),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.3),
-    "adagrad_opts": lambda p: torch.optim.Adagrad(p, lr=0.3, lr_decay=0.1, initial_accumulator_value=0.2, weight_decay=0.01),
+    "adagrad_opts": lambda p: torch.optim.Adagrad(
+        p, lr=0.3, lr_decay=0.1, initial_accumulator_value=0.2, weight_decay=0.01
+    ),
     "adam": lambda p: torch.optim.Adam(p, lr=0.01),
     "adam_wd": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, betas=(0.8, 0.95)),
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
@@ -152,9 +157,11 @@ def test_state_dict_round_trip_continues_identically():
 
 def test_unsupported_optimizers_raise_value_error():
     p = [torch.nn.Parameter(torch.zeros(2))]
-    for opt, match in [(torch.optim.RMSprop(p), "RMSprop"),
-                       (torch.optim.Adam(p, amsgrad=True), "amsgrad"),
-                       (torch.optim.SGD(p, lr=0.1, maximize=True), "maximize")]:
+    for opt, match in [
+        (torch.optim.RMSprop(p), "RMSprop"),
+        (torch.optim.Adam(p, amsgrad=True), "amsgrad"),
+        (torch.optim.SGD(p, lr=0.1, maximize=True), "maximize"),
+    ]:
         with pytest.raises(ValueError, match=match):
             spec_from_group(opt, opt.param_groups[0])
     with pytest.raises(ValueError, match="sparse_optimizer"):
@@ -167,7 +174,7 @@ def test_a_steps_pushes_are_summed_in_the_workers_order_whatever_their_arrival(m
     arrive made a run differ from its repeat in the last bits. Summed by sender, it does not."""
     g = torch.Generator().manual_seed(3)
     pushes = [(w, torch.randint(0, 50, (20,), generator=g).unique(), None) for w in range(5)]
-    pushes = [(w, ids, torch.randn(ids.numel(), 4, generator=g) * 10 ** w) for w, ids, _ in pushes]
+    pushes = [(w, ids, torch.randn(ids.numel(), 4, generator=g) * 10**w) for w, ids, _ in pushes]
     got = []
     for order in ([0, 1, 2, 3, 4], [3, 0, 4, 2, 1], [4, 3, 2, 1, 0]):
         sh = ParamShard(torch.zeros(50, 4), OptimizerSpec("sgd", lr=1.0, mode=mode))

@@ -1,5 +1,6 @@
 """The parameter server's wire format between two real gloo processes: requests carried in
 one message and requests too large for it, sent in parts, decode to the same tensors."""
+
 import contextlib
 import multiprocessing as mp
 import os
@@ -31,6 +32,7 @@ def _gloo(rank: int, port: int, world_size: int):
     """This spawned child as ``rank`` of a gloo group of ``world_size`` on 127.0.0.1:``port``
     (one CPU thread); a barrier, then the group is destroyed, on leaving the block."""
     import torch.distributed as dist
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -61,8 +63,19 @@ def _child(rank: int, port: int, out):
                 req = inbox.next()
                 ids = inbox.take(req, (req.n,), torch.int64) if req.op in (ps_wire.PULL, ps_wire.PUSH) else None
                 rows = inbox.take(req, (req.n, dim), torch.float32) if req.op == ps_wire.PUSH else None
-                got.append((req.src, req.op, req.tid, req.n, req.step, req.count, req.inline,
-                            None if ids is None else ids.tolist(), None if rows is None else rows.tolist()))
+                got.append(
+                    (
+                        req.src,
+                        req.op,
+                        req.tid,
+                        req.n,
+                        req.step,
+                        req.count,
+                        req.inline,
+                        None if ids is None else ids.tolist(),
+                        None if rows is None else rows.tolist(),
+                    )
+                )
             out.put(got)  # plain lists: a tensor would share memory with a process about to exit
 
 
@@ -107,8 +120,8 @@ def test_encode_puts_payload_behind_the_header():
     msg, separate = ps_wire.encode(ps_wire.PUSH, 4, 3, 9, 1, (ids, rows))
     assert separate == []
     assert msg.numel() == ps_wire.HEADER_BYTES + 3 * 8 + 3 * 2 * 4
-    assert msg[:ps_wire.HEADER_BYTES].view(torch.int64).tolist() == [ps_wire.PUSH, 4, 3, 9, 1, 1]
-    assert torch.equal(msg[ps_wire.HEADER_BYTES:ps_wire.HEADER_BYTES + 24].view(torch.int64), ids)
+    assert msg[: ps_wire.HEADER_BYTES].view(torch.int64).tolist() == [ps_wire.PUSH, 4, 3, 9, 1, 1]
+    assert torch.equal(msg[ps_wire.HEADER_BYTES : ps_wire.HEADER_BYTES + 24].view(torch.int64), ids)
     big, separate = ps_wire.encode(ps_wire.PUSH, 4, 3, 9, 1, (ids, rows), inline_max=8)
     assert big.numel() == ps_wire.HEADER_BYTES and big.view(torch.int64)[-1] == 0
     assert [torch.equal(a, b) for a, b in zip(separate, (ids, rows))] == [True, True]
@@ -118,18 +131,21 @@ def _inbox_child(rank: int, port: int, out, go):
     """Ranks 0 and 1 are workers, rank 2 a server taking one request with one receive posted
     per worker."""
     import threading
+
     with _gloo(rank, port, 3):
         if rank < 2:
             isend = ps_wire.p2p()[0]
             first = isend(ps_wire.encode(ps_wire.PULL, 0, 0, 0, 1, ())[0], 2, ps_wire.TAG_REQUEST)
-            done = threading.Event()   # (a gloo send's is_completed() stays False until wait())
+            done = threading.Event()  # (a gloo send's is_completed() stays False until wait())
             waiter = threading.Thread(target=lambda: (first.wait(), done.set()), daemon=True)
             waiter.start()
             out.put(("sent", rank, done.wait(5.0)))
-            go.wait(60)       # the server took one request and waited for both reports
+            go.wait(60)  # the server took one request and waited for both reports
             waiter.join(60)
-            later = [isend(ps_wire.encode(op, 0, 0, step, 1, ())[0], 2, ps_wire.TAG_REQUEST)
-                     for op, step in ((ps_wire.PUSH, 1), (ps_wire.DONE, 2), (ps_wire.FINISH, 3))]
+            later = [
+                isend(ps_wire.encode(op, 0, 0, step, 1, ())[0], 2, ps_wire.TAG_REQUEST)
+                for op, step in ((ps_wire.PUSH, 1), (ps_wire.DONE, 2), (ps_wire.FINISH, 3))
+            ]
             for w in later:
                 w.wait()
         else:
@@ -138,7 +154,7 @@ def _inbox_child(rank: int, port: int, out, go):
             go.wait(60)
             while len(got) < 8:
                 got.append(inbox.next())
-            inbox.close()   # its waiting threads end before the group is destroyed (else gloo may abort)
+            inbox.close()  # its waiting threads end before the group is destroyed (else gloo may abort)
             out.put(("server", [(r.src, r.step) for r in got], inbox.posted()))
 
 
@@ -162,11 +178,12 @@ def test_a_server_takes_every_workers_first_request_at_once():
 def _lost_child(rank: int, port: int, out):
     """Rank 0 a worker that sends one request and dies; rank 1 a server waiting for more."""
     import torch.distributed as dist
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     if rank == 0:
         ps_wire.p2p()[0](ps_wire.encode(ps_wire.PULL, 0, 0, 0, 1, ())[0], 1, ps_wire.TAG_REQUEST).wait()
-        os._exit(0)   # no FINISH, no goodbye: the connection closes under the server
+        os._exit(0)  # no FINISH, no goodbye: the connection closes under the server
     inbox = ps_wire.Inbox(1, 4)
     first = inbox.next()
     try:
@@ -175,8 +192,8 @@ def _lost_child(rank: int, port: int, out):
     except RuntimeError as exc:
         out.put((first.op, type(exc).__name__))
     out.close()
-    out.join_thread()   # the queue's feeder thread delivers before the hard exit
-    os._exit(0)         # (the group cannot be left cleanly: its peer is gone)
+    out.join_thread()  # the queue's feeder thread delivers before the hard exit
+    os._exit(0)  # (the group cannot be left cleanly: its peer is gone)
 
 
 def test_a_server_whose_worker_is_lost_raises_instead_of_waiting():
@@ -196,15 +213,14 @@ def _owed_child(rank: int, port: int, out):
         if rank < 2:
             isend = ps_wire.p2p()[0]
             sends = [(ps_wire.PULL, 0)] + [(ps_wire.DONE, step) for step in range(3)] + [(ps_wire.FINISH, 0)]
-            for work in [isend(ps_wire.encode(op, 0, 0, step, 1, ())[0], 2, ps_wire.TAG_REQUEST)
-                         for op, step in sends]:
+            for work in [isend(ps_wire.encode(op, 0, 0, step, 1, ())[0], 2, ps_wire.TAG_REQUEST) for op, step in sends]:
                 work.wait()
         else:
             inbox = ps_wire.Inbox(2, 8, steps=3)
             got, most = [], 0
             while len(got) < 10:
                 got.append(inbox.next())
-                most = max(most, inbox.posted() + 1)   # posted when this one was taken
+                most = max(most, inbox.posted() + 1)  # posted when this one was taken
             out.put(([(r.src, r.op, r.step) for r in got], most, inbox.posted()))
 
 
@@ -218,7 +234,12 @@ def test_a_server_posts_as_many_receives_as_the_workers_still_owe():
         order, most, left_posted = out.get(timeout=60)
     for rank in (0, 1):
         assert [(op, step) for src, op, step in order if src == rank] == [
-            (ps_wire.PULL, 0), (ps_wire.DONE, 0), (ps_wire.DONE, 1), (ps_wire.DONE, 2), (ps_wire.FINISH, 0)]
+            (ps_wire.PULL, 0),
+            (ps_wire.DONE, 0),
+            (ps_wire.DONE, 1),
+            (ps_wire.DONE, 2),
+            (ps_wire.FINISH, 0),
+        ]
     assert 2 < most <= 6 and left_posted == 0
 
 
@@ -231,13 +252,23 @@ def _early_child(rank: int, port: int, out, sent):
     from hpar.strategies.job.config import RunConfig
     from hpar.strategies.runtimes.hybrid.client import PSClient, ps_tables
     from hpar.strategies.runtimes.hybrid.ps_server import Server
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(8, 2))
     tables = ps_tables(model, torch.optim.SGD(model.parameters(), lr=0.1), "hybrid", Plan(), 1)
     with _gloo(rank, port, 3):
         if rank == 2:
-            cfg = RunConfig(script="<test>", strategy="hybrid", world_size=2, steps=2, batch_size=1, lr=0.1,
-                            seed=0, run_dir="", log_every=2)
+            cfg = RunConfig(
+                script="<test>",
+                strategy="hybrid",
+                world_size=2,
+                steps=2,
+                batch_size=1,
+                lr=0.1,
+                seed=0,
+                run_dir="",
+                log_every=2,
+            )
             server = Server(cfg, tables, model, 0, 2)
             server.serve()
             out.put(("server", server.shards[0].weight.tolist(), server.table_step[0]))
@@ -253,7 +284,7 @@ def _early_child(rank: int, port: int, out, sent):
                 w.wait()
         else:
             sent.wait(60)
-            time.sleep(0.5)   # the server has taken worker 1's push of step 1 by now
+            time.sleep(0.5)  # the server has taken worker 1's push of step 1 by now
             for w in client.push(table, torch.tensor([2]), ones, 0) + client.done(0):
                 w.wait()
             out.put(("pulled", client.pull(table, torch.tensor([1, 2]), 1).tolist()))

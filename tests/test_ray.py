@@ -4,6 +4,7 @@ CLI: the cluster read into the planner, hybrid training and a 2-stage pipeline e
 process (over Ray Client), a torchrun-style script, the launcher SIGKILLed, and a node's raylet
 SIGKILLed mid-run (the run resumes on the two nodes left). One cluster for the module (Ray starts slowly on 2 cores);
 the raylet test runs last since it takes a node away."""
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.netns]
 
 # A torchrun-style script: joins the group itself, AllReduces its rank, says where it runs;
 # with --hold it then waits (for the launcher's SIGKILL)
-TORCHRUN = '''
+TORCHRUN = """
 import os, socket, sys, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank() + 1)])
@@ -37,7 +38,7 @@ if "--hold" in sys.argv:
     time.sleep(600)
 dist.barrier()
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,15 @@ def cluster():
 def on_head(cluster, out, *args: str, timeout: float = 200) -> tuple[int, str]:
     """``hpar ARGS`` as a driver on the head node (``--hosts ray``, RAY_ADDRESS), output to ``out``."""
     with open(out, "w") as f:
-        code = subprocess.run(cluster.on_head(sys.executable, "-m", "hpar.launcher.cli", *args), stdout=f,
-                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout, cwd=ROOT,
-                              env=cluster.env()).returncode
+        code = subprocess.run(
+            cluster.on_head(sys.executable, "-m", "hpar.launcher.cli", *args),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=timeout,
+            cwd=ROOT,
+            env=cluster.env(),
+        ).returncode
     return code, open(out).read()
 
 
@@ -59,8 +66,13 @@ def test_without_ray_hosts_ray_is_one_line(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('No module named ray')\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "noray") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-m", "hpar.launcher.cli", "profile", RECSYS, "--hosts", "ray"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpar.launcher.cli", "profile", RECSYS, "--hosts", "ray"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == ["hpar: --hosts ray: Ray is not installed here; pip install 'hpar[ray]'"]
 
@@ -77,8 +89,14 @@ def test_the_node_table_becomes_hosts_and_bundles_pin_processes_to_them():
     from hpar.launcher.hosts.ray_nodes import node_hosts
     from hpar.launcher.procs.local import ProcessSpec
     from hpar.launcher.procs.ray_actor import bundle
-    nodes = [_node("10.0.0.10"), _node("10.0.0.9", gpus=4), _node("10.0.0.2", cpus=0), _node("10.0.0.3", alive=False),
-             _node("10.0.0.11")]
+
+    nodes = [
+        _node("10.0.0.10"),
+        _node("10.0.0.9", gpus=4),
+        _node("10.0.0.2", cpus=0),
+        _node("10.0.0.3", alive=False),
+        _node("10.0.0.11"),
+    ]
     hosts = node_hosts(nodes, here="10.0.0.11")
     assert [(h.name, h.slots, h.gpus) for h in hosts] == [("10.0.0.11", 1, 0), ("10.0.0.9", 4, 4), ("10.0.0.10", 1, 0)]
     assert not any(h.is_local for h in hosts)
@@ -96,8 +114,17 @@ def profiled(cluster, tmp_path_factory):
     """``hpar profile --hosts ray`` on the head node: (exit code, output, the plan file), the plan
     the runs below start from (so they do not profile again)."""
     where = tmp_path_factory.mktemp("profile")
-    code, out = on_head(cluster, where / "profile.log", "profile", RECSYS, "--hosts", "ray",
-                        "--plan-out", str(where / "plan.json"), timeout=110)
+    code, out = on_head(
+        cluster,
+        where / "profile.log",
+        "profile",
+        RECSYS,
+        "--hosts",
+        "ray",
+        "--plan-out",
+        str(where / "plan.json"),
+        timeout=110,
+    )
     return code, out, str(where / "plan.json")
 
 
@@ -114,19 +141,39 @@ def test_profile_plans_from_the_ray_clusters_nodes(profiled):
 def test_hybrid_over_ray_client_equals_one_process(cluster, profiled, tmp_path, reap_run):
     run_dir = tmp_path / "run"
     reap_run(str(run_dir))
-    code, out = hpar_to_file(tmp_path / "run.log", "run", RECSYS, "--hosts", cluster.client, "--gpus", "3",
-                             "--plan", profiled[2], "--steps", "4", "--batch-size", "16", "--lr", "0.1",
-                             "--no-eval", "--plain", "--run-dir", str(run_dir), timeout=190, cwd=ROOT)
+    code, out = hpar_to_file(
+        tmp_path / "run.log",
+        "run",
+        RECSYS,
+        "--hosts",
+        cluster.client,
+        "--gpus",
+        "3",
+        "--plan",
+        profiled[2],
+        "--steps",
+        "4",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.1",
+        "--no-eval",
+        "--plain",
+        "--run-dir",
+        str(run_dir),
+        timeout=190,
+        cwd=ROOT,
+    )
     assert code == 0, out[-4000:]
     nodes = cluster.made.addresses
-    assert f"rendezvous at {nodes[0]}:" in out   # rank 0's node as Ray reports it, not the driver's
-    for index, address in enumerate(nodes):   # a worker and a parameter server on every node
+    assert f"rendezvous at {nodes[0]}:" in out  # rank 0's node as Ray reports it, not the driver's
+    for index, address in enumerate(nodes):  # a worker and a parameter server on every node
         assert f"[{address} worker {index}] step 4/4" in out, out[-3000:]
         assert f"[{address} server {index}] step 4/4" in out, out[-3000:]
     got = final_state(run_dir)
     want = single_process_reference(RECSYS, 3, 4, 16, 0.1)
     assert got.keys() == want.keys()
-    for k in want:   # Adagrad divides by the root of small sums, whose order differs: 1e-5 of 1e-1 rows
+    for k in want:  # Adagrad divides by the root of small sums, whose order differs: 1e-5 of 1e-1 rows
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     assert ray_cluster.run_leftovers(cluster, wait=5) == {}
     assert ray_cluster.live_placement_groups(cluster) == []
@@ -136,25 +183,54 @@ def test_hybrid_over_ray_client_equals_one_process(cluster, profiled, tmp_path, 
 def test_launch_runs_a_torchrun_script_and_a_killed_launcher_leaves_nothing(cluster, tmp_path, reap_run):
     script = write_script(tmp_path, TORCHRUN, "train.py")
     reap_run(str(tmp_path / "run"))
-    code, out = on_head(cluster, tmp_path / "launch.log", "launch", "--hosts", "ray", "--gpus", "3", "--plain",
-                        "--run-dir", str(tmp_path / "run"), script, timeout=120)
+    code, out = on_head(
+        cluster,
+        tmp_path / "launch.log",
+        "launch",
+        "--hosts",
+        "ray",
+        "--gpus",
+        "3",
+        "--plain",
+        "--run-dir",
+        str(tmp_path / "run"),
+        script,
+        timeout=120,
+    )
     assert code == 0, out[-3000:]
     nodes = cluster.made.addresses
     for rank, address in enumerate(nodes):
         assert f"[{address} rank {rank}] rank {rank}/3 sum 6 master {nodes[0]} gloo eth0" in out, out[-3000:]
     # the launcher SIGKILLed while every rank holds: Ray kills its actors, the guards stop their groups
     log = open(tmp_path / "hold.log", "w")
-    proc = subprocess.Popen(cluster.on_head(sys.executable, "-m", "hpar.launcher.cli", "launch", "--hosts", "ray",
-                                            "--gpus", "3", "--plain", "--run-dir", str(tmp_path / "hold"),
-                                            script, "--hold"),
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=cluster.env())
+    proc = subprocess.Popen(
+        cluster.on_head(
+            sys.executable,
+            "-m",
+            "hpar.launcher.cli",
+            "launch",
+            "--hosts",
+            "ray",
+            "--gpus",
+            "3",
+            "--plain",
+            "--run-dir",
+            str(tmp_path / "hold"),
+            script,
+            "--hold",
+        ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=cluster.env(),
+    )
     reap_run(str(tmp_path / "hold"))
     try:
         deadline = time.monotonic() + 90
         while open(tmp_path / "hold.log").read().count(" sum 6 ") < 3:
             assert time.monotonic() < deadline and proc.poll() is None, open(tmp_path / "hold.log").read()[-3000:]
             time.sleep(0.5)
-        os.kill(proc.pid, signal.SIGKILL)   # ip netns exec execs the launcher itself
+        os.kill(proc.pid, signal.SIGKILL)  # ip netns exec execs the launcher itself
         proc.wait()
         killed = time.monotonic()
         assert ray_cluster.run_leftovers(cluster, marker=script.encode(), wait=15) == {}
@@ -163,6 +239,7 @@ def test_launch_runs_a_torchrun_script_and_a_killed_launcher_leaves_nothing(clus
         if proc.poll() is None:
             proc.kill()
     from hpar.launcher.procs.ray_actor import HEARTBEAT_S
+
     assert gone < HEARTBEAT_S + 5, f"left {gone:.1f} s after the launcher's SIGKILL"
 
 
@@ -172,12 +249,32 @@ def test_pipeline_stages_on_two_nodes_equal_one_process(cluster, tmp_path, reap_
     (each rank its node's bundle), trained equal to one process on the same batches."""
     script, run_dir = write_script(tmp_path), tmp_path / "run"
     reap_run(str(run_dir))
-    code, out = hpar_to_file(tmp_path / "run.log", "run", script, "--hosts", cluster.client, "--gpus", "2",
-                             "--strategy", "pipeline", "--schedule", "1f1b", "--micro-batches", "2", "--steps", "4",
-                             "--no-eval", "--plain", "--run-dir", str(run_dir), timeout=140, cwd=ROOT)
+    code, out = hpar_to_file(
+        tmp_path / "run.log",
+        "run",
+        script,
+        "--hosts",
+        cluster.client,
+        "--gpus",
+        "2",
+        "--strategy",
+        "pipeline",
+        "--schedule",
+        "1f1b",
+        "--micro-batches",
+        "2",
+        "--steps",
+        "4",
+        "--no-eval",
+        "--plain",
+        "--run-dir",
+        str(run_dir),
+        timeout=140,
+        cwd=ROOT,
+    )
     assert code == 0, out[-4000:]
     nodes = cluster.made.addresses
-    for rank in range(2):   # stage k on node k: the plan's placement held by the bundles
+    for rank in range(2):  # stage k on node k: the plan's placement held by the bundles
         assert f"[{nodes[rank]} worker {rank}] step 4/4" in out, out[-3000:]
     got, want = final_state(run_dir), single_process_reference(script, 1, 4, 8, 0.1)
     assert got.keys() == want.keys()
@@ -193,12 +290,43 @@ def test_raylet_sigkilled_mid_run_names_the_node_and_resumes_on_the_rest(cluster
     reap_run(str(run_dir))
     stall = 20
     with open(log, "w") as f:
-        proc = subprocess.Popen(cluster.on_head(sys.executable, "-m", "hpar.launcher.cli", "run", RECSYS, "--hosts", "ray",
-                                                "--gpus", "3", "--plan", profiled[2], "--steps", "60", "--batch-size", "16",
-                                                "--checkpoint-every", "20", "--log-every", "2", "--max-restarts", "1", "--min-hosts", "2",
-                                                "--stall-timeout", str(stall), "--no-eval", "--plain",
-                                                "--run-dir", str(run_dir)),
-                                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=cluster.env())
+        proc = subprocess.Popen(
+            cluster.on_head(
+                sys.executable,
+                "-m",
+                "hpar.launcher.cli",
+                "run",
+                RECSYS,
+                "--hosts",
+                "ray",
+                "--gpus",
+                "3",
+                "--plan",
+                profiled[2],
+                "--steps",
+                "60",
+                "--batch-size",
+                "16",
+                "--checkpoint-every",
+                "20",
+                "--log-every",
+                "2",
+                "--max-restarts",
+                "1",
+                "--min-hosts",
+                "2",
+                "--stall-timeout",
+                str(stall),
+                "--no-eval",
+                "--plain",
+                "--run-dir",
+                str(run_dir),
+            ),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=cluster.env(),
+        )
     lost = cluster.made.addresses[2]
     try:
         deadline = time.monotonic() + 120

@@ -2,6 +2,7 @@
 damaged checkpoints, the stalled rank named with its stack and everything gone within
 stall-timeout + 5 s, start-up and evaluate not taken for stalls, early exits named, processes
 in new sessions stopped, one-line errors for bad input."""
+
 import json
 import os
 import shutil
@@ -20,10 +21,15 @@ pytestmark = [pytest.mark.multiprocess]
 SHORT = TINY.replace('"steps": 20', '"steps": 6').replace('"log_every": 5', '"log_every": 2')
 
 # rank 1 hangs in data() at its 30th batch (alive: its heartbeats go on), or a test SIGSTOPs it
-HANG = TINY.replace('HPAR = {"steps": 20', 'import os, time\nHPAR = {"steps": 100000').replace(
-    '"log_every": 5', '"log_every": 2').replace(
-    "    for _ in range(10_000):\n", "    for n in range(10_000):\n        time.sleep(0.05)\n"
-    "        if rank == 1 and n == HANG_AT:\n            time.sleep(1000)\n")
+HANG = (
+    TINY.replace('HPAR = {"steps": 20', 'import os, time\nHPAR = {"steps": 100000')
+    .replace('"log_every": 5', '"log_every": 2')
+    .replace(
+        "    for _ in range(10_000):\n",
+        "    for n in range(10_000):\n        time.sleep(0.05)\n"
+        "        if rank == 1 and n == HANG_AT:\n            time.sleep(1000)\n",
+    )
+)
 
 
 def run_cli(tmp_path, *args, name="out.txt", timeout=180):
@@ -40,12 +46,25 @@ def test_resume_after_the_final_checkpoint_and_from_a_damaged_one(tmp_path, reap
     script = write_script(tmp_path, SHORT)
     run_dir = str(tmp_path / "run")
     reap_run(run_dir)
-    code, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--strategy", "allreduce", "--checkpoint-every", "3",
-                        "--run-dir", run_dir, "--plain", name="first.txt")
+    code, out = run_cli(
+        tmp_path,
+        "run",
+        script,
+        "--gpus",
+        "2",
+        "--strategy",
+        "allreduce",
+        "--checkpoint-every",
+        "3",
+        "--run-dir",
+        run_dir,
+        "--plain",
+        name="first.txt",
+    )
     assert code == 0, out
     first = json.load(open(os.path.join(run_dir, "summary.json")))
     model = final_state(run_dir)
-    junk = os.path.join(run_dir, "checkpoints", ".tmp-k1lled_x")   # mkstemp's shape: ".tmp-" and 8 characters
+    junk = os.path.join(run_dir, "checkpoints", ".tmp-k1lled_x")  # mkstemp's shape: ".tmp-" and 8 characters
     open(junk, "wb").write(b"x" * 1000)
 
     # 1. resume a run that ended with its final checkpoint: nothing left to train, same result
@@ -62,7 +81,9 @@ def test_resume_after_the_final_checkpoint_and_from_a_damaged_one(tmp_path, reap
     # 2. killed after its last checkpoint, before its final model (so not finished), and the newest
     # checkpoint is truncated: its checksum fails, resume falls back to step 3
     shutil.rmtree(os.path.join(run_dir, "model"))
-    part = os.path.join(run_dir, "checkpoints", "step-6", "__0_0.distcp")   # worker 0's file (torch.distributed.checkpoint)
+    part = os.path.join(
+        run_dir, "checkpoints", "step-6", "__0_0.distcp"
+    )  # worker 0's file (torch.distributed.checkpoint)
     data = open(part, "rb").read()
     open(part, "wb").write(data[: len(data) - 10])
     code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--plain", name="fallback.txt")
@@ -88,8 +109,21 @@ def test_hybrid_resume_after_the_final_checkpoint(tmp_path, reap_run):
     script = write_script(tmp_path, embed_script(steps=4))
     run_dir = str(tmp_path / "run")
     reap_run(run_dir)
-    code, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--strategy", "hybrid", "--checkpoint-every", "2",
-                        "--run-dir", run_dir, "--plain", name="first.txt")
+    code, out = run_cli(
+        tmp_path,
+        "run",
+        script,
+        "--gpus",
+        "2",
+        "--strategy",
+        "hybrid",
+        "--checkpoint-every",
+        "2",
+        "--run-dir",
+        run_dir,
+        "--plain",
+        name="first.txt",
+    )
     assert code == 0, out
     first = json.load(open(os.path.join(run_dir, "summary.json")))
     model = final_state(run_dir)
@@ -97,14 +131,19 @@ def test_hybrid_resume_after_the_final_checkpoint(tmp_path, reap_run):
     # written as one ShardedTensor of the table's shape with a shard per partition
     from torch.distributed.checkpoint import FileSystemReader
     from hpar.strategies.state.checkpoint import step_dir
+
     table = FileSystemReader(step_dir(run_dir, 4)).read_metadata().state_dict_metadata["model.emb.weight"]
     assert tuple(table.size) == (1000, 8) and len(table.chunks) == 64
-    shutil.rmtree(os.path.join(run_dir, "model"))   # killed after its final checkpoint: resumed at its last step
+    shutil.rmtree(os.path.join(run_dir, "model"))  # killed after its final checkpoint: resumed at its last step
     code, out = run_cli(tmp_path, "run", "--resume", run_dir, "--plain", name="resume.txt")
     assert code == 0, out
     assert "Traceback" not in out
     again = json.load(open(os.path.join(run_dir, "summary.json")))
-    assert again["exit_code"] == 0 and again["loss_first"] == first["loss_first"] and again["loss_last"] == first["loss_last"]
+    assert (
+        again["exit_code"] == 0
+        and again["loss_first"] == first["loss_first"]
+        and again["loss_last"] == first["loss_last"]
+    )
     assert state_equal(final_state(run_dir), model)
 
 
@@ -119,9 +158,27 @@ def _start_hanging(tmp_path, hang_at: int, stall: float):
     script = write_script(tmp_path, HANG.replace("HANG_AT", str(hang_at)))
     run_dir = str(tmp_path / "run")
     out = open(tmp_path / "out.txt", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", "2", "--strategy",
-                             "allreduce", "--run-dir", run_dir, "--plain", "--no-eval", "--stall-timeout", str(stall)],
-                            stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpar.launcher.cli",
+            "run",
+            script,
+            "--gpus",
+            "2",
+            "--strategy",
+            "allreduce",
+            "--run-dir",
+            run_dir,
+            "--plain",
+            "--no-eval",
+            "--stall-timeout",
+            str(stall),
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
     return proc, run_dir
 
 
@@ -179,9 +236,9 @@ def test_ctrl_c_on_a_hung_run_prints_every_stack_first(tmp_path, reap_run):
     try:
         metrics = os.path.join(run_dir, "metrics.jsonl")
         steps = lambda: open(metrics).read().count('"kind":"metric"') if os.path.exists(metrics) else 0
-        assert wait_for(lambda: steps() >= 20, 120)     # rank 1 hangs after 25 batches (one was the check)
+        assert wait_for(lambda: steps() >= 20, 120)  # rank 1 hangs after 25 batches (one was the check)
         count, since = steps(), time.monotonic()
-        while time.monotonic() - since < 7:               # no new step for 7 s: hung
+        while time.monotonic() - since < 7:  # no new step for 7 s: hung
             time.sleep(0.5)
             if steps() != count:
                 count, since = steps(), time.monotonic()
@@ -197,7 +254,8 @@ def test_ctrl_c_on_a_hung_run_prints_every_stack_first(tmp_path, reap_run):
 
 SLOW_START = SHORT.replace("def evaluate(model):", "def evaluate(model):\n    import time; time.sleep(4)").replace(
     "        yield x, x.sum(1, keepdim=True)",
-    "        x = x[:6] if rank == 1 else x\n        yield x, x.sum(1, keepdim=True)")
+    "        x = x[:6] if rank == 1 else x\n        yield x, x.sum(1, keepdim=True)",
+)
 
 
 @pytest.mark.timeout(200)
@@ -208,69 +266,115 @@ def test_startup_and_evaluate_are_not_stalls_and_unequal_batches_are_named(tmp_p
     script = write_script(tmp_path, SLOW_START)
     run_dir = str(tmp_path / "run")
     reap_run(run_dir)
-    code, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--strategy", "allreduce", "--run-dir", run_dir,
-                        "--plain", "--stall-timeout", "2", "--phase-timeout", "60", "--allow-unequal-batches")
+    code, out = run_cli(
+        tmp_path,
+        "run",
+        script,
+        "--gpus",
+        "2",
+        "--strategy",
+        "allreduce",
+        "--run-dir",
+        run_dir,
+        "--plain",
+        "--stall-timeout",
+        "2",
+        "--phase-timeout",
+        "60",
+        "--allow-unequal-batches",
+    )
     assert code == 0, out
     assert out.count("workers draw batches of different sizes (worker 0: 8, worker 1: 6)") == 1, out
     assert not run_processes(run_dir)
 
 
-EARLY_EXIT = SHORT.replace('"steps": 6', '"steps": 1000').replace("def model():", '''def model():
+EARLY_EXIT = (
+    SHORT.replace('"steps": 6', '"steps": 1000')
+    .replace(
+        "def model():",
+        """def model():
     import os, subprocess
     if os.environ.get("RANK") == "0":   # a helper in a session of its own, as some user code starts
         subprocess.Popen(["sleep", "1000"], start_new_session=True)
     return _model()
-def _model():''').replace("        yield x, x.sum(1, keepdim=True)", '''        if rank == 1 and _ == 5:
+def _model():""",
+    )
+    .replace(
+        "        yield x, x.sum(1, keepdim=True)",
+        """        if rank == 1 and _ == 5:
             import sys; sys.exit(0)
-        yield x, x.sum(1, keepdim=True)''')
+        yield x, x.sum(1, keepdim=True)""",
+    )
+)
 
 
 @pytest.mark.timeout(200)
 def test_worker_exiting_0_early_is_named_and_new_session_children_are_stopped(tmp_path, reap_run):
     script = write_script(tmp_path, EARLY_EXIT)
     run_dir = str(tmp_path / "run")
-    reap_run(run_dir)   # finds the `sleep` too (it inherits HPAR_CONFIG)
-    code, out = run_cli(tmp_path, "run", script, "--gpus", "2", "--strategy", "allreduce", "--run-dir", run_dir,
-                        "--plain", "--no-eval")
+    reap_run(run_dir)  # finds the `sleep` too (it inherits HPAR_CONFIG)
+    code, out = run_cli(
+        tmp_path, "run", script, "--gpus", "2", "--strategy", "allreduce", "--run-dir", run_dir, "--plain", "--no-eval"
+    )
     assert code == 1, out
     assert "worker 1 on localhost failed: exited with code 0 before the end of training" in out, out
     assert wait_for(lambda: not run_processes(run_dir), 10), [p.cmdline() for p in run_processes(run_dir)]
 
 
-@pytest.mark.parametrize("body, code, announced, stderr", [
-    ("return 0", 0, True, ""), ("sys.exit(0)", 0, False, ""), ("sys.exit()", 0, False, ""),
-    ("sys.exit(3)", 3, False, ""), ("sys.exit('bye')", 1, False, "bye"),
-], ids=["returns-0", "exit-0", "exit-none", "exit-3", "exit-message"])
+@pytest.mark.parametrize(
+    "body, code, announced, stderr",
+    [
+        ("return 0", 0, True, ""),
+        ("sys.exit(0)", 0, False, ""),
+        ("sys.exit()", 0, False, ""),
+        ("sys.exit(3)", 3, False, ""),
+        ("sys.exit('bye')", 1, False, "bye"),
+    ],
+    ids=["returns-0", "exit-0", "exit-none", "exit-3", "exit-message"],
+)
 def test_a_sys_exit_in_the_users_code_ends_the_worker_with_its_code_unannounced(body, code, announced, stderr):
     """workers/worker.run_entry: a SystemExit out of the worker's main (the user's ``sys.exit()``
     mid-training) ends the process at once with its code and no ``exit`` event, so the launcher
     reports an early exit; through interpreter finalization, with gloo's threads alive, it
     aborted now and then (SIGABRT) and the launcher reported a crash instead."""
-    prog = ("import atexit, sys\nfrom hpar.workers.worker import run_entry\n"
-            "atexit.register(lambda: print('finalized', flush=True))\n"
-            f"def main():\n    {body}\nrun_entry(main, 'hpar', ())\n")
+    prog = (
+        "import atexit, sys\nfrom hpar.workers.worker import run_entry\n"
+        "atexit.register(lambda: print('finalized', flush=True))\n"
+        f"def main():\n    {body}\nrun_entry(main, 'hpar', ())\n"
+    )
     out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=120)
     assert out.returncode == code, out.stderr
-    assert "finalized" not in out.stdout    # ended at once, as a finished worker does (report.exit_process)
+    assert "finalized" not in out.stdout  # ended at once, as a finished worker does (report.exit_process)
     from hpar.workers.report import parse
+
     events = [parse(line) for line in out.stdout.splitlines()]
     assert (("event", {"kind": "exit", "code": 0}) in events) == announced, out.stdout
     assert stderr in out.stderr
 
 
-@pytest.mark.parametrize("text, args, message", [
-    ("import sys\nsys.exit(0)\n", (), "the script called sys.exit(0) while being imported"),
-    (SHORT.replace("x = torch.randn(batch_size, 4, generator=g)", "x = torch.empty(batch_size, 1 << 40)"),
-     ("--batch-size", "100000"), "data() raised RuntimeError while producing a batch"),
-    (SHORT.replace("    g = torch.Generator", "    raise KeyError('shard')\n    g = torch.Generator"), (),
-     "data() raised KeyError while producing a batch: 'shard'"),
-], ids=["sys-exit-at-import", "huge-batch", "data-raises"])
+@pytest.mark.parametrize(
+    "text, args, message",
+    [
+        ("import sys\nsys.exit(0)\n", (), "the script called sys.exit(0) while being imported"),
+        (
+            SHORT.replace("x = torch.randn(batch_size, 4, generator=g)", "x = torch.empty(batch_size, 1 << 40)"),
+            ("--batch-size", "100000"),
+            "data() raised RuntimeError while producing a batch",
+        ),
+        (
+            SHORT.replace("    g = torch.Generator", "    raise KeyError('shard')\n    g = torch.Generator"),
+            (),
+            "data() raised KeyError while producing a batch: 'shard'",
+        ),
+    ],
+    ids=["sys-exit-at-import", "huge-batch", "data-raises"],
+)
 def test_bad_scripts_are_one_line_and_exit_2(tmp_path, text, args, message):
     script = write_script(tmp_path, text)
     res = hpar("run", script, "--run-dir", str(tmp_path / "run"), *args)
     assert res.returncode == 2, res.stdout + res.stderr
     first = res.stderr.splitlines()[0]
-    assert first.startswith(f"hpar: {script}") and message in first, first   # FILE: or FILE:LINE:
+    assert first.startswith(f"hpar: {script}") and message in first, first  # FILE: or FILE:LINE:
     assert not (tmp_path / "run").exists()
 
 
@@ -279,7 +383,10 @@ def test_run_dir_that_is_a_file_and_malformed_plan_stages(tmp_path):
     (tmp_path / "taken").write_text("a file")
     res = hpar("run", script, "--run-dir", str(tmp_path / "taken"))
     assert res.returncode == 2
-    assert res.stderr.splitlines()[0] == f"hpar: --run-dir {tmp_path / 'taken'}: is a file, not a directory; pick a new directory name"
+    assert (
+        res.stderr.splitlines()[0]
+        == f"hpar: --run-dir {tmp_path / 'taken'}: is a file, not a directory; pick a new directory name"
+    )
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"strategy": "pipeline", "stages": [[0, "x"], [3, 5]]}))
     res = hpar("run", script, "--gpus", "2", "--plan", str(plan), "--run-dir", str(tmp_path / "run"))
@@ -294,6 +401,7 @@ def test_run_dir_that_is_a_file_and_malformed_plan_stages(tmp_path):
 @pytest.fixture(scope="module")
 def one_host():
     from support import netns_hosts
+
     yield from netns_hosts.make_hosts(1)
 
 
@@ -302,18 +410,37 @@ def one_host():
 def test_unknown_host_keys_refused_by_default_and_recorded_with_accept_new(one_host, tmp_path):
     from hpar.launcher.hosts.hostfile import Host
     from hpar.launcher.procs.ssh import SSHError, SSHOptions, connect
+
     script = write_script(tmp_path, SHORT)
     address = one_host.addresses[0]
     known = tmp_path / "known_hosts"
     hosts_file = tmp_path / "hosts.txt"
     hosts_file.write_text(f"root@{address}:22 slots=2\n")
-    base = ("run", script, "--hosts", str(hosts_file), "--gpus", "1", "--strategy", "allreduce", "--steps", "2",
-            "--no-eval", "--plain", "--ssh-key", one_host.key, "--ssh-known-hosts", str(known))
+    base = (
+        "run",
+        script,
+        "--hosts",
+        str(hosts_file),
+        "--gpus",
+        "1",
+        "--strategy",
+        "allreduce",
+        "--steps",
+        "2",
+        "--no-eval",
+        "--plain",
+        "--ssh-key",
+        one_host.key,
+        "--ssh-known-hosts",
+        str(known),
+    )
     # 1. not in known_hosts (here: no file at all): refused, one line naming the host and the fix
     code, out = run_cli(tmp_path, *base, "--run-dir", str(tmp_path / "run1"), name="refused.txt")
     assert code == 2, out
     line = [x for x in out.splitlines() if x.startswith("hpar: ")][-1]
-    assert "preflight failed" in line and address in line and "host key is not in" in line and "--ssh-accept-new" in line, line
+    assert (
+        "preflight failed" in line and address in line and "host key is not in" in line and "--ssh-accept-new" in line
+    ), line
     assert not known.exists() and not (tmp_path / "run1").exists()
     # 2. --ssh-accept-new records it and the run goes ahead; the next run checks against it
     code, out = run_cli(tmp_path, *base, "--ssh-accept-new", "--run-dir", str(tmp_path / "run2"), name="accepted.txt")
@@ -321,14 +448,16 @@ def test_unknown_host_keys_refused_by_default_and_recorded_with_accept_new(one_h
     recorded = known.read_text().split()
     assert recorded[0] == address and recorded[1] == "ssh-ed25519"
     opts = SSHOptions(key=one_host.key, known_hosts=str(known), connect_timeout=5, retries=0)
-    connect(Host(address, user="root"), opts).close()   # known now: no flag needed
+    connect(Host(address, user="root"), opts).close()  # known now: no flag needed
     # 3. a different key on record for the host: refused even with --ssh-accept-new
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
     other = (tmp_path / "other.pub").read_text().split()
     known.write_text(f"{address} {other[0]} {other[1]}\n")
     with pytest.raises(SSHError, match="host key differs"):
-        connect(Host(address, user="root"), SSHOptions(key=one_host.key, known_hosts=str(known), accept_new=True,
-                                                       connect_timeout=5, retries=0))
+        connect(
+            Host(address, user="root"),
+            SSHOptions(key=one_host.key, known_hosts=str(known), accept_new=True, connect_timeout=5, retries=0),
+        )
 
 
 DUMP_WAITING = """Thread 0x00007f5a1c5ff640 (most recent call first):
@@ -349,17 +478,23 @@ DUMP_ELSEWHERE = """Current thread 0x00007f5a2a6a4740 (most recent call first):
 
 def test_stack_summary_groups_processes_and_finds_the_one_elsewhere():
     from hpar.launcher.run import stacks
-    lines, odd = stacks.summarize({"worker 0": DUMP_WAITING, "worker 2": DUMP_WAITING, "worker 1": DUMP_ELSEWHERE},
-                                  {"server 0": "stopped (SIGSTOP?)"})
-    assert lines == ["  worker 0, worker 2: in torch.distributed: all_reduce (distributed_c10d.py:2501) <- allreduce.py:120 train",
-                     "  worker 1: elsewhere: data (train.py:14) <- job.py:124 _user_items",
-                     "  server 0: no stack (stopped (SIGSTOP?))"]
+
+    lines, odd = stacks.summarize(
+        {"worker 0": DUMP_WAITING, "worker 2": DUMP_WAITING, "worker 1": DUMP_ELSEWHERE},
+        {"server 0": "stopped (SIGSTOP?)"},
+    )
+    assert lines == [
+        "  worker 0, worker 2: in torch.distributed: all_reduce (distributed_c10d.py:2501) <- allreduce.py:120 train",
+        "  worker 1: elsewhere: data (train.py:14) <- job.py:124 _user_items",
+        "  server 0: no stack (stopped (SIGSTOP?))",
+    ]
     assert odd == ["worker 1"]
     assert stacks.summarize({"worker 0": DUMP_ELSEWHERE}, {})[1] == [], "nobody waits: nobody is odd"
 
 
 def test_health_blames_the_silent_process_not_its_waiting_peer(monkeypatch):
     from hpar.launcher.run import health
+
     clock = [1000.0]
     monkeypatch.setattr(health.time, "monotonic", lambda: clock[0])
     h = health.Health(["w0", "w1"], ["worker", "worker"], total_steps=100, stall_timeout=5)
@@ -367,32 +502,35 @@ def test_health_blames_the_silent_process_not_its_waiting_peer(monkeypatch):
         h.line(key)
         h.heartbeat(key, {"at_step": 0})
         h.phase(key, "train")
-    clock[0] += 3.0                       # start-up is no stall, however long the first step takes
+    clock[0] += 3.0  # start-up is no stall, however long the first step takes
     assert h.stalled(["w0", "w1"]) == []
     for key in ("w0", "w1"):
         h.line(key)
         h.heartbeat(key, {"at_step": 7})
     clock[0] += 1.0
     h.line("w0")
-    h.heartbeat("w0", {"at_step": 7})     # w0 alive, waiting; w1 went silent (SIGSTOP)
+    h.heartbeat("w0", {"at_step": 7})  # w0 alive, waiting; w1 went silent (SIGSTOP)
     clock[0] += 4.5
     h.line("w0")
-    stalled = h.stalled(["w0", "w1"])   # w0's step stopped too (it waits for w1): the silent one comes first
+    stalled = h.stalled(["w0", "w1"])  # w0's step stopped too (it waits for w1): the silent one comes first
     assert stalled[0] == ("w1", "stalled: silent for 5 s (--stall-timeout), the process is frozen or stopped")
-    h.phase("w1", "evaluate")             # nobody steps while rank 0 evaluates
+    h.phase("w1", "evaluate")  # nobody steps while rank 0 evaluates
     clock[0] += 100
     h.line("w0"), h.line("w1")
     assert h.stalled(["w0", "w1"]) == []
-    h.state["w1"].exited_cleanly = True   # it announced exit code 0: leaving, however slowly it goes
-    clock[0] += 10                        # silent for twice --stall-timeout
+    h.state["w1"].exited_cleanly = True  # it announced exit code 0: leaving, however slowly it goes
+    clock[0] += 10  # silent for twice --stall-timeout
     assert h.stalled(["w1"]) == []
     clock[0] += health.EXIT_GRACE_S
-    assert ("w1", f"stalled: still running {health.EXIT_GRACE_S:.0f} s after it announced its exit") in h.stalled(["w1"])
+    assert ("w1", f"stalled: still running {health.EXIT_GRACE_S:.0f} s after it announced its exit") in h.stalled(
+        ["w1"]
+    )
 
 
 def test_usable_step_falls_back_past_a_damaged_checkpoint(tmp_path):
     from hpar.strategies.state import checkpoint
     from hpar.strategies.state import state
+
     run_dir = str(tmp_path)
     for step in (2, 4):
         state.save(run_dir, step, {"model.w": torch.full((100,), float(step))})

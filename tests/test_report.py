@@ -1,4 +1,5 @@
 """The worker-to-launcher line protocol and the heartbeat's process figures."""
+
 import time
 
 from hpar.workers import report
@@ -29,6 +30,7 @@ def test_logged_figures_are_shown_cut_to_their_width():
     """The script's log() figures with a progress report: `name value` pairs, 4 significant
     digits, cut with "..." past LOGGED_WIDTH (metrics.jsonl keeps them whole)."""
     from hpar.launcher.run.progress import LOGGED_WIDTH, logged_text
+
     assert logged_text({"acc": 0.912345, "lr": 1e-4}) == "acc 0.9123 lr 0.0001"
     assert logged_text(None) == "" and logged_text({}) == ""
     many = logged_text({f"metric_{i}": i / 3 for i in range(20)})

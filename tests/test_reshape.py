@@ -7,6 +7,7 @@ process trained on the old shape's batches up to the checkpoint, then on the new
 the resumed run within float tolerance. Through the real CLI, stdout to a file, no process
 left.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.multiprocess
 
 # Adam with a schedule: its moments, step counts and the schedule's position cross the resume;
 # hpar_layers() for the pipeline (an embedding, a mean over its 3 ids, an MLP)
-SCRIPT = '''
+SCRIPT = """
 import torch, torch.nn as nn
 HPAR = {"steps": 6, "batch_size": 4, "lr": 0.01, "log_every": 1}
 class Mean(nn.Module):
@@ -49,7 +50,7 @@ def optimizer(params):
     return torch.optim.Adam(params, lr=HPAR["lr"])
 def scheduler(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-'''
+"""
 
 
 def reference(script: str, shapes: list[tuple[int, int]]) -> dict:
@@ -69,7 +70,9 @@ def reference(script: str, shapes: list[tuple[int, int]]) -> dict:
         for _ in range(steps):
             pairs = [next(s) for s in streams]
             opt.zero_grad()
-            job.compute_loss(call_model(model, _concat([p[0] for p in pairs])), _concat([p[1] for p in pairs])).backward()
+            job.compute_loss(
+                call_model(model, _concat([p[0] for p in pairs])), _concat([p[1] for p in pairs])
+            ).backward()
             opt.step()
             sched.step()
         done += steps
@@ -78,7 +81,9 @@ def reference(script: str, shapes: list[tuple[int, int]]) -> dict:
 
 def run(tmp_path, name: str, *args: str) -> str:
     run_dir = tmp_path / "run"
-    rc, out = hpar_to_file(tmp_path / f"{name}.txt", "run", *args, "--plain", "--no-eval", cwd=str(tmp_path), timeout=200)
+    rc, out = hpar_to_file(
+        tmp_path / f"{name}.txt", "run", *args, "--plain", "--no-eval", cwd=str(tmp_path), timeout=200
+    )
     assert rc == 0, out[-3000:]
     assert not kill_left(run_dir)
     return out
@@ -86,6 +91,7 @@ def run(tmp_path, name: str, *args: str) -> str:
 
 def final(tmp_path) -> dict:
     from conftest import final_state
+
     return final_state(tmp_path / "run")
 
 
@@ -95,15 +101,31 @@ def close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-@pytest.mark.parametrize("strategy,before,after,widths", [
-    ("allreduce", ("--gpus", "2"), ("--gpus", "4"), (2, 4)),
-    ("hybrid", ("--gpus", "2", "--servers", "1"), ("--gpus", "3", "--servers", "2"), (2, 3)),
-    ("fsdp", ("--gpus", "2"), ("--gpus", "3"), (2, 3)),   # each rank's shards, resharded by DCP
-], ids=["allreduce-2-to-4", "hybrid-2w1s-to-3w2s", "fsdp-2-to-3"])
+@pytest.mark.parametrize(
+    "strategy,before,after,widths",
+    [
+        ("allreduce", ("--gpus", "2"), ("--gpus", "4"), (2, 4)),
+        ("hybrid", ("--gpus", "2", "--servers", "1"), ("--gpus", "3", "--servers", "2"), (2, 3)),
+        ("fsdp", ("--gpus", "2"), ("--gpus", "3"), (2, 3)),  # each rank's shards, resharded by DCP
+    ],
+    ids=["allreduce-2-to-4", "hybrid-2w1s-to-3w2s", "fsdp-2-to-3"],
+)
 def test_data_parallel_resumes_at_another_size(tmp_path, strategy, before, after, widths):
     script = write_script(tmp_path, SCRIPT)
-    run(tmp_path, "first", script, "--strategy", strategy, *before, "--steps", "3", "--checkpoint-every", "3",
-        "--run-dir", str(tmp_path / "run"))
+    run(
+        tmp_path,
+        "first",
+        script,
+        "--strategy",
+        strategy,
+        *before,
+        "--steps",
+        "3",
+        "--checkpoint-every",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     out = run(tmp_path, "resumed", "--resume", str(tmp_path / "run"), *after, "--steps", "6")
     assert f"hpar: resuming {widths[0]} workers" in out and f"as {widths[1]} workers" in out, out
     assert f"the global batch changes from {4 * widths[0]} to {4 * widths[1]} samples per step" in out, out
@@ -115,8 +137,22 @@ def test_pipeline_resumes_with_its_stages_cut_again(tmp_path):
     holds, with their Adam state, whatever stage wrote them; the global batch stays."""
     script = write_script(tmp_path, SCRIPT)
     pipe = ("--strategy", "pipeline", "--pipeline-replicas", "1", "--micro-batches", "2")
-    run(tmp_path, "first", script, *pipe, "--gpus", "2", "--steps", "3", "--checkpoint-every", "3",
-        "--run-dir", str(tmp_path / "run"))
+    run(
+        tmp_path,
+        "first",
+        script,
+        *pipe,
+        "--gpus",
+        "2",
+        "--steps",
+        "3",
+        "--checkpoint-every",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     out = run(tmp_path, "resumed", "--resume", str(tmp_path / "run"), *pipe, "--gpus", "4", "--steps", "6")
-    assert "resuming 2 stages x 1 replica (pipeline) as 4 stages x 1 replica (pipeline); the global batch stays 4" in out, out
+    assert (
+        "resuming 2 stages x 1 replica (pipeline) as 4 stages x 1 replica (pipeline); the global batch stays 4" in out
+    ), out
     close(final(tmp_path), reference(script, [(1, 6)]))

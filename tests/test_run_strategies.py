@@ -1,4 +1,5 @@
 """`hpar run` end to end for the non-DDP runtimes, through the real launcher."""
+
 import json
 import os
 
@@ -15,8 +16,23 @@ pytestmark = [pytest.mark.multiprocess]
 def test_pipeline_1f1b_through_the_launcher(tiny_script, tmp_path, reap_run):
     run_dir = str(tmp_path / "run")
     reap_run(run_dir)
-    res = hpar("run", tiny_script, "--gpus", "2", "--strategy", "pipeline", "--schedule", "1f1b",
-               "--micro-batches", "4", "--steps", "10", "--run-dir", run_dir, "--plain")
+    res = hpar(
+        "run",
+        tiny_script,
+        "--gpus",
+        "2",
+        "--strategy",
+        "pipeline",
+        "--schedule",
+        "1f1b",
+        "--micro-batches",
+        "4",
+        "--steps",
+        "10",
+        "--run-dir",
+        run_dir,
+        "--plain",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["strategy"] == "pipeline" and summary["schedule"] == "1f1b" and summary["micro_batches"] == 4
@@ -36,11 +52,14 @@ def test_pipeline_1f1b_through_the_launcher(tiny_script, tmp_path, reap_run):
 @pytest.mark.timeout(120)
 def test_pipeline_refuses_a_model_that_is_not_a_sequence(tmp_path):
     from conftest import embed_script, write_script
+
     script = write_script(tmp_path, embed_script())
     res = hpar("run", script, "--gpus", "2", "--strategy", "pipeline", "--run-dir", str(tmp_path / "run"))
     assert res.returncode == 2
     line = res.stderr.strip().splitlines()[0]
     # refused before profiling (the model is checked for layers to cut first), naming the ways out
-    assert line.startswith("hpar: --strategy pipeline: the model (M) is not a sequence of layers") and "Sequential" in line
+    assert (
+        line.startswith("hpar: --strategy pipeline: the model (M) is not a sequence of layers") and "Sequential" in line
+    )
     assert "define hpar_layers()" in line and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert not (tmp_path / "run").exists()

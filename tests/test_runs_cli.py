@@ -1,6 +1,7 @@
 """`hpar runs` and `hpar clean` through the real CLI: the run directories hpar made are listed
 with size, state and resume command; `clean` removes only the ones named, only hpar's own,
 after asking (launcher/commands/runs.py)."""
+
 from __future__ import annotations
 
 import json
@@ -16,18 +17,32 @@ pytestmark = pytest.mark.multiprocess
 
 
 def hpar_in(args, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpar.launcher.cli", *args], input=stdin, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "hpar.launcher.cli", *args], input=stdin, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_runs_lists_and_clean_removes_only_what_is_named_after_asking(tmp_path):
     runs = tmp_path / "runs"
     script = write_script(tmp_path, TINY.replace('"steps": 20', '"steps": 4'))
     done = runs / "done"
-    rc, out = hpar_to_file(tmp_path / "out.txt", "run", script, "--gpus", "1", "--strategy", "allreduce",
-                           "--checkpoint-every", "2", "--run-dir", str(done), "--plain", "--no-eval")
+    rc, out = hpar_to_file(
+        tmp_path / "out.txt",
+        "run",
+        script,
+        "--gpus",
+        "1",
+        "--strategy",
+        "allreduce",
+        "--checkpoint-every",
+        "2",
+        "--run-dir",
+        str(done),
+        "--plain",
+        "--no-eval",
+    )
     assert rc == 0 and not kill_left(done), out[-2000:]
-    stopped = runs / "stopped"   # the same run, as if Ctrl-C had ended it at step 3
+    stopped = runs / "stopped"  # the same run, as if Ctrl-C had ended it at step 3
     shutil.copytree(done, stopped)
     summary = json.loads((stopped / "summary.json").read_text())
     (stopped / "summary.json").write_text(json.dumps({**summary, "exit_code": 130, "steps": 3}))
@@ -42,7 +57,11 @@ def test_runs_lists_and_clean_removes_only_what_is_named_after_asking(tmp_path):
     assert lines[2].startswith("hpar: 2 run(s), ")
 
     refused = hpar_in(["clean", str(runs / "notes"), "--yes"])
-    assert refused.returncode == 2 and "not an hpar run directory" in refused.stderr and (runs / "notes" / "keep.txt").exists()
+    assert (
+        refused.returncode == 2
+        and "not an hpar run directory" in refused.stderr
+        and (runs / "notes" / "keep.txt").exists()
+    )
     kept = hpar_in(["clean", str(stopped)], stdin="n\n")
     assert kept.returncode == 0 and "nothing removed" in kept.stdout and stopped.is_dir(), kept.stdout
     gone = hpar_in(["clean", str(stopped)], stdin="y\n")

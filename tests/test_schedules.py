@@ -1,8 +1,8 @@
 """Pipeline schedules: orders, version distances, deadlock freedom, bubble."""
+
 import pytest
 
-from hpar.strategies.plan.schedules import (Op, bubble_fraction, execution_order, is_synchronous,
-                                       stage_ops)
+from hpar.strategies.plan.schedules import Op, bubble_fraction, execution_order, is_synchronous, stage_ops
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "async", "async-stash", "async-predict"])
@@ -24,8 +24,19 @@ def test_every_micro_batch_once_forward_before_backward(schedule, k, m):
 def test_1f1b_order_and_in_flight_limit():
     ops = stage_ops("1f1b", 4, 0, 6)
     assert [(o.kind, o.micro) for o in ops] == [
-        ("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1), ("F", 5), ("B", 2),
-        ("B", 3), ("B", 4), ("B", 5)]
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("F", 3),
+        ("B", 0),
+        ("F", 4),
+        ("B", 1),
+        ("F", 5),
+        ("B", 2),
+        ("B", 3),
+        ("B", 4),
+        ("B", 5),
+    ]
     for stage in range(4):
         in_flight, most = 0, 0
         for op in stage_ops("1f1b", 4, stage, 10):
@@ -38,7 +49,13 @@ def test_1f1b_order_and_in_flight_limit():
 
 def test_gpipe_order():
     assert [(o.kind, o.micro) for o in stage_ops("gpipe", 3, 1, 3)] == [
-        ("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("B", 0),
+        ("B", 1),
+        ("B", 2),
+    ]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

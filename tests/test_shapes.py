@@ -1,6 +1,7 @@
 """The census of forward shapes (strategies/profile/shapes.py) and the growth the memory model
 draws from it (strategies/plan/memory_model.growth): a worker's caches per shape grow with the
 distinct shapes a run of its length meets, not with its steps; through `hpar profile` too."""
+
 import dataclasses
 import json
 import random
@@ -22,7 +23,7 @@ def test_rarefaction_meets_the_census_and_one_shape_stays_one():
     assert distinct_after((48,), 10_000) == 1
     assert distinct_after((), 10) == 0 and distinct_after(counts, 0) == 0
     grown = [distinct_after(counts, n) for n in (1, 4, 12, 100, 10_000)]
-    assert grown == sorted(grown) and grown[-1] > 5   # singletons left: more shapes unseen
+    assert grown == sorted(grown) and grown[-1] > 5  # singletons left: more shapes unseen
 
 
 @pytest.mark.parametrize("kinds", [30, 80, 200])
@@ -65,22 +66,32 @@ def test_the_census_counts_signatures_and_stops_early_on_static_shapes():
     with ShapeCensus(fixed) as census:
         draw(census, fixed, calls, most=40, budget_s=30)
     assert census.counts() == (STATIC_AFTER,)
-    assert next(calls) is not None and len(list(calls)) == 100 - STATIC_AFTER - 1   # it stopped drawing
+    assert next(calls) is not None and len(list(calls)) == 100 - STATIC_AFTER - 1  # it stopped drawing
 
 
 def _memory(**kw) -> MemoryProfile:
-    return MemoryProfile(batch_size=32, layer_saved_bytes=(0,), forward_peak_bytes=0, step_peak_bytes=0,
-                         step_grad_bytes=0, data_bytes=0, optimizer_state_ratio=0.0, process_bytes=0, **kw)
+    return MemoryProfile(
+        batch_size=32,
+        layer_saved_bytes=(0,),
+        forward_peak_bytes=0,
+        step_peak_bytes=0,
+        step_grad_bytes=0,
+        data_bytes=0,
+        optimizer_state_ratio=0.0,
+        process_bytes=0,
+        **kw,
+    )
 
 
 def test_growth_counts_bytes_per_new_shape_times_the_shapes_a_run_meets():
-    varying = _memory(growth_bytes=10_000_000, growth_steps=6, growth_new_shapes=5,
-                      shape_counts=(4, 4, 3, 3, 2, 2, 2) + (1,) * 20)
+    varying = _memory(
+        growth_bytes=10_000_000, growth_steps=6, growth_new_shapes=5, shape_counts=(4, 4, 3, 3, 2, 2, 2) + (1,) * 20
+    )
     short, mid, long, longer = (growth(varying, n) for n in (8, 40, 200, 2000))
-    assert 0 < short < mid < long < longer < 2e6 * (distinct_after(varying.shape_counts, 10 ** 6))
+    assert 0 < short < mid < long < longer < 2e6 * (distinct_after(varying.shape_counts, 10**6))
     assert long == pytest.approx(2e6 * (distinct_after(varying.shape_counts, 200) - 1))
     static = dataclasses.replace(varying, growth_new_shapes=0, shape_counts=(48,))
-    assert growth(static, 8) == growth(static, 2000) == 10_000_000   # kept once, whatever the length
+    assert growth(static, 8) == growth(static, 2000) == 10_000_000  # kept once, whatever the length
     legacy = dataclasses.replace(varying, shape_counts=())
     assert growth(legacy, 8) == growth(legacy, 2000) == 10_000_000 * GROWTH_HORIZON_STEPS / 6
     assert growth(_memory(), 100) == 0
@@ -94,7 +105,7 @@ def test_forward_passes_are_steps_times_accumulation():
 # A model that keeps a buffer per input length (as a positional table cached per sequence
 # length does), fed batches of varying length (as length-bucketed text is): its worker's memory
 # grows with every new length it meets, about 4.7 MB each here.
-VARYING_JOB = '''
+VARYING_JOB = """
 import torch, torch.nn as nn
 HPAR = {"steps": STEPS, "batch_size": 16, "lr": 0.1}
 class M(nn.Module):
@@ -114,7 +125,7 @@ def data(rank, world_size, batch_size):
         length = LENGTH
         yield torch.randn(batch_size, length, 8, generator=g), torch.zeros(batch_size)
 def loss(o, t): return ((o - t) ** 2).mean()
-'''
+"""
 
 
 def test_profile_grows_a_varying_models_memory_with_the_runs_length(tmp_path):
@@ -127,10 +138,11 @@ def test_profile_grows_a_varying_models_memory_with_the_runs_length(tmp_path):
         text = text.replace("LENGTH", "int(torch.randint(8, 64, (1,), generator=g))")
         script = tmp_path / f"job{steps}.py"
         script.write_text(text)
-        rc, log = hpar_to_file(tmp_path / f"out{steps}.txt", "profile", str(script), "--gpus", "2", "--json",
-                               cwd=str(tmp_path))
+        rc, log = hpar_to_file(
+            tmp_path / f"out{steps}.txt", "profile", str(script), "--gpus", "2", "--json", cwd=str(tmp_path)
+        )
         assert rc == 0, log[-2000:]
-        plan = json.loads(log[log.index("{"):])
+        plan = json.loads(log[log.index("{") :])
         row = next(c for c in plan["candidates"] if c["strategy"] == "allreduce")
         terms[steps] = row["memory"]["worker_terms"]["growth"]
     # about 3 new lengths of 56 against nearly all 56 (4.7 MB each): several times more

@@ -1,5 +1,6 @@
 """allreduce-sparse on NCCL (issue 13, item 3): the padded AllGather (Horovod's) is exact and
 its bytes are counted; run here on gloo by selecting it explicitly in the plan."""
+
 import json
 import os
 

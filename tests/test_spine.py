@@ -2,6 +2,7 @@
 without torch.distributed: the order of its calls (resume, begin, steps, checkpoints and
 evaluations at their steps, in the step object's order, the final write, the result), the
 step a resume starts from, the meter's figures and an early last step."""
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,9 @@ class Toy(TrainStep):
 
     def step(self, step):
         self.calls.append(("step", step))
-        return StepOutcome(float(step + 1), sent=10, recv=20, lr=0.5, stepped=step != 1, extra={"own": step},
-                           last=step == self.stop_at)
+        return StepOutcome(
+            float(step + 1), sent=10, recv=20, lr=0.5, stepped=step != 1, extra={"own": step}, last=step == self.stop_at
+        )
 
     def save(self, n):
         self.calls.append(("save", n))
@@ -59,10 +61,28 @@ class _Job:
 
 def _ctx(**cfg):
     reports, evals = [], []
-    config = RunConfig(script="x", strategy="allreduce", world_size=1, steps=6, batch_size=4, lr=0.1, seed=0,
-                       run_dir="r", log_every=1, **cfg)
-    ctx = WorkerContext(job=_Job(), cfg=config, rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
-                        report=reports.append, report_eval=evals.append)
+    config = RunConfig(
+        script="x",
+        strategy="allreduce",
+        world_size=1,
+        steps=6,
+        batch_size=4,
+        lr=0.1,
+        seed=0,
+        run_dir="r",
+        log_every=1,
+        **cfg,
+    )
+    ctx = WorkerContext(
+        job=_Job(),
+        cfg=config,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        device=torch.device("cpu"),
+        report=reports.append,
+        report_eval=evals.append,
+    )
     return ctx, reports, evals
 
 
@@ -72,12 +92,24 @@ def test_steps_checkpoints_and_evaluations_come_in_order():
     result = spine.train(ctx, toy)
     steps = [c for c in toy.calls if c[0] in ("step", "save", "copy", "after")]
     assert toy.calls[:2] == ["resume", ("begin", 0)] and toy.calls[-2:] == ["final", "result"]
-    assert steps == [("step", 0), ("after", 1),
-                     ("step", 1), ("save", 2), ("after", 2),
-                     ("step", 2), ("copy", 3), ("after", 3),       # evaluated, not after the last step
-                     ("step", 3), ("save", 4), ("after", 4),
-                     ("step", 4), ("after", 5),
-                     ("step", 5), ("save", 6), ("after", 6)]
+    assert steps == [
+        ("step", 0),
+        ("after", 1),
+        ("step", 1),
+        ("save", 2),
+        ("after", 2),
+        ("step", 2),
+        ("copy", 3),
+        ("after", 3),  # evaluated, not after the last step
+        ("step", 3),
+        ("save", 4),
+        ("after", 4),
+        ("step", 4),
+        ("after", 5),
+        ("step", 5),
+        ("save", 6),
+        ("after", 6),
+    ]
     assert evals == [{"step": 3, "acc": 1.0}]
     assert [r["step"] for r in reports] == [1, 2, 3, 4, 5, 6]
     assert reports[0]["lr"] == 0.5 and reports[0]["own"] == 0 and reports[1]["skipped_step"] == 1
@@ -89,10 +121,10 @@ def test_checkpoint_first_saves_before_evaluating():
     ctx, _, _ = _ctx(checkpoint_every=2, eval_every=2)
     toy = Toy(ctx, first=True)
     spine.train(ctx, toy)
-    assert toy.calls[toy.calls.index(("step", 1)) + 1:][:3] == [("save", 2), ("copy", 2), ("after", 2)]
+    assert toy.calls[toy.calls.index(("step", 1)) + 1 :][:3] == [("save", 2), ("copy", 2), ("after", 2)]
     plain = Toy(_ctx(checkpoint_every=2, eval_every=2)[0])
     spine.train(plain.ctx, plain)
-    assert plain.calls[plain.calls.index(("step", 1)) + 1:][:3] == [("copy", 2), ("save", 2), ("after", 2)]
+    assert plain.calls[plain.calls.index(("step", 1)) + 1 :][:3] == [("copy", 2), ("save", 2), ("after", 2)]
 
 
 def test_resume_starts_at_the_checkpoint_and_a_finished_run_still_writes():

@@ -1,5 +1,6 @@
 """launcher/procs/ssh.py: quoting of remote commands, and real SSH round trips to test hosts
 (network namespaces with their own sshd; skipped where they cannot be made)."""
+
 from __future__ import annotations
 
 import queue
@@ -14,8 +15,16 @@ import pytest
 from support import netns_hosts
 from hpar.launcher.hosts.hostfile import Host
 from hpar.launcher.procs.local import LocalProcess, ProcessSpec
-from hpar.launcher.procs.ssh import (LOST_HOST, RemoteProcess, SSHError, SSHOptions, connect, environment_line,
-                                     make_process, remote_command)
+from hpar.launcher.procs.ssh import (
+    LOST_HOST,
+    RemoteProcess,
+    SSHError,
+    SSHOptions,
+    connect,
+    environment_line,
+    make_process,
+    remote_command,
+)
 
 PY = sys.executable
 HOSTILE = ["$(touch {p})", "`touch {p}`", "; touch {p}", "a b\nc", "'\"", "&& touch {p} #", "-oProxyCommand=touch {p}"]
@@ -29,16 +38,19 @@ def test_remote_command_quotes_every_value(tmp_path):
     pwned = tmp_path / "pwned"
     values = [h.format(p=pwned) for h in HOSTILE]
     env = {f"V{i}": v for i, v in enumerate(values)}
-    code = ("import os,sys,json; print(json.dumps([os.environ['V' + str(i)] for i in range(N)] + sys.argv[1:]))"
-            .replace("N", str(len(values))))
+    code = "import os,sys,json; print(json.dumps([os.environ['V' + str(i)] for i in range(N)] + sys.argv[1:]))".replace(
+        "N", str(len(values))
+    )
     spec = ProcessSpec("worker", 0, "h", (PY, "-c", code, *values), env)
     weird_dir = tmp_path / "dir with $(touch x) and 'quotes'"
     weird_dir.mkdir()
     command = remote_command(spec, cwd=str(weird_dir))
-    out = subprocess.run(["bash", "-c", command], input=environment_line(spec).decode(), capture_output=True,
-                         text=True, timeout=30)   # the environment goes over stdin, as over SSH
+    out = subprocess.run(
+        ["bash", "-c", command], input=environment_line(spec).decode(), capture_output=True, text=True, timeout=30
+    )  # the environment goes over stdin, as over SSH
     assert out.returncode == 0, out.stderr
     import json
+
     assert json.loads(out.stdout.strip().splitlines()[-1]) == values + values
     assert not pwned.exists()
     assert not (weird_dir / "x").exists()
@@ -70,6 +82,7 @@ def test_unreachable_host_is_one_line_error():
 
 
 # --- real SSH to test hosts -------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def hosts():
@@ -103,11 +116,15 @@ def _wait_for(q: queue.Queue, text: str, timeout: float = 20) -> list[str]:
 LOOP = "import os,socket,time\nprint('host', os.environ['RANK'], flush=True)\nwhile True:\n print('tick', flush=True); time.sleep(0.2)"
 
 
-def _remote(hosts, index: int, code: str, env: dict | None = None, key: str | None = None) -> tuple[RemoteProcess, queue.Queue]:
+def _remote(
+    hosts, index: int, code: str, env: dict | None = None, key: str | None = None
+) -> tuple[RemoteProcess, queue.Queue]:
     q: queue.Queue = queue.Queue()
     address = hosts.addresses[index]
     spec = _spec(code, address, {"RANK": "0", "HPAR_GUARD_GRACE": "1", **(env or {})})
-    proc = RemoteProcess(spec, Host(address, user="root"), SSHOptions(key=key or hosts.key, connect_timeout=3, retries=0), q)
+    proc = RemoteProcess(
+        spec, Host(address, user="root"), SSHOptions(key=key or hosts.key, connect_timeout=3, retries=0), q
+    )
     return proc, q
 
 
@@ -164,6 +181,7 @@ def test_dropped_connection_stops_the_remote_group(hosts):
 def _accepted(hosts, index: int) -> int:
     """Connections the test host's sshd has accepted so far (its log, LogLevel INFO)."""
     import os
+
     with open(os.path.join(hosts.directory, f"sshd-{index}.log"), errors="replace") as f:
         return sum("Accepted publickey" in line for line in f)
 
@@ -175,6 +193,7 @@ def test_teardown_is_one_command_per_host_on_the_open_connection(hosts):
     command in a new channel of a connection already open (sshd accepts no new connection), and
     returns once nothing is left there."""
     from hpar.launcher.run import teardown
+
     stubborn = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + LOOP
     procs = [_remote(hosts, 1, code, env={"HPAR_GUARD_GRACE": "30"}) for code in (LOOP, stubborn)]
     try:
@@ -182,18 +201,20 @@ def test_teardown_is_one_command_per_host_on_the_open_connection(hosts):
             proc.start()
             _wait_for(q, "tick")
         accepted = _accepted(hosts, 1)
-        assert accepted >= 1   # the log counts connections (sshd's LogLevel INFO)
+        assert accepted >= 1  # the log counts connections (sshd's LogLevel INFO)
         calls = []
-        for proc, _ in procs:   # count the control commands each process's connection runs
-            proc.control = (lambda real: lambda shell, timeout=3.0: calls.append(shell) or real(shell, timeout))(proc.control)
+        for proc, _ in procs:  # count the control commands each process's connection runs
+            proc.control = (lambda real: lambda shell, timeout=3.0: calls.append(shell) or real(shell, timeout))(
+                proc.control
+            )
         t0 = time.monotonic()
         assert teardown.stop_all([p for p, _ in procs], grace=1.0) == {}
         took = time.monotonic() - t0
         assert len(calls) == 1 and "hpar.workers.stopgroups" in calls[0], calls
-        assert netns_hosts.leftovers(hosts) == {}   # at once: the command returned when nothing was left
+        assert netns_hosts.leftovers(hosts) == {}  # at once: the command returned when nothing was left
         assert _accepted(hosts, 1) == accepted
         assert took < 10, took
-        for p, q in procs:   # the guards report their end (SIGTERM: the guard leads the group)
+        for p, q in procs:  # the guards report their end (SIGTERM: the guard leads the group)
             _drain(q, 10)
             assert p.poll() == -signal.SIGTERM
     finally:
@@ -214,6 +235,7 @@ def test_wrong_key_is_refused(hosts, tmp_path):
 @pytest.mark.timeout(90)
 def test_link_down_mid_run_kills_the_remote_process(hosts):
     import testhosts
+
     proc, q = _remote(hosts, 1, LOOP)
     proc.start()
     try:

@@ -3,6 +3,7 @@ train examples/recsys.py and a user's model with weighted sum bags equal to one 
 bench`` reports it beside hybrid; what cannot run is one line before any worker starts. The runs
 need the optional install (scripts/install_torchrec.sh) and skip without it; the version check
 does not."""
+
 import json
 import os
 
@@ -20,7 +21,7 @@ RECSYS = os.path.join(REPO, "examples", "recsys.py")
 
 # A user's model: a weighted sum bag over 2-D ids (per-sample weights), a mean bag and a plain
 # lookup of 2 ids per sample, called with keywords (a dict of the forward's names).
-BAGS = '''
+BAGS = """
 import torch, torch.nn as nn
 HPAR = {"steps": 4, "batch_size": 6, "lr": 0.1, "log_every": 1}
 class M(nn.Module):
@@ -48,7 +49,7 @@ def loss(output, targets):
     return ((output - targets) ** 2).mean()
 def optimizer(params):
     return torch.optim.Adagrad(params, lr=0.1)
-'''
+"""
 
 
 def _step_losses(run_dir: str) -> dict[int, float]:
@@ -73,8 +74,9 @@ def test_weighted_bags_equal_one_process(tmp_path, reap_run, strategy, kind):
     script = write_script(tmp_path, BAGS)
     run_dir = str(tmp_path / "bags")
     reap_run(run_dir)
-    code, out = hpar_to_file(tmp_path / "bags.out", "run", script, "--strategy", strategy, "--gpus", "2",
-                             "--run-dir", run_dir, "--seed", "3")
+    code, out = hpar_to_file(
+        tmp_path / "bags.out", "run", script, "--strategy", strategy, "--gpus", "2", "--run-dir", run_dir, "--seed", "3"
+    )
     assert code == 0, out[-3000:]
     assert f"torchrec shards clicks {kind}, seen {kind}, user {kind}" in out, out[-3000:]
     losses = []
@@ -99,11 +101,27 @@ def test_checkpoint_resumes_exactly_and_at_another_worker_count(tmp_path, reap_r
     import itertools
     from hpar.strategies.job.contract import load_job
     from hpar.strategies.job.forward import call_model
+
     script = write_script(tmp_path, BAGS)
     run_dir = str(tmp_path / "ck")
     reap_run(run_dir)
-    code, out = hpar_to_file(tmp_path / "a.out", "run", script, "--strategy", "torchrec-rw", "--gpus", "2", "--steps",
-                             "2", "--checkpoint-every", "2", "--seed", "3", "--run-dir", run_dir)
+    code, out = hpar_to_file(
+        tmp_path / "a.out",
+        "run",
+        script,
+        "--strategy",
+        "torchrec-rw",
+        "--gpus",
+        "2",
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--seed",
+        "3",
+        "--run-dir",
+        run_dir,
+    )
     assert code == 0, out[-3000:]
     code, out = hpar_to_file(tmp_path / "b.out", "run", "--resume", run_dir, "--steps", "4")
     assert code == 0 and "from its checkpoint of step 2" in out, out[-3000:]
@@ -119,7 +137,7 @@ def test_checkpoint_resumes_exactly_and_at_another_worker_count(tmp_path, reap_r
     job = load_job(script)
     model = job.build_model()
     model.load_state_dict(want_state)
-    x, y = next(itertools.islice(job.batches(0, 1, 6), 4, None))   # worker 0's 5th batch at 1 worker
+    x, y = next(itertools.islice(job.batches(0, 1, 6), 4, None))  # worker 0's 5th batch at 1 worker
     assert _step_losses(run_dir)[5] == pytest.approx(float(job.compute_loss(call_model(model, x), y)), rel=1e-5)
 
 
@@ -131,8 +149,21 @@ def test_recsys_trains_with_the_planners_shards(tmp_path, reap_run):
     bytes counted, no process left."""
     run_dir = str(tmp_path / "recsys")
     reap_run(run_dir)
-    code, out = hpar_to_file(tmp_path / "recsys.out", "run", RECSYS, "--strategy", "torchrec", "--gpus", "2",
-                             "--steps", "20", "--batch-size", "128", "--run-dir", run_dir)
+    code, out = hpar_to_file(
+        tmp_path / "recsys.out",
+        "run",
+        RECSYS,
+        "--strategy",
+        "torchrec",
+        "--gpus",
+        "2",
+        "--steps",
+        "20",
+        "--batch-size",
+        "128",
+        "--run-dir",
+        run_dir,
+    )
     assert code == 0, out[-3000:]
     assert "torchrec shards user " in out, out[-3000:]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
@@ -147,9 +178,24 @@ def test_recsys_trains_with_the_planners_shards(tmp_path, reap_run):
 def test_bench_reports_torchrec_beside_hybrid(tmp_path):
     """`hpar bench examples/recsys.py --gpus 2 --strategies hybrid,torchrec`: both rows ran."""
     out_json = tmp_path / "bench.json"
-    code, out = hpar_to_file(tmp_path / "bench.out", "bench", RECSYS, "--gpus", "2", "--strategies", "hybrid,torchrec",
-                             "--steps", "6", "--batch-size", "128", "--json", str(out_json),
-                             "--bench-dir", str(tmp_path / "b"), timeout=380)
+    code, out = hpar_to_file(
+        tmp_path / "bench.out",
+        "bench",
+        RECSYS,
+        "--gpus",
+        "2",
+        "--strategies",
+        "hybrid,torchrec",
+        "--steps",
+        "6",
+        "--batch-size",
+        "128",
+        "--json",
+        str(out_json),
+        "--bench-dir",
+        str(tmp_path / "b"),
+        timeout=380,
+    )
     assert code == 0, out[-3000:]
     rows = [line for line in out.splitlines() if line.lstrip("│| ").startswith(("hybrid", "torchrec"))]
     assert {r.lstrip("│| ").split()[0] for r in rows} >= {"hybrid", "torchrec"}, out[-3000:]
@@ -173,17 +219,29 @@ def test_what_cannot_run_is_one_line(tmp_path, reap_run):
     script = write_script(tmp_path, BAGS)
     run_dir = str(tmp_path / "r")
     reap_run(run_dir)
-    code, out = hpar_to_file(tmp_path / "v.out", "run", script, "--strategy", "torchrec", "--gpus", "2",
-                             "--run-dir", run_dir, env=_fake_install(tmp_path, "1.5.0"))
+    code, out = hpar_to_file(
+        tmp_path / "v.out",
+        "run",
+        script,
+        "--strategy",
+        "torchrec",
+        "--gpus",
+        "2",
+        "--run-dir",
+        run_dir,
+        env=_fake_install(tmp_path, "1.5.0"),
+    )
     lines = [line for line in out.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, out
     assert "torchrec 1.5.0" in lines[0] and "install_torchrec.sh" in lines[0] and "Traceback" not in out
-    code, out = hpar_to_file(tmp_path / "p.out", "run", script, "--strategy", "torchrec", "--precision", "fp16",
-                             "--run-dir", run_dir)
+    code, out = hpar_to_file(
+        tmp_path / "p.out", "run", script, "--strategy", "torchrec", "--precision", "fp16", "--run-dir", run_dir
+    )
     assert code == 2 and "--precision fp16" in out and "Traceback" not in out, out
-    if HAVE_TORCHREC:   # the model checks come after the install check
-        momentum = write_script(tmp_path, BAGS.replace("Adagrad(params, lr=0.1)", "SGD(params, lr=0.1, momentum=0.9)"),
-                                name="momentum.py")
+    if HAVE_TORCHREC:  # the model checks come after the install check
+        momentum = write_script(
+            tmp_path, BAGS.replace("Adagrad(params, lr=0.1)", "SGD(params, lr=0.1, momentum=0.9)"), name="momentum.py"
+        )
         code, out = hpar_to_file(tmp_path / "m.out", "run", momentum, "--strategy", "torchrec", "--run-dir", run_dir)
         assert code == 2 and "SGD with momentum" in out and "Traceback" not in out, out
     assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl"))

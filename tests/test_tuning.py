@@ -1,6 +1,7 @@
 """`--strategy auto` checked by measurement (strategies/plan/tuning.py): short trials of the cost
 model's best candidates, the fastest measured one trained. Unit tests of the rules, and the
 real `hpar run` on a job whose predicted winner is slowed in a way the model cannot see."""
+
 from __future__ import annotations
 
 import json
@@ -16,25 +17,38 @@ from hpar.strategies.specs.decision import Candidate, Plan
 
 
 def _plan(chosen: str, rows: list[tuple[str, float, bool]]) -> Plan:
-    return Plan(strategy=chosen, candidates=[Candidate(strategy=s, samples_per_s=sps, predicted_step_s=1 / sps,
-                                                       bytes_per_step=0.0, available=ok) for s, sps, ok in rows])
+    return Plan(
+        strategy=chosen,
+        candidates=[
+            Candidate(strategy=s, samples_per_s=sps, predicted_step_s=1 / sps, bytes_per_step=0.0, available=ok)
+            for s, sps, ok in rows
+        ],
+    )
 
 
 def test_candidates_are_the_best_and_those_within_2x_at_most_3():
-    plan = _plan("hybrid", [("allreduce", 400.0, True), ("hybrid", 1000.0, True), ("ps", 501.0, True),
-                            ("pipeline", 900.0, False), ("allreduce-sparse", 600.0, True)])
+    plan = _plan(
+        "hybrid",
+        [
+            ("allreduce", 400.0, True),
+            ("hybrid", 1000.0, True),
+            ("ps", 501.0, True),
+            ("pipeline", 900.0, False),
+            ("allreduce-sparse", 600.0, True),
+        ],
+    )
     assert [s for s, _ in candidates(plan)] == ["hybrid", "allreduce-sparse", "ps"]
     assert candidates(_plan("hybrid", [("hybrid", 1000.0, True), ("ps", 100.0, True)])) == [("hybrid", 0.001)]
 
 
 def test_trials_are_shortened_or_skipped_to_stay_within_5_percent_of_the_run():
-    cands = [("hybrid", 1.0), ("allreduce", 1.2)]                     # seconds per step
+    cands = [("hybrid", 1.0), ("allreduce", 1.2)]  # seconds per step
     assert trial_steps("off", 8, 10**6, cands) == (0, "")
     assert trial_steps("on", 8, 10, cands) == (8, "")
-    assert trial_steps("auto", 8, 10**6, cands) == (8, "")           # a long run: the trials fit
-    n, note = trial_steps("auto", 8, 680, cands)                      # 5% of ~690 s: ~17 s a trial, 10 to start
+    assert trial_steps("auto", 8, 10**6, cands) == (8, "")  # a long run: the trials fit
+    n, note = trial_steps("auto", 8, 680, cands)  # 5% of ~690 s: ~17 s a trial, 10 to start
     assert 2 <= n < 8 and "shortened" in note, (n, note)
-    n, note = trial_steps("auto", 8, 100, cands)                      # a short run: no trial
+    n, note = trial_steps("auto", 8, 100, cands)  # a short run: no trial
     assert n == 0 and note.startswith("no trial") and "--tune on" in note
 
 
@@ -43,9 +57,9 @@ def test_the_fastest_measured_wins_unless_the_models_choice_is_within_its_spread
     faster = Trial("allreduce-sparse", 0.012, 0.010, 0.011, 2000.0)
     chosen, reason = choose([planned, faster])
     assert chosen == "allreduce-sparse" and "ranked it second" in reason
-    close = Trial("allreduce-sparse", 0.012, 0.019, 0.025, 1050.0)   # 5% faster, 32% spread
+    close = Trial("allreduce-sparse", 0.012, 0.019, 0.025, 1050.0)  # 5% faster, 32% spread
     assert choose([planned, close])[0] == "hybrid"
-    noisy = Trial("allreduce-sparse", 0.012, 0.0063, 0.0179, 4068.0)   # 7.5x faster, a 184% spread: still faster
+    noisy = Trial("allreduce-sparse", 0.012, 0.0063, 0.0179, 4068.0)  # 7.5x faster, a 184% spread: still faster
     assert choose([Trial("allreduce", 0.01, 0.0574, 0.0659, 543.0), noisy])[0] == "allreduce-sparse"
     # a rate over n steps wanders less than one step: 1.42x faster with one step's spread at 56%
     # is within that spread, but not within the spread of its rate over 6 steps (56% / sqrt(6))
@@ -67,7 +81,7 @@ def test_the_fastest_measured_wins_unless_the_models_choice_is_within_its_spread
 # milliseconds of compute, which every strategy pays alike: without them allreduce's step was
 # mostly the probed AllReduce's fixed time (0.7-1.4 ms from one probe to the next), and with a low
 # reading no other candidate came within 2x of it, so no trial ran (one fresh-clone rehearsal in 4).
-SLOWED = '''
+SLOWED = """
 import json, os, time
 import torch, torch.nn as nn
 HPAR = {"steps": 12, "batch_size": 16, "lr": 0.1, "log_every": 4}
@@ -96,7 +110,7 @@ def data(rank, world_size, batch_size):
         x = torch.randint(0, 200, (batch_size, 4), generator=g)
         yield x, (x.float().mean(1) / 200)
 def loss(o, t): return ((o - t) ** 2).mean()
-'''
+"""
 
 
 @pytest.mark.multiprocess
@@ -104,8 +118,22 @@ def test_a_trial_picks_the_plan_the_model_ranked_second_when_measurement_says_so
     script = tmp_path / "job.py"
     script.write_text(SLOWED)
     run_dir = tmp_path / "run"
-    rc, out = hpar_to_file(tmp_path / "out.txt", "run", str(script), "--gpus", "2", "--tune", "on", "--tune-steps", "4",
-                           "--run-dir", str(run_dir), "--plain", "--no-eval", cwd=str(tmp_path))
+    rc, out = hpar_to_file(
+        tmp_path / "out.txt",
+        "run",
+        str(script),
+        "--gpus",
+        "2",
+        "--tune",
+        "on",
+        "--tune-steps",
+        "4",
+        "--run-dir",
+        str(run_dir),
+        "--plain",
+        "--no-eval",
+        cwd=str(tmp_path),
+    )
     assert rc == 0 and not kill_left(run_dir), out[-3000:]
     listed = re.search(r"--tune: a \d+\+4-step trial of each of ([\w, -]+) \(", out)
     assert listed, out
@@ -120,4 +148,5 @@ def test_a_trial_picks_the_plan_the_model_ranked_second_when_measurement_says_so
     # each trial's spread is its rate's over its 4 measured steps: one step's over sqrt(4)
     for t in trials.values():
         assert t["steps"] == 4 and t["spread"] == pytest.approx(
-            (t["step_s_p90"] - t["step_s_p50"]) / t["step_s_p50"] / 2), t
+            (t["step_s_p90"] - t["step_s_p50"]) / t["step_s_p50"] / 2
+        ), t

@@ -1,5 +1,6 @@
 """Weight stashing and SpecTrain weight prediction, and the single-process simulator that
 replays the pipeline schedules with the runtime's Stage code."""
+
 import pytest
 import torch
 
@@ -53,16 +54,20 @@ def test_without_momentum_v_is_the_last_gradient():
         assert torch.allclose(m[0].weight, w - 2 * 0.5 * g, atol=1e-6)
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.9, weight_decay=0.01),
-    lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.01),
-    lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
-    lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, betas=(0.8, 0.99)),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.9, weight_decay=0.01),
+        lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.01),
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, betas=(0.8, 0.99)),
+    ],
+)
 def test_velocity_is_the_optimizers_own_last_step_over_lr(make):
     """v (strategies/runtimes/pipeline/velocity.py) read after a step equals that step's movement / lr:
     prediction extrapolates the direction the optimizer really moves in."""
     from hpar.strategies.runtimes.pipeline.velocity import velocity
+
     torch.manual_seed(1)
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     opt = make(m.parameters())
@@ -78,13 +83,18 @@ def test_velocity_is_the_optimizers_own_last_step_over_lr(make):
             assert torch.allclose(v, (b - p.detach()) / group["lr"], rtol=2e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("make, flag", [
-    (lambda p: torch.optim.RMSprop(p, lr=0.01), "RMSprop"),
-    (lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True), "nesterov"),
-    (lambda p: torch.optim.Adam(p, lr=0.01, maximize=True), "maximize"),
-])
+@pytest.mark.parametrize(
+    "make, flag",
+    [
+        (lambda p: torch.optim.RMSprop(p, lr=0.01), "RMSprop"),
+        (lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True), "nesterov"),
+        (lambda p: torch.optim.Adam(p, lr=0.01, maximize=True), "maximize"),
+    ],
+)
 def test_optimizer_without_a_prediction_rule_is_refused_in_one_line(make, flag):
-    with pytest.raises(ValueError, match=f"{flag}.*async-predict has no weight prediction rule.*SGD, Adam or AdamW") as err:
+    with pytest.raises(
+        ValueError, match=f"{flag}.*async-predict has no weight prediction rule.*SGD, Adam or AdamW"
+    ) as err:
         PassWeights(_layer(), make(_layer().parameters()), "predict")
     assert "\n" not in str(err.value)
 
@@ -136,8 +146,8 @@ def test_predicted_forward_then_backward_on_the_live_weights():
     out0 = pw.forward(0, 2, x0)
     h = torch.tanh(x0 @ hat["0.weight"].T + hat["0.bias"])
     assert torch.allclose(out0, h @ hat["2.weight"].T + hat["2.bias"], atol=1e-6)
-    assert all(torch.equal(p, live[n]) for n, p in m.named_parameters())   # nothing to restore
-    out1 = pw.forward(1, 0, torch.randn(5, 3))   # another micro-batch updates in between
+    assert all(torch.equal(p, live[n]) for n, p in m.named_parameters())  # nothing to restore
+    out1 = pw.forward(1, 0, torch.randn(5, 3))  # another micro-batch updates in between
     pw.backward(1, 0, out1.sum())
     pw.step()
     after = {n: p.detach().clone() for n, p in m.named_parameters()}
@@ -151,10 +161,12 @@ def test_predicted_forward_then_backward_on_the_live_weights():
 
 # --- the simulator ---------------------------------------------------------------------
 
+
 def _mlp_job(momentum=0.9):
     def model():
-        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5),
-                                   torch.nn.Tanh(), torch.nn.Linear(5, 2))
+        return torch.nn.Sequential(
+            torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
+        )
 
     def data(rank, world_size, batch_size):
         g = torch.Generator().manual_seed(5)
@@ -162,9 +174,14 @@ def _mlp_job(momentum=0.9):
             x = torch.randn(batch_size, 4, generator=g)
             yield x, x[:, :2].sin()
 
-    return Job(path="mlp", model_fn=model, data_fn=data,
-               loss_fn=lambda o, t: torch.nn.functional.mse_loss(o, t),
-               optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.1, momentum=momentum), evaluate_fn=None)
+    return Job(
+        path="mlp",
+        model_fn=model,
+        data_fn=data,
+        loss_fn=lambda o, t: torch.nn.functional.mse_loss(o, t),
+        optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.1, momentum=momentum),
+        evaluate_fn=None,
+    )
 
 
 def _sequential(job, steps, batch_size, micro, lr, accumulate):
@@ -176,7 +193,7 @@ def _sequential(job, steps, batch_size, micro, lr, accumulate):
         x, y = next(batches)
         for xm, ym in zip(split_micro(x, micro), split_micro(y, micro)):
             loss = job.compute_loss(model(xm), ym)
-            (loss / micro).backward()   # every schedule scales micro-batch losses by 1/M
+            (loss / micro).backward()  # every schedule scales micro-batch losses by 1/M
             if not accumulate:
                 opt.step()
                 opt.zero_grad()
@@ -213,8 +230,10 @@ def test_stash_holds_k_minus_stage_versions():
 
 # --- SpecTrain's robustness argument on real data (scikit-learn digits) -----------------
 
+
 def _digits_job():
     from sklearn.datasets import load_digits
+
     d = load_digits()
     x = torch.tensor(d.data, dtype=torch.float32) / 16.0
     y = torch.tensor(d.target)
@@ -234,11 +253,16 @@ def _digits_job():
     def data(rank, world_size, batch_size):
         perm = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(0))
         for i in range(0, len(xtr) - batch_size + 1, batch_size):
-            yield xtr[perm[i:i + batch_size]], ytr[perm[i:i + batch_size]]
+            yield xtr[perm[i : i + batch_size]], ytr[perm[i : i + batch_size]]
 
-    job = Job(path="digits", model_fn=model, data_fn=data,
-              loss_fn=lambda o, t: torch.nn.functional.cross_entropy(o, t),
-              optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), evaluate_fn=None)
+    job = Job(
+        path="digits",
+        model_fn=model,
+        data_fn=data,
+        loss_fn=lambda o, t: torch.nn.functional.cross_entropy(o, t),
+        optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        evaluate_fn=None,
+    )
     return job, xtr, ytr
 
 
@@ -274,6 +298,7 @@ def test_prediction_beats_stashing_and_plain_async_with_8_stages():
 def _delayed_by_one(job, steps, batch_size, micro, lr):
     """PipeDream-2BW's update in one process: W(t+1) = W(t) - step(grad f(W(t-1)))."""
     import copy
+
     torch.manual_seed(0)
     model = job.build_model()
     opt = job.build_optimizer(model.parameters(), lr)
@@ -284,7 +309,7 @@ def _delayed_by_one(job, steps, batch_size, micro, lr):
         older.zero_grad()
         for xm, ym in zip(split_micro(x, micro), split_micro(y, micro)):
             (job.compute_loss(older(xm), ym) / micro).backward()
-        older.load_state_dict(model.state_dict())   # W(t) becomes the next batch's version
+        older.load_state_dict(model.state_dict())  # W(t) becomes the next batch's version
         for p, q in zip(model.parameters(), older.parameters()):
             p.grad = q.grad
         opt.step()
@@ -309,6 +334,7 @@ def test_divergence_guard_stop_and_sync_in_the_simulator():
     """lr 3 makes async-predict blow up on the small MLP; the guard cuts the asynchronous
     stream 1 + ceil((K-1)/M) steps after the trip and stops there or goes on as 1f1b."""
     from hpar.strategies.runtimes.pipeline.divergence import GuardConfig, LossWatch
+
     job = _mlp_job()
     kw = dict(steps=12, batch_size=8, micro_batches=2, lr=3.0)
     free = simulate(job, "async-predict", 3, **kw)
@@ -316,8 +342,8 @@ def test_divergence_guard_stop_and_sync_in_the_simulator():
     sync = simulate(job, "async-predict", 3, guard=GuardConfig("sync", 1.5), **kw)
     t = stop.divergence["step"]
     assert stop.divergence["async_steps"] == t + 2 and len(stop.losses) == t + 2
-    assert stop.losses == free.losses[:t + 2]                 # the same run up to the cut
-    assert len(sync.losses) == 12 and sync.losses[:t + 2] == stop.losses
+    assert stop.losses == free.losses[: t + 2]  # the same run up to the cut
+    assert len(sync.losses) == 12 and sync.losses[: t + 2] == stop.losses
     assert sync.divergence["sync_steps"] == 12 - (t + 2)
     watch = LossWatch(GuardConfig("stop", 2.0, window=3))
     # 1.5 < 2 x 0.8 (0.5 has left the window of 3), 1.7 > 2 x 0.8

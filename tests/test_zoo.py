@@ -7,6 +7,7 @@ runs: profile_job and choose_plan), not through `hpar profile` itself, to save a
 start per model; tests/test_profile_cli.py covers the command. allreduce-sparse differs from
 allreduce only on embedding tables, so it runs on the models that have one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,7 @@ from conftest import REPO, hpar_to_file, kill_left, final_state
 pytestmark = pytest.mark.multiprocess
 
 ZOO = os.path.join(REPO, "tests", "zoo")
-TABLES = {"tied_lm", "dict_bag"}                      # models with a row-sparse embedding table
+TABLES = {"tied_lm", "dict_bag"}  # models with a row-sparse embedding table
 # 4 stages through the real command, once per runtime family: hpar's synchronous 1F1B, its
 # asynchronous schedules with a weight stash and with weight prediction, and
 # torch.distributed.pipelining's 1F1B (about 37 s each in CI). gpipe and torch-gpipe run through
@@ -43,6 +44,7 @@ def offered(name: str) -> set[str]:
         from hpar.strategies.job.contract import load_job
         from hpar.strategies.plan.planner import choose_plan
         from hpar.strategies.profile.profiler import profile_job
+
         job = load_job(os.path.join(ZOO, f"{name}.py"))
         cluster = build_cluster(2, None, None, "10Gbps", "50us", None)
         plan = choose_plan(profile_job(job, job.defaults["batch_size"], 2, repeats=1, warmup=1), cluster)
@@ -84,15 +86,29 @@ def hpar_run(tmp_path_factory, name: str, strategy: str, gpus: int = 2, *flags: 
         run_dir, out, result = base / "run", base / "stdout.txt", base / "result.json"
         with _locked(runs / f"{slug}.lock"):
             if not result.exists():
-                base.mkdir(exist_ok=True)   # a run that raised (its timeout) left it without a result
-                rc, _ = hpar_to_file(out, "run", os.path.join(ZOO, f"{name}.py"), "--gpus", str(gpus), "--strategy",
-                                     strategy, "--run-dir", str(run_dir), *(() if evaluate else ("--no-eval",)), *flags,
-                                     cwd=str(base))
+                base.mkdir(exist_ok=True)  # a run that raised (its timeout) left it without a result
+                rc, _ = hpar_to_file(
+                    out,
+                    "run",
+                    os.path.join(ZOO, f"{name}.py"),
+                    "--gpus",
+                    str(gpus),
+                    "--strategy",
+                    strategy,
+                    "--run-dir",
+                    str(run_dir),
+                    *(() if evaluate else ("--no-eval",)),
+                    *flags,
+                    cwd=str(base),
+                )
                 result.write_text(json.dumps({"rc": rc, "left": [p.pid for p in kill_left(run_dir)]}))
         summary_path = run_dir / "summary.json"
-        _RUNS[key] = {**json.loads(result.read_text()), "out": out.read_text(),
-                      "summary": json.loads(summary_path.read_text()) if summary_path.exists() else {},
-                      "run_dir": run_dir}
+        _RUNS[key] = {
+            **json.loads(result.read_text()),
+            "out": out.read_text(),
+            "summary": json.loads(summary_path.read_text()) if summary_path.exists() else {},
+            "run_dir": run_dir,
+        }
     return _RUNS[key]
 
 
@@ -119,16 +135,28 @@ def ddp_warned(r: dict) -> bool:
 # Every strategy the planner offers, once per model shape it matters for (each run starts 3-4
 # processes, so the set is kept small): allreduce-sparse and hybrid where there is an embedding
 # table; ps (every parameter on the servers) on the table models and on the frozen parameter.
-DATA_PARALLEL = [("tied_lm", "allreduce"), ("tied_lm", "allreduce-sparse"), ("tied_lm", "hybrid"), ("tied_lm", "ps"),
-                 ("dict_bag", "allreduce"), ("dict_bag", "allreduce-sparse"), ("dict_bag", "hybrid"), ("dict_bag", "ps"),
-                 ("frozen", "allreduce"), ("frozen", "ps"), ("sometimes_unused", "allreduce"), ("tuple_out", "allreduce"),
-                 ("tied_lm", "fsdp"), ("dict_bag", "fsdp")]
+DATA_PARALLEL = [
+    ("tied_lm", "allreduce"),
+    ("tied_lm", "allreduce-sparse"),
+    ("tied_lm", "hybrid"),
+    ("tied_lm", "ps"),
+    ("dict_bag", "allreduce"),
+    ("dict_bag", "allreduce-sparse"),
+    ("dict_bag", "hybrid"),
+    ("dict_bag", "ps"),
+    ("frozen", "allreduce"),
+    ("frozen", "ps"),
+    ("sometimes_unused", "allreduce"),
+    ("tuple_out", "allreduce"),
+    ("tied_lm", "fsdp"),
+    ("dict_bag", "fsdp"),
+]
 PIPELINED = ("nested_cnn", "frozen", "pipe4")
 
 
 @pytest.mark.parametrize("name,strategy", DATA_PARALLEL, ids=[f"{n}-{s}" for n, s in DATA_PARALLEL])
 def test_zoo_data_parallel(tmp_path_factory, name, strategy):
-    if strategy != "hybrid":   # hybrid is offered by name only where it would use its servers; it runs everywhere
+    if strategy != "hybrid":  # hybrid is offered by name only where it would use its servers; it runs everywhere
         assert strategy in offered(name), f"the planner does not offer {strategy} for {name}: {offered(name)}"
     r = hpar_run(tmp_path_factory, name, strategy)
     check_trained(r)
@@ -152,7 +180,7 @@ def test_zoo_find_unused_parameters_forced(tmp_path_factory):
     assert hint and hint[-1].strip().endswith("run with --find-unused-parameters on"), off["out"][-3000:]
     assert "(extra.weight, extra.bias on worker" in hint[-1] and "Traceback" not in off["out"], off["out"][-3000:]
     last = off["out"].rstrip().splitlines()
-    assert last[-2] == hint[-1], off["out"][-3000:]   # the peers' gloo complaints stay in their logs
+    assert last[-2] == hint[-1], off["out"][-3000:]  # the peers' gloo complaints stay in their logs
     assert last[-1].startswith("hpar: failed (exit code 2)") and "no checkpoint to resume from" in last[-1], last[-1]
 
 
@@ -175,7 +203,7 @@ def test_zoo_every_offered_strategy_is_covered():
         ran = {s for n, s in DATA_PARALLEL if n == name} | ({"pipeline"} if name in PIPELINED else set())
         want = set(offered(name))
         if name not in TABLES:
-            assert "allreduce-sparse" not in want, (name, want)   # it would run as allreduce
+            assert "allreduce-sparse" not in want, (name, want)  # it would run as allreduce
             want -= {"ps"} if name != "frozen" else set()
         if name in ("nested_cnn", "pipe4"):
             want -= {"allreduce"}
@@ -193,7 +221,7 @@ def test_zoo_hybrid_equals_allreduce(tmp_path_factory, name):
     check_trained(ar)
     check_trained(hy)
     if name == "tied_lm":
-        assert "runs as allreduce" not in hy["out"], hy["out"][-2000:]   # the doc table is served
+        assert "runs as allreduce" not in hy["out"], hy["out"][-2000:]  # the doc table is served
     a = final_state(ar["run_dir"])
     h = final_state(hy["run_dir"])
     assert a.keys() == h.keys()
@@ -208,8 +236,11 @@ def test_zoo_tables_kept_whole_spread_over_the_servers(tmp_path_factory):
     trains the same model as allreduce."""
     base = tmp_path_factory.mktemp("whole-tables")
     plan = base / "plan.json"
-    plan.write_text(json.dumps({"strategy": "ps", "partitions": {n: 1 for n in
-                                                                   ("emb.weight", "doc.weight", "mix.weight", "mix.bias")}}))
+    plan.write_text(
+        json.dumps(
+            {"strategy": "ps", "partitions": {n: 1 for n in ("emb.weight", "doc.weight", "mix.weight", "mix.bias")}}
+        )
+    )
     ps = hpar_run(tmp_path_factory, "tied_lm", "ps", 2, "--servers", "2", "--plan", str(plan))
     check_trained(ps)
     for server in (0, 1):
@@ -234,9 +265,19 @@ def test_zoo_pipeline(tmp_path_factory, name):
 def test_zoo_four_stage_pipeline(tmp_path_factory, schedule):
     """4 stages (so 2 middle stages, which report no loss) with each kind of schedule (one replica:
     the planner may otherwise pick 2 stages x 2 replicas for --gpus 4)."""
-    r = hpar_run(tmp_path_factory, "pipe4", "pipeline", 4, "--schedule", schedule, "--micro-batches", "4",
-                 "--pipeline-replicas", "1")
+    r = hpar_run(
+        tmp_path_factory,
+        "pipe4",
+        "pipeline",
+        4,
+        "--schedule",
+        schedule,
+        "--micro-batches",
+        "4",
+        "--pipeline-replicas",
+        "1",
+    )
     check_trained(r)
-    assert "loss -" in r["out"]        # a middle stage's progress line, not a crash
-    stages = r["summary"]["stages"]    # what `hpar bench` reports per schedule: bubble and peak memory
+    assert "loss -" in r["out"]  # a middle stage's progress line, not a crash
+    stages = r["summary"]["stages"]  # what `hpar bench` reports per schedule: bubble and peak memory
     assert len(stages) == 4 and all(isinstance(s["peak_mem_bytes"], int) and s["idle_s"] >= 0 for s in stages)

@@ -10,6 +10,7 @@ is not that process's. Nothing is ever found by name. Ending one is SIGTERM (and
 that a stopped one acts on it), ``grace`` seconds, SIGKILL; what was ended is described in
 one line, as the launcher reports it.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,7 @@ def outside_group(root: int, pgid: int) -> list[psutil.Process]:
 
 
 def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def describe(p: psutil.Process, arg_width: int = 32, width: int = 100) -> str:

@@ -23,6 +23,7 @@ is ignored by the guard itself. With ``HPAR_HOLD_STORE=1`` rank 0's guard holds 
 rendezvous store on MASTER_ADDR:MASTER_PORT before it starts CMD (workers/store.py
 ``guard_store``), and exits 1 naming the address when it cannot bind it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -51,7 +52,7 @@ def _on_sigterm(signum, frame) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-PR_SET_CHILD_SUBREAPER = 36   # linux/prctl.h
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 def become_subreaper() -> bool:
@@ -67,6 +68,7 @@ def _outside_group() -> list:
     """The guard's live descendants that left its process group (a new session)."""
     try:
         from hpar.workers.descendants import outside_group
+
         return outside_group(os.getpid(), os.getpgrp())
     except Exception:  # psutil missing or the process table unreadable: the group still goes
         return []
@@ -86,7 +88,7 @@ def _kill_group(grace: float) -> None:
     extra = _outside_group()
     try:
         _signal_all(signal.SIGTERM, extra)
-        os.killpg(os.getpgrp(), signal.SIGCONT)   # a stopped process acts on SIGTERM at once
+        os.killpg(os.getpgrp(), signal.SIGCONT)  # a stopped process acts on SIGTERM at once
         time.sleep(grace)
     finally:
         _signal_all(signal.SIGKILL, extra + _outside_group())
@@ -100,10 +102,11 @@ def _stop_leftovers(wait_s: float = 1.0) -> None:
     if not extra:
         return
     from hpar.workers.descendants import end
+
     ended = end(extra, wait_s)
     try:
         print("@hpar event " + json.dumps({"kind": "ended", "processes": ended}), flush=True)
-    except OSError:   # nobody reads any more (the launcher is gone)
+    except OSError:  # nobody reads any more (the launcher is gone)
         pass
 
 
@@ -111,6 +114,7 @@ def _report_stats(pid: int, every_s: float) -> None:
     """Every ``every_s`` s an ``@hpar heartbeat`` line (workers/report.py) with the CPU percent
     and resident memory of CMD and its children, and GPU memory where nvidia-smi lists them."""
     import psutil
+
     try:
         root = psutil.Process(pid)
     except psutil.Error:
@@ -140,15 +144,23 @@ def _report_stats(pid: int, every_s: float) -> None:
 def _gpu_bytes(pids: set) -> int | None:
     """GPU memory used by ``pids`` (nvidia-smi's compute apps), None without nvidia-smi."""
     import shutil
+
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    used = [int(mib) * 2**20 for pid, _, mib in (line.partition(",") for line in out.splitlines())
-            if pid.strip().isdigit() and int(pid) in pids and mib.strip().isdigit()]
+    used = [
+        int(mib) * 2**20
+        for pid, _, mib in (line.partition(",") for line in out.splitlines())
+        if pid.strip().isdigit() and int(pid) in pids and mib.strip().isdigit()
+    ]
     return sum(used)
 
 
@@ -158,12 +170,13 @@ def main(argv: list[str]) -> int:
         return 2
     grace = float(os.environ.get("HPAR_GUARD_GRACE", "3"))
     signal.signal(signal.SIGTERM, _on_sigterm)
-    signal.signal(signal.SIGUSR1, lambda signum, frame: None)   # stacks are the child's to dump
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # stacks are the child's to dump
     become_subreaper()
-    try:   # rank 0 on a remote first host: the run's store, on MASTER_ADDR only (workers/store.py)
+    try:  # rank 0 on a remote first host: the run's store, on MASTER_ADDR only (workers/store.py)
         from hpar.workers.store import guard_store
+
         store = guard_store()  # noqa: F841  (held until the guard exits)
-    except Exception as exc:   # EADDRINUSE: the launcher starts again on another port
+    except Exception as exc:  # EADDRINUSE: the launcher starts again on another port
         print(f"hpar guard: {exc}", file=sys.stderr, flush=True)
         return 1
     child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)

@@ -6,6 +6,7 @@ A line is ``@hpar <kind> <json>``; kinds: ``metric`` (one logging interval, see
 StepMeter), ``heartbeat`` (psutil figures, every few seconds), ``summary`` (worker rank 0,
 once, at the end), ``event`` (free-form notice, e.g. "checkpoint written").
 """
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,7 @@ def parse(line: str) -> tuple[str, dict] | None:
     if not line.startswith(TAG):
         return None
     try:
-        kind, _, body = line[len(TAG):].partition(" ")
+        kind, _, body = line[len(TAG) :].partition(" ")
         return kind, json.loads(body)
     except ValueError:
         return None
@@ -72,6 +73,7 @@ def process_figures(device=None) -> dict:
     figures = {"cpu_percent": proc.cpu_percent(interval=None), "rss_bytes": proc.memory_info().rss}
     try:
         import torch
+
         if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
             figures["gpu_bytes"] = torch.cuda.memory_allocated(device)
     except Exception:  # pragma: no cover - GPU figures are best effort
@@ -95,6 +97,7 @@ def install_stack_dump() -> None:
     a stalled run before teardown and groups the stacks it reads back (launcher/run/stacks.py)."""
     import faulthandler
     import signal
+
     faulthandler.register(getattr(signal, STACK_SIGNAL), all_threads=True, chain=False)
 
 
@@ -112,10 +115,14 @@ def start_heartbeat(every_s: float | None = None, device=None, threads: int | No
     extra = {"threads": threads} if threads is not None else {}
 
     def beat():
-        emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **activity.current(), **process_figures(), **extra})
+        emit(
+            "heartbeat", {"time": time.time(), "at_step": _STEP[0], **activity.current(), **process_figures(), **extra}
+        )
         while not stop.wait(every_s):
-            emit("heartbeat", {"time": time.time(), "at_step": _STEP[0], **activity.current(),
-                               **process_figures(device), **extra})
+            emit(
+                "heartbeat",
+                {"time": time.time(), "at_step": _STEP[0], **activity.current(), **process_figures(device), **extra},
+            )
 
     threading.Thread(target=beat, name="hpar-heartbeat", daemon=True).start()
     return stop

@@ -8,6 +8,7 @@ as the workers' model), then serves the workers until every one has finished
 (strategies/runtimes/hybrid/ps_server.py). It reports bytes per step by table (``metric``) and
 heartbeats through workers/report.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ import os
 from hpar.strategies.job.context import peer_is_remote
 from hpar.workers import report
 
-report.install_stack_dump()   # first, so that a stall during start-up can be diagnosed too
+report.install_stack_dump()  # first, so that a stall during start-up can be diagnosed too
 
 import torch  # noqa: E402
 
@@ -38,35 +39,54 @@ def main() -> int:
     cfg = load_config(os.environ["HPAR_CONFIG"], os.environ.get("HPAR_CONFIG_SHA256"))
     num_workers, index = env_int("WORLD_SIZE"), env_int("HPAR_SERVER_INDEX")
     num_servers = env_int("HPAR_NUM_SERVERS", cfg.servers or 1)
-    pg_rank, pg_world = env_int("HPAR_PG_RANK", num_workers + index), env_int("HPAR_PG_WORLD_SIZE", num_workers + num_servers)
+    pg_rank, pg_world = (
+        env_int("HPAR_PG_RANK", num_workers + index),
+        env_int("HPAR_PG_WORLD_SIZE", num_workers + num_servers),
+    )
     torch.set_num_threads(cpu_threads())
     stop_beat = report.start_heartbeat(threads=torch.get_num_threads())
     job = load_job(cfg.script)
     host_of = init_group(cfg, pg_rank, pg_world)
-    report.emit("event", {"kind": "phase", "phase": "serve"})   # past the rendezvous (launcher/run/health.py)
-    make_groups(num_workers, cfg.device, host_of, cfg.plan)   # a member of none but the default (gloo) group
-    mem = memory.start_process(torch.device("cpu"))   # peak memory from here to the end of serving
+    report.emit("event", {"kind": "phase", "phase": "serve"})  # past the rendezvous (launcher/run/health.py)
+    make_groups(num_workers, cfg.device, host_of, cfg.plan)  # a member of none but the default (gloo) group
+    mem = memory.start_process(torch.device("cpu"))  # peak memory from here to the end of serving
     torch.manual_seed(cfg.seed)
-    model = inner_module(job.build_model())   # a torch.compile wrapper's module: the user's names, never run here
+    model = inner_module(job.build_model())  # a torch.compile wrapper's module: the user's names, never run here
     opt = job.build_optimizer(model.parameters(), cfg.lr)
     tables = ps_tables(model, opt, cfg.strategy, cfg.plan, num_servers)
-    broadcast_dense(model, {t.name for t in tables}, src=num_workers)   # the workers' initial dense state, from server 0
+    broadcast_dense(model, {t.name for t in tables}, src=num_workers)  # the workers' initial dense state, from server 0
     params = dict(model.named_parameters())
-    server = Server(cfg, tables, model, index, num_workers,
-                    is_remote=lambda rank: peer_is_remote(host_of, pg_rank, rank), schedule=ServerSchedule(job, opt),
-                    emit=report.emit, group_of={t.tid: group_index(opt, params[t.name]) for t in tables})
+    server = Server(
+        cfg,
+        tables,
+        model,
+        index,
+        num_workers,
+        is_remote=lambda rank: peer_is_remote(host_of, pg_rank, rank),
+        schedule=ServerSchedule(job, opt),
+        emit=report.emit,
+        group_of={t.tid: group_index(opt, params[t.name]) for t in tables},
+    )
     del params
     del model, opt
     step = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
     if step is not None:
         server.restore(cfg.run_dir, step)
-    report.emit("event", {"server": index, "message": f"serving {len(server.shards)} table shard(s) from step {server.applied}"})
+    report.emit(
+        "event", {"server": index, "message": f"serving {len(server.shards)} table shard(s) from step {server.applied}"}
+    )
     server.serve()
     report.emit("event", {"kind": "memory", "role": "server", "rank": index, **mem.figures(), "trims": memory.trims()})
-    server.write_final()   # its rows of every table, with the workers' dense part: RUN_DIR/model
+    server.write_final()  # its rows of every table, with the workers' dense part: RUN_DIR/model
     n = max(server.applied - (step or 0), 1)
-    report.emit("event", {"server": index, "message": "finished",
-                          "bytes_per_step": {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(server.totals.items())}})
+    report.emit(
+        "event",
+        {
+            "server": index,
+            "message": "finished",
+            "bytes_per_step": {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(server.totals.items())},
+        },
+    )
     leave_group(stop_beat)
     return 0
 

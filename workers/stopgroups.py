@@ -12,6 +12,7 @@ a group id below 2 is refused (exit 2). It polls every 50 ms with signal 0 to ea
 scan of the process table), and every 0.5 s and before it reports tells a group of zombies only
 from a live one from ``/proc/PID/stat`` (Linux).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ def alive_groups(groups: set[int], proc: str = "/proc") -> set[int]:
             with open(f"{proc}/{name}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except (OSError, IndexError):
-            continue   # gone meanwhile
+            continue  # gone meanwhile
         if fields[0] != b"Z" and int(fields[2]) in groups:
             alive.add(int(fields[2]))
     return alive
@@ -83,6 +84,7 @@ def escaped(groups: set[int]) -> dict[int, list]:
     left the group (workers/descendants.py), found before anything is signalled: once the guard
     is gone they are init's children and no longer anyone's of the run."""
     from hpar.workers.descendants import outside_group
+
     return {g: found for g in sorted(groups) if (found := outside_group(g, g))}
 
 
@@ -93,6 +95,7 @@ def stop_groups(groups: set[int], grace: float, kill_wait: float, ended: dict | 
     group, the descriptions of the processes outside it that were stopped. Raises ValueError
     for a group id below 2 (0 and 1 would be this process's group or init's)."""
     from hpar.workers.descendants import describe, send
+
     bad = [g for g in groups if g < 2]
     if bad:
         raise ValueError(f"refusing process group {bad[0]}")
@@ -108,6 +111,7 @@ def stop_groups(groups: set[int], grace: float, kill_wait: float, ended: dict | 
     left = _wait_gone(groups, grace)
     if outside:
         import psutil
+
         outside = psutil.wait_procs(outside, timeout=max(0.0, deadline - time.monotonic()))[1]
         send(outside, signal.SIGKILL)
     if left:

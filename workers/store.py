@@ -15,6 +15,7 @@ Used by the launcher (launcher/run/rendezvous.py) when the first host is this ma
 rank 0's guard (workers/guard.py) when it is another host. Source: torch.distributed
 ``TCPStore`` (``master_listen_fd``), torch's SECURITY.md ("Using distributed features").
 """
+
 from __future__ import annotations
 
 import datetime
@@ -22,7 +23,7 @@ import ipaddress
 import os
 import socket
 
-HOLD_STORE = "HPAR_HOLD_STORE"   # "1": rank 0's guard holds the store at MASTER_ADDR:MASTER_PORT
+HOLD_STORE = "HPAR_HOLD_STORE"  # "1": rank 0's guard holds the store at MASTER_ADDR:MASTER_PORT
 WILDCARDS = ("", "0.0.0.0", "::")
 
 
@@ -40,6 +41,7 @@ def loopback_interface() -> str:
     ``lo`` on Linux, ``lo0`` on macOS and the BSDs; read with psutil, not assumed. Raises
     OSError when no interface holds either address."""
     import psutil
+
     found = psutil.net_if_addrs()
     for wanted in ("127.0.0.1", "::1"):
         for name, addrs in found.items():
@@ -57,7 +59,7 @@ def listen_socket(address: str, port: int = 0) -> socket.socket:
     info = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(info[0], socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a port in TIME_WAIT after a restart
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT after a restart
         sock.bind(info[4])
         sock.listen(512)
     except OSError:
@@ -72,17 +74,26 @@ def hold_store(address: str, port: int = 0, timeout_s: float = 60.0):
     seconds a client operation may wait. Raises OSError when the socket cannot be bound, and
     whatever TCPStore raises."""
     from torch.distributed import TCPStore
+
     sock = listen_socket(address, port)
     bound = sock.getsockname()[1]
-    fd = sock.detach()   # the store owns the descriptor from here
+    fd = sock.detach()  # the store owns the descriptor from here
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         try:
-            return TCPStore(address, bound, is_master=True, wait_for_workers=False, timeout=timeout,
-                            master_listen_fd=fd)
-        except NotImplementedError:   # a libuv backend without socket support (before PR #150215)
-            return TCPStore(address, bound, is_master=True, wait_for_workers=False, timeout=timeout,
-                            master_listen_fd=fd, use_libuv=False)
+            return TCPStore(
+                address, bound, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd
+            )
+        except NotImplementedError:  # a libuv backend without socket support (before PR #150215)
+            return TCPStore(
+                address,
+                bound,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timeout,
+                master_listen_fd=fd,
+                use_libuv=False,
+            )
     except BaseException:
         os.close(fd)
         raise

@@ -5,6 +5,7 @@ HPAR_CONFIG (path of the run's config.json) and HPAR_PG_RANK/HPAR_PG_WORLD_SIZE 
 the default process group, which also holds parameter servers), joins the group, runs the
 strategy's runtime and reports through tagged stdout lines (workers/report.py). No math here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,7 @@ import time
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.workers import report
 
-report.install_stack_dump()   # first, so that a stall during start-up can be diagnosed too
+report.install_stack_dump()  # first, so that a stall during start-up can be diagnosed too
 
 import torch  # noqa: E402
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from hpar.strategies.job.contract import JobError, load_job
 from hpar.strategies.state.safe_read import UnsafeCheckpoint
 from hpar.strategies.state.state import DiskFull
 from hpar.strategies.state.hf_save import is_pretrained, save_pretrained_dir
+
 
 def env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
@@ -78,14 +80,14 @@ def run_entry(main, prefix: str, user_errors: tuple) -> None:
     try:
         code = main()
     except user_errors as exc:
-        if not getattr(exc, "announced", False):   # else the launcher prints it, once (strategies/job/first_batch.py)
+        if not getattr(exc, "announced", False):  # else the launcher prints it, once (strategies/job/first_batch.py)
             print(f"{prefix}: {exc}", file=sys.stderr)
         if getattr(exc, "user_traceback", None):
             print(exc.user_traceback, file=sys.stderr)
-        report.exit_process(2, announce=False)   # as below: gloo's threads may still be up
+        report.exit_process(2, announce=False)  # as below: gloo's threads may still be up
     except SystemExit as exc:
         code = 0 if exc.code is None else exc.code
-        if not isinstance(code, int):   # sys.exit("message"): printed, status 1, as Python does
+        if not isinstance(code, int):  # sys.exit("message"): printed, status 1, as Python does
             print(code, file=sys.stderr)
             code = 1
         report.exit_process(code, announce=False)
@@ -117,58 +119,88 @@ def main() -> int:
     rank, world_size, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK", 0)
     pg_rank, pg_world = env_int("HPAR_PG_RANK", rank), env_int("HPAR_PG_WORLD_SIZE", world_size)
     device = worker_device(cfg, local_rank)
-    activity.announce_with(lambda change: report.emit("event", change))   # the end of an activity is seen at once
+    activity.announce_with(lambda change: report.emit("event", change))  # the end of an activity is seen at once
     stop_beat = report.start_heartbeat(device=device, threads=torch.get_num_threads() if device.type == "cpu" else None)
     job = load_job(cfg.script)
-    if job.evaluate_fn is None:   # nothing to evaluate: no process gathers or pulls a whole copy of the model for it
+    if job.evaluate_fn is None:  # nothing to evaluate: no process gathers or pulls a whole copy of the model for it
         cfg = dataclasses.replace(cfg, eval=False)
     host_of = init_group(cfg, pg_rank, pg_world)
     # past the rendezvous: from here the start-up bound runs to the first step (launcher/run/health.py)
     report.emit("event", {"kind": "phase", "phase": "train"})
     spec = strategy_spec(cfg.strategy)
-    train = spec.load("runtime")   # imported before the memory baseline
-    memory.start_process(device)   # peak memory from here to the last step (strategies/common/measured_memory.py)
+    train = spec.load("runtime")  # imported before the memory baseline
+    memory.start_process(device)  # peak memory from here to the last step (strategies/common/measured_memory.py)
     eval_first = {}
-    if rank == 0 and cfg.eval and not cfg.resume and not spec.servers:   # with servers: in the runtime (served rows)
+    if rank == 0 and cfg.eval and not cfg.resume and not spec.servers:  # with servers: in the runtime (served rows)
         # evaluate()'s own peak is not training's; what it leaves behind (kernels' caches) counts
         with memory.outside_window():
             torch.manual_seed(cfg.seed)
-            initial = job.build_model()   # building it is start-up, not evaluate()'s time
-            report.emit("event", {"kind": "phase", "phase": "evaluate"})   # the peers wait: not their stall
-            with activity.doing("in evaluate() before training"):   # but it has the phase deadline
-                eval_first = job.run_evaluate(initial)   # evaluate() gets the model on the CPU
+            initial = job.build_model()  # building it is start-up, not evaluate()'s time
+            report.emit("event", {"kind": "phase", "phase": "evaluate"})  # the peers wait: not their stall
+            with activity.doing("in evaluate() before training"):  # but it has the phase deadline
+                eval_first = job.run_evaluate(initial)  # evaluate() gets the model on the CPU
             del initial
         report.emit("event", {"kind": "first_eval", "eval": eval_first})
         report.emit("event", {"kind": "phase", "phase": "train"})
-    ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world_size, local_rank=local_rank,
-                        device=device, report=lambda m: report.emit("metric", m),
-                        pg_rank=pg_rank, pg_world_size=pg_world, host_of=host_of,
-                        event=lambda e: report.emit("event", e), on_step=report.set_step,
-                        report_eval=lambda m: report.emit("eval", m))
+    ctx = WorkerContext(
+        job=job,
+        cfg=cfg,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        report=lambda m: report.emit("metric", m),
+        pg_rank=pg_rank,
+        pg_world_size=pg_world,
+        host_of=host_of,
+        event=lambda e: report.emit("event", e),
+        on_step=report.set_step,
+        report_eval=lambda m: report.emit("eval", m),
+    )
     t0 = time.time()
     result = train(ctx)
-    report.emit("event", {"kind": "memory", "role": "worker", "rank": rank, **memory.process_peak().figures(),
-                          "final_peak_bytes": memory.final_peak_bytes(), "trims": memory.trims()})
-    if rank == 0:   # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/state/state.py)
+    report.emit(
+        "event",
+        {
+            "kind": "memory",
+            "role": "worker",
+            "rank": rank,
+            **memory.process_peak().figures(),
+            "final_peak_bytes": memory.final_peak_bytes(),
+            "trims": memory.trims(),
+        },
+    )
+    if rank == 0:  # the runtimes wrote the trained model where it lives (RUN_DIR/model, strategies/state/state.py)
         assert result.model is not None or result.eval_last is not None, "rank 0 evaluates the whole model"
         report.emit("event", {"kind": "phase", "phase": "evaluate"})
         eval_last = result.eval_last
         if result.model is not None:
-            model = model_to_cpu(result.model)    # every strategy hands evaluate() the CPU model
+            model = model_to_cpu(result.model)  # every strategy hands evaluate() the CPU model
             if eval_last is None:
                 with activity.doing("in evaluate() after the last step"):
                     eval_last = job.run_evaluate(model) if cfg.eval else {}
-            if is_pretrained(model):   # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/state/hf_save.py)
+            if is_pretrained(
+                model
+            ):  # a transformers model: RUN_DIR/hf loads with from_pretrained (strategies/state/hf_save.py)
                 with activity.doing("writing RUN_DIR/hf (save_pretrained)"):
                     save_pretrained_dir(model, os.path.join(cfg.run_dir, "hf"))
-        report.emit("summary", {
-            "strategy": cfg.strategy, "world_size": world_size, "steps": cfg.steps,
-            "samples_per_s": result.samples_per_s, "loss_first": result.loss_first,
-            "loss_last": result.loss_last, "eval_first": eval_first, "eval_last": eval_last,
-            "bytes_per_step": result.bytes_per_step, "wall_s": time.time() - t0,
-            **step_time_percentiles(result.step_times),
-            **result.extra,
-        })
+        report.emit(
+            "summary",
+            {
+                "strategy": cfg.strategy,
+                "world_size": world_size,
+                "steps": cfg.steps,
+                "samples_per_s": result.samples_per_s,
+                "loss_first": result.loss_first,
+                "loss_last": result.loss_last,
+                "eval_first": eval_first,
+                "eval_last": eval_last,
+                "bytes_per_step": result.bytes_per_step,
+                "wall_s": time.time() - t0,
+                **step_time_percentiles(result.step_times),
+                **result.extra,
+            },
+        )
     leave_group(stop_beat)
     return 0
 

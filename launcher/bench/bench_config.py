@@ -2,6 +2,7 @@
 of each name), the bench's settings (:class:`BenchConfig`), the ``--strategies`` list, and how
 many steps each strategy's run takes.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,8 @@ from hpar.strategies.specs.registry import strategies
 
 # strategies whose runs take the planner's plan: a pipeline's stages, the servers' placement
 PLANNED = {s.name for s in strategies() if s.needs_plan or s.servers}
-HPAR_SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw")   # benched as STRATEGY-SCHEDULE
-TORCH_SCHEDULES = ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-zbv")   # benched by their name
+HPAR_SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw")  # benched as STRATEGY-SCHEDULE
+TORCH_SCHEDULES = ("torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-zbv")  # benched by their name
 
 
 def _bench_strategies() -> dict[str, tuple[str, str | None]]:
@@ -54,15 +55,17 @@ class BenchConfig:
     device_tflops: float | None = None
     timeout_s: float = 600.0
     precision: str | None = None
-    threads: int | None = None     # every process's CPU threads (--env OMP_NUM_THREADS); None: hpar run's default
-    repeat: int = 1     # runs of every strategy, interleaved (round r runs every strategy once)
-    min_seconds: float = 0.0   # more steps for a strategy predicted faster: see steps_for
-    worker_memory_gb: float | None = None   # every run's --worker-memory (and the plans' capacity)
-    server_memory_gb: float | None = None   # every run's --server-memory
-    keep_models: bool = False   # keep each run's trained model (RUN_DIR/model, hf/, checkpoints/); else removed once read
+    threads: int | None = None  # every process's CPU threads (--env OMP_NUM_THREADS); None: hpar run's default
+    repeat: int = 1  # runs of every strategy, interleaved (round r runs every strategy once)
+    min_seconds: float = 0.0  # more steps for a strategy predicted faster: see steps_for
+    worker_memory_gb: float | None = None  # every run's --worker-memory (and the plans' capacity)
+    server_memory_gb: float | None = None  # every run's --server-memory
+    keep_models: bool = (
+        False  # keep each run's trained model (RUN_DIR/model, hf/, checkpoints/); else removed once read
+    )
 
 
-MAX_STEPS = 5000   # steps_for's ceiling
+MAX_STEPS = 5000  # steps_for's ceiling
 
 
 def steps_for(cfg: BenchConfig, predicted_step_s: float | None) -> int:
@@ -79,6 +82,7 @@ def _installed(name: str) -> bool:
     """Whether bench strategy ``name``'s runtime has what it needs here (its spec's
     ``check_available``: torchrec's optional install, FSDP2 in this torch)."""
     from hpar.strategies.specs.registry import spec
+
     s = spec(BENCH_STRATEGIES[name][0])
     try:
         if s.check_available:
@@ -97,12 +101,13 @@ def parse_strategies(text: str | None) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     bad = [n for n in names if n not in BENCH_STRATEGIES]
     if bad or not names:
-        raise ValueError(f"--strategies: unknown {', '.join(bad) or 'empty list'}; "
-                         f"choose from {', '.join(BENCH_STRATEGIES)}")
+        raise ValueError(
+            f"--strategies: unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(BENCH_STRATEGIES)}"
+        )
     return names
 
 
-COMPRESS_ROW = " --compress "   # a compressed row's name: "<bench name> --compress <setting>"
+COMPRESS_ROW = " --compress "  # a compressed row's name: "<bench name> --compress <setting>"
 
 
 def bench_entry(name: str) -> tuple[str, str | None]:
@@ -129,6 +134,7 @@ def with_compress(names: tuple[str, ...], text: str | None) -> tuple[str, ...]:
     bad setting, or when no strategy in ``names`` can compress."""
     from hpar.strategies.job.compression import Compression
     from hpar.strategies.specs.registry import spec
+
     if text is None:
         return names
     settings = [str(c) for c in dict.fromkeys(Compression.parse(t) for t in text.split(",") if t.strip()) if c.on]
@@ -136,9 +142,11 @@ def with_compress(names: tuple[str, ...], text: str | None) -> tuple[str, ...]:
         return names
     able = [n for n in names if spec(BENCH_STRATEGIES[n][0]).compress_hooks]
     if not able:
-        raise ValueError(f"--compress {text}: none of {', '.join(names)} averages gradients with DDP's AllReduce; "
-                         "add one that does to --strategies: "
-                         + ", ".join(n for n in BENCH_STRATEGIES if spec(BENCH_STRATEGIES[n][0]).compress_hooks))
+        raise ValueError(
+            f"--compress {text}: none of {', '.join(names)} averages gradients with DDP's AllReduce; "
+            "add one that does to --strategies: "
+            + ", ".join(n for n in BENCH_STRATEGIES if spec(BENCH_STRATEGIES[n][0]).compress_hooks)
+        )
     return tuple(row for n in names for row in (n, *(f"{n}{COMPRESS_ROW}{c}" for c in settings if n in able)))
 
 
@@ -176,4 +184,4 @@ class BenchFlags:
     memory_table: bool = False
     scale: str | None = None
     keep_models: bool = False
-    compress: str | None = None   # --compress: rows of the compressing strategies with these settings
+    compress: str | None = None  # --compress: rows of the compressing strategies with these settings

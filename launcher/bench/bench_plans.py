@@ -2,6 +2,7 @@
 the cost model for the bench's cluster (and a projection's), the planner's plan of each
 planned strategy written for its runs, and why a strategy cannot run this job.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,26 +29,39 @@ def not_applicable(name: str, profile, estimates: dict, gpus: int) -> str | None
         if est is not None and not est.feasible:
             return est.note
         if schedule.startswith("torch-") and profile.traced:
-            return ("torch.distributed.pipelining's schedules run here on an nn.Sequential or hpar_layers() only; "
-                    "this model is cut by tracing")
+            return (
+                "torch.distributed.pipelining's schedules run here on an nn.Sequential or hpar_layers() only; "
+                "this model is cut by tracing"
+            )
         if est is not None:
             from hpar.strategies.job.tying import stages_of
             from hpar.strategies.plan.stage_cuts import schedule_problem
-            problem = schedule_problem({n: stages_of(held, est.stages) for n, held in profile.shared_params
-                                        if len(stages_of(held, est.stages)) > 1}, schedule)
+
+            problem = schedule_problem(
+                {
+                    n: stages_of(held, est.stages)
+                    for n, held in profile.shared_params
+                    if len(stages_of(held, est.stages)) > 1
+                },
+                schedule,
+            )
             if problem:
                 return problem.split(": ", 1)[1]
         if schedule == "torch-1f1b" and est is not None and est.micro_batches < gpus:
-            return (f"the plan's {est.micro_batches} micro-batch(es) per batch are fewer than the {gpus} stages "
-                    "torch's Schedule1F1B needs (benchmarks/bench_pipeline.py compares it at M = 4)")
+            return (
+                f"the plan's {est.micro_batches} micro-batch(es) per batch are fewer than the {gpus} stages "
+                "torch's Schedule1F1B needs (benchmarks/bench_pipeline.py compares it at M = 4)"
+            )
         if schedule.startswith("torch-") and est is not None:
             from hpar.strategies.plan.stage_cuts import check_peer
+
             try:
                 check_peer(schedule, len(profile.layers), gpus, est.micro_batches, profile.device)
             except ValueError as exc:
                 return str(exc)
         if schedule == "async-2bw" and est is not None:
             from hpar.strategies.specs.pipeline_spec import check_2bw
+
             try:
                 check_2bw(gpus, est.micro_batches)
             except ValueError as exc:
@@ -60,6 +74,7 @@ def does_not_fit(name: str, profile, estimates: dict, cluster, steps: int | None
     ``cluster``'s (strategies/plan/memory_model.py: "needs 31.2 GB per worker, 24 GB available"),
     None when it does or has no estimate."""
     from hpar.strategies.plan.memory_model import predict
+
     strategy, schedule = bench_entry(name)
     est = estimates.get(name if row_compress(name) else strategy)
     if est is None or not est.feasible:
@@ -77,7 +92,7 @@ class ScriptPlan:
     estimates: dict
     projected: dict
     reasons: dict
-    plan_files: dict = field(default_factory=dict)   # hpar run --strategy -> plan file
+    plan_files: dict = field(default_factory=dict)  # hpar run --strategy -> plan file
 
 
 def _add_compressed(profile, names: tuple[str, ...], estimates: dict, cluster) -> None:
@@ -86,6 +101,7 @@ def _add_compressed(profile, names: tuple[str, ...], estimates: dict, cluster) -
     (strategies/plan/costmodel_compress.py)."""
     from hpar.strategies.job.compression import Compression
     from hpar.strategies.plan.costmodel_compress import estimate_compressed
+
     for n in names:
         base = estimates.get(bench_entry(n)[0])
         if row_compress(n) and base is not None:
@@ -103,6 +119,7 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     from hpar.strategies.job.contract import check_job, load_job
     from hpar.strategies.plan.memory_model import forward_passes
     from hpar.strategies.profile.profiler import profile_job
+
     job = load_job(script)
     bs = cfg.batch_size if cfg.batch_size is not None else int(job.defaults.get("batch_size", 32))
     if bs < 1:
@@ -118,27 +135,45 @@ def plan_script(script: str, cfg: BenchConfig, names: tuple[str, ...], cluster_o
     one_pipeline = 1 if any((bench_entry(n)[1] or "").startswith("torch-") for n in names) else None
     if one_pipeline:
         from hpar.strategies.plan.estimates import estimate_pipeline
+
         estimates[PIPELINE.name] = estimate_pipeline(profile, cluster, replicas=1)
     _add_compressed(profile, names, estimates, cluster)
     if projected:
         _add_compressed(profile, names, projected, cluster_of(cfg.project))
-    reasons = {n: why for n in names if (why := not_applicable(n, profile, estimates, cfg.gpus)
-                                         or does_not_fit(n, profile, estimates, cluster, forward_passes(
-                                             cfg.steps, job.defaults.get("accumulate"))))}
+    reasons = {
+        n: why
+        for n in names
+        if (
+            why := not_applicable(n, profile, estimates, cfg.gpus)
+            or does_not_fit(n, profile, estimates, cluster, forward_passes(cfg.steps, job.defaults.get("accumulate")))
+        )
+    }
     # the planner's plan of each planned strategy, so that its runs execute what was
     # predicted (pipeline: stages and micro-batches, one plan for hpar's and torch's schedules
     # alike; hybrid/ps: placement and partitions) rather than each run re-profiling
     from hpar.strategies.state.checkpoint import atomic_write_bytes
     from hpar.strategies.plan.planner import choose_plan
+
     stem = os.path.splitext(os.path.basename(script))[0]
     # what the predictions were made from, so that a later cost model can be checked on these runs
-    atomic_write_bytes(os.path.join(os.path.abspath(cfg.bench_dir), f"{stem}-profile.json"),
-                       json.dumps({"profile": profile.to_dict(), "cluster": dataclasses.asdict(cluster)}).encode())
+    atomic_write_bytes(
+        os.path.join(os.path.abspath(cfg.bench_dir), f"{stem}-profile.json"),
+        json.dumps({"profile": profile.to_dict(), "cluster": dataclasses.asdict(cluster)}).encode(),
+    )
     plan_files = {}
     for strategy in sorted({bench_entry(n)[0] for n in names if n not in reasons} & PLANNED):
         path = os.path.join(os.path.abspath(cfg.bench_dir), f"{stem}-{strategy}-plan.json")
-        atomic_write_bytes(path, choose_plan(profile, cluster, force=strategy, pipeline_replicas=one_pipeline
-                                             if strategy_spec(strategy).pipelined else None).to_json().encode())
+        atomic_write_bytes(
+            path,
+            choose_plan(
+                profile,
+                cluster,
+                force=strategy,
+                pipeline_replicas=one_pipeline if strategy_spec(strategy).pipelined else None,
+            )
+            .to_json()
+            .encode(),
+        )
         plan_files[strategy] = path
     return ScriptPlan(bs, estimates, projected, reasons, plan_files)
 
@@ -148,6 +183,7 @@ def prediction(estimates: dict, name: str) -> float | None:
     cost-model strategy; an asynchronous pipeline schedule from its synchronous estimate),
     None where it has none or it is infeasible."""
     from hpar.strategies.plan.estimates import estimate_async_pipeline
+
     strategy, schedule = bench_entry(name)
     est = estimates.get(name if row_compress(name) else strategy)
     if est is not None and strategy_spec(strategy).pipelined and schedule:
@@ -162,7 +198,18 @@ def projection(plan: ScriptPlan, name: str, gpus: int) -> dict | None:
         return None
     est = plan.projected.get(name if row_compress(name) else bench_entry(name)[0])
     if est is None or not est.feasible:
-        return {"gpus": gpus, "projected": True, "step_s": None, "samples_per_s": None,
-                "note": est.note if est is not None else "no estimate"}
-    return {"gpus": gpus, "projected": True, "step_s": est.step_s, "samples_per_s": est.samples_per_s,
-            "bytes_per_step": est.bytes_per_step, "note": est.note}
+        return {
+            "gpus": gpus,
+            "projected": True,
+            "step_s": None,
+            "samples_per_s": None,
+            "note": est.note if est is not None else "no estimate",
+        }
+    return {
+        "gpus": gpus,
+        "projected": True,
+        "step_s": est.step_s,
+        "samples_per_s": est.samples_per_s,
+        "bytes_per_step": est.bytes_per_step,
+        "note": est.note,
+    }

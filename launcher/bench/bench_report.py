@@ -1,5 +1,6 @@
 """``hpar bench``'s outputs: a rich table per script, the ``--json`` document and the
 ``--plot`` PNG (matplotlib, the optional extra ``plot``: ``pip install hpar[plot]``)."""
+
 from __future__ import annotations
 
 import datetime
@@ -34,6 +35,7 @@ def machine() -> dict:
     torch version and CUDA device (None without one)."""
     import psutil
     import torch
+
     model = platform.processor() or ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -41,8 +43,15 @@ def machine() -> dict:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu_count": os.cpu_count(), "cpu_model": model, "memory_bytes": psutil.virtual_memory().total,
-            "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__, "gpu": gpu}
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "memory_bytes": psutil.virtual_memory().total,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": gpu,
+    }
 
 
 def document(results: list[Result], command: list[str], settings: dict, emulation: dict | None = None) -> dict:
@@ -50,9 +59,16 @@ def document(results: list[Result], command: list[str], settings: dict, emulatio
     :class:`hpar.launcher.bench.driver.Result`), ``command``, ``date`` (UTC ISO 8601), ``machine``,
     ``torch``, ``settings`` (gpus, steps, batch sizes, link) and ``emulation`` (or None)."""
     import torch
-    return {"command": " ".join(command), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "torch": torch.__version__, "settings": settings, "emulation": emulation,
-            "results": [r.to_dict() for r in results]}
+
+    return {
+        "command": " ".join(command),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "settings": settings,
+        "emulation": emulation,
+        "results": [r.to_dict() for r in results],
+    }
 
 
 def print_tables(console: Console, results: list[Result], title: str) -> None:
@@ -63,13 +79,24 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
         rows = [r for r in results if r.script == script]
         proj = next((r.projected for r in rows if r.projected), None)
         t = Table(title=f"{os.path.basename(script)}: {title}")
-        cols = ["strategy", "samples/s", "step p50", "step p90", "sent/wkr/step", "recv/wkr/step",
-                "predicted step", "pred/meas", "x fastest"]
+        cols = [
+            "strategy",
+            "samples/s",
+            "step p50",
+            "step p90",
+            "sent/wkr/step",
+            "recv/wkr/step",
+            "predicted step",
+            "pred/meas",
+            "x fastest",
+        ]
         stage_cols = any("bubble" in (r.extra or {}) or "peak_mem_bytes" in (r.extra or {}) for r in rows)
-        if stage_cols:   # pipelines: idle over stage time, and the largest stage's peak memory
+        if stage_cols:  # pipelines: idle over stage time, and the largest stage's peak memory
             cols += ["bubble", "peak mem/stage"]
         peak_cols = any("peak_bytes" in (r.extra or {}) for r in rows)
-        if peak_cols:   # every process's peak above its baseline (strategies/common/measured_memory.py), the largest worker's
+        if (
+            peak_cols
+        ):  # every process's peak above its baseline (strategies/common/measured_memory.py), the largest worker's
             cols += ["peak/wkr"]
         if proj:
             cols += [f"PROJECTED {proj['gpus']} GPUs samples/s"]
@@ -80,26 +107,56 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
             p_cell = []
             if proj:
                 pj = r.projected or {}
-                p_cell = [f"{pj['samples_per_s']:,.0f} (projected)" if pj.get("samples_per_s") else
-                          "-" if r.reason else f"- ({pj.get('note') or 'n/a'})"]   # the reason is printed below
+                p_cell = [
+                    f"{pj['samples_per_s']:,.0f} (projected)"
+                    if pj.get("samples_per_s")
+                    else "-"
+                    if r.reason
+                    else f"- ({pj.get('note') or 'n/a'})"
+                ]  # the reason is printed below
             s_cell = []
             if stage_cols:
                 e = r.extra or {}
-                s_cell = [f"{e['bubble']:.0%}" if "bubble" in e else "-",
-                          _human(e.get("peak_mem_bytes")) if "peak_mem_bytes" in e else "-"]
+                s_cell = [
+                    f"{e['bubble']:.0%}" if "bubble" in e else "-",
+                    _human(e.get("peak_mem_bytes")) if "peak_mem_bytes" in e else "-",
+                ]
             m_cell = [_human(((r.extra or {}).get("peak_bytes") or {}).get("worker"))] if peak_cols else []
             if r.reason:
-                t.add_row(r.strategy, "[yellow]n/a (below)[/yellow]", "", "", "", "", pred, "", "",
-                          *(["", ""] if stage_cols else []), *([""] if peak_cols else []), *p_cell)
+                t.add_row(
+                    r.strategy,
+                    "[yellow]n/a (below)[/yellow]",
+                    "",
+                    "",
+                    "",
+                    "",
+                    pred,
+                    "",
+                    "",
+                    *(["", ""] if stage_cols else []),
+                    *([""] if peak_cols else []),
+                    *p_cell,
+                )
                 continue
             b = r.bytes_per_step or {}
-            err = (f"{r.predicted_step_s / r.step_s_p50:.2f}" if r.predicted_step_s and r.step_s_p50 else "-")
+            err = f"{r.predicted_step_s / r.step_s_p50:.2f}" if r.predicted_step_s and r.step_s_p50 else "-"
             label = r.strategy + (f" (ran as {r.extra['ran_as']})" if r.extra.get("ran_as") else "")
             runs = [x for x in (r.extra or {}).get("runs_samples_per_s") or () if x]
             spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
-            t.add_row(label, f"{r.samples_per_s:,.1f}{spread}", _ms(r.step_s_p50), _ms(r.step_s_p90),
-                      _human(b.get("sent")), _human(b.get("recv")), pred, err,
-                      f"{r.ratio:.2f}" if r.ratio else "-", *s_cell, *m_cell, *p_cell)
+            t.add_row(
+                label,
+                f"{r.samples_per_s:,.1f}{spread}",
+                _ms(r.step_s_p50),
+                _ms(r.step_s_p90),
+                _human(b.get("sent")),
+                _human(b.get("recv")),
+                pred,
+                err,
+                f"{r.ratio:.2f}" if r.ratio else "-",
+                *s_cell,
+                *m_cell,
+                *p_cell,
+            )
         console.print(t)
         why: dict[str, list[str]] = {}
         for r in rows:
@@ -107,10 +164,10 @@ def print_tables(console: Console, results: list[Result], title: str) -> None:
                 why.setdefault(r.reason, []).append(r.strategy)
         for reason, names in why.items():
             console.print(f"  n/a {', '.join(names)}: {reason}", markup=False)
-        line = verdict(rows)   # launcher/bench/verdict.py: faster only beyond the measured spread
+        line = verdict(rows)  # launcher/bench/verdict.py: faster only beyond the measured spread
         if line:
             console.print(line, markup=False)
-        for line in uncompressed_lines(rows):   # --compress rows against their uncompressed one
+        for line in uncompressed_lines(rows):  # --compress rows against their uncompressed one
             console.print(line, markup=False)
 
 
@@ -124,6 +181,7 @@ def pyplot():
     when matplotlib is missing."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

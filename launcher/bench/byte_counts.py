@@ -7,6 +7,7 @@ training steps after warm-up (worker 0's metric reports) these give bytes per st
 hpar's own accounting: every worker's and server's ``bytes_sent`` against the socket counters
 (which also see traffic between processes of one host), and the part hpar addressed to another
 host (``bytes_sent_remote``) against the interface bytes less 66 header bytes per packet."""
+
 from __future__ import annotations
 
 import bisect
@@ -97,7 +98,7 @@ def byte_check(samples: list[Sample], run_dir: str, warmup: int = 2) -> dict | N
     a, b = past[0], past[-2] if len(past) > 2 else past[-1]
     steps = b["step"] - a["step"]
 
-    def reported(field: str) -> float:   # every process's ``field`` per step, summed over (a, b]
+    def reported(field: str) -> float:  # every process's ``field`` per step, summed over (a, b]
         total = 0.0
         for who in {(r["role"], r["rank"]) for r in recs}:
             mine = sorted((r for r in recs if (r["role"], r["rank"]) == who), key=lambda r: r["step"])
@@ -107,12 +108,19 @@ def byte_check(samples: list[Sample], run_dir: str, warmup: int = 2) -> dict | N
                     total += (r.get(field) or 0.0) * (r["step"] - prev)
                     prev = r["step"]
         return total / steps
+
     hpar, remote = reported("bytes_sent"), reported("bytes_sent_remote")
     tcp = (_at(samples, b["time"], "tcp_sent") - _at(samples, a["time"], "tcp_sent")) / steps
     iface = (_at(samples, b["time"], "if_sent") - _at(samples, a["time"], "if_sent")) / steps
     packets = (_at(samples, b["time"], "if_packets") - _at(samples, a["time"], "if_packets")) / steps
     payload = iface - PACKET_HEADER_BYTES * packets
-    return {"steps": steps, "hpar_bytes_per_step": hpar, "hpar_remote_bytes_per_step": remote,
-            "tcp_bytes_per_step": tcp, "interface_bytes_per_step": iface, "interface_payload_bytes_per_step": payload,
-            "tcp_over_hpar": tcp / hpar if hpar else None,
-            "interface_over_hpar_remote": payload / remote if remote else None}
+    return {
+        "steps": steps,
+        "hpar_bytes_per_step": hpar,
+        "hpar_remote_bytes_per_step": remote,
+        "tcp_bytes_per_step": tcp,
+        "interface_bytes_per_step": iface,
+        "interface_payload_bytes_per_step": payload,
+        "tcp_over_hpar": tcp / hpar if hpar else None,
+        "interface_over_hpar_remote": payload / remote if remote else None,
+    }

@@ -13,6 +13,7 @@ and for how many steps: launcher/bench/bench_config.py.
 A strategy that does not apply says why instead of a number: the model is not a sequence of
 layers (pipeline), or its run failed (the run's cause, or the launcher's last error line).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,8 +59,15 @@ class Result:
         return dataclasses.asdict(self)
 
 
-def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str,
-                plan_file: str | None = None, steps: int | None = None) -> list[str]:
+def run_command(
+    script: str,
+    name: str,
+    cfg: BenchConfig,
+    batch_size: int,
+    run_dir: str,
+    plan_file: str | None = None,
+    steps: int | None = None,
+) -> list[str]:
     """The ``hpar run`` command line of one strategy (no evaluation; plain progress lines);
     ``plan_file`` fixes the planned placement and partitions (hybrid, ps) or stages and
     micro-batches (pipeline entries: passed as ``--micro-batches`` too, so that a script's own
@@ -67,9 +75,29 @@ def run_command(script: str, name: str, cfg: BenchConfig, batch_size: int, run_d
     ``cfg.steps``) the run's steps."""
     strategy, schedule = bench_entry(name)
     steps = steps or cfg.steps
-    cmd = [sys.executable, "-m", "hpar.launcher.cli", "run", script, "--gpus", str(cfg.gpus), "--strategy", strategy,
-           "--steps", str(steps), "--batch-size", str(batch_size), "--seed", str(cfg.seed),
-           "--log-every", str(max(1, min(10, steps // 4))), "--run-dir", run_dir, "--plain", "--no-eval"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpar.launcher.cli",
+        "run",
+        script,
+        "--gpus",
+        str(cfg.gpus),
+        "--strategy",
+        strategy,
+        "--steps",
+        str(steps),
+        "--batch-size",
+        str(batch_size),
+        "--seed",
+        str(cfg.seed),
+        "--log-every",
+        str(max(1, min(10, steps // 4))),
+        "--run-dir",
+        run_dir,
+        "--plain",
+        "--no-eval",
+    ]
     if schedule:
         cmd += ["--schedule", schedule]
     if row_compress(name):
@@ -108,6 +136,7 @@ def drop_models(run_dir: str) -> list[str]:
     marked run directory (strategies/state/trust.py); returns what was removed."""
     import shutil
     from hpar.strategies.state.trust import is_marked
+
     if not is_marked(run_dir):
         return []
     gone = [os.path.join(run_dir, n) for n in ("model", "hf", "checkpoints") if os.path.isdir(os.path.join(run_dir, n))]
@@ -116,8 +145,15 @@ def drop_models(run_dir: str) -> list[str]:
     return gone
 
 
-def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_dir: str,
-                 plan_file: str | None = None, steps: int | None = None) -> Result:
+def run_strategy(
+    script: str,
+    name: str,
+    cfg: BenchConfig,
+    batch_size: int,
+    run_dir: str,
+    plan_file: str | None = None,
+    steps: int | None = None,
+) -> Result:
     """Train ``name`` on ``script`` with ``hpar run`` in a subprocess (its output goes to
     ``run_dir + ".log"``) and read the measured figures back. A run that fails or passes
     ``cfg.timeout_s`` gives a Result with ``reason``; its process group is stopped (SIGTERM,
@@ -125,8 +161,13 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
     log_path = run_dir + ".log"
     t0 = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(run_command(script, name, cfg, batch_size, run_dir, plan_file, steps), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            run_command(script, name, cfg, batch_size, run_dir, plan_file, steps),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout=cfg.timeout_s)
             timed_out = False
@@ -150,16 +191,32 @@ def run_strategy(script: str, name: str, cfg: BenchConfig, batch_size: int, run_
     if code != 0 or summary.get("exit_code", 1) != 0:
         cause = summary.get("cause")
         where = f"{summary.get('failed')} on {summary.get('failed_host')}: " if summary.get("failed") else ""
-        return Result(script, name, reason=f"run failed ({where}{cause})" if cause else f"run failed: {_last_error(log_path)}",
-                      run_dir=run_dir, wall_s=wall)
+        return Result(
+            script,
+            name,
+            reason=f"run failed ({where}{cause})" if cause else f"run failed: {_last_error(log_path)}",
+            run_dir=run_dir,
+            wall_s=wall,
+        )
     sent_recv = bytes_per_worker_step(os.path.join(run_dir, "metrics.jsonl")) or summary.get("bytes_per_step")
-    extra = {**{k: summary[k] for k in ("loss_first", "loss_last", "wall_s", "steps") if k in summary},
-             **stage_figures(summary), **memory_figures(summary, run_dir)}
+    extra = {
+        **{k: summary[k] for k in ("loss_first", "loss_last", "wall_s", "steps") if k in summary},
+        **stage_figures(summary),
+        **memory_figures(summary, run_dir),
+    }
     if summary.get("strategy") not in (None, name, bench_entry(name)[0]):
-        extra["ran_as"] = summary["strategy"]   # e.g. a hybrid plan with nothing on the servers
-    return Result(script, name, samples_per_s=summary.get("samples_per_s"), step_s_p50=summary.get("step_s_p50"),
-                  step_s_p90=summary.get("step_s_p90"), bytes_per_step=sent_recv, run_dir=run_dir, wall_s=wall,
-                  extra=extra)
+        extra["ran_as"] = summary["strategy"]  # e.g. a hybrid plan with nothing on the servers
+    return Result(
+        script,
+        name,
+        samples_per_s=summary.get("samples_per_s"),
+        step_s_p50=summary.get("step_s_p50"),
+        step_s_p90=summary.get("step_s_p90"),
+        bytes_per_step=sent_recv,
+        run_dir=run_dir,
+        wall_s=wall,
+        extra=extra,
+    )
 
 
 def with_ratios(results: list[Result]) -> list[Result]:
@@ -170,8 +227,10 @@ def with_ratios(results: list[Result]) -> list[Result]:
     for r in results:
         if r.samples_per_s and not (r.extra or {}).get("ran_as"):
             best[r.script] = max(best.get(r.script, 0.0), r.samples_per_s)
-    return [dataclasses.replace(r, ratio=r.samples_per_s / best[r.script]) if r.samples_per_s and best.get(r.script)
-            else r for r in results]
+    return [
+        dataclasses.replace(r, ratio=r.samples_per_s / best[r.script]) if r.samples_per_s and best.get(r.script) else r
+        for r in results
+    ]
 
 
 def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None, refine=None) -> list[Result]:
@@ -195,11 +254,14 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None, refine=N
                 run_dir = os.path.join(cfg.bench_dir, stem, row_dir(name) + suffix)
                 os.makedirs(os.path.dirname(run_dir), exist_ok=True)
                 steps = steps_for(cfg, prediction(plan.estimates, name))
-                say(f"hpar bench: {stem} {name}{suffix}: running ({cfg.gpus} workers, {steps} steps, "
-                    f"batch {plan.batch_size})")
+                say(
+                    f"hpar bench: {stem} {name}{suffix}: running ({cfg.gpus} workers, {steps} steps, "
+                    f"batch {plan.batch_size})"
+                )
                 plan_file = plan.plan_files.get(bench_entry(name)[0])
-                run = lambda: run_strategy(os.path.abspath(script), name, cfg, plan.batch_size, run_dir, plan_file,
-                                           steps)
+                run = lambda: run_strategy(
+                    os.path.abspath(script), name, cfg, plan.batch_size, run_dir, plan_file, steps
+                )
                 counters = None
                 if around_run is None:
                     res = run()
@@ -216,7 +278,15 @@ def run_bench(cfg: BenchConfig, cluster_of, say=print, around_run=None, refine=N
                 results.append(Result(script, name, predicted_step_s=pred, reason=plan.reasons[name], projected=proj))
                 continue
             res = combine_runs(runs[name])
-            results.append(dataclasses.replace(res, script=script, predicted_step_s=pred, projected=proj,
-                                               extra={**res.extra, "batch_size": plan.batch_size}))
+            results.append(
+                dataclasses.replace(
+                    res,
+                    script=script,
+                    predicted_step_s=pred,
+                    projected=proj,
+                    extra={**res.extra, "batch_size": plan.batch_size},
+                )
+            )
     from hpar.launcher.bench.verdict import with_uncompressed
+
     return with_uncompressed(with_ratios(results))

@@ -10,6 +10,7 @@ repository this module belongs to. Workers go ``ceil(G/H)`` per host over SSH, e
 Everything made is removed when the bench ends, also on failure or Ctrl-C. While each strategy
 runs, the hosts' byte counters are sampled (launcher/bench/byte_counts.py).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +24,7 @@ import time
 from hpar.launcher.bench.byte_counts import Sample, byte_check, read_counter, socket_bytes, socket_total
 from hpar.launcher.hosts.emulated import slots_per_host
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # launcher/bench/ -> the checkout
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # launcher/bench/ -> the checkout
 SAMPLE_S = 0.5
 
 
@@ -34,11 +35,12 @@ def testhosts_module():
     if not os.path.exists(path):
         raise ValueError("--hosts emulate:H needs scripts/testhosts.py from an hpar checkout (pip install -e .)")
     import sys
+
     if "hpar_testhosts" in sys.modules:
         return sys.modules["hpar_testhosts"]
     spec = importlib.util.spec_from_file_location("hpar_testhosts", path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["hpar_testhosts"] = mod     # dataclasses look their module up there
+    sys.modules["hpar_testhosts"] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -49,7 +51,9 @@ def rate_arg(bandwidth_Bps: float) -> str:
 
 
 def _free_net() -> int:
-    used = set(re.findall(r"10\.77\.(\d+)\.", subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout))
+    used = set(
+        re.findall(r"10\.77\.(\d+)\.", subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout)
+    )
     for net in range(10, 100):
         if str(net) not in used:
             return net
@@ -70,8 +74,8 @@ class EmulatedCluster:
         self.slots = slots_per_host(hosts, gpus)
         self._th = None
         self.made = None
-        self._sockets: dict[str, dict[str, int]] = {}   # last socket reading per host
-        self._tcp: dict[str, int] = {}                    # running TCP total per host
+        self._sockets: dict[str, dict[str, int]] = {}  # last socket reading per host
+        self._tcp: dict[str, int] = {}  # running TCP total per host
 
     def __enter__(self) -> "EmulatedCluster":
         if os.geteuid() != 0:
@@ -88,7 +92,7 @@ class EmulatedCluster:
         except BaseException:
             self._th.down(self.prefix)
             raise
-        os.environ["HPAR_SSH_KNOWN_HOSTS"] = self.made.known_hosts   # for the `hpar run`s the bench starts
+        os.environ["HPAR_SSH_KNOWN_HOSTS"] = self.made.known_hosts  # for the `hpar run`s the bench starts
         self.host_file = os.path.join(self.made.directory, "bench-hosts.txt")
         with open(self.host_file, "w") as f:
             f.writelines(f"root@{h.address}:22 slots={self.slots}\n" for h in self.made.hosts)
@@ -104,11 +108,33 @@ class EmulatedCluster:
         Raises RuntimeError naming the probe when one fails or outlives ``timeout_s``; kills only
         the probe's own process groups."""
         import sys
+
         addr, port = self.made.hosts[0].address, 29400 + int(self.prefix[2:])
-        procs = [subprocess.Popen(["ip", "netns", "exec", self.made.hosts[r].namespace, "env", "GLOO_SOCKET_IFNAME=eth0",
-                                   "OMP_NUM_THREADS=1", sys.executable, "-m", "hpar.strategies.plan.probe", addr,
-                                   str(port), str(r), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True) for r in range(ranks)]
+        procs = [
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.made.hosts[r].namespace,
+                    "env",
+                    "GLOO_SOCKET_IFNAME=eth0",
+                    "OMP_NUM_THREADS=1",
+                    sys.executable,
+                    "-m",
+                    "hpar.strategies.plan.probe",
+                    addr,
+                    str(port),
+                    str(r),
+                    *args,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            for r in range(ranks)
+        ]
         what = f"the {('link', 'sparse AllReduce', 'sparse exchange')[min(len(args), 2)]} probe between emulated hosts"
         try:
             out, err = procs[0].communicate(timeout=timeout_s)
@@ -135,6 +161,7 @@ class EmulatedCluster:
         if self.n_hosts < 2:
             return None
         from hpar.strategies.plan.probe import LinkFigures
+
         link = LinkFigures(**json.loads(self._probe_processes(2, [], timeout_s)))
         sparse = json.loads(self._probe_processes(self.n_hosts, [str(self.n_hosts)], timeout_s))
         return link._replace(sparse_round_s=sparse["sparse_round_s"])
@@ -146,6 +173,7 @@ class EmulatedCluster:
         (the job then runs allreduce-sparse as allreduce). Raises RuntimeError when the probe
         fails or outlives ``timeout_s``."""
         from hpar.strategies.plan.probe import exchange_items
+
         items = exchange_items(profile)
         if self.n_hosts < 2 or not any(len(item) == 3 for item in items):
             return None
@@ -168,9 +196,15 @@ class EmulatedCluster:
 
     def describe(self) -> dict:
         """The emulation for the JSON: hosts, slots, link rate and queue, threads per process, addresses."""
-        return {"hosts": self.n_hosts, "workers_per_host": self.slots, "link_Bps": self.bandwidth_Bps,
-                "link_queue": self.queue if self.bandwidth_Bps else None, "threads_per_process": self.threads,
-                "root_qdisc": self.root_qdisc(), "addresses": self.made.addresses if self.made else []}
+        return {
+            "hosts": self.n_hosts,
+            "workers_per_host": self.slots,
+            "link_Bps": self.bandwidth_Bps,
+            "link_queue": self.queue if self.bandwidth_Bps else None,
+            "threads_per_process": self.threads,
+            "root_qdisc": self.root_qdisc(),
+            "addresses": self.made.addresses if self.made else [],
+        }
 
     def root_qdisc(self) -> str | None:
         """The kind of the root queue on host 0's link as the kernel reports it (``tc qdisc
@@ -178,8 +212,11 @@ class EmulatedCluster:
         the hosts exist or without a cap."""
         if not self.made or not self.bandwidth_Bps:
             return None
-        out = subprocess.run(["ip", "netns", "exec", self.made.hosts[0].namespace, "tc", "qdisc", "show", "dev", "eth0"],
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["ip", "netns", "exec", self.made.hosts[0].namespace, "tc", "qdisc", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+        ).stdout
         root = next((line.split() for line in out.splitlines() if " root " in f" {line} "), None)
         return root[1] if root and len(root) > 1 else None
 

@@ -1,6 +1,7 @@
 """What a bench entry's run directory says beyond summary.json's headline figures: bytes per
 worker per step from metrics.jsonl, and a pipeline's bubble and peak memory per stage; and
 one entry's figures from its repeated runs (``hpar bench --repeat``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,9 @@ def bytes_per_worker_step(metrics_path: str) -> dict | None:
                 except json.JSONDecodeError:
                     continue
                 if rec.get("kind") == "metric" and rec.get("role") == "worker" and "bytes_sent" in rec:
-                    per_rank.setdefault(rec["rank"], []).append((rec["step"], rec["bytes_sent"], rec.get("bytes_recv", 0.0)))
+                    per_rank.setdefault(rec["rank"], []).append(
+                        (rec["step"], rec["bytes_sent"], rec.get("bytes_recv", 0.0))
+                    )
     except OSError:
         return None
     means = []

@@ -10,6 +10,7 @@ same cluster (samples/s = N x batch per worker / predicted step). A point is one
 ``run_bench`` of the bench (launcher/bench/driver.py); its runs and plans go to
 ``BENCH_DIR/hosts-N``.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,7 +45,7 @@ class ScalePoint:
     bytes_sent: float | None
     bytes_recv: float | None
     reason: str | None = None
-    ran_as: str | None = None     # a hybrid plan with nothing on its servers runs as allreduce
+    ran_as: str | None = None  # a hybrid plan with nothing on its servers runs as allreduce
     runs: tuple[float, ...] = ()  # every repeated run's samples/s (``--repeat``); samples_per_s is their median
 
     @property
@@ -75,9 +76,20 @@ def points(workers: int, results: list[Result]) -> list[ScalePoint]:
         bs = (r.extra or {}).get("batch_size")
         pred = workers * bs / r.predicted_step_s if bs and r.predicted_step_s else None
         b = r.bytes_per_step or {}
-        out.append(ScalePoint(r.script, r.strategy, workers, r.samples_per_s if not r.reason else None, pred,
-                              b.get("sent"), b.get("recv"), r.reason, (r.extra or {}).get("ran_as"),
-                              tuple((r.extra or {}).get("runs_samples_per_s") or ())))
+        out.append(
+            ScalePoint(
+                r.script,
+                r.strategy,
+                workers,
+                r.samples_per_s if not r.reason else None,
+                pred,
+                b.get("sent"),
+                b.get("recv"),
+                r.reason,
+                (r.extra or {}).get("ran_as"),
+                tuple((r.extra or {}).get("runs_samples_per_s") or ()),
+            )
+        )
     return out
 
 
@@ -98,17 +110,36 @@ def rankings(pts: list[ScalePoint]) -> list[dict]:
     out = []
     for script in dict.fromkeys(p.script for p in pts):
         for n in sorted({p.workers for p in pts if p.script == script}):
-            here = [p for p in pts if p.script == script and p.workers == n and not p.ran_as
-                    and p.samples_per_s and p.predicted_samples_per_s]
+            here = [
+                p
+                for p in pts
+                if p.script == script
+                and p.workers == n
+                and not p.ran_as
+                and p.samples_per_s
+                and p.predicted_samples_per_s
+            ]
             if len(here) < 2:
                 continue
             measured = [p.strategy for p in sorted(here, key=lambda p: -p.samples_per_s)]
             predicted = [p.strategy for p in sorted(here, key=lambda p: -p.predicted_samples_per_s)]
             rank = {s: i for i, s in enumerate(predicted)}
-            beyond = all(rank[a.strategy] < rank[b.strategy] for a in here for b in here
-                         if a.samples_per_s > b.samples_per_s and _apart(a, b))
-            out.append({"script": script, "workers": n, "measured": measured, "predicted": predicted,
-                        "agree": measured == predicted, "agree_beyond_spread": beyond})
+            beyond = all(
+                rank[a.strategy] < rank[b.strategy]
+                for a in here
+                for b in here
+                if a.samples_per_s > b.samples_per_s and _apart(a, b)
+            )
+            out.append(
+                {
+                    "script": script,
+                    "workers": n,
+                    "measured": measured,
+                    "predicted": predicted,
+                    "agree": measured == predicted,
+                    "agree_beyond_spread": beyond,
+                }
+            )
     return out
 
 
@@ -118,10 +149,19 @@ def print_scale(console, pts: list[ScalePoint]) -> None:
     same strategy's smallest point."""
     from rich.table import Table
     from hpar.launcher.bench.bench_report import _human
+
     for script in dict.fromkeys(p.script for p in pts):
         t = Table(title=f"{os.path.basename(script)}: scaling, one worker per emulated host")
-        for c in ("strategy", "workers", "samples/s", "predicted", "pred/meas", "sent/wkr/step", "recv/wkr/step",
-                  "x own first point"):
+        for c in (
+            "strategy",
+            "workers",
+            "samples/s",
+            "predicted",
+            "pred/meas",
+            "sent/wkr/step",
+            "recv/wkr/step",
+            "x own first point",
+        ):
             t.add_column(c, justify="left" if c == "strategy" else "right")
         for strategy in dict.fromkeys(p.strategy for p in pts if p.script == script):
             mine = [p for p in pts if p.script == script and p.strategy == strategy]
@@ -131,27 +171,43 @@ def print_scale(console, pts: list[ScalePoint]) -> None:
                     t.add_row(strategy, str(p.workers), f"n/a: {p.reason[:60]}", "", "", "", "", "")
                     continue
                 spread = f" ({p.low_high[0]:,.0f}-{p.low_high[1]:,.0f})" if p.low_high else ""
-                t.add_row(strategy + (f" (ran as {p.ran_as})" if p.ran_as else ""), str(p.workers),
-                          f"{p.samples_per_s:,.1f}{spread}",
-                          f"{p.predicted_samples_per_s:,.1f}" if p.predicted_samples_per_s else "-",
-                          f"{p.error + 1:.2f}" if p.error is not None else "-",
-                          _human(p.bytes_sent), _human(p.bytes_recv),
-                          f"{p.samples_per_s / base:.2f}" if base else "-")
+                t.add_row(
+                    strategy + (f" (ran as {p.ran_as})" if p.ran_as else ""),
+                    str(p.workers),
+                    f"{p.samples_per_s:,.1f}{spread}",
+                    f"{p.predicted_samples_per_s:,.1f}" if p.predicted_samples_per_s else "-",
+                    f"{p.error + 1:.2f}" if p.error is not None else "-",
+                    _human(p.bytes_sent),
+                    _human(p.bytes_recv),
+                    f"{p.samples_per_s / base:.2f}" if base else "-",
+                )
         console.print(t)
         errors = [abs(p.error) for p in pts if p.script == script and p.error is not None]
         if errors:
             within = [p.within_spread for p in pts if p.script == script and p.within_spread is not None]
-            console.print(f"  cost model: mean absolute error {100 * sum(errors) / len(errors):.0f}% over "
-                          f"{len(errors)} points" + (f" (against the median run; {sum(within)} of {len(within)} "
-                                                      f"predictions between the slowest and fastest run)"
-                                                      if within else ""), markup=False)
+            console.print(
+                f"  cost model: mean absolute error {100 * sum(errors) / len(errors):.0f}% over "
+                f"{len(errors)} points"
+                + (
+                    f" (against the median run; {sum(within)} of {len(within)} "
+                    f"predictions between the slowest and fastest run)"
+                    if within
+                    else ""
+                ),
+                markup=False,
+            )
         for r in rankings([p for p in pts if p.script == script]):
             speed = {p.strategy: p.samples_per_s for p in pts if p.script == script and p.workers == r["workers"]}
             order = " > ".join(f"{s} {speed[s]:,.0f}" for s in r["measured"])
-            verdict = "the same" if r["agree"] else " > ".join(r["predicted"]) + (
-                " (the same where the runs do not overlap)" if r["agree_beyond_spread"] else "")
-            console.print(f"  {r['workers']} workers: measured {order} samples/s; predicted order {verdict}",
-                          markup=False)
+            verdict = (
+                "the same"
+                if r["agree"]
+                else " > ".join(r["predicted"])
+                + (" (the same where the runs do not overlap)" if r["agree_beyond_spread"] else "")
+            )
+            console.print(
+                f"  {r['workers']} workers: measured {order} samples/s; predicted order {verdict}", markup=False
+            )
 
 
 def plot_scale(pts: list[ScalePoint], path: str, title: str) -> None:
@@ -160,6 +216,7 @@ def plot_scale(pts: list[ScalePoint], path: str, title: str) -> None:
     dashed, same colour) and bytes sent per worker per step against workers. Raises ValueError
     naming ``--plot`` when matplotlib is missing."""
     from hpar.launcher.bench.bench_report import pyplot
+
     plt = pyplot()
     scripts = list(dict.fromkeys(p.script for p in pts))
     fig, axes = plt.subplots(len(scripts), 2, figsize=(12, 3.8 * len(scripts)), squeeze=False)
@@ -168,18 +225,34 @@ def plot_scale(pts: list[ScalePoint], path: str, title: str) -> None:
             mine = [p for p in pts if p.script == script and p.strategy == strategy]
             colour = f"C{i}"
             ran = [p for p in mine if p.samples_per_s]
-            axes[row][0].plot([p.workers for p in ran], [p.samples_per_s for p in ran], "o-", color=colour,
-                              label=f"{strategy} measured")
+            axes[row][0].plot(
+                [p.workers for p in ran],
+                [p.samples_per_s for p in ran],
+                "o-",
+                color=colour,
+                label=f"{strategy} measured",
+            )
             spread = [p for p in ran if p.low_high]
-            if spread:   # the slowest to the fastest repeated run
-                axes[row][0].vlines([p.workers for p in spread], [p.low_high[0] for p in spread],
-                                    [p.low_high[1] for p in spread], color=colour, linewidth=1)
+            if spread:  # the slowest to the fastest repeated run
+                axes[row][0].vlines(
+                    [p.workers for p in spread],
+                    [p.low_high[0] for p in spread],
+                    [p.low_high[1] for p in spread],
+                    color=colour,
+                    linewidth=1,
+                )
             pred = [p for p in mine if p.predicted_samples_per_s]
-            axes[row][0].plot([p.workers for p in pred], [p.predicted_samples_per_s for p in pred], "--",
-                              color=colour, label=f"{strategy} predicted")
+            axes[row][0].plot(
+                [p.workers for p in pred],
+                [p.predicted_samples_per_s for p in pred],
+                "--",
+                color=colour,
+                label=f"{strategy} predicted",
+            )
             sent = [p for p in ran if p.bytes_sent]
-            axes[row][1].plot([p.workers for p in sent], [p.bytes_sent for p in sent], "o-", color=colour,
-                              label=strategy)
+            axes[row][1].plot(
+                [p.workers for p in sent], [p.bytes_sent for p in sent], "o-", color=colour, label=strategy
+            )
         for ax, ylabel in zip(axes[row], ("samples/s (all workers)", "bytes sent per worker per step")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

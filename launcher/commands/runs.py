@@ -7,6 +7,7 @@ Only hpar's own run directories are listed or removed: those with its marker
 anything else, a run whose processes are still alive, and a path outside the named ones are
 never touched.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,6 +38,7 @@ def state(run_dir: str) -> tuple[str, str]:
     checkpoints: finished, interrupted or failed at step N, or no summary (running, or its
     launcher was killed)."""
     from hpar.strategies.state.checkpoint import latest_step
+
     try:
         with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
             summary = json.load(f)
@@ -48,7 +50,7 @@ def state(run_dir: str) -> tuple[str, str]:
         saved = None
     try:
         with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
-            command = json.load(f).get("command")   # "launch" for hpar launch's runs: nothing of hpar's to resume
+            command = json.load(f).get("command")  # "launch" for hpar launch's runs: nothing of hpar's to resume
     except (OSError, ValueError, AttributeError):
         command = None
     resume = f"hpar run --resume {run_dir}" if saved is not None and command != "launch" else ""
@@ -73,6 +75,7 @@ def _runs_under(directory: str) -> list[str]:
 def _alive(run_dir: str) -> list[int]:
     """PIDs of processes of this user that belong to the run (HPAR_CONFIG inside it)."""
     import psutil
+
     config, pids = os.path.join(run_dir, "config.json"), []
     for p in psutil.process_iter(["uids"]):
         try:
@@ -88,6 +91,7 @@ def _alive(run_dir: str) -> list[int]:
 def runs(directory):
     """List the run directories under DIRECTORY (default: runs) with size, state and resume command."""
     from hpar.launcher.usage import fail
+
     try:
         found = _runs_under(directory)
     except ValueError as exc:
@@ -110,6 +114,7 @@ def runs(directory):
 def clean(run_dirs, yes):
     """Remove the named run directories (hpar's own only), after asking."""
     from hpar.launcher.usage import fail
+
     paths = list(dict.fromkeys(os.path.abspath(p) for p in run_dirs))
     try:
         for path in paths:
@@ -117,21 +122,27 @@ def clean(run_dirs, yes):
                 raise ValueError(f"{path}: not an hpar run directory (no {MARKER} marker); nothing removed")
             check_trusted(path, "hpar clean")
             if _alive(path):
-                raise ValueError(f"{path}: the run is still running (PIDs {_alive(path)[:4]}); stop it first; "
-                                 "nothing removed")
+                raise ValueError(
+                    f"{path}: the run is still running (PIDs {_alive(path)[:4]}); stop it first; nothing removed"
+                )
     except ValueError as exc:
         fail(str(exc))
     sizes = {p: _size(p) for p in paths}
     for path in paths:
         click.echo(f"{path}  {human_bytes(sizes[path])}  {state(path)[0]}")
-    if not yes and not click.confirm(f"Remove these {len(paths)} run director{'y' if len(paths) == 1 else 'ies'} "
-                                     f"({human_bytes(sum(sizes.values()))})?", default=False):
+    if not yes and not click.confirm(
+        f"Remove these {len(paths)} run director{'y' if len(paths) == 1 else 'ies'} "
+        f"({human_bytes(sum(sizes.values()))})?",
+        default=False,
+    ):
         click.echo("hpar: nothing removed")
         return
     for path in paths:
         shutil.rmtree(path)
-    click.echo(f"hpar: removed {len(paths)} run director{'y' if len(paths) == 1 else 'ies'}, "
-               f"{human_bytes(sum(sizes.values()))}")
+    click.echo(
+        f"hpar: removed {len(paths)} run director{'y' if len(paths) == 1 else 'ies'}, "
+        f"{human_bytes(sum(sizes.values()))}"
+    )
 
 
 __all__ = ["runs", "clean", "state"]

@@ -1,6 +1,7 @@
 """``--hosts emulate:H``, the host spec of an emulated cluster on this machine: its host count,
 and the workers each host gets. Parsing only; building and removing the hosts is
 launcher/bench/emulate.py's (``hpar bench``), which ``hpar profile`` and ``hpar run`` never need."""
+
 from __future__ import annotations
 
 import math

@@ -27,21 +27,43 @@ held back. The values travel in memory only: over the SSH channel's stdin
 (launcher/procs/ssh.py) or in srun's own environment (launcher/procs/srun.py), never in a
 command line or a file.
 """
+
 from __future__ import annotations
 
 import os
 import re
 
-ALLOW_NAMES = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-               "OPENBLAS_NUM_THREADS", "LD_LIBRARY_PATH", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS",
-               "TOKENIZERS_PARALLELISM", "LANG", "LC_ALL", "TZ")
+ALLOW_NAMES = (
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "PYTHONWARNINGS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "LD_LIBRARY_PATH",
+    "CUDA_LAUNCH_BLOCKING",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "TOKENIZERS_PARALLELISM",
+    "LANG",
+    "LC_ALL",
+    "TZ",
+)
 ALLOW_PREFIXES = ("NCCL_", "GLOO_", "TORCH", "PYTORCH_", "TRANSFORMERS_", "HPAR_", "CUBLAS_", "CUDNN_", "UCX_", "FI_")
 # names that may hold a credential: forwarded only when named with --env (see the module docstring)
 CREDENTIAL_PREFIXES = ("HF_", "HUGGINGFACE_", "HUGGING_FACE_", "WANDB_", "MLFLOW_")
 CREDENTIAL_WORDS = ("TOKEN", "SECRET", "KEY", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
 # hpar sets these per process; a launcher's own value must not leak into a remote process
-_NEVER = ("HPAR_CONFIG", "HPAR_PG_RANK", "HPAR_PG_WORLD_SIZE", "HPAR_SERVER_INDEX", "HPAR_NUM_SERVERS",
-          "HPAR_THREADS", "HPAR_PROCS_ON_HOST", "TORCHELASTIC_USE_AGENT_STORE", "HPAR_HOLD_STORE")
+_NEVER = (
+    "HPAR_CONFIG",
+    "HPAR_PG_RANK",
+    "HPAR_PG_WORLD_SIZE",
+    "HPAR_SERVER_INDEX",
+    "HPAR_NUM_SERVERS",
+    "HPAR_THREADS",
+    "HPAR_PROCS_ON_HOST",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "HPAR_HOLD_STORE",
+)
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -65,8 +87,15 @@ def held_back(extra: "dict[str, str] | None" = None, environ=None) -> list[str]:
     """The credential-like variables of ``environ`` that the allowlist would otherwise forward
     (an allowlisted or credential prefix) and ``--env`` (``extra``) does not name, sorted."""
     environ = os.environ if environ is None else environ
-    return sorted(k for k in environ if k not in (extra or {}) and k not in _NEVER and credential_like(k)
-                  and k not in ALLOW_NAMES and k.startswith(ALLOW_PREFIXES + CREDENTIAL_PREFIXES))
+    return sorted(
+        k
+        for k in environ
+        if k not in (extra or {})
+        and k not in _NEVER
+        and credential_like(k)
+        and k not in ALLOW_NAMES
+        and k.startswith(ALLOW_PREFIXES + CREDENTIAL_PREFIXES)
+    )
 
 
 def allowlisted(environ: "dict[str, str] | os._Environ | None" = None) -> dict[str, str]:

@@ -19,6 +19,7 @@ for projections only: they are never contacted), or else an inline list ``a:2,b:
 Host names and users are validated so that no value from a host file can carry shell syntax
 onto a remote command line (every value is also shlex-quoted where it is used).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -98,9 +99,9 @@ def _split_host(text: str, where: str) -> tuple[str, str | None]:
         close = text.find("]")
         if close < 0:
             raise ValueError(f"{where}: unclosed '[' in {text!r}; write IPv6 hosts as [addr]:N")
-        rest = text[close + 1:]
+        rest = text[close + 1 :]
         if rest and not rest.startswith(":"):
-            raise ValueError(f"{where}: unexpected {rest!r} after {text[:close + 1]!r}")
+            raise ValueError(f"{where}: unexpected {rest!r} after {text[: close + 1]!r}")
         return text[1:close], (rest[1:] if rest else None)
     if text.count(":") > 1:
         return text, None  # a bare IPv6 literal; validated below
@@ -161,8 +162,7 @@ def _check_duplicates(hosts: list[tuple[Host, str]]) -> list[Host]:
     for host, where in hosts:
         key = (host.name.lower().rstrip("."), host.port)
         if key in seen:
-            raise ValueError(f"{where}: duplicate host {host.name!r} (first at {seen[key]}); "
-                             f"give it once with slots=N")
+            raise ValueError(f"{where}: duplicate host {host.name!r} (first at {seen[key]}); give it once with slots=N")
         seen[key] = where
     return [host for host, _ in hosts]
 
@@ -230,8 +230,10 @@ def place_workers(hosts: list[Host], gpus: int) -> list[Host]:
         raise ValueError(f"--gpus: must be at least 1, got {gpus}")
     slots = total_slots(hosts)
     if gpus > slots:
-        raise ValueError(f"--gpus: {gpus} workers exceed the {slots} slots of --hosts "
-                         f"({len(hosts)} hosts); lower --gpus or add hosts/slots")
+        raise ValueError(
+            f"--gpus: {gpus} workers exceed the {slots} slots of --hosts "
+            f"({len(hosts)} hosts); lower --gpus or add hosts/slots"
+        )
     placement: list[Host] = []
     for host in hosts:
         take = min(host.slots, gpus - len(placement))

@@ -10,6 +10,7 @@ and the network interface that reaches the first host's address (the interface h
 source address the kernel picks for it: what ``ip route get`` names, found with a UDP socket and
 psutil so no ``ip`` binary is needed), for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -101,7 +102,8 @@ class PreflightReport:
         if not bad:
             return f"preflight: {len(self.rows)} host(s) ok, {self.mode.upper()} mode, rendezvous at {self.master_addr}"
         return f"preflight failed on {len(bad)} of {len(self.rows)} host(s): " + "; ".join(
-            f"{row.host}: {row.problem}" for row in bad)
+            f"{row.host}: {row.problem}" for row in bad
+        )
 
     def table(self) -> Table:
         """A rich table, one line per host."""
@@ -109,8 +111,16 @@ class PreflightReport:
         for column in ("host", "ok", "python", "torch", "hpar", "gpus", "ifname", "problem"):
             table.add_column(column, overflow="fold")
         for row in self.rows:
-            table.add_row(row.host, "yes" if row.ok else "NO", row.python, row.torch, row.hpar, str(row.gpus),
-                          row.ifname, row.problem)
+            table.add_row(
+                row.host,
+                "yes" if row.ok else "NO",
+                row.python,
+                row.torch,
+                row.hpar,
+                str(row.gpus),
+                row.ifname,
+                row.problem,
+            )
         return table
 
 
@@ -123,6 +133,7 @@ def launcher_versions() -> dict:
             return version(package)
         except PackageNotFoundError:
             return None
+
     return {"python": "%d.%d.%d" % sys.version_info[:3], "torch": get("torch"), "hpar": get("hpar")}
 
 
@@ -130,6 +141,7 @@ def resolve_master(hosts: list[Host]) -> str:
     """The first host's address as the other hosts reach it: its IP literal, its resolved
     IPv4 address, or (this machine first, with remote hosts) the source address this machine
     uses towards the second host. Raises ValueError when a name does not resolve."""
+
     def address(host: Host) -> str:
         try:
             return socket.getaddrinfo(host.name, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
@@ -137,7 +149,9 @@ def resolve_master(hosts: list[Host]) -> str:
             try:
                 return socket.getaddrinfo(host.name, None)[0][4][0]
             except socket.gaierror:
-                raise ValueError(f"--hosts: host name {host.name!r} does not resolve; fix the name or use its address") from None
+                raise ValueError(
+                    f"--hosts: host name {host.name!r} does not resolve; fix the name or use its address"
+                ) from None
 
     first = hosts[0]
     remote = [h for h in hosts if not h.is_local]
@@ -166,23 +180,32 @@ def _row(host: Host, result: dict, want: dict, script: str, master_port: int, fi
         problems.append(f"rendezvous port {master_port} is in use")
     if not result.get("ifname"):
         problems.append(f"no interface reaches the first host ({result.get('ifname_error', 'unknown')})")
-    return HostCheck(host.name, not problems, "; ".join(problems), result.get("python") or "",
-                     result.get("torch") or "", result.get("hpar") or "", int(result.get("gpus") or 0),
-                     result.get("ifname") or "")
+    return HostCheck(
+        host.name,
+        not problems,
+        "; ".join(problems),
+        result.get("python") or "",
+        result.get("torch") or "",
+        result.get("hpar") or "",
+        int(result.get("gpus") or 0),
+        result.get("ifname") or "",
+    )
 
 
-def _check(host: Host, script: str, opts: SSHOptions, master_port: int, master: str, first: bool,
-           sync: bool, want: dict) -> HostCheck:
+def _check(
+    host: Host, script: str, opts: SSHOptions, master_port: int, master: str, first: bool, sync: bool, want: dict
+) -> HostCheck:
     python = opts.python or sys.executable
     port = master_port if first else 0
     if host.is_local and not opts.force_ssh:
         import subprocess
+
         out = subprocess.run([python, "-c", PROBE, script, str(port), master], capture_output=True, text=True)
         if out.returncode != 0:
             return HostCheck(host.name, False, f"python {python} failed: {_last(out.stderr)}")
         return _row(host, json.loads(out.stdout), want, script, master_port, first)
     try:
-        conn = ssh_pool.connection(host, opts)   # kept open: the host's processes start over it
+        conn = ssh_pool.connection(host, opts)  # kept open: the host's processes start over it
     except SSHError as e:
         return HostCheck(host.name, False, str(e))
     try:
@@ -208,7 +231,9 @@ def _last(text: str) -> str:
     return lines[-1].strip() if lines else "no output"
 
 
-def preflight(hosts: list[Host], script: str, opts: SSHOptions, master_port: int, sync: bool = False) -> PreflightReport:
+def preflight(
+    hosts: list[Host], script: str, opts: SSHOptions, master_port: int, sync: bool = False
+) -> PreflightReport:
     """Check ``hosts`` (in parallel threads) for running ``script`` (an absolute path, the same
     on every host); ``master_port`` (0: skip the check) must be free on the first host.
     Never raises for a host's problem: each is a row of the report. Raises ValueError when the
@@ -220,9 +245,11 @@ def preflight(hosts: list[Host], script: str, opts: SSHOptions, master_port: int
     with open(script, "rb") as f:
         want = dict(launcher_versions(), script=hashlib.sha256(f.read()).hexdigest())
     master = resolve_master(hosts)
-    with ThreadPoolExecutor(max_workers=min(256, len(hosts))) as pool:   # every host at once
-        futures = [pool.submit(_check, host, script, opts, master_port, master, i == 0, sync, want)
-                   for i, host in enumerate(hosts)]
+    with ThreadPoolExecutor(max_workers=min(256, len(hosts))) as pool:  # every host at once
+        futures = [
+            pool.submit(_check, host, script, opts, master_port, master, i == 0, sync, want)
+            for i, host in enumerate(hosts)
+        ]
         rows = tuple(f.result() for f in futures)
     mode = "gpu" if all(row.gpus >= host.slots for row, host in zip(rows, hosts)) else "cpu"
     return PreflightReport(rows, master, mode)

@@ -16,6 +16,7 @@ planner and the placement of ranks are unchanged; processes then start through R
 
 Source: Ray's ``ray.init`` (address resolution), ``ray.nodes()`` (the node table).
 """
+
 from __future__ import annotations
 
 import os
@@ -73,9 +74,11 @@ def connect(spec: str = "ray"):
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, namespace="hpar")
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"--hosts {spec}: cannot connect to the Ray cluster at {address} ({first}); start one with "
-                         "`ray start --head`, or set RAY_ADDRESS to its head's HOST:6379, or pass "
-                         "--hosts ray://HEAD:10001") from None
+        raise ValueError(
+            f"--hosts {spec}: cannot connect to the Ray cluster at {address} ({first}); start one with "
+            "`ray start --head`, or set RAY_ADDRESS to its head's HOST:6379, or pass "
+            "--hosts ray://HEAD:10001"
+        ) from None
     return ray
 
 
@@ -88,11 +91,21 @@ def node_hosts(nodes: list[dict], here: str | None = None) -> list[RayHost]:
         if not node.get("Alive") or res.get("CPU", 0) <= 0:
             continue
         gpus = int(res.get("GPU", 0))
-        hosts.append(RayHost(name=node["NodeManagerAddress"], slots=gpus or 1, cpus=float(res.get("CPU", 0)), gpus=gpus,
-                             memory_bytes=int(res.get("memory", 0)), node_id=node.get("NodeID", "")))
+        hosts.append(
+            RayHost(
+                name=node["NodeManagerAddress"],
+                slots=gpus or 1,
+                cpus=float(res.get("CPU", 0)),
+                gpus=gpus,
+                memory_bytes=int(res.get("memory", 0)),
+                node_id=node.get("NodeID", ""),
+            )
+        )
     if not hosts:
         raise ValueError("--hosts ray: the Ray cluster has no alive node with CPUs (`ray status` shows its nodes)")
-    hosts.sort(key=lambda h: (h.name != here, tuple(int(p) if p.isdigit() else p for p in h.name.replace(":", ".").split("."))))
+    hosts.sort(
+        key=lambda h: (h.name != here, tuple(int(p) if p.isdigit() else p for p in h.name.replace(":", ".").split(".")))
+    )
     return hosts
 
 
@@ -101,7 +114,7 @@ def ray_hosts(spec: str = "ray") -> list[RayHost]:
     ray = connect(spec)
     try:
         here = ray.util.get_node_ip_address() if not spec.strip().startswith("ray://") else None
-    except Exception:   # a driver outside the cluster has no node of its own
+    except Exception:  # a driver outside the cluster has no node of its own
         here = None
     return node_hosts(ray.nodes(), here)
 

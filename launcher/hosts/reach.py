@@ -8,6 +8,7 @@ A host that ``~/.ssh/config`` reaches through ``ProxyJump`` or ``ProxyCommand`` 
 preflight (its name may resolve only on the jump host); a ``HostName`` there is what is
 resolved, as OpenSSH would.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,10 @@ def _ssh_config(name: str) -> dict:
     if not os.path.isfile(path):
         return {}
     import paramiko
+
     try:
         return paramiko.SSHConfig.from_path(path).lookup(name)
-    except Exception:   # a config paramiko cannot read is OpenSSH's to judge, at the preflight
+    except Exception:  # a config paramiko cannot read is OpenSSH's to judge, at the preflight
         return {}
 
 

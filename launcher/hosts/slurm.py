@@ -12,6 +12,7 @@ and the slots per host come from Slurm's environment instead of ``--hosts``.
 Processes of such a run start with ``srun`` (launcher/procs/srun.py), not SSH. Source of the
 formats: Slurm's ``hostlist.c`` and the ``sbatch``/``srun`` man pages (OUTPUT ENVIRONMENT).
 """
+
 from __future__ import annotations
 
 import os
@@ -67,7 +68,7 @@ def _expand_item(item: str, where: str) -> list[str]:
     m = re.search(r"\[([^\]]*)\]", item)
     if not m:
         return [item]
-    head, tail = item[:m.start()], item[m.end():]
+    head, tail = item[: m.start()], item[m.end() :]
     if tail and "[" not in tail:  # scontrol refuses a suffix after the last bracket group
         raise ValueError(f"Slurm node list {where!r}: {tail!r} after ']' in {item!r}")
     return [head + n + rest for n in _numbers(m.group(1), where) for rest in _expand_item(tail, where)]
@@ -135,8 +136,10 @@ def allocation_hosts(environ=None) -> list[Host]:
     elif environ.get("SLURM_TASKS_PER_NODE"):
         slots = expand_tasks_per_node(environ["SLURM_TASKS_PER_NODE"])
         if len(slots) != len(names):
-            raise ValueError(f"SLURM_TASKS_PER_NODE={environ['SLURM_TASKS_PER_NODE']!r} names {len(slots)} nodes, "
-                             f"the node list {len(names)}")
+            raise ValueError(
+                f"SLURM_TASKS_PER_NODE={environ['SLURM_TASKS_PER_NODE']!r} names {len(slots)} nodes, "
+                f"the node list {len(names)}"
+            )
     else:
         slots = [1] * len(names)
     return [Host(name, s) for name, s in zip(names, slots)]
@@ -145,5 +148,7 @@ def allocation_hosts(environ=None) -> list[Host]:
 def describe(hosts: list[Host], environ=None) -> str:
     """One line: the job id and its hosts with slots."""
     environ = os.environ if environ is None else environ
-    shown = ", ".join(f"{h.name}:{h.slots}" for h in hosts[:8]) + (f", ... ({len(hosts)} hosts)" if len(hosts) > 8 else "")
+    shown = ", ".join(f"{h.name}:{h.slots}" for h in hosts[:8]) + (
+        f", ... ({len(hosts)} hosts)" if len(hosts) > 8 else ""
+    )
     return f"Slurm job {environ.get('SLURM_JOB_ID')}: hosts {shown}; processes start with srun"

@@ -5,6 +5,7 @@ Every process runs under ``hpar.workers.guard`` as the leader of its own session
 process group holds exactly the guard, the worker and whatever the worker started; signals go
 to that recorded group only, never to processes found by name.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,9 +42,17 @@ class ProcessSpec:
         return f"{self.role}-{self.rank}.log"
 
 
-def run_specs(world_size: int, servers: int, config_path: str, master_addr: str, master_port: int,
-              host_of_worker: list[str] | None = None, host_of_server: list[str] | None = None,
-              python: str | None = None, config_sha256: str | None = None) -> list[ProcessSpec]:
+def run_specs(
+    world_size: int,
+    servers: int,
+    config_path: str,
+    master_addr: str,
+    master_port: int,
+    host_of_worker: list[str] | None = None,
+    host_of_server: list[str] | None = None,
+    python: str | None = None,
+    config_sha256: str | None = None,
+) -> list[ProcessSpec]:
     """The ProcessSpecs of a run: ``world_size`` workers, then ``servers`` parameter servers.
 
     Workers get torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -58,21 +67,45 @@ def run_specs(world_size: int, servers: int, config_path: str, master_addr: str,
     host_of_server = host_of_server or ["localhost"] * servers
     assert len(host_of_worker) == world_size and len(host_of_server) == servers
     hosts = list(dict.fromkeys(host_of_worker + host_of_server))
-    common = {"WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-              "HPAR_CONFIG": config_path, "HPAR_PG_WORLD_SIZE": str(world_size + servers),
-              "HPAR_NUM_SERVERS": str(servers), "PYTHONUNBUFFERED": "1",
-              **({"HPAR_CONFIG_SHA256": config_sha256} if config_sha256 else {})}
+    common = {
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "HPAR_CONFIG": config_path,
+        "HPAR_PG_WORLD_SIZE": str(world_size + servers),
+        "HPAR_NUM_SERVERS": str(servers),
+        "PYTHONUNBUFFERED": "1",
+        **({"HPAR_CONFIG_SHA256": config_sha256} if config_sha256 else {}),
+    }
     specs = []
     for rank, host in enumerate(host_of_worker):
         local = [r for r, h in enumerate(host_of_worker) if h == host]
-        env = dict(common, RANK=str(rank), LOCAL_RANK=str(local.index(rank)),
-                   LOCAL_WORLD_SIZE=str(len(local)), GROUP_RANK=str(hosts.index(host)),
-                   HPAR_PG_RANK=str(rank))
-        specs.append(ProcessSpec("worker", rank, host, (python, "-m", "hpar.workers.guard", python, "-m", "hpar.workers.worker"), env))
+        env = dict(
+            common,
+            RANK=str(rank),
+            LOCAL_RANK=str(local.index(rank)),
+            LOCAL_WORLD_SIZE=str(len(local)),
+            GROUP_RANK=str(hosts.index(host)),
+            HPAR_PG_RANK=str(rank),
+        )
+        specs.append(
+            ProcessSpec(
+                "worker", rank, host, (python, "-m", "hpar.workers.guard", python, "-m", "hpar.workers.worker"), env
+            )
+        )
     for index, host in enumerate(host_of_server):
-        env = dict(common, HPAR_SERVER_INDEX=str(index), GROUP_RANK=str(hosts.index(host)),
-                   HPAR_PG_RANK=str(world_size + index), LOCAL_RANK="0")
-        specs.append(ProcessSpec("server", index, host, (python, "-m", "hpar.workers.guard", python, "-m", "hpar.workers.server"), env))
+        env = dict(
+            common,
+            HPAR_SERVER_INDEX=str(index),
+            GROUP_RANK=str(hosts.index(host)),
+            HPAR_PG_RANK=str(world_size + index),
+            LOCAL_RANK="0",
+        )
+        specs.append(
+            ProcessSpec(
+                "server", index, host, (python, "-m", "hpar.workers.guard", python, "-m", "hpar.workers.server"), env
+            )
+        )
     return specs
 
 
@@ -88,14 +121,22 @@ class LocalProcess:
         self.pgid: int | None = None
         self.host_lost = False  # this machine cannot be lost (RemoteProcess sets it)
         self._escaped: list = []  # psutil.Process of descendants that left the group
-        self.ended: dict[int, str] = {}   # pid -> description of each such process stopped with the group
+        self.ended: dict[int, str] = {}  # pid -> description of each such process stopped with the group
 
     def start(self) -> None:
         """Start the process (new session, stdin a pipe the guard watches)."""
         env = dict(os.environ, **self.spec.env)
-        self._popen = subprocess.Popen(self.spec.argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, start_new_session=True, text=True,
-                                       bufsize=1, errors="replace")
+        self._popen = subprocess.Popen(
+            self.spec.argv,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            text=True,
+            bufsize=1,
+            errors="replace",
+        )
         self.pid = self.pgid = self._popen.pid
         threading.Thread(target=self._read, name=f"hpar-read-{self.spec.label}", daemon=True).start()
 

@@ -19,6 +19,7 @@ the ones every other host gets. Ray is one more way to start a process, not a se
 - Removal: :meth:`RayRun.release` kills the actors and removes the placement group; the runner
   calls it when the attempt ends, on every path (success, failure, Ctrl-C).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,12 @@ import threading
 from hpar.launcher.procs.local import ProcessSpec
 from hpar.launcher.procs.ssh import started_group
 
-HEARTBEAT_S = 4.0        # the guard stops its group after this long without a heartbeat byte
-LINK_TIMEOUT_S = 10.0    # an agent that does not answer a read this long: its node is lost
+HEARTBEAT_S = 4.0  # the guard stops its group after this long without a heartbeat byte
+LINK_TIMEOUT_S = 10.0  # an agent that does not answer a read this long: its node is lost
 CONTROL_TIMEOUT_S = 5.0  # a signal or a check of a group
 PLACE_TIMEOUT_S = float(os.environ.get("HPAR_RAY_PLACE_TIMEOUT", "120"))
 LOST_HOST = 255
-NODE_SHARE = 0.001       # of a node's own resource node:<ip>: pins a bundle to that node
+NODE_SHARE = 0.001  # of a node's own resource node:<ip>: pins a bundle to that node
 
 
 def bundle(spec: ProcessSpec, host) -> dict:
@@ -47,12 +48,13 @@ def bundle(spec: ProcessSpec, host) -> dict:
     return res
 
 
-_AGENT = []   # the actor class, made once per launcher
+_AGENT = []  # the actor class, made once per launcher
 
 
 def _agent_class(ray):
     if not _AGENT:
         from hpar.launcher.procs.ray_agent import ProcessAgent
+
         _AGENT.append(ray.remote(ProcessAgent))
     return _AGENT[0]
 
@@ -69,10 +71,11 @@ class RayRun:
         self._agents: list = []
         self._lock = threading.Lock()
         self.released = False
-        self._failed: str | None = None   # why the placement failed: the other processes' starts say it at once
+        self._failed: str | None = None  # why the placement failed: the other processes' starts say it at once
 
     def _ray(self):
         from hpar.launcher.hosts.ray_nodes import import_ray
+
         return import_ray()
 
     def place(self):
@@ -85,6 +88,7 @@ class RayRun:
                 raise RuntimeError(self._failed or "the run is being stopped")
             ray = self._ray()
             from ray.util.placement_group import placement_group, remove_placement_group
+
             pg = placement_group(self.bundles, strategy="PACK", name=f"hpar-{os.getpid()}-{id(self):x}")
             try:
                 ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
@@ -94,9 +98,11 @@ class RayRun:
                 for b in self.bundles:
                     for key, value in b.items():
                         wanted[key] = wanted.get(key, 0.0) + value
-                self._failed = (f"Ray could not place the run's {len(self.bundles)} processes within "
-                                f"{PLACE_TIMEOUT_S:.0f} s (HPAR_RAY_PLACE_TIMEOUT); they need "
-                                f"{json.dumps(wanted)}: free them or add nodes (`ray status`)")
+                self._failed = (
+                    f"Ray could not place the run's {len(self.bundles)} processes within "
+                    f"{PLACE_TIMEOUT_S:.0f} s (HPAR_RAY_PLACE_TIMEOUT); they need "
+                    f"{json.dumps(wanted)}: free them or add nodes (`ray status`)"
+                )
                 raise RuntimeError(self._failed) from None
             self._pg = pg
             return pg
@@ -106,13 +112,20 @@ class RayRun:
         pg = self.place()
         ray = self._ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         remote = _agent_class(ray).options(
-            num_cpus=0, max_concurrency=4, max_restarts=0, name=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index))
+            num_cpus=0,
+            max_concurrency=4,
+            max_restarts=0,
+            name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index
+            ),
+        )
         handle = remote.remote()
         with self._lock:
             self._agents.append(handle)
-            if self.released:   # stopped while this one was being made
+            if self.released:  # stopped while this one was being made
                 ray.kill(handle)
                 raise RuntimeError("the run is being stopped")
         return handle
@@ -132,8 +145,9 @@ class RayRun:
                 ray.kill(handle, no_restart=True)
             if pg is not None:
                 from ray.util.placement_group import remove_placement_group
+
                 remove_placement_group(pg)
-        except Exception:   # the cluster is unreachable: Ray removes both with this driver
+        except Exception:  # the cluster is unreachable: Ray removes both with this driver
             pass
 
 
@@ -160,8 +174,10 @@ class RayProcess:
         try:
             ray.get(self._agent.start.remote(self.spec, self.spec.host, os.getcwd(), HEARTBEAT_S), timeout=120)
         except Exception as exc:
-            raise RuntimeError(f"the Ray actor on node {self.spec.host} could not start it: "
-                               f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
+            raise RuntimeError(
+                f"the Ray actor on node {self.spec.host} could not start it: "
+                f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
+            ) from None
         threading.Thread(target=self._poll, name=f"hpar-ray-{self.spec.label}", daemon=True).start()
 
     def _poll(self) -> None:
@@ -170,8 +186,8 @@ class RayProcess:
         while True:
             try:
                 batch, code = ray.get(self._agent.read.remote(0.5), timeout=LINK_TIMEOUT_S)
-            except Exception as exc:   # GetTimeoutError, RayActorError, ActorUnavailableError, ...
-                if self.run.released:   # its agent was killed at the end of the attempt, with the group
+            except Exception as exc:  # GetTimeoutError, RayActorError, ActorUnavailableError, ...
+                if self.run.released:  # its agent was killed at the end of the attempt, with the group
                     self._code = -signals.SIGKILL
                     break
                 self.host_lost = True
@@ -192,7 +208,7 @@ class RayProcess:
     def _record(self, line: str) -> None:
         pgid = started_group(line)
         if pgid is not None:
-            self.pid = self.pgid = pgid   # the guard leads its group, as over SSH
+            self.pid = self.pgid = pgid  # the guard leads its group, as over SSH
 
     def poll(self) -> int | None:
         """Exit code once the process ended and its output is read; None while running; -N

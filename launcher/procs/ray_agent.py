@@ -16,6 +16,7 @@ the accelerator masks, ``OMP_NUM_THREADS``): the ranks choose their devices from
 ``LOCAL_RANK`` as on any other host. ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` name the
 interface that holds the node's Ray address unless the environment gives them.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,14 @@ import sys
 import threading
 import time
 
-_RAY_SET = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NEURON_RT_VISIBLE_CORES",
-            "OMP_NUM_THREADS")
-MAX_LINES = 2000   # lines one read returns at most
+_RAY_SET = (
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "NEURON_RT_VISIBLE_CORES",
+    "OMP_NUM_THREADS",
+)
+MAX_LINES = 2000  # lines one read returns at most
 
 
 def base_environment(environ=None) -> dict:
@@ -40,6 +46,7 @@ def base_environment(environ=None) -> dict:
 def interface_of(address: str) -> str | None:
     """The name of this machine's interface that holds ``address`` (None: none does)."""
     import psutil
+
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address.split("%")[0] == address for a in addrs):
             return name
@@ -62,6 +69,7 @@ class ProcessAgent:
         """Start ``spec`` (a ProcessSpec) under its guard; returns the pid of its shell."""
         from dataclasses import replace
         from hpar.launcher.procs.ssh import remote_command, remote_environment
+
         spec = replace(spec, env={"HPAR_GUARD_HEARTBEAT": str(heartbeat_s), **spec.env})
         env = remote_environment(spec)
         ifname = interface_of(node_ip)
@@ -70,9 +78,15 @@ class ProcessAgent:
                 env.setdefault(key, ifname)
         cwd = cwd if os.path.isdir(cwd) else os.path.expanduser("~")
         command = remote_command(spec, sys.executable, cwd)
-        self._popen = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, env=base_environment(), bufsize=0)
-        self._write(json.dumps(env).encode() + b"\n")   # first, as over SSH (ssh.py environment_line)
+        self._popen = subprocess.Popen(
+            ["/bin/sh", "-c", command],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=base_environment(),
+            bufsize=0,
+        )
+        self._write(json.dumps(env).encode() + b"\n")  # first, as over SSH (ssh.py environment_line)
         self._last_beat = time.monotonic()
         threading.Thread(target=self._read, daemon=True).start()
         return self._popen.pid
@@ -137,6 +151,7 @@ class ProcessAgent:
     def group_alive(self, pgid: int) -> bool:
         """Whether a process of group ``pgid`` is alive here (zombies excluded)."""
         import psutil
+
         for p in psutil.process_iter(["pid", "status"]):
             try:
                 if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:

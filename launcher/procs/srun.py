@@ -24,6 +24,7 @@ runs the guard as the leader of a new session (``setsid``), as over SSH. It then
 - Exit codes: the BOOT's exit event (task 0's BOOT also names the step, ``JOB.STEP``); else srun's own ``task N: Exited with exit code C`` /
   ``Killed`` lines; else, once srun has ended, srun's exit code.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,15 @@ _TASK_END = re.compile(r"task[s]? ([0-9,\-]+): (Exited with exit code ([0-9]+)|K
 class SrunStep:
     """One srun step running every ``ProcessSpec`` of a run; ``processes`` are its tasks."""
 
-    def __init__(self, specs: list[ProcessSpec], lines: "queue.Queue", run_dir: str, python: str | None = None,
-                 env: dict | None = None, cwd: str | None = None):
+    def __init__(
+        self,
+        specs: list[ProcessSpec],
+        lines: "queue.Queue",
+        run_dir: str,
+        python: str | None = None,
+        env: dict | None = None,
+        cwd: str | None = None,
+    ):
         self.specs, self.lines, self.run_dir = specs, lines, run_dir
         self.python = python or sys.executable
         self.env = env
@@ -82,9 +90,15 @@ class SrunStep:
             write_private(tasks_file, json.dumps(task_table(self.specs, self.env, self.cwd)).encode())
             atomic_write_bytes(hostfile, "".join(s.host + "\n" for s in self.specs).encode())
             env = dict(step_environment(self.env), SLURM_HOSTFILE=hostfile)
-            self._popen = subprocess.Popen(srun_argv(len(self.specs), tasks_file, self.python), env=env,
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                           start_new_session=True, cwd=self.cwd)
+            self._popen = subprocess.Popen(
+                srun_argv(len(self.specs), tasks_file, self.python),
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                cwd=self.cwd,
+            )
             for target, name in ((self._read_out, "out"), (self._read_err, "err"), (self._heartbeat, "beat")):
                 threading.Thread(target=target, name=f"hpar-srun-{name}", daemon=True).start()
 
@@ -148,8 +162,12 @@ class SrunStep:
             self._signalled[sig] = now
         if self.step_id:
             name = signals.Signals(sig).name.removeprefix("SIG")
-            subprocess.run([shutil.which("scancel") or "scancel", f"--signal={name}", self.step_id],
-                           capture_output=True, env=step_environment(self.env), timeout=30)
+            subprocess.run(
+                [shutil.which("scancel") or "scancel", f"--signal={name}", self.step_id],
+                capture_output=True,
+                env=step_environment(self.env),
+                timeout=30,
+            )
         elif self._popen is not None:  # step id not known yet: srun forwards SIGTERM/SIGKILL to its tasks
             try:
                 os.killpg(self._popen.pid, sig)
@@ -193,12 +211,12 @@ class SrunProcess:
     def _line(self, line: str) -> None:
         if line.startswith("@hpar event "):
             try:
-                event = json.loads(line[len("@hpar event "):])
+                event = json.loads(line[len("@hpar event ") :])
             except ValueError:
                 event = {}
             if event.get("kind") == "started" and isinstance(event.get("pgid"), int) and self.pgid is None:
                 self.pid = self.pgid = event["pgid"]
-                self.step.remove_tasks_file()   # this task's BOOT has read it; gone once all have
+                self.step.remove_tasks_file()  # this task's BOOT has read it; gone once all have
             elif event.get("kind") == "exit" and isinstance(event.get("code"), int):
                 self._set(event["code"])
                 return

@@ -2,6 +2,7 @@
 (the few lines each task runs to start hpar's guard in a session of its own), ``TASKS.json``'s
 entries (written 0600, without any ``--env`` value) and srun's own environment, which carries
 the ``--env`` values and the forwarded allowlist in memory."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,16 @@ print('@hpar event {"kind":"exit","code":%d}' % code, flush=True)
 sys.exit(code)
 """
 # Slurm variables that describe salloc's own tasks; the step states its own
-_DROP = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_DISTRIBUTION",
-         "SLURM_CPUS_PER_TASK", "SLURM_HOSTFILE", "SLURM_ARBITRARY_NODELIST")
+_DROP = (
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_DISTRIBUTION",
+    "SLURM_CPUS_PER_TASK",
+    "SLURM_HOSTFILE",
+    "SLURM_ARBITRARY_NODELIST",
+)
 
 
 def step_environment(extra: dict | None = None, environ=None) -> dict:
@@ -53,9 +62,17 @@ def task_table(specs: list[ProcessSpec], env: dict | None, cwd: str) -> list[dic
     that the step's environment already carries with the same value (``env``: the ``--env``
     values, see :func:`step_environment`), so that no ``--env`` value is written to the file."""
     env = {k: str(v) for k, v in (env or {}).items()}
-    return [{"argv": list(s.argv), "cwd": cwd,
-             "env": {"HPAR_GUARD_HEARTBEAT": str(HEARTBEAT_S),
-                     **{k: str(v) for k, v in s.env.items() if env.get(k) != str(v)}}} for s in specs]
+    return [
+        {
+            "argv": list(s.argv),
+            "cwd": cwd,
+            "env": {
+                "HPAR_GUARD_HEARTBEAT": str(HEARTBEAT_S),
+                **{k: str(v) for k, v in s.env.items() if env.get(k) != str(v)},
+            },
+        }
+        for s in specs
+    ]
 
 
 def write_private(path: str, data: bytes) -> None:
@@ -66,6 +83,21 @@ def write_private(path: str, data: bytes) -> None:
 
 def srun_argv(ntasks: int, tasks_file: str, python: str) -> list[str]:
     """The srun command line of a step of ``ntasks`` tasks running BOOT on ``tasks_file``."""
-    return [shutil.which("srun") or "srun", "--ntasks", str(ntasks), "--distribution=arbitrary", "--label",
-            "--input=all", "--kill-on-bad-exit=0", "--overcommit", "--overlap", "--cpus-per-task=1",
-            "--export=ALL", "--job-name=hpar", python, "-c", BOOT, tasks_file]
+    return [
+        shutil.which("srun") or "srun",
+        "--ntasks",
+        str(ntasks),
+        "--distribution=arbitrary",
+        "--label",
+        "--input=all",
+        "--kill-on-bad-exit=0",
+        "--overcommit",
+        "--overlap",
+        "--cpus-per-task=1",
+        "--export=ALL",
+        "--job-name=hpar",
+        python,
+        "-c",
+        BOOT,
+        tasks_file,
+    ]

@@ -17,6 +17,7 @@ launcher; ``HPAR_GUARD_HEARTBEAT``). Each process is a channel of its host's one
 (launcher/procs/ssh_control.py). TCP keepalives and ``TCP_USER_TIMEOUT`` turn a dead link into
 a closed channel within ``LINK_TIMEOUT_S`` s; ``poll()`` then reports ``LOST_HOST`` (255, as ssh).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,11 +46,13 @@ _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Read the environment (the first line of stdin, JSON) one byte at a time, leaving the rest for the
 # guard; then ``setsid -w`` for our purpose: run argv[1:] as the leader of a new session, wait, and
 # exit with its code, or 128+N when it died of signal N (``setsid -w`` itself returns N then).
-_BOOT = ("import json,os,sys\nline=b''\nwhile not line.endswith(b'\\n'):\n b=os.read(0,1)\n if not b:\n"
-         "  sys.exit('hpar: no environment line on stdin (the launcher went away)')\n line+=b\n"
-         "os.environ.update(json.loads(line))\npid=os.fork()\nif pid==0:\n os.setsid()\n"
-         " os.execvp(sys.argv[1],sys.argv[1:])\n"
-         "code=os.waitstatus_to_exitcode(os.waitpid(pid,0)[1])\nsys.exit(128-code if code<0 else code)")
+_BOOT = (
+    "import json,os,sys\nline=b''\nwhile not line.endswith(b'\\n'):\n b=os.read(0,1)\n if not b:\n"
+    "  sys.exit('hpar: no environment line on stdin (the launcher went away)')\n line+=b\n"
+    "os.environ.update(json.loads(line))\npid=os.fork()\nif pid==0:\n os.setsid()\n"
+    " os.execvp(sys.argv[1],sys.argv[1:])\n"
+    "code=os.waitstatus_to_exitcode(os.waitpid(pid,0)[1])\nsys.exit(128-code if code<0 else code)"
+)
 CONTROL_TIMEOUT_S = 3.0  # connect (and answer) timeout for a control command (a signal, a check)
 DEAD_FOR_S = 30.0  # after a lost connection, control commands skip the host this long
 _dead: dict[str, float] = {}
@@ -70,7 +73,7 @@ def started_group(line: str) -> int | None:
     """The process group the guard leads, from its ``@hpar event {"kind": "started", "pgid": N}``
     line; None for any other line (the first lines a remote process prints name its group)."""
     try:
-        event = json.loads(line[len("@hpar event "):])
+        event = json.loads(line[len("@hpar event ") :])
     except ValueError:
         return None
     if isinstance(event, dict) and event.get("kind") == "started" and isinstance(event.get("pgid"), int):
@@ -123,25 +126,25 @@ class RemoteProcess:
         self.pid: int | None = None
         self.pgid: int | None = None
         self.host_lost = False  # True once the connection broke (poll() is then LOST_HOST)
-        self.ended: dict[int, str] = {}   # what the teardown stopped outside its group (launcher/run/teardown.py)
+        self.ended: dict[int, str] = {}  # what the teardown stopped outside its group (launcher/run/teardown.py)
 
     def start(self) -> None:
         """Connect and start the process. Raises SSHError when the host cannot be reached."""
         spec = replace(self.spec, env={"HPAR_GUARD_HEARTBEAT": str(HEARTBEAT_S), **self.spec.env})
         command = remote_command(spec, self.opts.python or self.spec.argv[0])
-        environment = environment_line(spec)   # over stdin, never in the command (module docstring)
-        self._conn = ssh_pool.connection(self.host, self.opts, for_process=True)   # one per host, shared
+        environment = environment_line(spec)  # over stdin, never in the command (module docstring)
+        self._conn = ssh_pool.connection(self.host, self.opts, for_process=True)  # one per host, shared
         try:
             self._channel = self._conn.client.get_transport().open_session()
-        except paramiko.ChannelException:   # the host allows fewer sessions per connection (MaxSessions)
+        except paramiko.ChannelException:  # the host allows fewer sessions per connection (MaxSessions)
             self._conn = connect(self.host, self.opts)
             self._channel = self._conn.client.get_transport().open_session()
         self._channel.set_combine_stderr(True)
         self._channel.exec_command(command)
         try:
-            self._channel.sendall(environment)   # first, before any heartbeat byte
+            self._channel.sendall(environment)  # first, before any heartbeat byte
         except (OSError, EOFError, paramiko.SSHException):
-            pass   # the command ended already: the reader reports its output and code
+            pass  # the command ended already: the reader reports its output and code
         threading.Thread(target=self._read, name=f"hpar-ssh-{self.spec.label}", daemon=True).start()
         threading.Thread(target=self._heartbeat, name=f"hpar-beat-{self.spec.label}", daemon=True).start()
 
@@ -198,10 +201,12 @@ class RemoteProcess:
         if _is_dead(self.host):
             return None  # its guards stop their groups by themselves (no heartbeat)
         try:
-            conn = ssh_pool.connection(self.host, replace(self.opts, retries=0, connect_timeout=min(
-                self.opts.connect_timeout, CONTROL_TIMEOUT_S)))
+            conn = ssh_pool.connection(
+                self.host,
+                replace(self.opts, retries=0, connect_timeout=min(self.opts.connect_timeout, CONTROL_TIMEOUT_S)),
+            )
         except SSHError:
-            _mark_dead(self.host)   # skipped from now on (DEAD_FOR_S)
+            _mark_dead(self.host)  # skipped from now on (DEAD_FOR_S)
             return None
         return ssh_control.exec_on(conn.client.get_transport(), shell, timeout)
 
@@ -247,8 +252,9 @@ class RemoteProcess:
             ssh_pool.forget(self._conn)
 
 
-def make_process(spec: ProcessSpec, hosts_by_name: dict[str, Host], opts: SSHOptions,
-                 lines: "queue.Queue") -> LocalProcess | RemoteProcess:
+def make_process(
+    spec: ProcessSpec, hosts_by_name: dict[str, Host], opts: SSHOptions, lines: "queue.Queue"
+) -> LocalProcess | RemoteProcess:
     """A LocalProcess for this machine's hosts (unless ``opts.force_ssh``), else a
     RemoteProcess. ``spec.host`` must be a key of ``hosts_by_name`` or "localhost"."""
     host = hosts_by_name.get(spec.host)

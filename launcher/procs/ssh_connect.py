@@ -6,6 +6,7 @@ so a dead link closes the channel within ``LINK_TIMEOUT_S`` s. Every failure is 
 :class:`SSHError` with one line naming the host. The connection pool (ssh_pool.py) and the
 remote processes (ssh.py) build on this module; it imports neither.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,9 +46,9 @@ class SSHOptions:
     python: str | None = None
     force_ssh: bool = False
     ifnames: dict = field(default_factory=dict)  # host name -> interface (from preflight)
-    gpus: dict = field(default_factory=dict)     # host name -> GPUs it sees (from preflight)
-    known_hosts: str | None = None   # None: $HPAR_SSH_KNOWN_HOSTS, else ~/.ssh/known_hosts
-    accept_new: bool = False         # record unknown host keys (StrictHostKeyChecking=accept-new)
+    gpus: dict = field(default_factory=dict)  # host name -> GPUs it sees (from preflight)
+    known_hosts: str | None = None  # None: $HPAR_SSH_KNOWN_HOSTS, else ~/.ssh/known_hosts
+    accept_new: bool = False  # record unknown host keys (StrictHostKeyChecking=accept-new)
 
 
 def known_hosts_file(opts: SSHOptions) -> str:
@@ -71,8 +72,10 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
 
     def missing_host_key(self, client, hostname, key) -> None:
         if not self.accept_new:
-            raise SSHError(f"host {hostname}: its {key.get_name()} host key is not in {self.path}; check it and rerun "
-                           "with --ssh-accept-new to record it (or add it with `ssh-keyscan`)")
+            raise SSHError(
+                f"host {hostname}: its {key.get_name()} host key is not in {self.path}; check it and rerun "
+                "with --ssh-accept-new to record it (or add it with `ssh-keyscan`)"
+            )
         with _known_lock:
             os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:
@@ -99,8 +102,13 @@ def connect(host: Host, opts: SSHOptions) -> fabric.Connection:
         if not os.path.isfile(opts.key):
             raise SSHError(f"--ssh-key: {opts.key!r} is not a file")
         connect_kwargs.update(key_filename=[opts.key], look_for_keys=False, allow_agent=False)
-    conn = fabric.Connection(host.name, user=host.user or opts.user, port=host.port or opts.port,
-                             connect_timeout=opts.connect_timeout, connect_kwargs=connect_kwargs)
+    conn = fabric.Connection(
+        host.name,
+        user=host.user or opts.user,
+        port=host.port or opts.port,
+        connect_timeout=opts.connect_timeout,
+        connect_kwargs=connect_kwargs,
+    )
     where = f"{conn.user}@{host.name}:{conn.port}"
     _check_host_keys(conn, opts)
     for attempt in range(opts.retries + 1):
@@ -113,9 +121,11 @@ def connect(host: Host, opts: SSHOptions) -> fabric.Connection:
             raise
         except paramiko.BadHostKeyException:
             conn.close()
-            raise SSHError(f"host {where}: its host key differs from the one in {known_hosts_file(opts)} (the host "
-                           "was reinstalled, or the connection is intercepted); check it, then remove the old "
-                           f"entry with `ssh-keygen -R {host.name}`") from None
+            raise SSHError(
+                f"host {where}: its host key differs from the one in {known_hosts_file(opts)} (the host "
+                "was reinstalled, or the connection is intercepted); check it, then remove the old "
+                f"entry with `ssh-keygen -R {host.name}`"
+            ) from None
         except paramiko.AuthenticationException as e:
             conn.close()
             raise SSHError(f"host {where}: authentication failed ({e}); check --ssh-key/--ssh-user") from None
@@ -124,7 +134,7 @@ def connect(host: Host, opts: SSHOptions) -> fabric.Connection:
             problem = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if attempt == opts.retries:
                 raise SSHError(f"host {where}: unreachable after {opts.retries + 1} attempts ({problem})") from None
-            time.sleep(0.5 * 2 ** attempt)
+            time.sleep(0.5 * 2**attempt)
     raise AssertionError("unreachable")
 
 

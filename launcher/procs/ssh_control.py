@@ -3,6 +3,7 @@ one (launcher/procs/ssh_pool.py), which its processes were started with. A comma
 channel on that connection, so a signal or the teardown's command costs no new TCP connection,
 key exchange or authentication (OpenSSH's ControlMaster idea, paramiko's transport the master).
 """
+
 from __future__ import annotations
 
 import socket
@@ -23,7 +24,7 @@ def exec_on(transport: paramiko.Transport, command: str, timeout: float) -> tupl
         try:
             channel = transport.open_session(timeout=timeout)
             break
-        except paramiko.ChannelException:   # sshd's MaxSessions (10 by default) reached: wait for a free one
+        except paramiko.ChannelException:  # sshd's MaxSessions (10 by default) reached: wait for a free one
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)

@@ -8,6 +8,7 @@ sessions per connection by default, ``MaxSessions``; the rest is left for contro
 a host with more processes gets a second connection, and so on. A connection that broke is
 replaced on the next use.
 """
+
 from __future__ import annotations
 
 import threading
@@ -19,13 +20,13 @@ MAX_PROCESSES = 8
 
 _lock = threading.Lock()
 _host_locks: dict[tuple, threading.Lock] = {}
-_pool: dict[tuple, list] = {}   # key -> [_Shared, ...]
+_pool: dict[tuple, list] = {}  # key -> [_Shared, ...]
 
 
 @dataclass
 class _Shared:
-    conn: object          # fabric.Connection
-    processes: int = 0    # process channels handed out on it
+    conn: object  # fabric.Connection
+    processes: int = 0  # process channels handed out on it
 
 
 def _key(host, opts) -> tuple:
@@ -45,7 +46,7 @@ def connection(host, opts, for_process: bool = False):
     key = _key(host, opts)
     with _lock:
         host_lock = _host_locks.setdefault(key, threading.Lock())
-    with host_lock:   # one handshake per host at a time; other hosts go on in parallel
+    with host_lock:  # one handshake per host at a time; other hosts go on in parallel
         shared = [s for s in _pool.get(key, []) if _active(s.conn)]
         room = [s for s in shared if not for_process or s.processes < MAX_PROCESSES]
         if room:

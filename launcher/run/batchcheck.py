@@ -8,6 +8,7 @@ refuse such first batches before training (strategies/job/first_batch.py) unless
 event, strategies/context.StepMeter) and, once all have, a differing set is printed once,
 naming ranks and sizes.
 """
+
 from __future__ import annotations
 
 from hpar.strategies.specs.registry import spec as strategy_spec
@@ -19,7 +20,7 @@ class BatchSizeCheck:
 
     def __init__(self, world_size: int, strategy: str, say):
         self.world_size, self.say = world_size, say
-        self.active = not strategy_spec(strategy).pipelined and world_size > 1   # data-parallel replicas
+        self.active = not strategy_spec(strategy).pipelined and world_size > 1  # data-parallel replicas
         self.sizes: dict[int, int] = {}
 
     def on_event(self, proc, event: dict) -> None:
@@ -37,6 +38,8 @@ class BatchSizeCheck:
         """The warning for ``sizes`` (rank -> samples), None when they are all equal."""
         if len(set(sizes.values())) <= 1:
             return None
-        return (f"hpar: warning: workers draw batches of different sizes ({sizes_text(sizes)}); as "
-                "--allow-unequal-batches allows, each worker's mean gradient weighs the same (DDP's average), so "
-                "this is not training on the concatenated batch")
+        return (
+            f"hpar: warning: workers draw batches of different sizes ({sizes_text(sizes)}); as "
+            "--allow-unequal-batches allows, each worker's mean gradient weighs the same (DDP's average), so "
+            "this is not training on the concatenated batch"
+        )

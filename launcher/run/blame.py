@@ -5,13 +5,19 @@ with SIGABRT, or it exits after printing that the connection was closed), so the
 (launcher/run/supervisor.py) ranks the failures it sees and reports the root cause: a signal
 from outside first, then a plain non-zero exit, then the consequences.
 """
+
 from __future__ import annotations
 
 import signal
 
 # what gloo and NCCL print when a peer vanished: a process that says so failed because of it
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-             "NCCL communicator was aborted", "Broken pipe")
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "NCCL communicator was aborted",
+    "Broken pipe",
+)
 
 
 def describe_exit(code: int, signal_seen: int | None) -> str:
@@ -29,8 +35,10 @@ def describe_exit(code: int, signal_seen: int | None) -> str:
 def lost_host(host: str, how: str | None = None) -> str:
     """The failure of a process whose host stopped answering (its SSH connection broke, or
     ``how`` it was lost: a Ray node whose actor stopped answering)."""
-    return (f"lost the connection to its host {host} ({how or 'link or host down, or sshd gone'}); its processes "
-            "there stop by themselves (guard heartbeat)")
+    return (
+        f"lost the connection to its host {host} ({how or 'link or host down, or sshd gone'}); its processes "
+        "there stop by themselves (guard heartbeat)"
+    )
 
 
 def blame_order(code: int | None, signal_seen: int | None, peer_lost: bool) -> int:

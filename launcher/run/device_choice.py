@@ -16,6 +16,7 @@ Rules (``--device``):
   worker: lower ``--gpus`` or the host's slots, or pass ``--device cpu``), and so is a mix
   of hosts with and without GPUs (NCCL needs every worker on a GPU).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class HostDevices:
 def local_gpus() -> int:
     """GPUs this machine's processes see (CUDA_VISIBLE_DEVICES honoured); 0 without CUDA."""
     import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -50,21 +52,27 @@ def choose_devices(hosts: list[tuple[str, int, int]], flag: str = "auto") -> tup
     short = [(h, w, g) for h, w, g in hosts if g < w]
     if flag == "cuda" and short:
         h, w, g = short[0]
-        raise ValueError(f"--device cuda: host {h} sees {g} GPU(s) for {w} worker(s) (one GPU per worker); "
-                         f"lower --gpus or its slots to {g}, or pass --device cpu")
+        raise ValueError(
+            f"--device cuda: host {h} sees {g} GPU(s) for {w} worker(s) (one GPU per worker); "
+            f"lower --gpus or its slots to {g}, or pass --device cpu"
+        )
     if flag == "auto":
         partial = [(h, w, g) for h, w, g in short if g > 0]
         if partial:
             h, w, g = partial[0]
-            raise ValueError(f"host {h} sees {g} GPU(s) but runs {w} worker(s) (one GPU per worker); lower --gpus or "
-                             f"its slots to {g} per host, or pass --device cpu")
+            raise ValueError(
+                f"host {h} sees {g} GPU(s) but runs {w} worker(s) (one GPU per worker); lower --gpus or "
+                f"its slots to {g} per host, or pass --device cpu"
+            )
         with_gpu = [h for h, w, g in hosts if g >= w]
         if not with_gpu or not any(g for _, _, g in hosts):
             return "cpu", tuple(HostDevices(h, w, g, "cpu") for h, w, g in hosts)
         if short:
             h, w, g = short[0]
-            raise ValueError(f"host {h} sees no GPU while {with_gpu[0]} runs its workers on GPUs; NCCL needs every "
-                             "worker on a GPU: pass --device cpu, or leave that host out")
+            raise ValueError(
+                f"host {h} sees no GPU while {with_gpu[0]} runs its workers on GPUs; NCCL needs every "
+                "worker on a GPU: pass --device cpu, or leave that host out"
+            )
     return "cuda", tuple(HostDevices(h, w, g, "cuda") for h, w, g in hosts)
 
 

@@ -10,6 +10,7 @@ reads what it holds in the new layout: strategies/state/state.py). Fewer than N 
 the run, saying which did not answer. What happened is said in the live view and recorded in
 summary.json (``elastic``: per restart, the hosts kept, the hosts lost, the workers).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,16 +32,22 @@ class Shrink:
 
     def record(self, restart: int) -> dict:
         """The summary.json entry of this restart."""
-        return {"restart": restart, "hosts": [h.name for h in self.kept], "lost": [h.name for h, _ in self.lost],
-                "world_size": self.cfg.world_size if self.cfg else 0}
+        return {
+            "restart": restart,
+            "hosts": [h.name for h in self.kept],
+            "lost": [h.name for h, _ in self.lost],
+            "world_size": self.cfg.world_size if self.cfg else 0,
+        }
 
     def describe(self) -> str:
         """The line the launcher prints."""
         lost = "; ".join(f"{h.name} ({why})" for h, why in self.lost)
         if self.cfg is None:
             return f"cannot restart: {self.reason}; not answering: {lost}"
-        return (f"restarting on {len(self.kept)} host(s) with {self.cfg.world_size} worker(s) "
-                f"(not answering: {lost}); the run resumes at this size from its last checkpoint")
+        return (
+            f"restarting on {len(self.kept)} host(s) with {self.cfg.world_size} worker(s) "
+            f"(not answering: {lost}); the run resumes at this size from its last checkpoint"
+        )
 
 
 def shrink(cfg: RunConfig, hosts: tuple[Host, ...], answering: dict[str, str], min_hosts: int) -> Shrink:
@@ -54,8 +61,12 @@ def shrink(cfg: RunConfig, hosts: tuple[Host, ...], answering: dict[str, str], m
     if strategy_spec(cfg.strategy).pipelined:
         stages = cfg.world_size // cfg.replicas
         if workers < stages:
-            return Shrink(None, kept, lost, f"the {len(kept)} host(s) left hold {workers} worker(s), fewer than the "
-                                            f"pipeline's {stages} stages")
+            return Shrink(
+                None,
+                kept,
+                lost,
+                f"the {len(kept)} host(s) left hold {workers} worker(s), fewer than the pipeline's {stages} stages",
+            )
         replicas = workers // stages
         new = cfg.replace(world_size=stages * replicas, replicas=replicas)
     else:
@@ -70,12 +81,15 @@ def with_min_hosts(opts, min_hosts: int):
     if not min_hosts:
         return opts
     from dataclasses import replace
+
     if min_hosts < 0:
         raise ValueError(f"--min-hosts must not be negative, got {min_hosts}")
     if opts.max_restarts < 1:
         raise ValueError(f"--min-hosts {min_hosts} applies to restarts: add --max-restarts N")
     if not opts.hosts or (opts.ssh is None and not getattr(opts, "ray", False)):
-        raise ValueError(f"--min-hosts {min_hosts} needs hosts reached over SSH (--hosts) or a Ray cluster (--hosts ray)")
+        raise ValueError(
+            f"--min-hosts {min_hosts} needs hosts reached over SSH (--hosts) or a Ray cluster (--hosts ray)"
+        )
     if min_hosts > len(opts.hosts):
         raise ValueError(f"--min-hosts {min_hosts}: only {len(opts.hosts)} host(s) given")
     return replace(opts, min_hosts=min_hosts)

@@ -6,6 +6,7 @@ workers announce the figures as they happen (``first_loss`` from every worker af
 step 1, ``first_eval`` from rank 0 before it); this module keeps them in
 ``RUN_DIR/first.json`` and puts them into the summary of whichever attempt finishes.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,7 @@ class FirstFigures:
             self._save(eval_first=event["eval"])
         elif event.get("kind") == "first_loss" and isinstance(event.get("loss"), (int, float)):
             self.losses[proc.spec.rank] = float(event["loss"])
-            if strategy_spec(self.strategy).pipelined and 0 in self.losses:   # the last stage's loss
+            if strategy_spec(self.strategy).pipelined and 0 in self.losses:  # the last stage's loss
                 self._save(loss_first=self.losses[0])
             elif not strategy_spec(self.strategy).pipelined and len(self.losses) == self.world_size:
                 self._save(loss_first=sum(self.losses.values()) / self.world_size)

@@ -6,6 +6,7 @@ decides (launcher/commands/run.resolve). ``Flags.of(**flat)`` builds the tree fr
 flat names, and ``flags.but(**flat)`` replaces some of them wherever they live (the ``--tune``
 trials: another strategy, plan file, run directory and length).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,9 +26,11 @@ class JobFlags:
     log_every: int | None = None
     loop_flags: dict = field(default_factory=dict)
     no_eval: bool = False
-    find_unused_parameters: str | None = None   # auto, on, off
+    find_unused_parameters: str | None = None  # auto, on, off
     allow_unequal_batches: bool | None = None
-    sync_batchnorm: bool | None = None          # BatchNorm over every worker's batch (strategies/runtimes/dataparallel/sync_batchnorm.py)
+    sync_batchnorm: bool | None = (
+        None  # BatchNorm over every worker's batch (strategies/runtimes/dataparallel/sync_batchnorm.py)
+    )
 
 
 @dataclass(frozen=True)
@@ -47,11 +50,11 @@ class PlanFlags:
     worker_memory: float | None = None
     server_memory: float | None = None
     force: bool = False
-    staleness: int | None = None      # hybrid/ps: hot-row caches read rows up to this many updates stale
-    cache_rows: float | None = None   # their rows per table (>= 1) or fraction of each table (< 1)
-    compress: str | None = None       # --compress: off, fp16, bf16, powersgd[:RANK] (strategies/job/compression.py)
-    needs: tuple = ()                 # capabilities (StrategySpec flags) auto's choice must have, e.g. ("sync_batchnorm",)
-    settings: tuple = ()              # (key, value) of precision, clip_grad_norm, accumulate: auto's choice must honour them
+    staleness: int | None = None  # hybrid/ps: hot-row caches read rows up to this many updates stale
+    cache_rows: float | None = None  # their rows per table (>= 1) or fraction of each table (< 1)
+    compress: str | None = None  # --compress: off, fp16, bf16, powersgd[:RANK] (strategies/job/compression.py)
+    needs: tuple = ()  # capabilities (StrategySpec flags) auto's choice must have, e.g. ("sync_batchnorm",)
+    settings: tuple = ()  # (key, value) of precision, clip_grad_norm, accumulate: auto's choice must honour them
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,15 @@ class RunFlags:
 
 
 _AT_LEAST_1 = ("gpus", "steps", "batch_size", "log_every", "micro_batches", "pipeline_replicas", "tune_steps")
-_NOT_NEGATIVE = ("checkpoint_every", "keep_checkpoints", "max_restarts", "stall_timeout", "phase_timeout", "servers",
-                 "min_hosts")
+_NOT_NEGATIVE = (
+    "checkpoint_every",
+    "keep_checkpoints",
+    "max_restarts",
+    "stall_timeout",
+    "phase_timeout",
+    "servers",
+    "min_hosts",
+)
 
 
 def check_ranges(**given) -> None:
@@ -139,7 +149,9 @@ class Flags:
 
     def flat(self) -> dict:
         """Every flag by its flat name."""
-        return {f.name: getattr(getattr(self, g), f.name) for g, kind in GROUPS.items() for f in dataclasses.fields(kind)}
+        return {
+            f.name: getattr(getattr(self, g), f.name) for g, kind in GROUPS.items() for f in dataclasses.fields(kind)
+        }
 
 
 __all__ = ["Flags", "JobFlags", "PlanFlags", "HostFlags", "RunFlags", "check_ranges"]

@@ -27,6 +27,7 @@ When several processes stall at once (peers of a stuck rank wait in a collective
 one is blamed, then an overdue one (it knows what it is stuck in); otherwise the stacks decide
 (launcher/run/stacks.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -53,17 +54,17 @@ class ProcState:
 
     role: str
     started: float
-    last_line: float | None = None      # any output: the process is not frozen
+    last_line: float | None = None  # any output: the process is not frozen
     first_beat: float | None = None
     step: int = 0
-    step_time: float | None = None      # when ``step`` last advanced
-    phase: str = "start"                # start | train | evaluate (workers) | serve (servers)
-    exited_cleanly: bool = False        # it announced exit code 0 (workers/report.exit_process)
-    train_since: float = 0.0            # when it entered the training phase
-    eval_end: float = 0.0               # when the last evaluation (of any process) ended
-    doing: str | None = None            # its activity with a deadline (strategies/common/activity.py)
-    doing_s: float = 0.0                # seconds it had been at it when last heard
-    doing_heard: float = 0.0            # when that was
+    step_time: float | None = None  # when ``step`` last advanced
+    phase: str = "start"  # start | train | evaluate (workers) | serve (servers)
+    exited_cleanly: bool = False  # it announced exit code 0 (workers/report.exit_process)
+    train_since: float = 0.0  # when it entered the training phase
+    eval_end: float = 0.0  # when the last evaluation (of any process) ended
+    doing: str | None = None  # its activity with a deadline (strategies/common/activity.py)
+    doing_s: float = 0.0  # seconds it had been at it when last heard
+    doing_heard: float = 0.0  # when that was
 
     def busy_for(self, now: float) -> float:
         """Seconds it has been at ``doing`` by now (0 when it does nothing with a deadline)."""
@@ -82,8 +83,9 @@ EXIT_GRACE_S = 30.0
 class Health:
     """Per-process liveness and step progress; ``stalled()`` names the processes that stalled."""
 
-    def __init__(self, keys: list, roles: list[str], total_steps: int, stall_timeout: float,
-                 phase_timeout: float | None = None):
+    def __init__(
+        self, keys: list, roles: list[str], total_steps: int, stall_timeout: float, phase_timeout: float | None = None
+    ):
         now = time.monotonic()
         self.total_steps, self.timeout = total_steps, stall_timeout
         self.phase_timeout = stall_timeout if phase_timeout is None else phase_timeout
@@ -120,7 +122,7 @@ class Health:
     def phase(self, key, phase: str) -> None:
         s = self.state[key]
         s.phase = phase
-        if phase == "train":   # a resumed run's first step starts a new count, like a fresh one
+        if phase == "train":  # a resumed run's first step starts a new count, like a fresh one
             s.train_since = time.monotonic()
 
     def silent(self, key, now: float | None = None) -> float:
@@ -138,9 +140,12 @@ class Health:
         # peers wait while a worker evaluates or does something else with a deadline of its own,
         # and while a parameter server is stuck in one request (their steps wait for its answer;
         # it is the one to name when its deadline passes)
-        waiting = any(self.state[k].phase == "evaluate" or (self.state[k].doing and self.state[k].role == "worker")
-                      or (self.state[k].role == "server" and self.state[k].busy_for(now) > SERVER_BUSY_S)
-                      for k in alive)
+        waiting = any(
+            self.state[k].phase == "evaluate"
+            or (self.state[k].doing and self.state[k].role == "worker")
+            or (self.state[k].role == "server" and self.state[k].busy_for(now) > SERVER_BUSY_S)
+            for k in alive
+        )
         for k in alive:
             s = self.state[k]
             if s.first_beat is None:
@@ -152,12 +157,18 @@ class Health:
                     silent.append((k, f"stalled: still running {EXIT_GRACE_S:.0f} s after it announced its exit"))
                 continue
             if self.timeout > 0 and now - (s.last_line or s.first_beat) > self.timeout:
-                silent.append((k, f"stalled: silent for {self.timeout:.0f} s (--stall-timeout), "
-                                  "the process is frozen or stopped"))
+                silent.append(
+                    (k, f"stalled: silent for {self.timeout:.0f} s (--stall-timeout), the process is frozen or stopped")
+                )
                 continue
             if self.phase_timeout > 0 and s.busy_for(now) > self.phase_timeout:
-                overdue.append((s.busy_for(now), k, f"stalled: {s.doing} for more than {self.phase_timeout:.0f} s "
-                                                    f"({self.phase_flag})"))
+                overdue.append(
+                    (
+                        s.busy_for(now),
+                        k,
+                        f"stalled: {s.doing} for more than {self.phase_timeout:.0f} s ({self.phase_flag})",
+                    )
+                )
                 continue
             if s.phase == "start" and not s.doing and s.role in ("worker", "server"):
                 if now - s.started > self.startup:
@@ -178,9 +189,17 @@ class Health:
         now = time.monotonic()
         for k in alive:
             s = self.state[k]
-            if s.first_beat is not None and (self.silent(k, now) > 5 or s.busy_for(now) > 5 or (
-                    s.role == "worker" and s.phase == "train" and s.step_time and now - s.step_time > 5
-                    and s.step < self.total_steps)):
+            if s.first_beat is not None and (
+                self.silent(k, now) > 5
+                or s.busy_for(now) > 5
+                or (
+                    s.role == "worker"
+                    and s.phase == "train"
+                    and s.step_time
+                    and now - s.step_time > 5
+                    and s.step < self.total_steps
+                )
+            ):
                 return True
         return False
 

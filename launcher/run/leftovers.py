@@ -9,6 +9,7 @@ their guards' to end (workers/guard.py, launcher/procs/local.py, workers/stopgro
 the launcher ends its own descendants that left its process group (workers/descendants.py; by
 then every process it started for the run has been stopped), and says which in one line.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """The planner as ``hpar run`` uses it: profile the job, describe the cluster, choose a plan."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,17 @@ from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import HYBRID_CACHE
 
 
-def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None, precision: str | None = None,
-             capacity=None, cache=None, forwards: int | None = None) -> tuple[Plan, object]:
+def plan_job(
+    job,
+    batch_size: int,
+    hosts_spec: str | None,
+    gpus: int,
+    flags=None,
+    precision: str | None = None,
+    capacity=None,
+    cache=None,
+    forwards: int | None = None,
+) -> tuple[Plan, object]:
     """Profile ``job`` (strategies/profile/profiler.py) for ``gpus`` workers on the hosts of
     ``hosts_spec`` (link figures probed on this machine, or hpar profile's defaults for remote
     hosts) and return the planner's Plan (strategies/plan/planner.py) and the Profile it was
@@ -25,9 +35,11 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     ``auto`` lists under ``alternatives`` the other strategies' plans that fit, for ``--tune``.
     Raises JobError/ValueError."""
     from hpar.launcher.run.flags import PlanFlags
+
     flags = flags or PlanFlags()
     force = None if flags.strategy == "auto" else flags.strategy
-    from hpar.strategies.job.compression import Compression   # auto weighs the user's --compress (planner.choose_plan)
+    from hpar.strategies.job.compression import Compression  # auto weighs the user's --compress (planner.choose_plan)
+
     compress = Compression.parse(flags.compress) if flags.compress is not None and force is None else None
     schedule, pipeline_replicas = flags.schedule or "1f1b", flags.pipeline_replicas
     from hpar.launcher.run.cluster_build import build_cluster
@@ -35,22 +47,42 @@ def plan_job(job, batch_size: int, hosts_spec: str | None, gpus: int, flags=None
     from hpar.strategies.plan.planner import choose_plan
     from hpar.strategies.profile.profiler import profile_job
     from hpar.strategies.profile.device import profile_device
+
     measure_on = profile_device("cpu" if flags.device == "cpu" else "auto")
-    cluster = build_cluster(gpus, hosts_spec, flags.servers, None, None, None, measured_on=measure_on.type,
-                            capacity=capacity)
+    cluster = build_cluster(
+        gpus, hosts_spec, flags.servers, None, None, None, measured_on=measure_on.type, capacity=capacity
+    )
     profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision, compress=compress)
     # no candidate that `hpar run` would refuse before start is chosen (strategies/plan/vet.py)
-    plan = vetted_plan(job, profile, cluster, needs=flags.needs, settings=flags.settings, schedule=schedule, force=force,
-                       pipeline_replicas=pipeline_replicas, allow_misfit=flags.force, cache=cache, forwards=forwards,
-                       compress=compress)
+    plan = vetted_plan(
+        job,
+        profile,
+        cluster,
+        needs=flags.needs,
+        settings=flags.settings,
+        schedule=schedule,
+        force=force,
+        pipeline_replicas=pipeline_replicas,
+        allow_misfit=flags.force,
+        cache=cache,
+        forwards=forwards,
+        compress=compress,
+    )
     if force is not None:
         return plan, profile
-    alternatives = {}   # the plans --tune may try (strategies/plan/tuning.py): those that fit
+    alternatives = {}  # the plans --tune may try (strategies/plan/tuning.py): those that fit
     for c in plan.candidates:
         if c.available and c.strategy != (HYBRID_CACHE.name if plan.cache else plan.strategy):
             try:
-                alt = choose_plan(profile, cluster, schedule=schedule, force=c.strategy, pipeline_replicas=pipeline_replicas,
-                                  cache=cache, forwards=forwards)
+                alt = choose_plan(
+                    profile,
+                    cluster,
+                    schedule=schedule,
+                    force=c.strategy,
+                    pipeline_replicas=pipeline_replicas,
+                    cache=cache,
+                    forwards=forwards,
+                )
             except ValueError:
                 continue
             alternatives[c.strategy] = {k: v for k, v in alt.to_dict().items() if k != "candidates"}
@@ -64,6 +96,8 @@ def compute_mismatch(plan: Plan, device: str) -> str | None:
     source = plan.compute or ""
     if not source.startswith("measured on ") or source == f"measured on {device}":
         return None
-    return (f"warning: the plan's compute times were {source}, the workers run on {device}; for a plan measured on "
-            f"the workers' device run `hpar profile --device {device} --plan-out plan.json` there and "
-            "`hpar run --plan plan.json`")
+    return (
+        f"warning: the plan's compute times were {source}, the workers run on {device}; for a plan measured on "
+        f"the workers' device run `hpar profile --device {device} --plan-out plan.json` there and "
+        "`hpar run --plan plan.json`"
+    )

@@ -5,6 +5,7 @@ received per step, CPU and memory (psutil, from heartbeats), GPU memory where pr
 state (running, stalled, exited), and the script's ``log()`` figures once it reports any. Plain
 mode prints one line per metric report instead, the ``log()`` figures after a ``|``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -31,7 +32,7 @@ def _num(value, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
 
 
-LOGGED_WIDTH = 60   # characters of the script's log() figures shown with a progress report
+LOGGED_WIDTH = 60  # characters of the script's log() figures shown with a progress report
 
 
 def logged_text(logged: dict | None, width: int = LOGGED_WIDTH) -> str:
@@ -47,8 +48,9 @@ def logged_text(logged: dict | None, width: int = LOGGED_WIDTH) -> str:
 class Progress:
     """Shows the state of every process. ``live`` defaults to "stdout is a terminal"."""
 
-    def __init__(self, labels: list[tuple[str, str]], total_steps: int, live: bool | None = None,
-                 console: Console | None = None):
+    def __init__(
+        self, labels: list[tuple[str, str]], total_steps: int, live: bool | None = None, console: Console | None = None
+    ):
         self.console = console or Console()
         self.live_mode = sys.stdout.isatty() if live is None else live
         self.total_steps = total_steps
@@ -75,15 +77,20 @@ class Progress:
     def update(self, label: str, kind: str, payload: dict) -> None:
         row = self.rows.setdefault(label, {"host": "?", "state": "running"})
         if kind == "metric":
-            row.update(state="running", **{k: payload.get(k) for k in ("step", "loss", "samples_per_s", "bytes_sent", "bytes_recv")})
+            row.update(
+                state="running",
+                **{k: payload.get(k) for k in ("step", "loss", "samples_per_s", "bytes_sent", "bytes_recv")},
+            )
             if payload.get("logged"):
                 row["logged"] = payload["logged"]
             if not self.live_mode:
                 logged = logged_text(payload.get("logged"))
-                self.say(f"[{row['host']} {label}] step {payload.get('step')}/{self.total_steps} "
-                         f"loss {_num(payload.get('loss'), '.4f')} "
-                         f"{_num(payload.get('samples_per_s'), '.1f')} samples/s "
-                         f"sent {human_bytes(payload.get('bytes_sent'))}/step" + (f" | {logged}" if logged else ""))
+                self.say(
+                    f"[{row['host']} {label}] step {payload.get('step')}/{self.total_steps} "
+                    f"loss {_num(payload.get('loss'), '.4f')} "
+                    f"{_num(payload.get('samples_per_s'), '.1f')} samples/s "
+                    f"sent {human_bytes(payload.get('bytes_sent'))}/step" + (f" | {logged}" if logged else "")
+                )
         elif kind == "heartbeat":
             row.update({k: payload.get(k) for k in ("cpu_percent", "rss_bytes", "gpu_bytes")})
             if row.get("state") == "starting":
@@ -108,21 +115,42 @@ class Progress:
 
     def _table(self) -> Table:
         t = Table(title=f"hpar: {self.total_steps} steps", expand=False)
-        logged = any(r.get("logged") for r in self.rows.values())   # a column only once the script logs
-        cols = ("process", "host", "step", "loss", "samples/s", "sent/step", "recv/step", "cpu %", "memory", "gpu mem",
-                "state") + (("log()",) if logged else ())
+        logged = any(r.get("logged") for r in self.rows.values())  # a column only once the script logs
+        cols = (
+            "process",
+            "host",
+            "step",
+            "loss",
+            "samples/s",
+            "sent/step",
+            "recv/step",
+            "cpu %",
+            "memory",
+            "gpu mem",
+            "state",
+        ) + (("log()",) if logged else ())
         for col in cols:
-            t.add_column(col, justify="right" if col not in ("process", "host", "state", "log()") else "left",
-                         **({"max_width": LOGGED_WIDTH} if col == "log()" else {}))
+            t.add_column(
+                col,
+                justify="right" if col not in ("process", "host", "state", "log()") else "left",
+                **({"max_width": LOGGED_WIDTH} if col == "log()" else {}),
+            )
         for label, r in self.rows.items():
             loss = r.get("loss")
-            t.add_row(label, str(r.get("host", "")), f"{r.get('step', '-')}",
-                      f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
-                      f"{r['samples_per_s']:.1f}" if isinstance(r.get("samples_per_s"), (int, float)) else "-",
-                      human_bytes(r.get("bytes_sent")), human_bytes(r.get("bytes_recv")),
-                      f"{r['cpu_percent']:.0f}" if isinstance(r.get("cpu_percent"), (int, float)) else "-",
-                      human_bytes(r.get("rss_bytes")), human_bytes(r.get("gpu_bytes")), r.get("state", ""),
-                      *((logged_text(r.get("logged")),) if logged else ()))
+            t.add_row(
+                label,
+                str(r.get("host", "")),
+                f"{r.get('step', '-')}",
+                f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                f"{r['samples_per_s']:.1f}" if isinstance(r.get("samples_per_s"), (int, float)) else "-",
+                human_bytes(r.get("bytes_sent")),
+                human_bytes(r.get("bytes_recv")),
+                f"{r['cpu_percent']:.0f}" if isinstance(r.get("cpu_percent"), (int, float)) else "-",
+                human_bytes(r.get("rss_bytes")),
+                human_bytes(r.get("gpu_bytes")),
+                r.get("state", ""),
+                *((logged_text(r.get("logged")),) if logged else ()),
+            )
         return t
 
 
@@ -136,12 +164,19 @@ def final_line(s: dict, run_dir: str, lead: str = "done") -> str:
     steps = s.get("loss_mean_steps")
     avg = ""
     if steps:
-        avg = (f" (step 1, and the mean of the last {steps[1]} steps)" if steps[0] == 1 and steps[1] > 1 else
-               f" (mean of the first {steps[0]} and last {steps[1]} steps)")
-    ev = ", ".join(f"eval {k} {_num((s.get('eval_first') or {}).get(k), '.4g')} -> {_num(v, '.4g')}"
-                   for k, v in (s.get("eval_last") or {}).items())
-    return (f"hpar: {lead}: {_num(s.get('samples_per_s'), '.1f')} samples/s, training loss {_num(first, '.4f')} -> "
-            f"{_num(last, '.4f')}{avg}{'; ' + ev if ev else ''}; run dir {run_dir}")
+        avg = (
+            f" (step 1, and the mean of the last {steps[1]} steps)"
+            if steps[0] == 1 and steps[1] > 1
+            else f" (mean of the first {steps[0]} and last {steps[1]} steps)"
+        )
+    ev = ", ".join(
+        f"eval {k} {_num((s.get('eval_first') or {}).get(k), '.4g')} -> {_num(v, '.4g')}"
+        for k, v in (s.get("eval_last") or {}).items()
+    )
+    return (
+        f"hpar: {lead}: {_num(s.get('samples_per_s'), '.1f')} samples/s, training loss {_num(first, '.4f')} -> "
+        f"{_num(last, '.4f')}{avg}{'; ' + ev if ev else ''}; run dir {run_dir}"
+    )
 
 
 def stopped_line(s: dict, run_dir: str, exit_code: int) -> str:
@@ -152,6 +187,7 @@ def stopped_line(s: dict, run_dir: str, exit_code: int) -> str:
     import json
     import os
     from hpar.strategies.state.checkpoint import latest_step
+
     if not s:
         try:
             with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
@@ -160,7 +196,7 @@ def stopped_line(s: dict, run_dir: str, exit_code: int) -> str:
             s = {}
     try:
         saved = latest_step(run_dir)
-    except ValueError:   # a damaged `latest`: --resume falls back past it, and says so
+    except ValueError:  # a damaged `latest`: --resume falls back past it, and says so
         saved = "damaged"
     how = {130: "interrupted (Ctrl-C)", 143: "terminated (SIGTERM)"}.get(exit_code, f"failed (exit code {exit_code})")
     step = s.get("steps")
@@ -168,8 +204,9 @@ def stopped_line(s: dict, run_dir: str, exit_code: int) -> str:
     if saved is None:
         then = "no checkpoint to resume from (--checkpoint-every N writes them)"
     else:
-        then = (f"last complete checkpoint: step {saved}; " if isinstance(saved, int) else "") + \
-            f"resume with: hpar run --resume {run_dir}"
+        then = (
+            f"last complete checkpoint: step {saved}; " if isinstance(saved, int) else ""
+        ) + f"resume with: hpar run --resume {run_dir}"
     return f"hpar: {how}{at}; run dir {run_dir}; {then}"
 
 
@@ -183,4 +220,3 @@ def last_reported(progress: "Progress") -> dict:
     top = max(r["step"] for r in rows)
     losses = [r.get("loss") for r in rows if r["step"] == top and isinstance(r.get("loss"), (int, float))]
     return {"steps": top, "loss_last": losses[0] if losses else None}
-

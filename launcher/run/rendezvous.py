@@ -27,6 +27,7 @@ Source: torch.distributed.elastic's agent store (``TORCHELASTIC_USE_AGENT_STORE`
 torch/distributed/rendezvous.py ``_create_c10d_store``); torch docs, "Choosing the network
 interface to use"; NCCL docs, ``NCCL_SOCKET_IFNAME``.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,9 @@ class Rendezvous:
     ``--env`` values, which keep their interface variables. Use as a context manager;
     ``close()`` drops the store. Raises OSError when no port can be bound here."""
 
-    def __init__(self, master: str, first_host_local: bool, avoid: "set[int] | None" = None,
-                 user_env: "dict | None" = None):
+    def __init__(
+        self, master: str, first_host_local: bool, avoid: "set[int] | None" = None, user_env: "dict | None" = None
+    ):
         self.master = master
         self.hosted = first_host_local
         self._store = None
@@ -56,7 +58,7 @@ class Rendezvous:
         if self.hosted:
             for port in ([wanted] if wanted and wanted not in avoid else []) + [0] * MAX_PORT_RETRIES:
                 try:
-                    self._store = hold_store(master, port)   # on ``master`` only (workers/store.py)
+                    self._store = hold_store(master, port)  # on ``master`` only (workers/store.py)
                 except (RuntimeError, OSError):  # EADDRINUSE on a wanted port: take the kernel's pick
                     continue
                 if self._store.port in avoid:
@@ -72,8 +74,8 @@ class Rendezvous:
             while self.port in avoid:
                 self.port = free_port("")
             self.env = {"TORCHELASTIC_USE_AGENT_STORE": "True", HOLD_STORE: "1"}
-        self.interfaces: dict[str, str] = {}   # variable -> interface, and where it comes from
-        if is_loopback(master):   # every process on this machine
+        self.interfaces: dict[str, str] = {}  # variable -> interface, and where it comes from
+        if is_loopback(master):  # every process on this machine
             given = user_env or {}
             loopback = loopback_interface()
             for name in IFNAME_VARIABLES:
@@ -90,8 +92,11 @@ class Rendezvous:
         line = f"rendezvous at {self.master}:{self.port} ({held}, listening on {self.master} only)"
         if self.interfaces:
             names = set(self.interfaces.values())
-            line += ("; gloo and NCCL on " + names.pop() if len(names) == 1 else
-                     "; " + ", ".join(f"{k}={v}" for k, v in self.interfaces.items()))
+            line += (
+                "; gloo and NCCL on " + names.pop()
+                if len(names) == 1
+                else "; " + ", ".join(f"{k}={v}" for k, v in self.interfaces.items())
+            )
         return line
 
     def close(self) -> None:

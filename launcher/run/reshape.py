@@ -12,6 +12,7 @@ the same global batch (samples per optimizer step over all workers) the synchron
 strategies continue as an uninterrupted run of the new shape would from that state; a
 changed global batch is said in one line (:func:`describe_reshape`).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,21 @@ from hpar.strategies.state.trust import check_trusted
 from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.job.config import RunConfig
 
-KEPT = ("steps", "batch_size", "lr", "seed", "log_every", "checkpoint_every", "keep_checkpoints", "precision", "clip_grad_norm",
-        "accumulate", "eval_every", "staleness", "cache_rows")
+KEPT = (
+    "steps",
+    "batch_size",
+    "lr",
+    "seed",
+    "log_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "precision",
+    "clip_grad_norm",
+    "accumulate",
+    "eval_every",
+    "staleness",
+    "cache_rows",
+)
 
 
 def old_settings(cfg: RunConfig) -> dict:
@@ -53,8 +67,10 @@ def describe_reshape(old: RunConfig, new: RunConfig) -> str:
     a, b = global_batch(old), global_batch(new)
     if a == b:
         return line + f"; the global batch stays {a} samples"
-    return (line + f"; the global batch changes from {a} to {b} samples per step, so the run does not continue as "
-            "the old shape would (--batch-size sets each worker's)")
+    return (
+        line + f"; the global batch changes from {a} to {b} samples per step, so the run does not continue as "
+        "the old shape would (--batch-size sets each worker's)"
+    )
 
 
 __all__ = ["old_settings", "global_batch", "describe_reshape", "shape"]
@@ -70,20 +86,28 @@ def resumed_config(resume_dir: str, script: str | None, steps: int | None, say=p
     (checked before anything starts: launcher/run/validate.py). Raises NothingToDo when that
     run finished at ``steps`` (default: its own) or beyond."""
     path = os.path.join(resume_dir, "config.json")
-    check_trusted(resume_dir, "--resume")   # its config names the code every worker runs
+    check_trusted(resume_dir, "--resume")  # its config names the code every worker runs
     if not os.path.exists(path):
-        raise ValueError(f"--resume {resume_dir}: no config.json there; pass the run directory of an earlier `hpar run`")
+        raise ValueError(
+            f"--resume {resume_dir}: no config.json there; pass the run directory of an earlier `hpar run`"
+        )
     cfg = RunConfig.from_json(open(path, encoding="utf-8").read())
     if script and os.path.abspath(script) != cfg.script:
         raise ValueError(f"--resume {resume_dir}: that run trained {cfg.script}, not {os.path.abspath(script)}")
     summary = finished(resume_dir, steps or cfg.steps)
     if summary is not None:
         from hpar.launcher.run.progress import final_line
-        checkpoint.remove_temp_files(resume_dir)   # as every start does: what a killed write left
-        raise NothingToDo(final_line(summary, os.path.abspath(resume_dir),
-                                     f"nothing to do: the run finished at step {summary['steps']}"))
+
+        checkpoint.remove_temp_files(resume_dir)  # as every start does: what a killed write left
+        raise NothingToDo(
+            final_line(
+                summary, os.path.abspath(resume_dir), f"nothing to do: the run finished at step {summary['steps']}"
+            )
+        )
     step = resume_step(resume_dir, say)
     if step is None:
-        raise ValueError(f"--resume {resume_dir}: no checkpoint there; start runs with --checkpoint-every N to resume them")
+        raise ValueError(
+            f"--resume {resume_dir}: no checkpoint there; start runs with --checkpoint-every N to resume them"
+        )
     say(f"hpar: resuming {os.path.abspath(resume_dir)} from its checkpoint of step {step}")
     return cfg.replace(resume=True, steps=steps or cfg.steps, run_dir=os.path.abspath(resume_dir))

@@ -13,6 +13,7 @@ Layout::
     RUN_DIR/hf/                a transformers model's save_pretrained directory (from_pretrained loads it)
     RUN_DIR/tensorboard/       TensorBoard event files, when tensorboard is installed
 """
+
 from __future__ import annotations
 
 import datetime
@@ -42,11 +43,11 @@ class RunDir:
         self.path = os.path.abspath(path)
         claim(self.path, group_readable, adopt)
         os.makedirs(os.path.join(self.path, "logs"), exist_ok=True)
-        self.config_sha256: str | None = None   # of the config.json written last (workers check it)
+        self.config_sha256: str | None = None  # of the config.json written last (workers check it)
         self._logs: dict[str, object] = {}
         self._tails: dict[str, deque] = {}
         self._metrics = open(os.path.join(self.path, "metrics.jsonl"), "a", encoding="utf-8")
-        self.write_error: str | None = None   # the first failed write of a log or metrics line
+        self.write_error: str | None = None  # the first failed write of a log or metrics line
         self._tensorboard = open_writer(self.path)
 
     @property
@@ -108,13 +109,15 @@ class RunDir:
     def write_summary(self, summary: dict) -> None:
         if self._tensorboard is not None:
             self._tensorboard.summary(summary)
-        atomic_write_bytes(os.path.join(self.path, "summary.json"), json.dumps(summary, indent=2, sort_keys=True).encode())
+        atomic_write_bytes(
+            os.path.join(self.path, "summary.json"), json.dumps(summary, indent=2, sort_keys=True).encode()
+        )
 
     def close(self) -> None:
         for f in [*self._logs.values(), self._metrics]:
             try:
                 f.close()
-            except OSError as exc:   # the last buffered bytes did not fit
+            except OSError as exc:  # the last buffered bytes did not fit
                 self._write_failed(exc)
         if self._tensorboard is not None:
             self._tensorboard.close()

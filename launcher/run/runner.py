@@ -1,6 +1,7 @@
 """``hpar run`` from resolved options to a finished run: place workers and
 servers on hosts, write the run directory, start and supervise every process, write the
 summary, and restart from the last checkpoint when ``--max-restarts`` allows."""
+
 from __future__ import annotations
 
 import os
@@ -26,25 +27,26 @@ from hpar.strategies.state import checkpoint
 from hpar.strategies.job.config import RunConfig
 
 
-
 @dataclass(frozen=True)
 class LaunchOptions:
     """How to start processes (not what to train): hosts, SSH, monitoring, restarts."""
 
     hosts: tuple[Host, ...] = ()
-    ssh: object | None = None          # launcher.ssh.SSHOptions when SSH is used
+    ssh: object | None = None  # launcher.ssh.SSHOptions when SSH is used
     stall_timeout: float = 0.0
-    phase_timeout: float | None = None  # evaluate(), first batch, checkpoint and model writes, server requests (None: stall_timeout)
+    phase_timeout: float | None = (
+        None  # evaluate(), first batch, checkpoint and model writes, server requests (None: stall_timeout)
+    )
     max_restarts: int = 0
     grace: float = 5.0
     live: bool | None = None
     sync: bool = False
     env: dict = field(default_factory=dict)  # --env values: every process gets them (launcher/hosts/environ.py)
-    slurm: bool = False                      # inside a Slurm allocation: one srun step (launcher/procs/srun.py)
-    min_hosts: int = 0                       # --min-hosts: restarts go on with the hosts that answer (launcher/run/elastic.py)
-    group_readable: bool = False             # --group-readable: a new run directory is made 0750, not 0700
-    unused_restart: bool = True              # a DDP step left a parameter unused: restart with find_unused_parameters on
-    ray: bool = False                        # --hosts ray: processes start as Ray actors (launcher/procs/ray_actor.py)
+    slurm: bool = False  # inside a Slurm allocation: one srun step (launcher/procs/srun.py)
+    min_hosts: int = 0  # --min-hosts: restarts go on with the hosts that answer (launcher/run/elastic.py)
+    group_readable: bool = False  # --group-readable: a new run directory is made 0750, not 0700
+    unused_restart: bool = True  # a DDP step left a parameter unused: restart with find_unused_parameters on
+    ray: bool = False  # --hosts ray: processes start as Ray actors (launcher/procs/ray_actor.py)
 
 
 def placement(cfg: RunConfig, hosts: tuple[Host, ...]) -> tuple[list[Host], list[Host]]:
@@ -75,9 +77,17 @@ def thread_env(spec, host: Host, procs_on_host: int, opts: LaunchOptions) -> Non
 def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue.Queue, master: str, port: int):
     worker_hosts, server_hosts = placement(cfg, opts.hosts)
     python = getattr(opts.ssh, "python", None)
-    specs = run_specs(cfg.world_size, cfg.servers, rundir.config_path, master, port,
-                      [h.name for h in worker_hosts], [h.name for h in server_hosts], python=python,
-                      config_sha256=rundir.config_sha256)
+    specs = run_specs(
+        cfg.world_size,
+        cfg.servers,
+        rundir.config_path,
+        master,
+        port,
+        [h.name for h in worker_hosts],
+        [h.name for h in server_hosts],
+        python=python,
+        config_sha256=rundir.config_sha256,
+    )
     by_name = {h.name: h for h in worker_hosts + server_hosts}
     per_host = {}
     for s in specs:
@@ -90,30 +100,38 @@ def _processes(cfg: RunConfig, rundir: RunDir, opts: LaunchOptions, lines: queue
             spec.env.setdefault(key, value)
     if opts.slurm:
         from hpar.launcher.procs.srun import SrunStep
+
         return SrunStep(specs, lines, rundir.path, python=python, env=opts.env).processes
     if opts.ray:
         from hpar.launcher.procs.ray_actor import RayRun
+
         return RayRun(specs, lines, by_name).processes
     for spec in specs:
         remote = opts.ssh is not None and (not by_name[spec.host].is_local or getattr(opts.ssh, "force_ssh", False))
         if remote:
             from hpar.launcher.procs.ssh import make_process
+
             procs.append(make_process(spec, by_name, opts.ssh, lines))
         else:
             procs.append(LocalProcess(spec, lines))
     return procs
 
 
-def _elastic(cfg: RunConfig, opts: LaunchOptions, master: str, console: Console, attempt: int,
-             elastic: list[dict], lost: set) -> tuple[RunConfig, LaunchOptions, str, bool]:
+def _elastic(
+    cfg: RunConfig, opts: LaunchOptions, master: str, console: Console, attempt: int, elastic: list[dict], lost: set
+) -> tuple[RunConfig, LaunchOptions, str, bool]:
     """Before restart ``attempt`` with ``--min-hosts``: check the hosts again and go on with
     those that answer (launcher/run/elastic.py; on a Ray cluster: its alive nodes less those
     ``lost`` in the attempt); returns the restart's config, options and rendezvous address, and
     whether to restart at all."""
     from hpar.launcher.hosts.preflight import preflight, resolve_master
+
     if opts.ray:
         from hpar.launcher.hosts.ray_nodes import gone
-        answering = {name: why or ("lost during the run" if name in lost else "") for name, why in gone(opts.hosts).items()}
+
+        answering = {
+            name: why or ("lost during the run" if name in lost else "") for name, why in gone(opts.hosts).items()
+        }
     else:
         report = preflight(list(opts.hosts), cfg.script, opts.ssh, 0)
         answering = {row.host: row.problem for row in report.rows}
@@ -136,9 +154,11 @@ def _unused_restart(cfg: RunConfig, outcome, console: Console) -> RunConfig:
     except ValueError:
         step = None
     which = outcome.cause.split(" (", 1)[1].split(")", 1)[0] if " (" in outcome.cause else "a parameter"
-    console.print(f"hpar: a step left {which} without a gradient, unlike the profiled steps; restarting from "
-                  f"{'step ' + str(step) if step is not None else 'the start'} with --find-unused-parameters on",
-                  markup=False)
+    console.print(
+        f"hpar: a step left {which} without a gradient, unlike the profiled steps; restarting from "
+        f"{'step ' + str(step) if step is not None else 'the start'} with --find-unused-parameters on",
+        markup=False,
+    )
     return cfg.replace(find_unused_parameters=True, resume=step is not None)
 
 
@@ -155,38 +175,59 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
     rundir = RunDir(cfg.run_dir, opts.group_readable, adopt=cfg.resume)
     previous = rundir.read_summary()
     figures = FirstFigures(rundir.path, cfg.world_size, cfg.strategy)
-    peaks = PeakFigures(rundir)   # measured peak memory per process (strategies/plan/peaks.py)
+    peaks = PeakFigures(rundir)  # measured peak memory per process (strategies/plan/peaks.py)
     attempt = 0
     used_ports: set[int] = set()
-    elastic: list[dict] = []   # the restarts that left hosts out (--min-hosts)
+    elastic: list[dict] = []  # the restarts that left hosts out (--min-hosts)
     try:
         while True:
-            checkpoint.remove_temp_files(rundir.path)   # left by a process killed mid-write
+            checkpoint.remove_temp_files(rundir.path)  # left by a process killed mid-write
             for path in checkpoint.remove_incomplete_steps(rundir.path):
-                console.print(f"hpar: removed {path}: a write that did not complete (it is not resumed from)",
-                              markup=False)
+                console.print(
+                    f"hpar: removed {path}: a write that did not complete (it is not resumed from)", markup=False
+                )
             rundir.write_config(cfg)
             lines: queue.Queue = queue.Queue()
-            with Rendezvous(master, first_host_local(opts.hosts), avoid=used_ports,
-                            user_env=opts.env) as rdv:  # launcher/run/rendezvous.py
+            with Rendezvous(
+                master, first_host_local(opts.hosts), avoid=used_ports, user_env=opts.env
+            ) as rdv:  # launcher/run/rendezvous.py
                 console.print(f"hpar: {rdv.describe()}", markup=False)
                 procs = _processes(cfg, rundir, replace(opts, env={**rdv.env, **opts.env}), lines, master, rdv.port)
                 labels = [(p.spec.label, p.spec.host) for p in procs]
                 try:
                     with Progress(labels, cfg.steps, live=opts.live, console=console) as progress:
                         sizes = BatchSizeCheck(cfg.world_size, cfg.strategy, progress.say)
-                        hooks = lambda proc, event: (figures.on_event(proc, event), sizes.on_event(proc, event),
-                                                     peaks.on_event(proc, event))
-                        sup = Supervisor(procs, lines, rundir, progress, opts.stall_timeout, opts.grace,
-                                         total_steps=cfg.steps, on_event=hooks, phase_timeout=opts.phase_timeout)
+                        hooks = lambda proc, event: (
+                            figures.on_event(proc, event),
+                            sizes.on_event(proc, event),
+                            peaks.on_event(proc, event),
+                        )
+                        sup = Supervisor(
+                            procs,
+                            lines,
+                            rundir,
+                            progress,
+                            opts.stall_timeout,
+                            opts.grace,
+                            total_steps=cfg.steps,
+                            on_event=hooks,
+                            phase_timeout=opts.phase_timeout,
+                        )
                         outcome = sup.run()
                 finally:
-                    release(procs)   # a Ray attempt's placement group and actors, on every path
+                    release(procs)  # a Ray attempt's placement group and actors, on every path
             checkpoint.remove_temp_files(rundir.path)
             used_ports.add(rdv.port)
-            if outcome.exit_code != 0 and not rdv.hosted and port_taken(rundir, procs) and len(used_ports) <= MAX_PORT_RETRIES:
-                console.print(f"hpar: rendezvous port {rdv.port} was taken (EADDRINUSE); starting again on another port",
-                              markup=False)
+            if (
+                outcome.exit_code != 0
+                and not rdv.hosted
+                and port_taken(rundir, procs)
+                and len(used_ports) <= MAX_PORT_RETRIES
+            ):
+                console.print(
+                    f"hpar: rendezvous port {rdv.port} was taken (EADDRINUSE); starting again on another port",
+                    markup=False,
+                )
                 continue
             if outcome.unused and not cfg.find_unused_parameters and opts.unused_restart:
                 cfg = _unused_restart(cfg, outcome, console)
@@ -194,7 +235,9 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             if outcome.unused:
                 console.print(f"hpar: {outcome.cause}", markup=False)
             interrupted = outcome.exit_code in (130, 143)
-            refused = outcome.exit_code == 2   # the script's input (strategies/job/first_batch.py): a restart cannot help
+            refused = (
+                outcome.exit_code == 2
+            )  # the script's input (strategies/job/first_batch.py): a restart cannot help
             if outcome.exit_code == 0 or interrupted or refused or attempt >= opts.max_restarts:
                 break
             attempt += 1
@@ -208,19 +251,33 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
             except ValueError as exc:
                 console.print(f"hpar: {exc}", markup=False)
                 step = None
-            console.print(f"hpar: restart {attempt}/{opts.max_restarts} from "
-                          f"{'step ' + str(step) if step is not None else 'the start (no checkpoint yet)'}",
-                          markup=False)
+            console.print(
+                f"hpar: restart {attempt}/{opts.max_restarts} from "
+                f"{'step ' + str(step) if step is not None else 'the start (no checkpoint yet)'}",
+                markup=False,
+            )
             cfg = cfg.replace(resume=step is not None)
             time.sleep(1.0)
         # stopped early: "steps" is the step it reached (the last one reported), not the one asked for
-        summary = peaks.apply(figures.apply(outcome.summary, previous, resumed=cfg.resume), cfg.plan) if outcome.summary else \
-            {"strategy": cfg.strategy, "world_size": cfg.world_size, "steps_planned": cfg.steps, **last_reported(progress)}
+        summary = (
+            peaks.apply(figures.apply(outcome.summary, previous, resumed=cfg.resume), cfg.plan)
+            if outcome.summary
+            else {
+                "strategy": cfg.strategy,
+                "world_size": cfg.world_size,
+                "steps_planned": cfg.steps,
+                **last_reported(progress),
+            }
+        )
         outcome.summary = summary if outcome.summary else None
-        summary.update(exit_code=outcome.exit_code, restarts=attempt, run_dir=rundir.path,
-                       **({"elastic": elastic} if elastic else {}),
-                       **({"tuning": cfg.plan.tuning} if cfg.plan.tuning else {}),
-                       **({"predicted_step_s": cfg.plan.predicted_step_s} if cfg.plan.predicted_step_s else {}))
+        summary.update(
+            exit_code=outcome.exit_code,
+            restarts=attempt,
+            run_dir=rundir.path,
+            **({"elastic": elastic} if elastic else {}),
+            **({"tuning": cfg.plan.tuning} if cfg.plan.tuning else {}),
+            **({"predicted_step_s": cfg.plan.predicted_step_s} if cfg.plan.predicted_step_s else {}),
+        )
         if outcome.exit_code != 0:
             summary.update(failed=outcome.failed, failed_host=outcome.host, cause=outcome.cause)
         try:

@@ -9,6 +9,7 @@ TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, and 
 the default ``env://`` works unmodified. Logs go to ``RUN_DIR/logs/rank-<r>.log``; the guard
 reports each rank's CPU, memory and GPU memory (``HPAR_GUARD_STATS``) for the live view.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,15 @@ class ScriptRun:
     run_dir: str
 
 
-def script_specs(run: ScriptRun, hosts: "tuple[Host, ...]", master: str, port: int, restart: int, max_restarts: int,
-                 python: str | None = None) -> list[ProcessSpec]:
+def script_specs(
+    run: ScriptRun,
+    hosts: "tuple[Host, ...]",
+    master: str,
+    port: int,
+    restart: int,
+    max_restarts: int,
+    python: str | None = None,
+) -> list[ProcessSpec]:
     """One ProcessSpec per rank (role "rank"), placed on ``hosts`` in order (all on
     "localhost" without hosts), with torchrun's environment (see the module docstring)."""
     python = python or sys.executable
@@ -54,13 +62,24 @@ def script_specs(run: ScriptRun, hosts: "tuple[Host, ...]", master: str, port: i
     specs = []
     for rank, host in enumerate(names):
         local = [r for r, h in enumerate(names) if h == host]
-        env = {"RANK": str(rank), "LOCAL_RANK": str(local.index(rank)), "WORLD_SIZE": str(run.world_size),
-               "LOCAL_WORLD_SIZE": str(len(local)), "GROUP_RANK": str(order.index(host)), "ROLE_RANK": str(rank),
-               "ROLE_WORLD_SIZE": str(run.world_size), "ROLE_NAME": "default", "MASTER_ADDR": master,
-               "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(restart),
-               "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), "TORCHELASTIC_RUN_ID": run_id,
-               "HPAR_CONFIG": os.path.join(run.run_dir, "config.json"), "HPAR_GUARD_STATS": str(STATS_S),
-               "PYTHONUNBUFFERED": "1"}
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local.index(rank)),
+            "WORLD_SIZE": str(run.world_size),
+            "LOCAL_WORLD_SIZE": str(len(local)),
+            "GROUP_RANK": str(order.index(host)),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(run.world_size),
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": master,
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart),
+            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+            "TORCHELASTIC_RUN_ID": run_id,
+            "HPAR_CONFIG": os.path.join(run.run_dir, "config.json"),
+            "HPAR_GUARD_STATS": str(STATS_S),
+            "PYTHONUNBUFFERED": "1",
+        }
         if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(local)))
         argv = (python, "-m", "hpar.workers.guard", python, "-u", run.script, *run.args)
@@ -71,16 +90,19 @@ def script_specs(run: ScriptRun, hosts: "tuple[Host, ...]", master: str, port: i
 def _processes(specs: list[ProcessSpec], opts, rundir: RunDir, lines: "queue.Queue") -> list:
     if opts.slurm:
         from hpar.launcher.procs.srun import SrunStep
+
         return SrunStep(specs, lines, rundir.path, env=opts.env).processes
     by_name = {h.name: h for h in opts.hosts}
     if getattr(opts, "ray", False):
         from hpar.launcher.procs.ray_actor import RayRun
+
         return RayRun(specs, lines, by_name).processes
     procs = []
     for spec in specs:
         remote = opts.ssh is not None and (not by_name[spec.host].is_local or opts.ssh.force_ssh)
         if remote:
             from hpar.launcher.procs.ssh import make_process
+
             procs.append(make_process(spec, by_name, opts.ssh, lines))
         else:
             procs.append(LocalProcess(spec, lines))
@@ -106,24 +128,43 @@ def run_script(run: ScriptRun, opts, console: Console, master: str = "127.0.0.1"
                     spec.env.update({k: v for k, v in {**rdv.env, **opts.env}.items() if k not in spec.env})
                 procs = _processes(specs, opts, rundir, lines)
                 try:
-                    with Progress([(p.spec.label, p.spec.host) for p in procs], 0, live=opts.live, console=console) as progress:
+                    with Progress(
+                        [(p.spec.label, p.spec.host) for p in procs], 0, live=opts.live, console=console
+                    ) as progress:
                         outcome = Supervisor(procs, lines, rundir, progress, 0.0, opts.grace).run()
                 finally:
-                    release(procs)   # a Ray attempt's placement group and actors
+                    release(procs)  # a Ray attempt's placement group and actors
             used_ports.add(rdv.port)
-            if outcome.exit_code != 0 and not rdv.hosted and port_taken(rundir, procs) and len(used_ports) <= MAX_PORT_RETRIES:
-                console.print(f"hpar: rendezvous port {rdv.port} was taken (EADDRINUSE); starting again on another port",
-                              markup=False)
+            if (
+                outcome.exit_code != 0
+                and not rdv.hosted
+                and port_taken(rundir, procs)
+                and len(used_ports) <= MAX_PORT_RETRIES
+            ):
+                console.print(
+                    f"hpar: rendezvous port {rdv.port} was taken (EADDRINUSE); starting again on another port",
+                    markup=False,
+                )
                 continue
             if outcome.exit_code in (0, 130, 143) or attempt >= opts.max_restarts:
                 break
             attempt += 1
-            console.print(f"hpar: restart {attempt}/{opts.max_restarts}: every rank starts again "
-                          f"(TORCHELASTIC_RESTART_COUNT={attempt})", markup=False)
+            console.print(
+                f"hpar: restart {attempt}/{opts.max_restarts}: every rank starts again "
+                f"(TORCHELASTIC_RESTART_COUNT={attempt})",
+                markup=False,
+            )
             time.sleep(1.0)
-        summary = {"command": "launch", "script": run.script, "args": list(run.args), "world_size": run.world_size,
-                   "exit_code": outcome.exit_code, "restarts": attempt, "wall_s": time.time() - t0,
-                   "run_dir": rundir.path}
+        summary = {
+            "command": "launch",
+            "script": run.script,
+            "args": list(run.args),
+            "world_size": run.world_size,
+            "exit_code": outcome.exit_code,
+            "restarts": attempt,
+            "wall_s": time.time() - t0,
+            "run_dir": rundir.path,
+        }
         if outcome.exit_code != 0:
             summary.update(failed=outcome.failed, failed_host=outcome.host, cause=outcome.cause)
         rundir.write_summary(summary)

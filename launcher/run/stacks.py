@@ -16,6 +16,7 @@ A process that sits in torch's code (a collective, DDP's backward) waits for its
 elsewhere is the likely culprit. torch's own watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``,
 default timeout 30 minutes for NCCL) says less, much later.
 """
+
 from __future__ import annotations
 
 import os
@@ -93,8 +94,11 @@ def summarize(dumps: dict[str, list[str]], no_stack: dict[str, str]) -> tuple[li
         groups.setdefault(where(main_thread(parse_dump(lines))), []).append(label)
     out = []
     for (kind, place), labels in sorted(groups.items(), key=lambda kv: (kv[0][0] != "torch", kv[0][1])):
-        prefix = "in torch.distributed" if kind == "torch" and "distributed" in place else (
-            "in torch" if kind == "torch" else kind)
+        prefix = (
+            "in torch.distributed"
+            if kind == "torch" and "distributed" in place
+            else ("in torch" if kind == "torch" else kind)
+        )
         out.append(f"  {', '.join(labels)}: {prefix}: {place}")
     for label, why in no_stack.items():
         out.append(f"  {label}: no stack ({why})")

@@ -15,6 +15,7 @@ process gets SIGKILL at once (a frozen process cannot act on SIGTERM) and the ot
 SIGTERM round. A worker that exits 0 without having finished (``sys.exit(0)`` in the user's
 code) is a failure of its own, not its peers'.
 """
+
 from __future__ import annotations
 
 import queue
@@ -33,6 +34,7 @@ from hpar.workers import report
 
 EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 
+
 @dataclass
 class Outcome:
     """How a run ended: the launcher's exit code, the process that failed first (label,
@@ -43,7 +45,7 @@ class Outcome:
     host: str | None = None
     cause: str | None = None
     summary: dict | None = None
-    unused: bool = False   # a DDP step left a parameter without a gradient: ``cause`` says it (runner.py)
+    unused: bool = False  # a DDP step left a parameter without a gradient: ``cause`` says it (runner.py)
 
 
 def _start(p) -> Exception | None:
@@ -58,24 +60,34 @@ def _start(p) -> Exception | None:
 class Supervisor(StallDiagnosis):
     """Runs ``procs`` (objects with LocalProcess's methods) to completion or first failure."""
 
-    def __init__(self, procs: list, lines: "queue.Queue", rundir: RunDir, progress: Progress,
-                 stall_timeout: float = 0.0, grace: float = 5.0, total_steps: int = 0, on_event=None,
-                 phase_timeout: float | None = None):
+    def __init__(
+        self,
+        procs: list,
+        lines: "queue.Queue",
+        rundir: RunDir,
+        progress: Progress,
+        stall_timeout: float = 0.0,
+        grace: float = 5.0,
+        total_steps: int = 0,
+        on_event=None,
+        phase_timeout: float | None = None,
+    ):
         self.procs, self.lines, self.rundir, self.progress = procs, lines, rundir, progress
         self.stall_timeout, self.grace = stall_timeout, grace
         self.summary: dict | None = None
-        self.on_event = on_event   # called with (proc, event payload) for every event line
+        self.on_event = on_event  # called with (proc, event payload) for every event line
         self._signal_of: dict[int, int] = {}
-        self._peer_lost: set[int] = set()   # processes whose output says a peer vanished
-        self._exit_seen: dict[int, int] = {}   # order in which exits were seen
-        self.health = Health([id(p) for p in procs], [p.spec.role for p in procs], total_steps, stall_timeout,
-                             phase_timeout)
-        self._stacks: dict[int, list[str]] | None = None   # dumps being read back, by process
-        self._eof: set[int] = set()                         # processes whose output has ended
+        self._peer_lost: set[int] = set()  # processes whose output says a peer vanished
+        self._exit_seen: dict[int, int] = {}  # order in which exits were seen
+        self.health = Health(
+            [id(p) for p in procs], [p.spec.role for p in procs], total_steps, stall_timeout, phase_timeout
+        )
+        self._stacks: dict[int, list[str]] | None = None  # dumps being read back, by process
+        self._eof: set[int] = set()  # processes whose output has ended
         self._stop_signal: int | None = None
         self._stopped = False
-        self._ended: dict[str, list[str]] = {}   # by process label: what its guard ended outside its group
-        self._refused: tuple | None = None   # (process, message, unused): refused its input, or DDP an unused parameter
+        self._ended: dict[str, list[str]] = {}  # by process label: what its guard ended outside its group
+        self._refused: tuple | None = None  # (process, message, unused): refused its input, or DDP an unused parameter
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
@@ -89,7 +101,7 @@ class Supervisor(StallDiagnosis):
             if not self._stopped:  # _fail stops everything before it reports
                 self.teardown()
             self._say_ended()
-            self.progress.mark_stopped()   # the live view's final state: no row left "running"
+            self.progress.mark_stopped()  # the live view's final state: no row left "running"
             for s, h in old.items():
                 signal.signal(s, h)
 
@@ -106,15 +118,17 @@ class Supervisor(StallDiagnosis):
         exited: dict[int, int] = {}
         while True:
             self._drain(timeout=0.2)
-            if self._refused:   # a worker refused its first batch: stop everyone now (strategies/job/first_batch.py)
+            if self._refused:  # a worker refused its first batch: stop everyone now (strategies/job/first_batch.py)
                 return self._fail(self._refused[0], self._refused[1])
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
                 self.progress.say(f"hpar: {name} received, stopping every process")
                 if self.health.hanging([id(p) for p in self.procs if p.poll() is None]):
-                    self._diagnose()   # Ctrl-C on a hung run: say where every process stands
-                return Outcome(EXIT_INTERRUPTED if self._stop_signal == signal.SIGINT else EXIT_TERMINATED,
-                               cause=f"launcher received {name}")
+                    self._diagnose()  # Ctrl-C on a hung run: say where every process stands
+                return Outcome(
+                    EXIT_INTERRUPTED if self._stop_signal == signal.SIGINT else EXIT_TERMINATED,
+                    cause=f"launcher received {name}",
+                )
             failed, newly = [], []
             for p in self.procs:
                 code = p.poll()
@@ -127,15 +141,17 @@ class Supervisor(StallDiagnosis):
             # lag its exit status
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline and any(
-                    code == 0 and id(p) not in self._eof and not self.health.state[id(p)].exited_cleanly
-                    for p, code in newly):
+                code == 0 and id(p) not in self._eof and not self.health.state[id(p)].exited_cleanly
+                for p, code in newly
+            ):
                 self._drain(timeout=0.05)
             for p, code in newly:
                 early = code == 0 and self._is_hpar(p) and not self.health.state[id(p)].exited_cleanly
                 self.progress.update(p.spec.label, "state", {"state": "done" if code == 0 and not early else "failed"})
                 if early:
-                    return self._fail(p, "exited with code 0 before the end of training (sys.exit(0) or "
-                                         "os._exit(0) in the script?)")
+                    return self._fail(
+                        p, "exited with code 0 before the end of training (sys.exit(0) or os._exit(0) in the script?)"
+                    )
                 if code != 0:
                     failed.append(p)
             if failed:
@@ -149,11 +165,11 @@ class Supervisor(StallDiagnosis):
                 for p in candidates:
                     self._exit_seen.setdefault(id(p), len(self._exit_seen))
                 first = min(candidates, key=lambda p: (self._blame_order(p), self._exit_seen[id(p)]))
-                if first.host_lost:   # the link, the host or its sshd: its guards stop their groups there
+                if first.host_lost:  # the link, the host or its sshd: its guards stop their groups there
                     return self._fail(first, lost_host(first.spec.host, getattr(first, "lost_how", None)))
                 return self._fail(first, describe_exit(first.poll(), self._signal_of.get(id(first))))
             if len(exited) == len(self.procs):
-                self._drain_to_end(2.0)   # the guards' last lines: what they ended outside their groups
+                self._drain_to_end(2.0)  # the guards' last lines: what they ended outside their groups
                 return Outcome(0, summary=self.summary)
             stalled = self.health.stalled([id(p) for p in self.procs if id(p) not in exited])
             if stalled:
@@ -165,23 +181,28 @@ class Supervisor(StallDiagnosis):
         for a task of a Slurm step: srun may drop a task's last output lines when it exits, so
         a missing exit event there proves nothing (its exit status still counts)."""
         from hpar.launcher.procs.srun import SrunProcess
-        return not isinstance(p, SrunProcess) and any(a in ("hpar.workers.worker", "hpar.workers.server")
-                                                      for a in p.spec.argv)
+
+        return not isinstance(p, SrunProcess) and any(
+            a in ("hpar.workers.worker", "hpar.workers.server") for a in p.spec.argv
+        )
 
     def _drain_to_end(self, seconds: float) -> None:
         """Read output until every process's own stream has ended (not an srun task's: the
         step's stream is shared), ``seconds`` at most."""
         from hpar.launcher.procs.srun import SrunProcess
+
         deadline = time.monotonic() + seconds
         self._drain(timeout=0.0)
-        while time.monotonic() < deadline and any(id(p) not in self._eof and not isinstance(p, SrunProcess)
-                                                  for p in self.procs):
+        while time.monotonic() < deadline and any(
+            id(p) not in self._eof and not isinstance(p, SrunProcess) for p in self.procs
+        ):
             self._drain(timeout=0.05)
 
     def _say_ended(self) -> None:
         """One line naming what was ended of the processes the run's processes had started in
         sessions of their own: by their guards when they exited, or with their groups."""
         from hpar.workers.descendants import ended_line
+
         for p in self.procs:
             for pid, item in getattr(p, "ended", {}).items():
                 if not any(i.split()[0] == str(pid) for i in self._ended.get(p.spec.label, [])):
@@ -194,7 +215,7 @@ class Supervisor(StallDiagnosis):
         """A failure nothing else can have caused: a signal from outside, a lost host."""
         return self._blame_order(p) == 0 or p.host_lost
 
-    def _blame_order(self, p) -> int:   # launcher/run/blame.py: 0 for the likeliest root cause
+    def _blame_order(self, p) -> int:  # launcher/run/blame.py: 0 for the likeliest root cause
         return blame_order(p.poll(), self._signal_of.get(id(p)), id(p) in self._peer_lost)
 
     def _drain(self, timeout: float) -> None:
@@ -218,25 +239,27 @@ class Supervisor(StallDiagnosis):
             self._peer_lost.add(id(proc))
         if parsed is None:
             if self._stacks is not None and id(proc) in self._stacks:
-                self._stacks[id(proc)].append(line)   # a stack dump: to RUN_DIR/stacks, not the screen
-            elif not self._refused:   # after a refusal, the peers' complaints go to their logs only
+                self._stacks[id(proc)].append(line)  # a stack dump: to RUN_DIR/stacks, not the screen
+            elif not self._refused:  # after a refusal, the peers' complaints go to their logs only
                 self.progress.say(f"[{spec.host} {spec.label}] {line}")
             return
         kind, payload = parsed
         if kind in ("metric", "heartbeat"):
-            self.rundir.metric({"kind": kind, "role": spec.role, "rank": spec.rank, "host": spec.host,
-                                "time": time.time(), **payload})
+            self.rundir.metric(
+                {"kind": kind, "role": spec.role, "rank": spec.rank, "host": spec.host, "time": time.time(), **payload}
+            )
             self.progress.update(spec.label, kind, payload)
             if kind == "metric":
                 self.health.advance(id(proc), payload.get("step"))
             else:
                 self.health.heartbeat(id(proc), payload)
-        elif kind == "eval":   # evaluate() during training (--eval-every), worker 0
-            self.rundir.metric({"kind": kind, "role": spec.role, "rank": spec.rank, "host": spec.host,
-                                "time": time.time(), **payload})
+        elif kind == "eval":  # evaluate() during training (--eval-every), worker 0
+            self.rundir.metric(
+                {"kind": kind, "role": spec.role, "rank": spec.rank, "host": spec.host, "time": time.time(), **payload}
+            )
             shown = ", ".join(f"{k} {v:.4g}" for k, v in payload.items() if k != "step" and isinstance(v, (int, float)))
             self.progress.say(f"hpar: evaluate at step {payload.get('step')}: {shown}")
-            self.health.evaluated()   # nobody could step meanwhile
+            self.health.evaluated()  # nobody could step meanwhile
         elif kind == "summary":
             self.summary = payload
         elif kind == "event":
@@ -247,11 +270,11 @@ class Supervisor(StallDiagnosis):
                 if self.health.state[id(proc)].phase == "evaluate":
                     self.health.evaluated()
                 self.health.phase(id(proc), payload.get("phase", ""))
-            elif what == "doing":   # strategies/common/activity.py: a worker's change of activity, seen at once
+            elif what == "doing":  # strategies/common/activity.py: a worker's change of activity, seen at once
                 self.health.activity(id(proc), payload.get("what"))
-            elif what in ("refused", "unused"):   # unused: strategies/runtimes/dataparallel/ddp.py, said by runner.py
+            elif what in ("refused", "unused"):  # unused: strategies/runtimes/dataparallel/ddp.py, said by runner.py
                 self._refused = self._refused or (proc, str(payload.get("message")), what == "unused")
-            elif what == "ended" and isinstance(payload.get("processes"), list):   # workers/guard.py
+            elif what == "ended" and isinstance(payload.get("processes"), list):  # workers/guard.py
                 self._ended.setdefault(spec.label, []).extend(str(x) for x in payload["processes"])
             elif what == "exit" and payload.get("code") == 0:
                 self.health.state[id(proc)].exited_cleanly = True
@@ -261,11 +284,13 @@ class Supervisor(StallDiagnosis):
     def _fail(self, p, cause: str) -> Outcome:
         self.teardown()
         self._drain(timeout=0.2)
-        if self._refused:   # the user's input, refused before training: one line, as before start (exit 2)
+        if self._refused:  # the user's input, refused before training: one line, as before start (exit 2)
             if not self._refused[2]:
                 self.progress.say(f"hpar: {self._refused[1]}")
             return Outcome(EXIT_REFUSED, p.spec.label, p.spec.host, self._refused[1], self.summary, self._refused[2])
-        tail = [t for t in self.rundir.tail(p.spec.log_name, 20) if not t.startswith(report.TAG)][-10:]   # the process's own words
+        tail = [t for t in self.rundir.tail(p.spec.log_name, 20) if not t.startswith(report.TAG)][
+            -10:
+        ]  # the process's own words
         self.progress.say(f"hpar: {p.spec.label} on {p.spec.host} failed: {cause}; stopped every other process")
         if tail:
             self.progress.say(f"hpar: last lines of {p.spec.log_name}:\n" + "\n".join("  " + t for t in tail))

@@ -14,6 +14,7 @@ launcher's heartbeat stops (workers/guard.py). Everything else (processes on thi
 tasks of a Slurm step) is stopped through its own ``terminate``/``kill``/``group_alive``, one
 thread per process.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-KILL_WAIT_S = 5.0   # after SIGKILL, how long to wait for the groups to be gone
+KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the groups to be gone
 
 
 def stop_all(procs: list, grace: float, kill_wait: float = KILL_WAIT_S) -> dict[str, list]:
@@ -44,15 +45,22 @@ def stop_all(procs: list, grace: float, kill_wait: float = KILL_WAIT_S) -> dict[
         for name, future in hosts.items():
             if future.result():
                 left[name] = future.result()
-        for p in (local.result() if local else []):
+        for p in local.result() if local else []:
             left.setdefault(p.spec.host, []).append(p.spec.label)
     return left
 
 
 def stop_command(pgids: list[int], grace: float, kill_wait: float) -> list[str]:
     """The argv (after the interpreter) that stops ``pgids`` on their host."""
-    return ["-m", "hpar.workers.stopgroups", "--grace", f"{grace:g}", "--kill-wait", f"{kill_wait:g}",
-            *[str(int(g)) for g in sorted(set(pgids))]]
+    return [
+        "-m",
+        "hpar.workers.stopgroups",
+        "--grace",
+        f"{grace:g}",
+        "--kill-wait",
+        f"{kill_wait:g}",
+        *[str(int(g)) for g in sorted(set(pgids))],
+    ]
 
 
 def stop_host(procs: list, grace: float, kill_wait: float) -> list[str]:
@@ -60,17 +68,18 @@ def stop_host(procs: list, grace: float, kill_wait: float) -> list[str]:
     command on that host; returns the labels of those whose group may still be alive: none
     when the host reported nothing left or could not be reached (its guards stop themselves)."""
     from hpar.launcher.hosts.environ import allowlisted
+
     first = procs[0]
     python = first.opts.python or first.spec.argv[0]
-    env = [f"{k}={v}" for k, v in allowlisted().items() if k == "PYTHONPATH"]   # where hpar may be found
+    env = [f"{k}={v}" for k, v in allowlisted().items() if k == "PYTHONPATH"]  # where hpar may be found
     argv = ["env", *env, python, *stop_command([p.pgid for p in procs], grace, kill_wait)]
     done = first.control(" ".join(shlex.quote(a) for a in argv), timeout=grace + kill_wait + 10.0)
     if done is None:
-        return []   # unreachable: its guards stop their groups once the launcher's heartbeat stops
+        return []  # unreachable: its guards stop their groups once the launcher's heartbeat stops
     code, out = done
     marked = [line for line in out.splitlines() if line.startswith("@hpar left")]
     if code not in (0, 1) or not marked:
-        return [p.spec.label for p in procs]   # the command itself failed: nothing is known
+        return [p.spec.label for p in procs]  # the command itself failed: nothing is known
     record_ended(procs, out)
     left = {int(g) for g in marked[-1].split()[2:]}
     return [p.spec.label for p in procs if p.pgid in left]
@@ -84,7 +93,7 @@ def record_ended(procs: list, out: str) -> None:
         if not line.startswith("@hpar ended "):
             continue
         try:
-            by_group = json.loads(line[len("@hpar ended "):])
+            by_group = json.loads(line[len("@hpar ended ") :])
         except ValueError:
             continue
         for p in procs:
@@ -96,8 +105,10 @@ def stop_each(procs: list, grace: float, kill_wait: float) -> list:
     """Stop ``procs`` one by one, each from its own thread: SIGTERM to every group still alive,
     up to ``grace`` s, SIGKILL to the rest, up to ``kill_wait`` s; returns those still alive."""
     with ThreadPoolExecutor(max_workers=16) as pool:
+
         def still_alive(group: list) -> list:
             return [p for p, up in zip(group, pool.map(lambda q: q.group_alive(), group)) if up]
+
         alive = still_alive([p for p in procs if p.pgid is not None])
         list(pool.map(lambda q: q.terminate(), alive))
         deadline = time.monotonic() + grace

@@ -9,6 +9,7 @@ logging interval), ``train/samples_per_s`` (worker 0's), ``train/lr``, ``train/<
 script's ``log()`` metrics (from worker 0, or a pipeline's last stage), and ``eval/<key>`` for every ``evaluate()`` result (before
 training at step 0, during training with ``--eval-every``, and after the last step).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -65,4 +66,5 @@ def open_writer(run_dir: str) -> TensorBoardSink | None:
     if importlib.util.find_spec("tensorboard") is None:
         return None
     from torch.utils.tensorboard import SummaryWriter
+
     return TensorBoardSink(SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard")))

@@ -3,6 +3,7 @@ is a writable directory, a plan's pipeline stages are well formed, the checkpoin
 or restart starts from is complete (every part present and matching its SHA-256), falling back
 to the previous complete checkpoint with a message when the newest is damaged, and whether a
 resumed run has anything left to do."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,9 @@ def check_run_dir(path: str, flag: str = "--run-dir") -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise ValueError(f"{flag} {path}: cannot write in {probe_dir} ({exc.strerror}); pick a writable directory") from None
+        raise ValueError(
+            f"{flag} {path}: cannot write in {probe_dir} ({exc.strerror}); pick a writable directory"
+        ) from None
 
 
 def check_plan_stages(plan: Plan, model, world_size: int, source: str, example=None) -> None:
@@ -43,12 +46,21 @@ def check_plan_stages(plan: Plan, model, world_size: int, source: str, example=N
     stages = plan.stages
     if not stages:
         return
-    if not (isinstance(stages, list) and all(isinstance(s, (list, tuple)) and len(s) == 2
-                                             and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
-                                             for s in stages)):
-        raise ValueError(f"{source}: 'stages' must be a list of [start, end] layer index pairs, got {stages!r:.80}; "
-                         "write the plan with `hpar profile --plan-out`")
+    if not (
+        isinstance(stages, list)
+        and all(
+            isinstance(s, (list, tuple))
+            and len(s) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
+            for s in stages
+        )
+    ):
+        raise ValueError(
+            f"{source}: 'stages' must be a list of [start, end] layer index pairs, got {stages!r:.80}; "
+            "write the plan with `hpar profile --plan-out`"
+        )
     from hpar.strategies.plan.stage_cuts import stage_ranges
+
     try:
         stage_ranges(model, world_size, plan, example)
     except ValueError as exc:
@@ -63,10 +75,10 @@ def resume_step(run_dir: str, say) -> int | None:
     (strategies/state/safe_read.py: refused here, before any process loads it)."""
     step, problems = checkpoint.usable_step(run_dir)
     if step is None and problems:
-        raise ValueError(f"{run_dir}: no complete checkpoint to resume from ({'; '.join(problems)}); "
-                         "start a new run")
+        raise ValueError(f"{run_dir}: no complete checkpoint to resume from ({'; '.join(problems)}); start a new run")
     if step is not None:
-        from hpar.strategies.state.safe_read import check   # imports torch.distributed.checkpoint: only here
+        from hpar.strategies.state.safe_read import check  # imports torch.distributed.checkpoint: only here
+
         check(checkpoint.step_dir(run_dir, step))
     if problems and step is not None:
         say(f"hpar: {problems[0]}; resuming from the previous complete checkpoint, step {step}")
@@ -85,6 +97,7 @@ def finished(run_dir: str, steps: int) -> dict | None:
         return None
     done = isinstance(summary, dict) and summary.get("exit_code") == 0 and isinstance(summary.get("steps"), int)
     from hpar.strategies.state.state import FINAL
+
     if not done or summary["steps"] < steps or not os.path.exists(os.path.join(run_dir, FINAL, ".metadata")):
         return None
     return summary

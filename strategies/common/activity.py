@@ -19,6 +19,7 @@ One process-wide record (the heartbeat thread and the main thread share it), lik
 count the heartbeats carry; a process without a launcher (tests, the profiler) records it
 unread. No torch import: workers/report.py imports this before torch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,7 @@ import time
 from typing import Callable
 
 _lock = threading.Lock()
-_now: list = [None]                                  # (what, since monotonic) or None
+_now: list = [None]  # (what, since monotonic) or None
 _announce: list[Callable[[dict], None] | None] = [None]
 
 

@@ -5,10 +5,10 @@ Who moves what (the contract: docs/contract.md, "Devices"): hpar moves each batc
 worker's device (``context.move_to``); the model hpar hands to ``evaluate(model)`` is on the CPU in every strategy (:func:`model_to_cpu`); served embedding tables stay on the
 parameter servers and on the host, never whole on a worker's device.
 """
+
 from __future__ import annotations
 
 import torch
-
 
 
 def model_to_cpu(model: torch.nn.Module) -> torch.nn.Module:
@@ -19,6 +19,7 @@ def model_to_cpu(model: torch.nn.Module) -> torch.nn.Module:
 def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` on the CPU (``evaluate`` during training; the original stays put)."""
     import copy
+
     return copy.deepcopy(model).to("cpu")
 
 
@@ -83,6 +84,7 @@ class DeviceClock:
 
     def __init__(self, device: torch.device):
         import time
+
         self.cuda, self._clock = device.type == "cuda", time.perf_counter
 
     def mark(self):
@@ -112,9 +114,10 @@ class ComputeTimer:
 
     def __init__(self, device: torch.device):
         import time
+
         self._clock, self.cuda = time.perf_counter, device.type == "cuda"
         self.seconds, self.events, self._start = 0.0, [], None
-        self._step_mark = DeviceClock(device).mark() if self.cuda else None   # start of the step (take_step)
+        self._step_mark = DeviceClock(device).mark() if self.cuda else None  # start of the step (take_step)
 
     def start(self) -> None:
         if self.cuda:

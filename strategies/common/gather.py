@@ -17,6 +17,7 @@ Tensors live where the group's backend wants them: on the CPU for gloo (every gr
 helpers are used on: strategies/common/groups.py), on the current CUDA device for NCCL. Every
 helper is a collective: every member of ``group`` calls it, in the same order.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,7 +52,7 @@ def _padded(data: bytes, group) -> tuple[torch.Tensor, list[int]]:
     lengths = [n for (n,) in all_gather_ints([len(data)], group)]
     buf = torch.zeros(max(lengths), dtype=torch.uint8)
     if data:
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return buf.to(_device(group)), lengths
 
 
@@ -115,7 +116,7 @@ def gather_state_dicts(state: dict, group=None, group_dst: int = 0) -> "list[dic
         part, offset = {}, 0
         raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
         for name, dtype, shape, nbytes in head["tensors"]:
-            part[name] = raw[offset:offset + nbytes].clone().view(_dtype(dtype)).reshape(shape)
+            part[name] = raw[offset : offset + nbytes].clone().view(_dtype(dtype)).reshape(shape)
             offset += nbytes
         assert offset == len(blob), (offset, len(blob))
         part.update(head["other"])

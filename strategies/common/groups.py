@@ -21,6 +21,7 @@ a torch built without NCCL: tests/test_groups.py). This is the "or equivalent" o
 ``cpu:gloo,cuda:nccl`` default group: with that, a server would have to construct an NCCL
 backend, which a CPU-only torch cannot.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -42,8 +43,9 @@ def dense_backend(device_type: str) -> str:
 def join_default_group(pg_rank: int, pg_world_size: int, timeout_s: int) -> None:
     """Join the run's default process group (gloo, for workers and servers alike; MASTER_ADDR
     and MASTER_PORT from the environment). ``timeout_s``: seconds a collective may wait."""
-    dist.init_process_group(backend=DEFAULT_BACKEND, rank=pg_rank, world_size=pg_world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend=DEFAULT_BACKEND, rank=pg_rank, world_size=pg_world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ def mean_over_workers(values: list[float], groups: WorkerGroups, world_size: int
     """The mean over the workers of each float in ``values`` (the same length on every worker),
     reduced over the gloo control group as a CPU float64 tensor: never a CPU tensor into NCCL."""
     import torch
+
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, group=groups.control)
     return (t / world_size).tolist()

@@ -25,6 +25,7 @@ folds the window's peak so far into it (:func:`_reset`), so no reset erases the 
 high-water mark. Where the mark cannot be reset (not Linux, a read-only /proc) the CPU figures
 are None rather than a guess.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,9 +67,9 @@ def release_freed_memory() -> None:
         pass
 
 
-TRIM_TIME_SHARE = 0.01   # the most of a process's time that paced trimming may take
-_NEXT_TRIM = [0.0]         # perf_counter time before which release_freed_memory_paced does nothing
-_TRIMS = [0]               # trims release_freed_memory_paced made in this process
+TRIM_TIME_SHARE = 0.01  # the most of a process's time that paced trimming may take
+_NEXT_TRIM = [0.0]  # perf_counter time before which release_freed_memory_paced does nothing
+_TRIMS = [0]  # trims release_freed_memory_paced made in this process
 
 
 def release_freed_memory_paced() -> None:
@@ -102,8 +103,8 @@ def load_lazy_imports() -> None:
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
 
-MMAP_THRESHOLD = 1 << 20   # bytes: blocks at least this large are mapped, and returned when freed
-_M_MMAP_THRESHOLD = -3      # mallopt's parameter number (malloc.h)
+MMAP_THRESHOLD = 1 << 20  # bytes: blocks at least this large are mapped, and returned when freed
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
 def limit_retention() -> None:
@@ -124,7 +125,7 @@ def _clear_refs() -> bool:
         return False
 
 
-_PROCESS: list = []   # the process window's PeakMemory, once start_process() ran
+_PROCESS: list = []  # the process window's PeakMemory, once start_process() ran
 
 
 class PeakMemory:
@@ -136,7 +137,7 @@ class PeakMemory:
         self.device = torch.device(device)
         self.base_rss: int | None = None
         self.base_alloc = self.base_reserved = 0
-        self.folded = {"rss": 0, "alloc": 0, "reserved": 0}   # peaks seen before a later reset
+        self.folded = {"rss": 0, "alloc": 0, "reserved": 0}  # peaks seen before a later reset
         self.frozen: dict | None = None
 
     @property
@@ -182,8 +183,13 @@ class PeakMemory:
         peak = lambda key: None if now[key] is None else max(now[key], self.folded[key])
         rss = peak("rss")
         alloc, reserved = (peak("alloc"), peak("reserved")) if self.cuda else (None, None)
-        return {"peak_bytes": alloc if self.cuda else rss, "rss_peak_bytes": rss,
-                "allocated_peak_bytes": alloc, "reserved_peak_bytes": reserved, "baseline_bytes": self.base_rss}
+        return {
+            "peak_bytes": alloc if self.cuda else rss,
+            "rss_peak_bytes": rss,
+            "allocated_peak_bytes": alloc,
+            "reserved_peak_bytes": reserved,
+            "baseline_bytes": self.base_rss,
+        }
 
     def peak_bytes(self) -> int | None:
         """Peak bytes above the usage at :meth:`start` (>= 0), or None."""
@@ -227,7 +233,7 @@ def outside_window():
     if mem is None or mem.frozen is not None:
         yield
         return
-    _reset(mem.device)   # folds the peak so far into the window
+    _reset(mem.device)  # folds the peak so far into the window
     try:
         yield
     finally:
@@ -235,7 +241,7 @@ def outside_window():
         if mem.device.type == "cuda":
             torch.cuda.synchronize(mem.device)
             torch.cuda.reset_peak_memory_stats(mem.device)
-        _clear_refs()   # no fold: the peak since the fold was the excluded code's
+        _clear_refs()  # no fold: the peak since the fold was the excluded code's
 
 
 def process_peak() -> PeakMemory | None:

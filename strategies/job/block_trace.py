@@ -27,6 +27,7 @@ as with ``pipeline()``. A leaf module in a piece is a shallow copy of the model'
 parameter and sub-module dicts over the same tensors), so pointing a piece at stashed or
 predicted weights (traced_stage.py) never touches the model's modules.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-GENERATION_FLAGS = ("use_cache",)   # generation-time switches a training forward must not follow
+GENERATION_FLAGS = ("use_cache",)  # generation-time switches a training forward must not follow
 
 
 def _configs(model: nn.Module) -> list:
@@ -105,7 +106,7 @@ class _Flat(nn.Module):
         self._modules.update(model._modules)
         self._parameters.update(model._parameters)
         self._buffers.update(model._buffers)
-        object.__setattr__(self, "inner", model)   # not a submodule: its names would gain a prefix
+        object.__setattr__(self, "inner", model)  # not a submodule: its names would gain a prefix
         leaves, self.spec = tree_flatten((args, kwargs))
         self.leaves = [None if isinstance(t, torch.Tensor) else t for t in leaves]
 
@@ -132,6 +133,7 @@ def _values(gm: fx.GraphModule, inputs: list) -> dict:
         def run_node(self, n):
             seen[n] = out = super().run_node(n)
             return out
+
     with torch.no_grad():
         Record(gm).run(inputs)
     return seen
@@ -188,7 +190,7 @@ def _own_containers(m: nn.Module) -> nn.Module:
     docstring), and no hooks (as a traced graph calls none)."""
     c = copy.copy(m)
     c._parameters, c._buffers = type(m._parameters)(m._parameters), type(m._buffers)(m._buffers)
-    for name, value in vars(m).items():   # hooks put on the model's module are not the copy's
+    for name, value in vars(m).items():  # hooks put on the model's module are not the copy's
         if "_hooks" in name and isinstance(value, dict):
             setattr(c, name, type(value)())
     c._modules = type(m._modules)((k, _own_containers(v) if v is not None else None) for k, v in m._modules.items())
@@ -225,7 +227,7 @@ def _cut(gm: fx.GraphModule, piece: dict) -> fx.GraphModule:
         outs = [local[a] for a in gives[k]]
         g.output(outs[0] if len(outs) == 1 else tuple(outs))
         subs[f"submod_{i}"] = sub = fx.GraphModule(gm, g)
-        for node in sub.graph.nodes:   # the pieces' leaf modules: shallow copies (module docstring)
+        for node in sub.graph.nodes:  # the pieces' leaf modules: shallow copies (module docstring)
             if node.op == "call_module":
                 owner, _, leaf = node.target.rpartition(".")
                 parent = sub.get_submodule(owner) if owner else sub
@@ -258,8 +260,10 @@ def split_at_blocks(model: nn.Module, args, kwargs, blocks: list[str]) -> fx.Gra
     for node, k in piece.items():
         later = [u for u in node.users if u in piece and piece[u] > k]
         if later and not isinstance(values.get(node), torch.Tensor):
-            raise ValueError(f"its forward passes {node.name} ({type(values.get(node)).__name__}, not a tensor) "
-                             "from one piece to a later one around its blocks")
+            raise ValueError(
+                f"its forward passes {node.name} ({type(values.get(node)).__name__}, not a tensor) "
+                "from one piece to a later one around its blocks"
+            )
     return _cut(gm, piece)
 
 

@@ -16,14 +16,15 @@ imports torch; the workers attach torch's hooks (strategies/runtimes/dataparalle
 Compression changes the numbers, an accuracy trade hpar never makes unasked: ``off`` (the
 default) is the program without it.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
 KINDS = ("off", "fp16", "bf16", "powersgd")
-DEFAULT_RANK = 2            # torch's docs: "typically only a small value 1-4 is used"
-MIN_COMPRESSION_RATE = 2    # torch's PowerSGDState default: compress only where it saves 2x or more
+DEFAULT_RANK = 2  # torch's docs: "typically only a small value 1-4 is used"
+MIN_COMPRESSION_RATE = 2  # torch's PowerSGDState default: compress only where it saves 2x or more
 FLAG = "--compress"
 
 
@@ -110,8 +111,7 @@ def powersgd_buffers(shapes: list[tuple[int, ...]], c: Compression) -> tuple[flo
     if c.kind != "powersgd":
         return 0.0, 0.0
     error = 4.0 * sum(math.prod(s) if s else 1 for s in shapes)
-    factors = 4.0 * sum(wire_elements(s, c)[0] for s in shapes
-                        if len(s) >= 2 and wire_elements(s, c)[0] < math.prod(s))
+    factors = 4.0 * sum(wire_elements(s, c)[0] for s in shapes if len(s) >= 2 and wire_elements(s, c)[0] < math.prod(s))
     return error, factors
 
 
@@ -141,5 +141,15 @@ def compression_work(shapes: list[tuple[int, ...]], c: Compression) -> float:
     return powersgd_flops(shapes, c) + sum(math.prod(s) if s else 1 for s in shapes)
 
 
-__all__ = ["Compression", "compression_work", "KINDS", "DEFAULT_RANK", "FLAG", "start_iter", "wire_elements", "compressed_bytes",
-           "powersgd_buffers", "powersgd_flops"]
+__all__ = [
+    "Compression",
+    "compression_work",
+    "KINDS",
+    "DEFAULT_RANK",
+    "FLAG",
+    "start_iter",
+    "wire_elements",
+    "compressed_bytes",
+    "powersgd_buffers",
+    "powersgd_flops",
+]

@@ -1,5 +1,6 @@
 """The resolved configuration of one run: a small frozen dataclass, saved as ``config.json``
 in the run directory and read back by every worker and server process."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,7 @@ from hpar.strategies.job.compression import Compression
 from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import names, spec as strategy_spec, where
 
-STRATEGIES = names()   # --strategy's choices besides auto (strategies/specs/registry.py)
+STRATEGIES = names()  # --strategy's choices besides auto (strategies/specs/registry.py)
 
 # The divergence guard of asynchronous pipelines (--on-divergence; runtimes/pipeline/divergence.py).
 ACTIONS = ("off", "stop", "sync")
@@ -37,16 +38,30 @@ class GuardConfig:
 
 
 # Pipeline schedules: hpar's own, plus torch.distributed.pipelining's as the peers.
-SCHEDULES = ("gpipe", "1f1b", "async-stash", "async-predict", "async-2bw", "async", "torch-gpipe", "torch-1f1b",
-             "torch-interleaved-1f1b", "torch-zbv")
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "async-stash",
+    "async-predict",
+    "async-2bw",
+    "async",
+    "torch-gpipe",
+    "torch-1f1b",
+    "torch-interleaved-1f1b",
+    "torch-zbv",
+)
 # Numeric precision of forward and backward (master weights and optimizer state stay fp32).
 PRECISIONS = ("fp32", "bf16", "fp16")
 # hpar run --find-unused-parameters: DDP's find_unused_parameters from the profile, or forced (strategies/runtimes/dataparallel/ddp.py).
 FIND_UNUSED_MODES = ("auto", "on", "off")
 
 
-def check_loop_flags(precision: str | None = None, clip_grad_norm: float | None = None,
-                     accumulate: int | None = None, eval_every: int | None = None) -> None:
+def check_loop_flags(
+    precision: str | None = None,
+    clip_grad_norm: float | None = None,
+    accumulate: int | None = None,
+    eval_every: int | None = None,
+) -> None:
     """Raise ValueError naming the flag and its valid range for a training-loop value out of
     range; None is a value not given. RunConfig checks its own values here, and ``hpar run``
     the flags it was given before it loads the script or profiles anything."""
@@ -67,11 +82,15 @@ def check_cache_flags(cache_rows: float | None, staleness: int | None) -> None:
     if staleness is not None and staleness < 0:
         raise ValueError(f"--staleness must not be negative (0: every read fresh), got {staleness}")
     if cache_rows is not None and (cache_rows < 0 or (cache_rows > 1 and cache_rows != int(cache_rows))):
-        raise ValueError(f"--cache-rows {cache_rows:g}: give rows per table (an integer, at least 1) or a fraction "
-                         "of each table's rows below 1")
+        raise ValueError(
+            f"--cache-rows {cache_rows:g}: give rows per table (an integer, at least 1) or a fraction "
+            "of each table's rows below 1"
+        )
     if cache_rows and staleness is None:
-        raise ValueError("--cache-rows needs --staleness S: a cached row is read up to S updates stale, an accuracy "
-                         "trade hpar never makes unasked (--staleness 0 reads every row fresh)")
+        raise ValueError(
+            "--cache-rows needs --staleness S: a cached row is read up to S updates stale, an accuracy "
+            "trade hpar never makes unasked (--staleness 0 reads every row fresh)"
+        )
 
 
 @dataclass(frozen=True)
@@ -91,35 +110,43 @@ class RunConfig:
     lr: float
     seed: int
     run_dir: str
-    device: str = "cpu"            # "cpu" (gloo) or "cuda" (NCCL)
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL)
     log_every: int = 10
     servers: int = 0
     schedule: str = "1f1b"
     micro_batches: int = 4
     checkpoint_every: int = 0
-    keep_checkpoints: int = 2      # the newest complete checkpoints kept on disk (0: all)
+    keep_checkpoints: int = 2  # the newest complete checkpoints kept on disk (0: all)
     resume: bool = False
-    plan: Plan = field(default_factory=Plan)   # the planner's Plan (strategies/specs/decision.py), may be empty
+    plan: Plan = field(default_factory=Plan)  # the planner's Plan (strategies/specs/decision.py), may be empty
     eval: bool = True
-    precision: str = "fp32"        # autocast dtype of forward/backward: fp32 (off), bf16, fp16 (+ GradScaler)
-    clip_grad_norm: float = 0.0    # clip the global norm of the averaged gradient to this (0: off)
-    accumulate: int = 1            # micro-steps (batches per worker) per optimizer step
-    eval_every: int = 0            # call evaluate() every N optimizer steps during training (0: only at the ends)
-    on_divergence: str = "off"      # asynchronous pipelines: off, stop or sync (strategies/runtimes/pipeline/divergence.py)
+    precision: str = "fp32"  # autocast dtype of forward/backward: fp32 (off), bf16, fp16 (+ GradScaler)
+    clip_grad_norm: float = 0.0  # clip the global norm of the averaged gradient to this (0: off)
+    accumulate: int = 1  # micro-steps (batches per worker) per optimizer step
+    eval_every: int = 0  # call evaluate() every N optimizer steps during training (0: only at the ends)
+    on_divergence: str = "off"  # asynchronous pipelines: off, stop or sync (strategies/runtimes/pipeline/divergence.py)
     divergence_factor: float = 2.0
-    replicas: int = 1              # pipeline x data parallelism: R replicas of K = world_size / R stages
-    find_unused_parameters: bool = False   # DDP's (allreduce, allreduce-sparse, hybrid): see strategies/runtimes/dataparallel/ddp.py
-    staleness: int | None = None   # hybrid/ps: a hot-row cache on every worker reads rows up to s updates stale (None: off)
-    cache_rows: float = 0.0        # its rows per table (>= 1) or fraction of each table (< 1); 0: the default fraction
-    allow_unequal_batches: bool = False    # first batches of different sizes train (strategies/job/first_batch.py)
-    sync_batchnorm: bool = False   # BatchNorm statistics over every worker's batch (strategies/runtimes/dataparallel/sync_batchnorm.py)
-    compress: Compression = field(default_factory=Compression)   # --compress: DDP's AllReduce (strategies/job/compression.py)
+    replicas: int = 1  # pipeline x data parallelism: R replicas of K = world_size / R stages
+    find_unused_parameters: bool = (
+        False  # DDP's (allreduce, allreduce-sparse, hybrid): see strategies/runtimes/dataparallel/ddp.py
+    )
+    staleness: int | None = (
+        None  # hybrid/ps: a hot-row cache on every worker reads rows up to s updates stale (None: off)
+    )
+    cache_rows: float = 0.0  # its rows per table (>= 1) or fraction of each table (< 1); 0: the default fraction
+    allow_unequal_batches: bool = False  # first batches of different sizes train (strategies/job/first_batch.py)
+    sync_batchnorm: bool = (
+        False  # BatchNorm statistics over every worker's batch (strategies/runtimes/dataparallel/sync_batchnorm.py)
+    )
+    compress: Compression = field(
+        default_factory=Compression
+    )  # --compress: DDP's AllReduce (strategies/job/compression.py)
 
     def __post_init__(self):
-        if not isinstance(self.plan, Plan):   # config.json, or a caller's dict: a plan's keys, any subset
+        if not isinstance(self.plan, Plan):  # config.json, or a caller's dict: a plan's keys, any subset
             object.__setattr__(self, "plan", Plan.from_dict(self.plan or {}, source="config.json: plan"))
-        object.__setattr__(self, "compress", Compression.of(self.compress))   # "fp16", or config.json's dict
-        spec = strategy_spec(self.strategy)   # ValueError naming the choices for an unknown one
+        object.__setattr__(self, "compress", Compression.of(self.compress))  # "fp16", or config.json's dict
+        spec = strategy_spec(self.strategy)  # ValueError naming the choices for an unknown one
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         for name in ("world_size", "steps", "batch_size", "log_every", "micro_batches"):
@@ -131,12 +158,18 @@ class RunConfig:
             raise ValueError(f"--device {self.device!r}: choose cpu or cuda")
         if self.servers < 0 or self.checkpoint_every < 0 or self.keep_checkpoints < 0:
             raise ValueError("--servers, --checkpoint-every and --keep-checkpoints must not be negative")
-        check_loop_flags(precision=self.precision, clip_grad_norm=self.clip_grad_norm, accumulate=self.accumulate,
-                         eval_every=self.eval_every)
+        check_loop_flags(
+            precision=self.precision,
+            clip_grad_norm=self.clip_grad_norm,
+            accumulate=self.accumulate,
+            eval_every=self.eval_every,
+        )
         check_cache_flags(self.cache_rows or None, self.staleness)
         if self.replicas < 1 or self.world_size % self.replicas:
-            raise ValueError(f"--pipeline-replicas {self.replicas}: a pipeline plan is K stages x R replicas = --gpus "
-                             f"{self.world_size}; choose a divisor of --gpus")
+            raise ValueError(
+                f"--pipeline-replicas {self.replicas}: a pipeline plan is K stages x R replicas = --gpus "
+                f"{self.world_size}; choose a divisor of --gpus"
+            )
         if self.replicas > 1 and not spec.pipelined:
             raise ValueError(f"--pipeline-replicas {self.replicas} applies to a pipeline strategy only; drop it")
         unsupported = not_supported(self) or spec.problem(self)
@@ -145,8 +178,10 @@ class RunConfig:
         if self.on_divergence != "off" or self.divergence_factor != 2.0:
             GuardConfig(self.on_divergence, self.divergence_factor)
             if not spec.pipelined or not self.schedule.startswith("async"):
-                raise ValueError(f"--on-divergence {self.on_divergence}: the guard watches asynchronous pipelines only "
-                                 "(--strategy pipeline --schedule async-*); drop it for this run")
+                raise ValueError(
+                    f"--on-divergence {self.on_divergence}: the guard watches asynchronous pipelines only "
+                    "(--strategy pipeline --schedule async-*); drop it for this run"
+                )
 
     @property
     def pipeline_stages(self) -> int:
@@ -181,8 +216,10 @@ def load_config(path: str, sha256: str | None) -> RunConfig:
     with open(path, "rb") as f:
         data = f.read()
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise ConfigChanged(f"{path}: changed after the launcher wrote it (SHA-256 differs); not running it: "
-                            "keep run directories writable by you only")
+        raise ConfigChanged(
+            f"{path}: changed after the launcher wrote it (SHA-256 differs); not running it: "
+            "keep run directories writable by you only"
+        )
     return RunConfig.from_json(data.decode())
 
 
@@ -193,8 +230,10 @@ def sync_batchnorm_problem(strategy: str) -> str | None:
     such replicas ("auto": the planner's choice is checked once made)."""
     if strategy == "auto" or strategy_spec(strategy).sync_batchnorm:
         return None
-    return (f"--sync-batchnorm synchronises BatchNorm over data-parallel workers: it applies to --strategy "
-            f"{', '.join(where(sync_batchnorm=True))}, not {strategy}; drop it or choose one of those")
+    return (
+        f"--sync-batchnorm synchronises BatchNorm over data-parallel workers: it applies to --strategy "
+        f"{', '.join(where(sync_batchnorm=True))}, not {strategy}; drop it or choose one of those"
+    )
 
 
 def not_supported(cfg: RunConfig) -> str | None:
@@ -210,8 +249,10 @@ def not_supported(cfg: RunConfig) -> str | None:
     if compress_problem(cfg.compress, cfg.strategy, cfg.precision):
         return compress_problem(cfg.compress, cfg.strategy, cfg.precision)
     if cfg.staleness is not None and cfg.precision == "fp16":
-        return ("--staleness with --precision fp16: the cache holds gradients back over several steps, which a step "
-                "skipped for inf/NaN could not take back; use --precision bf16 or fp32")
+        return (
+            "--staleness with --precision fp16: the cache holds gradients back over several steps, which a step "
+            "skipped for inf/NaN could not take back; use --precision bf16 or fp32"
+        )
     return None
 
 
@@ -221,8 +262,10 @@ def staleness_problem(staleness: int | None, strategy: str) -> str | None:
     whose spec says ``servers`` (``auto`` then plans among those)."""
     if staleness is None or strategy == "auto" or strategy_spec(strategy).servers:
         return None
-    return (f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
-            f"{' or '.join(where(servers=True))}, not {strategy}; drop it")
+    return (
+        f"--staleness caches rows of the tables the parameter servers serve: it applies to --strategy "
+        f"{' or '.join(where(servers=True))}, not {strategy}; drop it"
+    )
 
 
 def compress_problem(c: Compression, strategy: str, precision: str | None) -> str | None:
@@ -235,13 +278,20 @@ def compress_problem(c: Compression, strategy: str, precision: str | None) -> st
         return None
     spec = strategy_spec(strategy)
     if not spec.compress_hooks:
-        what = ("averages its replicas' gradients with its own bucketed AllReduce, not DDP's"
-                if spec.pipelined else "has no dense AllReduce through DDP")
-        return (f"--compress {c}: --strategy {strategy} {what}; it applies to "
-                f"{', '.join(where(compress_hooks=True))}; drop it")
+        what = (
+            "averages its replicas' gradients with its own bucketed AllReduce, not DDP's"
+            if spec.pipelined
+            else "has no dense AllReduce through DDP"
+        )
+        return (
+            f"--compress {c}: --strategy {strategy} {what}; it applies to "
+            f"{', '.join(where(compress_hooks=True))}; drop it"
+        )
     if c.kind == "powersgd" and precision == "fp16":
-        return (f"--compress {c} with --precision fp16: PowerSGD's error feedback would keep the inf/NaN of a step "
-                "the gradient scaler skips; use --precision bf16 or fp32, or --compress fp16")
+        return (
+            f"--compress {c} with --precision fp16: PowerSGD's error feedback would keep the inf/NaN of a step "
+            "the gradient scaler skips; use --precision bf16 or fp32, or --compress fp16"
+        )
     return None
 
 

@@ -5,6 +5,7 @@ A runtime (``strategies/runtimes/dataparallel/allreduce.py``, ``hybrid.py``, ``p
 process group is up. It reports progress through ``ctx.report`` (one dict per logging
 interval, see :class:`StepMeter`) and returns the trained model on worker rank 0.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,11 +36,11 @@ class WorkerContext:
     report: Callable[[dict], None]
     pg_rank: int = 0
     pg_world_size: int = 1
-    start_step: int = 0          # > 0 when resuming from a checkpoint
+    start_step: int = 0  # > 0 when resuming from a checkpoint
     host_of: tuple[int, ...] = ()
-    event: Callable[[dict], None] | None = None   # free-form notices to the launcher
+    event: Callable[[dict], None] | None = None  # free-form notices to the launcher
     on_step: Callable[[int], None] | None = None  # called with the run's step count after each step
-    report_eval: Callable[[dict], None] = lambda metrics: None   # evaluate() results during training
+    report_eval: Callable[[dict], None] = lambda metrics: None  # evaluate() results during training
 
     def is_remote(self, peer: int) -> bool:
         """Whether default-group rank ``peer`` runs on another host than this worker."""
@@ -52,7 +53,7 @@ def peer_is_remote(host_of: tuple[int, ...], me: int, peer: int) -> bool:
     return bool(host_of) and host_of[peer] != host_of[me]
 
 
-DENSE = "_dense_allreduce"   # ByteMeter name of DDP's gradient exchange
+DENSE = "_dense_allreduce"  # ByteMeter name of DDP's gradient exchange
 
 
 def ring_successor_remote(ctx: "WorkerContext", group_ranks: list[int]) -> bool:
@@ -110,7 +111,7 @@ class TrainResult:
     step_times: list[float]
     bytes_per_step: dict
     extra: dict = field(default_factory=dict)
-    eval_last: dict | None = None   # worker 0: evaluate() already run by the runtime (hybrid/ps: tables served)
+    eval_last: dict | None = None  # worker 0: evaluate() already run by the runtime (hybrid/ps: tables served)
 
 
 def move_to(obj: Any, device: torch.device) -> Any:
@@ -157,7 +158,7 @@ class StepMeter:
         self.sent: list[int] = []
         self.recv: list[int] = []
         self.remote: list[float] = []
-        self.ends: list[float] = []          # perf_counter() at the end of each step
+        self.ends: list[float] = []  # perf_counter() at the end of each step
         self.logged: list[dict] = []
         self._t0 = time.perf_counter()
         self._first_start = None
@@ -167,8 +168,15 @@ class StepMeter:
         if self._first_start is None:
             self._first_start = self._t0
 
-    def end(self, loss: float, sent: int = 0, recv: int = 0, extra: dict | None = None,
-            sent_remote: float | None = None, logged: dict | None = None) -> None:
+    def end(
+        self,
+        loss: float,
+        sent: int = 0,
+        recv: int = 0,
+        extra: dict | None = None,
+        sent_remote: float | None = None,
+        logged: dict | None = None,
+    ) -> None:
         now = time.perf_counter()
         self.step_times.append(now - self._t0)
         self.ends.append(now)
@@ -182,12 +190,12 @@ class StepMeter:
         if sent_remote is not None:
             self.remote.append(float(sent_remote))
         n = len(self.losses)
-        memory.release_freed_memory_paced()   # freed heap blocks back to the system (at most 1% of the time)
+        memory.release_freed_memory_paced()  # freed heap blocks back to the system (at most 1% of the time)
         if self.ctx.on_step is not None:
             self.ctx.on_step(self.ctx.start_step + n)
-        if self.ctx.start_step + n >= self.ctx.cfg.steps:   # training is over: what follows is not measured
+        if self.ctx.start_step + n >= self.ctx.cfg.steps:  # training is over: what follows is not measured
             memory.freeze_process()
-        if n == 1 and self.ctx.event is not None:   # the launcher compares the workers' batch sizes
+        if n == 1 and self.ctx.event is not None:  # the launcher compares the workers' batch sizes
             self.ctx.event({"kind": "batch", "samples": self.samples_per_step, "rank": self.ctx.rank})
         if self.ctx.start_step + n == 1 and self.ctx.event is not None:
             # the run's very first loss, kept by the launcher across restarts and resumes
@@ -196,18 +204,20 @@ class StepMeter:
         if n % every == 0 or self.ctx.start_step + n == self.ctx.cfg.steps:
             k = n % every or every
             dt = sum(self.step_times[-k:])
-            self.ctx.report({
-                "step": self.ctx.start_step + n,
-                "loss": sum(self.losses[-k:]) / k,
-                "samples_per_s": self.samples_per_step * k / dt if dt > 0 else 0.0,
-                "step_s": dt / k,
-                "bytes_sent": sum(self.sent[-k:]) / k,
-                "bytes_recv": sum(self.recv[-k:]) / k,
-                **({"bytes_sent_remote": sum(self.remote[-k:]) / k} if self.remote else {}),
-                **({"logged": _mean_dicts(self.logged)} if self.logged else {}),
-                **_peak(),
-                **(extra or {}),
-            })
+            self.ctx.report(
+                {
+                    "step": self.ctx.start_step + n,
+                    "loss": sum(self.losses[-k:]) / k,
+                    "samples_per_s": self.samples_per_step * k / dt if dt > 0 else 0.0,
+                    "step_s": dt / k,
+                    "bytes_sent": sum(self.sent[-k:]) / k,
+                    "bytes_recv": sum(self.recv[-k:]) / k,
+                    **({"bytes_sent_remote": sum(self.remote[-k:]) / k} if self.remote else {}),
+                    **({"logged": _mean_dicts(self.logged)} if self.logged else {}),
+                    **_peak(),
+                    **(extra or {}),
+                }
+            )
             self.logged = []
         self._t0 = time.perf_counter()
 
@@ -232,8 +242,11 @@ class StepMeter:
         if not n:
             return {}
         k_first, k_last = min(every, n), (n % every or every) if n >= every else n
-        return {"loss_first_mean": sum(self.losses[:k_first]) / k_first,
-                "loss_last_mean": sum(self.losses[-k_last:]) / k_last, "loss_mean_steps": [k_first, k_last]}
+        return {
+            "loss_first_mean": sum(self.losses[:k_first]) / k_first,
+            "loss_last_mean": sum(self.losses[-k_last:]) / k_last,
+            "loss_mean_steps": [k_first, k_last],
+        }
 
     def bytes_per_step(self) -> dict:
         n = max(len(self.sent), 1)
@@ -242,11 +255,15 @@ class StepMeter:
     def result(self, model: torch.nn.Module | None, replicas: int = 1, extra: dict | None = None) -> TrainResult:
         """The runtime's TrainResult; ``replicas`` (data-parallel workers) turns this
         process's samples/s into the run's global samples/s."""
-        return TrainResult(model=model,
-                           loss_first=self.losses[0] if self.losses else float("nan"),
-                           loss_last=self.losses[-1] if self.losses else float("nan"),
-                           samples_per_s=self.samples_per_s() * replicas, step_times=list(self.step_times),
-                           bytes_per_step=self.bytes_per_step(), extra={**self.interval_losses(), **(extra or {})})
+        return TrainResult(
+            model=model,
+            loss_first=self.losses[0] if self.losses else float("nan"),
+            loss_last=self.losses[-1] if self.losses else float("nan"),
+            samples_per_s=self.samples_per_s() * replicas,
+            step_times=list(self.step_times),
+            bytes_per_step=self.bytes_per_step(),
+            extra={**self.interval_losses(), **(extra or {})},
+        )
 
 
 def _peak() -> dict:

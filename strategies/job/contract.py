@@ -15,6 +15,7 @@ Every problem is raised as :class:`JobError` (a ``ValueError``) whose message is
 naming the file and what to fix; the CLI prints it and exits with code 2 before any process
 starts.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -30,13 +31,32 @@ import torch
 
 from hpar.strategies.job.errors import JobError, check_script_file  # noqa: F401 (apart: the CLI names them without torch)
 from hpar.strategies.job.forward import call_model
-from hpar.strategies.job.user_errors import call_user, describe_error, user_error, user_frame, user_traceback_of, where_in_script
+from hpar.strategies.job.user_errors import (
+    call_user,
+    describe_error,
+    user_error,
+    user_frame,
+    user_traceback_of,
+    where_in_script,
+)
 
 REQUIRED = ("model", "data", "loss")
 OPTIONAL = ("optimizer", "scheduler", "evaluate", "log")
-DEFAULT_KEYS = {"batch_size": int, "steps": int, "lr": float, "seed": int, "log_every": int,
-                "micro_batches": int, "checkpoint_every": int, "keep_checkpoints": int, "precision": str, "clip_grad_norm": float,
-                "accumulate": int, "eval_every": int, "find_unused_parameters": str}
+DEFAULT_KEYS = {
+    "batch_size": int,
+    "steps": int,
+    "lr": float,
+    "seed": int,
+    "log_every": int,
+    "micro_batches": int,
+    "checkpoint_every": int,
+    "keep_checkpoints": int,
+    "precision": str,
+    "clip_grad_norm": float,
+    "accumulate": int,
+    "eval_every": int,
+    "find_unused_parameters": str,
+}
 ARITY = {"model": 0, "data": 3, "loss": 2, "optimizer": 1, "scheduler": 1, "evaluate": 1, "log": 3}
 
 
@@ -53,8 +73,8 @@ class Job:
     defaults: dict = field(default_factory=dict)
     scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None
     log_fn: Callable[[int, Any, Any], dict] | None = None
-    loaded_rss: int = 0   # resident bytes of this process once the script was imported (a process's fixed overhead)
-    cold: dict = field(default_factory=dict)   # what check_job's first data() draw and forward added (bytes)
+    loaded_rss: int = 0  # resident bytes of this process once the script was imported (a process's fixed overhead)
+    cold: dict = field(default_factory=dict)  # what check_job's first data() draw and forward added (bytes)
 
     @property
     def name(self) -> str:
@@ -76,15 +96,21 @@ class Job:
             try:
                 it = iter(it)
             except TypeError:
-                raise JobError(f"{self.path}: data() returned {type(it).__name__}, expected an iterator of (inputs, targets)") from None
+                raise JobError(
+                    f"{self.path}: data() returned {type(it).__name__}, expected an iterator of (inputs, targets)"
+                ) from None
             n = 0
             for item in _user_items(self, it):
                 if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                    raise JobError(f"{self.path}: data() yielded {type(item).__name__}, expected a pair (inputs, targets)")
+                    raise JobError(
+                        f"{self.path}: data() yielded {type(item).__name__}, expected a pair (inputs, targets)"
+                    )
                 n += 1
                 yield item[0], item[1]
             if n == 0:
-                raise JobError(f"{self.path}: data(rank={rank}, world_size={world_size}, batch_size={batch_size}) yielded no batch")
+                raise JobError(
+                    f"{self.path}: data(rank={rank}, world_size={world_size}, batch_size={batch_size}) yielded no batch"
+                )
 
     def compute_loss(self, output: Any, targets: Any) -> torch.Tensor:
         """Call ``loss(output, targets)``; raises JobError unless it is a scalar tensor."""
@@ -112,8 +138,10 @@ class Job:
             return None
         sched = _call(self, "scheduler", opt)
         if not isinstance(sched, torch.optim.lr_scheduler.LRScheduler):
-            raise JobError(f"{self.path}: scheduler() returned {type(sched).__name__}, expected a "
-                           "torch.optim.lr_scheduler.LRScheduler")
+            raise JobError(
+                f"{self.path}: scheduler() returned {type(sched).__name__}, expected a "
+                "torch.optim.lr_scheduler.LRScheduler"
+            )
         return sched
 
     def run_log(self, step: int, output: Any, targets: Any) -> dict:
@@ -142,8 +170,11 @@ class Job:
 def _float_dict(job: Job, name: str, result) -> dict:
     """``result`` as {str: float} (0-d tensors accepted); JobError naming ``name()`` otherwise."""
     ok = (int, float, torch.Tensor)
-    if not isinstance(result, dict) or not all(isinstance(v, ok) and not isinstance(v, bool) for v in result.values()) \
-            or any(isinstance(v, torch.Tensor) and v.numel() != 1 for v in result.values()):
+    if (
+        not isinstance(result, dict)
+        or not all(isinstance(v, ok) and not isinstance(v, bool) for v in result.values())
+        or any(isinstance(v, torch.Tensor) and v.numel() != 1 for v in result.values())
+    ):
         raise JobError(f"{job.path}: {name}() returned {type(result).__name__}, expected a dict of str to float")
     return {str(k): float(v) for k, v in result.items()}
 
@@ -162,14 +193,24 @@ def _user_items(job: Job, it):
         except Exception as exc:
             frame = user_frame(job, exc.__traceback__)
             inside = "" if frame is None or frame.name == "data" else " in data()"
-            raise JobError(f"{where_in_script(job, frame, 'data()')} raised {type(exc).__name__} while producing a batch{inside}: "
-                           f"{describe_error(exc).split(': ', 1)[-1]}", user_traceback=user_traceback_of(job, exc)) from exc
+            raise JobError(
+                f"{where_in_script(job, frame, 'data()')} raised {type(exc).__name__} while producing a batch{inside}: "
+                f"{describe_error(exc).split(': ', 1)[-1]}",
+                user_traceback=user_traceback_of(job, exc),
+            ) from exc
         yield item
 
 
 def _call(job: Job, name: str, *args):
-    fn = {"model": job.model_fn, "data": job.data_fn, "loss": job.loss_fn, "optimizer": job.optimizer_fn,
-          "scheduler": job.scheduler_fn, "evaluate": job.evaluate_fn, "log": job.log_fn}[name]
+    fn = {
+        "model": job.model_fn,
+        "data": job.data_fn,
+        "loss": job.loss_fn,
+        "optimizer": job.optimizer_fn,
+        "scheduler": job.scheduler_fn,
+        "evaluate": job.evaluate_fn,
+        "log": job.log_fn,
+    }[name]
     try:
         return fn(*args)
     except JobError:
@@ -196,20 +237,25 @@ def load_job(path: str) -> Job:
         sys.path.insert(0, script_dir)
     try:
         spec.loader.exec_module(module)
-    except SystemExit as exc:   # sys.exit() at import: nothing would run, say so
-        raise JobError(f"{path}: the script called sys.exit({exc.code!r}) while being imported; guard the "
-                       "code that runs it with `if __name__ == \"__main__\":`",
-                       user_traceback=traceback.format_exc()) from None
+    except SystemExit as exc:  # sys.exit() at import: nothing would run, say so
+        raise JobError(
+            f"{path}: the script called sys.exit({exc.code!r}) while being imported; guard the "
+            'code that runs it with `if __name__ == "__main__":`',
+            user_traceback=traceback.format_exc(),
+        ) from None
     except Exception as exc:
-        raise JobError(f"{path}: importing the script raised {describe_error(exc)}",
-                       user_traceback=traceback.format_exc()) from exc
+        raise JobError(
+            f"{path}: importing the script raised {describe_error(exc)}", user_traceback=traceback.format_exc()
+        ) from exc
     fns = {}
     arity = ARITY
     for name in REQUIRED + OPTIONAL:
         fn = getattr(module, name, None)
         if fn is None:
             if name in REQUIRED:
-                raise JobError(f"{path}: missing function {name}(); the contract needs model(), data(rank, world_size, batch_size) and loss(output, targets)")
+                raise JobError(
+                    f"{path}: missing function {name}(); the contract needs model(), data(rank, world_size, batch_size) and loss(output, targets)"
+                )
             fns[name] = None
             continue
         if not callable(fn):
@@ -231,17 +277,31 @@ def load_job(path: str) -> Job:
         if want is str:
             if not isinstance(value, str):
                 raise JobError(f"{path}: HPAR[{key!r}] is {value!r}, expected a string")
-        elif not isinstance(value, (int, float)) or isinstance(value, bool) or (want is int and not isinstance(value, int)):
+        elif (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or (want is int and not isinstance(value, int))
+        ):
             raise JobError(f"{path}: HPAR[{key!r}] is {value!r}, expected {DEFAULT_KEYS[key].__name__}")
-    return Job(path=path, model_fn=fns["model"], data_fn=fns["data"], loss_fn=fns["loss"],
-               optimizer_fn=fns["optimizer"], evaluate_fn=fns["evaluate"], defaults=dict(defaults),
-               scheduler_fn=fns["scheduler"], log_fn=fns["log"], loaded_rss=_resident_bytes())
+    return Job(
+        path=path,
+        model_fn=fns["model"],
+        data_fn=fns["data"],
+        loss_fn=fns["loss"],
+        optimizer_fn=fns["optimizer"],
+        evaluate_fn=fns["evaluate"],
+        defaults=dict(defaults),
+        scheduler_fn=fns["scheduler"],
+        log_fn=fns["log"],
+        loaded_rss=_resident_bytes(),
+    )
 
 
 def _resident_bytes() -> int:
     """This process's resident set in bytes once torch's lazy imports are in (as in a worker's
     memory baseline, strategies/common/measured_memory.py; 0 where /proc is missing)."""
     from hpar.strategies.common.measured_memory import load_lazy_imports, status_bytes
+
     load_lazy_imports()
     return status_bytes("VmRSS") or 0
 
@@ -258,15 +318,18 @@ def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     loads, the first use of each kernel), what every worker process pays once inside its training (the memory model's
     measured first-use terms, strategies/profile/memory_profile.py)."""
     from hpar.strategies.common.measured_memory import PeakMemory
+
     torch.manual_seed(0)
     mem = PeakMemory(torch.device("cpu"))
     mem.start()
     model = job.build_model()
     built = mem.peak_bytes()
     norms = [n or "the model" for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    if batch_size < 2 and norms:   # torch: "Expected more than 1 value per channel when training"
-        raise JobError(f"--batch-size {batch_size}: BatchNorm layer {norms[0]!r} of {job.path} needs at least 2 samples "
-                       "per batch in training; use --batch-size 2 or more")
+    if batch_size < 2 and norms:  # torch: "Expected more than 1 value per channel when training"
+        raise JobError(
+            f"--batch-size {batch_size}: BatchNorm layer {norms[0]!r} of {job.path} needs at least 2 samples "
+            "per batch in training; use --batch-size 2 or more"
+        )
     mem.start()
     inputs, targets = next(job.batches(0, 1, batch_size))
     data = mem.peak_bytes()
@@ -275,7 +338,8 @@ def check_job(job: Job, batch_size: int) -> torch.nn.Module:
     job.compute_loss(output, targets)
     if data is not None:
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        job.cold.update(model_bytes=max(0, built - params), data_bytes=data, forward_bytes=mem.peak_bytes(),
-                        batch_size=batch_size)
+        job.cold.update(
+            model_bytes=max(0, built - params), data_bytes=data, forward_bytes=mem.peak_bytes(), batch_size=batch_size
+        )
     job.build_scheduler(job.build_optimizer(model.parameters(), lr=0.01))
     return model

@@ -1,6 +1,7 @@
 """The error a user's script gets when it breaks hpar's contract (docs/contract.md), in a
 module of its own so that the command line can name it without importing torch (``hpar
 --help`` and usage errors answer in well under a second)."""
+
 from __future__ import annotations
 
 
@@ -18,6 +19,7 @@ def check_script_file(path: str) -> str:
     JobError (one line naming the file, and the line of a syntax error) otherwise. Needs no
     torch: ``hpar run``/``profile`` check the script here before importing anything heavy."""
     import os
+
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise JobError(f"{path}: no such file; pass the path of a training script")

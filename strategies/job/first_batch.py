@@ -20,6 +20,7 @@ line naming the ranks and sizes (:class:`BatchRefused`, and a ``refused`` event 
 launcher prints instead of a crash report, exit 2), unless ``--allow-unequal-batches`` lets
 unequal sizes train (the launcher then warns once: launcher/run/batchcheck.py).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -59,10 +60,12 @@ def sizes_text(sizes: dict[int, int], who: str = "worker") -> str:
 
 def unequal_message(sizes: dict[int, int], batch_size: int, who: str = "worker") -> str:
     """The refusal of first batches of different sizes (``{rank: samples}``), one line."""
-    return (f"{who}s' first batches differ in size ({sizes_text(sizes, who)} samples): gradients are averaged per "
-            f"{who}, so this is not one process on the concatenated batch; make data(rank, world_size, batch_size) "
-            f"yield {batch_size} samples on every rank, or pass --allow-unequal-batches to train so (each {who}'s "
-            "mean gradient weighs the same, as DDP does)")
+    return (
+        f"{who}s' first batches differ in size ({sizes_text(sizes, who)} samples): gradients are averaged per "
+        f"{who}, so this is not one process on the concatenated batch; make data(rank, world_size, batch_size) "
+        f"yield {batch_size} samples on every rank, or pass --allow-unequal-batches to train so (each {who}'s "
+        "mean gradient weighs the same, as DDP does)"
+    )
 
 
 def refuse(ctx: WorkerContext, message: str, announce: bool = True) -> None:
@@ -82,8 +85,9 @@ def _samples(inputs: Any) -> int | None:
         return None
 
 
-def check_first_batch(ctx: WorkerContext, inputs: Any, group, micro_batches: int = 1,
-                      replica: int | None = None) -> None:
+def check_first_batch(
+    ctx: WorkerContext, inputs: Any, group, micro_batches: int = 1, replica: int | None = None
+) -> None:
     """Check this worker's first batch (``inputs``; None on a pipeline stage that draws none)
     against the others' before the first step. ``group``: the workers' gloo control group, every
     worker calls this (a collective), so that all of them refuse together; ``micro_batches``: a
@@ -93,7 +97,7 @@ def check_first_batch(ctx: WorkerContext, inputs: Any, group, micro_batches: int
     cfg = ctx.cfg
     samples = _samples(inputs)
     mine = (ctx.rank, replica if replica is not None else ctx.rank, -1 if samples is None else samples)
-    if ctx.world_size > 1:   # int64 tensors, never pickles (strategies/common/gather.py); -1: no count
+    if ctx.world_size > 1:  # int64 tensors, never pickles (strategies/common/gather.py); -1: no count
         everyone = [tuple(v) for v in all_gather_ints(mine, group=group)]
     else:
         everyone = [mine]
@@ -101,10 +105,17 @@ def check_first_batch(ctx: WorkerContext, inputs: Any, group, micro_batches: int
     drawn = [(rank, who, n) for rank, who, n in everyone if n is not None]
     indivisible = {rank: n for rank, _, n in drawn if n % micro_batches}
     if indivisible:
-        refuse(ctx, f"first batches that --micro-batches {micro_batches} does not divide ({sizes_text(indivisible)} "
-                    f"samples): make data() yield --batch-size ({cfg.batch_size}) samples, or choose --micro-batches "
-                    "that divides them", announce=ctx.rank == 0)
+        refuse(
+            ctx,
+            f"first batches that --micro-batches {micro_batches} does not divide ({sizes_text(indivisible)} "
+            f"samples): make data() yield --batch-size ({cfg.batch_size}) samples, or choose --micro-batches "
+            "that divides them",
+            announce=ctx.rank == 0,
+        )
     sizes = {who: n for _, who, n in drawn}
     if len(set(sizes.values())) > 1 and not cfg.allow_unequal_batches:
-        refuse(ctx, unequal_message(sizes, cfg.batch_size, "worker" if replica is None else "replica"),
-               announce=ctx.rank == 0)
+        refuse(
+            ctx,
+            unequal_message(sizes, cfg.batch_size, "worker" if replica is None else "replica"),
+            announce=ctx.rank == 0,
+        )

@@ -16,6 +16,7 @@ before. Every runtime, the pre-start check and the profiler call the model throu
 :func:`call_model`, so the rule is the same everywhere. Wrappers (DDP, ``torch.compile``'s
 ``OptimizedModule``) are looked through to the module the user wrote.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,12 @@ def inner_module(model: nn.Module) -> nn.Module:
     while True:
         inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):
-            inner = model.module if isinstance(getattr(model, "module", None), nn.Module) and \
-                type(model).__name__ in ("DistributedDataParallel", "DataParallel") else None
+            inner = (
+                model.module
+                if isinstance(getattr(model, "module", None), nn.Module)
+                and type(model).__name__ in ("DistributedDataParallel", "DataParallel")
+                else None
+            )
         if inner is None:
             return model
         model = inner

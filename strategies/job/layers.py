@@ -19,6 +19,7 @@ The layers of a model are, in order:
 A model wrapped by ``torch.compile`` (or DDP) is cut as the module inside. A model none of
 these routes can cut is not offered a pipeline.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -44,28 +45,35 @@ def model_layers(model: nn.Module, example=None) -> list[tuple[str, nn.Module]]:
     model = inner_module(model)
     if not is_declared_sequence(model):
         if example is None:
-            raise ValueError(f"model is a {type(model).__name__}, not an nn.Sequential, and has no hpar_layers(); "
-                             "its layers come from tracing it on a micro-batch")
+            raise ValueError(
+                f"model is a {type(model).__name__}, not an nn.Sequential, and has no hpar_layers(); "
+                "its layers come from tracing it on a micro-batch"
+            )
         return traced_layers(model, example).layers
     names = {id(m): n for n, m in model.named_modules() if n}
     if callable(getattr(model, "hpar_layers", None)):
         seq = model.hpar_layers()
         if not isinstance(seq, (nn.Sequential, list, tuple)) or not all(isinstance(m, nn.Module) for m in seq):
-            raise ValueError(f"hpar_layers() returned {type(seq).__name__}, expected an nn.Sequential (or list) "
-                             "of the model's own layers in forward order")
+            raise ValueError(
+                f"hpar_layers() returned {type(seq).__name__}, expected an nn.Sequential (or list) "
+                "of the model's own layers in forward order"
+            )
         layers = []
         for i, m in enumerate(seq):
             if id(m) not in names:
-                raise ValueError(f"hpar_layers() item {i} ({type(m).__name__}) is not a submodule of the model; "
-                                 "return the model's own layers (e.g. nn.Sequential(self.embed, *self.blocks, self.head))")
+                raise ValueError(
+                    f"hpar_layers() item {i} ({type(m).__name__}) is not a submodule of the model; "
+                    "return the model's own layers (e.g. nn.Sequential(self.embed, *self.blocks, self.head))"
+                )
             layers.append((names[id(m)], m))
         if len({id(m) for _, m in layers}) != len(layers):
             raise ValueError("hpar_layers() lists a layer twice; list each layer once, in forward order")
         covered = {id(p) for _, m in layers for p in m.parameters()}
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
         if missing:
-            raise ValueError(f"hpar_layers() leaves parameter {missing[0]!r} outside every layer; "
-                             "include the module that owns it")
+            raise ValueError(
+                f"hpar_layers() leaves parameter {missing[0]!r} outside every layer; include the module that owns it"
+            )
         return layers
     return list(model.named_children())
 

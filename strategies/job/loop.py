@@ -20,6 +20,7 @@ recipe: unscale before clipping, ``scaler.step`` skips the step when any gradien
 Master weights and optimizer state stay in fp32: autocast only changes the dtype of the
 operations' outputs inside the forward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,7 +50,7 @@ class StepTools:
     device: torch.device
     scaler: torch.amp.GradScaler
     scheduler: Any
-    last_norm: float | None = None     # total gradient norm before clipping, when clipping
+    last_norm: float | None = None  # total gradient norm before clipping, when clipping
 
     def autocast(self):
         """Context for forward passes (:func:`autocast`)."""
@@ -86,8 +87,10 @@ class StepTools:
 
     def state_dict(self) -> dict:
         """Scaler and schedule state, for checkpoints."""
-        return {"scaler": self.scaler.state_dict(),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        return {
+            "scaler": self.scaler.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
 
     def load_state_dict(self, state: dict | None) -> None:
         if not state:
@@ -106,12 +109,13 @@ def worker_batches(ctx, control=None):
     checked against every peer's before any step (a collective: every worker calls it)."""
     import itertools
     from hpar.strategies.job.first_batch import check_first_batch, first_batch
+
     drawn = ctx.job.batches(ctx.rank, ctx.world_size, ctx.cfg.batch_size)
     if ctx.start_step >= ctx.cfg.steps:
         return drawn
     first = first_batch(lambda i: next(drawn), ctx.start_step * ctx.cfg.accumulate)
     if control is not None:
-        check_first_batch(ctx, first[0], control)   # equal sizes on every worker, before any step
+        check_first_batch(ctx, first[0], control)  # equal sizes on every worker, before any step
     return itertools.chain([first], drawn)
 
 
@@ -123,6 +127,7 @@ def micro_steps(ctx, model, batches, tools: StepTools, step: int, around=None):
     micro-step); rank 0 runs the script's ``log()`` on the last. Returns (the step's loss, the
     logged metrics, the step's samples: the first micro-batch's times A)."""
     from hpar.strategies.job.context import batch_samples, move_to
+
     cfg, job = ctx.cfg, ctx.job
     step_loss, logged, samples = 0.0, {}, 0
     for micro in range(cfg.accumulate):
@@ -153,7 +158,9 @@ def step_schedule(scheduler, stepped: bool) -> None:
         return
     with warnings.catch_warnings():
         if not stepped:
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning
+            )
         scheduler.step()
 
 
@@ -168,7 +175,7 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     sparse = [p for p in params if p.grad.is_sparse]
     if not sparse:
         total = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return total.full_tensor() if hasattr(total, "full_tensor") else total   # FSDP's shards: a DTensor
+        return total.full_tensor() if hasattr(total, "full_tensor") else total  # FSDP's shards: a DTensor
     for p in sparse:
         p.grad = p.grad.coalesce()
     dense = [p.grad for p in params if not p.grad.is_sparse]
@@ -215,8 +222,14 @@ def evaluate_now(cfg: RunConfig, step: int) -> bool:
     return bool(cfg.eval and cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
 
 
-def evaluate_during_training(job: Job, cfg: RunConfig, rank: int, step: int,
-                             model: Callable[[], torch.nn.Module], report_eval: Callable[[dict], None]) -> dict:
+def evaluate_during_training(
+    job: Job,
+    cfg: RunConfig,
+    rank: int,
+    step: int,
+    model: Callable[[], torch.nn.Module],
+    report_eval: Callable[[dict], None],
+) -> dict:
     """Run ``evaluate(model())`` on worker rank 0 after step ``step`` when ``--eval-every``
     asks for it and report ``{"step": step, **metrics}``; the other ranks go on and meet rank 0
     at the next collective (evaluate must finish within the process group's timeout, 300 s by
@@ -243,9 +256,11 @@ def check_precision(job: Job, cfg: RunConfig, model: torch.nn.Module) -> None:
         with autocast(cfg, "cpu"):
             job.compute_loss(call_model(model, inputs), targets)
     except Exception as exc:
-        raise JobError(f"{job.path}: the forward pass fails under --precision {cfg.precision} on CPU "
-                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                       "use --precision fp32, or keep that layer in fp32 with torch.autocast(..., enabled=False)") from exc
+        raise JobError(
+            f"{job.path}: the forward pass fails under --precision {cfg.precision} on CPU "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "use --precision fp32, or keep that layer in fp32 with torch.autocast(..., enabled=False)"
+        ) from exc
 
 
 def clip_coefficient(total_sq: float, max_norm: float) -> float:

@@ -21,6 +21,7 @@ the exchanged gradient made dense right before its step (:func:`densify`: ``to_d
 the rows the workers sent into a dense zero), so the update is the dense run's (the same
 averaged gradient, summed in another order) and the exchange keeps its saving.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -47,17 +48,20 @@ def takes_sparse_gradients(opt: torch.optim.Optimizer, param: torch.Tensor) -> b
     try:
         trial = type(opt)([{"params": [probe], **options}])
         for _ in range(2):
-            with warnings.catch_warnings():   # torch warns about skipped sparse invariant checks
+            with warnings.catch_warnings():  # torch warns about skipped sparse invariant checks
                 warnings.simplefilter("ignore", UserWarning)
-                probe.grad = torch.sparse_coo_tensor(torch.tensor([[0, 2, 0]]), torch.ones(3, 2, dtype=param.dtype),
-                                                     (4, 2))
+                probe.grad = torch.sparse_coo_tensor(
+                    torch.tensor([[0, 2, 0]]), torch.ones(3, 2, dtype=param.dtype), (4, 2)
+                )
                 trial.step()
-    except Exception:   # noqa: BLE001 - whatever the class raises, it cannot step a sparse gradient
+    except Exception:  # noqa: BLE001 - whatever the class raises, it cannot step a sparse gradient
         return False
     return True
 
 
-def dense_before_step(opt: torch.optim.Optimizer, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def dense_before_step(
+    opt: torch.optim.Optimizer, named: Iterable[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
     """The ``(name, parameter)`` pairs of ``named`` (the tables given sparse gradients) whose
     optimizer cannot step a sparse gradient: :func:`densify` them before every step."""
     return [(n, p) for n, p in named if not takes_sparse_gradients(opt, p)]
@@ -78,13 +82,13 @@ MODES = ("exact", "lazy")
 class OptimizerSpec:
     """The server-side update rule and its hyper-parameters (torch.optim's names)."""
 
-    kind: str                  # "sgd" | "adagrad" | "adam"
+    kind: str  # "sgd" | "adagrad" | "adam"
     lr: float
     momentum: float = 0.0
     dampening: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
-    decoupled_weight_decay: bool = False   # AdamW
+    decoupled_weight_decay: bool = False  # AdamW
     lr_decay: float = 0.0
     initial_accumulator_value: float = 0.0
     eps: float = 1e-10
@@ -108,22 +112,48 @@ def spec_from_group(opt: torch.optim.Optimizer, group: dict, mode: str = "exact"
         raise ValueError(f"plan sparse_optimizer {mode!r}: choose one of {', '.join(MODES)}")
     name = type(opt).__name__
     if group.get("maximize", False):
-        raise ValueError(f"optimizer(): {name}(maximize=True) is not supported on the parameter server; minimise the negated loss")
+        raise ValueError(
+            f"optimizer(): {name}(maximize=True) is not supported on the parameter server; minimise the negated loss"
+        )
     lr = float(group["lr"])
     if isinstance(opt, torch.optim.SGD):
-        return OptimizerSpec("sgd", lr, momentum=float(group["momentum"]), dampening=float(group["dampening"]),
-                             nesterov=bool(group["nesterov"]), weight_decay=float(group["weight_decay"]), mode=mode)
+        return OptimizerSpec(
+            "sgd",
+            lr,
+            momentum=float(group["momentum"]),
+            dampening=float(group["dampening"]),
+            nesterov=bool(group["nesterov"]),
+            weight_decay=float(group["weight_decay"]),
+            mode=mode,
+        )
     if isinstance(opt, torch.optim.Adagrad):
-        return OptimizerSpec("adagrad", lr, weight_decay=float(group["weight_decay"]), lr_decay=float(group["lr_decay"]),
-                             initial_accumulator_value=float(group["initial_accumulator_value"]),
-                             eps=float(group["eps"]), mode=mode)
+        return OptimizerSpec(
+            "adagrad",
+            lr,
+            weight_decay=float(group["weight_decay"]),
+            lr_decay=float(group["lr_decay"]),
+            initial_accumulator_value=float(group["initial_accumulator_value"]),
+            eps=float(group["eps"]),
+            mode=mode,
+        )
     if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         if group.get("amsgrad", False):
-            raise ValueError(f"optimizer(): {name}(amsgrad=True) is not supported on the parameter server; use amsgrad=False")
+            raise ValueError(
+                f"optimizer(): {name}(amsgrad=True) is not supported on the parameter server; use amsgrad=False"
+            )
         decoupled = isinstance(opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-        return OptimizerSpec("adam", lr, weight_decay=float(group["weight_decay"]), decoupled_weight_decay=decoupled,
-                             eps=float(group["eps"]), betas=tuple(float(b) for b in group["betas"]), mode=mode)
-    raise ValueError(f"optimizer(): {name} cannot run on the parameter server; use SGD (with momentum), Adagrad, Adam or AdamW, or --strategy allreduce")
+        return OptimizerSpec(
+            "adam",
+            lr,
+            weight_decay=float(group["weight_decay"]),
+            decoupled_weight_decay=decoupled,
+            eps=float(group["eps"]),
+            betas=tuple(float(b) for b in group["betas"]),
+            mode=mode,
+        )
+    raise ValueError(
+        f"optimizer(): {name} cannot run on the parameter server; use SGD (with momentum), Adagrad, Adam or AdamW, or --strategy allreduce"
+    )
 
 
 def check_predictable(optimizer: torch.optim.Optimizer | None, where: str = "optimizer()") -> None:
@@ -134,8 +164,12 @@ def check_predictable(optimizer: torch.optim.Optimizer | None, where: str = "opt
     name = type(optimizer).__name__
     fix = "use SGD, Adam or AdamW, or --schedule async-stash / async-2bw"
     if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
-        raise ValueError(f"{where} returned {name}: --schedule async-predict has no weight prediction rule for it; {fix}")
+        raise ValueError(
+            f"{where} returned {name}: --schedule async-predict has no weight prediction rule for it; {fix}"
+        )
     for group in optimizer.param_groups:
         if group.get("maximize") or group.get("nesterov"):
             flag = "maximize" if group.get("maximize") else "nesterov"
-            raise ValueError(f"{where} returned {name}({flag}=True): --schedule async-predict has no weight prediction rule for it; {fix}")
+            raise ValueError(
+                f"{where} returned {name}({flag}=True): --schedule async-predict has no weight prediction rule for it; {fix}"
+            )

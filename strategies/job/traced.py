@@ -18,6 +18,7 @@ mapped back to its one parameter. Limits: the trace is specialised to one micro-
 whole (strategies/job/block_trace.py), and between blocks needs ``hpar_layers()``. How it works:
 docs/pipelines.md, "Tracing a model into stages" and "How it works".
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,7 +65,7 @@ def block_names(model: nn.Module) -> list[str]:
         if declared and next(iter(kinds)).__name__ not in declared:
             continue
         if any(name.startswith(outer + ".") for outer in containers):
-            continue   # a container inside another's block: the outer blocks are the cut
+            continue  # a container inside another's block: the outer blocks are the cut
         containers.append(name)
     return [f"{c}.{i}" for c in containers for i in range(len(model.get_submodule(c)))]
 
@@ -72,8 +73,7 @@ def block_names(model: nn.Module) -> list[str]:
 def why_not_traceable(model: nn.Module) -> str:
     """Why the tracer route cannot cut ``model`` ("" when it has repeated blocks to cut at)."""
     if not block_names(inner_module(model)):
-        return ("it has no repeated blocks (an nn.ModuleList or nn.Sequential of modules of one class) "
-                "to cut between")
+        return "it has no repeated blocks (an nn.ModuleList or nn.Sequential of modules of one class) to cut between"
     return ""
 
 
@@ -82,10 +82,11 @@ def _split_spec(blocks: list[str], order: list[str]) -> dict:
     after the last block (the tail's; none when the model returns the last block's output).
     ``order``: module names in the order their forward started, in one eager call."""
     from torch.distributed.pipelining import SplitPoint
+
     spec = {b: SplitPoint.BEGINNING for b in blocks}
     last = len(order) - 1 - order[::-1].index(blocks[-1]) if blocks[-1] in order else len(order)
-    seen = set(order[:last + 1])
-    tail = next((n for n in order[last + 1:] if n not in seen and not n.startswith(blocks[-1] + ".")), None)
+    seen = set(order[: last + 1])
+    tail = next((n for n in order[last + 1 :] if n not in seen and not n.startswith(blocks[-1] + ".")), None)
     if tail is not None:
         spec[tail] = SplitPoint.BEGINNING
     return spec
@@ -101,7 +102,7 @@ def _unwrap_split_points(model: nn.Module, spec: dict) -> None:
         if orig is None:
             continue
         if getattr(orig, "__self__", None) is sub and getattr(orig, "__func__", None) is type(sub).forward:
-            sub.__dict__.pop("forward", None)   # the class's forward again
+            sub.__dict__.pop("forward", None)  # the class's forward again
         else:
             sub.__dict__["forward"] = orig
 
@@ -139,24 +140,28 @@ class TracedLayers:
         model = inner_module(model)
         blocks = block_names(model)
         if not blocks:
-            raise ValueError(f"the model ({type(model).__name__}) is not a sequence of layers and "
-                             f"{why_not_traceable(model)}; define hpar_layers()")
+            raise ValueError(
+                f"the model ({type(model).__name__}) is not a sequence of layers and "
+                f"{why_not_traceable(model)}; define hpar_layers()"
+            )
         keywords = takes_keywords(model, example)
         args, kwargs = ((), dict(example)) if keywords else ((example,), {})
         training = model.training
         try:
             with generation_flags_off(model), torch.random.fork_rng(devices=[]), torch.no_grad():
                 model.train()
-                kept = {k: b.clone() for k, b in model.named_buffers()}   # BatchNorm's statistics
+                kept = {k: b.clone() for k, b in model.named_buffers()}  # BatchNorm's statistics
                 try:
                     top = self._trace(model, args, kwargs, blocks)
                 except ValueError:
                     raise
-                except Exception as exc:   # the forward itself failed on the micro-batch
-                    raise ValueError(f"torch.distributed.pipelining could not trace the model: "
-                                     f"{describe_failure(exc)}; define hpar_layers()") from None
+                except Exception as exc:  # the forward itself failed on the micro-batch
+                    raise ValueError(
+                        f"torch.distributed.pipelining could not trace the model: "
+                        f"{describe_failure(exc)}; define hpar_layers()"
+                    ) from None
                 finally:
-                    for k, b in model.named_buffers():   # the eager calls are not a training step
+                    for k, b in model.named_buffers():  # the eager calls are not a training step
                         b.copy_(kept[k])
         finally:
             model.train(training)
@@ -170,9 +175,13 @@ class TracedLayers:
         """The split top graph: torch's ``pipeline()`` (torch.export), else the forward with its
         blocks kept whole (block_trace.py); ValueError naming both failures and the way out."""
         from torch.distributed.pipelining import pipeline
+
         order: list[str] = []
-        hooks = [m.register_forward_pre_hook(lambda mod, a, n=name: order.append(n))
-                 for name, m in model.named_modules() if name]
+        hooks = [
+            m.register_forward_pre_hook(lambda mod, a, n=name: order.append(n))
+            for name, m in model.named_modules()
+            if name
+        ]
         try:
             _, self.out_spec = tree_flatten(model(*args, **kwargs))
         finally:
@@ -180,10 +189,10 @@ class TracedLayers:
                 h.remove()
         spec = _split_spec(blocks, order)
         try:
-            with warnings.catch_warnings(), _quiet():   # torch 2.13's own pytree deprecation, inside pipeline()
+            with warnings.catch_warnings(), _quiet():  # torch 2.13's own pytree deprecation, inside pipeline()
                 warnings.simplefilter("ignore", FutureWarning)
                 return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=spec).split_gm
-        except Exception as exc:   # torch.export could not capture the forward
+        except Exception as exc:  # torch.export could not capture the forward
             exported = describe_failure(exc)
         finally:
             _unwrap_split_points(model, spec)
@@ -193,9 +202,11 @@ class TracedLayers:
                 return split_at_blocks(model, args, kwargs, blocks)
         except Exception as exc:
             kept = f"{blocks[0]} ... {blocks[-1]}" if len(blocks) > 1 else blocks[0]
-            raise ValueError(f"torch.distributed.pipelining could not trace the model: torch.export stopped at "
-                             f"{exported}; with its blocks ({kept}) kept whole, torch.fx stopped at "
-                             f"{describe_failure(exc)}; define hpar_layers()") from None
+            raise ValueError(
+                f"torch.distributed.pipelining could not trace the model: torch.export stopped at "
+                f"{exported}; with its blocks ({kept}) kept whole, torch.fx stopped at "
+                f"{describe_failure(exc)}; define hpar_layers()"
+            ) from None
 
     def _read_graph(self, top, model: nn.Module) -> None:
         """Fill ``parts``, ``placeholders``, ``output_keys`` and ``tensors`` from the split."""
@@ -224,21 +235,23 @@ class TracedLayers:
         whole = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
         self.tensors: dict[str, torch.Tensor] = {}
-        self.persistent = set(model.state_dict())   # buffers a state_dict holds (not RoPE's inv_freq)
+        self.persistent = set(model.state_dict())  # buffers a state_dict holds (not RoPE's inv_freq)
         self.parts = []
         for i, call in enumerate(calls):
             gm = getattr(top, call.target)
-            for m in gm.modules():   # torch.fx's Interpreter costs ~1.8x the generated code per
-                if hasattr(m, "_run_with_interpreter"):   # op; the code breaks on a child named `self` (BERT's)
+            for m in gm.modules():  # torch.fx's Interpreter costs ~1.8x the generated code per
+                if hasattr(m, "_run_with_interpreter"):  # op; the code breaks on a child named `self` (BERT's)
                     m._run_with_interpreter = "self" in m._modules
             outputs = [(u.name, u.args[1]) for u in call.users if u.op == "call_function"]
             if any(u.op != "call_function" for u in call.users):
                 outputs.append((call.name, None))
             slots, used = [], _read_attributes(gm)
-            for kind, named in ((True, gm.named_parameters(remove_duplicate=False)),
-                                (False, gm.named_buffers(remove_duplicate=False))):
+            for kind, named in (
+                (True, gm.named_parameters(remove_duplicate=False)),
+                (False, gm.named_buffers(remove_duplicate=False)),
+            ):
                 for fqn, t in named:
-                    if fqn not in used:   # e.g. the tracer's copy of a tied weight a sub-graph never reads
+                    if fqn not in used:  # e.g. the tracer's copy of a tied weight a sub-graph never reads
                         continue
                     prefix, _, attr = fqn.rpartition(".")
                     self.tensors.setdefault(fqn, whole.get(fqn, buffers.get(fqn, t)) if kind else buffers.get(fqn, t))
@@ -253,7 +266,7 @@ class TracedLayers:
         if not owners:
             return f"part{i}"
         inside = [b for b in blocks if any(o == b or o.startswith(b + ".") for o in owners)]
-        if len(inside) == 1:   # a block and the glue after it (T5's encoder.block.1+encoder.final_layer_norm)
+        if len(inside) == 1:  # a block and the glue after it (T5's encoder.block.1+encoder.final_layer_norm)
             rest = [o for o in owners if not o.startswith(inside[0] + ".") and o != inside[0]]
             return "+".join([inside[0], *rest[:2]]) + ("+..." if len(rest) > 2 else "")
         common = []
@@ -271,9 +284,11 @@ class TracedLayers:
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         shapes = [tuple(t.shape) for t in leaves]
         if shapes != self.input_shapes:
-            raise ValueError(f"--strategy pipeline: the model was traced for micro-batches of input shapes "
-                             f"{self.input_shapes}, got {shapes}; a traced pipeline needs every micro-batch in those "
-                             "shapes (pad sequences to one length, keep the batch size fixed)")
+            raise ValueError(
+                f"--strategy pipeline: the model was traced for micro-batches of input shapes "
+                f"{self.input_shapes}, got {shapes}; a traced pipeline needs every micro-batch in those "
+                "shapes (pad sequences to one length, keep the batch size fixed)"
+            )
         return dict(zip(self.placeholders, leaves))
 
     def stage(self, start: int, end: int) -> TracedStage:
@@ -291,8 +306,8 @@ def traced_layers(model: nn.Module, example) -> TracedLayers:
     key = tuple((tuple(t.shape), t.dtype) for t in tree_flatten(example)[0] if isinstance(t, torch.Tensor))
     hit = _CACHE.get(model)
     if hit is None or hit[0] != key:
-        load_lazy_imports()   # torch._dynamo, in a worker's baseline already: not the trace's
-        mem = PeakMemory(torch.device("cpu"))   # host memory: a worker traces its model there
+        load_lazy_imports()  # torch._dynamo, in a worker's baseline already: not the trace's
+        mem = PeakMemory(torch.device("cpu"))  # host memory: a worker traces its model there
         mem.start()
         _CACHE[model] = hit = (key, TracedLayers(model, example))
         _FIRST_TRACE[:] = _FIRST_TRACE or [mem.peak_bytes() or 0]

@@ -3,6 +3,7 @@ a layer when the profiler times it, a pipeline stage when a stage runs a range o
 layers and how the model is cut into them are strategies/job/traced.py's; this module only
 runs sub-graphs of that cut over the whole model's registered tensors, re-targeting factory
 calls to the device of the inputs (see traced.py's module docstring for the limits)."""
+
 from __future__ import annotations
 
 import torch
@@ -26,7 +27,7 @@ class TracedStage(nn.Module):
     live values of the layer before, and returns the next tuple, or the user's output type
     (last layer). ``tensors``: whole-model name -> parameter or buffer, registered here."""
 
-    def __init__(self, owner, first: int, end: int):   # owner: a traced.TracedLayers
+    def __init__(self, owner, first: int, end: int):  # owner: a traced.TracedLayers
         super().__init__()
         self._owner, self._first, self._end = owner, first, end
         self._parts = owner.parts[first:end]
@@ -37,7 +38,9 @@ class TracedStage(nn.Module):
                 if fqn not in self._where:
                     self._where[fqn] = self._register(fqn, owner.tensors[fqn], is_param, fqn in owner.persistent)
 
-    def _register(self, fqn: str, tensor: torch.Tensor, is_param: bool, persistent: bool) -> tuple[nn.Module, str, bool]:
+    def _register(
+        self, fqn: str, tensor: torch.Tensor, is_param: bool, persistent: bool
+    ) -> tuple[nn.Module, str, bool]:
         parent: nn.Module = self
         *path, leaf = fqn.split(".")
         for piece in path:
@@ -54,8 +57,9 @@ class TracedStage(nn.Module):
         """Point the sub-graph's tensor attributes at this module's (live, swapped or moved)."""
         for owner, attr, fqn, is_param in part.slots:
             module, leaf, _ = self._where[fqn]
-            (owner._parameters if is_param else owner._buffers)[attr] = \
-                (module._parameters if is_param else module._buffers)[leaf]
+            (owner._parameters if is_param else owner._buffers)[attr] = (
+                module._parameters if is_param else module._buffers
+            )[leaf]
 
     def _retarget(self, device: torch.device) -> None:
         """Re-target the graphs' factory calls from the tracing device to ``device``, and

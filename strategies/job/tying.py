@@ -11,6 +11,7 @@ not be served row by row from parameter servers (the Linear would see an empty w
 the profiler must measure it as dense. Every runtime asks :func:`embedding_tables` which
 embedding modules it may treat as row-sparse.
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,9 +61,11 @@ def dense_shared_embeddings(model: nn.Module) -> dict[str, list[str]]:
     uses, with every path holding them: for messages saying why they stay on AllReduce."""
     sparse = {id(m.weight) for _, m in embedding_tables(model)}
     names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(m.weight)]: shared_parameters(model).get(names[id(m.weight)], [])
-            for _, m in model.named_modules()
-            if isinstance(m, EMBEDDINGS) and id(m.weight) not in sparse and id(m.weight) in names}
+    return {
+        names[id(m.weight)]: shared_parameters(model).get(names[id(m.weight)], [])
+        for _, m in model.named_modules()
+        if isinstance(m, EMBEDDINGS) and id(m.weight) not in sparse and id(m.weight) in names
+    }
 
 
 def shared_across_stages(layers, ranges) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:

@@ -2,6 +2,7 @@
 line naming the file, line and function of the innermost frame in the script, then the user's
 own traceback (hpar's and torch's calling frames above it dropped) in ``JobError.user_traceback``.
 ``job`` here is a Job (strategies/job/contract.py): only its script's absolute ``path`` is read."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,9 @@ def describe_error(exc: BaseException) -> str:
     """``Type: message`` on one line, with the fix for a package the script needs but lacks."""
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
     if isinstance(exc, ModuleNotFoundError) and exc.name:
-        text += (f" (install the package that provides {exc.name!r}; for hpar's own examples: "
-                 "pip install -e '.[examples]')")
+        text += (
+            f" (install the package that provides {exc.name!r}; for hpar's own examples: pip install -e '.[examples]')"
+        )
     return text
 
 

@@ -9,6 +9,7 @@ a CPU worker and a server get this host's RAM divided by the hpar processes that
 ``--hosts 8x6``, or remote hosts) there is no default: plans are then not checked for memory
 unless the flags say what the devices hold.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ def from_flags(worker_gb: float | None, server_gb: float | None) -> Capacity:
     for flag, value in (("--worker-memory", worker_gb), ("--server-memory", server_gb)):
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be a positive number of GB (10^9 bytes), got {value:g}")
-    return Capacity(worker_gb * GB if worker_gb is not None else None, server_gb * GB if server_gb is not None else None)
+    return Capacity(
+        worker_gb * GB if worker_gb is not None else None, server_gb * GB if server_gb is not None else None
+    )
 
 
 def with_defaults(given: Capacity, local: bool, device: str, procs_on_host: int) -> Capacity:
@@ -40,6 +43,7 @@ def with_defaults(given: Capacity, local: bool, device: str, procs_on_host: int)
     if not local:
         return given
     import psutil
+
     share = psutil.virtual_memory().total / max(1, procs_on_host)
     worker = given.worker_bytes
     if worker is None:
@@ -50,6 +54,7 @@ def with_defaults(given: Capacity, local: bool, device: str, procs_on_host: int)
 def _gpu_total() -> float | None:
     """Bytes of the first visible GPU (None without one)."""
     import torch
+
     if not torch.cuda.is_available():
         return None
     return float(torch.cuda.mem_get_info(0)[1])
@@ -59,4 +64,5 @@ def misfit(memory: dict, capacity: Capacity) -> str:
     """Why a plan's predicted peaks (its ``memory`` dict) do not fit ``capacity`` ("" when they
     do, or a side is unknown): strategies/plan/memory_model.misfit."""
     from hpar.strategies.plan.memory_model import misfit as plan_misfit
+
     return plan_misfit(memory, capacity.worker_bytes, capacity.server_bytes)

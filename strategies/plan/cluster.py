@@ -11,6 +11,7 @@ full-duplex network link of ``bandwidth_Bps`` bytes/s each way, and a message co
 of one host uses ``intra_host_Bps`` (shared memory, PCIe or NVLink; loopback on a CPU box);
 it defaults to ``bandwidth_Bps`` because we cannot measure a GPU interconnect we do not have.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,8 +19,7 @@ import socket
 from dataclasses import dataclass
 from typing import Sequence
 
-_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-           "ki": 2.0 ** 10, "mi": 2.0 ** 20, "gi": 2.0 ** 30, "ti": 2.0 ** 40}
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
 _TIME = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
 _NUM = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 
@@ -91,7 +91,9 @@ class ClusterSpec:
 
     def __post_init__(self):
         if self.hosts < 1 or len(self.gpus_per_host) != self.hosts or min(self.gpus_per_host) < 1:
-            raise ValueError(f"--hosts/--gpus: need at least one host with at least one GPU each, got {self.gpus_per_host}")
+            raise ValueError(
+                f"--hosts/--gpus: need at least one host with at least one GPU each, got {self.gpus_per_host}"
+            )
         if self.servers < 1:
             raise ValueError(f"--servers must be at least 1, got {self.servers}")
         if not self.bandwidth_Bps > 0:
@@ -101,19 +103,25 @@ class ClusterSpec:
         if self.cores_per_host is not None and not self.cores_per_host > 0:
             raise ValueError(f"cores per host must be positive, got {self.cores_per_host}")
         if self.device_mem_Bps is not None and self.device_flops is None:
-            raise ValueError("--device-mem-gbps needs --device-tflops too: a projected device has a compute rate "
-                             "and a memory bandwidth (roofline); add --device-tflops T")
-        for flag, value in (("--worker-memory", self.worker_memory_bytes), ("--server-memory", self.server_memory_bytes)):
+            raise ValueError(
+                "--device-mem-gbps needs --device-tflops too: a projected device has a compute rate "
+                "and a memory bandwidth (roofline); add --device-tflops T"
+            )
+        for flag, value in (
+            ("--worker-memory", self.worker_memory_bytes),
+            ("--server-memory", self.server_memory_bytes),
+        ):
             if value is not None and not value > 0:
                 raise ValueError(f"{flag} must be positive (GB, 10^9 bytes), got {value / 1e9:g}")
         if self.device_flops is not None:
-            self.device   # raises ValueError naming the flag for a rate that is not positive
+            self.device  # raises ValueError naming the flag for a rate that is not positive
 
     @property
     def device(self):
         """The projected worker device (strategies/plan/roofline.DeviceSpec), or None: compute
         as profiled."""
         from hpar.strategies.plan.roofline import DeviceSpec
+
         return DeviceSpec(self.device_flops, self.device_mem_Bps) if self.device_flops is not None else None
 
     @property
@@ -150,7 +158,9 @@ def parse_bandwidth(text: str, flag: str = "--bandwidth") -> float:
     ``"25GBps"``, ``"1.5GiB/s"`` (bytes) -> bytes per second (float). SI prefixes are powers
     of 10, ``Ki/Mi/Gi/Ti`` powers of 2; a lowercase ``b``/``bit`` is bits, an uppercase
     ``B``/``byte`` is bytes. Raises ValueError naming ``flag`` for anything else."""
-    m = re.fullmatch(_NUM + r"\s*([A-Za-z]*)(bps|Bps|bit/s|bits/s|bit|bits|b/s|B/s|bytes/s|byte/s|B)", (text or "").strip())
+    m = re.fullmatch(
+        _NUM + r"\s*([A-Za-z]*)(bps|Bps|bit/s|bits/s|bit|bits|b/s|B/s|bytes/s|byte/s|B)", (text or "").strip()
+    )
     if m is None:
         raise ValueError(f"{flag} {text!r}: give a number and a unit, e.g. 10Gbps, 100Mbit, 25GB/s")
     value, prefix, unit = float(m.group(1)), m.group(2).lower(), m.group(3)
@@ -172,8 +182,14 @@ def parse_latency(text: str, flag: str = "--latency") -> float:
     return float(m.group(1)) * _TIME[m.group(2)]
 
 
-def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | None,
-                 bandwidth_Bps: float, latency_s: float, **figures) -> ClusterSpec:
+def make_cluster(
+    slots: Sequence[int] | None,
+    gpus: int | None,
+    servers: int | None,
+    bandwidth_Bps: float,
+    latency_s: float,
+    **figures,
+) -> ClusterSpec:
     """A ClusterSpec from host slot counts (``slots``, None: this machine only) and
     ``--gpus`` (None: every slot). GPUs fill hosts in order, as the launcher places ranks;
     hosts left without a GPU are dropped. ``servers`` None means one per host used.
@@ -195,9 +211,14 @@ def make_cluster(slots: Sequence[int] | None, gpus: int | None, servers: int | N
             break
         per_host.append(min(s, left))
         left -= per_host[-1]
-    return ClusterSpec(hosts=len(per_host), gpus_per_host=tuple(per_host),
-                       servers=len(per_host) if servers is None else servers,
-                       bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, **figures)
+    return ClusterSpec(
+        hosts=len(per_host),
+        gpus_per_host=tuple(per_host),
+        servers=len(per_host) if servers is None else servers,
+        bandwidth_Bps=bandwidth_Bps,
+        latency_s=latency_s,
+        **figures,
+    )
 
 
 def free_port(addr: str = "127.0.0.1") -> int:

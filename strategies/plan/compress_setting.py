@@ -2,6 +2,7 @@
 config carries decided (and said in one line where it changes) before any process starts. The
 setting itself: strategies/job/compression.py; the workers' hooks:
 strategies/runtimes/dataparallel/compress_hooks.py."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -25,8 +26,9 @@ def early(flag: str | None, strategy: str, precision: str | None) -> Compression
     return c
 
 
-def decide(say: Callable[[str], None], c: Compression | None, strategy: str, strategy_flag: str,
-           device: str) -> Compression:
+def decide(
+    say: Callable[[str], None], c: Compression | None, strategy: str, strategy_flag: str, device: str
+) -> Compression:
     """The run's compression: off when not asked; off, said in one line, when ``--strategy
     auto`` chose a strategy without DDP's AllReduce (the other refusals are the run config's);
     ``bf16`` on gloo (``device`` cpu) becomes ``fp16``, said in one line, where this torch
@@ -34,14 +36,19 @@ def decide(say: Callable[[str], None], c: Compression | None, strategy: str, str
     if c is None or not c.on:
         return Compression()
     if strategy_flag == "auto" and not strategy_spec(strategy).compress_hooks:
-        say(f"hpar: the planner chose {strategy}, which has no dense AllReduce through DDP, so --compress {c} "
-            "does not apply; it runs uncompressed")
+        say(
+            f"hpar: the planner chose {strategy}, which has no dense AllReduce through DDP, so --compress {c} "
+            "does not apply; it runs uncompressed"
+        )
         return Compression()
     if c.kind == "bf16" and device != "cuda":
         from hpar.strategies.common.groups import bf16_works
+
         if not bf16_works():
-            say("hpar: --compress bf16: this torch build's gloo cannot AllReduce bfloat16 "
-                "(pytorch/pytorch#111131); compressing to fp16 instead")
+            say(
+                "hpar: --compress bf16: this torch build's gloo cannot AllReduce bfloat16 "
+                "(pytorch/pytorch#111131); compressing to fp16 instead"
+            )
             return Compression("fp16")
     return c
 
@@ -57,9 +64,11 @@ def from_plan(say, c: Compression | None, plan) -> Compression | None:
     row = next((x for x in plan.candidates if x.strategy == f"{plan.strategy} --compress {c}" and x.available), None)
     if row is None:
         return c
-    say(f"hpar: the planner predicts {plan.strategy} faster uncompressed ({plan.samples_per_s:,.0f} samples/s) than "
+    say(
+        f"hpar: the planner predicts {plan.strategy} faster uncompressed ({plan.samples_per_s:,.0f} samples/s) than "
         f"with --compress {c} ({row.samples_per_s:,.0f}); it runs uncompressed (--strategy {plan.strategy} "
-        f"--compress {c} forces it)")
+        f"--compress {c} forces it)"
+    )
     return Compression()
 
 
@@ -67,8 +76,10 @@ def on_resume(cfg: RunConfig, flag: str | None) -> None:
     """``--compress`` given with ``--resume``: refused in one line unless it is the run's own
     (PowerSGD's state and the numbers depend on it)."""
     if flag is not None and Compression.parse(flag) != cfg.compress:
-        raise ValueError(f"--compress {flag}: {cfg.run_dir} was trained with --compress {cfg.compress}, which its "
-                         "resume keeps; drop the flag")
+        raise ValueError(
+            f"--compress {flag}: {cfg.run_dir} was trained with --compress {cfg.compress}, which its "
+            "resume keeps; drop the flag"
+        )
 
 
 __all__ = ["early", "decide", "from_plan", "on_resume"]

@@ -29,6 +29,7 @@ Pulls from parameter servers happen before forward and do not overlap. Workers c
 a CPU whose cores they fill (``cpu_share`` >= 1) get no overlap: gloo reduces and copies
 on the same cores backward runs on, so ``max`` becomes a sum.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,9 +41,9 @@ from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.roofline import compute_seconds, update_seconds_per_byte
 from hpar.strategies.profile.records import ParamProfile, Profile
 
-INDEX_BYTES = 8            # int64 row id sent with every sparse row
-BUCKET_BYTES = 25 << 20    # DDP's default gradient bucket (bucket_cap_mb=25)
-GLOO_THREADS = 2           # work threads of a gloo process group (ProcessGroupGloo.Options' default)
+INDEX_BYTES = 8  # int64 row id sent with every sparse row
+BUCKET_BYTES = 25 << 20  # DDP's default gradient bucket (bucket_cap_mb=25)
+GLOO_THREADS = 2  # work threads of a gloo process group (ProcessGroupGloo.Options' default)
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ class Estimate:
     micro_batches: int = 0
     feasible: bool = True
     note: str = ""
-    replicas: int = 1       # pipeline: R replicas of the K = len(stages) stages
-    layout: str = ""        # pipeline: rank layout (strategies/runtimes/pipeline/replicas.py)
+    replicas: int = 1  # pipeline: R replicas of the K = len(stages) stages
+    layout: str = ""  # pipeline: rank layout (strategies/runtimes/pipeline/replicas.py)
 
     @property
     def samples_per_s(self) -> float:
@@ -83,8 +84,9 @@ def ring_allreduce_s(nbytes: float, n: int, bw: float, lat: float, fixed_s: floa
     return buckets * fixed + 2 * (n - 1) / n * nbytes / bw
 
 
-def ring_allgather_s(nbytes_each: float, n: int, bw: float, lat: float, rounds: int = 2,
-                     fixed_s: float | None = None) -> float:
+def ring_allgather_s(
+    nbytes_each: float, n: int, bw: float, lat: float, rounds: int = 2, fixed_s: float | None = None
+) -> float:
     """Seconds of a ring AllGather where each of ``n`` workers contributes ``nbytes_each``:
     rounds * (n-1) * lat + (n-1) * nbytes_each / bw (Thakur et al. 2005). ``rounds`` = 2 for
     a sparse gradient (indices, then values; gloo's sparse allreduce). ``fixed_s`` replaces the
@@ -116,27 +118,31 @@ class CostSetting:
     g: int
     h: int
     s: int
-    bw: float       # bandwidth of collectives (AllReduce, AllGather)
+    bw: float  # bandwidth of collectives (AllReduce, AllGather)
     lat: float
     fwd: float
     bwd: float
-    update_per_byte: float      # worker update
-    server_per_byte: float      # server (CPU) update
-    p2p_bw: float   # bandwidth of point-to-point traffic (worker<->server, stage->stage)
-    sparse_update_per_byte: float   # worker update per byte of gathered sparse gradient rows
-    overlap: bool   # a spare core for every process: communication (and servers) run beside backward
+    update_per_byte: float  # worker update
+    server_per_byte: float  # server (CPU) update
+    p2p_bw: float  # bandwidth of point-to-point traffic (worker<->server, stage->stage)
+    sparse_update_per_byte: float  # worker update per byte of gathered sparse gradient rows
+    overlap: bool  # a spare core for every process: communication (and servers) run beside backward
     intra_bw: float  # bandwidth between processes of one host (copies through its kernel)
     gather_bw: float  # bandwidth of a ring AllGather of sparse gradients (ClusterSpec.gather_Bps)
-    request_cpu: float = 0.0   # seconds a parameter-server request adds to the step on busy cores
-    data: float = 0.0   # seconds a worker draws its batch per step (Profile.data_s, times the host's load)
-    sparse_round: float | None = None   # seconds of one sparse gradient's exchange, bytes aside (ClusterSpec.sparse_round_s)
-    gradient_exchange: float | None = None   # seconds of this job's whole allreduce-sparse exchange, measured (ClusterSpec.gradient_exchange_s)
-    update_per_tensor: float = 0.0   # worker update per parameter tensor stepped (Profile.update_s_per_tensor)
-    server_per_tensor: float = 0.0   # server (CPU) update per tensor slice it steps
-    allreduce_fixed: float | None = None   # a small AllReduce over the workers, measured (ClusterSpec.allreduce_fixed_s)
-    allgather_fixed: float | None = None   # ... AllGather (ClusterSpec.allgather_fixed_s)
-    reduce_scatter_fixed: float | None = None   # ... ReduceScatter (ClusterSpec.reduce_scatter_fixed_s)
-    host: float = 0.0   # the host's own seconds a step on a GPU beyond the timed parts (Profile.step_overhead_s)
+    request_cpu: float = 0.0  # seconds a parameter-server request adds to the step on busy cores
+    data: float = 0.0  # seconds a worker draws its batch per step (Profile.data_s, times the host's load)
+    sparse_round: float | None = (
+        None  # seconds of one sparse gradient's exchange, bytes aside (ClusterSpec.sparse_round_s)
+    )
+    gradient_exchange: float | None = (
+        None  # seconds of this job's whole allreduce-sparse exchange, measured (ClusterSpec.gradient_exchange_s)
+    )
+    update_per_tensor: float = 0.0  # worker update per parameter tensor stepped (Profile.update_s_per_tensor)
+    server_per_tensor: float = 0.0  # server (CPU) update per tensor slice it steps
+    allreduce_fixed: float | None = None  # a small AllReduce over the workers, measured (ClusterSpec.allreduce_fixed_s)
+    allgather_fixed: float | None = None  # ... AllGather (ClusterSpec.allgather_fixed_s)
+    reduce_scatter_fixed: float | None = None  # ... ReduceScatter (ClusterSpec.reduce_scatter_fixed_s)
+    host: float = 0.0  # the host's own seconds a step on a GPU beyond the timed parts (Profile.step_overhead_s)
 
     def allreduce(self, nbytes: float) -> float:
         """Seconds of DDP's bucketed AllReduce of ``nbytes`` over the n workers
@@ -173,10 +179,10 @@ def cpu_share(cluster: ClusterSpec) -> float:
 def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = False) -> CostSetting:
     """The CostSetting of ``profile`` on ``cluster`` (``with_servers``: the hybrid/ps
     strategies, whose servers take cores on the hosts)."""
-    if cluster.device is not None:   # a projected device: roofline of its FLOP/s and memory bandwidth
+    if cluster.device is not None:  # a projected device: roofline of its FLOP/s and memory bandwidth
         fwd, bwd = compute_seconds(profile, cluster.device)
         upd = update_seconds_per_byte(cluster.device)
-        per_tensor = 0.0   # a CPU's Python loop over the tensors says nothing of a device's fused (foreach) step
+        per_tensor = 0.0  # a CPU's Python loop over the tensors says nothing of a device's fused (foreach) step
     else:
         fwd, bwd, upd = profile.forward_s, profile.backward_s, profile.update_s_per_byte
         per_tensor = profile.update_s_per_tensor
@@ -188,17 +194,40 @@ def cost_setting(profile: Profile, cluster: ClusterSpec, with_servers: bool = Fa
     busy_cores = load is not None and load >= 1.0
     # on busy cores a request's CPU (both ends, measured) is taken from the host's share of them
     request = k * cluster.request_cpu_s if busy_cores and cluster.request_cpu_s else 0.0
-    return CostSetting(cluster.workers, cluster.max_gpus_per_host, cluster.hosts, cluster.servers,
-                       cluster.collective_Bps, cluster.latency_s, k * fwd, k * bwd, k * upd,
-                       k * (profile.host_update_s_per_byte or profile.update_s_per_byte),   # servers: the host's rate
-                       p2p, k * sparse_upd, not busy_cores, cluster.intra_Bps, cluster.gather_Bps, request,
-                       k * profile.data_s, cluster.sparse_round_s, cluster.gradient_exchange_s,
-                       k * per_tensor,
-                       k * (profile.host_update_s_per_tensor if profile.host_update_s_per_tensor is not None
-                            else profile.update_s_per_tensor),
-                       *((cluster.allreduce_fixed_s, cluster.allgather_fixed_s, cluster.reduce_scatter_fixed_s)
-                         if cluster.hosts == 1 else (None, None, None)),
-                       profile.step_overhead_s or 0.0)
+    return CostSetting(
+        cluster.workers,
+        cluster.max_gpus_per_host,
+        cluster.hosts,
+        cluster.servers,
+        cluster.collective_Bps,
+        cluster.latency_s,
+        k * fwd,
+        k * bwd,
+        k * upd,
+        k * (profile.host_update_s_per_byte or profile.update_s_per_byte),  # servers: the host's rate
+        p2p,
+        k * sparse_upd,
+        not busy_cores,
+        cluster.intra_Bps,
+        cluster.gather_Bps,
+        request,
+        k * profile.data_s,
+        cluster.sparse_round_s,
+        cluster.gradient_exchange_s,
+        k * per_tensor,
+        k
+        * (
+            profile.host_update_s_per_tensor
+            if profile.host_update_s_per_tensor is not None
+            else profile.update_s_per_tensor
+        ),
+        *(
+            (cluster.allreduce_fixed_s, cluster.allgather_fixed_s, cluster.reduce_scatter_fixed_s)
+            if cluster.hosts == 1
+            else (None, None, None)
+        ),
+        profile.step_overhead_s or 0.0,
+    )
 
 
 def split_tail(params, first_layer: int = 0):
@@ -220,9 +249,22 @@ def estimate_allreduce(profile: Profile, cluster: ClusterSpec) -> Estimate:
     update = c.update(profile.trainable_bytes, len(trained)) + emb * c.update_per_byte
     step = c.data + c.host + c.fwd + c.under_backward(ar_over) + ar_tail + update
     sent = 2 * (c.n - 1) / c.n * profile.trainable_bytes if c.n > 1 else 0.0
-    return Estimate(ALLREDUCE.name, step, c.n * profile.samples_per_batch, sent,
-                    {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "comm_overlap": ar_over, "comm_tail": ar_tail,
-                     "update": update}, placement={p.name: ON_ALLREDUCE for p in profile.params})
+    return Estimate(
+        ALLREDUCE.name,
+        step,
+        c.n * profile.samples_per_batch,
+        sent,
+        {
+            "data": c.data,
+            "host": c.host,
+            "forward": c.fwd,
+            "backward": c.bwd,
+            "comm_overlap": ar_over,
+            "comm_tail": ar_tail,
+            "update": update,
+        },
+        placement={p.name: ON_ALLREDUCE for p in profile.params},
+    )
 
 
 def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimate:
@@ -249,21 +291,23 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
     dense = [p for p in profile.trained if not p.embedding_module]
     sparse = [p for p in profile.trained if p.embedding_module]
     densified = bool(sparse) and not profile.sparse_gradients_ok
-    if c.gradient_exchange is not None and c.n > 1 and sparse:   # the whole exchange, dense too, measured
+    if c.gradient_exchange is not None and c.n > 1 and sparse:  # the whole exchange, dense too, measured
         over, tail = 0.0, c.gradient_exchange
     else:
         d_over, d_tail = split_tail(dense)
         s_over, s_tail = split_tail(sparse)
         probed = c.sparse_round is not None and c.n > 1
-        ag = lambda ps: sum(ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat,
-                                             fixed_s=0.0 if probed else None) for p in ps)
+        ag = lambda ps: sum(
+            ring_allgather_s(sparse_bytes(p, p.alpha), c.n, c.gather_bw, c.lat, fixed_s=0.0 if probed else None)
+            for p in ps
+        )
         # the step's exchanges are in flight together (DDP launches each as its gradient is ready),
         # run by gloo's GLOO_THREADS work threads: their fixed times overlap in waves of that many
         rounds = math.ceil(len(sparse) / GLOO_THREADS) * c.sparse_round if probed else 0.0
         over = c.allreduce(sum(p.bytes for p in d_over)) + ag(s_over)
         tail = c.allreduce(sum(p.bytes for p in d_tail)) + ag(s_tail) + rounds
     gathered = sum(c.n * p.alpha * p.bytes for p in sparse)
-    if densified:   # strategies/job/optimizer_rules.py: the gathered rows summed into a dense table, stepped whole
+    if densified:  # strategies/job/optimizer_rules.py: the gathered rows summed into a dense table, stepped whole
         merge, sparse_update = gathered * c.update_per_byte, sum(p.bytes for p in sparse) * c.update_per_byte
     elif profile.sparse_update_s_per_byte:
         merge, sparse_update = 0.0, gathered * c.sparse_update_per_byte
@@ -272,9 +316,24 @@ def estimate_allreduce_sparse(profile: Profile, cluster: ClusterSpec) -> Estimat
         sparse_update = sum(p.union_for(c.n) * p.bytes for p in sparse) * c.update_per_byte
     update = c.update(sum(p.bytes for p in dense), len(profile.trained)) + sparse_update
     step = c.data + c.host + c.fwd + c.under_backward(over) + tail + merge + update
-    sent = (2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0) + \
-        sum((c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse)
-    return Estimate(ALLREDUCE_SPARSE.name, step, c.n * profile.samples_per_batch, sent,
-                    {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "comm_overlap": over, "comm_tail": tail,
-                     "merge": merge, "update": update}, placement={p.name: ON_ALLREDUCE for p in profile.params},
-                    note="the optimizer takes no sparse gradients: the gathered rows are made dense to step" if densified else "")
+    sent = (2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0) + sum(
+        (c.n - 1) * sparse_bytes(p, p.alpha) for p in sparse
+    )
+    return Estimate(
+        ALLREDUCE_SPARSE.name,
+        step,
+        c.n * profile.samples_per_batch,
+        sent,
+        {
+            "data": c.data,
+            "host": c.host,
+            "forward": c.fwd,
+            "backward": c.bwd,
+            "comm_overlap": over,
+            "comm_tail": tail,
+            "merge": merge,
+            "update": update,
+        },
+        placement={p.name: ON_ALLREDUCE for p in profile.params},
+        note="the optimizer takes no sparse gradients: the gathered rows are made dense to step" if densified else "",
+    )

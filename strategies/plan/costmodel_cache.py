@@ -12,6 +12,7 @@ on the answers to pulls a worker sends anyway (ceil(N / 8) bytes per table and s
 left out here). Staleness changes what the model learns, not only how fast: the planner offers
 this candidate only when the user asked for it with ``--staleness``.
 """
+
 from __future__ import annotations
 
 from hpar.strategies.specs.base import ON_SERVERS
@@ -23,11 +24,12 @@ from hpar.strategies.profile.hot_rows import HotRows, cache_shares
 from hpar.strategies.profile.records import Profile
 
 NAME = HYBRID_CACHE.name
-SHOWN_STALENESS = 4   # the staleness `hpar profile` shows the cache at when --staleness is not given
+SHOWN_STALENESS = 4  # the staleness `hpar profile` shows the cache at when --staleness is not given
 
 
-def cache_prediction(hot: dict[str, HotRows], table_rows: dict[str, int], cache: CacheConfig,
-                     workers: int) -> dict[str, dict]:
+def cache_prediction(
+    hot: dict[str, HotRows], table_rows: dict[str, int], cache: CacheConfig, workers: int
+) -> dict[str, dict]:
     """Per table with row frequencies ``hot`` (name: hot_rows.HotRows; ``table_rows`` its rows):
     ``{"rows": the cache's capacity, "hit_rate", "pulled", "pushed": shares of hybrid's rows,
     "looked_up": a batch's distinct rows}``."""
@@ -35,8 +37,13 @@ def cache_prediction(hot: dict[str, HotRows], table_rows: dict[str, int], cache:
     for name, h in hot.items():
         rows = cache.rows_for(table_rows[name])
         hit, pulled, pushed = cache_shares(h, rows, cache.staleness, workers, REFRESH_STEPS)
-        out[name] = {"rows": rows, "hit_rate": hit, "pulled": pulled, "pushed": pushed,
-                     "looked_up": h.touches / h.batches if h.batches else 0.0}
+        out[name] = {
+            "rows": rows,
+            "hit_rate": hit,
+            "pulled": pulled,
+            "pushed": pushed,
+            "looked_up": h.touches / h.batches if h.batches else 0.0,
+        }
     return out
 
 
@@ -60,21 +67,31 @@ def estimate_hybrid_cache(profile: Profile, cluster: ClusterSpec, cache: CacheCo
     ``hit_rate``. Infeasible, with a note, where no embedding's rows were profiled or the
     servers cannot run the optimizer."""
     from hpar.strategies.plan.costmodel_ps import _ps_estimate, _server_refusal
+
     refused = _server_refusal(profile, HYBRID.name)
     if refused is not None:
         return Estimate(NAME, 0.0, 0, 0.0, feasible=False, note=refused.note)
     pred = cache_prediction(*profiled(profile), cache, cluster.workers)
     if not pred:
         return Estimate(NAME, 0.0, 0, 0.0, feasible=False, note="no embedding table's row frequencies were profiled")
-    est = _ps_estimate(profile, cluster, HYBRID.name, shares={n: (d["pulled"], d["pushed"]) for n, d in pred.items()},
-                       name=NAME)
+    est = _ps_estimate(
+        profile, cluster, HYBRID.name, shares={n: (d["pulled"], d["pushed"]) for n, d in pred.items()}, name=NAME
+    )
     served = {n for n, where in est.placement.items() if where == ON_SERVERS}
     sizes = {p.name: p for p in profile.params}
-    held = cache_bytes({n: d["rows"] for n, d in pred.items() if n in served},
-                       {n: sizes[n].bytes / max(sizes[n].rows, 1) for n in pred})
-    return Estimate(est.strategy, est.step_s, est.samples_per_step, est.bytes_per_step,
-                    {**est.breakdown, "hit_rate": hit_rate(pred, served), "cache_bytes": held},
-                    placement=est.placement, partitions=est.partitions)
+    held = cache_bytes(
+        {n: d["rows"] for n, d in pred.items() if n in served},
+        {n: sizes[n].bytes / max(sizes[n].rows, 1) for n in pred},
+    )
+    return Estimate(
+        est.strategy,
+        est.step_s,
+        est.samples_per_step,
+        est.bytes_per_step,
+        {**est.breakdown, "hit_rate": hit_rate(pred, served), "cache_bytes": held},
+        placement=est.placement,
+        partitions=est.partitions,
+    )
 
 
 def cache_bytes(rows: dict[str, int], row_bytes: dict[str, float]) -> float:
@@ -84,10 +101,15 @@ def cache_bytes(rows: dict[str, int], row_bytes: dict[str, float]) -> float:
     return sum(n * (2 * row_bytes[name] + 24) for name, n in rows.items())
 
 
-def plan_cache(hot: dict[str, HotRows], table_rows: dict[str, int], cache: CacheConfig, workers: int,
-               served: set[str]) -> dict:
+def plan_cache(
+    hot: dict[str, HotRows], table_rows: dict[str, int], cache: CacheConfig, workers: int, served: set[str]
+) -> dict:
     """The ``cache`` entry of a plan that runs the caches: the flags' values, the predicted hit
     rate and, per served table, its first epoch's rows (the hottest of ``hot``)."""
     pred = cache_prediction({n: h for n, h in hot.items() if n in served}, table_rows, cache, workers)
-    return {"staleness": cache.staleness, "rows": cache.rows, "predicted_hit_rate": hit_rate(pred, served),
-            "hot_rows": {n: list(hot[n].ids[: d["rows"]]) for n, d in pred.items()}}
+    return {
+        "staleness": cache.staleness,
+        "rows": cache.rows,
+        "predicted_hit_rate": hit_rate(pred, served),
+        "hot_rows": {n: list(hot[n].ids[: d["rows"]]) for n, d in pred.items()},
+    }

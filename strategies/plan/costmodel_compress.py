@@ -25,13 +25,20 @@ Memory (strategies/plan/memory_model.py, term ``compress``): PowerSGD's error-fe
 (as large as the compressed gradients) and its warm-start P and Q factors, in
 ``breakdown["compress_bytes"]``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from hpar.strategies.job.compression import (Compression, compressed_bytes, compression_work, powersgd_buffers, powersgd_flops,
-                                                 wire_elements)
+from hpar.strategies.job.compression import (
+    Compression,
+    compressed_bytes,
+    compression_work,
+    powersgd_buffers,
+    powersgd_flops,
+    wire_elements,
+)
 from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import Estimate, cost_setting, cpu_share
 from hpar.strategies.profile.records import ParamProfile, Profile
@@ -42,8 +49,13 @@ from hpar.strategies.specs.registry import spec as strategy_spec
 def dense_allreduce_params(profile: Profile, est: Estimate) -> list[ParamProfile]:
     """The parameters whose gradients candidate ``est`` averages with DDP's dense AllReduce."""
     spec = strategy_spec(est.strategy)
-    return [p for p in profile.params if not p.frozen and est.placement.get(p.name, ON_ALLREDUCE) == ON_ALLREDUCE
-            and not (spec.sparse_gradients and p.embedding_module)]
+    return [
+        p
+        for p in profile.params
+        if not p.frozen
+        and est.placement.get(p.name, ON_ALLREDUCE) == ON_ALLREDUCE
+        and not (spec.sparse_gradients and p.embedding_module)
+    ]
 
 
 def _ring(n: int) -> float:
@@ -64,7 +76,7 @@ def estimate_compressed(profile: Profile, cluster: ClusterSpec, base: Estimate, 
     shapes = [tuple(p.shape) for p in params]
     full = float(sum(p.bytes for p in params))
     numel = sum(math.prod(s) for s in shapes)
-    per_elem = full / numel if numel else 4.0   # the gradients' width (fp32: 4)
+    per_elem = full / numel if numel else 4.0  # the gradients' width (fp32: 4)
     small = float(numel * 2) if c.kind in ("fp16", "bf16") else compressed_bytes(shapes, c) * per_elem / 4.0
     cs = cost_setting(profile, cluster, with_servers=spec.servers)
     if c.kind == "powersgd":
@@ -72,10 +84,11 @@ def estimate_compressed(profile: Profile, cluster: ClusterSpec, base: Estimate, 
         ar_small = sum(cs.allreduce(b) for b in pieces if b > 0)
         flops = powersgd_flops(shapes, c)
         per_flop = (cs.fwd + cs.bwd) / profile.flops if profile.flops else 0.0
-        work = (cluster.device.seconds(flops, 4.0 * full) if cluster.device is not None else flops * per_flop) \
-            + full * cs.update_per_byte   # error feedback: add, copy, subtract over the gradients
+        work = (
+            cluster.device.seconds(flops, 4.0 * full) if cluster.device is not None else flops * per_flop
+        ) + full * cs.update_per_byte  # error feedback: add, copy, subtract over the gradients
     else:
-        ar_small, work = cs.allreduce(small), 0.5 * full * cs.update_per_byte   # the 16-bit casts
+        ar_small, work = cs.allreduce(small), 0.5 * full * cs.update_per_byte  # the 16-bit casts
     measured = measured_work(profile, params, c) if cluster.device is None else None
     if measured is not None:
         work = cpu_share(cluster) * measured
@@ -85,12 +98,17 @@ def estimate_compressed(profile: Profile, cluster: ClusterSpec, base: Estimate, 
     step = max(1e-9, base.step_s - saved + work)
     sent = max(0.0, base.bytes_per_step - _ring(cs.n) * (full - small))
     error, factors = powersgd_buffers(shapes, c)
-    breakdown = {**base.breakdown, "compress_saved": saved, "compress_work": work,
-                 "compress_measured": float(measured is not None),
-                 "compress_bytes": (error + factors) * per_elem / 4.0}
+    breakdown = {
+        **base.breakdown,
+        "compress_saved": saved,
+        "compress_work": work,
+        "compress_measured": float(measured is not None),
+        "compress_bytes": (error + factors) * per_elem / 4.0,
+    }
     note = f"--compress {c}: {small / full:.2f}x the dense AllReduce's bytes" if full else f"--compress {c}"
-    return dataclasses.replace(base, step_s=step, bytes_per_step=sent, breakdown=breakdown,
-                               note=note + ("; " + base.note if base.note else ""))
+    return dataclasses.replace(
+        base, step_s=step, bytes_per_step=sent, breakdown=breakdown, note=note + ("; " + base.note if base.note else "")
+    )
 
 
 def measured_work(profile: Profile, params: list[ParamProfile], c: Compression) -> float | None:
@@ -128,7 +146,7 @@ def _powersgd_pieces(shapes: list[tuple[int, ...]], c: Compression, per_elem: fl
     return whole, p_bytes, q_bytes
 
 
-ROW = " --compress "   # a compressed candidate's name: "<strategy> --compress <setting>"
+ROW = " --compress "  # a compressed candidate's name: "<strategy> --compress <setting>"
 
 
 def is_compressed_row(name: str) -> bool:
@@ -137,11 +155,17 @@ def is_compressed_row(name: str) -> bool:
     return ROW in name
 
 
-SHOWN = (Compression("fp16"), Compression("powersgd", 2))   # the rows `hpar profile` shows without --compress
+SHOWN = (Compression("fp16"), Compression("powersgd", 2))  # the rows `hpar profile` shows without --compress
 
 
-def shown_rows(profile: Profile, cluster: ClusterSpec, estimates: list[Estimate], candidates: list, memory,
-               asked: Compression | None = None) -> tuple[list, list[tuple[Estimate, Compression]]]:
+def shown_rows(
+    profile: Profile,
+    cluster: ClusterSpec,
+    estimates: list[Estimate],
+    candidates: list,
+    memory,
+    asked: Compression | None = None,
+) -> tuple[list, list[tuple[Estimate, Compression]]]:
     """``hpar profile``'s compressed rows, beside ``candidates`` (the planner's Candidates, in
     the order of ``estimates``), and those the planner may choose. After each available
     candidate of a strategy with DDP's AllReduce, one row per compression of :data:`SHOWN`
@@ -151,6 +175,7 @@ def shown_rows(profile: Profile, cluster: ClusterSpec, estimates: list[Estimate]
     planner's MemoryEstimate of an estimate). Returns (the rows, [(its estimate, its setting)
     for each runnable compressed row])."""
     from hpar.strategies.specs.decision import Candidate
+
     asked = asked if asked is not None and asked.on else None
     settings = SHOWN + ((asked,) if asked is not None and asked not in SHOWN else ())
     by_name = {e.strategy: e for e in estimates}
@@ -165,15 +190,26 @@ def shown_rows(profile: Profile, cluster: ClusterSpec, estimates: list[Estimate]
             ce = estimate_compressed(profile, cluster, e, c)
             mem = memory(ce)
             misfit = mem.misfit(cluster)
-            why = (misfit or "asked for with --compress: an accuracy trade") if c == asked else \
-                f"an accuracy trade: runs with hpar run --strategy {e.strategy} --compress {c}"
-            out.append(Candidate(f"{e.strategy}{ROW}{c}", ce.step_s, ce.samples_per_s, ce.bytes_per_step,
-                                 c == asked and not misfit, f"{ce.note.split(';')[0]}; {why}", dict(ce.breakdown),
-                                 mem.to_dict(cluster)))
+            why = (
+                (misfit or "asked for with --compress: an accuracy trade")
+                if c == asked
+                else f"an accuracy trade: runs with hpar run --strategy {e.strategy} --compress {c}"
+            )
+            out.append(
+                Candidate(
+                    f"{e.strategy}{ROW}{c}",
+                    ce.step_s,
+                    ce.samples_per_s,
+                    ce.bytes_per_step,
+                    c == asked and not misfit,
+                    f"{ce.note.split(';')[0]}; {why}",
+                    dict(ce.breakdown),
+                    mem.to_dict(cluster),
+                )
+            )
             if c == asked and not misfit:
                 runnable.append((ce, c))
     return out, runnable
 
 
-__all__ = ["estimate_compressed", "dense_allreduce_params", "measured_work", "shown_rows", "SHOWN",
-           "is_compressed_row"]
+__all__ = ["estimate_compressed", "dense_allreduce_params", "measured_work", "shown_rows", "SHOWN", "is_compressed_row"]

@@ -28,6 +28,7 @@ cluster's small collectives were measured (``ClusterSpec.allgather_fixed_s``,
 latencies. What fsdp buys is memory (strategies/plan/memory_model.py): the planner takes it where
 the data-parallel replica does not fit.
 """
+
 from __future__ import annotations
 
 from hpar.strategies.specs.base import ON_ALLREDUCE
@@ -48,39 +49,66 @@ def fsdp_bytes(total: float, n: int, gloo: bool, trainable: float | None = None)
     return 2 * share + (2 * reduced if gloo else reduced)
 
 
-UNUSED_BY_RANK = ("the ranks' batches leave different parameters without a gradient in one step (routing, as in "
-                  "a mixture of experts), and FSDP2 reduce-scatters only the gradients a rank has, so the ranks' "
-                  "collectives would differ; use allreduce or hybrid")
+UNUSED_BY_RANK = (
+    "the ranks' batches leave different parameters without a gradient in one step (routing, as in "
+    "a mixture of experts), and FSDP2 reduce-scatters only the gradients a rank has, so the ranks' "
+    "collectives would differ; use allreduce or hybrid"
+)
 
 
 def estimate_fsdp(profile: Profile, cluster: ClusterSpec) -> Estimate:
     """``fsdp``: step = data + forward with the AllGathers under it + backward with the
     AllGathers and ReduceScatters under it + the first unit's AllGather + the update of
     P/N (module docstring). One worker runs it as a single process (no collective)."""
-    if profile.unused_by_rank and cluster.workers > 1:   # strategies/profile/unused.py
+    if profile.unused_by_rank and cluster.workers > 1:  # strategies/profile/unused.py
         return Estimate(FSDP.name, 0.0, 0, 0.0, feasible=False, note=UNUSED_BY_RANK)
     c = cost_setting(profile, cluster)
     n, total, trained = c.n, float(profile.total_bytes), float(profile.trainable_bytes)
     gloo = profile.device == "cpu"
     units = max(1, len(profile.layers))
     # per unit one collective of each kind: at its measured fixed time where there is one
-    gather = ring_allgather_s(total / n, n, c.bw, c.lat, rounds=units,
-                              fixed_s=None if c.allgather_fixed is None else units * c.allgather_fixed)
-    if gloo and c.reduce_scatter_fixed is not None:   # an AllReduce's bytes, the measured ReduceScatters' fixed time
+    gather = ring_allgather_s(
+        total / n,
+        n,
+        c.bw,
+        c.lat,
+        rounds=units,
+        fixed_s=None if c.allgather_fixed is None else units * c.allgather_fixed,
+    )
+    if gloo and c.reduce_scatter_fixed is not None:  # an AllReduce's bytes, the measured ReduceScatters' fixed time
         scatter = ring_allreduce_s(trained, n, c.bw, 0.0) + units * c.reduce_scatter_fixed
     elif gloo:
         scatter = ring_allreduce_s(trained, n, c.bw, c.lat)
     else:
-        scatter = ring_allgather_s(trained / n, n, c.bw, c.lat, rounds=units,
-                                   fixed_s=None if c.reduce_scatter_fixed is None else units * c.reduce_scatter_fixed)
+        scatter = ring_allgather_s(
+            trained / n,
+            n,
+            c.bw,
+            c.lat,
+            rounds=units,
+            fixed_s=None if c.reduce_scatter_fixed is None else units * c.reduce_scatter_fixed,
+        )
     first = gather * (profile.layers[0].param_bytes / total if profile.layers and total else 1.0)
     forward = max(c.fwd, gather - first) if c.overlap else c.fwd + gather - first
-    update = c.update(trained / n, len(profile.trained))   # every trainable tensor, sharded
+    update = c.update(trained / n, len(profile.trained))  # every trainable tensor, sharded
     # FSDP's own copies and hooks, measured on one worker (runtimes/dataparallel/fsdp_cost.py); a projected device: not known
     own = cpu_share(cluster) * (profile.fsdp_overhead_s or 0.0) if cluster.device is None else 0.0
     step = c.data + c.host + first + forward + c.under_backward(gather + scatter) + update + own
-    return Estimate(FSDP.name, step, n * profile.samples_per_batch, fsdp_bytes(total, n, gloo, trained),
-                    {"data": c.data, "host": c.host, "forward": c.fwd, "backward": c.bwd, "allgather": 2 * gather,
-                     "reducescatter": scatter, "comm_tail": first, "update": update,
-                     "fsdp_own": own},
-                    placement={p.name: ON_ALLREDUCE for p in profile.params})
+    return Estimate(
+        FSDP.name,
+        step,
+        n * profile.samples_per_batch,
+        fsdp_bytes(total, n, gloo, trained),
+        {
+            "data": c.data,
+            "host": c.host,
+            "forward": c.fwd,
+            "backward": c.bwd,
+            "allgather": 2 * gather,
+            "reducescatter": scatter,
+            "comm_tail": first,
+            "update": update,
+            "fsdp_own": own,
+        },
+        placement={p.name: ON_ALLREDUCE for p in profile.params},
+    )

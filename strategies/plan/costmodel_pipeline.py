@@ -24,6 +24,7 @@ Sources: PipeDream's planner (Narayanan et al., SOSP 2019, section 3.1: stage re
 and its AllReduce cost), Megatron-LM's pipeline x data parallel placement (Narayanan et al.,
 SC 2021, section 3.3), the alpha-beta message cost of ``costmodel``.
 """
+
 from __future__ import annotations
 
 import math
@@ -75,8 +76,10 @@ def allreduce_seconds(cluster: ClusterSpec, grid: Grid, stage_bytes: list[float]
         spans.append(bool(crossing))
     share = max(edges.values()) if edges else 1
     one_host = cluster.allreduce_Bps or cluster.intra_Bps
-    return [ring_allreduce_s(nbytes, grid.replicas, cluster.bandwidth_Bps / share if span else one_host,
-                             cluster.latency_s) for nbytes, span in zip(stage_bytes, spans)]
+    return [
+        ring_allreduce_s(nbytes, grid.replicas, cluster.bandwidth_Bps / share if span else one_host, cluster.latency_s)
+        for nbytes, span in zip(stage_bytes, spans)
+    ]
 
 
 def message_s(c) -> float:
@@ -98,39 +101,76 @@ def estimate_grid(profile: Profile, cluster: ClusterSpec, grid: Grid, micro_batc
     at least ``grid.stages`` layers."""
     c = cost_setting(profile, cluster)
     layers, K, R, m = profile.layers, grid.stages, grid.replicas, micro_batches
-    if cluster.device is not None:   # a projected device: each layer's roofline time (strategies/plan/roofline.py)
+    if cluster.device is not None:  # a projected device: each layer's roofline time (strategies/plan/roofline.py)
         comp, fixed = layer_seconds(profile, cluster.device), 0.0
-        comp[-1] += max(0.0, c.fwd + c.bwd - sum(comp))   # the loss and unattributed time go to the last layer
+        comp[-1] += max(0.0, c.fwd + c.bwd - sum(comp))  # the loss and unattributed time go to the last layer
     else:
         # profiled compute slowed as every strategy's is where the host's workers outnumber its
         # cores, every layer alike (the loss and unattributed time go to the last layer)
         share = cpu_share(cluster)
         comp, fixed = [share * (l.forward_s + l.backward_s) for l in layers], profile.fixed_share
         comp[-1] += max(0.0, share * (profile.forward_s + profile.backward_s) - sum(comp))
-    per_micro = fixed + (1.0 - fixed) / m     # a micro-batch's share of the batch's compute
-    plan = partition_stages([x * per_micro for x in comp], [l.activation_bytes // m for l in layers],
-                            [l.param_bytes for l in layers], K, activation_bandwidth(cluster, grid))
+    per_micro = fixed + (1.0 - fixed) / m  # a micro-batch's share of the batch's compute
+    plan = partition_stages(
+        [x * per_micro for x in comp],
+        [l.activation_bytes // m for l in layers],
+        [l.param_bytes for l in layers],
+        K,
+        activation_bandwidth(cluster, grid),
+    )
     msg = message_s(c)
     period = max(plan.stage_s) + 2 * msg
     # each stage's trainable bytes: its layers' less its frozen parameters (no gradient, no update)
-    stage_bytes = [max(0.0, float(sum(l.param_bytes for l in layers[a:b])
-                                  - sum(p.bytes for p in profile.params if p.frozen and a <= p.layer < b)))
-                   for a, b in plan.ranges]
+    stage_bytes = [
+        max(
+            0.0,
+            float(
+                sum(l.param_bytes for l in layers[a:b])
+                - sum(p.bytes for p in profile.params if p.frozen and a <= p.layer < b)
+            ),
+        )
+        for a, b in plan.ranges
+    ]
     reduce = allreduce_seconds(cluster, grid, stage_bytes)
     tensors = [sum(1 for p in profile.trained if a <= p.layer < b) for a, b in plan.ranges]
     updates = [c.update(nbytes, count) for nbytes, count in zip(stage_bytes, tensors)]
     tail = max(ar + u for ar, u in zip(reduce, updates))
     # the first stage draws the batch; the last sends the step's loss to rank 0 (one message)
     step = c.data + c.host + (m + K - 1) * period + tail + msg
-    acts = sum(m * ((layers[b - 1].activation_bytes // m if b < len(layers) else 0)
-                    + (layers[a - 1].activation_bytes // m if a > 0 else 0)) for a, b in plan.ranges) / K
+    acts = (
+        sum(
+            m
+            * (
+                (layers[b - 1].activation_bytes // m if b < len(layers) else 0)
+                + (layers[a - 1].activation_bytes // m if a > 0 else 0)
+            )
+            for a, b in plan.ranges
+        )
+        / K
+    )
     reduced = sum(2 * (R - 1) / R * nbytes for nbytes in stage_bytes) / K
-    return Estimate(PIPELINE.name, step, R * profile.samples_per_batch, acts + reduced,
-                    {"data": c.data, "host": c.host, "period": period, "message": msg, "bubble": (K - 1) / (m + K - 1),
-                     "update": max(updates),
-                     "allreduce": max(reduce), "stages": K, "replicas": R},
-                    placement={p.name: ON_ALLREDUCE for p in profile.params},
-                    stages=tuple(tuple(r) for r in plan.ranges), micro_batches=m, replicas=R, layout=grid.layout)
+    return Estimate(
+        PIPELINE.name,
+        step,
+        R * profile.samples_per_batch,
+        acts + reduced,
+        {
+            "data": c.data,
+            "host": c.host,
+            "period": period,
+            "message": msg,
+            "bubble": (K - 1) / (m + K - 1),
+            "update": max(updates),
+            "allreduce": max(reduce),
+            "stages": K,
+            "replicas": R,
+        },
+        placement={p.name: ON_ALLREDUCE for p in profile.params},
+        stages=tuple(tuple(r) for r in plan.ranges),
+        micro_batches=m,
+        replicas=R,
+        layout=grid.layout,
+    )
 
 
 def pipeline_grid_estimates(profile: Profile, cluster: ClusterSpec, replicas: int | None = None) -> list[Estimate]:
@@ -147,20 +187,36 @@ def pipeline_grid_estimates(profile: Profile, cluster: ClusterSpec, replicas: in
     if replicas is None and n < 2:
         return [Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False, note="a pipeline needs at least 2 workers")]
     if replicas is not None and (replicas < 1 or n % replicas):
-        return [Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False,
-                         note=f"--pipeline-replicas {replicas} does not divide the {n} workers")]
+        return [
+            Estimate(
+                PIPELINE.name,
+                0.0,
+                0,
+                0.0,
+                feasible=False,
+                note=f"--pipeline-replicas {replicas} does not divide the {n} workers",
+            )
+        ]
     splits = [(n // replicas, replicas)] if replicas else [(k, n // k) for k in range(2, n + 1) if n % k == 0]
     splits = [(k, r) for k, r in splits if k <= len(layers)]
     if not splits:
-        return [Estimate(PIPELINE.name, 0.0, 0, 0.0, feasible=False,
-                         note=f"{len(layers)} layers cannot fill {n // (replicas or 1)} stages")]
+        return [
+            Estimate(
+                PIPELINE.name,
+                0.0,
+                0,
+                0.0,
+                feasible=False,
+                note=f"{len(layers)} layers cannot fill {n // (replicas or 1)} stages",
+            )
+        ]
     found, batch = [], math.gcd(profile.batch_size, profile.samples_per_batch or profile.batch_size)
     for k, r in splits:
-        for layout in (LAYOUTS if r > 1 else LAYOUTS[:1]):
+        for layout in LAYOUTS if r > 1 else LAYOUTS[:1]:
             for m in sorted({micro_batch_count(f, batch, min(f, k)) for f in (1, k, 2 * k, 4 * k)}):
                 found.append(estimate_grid(profile, cluster, Grid(k, r, layout), m))
     best = found[0]
-    for est in found[1:]:   # the first of (nearly) equals in K, layout, M order
+    for est in found[1:]:  # the first of (nearly) equals in K, layout, M order
         if est.samples_per_s > best.samples_per_s * (1 + 1e-12):
             best = est
     return [best] + sorted((e for e in found if e is not best), key=lambda e: -e.samples_per_s)
@@ -175,9 +231,14 @@ def estimate_pipeline_grid(profile: Profile, cluster: ClusterSpec, replicas: int
 def describe(est: Estimate) -> str:
     """One line for the profile table: "K stages x R replicas (layout), M micro-batches,
     layers [a, b) ..." (each stage's layer range)."""
-    where = {"stages-adjacent": "a pipeline's stages on adjacent ranks",
-             "replicas-adjacent": "a stage's replicas on adjacent ranks"}.get(est.layout, est.layout)
+    where = {
+        "stages-adjacent": "a pipeline's stages on adjacent ranks",
+        "replicas-adjacent": "a stage's replicas on adjacent ranks",
+    }.get(est.layout, est.layout)
     micro = f"{est.micro_batches} micro-batch{'es' if est.micro_batches != 1 else ''}"
     split = "layers " + " ".join(f"[{a}, {b})" for a, b in est.stages)
-    return (f"{len(est.stages)} stages x {est.replicas} replicas ({where}), {micro}, {split}"
-            if est.replicas > 1 else f"{len(est.stages)} stages, {micro}, {split}")
+    return (
+        f"{len(est.stages)} stages x {est.replicas} replicas ({where}), {micro}, {split}"
+        if est.replicas > 1
+        else f"{len(est.stages)} stages, {micro}, {split}"
+    )

@@ -14,6 +14,7 @@ sends, CostSetting.request_cpu) are CPU work the hosts' cores must fit into a st
 set the pace. A worker also deduplicates each served table's ids
 on its own thread every step (``lookup``: ParamProfile.dedup_s, measured by the profiler).
 """
+
 from __future__ import annotations
 
 import math
@@ -23,13 +24,20 @@ from hpar.strategies.specs.registry import spec as strategy_spec
 from hpar.strategies.specs.servers_spec import HYBRID, PS
 from hpar.strategies.specs.base import ON_ALLREDUCE, ON_SERVERS
 from hpar.strategies.plan.cluster import ClusterSpec
-from hpar.strategies.plan.costmodel import (CostSetting, Estimate, cost_setting, cpu_share, ring_allreduce_s,
-                                            sparse_bytes, split_tail)
+from hpar.strategies.plan.costmodel import (
+    CostSetting,
+    Estimate,
+    cost_setting,
+    cpu_share,
+    ring_allreduce_s,
+    sparse_bytes,
+    split_tail,
+)
 from hpar.strategies.specs.servers_spec import ROW_PARTITIONS_PER_SERVER
 from hpar.strategies.profile.records import ParamProfile, Profile
 
 # 1, 2, 4, ... up to the runtime's default for a table without a planned count
-PARTITION_FACTORS = tuple(2 ** k for k in range(ROW_PARTITIONS_PER_SERVER.bit_length()))
+PARTITION_FACTORS = tuple(2**k for k in range(ROW_PARTITIONS_PER_SERVER.bit_length()))
 
 
 def server_imbalance(p: ParamProfile, partitions: int, servers: int) -> float:
@@ -40,7 +48,7 @@ def server_imbalance(p: ParamProfile, partitions: int, servers: int) -> float:
     ``servers / partitions``."""
     if servers <= 1:
         return 1.0
-    mass = p.row_mass or [1.0] * max(partitions, 1)    # unprofiled: rows touched evenly
+    mass = p.row_mass or [1.0] * max(partitions, 1)  # unprofiled: rows touched evenly
     nb = len(mass)
     load = [0.0] * servers
     for part in range(partitions):
@@ -65,8 +73,9 @@ def _ps_link_s(c: CostSetting, per_host_bytes: float, per_server_bytes: float, c
     return max(per_host_bytes, per_server_bytes) / c.p2p_bw
 
 
-def choose_partitions(p: ParamProfile, c: CostSetting, pull_host: float, push_host: float,
-                      pull_total: float, push_total: float) -> tuple[int, float, float]:
+def choose_partitions(
+    p: ParamProfile, c: CostSetting, pull_host: float, push_host: float, pull_total: float, push_total: float
+) -> tuple[int, float, float]:
     """(partition count, pull seconds, push seconds) of a PS-placed parameter.
 
     Parallax (Kim et al., EuroSys 2019, section 4.2) models the step time as a function of the
@@ -83,15 +92,15 @@ def choose_partitions(p: ParamProfile, c: CostSetting, pull_host: float, push_ho
     fewer servers: fewer requests, more bytes on the busiest server) and S * {1, 2, 4, ..., 64},
     at most the row count."""
     colocated = c.s <= c.h
-    counts = [2 ** k for k in range(max(c.s - 1, 0).bit_length()) if 2 ** k < c.s] + [c.s * f for f in PARTITION_FACTORS]
+    counts = [2**k for k in range(max(c.s - 1, 0).bit_length()) if 2**k < c.s] + [c.s * f for f in PARTITION_FACTORS]
     best = None
     for count in counts:
         parts = min(count, p.rows)
         imb = server_imbalance(p, parts, c.s)
-        overhead = c.n * c.lat     # per direction: N requests to each holding server, whatever P
+        overhead = c.n * c.lat  # per direction: N requests to each holding server, whatever P
         pull = _ps_link_s(c, pull_host, pull_total * imb / c.s, colocated) + overhead
         push = _ps_link_s(c, push_host, push_total * imb / c.s, colocated) + overhead
-        cost = pull + push + 2 * min(parts, c.s) * c.request_cpu   # (the step charges requests apart)
+        cost = pull + push + 2 * min(parts, c.s) * c.request_cpu  # (the step charges requests apart)
         if best is None or cost < best[0] - 1e-12:
             best = (cost, parts, pull, push)
         if parts == p.rows:
@@ -107,6 +116,7 @@ class OnPS:
     ``partitions`` (sparse parameters only, else None); ``requests`` a worker sends for it per
     step (a pull and a push to every server holding rows of it; a host's pushes once with
     local aggregation)."""
+
     param: ParamProfile
     partitions: int | None
     pull: float
@@ -134,12 +144,20 @@ def on_ps(p: ParamProfile, c: CostSetting, hybrid: bool, shares: tuple[float, fl
     n_push = push_h * c.h
     parts, t_pull, t_push = choose_partitions(p, c, c.g * pull_w, push_h, c.n * pull_w, n_push)
     touched = (p.union_for(c.n) * p.bytes * pushed) if p.sparse else p.bytes
-    holders = min(c.s, parts if p.sparse else c.s, p.rows)   # servers with rows of p (RowLayout)
+    holders = min(c.s, parts if p.sparse else c.s, p.rows)  # servers with rows of p (RowLayout)
     aggregated = hybrid and p.sparse and c.h > 1 and c.g > 1
     # every server holding a slice of p steps it: a cost per tensor besides the bytes
     server = ((n_push + touched) * c.server_per_byte + holders * c.server_per_tensor) / c.s
-    return OnPS(p, parts if p.sparse else None, t_pull, t_push, server,
-                (c.n * pull_w + n_push) / c.s, push_h / c.g, holders * (1 + (1 / c.g if aggregated else 1)))
+    return OnPS(
+        p,
+        parts if p.sparse else None,
+        t_pull,
+        t_push,
+        server,
+        (c.n * pull_w + n_push) / c.s,
+        push_h / c.g,
+        holders * (1 + (1 / c.g if aggregated else 1)),
+    )
 
 
 def allreduce_cost(p: ParamProfile, c: CostSetting) -> float:
@@ -172,7 +190,7 @@ def _placed(profile: Profile, c: CostSetting, hybrid: bool, shares: dict | None 
     (name: (pulled, pushed)) as :func:`on_ps` takes them, for the tables with a hot-row cache."""
     terms = []
     for p in profile.params:
-        if (hybrid and not p.embedding_module) or p.frozen:   # a frozen parameter stays on the workers
+        if (hybrid and not p.embedding_module) or p.frozen:  # a frozen parameter stays on the workers
             continue
         t = on_ps(p, c, hybrid, (shares or {}).get(p.name, (1.0, 1.0)))
         if not hybrid or t.pull + t.push + t.server + t.requests * c.request_cpu < allreduce_cost(p, c):
@@ -180,8 +198,9 @@ def _placed(profile: Profile, c: CostSetting, hybrid: bool, shares: dict | None 
     return terms
 
 
-def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: dict | None = None,
-                 name: str | None = None) -> Estimate:
+def _ps_estimate(
+    profile: Profile, cluster: ClusterSpec, strategy: str, shares: dict | None = None, name: str | None = None
+) -> Estimate:
     """Shared by ``ps`` and ``hybrid``; see their docstrings. ``shares`` and ``name``: the
     ``hybrid-cache`` estimate's (strategies/plan/costmodel_cache.py).
 
@@ -193,11 +212,11 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: 
     ``request_cpu``: it does its own end, and waits for the server's, since the next pull is
     answered only once the server has taken the step's pushes) and :func:`cpu_bound`, the CPU
     work of a host's processes, its servers' included, over the host's cores."""
-    hybrid = strategy_spec(strategy).ddp   # hybrid: the dense part on AllReduce (ps: on the servers too)
+    hybrid = strategy_spec(strategy).ddp  # hybrid: the dense part on AllReduce (ps: on the servers too)
     c = cost_setting(profile, cluster, with_servers=True)
     terms = _placed(profile, c, hybrid, shares)
     placed = {t.param.name for t in terms}
-    on_ar = [p for p in profile.params if p.name not in placed and not p.frozen]   # frozen: no gradient, no update
+    on_ar = [p for p in profile.params if p.name not in placed and not p.frozen]  # frozen: no gradient, no update
     tail = [t for t in terms if t.param.layer == 0]
     over = [t for t in terms if t.param.layer != 0]
     d_over, d_tail = split_tail(on_ar)
@@ -213,8 +232,17 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: 
     # the worker deduplicates each served table's ids on its own thread, whatever the cores
     lookup = cpu_share(cluster) * sum(t.param.dedup_s for t in terms if t.partitions is not None)
     if c.overlap:
-        step = (c.data + c.host + lookup + pull + c.fwd + max(c.bwd, ar_over + push_over + server_over) + ar_tail + push_tail
-                + max(server_tail, dense_update))
+        step = (
+            c.data
+            + c.host
+            + lookup
+            + pull
+            + c.fwd
+            + max(c.bwd, ar_over + push_over + server_over)
+            + ar_tail
+            + push_tail
+            + max(server_tail, dense_update)
+        )
     else:
         # busy cores: the worker's path (its CPU at its share of the cores, the links, both
         # ends of each request) or, where more, the hosts' CPU work over their cores
@@ -222,13 +250,28 @@ def _ps_estimate(profile: Profile, cluster: ClusterSpec, strategy: str, shares: 
         serial = own + pull + ar_over + push_over + ar_tail + push_tail + requests
         step = max(serial, cpu_bound(c, cluster, own + requests, busy))
     sent = sum(t.sent for t in terms) + (2 * (c.n - 1) / c.n * sum(p.bytes for p in on_ar) if c.n > 1 else 0.0)
-    return Estimate(name or strategy, step, c.n * profile.samples_per_batch, sent,
-                    {"data": c.data, "host": c.host, "lookup": lookup, "pull": pull, "forward": c.fwd, "backward": c.bwd,
-                     "comm_overlap": ar_over + push_over,
-                     "comm_tail": ar_tail + push_tail, "server_update": server_over + server_tail,
-                     "update": dense_update, "server_cpu": busy, "requests": requests},
-                    placement={p.name: (ON_SERVERS if p.name in placed else ON_ALLREDUCE) for p in profile.params},
-                    partitions={t.param.name: t.partitions for t in terms if t.partitions is not None})
+    return Estimate(
+        name or strategy,
+        step,
+        c.n * profile.samples_per_batch,
+        sent,
+        {
+            "data": c.data,
+            "host": c.host,
+            "lookup": lookup,
+            "pull": pull,
+            "forward": c.fwd,
+            "backward": c.bwd,
+            "comm_overlap": ar_over + push_over,
+            "comm_tail": ar_tail + push_tail,
+            "server_update": server_over + server_tail,
+            "update": dense_update,
+            "server_cpu": busy,
+            "requests": requests,
+        },
+        placement={p.name: (ON_SERVERS if p.name in placed else ON_ALLREDUCE) for p in profile.params},
+        partitions={t.param.name: t.partitions for t in terms if t.partitions is not None},
+    )
 
 
 def estimate_ps(profile: Profile, cluster: ClusterSpec) -> Estimate:

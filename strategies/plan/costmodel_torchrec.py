@@ -18,6 +18,7 @@ step: data + the ids' and rows' all-to-alls + forward + backward with the dense 
 it + the gradients' all-to-all + the fused update of the busiest worker's touched rows + the
 dense update. ``torchrec`` (the planner's choice) is predicted as the cheapest of the three
 fixed shardings, not by mimicking TorchRec's own planner."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,13 +30,13 @@ from hpar.strategies.specs.base import ON_ALLREDUCE
 from hpar.strategies.specs.torchrec_spec import COLUMN_MULTIPLE
 from hpar.strategies.specs.torchrec_spec import SHARDINGS, TORCHREC, TORCHREC_CW, TORCHREC_RW, TORCHREC_TW
 
-LENGTH_BYTES = 8    # one int64 bag length per bag in the KeyedJaggedTensor
+LENGTH_BYTES = 8  # one int64 bag length per bag in the KeyedJaggedTensor
 # gloo's reduce-scatter moves as many bytes as an AllReduce of the whole buffer: a row-wise
 # recsys.py over 2 emulated hosts sent 1.39-1.46x the bytes counted with a plain reduce-scatter
 # on the hosts' TCP sockets (table-wise 1.03x), the extra one more copy of the pooled rows
 GLOO_REDUCE_SCATTER = 2.0
-SPARSE_ROUND_COLLECTIVES = 3   # gloo's sparse AllReduce: AllGathers of the sizes, the ids, the rows
-A2A_PER_STEP = 5    # per table: splits, lengths, ids forward (KJTAllToAll); pooled rows; their gradients
+SPARSE_ROUND_COLLECTIVES = 3  # gloo's sparse AllReduce: AllGathers of the sizes, the ids, the rows
+A2A_PER_STEP = 5  # per table: splits, lengths, ids forward (KJTAllToAll); pooled rows; their gradients
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,7 @@ def table_traffic(p: ParamProfile, n: int, samples: int) -> TableTraffic:
     elem = p.bytes / max(p.rows * dim, 1)
     ids = p.lookups or max(float(samples), p.alpha * p.rows)
     bags = p.bags or ids
-    return TableTraffic(p.name, ids * INDEX_BYTES + bags * LENGTH_BYTES, bags * dim * elem,
-                        p.union_for(n) * p.bytes)
+    return TableTraffic(p.name, ids * INDEX_BYTES + bags * LENGTH_BYTES, bags * dim * elem, p.union_for(n) * p.bytes)
 
 
 @dataclass
@@ -118,7 +118,7 @@ def phase_seconds(phase: Phase, c: CostSetting) -> float:
     if c.h <= 1:
         return max(busiest) / c.intra_bw
     off = (n - g) / (n - 1)
-    hosts = [(sum(phase.sent[h * g:(h + 1) * g]), sum(phase.recv[h * g:(h + 1) * g])) for h in range(c.h)]
+    hosts = [(sum(phase.sent[h * g : (h + 1) * g]), sum(phase.recv[h * g : (h + 1) * g])) for h in range(c.h)]
     between = max(max(s, v) for s, v in hosts) * off / c.p2p_bw
     return max(between, max(busiest) * (1 - off) / c.intra_bw)
 
@@ -135,9 +135,9 @@ def collectives_fixed_s(c: CostSetting, sharding: str) -> float:
     if c.n <= 1:
         return 0.0
     lat = (c.n - 1) * c.lat
-    if c.allgather_fixed is not None:   # one host: a small gloo AllGather among its CPU workers, measured
+    if c.allgather_fixed is not None:  # one host: a small gloo AllGather among its CPU workers, measured
         a2a = c.allgather_fixed
-    elif c.sparse_round is not None:    # between hosts: a third of a small sparse AllReduce over them, measured
+    elif c.sparse_round is not None:  # between hosts: a third of a small sparse AllReduce over them, measured
         a2a = c.sparse_round / SPARSE_ROUND_COLLECTIVES
     else:
         a2a = lat
@@ -151,12 +151,15 @@ def sharding_problem(profile: Profile) -> str:
     """Why no TorchRec sharding can run this model ("" when one can): no trainable table, a
     table tied to a dense layer (the swap would untie it), or one whose width is not a multiple
     of 4 columns (trec_tables.table_problem)."""
-    if any(p.tied_to and p.sparse for p in profile.params) or any(p.tied_to for p in profile.params
-                                                                   if p.embedding_module):
+    if any(p.tied_to and p.sparse for p in profile.params) or any(
+        p.tied_to for p in profile.params if p.embedding_module
+    ):
         return "an embedding table is tied to a dense layer; TorchRec shards one table per module"
     if not any(p.embedding_module and not p.frozen for p in profile.params):
         return "no trainable nn.Embedding/nn.EmbeddingBag table to shard"
-    narrow = [p.name for p in profile.trained if p.embedding_module and len(p.shape) > 1 and p.shape[1] % COLUMN_MULTIPLE]
+    narrow = [
+        p.name for p in profile.trained if p.embedding_module and len(p.shape) > 1 and p.shape[1] % COLUMN_MULTIPLE
+    ]
     if narrow:
         return f"{narrow[0]} is not a multiple of {COLUMN_MULTIPLE} columns wide, which FBGEMM's table kernels need"
     return ""
@@ -172,10 +175,10 @@ def estimate_sharding(profile: Profile, cluster: ClusterSpec, sharding: str, nam
     c = cost_setting(profile, cluster)
     tables = [table_traffic(p, c.n, profile.samples_per_batch) for p in profile.trained if p.embedding_module]
     dense = [p for p in profile.trained if not p.embedding_module]
-    gloo = cluster.device_flops is None and profile.device == "cpu"   # CPU workers: their collectives run on gloo
+    gloo = cluster.device_flops is None and profile.device == "cpu"  # CPU workers: their collectives run on gloo
     owners = _owners(tables, c.n) if sharding == "table_wise" else [0] * len(tables)
     a2a, update, sent = {"ids": 0.0, "rows": 0.0, "grads": 0.0}, [0.0] * c.n, 0.0
-    for t, owner in zip(tables, owners):   # one collection per table: its own all-to-alls, one after another
+    for t, owner in zip(tables, owners):  # one collection per table: its own all-to-alls, one after another
         phases, upd = table_phases(t, sharding, c.n, owner, gloo)
         update = [a + b for a, b in zip(update, upd)]
         for k, v in phases.items():
@@ -187,15 +190,41 @@ def estimate_sharding(profile: Profile, cluster: ClusterSpec, sharding: str, nam
     fused = max(update) * c.update_per_byte
     dense_update = c.update(sum(p.bytes for p in dense), len(dense))
     forward_a2a = a2a["ids"] + a2a["rows"]
-    step = (c.data + c.host + forward_a2a + c.fwd + c.under_backward(ar_over) + ar_tail + a2a["grads"] + fixed
-            + fused + dense_update)
+    step = (
+        c.data
+        + c.host
+        + forward_a2a
+        + c.fwd
+        + c.under_backward(ar_over)
+        + ar_tail
+        + a2a["grads"]
+        + fixed
+        + fused
+        + dense_update
+    )
     sent += 2 * (c.n - 1) / c.n * sum(p.bytes for p in dense) if c.n > 1 else 0.0
-    return Estimate(name, step, c.n * profile.samples_per_batch, sent,
-                    {"data": c.data, "host": c.host, "all_to_all_ids": a2a["ids"], "all_to_all_rows": a2a["rows"],
-                     "all_to_all_grads": a2a["grads"], "all_to_all_fixed": fixed, "forward": c.fwd,
-                     "backward": c.bwd, "comm_overlap": ar_over, "comm_tail": ar_tail, "fused_update": fused,
-                     "update": dense_update}, placement={p.name: ON_ALLREDUCE for p in profile.params if not p.embedding_module},
-                    note=f"every table {sharding.replace('_', '-')}")
+    return Estimate(
+        name,
+        step,
+        c.n * profile.samples_per_batch,
+        sent,
+        {
+            "data": c.data,
+            "host": c.host,
+            "all_to_all_ids": a2a["ids"],
+            "all_to_all_rows": a2a["rows"],
+            "all_to_all_grads": a2a["grads"],
+            "all_to_all_fixed": fixed,
+            "forward": c.fwd,
+            "backward": c.bwd,
+            "comm_overlap": ar_over,
+            "comm_tail": ar_tail,
+            "fused_update": fused,
+            "update": dense_update,
+        },
+        placement={p.name: ON_ALLREDUCE for p in profile.params if not p.embedding_module},
+        note=f"every table {sharding.replace('_', '-')}",
+    )
 
 
 def estimate_torchrec_tw(profile: Profile, cluster: ClusterSpec) -> Estimate:
@@ -217,10 +246,19 @@ def estimate_torchrec(profile: Profile, cluster: ClusterSpec) -> Estimate:
     """``torchrec`` (TorchRec's planner chooses): predicted as the cheapest of the three fixed
     shardings, named in the note. TorchRec's planner costs with its own figures and may mix
     shardings per table; this is the best it could do among uniform plans."""
-    options = [estimate_sharding(profile, cluster, s, TORCHREC.name)
-               for s in (SHARDINGS[TORCHREC_TW.name], SHARDINGS[TORCHREC_RW.name], SHARDINGS[TORCHREC_CW.name])]
+    options = [
+        estimate_sharding(profile, cluster, s, TORCHREC.name)
+        for s in (SHARDINGS[TORCHREC_TW.name], SHARDINGS[TORCHREC_RW.name], SHARDINGS[TORCHREC_CW.name])
+    ]
     if not options[0].feasible:
         return options[0]
     best = min(options, key=lambda e: e.step_s)
-    return Estimate(best.strategy, best.step_s, best.samples_per_step, best.bytes_per_step, best.breakdown,
-                    best.placement, note=f"predicted as the cheapest uniform plan: {best.note}")
+    return Estimate(
+        best.strategy,
+        best.step_s,
+        best.samples_per_step,
+        best.bytes_per_step,
+        best.breakdown,
+        best.placement,
+        note=f"predicted as the cheapest uniform plan: {best.note}",
+    )

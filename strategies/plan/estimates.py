@@ -4,6 +4,7 @@ schedule, and asynchronous 1F1B on its stages) and FSDP's (costmodel_fsdp.py). T
 ``hpar bench`` call these; the strategy modules import only costmodel.py's shared terms, so
 the imports run one way (costmodel <- costmodel_* <- estimates).
 """
+
 from __future__ import annotations
 
 from hpar.strategies.specs.registry import PIPELINE, strategies
@@ -13,8 +14,9 @@ from hpar.strategies.plan.costmodel_pipeline import estimate_pipeline_grid
 from hpar.strategies.profile.records import Profile
 
 
-def estimate_pipeline(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
-                      replicas: int | None = None) -> Estimate:
+def estimate_pipeline(
+    profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b", replicas: int | None = None
+) -> Estimate:
     """``pipeline``: the fastest synchronous plan of K stages x R replicas = N workers
     (``replicas``: only that R), its layout and M micro-batches; the formulas, with sources,
     are in costmodel_pipeline.py. With R = 1 it is the plain pipeline:
@@ -40,13 +42,21 @@ def estimate_async_pipeline(sync: Estimate, schedule: str) -> Estimate:
     if not sync.feasible or schedule not in ASYNC_EXTRA_UPDATES:
         return sync
     m, period, update = sync.micro_batches, sync.breakdown["period"], sync.breakdown["update"]
-    reduce = sync.breakdown.get("allreduce", 0.0)   # with replicas, every update averages its gradient
+    reduce = sync.breakdown.get("allreduce", 0.0)  # with replicas, every update averages its gradient
     data, host = sync.breakdown.get("data", 0.0), sync.breakdown.get("host", 0.0)
     step = data + host + m * (period + update * (1.0 + ASYNC_EXTRA_UPDATES[schedule]) + reduce)
-    return Estimate(PIPELINE.name, step, sync.samples_per_step, sync.bytes_per_step,
-                    {"data": data, "host": host, "period": period, "bubble": 0.0, "update": m * update, "allreduce": m * reduce},
-                    sync.placement,
-                    stages=sync.stages, micro_batches=m, replicas=sync.replicas, layout=sync.layout)
+    return Estimate(
+        PIPELINE.name,
+        step,
+        sync.samples_per_step,
+        sync.bytes_per_step,
+        {"data": data, "host": host, "period": period, "bubble": 0.0, "update": m * update, "allreduce": m * reduce},
+        sync.placement,
+        stages=sync.stages,
+        micro_batches=m,
+        replicas=sync.replicas,
+        layout=sync.layout,
+    )
 
 
 def estimate_all(profile: Profile, cluster: ClusterSpec) -> list[Estimate]:

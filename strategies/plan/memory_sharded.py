@@ -8,6 +8,7 @@ copy (:func:`served_final_terms`). That copy is what ``final_peak_bytes`` measur
 ``--worker-memory`` beside the training peak (memory_model.MemoryEstimate.final). A script
 without ``evaluate()`` gets no copy (workers/worker.py turns evaluation off), and the
 strategies whose workers hold the whole model (allreduce, pipelines) make none beyond it."""
+
 from __future__ import annotations
 
 from hpar.strategies.plan.cluster import ClusterSpec
@@ -16,7 +17,9 @@ from hpar.strategies.plan.memory_model import RUNTIME_BYTES, _on_cpu, _ratio, _s
 from hpar.strategies.profile.records import Profile
 
 
-def fsdp_terms(profile: Profile, cluster: ClusterSpec, est: Estimate | None = None, schedule: str = "") -> dict[str, float]:
+def fsdp_terms(
+    profile: Profile, cluster: ClusterSpec, est: Estimate | None = None, schedule: str = ""
+) -> dict[str, float]:
     """An FSDP worker's terms (memory_model's docstring): shards of parameters, gradients and optimizer
     state (P/N each), the two largest adjacent units gathered (the one running and the one
     prefetched) and the root's parameters (:func:`fsdp_units`), with their unsharded gradients,
@@ -25,10 +28,15 @@ def fsdp_terms(profile: Profile, cluster: ClusterSpec, est: Estimate | None = No
     m, r, n, total = profile.memory, _ratio(profile), cluster.workers, profile.total_bytes
     units, root = fsdp_units(profile)
     pairs = max((a + b for a, b in zip(units, units[1:])), default=units[0] if units else 0)
-    shard, trained = total / n, profile.trainable_bytes / n   # frozen parameters: sharded, no gradient or state
-    train = {"params": shard, "optimizer": r * trained, "unsharded": 2 * (root + pairs),
-             "step": _step(m, profile, trained, stepped=trained), "data": m.data_bytes if m else 0,
-             "runtime": RUNTIME_BYTES["fsdp"]}
+    shard, trained = total / n, profile.trainable_bytes / n  # frozen parameters: sharded, no gradient or state
+    train = {
+        "params": shard,
+        "optimizer": r * trained,
+        "unsharded": 2 * (root + pairs),
+        "step": _step(m, profile, trained, stepped=trained),
+        "data": m.data_bytes if m else 0,
+        "runtime": RUNTIME_BYTES["fsdp"],
+    }
     build = total + shard if _on_cpu(profile, cluster) else 0
     if build > sum(train.values()):
         return {"build": build}
@@ -54,7 +62,7 @@ def fsdp_final_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) -> d
     the model built to load it (P)."""
     total = profile.total_bytes
     shard = total / max(cluster.workers, 1)
-    trained = profile.trainable_bytes / max(cluster.workers, 1)   # frozen parameters have no optimizer state
+    trained = profile.trainable_bytes / max(cluster.workers, 1)  # frozen parameters have no optimizer state
     return {"params": shard, "optimizer": _ratio(profile) * trained, "gathered": total, "copy": total}
 
 
@@ -65,6 +73,7 @@ def served_final_terms(profile: Profile, cluster: ClusterSpec, est: Estimate) ->
     parameters, the served dense ones pulled, and the served tables pulled whole when together
     they are at most EVAL_WHOLE_BYTES (else they stay served, row by row)."""
     from hpar.strategies.specs.servers_spec import EVAL_WHOLE_BYTES
+
     on_ar, trained, served = _split(profile, est)
     dense = sum(p.bytes for p in served if not p.embedding_module)
     tables = sum(p.bytes for p in served if p.embedding_module)

@@ -17,6 +17,7 @@ i.e. compute plus everything the stage sends per micro-batch: its output activat
 and the gradient of its input backward (which has the size of the previous stage's output).
 Communication is assumed not to overlap computation (an upper bound, as in PipeDream).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,9 +55,16 @@ def stage_send_s(a: int, b: int, activation_bytes: Sequence[int], bandwidth_Bps:
     return sent / bandwidth_Bps
 
 
-def stage_memory_bytes(a: int, b: int, stage: int, num_stages: int, activation_bytes: Sequence[int],
-                       param_bytes: Sequence[int], optimizer_states: int = 1,
-                       weight_versions: bool = False) -> int:
+def stage_memory_bytes(
+    a: int,
+    b: int,
+    stage: int,
+    num_stages: int,
+    activation_bytes: Sequence[int],
+    param_bytes: Sequence[int],
+    optimizer_states: int = 1,
+    weight_versions: bool = False,
+) -> int:
     """Estimated bytes held by stage ``stage`` (0-based) owning layers ``[a, b)`` in 1F1B.
 
     params + gradients + ``optimizer_states`` copies of the params (1 = SGD momentum, 2 = Adam)
@@ -73,9 +81,16 @@ def stage_memory_bytes(a: int, b: int, stage: int, num_stages: int, activation_b
     return int(total)
 
 
-def partition_stages(compute_s: Sequence[float], activation_bytes: Sequence[int], param_bytes: Sequence[int],
-                     num_stages: int, bandwidth_Bps: float, *, optimizer_states: int = 1,
-                     weight_versions: bool = False) -> StagePlan:
+def partition_stages(
+    compute_s: Sequence[float],
+    activation_bytes: Sequence[int],
+    param_bytes: Sequence[int],
+    num_stages: int,
+    bandwidth_Bps: float,
+    *,
+    optimizer_states: int = 1,
+    weight_versions: bool = False,
+) -> StagePlan:
     """Cut L layers into ``num_stages`` contiguous stages minimising the slowest stage's time.
 
     Inputs are per layer, in model order, for ONE micro-batch: ``compute_s`` forward+backward
@@ -95,11 +110,17 @@ def partition_stages(compute_s: Sequence[float], activation_bytes: Sequence[int]
     """
     n = len(compute_s)
     if len(activation_bytes) != n or len(param_bytes) != n:
-        raise ValueError(f"partition_stages: compute_s, activation_bytes and param_bytes must have one entry per layer, got {n}, {len(activation_bytes)}, {len(param_bytes)}")
+        raise ValueError(
+            f"partition_stages: compute_s, activation_bytes and param_bytes must have one entry per layer, got {n}, {len(activation_bytes)}, {len(param_bytes)}"
+        )
     if num_stages < 1:
-        raise ValueError(f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): a pipeline needs at least 1 stage")
+        raise ValueError(
+            f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): a pipeline needs at least 1 stage"
+        )
     if n < num_stages:
-        raise ValueError(f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): the model has only {n} layers; use {n} stages or fewer (lower --gpus or raise --pipeline-replicas), or split the model into more layers")
+        raise ValueError(
+            f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): the model has only {n} layers; use {n} stages or fewer (lower --gpus or raise --pipeline-replicas), or split the model into more layers"
+        )
     if any(c < 0 for c in compute_s) or any(x < 0 for x in activation_bytes) or any(x < 0 for x in param_bytes):
         raise ValueError("partition_stages: layer times and byte counts must not be negative; check the profile")
     if not bandwidth_Bps > 0:
@@ -133,9 +154,10 @@ def partition_stages(compute_s: Sequence[float], activation_bytes: Sequence[int]
     ranges.reverse()
     assert ranges[0][0] == 0 and ranges[-1][1] == n
     stage_s = tuple(cost(a, b) for a, b in ranges)
-    memory = tuple(stage_memory_bytes(a, b, k, num_stages, activation_bytes, param_bytes,
-                                      optimizer_states, weight_versions)
-                   for k, (a, b) in enumerate(ranges))
+    memory = tuple(
+        stage_memory_bytes(a, b, k, num_stages, activation_bytes, param_bytes, optimizer_states, weight_versions)
+        for k, (a, b) in enumerate(ranges)
+    )
     return StagePlan(ranges=tuple(ranges), stage_s=stage_s, memory_bytes=memory)
 
 

@@ -8,15 +8,22 @@ as ``peak_bytes`` (``{"worker": ..., "server": ...}``, null for a role with no r
 running), beside ``predicted_peak_bytes`` in the same shape, which the plan's memory model
 predicted (strategies/plan/memory_model.py; the plan's ``memory``).
 """
+
 from __future__ import annotations
 
 import time
 
 from hpar.strategies.specs.decision import Plan
 
-FIGURES = ("peak_bytes", "rss_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "baseline_bytes",
-           "final_peak_bytes",   # after the last step: the final write (and worker 0's copy for evaluate())
-           "trims")   # trims: how often the process handed freed heap blocks back (strategies/common/measured_memory.py)
+FIGURES = (
+    "peak_bytes",
+    "rss_peak_bytes",
+    "allocated_peak_bytes",
+    "reserved_peak_bytes",
+    "baseline_bytes",
+    "final_peak_bytes",  # after the last step: the final write (and worker 0's copy for evaluate())
+    "trims",
+)  # trims: how often the process handed freed heap blocks back (strategies/common/measured_memory.py)
 
 
 class PeakFigures:
@@ -33,8 +40,16 @@ class PeakFigures:
         role = proc.spec.role
         figures = {k: event.get(k) for k in FIGURES}
         self.peaks.setdefault(role, {})[proc.spec.rank] = figures
-        self.rundir.metric({"kind": "memory", "role": role, "rank": proc.spec.rank, "host": proc.spec.host,
-                            "time": time.time(), **figures})
+        self.rundir.metric(
+            {
+                "kind": "memory",
+                "role": role,
+                "rank": proc.spec.rank,
+                "host": proc.spec.host,
+                "time": time.time(),
+                **figures,
+            }
+        )
 
     def largest(self, role: str, key: str = "peak_bytes") -> int | None:
         """The largest ``key`` over the processes of ``role`` (None: none reported one)."""
@@ -46,10 +61,15 @@ class PeakFigures:
         allocator figures where a GPU gave them, and ``predicted_peak_bytes`` (the plan's)."""
         out = dict(summary)
         out["peak_bytes"] = {role: self.largest(role) for role in ("worker", "server")}
-        extra = {f"{role}_{key}": self.largest(role, key) for role in ("worker", "server")
-                 for key in ("rss_peak_bytes", "reserved_peak_bytes", "baseline_bytes", "final_peak_bytes")}
+        extra = {
+            f"{role}_{key}": self.largest(role, key)
+            for role in ("worker", "server")
+            for key in ("rss_peak_bytes", "reserved_peak_bytes", "baseline_bytes", "final_peak_bytes")
+        }
         out["peak_memory"] = {k: v for k, v in extra.items() if v is not None}
         predicted = (plan.memory if plan is not None else None) or {}
-        out["predicted_peak_bytes"] = {"worker": predicted.get("worker_peak_bytes"),
-                                       "server": predicted.get("server_peak_bytes")}
+        out["predicted_peak_bytes"] = {
+            "worker": predicted.get("worker_peak_bytes"),
+            "server": predicted.get("server_peak_bytes"),
+        }
         return out

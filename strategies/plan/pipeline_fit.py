@@ -10,6 +10,7 @@ the pipeline candidate before it checks the candidate's memory, so the profile t
 run --strategy pipeline`` and ``auto`` see the layout that fits (and the note says the faster
 one did not); the pipeline is refused only when no layout fits.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,14 @@ from hpar.strategies.plan.memory_model import predict
 from hpar.strategies.profile.records import Profile
 
 
-def fitting_layout(profile: Profile, cluster: ClusterSpec, est: Estimate, schedule: str,
-                   forwards: int | None = None, replicas: int | None = None) -> Estimate:
+def fitting_layout(
+    profile: Profile,
+    cluster: ClusterSpec,
+    est: Estimate,
+    schedule: str,
+    forwards: int | None = None,
+    replicas: int | None = None,
+) -> Estimate:
     """``est`` (the fastest pipeline plan, costmodel_pipeline.py) when its predicted peak fits
     ``cluster``'s memory, or the memory is not known; else the fastest plan of
     :func:`pipeline_grid_estimates` (``replicas``: only that R) that fits under ``schedule``
@@ -39,7 +46,7 @@ def fitting_layout(profile: Profile, cluster: ClusterSpec, est: Estimate, schedu
 
 
 def _shape(est: Estimate) -> str:
-    """"2 stages x 2 replicas" or "4 stages" (describe()'s first words)."""
+    """ "2 stages x 2 replicas" or "4 stages" (describe()'s first words)."""
     return describe(est).split(" (", 1)[0].split(",", 1)[0]
 
 

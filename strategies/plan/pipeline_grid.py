@@ -1,6 +1,7 @@
 """``hpar run``'s checks and message for a pipeline plan of K stages x R replicas
 (``--pipeline-replicas R``, strategies/runtimes/pipeline/replicas.py), made before any process starts,
 and the :class:`Grid`: which worker rank holds which stage of which replica."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,16 +20,23 @@ def check_replicas_flag(replicas: int | None, gpus: int, strategy: str, model, e
         return strategy
     pipelines = where(pipelined=True)
     if strategy != "auto" and strategy not in pipelines:
-        raise ValueError(f"--pipeline-replicas {replicas} applies to --strategy {' or '.join(pipelines)} only, not "
-                         f"{strategy}; drop one")
+        raise ValueError(
+            f"--pipeline-replicas {replicas} applies to --strategy {' or '.join(pipelines)} only, not "
+            f"{strategy}; drop one"
+        )
     if replicas < 1 or gpus % replicas:
-        raise ValueError(f"--pipeline-replicas {replicas}: a pipeline plan is K stages x R replicas = --gpus {gpus}; "
-                         f"choose a divisor of {gpus}")
+        raise ValueError(
+            f"--pipeline-replicas {replicas}: a pipeline plan is K stages x R replicas = --gpus {gpus}; "
+            f"choose a divisor of {gpus}"
+        )
     from hpar.strategies.plan.stage_cuts import sequential_layers
+
     layers = len(sequential_layers(model, example))
     if gpus // replicas > layers:
-        raise ValueError(f"--pipeline-replicas {replicas}: --gpus {gpus} / {replicas} = {gpus // replicas} stages, but the "
-                         f"model has only {layers} layers; raise --pipeline-replicas or lower --gpus")
+        raise ValueError(
+            f"--pipeline-replicas {replicas}: --gpus {gpus} / {replicas} = {gpus // replicas} stages, but the "
+            f"model has only {layers} layers; raise --pipeline-replicas or lower --gpus"
+        )
     return strategy if strategy != "auto" else pipelines[0]
 
 
@@ -45,8 +53,10 @@ def plan_replicas(plan: Plan, flag: int | None, source: str) -> int:
     when ``--pipeline-replicas`` says otherwise (a plan file made for another split)."""
     value = plan.replicas or 1
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{source}: 'replicas' must be a positive integer, got {value!r}; write the plan with "
-                         "`hpar profile --plan-out`")
+        raise ValueError(
+            f"{source}: 'replicas' must be a positive integer, got {value!r}; write the plan with "
+            "`hpar profile --plan-out`"
+        )
     if flag is not None and flag != value:
         raise ValueError(f"--pipeline-replicas {flag} contradicts {source} ({value} replicas); drop one")
     return value
@@ -84,7 +94,9 @@ class Grid:
 
     def __post_init__(self):
         if self.stages < 1 or self.replicas < 1:
-            raise ValueError(f"a pipeline plan needs at least 1 stage and 1 replica, got {self.stages} x {self.replicas}")
+            raise ValueError(
+                f"a pipeline plan needs at least 1 stage and 1 replica, got {self.stages} x {self.replicas}"
+            )
         if self.layout not in LAYOUTS:
             raise ValueError(f"pipeline layout {self.layout!r}: choose one of {', '.join(LAYOUTS)}")
 

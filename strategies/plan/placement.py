@@ -4,6 +4,7 @@ before any process starts and read again by the runtime (strategies/runtimes/hyb
 so that the two agree: the plan's placement, the default one, frozen parameters kept on the
 workers, each served parameter's optimizer rule, and the refusals that follow.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,20 +37,24 @@ def _placement(model: torch.nn.Module, strategy: str, plan: Plan) -> dict[str, s
     """:func:`placement` before frozen parameters are kept on the workers."""
     names = [n for n, _ in model.named_parameters()]
     given = plan.placement
-    if not strategy_spec(strategy).ddp:   # ps: nothing on AllReduce
+    if not strategy_spec(strategy).ddp:  # ps: nothing on AllReduce
         return {n: ON_SERVERS for n in names}
     if given:
         unknown = sorted(set(given) - set(names))
         if unknown:
-            raise ValueError(f"plan placement names unknown parameters {unknown[:3]}; re-run `hpar profile` for this script")
+            raise ValueError(
+                f"plan placement names unknown parameters {unknown[:3]}; re-run `hpar profile` for this script"
+            )
         bad = sorted({v for v in given.values()} - {ON_SERVERS, ON_ALLREDUCE})
         if bad:
             raise ValueError(f"plan placement has {bad}; each parameter goes to {ON_SERVERS!r} or {ON_ALLREDUCE!r}")
         tied = dense_shared_embeddings(model)
         served = sorted(n for n in tied if given.get(n) == ON_SERVERS)
         if served:
-            raise ValueError(f"plan places {served[0]} on the servers, but it is tied to a dense user "
-                             f"({', '.join(tied[served[0]])}); keep it on allreduce (re-run `hpar profile`)")
+            raise ValueError(
+                f"plan places {served[0]} on the servers, but it is tied to a dense user "
+                f"({', '.join(tied[served[0]])}); keep it on allreduce (re-run `hpar profile`)"
+            )
         return {n: given.get(n, ON_ALLREDUCE) for n in names}
     emb = embedding_weights(model)
     return {n: (ON_SERVERS if n in emb else ON_ALLREDUCE) for n in names}
@@ -68,13 +73,16 @@ def check_fullgraph(model: torch.nn.Module, place: dict[str, str]) -> None:
         wrapper = getattr(wrapper, "_orig_mod", None)
     served = sorted(n for n in embedding_weights(inner_module(model)) if place.get(n) == ON_SERVERS)
     if fullgraph and served:
-        raise ValueError(f"model() is compiled with fullgraph=True, but the parameter servers serve {served[0]}, whose "
-                         "rows are pulled in a graph break inside the forward; compile without fullgraph=True (the "
-                         "rest of the forward stays compiled) or use --strategy allreduce or allreduce-sparse")
+        raise ValueError(
+            f"model() is compiled with fullgraph=True, but the parameter servers serve {served[0]}, whose "
+            "rows are pulled in a graph break inside the forward; compile without fullgraph=True (the "
+            "rest of the forward stays compiled) or use --strategy allreduce or allreduce-sparse"
+        )
 
 
-def served_rules(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
-                 plan: Plan) -> list[tuple[str, torch.nn.Parameter, OptimizerSpec]]:
+def served_rules(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str, plan: Plan
+) -> list[tuple[str, torch.nn.Parameter, OptimizerSpec]]:
     """``(name, parameter, the servers' update rule)`` of each parameter :func:`placement`
     puts on the servers, in ``named_parameters`` order. ``opt`` is the user's optimizer over
     the model's trainable parameters; each served parameter takes its param group's rule
@@ -87,7 +95,9 @@ def served_rules(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: s
         if place[name] != ON_SERVERS:
             continue
         if id(p) not in group_of:
-            raise ValueError(f"optimizer(): trainable parameter {name} is in no param group; pass it to the optimizer, "
-                             "or freeze it (requires_grad=False) to keep it fixed")
+            raise ValueError(
+                f"optimizer(): trainable parameter {name} is in no param group; pass it to the optimizer, "
+                "or freeze it (requires_grad=False) to keep it fixed"
+            )
         out.append((name, p, spec_from_group(opt, group_of[id(p)], plan.sparse_optimizer)))
     return out

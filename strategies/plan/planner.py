@@ -7,6 +7,7 @@ A candidate whose predicted peak does not fit the cluster's memory (``--worker-m
 ``--server-memory``) is listed as not runnable with the one reason, and never chosen; so is one
 whose library this install lacks (its spec's ``check_available``: TorchRec's optional install).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,13 @@ from hpar.strategies.specs.decision import Candidate, Plan
 from hpar.strategies.specs.servers_spec import CacheConfig
 from hpar.strategies.plan.costmodel import Estimate
 from hpar.strategies.plan.estimates import estimate_all, estimate_pipeline
-from hpar.strategies.plan.costmodel_cache import NAME as CACHED, SHOWN_STALENESS, estimate_hybrid_cache, plan_cache, profiled
+from hpar.strategies.plan.costmodel_cache import (
+    NAME as CACHED,
+    SHOWN_STALENESS,
+    estimate_hybrid_cache,
+    plan_cache,
+    profiled,
+)
 from hpar.strategies.plan.costmodel_compress import shown_rows
 from hpar.strategies.plan.costmodel_pipeline import describe as describe_pipeline
 from hpar.strategies.plan.memory_model import predict as predict_memory, refusal
@@ -55,17 +62,28 @@ def unavailable(name: str) -> str:
 
 def _cache_note(e: Estimate, cache: CacheConfig, asked: bool) -> str:
     """The hybrid-cache candidate's note: the cache it was predicted for, and how to allow it."""
-    note = (f"cache of {cache.rows:g} rows per table" if cache.rows >= 1 else
-            f"cache of {(cache.rows or 0.1):.0%} of each table") + f", s = {cache.staleness}"
+    note = (
+        f"cache of {cache.rows:g} rows per table"
+        if cache.rows >= 1
+        else f"cache of {(cache.rows or 0.1):.0%} of each table"
+    ) + f", s = {cache.staleness}"
     if e.feasible:
         note += f": {e.breakdown.get('hit_rate', 0):.0%} of lookups hit (predicted)"
     return note if asked else note + "; reads rows up to s updates stale: only with --staleness S"
 
 
-def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
-                force: str | None = None, pipeline_replicas: int | None = None, allow_misfit: bool = False,
-                cache: CacheConfig | None = None, forwards: int | None = None, refused: dict | None = None,
-                compress: Compression | None = None) -> Plan:
+def choose_plan(
+    profile: Profile,
+    cluster: ClusterSpec,
+    schedule: str = "1f1b",
+    force: str | None = None,
+    pipeline_replicas: int | None = None,
+    allow_misfit: bool = False,
+    cache: CacheConfig | None = None,
+    forwards: int | None = None,
+    refused: dict | None = None,
+    compress: Compression | None = None,
+) -> Plan:
     """Predict every strategy (``costmodel.estimate_all``) and its peak memory
     (``plan/memory_model.predict``) and pick the highest samples/s among those that fit the job and
     the cluster's memory; the others are still listed as candidates with a note. A hybrid
@@ -89,12 +107,20 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
         at = next(i for i, e in enumerate(estimates) if e.strategy == HYBRID.name) + 1
         estimates.insert(at, estimate_hybrid_cache(profile, cluster, shown))
     if pipeline_replicas is not None:
-        estimates = [estimate_pipeline(profile, cluster, replicas=pipeline_replicas) if strategy_spec(e.strategy).pipelined else e
-                     for e in estimates]
-    estimates = [fitting_layout(profile, cluster, e, schedule, forwards, pipeline_replicas)
-                 if strategy_spec(e.strategy).pipelined else e for e in estimates]   # the fastest K x R that fits
+        estimates = [
+            estimate_pipeline(profile, cluster, replicas=pipeline_replicas)
+            if strategy_spec(e.strategy).pipelined
+            else e
+            for e in estimates
+        ]
+    estimates = [
+        fitting_layout(profile, cluster, e, schedule, forwards, pipeline_replicas)
+        if strategy_spec(e.strategy).pipelined
+        else e
+        for e in estimates
+    ]  # the fastest K x R that fits
     candidates, ok, misfits, memory = [], [], {}, {}
-    withheld = set(refused or {})   # not installed, or refused before start: never "predicted faster" in the reason
+    withheld = set(refused or {})  # not installed, or refused before start: never "predicted faster" in the reason
     for e in estimates:
         note = e.note
         available = e.feasible
@@ -103,46 +129,77 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             available = available and cache is not None
         spec = strategy_spec(e.strategy)
         missing = unavailable(e.strategy) if available else ""
-        if missing:   # an optional library this install lacks: listed with its one line, never chosen
+        if missing:  # an optional library this install lacks: listed with its one line, never chosen
             note, available = missing, False
             withheld.add(e.strategy)
         if spec.servers and spec.ddp and e.feasible and ON_SERVERS not in e.placement.values():
             trained = [p for p in profile.params if p.embedding_module and not p.frozen]
-            why = ("every embedding table costs less on AllReduce" if trained
-                   else "every embedding table is frozen (requires_grad=False): nothing to place on servers"
-                   if any(p.embedding_module for p in profile.params)
-                   else "no embedding table to place on servers" + tied_note(profile))
+            why = (
+                "every embedding table costs less on AllReduce"
+                if trained
+                else "every embedding table is frozen (requires_grad=False): nothing to place on servers"
+                if any(p.embedding_module for p in profile.params)
+                else "no embedding table to place on servers" + tied_note(profile)
+            )
             note = (note + "; " if note else "") + f"{why} (same as allreduce)"
-            available = False   # it would run as allreduce: never the winner in its own name
-        if spec.sparse_gradients and e.feasible and not any(p.embedding_module and not p.frozen for p in profile.params):
-            note = (note + "; " if note else "") + \
-                f"no embedding table to give sparse gradients{tied_note(profile)} (same as allreduce)"
-            available = False   # `hpar run` runs it as allreduce
+            available = False  # it would run as allreduce: never the winner in its own name
+        if (
+            spec.sparse_gradients
+            and e.feasible
+            and not any(p.embedding_module and not p.frozen for p in profile.params)
+        ):
+            note = (
+                note + "; " if note else ""
+            ) + f"no embedding table to give sparse gradients{tied_note(profile)} (same as allreduce)"
+            available = False  # `hpar run` runs it as allreduce
         if spec.pipelined and e.feasible:
             note = describe_pipeline(e) + ("; " + note if note else "")
-            problem = schedule_problem({n: stages_of(held, e.stages) for n, held in profile.shared_params
-                                        if len(stages_of(held, e.stages)) > 1}, schedule)
-            if problem:   # a tied weight across stages under an asynchronous schedule (pipeline/ties.py)
+            problem = schedule_problem(
+                {
+                    n: stages_of(held, e.stages)
+                    for n, held in profile.shared_params
+                    if len(stages_of(held, e.stages)) > 1
+                },
+                schedule,
+            )
+            if problem:  # a tied weight across stages under an asynchronous schedule (pipeline/ties.py)
                 note, available = problem.split(": ", 1)[1], False
-        if available and e.strategy in (refused or {}):   # `hpar run` would refuse it before start
+        if available and e.strategy in (refused or {}):  # `hpar run` would refuse it before start
             note, available = refused[e.strategy], False
         measured_sparse = [p.name for p in profile.params if p.sparse and not p.embedding_module]
         if spec.servers and spec.ddp and measured_sparse:
-            note = (note + "; " if note else "") + \
-                f"sparse non-embedding parameters stay on AllReduce: {', '.join(measured_sparse[:3])}"
+            note = (
+                note + "; " if note else ""
+            ) + f"sparse non-embedding parameters stay on AllReduce: {', '.join(measured_sparse[:3])}"
         mem = predict_memory(profile, cluster, e, schedule, forwards) if e.feasible else None
         memory[e.strategy] = mem
         misfit = mem.misfit(cluster) if mem is not None else ""
-        if misfit:   # the one reason it is not runnable (strategies/plan/memory_model.py)
+        if misfit:  # the one reason it is not runnable (strategies/plan/memory_model.py)
             if available:
-                misfits[e.strategy] = misfit   # runnable but for its memory
+                misfits[e.strategy] = misfit  # runnable but for its memory
             note, available = misfit, False
-        candidates.append(Candidate(e.strategy, e.step_s, e.samples_per_s, e.bytes_per_step, available,
-                                    note, dict(e.breakdown), mem.to_dict(cluster) if mem is not None else {}))
+        candidates.append(
+            Candidate(
+                e.strategy,
+                e.step_s,
+                e.samples_per_s,
+                e.bytes_per_step,
+                available,
+                note,
+                dict(e.breakdown),
+                mem.to_dict(cluster) if mem is not None else {},
+            )
+        )
         if available:
             ok.append(e)
-    candidates, runnable = shown_rows(profile, cluster, estimates, candidates,   # --compress's rows (costmodel_compress)
-                                      lambda ce: predict_memory(profile, cluster, ce, schedule, forwards), compress)
+    candidates, runnable = shown_rows(
+        profile,
+        cluster,
+        estimates,
+        candidates,  # --compress's rows (costmodel_compress)
+        lambda ce: predict_memory(profile, cluster, ce, schedule, forwards),
+        compress,
+    )
     compressed = {id(ce): c for ce, c in runnable}
     if force is not None:
         forced = [e for e in estimates if e.strategy == force]
@@ -153,37 +210,71 @@ def choose_plan(profile: Profile, cluster: ClusterSpec, schedule: str = "1f1b",
             raise ValueError(refusal(force, misfits[force]))
         best = forced[0]
     elif not ok:
-        raise ValueError("no strategy fits this job" + (": " + "; ".join(f"{k} {v}" for k, v in misfits.items())
-                                                       if misfits else ""))
+        raise ValueError(
+            "no strategy fits this job" + (": " + "; ".join(f"{k} {v}" for k, v in misfits.items()) if misfits else "")
+        )
     else:
         best = fastest_simplest(ok + [ce for ce, _ in runnable], compressed)
     chosen_c = compressed.get(id(best))
-    others = sorted((e for e in ok + [ce for ce, _ in runnable] if e is not best
-                     and (e.step_s, e.bytes_per_step) != (best.step_s, best.bytes_per_step)),
-                    key=lambda e: -e.samples_per_s)   # (the same prediction under another name: torchrec's planner row)
+    others = sorted(
+        (
+            e
+            for e in ok + [ce for ce, _ in runnable]
+            if e is not best and (e.step_s, e.bytes_per_step) != (best.step_s, best.bytes_per_step)
+        ),
+        key=lambda e: -e.samples_per_s,
+    )  # (the same prediction under another name: torchrec's planner row)
     runner_up = others[0] if others else None
-    if runner_up is not None and id(runner_up) in compressed:   # named as its row in the reason
-        runner_up = dataclasses.replace(runner_up, strategy=f"{runner_up.strategy} --compress {compressed[id(runner_up)]}")
-    reason = (compressed_why(best, chosen_c, ok, runner_up) if chosen_c else plan_reason(best, profile, cluster, runner_up))
-    fastest = fastest_simplest([e for e in estimates if e.feasible and e.strategy not in withheld
-                                 and (e.strategy != CACHED or cache is not None)])
+    if runner_up is not None and id(runner_up) in compressed:  # named as its row in the reason
+        runner_up = dataclasses.replace(
+            runner_up, strategy=f"{runner_up.strategy} --compress {compressed[id(runner_up)]}"
+        )
+    reason = (
+        compressed_why(best, chosen_c, ok, runner_up) if chosen_c else plan_reason(best, profile, cluster, runner_up)
+    )
+    fastest = fastest_simplest(
+        [
+            e
+            for e in estimates
+            if e.feasible and e.strategy not in withheld and (e.strategy != CACHED or cache is not None)
+        ]
+    )
     if fastest is not best and fastest.samples_per_s > best.samples_per_s and fastest.strategy not in misfits:
         reason += f" ({fastest.strategy} is predicted faster, {fastest.samples_per_s:,.0f} samples/s; --strategy chose this one.)"
-    left_out = [f"{k} {v}" + (f" (predicted faster, {e.samples_per_s:,.0f} samples/s)" if e.samples_per_s > best.samples_per_s else "")
-                for e in estimates if (k := e.strategy) in misfits and (v := misfits[k]) and k != best.strategy]
+    left_out = [
+        f"{k} {v}"
+        + (f" (predicted faster, {e.samples_per_s:,.0f} samples/s)" if e.samples_per_s > best.samples_per_s else "")
+        for e in estimates
+        if (k := e.strategy) in misfits and (v := misfits[k]) and k != best.strategy
+    ]
     if left_out:
         reason += " Does not fit the memory: " + "; ".join(left_out) + "."
     best_spec = strategy_spec(best.strategy)
     chosen = predict_memory(profile, cluster, best, schedule, forwards) if chosen_c else memory.get(best.strategy)
-    cached = (plan_cache(*profiled(profile), cache, cluster.workers, {n for n, w in best.placement.items() if w == ON_SERVERS})
-              if best.strategy == CACHED else {})
-    return Plan(strategy=best_spec.runs_as or best.strategy, placement=dict(best.placement),
-                partitions=dict(best.partitions), cache=cached,
-                servers=cluster.servers if best_spec.servers else 0, stages=[list(s) for s in best.stages],
-                micro_batches=best.micro_batches or 1, schedule=schedule,
-                reason=reason, candidates=candidates, predicted_step_s=best.step_s,
-                samples_per_s=best.samples_per_s, compute=compute_source(profile, cluster),
-                replicas=best.replicas if best_spec.pipelined else 1,
-                layout=best.layout if best_spec.pipelined else "", unused_params=list(profile.unused_params),
-                memory=chosen.to_dict(cluster) if chosen is not None else {}, compress=str(chosen_c or ""))
-
+    cached = (
+        plan_cache(
+            *profiled(profile), cache, cluster.workers, {n for n, w in best.placement.items() if w == ON_SERVERS}
+        )
+        if best.strategy == CACHED
+        else {}
+    )
+    return Plan(
+        strategy=best_spec.runs_as or best.strategy,
+        placement=dict(best.placement),
+        partitions=dict(best.partitions),
+        cache=cached,
+        servers=cluster.servers if best_spec.servers else 0,
+        stages=[list(s) for s in best.stages],
+        micro_batches=best.micro_batches or 1,
+        schedule=schedule,
+        reason=reason,
+        candidates=candidates,
+        predicted_step_s=best.step_s,
+        samples_per_s=best.samples_per_s,
+        compute=compute_source(profile, cluster),
+        replicas=best.replicas if best_spec.pipelined else 1,
+        layout=best.layout if best_spec.pipelined else "",
+        unused_params=list(profile.unused_params),
+        memory=chosen.to_dict(cluster) if chosen is not None else {},
+        compress=str(chosen_c or ""),
+    )

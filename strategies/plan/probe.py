@@ -21,6 +21,7 @@ allreduce-sparse exchange (sparse tables and dense buckets in flight together) a
 own client and server at both ends: what a request costs in time when the processes share
 busy cores (the cost model's ``request_cpu_s``, strategies/plan/costmodel_ps.py).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -46,6 +47,7 @@ class LinkFigures(NamedTuple):
     sends its bytes while it receives the other's; None where it was not measured) and
     ``sparse_round_s`` (seconds of gloo's sparse AllReduce of a one-row gradient over all the
     hosts' workers, :func:`probe_sparse_round`; None where it was not measured)."""
+
     bandwidth_Bps: float
     latency_s: float
     allreduce_Bps: float
@@ -56,8 +58,12 @@ class LinkFigures(NamedTuple):
 def _figures(out: dict, nbytes: int) -> LinkFigures:
     """LinkFigures from rank 0's median times (``out["figures"]``) of ``nbytes`` messages."""
     rtt, one_way, allreduce, allgather = out["figures"]
-    return LinkFigures(nbytes / max(one_way - rtt, 1e-9), rtt / 2, nbytes / max(allreduce, 1e-9),
-                       None if allgather is None else nbytes / max(allgather, 1e-9))
+    return LinkFigures(
+        nbytes / max(one_way - rtt, 1e-9),
+        rtt / 2,
+        nbytes / max(allreduce, 1e-9),
+        None if allgather is None else nbytes / max(allgather, 1e-9),
+    )
 
 
 def _exchange(pg, rank: int, out: torch.Tensor, back: torch.Tensor, n: int) -> list[float]:
@@ -91,19 +97,23 @@ def _endpoint(pg, rank: int, nbytes: int, pings: int, sends: int, out: dict, all
         # small round trips in three rounds spread over the probe: the latency is the least of
         # the rounds' medians, so a passing spell of other work on the cores spoils one round,
         # not the reading (the 2-host probe of one bench read 2.0 ms, of the next 0.07 ms)
-        ping = lambda: _exchange(pg, rank, small, small.clone(), pings)[2:]   # the first pay for set-up
+        ping = lambda: _exchange(pg, rank, small, small.clone(), pings)[2:]  # the first pay for set-up
         rtt_rounds = [ping()]
         one_way = _exchange(pg, rank, big, small.clone(), sends + 1)
         rtt_rounds.append(ping())
         allreduce = [_timed(pg, small, lambda: pg.allreduce([big])) for _ in range(sends + 1)]
         gather = None
-        if allgather:   # both directions busy at once, as in a sparse gradient's AllGather
+        if allgather:  # both directions busy at once, as in a sparse gradient's AllGather
             gathered = [torch.empty_like(big), torch.empty_like(big)]
             gather = [_timed(pg, small, lambda: pg.allgather([gathered], [big])) for _ in range(sends + 1)]
         rtt_rounds.append(ping())
-        if rank == 0:   # the first large exchanges pay for page faults
-            out["figures"] = (min(statistics.median(r) for r in rtt_rounds), statistics.median(one_way[1:]),
-                              statistics.median(allreduce[1:]), statistics.median(gather[1:]) if gather else None)
+        if rank == 0:  # the first large exchanges pay for page faults
+            out["figures"] = (
+                min(statistics.median(r) for r in rtt_rounds),
+                statistics.median(one_way[1:]),
+                statistics.median(allreduce[1:]),
+                statistics.median(gather[1:]) if gather else None,
+            )
     except Exception as exc:  # reported by probe_link in the caller's thread
         out[f"error{rank}"] = exc
 
@@ -133,12 +143,14 @@ def _loopback_pair(timeout_s: float) -> list:
             pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, timeout)
         except Exception as exc:
             out[f"error{rank}"] = exc
+
     _in_threads([(connect, (r,)) for r in range(2)], timeout_s, out)
     return pgs
 
 
-def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
-               timeout_s: float = 60.0, allgather: bool = False) -> LinkFigures:
+def probe_link(
+    nbytes: int = 16 << 20, pings: int = 40, sends: int = 12, timeout_s: float = 60.0, allgather: bool = False
+) -> LinkFigures:
     """Measure (bandwidth_Bps, latency_s, allreduce_Bps, allgather_Bps) of gloo over loopback TCP on this
     machine: latency = half the median round trip of a 4-byte message (the least of three
     rounds' medians, taken before, between and after the large transfers), bandwidth = ``nbytes``
@@ -152,8 +164,9 @@ def probe_link(nbytes: int = 16 << 20, pings: int = 40, sends: int = 12,
     return _figures(out, nbytes)
 
 
-def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: int = 20, sends: int = 4,
-               timeout_s: float = 60.0) -> LinkFigures | None:
+def probe_peer(
+    addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: int = 20, sends: int = 4, timeout_s: float = 60.0
+) -> LinkFigures | None:
     """One endpoint of :func:`probe_link`'s measurement between two processes (two hosts): rank
     0 hosts the rendezvous store at ``addr:port``. Returns rank 0's LinkFigures, None on rank 1.
     Raises RuntimeError if the exchange fails."""
@@ -168,8 +181,9 @@ def probe_peer(addr: str, port: int, rank: int, nbytes: int = 2 << 20, pings: in
     return None if rank else _figures(out, nbytes)
 
 
-def probe_sparse_round(addr: str, port: int, rank: int, world: int, reps: int = 20,
-                       timeout_s: float = 60.0) -> float | None:
+def probe_sparse_round(
+    addr: str, port: int, rank: int, world: int, reps: int = 20, timeout_s: float = 60.0
+) -> float | None:
     """One of ``world`` processes (one per host) measuring the fixed cost of a sparse-gradient
     exchange: the mean seconds, on rank 0, of gloo's sparse AllReduce (what DDP runs for an
     embedding's sparse gradient: an AllGather of the sizes, then of the row ids, then of the
@@ -199,7 +213,7 @@ def exchange_items(profile: Profile) -> list[list[int]]:
     ``[elements]`` of at most DDP's 25 MB (a run of dense layers shares buckets, as DDP fills
     them in that order)."""
     items: list[list[int]] = []
-    bucket = 0   # bytes of the dense bucket being filled (float32: 4 bytes an element)
+    bucket = 0  # bytes of the dense bucket being filled (float32: 4 bytes an element)
     for p in sorted(profile.params, key=lambda p: -p.layer):
         if not p.embedding_module:
             if bucket and bucket + p.bytes > BUCKET_BYTES:
@@ -214,8 +228,9 @@ def exchange_items(profile: Profile) -> list[list[int]]:
     return items + ([[bucket // 4]] if bucket else [])
 
 
-def probe_gradient_exchange(addr: str, port: int, rank: int, world: int, items: list[list[int]],
-                            reps: int = 5, timeout_s: float = 120.0) -> float | None:
+def probe_gradient_exchange(
+    addr: str, port: int, rank: int, world: int, items: list[list[int]], reps: int = 5, timeout_s: float = 120.0
+) -> float | None:
     """One of ``world`` processes (one per host) timing allreduce-sparse's whole gradient
     exchange at a job's own sizes, as DDP runs it: ``items`` in the order backward produces
     them, each either ``[rows, dim, table_rows]`` (an embedding table's COO gradient of
@@ -242,7 +257,7 @@ def probe_gradient_exchange(addr: str, port: int, rank: int, world: int, items: 
             if len(item) == 1:
                 return torch.ones(item[0])
             rows, dim, n = item
-            ids = torch.randperm(n, generator=g)[:min(rows, n)].sort().values[None]
+            ids = torch.randperm(n, generator=g)[: min(rows, n)].sort().values[None]
             return torch.sparse_coo_tensor(ids, torch.ones(ids.shape[1], dim), (n, dim), check_invariants=True)
 
         def exchange() -> float:
@@ -253,18 +268,21 @@ def probe_gradient_exchange(addr: str, port: int, rank: int, world: int, items: 
             for work in [pg.allreduce([x]) for x in batch]:
                 work.wait()
             return time.perf_counter() - t0
+
         times = [exchange() for _ in range(reps + 1)]
     except Exception as exc:
         raise RuntimeError(f"gradient exchange probe failed ({type(exc).__name__})") from exc
     return statistics.fmean(times[1:]) if rank == 0 else None
 
 
-if __name__ == "__main__":   # python -m hpar.strategies.plan.probe ADDR PORT RANK [WORLD [ITEMS]]: rank 0 prints JSON
+if __name__ == "__main__":  # python -m hpar.strategies.plan.probe ADDR PORT RANK [WORLD [ITEMS]]: rank 0 prints JSON
     import json
     import sys
-    if len(sys.argv) > 5:   # ITEMS: JSON [[rows, dim, table_rows] or [elements], ...] (probe_gradient_exchange)
-        seconds = probe_gradient_exchange(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
-                                          json.loads(sys.argv[5]))
+
+    if len(sys.argv) > 5:  # ITEMS: JSON [[rows, dim, table_rows] or [elements], ...] (probe_gradient_exchange)
+        seconds = probe_gradient_exchange(
+            sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+        )
         if seconds is not None:
             print(json.dumps({"gradient_exchange_s": seconds}))
     elif len(sys.argv) > 4:

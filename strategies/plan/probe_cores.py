@@ -18,6 +18,7 @@ What it misses: the figure is a matrix product's. Larger products share the vCPU
 small kernels and Python between them worse, so local runs of 3 and 4 workers are predicted
 best by a lower cores' worth than this probe reads (BENCHMARKS.md, "The cost model against measurement").
 """
+
 from __future__ import annotations
 
 import os
@@ -30,7 +31,7 @@ import torch
 
 def _products(size: int, reps: int, out: list, slot: int, start: threading.Barrier | None) -> None:
     a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b   # warm: the first product allocates
+    a @ b  # warm: the first product allocates
     if start is not None:
         start.wait()
     t0 = time.perf_counter()
@@ -44,8 +45,9 @@ def _round(cores: int, size: int, reps: int) -> float | None:
     alone = [0.0]
     _products(size, reps, alone, 0, None)
     together, start = [0.0] * cores, threading.Barrier(cores)
-    workers = [threading.Thread(target=_products, args=(size, reps, together, i, start), daemon=True)
-               for i in range(cores)]
+    workers = [
+        threading.Thread(target=_products, args=(size, reps, together, i, start), daemon=True) for i in range(cores)
+    ]
     for w in workers:
         w.start()
     for w in workers:

@@ -20,11 +20,12 @@ rows a batch touches (``alpha`` of its bytes). Element-wise work inside a layer 
 profile cannot see (intermediate tensors) is not counted: the figure is a lower bound, as
 rooflines are.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-FLOP_PER_BYTE = 20.0       # FLOP/s : memory bytes/s of a GPU (H100 SXM fp32 67 TF / 3.35 TB/s)
+FLOP_PER_BYTE = 20.0  # FLOP/s : memory bytes/s of a GPU (H100 SXM fp32 67 TF / 3.35 TB/s)
 
 
 @dataclass(frozen=True)

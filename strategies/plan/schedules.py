@@ -22,6 +22,7 @@ Schedules (``--schedule``):
   batch's last micro-batch, and batch b runs on the weights one update old (double
   buffering); needs M >= K-1 micro-batches per batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -110,7 +111,6 @@ def updates_after(schedule: str, micro: int, num_micro: int) -> bool:
     if is_synchronous(schedule):
         return False
     return schedule != "async-2bw" or (micro + 1) % num_micro == 0
-
 
 
 def micro_batch_count(target: int, batch_size: int, at_least: int = 1) -> int:

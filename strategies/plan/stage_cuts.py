@@ -5,6 +5,7 @@ samples), and which schedules a parameter shared across stages allows (weight ty
 stages: Megatron-LM's rule, ``strategies/runtimes/pipeline/ties.py``). Used by the planner,
 the run's checks and the pipeline runtime (``strategies/runtimes/pipeline/stage.py``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,21 +27,25 @@ def sequential_layers(model: torch.nn.Module, example=None) -> list[tuple[str, t
     try:
         return model_layers(model, example)
     except ValueError as exc:
-        text = str(exc).removesuffix("; define hpar_layers()")   # said once, with the other ways out
-        raise ValueError(f"--strategy pipeline: {text}; define hpar_layers(), return nn.Sequential(...) from "
-                         "model(), or use a data-parallel strategy") from None
+        text = str(exc).removesuffix("; define hpar_layers()")  # said once, with the other ways out
+        raise ValueError(
+            f"--strategy pipeline: {text}; define hpar_layers(), return nn.Sequential(...) from "
+            "model(), or use a data-parallel strategy"
+        ) from None
 
 
-def example_micro_batch(job: Job, batch_size: int, micro_batches: int, seed: int = 0, replica: int = 0,
-                        replicas: int = 1):
+def example_micro_batch(
+    job: Job, batch_size: int, micro_batches: int, seed: int = 0, replica: int = 0, replicas: int = 1
+):
     """The inputs of the first micro-batch of replica ``replica``'s first batch (drawn as the
     run draws it, :func:`draw_batch`): what a traced model's layers are traced on."""
     inputs, _ = draw_batch(job.batches(replica, replicas, batch_size), seed, 0)
     return split_micro(inputs, micro_batches)[0]
 
 
-def stage_ranges(model: torch.nn.Module, num_stages: int, plan: Plan | None = None,
-                 example=None) -> tuple[tuple[int, int], ...]:
+def stage_ranges(
+    model: torch.nn.Module, num_stages: int, plan: Plan | None = None, example=None
+) -> tuple[tuple[int, int], ...]:
     """``[start, end)`` layer ranges of the stages: ``plan.stages`` when the planner gave
     them, else contiguous ranges balanced on parameter count (+1 per layer, so layers
     without parameters also spread). Raises ValueError for fewer layers than stages or a plan
@@ -49,17 +54,25 @@ def stage_ranges(model: torch.nn.Module, num_stages: int, plan: Plan | None = No
     n = len(layers)
     if plan is not None and plan.stages:
         ranges = tuple((int(a), int(b)) for a, b in plan.stages)
-        ok = (len(ranges) == num_stages and ranges[0][0] == 0 and ranges[-1][1] == n
-              and all(a < b for a, b in ranges) and all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:])))
+        ok = (
+            len(ranges) == num_stages
+            and ranges[0][0] == 0
+            and ranges[-1][1] == n
+            and all(a < b for a, b in ranges)
+            and all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:]))
+        )
         if not ok:
-            raise ValueError(f"plan stages {list(ranges)} do not split the model's {n} layers into {num_stages} contiguous stages (--gpus / --pipeline-replicas); re-run `hpar profile` for this model and --gpus")
+            raise ValueError(
+                f"plan stages {list(ranges)} do not split the model's {n} layers into {num_stages} contiguous stages (--gpus / --pipeline-replicas); re-run `hpar profile` for this model and --gpus"
+            )
         return ranges
     weights = [1 + sum(p.numel() for p in layer.parameters()) for _, layer in layers]
     return balanced_ranges(weights, num_stages)
 
 
-def check_pipeline(model: torch.nn.Module, num_stages: int, plan: Plan | None, micro_batches: int,
-                   batch_size: int, example=None) -> tuple[tuple[int, int], ...]:
+def check_pipeline(
+    model: torch.nn.Module, num_stages: int, plan: Plan | None, micro_batches: int, batch_size: int, example=None
+) -> tuple[tuple[int, int], ...]:
     """What the pipeline runtime will check after its processes start, checked before: the
     model can be cut into layers (``example``: one micro-batch, for a traced model), the
     plan's stages split them into ``num_stages`` contiguous ranges (or they can be balanced),
@@ -71,9 +84,11 @@ def check_pipeline(model: torch.nn.Module, num_stages: int, plan: Plan | None, m
     check_batchnorm_micro(model, micro_batches, batch_size)
     count = len(sequential_layers(model, example))
     if count < num_stages:
-        raise ValueError(f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): the model has only "
-                         f"{count} layers; use fewer stages (lower --gpus or raise "
-                         "--pipeline-replicas) or a data-parallel strategy")
+        raise ValueError(
+            f"{num_stages} pipeline stages (--gpus / --pipeline-replicas): the model has only "
+            f"{count} layers; use fewer stages (lower --gpus or raise "
+            "--pipeline-replicas) or a data-parallel strategy"
+        )
     return stage_ranges(model, num_stages, plan, example)
 
 
@@ -81,6 +96,7 @@ def batchnorm_names(model: torch.nn.Module) -> list[str]:
     """Names of ``model``'s BatchNorm layers (BatchNorm1d/2d/3d, SyncBatchNorm: ``_BatchNorm``),
     which normalise a micro-batch by its own statistics in training."""
     from torch.nn.modules.batchnorm import _BatchNorm
+
     return [name or "the model" for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
 
 
@@ -91,10 +107,14 @@ def check_batchnorm_micro(model: torch.nn.Module, micro_batches: int, batch_size
     channel when training")."""
     names = batchnorm_names(model) if batch_size // max(micro_batches, 1) < 2 else []
     if names:
-        fits = max((d for d in range(1, batch_size // 2 + 1) if batch_size % d == 0 and batch_size // d >= 2), default=0)
+        fits = max(
+            (d for d in range(1, batch_size // 2 + 1) if batch_size % d == 0 and batch_size // d >= 2), default=0
+        )
         fix = f"use --micro-batches {fits} or fewer" if fits else f"raise --batch-size to {2 * micro_batches}"
-        raise ValueError(f"--micro-batches {micro_batches} leaves one sample of --batch-size {batch_size} to a "
-                         f"micro-batch, and BatchNorm layer {names[0]!r} needs at least 2 in training; {fix}")
+        raise ValueError(
+            f"--micro-batches {micro_batches} leaves one sample of --batch-size {batch_size} to a "
+            f"micro-batch, and BatchNorm layer {names[0]!r} needs at least 2 in training; {fix}"
+        )
 
 
 def draw_batch(batches, seed: int, step: int):
@@ -114,7 +134,9 @@ def split_micro(obj: Any, num_micro: int) -> list[Any]:
     equal micro-batches. Raises ValueError naming ``--micro-batches`` when it does not divide."""
     if isinstance(obj, torch.Tensor):
         if obj.dim() == 0 or obj.shape[0] % num_micro:
-            raise ValueError(f"--micro-batches {num_micro} does not divide the batch of {obj.shape[0] if obj.dim() else 1} samples; choose a divisor of --batch-size")
+            raise ValueError(
+                f"--micro-batches {num_micro} does not divide the batch of {obj.shape[0] if obj.dim() else 1} samples; choose a divisor of --batch-size"
+            )
         return list(obj.chunk(num_micro))
     if isinstance(obj, (tuple, list)):
         parts = [split_micro(x, num_micro) for x in obj]
@@ -133,9 +155,11 @@ def schedule_problem(shared: dict, schedule: str) -> str:
         return ""
     name, stages = next(iter(shared.items()))
     stages = stages[0] if isinstance(stages[0], tuple) else stages
-    return (f"--schedule {schedule}: parameter {name!r} is shared by stages {', '.join(map(str, stages))} (tied "
-            "weights); an asynchronous schedule steps the stages at different times, so the copies cannot stay one "
-            "parameter; use --schedule 1f1b or gpipe, or untie the weights")
+    return (
+        f"--schedule {schedule}: parameter {name!r} is shared by stages {', '.join(map(str, stages))} (tied "
+        "weights); an asynchronous schedule steps the stages at different times, so the copies cannot stay one "
+        "parameter; use --schedule 1f1b or gpipe, or untie the weights"
+    )
 
 
 def check_schedule(shared: dict, schedule: str) -> None:
@@ -149,27 +173,41 @@ def check_schedule(shared: dict, schedule: str) -> None:
 VIRTUAL_STAGES = {"torch-gpipe": 1, "torch-1f1b": 1, "torch-interleaved-1f1b": 2, "torch-zbv": 2}
 
 
-ZBV_GLOO_MIN_TORCH = (2, 12)   # torch 2.11's ZB-V sends from a process to itself, which gloo refuses
+ZBV_GLOO_MIN_TORCH = (2, 12)  # torch 2.11's ZB-V sends from a process to itself, which gloo refuses
 
 
-def check_peer(schedule: str, num_layers: int, num_ranks: int, micro_batches: int, device: str = "cpu",
-               torch_version: str = torch.__version__) -> None:
+def check_peer(
+    schedule: str,
+    num_layers: int,
+    num_ranks: int,
+    micro_batches: int,
+    device: str = "cpu",
+    torch_version: str = torch.__version__,
+) -> None:
     """ValueError with the fix when torch's ``schedule`` cannot run this model on ``num_ranks``
     processes with ``micro_batches`` micro-batches on ``device`` ("cpu": gloo, "cuda": NCCL)
     under ``torch_version`` (checked before any process starts)."""
     chunks = VIRTUAL_STAGES[schedule] * num_ranks
     if num_layers < chunks:
-        raise ValueError(f"--schedule {schedule} cuts the model into {chunks} chunks ({VIRTUAL_STAGES[schedule]} per "
-                         f"process) but it has {num_layers} layers; use fewer --gpus or --schedule torch-1f1b")
+        raise ValueError(
+            f"--schedule {schedule} cuts the model into {chunks} chunks ({VIRTUAL_STAGES[schedule]} per "
+            f"process) but it has {num_layers} layers; use fewer --gpus or --schedule torch-1f1b"
+        )
     if schedule == "torch-1f1b" and micro_batches < num_ranks:
-        raise ValueError(f"--micro-batches {micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
-                         f"at least one per stage ({num_ranks}); raise it or use --schedule torch-gpipe")
+        raise ValueError(
+            f"--micro-batches {micro_batches}: torch.distributed.pipelining's Schedule1F1B needs "
+            f"at least one per stage ({num_ranks}); raise it or use --schedule torch-gpipe"
+        )
     rounds = max(1, micro_batches // num_ranks)
     if schedule == "torch-interleaved-1f1b" and micro_batches % rounds:
-        raise ValueError(f"--micro-batches {micro_batches}: ScheduleInterleaved1F1B needs a multiple of "
-                         f"{rounds} (micro-batches // processes); use {rounds * (micro_batches // rounds)}")
+        raise ValueError(
+            f"--micro-batches {micro_batches}: ScheduleInterleaved1F1B needs a multiple of "
+            f"{rounds} (micro-batches // processes); use {rounds * (micro_batches // rounds)}"
+        )
     if schedule == "torch-zbv" and device == "cpu" and TorchVersion(torch_version) < ZBV_GLOO_MIN_TORCH:
         # torch 2.11's ZB-V opens its links with a send from the process holding the V's turn to
         # itself, which gloo refuses ("Pair is not connected"); 2.12 and 2.13 run it
-        raise ValueError(f"--schedule torch-zbv on CPU (gloo) needs torch 2.12 or later (this is torch {torch_version}, "
-                         "whose ZB-V sends from a process to itself); upgrade torch or use --schedule torch-interleaved-1f1b")
+        raise ValueError(
+            f"--schedule torch-zbv on CPU (gloo) needs torch 2.12 or later (this is torch {torch_version}, "
+            "whose ZB-V sends from a process to itself); upgrade torch or use --schedule torch-interleaved-1f1b"
+        )

@@ -18,6 +18,7 @@ Cost: each trial starts its processes; in ``auto`` mode the trials are shortened
 saying so (``on`` always runs them; ``off`` keeps the model's choice). ``hpar profile`` stays
 model-only: it plans clusters the user does not have.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,10 @@ from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import HYBRID_CACHE
 from hpar.strategies.state.trust import claim
 
-FACTOR = 2.0    # candidates whose predicted samples/s is within this factor of the best
-MOST = 3        # at most this many candidates
-WARMUP = 2      # steps a trial runs before it measures (the run's summary leaves 2 out too)
-BUDGET = 0.05   # share of the run's predicted length the trials may take in auto mode
+FACTOR = 2.0  # candidates whose predicted samples/s is within this factor of the best
+MOST = 3  # at most this many candidates
+WARMUP = 2  # steps a trial runs before it measures (the run's summary leaves 2 out too)
+BUDGET = 0.05  # share of the run's predicted length the trials may take in auto mode
 START_S = 10.0  # seconds a trial's processes take to start and finish (a 2-worker CPU run here: 6-12 s)
 MODES = ("auto", "on", "off")
 
@@ -52,7 +53,7 @@ class Trial:
     samples_per_s: float = 0.0
     wall_s: float = 0.0
     exit_code: int = 0
-    steps: int = 1      # measured steps
+    steps: int = 1  # measured steps
 
     @property
     def spread(self) -> float:
@@ -76,8 +77,9 @@ def candidates(plan: Plan) -> list[tuple[str, float]]:
     """``(strategy, predicted step seconds)`` of the planner's runnable candidates within
     ``FACTOR`` of the best predicted samples/s, fastest first, at most ``MOST``; the first is
     the planner's choice."""
-    runnable = [c for c in plan.candidates if c.available and c.samples_per_s > 0
-                and not is_compressed_row(c.strategy)]   # --compress's rows: trials run the user's --compress
+    runnable = [
+        c for c in plan.candidates if c.available and c.samples_per_s > 0 and not is_compressed_row(c.strategy)
+    ]  # --compress's rows: trials run the user's --compress
     if not runnable:
         return []
     best = max(c.samples_per_s for c in runnable)
@@ -102,9 +104,14 @@ def trial_steps(mode: str, wanted: int, run_steps: int, cands: list[tuple[str, f
         return wanted, ""
     cost = len(cands) * (START_S + (WARMUP + 2) * slowest)
     if fits < 2:
-        return 0, (f"no trial: {len(cands)} trials of at least 2 steps would take ~{cost:.0f} s, over "
-                   f"{BUDGET:.0%} of the run's predicted {run_s:.0f} s (--tune on runs them anyway)")
-    return fits, f"trials shortened to {fits} measured steps to stay within {BUDGET:.0%} of the run's predicted {run_s:.0f} s"
+        return 0, (
+            f"no trial: {len(cands)} trials of at least 2 steps would take ~{cost:.0f} s, over "
+            f"{BUDGET:.0%} of the run's predicted {run_s:.0f} s (--tune on runs them anyway)"
+        )
+    return (
+        fits,
+        f"trials shortened to {fits} measured steps to stay within {BUDGET:.0%} of the run's predicted {run_s:.0f} s",
+    )
 
 
 def choose(trials: list[Trial]) -> tuple[str, str]:
@@ -121,21 +128,26 @@ def choose(trials: list[Trial]) -> tuple[str, str]:
     if best is planned:
         return planned.strategy, f"{planned.strategy} measured fastest ({planned.samples_per_s:,.0f} samples/s)"
     if planned in ran and planned.samples_per_s * (1 + best.spread) >= best.samples_per_s:
-        return planned.strategy, (f"{planned.strategy} ({planned.samples_per_s:,.0f} samples/s) is within "
-                                  f"{best.strategy}'s measured spread ({best.samples_per_s:,.0f}, "
-                                  f"{best.spread:.0%}): the cost model's choice stays")
+        return planned.strategy, (
+            f"{planned.strategy} ({planned.samples_per_s:,.0f} samples/s) is within "
+            f"{best.strategy}'s measured spread ({best.samples_per_s:,.0f}, "
+            f"{best.spread:.0%}): the cost model's choice stays"
+        )
     rank = [t.strategy for t in trials].index(best.strategy) + 1
-    return best.strategy, (f"{best.strategy} measured {best.samples_per_s:,.0f} samples/s against "
-                           f"{planned.strategy}'s {planned.samples_per_s:,.0f} ({best.samples_per_s / max(planned.samples_per_s, 1e-9):.2f}x, "
-                           f"beyond the {best.spread:.0%} spread); the cost model ranked it {_ordinal(rank)}")
+    return best.strategy, (
+        f"{best.strategy} measured {best.samples_per_s:,.0f} samples/s against "
+        f"{planned.strategy}'s {planned.samples_per_s:,.0f} ({best.samples_per_s / max(planned.samples_per_s, 1e-9):.2f}x, "
+        f"beyond the {best.spread:.0%} spread); the cost model ranked it {_ordinal(rank)}"
+    )
 
 
 def _ordinal(n: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(n, f"#{n}")
 
 
-def run_trials(say: Callable[[str], None], cfg, cands: list[tuple[str, float]], steps: int, resolve_for,
-               launch) -> list[Trial]:
+def run_trials(
+    say: Callable[[str], None], cfg, cands: list[tuple[str, float]], steps: int, resolve_for, launch
+) -> list[Trial]:
     """Run each candidate for ``WARMUP + steps`` steps: ``resolve_for(out, strategy, plan_file,
     run_dir, steps, True)`` gives its (config, options, rendezvous address) as ``hpar run`` would,
     ``launch(cfg, opts, out, master)`` runs it; ``out``, the text file its output goes to, is its
@@ -145,38 +157,71 @@ def run_trials(say: Callable[[str], None], cfg, cands: list[tuple[str, float]], 
         directory = os.path.join(cfg.run_dir, "trials", strategy)
         os.makedirs(directory, exist_ok=True)
         plan_file = os.path.join(directory, "plan.json")
-        alternative = cfg.plan.alternatives.get(strategy)   # a plan dict (launcher/run/plan_run.plan_job)
-        plan = cfg.plan if strategy == planned_name(cfg.plan) else \
-            Plan.from_dict(alternative) if alternative else Plan(strategy=strategy)
+        alternative = cfg.plan.alternatives.get(strategy)  # a plan dict (launcher/run/plan_run.plan_job)
+        plan = (
+            cfg.plan
+            if strategy == planned_name(cfg.plan)
+            else Plan.from_dict(alternative)
+            if alternative
+            else Plan(strategy=strategy)
+        )
         with open(plan_file, "w", encoding="utf-8") as f:
             json.dump({k: v for k, v in plan.to_dict().items() if k not in ("alternatives", "tuning")}, f)
         with open(os.path.join(directory, "output.txt"), "w", encoding="utf-8") as out:
             start = time.monotonic()
             try:
-                tcfg, topts, master = resolve_for(out, strategy, plan_file, os.path.join(directory, "run"),
-                                                  WARMUP + steps, True)
+                tcfg, topts, master = resolve_for(
+                    out, strategy, plan_file, os.path.join(directory, "run"), WARMUP + steps, True
+                )
                 outcome = launch(tcfg, replace(topts, live=False, max_restarts=0, min_hosts=0), out, master)
             except ValueError as exc:
                 out.write(f"hpar: {exc}\n")
                 trials.append(Trial(strategy, predicted, wall_s=time.monotonic() - start, exit_code=2))
                 continue
         s = outcome.summary or {}
-        trial = Trial(strategy, predicted, s.get("step_s_p50", math.nan), s.get("step_s_p90", math.nan),
-                      s.get("samples_per_s", 0.0), time.monotonic() - start, outcome.exit_code, steps)
+        trial = Trial(
+            strategy,
+            predicted,
+            s.get("step_s_p50", math.nan),
+            s.get("step_s_p90", math.nan),
+            s.get("samples_per_s", 0.0),
+            time.monotonic() - start,
+            outcome.exit_code,
+            steps,
+        )
         trials.append(trial)
-        say(f"hpar: trial {strategy}: predicted {predicted * 1e3:.1f} ms/step, measured "
+        say(
+            f"hpar: trial {strategy}: predicted {predicted * 1e3:.1f} ms/step, measured "
             f"{trial.step_s_p50 * 1e3:.1f} ms (p90 {trial.step_s_p90 * 1e3:.1f}), "
-            f"{trial.samples_per_s:,.0f} samples/s" if outcome.exit_code == 0 else
-            f"hpar: trial {strategy}: ended with exit code {outcome.exit_code} (see {directory}/output.txt)")
+            f"{trial.samples_per_s:,.0f} samples/s"
+            if outcome.exit_code == 0
+            else f"hpar: trial {strategy}: ended with exit code {outcome.exit_code} (see {directory}/output.txt)"
+        )
     return trials
 
 
 def record(trials: list[Trial], chosen: str, reason: str, note: str) -> dict:
     """The ``tuning`` entry of the plan and of summary.json."""
-    return {"trials": [{"strategy": t.strategy, "predicted_step_s": t.predicted_step_s, "step_s_p50": t.step_s_p50,
-                        "step_s_p90": t.step_s_p90, "samples_per_s": t.samples_per_s, "wall_s": t.wall_s,
-                        "exit_code": t.exit_code, "steps": t.steps, "spread": t.spread} for t in trials],
-            "chosen": chosen, "reason": reason, "trial_s": sum(t.wall_s for t in trials), **({"note": note} if note else {})}
+    return {
+        "trials": [
+            {
+                "strategy": t.strategy,
+                "predicted_step_s": t.predicted_step_s,
+                "step_s_p50": t.step_s_p50,
+                "step_s_p90": t.step_s_p90,
+                "samples_per_s": t.samples_per_s,
+                "wall_s": t.wall_s,
+                "exit_code": t.exit_code,
+                "steps": t.steps,
+                "spread": t.spread,
+            }
+            for t in trials
+        ],
+        "chosen": chosen,
+        "reason": reason,
+        "trial_s": sum(t.wall_s for t in trials),
+        **({"note": note} if note else {}),
+    }
 
 
 def tune(say: Callable[[str], None], cfg, opts, master: str, mode: str, steps: int, resolve_for, launch):
@@ -193,9 +238,11 @@ def tune(say: Callable[[str], None], cfg, opts, master: str, mode: str, steps: i
         say(f"hpar: --tune: {note}")
     if n == 0:
         return cfg, opts, master
-    say(f"hpar: --tune: a {WARMUP}+{n}-step trial of each of {', '.join(s for s, _ in cands)} "
-        "(the cost model's best and those within 2x of it)")
-    claim(cfg.run_dir, opts.group_readable)   # the run's own directory, marked before the trials write into it
+    say(
+        f"hpar: --tune: a {WARMUP}+{n}-step trial of each of {', '.join(s for s, _ in cands)} "
+        "(the cost model's best and those within 2x of it)"
+    )
+    claim(cfg.run_dir, opts.group_readable)  # the run's own directory, marked before the trials write into it
     trials = run_trials(say, cfg, cands, n, resolve_for, launch)
     chosen, reason = choose(trials)
     say(f"hpar: --tune chose {reason} (trials: {sum(t.wall_s for t in trials):.0f} s)")

@@ -13,6 +13,7 @@ model cannot serve a table (strategies/runtimes/hybrid/embedding.check_fullgraph
 fails is listed as not runnable, its note the refusal's line, and the planner chooses again
 without it.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ from hpar.strategies.plan.costmodel_compress import is_compressed_row
 from hpar.strategies.specs.decision import Plan
 from hpar.strategies.specs.registry import spec as strategy_spec
 
-CHECK_LR = 1e-3   # the optimizer's learning rate in the checks (no rule the servers refuse depends on it)
+CHECK_LR = 1e-3  # the optimizer's learning rate in the checks (no rule the servers refuse depends on it)
 
 
 def refusal(job, model, strategy: str, plan: Plan) -> str:
@@ -29,13 +30,14 @@ def refusal(job, model, strategy: str, plan: Plan) -> str:
     returned it) before anything starts, as one line without the script's name; "" when it
     would not: the spec's ``check_model`` (torchrec), and the parameter servers' checks."""
     spec = strategy_spec(strategy)
-    if spec.check_model and not spec.servers:   # torchrec: its tables and the optimizer it can fuse
+    if spec.check_model and not spec.servers:  # torchrec: its tables and the optimizer it can fuse
         from hpar.strategies.job.forward import inner_module
+
         try:
             spec.load("check_model")(job, inner_module(model), CHECK_LR)
         except ValueError as exc:
             why = str(exc)
-            return why[len(f"{job.path}: "):] if why.startswith(f"{job.path}: ") else why
+            return why[len(f"{job.path}: ") :] if why.startswith(f"{job.path}: ") else why
         return ""
     if not spec.servers:
         return ""
@@ -43,6 +45,7 @@ def refusal(job, model, strategy: str, plan: Plan) -> str:
     from hpar.strategies.plan.placement import placement
     from hpar.strategies.plan.placement import check_fullgraph
     from hpar.strategies.job.forward import inner_module
+
     inner = inner_module(model)
     try:
         check_fullgraph(model, placement(inner, strategy, plan))
@@ -50,7 +53,7 @@ def refusal(job, model, strategy: str, plan: Plan) -> str:
     except ValueError as exc:
         why = str(exc)
         prefix = f"{job.path}: --strategy {strategy}: "
-        return why[len(prefix):] if why.startswith(prefix) else why
+        return why[len(prefix) :] if why.startswith(prefix) else why
     return ""
 
 
@@ -70,11 +73,19 @@ def unsettled(strategy: str, settings: tuple, schedule: str | None = None) -> st
     spec = strategy_spec(strategy)
     if not settings or spec.check is None:
         return ""
-    cfg = SimpleNamespace(**{"strategy": strategy, "schedule": schedule or "1f1b", "precision": "fp32",
-                             "clip_grad_norm": 0.0, "accumulate": 1, **dict(settings)})
+    cfg = SimpleNamespace(
+        **{
+            "strategy": strategy,
+            "schedule": schedule or "1f1b",
+            "precision": "fp32",
+            "clip_grad_norm": 0.0,
+            "accumulate": 1,
+            **dict(settings),
+        }
+    )
     try:
         return spec.problem(cfg) or ""
-    except AttributeError:   # a check reading a setting the planner is not given: `hpar run` asks it later
+    except AttributeError:  # a check reading a setting the planner is not given: `hpar run` asks it later
         return ""
 
 
@@ -89,12 +100,16 @@ def vetted_plan(job, profile, cluster, model=None, needs: tuple = (), settings: 
     candidate must have (:func:`lacking`; ``--sync-batchnorm``), the others not runnable.
     Raises ValueError as ``choose_plan`` does (no strategy left that fits)."""
     from hpar.strategies.plan.planner import choose_plan
+
     if choose.get("force") is not None:
         return choose_plan(profile, cluster, **choose)
     plan = choose_plan(profile, cluster, **choose)
-    own = [c for c in plan.candidates if not is_compressed_row(c.strategy)]   # compressed rows: vetted as their strategy
-    why_not = {c.strategy: lacking(c.strategy, needs) or unsettled(c.strategy, settings, choose.get("schedule"))
-               for c in own if (needs or settings) and c.available}
+    own = [c for c in plan.candidates if not is_compressed_row(c.strategy)]  # compressed rows: vetted as their strategy
+    why_not = {
+        c.strategy: lacking(c.strategy, needs) or unsettled(c.strategy, settings, choose.get("schedule"))
+        for c in own
+        if (needs or settings) and c.available
+    }
     refused = {name: why for name, why in why_not.items() if why}
     if refused:
         plan = choose_plan(profile, cluster, refused=refused, **choose)
@@ -103,10 +118,13 @@ def vetted_plan(job, profile, cluster, model=None, needs: tuple = (), settings: 
         if not c.available or not (spec.servers or spec.check_model):
             continue
         try:
-            its = plan if c.strategy == plan.strategy or not spec.servers else \
-                choose_plan(profile, cluster, **{**choose, "force": c.strategy})   # its own placement
+            its = (
+                plan
+                if c.strategy == plan.strategy or not spec.servers
+                else choose_plan(profile, cluster, **{**choose, "force": c.strategy})
+            )  # its own placement
         except ValueError:
-            continue   # its own plan does not fit: choose_plan says so in its note
+            continue  # its own plan does not fit: choose_plan says so in its note
         if model is None:
             model = job.build_model()
         why = refusal(job, model, c.strategy, its)

@@ -20,6 +20,7 @@ the cost model prices from the link):
 Timed with :class:`~hpar.strategies.common.devices.DeviceClock` (CUDA events on a GPU), the
 median of a few repeats after one warm-up, at the profile's thread count.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,24 +31,33 @@ import torch
 from hpar.strategies.common.devices import DeviceClock
 from hpar.strategies.job.compression import Compression, compression_work, wire_elements
 
-MEASURED = (Compression("fp16"), Compression("bf16"), Compression("powersgd", 1), Compression("powersgd", 2),
-            Compression("powersgd", 4))   # measured by every profile; a run's other rank is added to these
+MEASURED = (
+    Compression("fp16"),
+    Compression("bf16"),
+    Compression("powersgd", 1),
+    Compression("powersgd", 2),
+    Compression("powersgd", 4),
+)  # measured by every profile; a run's other rank is added to these
 
 
 def _orthogonalize():
     """torch's PowerSGD orthogonalisation of a batch of matrices (in place), or QR in its place."""
     try:
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize as orth
+
         return orth
-    except ImportError:   # private to torch: the same work by QR
-        return lambda m: torch.linalg.qr(m, out=(m, torch.empty(m.shape[0], m.shape[2], m.shape[2], dtype=m.dtype,
-                                                                 device=m.device)))
+    except ImportError:  # private to torch: the same work by QR
+        return lambda m: torch.linalg.qr(
+            m, out=(m, torch.empty(m.shape[0], m.shape[2], m.shape[2], dtype=m.dtype, device=m.device))
+        )
 
 
 def _half_step(flat: torch.Tensor, dtype: torch.dtype, world: int):
     """One 16-bit hook's compute: cast and divide, then the copy back."""
+
     def step():
         flat.copy_(flat.to(dtype).div_(world))
+
     return step
 
 
@@ -59,7 +69,7 @@ def _powersgd_step(flat: torch.Tensor, shapes: list[tuple[int, ...]], c: Compres
     compressed, whole, at = [], [], 0
     for s in shapes:
         numel = math.prod(s) if s else 1
-        view = flat[at:at + numel]
+        view = flat[at : at + numel]
         at += numel
         if len(s) >= 2 and wire_elements(s, c)[0] < numel:
             n, m = s[0], numel // s[0]
@@ -76,7 +86,7 @@ def _powersgd_step(flat: torch.Tensor, shapes: list[tuple[int, ...]], c: Compres
             joined = torch.cat([t.view(-1) for t in whole]).div_(world)
             i = 0
             for t in whole:
-                t.copy_(joined[i:i + t.numel()])
+                t.copy_(joined[i : i + t.numel()])
                 i += t.numel()
         for t, p, q in compressed:
             torch.bmm(t, q, out=p)
@@ -88,11 +98,17 @@ def _powersgd_step(flat: torch.Tensor, shapes: list[tuple[int, ...]], c: Compres
         for t, p, q in compressed:
             torch.bmm(p, q.transpose(1, 2), out=t)
         error.copy_(copy - flat)
+
     return step
 
 
-def compression_seconds(shapes: list[tuple[int, ...]], device: torch.device, world: int,
-                        settings: tuple[Compression, ...] = MEASURED, repeats: int = 3) -> tuple[tuple[str, float], ...]:
+def compression_seconds(
+    shapes: list[tuple[int, ...]],
+    device: torch.device,
+    world: int,
+    settings: tuple[Compression, ...] = MEASURED,
+    repeats: int = 3,
+) -> tuple[tuple[str, float], ...]:
     """Seconds of each compression's own compute per step (module docstring) for fp32 dense
     gradients of ``shapes`` on ``device`` among ``world`` workers: ``((str(setting),
     seconds), ...)`` in the order of ``settings`` (``off`` left out). ``()`` when there is no
@@ -107,9 +123,12 @@ def compression_seconds(shapes: list[tuple[int, ...]], device: torch.device, wor
         if not c.on:
             continue
         flat = torch.randn(numel, generator=gen, device=device)
-        step = (_powersgd_step(flat, shapes, c, world) if c.kind == "powersgd"
-                else _half_step(flat, torch.float16 if c.kind == "fp16" else torch.bfloat16, max(world, 1)))
-        step()   # warm-up: first kernels, the allocator
+        step = (
+            _powersgd_step(flat, shapes, c, world)
+            if c.kind == "powersgd"
+            else _half_step(flat, torch.float16 if c.kind == "fp16" else torch.bfloat16, max(world, 1))
+        )
+        step()  # warm-up: first kernels, the allocator
         times = []
         for _ in range(repeats):
             a = clock.mark()
@@ -120,8 +139,9 @@ def compression_seconds(shapes: list[tuple[int, ...]], device: torch.device, wor
     return tuple(out)
 
 
-def profile_compression(model: torch.nn.Module, tables: set[str], device: torch.device, world: int,
-                        extra: Compression | None = None) -> tuple[tuple[str, float, float], ...]:
+def profile_compression(
+    model: torch.nn.Module, tables: set[str], device: torch.device, world: int, extra: Compression | None = None
+) -> tuple[tuple[str, float, float], ...]:
     """:func:`compression_seconds` of ``model``'s trainable parameters, apart for the dense
     layers and for the embedding tables named in ``tables`` (what ``allreduce`` compresses
     beside them; hybrid and allreduce-sparse compress the dense layers only): ``((setting,
@@ -132,18 +152,29 @@ def profile_compression(model: torch.nn.Module, tables: set[str], device: torch.
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     settings = MEASURED + ((extra,) if extra is not None and extra.on and extra not in MEASURED else ())
     groups = []
-    for shapes in ([tuple(p.shape) for n, p in named if n not in tables], [tuple(p.shape) for n, p in named if n in tables]):
+    for shapes in (
+        [tuple(p.shape) for n, p in named if n not in tables],
+        [tuple(p.shape) for n, p in named if n in tables],
+    ):
         timed, size = [], 0
         for s in shapes:
             if size + 4 * math.prod(s) <= CAP:
                 timed.append(s)
                 size += 4 * math.prod(s)
         got = dict(compression_seconds(timed, device, world, settings))
-        groups.append({str(c): (got[str(c)] * compression_work(shapes, c) / compression_work(timed, c) if timed else (-1.0 if shapes else 0.0))
-                       for c in settings})
+        groups.append(
+            {
+                str(c): (
+                    got[str(c)] * compression_work(shapes, c) / compression_work(timed, c)
+                    if timed
+                    else (-1.0 if shapes else 0.0)
+                )
+                for c in settings
+            }
+        )
     return tuple((str(c), groups[0][str(c)], groups[1][str(c)]) for c in settings)
 
 
-CAP = 256 * 2 ** 20   # fp32 bytes of gradients timed at once (three copies on the device: 768 MiB)
+CAP = 256 * 2**20  # fp32 bytes of gradients timed at once (three copies on the device: 768 MiB)
 
 __all__ = ["compression_seconds", "profile_compression", "MEASURED", "CAP"]

@@ -8,6 +8,7 @@ CPU worker runs. ``auto`` is ``cuda`` when this machine sees a GPU. A profile re
 device it measured on (``Profile.device``), and the plan says where its compute figures come
 from (``Plan.compute``), so CPU figures are never taken for a GPU's silently.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -26,8 +27,10 @@ def profile_device(flag: str = "auto") -> torch.device:
         raise ValueError(f"--device {flag!r}: choose auto, cpu or cuda")
     has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
     if flag == "cuda" and not has_gpu:
-        raise ValueError("--device cuda: this machine sees no GPU to profile on; run hpar profile on a GPU host, "
-                         "or pass --device cpu with --device-tflops (and --device-mem-gbps) to project a GPU")
+        raise ValueError(
+            "--device cuda: this machine sees no GPU to profile on; run hpar profile on a GPU host, "
+            "or pass --device cpu with --device-tflops (and --device-mem-gbps) to project a GPU"
+        )
     return torch.device("cuda", 0) if flag == "cuda" or (flag == "auto" and has_gpu) else torch.device("cpu")
 
 
@@ -40,6 +43,7 @@ class OnDevice:
 
     def batches(self, rank: int, world_size: int, batch_size: int):
         from hpar.strategies.job.context import move_to
+
         for inputs, targets in self.job.batches(rank, world_size, batch_size):
             yield move_to(inputs, self.device), move_to(targets, self.device)
 
@@ -53,7 +57,7 @@ def data_seconds(on_dev: OnDevice, batch_size: int, workers: int, draws: int = 8
     pipeline's share of a step, which a worker pays whatever the strategy (BENCHMARKS.md, "The
     cost model against measurement"). The first draw, which
     may build caches, is not counted. Raises JobError from the user's ``data()``."""
-    clock = DeviceClock(on_dev.device)   # now(): the host clock once the device's copies are done
+    clock = DeviceClock(on_dev.device)  # now(): the host clock once the device's copies are done
     batches = on_dev.batches(0, workers, batch_size)
     next(batches)
     times = []

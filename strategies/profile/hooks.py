@@ -2,6 +2,7 @@
 and tensor hooks, FLOP counting (torch.utils.flop_counter plus an analytic count for fused
 RNN kernels), gradient row counting, and the choice of a timing batch small enough for the time budget.
 No policy here, only instruments."""
+
 from __future__ import annotations
 
 import time
@@ -12,8 +13,8 @@ from hpar.strategies.job.forward import call_model
 from hpar.strategies.job.tying import embedding_tables
 from torch import nn
 
-STEP_BUDGET_S = 0.5         # longest timed step before timing moves to a smaller batch
-MIN_TIMED_BATCH = 2         # no training-mode forward on one sample: BatchNorm refuses it
+STEP_BUDGET_S = 0.5  # longest timed step before timing moves to a smaller batch
+MIN_TIMED_BATCH = 2  # no training-mode forward on one sample: BatchNorm refuses it
 
 
 def embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -50,6 +51,7 @@ class LayerTimer:
 
     def __init__(self, layers, emb_modules, clock=None):
         from hpar.strategies.common.devices import DeviceClock
+
         self.clock = clock or DeviceClock(torch.device("cpu"))
         self.layers, self.embs = [m for _, m in layers], list(emb_modules)
         self.activation_bytes = [0] * len(self.layers)
@@ -59,12 +61,12 @@ class LayerTimer:
         self.reset()
 
     def reset(self):
-        if getattr(self, "_calls", None) and sum(self._calls.values()) > 0:   # a forward pass ran
+        if getattr(self, "_calls", None) and sum(self._calls.values()) > 0:  # a forward pass ran
             self.max_calls = max(self.max_calls, max(self._calls.values()))
             self.min_calls = min(self.min_calls, min(self._calls.values()))
-        self._f = [[] for _ in self.layers]       # (start, end) marks of each forward call
+        self._f = [[] for _ in self.layers]  # (start, end) marks of each forward call
         self._t = [None] * len(self.layers)
-        self._b: dict = {}                        # layer -> mark of its output gradient
+        self._b: dict = {}  # layer -> mark of its output gradient
         self._calls = {id(m): 0 for m in self.embs}
 
     def __enter__(self):
@@ -107,7 +109,7 @@ class LayerTimer:
         mark of ``clock`` taken when backward returned)."""
         to_end = sorted(((self.clock.between(m, end), i) for i, m in self._b.items()), reverse=True)
         out = [0.0] * len(self.layers)
-        for k, (t, i) in enumerate(to_end):      # earliest event first
+        for k, (t, i) in enumerate(to_end):  # earliest event first
             out[i] = t - (to_end[k + 1][0] if k + 1 < len(to_end) else 0.0)
         return out
 
@@ -137,10 +139,15 @@ def count_flops(model: nn.Module, layers, step) -> dict:
     """FLOPs of one ``step()`` (forward + loss, returning the loss; backward run here):
     {"forward": int, "backward": int, "layers": [fwd+bwd per layer]}."""
     from torch.utils.flop_counter import FlopCounterMode
+
     rnn_flops: dict[int, int] = {}
     rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase)]
-    hs = [m.register_forward_hook(lambda mod, a, o: rnn_flops.__setitem__(id(mod), rnn_flops.get(id(mod), 0) + _rnn_forward_flops(mod, a)))
-          for m in rnns]
+    hs = [
+        m.register_forward_hook(
+            lambda mod, a, o: rnn_flops.__setitem__(id(mod), rnn_flops.get(id(mod), 0) + _rnn_forward_flops(mod, a))
+        )
+        for m in rnns
+    ]
     try:
         with FlopCounterMode(display=False) as fc:
             loss = step()
@@ -154,7 +161,7 @@ def count_flops(model: nn.Module, layers, step) -> dict:
     root = type(model).__name__
     names = {id(m): n for n, m in model.named_modules()}
     per_layer = [counts.get(f"{root}.{names.get(id(m), '?')}", 0) for _, m in layers]
-    for r in rnns:    # fused RNN kernels are invisible to the counter
+    for r in rnns:  # fused RNN kernels are invisible to the counter
         if counts.get(f"{root}.{names[id(r)]}", 0) == 0 and id(r) in rnn_flops:
             f = rnn_flops[id(r)]
             fwd, total = fwd + f, total + 3 * f
@@ -169,6 +176,7 @@ def traced_layer_flops(layers, inputs) -> list[int]:
     forward counted on its own (torch's FlopCounterMode), times 3 for forward plus backward
     (the backward of a matmul costs two of its forwards), as for fused RNN kernels above."""
     from torch.utils.flop_counter import FlopCounterMode
+
     out = []
     with torch.no_grad():
         for _, layer in layers:

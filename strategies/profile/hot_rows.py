@@ -22,6 +22,7 @@ probability p (its count over the batches), with s the staleness and N workers:
   cached plus each cached one's flush rate. Both are given as shares of what hybrid moves
   (the sum of p over every row: a batch's distinct rows).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-HOT_BATCHES = 32       # batches the row counts are taken over
+HOT_BATCHES = 32  # batches the row counts are taken over
 HOT_ROWS_MAX = 1 << 16  # rows kept per table (the first cache epoch can hold no more of the profiled ones)
 
 
@@ -50,18 +51,26 @@ class HotRows:
     @staticmethod
     def from_counts(counts: torch.Tensor, batches: int, keep: int = HOT_ROWS_MAX) -> "HotRows":
         """From per-row counts (int, one per row): the ``keep`` most looked up rows with a count."""
-        order = torch.sort(counts.to(torch.int64), descending=True, stable=True).indices   # ties: the lower id first
-        top = order[: keep][counts[order[: keep]] > 0]
+        order = torch.sort(counts.to(torch.int64), descending=True, stable=True).indices  # ties: the lower id first
+        top = order[:keep][counts[order[:keep]] > 0]
         return HotRows(tuple(top.tolist()), tuple(counts[top].tolist()), batches, int(counts.sum()))
 
 
-def row_counts(job, model: nn.Module, embs: list[tuple[str, nn.Module]], batch_size: int, workers: int,
-               batches: int = HOT_BATCHES, stop_early: bool = False) -> dict[str, HotRows]:
+def row_counts(
+    job,
+    model: nn.Module,
+    embs: list[tuple[str, nn.Module]],
+    batch_size: int,
+    workers: int,
+    batches: int = HOT_BATCHES,
+    stop_early: bool = False,
+) -> dict[str, HotRows]:
     """``{"<module>.weight": HotRows}`` for every embedding module of ``embs`` (``[(name,
     module)]``) of ``model``, over ``batches`` batches of the ``workers`` streams (see the module
     docstring); ``stop_early`` ends each forward once every module has seen its ids (when each
     is called once per forward). The model runs as the job's forward does, under no_grad."""
     from hpar.strategies.job.forward import call_model
+
     if not embs:
         return {}
     names = [f"{n}.weight" if n else "weight" for n, _ in embs]
@@ -99,21 +108,22 @@ def row_counts(job, model: nn.Module, embs: list[tuple[str, nn.Module]], batch_s
     return {n: HotRows.from_counts(counts[n], drawn) for n in names}
 
 
-def cache_shares(hot: HotRows, capacity: int, staleness: int, workers: int,
-                 epoch: int = 100) -> tuple[float, float, float]:
+def cache_shares(
+    hot: HotRows, capacity: int, staleness: int, workers: int, epoch: int = 100
+) -> tuple[float, float, float]:
     """``(hit rate, pulled share, pushed share)`` of a cache of the ``capacity`` hottest rows
     with staleness ``staleness`` on each of ``workers`` workers, cache epochs of ``epoch``
     steps (see the module docstring): the lookups read from the cache, and the rows pulled and
     pushed per step over hybrid's."""
     if not hot.batches or not hot.touches:
         return 0.0, 1.0, 1.0
-    total = hot.touches / hot.batches          # a batch's distinct rows
+    total = hot.touches / hot.batches  # a batch's distinct rows
     p = torch.tensor(hot.counts[:capacity], dtype=torch.float64) / hot.batches
     s = staleness
     at_end = (1 - (1 - p) ** max(1, epoch)).clamp(max=s / (s + 1)) / max(1, epoch)
     flush_rate = p / (s + 1) + at_end
     u = (1 - (1 - p / (s + 1)) ** workers).clamp_min(1e-12)
-    reads = p * (s / u).clamp(max=max(1, epoch))   # a copy is pulled again at least once an epoch
+    reads = p * (s / u).clamp(max=max(1, epoch))  # a copy is pulled again at least once an epoch
     hits = float((p * reads / (reads + 1)).sum()) / total
     pushed = (total - float(p.sum()) + float(flush_rate.sum())) / total
     return hits, 1 - hits, min(1.0, pushed)

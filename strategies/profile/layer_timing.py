@@ -2,6 +2,7 @@
 pipeline layers (a declared sequence, or the blocks torch's tracer cuts it between) or, where
 it cannot be cut, its top-level children; running them in order, a loss under the workers'
 precision, and per-layer times pooled over identical layers."""
+
 from __future__ import annotations
 
 import statistics
@@ -35,8 +36,14 @@ def pipeline_layers(model: nn.Module, examples=()) -> tuple[list[tuple[str, nn.M
     children = list(inner_module(model).named_children())
     shapes = {tuple(tuple(t.shape) for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)) for x in examples}
     if len(shapes) > 1:
-        return children, False, ("its batches change shape (a traced pipeline needs one shape; pad sequences to one "
-                                 "length) and it has no hpar_layers()")
+        return (
+            children,
+            False,
+            (
+                "its batches change shape (a traced pipeline needs one shape; pad sequences to one "
+                "length) and it has no hpar_layers()"
+            ),
+        )
     reason = why_not_traceable(model)
     if reason or not examples:
         return children, False, f"not a sequence of layers: {reason or 'no batch to trace it on'}"
@@ -69,9 +76,11 @@ def pooled_layer_times(layers, activation_bytes, lay_f, lay_b) -> tuple[list[flo
     the same type, parameter shapes and output size do the same work, so each gets the
     median over all their repeats. This keeps timing noise from splitting a stack of equal
     layers unevenly into pipeline stages."""
+
     def kind(li):
         m = layers[li][1]
         return (type(m).__name__, tuple(tuple(p.shape) for p in m.parameters()), activation_bytes[li])
+
     groups: dict = {}
     for li in range(len(layers)):
         groups.setdefault(kind(li), []).append(li)

@@ -16,6 +16,7 @@ a process's fixed overhead (``process_bytes``, ``device_overhead_bytes``). What 
 in a prediction: docs/strategies.md, "The terms of a predicted peak". All figures in bytes;
 activation figures at ``batch_size`` samples (they scale with it).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,7 @@ from hpar.strategies.common.measured_memory import PeakMemory
 from hpar.strategies.job.traced import first_trace_bytes
 from hpar.strategies.profile.records import MemoryProfile
 
-PROBE_NUMEL = 1 << 20   # optimizer state probe: 4 MiB of float32
+PROBE_NUMEL = 1 << 20  # optimizer state probe: 4 MiB of float32
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -88,10 +89,17 @@ def step_memory(model: nn.Module, layers: list[nn.Module], forward, device: torc
     for p in model.parameters():
         g = p.grad
         if g is not None:
-            grads += (g._values().numel() * g.element_size() + g._indices().numel() * 8) if g.is_sparse \
+            grads += (
+                (g._values().numel() * g.element_size() + g._indices().numel() * 8)
+                if g.is_sparse
                 else g.numel() * g.element_size()
-    return {"layer_saved_bytes": tuple(saved.saved), "forward_peak_bytes": fwd, "step_peak_bytes": step,
-            "step_grad_bytes": grads}
+            )
+    return {
+        "layer_saved_bytes": tuple(saved.saved),
+        "forward_peak_bytes": fwd,
+        "step_peak_bytes": step,
+        "step_grad_bytes": grads,
+    }
 
 
 class Growth:
@@ -105,6 +113,7 @@ class Growth:
 
     def _held(self) -> int:
         from hpar.strategies.common.measured_memory import release_freed_memory, status_bytes
+
         self.model.zero_grad(set_to_none=True)
         release_freed_memory()
         return status_bytes("VmRSS") or 0
@@ -158,24 +167,40 @@ def device_overhead_bytes(device: torch.device) -> int:
     return max(0, total - free - torch.cuda.memory_reserved(device))
 
 
-def memory_profile(step: dict, batch_size: int, data: int, ratios: tuple[float, float], job,
-                   device: torch.device, growth: tuple[int, int, int] = (0, 0, 0),
-                   shapes: tuple[int, ...] = ()) -> MemoryProfile:
+def memory_profile(
+    step: dict,
+    batch_size: int,
+    data: int,
+    ratios: tuple[float, float],
+    job,
+    device: torch.device,
+    growth: tuple[int, int, int] = (0, 0, 0),
+    shapes: tuple[int, ...] = (),
+) -> MemoryProfile:
     """The MemoryProfile of a measured ``step`` (:func:`step_memory`) at ``batch_size`` of
     ``job`` (its ``loaded_rss`` and ``cold`` figures, strategies/job/contract.py); ``growth``: (bytes,
     steps, steps that met a new shape) of :class:`Growth`; ``shapes``: the counts of the job's
     census of forward shapes (strategies/profile/shapes.py)."""
-    cold = job.cold if device.type == "cpu" else {}   # resident bytes: CPU workers only
+    cold = job.cold if device.type == "cpu" else {}  # resident bytes: CPU workers only
     warm_forward = step["forward_peak_bytes"] * cold.get("batch_size", batch_size) / max(batch_size, 1)
     first_use = max(0, int(cold.get("forward_bytes", 0) - warm_forward))
-    return MemoryProfile(batch_size=batch_size, data_bytes=max(data, cold.get("data_bytes", 0)),
-                         optimizer_state_ratio=ratios[0], optimizer_step_ratio=ratios[1],
-                         process_bytes=job.loaded_rss,
-                         device_overhead_bytes=device_overhead_bytes(device), first_use_bytes=first_use,
-                         model_extra_bytes=cold.get("model_bytes", 0), rows_suffice=rows_suffice(job),
-                         growth_bytes=growth[0], growth_steps=growth[1], growth_new_shapes=growth[2],
-                         trace_bytes=first_trace_bytes(),
-                         shape_counts=tuple(shapes), **step)
+    return MemoryProfile(
+        batch_size=batch_size,
+        data_bytes=max(data, cold.get("data_bytes", 0)),
+        optimizer_state_ratio=ratios[0],
+        optimizer_step_ratio=ratios[1],
+        process_bytes=job.loaded_rss,
+        device_overhead_bytes=device_overhead_bytes(device),
+        first_use_bytes=first_use,
+        model_extra_bytes=cold.get("model_bytes", 0),
+        rows_suffice=rows_suffice(job),
+        growth_bytes=growth[0],
+        growth_steps=growth[1],
+        growth_new_shapes=growth[2],
+        trace_bytes=first_trace_bytes(),
+        shape_counts=tuple(shapes),
+        **step,
+    )
 
 
 def rows_suffice(job) -> bool:
@@ -183,8 +208,9 @@ def rows_suffice(job) -> bool:
     (``OptimizerSpec.touched_rows_suffice`` of its first param group on a probe); True where it
     cannot be built so (the servers then refuse it anyway)."""
     from hpar.strategies.job.optimizer_rules import spec_from_group
+
     try:
         opt = job.build_optimizer([nn.Parameter(torch.zeros(1))], lr=1e-3)
         return spec_from_group(opt, opt.param_groups[0]).touched_rows_suffice()
-    except Exception:   # the user's optimizer() on a bare list, or a rule the servers lack
+    except Exception:  # the user's optimizer() on a bare list, or a rule the servers lack
         return True

@@ -16,6 +16,7 @@ report none there, counted analytically (2 FLOPs per multiply-add of the gate ma
 backward = 2x forward: the usual 1:2 rule, e.g. Kaplan et al. 2020, "Scaling laws for neural
 language models").
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,16 +51,30 @@ from hpar.strategies.profile.shapes import ShapeCensus, draw
 from hpar.strategies.profile import memory_profile as mem_probe
 from hpar.strategies.profile.sparsity import embedding_sparsity
 from hpar.strategies.profile.unused import missing_gradients, probe_unused
-from hpar.strategies.profile.update import (dense_update_cost, per_tensor_update_cost, probe_optimizer, server_optimizer_problem,
-                                          sparse_update_cost)
+from hpar.strategies.profile.update import (
+    dense_update_cost,
+    per_tensor_update_cost,
+    probe_optimizer,
+    server_optimizer_problem,
+    sparse_update_cost,
+)
 from hpar.strategies.specs.registry import FSDP
 
-SPARSE_ROW_FRACTION = 0.1   # a non-embedding gradient touching fewer rows than this is sparse
+SPARSE_ROW_FRACTION = 0.1  # a non-embedding gradient touching fewer rows than this is sparse
 
 
-def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmup: int = 2,
-                timing_batch_size: int | None = None, max_sparsity_workers: int = 16,
-                device: torch.device | str = "cpu", precision: str | None = None, compress=None) -> Profile:
+def profile_job(
+    job: Job,
+    batch_size: int,
+    workers: int,
+    repeats: int = 7,
+    warmup: int = 2,
+    timing_batch_size: int | None = None,
+    max_sparsity_workers: int = 16,
+    device: torch.device | str = "cpu",
+    precision: str | None = None,
+    compress=None,
+) -> Profile:
     """Profile ``job`` for ``workers`` (N) data-parallel workers of ``batch_size`` each, the
     model and batches on ``device`` (CUDA: timed with CUDA events and synchronize, see
     strategies/profile/device.py). Forward passes are timed under the workers' autocast
@@ -83,10 +98,10 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         dev = torch.device(device)
         clock, on_dev = DeviceClock(dev), OnDevice(job, dev)
         built = job.build_model()
-        model = copy.deepcopy(inner_module(built)).to(dev).train()   # a compiled model: see the module docstring
+        model = copy.deepcopy(inner_module(built)).to(dev).train()  # a compiled model: see the module docstring
         embs = embedding_modules(model)
         for _, m in embs:
-            m.sparse = True          # profile copy only: cheap gradients for huge tables
+            m.sparse = True  # profile copy only: cheap gradients for huge tables
         tbs = min(timing_batch_size or batch_size, batch_size)
         if timing_batch_size is None:
             tbs = auto_timing_batch(on_dev, model, batch_size, workers)
@@ -109,7 +124,7 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                 t2 = clock.mark()
                 unused |= missing_gradients(model)
                 if i == warmup - 1:
-                    growth = mem_probe.Growth(model, dev)   # what the timed steps keep (profile/memory_profile.py)
+                    growth = mem_probe.Growth(model, dev)  # what the timed steps keep (profile/memory_profile.py)
                 if i < warmup:
                     continue
                 fwd.append(clock.between(t0, t1))
@@ -129,20 +144,22 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
                 cast_loss(job, cast, run, inputs, targets)
                 new_shapes += census.record() and i >= warmup
         grown = (kept, repeats, new_shapes) if warmup else (0, 0, 0)
-        with ShapeCensus(model) as met:   # the shapes a worker meets at the run's batch (profile/shapes.py);
-            whole = lambda x: call_model(model, x)   # the model itself: a traced graph keeps the timing batch's shapes
+        with ShapeCensus(model) as met:  # the shapes a worker meets at the run's batch (profile/shapes.py);
+            whole = lambda x: call_model(model, x)  # the model itself: a traced graph keeps the timing batch's shapes
             draw(met, lambda b: cast_loss(job, cast, whole, *b), on_dev.batches(0, workers, batch_size))
         inputs, targets = timed[-1]
-        step_mem = mem_probe.step_memory(model, [m for _, m in layers],
-                                         lambda: cast_loss(job, cast, run, inputs, targets), dev)
+        step_mem = mem_probe.step_memory(
+            model, [m for _, m in layers], lambda: cast_loss(job, cast, run, inputs, targets), dev
+        )
         model.zero_grad(set_to_none=True)
         flops = count_flops(model, [] if traced else layers, lambda: job.compute_loss(run(inputs), targets))
         if traced:
             flops["layers"] = traced_layer_flops(layers, inputs)
         scale = batch_size / tbs
         ranks = probe_unused(job, min(batch_size, max(tbs, 2)), workers, 3, model, batches=on_dev.batches)
-        emb_stats = embedding_sparsity(on_dev, model, embs, batch_size, workers,
-                                        max_sparsity_workers, stop_early=calls_once)
+        emb_stats = embedding_sparsity(
+            on_dev, model, embs, batch_size, workers, max_sparsity_workers, stop_early=calls_once
+        )
         samples = emb_stats.pop("__samples__")
         hot = row_counts(on_dev, model, embs, batch_size, workers, stop_early=calls_once)
         fixed = fixed_share(on_dev, model, tbs, workers)
@@ -152,7 +169,9 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         per_tensor = per_tensor_update_cost(job, device=dev)
         host_per_tensor = per_tensor_update_cost(job) if dev.type != "cpu" else None
         fsdp_overhead = FSDP.load("profile_probe")(job, dev, cast, timed, model_bytes)
-        compress_s = profile_compression(model, {f"{n}.weight" if n else "weight" for n, _ in embs}, dev, workers, compress)
+        compress_s = profile_compression(
+            model, {f"{n}.weight" if n else "weight" for n, _ in embs}, dev, workers, compress
+        )
         tensors = sum(1 for _ in model.parameters())
         # at the timing batch, as forward and backward were timed (the host's own seconds hardly depend on it)
         charged = data_s + median_or_zero(fwd) + median_or_zero(bwd) + update * model_bytes + per_tensor * tensors
@@ -162,13 +181,14 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         if embs:
             name, table = max(((n, m.weight) for n, m in embs), key=lambda nm: nm[1].numel())
             key = f"{name}.weight" if name else "weight"
-            sparse_update = sparse_update_cost(job, table.shape[0], table.shape[1], emb_stats[key]["alpha"], workers,
-                                               device=dev)
+            sparse_update = sparse_update_cost(
+                job, table.shape[0], table.shape[1], emb_stats[key]["alpha"], workers, device=dev
+            )
             sparse_ok = sparse_update is not None
         server_note = server_optimizer_problem(job, model)
         data_mem = mem_probe.data_bytes(on_dev, batch_size, workers)
         state_ratio = mem_probe.optimizer_ratios(lambda ps: probe_optimizer(job, ps), dev)
-    except Exception as exc:   # the user's code failed here though check_job passed (e.g. only on the GPU)
+    except Exception as exc:  # the user's code failed here though check_job passed (e.g. only on the GPU)
         if not raised_in_script(job, exc):
             raise
         raise user_error(job, exc, "the model", f"while profiling on {device}") from exc
@@ -188,44 +208,106 @@ def profile_job(job: Job, batch_size: int, workers: int, repeats: int = 7, warmu
         if name in emb_names:
             st = emb_stats[name]
             h = hot[name]
-            pp = ParamProfile(name, tuple(p.shape), nbytes, True, st["alpha"], st["union"], True,
-                              layer_of.get(id(p), -1), st["curve"], st["mass"], st["dedup_s"],
-                              h.ids, h.counts, h.batches, h.touches, lookups=st["lookups"], bags=st["bags"])
+            pp = ParamProfile(
+                name,
+                tuple(p.shape),
+                nbytes,
+                True,
+                st["alpha"],
+                st["union"],
+                True,
+                layer_of.get(id(p), -1),
+                st["curve"],
+                st["mass"],
+                st["dedup_s"],
+                h.ids,
+                h.counts,
+                h.batches,
+                h.touches,
+                lookups=st["lookups"],
+                bags=st["bags"],
+            )
         elif name in grad_rows and median_or_zero([f for f, _ in grad_rows[name]]) < SPARSE_ROW_FRACTION:
             fr = [f for f, _ in grad_rows[name]]
             union = float(torch.stack([m for _, m in grad_rows[name]]).any(0).float().mean())
-            pp = ParamProfile(name, tuple(p.shape), nbytes, True, float(sum(fr) / len(fr)), union,
-                              False, layer_of.get(id(p), -1), ((len(fr), union),), tied_to=tied.get(name, ()))
+            pp = ParamProfile(
+                name,
+                tuple(p.shape),
+                nbytes,
+                True,
+                float(sum(fr) / len(fr)),
+                union,
+                False,
+                layer_of.get(id(p), -1),
+                ((len(fr), union),),
+                tied_to=tied.get(name, ()),
+            )
         else:
-            pp = ParamProfile(name, tuple(p.shape), nbytes, False, 1.0, 1.0, False, layer_of.get(id(p), -1),
-                              tied_to=tied.get(name, ()))
+            pp = ParamProfile(
+                name,
+                tuple(p.shape),
+                nbytes,
+                False,
+                1.0,
+                1.0,
+                False,
+                layer_of.get(id(p), -1),
+                tied_to=tied.get(name, ()),
+            )
         params.append(dataclasses.replace(pp, frozen=not p.requires_grad))
     params.sort(key=lambda q: (not q.sparse, -q.bytes))
     lp = []
     fwd_of, bwd_of = pooled_layer_times(layers, timer.activation_bytes, lay_f, lay_b)
     for li, (name, m) in enumerate(layers):
-        lp.append(LayerProfile(
-            name=name,
-            forward_s=fwd_of[li] * scale,
-            backward_s=bwd_of[li] * scale,
-            flops=int(flops["layers"][li] * scale),
-            activation_bytes=int(timer.activation_bytes[li] * scale),
-            param_bytes=sum(q.numel() * q.element_size() for q in m.parameters())))
+        lp.append(
+            LayerProfile(
+                name=name,
+                forward_s=fwd_of[li] * scale,
+                backward_s=bwd_of[li] * scale,
+                flops=int(flops["layers"][li] * scale),
+                activation_bytes=int(timer.activation_bytes[li] * scale),
+                param_bytes=sum(q.numel() * q.element_size() for q in m.parameters()),
+            )
+        )
     f_s, b_s = median_or_zero(fwd) * scale, median_or_zero(bwd) * scale
-    return Profile(params=tuple(params), layers=tuple(lp), batch_size=batch_size, samples_per_batch=samples,
-                   workers=workers, is_sequential=is_seq, sequential_reason=reason,
-                   compute_s=f_s + b_s, forward_s=f_s, backward_s=b_s,
-                   forward_flops=int(flops["forward"] * scale), backward_flops=int(flops["backward"] * scale),
-                   update_s_per_byte=update, update_s_per_tensor=per_tensor,
-                   host_update_s_per_tensor=host_per_tensor, fsdp_overhead_s=fsdp_overhead, compress_s=compress_s,
-                   step_overhead_s=host_overhead, timing_batch_size=tbs, profile_s=time.perf_counter() - t_start,
-                   sparse_update_s_per_byte=sparse_update, sparse_gradients_ok=sparse_ok, fixed_share=fixed,
-                   device=dev.type, host_update_s_per_byte=host_update, data_s=data_s,
-                   unused_params=tuple(sorted(unused.union(ranks.params))),
-                   unused_by_rank=ranks.by_rank, server_optimizer_note=server_note, traced=traced,
-                   evaluates=job.evaluate_fn is not None,
-                   memory=mem_probe.memory_profile(step_mem, tbs, data_mem, state_ratio, job,
-                                                   dev, grown, met.counts()).scaled(batch_size),
-                   shared_params=tuple((n, held) for n, (held, _) in
-                                       shared_across_stages(layers, [(i, i + 1) for i in range(len(layers))]).items())
-                   if is_seq else ())
+    return Profile(
+        params=tuple(params),
+        layers=tuple(lp),
+        batch_size=batch_size,
+        samples_per_batch=samples,
+        workers=workers,
+        is_sequential=is_seq,
+        sequential_reason=reason,
+        compute_s=f_s + b_s,
+        forward_s=f_s,
+        backward_s=b_s,
+        forward_flops=int(flops["forward"] * scale),
+        backward_flops=int(flops["backward"] * scale),
+        update_s_per_byte=update,
+        update_s_per_tensor=per_tensor,
+        host_update_s_per_tensor=host_per_tensor,
+        fsdp_overhead_s=fsdp_overhead,
+        compress_s=compress_s,
+        step_overhead_s=host_overhead,
+        timing_batch_size=tbs,
+        profile_s=time.perf_counter() - t_start,
+        sparse_update_s_per_byte=sparse_update,
+        sparse_gradients_ok=sparse_ok,
+        fixed_share=fixed,
+        device=dev.type,
+        host_update_s_per_byte=host_update,
+        data_s=data_s,
+        unused_params=tuple(sorted(unused.union(ranks.params))),
+        unused_by_rank=ranks.by_rank,
+        server_optimizer_note=server_note,
+        traced=traced,
+        evaluates=job.evaluate_fn is not None,
+        memory=mem_probe.memory_profile(step_mem, tbs, data_mem, state_ratio, job, dev, grown, met.counts()).scaled(
+            batch_size
+        ),
+        shared_params=tuple(
+            (n, held) for n, (held, _) in shared_across_stages(layers, [(i, i + 1) for i in range(len(layers))]).items()
+        )
+        if is_seq
+        else (),
+    )

@@ -11,6 +11,7 @@ keep (``growth_bytes``, up to GROWTH_STEPS steps within GROWTH_BUDGET_S). Every 
 of the returned Profile is 0: it prices no step. A fraction of a second for the models of the
 tests and examples.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,12 +28,13 @@ from hpar.strategies.profile.hooks import embedding_modules
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
 from hpar.strategies.profile.shapes import ShapeCensus, draw
 
-GROWTH_STEPS = 6        # steps on new batches after the measured one, for growth_bytes
-GROWTH_BUDGET_S = 2.0   # ... fewer where the steps take longer than this
+GROWTH_STEPS = 6  # steps on new batches after the measured one, for growth_bytes
+GROWTH_BUDGET_S = 2.0  # ... fewer where the steps take longer than this
 
 
-def memory_only_profile(job, model: torch.nn.Module, batch_size: int, workers: int, device: torch.device,
-                        precision: str | None = None) -> Profile:
+def memory_only_profile(
+    job, model: torch.nn.Module, batch_size: int, workers: int, device: torch.device, precision: str | None = None
+) -> Profile:
     """The Profile of ``job`` at ``batch_size`` per worker for ``workers`` workers with only its
     memory figures measured (module docstring), on a copy of ``model`` (left as it was, its RNG
     and thread count too) on ``device``. Raises JobError from the user's code."""
@@ -52,10 +54,11 @@ def memory_only_profile(job, model: torch.nn.Module, batch_size: int, workers: i
         def forward(batch):
             with cast():
                 return job.compute_loss(call_model(net, batch[0]), batch[1])
+
         first = next(batches)
         step = mem_probe.step_memory(net, [m for _, m in layers], lambda: forward(first), device)
-        alphas = {n: _alpha(p) for n, p in net.named_parameters()}   # the first step's touched rows
-        with ShapeCensus(net) as census:   # kernels' caches for new shapes (profile/shapes.py)
+        alphas = {n: _alpha(p) for n, p in net.named_parameters()}  # the first step's touched rows
+        with ShapeCensus(net) as census:  # kernels' caches for new shapes (profile/shapes.py)
             with torch.no_grad():
                 forward(first)
             census.record()
@@ -79,19 +82,56 @@ def memory_only_profile(job, model: torch.nn.Module, batch_size: int, workers: i
         nbytes = p.numel() * p.element_size()
         if name in tables:
             alpha = alphas[name]
-            params.append(ParamProfile(name, tuple(p.shape), nbytes, True, alpha, min(1.0, workers * alpha), True,
-                                       layer_of.get(id(p), -1), frozen=not p.requires_grad))
+            params.append(
+                ParamProfile(
+                    name,
+                    tuple(p.shape),
+                    nbytes,
+                    True,
+                    alpha,
+                    min(1.0, workers * alpha),
+                    True,
+                    layer_of.get(id(p), -1),
+                    frozen=not p.requires_grad,
+                )
+            )
         else:
-            params.append(ParamProfile(name, tuple(p.shape), nbytes, False, 1.0, 1.0, False, layer_of.get(id(p), -1),
-                                       frozen=not p.requires_grad))
-    lp = tuple(LayerProfile(n, 0.0, 0.0, 0, 0, sum(q.numel() * q.element_size() for q in m.parameters()))
-               for n, m in layers)
+            params.append(
+                ParamProfile(
+                    name,
+                    tuple(p.shape),
+                    nbytes,
+                    False,
+                    1.0,
+                    1.0,
+                    False,
+                    layer_of.get(id(p), -1),
+                    frozen=not p.requires_grad,
+                )
+            )
+    lp = tuple(
+        LayerProfile(n, 0.0, 0.0, 0, 0, sum(q.numel() * q.element_size() for q in m.parameters())) for n, m in layers
+    )
     memory = mem_probe.memory_profile(step, batch_size, data, ratio, job, device, grown, census.counts())
-    return Profile(params=tuple(params), layers=lp, batch_size=batch_size, samples_per_batch=batch_size,
-                   workers=workers, is_sequential=is_declared_sequence(net), sequential_reason="",
-                   compute_s=0.0, forward_s=0.0, backward_s=0.0, forward_flops=0, backward_flops=0,
-                   update_s_per_byte=0.0, timing_batch_size=batch_size, device=device.type, memory=memory,
-                   evaluates=job.evaluate_fn is not None)
+    return Profile(
+        params=tuple(params),
+        layers=lp,
+        batch_size=batch_size,
+        samples_per_batch=batch_size,
+        workers=workers,
+        is_sequential=is_declared_sequence(net),
+        sequential_reason="",
+        compute_s=0.0,
+        forward_s=0.0,
+        backward_s=0.0,
+        forward_flops=0,
+        backward_flops=0,
+        update_s_per_byte=0.0,
+        timing_batch_size=batch_size,
+        device=device.type,
+        memory=memory,
+        evaluates=job.evaluate_fn is not None,
+    )
 
 
 def _alpha(p: torch.Tensor) -> float:

@@ -3,6 +3,7 @@ and for the whole step (strategies/profile/profiler.py measures them; the cost m
 strategies/plan/ reads them). Plain frozen dataclasses, saved as JSON with ``to_dict`` and
 read back with ``from_dict``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,21 +39,22 @@ class ParamProfile:
     layer: int = -1
     union_curve: tuple[tuple[int, float], ...] = ()
     row_mass: tuple[float, ...] = ()
-    dedup_s: float = 0.0    # embeddings: seconds to deduplicate one batch's ids on the host
+    dedup_s: float = 0.0  # embeddings: seconds to deduplicate one batch's ids on the host
     hot_rows: tuple[int, ...] = ()
     hot_counts: tuple[int, ...] = ()
     hot_batches: int = 0
     hot_touches: int = 0
     tied_to: tuple[str, ...] = ()
-    frozen: bool = False   # requires_grad=False: no gradient, no update; kept on the workers, never served
-    lookups: float = 0.0   # embeddings: ids one worker's batch looks up (sparsity.py; 0: not measured)
-    bags: float = 0.0      # embeddings: rows its lookups return: pooled bags, or one per id (0: not measured)
+    frozen: bool = False  # requires_grad=False: no gradient, no update; kept on the workers, never served
+    lookups: float = 0.0  # embeddings: ids one worker's batch looks up (sparsity.py; 0: not measured)
+    bags: float = 0.0  # embeddings: rows its lookups return: pooled bags, or one per id (0: not measured)
 
     def hot(self):
         """The profiled row frequencies as hot_rows.HotRows (None where none were measured)."""
         if not self.hot_batches:
             return None
         from hpar.strategies.profile.hot_rows import HotRows
+
         return HotRows(self.hot_rows, self.hot_counts, self.hot_batches, self.hot_touches)
 
     @property
@@ -116,7 +118,7 @@ class MemoryProfile:
     growth_steps: int = 0
     growth_new_shapes: int = 0
     shape_counts: tuple[int, ...] = ()
-    trace_bytes: int = 0   # a traced model's first trace in a process (0: none, or a profile from before)
+    trace_bytes: int = 0  # a traced model's first trace in a process (0: none, or a profile from before)
 
     def scaled(self, batch: float) -> "MemoryProfile":
         """The activation figures at ``batch`` samples (linear in the batch; the gradients
@@ -124,9 +126,12 @@ class MemoryProfile:
         f = batch / max(self.batch_size, 1)
         grads = self.step_grad_bytes
         return dataclasses.replace(
-            self, batch_size=batch, layer_saved_bytes=tuple(int(b * f) for b in self.layer_saved_bytes),
+            self,
+            batch_size=batch,
+            layer_saved_bytes=tuple(int(b * f) for b in self.layer_saved_bytes),
             forward_peak_bytes=int(self.forward_peak_bytes * f),
-            step_peak_bytes=grads + int(max(0, self.step_peak_bytes - grads) * f))
+            step_peak_bytes=grads + int(max(0, self.step_peak_bytes - grads) * f),
+        )
 
 
 @dataclass(frozen=True)
@@ -164,18 +169,22 @@ class Profile:
     fixed_share: float = 0.0
     device: str = "cpu"
     host_update_s_per_byte: float | None = None
-    data_s: float = 0.0     # seconds to draw one batch and move it to the device (device.data_seconds)
-    server_optimizer_note: str = ""   # why the parameter servers cannot apply the optimizer ("": they can)
-    unused_params: tuple[str, ...] = ()   # trainable parameters without a gradient in a profiled step (profile/unused.py)
-    unused_by_rank: bool = False   # ranks' batches left different parameters without a gradient in one step (MoE)
-    evaluates: bool = False   # the script defines evaluate() (plan/memory_sharded.py: worker 0's whole copy)
-    traced: bool = False   # the layers come from torch's tracer (strategies/job/traced.py), not a declared sequence
-    shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (parameter, the layers holding it): tied weights
-    memory: MemoryProfile | None = None   # measured memory terms (profile/memory_profile.py); None: not measured
-    update_s_per_tensor: float = 0.0   # the optimizer's step per parameter tensor (0: not measured)
-    host_update_s_per_tensor: float | None = None   # the same on one CPU thread (servers; None: measured there already)
-    fsdp_overhead_s: float | None = None   # FSDP2's own work per step, one worker (runtimes/dataparallel/fsdp_cost.py; None: not measured)
-    step_overhead_s: float | None = None   # the host's own seconds a step on a GPU (profile/step_overhead.py; None: CPU)
+    data_s: float = 0.0  # seconds to draw one batch and move it to the device (device.data_seconds)
+    server_optimizer_note: str = ""  # why the parameter servers cannot apply the optimizer ("": they can)
+    unused_params: tuple[
+        str, ...
+    ] = ()  # trainable parameters without a gradient in a profiled step (profile/unused.py)
+    unused_by_rank: bool = False  # ranks' batches left different parameters without a gradient in one step (MoE)
+    evaluates: bool = False  # the script defines evaluate() (plan/memory_sharded.py: worker 0's whole copy)
+    traced: bool = False  # the layers come from torch's tracer (strategies/job/traced.py), not a declared sequence
+    shared_params: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (parameter, the layers holding it): tied weights
+    memory: MemoryProfile | None = None  # measured memory terms (profile/memory_profile.py); None: not measured
+    update_s_per_tensor: float = 0.0  # the optimizer's step per parameter tensor (0: not measured)
+    host_update_s_per_tensor: float | None = None  # the same on one CPU thread (servers; None: measured there already)
+    fsdp_overhead_s: float | None = (
+        None  # FSDP2's own work per step, one worker (runtimes/dataparallel/fsdp_cost.py; None: not measured)
+    )
+    step_overhead_s: float | None = None  # the host's own seconds a step on a GPU (profile/step_overhead.py; None: CPU)
     # --compress's own compute per step on the device: (setting, dense layers' s, embedding tables' s; -1: not
     # measured), profile/compress_cost.py; None: not measured (a profile from before)
     compress_s: tuple[tuple[str, float, float], ...] | None = None
@@ -208,19 +217,31 @@ class Profile:
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
         d = dict(d)
-        d["params"] = tuple(ParamProfile(**{**p, "shape": tuple(p["shape"]),
-                                            "union_curve": tuple(tuple(x) for x in p.get("union_curve", ())),
-                                            "row_mass": tuple(p.get("row_mass", ())),
-                                            "hot_rows": tuple(p.get("hot_rows", ())),
-                                            "hot_counts": tuple(p.get("hot_counts", ())),
-                                            "tied_to": tuple(p.get("tied_to", ()))})
-                            for p in d["params"])
+        d["params"] = tuple(
+            ParamProfile(
+                **{
+                    **p,
+                    "shape": tuple(p["shape"]),
+                    "union_curve": tuple(tuple(x) for x in p.get("union_curve", ())),
+                    "row_mass": tuple(p.get("row_mass", ())),
+                    "hot_rows": tuple(p.get("hot_rows", ())),
+                    "hot_counts": tuple(p.get("hot_counts", ())),
+                    "tied_to": tuple(p.get("tied_to", ())),
+                }
+            )
+            for p in d["params"]
+        )
         d["layers"] = tuple(LayerProfile(**l) for l in d["layers"])
         d["unused_params"] = tuple(d.get("unused_params", ()))
         d["shared_params"] = tuple((n, tuple(ls)) for n, ls in d.get("shared_params", ()))
         if d.get("compress_s") is not None:
             d["compress_s"] = tuple((str(c), float(a), float(b)) for c, a, b in d["compress_s"])
         if d.get("memory"):
-            d["memory"] = MemoryProfile(**{**d["memory"], "layer_saved_bytes": tuple(d["memory"]["layer_saved_bytes"]),
-                                           "shape_counts": tuple(d["memory"].get("shape_counts", ()))})
+            d["memory"] = MemoryProfile(
+                **{
+                    **d["memory"],
+                    "layer_saved_bytes": tuple(d["memory"]["layer_saved_bytes"]),
+                    "shape_counts": tuple(d["memory"].get("shape_counts", ())),
+                }
+            )
         return cls(**d)

@@ -18,6 +18,7 @@ from a census of the job's batches here).
   beyond it (Chao, Gotelli, Hsieh, Sander, Ma, Colwell and Ellison, "Rarefaction and
   extrapolation with Hill numbers", Ecological Monographs 84(1), 2014: the q = 0 estimators).
 """
+
 from __future__ import annotations
 
 import time
@@ -27,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-DRAWS = 48            # forward passes in a census (the growth steps' included)
-DRAW_BUDGET_S = 1.5   # ... fewer where they take longer than this
-STATIC_AFTER = 8      # a census that met one signature in this many passes stops: shapes do not change
+DRAWS = 48  # forward passes in a census (the growth steps' included)
+DRAW_BUDGET_S = 1.5  # ... fewer where they take longer than this
+STATIC_AFTER = 8  # a census that met one signature in this many passes stops: shapes do not change
 
 
 class ShapeCensus:
@@ -66,8 +67,13 @@ class ShapeCensus:
         return tuple(sorted(self.met.values(), reverse=True))
 
 
-def draw(census: ShapeCensus, forward: Callable[[object], object], batches: Iterator,
-         most: int = DRAWS, budget_s: float = DRAW_BUDGET_S) -> None:
+def draw(
+    census: ShapeCensus,
+    forward: Callable[[object], object],
+    batches: Iterator,
+    most: int = DRAWS,
+    budget_s: float = DRAW_BUDGET_S,
+) -> None:
     """Forward passes of ``forward(batch)`` under ``torch.no_grad`` on ``batches`` (an entered
     census records each) until the census holds ``most`` passes, ``budget_s`` seconds pass, the
     batches run out, or ``STATIC_AFTER`` passes met a single signature."""
@@ -97,7 +103,7 @@ def distinct_after(counts: tuple[int, ...], n: int) -> float:
     if n <= size:
         total = 0.0
         for x in counts:
-            unseen = 1.0   # C(size - x, n) / C(size, n): no pass of this signature among n
+            unseen = 1.0  # C(size - x, n) / C(size, n): no pass of this signature among n
             for j in range(n):
                 unseen *= max(0, size - x - j) / (size - j)
                 if unseen == 0.0:

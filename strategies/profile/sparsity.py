@@ -5,6 +5,7 @@ the module, read by a forward pre-hook, so no backward is needed. The union over
 decides the parameter-server traffic of the hybrid strategy (Kim et al., "Parallax",
 EuroSys 2019: pull and push the touched rows only).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -17,7 +18,7 @@ from hpar.strategies.job.contract import Job
 from hpar.strategies.job.forward import call_model
 from torch import nn
 
-ROW_BUCKETS = 256           # resolution of ParamProfile.row_mass
+ROW_BUCKETS = 256  # resolution of ParamProfile.row_mass
 
 
 def _bags(module: nn.Module, args: tuple) -> int:
@@ -35,8 +36,9 @@ class _StopForward(Exception):
     """Raised from a hook to end a forward pass once every embedding has seen its ids."""
 
 
-def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, workers: int,
-                       max_workers: int, stop_early: bool) -> dict:
+def embedding_sparsity(
+    job: Job, model: nn.Module, embs, batch_size: int, workers: int, max_workers: int, stop_early: bool
+) -> dict:
     """Row-touch statistics of every embedding module in ``embs`` (``[(name, module)]``)
     over the first batch of each of min(N, max_workers) workers (N = ``workers``).
 
@@ -56,23 +58,23 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
     names = [f"{n}.weight" if n else "weight" for n, _ in embs]
     counts = {n: torch.zeros(m.weight.shape[0], dtype=torch.int32) for n, (_, m) in zip(names, embs)}
     per_worker = {n: [] for n in names}
-    curve_at = sorted({k for k in (2 ** i for i in range(31)) if k <= R} | {R})
+    curve_at = sorted({k for k in (2**i for i in range(31)) if k <= R} | {R})
     curves = {n: [] for n in names}
     seen: set = set()
     samples = 0
     dedup_s = {n: [] for n in names}
-    lookups = {n: [] for n in names}   # per worker: (ids looked up, rows returned)
+    lookups = {n: [] for n in names}  # per worker: (ids looked up, rows returned)
     looked: dict = {}
 
     def hook(module, args):
         name = names[[m for _, m in embs].index(module)]
-        if name not in seen:   # what a served table's lookup does first on a worker: dedup its ids on the host
+        if name not in seen:  # what a served table's lookup does first on a worker: dedup its ids on the host
             t0 = time.perf_counter()
             dedup(args[0].detach().to("cpu", torch.int64))
             dedup_s[name].append(time.perf_counter() - t0)
         looked[name] = looked.get(name, (0, 0))
         looked[name] = (looked[name][0] + args[0].numel(), looked[name][1] + _bags(module, args))
-        ids = args[0].reshape(-1).unique().to("cpu")   # the counts live on the host, whatever the device
+        ids = args[0].reshape(-1).unique().to("cpu")  # the counts live on the host, whatever the device
         hit = torch.zeros(module.weight.shape[0], dtype=torch.bool)
         hit[ids] = True
         cur[name] |= hit
@@ -107,22 +109,26 @@ def embedding_sparsity(job: Job, model: nn.Module, embs, batch_size: int, worker
     out = {"__samples__": samples}
     for n in names:
         curve = curves[n]
-        if workers > R:   # extrapolate with independent per-row probabilities
+        if workers > R:  # extrapolate with independent per-row probabilities
             p = counts[n].double() / R
             est = lambda k, p=p: float((1 - (1 - p) ** k).mean())
             shift = curve[-1][1] - est(R)
-            extra = sorted({k for k in (2 ** i for i in range(31)) if R < k < workers} | {workers})
+            extra = sorted({k for k in (2**i for i in range(31)) if R < k < workers} | {workers})
             curve = curve + [(k, min(1.0, est(k) + shift)) for k in extra]
         c = counts[n].double()
         buckets = min(ROW_BUCKETS, c.numel())
         edges = torch.arange(buckets + 1) * c.numel() // buckets
-        mass = torch.stack([c[edges[i]:edges[i + 1]].sum() for i in range(buckets)])
+        mass = torch.stack([c[edges[i] : edges[i + 1]].sum() for i in range(buckets)])
         mass = mass / mass.sum().clamp_min(1)
-        out[n] = {"alpha": sum(per_worker[n]) / len(per_worker[n]), "union": curve[-1][1], "curve": tuple(curve),
-                  "mass": tuple(round(float(x), 6) for x in mass),
-                  "dedup_s": statistics.median(dedup_s[n]) if dedup_s[n] else 0.0,
-                  "lookups": statistics.fmean(i for i, _ in lookups[n]) if lookups[n] else 0.0,
-                  "bags": statistics.fmean(b for _, b in lookups[n]) if lookups[n] else 0.0}
+        out[n] = {
+            "alpha": sum(per_worker[n]) / len(per_worker[n]),
+            "union": curve[-1][1],
+            "curve": tuple(curve),
+            "mass": tuple(round(float(x), 6) for x in mass),
+            "dedup_s": statistics.median(dedup_s[n]) if dedup_s[n] else 0.0,
+            "lookups": statistics.fmean(i for i, _ in lookups[n]) if lookups[n] else 0.0,
+            "bags": statistics.fmean(b for _, b in lookups[n]) if lookups[n] else 0.0,
+        }
     return out
 
 

@@ -22,14 +22,15 @@ wall clock, so a step has no gap between them for the host to fill, and the diff
 timing noise. None too for models over ``MAX_BYTES`` (another copy and its optimizer state
 would be made on the device) and where the copy does not fit the device's memory.
 """
+
 from __future__ import annotations
 
 import copy
 
 import torch
 
-MAX_BYTES = 512 << 20   # larger models are not copied once more to measure this
-SLOW_S = 1.0   # seconds of timed steps after which three are enough
+MAX_BYTES = 512 << 20  # larger models are not copied once more to measure this
+SLOW_S = 1.0  # seconds of timed steps after which three are enough
 
 
 def whole_step_s(job, model, device: torch.device, cast, batches, steps: int = 6, warmup: int = 2) -> float | None:
@@ -42,6 +43,7 @@ def whole_step_s(job, model, device: torch.device, cast, batches, steps: int = 6
     from hpar.strategies.common.devices import DeviceClock
     from hpar.strategies.job.forward import call_model
     from hpar.strategies.profile.update import probe_optimizer
+
     clock, opt, times = DeviceClock(device), probe_optimizer(job, list(model.parameters())), []
     for i in range(warmup + steps):
         t0 = clock.now()
@@ -63,8 +65,9 @@ def whole_step_s(job, model, device: torch.device, cast, batches, steps: int = 6
     return min(times) if times else None
 
 
-def step_overhead_s(job, device: torch.device, cast, batch_size: int, workers: int, charged_s: float,
-                    model_bytes: int = 0) -> float | None:
+def step_overhead_s(
+    job, device: torch.device, cast, batch_size: int, workers: int, charged_s: float, model_bytes: int = 0
+) -> float | None:
     """Seconds a worker's step of ``batch_size`` samples on ``device`` takes beyond ``charged_s``
     (the seconds the cost model charges for that step's data draw, forward, backward and update,
     as profiled): the host's own per-step time, at least 0 (module docstring). None where it is
@@ -74,6 +77,7 @@ def step_overhead_s(job, device: torch.device, cast, batch_size: int, workers: i
     if device.type == "cpu" or model_bytes > MAX_BYTES:
         return None
     from hpar.strategies.job.forward import inner_module
+
     try:
         model = copy.deepcopy(inner_module(job.build_model())).to(device).train()
         seconds = whole_step_s(job, model, device, cast, job.batches(0, workers, batch_size))

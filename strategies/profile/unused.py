@@ -14,6 +14,7 @@ steps and over :func:`probe_unused`'s batches of several ranks (``Profile.unused
 a parameter unused that no probed batch did, the worker's step catches DDP's error and the
 launcher restarts the run with ``find_unused_parameters`` on (launcher/run/runner.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -25,8 +26,8 @@ from hpar.strategies.job.user_errors import call_user
 from hpar.strategies.job.forward import call_model
 from torch import nn
 
-PROBE_STEPS = 4   # batches probe_unused runs per rank: a branch skipped every other step shows in 2
-PROBE_BUDGET_S = 10.0   # ... but no more than 2 once this many seconds have passed
+PROBE_STEPS = 4  # batches probe_unused runs per rank: a branch skipped every other step shows in 2
+PROBE_BUDGET_S = 10.0  # ... but no more than 2 once this many seconds have passed
 
 
 def missing_gradients(model: nn.Module) -> set[str]:
@@ -36,7 +37,7 @@ def missing_gradients(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if p.requires_grad and p.grad is None}
 
 
-RANKS = 4   # data streams the probe draws: ranks' batches may route to different experts (MoE)
+RANKS = 4  # data streams the probe draws: ranks' batches may route to different experts (MoE)
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,27 @@ class Unused:
     by_rank: bool = False
 
 
-def unused_parameters(job: Job, batch_size: int, world_size: int, steps: int = PROBE_STEPS,
-                      model: nn.Module | None = None, budget_s: float = PROBE_BUDGET_S) -> tuple[str, ...]:
+def unused_parameters(
+    job: Job,
+    batch_size: int,
+    world_size: int,
+    steps: int = PROBE_STEPS,
+    model: nn.Module | None = None,
+    budget_s: float = PROBE_BUDGET_S,
+) -> tuple[str, ...]:
     """Sorted names of the trainable parameters :func:`probe_unused` found without a gradient."""
     return probe_unused(job, batch_size, world_size, steps, model, budget_s).params
 
 
-def probe_unused(job: Job, batch_size: int, world_size: int, steps: int = PROBE_STEPS,
-                 model: nn.Module | None = None, budget_s: float = PROBE_BUDGET_S, batches=None) -> Unused:
+def probe_unused(
+    job: Job,
+    batch_size: int,
+    world_size: int,
+    steps: int = PROBE_STEPS,
+    model: nn.Module | None = None,
+    budget_s: float = PROBE_BUDGET_S,
+    batches=None,
+) -> Unused:
     """Which trainable parameters got no gradient in ``steps`` forward/backward passes (the
     loss of ``loss()``) on each of the first ``min(world_size, RANKS)`` ranks' batches
     (``data(rank, world_size, batch_size)``, step by step, as the ranks would draw them;

@@ -23,6 +23,7 @@ or a GPU, timed with a synchronize around each step):
 And :func:`server_optimizer_problem`: whether the parameter servers of ``hybrid`` and ``ps``
 can apply the optimizer at all (strategies/runtimes/hybrid/shard.py).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -58,7 +59,7 @@ def _now(device: torch.device) -> float:
 
 def _median_step_s(opt, repeats: int, device: torch.device = torch.device("cpu")) -> float:
     times = []
-    for _ in range(repeats + 1):    # the first step creates the optimizer state
+    for _ in range(repeats + 1):  # the first step creates the optimizer state
         t0 = _now(device)
         opt.step()
         times.append(_now(device) - t0)
@@ -76,7 +77,7 @@ def dense_update_cost(job: Job, model_bytes: int, repeats: int = 3, device: torc
     return _median_step_s(probe_optimizer(job, [p]), repeats, device) / (numel * 4)
 
 
-PROBE_TENSORS = 64   # tensors of the per-tensor probe (16 floats each)
+PROBE_TENSORS = 64  # tensors of the per-tensor probe (16 floats each)
 
 
 def per_tensor_update_cost(job: Job, repeats: int = 5, device: torch.device | str = "cpu") -> float:
@@ -91,11 +92,20 @@ def per_tensor_update_cost(job: Job, repeats: int = 5, device: torch.device | st
         for p in params:
             p.grad = torch.randn(16, device=device)
         return _median_step_s(probe_optimizer(job, params), repeats, device)
+
     return max(0.0, (step_s(PROBE_TENSORS) - step_s(1)) / (PROBE_TENSORS - 1))
 
 
-def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int,
-                       repeats: int = 3, seed: int = 0, device: torch.device | str = "cpu") -> float | None:
+def sparse_update_cost(
+    job: Job,
+    rows: int,
+    dim: int,
+    alpha: float,
+    workers: int,
+    repeats: int = 3,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> float | None:
     """Seconds per byte of gathered gradient rows (``workers`` x ``alpha`` x rows x dim x 4)
     of the user's optimizer stepping a ``(rows, dim)`` float32 table (rows capped at
     MAX_PROBE_ROWS, alpha kept) whose gradient is ``workers`` uncoalesced sparse pushes of
@@ -113,13 +123,14 @@ def sparse_update_cost(job: Job, rows: int, dim: int, alpha: float, workers: int
         return None
 
     def step():
-        with warnings.catch_warnings():   # torch warns about skipped sparse invariant checks (some versions)
+        with warnings.catch_warnings():  # torch warns about skipped sparse invariant checks (some versions)
             warnings.simplefilter("ignore", UserWarning)
             p.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), values, (rows, dim), check_invariants=False)
             opt.step()
+
     try:
         step()
-    except (RuntimeError, NotImplementedError):   # not at this size or on this device after all
+    except (RuntimeError, NotImplementedError):  # not at this size or on this device after all
         return None
     times = []
     for _ in range(repeats):
@@ -135,6 +146,7 @@ def server_optimizer_problem(job: Job, model: nn.Module) -> str:
     without amsgrad or maximize), as one line with the fix; "" when they can, or when
     ``optimizer()`` fails on the model's parameters (the pre-start check reports that)."""
     from hpar.strategies.job.optimizer_rules import spec_from_group
+
     try:
         opt = job.build_optimizer(list(model.parameters()), lr=1e-3)
     except JobError:

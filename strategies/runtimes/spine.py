@@ -28,6 +28,7 @@ other methods where its strategy differs; it keeps its per-step state as attribu
 own ``--accumulate`` micro-steps inside ``step()`` (loop.micro_steps for DDP and FSDP). Steps are counted from 0 inside the loop; the
 hooks after a step get the number of steps done (``s + 1``), as checkpoints count.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -68,9 +69,12 @@ class StepOutcome:
     def figures(self) -> dict:
         """The meter's ``extra`` for this step: the strategy's figures, then ``lr``,
         ``grad_norm`` and ``skipped_step`` where they apply."""
-        return {**self.extra, **({"lr": self.lr} if self.lr is not None else {}),
-                **({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {}),
-                **({} if self.stepped else {"skipped_step": 1})}
+        return {
+            **self.extra,
+            **({"lr": self.lr} if self.lr is not None else {}),
+            **({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {}),
+            **({} if self.stepped else {"skipped_step": 1}),
+        }
 
 
 class TrainStep:
@@ -114,8 +118,9 @@ class TrainStep:
     def evaluate(self, steps_done: int) -> None:
         """``evaluate()`` after ``steps_done`` steps (called on every process when
         ``--eval-every`` asks for it): by default worker rank 0 evaluates :meth:`model_copy`."""
-        evaluate_during_training(self.job, self.cfg, self.ctx.rank, steps_done,
-                                 lambda: self.model_copy(steps_done), self.ctx.report_eval)
+        evaluate_during_training(
+            self.job, self.cfg, self.ctx.rank, steps_done, lambda: self.model_copy(steps_done), self.ctx.report_eval
+        )
 
     def after_step(self, steps_done: int) -> None:
         """Called after every step's checkpoint and evaluation."""
@@ -158,7 +163,7 @@ def train(ctx: WorkerContext, step: TrainStep) -> TrainResult:
         step.after_step(done)
         if out.last:
             break
-    memory.open_final_window()   # the final write (and worker 0's copy for evaluate()) measured apart
+    memory.open_final_window()  # the final write (and worker 0's copy for evaluate()) measured apart
     step.write_final()
     pair = [meter.losses[0], meter.losses[-1]] if meter.losses else [float("nan")] * 2
     if step.loss_groups is not None:

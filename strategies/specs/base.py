@@ -1,14 +1,15 @@
 """The shape of a strategy's spec (:class:`StrategySpec`), and the placement values the hybrid
 family's plans use: a parameter lives on the parameter servers (``ON_SERVERS``) or is averaged
 with AllReduce (``ON_ALLREDUCE``)."""
+
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-ON_SERVERS = "ps"            # a plan's placement value: sharded on the parameter servers
-ON_ALLREDUCE = "allreduce"   # a plan's placement value: replicated, gradients AllReduced
+ON_SERVERS = "ps"  # a plan's placement value: sharded on the parameter servers
+ON_ALLREDUCE = "allreduce"  # a plan's placement value: replicated, gradients AllReduced
 
 
 @dataclass(frozen=True)

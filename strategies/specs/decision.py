@@ -22,6 +22,7 @@ pipeline: ``stages`` ([start, end) layer indices of ``profile.pipeline_layers(mo
 
 Torch-free and runtime-free: the run config imports it, and ``hpar --help`` must not import torch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,25 +64,31 @@ class Plan:
     partitions: dict[str, int] = field(default_factory=dict)
     servers: int = 0
     stages: list[list[int]] = field(default_factory=list)
-    micro_batches: int = 0   # 0: not planned
+    micro_batches: int = 0  # 0: not planned
     schedule: str = ""
     reason: str = ""
     candidates: list[Candidate] = field(default_factory=list)
     predicted_step_s: float = 0.0
     samples_per_s: float = 0.0
     compute: str = ""
-    replicas: int = 1        # pipeline: R replicas of the K stages
-    layout: str = ""         # pipeline: rank layout (strategies/runtimes/pipeline/replicas.py)
+    replicas: int = 1  # pipeline: R replicas of the K stages
+    layout: str = ""  # pipeline: rank layout (strategies/runtimes/pipeline/replicas.py)
     pull_ahead: bool = True  # hybrid/ps: request the next step's rows during this one (hybrid/embedding.py)
-    alternatives: dict = field(default_factory=dict)   # hpar run --strategy auto: the other candidates' plans (--tune)
-    unused_params: list[str] | None = None   # got no gradient in a profiled step (None: not profiled): strategies/runtimes/dataparallel/ddp.py
-    cache: dict = field(default_factory=dict)   # hybrid with hot-row caches (costmodel_cache.plan_cache); {}: none
-    memory: dict = field(default_factory=dict)   # the chosen candidate's predicted peaks (strategies/plan/memory_model.py)
-    sparse_optimizer: str = "exact"   # hybrid/ps: the servers' sparse update, "exact" or "lazy" (hybrid/shard.py)
-    sparse_exchange: str = ""         # allreduce-sparse: "gloo-sparse" | "allgather-padded" ("": by backend)
-    local_aggregation: bool | None = None   # hybrid: sum a host's pushes first (None: when a server is remote)
-    tuning: dict = field(default_factory=dict)   # --tune's trials and choice (launcher/run/tuning.record)
-    compress: str = ""   # the --compress setting the planner chose (auto with --compress; plan/costmodel_compress.py): "" none
+    alternatives: dict = field(default_factory=dict)  # hpar run --strategy auto: the other candidates' plans (--tune)
+    unused_params: list[str] | None = (
+        None  # got no gradient in a profiled step (None: not profiled): strategies/runtimes/dataparallel/ddp.py
+    )
+    cache: dict = field(default_factory=dict)  # hybrid with hot-row caches (costmodel_cache.plan_cache); {}: none
+    memory: dict = field(
+        default_factory=dict
+    )  # the chosen candidate's predicted peaks (strategies/plan/memory_model.py)
+    sparse_optimizer: str = "exact"  # hybrid/ps: the servers' sparse update, "exact" or "lazy" (hybrid/shard.py)
+    sparse_exchange: str = ""  # allreduce-sparse: "gloo-sparse" | "allgather-padded" ("": by backend)
+    local_aggregation: bool | None = None  # hybrid: sum a host's pushes first (None: when a server is remote)
+    tuning: dict = field(default_factory=dict)  # --tune's trials and choice (launcher/run/tuning.record)
+    compress: str = (
+        ""  # the --compress setting the planner chose (auto with --compress; plan/costmodel_compress.py): "" none
+    )
 
     @property
     def empty(self) -> bool:
@@ -116,7 +123,9 @@ class Plan:
         try:
             if "candidates" in d:
                 d["candidates"] = [c if isinstance(c, Candidate) else Candidate(**c) for c in d["candidates"] or []]
-            if isinstance(d.get("stages"), (list, tuple)):   # its shape is checked where it is used (launcher/run/validate.py)
+            if isinstance(
+                d.get("stages"), (list, tuple)
+            ):  # its shape is checked where it is used (launcher/run/validate.py)
                 d["stages"] = [list(s) if isinstance(s, (list, tuple)) else s for s in d["stages"]]
             if "partitions" in d:
                 d["partitions"] = {k: int(v) for k, v in (d["partitions"] or {}).items()}

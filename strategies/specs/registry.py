@@ -11,6 +11,7 @@ Adding a strategy: one module that defines its spec, and one line in :data:`BUIL
 from outside hpar, an entry point in the ``hpar.strategies`` group naming the spec, as
 ``importlib.metadata`` reads them: Python packaging's entry-points specification).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,8 +25,18 @@ from hpar.strategies.specs.torchrec_spec import TORCHREC, TORCHREC_CW, TORCHREC_
 
 ENTRY_POINT_GROUP = "hpar.strategies"
 # The built-in strategies: --strategy's choices and the planner's candidates, in this order.
-BUILT_IN: tuple[StrategySpec, ...] = (ALLREDUCE, ALLREDUCE_SPARSE, HYBRID, PS, PIPELINE, FSDP, TORCHREC, TORCHREC_TW,
-                                       TORCHREC_RW, TORCHREC_CW)
+BUILT_IN: tuple[StrategySpec, ...] = (
+    ALLREDUCE,
+    ALLREDUCE_SPARSE,
+    HYBRID,
+    PS,
+    PIPELINE,
+    FSDP,
+    TORCHREC,
+    TORCHREC_TW,
+    TORCHREC_RW,
+    TORCHREC_CW,
+)
 # Planner candidates that are not a --strategy of their own (hybrid with hot-row caches).
 CANDIDATES_ONLY: tuple[StrategySpec, ...] = (HYBRID_CACHE,)
 
@@ -35,14 +46,17 @@ def _plugins() -> tuple[StrategySpec, ...]:
     ``*.dist-info`` folders on ``sys.path``). Raises ValueError naming an entry point that is
     not a StrategySpec or reuses a built-in name."""
     from importlib.metadata import entry_points
+
     found = []
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         spec = ep.load()
         if not isinstance(spec, StrategySpec):
             raise ValueError(f"entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}): not a StrategySpec")
         if spec.name in {s.name for s in BUILT_IN + CANDIDATES_ONLY + tuple(found)}:
-            raise ValueError(f"entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}): the name {spec.name!r} "
-                             "is taken; choose another")
+            raise ValueError(
+                f"entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}): the name {spec.name!r} "
+                "is taken; choose another"
+            )
         found.append(spec)
     return tuple(found)
 
@@ -79,6 +93,24 @@ def where(**flags: Any) -> tuple[str, ...]:
     return tuple(s.name for s in strategies() if all(getattr(s, k) == v for k, v in flags.items()))
 
 
-__all__ = ["StrategySpec", "strategies", "names", "spec", "where", "BUILT_IN", "CANDIDATES_ONLY",
-           "ALLREDUCE", "ALLREDUCE_SPARSE", "PS", "HYBRID", "HYBRID_CACHE", "PIPELINE", "FSDP",
-           "TORCHREC", "TORCHREC_TW", "TORCHREC_RW", "TORCHREC_CW", "ENTRY_POINT_GROUP"]
+__all__ = [
+    "StrategySpec",
+    "strategies",
+    "names",
+    "spec",
+    "where",
+    "BUILT_IN",
+    "CANDIDATES_ONLY",
+    "ALLREDUCE",
+    "ALLREDUCE_SPARSE",
+    "PS",
+    "HYBRID",
+    "HYBRID_CACHE",
+    "PIPELINE",
+    "FSDP",
+    "TORCHREC",
+    "TORCHREC_TW",
+    "TORCHREC_RW",
+    "TORCHREC_CW",
+    "ENTRY_POINT_GROUP",
+]

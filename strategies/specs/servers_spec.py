@@ -3,6 +3,7 @@ EuroSys 2019: sparse parameters on sharded parameter servers, dense ones on AllR
 ``ps`` (every parameter on the servers), and the planner's ``hybrid-cache`` candidate (hybrid
 with the workers' hot-row caches, after HET: Miao et al., VLDB 2022; it runs as ``hybrid``
 with ``--staleness``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,35 +11,53 @@ from dataclasses import dataclass
 from hpar.strategies.specs.base import StrategySpec
 
 HYBRID = StrategySpec(
-    name="hybrid", summary="Parallax: embedding tables on sharded parameter servers, dense parameters on AllReduce",
+    name="hybrid",
+    summary="Parallax: embedding tables on sharded parameter servers, dense parameters on AllReduce",
     runtime="hpar.strategies.runtimes.hybrid.hybrid_runtime:train",
     estimate="hpar.strategies.plan.costmodel_ps:estimate_hybrid",
     worker_memory="hpar.strategies.plan.memory_model:served_terms",
     evaluate_memory="hpar.strategies.plan.memory_sharded:served_final_terms",
     cluster_probe="hpar.strategies.runtimes.hybrid.request_probe:probe_requests",
-    simplicity=4, servers=True, ddp=True, compress_hooks=True, plain="allreduce",
-    sync_batchnorm=True)
+    simplicity=4,
+    servers=True,
+    ddp=True,
+    compress_hooks=True,
+    plain="allreduce",
+    sync_batchnorm=True,
+)
 
 HYBRID_CACHE = StrategySpec(
-    name="hybrid-cache", summary="hybrid with hot-row caches on the workers (rows read up to s updates stale)",
-    runtime=HYBRID.runtime, estimate=None,   # predicted by costmodel_cache.estimate_hybrid_cache, at a staleness
-    worker_memory=HYBRID.worker_memory, evaluate_memory=HYBRID.evaluate_memory, simplicity=5, servers=True,
-    ddp=True, compress_hooks=True, runs_as="hybrid", sync_batchnorm=True)
+    name="hybrid-cache",
+    summary="hybrid with hot-row caches on the workers (rows read up to s updates stale)",
+    runtime=HYBRID.runtime,
+    estimate=None,  # predicted by costmodel_cache.estimate_hybrid_cache, at a staleness
+    worker_memory=HYBRID.worker_memory,
+    evaluate_memory=HYBRID.evaluate_memory,
+    simplicity=5,
+    servers=True,
+    ddp=True,
+    compress_hooks=True,
+    runs_as="hybrid",
+    sync_batchnorm=True,
+)
 
 PS = StrategySpec(
-    name="ps", summary="every parameter on sharded parameter servers (pull, push)",
+    name="ps",
+    summary="every parameter on sharded parameter servers (pull, push)",
     runtime="hpar.strategies.runtimes.hybrid.hybrid_runtime:train",
     estimate="hpar.strategies.plan.costmodel_ps:estimate_ps",
     worker_memory="hpar.strategies.plan.memory_model:served_terms",
     evaluate_memory="hpar.strategies.plan.memory_sharded:served_final_terms",
-    simplicity=6, servers=True)
+    simplicity=6,
+    servers=True,
+)
 
 
 # The servers' runtime sizes and settings, here so that the planner's cost and memory models read
 # the values the runtime (strategies/runtimes/hybrid/) uses, without importing it.
 # Hot-row caches (--cache-rows, --staleness; strategies/runtimes/hybrid/cache.py):
-REFRESH_STEPS = 100      # steps between the choices of the cached rows
-DEFAULT_FRACTION = 0.1   # --cache-rows when --staleness is given alone: a tenth of each table's rows
+REFRESH_STEPS = 100  # steps between the choices of the cached rows
+DEFAULT_FRACTION = 0.1  # --cache-rows when --staleness is given alone: a tenth of each table's rows
 
 
 @dataclass(frozen=True)
@@ -62,8 +81,8 @@ class CacheConfig:
 # estimate); with 64, 1.3x (1.33x measured over 40 steps of 8 workers; BENCHMARKS.md 14).
 ROW_PARTITIONS_PER_SERVER = 64
 # The wire (strategies/runtimes/hybrid/wire.py):
-INLINE_MAX = 4 << 20      # bytes of payload carried in the request message itself
-INBOX_DEPTH = 8           # a server's receives posted per worker (one buffer of INLINE_MAX each)
+INLINE_MAX = 4 << 20  # bytes of payload carried in the request message itself
+INBOX_DEPTH = 8  # a server's receives posted per worker (one buffer of INLINE_MAX each)
 
 
 # Served tables up to this many bytes in all are pulled whole into evaluate()'s copy, so that

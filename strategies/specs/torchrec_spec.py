@@ -9,6 +9,7 @@ rows from parameter servers. It needs the optional TorchRec install (scripts/ins
 Their cost model is strategies/plan/costmodel_torchrec.py; the planner lists them as not
 runnable, with ``check_available``'s one line, where TorchRec is not installed.
 """
+
 from __future__ import annotations
 
 from hpar.strategies.specs.base import StrategySpec
@@ -21,31 +22,50 @@ def _check(cfg) -> str | None:
     """What the torchrec runtime cannot honour yet (one line naming the flag)."""
     name = f"--strategy {cfg.strategy}"
     if cfg.precision != "fp32":
-        return (f"--precision {cfg.precision} is not supported with {name} (TorchRec's CPU kernels and fused "
-                "optimizer here run fp32 tables); drop --precision")
+        return (
+            f"--precision {cfg.precision} is not supported with {name} (TorchRec's CPU kernels and fused "
+            "optimizer here run fp32 tables); drop --precision"
+        )
     if cfg.accumulate > 1:
-        return (f"--accumulate {cfg.accumulate} is not supported with {name}: its fused optimizer updates the tables "
-                "in every backward; use a larger --batch-size")
+        return (
+            f"--accumulate {cfg.accumulate} is not supported with {name}: its fused optimizer updates the tables "
+            "in every backward; use a larger --batch-size"
+        )
     if cfg.clip_grad_norm:
-        return (f"--clip-grad-norm is not supported with {name}: the tables' gradients never exist outside its fused "
-                "backward update; drop the flag")
+        return (
+            f"--clip-grad-norm is not supported with {name}: the tables' gradients never exist outside its fused "
+            "backward update; drop the flag"
+        )
     return None
 
 
 def _spec(name: str, summary: str, simplicity: int) -> StrategySpec:
     estimate = "hpar.strategies.plan.costmodel_torchrec:estimate_" + name.replace("-", "_")
     return StrategySpec(
-        name=name, summary=summary, runtime="hpar.strategies.runtimes.torchrec.trec_runtime:train",
-        estimate=estimate, worker_memory="hpar.strategies.runtimes.torchrec.trec_memory:torchrec_terms", simplicity=simplicity, ddp=True, check=_check,
+        name=name,
+        summary=summary,
+        runtime="hpar.strategies.runtimes.torchrec.trec_runtime:train",
+        estimate=estimate,
+        worker_memory="hpar.strategies.runtimes.torchrec.trec_memory:torchrec_terms",
+        simplicity=simplicity,
+        ddp=True,
+        check=_check,
         check_available="hpar.strategies.runtimes.torchrec.trec_check:check_available",
-        check_model="hpar.strategies.runtimes.torchrec.trec_check:check_model")
+        check_model="hpar.strategies.runtimes.torchrec.trec_check:check_model",
+    )
 
 
-TORCHREC = _spec("torchrec", "TorchRec: tables sharded by DistributedModelParallel (its planner's choice), "
-                 "all-to-all of pooled rows, the rest in DDP", 9)   # after -tw/-rw/-cw: on a tie auto runs the costed one
+TORCHREC = _spec(
+    "torchrec",
+    "TorchRec: tables sharded by DistributedModelParallel (its planner's choice), "
+    "all-to-all of pooled rows, the rest in DDP",
+    9,
+)  # after -tw/-rw/-cw: on a tie auto runs the costed one
 TORCHREC_TW = _spec("torchrec-tw", "TorchRec with every table whole on one worker (table-wise)", 8)
 TORCHREC_RW = _spec("torchrec-rw", "TorchRec with every table's rows split over the workers (row-wise)", 8)
 TORCHREC_CW = _spec("torchrec-cw", "TorchRec with every table's columns split over the workers (column-wise)", 8)
 
 
-COLUMN_MULTIPLE = 4   # FBGEMM's table-batched kernels hold rows of a multiple of 4 columns (_assert_local_cols_divisible_by_4)
+COLUMN_MULTIPLE = (
+    4  # FBGEMM's table-batched kernels hold rows of a multiple of 4 columns (_assert_local_cols_divisible_by_4)
+)

@@ -15,13 +15,14 @@ Readers get the other names back as the same tensor: :func:`with_aliases` for a 
 whole (``state.read_all``, hence ``hpar export`` and the tests' ``final_state``), and
 :func:`recorded` for a reader that fills a model in place (``state.read_whole``).
 """
+
 from __future__ import annotations
 
 import torch
 
 from hpar.strategies.state import safe_read
 
-PREFIX = "tied."   # tied.<name>: <the name it is stored under>
+PREFIX = "tied."  # tied.<name>: <the name it is stored under>
 
 
 def _storage_key(t) -> tuple | None:
@@ -32,6 +33,7 @@ def _storage_key(t) -> tuple | None:
     if not isinstance(t, torch.Tensor):
         return None
     from torch.distributed.tensor import DTensor
+
     if isinstance(t, DTensor):
         t = t.to_local()
     if not (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)) or t.is_meta:
@@ -49,10 +51,10 @@ def stored_once(entries: dict) -> dict:
     for key, value in entries.items():
         k = _storage_key(value) if key.startswith("model.") else None
         if k is not None and k in first:
-            out[PREFIX + key[len("model."):]] = first[k]
+            out[PREFIX + key[len("model.") :]] = first[k]
             continue
         if k is not None:
-            first[k] = key[len("model."):]
+            first[k] = key[len("model.") :]
         out[key] = value
     return out
 
@@ -64,7 +66,7 @@ def with_aliases(saved: dict) -> dict:
     out = {k: v for k, v in saved.items() if not k.startswith(PREFIX)}
     for key, first in saved.items():
         if key.startswith(PREFIX) and isinstance(first, str) and f"model.{first}" in out:
-            out.setdefault(f"model.{key[len(PREFIX):]}", out[f"model.{first}"])
+            out.setdefault(f"model.{key[len(PREFIX) :]}", out[f"model.{first}"])
     return out
 
 
@@ -75,8 +77,8 @@ def recorded(path: str) -> dict[str, str]:
     if not keys:
         return {}
     got = dict.fromkeys(keys)
-    safe_read.load(path, got)   # top-level keys: flattening leaves them as they are
-    return {k[len(PREFIX):]: v for k, v in got.items() if isinstance(v, str)}
+    safe_read.load(path, got)  # top-level keys: flattening leaves them as they are
+    return {k[len(PREFIX) :]: v for k, v in got.items() if isinstance(v, str)}
 
 
 __all__ = ["PREFIX", "stored_once", "with_aliases", "recorded"]

@@ -1,5 +1,6 @@
 """Crash-safe files: write to a temporary file in the same directory, fsync, then rename, so
 a reader sees either the old file or the new one, never a torn one."""
+
 from __future__ import annotations
 
 import glob
@@ -12,7 +13,7 @@ from hpar.strategies.common import activity
 
 
 _UMASK = os.umask(0o022)
-os.umask(_UMASK)   # read once at import: the process's umask, for files made by mkstemp
+os.umask(_UMASK)  # read once at import: the process's umask, for files made by mkstemp
 
 
 def default_mode(directory: bool = False) -> int:
@@ -29,10 +30,10 @@ def _atomic_write(path: str, write, private: bool = False) -> None:
     that must never be readable by others, not even for a moment)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)   # made 0600, without a race
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)  # made 0600, without a race
     try:
         if not private:
-            os.fchmod(fd, default_mode())   # as open() would create it: same as the logs beside it
+            os.fchmod(fd, default_mode())  # as open() would create it: same as the logs beside it
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -44,14 +45,19 @@ def _atomic_write(path: str, write, private: bool = False) -> None:
         raise
 
 
-_TEMP = re.compile(r"^\.tmp-[A-Za-z0-9_]{8}$")   # tempfile.mkstemp(prefix=".tmp-"): the prefix and 8 random characters
+_TEMP = re.compile(r"^\.tmp-[A-Za-z0-9_]{8}$")  # tempfile.mkstemp(prefix=".tmp-"): the prefix and 8 random characters
 
 
 def _own_folders(run_dir: str) -> list[str]:
     """The folders of a run where hpar's writes leave temp files: the run directory, its
     ``stacks/``, ``checkpoints/``, every ``checkpoints/step-N/``, ``model/`` and ``.tmp-model/``."""
-    folders = [run_dir, os.path.join(run_dir, "stacks"), os.path.join(run_dir, "checkpoints"),
-               os.path.join(run_dir, "model"), os.path.join(run_dir, ".tmp-model")]
+    folders = [
+        run_dir,
+        os.path.join(run_dir, "stacks"),
+        os.path.join(run_dir, "checkpoints"),
+        os.path.join(run_dir, "model"),
+        os.path.join(run_dir, ".tmp-model"),
+    ]
     return folders + [step_dir(run_dir, step) for step in steps_on_disk(run_dir)]
 
 
@@ -62,6 +68,7 @@ def remove_temp_files(run_dir: str) -> list[str]:
     marker (strategies/state/trust.py) is left alone. Call only while no process of the
     run writes (before it starts, after teardown)."""
     from hpar.strategies.state.trust import is_marked
+
     if not is_marked(run_dir):
         return []
     removed = []
@@ -88,17 +95,18 @@ def remove_incomplete_steps(run_dir: str) -> list[str]:
     left alone); returns their paths. Call only while no process of the run writes."""
     import shutil
     from hpar.strategies.state.trust import is_marked
+
     removed = []
     if not is_marked(run_dir):
         return removed
-    tmp_model = os.path.join(run_dir, ".tmp-model")   # the final model's, before its rename (strategies/state/state.py)
+    tmp_model = os.path.join(run_dir, ".tmp-model")  # the final model's, before its rename (strategies/state/state.py)
     if os.path.isdir(tmp_model):
         shutil.rmtree(tmp_model, ignore_errors=True)
         removed.append(tmp_model)
     try:
         latest = latest_step(run_dir)
     except ValueError:
-        return removed   # a damaged `latest`: usable_step() decides what is left
+        return removed  # a damaged `latest`: usable_step() decides what is left
     for step in steps_on_disk(run_dir):
         if latest is None or step > latest:
             path = step_dir(run_dir, step)
@@ -115,7 +123,8 @@ def atomic_write_bytes(path: str, data: bytes, private: bool = False) -> None:
 
 def atomic_save(obj, path: str) -> None:
     """``torch.save(obj, path)`` through a temp file and rename."""
-    import torch   # here, not at import: the command line reads this module without torch
+    import torch  # here, not at import: the command line reads this module without torch
+
     _atomic_write(path, lambda f: torch.save(obj, f))
 
 
@@ -125,6 +134,7 @@ def atomic_save(obj, path: str) -> None:
 # RUN_DIR/checkpoints/latest names the newest complete step. `latest` is only rewritten after
 # every process has written (a barrier over the default process group), so a crash mid-save
 # leaves the previous checkpoint intact and `--resume` never sees a partial step.
+
 
 def step_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step-{step}")
@@ -182,8 +192,11 @@ def usable_step(run_dir: str) -> tuple[int | None, list[str]]:
     except ValueError as exc:
         problems.append(str(exc))
         latest = None
-    candidates = steps_on_disk(run_dir) if latest is None and problems else [
-        s for s in steps_on_disk(run_dir) if latest is not None and s <= latest]
+    candidates = (
+        steps_on_disk(run_dir)
+        if latest is None and problems
+        else [s for s in steps_on_disk(run_dir) if latest is not None and s <= latest]
+    )
     for step in candidates:
         why = verify_step(run_dir, step)
         if why is None:
@@ -202,8 +215,9 @@ def commit(run_dir: str, step: int, keep: int = 0) -> None:
     global rank 0 points ``latest`` at ``step`` and keeps the ``keep`` newest complete
     checkpoints (:func:`prune`; 0 keeps all)."""
     import torch.distributed as dist
+
     if dist.is_initialized():
-        with activity.doing(None):   # waiting for the slowest writer is no deadline of this process's
+        with activity.doing(None):  # waiting for the slowest writer is no deadline of this process's
             dist.barrier()
         if dist.get_rank() != 0:
             return
@@ -218,6 +232,7 @@ def prune(run_dir: str, keep: int) -> list[str]:
     it right after moving ``latest``, while the others may already write the next step."""
     import shutil
     from hpar.strategies.state.trust import is_marked
+
     assert keep >= 0, keep
     try:
         latest = latest_step(run_dir)
@@ -225,7 +240,7 @@ def prune(run_dir: str, keep: int) -> list[str]:
         return []
     if keep == 0 or latest is None or not is_marked(run_dir):
         return []
-    complete = [s for s in steps_on_disk(run_dir) if s <= latest]   # newest first
+    complete = [s for s in steps_on_disk(run_dir) if s <= latest]  # newest first
     removed = []
     for step in complete[keep:]:
         shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)
@@ -244,5 +259,3 @@ def latest_step(run_dir: str) -> int | None:
         return int(text.decode().strip())
     except (UnicodeDecodeError, ValueError):
         raise ValueError(f"{path}: not a step number ({text[:20]!r}); the file is damaged") from None
-
-

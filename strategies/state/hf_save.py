@@ -9,6 +9,7 @@ while writing leaves no half directory (an old one is replaced only once the new
 ``transformers`` is only imported when the user's script already did (it is an optional
 extra: ``pip install -e '.[hf]'``).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,6 +27,7 @@ def is_pretrained(model: nn.Module) -> bool:
     if "transformers" not in sys.modules:
         return False
     from transformers import PreTrainedModel
+
     return isinstance(inner_module(model), PreTrainedModel)
 
 
@@ -34,11 +36,15 @@ def save_pretrained_dir(model: nn.Module, path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()   # no progress bar in a worker's log
+
+    hf_logging.disable_progress_bar()  # no progress bar in a worker's log
     try:
         inner_module(model).save_pretrained(tmp)
         from hpar.strategies.state.checkpoint import default_mode
-        os.chmod(tmp, default_mode(directory=True))   # as os.makedirs would make it (mkdtemp's is 0700): like the rest of the run
+
+        os.chmod(
+            tmp, default_mode(directory=True)
+        )  # as os.makedirs would make it (mkdtemp's is 0700): like the rest of the run
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.rename(tmp, path)

@@ -19,6 +19,7 @@ several LR schedules), and :class:`SafePlanner` loads BYTE_IO items with
 checksum beside a file proves it is intact, not who wrote it, so the checksums do not help.
 Anything else is an :class:`UnsafeCheckpoint`, a one-line ValueError naming the file.
 """
+
 from __future__ import annotations
 
 import io
@@ -31,8 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
 # dcp.load without a process group says so on every call (state.py filters it too; the launcher's
 # check imports only this module)
@@ -43,16 +43,27 @@ TRUST = "not checkpoint data; refusing to load it (a run directory's files are c
 # Every global a .metadata of hpar's runs names (torch 2.13, pickle protocol 4), but the
 # dtypes (any torch.<name> that is a torch.dtype). Names, not modules: pickle resolves a
 # dotted name attribute by attribute, so a module-wide rule would reach what it imports.
-METADATA_GLOBALS = frozenset({
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),   # where each item lies
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),   # how torch.layout pickles: a lookup by name
-    ("pathlib", "PosixPath"),   # StorageMeta.checkpoint_id: the writer's path (a path object)
-})
+METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # where each item lies
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # how torch.layout pickles: a lookup by name
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id: the writer's path (a path object)
+    }
+)
 
 
 class UnsafeCheckpoint(ValueError):
@@ -69,7 +80,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if (module, name) in METADATA_GLOBALS or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise _Refused(f"{module}.{name}")
 
@@ -89,17 +101,28 @@ def read_metadata(path: str) -> Metadata:
             md = _MetadataUnpickler(f).load()
         except _Refused as exc:
             raise UnsafeCheckpoint(f"{file}: names {exc}, {TRUST}") from None
-        except Exception as exc:   # a torn or crafted pickle: whatever the allowed types raise on bad input
-            raise UnsafeCheckpoint(f"{file}: cannot be read as checkpoint metadata ({_one_line(exc)}); {TRUST}") from None
-    if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
-            and isinstance(md.storage_data, dict)):
+        except Exception as exc:  # a torn or crafted pickle: whatever the allowed types raise on bad input
+            raise UnsafeCheckpoint(
+                f"{file}: cannot be read as checkpoint metadata ({_one_line(exc)}); {TRUST}"
+            ) from None
+    if not (
+        isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict) and isinstance(md.storage_data, dict)
+    ):
         raise UnsafeCheckpoint(f"{file}: holds a {type(md).__name__}, {TRUST}")
-    for key, item in md.state_dict_metadata.items():   # what DCP and _from_metadata then rely on
-        if not (isinstance(key, str) and (isinstance(item, BytesStorageMetadata) or (
-                isinstance(item, TensorStorageMetadata) and isinstance(item.size, torch.Size)
-                and isinstance(getattr(item.properties, "dtype", None), torch.dtype)))):
+    for key, item in md.state_dict_metadata.items():  # what DCP and _from_metadata then rely on
+        if not (
+            isinstance(key, str)
+            and (
+                isinstance(item, BytesStorageMetadata)
+                or (
+                    isinstance(item, TensorStorageMetadata)
+                    and isinstance(item.size, torch.Size)
+                    and isinstance(getattr(item.properties, "dtype", None), torch.dtype)
+                )
+            )
+        ):
             raise UnsafeCheckpoint(f"{file}: lists {str(key)[:80]!r} as a {type(item).__name__}, {TRUST}")
-    for info in md.storage_data.values():   # DCP writes plain file names beside .metadata
+    for info in md.storage_data.values():  # DCP writes plain file names beside .metadata
         rel = getattr(info, "relative_path", None)
         if not (isinstance(rel, str) and rel and os.path.basename(rel) == rel and rel not in (".", "..")):
             raise UnsafeCheckpoint(f"{file}: places an item at {rel!r}, outside the checkpoint; {TRUST}")
@@ -164,11 +187,10 @@ def load(path: str, state: dict, flat: bool = False) -> None:
     :class:`UnsafeCheckpoint` (unwrapped from DCP's CheckpointException); DCP's own errors
     (a key the checkpoint lacks, a shape that differs) pass as DCP raises them."""
     reader = SafeReader(path)
-    reader.read_metadata()   # refused here, before DCP's fallback to per-rank metadata could log it
+    reader.read_metadata()  # refused here, before DCP's fallback to per-rank metadata could log it
     try:
-        dcp.load(state, storage_reader=reader, planner=SafePlanner(path, flatten_state_dict=not flat),
-                 no_dist=True)
-    except BaseException as exc:   # DCP's CheckpointException is a BaseException
+        dcp.load(state, storage_reader=reader, planner=SafePlanner(path, flatten_state_dict=not flat), no_dist=True)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
         for failure in (getattr(exc, "failures", None) or {}).values():
             inner = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(inner, UnsafeCheckpoint):
@@ -208,5 +230,15 @@ def check(path: str) -> None:
     load(path, {k: None for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}, flat=True)
 
 
-__all__ = ["TRUST", "METADATA_GLOBALS", "UnsafeCheckpoint", "read_metadata", "SafeReader", "load_bytes", "SafePlanner",
-           "load", "load_all", "check"]
+__all__ = [
+    "TRUST",
+    "METADATA_GLOBALS",
+    "UnsafeCheckpoint",
+    "read_metadata",
+    "SafeReader",
+    "load_bytes",
+    "SafePlanner",
+    "load",
+    "load_all",
+    "check",
+]

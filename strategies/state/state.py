@@ -19,6 +19,7 @@ Sources: torch.distributed.checkpoint (``dcp.save``/``dcp.load``, ``FileSystemWr
 optimizer state (the docs name pipeline parallelism as where id-keyed state breaks). Every
 read goes through strategies/state/safe_read.py: a checkpoint's pickles are read as data.
 """
+
 from __future__ import annotations
 
 import errno
@@ -34,8 +35,16 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hpar.strategies.state.checkpoint import atomic_write_bytes, file_sha256, step_dir
 from hpar.strategies.state import aliases, safe_read
-from hpar.strategies.state.state_entries import (has, model_entries, optim_entries, process_entries, read_all, rng_key,
-                                                 saved_keys, set_optim)
+from hpar.strategies.state.state_entries import (
+    has,
+    model_entries,
+    optim_entries,
+    process_entries,
+    read_all,
+    rng_key,
+    saved_keys,
+    set_optim,
+)
 
 # ShardedTensor is the DCP type whose shards may sit at any row offsets (a server holds
 # partitions p, p+S, p+2S, ...: DTensor's Shard(0) has one contiguous block per rank)
@@ -87,20 +96,27 @@ def write(path: str, state: dict) -> None:
     complete before is touched (``latest`` moves only after a whole checkpoint is written)."""
     try:
         os.makedirs(path, exist_ok=True)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
-                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))   # replicas: the lowest rank's copy
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+        )  # replicas: the lowest rank's copy
         _checksums(path)
-    except BaseException as exc:   # DCP's CheckpointException is a BaseException
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (Exception, dcp.api.CheckpointException)) and _no_space(exc, path):
-            raise DiskFull(f"no space left on device writing {path}; the last complete checkpoint is intact: free "
-                           "space, then `hpar run --resume RUN_DIR`") from None
+            raise DiskFull(
+                f"no space left on device writing {path}; the last complete checkpoint is intact: free "
+                "space, then `hpar run --resume RUN_DIR`"
+            ) from None
         raise
 
 
 def _checksums(path: str) -> None:
     """A SHA-256 beside each file this process wrote into ``path``."""
     rank = _rank()
-    mine = glob.glob(os.path.join(path, f"__{rank}_*.distcp")) + ([os.path.join(path, ".metadata")] if rank == 0 else [])
+    mine = glob.glob(os.path.join(path, f"__{rank}_*.distcp")) + (
+        [os.path.join(path, ".metadata")] if rank == 0 else []
+    )
     for f in mine:
         atomic_write_bytes(f + ".sha256", file_sha256(f).encode())
 
@@ -121,12 +137,13 @@ def save(run_dir: str, step: int, state: dict, keep: int = 0) -> None:
     ``keep`` newest complete checkpoints stay (0: all; ``--keep-checkpoints``)."""
     from hpar.strategies.common import activity
     from hpar.strategies.state import checkpoint
+
     with activity.doing(f"writing the checkpoint of step {step}"):
         write(step_dir(run_dir, step), state)
     checkpoint.commit(run_dir, step, keep)
 
 
-FINAL, FINAL_TMP = "model", ".tmp-model"   # RUN_DIR/model: the trained model, written as a checkpoint
+FINAL, FINAL_TMP = "model", ".tmp-model"  # RUN_DIR/model: the trained model, written as a checkpoint
 
 
 def write_final(run_dir: str, entries: dict) -> None:
@@ -139,12 +156,14 @@ def write_final(run_dir: str, entries: dict) -> None:
     (strategies/state/aliases.py). ``hpar export`` turns it into one torch file, safetensors
     or a ``save_pretrained`` directory."""
     import shutil
+
     tmp, final = os.path.join(run_dir, FINAL_TMP), os.path.join(run_dir, FINAL)
     from hpar.strategies.common import activity
+
     with activity.doing("writing the trained model (RUN_DIR/model)"):
         write(tmp, aliases.stored_once(entries))
     if dist.is_initialized():
-        with activity.doing(None):   # waiting for the slowest writer is no deadline of this process's
+        with activity.doing(None):  # waiting for the slowest writer is no deadline of this process's
             dist.barrier()
     if _rank() == 0:
         if os.path.isdir(final):
@@ -169,7 +188,7 @@ def final_entries(module: torch.nn.Module, model: torch.nn.Module) -> dict:
     for k, v in whole.items():
         names.setdefault(id(v), []).append(k)
     out = {}
-    for k, v in module.state_dict(keep_vars=True).items():   # a tensor: every name the model gives it
+    for k, v in module.state_dict(keep_vars=True).items():  # a tensor: every name the model gives it
         for name in set(names.get(id(v), [])) | ({k} if k in whole else set()):
             out[f"model.{name}"] = v.detach()
     order = {f"model.{k}": i for i, k in enumerate(whole)}
@@ -189,7 +208,7 @@ def read_whole(run_dir: str, model: torch.nn.Module) -> None:
             continue
         if src not in wanted:
             wanted[src] = dst
-        elif wanted[src].data_ptr() != dst.data_ptr():   # else the model ties them itself
+        elif wanted[src].data_ptr() != dst.data_ptr():  # else the model ties them itself
             copies.append((dst, wanted[src]))
     read_final(run_dir, wanted)
     for dst, src in copies:
@@ -204,28 +223,40 @@ def load(run_dir: str, step: int, state: dict) -> None:
         read(path, state)
     except safe_read.UnsafeCheckpoint:
         raise
-    except (Exception, dcp.api.CheckpointException) as exc:   # DCP wraps a rank's failure in a CheckpointException
+    except (Exception, dcp.api.CheckpointException) as exc:  # DCP wraps a rank's failure in a CheckpointException
         text = str(exc).replace("\n", " ")
         if "Missing key" in text or "missing" in text.lower():
-            raise ValueError(f"{path}: the checkpoint lacks state this run needs ({text[:300]}); resume it with "
-                             "the script it was written by") from None
+            raise ValueError(
+                f"{path}: the checkpoint lacks state this run needs ({text[:300]}); resume it with "
+                "the script it was written by"
+            ) from None
         raise
 
 
-def restore_process(run_dir: str, step: int, module: torch.nn.Module, opt, tools, device: torch.device,
-                    part: str, loop: str, skip: frozenset = frozenset()) -> list[str]:
+def restore_process(
+    run_dir: str,
+    step: int,
+    module: torch.nn.Module,
+    opt,
+    tools,
+    device: torch.device,
+    part: str,
+    loop: str,
+    skip: frozenset = frozenset(),
+) -> list[str]:
     """Load :func:`process_entries`' state of checkpoint ``step`` into this process. What the
     checkpoint lacks for this process is left as it is and named in the returned list (a
     process that did not exist when it was written has no random generators there; its
     loop state comes from ``loop.<loop>``, else from the first part's)."""
     from hpar.strategies.common.devices import rng_state, set_rng_state
+
     path = step_dir(run_dir, step)
     keys = saved_keys(path)
-    entries = {k: v for k, v in model_entries(module).items() if k[len("model."):] not in skip}
+    entries = {k: v for k, v in model_entries(module).items() if k[len("model.") :] not in skip}
     if opt is not None and opt.param_groups and any(k.startswith("optim.") for k in keys):
         entries.update({k: v for k, v in optim_entries(module, opt, for_load=True).items() if k in keys})
     missing = []
-    parts = sorted({".".join(k.split(".")[:2]) for k in keys if k.startswith("loop.")})   # "loop.<part>"
+    parts = sorted({".".join(k.split(".")[:2]) for k in keys if k.startswith("loop.")})  # "loop.<part>"
     loop_key = f"loop.{loop}" if f"loop.{loop}" in parts else (parts[0] if parts else None)
     if tools is not None and loop_key is not None:
         entries[loop_key] = tools.state_dict()
@@ -242,5 +273,25 @@ def restore_process(run_dir: str, step: int, module: torch.nn.Module, opt, tools
     return missing
 
 
-__all__ = ["DiskFull", "write", "read", "save", "load", "write_final", "read_final", "final_entries", "read_whole", "FINAL", "FINAL_TMP", "model_entries", "optim_entries", "set_optim", "has", "rng_key",
-           "process_entries", "restore_process", "read_all", "saved_keys"]
+__all__ = [
+    "DiskFull",
+    "write",
+    "read",
+    "save",
+    "load",
+    "write_final",
+    "read_final",
+    "final_entries",
+    "read_whole",
+    "FINAL",
+    "FINAL_TMP",
+    "model_entries",
+    "optim_entries",
+    "set_optim",
+    "has",
+    "rng_key",
+    "process_entries",
+    "restore_process",
+    "read_all",
+    "saved_keys",
+]

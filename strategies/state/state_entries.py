@@ -3,6 +3,7 @@ them with torch.distributed.checkpoint): its model's state (``model.<name>``), i
 state keyed by parameter name (``optim.<key>``, torch's ``get_optimizer_state_dict``), its loop
 state (``loop.<part>``) and random generators (``rng.<process>``); and what a checkpoint holds,
 read as data (strategies/state/safe_read.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -10,13 +11,14 @@ import torch
 from hpar.strategies.state import aliases, safe_read
 
 
-OPTIONS = None   # StateDictOptions(flatten_optimizer_state_dict=True), made on first use
+OPTIONS = None  # StateDictOptions(flatten_optimizer_state_dict=True), made on first use
 
 
 def _options():
     global OPTIONS
     if OPTIONS is None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
     return OPTIONS
 
@@ -34,15 +36,17 @@ def optim_entries(module: torch.nn.Module, opt: torch.optim.Optimizer | None, fo
     if opt is None or not (opt.state or for_load):
         return {}
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     return {f"optim.{k}": v for k, v in get_optimizer_state_dict(module, opt, options=_options()).items()}
 
 
 def set_optim(module: torch.nn.Module, opt: torch.optim.Optimizer | None, entries: dict) -> None:
     """Load :func:`optim_entries` (as filled by :func:`read`) into ``opt``."""
-    loaded = {k[len("optim."):]: v for k, v in entries.items() if k.startswith("optim.")}
+    loaded = {k[len("optim.") :]: v for k, v in entries.items() if k.startswith("optim.")}
     if opt is None or not loaded:
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
     set_optimizer_state_dict(module, opt, loaded, options=_options())
 
 
@@ -56,14 +60,16 @@ def rng_key(part: str) -> str:
     return f"rng.{part}"
 
 
-def process_entries(module: torch.nn.Module, opt, tools, device: torch.device, part: str, loop: str,
-                    skip: frozenset = frozenset()) -> dict:
+def process_entries(
+    module: torch.nn.Module, opt, tools, device: torch.device, part: str, loop: str, skip: frozenset = frozenset()
+) -> dict:
     """What one training process holds, in the checkpoint namespace: ``module``'s state (but
     the names in ``skip``: tables the servers hold), ``opt``'s state by name, ``tools``'
     loop state under ``loop.<loop>`` (equal on the replicas that share ``loop``) and its
     random generators under ``rng.<part>``."""
     from hpar.strategies.common.devices import rng_state
-    entries = {k: v for k, v in model_entries(module).items() if k[len("model."):] not in skip}
+
+    entries = {k: v for k, v in model_entries(module).items() if k[len("model.") :] not in skip}
     entries.update(optim_entries(module, opt))
     if tools is not None:
         entries[f"loop.{loop}"] = tools.state_dict()

@@ -20,6 +20,7 @@ Checks are of the directory tree as it is (``lstat``: a symbolic link is judged 
 never followed). Source: OpenSSH sshd(8) and sshd_config(5) ``StrictModes``; the facts in
 the security notes beside this project.
 """
+
 from __future__ import annotations
 
 import os
@@ -71,18 +72,21 @@ def check_trusted(path: str, flag: str = "--run-dir") -> None:
     for entry in entries:
         why = problem(entry)
         if why is not None:
-            fix = (f"chmod go-w {entry}" if why.startswith("writable") else
-                   "use a run directory of your own")
-            raise ValueError(f"{flag} {path}: {entry} is {why}; a run directory names code that hpar runs, so hpar "
-                             f"trusts only one that only you can write ({fix})")
+            fix = f"chmod go-w {entry}" if why.startswith("writable") else "use a run directory of your own"
+            raise ValueError(
+                f"{flag} {path}: {entry} is {why}; a run directory names code that hpar runs, so hpar "
+                f"trusts only one that only you can write ({fix})"
+            )
 
 
 def check_unmarked(path: str, flag: str = "--run-dir") -> None:
     """ValueError unless ``path`` is absent, an empty directory or a marked run directory:
     hpar writes and cleans up only in folders it made."""
     if os.path.isdir(path) and not is_marked(path) and os.listdir(path):
-        raise ValueError(f"{flag} {path}: the folder holds files hpar did not write (no {MARKER} marker in it); "
-                         "pick a new or empty directory (hpar never writes or cleans up beside others' files)")
+        raise ValueError(
+            f"{flag} {path}: the folder holds files hpar did not write (no {MARKER} marker in it); "
+            "pick a new or empty directory (hpar never writes or cleans up beside others' files)"
+        )
 
 
 def claim(path: str, group_readable: bool = False, adopt: bool = False) -> None:
@@ -95,9 +99,9 @@ def claim(path: str, group_readable: bool = False, adopt: bool = False) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         try:
             os.mkdir(path, mode)
-            os.chmod(path, mode)   # the umask may have taken bits the mode asked for (never adds any)
+            os.chmod(path, mode)  # the umask may have taken bits the mode asked for (never adds any)
         except FileExistsError:
-            pass   # made at this moment by someone else: judged below like any existing folder
+            pass  # made at this moment by someone else: judged below like any existing folder
     check_trusted(path)
     if not adopt:
         check_unmarked(path)

@@ -7,6 +7,7 @@ PYTHONPATH and runs the real ``hpar profile`` and ``hpar run --strategy local``.
 It is one module plus one entry point: its spec (name, runtime, cost model, memory model),
 its cost model (the profiled compute of one step; infeasible on more than one worker) and its
 runtime (the optimizer step on each batch, as one process trains)."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,14 @@ def estimate_local(profile, cluster) -> Estimate:
     if cluster.workers != 1:
         return Estimate("local", 0.0, 0, 0.0, feasible=False, note="runs on one worker only (--gpus 1)")
     step = profile.data_s + profile.forward_s + profile.backward_s + profile.update_s_per_byte * profile.total_bytes
-    return Estimate("local", step, profile.samples_per_batch, 0.0, {"compute": step},
-                    placement={p.name: ON_ALLREDUCE for p in profile.params})
+    return Estimate(
+        "local",
+        step,
+        profile.samples_per_batch,
+        0.0,
+        {"compute": step},
+        placement={p.name: ON_ALLREDUCE for p in profile.params},
+    )
 
 
 def train(ctx):
@@ -31,6 +38,7 @@ def train(ctx):
     from hpar.strategies.job.context import StepMeter, batch_samples, move_to
     from hpar.strategies.job.forward import call_model
     from hpar.strategies.state import state as run_state
+
     cfg, job = ctx.cfg, ctx.job
     torch.manual_seed(cfg.seed)
     model = job.build_model().to(ctx.device)
@@ -51,6 +59,10 @@ def train(ctx):
 
 
 LOCAL = StrategySpec(
-    name="local", summary="one worker, the whole model, no communication (a test plugin)",
-    runtime=f"{__name__}:train", estimate=f"{__name__}:estimate_local",
-    worker_memory="hpar.strategies.plan.memory_model:allreduce_terms", simplicity=9)
+    name="local",
+    summary="one worker, the whole model, no communication (a test plugin)",
+    runtime=f"{__name__}:train",
+    estimate=f"{__name__}:estimate_local",
+    worker_memory="hpar.strategies.plan.memory_model:allreduce_terms",
+    simplicity=9,
+)

@@ -8,6 +8,7 @@ worker's device: DDP's gradient buckets (the comm hooks), the padded AllGather o
 gradients and the pipeline's activation/gradient batches. Anything else (a loss, an RNG state,
 a pickled object, a barrier) is a CPU value that NCCL would reject or hang on.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,29 @@ import sys
 import torch
 import torch.distributed as dist
 
-ALLOWED = {"counting_allreduce_hook", "group_allreduce_hook", "padded_allgather_hook", "padded_allgather_mean", "post",
-           "average_gradients"}   # the last: a pipeline stage's replica AllReduce of its device gradients
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "gather_object", "gather",
-               "reduce", "send", "recv", "broadcast_object_list", "all_to_all", "reduce_scatter")
+ALLOWED = {
+    "counting_allreduce_hook",
+    "group_allreduce_hook",
+    "padded_allgather_hook",
+    "padded_allgather_mean",
+    "post",
+    "average_gradients",
+}  # the last: a pipeline stage's replica AllReduce of its device gradients
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "broadcast",
+    "barrier",
+    "gather_object",
+    "gather",
+    "reduce",
+    "send",
+    "recv",
+    "broadcast_object_list",
+    "all_to_all",
+    "reduce_scatter",
+)
 # (isend/irecv stay unwrapped: dist.P2POp checks that its op *is* dist.isend or dist.irecv; their
 # batches are checked in batch_isend_irecv)
 
@@ -52,6 +72,7 @@ def install() -> list:
                 if caller not in ALLOWED:
                     violations.append(f"{name} from {caller}")
             return fn(*args, **kw)
+
         return wrapped
 
     real_batch = dist.batch_isend_irecv
@@ -73,6 +94,7 @@ def child(rank: int, world: int, runs: list, out_dir: str) -> None:
     real init_group and runtime, with ``cfg.device == "cuda"`` but tensors on the CPU; writes
     its violations per run to OUT_DIR/rank.json."""
     import faulthandler
+
     faulthandler.dump_traceback_later(600, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -82,14 +104,25 @@ def child(rank: int, world: int, runs: list, out_dir: str) -> None:
     from hpar.strategies.job.contract import load_job
     from hpar.strategies.specs.registry import spec
     from hpar.workers.worker import init_group
+
     out = {}
     for config_path, port in runs:
         os.environ["MASTER_PORT"] = str(port)
         cfg = RunConfig.from_json(open(config_path).read())
         job = load_job(cfg.script)
         host_of = init_group(cfg, rank, world)
-        ctx = WorkerContext(job=job, cfg=cfg, rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
-                            report=lambda m: None, pg_rank=rank, pg_world_size=world, host_of=host_of)
+        ctx = WorkerContext(
+            job=job,
+            cfg=cfg,
+            rank=rank,
+            world_size=world,
+            local_rank=rank,
+            device=torch.device("cpu"),
+            report=lambda m: None,
+            pg_rank=rank,
+            pg_world_size=world,
+            host_of=host_of,
+        )
         result = spec(cfg.strategy).load("runtime")(ctx)
         dist.barrier()
         dist.destroy_process_group()

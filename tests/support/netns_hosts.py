@@ -8,6 +8,7 @@ Use it as::
     def hosts():
         yield from netns_hosts.make_hosts(2)   # from support import netns_hosts
 """
+
 from __future__ import annotations
 
 import itertools
@@ -17,7 +18,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/support/ -> the checkout
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support/ -> the checkout
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import testhosts  # noqa: E402
 

@@ -12,6 +12,7 @@ Ray is started with this interpreter (``python -m ray.scripts.scripts start``), 
 import the same hpar as the tests. Nothing is stopped by name (``ray stop`` would stop every
 Ray on the machine): testhosts' ``down`` kills every process inside the namespaces.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -68,14 +69,36 @@ def unavailable() -> str | None:
 
 
 def _start(namespace: str, address: str, head: str | None, log: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--node-ip-address", address, "--num-cpus", "2",
-            "--object-store-memory", "100000000", "--disable-usage-stats"]
-    argv += ["--address", f"{head}:{GCS_PORT}"] if head else ["--head", "--port", str(GCS_PORT),
-                                                                "--include-dashboard", "false",
-                                                                "--ray-client-server-port", str(CLIENT_PORT)]
+    argv = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--node-ip-address",
+        address,
+        "--num-cpus",
+        "2",
+        "--object-store-memory",
+        "100000000",
+        "--disable-usage-stats",
+    ]
+    argv += (
+        ["--address", f"{head}:{GCS_PORT}"]
+        if head
+        else [
+            "--head",
+            "--port",
+            str(GCS_PORT),
+            "--include-dashboard",
+            "false",
+            "--ray-client-server-port",
+            str(CLIENT_PORT),
+        ]
+    )
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    return subprocess.Popen(["ip", "netns", "exec", namespace, *argv], stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", namespace, *argv], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env
+    )
 
 
 def make_cluster(k: int = 3):
@@ -96,10 +119,10 @@ def make_cluster(k: int = 3):
         head = _start(made.hosts[0].namespace, made.hosts[0].address, None, logs[0])
         if head.wait(timeout=120) != 0:
             raise RuntimeError(f"ray start --head failed: {open(logs[0]).read()[-2000:]}")
-        for h, log in zip(made.hosts[1:], logs[1:]):   # one at a time: nodes started at once race for socket names
+        for h, log in zip(made.hosts[1:], logs[1:]):  # one at a time: nodes started at once race for socket names
             if _start(h.namespace, h.address, made.hosts[0].address, log).wait(timeout=120) != 0:
                 raise RuntimeError(f"ray start failed: {open(log).read()[-2000:]}")
-        yield cluster   # `ray start` returns once its node is registered: every node is alive
+        yield cluster  # `ray start` returns once its node is registered: every node is alive
     finally:
         testhosts.down(prefix)
 
@@ -143,10 +166,14 @@ def run_leftovers(cluster: RayCluster, marker: bytes = b"hpar.workers", wait: fl
 
 def live_placement_groups(cluster: RayCluster) -> list[str]:
     """Names of the placement groups the cluster has not removed (``ray.util.placement_group_table()``)."""
-    code = ("import ray, json; ray.init(logging_level='ERROR'); "
-            "print(json.dumps([v['name'] for v in ray.util.placement_group_table().values() if v['state'] != 'REMOVED']))")
-    out = subprocess.run(cluster.on_head(sys.executable, "-c", code), capture_output=True, text=True,
-                         env=cluster.env(), timeout=60)
+    code = (
+        "import ray, json; ray.init(logging_level='ERROR'); "
+        "print(json.dumps([v['name'] for v in ray.util.placement_group_table().values() if v['state'] != 'REMOVED']))"
+    )
+    out = subprocess.run(
+        cluster.on_head(sys.executable, "-c", code), capture_output=True, text=True, env=cluster.env(), timeout=60
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     import json
+
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -7,6 +7,7 @@ RUN_DIR/config.json: the launcher gives it to every worker and server and their 
 machine and on other hosts (over SSH; the test hosts of scripts/testhosts.py are network
 namespaces of this machine, so their processes are found here too).
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,14 @@ class Launcher:
 
     def __init__(self, args: list[str], log: str):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hpar.launcher.cli", "run", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hpar.launcher.cli", "run", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self.lines: list[tuple[float, str]] = []
         self.log = open(log, "a")
         threading.Thread(target=self._read, daemon=True).start()

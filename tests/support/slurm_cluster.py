@@ -9,6 +9,7 @@ in ``env()`` points the client tools (``salloc``, ``srun``, ``sbatch``, ``scontr
 generated config. The one node is this machine (``hostname -s``, address 127.0.0.1) in a
 ``debug`` partition.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,9 @@ class Cluster:
         return dict(env, SLURM_CONF=self.conf, **extra)
 
     def run(self, *argv: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, env=kw.pop("env", None) or self.env(), capture_output=True, text=True,
-                              timeout=timeout, **kw)
+        return subprocess.run(
+            argv, env=kw.pop("env", None) or self.env(), capture_output=True, text=True, timeout=timeout, **kw
+        )
 
 
 def unavailable() -> str | None:
@@ -106,9 +108,19 @@ def _start(d: str, timeout: float) -> Cluster:
         f.write(os.urandom(128))
     os.chmod(key, 0o400)
     sock = os.path.join(d, "munge", "munge.socket")
-    out = subprocess.run([_tool("munged"), "--force", f"--key-file={key}", f"--socket={sock}",
-                          f"--pid-file={d}/munge/munged.pid", f"--log-file={d}/log/munged.log",
-                          f"--seed-file={d}/munge/munged.seed"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            _tool("munged"),
+            "--force",
+            f"--key-file={key}",
+            f"--socket={sock}",
+            f"--pid-file={d}/munge/munged.pid",
+            f"--log-file={d}/log/munged.log",
+            f"--seed-file={d}/munge/munged.seed",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise Unavailable(f"munged failed: {out.stderr.strip() or out.stdout.strip()}")
     conf = os.path.join(d, "slurm.conf")
@@ -152,6 +164,7 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubsc
     def idle() -> bool:
         out = cluster.run("sinfo", "-h", "-N", "-o", "%t", timeout=10)
         return out.returncode == 0 and out.stdout.strip() in ("idle", "mix")
+
     _wait(idle, timeout, "the Slurm node", os.path.join(d, "log", "slurmctld.log"))
     return cluster
 
@@ -166,9 +179,19 @@ def _pid(path: str) -> int | None:
 def stop_directory(d: str) -> None:
     """Stop the daemons of the cluster in ``d`` by their pid files (SIGTERM, then SIGKILL)
     and remove ``d``."""
-    pids = [p for p in (_pid(os.path.join(d, name)) for name in
-                        [n for n in os.listdir(d) if n.endswith(".pid")] if os.path.isdir(d))
-            if p] if os.path.isdir(d) else []
+    pids = (
+        [
+            p
+            for p in (
+                _pid(os.path.join(d, name))
+                for name in [n for n in os.listdir(d) if n.endswith(".pid")]
+                if os.path.isdir(d)
+            )
+            if p
+        ]
+        if os.path.isdir(d)
+        else []
+    )
     munge = _pid(os.path.join(d, "munge", "munged.pid"))
     for pid in pids + ([munge] if munge else []):
         try:

@@ -1,13 +1,21 @@
 """An MLP with BatchNorm1d, as tabular and vision tutorials build one: running statistics
 are buffers each worker updates from its own batches (issue 67)."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 6, "batch_size": 16, "lr": 0.05, "log_every": 2}
 
 
 def model():
-    return nn.Sequential(nn.Linear(8, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 32), nn.BatchNorm1d(32),
-                         nn.ReLU(), nn.Linear(32, 1))
+    return nn.Sequential(
+        nn.Linear(8, 64),
+        nn.BatchNorm1d(64),
+        nn.ReLU(),
+        nn.Linear(64, 32),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Linear(32, 1),
+    )
 
 
 def _batch(g, batch_size):

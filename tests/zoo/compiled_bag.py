@@ -7,9 +7,10 @@ The backend is "aot_eager" (dynamo and AOTAutograd: graph breaks, guards, the co
 backward), not the default inductor: inductor compiles C++ on a CPU, 27 s in each process on a
 2-core machine with a cold cache (2 s from its cache), against 1 s for aot_eager; see
 tests/test_compiled.py."""
+
 import torch
 
-from dict_bag import HPAR, BagModel, data, loss   # noqa: F401  (the zoo's directory is on sys.path)
+from dict_bag import HPAR, BagModel, data, loss  # noqa: F401  (the zoo's directory is on sys.path)
 
 
 def model():

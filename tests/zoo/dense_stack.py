@@ -1,6 +1,7 @@
 """A dense stack of 8 wide layers (33.6 MB of parameters, no embedding table), trained with
 momentum SGD: the weights, their gradients and the momentum dominate a worker's memory, so
 the pipeline layout that spreads them over the most stages holds the least per worker."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 4, "batch_size": 8, "lr": 0.01, "log_every": 2}

@@ -1,5 +1,6 @@
 """A recommendation-style model fed a dict of tensors: an EmbeddingBag over variable-length
 id lists (flat ids plus offsets) and a dense feature vector."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 12, "batch_size": 8, "lr": 0.2, "log_every": 4}
@@ -13,7 +14,7 @@ class BagModel(nn.Module):
         self.dense = nn.Linear(4, 8)
         self.head = nn.Linear(16, 1)
 
-    def forward(self, batch):                        # {"dense": (B, 4), "ids": (N,), "offsets": (B,)} -> (B,)
+    def forward(self, batch):  # {"dense": (B, 4), "ids": (N,), "offsets": (B,)} -> (B,)
         pooled = self.bag(batch["ids"], batch["offsets"])
         return self.head(torch.cat([pooled, torch.relu(self.dense(batch["dense"]))], 1)).squeeze(1)
 

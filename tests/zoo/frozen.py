@@ -1,4 +1,5 @@
 """An MLP whose first layer is frozen (requires_grad=False), as when fine-tuning."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 12, "batch_size": 8, "lr": 0.1, "log_every": 4}

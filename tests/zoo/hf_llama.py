@@ -1,6 +1,7 @@
 """A Hugging Face Llama built from a small config (random init, no download): RMSNorm, rotary
 position embeddings, grouped-query attention, an untied ``lm_head``; fed a dict batch with an
 attention mask, as ``model(**batch)``."""
+
 import torch, torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -9,9 +10,18 @@ VOCAB, SEQ = 64, 12
 
 
 def model():
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                        tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def data(rank, world_size, batch_size):

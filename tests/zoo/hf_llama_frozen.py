@@ -1,6 +1,7 @@
 """Fine-tuning as tutorials write it: a Hugging Face Llama built from a small config (random
 init, no download) whose token embedding and first decoder block are frozen
 (``requires_grad=False``), with the optimizer given only the trainable parameters."""
+
 import torch, torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -9,9 +10,18 @@ VOCAB, SEQ = 64, 8
 
 
 def model():
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
-                                     tie_word_embeddings=False))
+    m = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
+    )
     m.model.embed_tokens.requires_grad_(False)
     m.model.layers[0].requires_grad_(False)
     return m

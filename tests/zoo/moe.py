@@ -4,11 +4,12 @@ experts per sample (top-1), scaled by its gate; a token embedding beside the fea
 step; worker 1's reach two, a different two each step, so which experts get no gradient
 differs per rank and per step (from step ``ALL_EXPERTS_UNTIL`` on: before it worker 1's
 batches reach every expert too)."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 10, "batch_size": 8, "lr": 0.1, "log_every": 5}
 EXPERTS, DIM, VOCAB = 4, 8, 64
-ALL_EXPERTS_UNTIL = 0   # steps at the start in which every rank reaches every expert
+ALL_EXPERTS_UNTIL = 0  # steps at the start in which every rank reaches every expert
 
 
 class MoE(nn.Module):
@@ -17,10 +18,11 @@ class MoE(nn.Module):
         self.inp = nn.Linear(DIM, DIM)
         self.tok = nn.Embedding(VOCAB, DIM)
         self.router = nn.Linear(DIM, EXPERTS)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(DIM, 16), nn.GELU(), nn.Linear(16, DIM))
-                                     for _ in range(EXPERTS))
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(DIM, 16), nn.GELU(), nn.Linear(16, DIM)) for _ in range(EXPERTS)
+        )
         self.head = nn.Linear(DIM, 1)
-        with torch.no_grad():   # a router that starts out following the data's first dims
+        with torch.no_grad():  # a router that starts out following the data's first dims
             self.router.weight.zero_()
             self.router.weight[:, :EXPERTS] += 4 * torch.eye(EXPERTS)
             self.router.bias.zero_()
@@ -28,15 +30,15 @@ class MoE(nn.Module):
             self.inp.bias.zero_()
             self.tok.weight.mul_(0.01)
 
-    def forward(self, inputs):                     # (x (B, DIM), ids (B,)) -> (B, 1)
+    def forward(self, inputs):  # (x (B, DIM), ids (B,)) -> (B, 1)
         x, ids = inputs
         h = self.inp(x) + self.tok(ids)
-        gate = F.softmax(self.router(h), dim=-1)   # (B, EXPERTS)
-        weight, choice = gate.max(dim=-1)          # top-1
+        gate = F.softmax(self.router(h), dim=-1)  # (B, EXPERTS)
+        weight, choice = gate.max(dim=-1)  # top-1
         out = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
             picked = (choice == e).nonzero(as_tuple=True)[0]
-            if picked.numel():                     # an expert no sample picked is not run
+            if picked.numel():  # an expert no sample picked is not run
                 out = out.index_add(0, picked, expert(h[picked]) * weight[picked, None])
         return self.head(h + out)
 

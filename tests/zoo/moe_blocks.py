@@ -3,6 +3,7 @@ embedding, then blocks (an ``nn.ModuleList``), each a residual top-1 mixture of 
 router sends every token to one expert (data-dependent: which tokens an expert runs, and
 whether it runs at all, depends on the batch), then a norm and a head. The blocks' insides
 cannot be traced into one graph; the model between them can."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 6, "batch_size": 8, "lr": 0.05, "log_every": 2}
@@ -14,16 +15,17 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
         self.router = nn.Linear(DIM, EXPERTS)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(DIM, 32), nn.GELU(), nn.Linear(32, DIM))
-                                     for _ in range(EXPERTS))
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(DIM, 32), nn.GELU(), nn.Linear(32, DIM)) for _ in range(EXPERTS)
+        )
 
-    def forward(self, h):                                  # (B, T, DIM) -> (B, T, DIM)
+    def forward(self, h):  # (B, T, DIM) -> (B, T, DIM)
         x = self.norm(h).reshape(-1, DIM)
-        weight, choice = F.softmax(self.router(x), dim=-1).max(dim=-1)   # top-1 per token
+        weight, choice = F.softmax(self.router(x), dim=-1).max(dim=-1)  # top-1 per token
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             picked = (choice == e).nonzero(as_tuple=True)[0]
-            if picked.numel():                             # an expert no token picked is not run
+            if picked.numel():  # an expert no token picked is not run
                 out = out.index_add(0, picked, expert(x[picked]) * weight[picked, None])
         return h + out.reshape(h.shape)
 
@@ -37,7 +39,7 @@ class MoELM(nn.Module):
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
 
-    def forward(self, ids):                                # (B, T) -> (B, T, VOCAB)
+    def forward(self, ids):  # (B, T) -> (B, T, VOCAB)
         h = self.embed(ids) + self.pos[: ids.shape[1]]
         for block in self.blocks:
             h = block(h)
@@ -52,7 +54,7 @@ def data(rank, world_size, batch_size):
     g = torch.Generator().manual_seed(300 + rank)
     for _ in range(1000):
         start = torch.randint(0, VOCAB, (batch_size, 1), generator=g)
-        ids = (start + torch.arange(SEQ + 1)) % VOCAB         # counting sequences: next token
+        ids = (start + torch.arange(SEQ + 1)) % VOCAB  # counting sequences: next token
         yield ids[:, :-1], ids[:, 1:]
 
 

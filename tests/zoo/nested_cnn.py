@@ -1,5 +1,6 @@
 """A CNN written as an nn.Sequential of blocks (each block an nn.Sequential with
 BatchNorm, and a head with Dropout): its layers are the 3 top-level blocks."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 12, "batch_size": 8, "lr": 0.05, "log_every": 4}

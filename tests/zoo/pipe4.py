@@ -1,4 +1,5 @@
 """A deep stack of 8 small layers for a 4-stage pipeline (2 layers per stage)."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 12, "batch_size": 8, "lr": 0.05, "log_every": 4, "micro_batches": 4}

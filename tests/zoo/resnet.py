@@ -2,6 +2,7 @@
 (BatchNorm, a 1x1 downsampling shortcut where the width changes), a forward with a pooling and
 a flatten before ``fc``. Not an nn.Sequential and no hpar_layers(): a pipeline cuts it between
 its residual blocks with torch's tracer."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 10, "batch_size": 8, "lr": 0.05, "log_every": 2}
@@ -14,8 +15,11 @@ class Block(nn.Module):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.down = (
+            None
+            if stride == 1 and cin == cout
+            else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        )
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))

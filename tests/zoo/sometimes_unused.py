@@ -1,5 +1,6 @@
 """A model with a branch (and its parameters) that only some batches use: a batch whose
 flag is 0 skips the ``extra`` layer, so its parameters get no gradient in that step."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 12, "batch_size": 8, "lr": 0.1, "log_every": 4}
@@ -12,7 +13,7 @@ class Branchy(nn.Module):
         self.extra = nn.Linear(8, 8)
         self.head = nn.Linear(8, 1)
 
-    def forward(self, inputs):                       # (x (B, 4), flag (B,)) -> (B, 1)
+    def forward(self, inputs):  # (x (B, 4), flag (B,)) -> (B, 1)
         x, flag = inputs
         h = torch.tanh(self.body(x))
         if bool(flag[0]):
@@ -25,7 +26,7 @@ def model():
 
 
 def data(rank, world_size, batch_size):
-    g = torch.Generator().manual_seed(500)          # every rank takes the same branch each step
+    g = torch.Generator().manual_seed(500)  # every rank takes the same branch each step
     step = 0
     for _ in range(1000):
         x = torch.randn(batch_size, 4, generator=g) + rank

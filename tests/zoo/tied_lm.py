@@ -1,6 +1,7 @@
 """A small language model whose output projection shares the embedding's weight (weight
 tying, as in most language models): ``self.out.weight = self.emb.weight``; a second,
 untied table of document ids is row-sparse (what hybrid serves from its servers)."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 12, "batch_size": 8, "lr": 0.5, "log_every": 4}
@@ -14,9 +15,9 @@ class TiedLM(nn.Module):
         self.doc = nn.Embedding(DOCS, DIM)
         self.mix = nn.Linear(CTX * DIM, DIM)
         self.out = nn.Linear(DIM, VOCAB, bias=False)
-        self.out.weight = self.emb.weight            # one parameter, two users
+        self.out.weight = self.emb.weight  # one parameter, two users
 
-    def forward(self, ids):                          # ids (B, CTX + 1): tokens, document -> logits (B, VOCAB)
+    def forward(self, ids):  # ids (B, CTX + 1): tokens, document -> logits (B, VOCAB)
         h = self.mix(self.emb(ids[:, :CTX]).flatten(1)) + self.doc(ids[:, CTX])
         return self.out(torch.tanh(h))
 
@@ -30,7 +31,7 @@ def data(rank, world_size, batch_size):
     for _ in range(1000):
         ids = torch.randint(0, VOCAB, (batch_size, CTX), generator=g)
         doc = torch.randint(0, DOCS, (batch_size, 1), generator=g)
-        yield torch.cat([ids, doc], 1), (ids[:, 0] + 1) % VOCAB           # next token: learnable from the first one
+        yield torch.cat([ids, doc], 1), (ids[:, 0] + 1) % VOCAB  # next token: learnable from the first one
 
 
 def loss(output, targets):

@@ -1,4 +1,5 @@
 """A model with two heads that returns a tuple (main logits, auxiliary regression)."""
+
 import torch, torch.nn as nn, torch.nn.functional as F
 
 HPAR = {"steps": 12, "batch_size": 8, "lr": 0.1, "log_every": 4}
@@ -11,7 +12,7 @@ class TwoHeads(nn.Module):
         self.cls = nn.Linear(16, 3)
         self.aux = nn.Linear(16, 1)
 
-    def forward(self, x):                            # (B, 5) -> ((B, 3), (B, 1))
+    def forward(self, x):  # (B, 5) -> ((B, 3), (B, 1))
         h = torch.relu(self.trunk(x))
         return self.cls(h), self.aux(h)
 

@@ -17,6 +17,7 @@ algorithms for clusters of workstations", JPDC 2009). A sparse gradient (its own
 exchanged by gloo's sparse AllReduce, an AllGather: this worker's coalesced (indices, values)
 go to the N-1 peers and theirs come back.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,12 +36,20 @@ from hpar.strategies.runtimes.dataparallel.sparse_allgather import padded_allgat
 from hpar.strategies.job.optimizer_rules import dense_before_step, densify
 from hpar.strategies.runtimes.dataparallel import sync_batchnorm
 from hpar.strategies.job.tying import embedding_tables
-from hpar.strategies.job.context import (DENSE, ByteMeter, StepMeter, TrainResult, WorkerContext, ring_allreduce_bytes,
-                                     ring_successor_remote)
+from hpar.strategies.job.context import (
+    DENSE,
+    ByteMeter,
+    StepMeter,
+    TrainResult,
+    WorkerContext,
+    ring_allreduce_bytes,
+    ring_successor_remote,
+)
 from hpar.strategies.job.forward import inner_module
 from hpar.strategies.runtimes import spine
 from hpar.strategies.job.loop import StepTools, micro_steps, step_tools, worker_batches
 from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
+
 
 def counting_allreduce_hook(state, bucket):
     """DDP communication hook: mean AllReduce of the bucket, counting this worker's bytes.
@@ -98,20 +107,30 @@ def _sync(ddp, last: bool, event=None):
         yield
 
 
-def save_state(ctx: WorkerContext, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
-               tools: StepTools | None = None, extra: dict | None = None) -> None:
+def save_state(
+    ctx: WorkerContext,
+    step: int,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    tools: StepTools | None = None,
+    extra: dict | None = None,
+) -> None:
     """Checkpoint ``step`` (a collective over the default group): this worker writes the state
     it holds, its model (DDP's replicas: one copy is kept; FSDP's DTensor shards: each rank its
     own), optimizer state by parameter name, loop state and random generators, with
     torch.distributed.checkpoint (strategies/state/state.py); nothing is gathered. ``extra``:
     more of this worker's entries (``--compress powersgd``'s state)."""
-    run_state.save(ctx.cfg.run_dir, step, {**run_state.process_entries(model, opt, tools, ctx.device,
-                                                                       f"worker{ctx.rank}", "workers"), **(extra or {})},
-                   keep=ctx.cfg.keep_checkpoints)
+    run_state.save(
+        ctx.cfg.run_dir,
+        step,
+        {**run_state.process_entries(model, opt, tools, ctx.device, f"worker{ctx.rank}", "workers"), **(extra or {})},
+        keep=ctx.cfg.keep_checkpoints,
+    )
 
 
-def resume_state(ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                 tools: StepTools | None = None) -> int:
+def resume_state(
+    ctx: WorkerContext, model: torch.nn.Module, opt: torch.optim.Optimizer, tools: StepTools | None = None
+) -> int:
     """Load this worker's state from the run's latest checkpoint when it resumes (model,
     optimizer by parameter name, loop state, random generators: strategies/state/state.py; any
     checkpoint of the run, whatever its number of workers, DTensor shards of fsdp included);
@@ -142,14 +161,18 @@ class AllreduceStep(TrainStep):
         self.model = inner_module(self.outer)
         self.sparse = strategy_spec(cfg.strategy).sparse_gradients
         tables = set_sparse_gradients(self.model, self.sparse)
-        if self.sparse:   # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
+        if self.sparse:  # torch's sparse optimizers warn every worker unless the checks are chosen explicitly
             torch.sparse.check_sparse_tensor_invariants.disable()
         self.opt = job.build_optimizer(self.model.parameters(), cfg.lr)
         named = dict(self.model.named_parameters(remove_duplicate=False))
         # a table whose optimizer has no sparse kernel (Adam, AdamW, ...): exchanged sparse, made dense to step
-        self.to_dense = [p for _, p in dense_before_step(self.opt, [(n, named[n]) for n in tables])] if self.sparse else []
+        self.to_dense = (
+            [p for _, p in dense_before_step(self.opt, [(n, named[n]) for n in tables])] if self.sparse else []
+        )
         self.tools = step_tools(cfg, job, self.opt, ctx.device)
-        self.compressor = Compressor(cfg.compress, cfg.steps, ctx.rank)   # --compress (strategies/runtimes/dataparallel/compress_hooks.py)
+        self.compressor = Compressor(
+            cfg.compress, cfg.steps, ctx.rank
+        )  # --compress (strategies/runtimes/dataparallel/compress_hooks.py)
 
     def resume(self) -> int:
         step = resume_state(self.ctx, self.model, self.opt, self.tools)
@@ -161,39 +184,46 @@ class AllreduceStep(TrainStep):
         ctx, cfg = self.ctx, self.cfg
         self.counter = ByteMeter()
         self.loss_groups = groups = worker_groups(ctx.world_size, cfg.device)
-        if cfg.sync_batchnorm:   # --sync-batchnorm: before DDP wraps the model
+        if cfg.sync_batchnorm:  # --sync-batchnorm: before DDP wraps the model
             sync_batchnorm.convert(self.model, groups.dense, ctx.device)
-        self.ddp = wrap(self.outer, groups.dense, ctx.device, cfg.find_unused_parameters)   # strategies/runtimes/dataparallel/ddp.py
+        self.ddp = wrap(
+            self.outer, groups.dense, ctx.device, cfg.find_unused_parameters
+        )  # strategies/runtimes/dataparallel/ddp.py
         ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
         padded = self.sparse and sparse_exchange(cfg.plan, groups.backend) == "allgather-padded"
-        self.compressor.attach(self.ddp, (self.counter, ctx.world_size, groups.dense, ring_remote),
-                               padded_allgather_hook if padded else counting_allreduce_hook)
-        self.batches = worker_batches(ctx, groups.control)   # the first batch's size checked against the peers'
+        self.compressor.attach(
+            self.ddp,
+            (self.counter, ctx.world_size, groups.dense, ring_remote),
+            padded_allgather_hook if padded else counting_allreduce_hook,
+        )
+        self.batches = worker_batches(ctx, groups.control)  # the first batch's size checked against the peers'
 
     def step(self, step: int) -> StepOutcome:
         self.opt.zero_grad(set_to_none=True)
-        loss, logged, samples = micro_steps(self.ctx, self.ddp, self.batches, self.tools, step,
-                                            lambda last: _sync(self.ddp, last, self.ctx.event))
-        self.samples_per_step = self.samples_per_step or samples   # the first step's batches, as measured
+        loss, logged, samples = micro_steps(
+            self.ctx, self.ddp, self.batches, self.tools, step, lambda last: _sync(self.ddp, last, self.ctx.event)
+        )
+        self.samples_per_step = self.samples_per_step or samples  # the first step's batches, as measured
         lr = self.tools.lr(self.opt)
         densify(self.to_dense)
         stepped = self.tools.step(self.opt, lambda: list(self.model.parameters()))
         remote, (sent, recv) = self.counter.take_remote(), self.counter.take().get(DENSE, (0, 0))
-        return StepOutcome(loss, sent, recv, sent_remote=remote, logged=logged, lr=lr, stepped=stepped,
-                           samples=self.samples_per_step)
+        return StepOutcome(
+            loss, sent, recv, sent_remote=remote, logged=logged, lr=lr, stepped=stepped, samples=self.samples_per_step
+        )
 
     def save(self, steps_done: int) -> None:
         save_state(self.ctx, steps_done, self.model, self.opt, self.tools, self.compressor.entries())
 
     def model_copy(self, steps_done: int) -> torch.nn.Module:
-        with sync_batchnorm.plain_batchnorm(self.model):   # worker 0 evaluates it alone
+        with sync_batchnorm.plain_batchnorm(self.model):  # worker 0 evaluates it alone
             return cpu_copy(self.outer)
 
     def write_final(self) -> None:
-        run_state.write_final(self.cfg.run_dir, run_state.model_entries(self.model))   # replicas: DCP writes one copy
+        run_state.write_final(self.cfg.run_dir, run_state.model_entries(self.model))  # replicas: DCP writes one copy
 
     def result(self, meter: StepMeter) -> TrainResult:
-        sync_batchnorm.to_plain(self.model)   # the model worker 0 evaluates alone
+        sync_batchnorm.to_plain(self.model)  # the model worker 0 evaluates alone
         result = meter.result(self.outer if self.ctx.rank == 0 else None, replicas=self.ctx.world_size)
         set_sparse_gradients(self.model, False)
         return result

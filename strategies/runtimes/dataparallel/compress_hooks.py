@@ -17,6 +17,7 @@ hook on a copy in the saved order, so a resumed run trains as the run that went 
 bit (where the first-step buckets hold other parameters than the rebuilt ones, as they may in
 a model of several buckets, those buckets start afresh: a zero residual, new factors).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -43,10 +44,10 @@ class Compressor:
     def __init__(self, compression: Compression, steps: int, rank: int):
         self.c, self.steps, self.rank = compression, steps, rank
         self.state: psgd.PowerSGDState | None = None
-        self.names: list[str] = []                 # the DDP module's parameter names, in order
-        self.index: dict[int, int] = {}            # id(parameter) -> its position in names
-        self.layouts: dict[int, list[int]] = {}    # bucket index -> the parameters its state is laid out for
-        self.saved: dict = {}                      # restored before attach
+        self.names: list[str] = []  # the DDP module's parameter names, in order
+        self.index: dict[int, int] = {}  # id(parameter) -> its position in names
+        self.layouts: dict[int, list[int]] = {}  # bucket index -> the parameters its state is laid out for
+        self.saved: dict = {}  # restored before attach
 
     def attach(self, ddp, plain_state: tuple, plain_hook) -> None:
         """Register the hook on ``ddp``: ``plain_hook`` with ``plain_state`` (the strategy's
@@ -60,15 +61,22 @@ class Compressor:
             named = list(ddp.module.named_parameters())
             self.names, self.index = [n for n, _ in named], {id(p): i for i, (_, p) in enumerate(named)}
             self.state = psgd.PowerSGDState(
-                process_group=group, matrix_approximation_rank=self.c.rank, start_powerSGD_iter=start_iter(self.steps),
-                min_compression_rate=MIN_COMPRESSION_RATE, use_error_feedback=True, warm_start=True, random_seed=0,
-                compression_stats_logging_frequency=1 << 62)
+                process_group=group,
+                matrix_approximation_rank=self.c.rank,
+                start_powerSGD_iter=start_iter(self.steps),
+                min_compression_rate=MIN_COMPRESSION_RATE,
+                use_error_feedback=True,
+                warm_start=True,
+                random_seed=0,
+                compression_stats_logging_frequency=1 << 62,
+            )
             self._apply_saved()
             inner = self
         else:
             inner = group
-        ddp.register_comm_hook((plain_state, plain_hook, inner, _HOOKS.get(self.c.kind, psgd.powerSGD_hook)),
-                               compressed_hook)
+        ddp.register_comm_hook(
+            (plain_state, plain_hook, inner, _HOOKS.get(self.c.kind, psgd.powerSGD_hook)), compressed_hook
+        )
 
     def run(self, bucket):
         """torch's PowerSGD hook on ``bucket``, on a copy laid out as its state was built where
@@ -77,13 +85,13 @@ class Compressor:
         s, b = self.state, bucket.index()
         order = [self.index[id(p)] for p in bucket.parameters()]
         device = bucket.buffer().device
-        for d in (s.error_dict, s.p_memory_dict, s.q_memory_dict):   # restored on the CPU: to the gradients' device
+        for d in (s.error_dict, s.p_memory_dict, s.q_memory_dict):  # restored on the CPU: to the gradients' device
             if b in d and d[b].device != device:
                 d[b] = d[b].to(device)
         if b not in s.error_dict:
             fut = psgd.powerSGD_hook(s, bucket)
             if b in s.error_dict:
-                self.layouts[b] = order   # the layout its state is built under from now on
+                self.layouts[b] = order  # the layout its state is built under from now on
             return fut
         built = self.layouts.get(b, order)
         if built == order:
@@ -110,9 +118,11 @@ class Compressor:
             return {}
         _, key, pos, has_gauss, gauss = s.rng.get_state()
         pre = self._prefix()
-        out = {f"{pre}.meta": torch.tensor([s.iter, pos, has_gauss], dtype=torch.int64),
-               f"{pre}.gauss": torch.tensor([gauss], dtype=torch.float64),
-               f"{pre}.key": torch.from_numpy(key.astype(np.int64))}
+        out = {
+            f"{pre}.meta": torch.tensor([s.iter, pos, has_gauss], dtype=torch.int64),
+            f"{pre}.gauss": torch.tensor([gauss], dtype=torch.float64),
+            f"{pre}.key": torch.from_numpy(key.astype(np.int64)),
+        }
         for name, d in (("error", s.error_dict), ("p", s.p_memory_dict), ("q", s.q_memory_dict)):
             out.update({f"{pre}.{name}.{b}": t.detach().cpu().clone() for b, t in d.items()})
         out.update({f"{pre}.layout.{b}": torch.tensor(order, dtype=torch.int64) for b, order in self.layouts.items()})
@@ -124,12 +134,16 @@ class Compressor:
         if self.c.kind != "powersgd":
             return
         from hpar.strategies.state import safe_read, state as run_state
-        saved = safe_read.read_metadata(path).state_dict_metadata   # as data, not code
+
+        saved = safe_read.read_metadata(path).state_dict_metadata  # as data, not code
         pre = self._prefix()
         if f"{pre}.meta" not in saved:
             return
-        want = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-                for k, v in saved.items() if k.startswith(pre + ".") and hasattr(v, "size")}
+        want = {
+            k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+            for k, v in saved.items()
+            if k.startswith(pre + ".") and hasattr(v, "size")
+        }
         run_state.read(path, want)
         self.saved = want
         if self.state is not None:
@@ -141,11 +155,18 @@ class Compressor:
             return
         it, pos, has_gauss = (int(v) for v in saved.pop(f"{pre}.meta"))
         s.iter = it
-        s.rng.set_state(("MT19937", saved.pop(f"{pre}.key").numpy().astype(np.uint32), pos, has_gauss,
-                         float(saved.pop(f"{pre}.gauss")[0])))
+        s.rng.set_state(
+            (
+                "MT19937",
+                saved.pop(f"{pre}.key").numpy().astype(np.uint32),
+                pos,
+                has_gauss,
+                float(saved.pop(f"{pre}.gauss")[0]),
+            )
+        )
         dicts = {"error": s.error_dict, "p": s.p_memory_dict, "q": s.q_memory_dict}
-        for k, t in saved.items():   # on the CPU until the bucket's first hook (run) moves it to its device
-            kind, _, b = k[len(pre) + 1:].partition(".")
+        for k, t in saved.items():  # on the CPU until the bucket's first hook (run) moves it to its device
+            kind, _, b = k[len(pre) + 1 :].partition(".")
             if kind == "layout":
                 self.layouts[int(b)] = [int(i) for i in t]
             else:
@@ -164,7 +185,7 @@ class _Relaid:
         self.flat = torch.cat([grads[j].reshape(-1) for j in perm])
         self.views, at = [], 0
         for j in perm:
-            self.views.append(self.flat[at:at + grads[j].numel()].view_as(grads[j]))
+            self.views.append(self.flat[at : at + grads[j].numel()].view_as(grads[j]))
             at += grads[j].numel()
         self.perm = perm
 

@@ -12,6 +12,7 @@ that error, as :func:`unused_error_named` does. ``hpar run --find-unused-paramet
 auto|on|off`` (RunConfig.find_unused_parameters): ``auto`` turns it on only where a profiled
 step left a parameter DDP holds without a gradient (strategies/profile/unused.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,9 @@ REDUCTION_ERROR = "Expected to have finished reduction in the prior iteration"
 FLAG = "--find-unused-parameters"
 
 
-def wrap(model: torch.nn.Module, group, device: torch.device, find_unused_parameters: bool,
-         ignore: Iterable[str] = ()) -> DDP:
+def wrap(
+    model: torch.nn.Module, group, device: torch.device, find_unused_parameters: bool, ignore: Iterable[str] = ()
+) -> DDP:
     """``model`` in DDP over ``group`` (one device per process: ``device`` on CUDA), the
     parameters named in ``ignore`` left out (hybrid's served tables). ``model`` is what the
     forward runs through (a ``torch.compile`` wrapper stays, so DDP's hooks run outside the
@@ -40,8 +42,12 @@ def wrap(model: torch.nn.Module, group, device: torch.device, find_unused_parame
     ignore = sorted(n for n, p in model.named_parameters() if id(p) in ids)
     if ignore:
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    return DDP(model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None,
-               find_unused_parameters=find_unused_parameters)
+    return DDP(
+        model,
+        process_group=group,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=find_unused_parameters,
+    )
 
 
 def reducer_names(ddp: DDP) -> list[str]:
@@ -72,8 +78,10 @@ def unused_message(text: str, names: list[str]) -> str | None:
         idx = [int(i) for i in found.group(2).split()]
         shown = [names[i] if i < len(names) else f"#{i}" for i in idx[:4]] + (["..."] if len(idx) > 4 else [])
         which = f" ({', '.join(shown)} on worker {found.group(1)})"
-    return (f"DDP: a parameter got no gradient in a step{which} while find_unused_parameters is off (a branch "
-            f"some batches skip, unseen in the profiled steps?); run with {FLAG} on")
+    return (
+        f"DDP: a parameter got no gradient in a step{which} while find_unused_parameters is off (a branch "
+        f"some batches skip, unseen in the profiled steps?); run with {FLAG} on"
+    )
 
 
 @contextlib.contextmanager

@@ -18,17 +18,18 @@ FSDP2's AVG once summed, pytorch#162338), so N workers equal one process on the 
 batch on any backend. Bytes per step: two AllGathers of every unit and a reduce-scatter of every
 gradient (strategies/plan/costmodel_fsdp.fsdp_bytes). The user's view: docs/strategies.md, "fsdp".
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint.state_dict as dcp_state   # at import: before a worker's memory baseline
+import torch.distributed.checkpoint.state_dict as dcp_state  # at import: before a worker's memory baseline
 from torch import nn
 
-try:   # FSDP2's public API since torch 2.6
+try:  # FSDP2's public API since torch 2.6
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
-except ImportError:   # pragma: no cover - torch < 2.6
+except ImportError:  # pragma: no cover - torch < 2.6
     FSDPModule = fully_shard = DeviceMesh = None
 
 from hpar.strategies.state import state as run_state
@@ -42,6 +43,7 @@ from hpar.strategies.job.loop import evaluate_during_training, micro_steps, step
 from hpar.strategies.runtimes.spine import StepOutcome, TrainStep
 from hpar.strategies.plan.costmodel_fsdp import fsdp_bytes
 
+
 def units(model: nn.Module) -> list[nn.Module]:
     """The modules ``fully_shard`` wraps one by one (module docstring): layers with parameters,
     none holding a parameter another unit holds too."""
@@ -49,6 +51,7 @@ def units(model: nn.Module) -> list[nn.Module]:
         candidates = [m for _, m in model_layers(model)]
     else:
         from hpar.strategies.job.traced import block_names
+
         candidates = [model.get_submodule(n) for n in block_names(model)]
     candidates = [m for m in candidates if any(True for _ in m.parameters())]
     owners: dict[int, int] = {}
@@ -71,7 +74,7 @@ def shard(model: nn.Module, group, device: torch.device, world_size: int) -> lis
     fully_shard(model, mesh=mesh)
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)   # pytorch#162338: no AVG on the backend
+            m.set_force_sum_reduction_for_comms(True)  # pytorch#162338: no AVG on the backend
             m.set_gradient_divide_factor(float(world_size))
     return wrapped
 
@@ -80,15 +83,18 @@ def check_available() -> None:
     """Raise ValueError (one line) where this torch lacks FSDP2 or the reduction settings
     hpar's exactness on gloo relies on (``set_force_sum_reduction_for_comms``)."""
     if fully_shard is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
-        raise ValueError(f"--strategy fsdp needs torch.distributed.fsdp.fully_shard with FSDPModule."
-                         f"set_force_sum_reduction_for_comms (torch 2.13 has them); torch {torch.__version__} lacks them")
+        raise ValueError(
+            f"--strategy fsdp needs torch.distributed.fsdp.fully_shard with FSDPModule."
+            f"set_force_sum_reduction_for_comms (torch 2.13 has them); torch {torch.__version__} lacks them"
+        )
 
 
 def full_state(model: nn.Module) -> dict:
     """Collective over the workers: the whole model's state dict, on the CPU, on rank 0 (empty
     elsewhere)."""
-    return dcp_state.get_model_state_dict(model, options=dcp_state.StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
+    return dcp_state.get_model_state_dict(
+        model, options=dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def cpu_model(ctx: WorkerContext, state: dict) -> nn.Module:
@@ -110,51 +116,70 @@ class FsdpStep(TrainStep):
         torch.manual_seed(cfg.seed)
         self.model = inner_module(job.build_model())
         self.loss_groups = worker_groups(ctx.world_size, cfg.device)
-        if cfg.sync_batchnorm:   # --sync-batchnorm: before fully_shard (strategies/runtimes/dataparallel/sync_batchnorm.py)
+        if (
+            cfg.sync_batchnorm
+        ):  # --sync-batchnorm: before fully_shard (strategies/runtimes/dataparallel/sync_batchnorm.py)
             from hpar.strategies.runtimes.dataparallel.sync_batchnorm import convert
+
             convert(self.model, self.loss_groups.dense, ctx.device)
         self.wrapped = shard(self.model, self.loss_groups.dense, ctx.device, ctx.world_size)
-        self.opt = job.build_optimizer(self.model.parameters(), cfg.lr)   # over the shards (DTensors)
+        self.opt = job.build_optimizer(self.model.parameters(), cfg.lr)  # over the shards (DTensors)
         self.tools = step_tools(cfg, job, self.opt, ctx.device)
 
     def resume(self) -> int:
-        return resume_state(self.ctx, self.model, self.opt, self.tools)   # each rank its shards: DCP reshards them
+        return resume_state(self.ctx, self.model, self.opt, self.tools)  # each rank its shards: DCP reshards them
 
     def begin(self) -> None:
         ctx = self.ctx
-        total = sum(p.numel() * p.element_size() for p in self.model.parameters())   # the whole model's bytes
-        trained = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)   # reduced
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())  # the whole model's bytes
+        trained = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)  # reduced
         self.sent = fsdp_bytes(total, ctx.world_size, self.cfg.backend == "gloo", trained) * self.cfg.accumulate
         self.remote = self.sent if ring_successor_remote(ctx, list(range(ctx.world_size))) else 0.0
-        self.batches = worker_batches(ctx, self.loss_groups.control)   # the first batch's size checked against the peers'
+        self.batches = worker_batches(
+            ctx, self.loss_groups.control
+        )  # the first batch's size checked against the peers'
 
     def step(self, step: int) -> StepOutcome:
         self.opt.zero_grad(set_to_none=True)
         loss, logged, samples = micro_steps(self.ctx, self.model, self.batches, self.tools, step)
-        self.samples_per_step = self.samples_per_step or samples   # the first step's batches, as measured
+        self.samples_per_step = self.samples_per_step or samples  # the first step's batches, as measured
         lr = self.tools.lr(self.opt)
         stepped = self.tools.step(self.opt, lambda: list(self.model.parameters()))
-        return StepOutcome(loss, self.sent, self.sent, sent_remote=self.remote, logged=logged, lr=lr,
-                           stepped=stepped, samples=self.samples_per_step)
+        return StepOutcome(
+            loss,
+            self.sent,
+            self.sent,
+            sent_remote=self.remote,
+            logged=logged,
+            lr=lr,
+            stepped=stepped,
+            samples=self.samples_per_step,
+        )
 
     def evaluate(self, steps_done: int) -> None:
-        state = full_state(self.model)   # every worker gathers; rank 0 evaluates a CPU copy
-        evaluate_during_training(self.job, self.cfg, self.ctx.rank, steps_done, lambda: cpu_model(self.ctx, state),
-                                 self.ctx.report_eval)
+        state = full_state(self.model)  # every worker gathers; rank 0 evaluates a CPU copy
+        evaluate_during_training(
+            self.job, self.cfg, self.ctx.rank, steps_done, lambda: cpu_model(self.ctx, state), self.ctx.report_eval
+        )
 
     def save(self, steps_done: int) -> None:
-        save_state(self.ctx, steps_done, self.model, self.opt, self.tools)   # each rank its shards
+        save_state(self.ctx, steps_done, self.model, self.opt, self.tools)  # each rank its shards
 
     def write_final(self) -> None:
-        run_state.write_final(self.cfg.run_dir, run_state.model_entries(self.model))   # each rank its shards (RUN_DIR/model)
+        run_state.write_final(
+            self.cfg.run_dir, run_state.model_entries(self.model)
+        )  # each rank its shards (RUN_DIR/model)
 
     def result(self, meter: StepMeter) -> TrainResult:
         ctx = self.ctx
         # evaluate() takes the whole model: gathered to rank 0's host memory, only when the script
         # has one to run (a transformers model's RUN_DIR/hf then too; else `hpar export --format hf`)
         state = full_state(self.model) if self.cfg.eval else None
-        result = meter.result(cpu_model(ctx, state) if ctx.rank == 0 and state is not None else None,
-                              replicas=ctx.world_size, extra={"fsdp_units": len(self.wrapped)})
+        result = meter.result(
+            cpu_model(ctx, state) if ctx.rank == 0 and state is not None else None,
+            replicas=ctx.world_size,
+            extra={"fsdp_units": len(self.wrapped)},
+        )
         if ctx.rank == 0 and state is None:
             result.eval_last = {}
         dist.barrier()

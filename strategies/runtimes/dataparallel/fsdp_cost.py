@@ -18,6 +18,7 @@ median of a few steps can even come out negative). Skipped (None) where the
 model is over ``MAX_BYTES`` (two more copies of it would be made), where this process already
 has a process group, or where FSDP cannot wrap the model.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,8 +28,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-MAX_BYTES = 512 << 20   # larger models are not copied twice more to measure this
-SLOW_S = 0.5   # seconds of timed FSDP steps after which three are enough
+MAX_BYTES = 512 << 20  # larger models are not copied twice more to measure this
+SLOW_S = 0.5  # seconds of timed FSDP steps after which three are enough
 
 
 def _stepper(job, model, cast, clock):
@@ -36,6 +37,7 @@ def _stepper(job, model, cast, clock):
     its seconds on ``clock``."""
     from hpar.strategies.job.forward import call_model
     from hpar.strategies.profile.update import probe_optimizer
+
     opt = probe_optimizer(job, list(model.parameters()))
 
     def step(inputs, targets) -> float:
@@ -46,6 +48,7 @@ def _stepper(job, model, cast, clock):
         loss.backward()
         opt.step()
         return clock.between(t0, clock.mark())
+
     return step
 
 
@@ -55,16 +58,19 @@ def fsdp_overhead_s(job, device: torch.device, cast, batches: list, model_bytes:
     untimed), at least 0. None where it is not measured (module docstring)."""
     from hpar.strategies.common.devices import DeviceClock
     from hpar.strategies.job.forward import inner_module
+
     if model_bytes > MAX_BYTES or dist.is_initialized() or len(batches) <= warmup:
         return None
     try:
         from hpar.strategies.runtimes.dataparallel.fsdp import check_available, shard
+
         check_available()
     except (ImportError, ValueError):
         return None
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        backend, store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         clock = DeviceClock(device)
         # copies: model() may hand out one object every call, which the user keeps
@@ -74,17 +80,17 @@ def fsdp_overhead_s(job, device: torch.device, cast, batches: list, model_bytes:
         steps = [_stepper(job, plain, cast, clock), _stepper(job, wrapped, cast, clock)]
         times: list[list[float]] = [[], []]
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # FSDP's notes on the user's model are for when it runs
+            warnings.simplefilter("ignore")  # FSDP's notes on the user's model are for when it runs
             for i, (inputs, targets) in enumerate(batches):
-                for which in (0, 1):   # in turn, so a spell of other work on the cores spoils both alike
+                for which in (0, 1):  # in turn, so a spell of other work on the cores spoils both alike
                     seconds = steps[which](inputs, targets)
                     if i >= warmup:
                         times[which].append(seconds)
-                if i >= warmup + 2 and sum(times[1]) > SLOW_S:   # three timed steps of a slow model are enough
+                if i >= warmup + 2 and sum(times[1]) > SLOW_S:  # three timed steps of a slow model are enough
                     break
         # the least of each: a spell of other work on shared cores lengthens steps, never shortens them
         return max(0.0, min(times[1]) - min(times[0]))
-    except Exception:   # FSDP cannot wrap or step this model (the fsdp strategy says why when it is run)
+    except Exception:  # FSDP cannot wrap or step this model (the fsdp strategy says why when it is run)
         return None
     finally:
         dist.destroy_process_group()

@@ -14,6 +14,7 @@ path on this CPU machine).
 Bytes per worker: it sends its padded ids and rows (and its ``k``) to each of the N-1 peers
 and receives as much: ``(N-1) * (8 + K_max * (8 + row bytes))``.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,7 +53,7 @@ def padded_allgather_mean(grad: torch.Tensor, group, world_size: int) -> tuple[t
     k = torch.tensor([ids.numel()], dtype=torch.int64, device=rows.device)
     sizes = [torch.empty_like(k) for _ in range(world_size)]
     dist.all_gather(sizes, k, group=group)
-    sizes = [int(s) for s in torch.cat(sizes).tolist()]   # one host sync: the padded size
+    sizes = [int(s) for s in torch.cat(sizes).tolist()]  # one host sync: the padded size
     k_max = max(sizes)
     pid = ids.new_zeros(k_max)
     pid[: ids.numel()] = ids
@@ -74,6 +75,7 @@ def padded_allgather_hook(state, bucket):
     (ByteMeter, N, group, whether the ring successor is on another host); ``bucket`` a
     dist.GradBucket (unannotated: DDP rejects string annotations)."""
     from hpar.strategies.job.context import DENSE, ring_allreduce_bytes
+
     counter, world_size, group, remote = state
     buf = bucket.buffer()
     if not buf.is_sparse:

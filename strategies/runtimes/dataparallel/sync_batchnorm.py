@@ -29,6 +29,7 @@ gradients), and leaves the backward to autograd. Both run outside a compiled reg
 turns the layers back into the user's own classes (the same parameters and buffers) around
 such a copy, so that a training-mode forward there needs no peer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-PLAIN = "_hpar_plain_class"   # attribute of a converted layer: the class the user's model gave it
+PLAIN = "_hpar_plain_class"  # attribute of a converted layer: the class the user's model gave it
 
 
 def batchnorm_layers(model: nn.Module) -> list[str]:
@@ -85,7 +86,7 @@ class GlooSyncBatchNorm(_BatchNorm):
         factor = 0.0 if self.momentum is None else self.momentum
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
-            if self.momentum is None:   # a cumulative moving average, as torch's BatchNorm
+            if self.momentum is None:  # a cumulative moving average, as torch's BatchNorm
                 factor = 1.0 / float(self.num_batches_tracked)
         x = input.float()
         dims = [0] + list(range(2, x.dim()))

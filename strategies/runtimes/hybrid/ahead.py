@@ -8,6 +8,7 @@ The modules here are ``embedding.ServedEmbedding`` items and the clock an
 ``embedding.StepClock``; nothing here changes which rows a lookup gets, only when they are asked
 for (the servers answer a pull of step ``t`` only after applying step ``t - 1``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -81,6 +82,7 @@ def complete(client: PSClient, item, uids: torch.Tensor, pre: tuple | None, step
         rows[hit] = part[pos[hit]]
         rows[~hit] = rest
         return rows
+
     return wait
 
 
@@ -94,9 +96,9 @@ def prefetch(served: list, client: PSClient, clock) -> None:
     are the same either way."""
     clock.seen = []
     for item in served:
-        if item.ahead is not None:   # requested during the previous step (PullAhead)
+        if item.ahead is not None:  # requested during the previous step (PullAhead)
             item.prefetched, item.ahead = item.ahead, None
-            path = item.source if item.source is not None else item.covers   # "" is a batch that is one tensor
+            path = item.source if item.source is not None else item.covers  # "" is a batch that is one tensor
             assert item.prefetched[0] is clock.leaves.get(path), "rows pulled ahead for another batch"
     for item, t, uids, inverse in fed_from_batch([it for it in served if it.prefetched is None], clock.leaves):
         item.prefetched = (t, uids, inverse, client.pull_async(item.table, uids, clock.step))
@@ -137,10 +139,10 @@ class PullAhead:
 
     def __init__(self, served: list, client: PSClient, batches):
         self.served, self.client, self.batches = served, client, iter(batches)
-        self.peeked = None    # the next (inputs, targets), read early
-        self.planned = []     # [(ServedEmbedding, host ids tensor, unique ids, inverse)] for step ``step``
+        self.peeked = None  # the next (inputs, targets), read early
+        self.planned = []  # [(ServedEmbedding, host ids tensor, unique ids, inverse)] for step ``step``
         self.step = None
-        self.sent = 0         # tables whose rows were requested a step ahead, over the run
+        self.sent = 0  # tables whose rows were requested a step ahead, over the run
 
     def __iter__(self):
         return self
@@ -160,8 +162,9 @@ class PullAhead:
             return
         # (not the covering modules': their answers would share the links with this step's
         # AllReduce; prefetch asks for them before the forward, when the links are quiet)
-        self.planned = fed_from_batch([it for it in self.served if it.ahead is None], batch_leaves(self.peeked[0]),
-                                       covering=False)
+        self.planned = fed_from_batch(
+            [it for it in self.served if it.ahead is None], batch_leaves(self.peeked[0]), covering=False
+        )
         self.step = step
 
     def send(self, force: bool = False) -> None:

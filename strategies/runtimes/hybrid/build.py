@@ -28,6 +28,7 @@ receives the dense state, so every process takes part in the same collectives.
 
 ``peak_rss_bytes`` is how a test (and ``summary.json``'s ``worker_peak_rss_bytes``) checks it.
 """
+
 from __future__ import annotations
 
 import sys
@@ -44,11 +45,12 @@ def build_model(job, seed: int, meta: bool = True) -> tuple[torch.nn.Module, boo
     torch.manual_seed(seed)
     if meta:
         from hpar.strategies.job.contract import load_job
-        try:   # a throwaway import of the script: what model() caches in its module (a corpus) would be meta
-            throwaway = load_job(job.path)   # imported as usual: its module's constants stay real tensors
+
+        try:  # a throwaway import of the script: what model() caches in its module (a corpus) would be meta
+            throwaway = load_job(job.path)  # imported as usual: its module's constants stay real tensors
             with torch.device("meta"), _NoInitOnMeta():
                 model = throwaway.build_model()
-        except Exception:   # a constructor that needs real values: the CPU build says what is wrong, if anything
+        except Exception:  # a constructor that needs real values: the CPU build says what is wrong, if anything
             model = None
         if model is not None and not _stray_meta_tensors(model):
             return model, True
@@ -61,6 +63,7 @@ def to_empty_keeping_ties(model: torch.nn.Module, device: torch.device) -> None:
     every holder of a shared ``meta`` parameter its own new tensor, so each tie (found with
     ``strategies/tying.holders`` before the move) is restored to the first holder's."""
     from hpar.strategies.job.tying import holders
+
     ties = [hs for hs in holders(model).values() if len(hs) > 1]
     model.to_empty(device=device)
     for (path, module), *others in ties:
@@ -78,9 +81,13 @@ class _NoInitOnMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        target = args[0] if args else kwargs.get("tensor")    # torch.nn.init passes it by keyword
-        if (name.endswith("_") and isinstance(target, torch.Tensor) and target.is_meta
-                and (getattr(func, "__module__", "") == "torch.nn.init" or name in _RANDOM_FILLS)):
+        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by keyword
+        if (
+            name.endswith("_")
+            and isinstance(target, torch.Tensor)
+            and target.is_meta
+            and (getattr(func, "__module__", "") == "torch.nn.init" or name in _RANDOM_FILLS)
+        ):
             return target
         return func(*args, **kwargs)
 
@@ -124,7 +131,7 @@ def broadcast_dense(model: torch.nn.Module, ps_names: set[str], src: int) -> int
             at = 0
             with torch.no_grad():
                 for t in group:
-                    t.copy_(flat[at: at + t.numel()].view(t.shape))
+                    t.copy_(flat[at : at + t.numel()].view(t.shape))
                     at += t.numel()
     # the CPU generator as a process that ran model()'s initialisers leaves it (a meta build
     # skips them), so that dropout and the like draw what they draw under allreduce

@@ -22,6 +22,7 @@ Invariants: with s = 0 every gradient passes through unchanged, so the training 
 bit for bit; a checkpoint holds no gradient a worker held back and carries the next epoch's rows,
 so a resumed run is bit-identical to one that went on. The user's view: docs/cache.md.
 """
+
 from __future__ import annotations
 
 
@@ -38,7 +39,7 @@ class RowCache:
         assert staleness >= 0
         self.table, self.capacity, self.staleness = table, capacity, staleness
         self.epoch = 0
-        self.window: list[torch.Tensor] = []    # ids looked up this epoch (the refresh's counts)
+        self.window: list[torch.Tensor] = []  # ids looked up this epoch (the refresh's counts)
         self.hits = self.lookups = 0
         self._set(ids)
 
@@ -50,7 +51,7 @@ class RowCache:
         self.held = torch.zeros(ids.numel(), dim, dtype=dtype)
         self.count = torch.zeros(ids.numel(), dtype=torch.int64)
         self.ok = torch.full((ids.numel(),), -1, dtype=torch.int64)
-        self._last = None   # (ids, member, slot) of the last lookup: its gradients come with the same tensor
+        self._last = None  # (ids, member, slot) of the last lookup: its gradients come with the same tensor
         owner = self.table.layout.server_of(ids) if ids.numel() else ids
         self.on_server = {s: (owner == s).nonzero().squeeze(1) for s in range(self.table.layout.num_servers)}
 
@@ -87,6 +88,7 @@ class RowCache:
         """The bits of an answer from ``server`` to a pull of ``step`` (versions.pack_bits over
         the cached rows it holds, in order): those set may be read on ``step + 1``."""
         from hpar.strategies.runtimes.hybrid.versions import unpack_bits
+
         slots = self.on_server[server]
         fresh = unpack_bits(packed, slots.numel())
         self.ok[slots[fresh]] = step + 1
@@ -113,7 +115,7 @@ class RowCache:
             out_rows.append(rows[~keep])
         if flush:
             where = self.count.nonzero().squeeze(1)
-        else:   # only a row given a gradient now can have gone past s
+        else:  # only a row given a gradient now can have gone past s
             changed = slot[keep] if grads is not None else torch.empty(0, dtype=torch.int64)
             where = changed[self.count[changed] > self.staleness].sort().values
         if where.numel():
@@ -134,11 +136,11 @@ class RowCache:
         if not refresh or not self.window:
             return self.ids
         seen, counts = torch.unique(torch.cat(self.window), return_counts=True)
-        cand = torch.unique(torch.cat([seen, self.ids]))   # ascending
+        cand = torch.unique(torch.cat([seen, self.ids]))  # ascending
         score = torch.zeros(cand.numel(), dtype=torch.int64)
         score[torch.searchsorted(cand, seen)] = counts * 2
         score[torch.searchsorted(cand, self.ids)] += 1
-        order = torch.sort(score, descending=True, stable=True).indices   # ties keep the ascending ids
+        order = torch.sort(score, descending=True, stable=True).indices  # ties keep the ascending ids
         return cand[order[: self.capacity]].sort().values
 
     def new_epoch(self, ids: torch.Tensor) -> None:

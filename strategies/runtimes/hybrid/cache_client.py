@@ -16,6 +16,7 @@ training (and a resumed run, which does not repeat it, stays bit-identical). The
 each step before a checkpoint and before each refresh push every held gradient, so evaluation
 and checkpoints see the servers holding all of them.
 """
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,17 @@ class WorkerCaches:
     run's (a checkpoint ends an epoch); ``refresh_steps`` the steps between choices of the rows
     (the plan's ``cache["refresh_steps"]``, default cache.REFRESH_STEPS)."""
 
-    def __init__(self, cfg: CacheConfig, tables, client, rank: int, steps: int, checkpoint_every: int = 0,
-                 hot_rows: dict | None = None, refresh_steps: int = REFRESH_STEPS):
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        tables,
+        client,
+        rank: int,
+        steps: int,
+        checkpoint_every: int = 0,
+        hot_rows: dict | None = None,
+        refresh_steps: int = REFRESH_STEPS,
+    ):
         self.cfg, self.client, self.rank, self.steps, self.checkpoint_every = cfg, client, rank, steps, checkpoint_every
         self.refresh_steps = max(1, int(refresh_steps))
         self.caches: dict[int, RowCache] = {}
@@ -47,14 +57,17 @@ class WorkerCaches:
             cap = cfg.rows_for(t.rows)
             first = torch.tensor([int(i) for i in (hot_rows or {}).get(t.name, [])[:cap]], dtype=torch.int64)
             self.caches[t.tid] = RowCache(t, first.clamp(0, t.rows - 1), cap, cfg.staleness)
-        self.next = {tid: c.ids for tid, c in self.caches.items()}   # the coming epoch's rows
+        self.next = {tid: c.ids for tid, c in self.caches.items()}  # the coming epoch's rows
         self.reset_due = True
         client.caches = self
 
     def boundary(self, step: int) -> bool:
         """Whether ``step`` (0-based) starts an epoch: a refresh, a checkpoint's step, or past the last step."""
-        return (step % self.refresh_steps == 0 or step >= self.steps
-                or bool(self.checkpoint_every and step % self.checkpoint_every == 0))
+        return (
+            step % self.refresh_steps == 0
+            or step >= self.steps
+            or bool(self.checkpoint_every and step % self.checkpoint_every == 0)
+        )
 
     def flush(self, step: int) -> bool:
         """Whether ``step`` pushes every held gradient: the last step of an epoch."""
@@ -130,6 +143,7 @@ class WorkerCaches:
                     cache.readable(s, buf[k:], step)
             client.pull_s += time.perf_counter() - t1
             return out
+
         return wait
 
     def entries(self) -> dict:
@@ -147,9 +161,13 @@ class WorkerCaches:
         worker's at this capacity (a worker that did not exist then, or a cache of another
         size, keeps the profile's hottest rows)."""
         from hpar.strategies.state import safe_read, state as run_state
-        saved = safe_read.read_metadata(path).state_dict_metadata   # as data, not code
-        want = {k: v for k, v in self.entries().items()
-                if k in saved and tuple(getattr(saved[k], "size", ())) == tuple(v.shape)}
+
+        saved = safe_read.read_metadata(path).state_dict_metadata  # as data, not code
+        want = {
+            k: v
+            for k, v in self.entries().items()
+            if k in saved and tuple(getattr(saved[k], "size", ())) == tuple(v.shape)
+        }
         if not want:
             return
         run_state.read(path, want)
@@ -162,8 +180,14 @@ class WorkerCaches:
         """The cache's figures for summary.json: staleness, rows per table, the hit rate (rows
         read from the cache over the rows looked up in training), overall and per table, and
         the ``predicted`` hit rate beside it (the plan's, strategies/plan/costmodel_cache.py)."""
-        by = {c.table.name: {"rows": c.capacity, "hit_rate": c.hits / c.lookups if c.lookups else 0.0}
-              for c in self.caches.values()}
+        by = {
+            c.table.name: {"rows": c.capacity, "hit_rate": c.hits / c.lookups if c.lookups else 0.0}
+            for c in self.caches.values()
+        }
         hits, looked = sum(c.hits for c in self.caches.values()), sum(c.lookups for c in self.caches.values())
-        return {"staleness": self.cfg.staleness, "hit_rate": hits / looked if looked else 0.0,
-                "predicted_hit_rate": predicted, "tables": by}
+        return {
+            "staleness": self.cfg.staleness,
+            "hit_rate": hits / looked if looked else 0.0,
+            "predicted_hit_rate": predicted,
+            "tables": by,
+        }

@@ -20,6 +20,7 @@ updated while the workers still compute.
 
 Bytes are counted per table per step (DONE and FINISH under ``"_control"``), on both sides.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,7 +36,19 @@ from hpar.strategies.runtimes.hybrid.shard import RowLayout, table_view
 from hpar.strategies.job.optimizer_rules import OptimizerSpec
 from hpar.strategies.plan.placement import embedding_weights, served_rules
 from hpar.strategies.specs.servers_spec import ROW_PARTITIONS_PER_SERVER
-from hpar.strategies.runtimes.hybrid.wire import CONTROL, DONE, FINISH, PULL, PUSH, TAG_DATA, TAG_REQUEST, encode, nbytes, p2p, reply_tag
+from hpar.strategies.runtimes.hybrid.wire import (
+    CONTROL,
+    DONE,
+    FINISH,
+    PULL,
+    PUSH,
+    TAG_DATA,
+    TAG_REQUEST,
+    encode,
+    nbytes,
+    p2p,
+    reply_tag,
+)
 
 
 @dataclass(frozen=True)
@@ -55,8 +68,9 @@ class PSTable:
     dtype: torch.dtype = torch.float32
 
 
-def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str, plan: Plan,
-              num_servers: int) -> list[PSTable]:
+def ps_tables(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str, plan: Plan, num_servers: int
+) -> list[PSTable]:
     """The PS tables of ``model`` in ``named_parameters`` order (same on every process).
 
     ``opt`` is the user's optimizer, given all of ``model``'s parameters (a fine-tuning script
@@ -79,9 +93,19 @@ def ps_tables(model: torch.nn.Module, opt: torch.optim.Optimizer, strategy: str,
         view = table_view(p.detach())
         default = num_servers * ROW_PARTITIONS_PER_SERVER if name in emb else num_servers
         parts = int(plan.partitions.get(name, default))
-        tables.append(PSTable(len(tables), name, tuple(p.shape), view.shape[0], view.shape[1],
-                              "rows" if name in emb else "whole", RowLayout.make(view.shape[0], parts, num_servers, len(tables)),
-                              rule, p.dtype))
+        tables.append(
+            PSTable(
+                len(tables),
+                name,
+                tuple(p.shape),
+                view.shape[0],
+                view.shape[1],
+                "rows" if name in emb else "whole",
+                RowLayout.make(view.shape[0], parts, num_servers, len(tables)),
+                rule,
+                p.dtype,
+            )
+        )
     return tables
 
 
@@ -96,17 +120,24 @@ class PSClient:
     """A worker's connection to the S servers (ranks ``num_workers .. num_workers+S-1`` of
     ``group``, default: the default group)."""
 
-    def __init__(self, tables: list[PSTable], num_workers: int, num_servers: int,
-                 is_remote: Callable[[int], bool] = lambda rank: False, pin: bool = False, group=None):
+    def __init__(
+        self,
+        tables: list[PSTable],
+        num_workers: int,
+        num_servers: int,
+        is_remote: Callable[[int], bool] = lambda rank: False,
+        pin: bool = False,
+        group=None,
+    ):
         self.tables, self.num_workers, self.num_servers = tables, num_workers, num_servers
-        self.pin = pin                # answers land in pinned host memory (CUDA workers: async copies up)
-        self.is_remote = is_remote    # default-group rank -> on another host than this worker
+        self.pin = pin  # answers land in pinned host memory (CUDA workers: async copies up)
+        self.is_remote = is_remote  # default-group rank -> on another host than this worker
         self.bytes = ByteMeter()
-        self.pull_s = 0.0    # seconds spent waiting in pulls since the caller last reset it
+        self.pull_s = 0.0  # seconds spent waiting in pulls since the caller last reset it
         self._server_rows = {t.tid: [t.layout.server_rows(s) for s in range(num_servers)] for t in tables}
         self._isend, self._irecv = p2p(group)
-        self.caches = None        # cache_client.WorkerCaches with --staleness (it sets itself here)
-        self.cache_off = False    # evaluate(): plain pulls, the cache neither read nor filled
+        self.caches = None  # cache_client.WorkerCaches with --staleness (it sets itself here)
+        self.cache_off = False  # evaluate(): plain pulls, the cache neither read nor filled
 
     def holds(self, table: PSTable, server: int) -> bool:
         """Whether ``server`` holds rows of ``table``."""
@@ -130,8 +161,17 @@ class PSClient:
     def _sent(self, server: int, name: str, n: int) -> None:
         self.bytes.add(name, sent=n, remote=self.is_remote(self.server_rank(server)))
 
-    def _request(self, server: int, op: int, tid: int, n: int, step: int, name: str = CONTROL,
-                 count: int = 1, payload: tuple[torch.Tensor, ...] = ()) -> list:
+    def _request(
+        self,
+        server: int,
+        op: int,
+        tid: int,
+        n: int,
+        step: int,
+        name: str = CONTROL,
+        count: int = 1,
+        payload: tuple[torch.Tensor, ...] = (),
+    ) -> list:
         """Send one request (ps_wire.encode); returns the pending sends."""
         msg, separate = encode(op, tid, n, step, count, payload)
         rank = self.server_rank(server)
@@ -166,8 +206,15 @@ class PSClient:
             # the answer's receive first, so the server can send it without a handshake
             recvs.append((self._irecv(buf, self.server_rank(s), reply_tag(table.tid)), where, buf))
             self.bytes.add(table.name, recv=nbytes(buf))
-            sends += self._request(s, PULL, table.tid, -1 if sel is None else sel.numel(), step, table.name,
-                                   payload=() if sel is None else (sel,))
+            sends += self._request(
+                s,
+                PULL,
+                table.tid,
+                -1 if sel is None else sel.numel(),
+                step,
+                table.name,
+                payload=() if sel is None else (sel,),
+            )
         self.pull_s += time.perf_counter() - t0
 
         def wait() -> torch.Tensor:
@@ -180,6 +227,7 @@ class PSClient:
                     out[where] = buf
             self.pull_s += time.perf_counter() - t1
             return out
+
         return wait
 
     def push(self, table: PSTable, ids: torch.Tensor | None, grads: torch.Tensor, step: int, count: int = 1) -> list:
@@ -246,8 +294,11 @@ class LocalAggregator:
             all_rows = [torch.empty_like(prow) for _ in self.ranks]
             dist.all_gather(all_ids, pid, group=self.group)
             dist.all_gather(all_rows, prow, group=self.group)
-            self.bytes.add("_local_aggregation", sent=(nbytes(pid) + nbytes(prow)) * peers,
-                           recv=(nbytes(pid) + nbytes(prow)) * peers)
+            self.bytes.add(
+                "_local_aggregation",
+                sent=(nbytes(pid) + nbytes(prow)) * peers,
+                recv=(nbytes(pid) + nbytes(prow)) * peers,
+            )
         if not self.leader or max(sizes) < 0:
             return None
         if m == 0:

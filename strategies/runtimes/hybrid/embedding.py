@@ -22,6 +22,7 @@ compiled; the lookup's output joins the compiled graphs through autograd as any 
 surgery is on the module the user wrote (``_orig_mod``, ``strategies/job/forward.inner_module``);
 ``fullgraph=True``, which forbids the break, is refused before start (:func:`check_fullgraph`).
 """
+
 from __future__ import annotations
 
 import types
@@ -39,11 +40,12 @@ from hpar.strategies.runtimes.hybrid.client import PSClient, PSTable, coalesce
 class StepClock:
     """The step the worker is on (pulls are tagged with it) and the tensors of its batch
     (``leaves``: path in the inputs structure to tensor), set before each forward."""
+
     step: int = 0
     leaves: dict = field(default_factory=dict)
-    seen: list = field(default_factory=list)   # [(input tensor, ServedEmbedding)] this step
-    on_gradients: object = None   # callable(ServedEmbedding): early push from the backward pass
-    host: dict = field(default_factory=dict)   # id(batch tensor on the device) -> the same tensor on the host
+    seen: list = field(default_factory=list)  # [(input tensor, ServedEmbedding)] this step
+    on_gradients: object = None  # callable(ServedEmbedding): early push from the backward pass
+    host: dict = field(default_factory=dict)  # id(batch tensor on the device) -> the same tensor on the host
 
     def set_batch(self, host_inputs, device_inputs) -> None:
         """The step's batch as read from data() (``host_inputs``) and as moved to the worker's
@@ -64,14 +66,14 @@ class ServedEmbedding:
 
     module: torch.nn.Module
     table: PSTable
-    records: list = field(default_factory=list)   # [(unique ids, pulled rows leaf)]
-    source: str | None = None       # batch path this module's input came from, once seen
+    records: list = field(default_factory=list)  # [(unique ids, pulled rows leaf)]
+    source: str | None = None  # batch path this module's input came from, once seen
     follows: "ServedEmbedding | None" = None  # module whose input this one reused, once seen
-    covers: str | None = None       # batch path whose ids the input included on its first step
-    checked: bool = False           # whether ``covers`` was looked for
+    covers: str | None = None  # batch path whose ids the input included on its first step
+    checked: bool = False  # whether ``covers`` was looked for
     prefetched: tuple | None = None  # (input tensor, unique ids, inverse, waiter)
-    ahead: tuple | None = None      # the same for the next step, requested during this one (PullAhead)
-    pushed: bool = False            # this step's gradients were handed over early
+    ahead: tuple | None = None  # the same for the next step, requested during this one (PullAhead)
+    pushed: bool = False  # this step's gradients were handed over early
 
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(unique ids (k,), summed row gradients (k, dim))`` of this step, on CPU, or
@@ -131,7 +133,7 @@ def _local_padding(padding_idx: int | None, uids: torch.Tensor) -> int | None:
 def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torch.Tensor, items: list):
     pre, served.prefetched = served.prefetched, None
     host_ids = clock.on_host(ids)
-    if pre is not None and pre[0] is host_ids:   # rows requested ahead of this call
+    if pre is not None and pre[0] is host_ids:  # rows requested ahead of this call
         uids, inverse, rows = pre[1], pre[2], pre[3]()
     else:
         if served.source is None and served.follows is None:
@@ -141,15 +143,19 @@ def _pull(served: ServedEmbedding, client: PSClient, clock: StepClock, ids: torc
         if not served.checked and served.source is None and served.follows is None:
             served.covers, served.checked = covering_leaf(uids, clock.leaves, served.table.rows), True
         wait = complete(client, served, uids, pre, clock.step)
-        for other in items:   # modules that looked up this same tensor on earlier steps
+        for other in items:  # modules that looked up this same tensor on earlier steps
             if other.follows is served and uids.numel() and in_rows(uids, other.table.rows):
                 other.covers = other.covers or served.covers
                 if other.prefetched is None or other.prefetched[0] is not host_ids:
-                    other.prefetched = (host_ids, uids, inverse, complete(client, other, uids, other.prefetched,
-                                                                           clock.step))
+                    other.prefetched = (
+                        host_ids,
+                        uids,
+                        inverse,
+                        complete(client, other, uids, other.prefetched, clock.step),
+                    )
         rows = wait()
-    rows = rows.to(ids.device, non_blocking=rows.is_pinned())   # pinned: async copy up
-    if not torch.is_grad_enabled():   # evaluate(): nothing to push, nothing to remember
+    rows = rows.to(ids.device, non_blocking=rows.is_pinned())  # pinned: async copy up
+    if not torch.is_grad_enabled():  # evaluate(): nothing to push, nothing to remember
         return uids, inverse.to(ids.device, non_blocking=True), rows
     clock.seen.append((ids, served))
     rows.requires_grad_()
@@ -180,21 +186,37 @@ def attach(model: torch.nn.Module, tables: list[PSTable], client: PSClient, cloc
         mod_name = table.name[: -len(".weight")] if table.name.endswith(".weight") else ""
         module = modules[mod_name]
         if module.max_norm is not None or module.scale_grad_by_freq:
-            raise ValueError(f"{table.name}: max_norm/scale_grad_by_freq embeddings cannot be served from the "
-                             "parameter server; drop the option or place the parameter on 'allreduce' in the plan")
+            raise ValueError(
+                f"{table.name}: max_norm/scale_grad_by_freq embeddings cannot be served from the "
+                "parameter server; drop the option or place the parameter on 'allreduce' in the plan"
+            )
         item = ServedEmbedding(module, table)
         if isinstance(module, torch.nn.EmbeddingBag):
+
             def forward(self, input, offsets=None, per_sample_weights=None, _item=item):
                 uids, inverse, rows = _pull(_item, client, clock, input, served)
-                return F.embedding_bag(inverse, rows, offsets, None, self.norm_type, False, self.mode, False,
-                                       per_sample_weights, self.include_last_offset,
-                                       _local_padding(self.padding_idx, uids))
+                return F.embedding_bag(
+                    inverse,
+                    rows,
+                    offsets,
+                    None,
+                    self.norm_type,
+                    False,
+                    self.mode,
+                    False,
+                    per_sample_weights,
+                    self.include_last_offset,
+                    _local_padding(self.padding_idx, uids),
+                )
         else:
+
             def forward(self, input, _item=item):
                 uids, inverse, rows = _pull(_item, client, clock, input, served)
-                return F.embedding(inverse, rows, _local_padding(self.padding_idx, uids), None,
-                                   self.norm_type, False, False)
-        module.forward = types.MethodType(torch.compiler.disable(forward), module)   # see the module docstring
+                return F.embedding(
+                    inverse, rows, _local_padding(self.padding_idx, uids), None, self.norm_type, False, False
+                )
+
+        module.forward = types.MethodType(torch.compiler.disable(forward), module)  # see the module docstring
         module.weight.requires_grad_(False)
         module.weight.data = module.weight.data.new_empty(0, table.dim)
         served.append(item)

@@ -24,6 +24,7 @@ The rows are checked on the workers rather than on the servers because the decis
 taken before any push; a server's gradient is the mean of the workers' pushes, finite when
 they are.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,15 +40,16 @@ def placeholder_optimizer(device: torch.device) -> torch.optim.Optimizer:
     return torch.optim.SGD([p], lr=0.0)
 
 
-def unscale_and_agree(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, pushed: list[torch.Tensor],
-                      group) -> bool:
+def unscale_and_agree(
+    scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, pushed: list[torch.Tensor], group
+) -> bool:
     """Steps 2-3 of the module docstring: unscale ``opt``'s gradients and, in place, the
     gradients about to be pushed (``pushed``: row gradients and whole tables, any device),
     reduce the inf/NaN flag (MAX) over ``group`` (the workers' gloo control group: a CPU
     float) and record it for ``opt``. A collective: every worker calls it once per step.
     Returns True when the step is skipped (on every worker)."""
     scaler.unscale_(opt)
-    inv = (1.0 / scaler.get_scale())
+    inv = 1.0 / scaler.get_scale()
     found = torch.zeros(1)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in pushed:

@@ -22,6 +22,7 @@ concatenated batch with a mean loss (equal per-worker batch sizes). Checkpoints:
 ``worker0`` holds the dense parameters, the worker optimizer state and every worker's RNG
 state; ``server{i}`` parts hold the shards and their optimizer state.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class Groups:
     ``workers`` (the workers' dense and control groups, strategies/common/groups.py: the dense
     AllReduce on NCCL when CUDA, CPU values on gloo) and, where local aggregation is on,
     one gloo group per host with several workers; ``host``/``host_ranks`` are this process's."""
+
     workers: WorkerGroups
     host: object = None
     host_ranks: tuple[int, ...] = ()
@@ -91,17 +93,25 @@ def _setup(ctx: WorkerContext) -> WorkerParts:
     del full_opt
     groups = make_groups(ctx.world_size, cfg.device, ctx.host_of, cfg.plan)
     client = PSClient(tables, ctx.world_size, servers, ctx.is_remote, pin=ctx.device.type == "cuda")
-    if cfg.staleness is not None:   # the hot-row caches (client.caches)
+    if cfg.staleness is not None:  # the hot-row caches (client.caches)
         planned = cfg.plan.cache or {}
-        WorkerCaches(CacheConfig(cfg.cache_rows, cfg.staleness), tables, client, ctx.rank, cfg.steps,
-                     cfg.checkpoint_every, planned.get("hot_rows"), planned.get("refresh_steps", REFRESH_STEPS))
+        WorkerCaches(
+            CacheConfig(cfg.cache_rows, cfg.staleness),
+            tables,
+            client,
+            ctx.rank,
+            cfg.steps,
+            cfg.checkpoint_every,
+            planned.get("hot_rows"),
+            planned.get("refresh_steps", REFRESH_STEPS),
+        )
     clock = embedding.StepClock()
     served = embedding.attach(model, [t for t in tables if t.kind == "rows"], client, clock)
     if on_meta:
-        build.to_empty_keeping_ties(model, ctx.device)   # storage for the dense part only: the tables are empty
+        build.to_empty_keeping_ties(model, ctx.device)  # storage for the dense part only: the tables are empty
     else:
         model.to(ctx.device)
-    build.broadcast_dense(model, {t.name for t in tables}, src=ctx.world_size)   # from server 0
+    build.broadcast_dense(model, {t.name for t in tables}, src=ctx.world_size)  # from server 0
     params = dict(model.named_parameters())
     whole = [(t, params[t.name]) for t in tables if t.kind == "whole"]
     ps_names = {t.name for t in tables}

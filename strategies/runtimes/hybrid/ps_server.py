@@ -13,6 +13,7 @@ the server keeps which rows each worker caches (``CACHE``) and answers ``PULL_CA
 the rows and their freshness bits (strategies/runtimes/hybrid/versions.py).
 The request probe runs one in a thread to measure what a request costs (strategies/plan/probe.py).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -32,8 +33,21 @@ from hpar.strategies.runtimes.hybrid.shard import ParamShard, table_view
 from hpar.strategies.runtimes.hybrid.shard_state import server_entries, set_steps
 from hpar.strategies.job.tying import shared_parameters
 from hpar.strategies.runtimes.hybrid.versions import CacheBook
-from hpar.strategies.runtimes.hybrid.wire import (CACHE, CONTROL, DONE, FINISH, HEADER_BYTES, PULL, PULL_CACHED, PUSH,
-                                                  Inbox, Request, nbytes, p2p, reply_tag)
+from hpar.strategies.runtimes.hybrid.wire import (
+    CACHE,
+    CONTROL,
+    DONE,
+    FINISH,
+    HEADER_BYTES,
+    PULL,
+    PULL_CACHED,
+    PUSH,
+    Inbox,
+    Request,
+    nbytes,
+    p2p,
+    reply_tag,
+)
 from hpar.strategies.specs.servers_spec import INBOX_DEPTH
 from hpar.strategies.job.loop import clip_coefficient
 
@@ -46,26 +60,39 @@ class Server:
     host: context.peer_is_remote). It starts at step 0; :meth:`restore` moves it to a
     checkpoint's step."""
 
-    def __init__(self, cfg: RunConfig, tables: list[PSTable], model: torch.nn.Module, index: int,
-                 num_workers: int, is_remote: Callable[[int], bool] = lambda rank: False,
-                 schedule: ServerSchedule | None = None, group_of: dict[int, int] | None = None,
-                 group=None, emit: Callable[[str, dict], None] = lambda kind, payload: None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        tables: list[PSTable],
+        model: torch.nn.Module,
+        index: int,
+        num_workers: int,
+        is_remote: Callable[[int], bool] = lambda rank: False,
+        schedule: ServerSchedule | None = None,
+        group_of: dict[int, int] | None = None,
+        group=None,
+        emit: Callable[[str, dict], None] = lambda kind, payload: None,
+    ):
         self.cfg, self.tables, self.index, self.num_workers = cfg, {t.tid: t for t in tables}, index, num_workers
-        self.schedule, self.group_of = schedule, group_of or {}   # table id -> the user's param group
+        self.schedule, self.group_of = schedule, group_of or {}  # table id -> the user's param group
         params = dict(model.named_parameters())
-        shared = shared_parameters(model)   # a table's other names (tied weights), written with it
+        shared = shared_parameters(model)  # a table's other names (tied weights), written with it
         self.aliases = {t.name: [n for n in shared.get(t.name, []) if n != t.name] for t in tables}
         self.shards: dict[int, ParamShard] = {}
         for t in tables:
             rows = t.layout.server_rows(index)
-            if rows.numel():   # the model is dropped after this: its rows are taken, not copied again
+            if rows.numel():  # the model is dropped after this: its rows are taken, not copied again
                 view = table_view(params[t.name].detach())
-                self.shards[t.tid] = ParamShard(view if rows.numel() == view.shape[0] else view[rows], t.spec, copy=False)
-        self.applied = 0        # steps closed (every worker sent DONE)
+                self.shards[t.tid] = ParamShard(
+                    view if rows.numel() == view.shape[0] else view[rows], t.spec, copy=False
+                )
+        self.applied = 0  # steps closed (every worker sent DONE)
         self.table_step = {tid: 0 for tid in self.shards}  # steps applied, per table
         self.pushed = {tid: 0 for tid in self.shards}  # workers whose gradients are in, per table
         self.done: dict[int, int] = {}
-        self.pending: list[tuple[int, int, torch.Tensor | None, int, bool]] = []  # (src, table, local ids, step, cached)
+        self.pending: list[
+            tuple[int, int, torch.Tensor | None, int, bool]
+        ] = []  # (src, table, local ids, step, cached)
         # pushes of a step the table has not reached (tid, step, local ids, rows, count): a push goes to
         # every server holding rows of the table, also one whose rows the worker did not pull this
         # step; such an empty push has no answered pull before it, and can arrive while another
@@ -73,12 +100,12 @@ class Server:
         self.early: list[tuple[int, int, torch.Tensor | None, torch.Tensor, int, int]] = []
         self.bytes = ByteMeter()
         self.totals: dict[str, list[float]] = {}
-        self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}   # bytes since the last report
+        self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}  # bytes since the last report
         self.is_remote = is_remote
-        self.book = CacheBook(cfg.staleness) if cfg.staleness is not None else None   # the workers' caches
+        self.book = CacheBook(cfg.staleness) if cfg.staleness is not None else None  # the workers' caches
         for shard in self.shards.values() if self.book else ():
             shard.track_versions()
-        self.emit = emit   # (kind, payload): the process's report lines (workers/report.emit)
+        self.emit = emit  # (kind, payload): the process's report lines (workers/report.emit)
         self._isend = p2p(group)[0]
         self.inbox = Inbox(num_workers, INBOX_DEPTH, cfg.steps, group)
 
@@ -144,8 +171,9 @@ class Server:
             shard = self.shards[tid]
             specs[tid] = self.schedule.spec(self.group_of[tid], self.applied, shard.spec) if self.schedule else None
             grads[tid] = shard.mean_gradient(self.num_workers, specs[tid])
-        total = torch.tensor([sum(float(g[1].double().pow(2).sum()) for g in grads.values() if g is not None)],
-                             dtype=torch.float64)
+        total = torch.tensor(
+            [sum(float(g[1].double().pow(2).sum()) for g in grads.values() if g is not None)], dtype=torch.float64
+        )
         dist.all_reduce(total)
         coef = clip_coefficient(float(total), self.cfg.clip_grad_norm)
         for tid in open_tables:
@@ -162,7 +190,11 @@ class Server:
         (Pushes of a later step can already be complete with local aggregation, whose
         leader may push before its host's other worker's DONE arrives; they wait for the
         step to close, so a checkpoint never holds a table ahead of its step.)"""
-        if self.pushed[tid] == self.num_workers and self.table_step[tid] == self.applied and not self.cfg.clip_grad_norm:
+        if (
+            self.pushed[tid] == self.num_workers
+            and self.table_step[tid] == self.applied
+            and not self.cfg.clip_grad_norm
+        ):
             self._apply_table(tid)
 
     def _take_early(self) -> None:
@@ -199,7 +231,7 @@ class Server:
         self.applied += 1
         step = self.applied
         self._count_step(self.bytes.take(), self.bytes.take_remote())
-        memory.release_freed_memory_paced()   # the step's freed pushes back to the system (at most 1% of the time)
+        memory.release_freed_memory_paced()  # the step's freed pushes back to the system (at most 1% of the time)
         if step % self.cfg.log_every == 0 or step == self.cfg.steps:
             self._report(step)
         if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
@@ -220,18 +252,34 @@ class Server:
         """One ``metric`` line: bytes per step (sent, received, sent to other hosts, and by
         parameter), averaged over the steps closed since the previous report."""
         it, n = self.interval, max(self.interval["steps"], 1)
-        self.emit("metric", {"step": step, "server": self.index,
-                             "bytes_sent": sum(s for s, _ in it["by_param"].values()) / n,
-                               "bytes_recv": sum(r for _, r in it["by_param"].values()) / n,
-                               "bytes_sent_remote": it["remote"] / n,
-                               "by_param": {k: {"sent": s / n, "recv": r / n} for k, (s, r) in it["by_param"].items()}})
+        self.emit(
+            "metric",
+            {
+                "step": step,
+                "server": self.index,
+                "bytes_sent": sum(s for s, _ in it["by_param"].values()) / n,
+                "bytes_recv": sum(r for _, r in it["by_param"].values()) / n,
+                "bytes_sent_remote": it["remote"] / n,
+                "by_param": {k: {"sent": s / n, "recv": r / n} for k, (s, r) in it["by_param"].items()},
+            },
+        )
         self.interval = {"steps": 0, "remote": 0.0, "by_param": {}}
 
     def describe(self, req: Request) -> str:
         """What handling ``req`` is, for the launcher's phase deadline (strategies/common/activity.py)."""
-        what = {PULL: "pull", PULL_CACHED: "pull", CACHE: "cached rows", PUSH: "push", DONE: "end of step",
-                FINISH: "finish"}.get(req.op, f"request {req.op}")
-        table = f" of {self.tables[req.tid].name}" if req.op in (PULL, PULL_CACHED, CACHE, PUSH) and req.tid in self.tables else ""
+        what = {
+            PULL: "pull",
+            PULL_CACHED: "pull",
+            CACHE: "cached rows",
+            PUSH: "push",
+            DONE: "end of step",
+            FINISH: "finish",
+        }.get(req.op, f"request {req.op}")
+        table = (
+            f" of {self.tables[req.tid].name}"
+            if req.op in (PULL, PULL_CACHED, CACHE, PUSH) and req.tid in self.tables
+            else ""
+        )
         return f"handling worker {req.src}'s {what}{table} (step {req.step})"
 
     def serve(self) -> None:
@@ -257,7 +305,7 @@ class Server:
                 self._reply(req.src, tid, local, op == PULL_CACHED)
             else:
                 self.pending.append((req.src, tid, local, step, op == PULL_CACHED))
-        elif op == CACHE:   # a worker's cache epoch: the rows of this shard it caches from now on
+        elif op == CACHE:  # a worker's cache epoch: the rows of this shard it caches from now on
             self.book.announce(req.src, tid, self._local_ids(req))
         elif op == PUSH:
             local = self._local_ids(req)
@@ -266,7 +314,9 @@ class Server:
             if step > self.table_step[tid]:
                 self.early.append((tid, step, local, grads, req.count, req.src))
             else:
-                assert step == self.table_step[tid], f"push for step {step} while table {tid} is at {self.table_step[tid]}"
+                assert step == self.table_step[tid], (
+                    f"push for step {step} while table {tid} is at {self.table_step[tid]}"
+                )
                 self._add_push(tid, local, grads, req.count, req.src)
                 self._apply_if_complete(tid)
         elif op == DONE:

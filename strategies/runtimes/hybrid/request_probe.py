@@ -2,6 +2,7 @@
 and server (the hybrid spec's ``cluster_probe``, read into the cluster description where the
 processes share busy cores; strategies/plan/cluster.py).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -29,10 +30,20 @@ def probe_requests(steps: int = 150, rows: int = 64, dim: int = 16, rounds: int 
     from hpar.strategies.runtimes.hybrid.client import PSClient, ps_tables
     from hpar.strategies.runtimes.hybrid.ps_server import Server
     from hpar.strategies.specs.registry import HYBRID
+
     pgs, warm, threads = _loopback_pair(timeout_s), 20, torch.get_num_threads()
     total = warm + steps
-    cfg = RunConfig(script="<request probe>", strategy=HYBRID.name, world_size=1, steps=total, batch_size=rows,
-                    lr=0.1, seed=0, run_dir="", log_every=total)
+    cfg = RunConfig(
+        script="<request probe>",
+        strategy=HYBRID.name,
+        world_size=1,
+        steps=total,
+        batch_size=rows,
+        lr=0.1,
+        seed=0,
+        run_dir="",
+        log_every=total,
+    )
     per_request = []
     for _ in range(rounds):
         model = nn.Sequential(nn.Embedding(4 * rows, dim))
@@ -59,7 +70,8 @@ def probe_requests(steps: int = 150, rows: int = 64, dim: int = 16, rounds: int 
                 Server(cfg, tables, model, 0, 1, group=pg).serve()
             except Exception as exc:
                 out["error1"] = exc
-        torch.set_num_threads(1)   # as each process on busy cores has (an idle intra-op thread spins)
+
+        torch.set_num_threads(1)  # as each process on busy cores has (an idle intra-op thread spins)
         try:
             _in_threads([(worker, (pgs[0],)), (server, (pgs[1],))], timeout_s, out)
         finally:

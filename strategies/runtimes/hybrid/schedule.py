@@ -8,6 +8,7 @@ user's class with the same parameter groups and hyperparameters, each group hold
 (torch.optim.lr_scheduler), so the shadow's groups after t scheduler steps are the workers'
 (the learning rate, and whatever else a schedule moves, e.g. OneCycleLR's momentum / betas).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,10 +24,12 @@ class ServerSchedule:
         self.scheduler = None
         if job.scheduler_fn is None:
             return
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(1)]} for g in opt.param_groups]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(1)]} for g in opt.param_groups
+        ]
         self.shadow = type(opt)(groups)
         self.scheduler = job.build_scheduler(self.shadow)
-        self.groups: list[list[dict]] = []    # per step: every group's options (no params)
+        self.groups: list[list[dict]] = []  # per step: every group's options (no params)
 
     def spec(self, group: int, step: int, base: OptimizerSpec) -> OptimizerSpec | None:
         """The update rule of param group ``group`` (index into ``optimizer.param_groups``) for
@@ -36,7 +39,7 @@ class ServerSchedule:
             return None
         while len(self.groups) <= step:
             self.groups.append([{k: v for k, v in g.items() if k != "params"} for g in self.shadow.param_groups])
-            self.shadow.step()        # no gradients: changes nothing, but orders the step before the schedule's
+            self.shadow.step()  # no gradients: changes nothing, but orders the step before the schedule's
             self.scheduler.step()
         return spec_from_group(self.shadow, self.groups[step][group], base.mode)
 

@@ -26,6 +26,7 @@ AllReduce averages, so N workers equal one process on the concatenated batch). S
 A step with no push at all for a parameter leaves it and its state alone, like a dense
 optimizer skipping a parameter whose ``grad`` is None.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ class RowLayout:
         p = torch.arange(self.num_partitions + 1, dtype=torch.int64)
         object.__setattr__(self, "_bounds", p * self.num_rows // self.num_partitions)
         object.__setattr__(self, "_owners", self._server_of_partition(p[:-1]))
-        object.__setattr__(self, "_shifts", {})   # server -> local row id minus global, per partition
+        object.__setattr__(self, "_shifts", {})  # server -> local row id minus global, per partition
 
     @staticmethod
     def make(num_rows: int, partitions: int, num_servers: int, first_server: int = 0) -> "RowLayout":
@@ -113,15 +114,15 @@ class ParamShard:
 
     def __init__(self, weight: torch.Tensor, spec: OptimizerSpec, copy: bool = True):
         assert weight.dim() == 2
-        self.weight = weight.detach().clone() if copy else weight.detach()   # copy=False: the caller hands it over
+        self.weight = weight.detach().clone() if copy else weight.detach()  # copy=False: the caller hands it over
         self.spec = spec
         self.step = 0
         self.state: dict[str, torch.Tensor] = {}
         self._ids: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
-        self._senders: list[int] = []   # the rank of each push's worker, ascending (add_grad)
+        self._senders: list[int] = []  # the rank of each push's worker, ascending (add_grad)
         self._pushed = False
-        self.versions: torch.Tensor | None = None   # per-row update counts, for the workers' caches
+        self.versions: torch.Tensor | None = None  # per-row update counts, for the workers' caches
 
     def track_versions(self) -> None:
         """Count the updates of each row from now on (``versions``, int64 per row: the clocks
@@ -144,7 +145,7 @@ class ParamShard:
         if local_ids is None:
             local_ids = torch.arange(self.weight.shape[0])
         if local_ids.numel():
-            at = sum(1 for s in self._senders if s <= sender)   # stable: equal senders keep arrival order
+            at = sum(1 for s in self._senders if s <= sender)  # stable: equal senders keep arrival order
             self._senders.insert(at, sender)
             self._ids.insert(at, local_ids)
             self._grads.insert(at, grad.reshape(local_ids.numel(), -1))
@@ -156,22 +157,24 @@ class ParamShard:
         spec = spec or self.spec
         self.apply_gradient(self.mean_gradient(num_workers, spec), spec)
 
-    def apply_gradient(self, gradient: tuple[torch.Tensor | None, torch.Tensor] | None,
-                       spec: OptimizerSpec | None = None) -> None:
+    def apply_gradient(
+        self, gradient: tuple[torch.Tensor | None, torch.Tensor] | None, spec: OptimizerSpec | None = None
+    ) -> None:
         """Apply ``gradient`` (from :meth:`mean_gradient`, possibly scaled by a clipping
         coefficient) under ``spec``; None (no push this step) leaves the shard alone."""
         if gradient is None:
             return
         self.step += 1
         self._update(gradient[0], gradient[1], spec or self.spec)
-        if self.versions is not None:   # the rows this update wrote: the touched ones, or every row
+        if self.versions is not None:  # the rows this update wrote: the touched ones, or every row
             if gradient[0] is None:
                 self.versions += 1
             else:
                 self.versions[gradient[0]] += 1
 
-    def mean_gradient(self, num_workers: int, spec: OptimizerSpec | None = None
-                      ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    def mean_gradient(
+        self, num_workers: int, spec: OptimizerSpec | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """This step's gradient, the pushes summed and divided by ``num_workers``: ``(local
         rows (k,), (k, dim))`` when touched rows suffice for ``spec``'s update, else ``(None,
         (local_rows, dim))`` for every row; None when no worker pushed. Clears the pushes."""
@@ -187,8 +190,8 @@ class ParamShard:
             rows, inverse = torch.unique(ids, return_inverse=True)
             g = self.weight.new_zeros(rows.numel(), dim)
             start = 0
-            for grads in grads_list:   # sum the pushes without concatenating them first
-                g.index_add_(0, inverse[start:start + grads.shape[0]], grads)
+            for grads in grads_list:  # sum the pushes without concatenating them first
+                g.index_add_(0, inverse[start : start + grads.shape[0]], grads)
                 start += grads.shape[0]
         else:
             rows = None
@@ -220,18 +223,51 @@ class ParamShard:
         fused = p.device.type == "cpu" and p.dtype == torch.float32
         if s.kind == "sgd":
             buf = [state("momentum_buffer") if "momentum_buffer" in self.state else None]
-            sgd.sgd([p], [g], buf, weight_decay=s.weight_decay, momentum=s.momentum, lr=s.lr,
-                    dampening=s.dampening, nesterov=s.nesterov, maximize=False)
-            if s.momentum and "momentum_buffer" not in self.state:   # created by the first step
+            sgd.sgd(
+                [p],
+                [g],
+                buf,
+                weight_decay=s.weight_decay,
+                momentum=s.momentum,
+                lr=s.lr,
+                dampening=s.dampening,
+                nesterov=s.nesterov,
+                maximize=False,
+            )
+            if s.momentum and "momentum_buffer" not in self.state:  # created by the first step
                 full = self._state("momentum_buffer")
                 picked["momentum_buffer"] = buf[0] if rows is not None else full.copy_(buf[0])
         elif s.kind == "adagrad":
-            adagrad.adagrad([p], [g], [state("sum", s.initial_accumulator_value)], [step_t], fused=fused,
-                            lr=s.lr, weight_decay=s.weight_decay, lr_decay=s.lr_decay, eps=s.eps, maximize=False)
+            adagrad.adagrad(
+                [p],
+                [g],
+                [state("sum", s.initial_accumulator_value)],
+                [step_t],
+                fused=fused,
+                lr=s.lr,
+                weight_decay=s.weight_decay,
+                lr_decay=s.lr_decay,
+                eps=s.eps,
+                maximize=False,
+            )
         else:
-            adam.adam([p], [g], [state("exp_avg")], [state("exp_avg_sq")], [], [step_t], fused=fused,
-                      decoupled_weight_decay=s.decoupled_weight_decay, amsgrad=False, beta1=s.betas[0],
-                      beta2=s.betas[1], lr=s.lr, weight_decay=s.weight_decay, eps=s.eps, maximize=False)
+            adam.adam(
+                [p],
+                [g],
+                [state("exp_avg")],
+                [state("exp_avg_sq")],
+                [],
+                [step_t],
+                fused=fused,
+                decoupled_weight_decay=s.decoupled_weight_decay,
+                amsgrad=False,
+                beta1=s.betas[0],
+                beta2=s.betas[1],
+                lr=s.lr,
+                weight_decay=s.weight_decay,
+                eps=s.eps,
+                maximize=False,
+            )
         if rows is not None:
             self.weight.index_copy_(0, rows, p)
             for key, value in picked.items():
@@ -239,14 +275,19 @@ class ParamShard:
 
     def state_dict(self) -> dict:
         """Weight, step and optimizer state (for checkpoints)."""
-        return {"weight": self.weight.clone(), "step": self.step,
-                "state": {k: v.clone() for k, v in self.state.items()}}
+        return {
+            "weight": self.weight.clone(),
+            "step": self.step,
+            "state": {k: v.clone() for k, v in self.state.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output; raises ValueError on a shape mismatch."""
         if tuple(state["weight"].shape) != tuple(self.weight.shape):
-            raise ValueError(f"checkpoint shard has shape {tuple(state['weight'].shape)}, expected "
-                             f"{tuple(self.weight.shape)}; resume with the same --servers and plan")
+            raise ValueError(
+                f"checkpoint shard has shape {tuple(state['weight'].shape)}, expected "
+                f"{tuple(self.weight.shape)}; resume with the same --servers and plan"
+            )
         self.weight.copy_(state["weight"])
         self.step = int(state["step"])
         self.state = {k: v.clone() for k, v in state["state"].items()}

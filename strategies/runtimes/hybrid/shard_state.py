@@ -17,6 +17,7 @@ whole table.
 (``_init_from_local_shards_and_global_metadata``), which every server can compute from the
 layout: no collective among servers and workers is needed to describe a table.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,9 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 SLOTS = {"sgd": ("momentum_buffer",), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
 
 
-def row_sharded(shape: tuple[int, ...], layout, server: int, local: torch.Tensor, pg_rank_of) -> ShardedTensor | torch.Tensor:
+def row_sharded(
+    shape: tuple[int, ...], layout, server: int, local: torch.Tensor, pg_rank_of
+) -> ShardedTensor | torch.Tensor:
     """``local`` (this server's rows of the table view, ``(local_rows, dim)``, in layout order)
     as a ShardedTensor of the parameter's ``shape``, its shards being views of ``local`` (a
     load fills ``local`` in place). ``pg_rank_of(server)``: that server's default-group rank.
@@ -39,25 +42,39 @@ def row_sharded(shape: tuple[int, ...], layout, server: int, local: torch.Tensor
         return local.view(())
     bounds = layout.bounds().tolist()
     rest = list(shape[1:])
-    me = torch.distributed.get_rank()   # this server's default-group rank (pg_rank_of(server) in a run)
+    me = torch.distributed.get_rank()  # this server's default-group rank (pg_rank_of(server) in a run)
     metas, shards, offset = [], [], 0
     for p in range(layout.num_partitions):
         a, b = bounds[p], bounds[p + 1]
         owner = int(layout._server_of_partition(torch.tensor(p)))
-        meta = ShardMetadata([a] + [0] * len(rest), [b - a] + rest, f"rank:{me if owner == server else pg_rank_of(owner)}/cpu")
+        meta = ShardMetadata(
+            [a] + [0] * len(rest), [b - a] + rest, f"rank:{me if owner == server else pg_rank_of(owner)}/cpu"
+        )
         metas.append(meta)
         if owner == server:
-            shards.append(Shard(local[offset:offset + b - a].view(b - a, *rest), meta))
+            shards.append(Shard(local[offset : offset + b - a].view(b - a, *rest), meta))
             offset += b - a
     assert offset == local.shape[0], (offset, local.shape)
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format,
-                             pin_memory=False)
+    props = TensorProperties(
+        dtype=local.dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, ShardedTensorMetadata(metas, torch.Size(shape), props), process_group=None)
+        shards, ShardedTensorMetadata(metas, torch.Size(shape), props), process_group=None
+    )
 
 
-def server_entries(tables: dict, shards: dict, server: int, pg_rank_of, keys: set[str] | None = None,
-                   aliases: dict[str, list[str]] | None = None) -> dict:
+def server_entries(
+    tables: dict,
+    shards: dict,
+    server: int,
+    pg_rank_of,
+    keys: set[str] | None = None,
+    aliases: dict[str, list[str]] | None = None,
+) -> dict:
     """This server's tables and optimizer slots in the checkpoint namespace. ``keys``: for a
     load, the checkpoint's keys (a slot is asked for only where it was saved, and a slot the
     shard has not made yet is made, zero, to be filled). ``aliases``: a table's other names in

@@ -20,6 +20,7 @@ The worker can post the answer's receive before it sends the request (the wire's
 handshake), because both ends know its size: the rows asked for and ceil(m / 8) bytes for the
 worker's m cached rows on this server.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,7 +56,9 @@ class CacheBook:
     def __init__(self, staleness: int):
         assert staleness >= 0
         self.staleness = staleness
-        self.held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}   # (worker, table) -> (local ids, sent at)
+        self.held: dict[
+            tuple[int, int], tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # (worker, table) -> (local ids, sent at)
 
     def announce(self, worker: int, tid: int, local: torch.Tensor) -> None:
         """Worker ``worker`` caches rows ``local`` (this server's local ids, ascending) of table

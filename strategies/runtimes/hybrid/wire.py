@@ -23,6 +23,7 @@ to ``INBOX_DEPTH`` receives posted for each worker, each naming its sender (:cla
 with one receive from any sender, the requests of different workers crossed the links into a
 server one at a time, each after a round trip (BENCHMARKS.md, section 14).
 """
+
 from __future__ import annotations
 
 import queue
@@ -34,11 +35,14 @@ import torch.distributed as dist
 from hpar.strategies.specs.servers_spec import INLINE_MAX
 
 PULL, PUSH, DONE, FINISH = 1, 2, 3, 4
-PULL_CACHED, CACHE = 5, 6   # the hot-row cache's (strategies/runtimes/hybrid/cache_client.py): a pull answered with bits, the rows cached
+PULL_CACHED, CACHE = (
+    5,
+    6,
+)  # the hot-row cache's (strategies/runtimes/hybrid/cache_client.py): a pull answered with bits, the rows cached
 TAG_REQUEST, TAG_DATA, TAG_REPLY = 11, 12, 1000
 HEADER_FIELDS = 6
 HEADER_BYTES = HEADER_FIELDS * 8
-CONTROL = "_control"      # byte-count key of DONE/FINISH messages
+CONTROL = "_control"  # byte-count key of DONE/FINISH messages
 
 
 def p2p(group=None):
@@ -60,8 +64,15 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def encode(op: int, tid: int, n: int, step: int, count: int = 1,
-           payload: tuple[torch.Tensor, ...] = (), inline_max: int = INLINE_MAX) -> tuple[torch.Tensor, list]:
+def encode(
+    op: int,
+    tid: int,
+    n: int,
+    step: int,
+    count: int = 1,
+    payload: tuple[torch.Tensor, ...] = (),
+    inline_max: int = INLINE_MAX,
+) -> tuple[torch.Tensor, list]:
     """``(request message, separate payloads)``: the payload tensors (ids, then rows) are
     copied behind the header when their total is at most ``inline_max`` bytes (separate
     payloads ``[]``); otherwise the message is the header alone and the tensors follow."""
@@ -74,7 +85,7 @@ def encode(op: int, tid: int, n: int, step: int, count: int = 1,
     offset = HEADER_BYTES
     for t in payload:
         b = nbytes(t)
-        msg[offset:offset + b].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        msg[offset : offset + b].copy_(t.contiguous().reshape(-1).view(torch.uint8))
         offset += b
     return msg, []
 
@@ -82,6 +93,7 @@ def encode(op: int, tid: int, n: int, step: int, count: int = 1,
 @dataclass(frozen=True)
 class Request:
     """A decoded request header; ``src`` is the sender's default-group rank."""
+
     src: int
     op: int
     tid: int
@@ -119,12 +131,14 @@ class Inbox:
         self._irecv = p2p(group)[1]
         self._depth = depth
         self._steps = steps
-        self._owed = [1] * workers      # messages each worker still sends for sure: its FINISH at least
-        self._posted = [0] * workers    # receives posted per worker and not yet taken
-        self._arrived: queue.SimpleQueue = queue.SimpleQueue()   # (sender, buffer, error) in arrival order
-        self._to_wait = [queue.SimpleQueue() for _ in range(workers)]   # per worker: (buffer, Work), None to end
-        self._threads = [threading.Thread(target=self._wait_loop, args=(src,), name=f"hpar-inbox-{src}", daemon=True)
-                         for src in range(workers)]
+        self._owed = [1] * workers  # messages each worker still sends for sure: its FINISH at least
+        self._posted = [0] * workers  # receives posted per worker and not yet taken
+        self._arrived: queue.SimpleQueue = queue.SimpleQueue()  # (sender, buffer, error) in arrival order
+        self._to_wait = [queue.SimpleQueue() for _ in range(workers)]  # per worker: (buffer, Work), None to end
+        self._threads = [
+            threading.Thread(target=self._wait_loop, args=(src,), name=f"hpar-inbox-{src}", daemon=True)
+            for src in range(workers)
+        ]
         for thread in self._threads:
             thread.start()
         self._spare: list[torch.Tensor] = []
@@ -138,7 +152,7 @@ class Inbox:
             buf, work = item
             try:
                 work.wait()
-            except Exception as exc:   # raised in the server's thread by next()
+            except Exception as exc:  # raised in the server's thread by next()
                 self._arrived.put((src, buf, exc))
                 return
             self._arrived.put((src, buf, None))
@@ -157,7 +171,7 @@ class Inbox:
     def next(self) -> Request:
         """Block until the next request from any worker arrives; returns its header. Raises
         the receive's error (a worker's connection lost) as gloo raised it."""
-        if self.buf is not None:   # the last request's payload was taken: its buffer is free
+        if self.buf is not None:  # the last request's payload was taken: its buffer is free
             self._spare.append(self.buf)
         for src, owed in enumerate(self._owed):
             while self._posted[src] < min(self._depth, owed):
@@ -175,7 +189,7 @@ class Inbox:
             self._owed[src] = 0
             self._to_wait[src].put(None)
         elif op == DONE and self._steps is not None:
-            self._owed[src] = self._steps - step   # the DONEs of steps step+1 .. steps-1, then FINISH
+            self._owed[src] = self._steps - step  # the DONEs of steps step+1 .. steps-1, then FINISH
         return Request(src, op, tid, n, step, count, bool(inline))
 
     def take(self, req: Request, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -184,7 +198,7 @@ class Inbox:
         out = torch.empty(shape, dtype=dtype)
         size = nbytes(out)
         if req.inline:
-            out.reshape(-1).view(torch.uint8).copy_(self.buf[self._offset:self._offset + size])
+            out.reshape(-1).view(torch.uint8).copy_(self.buf[self._offset : self._offset + size])
             self._offset += size
         elif size:
             self._irecv(out, req.src, TAG_DATA).wait()

@@ -2,6 +2,7 @@
 the collectives it shares with the servers: the worker's parts (model, served tables, process
 groups, PS client, dense optimizer), the DDP hook that averages dense gradients over the worker
 group, ``--clip-grad-norm`` by the norm that spans the servers, and when rows are pulled ahead."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -21,6 +22,7 @@ class WorkerParts(NamedTuple):
     process groups, the PS client, the step clock, the served embeddings, the (table,
     parameter) pairs pulled whole each step, the dense parameters and their optimizer (None
     when every parameter is on the servers)."""
+
     outer: torch.nn.Module
     model: torch.nn.Module
     tables: list
@@ -65,5 +67,9 @@ def pull_ahead(cfg, step: int, caches=None) -> bool:
     evaluation (its answers would share the reply tags), not for a step that starts a hot-row
     cache epoch (its pulls follow the epoch's CACHE requests), and not with ``pull_ahead``
     False in the plan (``"pull_ahead": false`` in a plan file, for A/B measurements)."""
-    return (step < cfg.steps and not evaluate_now(cfg, step) and cfg.plan.pull_ahead
-            and not (caches and caches.boundary(step)))
+    return (
+        step < cfg.steps
+        and not evaluate_now(cfg, step)
+        and cfg.plan.pull_ahead
+        and not (caches and caches.boundary(step))
+    )

@@ -7,6 +7,7 @@ and the worker's RNG state (strategies/state/state.py); a tied alias of a served
 the servers' to write (:func:`served_names`); with hot-row caches the next epoch's cached rows
 too (strategies/runtimes/hybrid/cache_client.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,10 +35,24 @@ def save(ctx: WorkerContext, step: int, model, opt, tools, ps_names: set[str], c
     cached rows; ``--compress powersgd``'s state, strategies/runtimes/dataparallel/compress_hooks.py) in
     checkpoint ``step``, with the servers' (strategies/state/state.py); a collective over
     the default group."""
-    run_state.save(ctx.cfg.run_dir, step, {**run_state.process_entries(
-        model, opt, tools if opt else None, ctx.device, f"worker{ctx.rank}", "workers", served_names(model, ps_names)),
-        **(caches.entries() if caches else {}), **(compressor.entries() if compressor else {})},
-        keep=ctx.cfg.keep_checkpoints)
+    run_state.save(
+        ctx.cfg.run_dir,
+        step,
+        {
+            **run_state.process_entries(
+                model,
+                opt,
+                tools if opt else None,
+                ctx.device,
+                f"worker{ctx.rank}",
+                "workers",
+                served_names(model, ps_names),
+            ),
+            **(caches.entries() if caches else {}),
+            **(compressor.entries() if compressor else {}),
+        },
+        keep=ctx.cfg.keep_checkpoints,
+    )
 
 
 def resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str], caches, compressor=None) -> int:
@@ -47,8 +62,17 @@ def resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str], caches, co
     step = checkpoint.latest_step(ctx.cfg.run_dir) if ctx.cfg.resume else None
     if step is None:
         return 0
-    run_state.restore_process(ctx.cfg.run_dir, step, model, opt, tools if opt else None, ctx.device,
-                              f"worker{ctx.rank}", "workers", served_names(model, ps_names))
+    run_state.restore_process(
+        ctx.cfg.run_dir,
+        step,
+        model,
+        opt,
+        tools if opt else None,
+        ctx.device,
+        f"worker{ctx.rank}",
+        "workers",
+        served_names(model, ps_names),
+    )
     if caches:
         caches.restore(checkpoint.step_dir(ctx.cfg.run_dir, step))
     if compressor:
@@ -56,8 +80,7 @@ def resume(ctx: WorkerContext, model, opt, tools, ps_names: set[str], caches, co
     return step
 
 
-def model_copy(outer, client: PSClient, whole, clock: embedding.StepClock, step: int,
-               served=()) -> torch.nn.Module:
+def model_copy(outer, client: PSClient, whole, clock: embedding.StepClock, step: int, served=()) -> torch.nn.Module:
     """Worker rank 0, for evaluate() (``--eval-every`` and the final one): a CPU copy of the
     model as ``model()`` returns it, at the start of ``step``: the dense parameters and buffers
     from this worker, the tables kept whole (``whole``: (table, parameter) pairs) pulled now,
@@ -79,7 +102,7 @@ def model_copy(outer, client: PSClient, whole, clock: embedding.StepClock, step:
         for item in served:
             name = item.table.name
             module = modules[name[: -len(".weight")] if name.endswith(".weight") else ""]
-            module.__dict__.pop("forward", None)   # the class's own forward, over the whole table
+            module.__dict__.pop("forward", None)  # the class's own forward, over the whole table
             module.weight.data = client.pull(item.table, None, step).reshape(item.table.shape)
     clock.step = step
     return copy

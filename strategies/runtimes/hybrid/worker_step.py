@@ -23,6 +23,7 @@ Its checkpoint comes before its evaluation on the same step (``checkpoint_first`
 servers wait in the checkpoint's commit barrier, where they could not answer the evaluation's
 pulls of served rows; after every step the evaluation's bytes are forgotten (``after_step``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,7 +45,12 @@ from hpar.strategies.runtimes.dataparallel.compress_hooks import Compressor
 from hpar.strategies.runtimes.dataparallel import sync_batchnorm
 from hpar.strategies.runtimes.hybrid import ahead, build, embedding, fp16, worker_state
 from hpar.strategies.runtimes.hybrid.client import LocalAggregator
-from hpar.strategies.runtimes.hybrid.worker_parts import WorkerParts, clip_with_servers, group_allreduce_hook, pull_ahead
+from hpar.strategies.runtimes.hybrid.worker_parts import (
+    WorkerParts,
+    clip_with_servers,
+    group_allreduce_hook,
+    pull_ahead,
+)
 from hpar.strategies.job.forward import call_model
 from hpar.strategies.state import state as run_state
 
@@ -61,46 +67,60 @@ class HybridStep(TrainStep):
         self.parts, self.client, self.clock, self.served = parts, parts.client, parts.clock, parts.served
         self.opt, self.caches, self.loss_groups = parts.opt, parts.client.caches, parts.groups.workers
         self.ps_names = {t.name for t in parts.tables}
-        self.tools = step_tools(ctx.cfg, ctx.job, parts.opt, ctx.device)   # the servers replay the schedule (hybrid/schedule.py)
+        self.tools = step_tools(
+            ctx.cfg, ctx.job, parts.opt, ctx.device
+        )  # the servers replay the schedule (hybrid/schedule.py)
         self.pending, self.count, self.copies = [], 1, []
         self.held = [] if ctx.cfg.precision == "fp16" else None
         self.scaled_opt = (parts.opt or fp16.placeholder_optimizer(ctx.device)) if self.held is not None else None
         self.totals, self.steps_done, self.eval_last = {}, 0, None
-        self.compressor = Compressor(ctx.cfg.compress, ctx.cfg.steps, ctx.rank)   # --compress: the dense part's hook
+        self.compressor = Compressor(ctx.cfg.compress, ctx.cfg.steps, ctx.rank)  # --compress: the dense part's hook
 
     def resume(self) -> int:
-        return worker_state.resume(self.ctx, self.parts.model, self.opt, self.tools, self.ps_names, self.caches,
-                                   self.compressor)
+        return worker_state.resume(
+            self.ctx, self.parts.model, self.opt, self.tools, self.ps_names, self.caches, self.compressor
+        )
 
     def model_copy(self, steps_done: int) -> torch.nn.Module:
         p = self.parts
-        with sync_batchnorm.plain_batchnorm(p.model):   # worker 0 evaluates it alone
+        with sync_batchnorm.plain_batchnorm(p.model):  # worker 0 evaluates it alone
             return worker_state.model_copy(p.outer, self.client, p.whole, self.clock, steps_done, self.served)
 
     def begin(self) -> None:
         ctx, cfg, p = self.ctx, self.cfg, self.parts
-        if ctx.rank == 0 and cfg.eval and not cfg.resume and ctx.event is not None:   # the served rows on demand, at step 0
-            ctx.event({"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
+        if (
+            ctx.rank == 0 and cfg.eval and not cfg.resume and ctx.event is not None
+        ):  # the served rows on demand, at step 0
+            ctx.event({"kind": "phase", "phase": "evaluate"})  # not a stall (launcher/run/health.py)
             # evaluate()'s own peak is not training's (as workers/worker.py runs the other runtimes' first one)
-            with memory.outside_window(), torch.random.fork_rng(devices=[]), activity.doing("in evaluate() before training"):
+            with (
+                memory.outside_window(),
+                torch.random.fork_rng(devices=[]),
+                activity.doing("in evaluate() before training"),
+            ):
                 ctx.event({"kind": "first_eval", "eval": self.job.run_evaluate(self.model_copy(0))})
             worker_state.done_evaluating(self.client)
             ctx.event({"kind": "phase", "phase": "train"})
         groups = p.groups
-        self.local = LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, self.client.bytes) if groups.host else None
+        self.local = (
+            LocalAggregator(groups.host, list(groups.host_ranks), ctx.rank, self.client.bytes) if groups.host else None
+        )
         self.net = p.outer
         if p.dense:
-            if cfg.sync_batchnorm:   # --sync-batchnorm: before DDP wraps the dense part
+            if cfg.sync_batchnorm:  # --sync-batchnorm: before DDP wraps the dense part
                 sync_batchnorm.convert(p.model, groups.workers.dense, ctx.device)
             self.net = wrap(p.outer, groups.workers.dense, ctx.device, cfg.find_unused_parameters, ignore=self.ps_names)
             ring_remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
-            self.compressor.attach(self.net, (self.client.bytes, ctx.world_size, groups.workers.dense, ring_remote),
-                                   group_allreduce_hook)
+            self.compressor.attach(
+                self.net, (self.client.bytes, ctx.world_size, groups.workers.dense, ring_remote), group_allreduce_hook
+            )
         drawn = self.job.batches(ctx.rank, ctx.world_size, cfg.batch_size)
         # past the batches trained on before the checkpoint (the same data as an uninterrupted run)
-        first = [first_batch(lambda i: next(drawn), ctx.start_step * cfg.accumulate)] if ctx.start_step < cfg.steps else []
+        first = (
+            [first_batch(lambda i: next(drawn), ctx.start_step * cfg.accumulate)] if ctx.start_step < cfg.steps else []
+        )
         if first:
-            check_first_batch(ctx, first[0][0], groups.workers.control)   # equal sizes on every worker, before any step
+            check_first_batch(ctx, first[0][0], groups.workers.control)  # equal sizes on every worker, before any step
         self.batches = ahead.PullAhead(self.served, self.client, itertools.chain(first, drawn))
         # without local aggregation (a collective), tables are pushed from inside backward
         self.clock.on_gradients = self._push if self.local is None and self.held is None else None
@@ -123,10 +143,10 @@ class HybridStep(TrainStep):
         grads = item.host_gradients()
         if grads is not None:
             self.copies.append((item.table, grads))
-        elif self.caches is not None:   # no gradient this step, but held ones may be due
+        elif self.caches is not None:  # no gradient this step, but held ones may be due
             self._send(item.table, self._outgoing(item.table, None), self.count)
         self._send_copied(wait=False)
-        self.batches.send()   # once this step's last table is pushed: the next step's rows
+        self.batches.send()  # once this step's last table is pushed: the next step's rows
 
     def _send_copied(self, wait: bool) -> None:
         while self.copies and (wait or self.copies[0][1].ready()):
@@ -139,7 +159,7 @@ class HybridStep(TrainStep):
         cfg, client, clock = self.cfg, self.client, self.clock
         clock.step = step
         if self.caches is not None:
-            self.pending += self.caches.begin(step)   # a cache epoch starts: the servers hear its rows first
+            self.pending += self.caches.begin(step)  # a cache epoch starts: the servers hear its rows first
         for t, p in self.parts.whole:
             p.data.copy_(to_device(client.pull(t, None, step).reshape(p.shape), p.device))
             p.grad = None
@@ -156,16 +176,24 @@ class HybridStep(TrainStep):
         skipped, lr = self._update(step)
         push_s += time.perf_counter() - t_push
         remote = client.bytes.take_remote()
-        by_name = client.bytes.take()     # the PS tables' bytes and, under DENSE, the AllReduce's
+        by_name = client.bytes.take()  # the PS tables' bytes and, under DENSE, the AllReduce's
         for k, (s, r) in by_name.items():
             acc = self.totals.setdefault(k, [0.0, 0.0])
             acc[0] += s
             acc[1] += r
         self.steps_done += 1
         logged = self.job.run_log(step + 1, output, targets) if self.ctx.rank == 0 else {}
-        out = StepOutcome(step_loss, sum(s for s, _ in by_name.values()), sum(r for _, r in by_name.values()),
-                          sent_remote=remote, logged=logged, lr=lr, stepped=not skipped, samples=samples,
-                          extra={"pull_s": client.pull_s, "push_s": push_s})
+        out = StepOutcome(
+            step_loss,
+            sum(s for s, _ in by_name.values()),
+            sum(r for _, r in by_name.values()),
+            sent_remote=remote,
+            logged=logged,
+            lr=lr,
+            stepped=not skipped,
+            samples=samples,
+            extra={"pull_s": client.pull_s, "push_s": push_s},
+        )
         client.pull_s = 0.0
         return out
 
@@ -176,15 +204,18 @@ class HybridStep(TrainStep):
         samples = batch_samples(inputs)
         host_inputs = inputs
         inputs, targets = move_to(inputs, self.ctx.device), move_to(targets, self.ctx.device)
-        clock.set_batch(host_inputs, inputs)     # ids are read on the host, never copied back
+        clock.set_batch(host_inputs, inputs)  # ids are read on the host, never copied back
         ahead.prefetch(self.served, self.client, clock)
-        with (contextlib.nullcontext() if final or net is outer else net.no_sync()):
-            with self.tools.autocast(), (unused_error_named(net, self.ctx.event) if net is not outer else contextlib.nullcontext()):
+        with contextlib.nullcontext() if final or net is outer else net.no_sync():
+            with (
+                self.tools.autocast(),
+                unused_error_named(net, self.ctx.event) if net is not outer else contextlib.nullcontext(),
+            ):
                 output = call_model(net, inputs)
                 loss = self.job.compute_loss(output, targets) / cfg.accumulate
             if final and clock.on_gradients is not None and pull_ahead(cfg, step + 1, self.caches):
                 self.batches.plan(step + 1)
-            self.tools.backward(loss)   # scaled under fp16
+            self.tools.backward(loss)  # scaled under fp16
         return loss.item(), samples, output, targets
 
     def _push_rows(self) -> float:
@@ -192,8 +223,11 @@ class HybridStep(TrainStep):
         t_push, local = time.perf_counter(), self.local
         for item in self.served:
             if local is not None:
-                self._send(item.table, local.reduce(item.table, self._outgoing(item.table, item.gradients())),
-                           len(local.ranks) * self.count)
+                self._send(
+                    item.table,
+                    local.reduce(item.table, self._outgoing(item.table, item.gradients())),
+                    len(local.ranks) * self.count,
+                )
             elif not item.pushed:
                 self._push(item)
             item.clear()
@@ -209,21 +243,24 @@ class HybridStep(TrainStep):
         for t, p in self.parts.whole:
             if p.grad is not None:
                 self._send(t, (None, p.grad.detach().to("cpu").reshape(t.rows, t.dim)), 1)
-        skipped = held is not None and fp16.unscale_and_agree(tools.scaler, self.scaled_opt, [g for _, (_, g), _ in held],
-                                                               self.parts.groups.workers.control)
-        for table, (ids, g), count in ([] if skipped else held or []):   # a skipped step pushes nothing
+        skipped = held is not None and fp16.unscale_and_agree(
+            tools.scaler, self.scaled_opt, [g for _, (_, g), _ in held], self.parts.groups.workers.control
+        )
+        for table, (ids, g), count in [] if skipped else held or []:  # a skipped step pushes nothing
             self.pending += client.push(table, ids, g, step, count=count)
         if held:
             held.clear()
         if self.caches is not None:
             self.caches.end_step(step)
         self.pending += client.done(step)
-        if self.cfg.clip_grad_norm:   # the global norm spans the servers' rows: see strategies/runtimes/hybrid/ps_server.py
+        if (
+            self.cfg.clip_grad_norm
+        ):  # the global norm spans the servers' rows: see strategies/runtimes/hybrid/ps_server.py
             clip_with_servers(self.ctx, self.parts.dense)
         lr = tools.lr(opt) if opt is not None else None
         if opt is not None:  # the dense update runs while the pushes are on the wire
             tools.step(opt, lambda: self.parts.dense, clip=False)
-        elif self.scaled_opt is not None:   # ps under fp16: the scaler's update, on every worker alike
+        elif self.scaled_opt is not None:  # ps under fp16: the scaler's update, on every worker alike
             tools.step(self.scaled_opt, lambda: [], clip=False)
         for work in self.pending:
             work.wait()
@@ -233,25 +270,28 @@ class HybridStep(TrainStep):
     # -- around the steps --------------------------------------------------------------------
 
     def save(self, steps_done: int) -> None:
-        worker_state.save(self.ctx, steps_done, self.parts.model, self.opt, self.tools, self.ps_names, self.caches,
-                          self.compressor)
+        worker_state.save(
+            self.ctx, steps_done, self.parts.model, self.opt, self.tools, self.ps_names, self.caches, self.compressor
+        )
 
     def after_step(self, steps_done: int) -> None:
         worker_state.done_evaluating(self.client)
 
     def write_final(self) -> None:
         ctx, p = self.ctx, self.parts
-        if ctx.rank == 0:   # while the servers still answer: evaluate() reads served rows on demand
+        if ctx.rank == 0:  # while the servers still answer: evaluate() reads served rows on demand
             if ctx.event is not None:
-                ctx.event({"kind": "phase", "phase": "evaluate"})   # not a stall (launcher/run/health.py)
+                ctx.event({"kind": "phase", "phase": "evaluate"})  # not a stall (launcher/run/health.py)
             with activity.doing("in evaluate() after the last step"):
                 self.eval_last = self.job.run_evaluate(self.model_copy(self.cfg.steps)) if self.cfg.eval else {}
             worker_state.done_evaluating(self.client)
         self.client.finish()
         # the dense part where it lives (every worker holds it: DCP writes one copy); the servers write the tables
         on_servers = worker_state.served_names(p.model, self.ps_names)
-        run_state.write_final(self.cfg.run_dir, {k: v for k, v in run_state.model_entries(p.model).items()
-                                                 if k[len("model."):] not in on_servers})
+        run_state.write_final(
+            self.cfg.run_dir,
+            {k: v for k, v in run_state.model_entries(p.model).items() if k[len("model.") :] not in on_servers},
+        )
         embedding.detach(self.served)
 
     def result(self, meter: StepMeter) -> TrainResult:
@@ -260,10 +300,17 @@ class HybridStep(TrainStep):
         peaks = [p for (p,) in all_gather_ints([build.peak_rss_bytes()], group=self.loss_groups.control)]
         n = max(self.steps_done, 1)
         by_param = {k: {"sent": v[0] / n, "recv": v[1] / n} for k, v in sorted(self.totals.items())}
-        result = meter.result(None, replicas=self.ctx.world_size,
-                              extra={"by_param": by_param, "servers": cfg.servers or 1, "worker_peak_rss_bytes": peaks,
-                                     "ps_params": sorted(self.ps_names), "pulls_ahead": self.batches.sent,
-                                     **({"cache": caches.summary((cfg.plan.cache or {}).get(
-                                         "predicted_hit_rate"))} if caches else {})})
+        result = meter.result(
+            None,
+            replicas=self.ctx.world_size,
+            extra={
+                "by_param": by_param,
+                "servers": cfg.servers or 1,
+                "worker_peak_rss_bytes": peaks,
+                "ps_params": sorted(self.ps_names),
+                "pulls_ahead": self.batches.sent,
+                **({"cache": caches.summary((cfg.plan.cache or {}).get("predicted_hit_rate"))} if caches else {}),
+            },
+        )
         result.eval_last = self.eval_last
         return result

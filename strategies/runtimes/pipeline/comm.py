@@ -26,6 +26,7 @@ the bytes sent to a stage on another host, and seconds spent waiting for receive
 sends at the end of a step: the stage's idle (bubble) time (host clock; on CUDA the waits
 are stream waits, and runtime.py times compute with CUDA events).
 """
+
 from __future__ import annotations
 
 import time
@@ -37,9 +38,18 @@ import torch
 import torch.distributed as dist
 
 MAX_DIMS = 8
-MAX_TENSORS = 16   # tensors of one tuple activation (a traced model's live values)
-TUPLE = 99         # header code of a tuple activation
-DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool, torch.uint8)
+MAX_TENSORS = 16  # tensors of one tuple activation (a traced model's live values)
+TUPLE = 99  # header code of a tuple activation
+DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+)
 TAG_HEADER, TAG_ACT, TAG_GRAD, TAG_LOSS = 1, 2, 3, 4
 DENSE, HOST = "dense", "host"
 
@@ -47,10 +57,12 @@ DENSE, HOST = "dense", "host"
 def _header(tensor: torch.Tensor, stage: int) -> torch.Tensor:
     """dtype code, number of dimensions, shape: MAX_DIMS + 2 int64 values in host memory."""
     if tensor.dtype not in DTYPES or tensor.dim() > MAX_DIMS:
-        raise ValueError(f"--strategy pipeline: stage {stage} outputs a {tensor.dtype} tensor of {tensor.dim()} dims; activations must have at most {MAX_DIMS} dims and a standard dtype")
+        raise ValueError(
+            f"--strategy pipeline: stage {stage} outputs a {tensor.dtype} tensor of {tensor.dim()} dims; activations must have at most {MAX_DIMS} dims and a standard dtype"
+        )
     header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)
     header[0], header[1] = DTYPES.index(tensor.dtype), tensor.dim()
-    header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     return header
 
 
@@ -58,6 +70,7 @@ def _header(tensor: torch.Tensor, stage: int) -> torch.Tensor:
 class P2P:
     """One point-to-point operation: ``op`` "send" or "recv", the tensor, the peer's default-group
     rank, the tag and the channel (``DENSE`` or ``HOST``)."""
+
     op: str
     tensor: torch.Tensor
     peer: int
@@ -81,8 +94,16 @@ class TorchTransport:
                 fn = dist.isend if o.op == "send" else dist.irecv
                 works[i] = fn(o.tensor, o.peer, tag=o.tag)
         if dense:
-            p2p = [dist.P2POp(dist.isend if ops[i].op == "send" else dist.irecv, ops[i].tensor, ops[i].peer,
-                              group=self.group, tag=ops[i].tag) for i in dense]
+            p2p = [
+                dist.P2POp(
+                    dist.isend if ops[i].op == "send" else dist.irecv,
+                    ops[i].tensor,
+                    ops[i].peer,
+                    group=self.group,
+                    tag=ops[i].tag,
+                )
+                for i in dense
+            ]
             for i, w in zip(dense, dist.batch_isend_irecv(p2p)):
                 works[i] = w
         return works
@@ -95,15 +116,22 @@ class Links:
     ``is_remote`` tells whether a default-group rank runs on another host; ``transport``
     posts batches (default: :class:`TorchTransport` over ``group``, the workers' dense group)."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device,
-                 is_remote: Callable[[int], bool] = lambda rank: False, group=None, transport=None,
-                 ranks: list[int] | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        is_remote: Callable[[int], bool] = lambda rank: False,
+        group=None,
+        transport=None,
+        ranks: list[int] | None = None,
+    ):
         self.rank, self.world_size, self.device, self.is_remote = rank, world_size, device, is_remote
-        self.peer = list(ranks) if ranks is not None else list(range(world_size))   # stage -> default-group rank
+        self.peer = list(ranks) if ranks is not None else list(range(world_size))  # stage -> default-group rank
         self.transport = transport or TorchTransport(group)
-        self.queue: list[P2P] = []            # sends not yet posted
-        self.pending: list = []               # (work, tensor) of posted sends not yet awaited
-        self.out_shapes: deque = deque()      # shapes/dtypes of activations sent, for their gradients
+        self.queue: list[P2P] = []  # sends not yet posted
+        self.pending: list = []  # (work, tensor) of posted sends not yet awaited
+        self.out_shapes: deque = deque()  # shapes/dtypes of activations sent, for their gradients
         self.sent = self.recv = self.sent_remote = 0
         self.idle = 0.0
 
@@ -114,8 +142,10 @@ class Links:
         tensors with ``requires_grad`` get a gradient back."""
         if isinstance(value, tuple):
             if not 0 < len(value) <= MAX_TENSORS:
-                raise ValueError(f"--strategy pipeline: stage {self.rank} outputs {len(value)} tensors; at most "
-                                 f"{MAX_TENSORS} may cross a stage boundary")
+                raise ValueError(
+                    f"--strategy pipeline: stage {self.rank} outputs {len(value)} tensors; at most "
+                    f"{MAX_TENSORS} may cross a stage boundary"
+                )
             header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)
             header[0], header[1] = TUPLE, len(value)
             rows = torch.zeros(len(value), MAX_DIMS + 3, dtype=torch.int64)
@@ -128,7 +158,7 @@ class Links:
                 self._queue(t.detach().contiguous(), self.peer[self.rank + 1], TAG_ACT, DENSE)
             self.out_shapes.append([(t.shape, t.dtype) for t in value if t.requires_grad])
             return
-        header = _header(value, self.rank)                         # host memory: read without a device sync
+        header = _header(value, self.rank)  # host memory: read without a device sync
         tensor = value.contiguous()
         self._queue(header, self.peer[self.rank + 1], TAG_HEADER, HOST)
         self._queue(tensor, self.peer[self.rank + 1], TAG_ACT, DENSE)
@@ -148,7 +178,7 @@ class Links:
 
     def _recv_tensor(self, header: torch.Tensor) -> torch.Tensor:
         dtype, ndim = DTYPES[int(header[0])], int(header[1])
-        out = torch.empty(tuple(int(d) for d in header[2:2 + ndim]), dtype=dtype, device=self.device)
+        out = torch.empty(tuple(int(d) for d in header[2 : 2 + ndim]), dtype=dtype, device=self.device)
         self._post([P2P("recv", out, self.peer[self.rank - 1], TAG_ACT, DENSE)])
         return out
 
@@ -156,7 +186,7 @@ class Links:
     def send_gradient(self, grad) -> None:
         """Queue the gradient of this stage's input for the previous stage (a tuple: one per
         received tensor that needed one, in order)."""
-        for g in (grad if isinstance(grad, tuple) else (grad,)):
+        for g in grad if isinstance(grad, tuple) else (grad,):
             self._queue(g.contiguous(), self.peer[self.rank - 1], TAG_GRAD, DENSE)
 
     def recv_gradient(self):
@@ -165,7 +195,7 @@ class Links:
         shapes = self.out_shapes.popleft()
         many = isinstance(shapes, list)
         grads = []
-        for shape, dtype in (shapes if many else [shapes]):
+        for shape, dtype in shapes if many else [shapes]:
             grad = torch.empty(shape, dtype=dtype, device=self.device)
             self._post([P2P("recv", grad, self.peer[self.rank + 1], TAG_GRAD, DENSE)])
             grads.append(grad)
@@ -222,6 +252,6 @@ class Links:
                 self.pending.append((w, o.tensor))
             else:
                 w.wait()
-                if o.tag != TAG_LOSS:   # the loss is reporting, not pipeline traffic
+                if o.tag != TAG_LOSS:  # the loss is reporting, not pipeline traffic
                     self.recv += o.tensor.numel() * o.tensor.element_size()
         self.idle += time.perf_counter() - t0

@@ -14,6 +14,7 @@ micro-batches (a prefix of the order it was running, plus its cool-down backward
 steps T.. run as ``1f1b`` (``sync``) or are not run (``stop``). The single-process
 simulator applies the same rule, so the two stay equal.
 """
+
 from __future__ import annotations
 
 import math

@@ -17,6 +17,7 @@ every stage. How data, messages, the asynchronous learning rate and checkpoints 
 docs/pipelines.md, "How it works". Sources: PipeDream's asynchronous 1F1B (Narayanan et al.,
 SOSP 2019); GPipe (Huang et al., NeurIPS 2019); linear scaling of the lr (Goyal et al. 2017).
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,15 +40,17 @@ def build_stage(ctx: WorkerContext) -> tuple[Stage, torch.nn.Module, tuple, obje
     grid = Grid.of(cfg)
     k, _ = grid.coords(ctx.rank)
     model = build_stages_model(ctx.job, cfg.seed)
-    example = None if is_declared_sequence(model) else \
-        example_micro_batch(ctx.job, cfg.batch_size, cfg.micro_batches, cfg.seed)   # the same trace on every stage
+    example = (
+        None
+        if is_declared_sequence(model)
+        else example_micro_batch(ctx.job, cfg.batch_size, cfg.micro_batches, cfg.seed)
+    )  # the same trace on every stage
     ranges = stage_ranges(model, grid.stages, cfg.plan, example)
     a, b = ranges[k]
     module = stage_module(model, a, b, example).to(ctx.device)
-    params = [p for p in module.parameters() if p.requires_grad]   # frozen ones get no optimizer slot
-    opt = ctx.job.build_optimizer(params, cfg.lr) if params else None   # a stage with nothing to train: none
-    stage = Stage(ctx.job, module, opt, mode_for_schedule(cfg.schedule), k, grid.stages,
-                  1.0 / cfg.micro_batches)
+    params = [p for p in module.parameters() if p.requires_grad]  # frozen ones get no optimizer slot
+    opt = ctx.job.build_optimizer(params, cfg.lr) if params else None  # a stage with nothing to train: none
+    stage = Stage(ctx.job, module, opt, mode_for_schedule(cfg.schedule), k, grid.stages, 1.0 / cfg.micro_batches)
     return stage, model, ranges, example
 
 
@@ -59,5 +62,6 @@ def train(ctx: WorkerContext) -> TrainResult:
     ``--micro-batches`` that do not divide ``--batch-size``."""
     if ctx.cfg.schedule.startswith("torch-"):
         from hpar.strategies.runtimes.pipeline import torch_peers
+
         return torch_peers.train(ctx)
     return spine.train(ctx, PipelineStep(ctx, *build_stage(ctx)))

@@ -21,6 +21,7 @@ made against (s from ``schedules.with_distances``: K-1-k on the 1F1B order). Mod
 How the asynchronous modes run a pass (``torch.func.functional_call`` on leaf tensors, a
 saved-tensor hook for ``predict``) and its one limit: docs/pipelines.md, "How it works".
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,8 +38,14 @@ MODES = ("sync", "async", "stash", "predict", "2bw")
 
 def mode_for_schedule(schedule: str) -> str:
     """The weight mode of a pipeline schedule name."""
-    return {"gpipe": "sync", "1f1b": "sync", "async": "async", "async-stash": "stash",
-            "async-predict": "predict", "async-2bw": "2bw"}[schedule]
+    return {
+        "gpipe": "sync",
+        "1f1b": "sync",
+        "async": "async",
+        "async-stash": "stash",
+        "async-predict": "predict",
+        "async-2bw": "2bw",
+    }[schedule]
 
 
 class PassWeights:
@@ -50,20 +57,21 @@ class PassWeights:
     :meth:`step`. Raises ValueError for ``predict`` with an optimizer without a rule.
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, mode: str,
-                 micro_batches: int = 1):
+    def __init__(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, mode: str, micro_batches: int = 1
+    ):
         assert mode in MODES, mode
         if mode == "predict":
             check_predictable(optimizer)
         self.module, self.optimizer, self.mode, self.micro_batches = module, optimizer, mode, micro_batches
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # 2bw: stashed version -> weights
-        self.version_of: dict[int, int] = {}                     # 2bw: micro-batch -> its version
-        self.live_version = 0                                    # 2bw: updates applied so far
-        self.most_versions = 0                                   # 2bw: most stashed versions held
+        self.version_of: dict[int, int] = {}  # 2bw: micro-batch -> its version
+        self.live_version = 0  # 2bw: updates applied so far
+        self.most_versions = 0  # 2bw: most stashed versions held
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.leaves: dict[int, dict[str, torch.Tensor]] = {}   # micro-batch -> pass weights
-        self._last_grad: dict[str, torch.Tensor] = {}          # plain SGD's v, predict only
-        self._scratch: dict[str, torch.Tensor] = {}            # W_hat of a predicted forward, or the real W
+        self.leaves: dict[int, dict[str, torch.Tensor]] = {}  # micro-batch -> pass weights
+        self._last_grad: dict[str, torch.Tensor] = {}  # plain SGD's v, predict only
+        self._scratch: dict[str, torch.Tensor] = {}  # W_hat of a predicted forward, or the real W
 
     # --- passes ---------------------------------------------------------------------------
     def forward(self, micro: int, distance: int, inputs: Any) -> Any:
@@ -87,6 +95,7 @@ class PassWeights:
 
         def unpack(x):
             return x if isinstance(x, torch.Tensor) else x[0].data.as_strided(x[1], x[2], x[3])
+
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return functional_call(self.module, leaves, (inputs,))
 
@@ -100,7 +109,7 @@ class PassWeights:
         with torch.no_grad():
             for n, p, v, lr, buf in self._velocities():
                 torch.add(p, v, alpha=-distance * lr, out=buf)
-                leaves[n] = buf.detach().requires_grad_(True)   # a fresh leaf on the buffer
+                leaves[n] = buf.detach().requires_grad_(True)  # a fresh leaf on the buffer
                 live[buf.untyped_storage().data_ptr()] = p
         return live
 
@@ -140,7 +149,7 @@ class PassWeights:
         leaves = self.leaves.pop(micro)
         for n, p in self.named:
             g = leaves[n].grad
-            if self.mode == "2bw" and p.grad is not None:   # 2bw accumulates the batch's gradient
+            if self.mode == "2bw" and p.grad is not None:  # 2bw accumulates the batch's gradient
                 p.grad = p.grad if g is None else p.grad + g
             else:
                 p.grad = g
@@ -204,4 +213,3 @@ class _Predicted:
                     p.copy_(real)
         self.saved = None
         return False
-

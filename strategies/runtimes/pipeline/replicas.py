@@ -20,6 +20,7 @@ weights and apply the same averaged gradients, so they stay identical and a chec
 written by replica 0 of each stage only. The reasoning, the process groups and the one limit:
 docs/pipelines.md, "How it works".
 """
+
 from __future__ import annotations
 
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from hpar.strategies.common.groups import DEFAULT_BACKEND, dense_backend
 from hpar.strategies.plan.pipeline_grid import Grid
 
-BUCKET_BYTES = 25 << 20   # DDP's default bucket (bucket_cap_mb=25)
+BUCKET_BYTES = 25 << 20  # DDP's default bucket (bucket_cap_mb=25)
 
 
 class StageReplicas:
@@ -47,8 +48,8 @@ class StageReplicas:
         self.stage, self.replica = grid.coords(rank)
         self.n = grid.replicas
         self.group = self.control = None
-        self.sent = 0.0          # bytes sent (= received) in gradient AllReduces since take()
-        self.sent_remote = 0.0   # the part addressed to another host
+        self.sent = 0.0  # bytes sent (= received) in gradient AllReduces since take()
+        self.sent_remote = 0.0  # the part addressed to another host
         if self.n == 1:
             return
         backend = dense_backend(device_type)
@@ -59,7 +60,7 @@ class StageReplicas:
             if k == self.stage:
                 self.group, self.control = dense, control
         mine = grid.stage_ranks(self.stage)
-        self.ring_remote = is_remote(mine[(self.replica + 1) % self.n])   # gloo's and NCCL's ring successor
+        self.ring_remote = is_remote(mine[(self.replica + 1) % self.n])  # gloo's and NCCL's ring successor
 
     def average_gradients(self, params: list[torch.Tensor]) -> None:
         """Replace each parameter's ``.grad`` by its mean over the stage's replicas (a missing
@@ -83,7 +84,7 @@ class StageReplicas:
             flat.div_(self.n)
             offset = 0
             for p in bucket:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
 
     def mean_loss(self, loss: float) -> float:

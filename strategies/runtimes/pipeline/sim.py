@@ -7,6 +7,7 @@ group. It uses the runtime's :class:`~hpar.strategies.runtimes.pipeline.stage.St
 weight stashing, SpecTrain prediction), so it tests that code, and it makes staleness
 experiments with many stages cheap and deterministic.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,11 +35,20 @@ class SimResult:
     model: torch.nn.Module
     losses: tuple[float, ...]
     max_in_flight: int
-    divergence: dict | None = None   # the guard's summary.json entry (guard on only)
+    divergence: dict | None = None  # the guard's summary.json entry (guard on only)
 
 
-def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: int, micro_batches: int,
-             lr: float, seed: int = 0, guard: GuardConfig | None = None) -> SimResult:
+def simulate(
+    job: Job,
+    schedule: str,
+    num_stages: int,
+    steps: int,
+    batch_size: int,
+    micro_batches: int,
+    lr: float,
+    seed: int = 0,
+    guard: GuardConfig | None = None,
+) -> SimResult:
     """Train ``steps`` batches of ``batch_size`` from ``job.batches(0, 1, batch_size)`` with
     ``num_stages`` stages (balanced on parameter counts) under ``schedule`` in this process.
     The model is built with ``torch.manual_seed(seed)`` as the runtime does. ``guard``: the
@@ -53,14 +63,23 @@ def simulate(job: Job, schedule: str, num_stages: int, steps: int, batch_size: i
     watch = LossWatch(guard)
     tripped = next((s for s, loss in enumerate(result.losses) if watch.observe(s, loss)), None)
     cut = None if tripped is None else cut_step(tripped, num_stages, micro_batches)
-    if cut is not None and cut < steps:   # replay: asynchronous up to the cut, then 1f1b or nothing
+    if cut is not None and cut < steps:  # replay: asynchronous up to the cut, then 1f1b or nothing
         rest = steps - cut if guard.action == "sync" else 0
         result = _simulate(job, schedule, num_stages, cut, rest, batch_size, micro_batches, lr, seed)
     return SimResult(result.model, result.losses, result.max_in_flight, report(guard, watch.tripped, cut, steps))
 
 
-def _simulate(job: Job, schedule: str, num_stages: int, steps: int, sync_steps: int, batch_size: int,
-              micro_batches: int, lr: float, seed: int) -> SimResult:
+def _simulate(
+    job: Job,
+    schedule: str,
+    num_stages: int,
+    steps: int,
+    sync_steps: int,
+    batch_size: int,
+    micro_batches: int,
+    lr: float,
+    seed: int,
+) -> SimResult:
     """``steps`` steps under ``schedule``, then ``sync_steps`` under 1f1b on the same stages."""
     model = build_stages_model(job, seed)
     example = None if is_declared_sequence(model) else example_micro_batch(job, batch_size, micro_batches, seed)
@@ -68,7 +87,7 @@ def _simulate(job: Job, schedule: str, num_stages: int, steps: int, sync_steps: 
     sync = is_synchronous(schedule)
     mode = mode_for_schedule(schedule)
     check_schedule(shared_across_stages(stage_layers(model, example), ranges), schedule)
-    stages, stepped = [], set()   # a weight tied across stages is one tensor here: stepped by its first stage
+    stages, stepped = [], set()  # a weight tied across stages is one tensor here: stepped by its first stage
     for k, (a, b) in enumerate(ranges):
         module = stage_module(model, a, b, example)
         params = [p for p in module.parameters() if id(p) not in stepped and p.requires_grad]

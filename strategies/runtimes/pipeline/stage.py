@@ -5,6 +5,7 @@ torch.distributed send/recv) and by the single-process simulator
 (``strategies/runtimes/pipeline/sim.py``, tensors handed over in memory), so both run the same
 forward, backward, stashing and prediction code.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -23,7 +24,7 @@ from hpar.strategies.runtimes.pipeline.prediction import PassWeights
 def stage_module(model: torch.nn.Module, start: int, end: int, example=None) -> torch.nn.Module:
     """Layers ``[start, end)`` of the model under their original names, so the stage's
     state_dict keys equal the whole model's (``strategies/layers.stage_of``)."""
-    sequential_layers(model, example)   # the pipeline's error message for a model that cannot be cut
+    sequential_layers(model, example)  # the pipeline's error message for a model that cannot be cut
     return stage_of(model, start, end, example)
 
 
@@ -39,14 +40,22 @@ class Stage:
     stage's input may be anything the model accepts.
     """
 
-    def __init__(self, job: Job, module: torch.nn.Module, optimizer: torch.optim.Optimizer, mode: str,
-                 index: int, num_stages: int, loss_scale: float):
+    def __init__(
+        self,
+        job: Job,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        mode: str,
+        index: int,
+        num_stages: int,
+        loss_scale: float,
+    ):
         self.job, self.module, self.optimizer = job, module, optimizer
         self.index, self.num_stages, self.loss_scale = index, num_stages, loss_scale
         self.weights = PassWeights(module, optimizer, mode, max(1, round(1 / loss_scale)))
         self.saved: dict[int, tuple[Any, Any]] = {}
-        self.max_in_flight = 0   # most micro-batches held between forward and backward
-        self.scale_loss = None   # last stage, fp16: the GradScaler's scale() on each loss before backward
+        self.max_in_flight = 0  # most micro-batches held between forward and backward
+        self.scale_loss = None  # last stage, fp16: the GradScaler's scale() on each loss before backward
         self.keep_output = False  # last stage: keep the last micro-batch's output (the script's log())
         self.output = None
 
@@ -63,7 +72,7 @@ class Stage:
         tensor, or a traced model's tuple of tensors, those that need a gradient back still
         marked ``requires_grad``), or on the last stage the micro-batch's mean loss as a float."""
         if not self.is_first and isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
-            inputs.requires_grad_(True)   # a tuple arrives marked (strategies/runtimes/pipeline/comm.py)
+            inputs.requires_grad_(True)  # a tuple arrives marked (strategies/runtimes/pipeline/comm.py)
         out = self.weights.forward(op.micro, op.distance, inputs)
         if self.is_last:
             loss = self.job.compute_loss(out, targets)
@@ -73,8 +82,12 @@ class Stage:
                 self.output = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
             self.max_in_flight = max(self.max_in_flight, len(self.saved))
             return float(loss.detach())
-        if not (isinstance(out, torch.Tensor) or isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)):
-            raise ValueError(f"--strategy pipeline: stage {self.index} (layers ending at {getattr(self.module, 'layer_names', list(self.module._modules))[-1]!r}) outputs a {type(out).__name__}; activations between stages must be tensors")
+        if not (
+            isinstance(out, torch.Tensor) or isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)
+        ):
+            raise ValueError(
+                f"--strategy pipeline: stage {self.index} (layers ending at {getattr(self.module, 'layer_names', list(self.module._modules))[-1]!r}) outputs a {type(out).__name__}; activations between stages must be tensors"
+            )
         self.saved[op.micro] = (inputs, out)
         self.max_in_flight = max(self.max_in_flight, len(self.saved))
         if isinstance(out, tuple):
@@ -113,6 +126,12 @@ def build_stages_model(job: Job, seed: int) -> torch.nn.Module:
 def describe(ranges: Sequence[tuple[int, int]], model: torch.nn.Module, example=None) -> list[dict]:
     """JSON-friendly stage description: layer range, layer names, parameter count."""
     layers = sequential_layers(model, example)
-    return [{"stage": k, "layers": [a, b], "names": [n for n, _ in layers[a:b]],
-             "params": sum(p.numel() for _, m in layers[a:b] for p in m.parameters())}
-            for k, (a, b) in enumerate(ranges)]
+    return [
+        {
+            "stage": k,
+            "layers": [a, b],
+            "names": [n for n, _ in layers[a:b]],
+            "params": sum(p.numel() for _, m in layers[a:b] for p in m.parameters()),
+        }
+        for k, (a, b) in enumerate(ranges)
+    ]

@@ -19,6 +19,7 @@ synchronous global norm stays under ``max_norm``), and refuse fp16 (bf16 needs n
 LR schedule steps with every optimizer step of a stage. User-facing rules: docs/pipelines.md,
 "The training loop in a pipeline".
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -43,8 +44,14 @@ def grad_sq_sum(params: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return total
 
 
-def clip_across_stages(params: list[torch.Tensor], max_norm: float, group, device: torch.device,
-                       copies: int = 1, counted: list[torch.Tensor] | None = None) -> torch.Tensor:
+def clip_across_stages(
+    params: list[torch.Tensor],
+    max_norm: float,
+    group,
+    device: torch.device,
+    copies: int = 1,
+    counted: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Clip this stage's gradients by the global 2-norm over every stage of ``group``: the
     sums of squares are AllReduced (SUM) over ``group``, then every gradient is multiplied by
     ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does on one
@@ -84,13 +91,22 @@ class StageStepper:
     pipeline's replicas R when ``group`` holds all K x R workers (:func:`clip_across_stages`).
     """
 
-    def __init__(self, cfg: RunConfig, tools: StepTools, opt: torch.optim.Optimizer, group, device: torch.device,
-                 sync: bool, micro_per_update: int = 1, copies: int = 1):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        tools: StepTools,
+        opt: torch.optim.Optimizer,
+        group,
+        device: torch.device,
+        sync: bool,
+        micro_per_update: int = 1,
+        copies: int = 1,
+    ):
         self.cfg, self.tools, self.opt, self.group, self.device = cfg, tools, opt, group, device
         self.sync, self.micro_per_update, self.copies = sync, micro_per_update, copies
-        self.params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]   # frozen: no AllReduce
-        self.norm_params = self.params   # those this stage counts in the global norm (ties.TiedGradients.counted)
-        self.last_norm: torch.Tensor | None = None   # norm before clipping, shape (1,), when clipping
+        self.params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]  # frozen: no AllReduce
+        self.norm_params = self.params  # those this stage counts in the global norm (ties.TiedGradients.counted)
+        self.last_norm: torch.Tensor | None = None  # norm before clipping, shape (1,), when clipping
 
     def step(self, stage) -> bool:
         """Unscale, clip, step the stage's optimizer (``stage.update``), update the scale, step
@@ -99,10 +115,16 @@ class StageStepper:
         tools, cfg, scaler = self.tools, self.cfg, self.tools.scaler
         params = self.params if stage.optimizer is not None else []
         if scaler.is_enabled():
-            scaler.unscale_(self.opt)      # ShardedGradScaler: found-inf AllReduced over the stages
+            scaler.unscale_(self.opt)  # ShardedGradScaler: found-inf AllReduced over the stages
         if cfg.clip_grad_norm and self.sync:
-            self.last_norm = clip_across_stages(params, cfg.clip_grad_norm, self.group, self.device, self.copies,
-                                                counted=self.norm_params if params else [])
+            self.last_norm = clip_across_stages(
+                params,
+                cfg.clip_grad_norm,
+                self.group,
+                self.device,
+                self.copies,
+                counted=self.norm_params if params else [],
+            )
         elif cfg.clip_grad_norm and params:
             self.last_norm = torch.nn.utils.clip_grad_norm_(params, async_clip_threshold(cfg, self.micro_per_update))
         return tools.scaled_step(lambda: stage.update(opt_step=lambda: scaler.step(self.opt)))

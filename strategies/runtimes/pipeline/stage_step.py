@@ -19,6 +19,7 @@ stream of passes and the position in it. Checkpoints come before the evaluation 
 step (``checkpoint_first``); a step's time runs from the end of the one before
 (``restart_timer`` False: asynchronous steps overlap).
 """
+
 from __future__ import annotations
 
 import torch
@@ -61,7 +62,9 @@ class PipelineStep(TrainStep):
         self.grid = Grid.of(cfg)
         self.M, self.K, (self.k, self.r) = cfg.micro_batches, self.grid.stages, self.grid.coords(ctx.rank)
         if cfg.batch_size % self.M:
-            raise ValueError(f"--micro-batches {self.M} does not divide --batch-size {cfg.batch_size}; choose a divisor")
+            raise ValueError(
+                f"--micro-batches {self.M} does not divide --batch-size {cfg.batch_size}; choose a divisor"
+            )
         # every process writes its stage's state (replicas hold equal copies: DCP writes one) and
         # reads the names its stage holds now, whatever stages wrote them (strategies/state/state.py)
         self.part, self.loop_part = f"stage{self.k}-r{self.r}", f"stage{self.k}"
@@ -76,41 +79,62 @@ class PipelineStep(TrainStep):
         cfg, ctx = self.cfg, self.ctx
         start = checkpoint.latest_step(cfg.run_dir) if cfg.resume else None
         if start:
-            run_state.restore_process(cfg.run_dir, start, self.stage.module, self.stage.optimizer, self.tools,
-                                      ctx.device, self.part, self.loop_part)
+            run_state.restore_process(
+                cfg.run_dir,
+                start,
+                self.stage.module,
+                self.stage.optimizer,
+                self.tools,
+                ctx.device,
+                self.part,
+                self.loop_part,
+            )
         return start or 0
 
     def begin(self) -> None:
         ctx, cfg, stage, grid, M, K, k, r = self.ctx, self.cfg, self.stage, self.grid, self.M, self.K, self.k, self.r
         self.schedule = cfg.schedule
         self.sync = is_synchronous(self.schedule)
-        self.stepper = stage_loop.StageStepper(cfg, self.tools, stage.optimizer or stage_loop.placeholder_optimizer(ctx.device),
-                                               self.groups.dense, ctx.device, self.sync,
-                                               M if cfg.schedule == "async-2bw" else 1, copies=grid.replicas)
+        self.stepper = stage_loop.StageStepper(
+            cfg,
+            self.tools,
+            stage.optimizer or stage_loop.placeholder_optimizer(ctx.device),
+            self.groups.dense,
+            ctx.device,
+            self.sync,
+            M if cfg.schedule == "async-2bw" else 1,
+            copies=grid.replicas,
+        )
         if stage.is_last:
             stage.scale_loss = stage_loop.scale_loss(self.tools)
             stage.keep_output = self.job.log_fn is not None
         self.links = Links(k, K, ctx.device, ctx.is_remote, group=self.groups.dense, ranks=grid.pipeline_ranks(r))
-        self.replicas = StageReplicas(grid, ctx.rank, cfg.device, ctx.is_remote)   # after worker_groups, on every rank
-        shared = shared_across_stages(sequential_layers(self.model, self.example), self.ranges)   # tied weights on several stages
+        self.replicas = StageReplicas(grid, ctx.rank, cfg.device, ctx.is_remote)  # after worker_groups, on every rank
+        shared = shared_across_stages(
+            sequential_layers(self.model, self.example), self.ranges
+        )  # tied weights on several stages
         check_schedule(shared, cfg.schedule)
-        self.ties = TiedGradients(shared, stage.module, grid, k, r, cfg.device)   # after StageReplicas, on every rank
+        self.ties = TiedGradients(shared, stage.module, grid, k, r, cfg.device)  # after StageReplicas, on every rank
         self.stepper.norm_params = self.ties.counted(self.stepper.params)
         self.batches = self.job.batches(r, grid.replicas, cfg.batch_size) if (stage.is_first or stage.is_last) else None
-        self.drawn = {}   # the first batch, drawn before the schedule starts, past those trained on before the checkpoint
+        self.drawn = {}  # the first batch, drawn before the schedule starts, past those trained on before the checkpoint
         if self.batches is not None and ctx.start_step < cfg.steps:
             self.drawn[ctx.start_step] = first_batch(lambda s: draw_batch(self.batches, cfg.seed, s), ctx.start_step)
-        if ctx.start_step < cfg.steps:   # every stage: M divides it, the replicas' are equal (a collective)
-            check_first_batch(ctx, self.drawn[ctx.start_step][0] if self.drawn else None, self.groups.control, M, replica=r)
+        if ctx.start_step < cfg.steps:  # every stage: M divides it, the replicas' are equal (a collective)
+            check_first_batch(
+                ctx, self.drawn[ctx.start_step][0] if self.drawn else None, self.groups.control, M, replica=r
+            )
         self.inputs, self.targets, self.step_losses = {}, {}, {}
         self.stats = {"compute_s": [], "idle_s": [], "sent": [], "recv": [], "memory": PeakMemory(ctx.device)}
-        self.stats["memory"].start()   # peak memory of the schedule: activations in flight, weight versions, optimizer state
-        self.timer = ComputeTimer(ctx.device)   # CUDA events on a GPU
+        self.stats[
+            "memory"
+        ].start()  # peak memory of the schedule: activations in flight, weight versions, optimizer state
+        self.timer = ComputeTimer(ctx.device)  # CUDA events on a GPU
         self.last_target, self.stepped, self.tied_bytes = None, True, 0
         self.autocast = loop.autocast(cfg, ctx.device.type)
         self.gcfg = guard.GuardConfig(cfg.on_divergence, cfg.divergence_factor)
         self.watch, self.cut = guard.LossWatch(self.gcfg), None
-        if not self.sync:   # the run's one stream of passes, from the first micro-batch not yet trained
+        if not self.sync:  # the run's one stream of passes, from the first micro-batch not yet trained
             self.first, self.i = ctx.start_step * M, 0
             self.ops = stage_ops(self.schedule, K, k, (cfg.steps - ctx.start_step) * M)
 
@@ -153,7 +177,9 @@ class PipelineStep(TrainStep):
                 links.send_gradient(grad_in)
 
     def _update(self) -> None:
-        self.tied_bytes += self.ties.sum_gradients()   # one logical parameter across stages (strategies/runtimes/pipeline/ties.py)
+        self.tied_bytes += (
+            self.ties.sum_gradients()
+        )  # one logical parameter across stages (strategies/runtimes/pipeline/ties.py)
         self.replicas.average_gradients([p for _, p in self.stage.weights.named])
         # gradients are final (replica-averaged): now unscale, clip and step the optimizer
         self.stepped &= self.stepper.step(self.stage)
@@ -165,7 +191,7 @@ class PipelineStep(TrainStep):
             for op in stage_ops(self.schedule, self.K, self.k, self.M):
                 self._run(op, step * self.M + op.micro)
             return self._end_step(step)
-        while self.i < len(self.ops):   # the stream, up to the backward of the batch's last micro-batch
+        while self.i < len(self.ops):  # the stream, up to the backward of the batch's last micro-batch
             op, self.i = self.ops[self.i], self.i + 1
             j = self.first + op.micro
             self._run(op, j)
@@ -185,14 +211,14 @@ class PipelineStep(TrainStep):
         gcfg, cfg = self.gcfg, self.cfg
         if gcfg.action != "off" and self.cut is None and _tripped(self.ctx, self.watch, step, out.loss):
             self.cut = guard.cut_step(self.watch.tripped["step"], self.K, self.M)
-            if self.cut < cfg.steps:   # finish the first cut*M micro-batches: a prefix of ops plus cool-down
+            if self.cut < cfg.steps:  # finish the first cut*M micro-batches: a prefix of ops plus cool-down
                 self.ops = stage_ops(self.schedule, self.K, self.k, (self.cut - self.ctx.start_step) * self.M)
         out.last = self.cut is not None and step + 1 >= self.cut and gcfg.action != "sync"
         return out
 
     def _end_step(self, step: int) -> StepOutcome:
         stage, links, replicas, stepper = self.stage, self.links, self.replicas, self.stepper
-        links.flush()   # the step's last sends go out before its collectives (replica AllReduce, clipping norm)
+        links.flush()  # the step's last sends go out before its collectives (replica AllReduce, clipping norm)
         lr = self.tools.lr(stage.optimizer) if stage.optimizer is not None else None
         if self.sync:
             self.timer.start()
@@ -210,26 +236,41 @@ class PipelineStep(TrainStep):
         reduced, reduced_remote = replicas.take()
         sent, recv, remote = sent + reduced + self.tied_bytes, recv + reduced + self.tied_bytes, remote + reduced_remote
         self.tied_bytes = 0
-        compute, idle = self.timer.take_step(idle)    # on CUDA both from CUDA events
+        compute, idle = self.timer.take_step(idle)  # on CUDA both from CUDA events
         for key, value in (("compute_s", compute), ("idle_s", idle), ("sent", sent), ("recv", recv)):
             self.stats[key].append(value)
         logged = self.job.run_log(step + 1, stage.output, self.last_target) if stage.keep_output else {}
-        out = StepOutcome(loss, sent, recv, sent_remote=remote, logged=logged, lr=lr, stepped=self.stepped,
-                          grad_norm=stepper.last_norm if self.sync and stepper.last_norm is not None else None,
-                          extra={"stage": self.k, "compute_s": compute, "idle_s": idle})
+        out = StepOutcome(
+            loss,
+            sent,
+            recv,
+            sent_remote=remote,
+            logged=logged,
+            lr=lr,
+            stepped=self.stepped,
+            grad_norm=stepper.last_norm if self.sync and stepper.last_norm is not None else None,
+            extra={"stage": self.k, "compute_s": compute, "idle_s": idle},
+        )
         self.stepped = True
         return out
 
     # -- around the steps --------------------------------------------------------------------
 
     def save(self, steps_done: int) -> None:
-        run_state.save(self.cfg.run_dir, steps_done, run_state.process_entries(
-            self.stage.module, self.stage.optimizer, self.tools, self.ctx.device, self.part, self.loop_part),
-            keep=self.cfg.keep_checkpoints)
+        run_state.save(
+            self.cfg.run_dir,
+            steps_done,
+            run_state.process_entries(
+                self.stage.module, self.stage.optimizer, self.tools, self.ctx.device, self.part, self.loop_part
+            ),
+            keep=self.cfg.keep_checkpoints,
+        )
 
     def evaluate(self, steps_done: int) -> None:
         whole = stage_loop.gather_model(self.model, self.stage.module, self.ctx.rank, self.groups.control)
-        loop.evaluate_during_training(self.job, self.cfg, self.ctx.rank, steps_done, lambda: whole, self.ctx.report_eval)
+        loop.evaluate_during_training(
+            self.job, self.cfg, self.ctx.rank, steps_done, lambda: whole, self.ctx.report_eval
+        )
 
     def write_final(self) -> None:
         """The last sends out; this stage's figures (its peak memory over the schedule); every
@@ -238,11 +279,18 @@ class PipelineStep(TrainStep):
         self.links.wait_sends()
         stats, stage, k = self.stats, self.stage, self.k
         n = max(len(stats["sent"]), 1)
-        self.figures = {"stage": k, **({"replica": self.r} if self.grid.replicas > 1 else {}), "layers": list(self.ranges[k]),
-                        "compute_s": sum(stats["compute_s"]) / n, "idle_s": sum(stats["idle_s"]) / n,
-                        "bytes_sent": sum(stats["sent"]) / n, "bytes_recv": sum(stats["recv"]) / n,
-                        "max_in_flight": stage.max_in_flight, "weight_versions": stage.weights.most_versions,
-                        "peak_mem_bytes": stats["memory"].peak_bytes()}
+        self.figures = {
+            "stage": k,
+            **({"replica": self.r} if self.grid.replicas > 1 else {}),
+            "layers": list(self.ranges[k]),
+            "compute_s": sum(stats["compute_s"]) / n,
+            "idle_s": sum(stats["idle_s"]) / n,
+            "bytes_sent": sum(stats["sent"]) / n,
+            "bytes_recv": sum(stats["recv"]) / n,
+            "max_in_flight": stage.max_in_flight,
+            "weight_versions": stage.weights.most_versions,
+            "peak_mem_bytes": stats["memory"].peak_bytes(),
+        }
         run_state.write_final(self.cfg.run_dir, run_state.final_entries(stage.module, self.model))
 
     def result(self, meter: StepMeter) -> TrainResult:
@@ -254,21 +302,33 @@ class PipelineStep(TrainStep):
         if ctx.rank != 0:
             return meter.result(None)
         run_state.read_whole(cfg.run_dir, self.model)
-        more = {"divergence": guard.report(self.gcfg, self.watch.tripped, self.cut, cfg.steps)} if self.gcfg.action != "off" else {}
-        extra = {"schedule": cfg.schedule, "micro_batches": cfg.micro_batches, "pipeline_stages": grid.stages,
-                 "pipeline_replicas": grid.replicas, "pipeline_layout": grid.layout,
-                 "stages": gathered, "stage_layers": describe(self.ranges, self.model, self.example), **more}
+        more = (
+            {"divergence": guard.report(self.gcfg, self.watch.tripped, self.cut, cfg.steps)}
+            if self.gcfg.action != "off"
+            else {}
+        )
+        extra = {
+            "schedule": cfg.schedule,
+            "micro_batches": cfg.micro_batches,
+            "pipeline_stages": grid.stages,
+            "pipeline_replicas": grid.replicas,
+            "pipeline_layout": grid.layout,
+            "stages": gathered,
+            "stage_layers": describe(self.ranges, self.model, self.example),
+            **more,
+        }
         return meter.result(self.model.to("cpu"), replicas=grid.replicas, extra=extra)
 
 
 def _tripped(ctx: WorkerContext, watch: "guard.LossWatch", step: int, loss: float) -> bool:
     """The last stage's guard decision for ``step``, broadcast to every stage (one small
     message per step); fills ``watch.tripped`` on every stage."""
-    flag = torch.zeros(3, dtype=torch.float64)   # CPU: the default group is gloo
+    flag = torch.zeros(3, dtype=torch.float64)  # CPU: the default group is gloo
     if ctx.rank == ctx.world_size - 1 and watch.observe(step, loss):
         t = watch.tripped
-        flag = torch.tensor([1.0, t["loss"], t["recent_min"] if t["recent_min"] is not None else float("nan")],
-                            dtype=torch.float64)
+        flag = torch.tensor(
+            [1.0, t["loss"], t["recent_min"] if t["recent_min"] is not None else float("nan")], dtype=torch.float64
+        )
     if ctx.world_size > 1:
         dist.broadcast(flag, src=ctx.world_size - 1)
     if flag[0] and watch.tripped is None:

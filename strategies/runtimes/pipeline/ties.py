@@ -25,6 +25,7 @@ applies micro-batch j's update at its own time, so two copies could only agree b
 each other at every update (a flush per micro-batch). Asynchronous schedules with a parameter
 shared across stages are refused before start (``strategies/plan/stage_cuts.check_schedule``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,9 +52,14 @@ class TiedGradients:
                 group = dist.new_group(ranks, backend=dense_backend(device_type))
                 if r == replica and stage in stages:
                     groups[stages] = group
-        self.tied = [(p, groups[stages], stages[0] == stage) for stages, p in shared.values()
-                     if stage in stages and id(p) in mine]
-        assert len(self.tied) == sum(stage in stages for stages, _ in shared.values()), "a shared parameter is not this stage's"
+        self.tied = [
+            (p, groups[stages], stages[0] == stage)
+            for stages, p in shared.values()
+            if stage in stages and id(p) in mine
+        ]
+        assert len(self.tied) == sum(stage in stages for stages, _ in shared.values()), (
+            "a shared parameter is not this stage's"
+        )
         self.not_counted = {id(p) for p, _, first in self.tied if not first}
 
     def sum_gradients(self) -> int:

@@ -22,6 +22,7 @@ compute is the process's CPU time over the step (``time.process_time``: blocked 
 receive costs none) and idle the rest of the wall-clock step; on CUDA the split is not
 measured (None) and ``compute_s`` is the step time.
 """
+
 from __future__ import annotations
 
 import time
@@ -81,8 +82,13 @@ def chunk_ranks(schedule: str, num_ranks: int) -> list[int]:
 
 def _schedule(cfg, stages: list, loss_fn):
     from torch.distributed import pipelining as pp
-    cls = {"torch-gpipe": pp.ScheduleGPipe, "torch-1f1b": pp.Schedule1F1B,
-           "torch-interleaved-1f1b": pp.ScheduleInterleaved1F1B, "torch-zbv": pp.ScheduleZBVZeroBubble}[cfg.schedule]
+
+    cls = {
+        "torch-gpipe": pp.ScheduleGPipe,
+        "torch-1f1b": pp.Schedule1F1B,
+        "torch-interleaved-1f1b": pp.ScheduleInterleaved1F1B,
+        "torch-zbv": pp.ScheduleZBVZeroBubble,
+    }[cfg.schedule]
     return cls(stages[0] if len(stages) == 1 else stages, cfg.micro_batches, loss_fn=loss_fn)
 
 
@@ -116,12 +122,17 @@ class TorchPeerStep(TrainStep):
 
     def __init__(self, ctx: WorkerContext):
         from torch.distributed.pipelining import PipelineStage
+
         super().__init__(ctx)
         cfg, job = ctx.cfg, ctx.job
         if cfg.batch_size % cfg.micro_batches:
-            raise ValueError(f"--micro-batches {cfg.micro_batches} does not divide --batch-size {cfg.batch_size}; choose a divisor")
+            raise ValueError(
+                f"--micro-batches {cfg.micro_batches} does not divide --batch-size {cfg.batch_size}; choose a divisor"
+            )
         if cfg.checkpoint_every or cfg.resume:
-            raise ValueError(f"--schedule {cfg.schedule}: checkpoints are only supported by hpar's own schedules; drop --checkpoint-every/--resume")
+            raise ValueError(
+                f"--schedule {cfg.schedule}: checkpoints are only supported by hpar's own schedules; drop --checkpoint-every/--resume"
+            )
         self.model = build_stages_model(job, cfg.seed)
         self.k, K = ctx.rank, ctx.world_size
         self.owner = chunk_ranks(cfg.schedule, K)
@@ -129,11 +140,11 @@ class TorchPeerStep(TrainStep):
         self.ranges = stage_ranges(self.model, n, cfg.plan if n == K else None)
         self.mine = [c for c in range(n) if self.owner[c] == self.k]
         self.modules = [stage_module(self.model, *self.ranges[c]).to(ctx.device) for c in self.mine]
-        params = [p for m in self.modules for p in m.parameters() if p.requires_grad]   # frozen ones: no slot
+        params = [p for m in self.modules for p in m.parameters() if p.requires_grad]  # frozen ones: no slot
         self.opt = job.build_optimizer(params, cfg.lr) if params else None
         self.sched = job.build_scheduler(self.opt) if self.opt is not None else None
         self.ios = [_ActivationBytes(m) for m in self.modules]
-        group = worker_groups(K, cfg.device).dense   # NCCL on CUDA
+        group = worker_groups(K, cfg.device).dense  # NCCL on CUDA
         runners = [_StageRunner(m, cfg, ctx.device.type) for m in self.modules]
         stages = [PipelineStage(r, c, n, ctx.device, group=group) for r, c in zip(runners, self.mine)]
         self.schedule = _schedule(cfg, stages, lambda output, target: job.compute_loss(output, target))
@@ -146,7 +157,9 @@ class TorchPeerStep(TrainStep):
     def begin(self) -> None:
         cfg = self.cfg
         self.mem.start()
-        self.drawn = {0: first_batch(lambda s: draw_batch(self.batches, cfg.seed, s))} if self.batches is not None else {}
+        self.drawn = (
+            {0: first_batch(lambda s: draw_batch(self.batches, cfg.seed, s))} if self.batches is not None else {}
+        )
         # the micro-batches divide it (one pipeline: no replicas to compare); the default group holds the stages only
         check_first_batch(self.ctx, self.drawn[0][0] if self.drawn else None, None, cfg.micro_batches, replica=0)
 
@@ -154,9 +167,11 @@ class TorchPeerStep(TrainStep):
         ctx, k, owner = self.ctx, self.k, self.owner
         x = y = None
         if self.batches is not None:
-            x, y = (move_to(t, ctx.device) for t in (self.drawn.pop(step) if step in self.drawn
-                                                     else draw_batch(self.batches, self.cfg.seed, step)))
-        t0, c0 = self.clock.now(), time.process_time()   # on CUDA: after the queued kernels (synchronize)
+            x, y = (
+                move_to(t, ctx.device)
+                for t in (self.drawn.pop(step) if step in self.drawn else draw_batch(self.batches, self.cfg.seed, step))
+            )
+        t0, c0 = self.clock.now(), time.process_time()  # on CUDA: after the queued kernels (synchronize)
         losses: list = []
         args = (x,) if self.first else ()
         self.schedule.step(*args, target=y if self.last else None, losses=losses if self.last else None)
@@ -170,14 +185,14 @@ class TorchPeerStep(TrainStep):
         loss = float(sum(l.detach() for l in losses) / len(losses)) if self.last else float("nan")
         holder = owner[-1]
         if holder != 0:
-            t = torch.tensor([loss], dtype=torch.float64)   # a CPU value: over the default (gloo) group
+            t = torch.tensor([loss], dtype=torch.float64)  # a CPU value: over the default (gloo) group
             if k == holder:
                 dist.send(t, 0)
             elif k == 0:
                 dist.recv(t, holder)
                 loss = float(t)
         sent = remote = 0
-        for io, c in zip(self.ios, self.mine):   # activations to the next chunk, their gradients back
+        for io, c in zip(self.ios, self.mine):  # activations to the next chunk, their gradients back
             into, out = io.take()
             for nbytes, nb in ((out, c + 1), (into, c - 1)):
                 if 0 <= nb < len(owner) and owner[nb] != k:
@@ -194,12 +209,16 @@ class TorchPeerStep(TrainStep):
         wall = sum(self.step_s) / len(self.step_s)
         split = self.ctx.device.type == "cpu"
         mine, k = self.mine, self.k
-        self.figures = {"stage": k, "layers": [list(self.ranges[c]) for c in mine] if len(mine) > 1 else list(self.ranges[k]),
-                        "compute_s": sum(self.cpu_s) / len(self.cpu_s) if split else wall,
-                        "idle_s": max(0.0, wall - sum(self.cpu_s) / len(self.cpu_s)) if split else None,
-                        "peak_mem_bytes": self.mem.peak_bytes()}
-        run_state.write_final(self.cfg.run_dir, {k_: v for m in self.modules
-                                                 for k_, v in run_state.final_entries(m, self.model).items()})
+        self.figures = {
+            "stage": k,
+            "layers": [list(self.ranges[c]) for c in mine] if len(mine) > 1 else list(self.ranges[k]),
+            "compute_s": sum(self.cpu_s) / len(self.cpu_s) if split else wall,
+            "idle_s": max(0.0, wall - sum(self.cpu_s) / len(self.cpu_s)) if split else None,
+            "peak_mem_bytes": self.mem.peak_bytes(),
+        }
+        run_state.write_final(
+            self.cfg.run_dir, {k_: v for m in self.modules for k_, v in run_state.final_entries(m, self.model).items()}
+        )
 
     def result(self, meter: StepMeter) -> TrainResult:
         """Every process's figures on rank 0, which reads the whole model back and returns it."""
@@ -209,8 +228,12 @@ class TorchPeerStep(TrainStep):
         if self.k != 0:
             return meter.result(None)
         run_state.read_whole(cfg.run_dir, self.model)
-        extra = {"schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
-                 "stages": gathered, "stage_layers": describe(self.ranges, self.model)}
+        extra = {
+            "schedule": cfg.schedule,
+            "micro_batches": cfg.micro_batches,
+            "stages": gathered,
+            "stage_layers": describe(self.ranges, self.model),
+        }
         return meter.result(self.model.to("cpu"), extra=extra)
 
 

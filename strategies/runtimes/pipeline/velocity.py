@@ -22,13 +22,15 @@ Other optimizers (or ``maximize``, ``nesterov``) have no rule: ``optimizer_rules
 raises a ValueError for them before a run starts, rather than predicting with a direction
 the optimizer does not take.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def velocity(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
-             last_grad: torch.Tensor | None) -> torch.Tensor | None:
+def velocity(
+    optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor, last_grad: torch.Tensor | None
+) -> torch.Tensor | None:
     """v of ``param`` (in parameter ``group`` of ``optimizer``, already checked by
     ``optimizer_rules.check_predictable``): a tensor of the parameter's shape, or None before the
     optimizer's first step. ``last_grad``: the gradient of the last step (plain SGD only).
@@ -46,8 +48,8 @@ def velocity(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor,
     beta1, beta2 = group["betas"]
     t = float(state["step"])
     second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
-    denom = (second / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
-    v = (state["exp_avg"] / (1 - beta1 ** t)).div_(denom)
+    denom = (second / (1 - beta2**t)).sqrt_().add_(group["eps"])
+    v = (state["exp_avg"] / (1 - beta1**t)).div_(denom)
     if group.get("decoupled_weight_decay") or isinstance(optimizer, torch.optim.AdamW):
         wd = group.get("weight_decay", 0)
         if wd:

@@ -9,13 +9,14 @@ launcher answers in a second), and names in one line the versions to install, an
 ``scripts/install_torchrec.sh`` that installs them in the order that works.
 :func:`import_torchrec` is the workers' import, its failure one line too.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as metadata
 import importlib.util
 
 INSTALL = "scripts/install_torchrec.sh"
-FBGEMM = ("fbgemm-gpu-cpu", "fbgemm-gpu")   # the CPU build, the CUDA build: one import package, fbgemm_gpu
+FBGEMM = ("fbgemm-gpu-cpu", "fbgemm-gpu")  # the CPU build, the CUDA build: one import package, fbgemm_gpu
 
 
 def _version(dist: str) -> str | None:
@@ -43,15 +44,23 @@ def problem(found: dict[str, str | None]) -> str | None:
     torch_v = found["torch"] or "?"
     t_major, t_minor = _minor(torch_v) if found["torch"] else (2, 13)
     want = f"1.{t_minor - 5}" if t_major == 2 and t_minor >= 10 else None
-    need = (f"fbgemm-gpu-cpu=={want}.* then torchrec=={want}.* with --no-deps ({INSTALL} installs the tested "
-            f"torch 2.13.0 + fbgemm-gpu-cpu 1.8.0 + torchrec 1.8.0)") if want else f"torch 2.13.0 with {INSTALL}"
+    need = (
+        (
+            f"fbgemm-gpu-cpu=={want}.* then torchrec=={want}.* with --no-deps ({INSTALL} installs the tested "
+            f"torch 2.13.0 + fbgemm-gpu-cpu 1.8.0 + torchrec 1.8.0)"
+        )
+        if want
+        else f"torch 2.13.0 with {INSTALL}"
+    )
     if found["torchrec"] is None or found["fbgemm_gpu"] is None or importlib.util.find_spec("torchrec") is None:
         missing = [k for k in ("fbgemm_gpu", "torchrec") if found[k] is None] or ["torchrec"]
         return f"--strategy torchrec needs TorchRec ({' and '.join(missing)} not installed): install {need}"
     fb, tr = found["fbgemm_gpu"], found["torchrec"]
     if want is None or ".".join(map(str, _minor(fb))) != want or _minor(tr) != _minor(fb):
-        return (f"--strategy torchrec: torchrec {tr} and fbgemm_gpu {fb} do not match torch {torch_v} (FBGEMM 1.X is "
-                f"built for torch 2.(X+5), TorchRec 1.X for FBGEMM 1.X): install {need}")
+        return (
+            f"--strategy torchrec: torchrec {tr} and fbgemm_gpu {fb} do not match torch {torch_v} (FBGEMM 1.X is "
+            f"built for torch 2.(X+5), TorchRec 1.X for FBGEMM 1.X): install {need}"
+        )
     return None
 
 
@@ -71,8 +80,9 @@ def import_torchrec() -> None:
         import torchrec.distributed  # noqa: F401
     except (ImportError, OSError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"--strategy torchrec: importing torchrec failed ({first}); reinstall it with {INSTALL}") \
-            from None
+        raise ValueError(
+            f"--strategy torchrec: importing torchrec failed ({first}); reinstall it with {INSTALL}"
+        ) from None
 
 
 def check_model(job, model, lr: float) -> str:
@@ -82,18 +92,24 @@ def check_model(job, model, lr: float) -> str:
     follow the schedule). Returns a line to print ("" for none)."""
     from hpar.strategies.runtimes.torchrec.trec_optim import check_optimizer
     from hpar.strategies.runtimes.torchrec.trec_tables import tables_of
+
     try:
         tables = tables_of(model)
     except ValueError as exc:
         raise ValueError(f"{job.path}: {exc}") from None
     if not tables:
-        raise ValueError(f"{job.path}: --strategy torchrec: the model has no nn.Embedding/nn.EmbeddingBag table to "
-                         "shard; use --strategy allreduce")
+        raise ValueError(
+            f"{job.path}: --strategy torchrec: the model has no nn.Embedding/nn.EmbeddingBag table to "
+            "shard; use --strategy allreduce"
+        )
     if job.scheduler_fn is not None:
-        raise ValueError(f"{job.path}: --strategy torchrec: scheduler() is not supported (TorchRec's fused table "
-                         "optimizer would keep the first learning rate); drop it or use another strategy")
+        raise ValueError(
+            f"{job.path}: --strategy torchrec: scheduler() is not supported (TorchRec's fused table "
+            "optimizer would keep the first learning rate); drop it or use another strategy"
+        )
     try:
-        return check_optimizer(job.build_optimizer(model.parameters(), lr), model,
-                               [f"{n}.weight" if n else "weight" for n, _ in tables])
+        return check_optimizer(
+            job.build_optimizer(model.parameters(), lr), model, [f"{n}.weight" if n else "weight" for n, _ in tables]
+        )
     except ValueError as exc:
         raise ValueError(f"{job.path}: {exc}") from None

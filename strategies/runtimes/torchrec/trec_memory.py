@@ -4,6 +4,7 @@ each worker holds the dense part whole with its optimizer state and DDP's bucket
 tables' bytes over the N workers; the planner balances them); no table gradient exists (the
 fused optimizer updates the rows inside backward), only the pooled rows' gradients, which
 the measured step term covers."""
+
 from __future__ import annotations
 
 from hpar.strategies.plan.memory_model import _ratio, _step
@@ -15,5 +16,10 @@ def torchrec_terms(profile, cluster, est=None, schedule: str = "") -> dict[str, 
     tables = sum(p.bytes for p in profile.params if p.embedding_module)
     dense = profile.total_bytes - tables
     own = tables / n
-    return {"params": dense + own, "optimizer": r * (dense + own), "ddp_buckets": dense,
-            "step": _step(m, profile, dense, stepped=dense), "data": m.data_bytes if m else 0}
+    return {
+        "params": dense + own,
+        "optimizer": r * (dense + own),
+        "ddp_buckets": dense,
+        "step": _step(m, profile, dense, stepped=dense),
+        "data": m.data_bytes if m else 0,
+    }

@@ -16,6 +16,7 @@ parameter groups with different options. ``Adam`` too: FBGEMM's CPU kernels have
 ("Optimizer adam is not supported in CPU mode", fbgemm-gpu-cpu 1.8.0), and on CUDA its Adam is
 lazy (the moments of the touched rows only), not torch's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def _group(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict:
     for g in opt.param_groups:
         if any(p is param for p in g["params"]):
             return {k: v for k, v in g.items() if k != "params"}
-    raise ValueError(f"{FLAG}: optimizer() leaves an embedding table out of its parameter groups; "
-                     "give it every parameter")
+    raise ValueError(
+        f"{FLAG}: optimizer() leaves an embedding table out of its parameter groups; give it every parameter"
+    )
 
 
 def _options(kind: type, g: dict) -> dict | str:
@@ -60,12 +62,16 @@ def fused_optimizer(opt: torch.optim.Optimizer, tables: list[torch.Tensor]) -> t
     kind = type(opt)
     groups = [_group(opt, t) for t in tables]
     if any(g != groups[0] for g in groups):
-        raise ValueError(f"{FLAG}: optimizer() gives the embedding tables different options; TorchRec fuses one "
-                         "optimizer for all tables: give them one parameter group")
+        raise ValueError(
+            f"{FLAG}: optimizer() gives the embedding tables different options; TorchRec fuses one "
+            "optimizer for all tables: give them one parameter group"
+        )
     options = _options(kind, groups[0]) if groups else {"lr": 0.0}
     if isinstance(options, str):
-        raise ValueError(f"{FLAG}: optimizer() is {kind.__name__} with {options}, which TorchRec cannot fuse into its "
-                         "tables' backward; use SGD (no momentum) or Adagrad without it, or another strategy")
+        raise ValueError(
+            f"{FLAG}: optimizer() is {kind.__name__} with {options}, which TorchRec cannot fuse into its "
+            "tables' backward; use SGD (no momentum) or Adagrad without it, or another strategy"
+        )
     note = ""
     return kind, options, note
 

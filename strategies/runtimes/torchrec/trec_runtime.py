@@ -19,6 +19,7 @@ are partial sums from every worker (a reduce-scatter of N times the worker's bag
 gloo moves an AllReduce's bytes, twice: costmodel_torchrec.GLOO_REDUCE_SCATTER); a
 column-wise table's ids go to each of the N-1 other column shards' owners.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,14 @@ from hpar.strategies.specs.torchrec_spec import SHARDINGS
 from hpar.strategies.runtimes.torchrec import trec_state
 from hpar.strategies.runtimes.torchrec.trec_check import import_torchrec
 from hpar.strategies.runtimes.torchrec.trec_optim import fused_optimizer
-from hpar.strategies.runtimes.torchrec.trec_shard import gather_tables, load_tables, quiet, shard, table_key, table_modules
+from hpar.strategies.runtimes.torchrec.trec_shard import (
+    gather_tables,
+    load_tables,
+    quiet,
+    shard,
+    table_key,
+    table_modules,
+)
 from hpar.strategies.runtimes.torchrec.trec_tables import swap_tables, tables_of
 
 A2A = "all_to_all"
@@ -51,7 +59,7 @@ class UserCall(nn.Module):
     def __init__(self, dmp: nn.Module, user: nn.Module):
         super().__init__()
         self.dmp = dmp
-        object.__setattr__(self, "_probe", user)   # not a submodule: the user's model is inside dmp already
+        object.__setattr__(self, "_probe", user)  # not a submodule: the user's model is inside dmp already
 
     def forward(self, inputs):
         return self.dmp(**inputs) if takes_keywords(self._probe, inputs) else self.dmp(inputs)
@@ -70,14 +78,16 @@ class TorchrecStep(TrainStep):
             import_torchrec()
         except ValueError as exc:
             from hpar.strategies.job.contract import JobError
+
             raise JobError(str(exc)) from None
         cfg, job = ctx.cfg, ctx.job
         torch.manual_seed(cfg.seed)
         self.model = inner_module(job.build_model())
         named = dict(self.model.named_parameters())
         weights = [f"{n}.weight" for n, _ in tables_of(self.model)]
-        kind, self.options, _ = fused_optimizer(job.build_optimizer(self.model.parameters(), cfg.lr),
-                                                [named[w] for w in weights])
+        kind, self.options, _ = fused_optimizer(
+            job.build_optimizer(self.model.parameters(), cfg.lr), [named[w] for w in weights]
+        )
         self.fused = kind
         self.initial = {w: named[w].detach().clone() for w in weights}
         self.tables = swap_tables(self.model)
@@ -99,11 +109,18 @@ class TorchrecStep(TrainStep):
         ctx, cfg = self.ctx, self.cfg
         self.loss_groups = groups = worker_groups(ctx.world_size, cfg.device)
         quiet()
-        self.dmp = shard(self.model, (self.fused, self.options), SHARDINGS.get(cfg.strategy), groups, ctx.device,
-                         bool(cfg.find_unused_parameters))
+        self.dmp = shard(
+            self.model,
+            (self.fused, self.options),
+            SHARDINGS.get(cfg.strategy),
+            groups,
+            ctx.device,
+            bool(cfg.find_unused_parameters),
+        )
         load_tables(self.dmp, self.tables, self.initial)
         del self.initial
         from torchrec.optim.optimizers import in_backward_optimizer_filter
+
         self.dense_named = list(in_backward_optimizer_filter(self.dmp.named_parameters()))
         self.dense = [p for _, p in self.dense_named]
         self.opt = self.job.build_optimizer(self.dense, cfg.lr)
@@ -112,6 +129,7 @@ class TorchrecStep(TrainStep):
         ddp = getattr(self.dmp, "_dmp_wrapped_module", None)
         if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             from hpar.strategies.runtimes.dataparallel.allreduce import counting_allreduce_hook
+
             remote = ring_successor_remote(ctx, list(range(ctx.world_size)))
             ddp.register_comm_hook((self.counter, ctx.world_size, groups.dense, remote), counting_allreduce_hook)
         kinds = {t.key: self._sharding(t) for t in self.tables}
@@ -136,7 +154,7 @@ class TorchrecStep(TrainStep):
             ids, bags = m.traffic
             m.traffic[0] = m.traffic[1] = 0
             pooled = bags * m.table.dim * 4 * (n if m.table.key in self.row_wise else 1)
-            spread = n if m.table.key in self.column_wise else 1   # every column shard needs every id
+            spread = n if m.table.key in self.column_wise else 1  # every column shard needs every id
             scatter = self.scatter if m.table.key in self.row_wise else 1.0
             total += ((ids * 8 + bags * 8) * spread + (1 + scatter) * pooled) * (n - 1) / n
         return total
@@ -149,8 +167,17 @@ class TorchrecStep(TrainStep):
         stepped = self.tools.step(self.opt, lambda: self.dense)
         a2a = self.all_to_all_bytes()
         remote, (sent, recv) = self.counter.take_remote(), self.counter.take().get(DENSE, (0, 0))
-        return StepOutcome(loss, sent + a2a, recv + a2a, sent_remote=remote, logged=logged, lr=lr, stepped=stepped,
-                           samples=self.samples_per_step, extra={"bytes_all_to_all": a2a})
+        return StepOutcome(
+            loss,
+            sent + a2a,
+            recv + a2a,
+            sent_remote=remote,
+            logged=logged,
+            lr=lr,
+            stepped=stepped,
+            samples=self.samples_per_step,
+            extra={"bytes_all_to_all": a2a},
+        )
 
     def user_model(self) -> nn.Module:
         """The user's model on the CPU with the trained parameters: a collective (every
@@ -165,6 +192,7 @@ class TorchrecStep(TrainStep):
 
     def evaluate(self, steps_done: int) -> None:
         from hpar.strategies.job.loop import evaluate_during_training
+
         user = self.user_model()
         evaluate_during_training(self.job, self.cfg, self.ctx.rank, steps_done, lambda: user, self.ctx.report_eval)
 

@@ -24,6 +24,7 @@ Row-wise sharding on CPU: TorchRec's stock sharder offers ``row_wise`` for CUDA 
 (``BaseEmbeddingSharder.sharding_types``); :class:`CpuRowWiseSharder` offers it on CPU too,
 where its kernels run unchanged (gloo's reduce-scatter and all-gather).
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,6 +53,7 @@ def quiet() -> None:
     gloo's reduce-scatter/all-gather deprecations, ``is_fx_tracing``); errors still show."""
     import logging
     import warnings
+
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.|torch\.distributed\.c10d_logger")
     for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -71,8 +73,9 @@ def _min_columns(dim: int, world_size: int) -> int | None:
     return part if world_size > 1 and dim % world_size == 0 and part % 4 == 0 else None
 
 
-def plan_on_every_worker(model: nn.Module, sharders: list, sharding: str | None, world_size: int,
-                         device: torch.device, control) -> object:
+def plan_on_every_worker(
+    model: nn.Module, sharders: list, sharding: str | None, world_size: int, device: torch.device, control
+) -> object:
     """The ShardingPlan of ``model``'s tables: every worker runs TorchRec's
     ``EmbeddingShardingPlanner`` (``Topology(world_size, compute_device)``; every table
     constrained to ``sharding`` when given) on the same model, so all make the same plan without
@@ -84,17 +87,21 @@ def plan_on_every_worker(model: nn.Module, sharders: list, sharding: str | None,
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
     from hpar.strategies.common.gather import all_gather_json
+
     plan, mine = None, {"error": "", "digest": ""}
     try:
         constraints = None
         if sharding is not None:
-            constraints = {t.table.key: ParameterConstraints(sharding_types=[sharding],
-                                                             min_partition=_min_columns(t.table.dim, world_size))
-                           for t in table_modules(model)}
+            constraints = {
+                t.table.key: ParameterConstraints(
+                    sharding_types=[sharding], min_partition=_min_columns(t.table.dim, world_size)
+                )
+                for t in table_modules(model)
+            }
         topology = Topology(world_size=world_size, compute_device=device.type)
         plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).plan(model, sharders)
         mine["digest"] = hashlib.sha256(str(plan).encode()).hexdigest()
-    except Exception as exc:   # noqa: BLE001 - whatever TorchRec's planner raises, every worker must hear it
+    except Exception as exc:  # noqa: BLE001 - whatever TorchRec's planner raises, every worker must hear it
         mine["error"] = f"TorchRec's planner: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     everyone = all_gather_json(mine, group=control)
     errors = [e["error"] for e in everyone if e["error"]]
@@ -102,8 +109,9 @@ def plan_on_every_worker(model: nn.Module, sharders: list, sharding: str | None,
         hint = f" (--strategy torchrec-{sharding[:1]}w asks for {sharding})" if sharding else ""
         raise ValueError(f"{errors[0]}{hint}; try --strategy torchrec, the planner's own choice")
     if len({e["digest"] for e in everyone}) > 1:
-        raise ValueError("TorchRec's planner made different plans on the workers; try --strategy torchrec-tw, "
-                         "a fixed sharding")
+        raise ValueError(
+            "TorchRec's planner made different plans on the workers; try --strategy torchrec-tw, a fixed sharding"
+        )
     return plan
 
 
@@ -112,10 +120,12 @@ def _local_slices(value) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     shards of a ShardedTensor, the local part of a DTensor, or a whole (replicated) tensor."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
+
     if isinstance(value, ShardedTensor):
         return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in value.local_shards()]
     if isinstance(value, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
         return [(value.to_local(), tuple(offsets))]
     return [(value, (0, 0))]
@@ -135,7 +145,7 @@ def load_tables(dmp, tables: list[SwappedTable], weights: dict[str, torch.Tensor
     for t in tables:
         whole = weights[t.weight]
         for local, (r, c) in _local_slices(state[table_key(t)]):
-            local.copy_(whole[r:r + local.shape[0], c:c + local.shape[1]].to(local.device))
+            local.copy_(whole[r : r + local.shape[0], c : c + local.shape[1]].to(local.device))
 
 
 @torch.no_grad()
@@ -146,24 +156,32 @@ def gather_tables(dmp, tables: list[SwappedTable], control) -> dict[str, torch.T
     tensors (strategies/common/gather.py, never a pickle); the lowest rank holding a slice
     (replicated tables: rank 0) writes it into a zero table, and an AllReduce sums them."""
     from hpar.strategies.common.gather import all_gather_json
+
     state = dmp.state_dict()
     mine = {t.weight: _local_slices(state[table_key(t)]) for t in tables}
-    held = all_gather_json({w: [[*offsets, *local.shape] for local, offsets in parts] for w, parts in mine.items()},
-                           group=control)
+    held = all_gather_json(
+        {w: [[*offsets, *local.shape] for local, offsets in parts] for w, parts in mine.items()}, group=control
+    )
     me, out = dist.get_rank(control), {}
     for t in tables:
         parts = mine[t.weight]
         whole = torch.zeros(t.rows, t.dim, dtype=parts[0][0].dtype if parts else torch.float32)
         for local, (r, c) in parts:
             if not any([r, c, *local.shape] in held[k][t.weight] for k in range(me)):
-                whole[r:r + local.shape[0], c:c + local.shape[1]] = local.detach().cpu()
+                whole[r : r + local.shape[0], c : c + local.shape[1]] = local.detach().cpu()
         dist.all_reduce(whole, group=control)
         out[t.weight] = whole
     return out
 
 
-def shard(model: nn.Module, fused: tuple[type, dict], sharding: str | None, groups, device: torch.device,
-          find_unused: bool = False):
+def shard(
+    model: nn.Module,
+    fused: tuple[type, dict],
+    sharding: str | None,
+    groups,
+    device: torch.device,
+    find_unused: bool = False,
+):
     """``model`` (tables swapped, on ``meta``) in DistributedModelParallel over
     ``groups.dense`` with ``fused`` = ``(optimizer class, options)`` applied in backward to
     its tables (module docstring, steps 1-3), the rest in DDP with ``find_unused_parameters``
@@ -172,13 +190,20 @@ def shard(model: nn.Module, fused: tuple[type, dict], sharding: str | None, grou
     from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
     opt_class, options = fused
     params = [p for m in table_modules(model) for p in m.collection.parameters()]
-    apply_optimizer_in_backward(opt_class, params, dict(options))   # it adds keys of its own
+    apply_optimizer_in_backward(opt_class, params, dict(options))  # it adds keys of its own
     sharders = [_sharder()]
     world = dist.get_world_size(groups.dense)
     plan = plan_on_every_worker(model, sharders, sharding, world, device, groups.control)
-    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(groups.dense), device=device,
-                                    plan=plan, sharders=sharders,
-                                    data_parallel_wrapper=DefaultDataParallelWrapper(
-                                        static_graph=not find_unused, find_unused_parameters=find_unused))
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(groups.dense),
+        device=device,
+        plan=plan,
+        sharders=sharders,
+        data_parallel_wrapper=DefaultDataParallelWrapper(
+            static_graph=not find_unused, find_unused_parameters=find_unused
+        ),
+    )

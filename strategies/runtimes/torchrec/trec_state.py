@@ -9,6 +9,7 @@ optimizer's state tensors by parameter name (``optim.<name>.<state>``), the loop
 random generators. A resume reads into the same objects in place, in the layout this run has:
 DCP cuts the saved shards to this run's, so a checkpoint resumes at another number of workers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,6 +22,7 @@ from hpar.strategies.runtimes.torchrec.trec_shard import table_key
 def _entries(step) -> dict:
     """The checkpoint entries of a TorchrecStep ``step`` (module docstring), as live objects."""
     from hpar.strategies.common.devices import rng_state
+
     names = {table_key(t): t.weight for t in step.tables}
     entries = {f"model.{names.get(k, k)}": v for k, v in step.dmp.state_dict().items()}
     fused = step.dmp.fused_optimizer
@@ -47,6 +49,7 @@ def resume(step) -> int:
     """Load the run's latest checkpoint into TorchrecStep ``step`` when ``--resume`` asks for
     it; returns the step to start from (0: nothing loaded)."""
     from hpar.strategies.common.devices import set_rng_state
+
     done = checkpoint.latest_step(step.cfg.run_dir) if step.cfg.resume else None
     if done is None:
         return 0

@@ -18,6 +18,7 @@ What TorchRec's kernels cannot reproduce is refused by :func:`table_problem`, on
 a width that is not a multiple of 4 columns (FBGEMM's kernels assert it: a per-word bias table
 of one column) and a table another module also holds (the swap would untie it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,10 @@ def table_problem(name: str, module: nn.Module, shared: bool) -> str | None:
     if isinstance(module, nn.EmbeddingBag) and module.mode not in ("sum", "mean"):
         return f"{where} pools with mode={module.mode!r}; TorchRec pools by sum or mean"
     if module.embedding_dim % COLUMN_MULTIPLE:
-        return (f"{where} is {module.embedding_dim} columns wide; FBGEMM's table kernels need a multiple of "
-                f"{COLUMN_MULTIPLE}: widen it or use another strategy")
+        return (
+            f"{where} is {module.embedding_dim} columns wide; FBGEMM's table kernels need a multiple of "
+            f"{COLUMN_MULTIPLE}: widen it or use another strategy"
+        )
     return None
 
 
@@ -71,7 +74,7 @@ def tables_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     frozen table stays the user's module, which DDP leaves alone). Raises ValueError (one line,
     :func:`table_problem`) for one it cannot."""
     by_id = holders(model)
-    found = [(n, m) for n, m in embedding_tables(model) if m.weight.requires_grad]   # a frozen table stays as it is
+    found = [(n, m) for n, m in embedding_tables(model) if m.weight.requires_grad]  # a frozen table stays as it is
     for name, module in found:
         line = table_problem(name, module, len(by_id[id(module.weight)]) > 1)
         if line:
@@ -87,13 +90,18 @@ class TorchrecTable(nn.Module):
     def __init__(self, table: SwappedTable, mode: str, include_last_offset: bool, device: torch.device):
         super().__init__()
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+
         self.table, self.include_last_offset = table, include_last_offset
         self.weighted = table.bag and mode == "sum"
-        config = EmbeddingBagConfig(name=table.key, embedding_dim=table.dim, num_embeddings=table.rows,
-                                    feature_names=[table.key],
-                                    pooling=PoolingType.MEAN if mode == "mean" else PoolingType.SUM)
+        config = EmbeddingBagConfig(
+            name=table.key,
+            embedding_dim=table.dim,
+            num_embeddings=table.rows,
+            feature_names=[table.key],
+            pooling=PoolingType.MEAN if mode == "mean" else PoolingType.SUM,
+        )
         self.collection = EmbeddingBagCollection(tables=[config], is_weighted=self.weighted, device=device)
-        self.traffic = [0, 0]   # ids and bags looked up since the runtime last read them (trec_runtime)
+        self.traffic = [0, 0]  # ids and bags looked up since the runtime last read them (trec_runtime)
 
     def lengths(self, ids: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids as one flat tensor, bag lengths)``: a 2-D input's rows are bags of equal
@@ -105,25 +113,34 @@ class TorchrecTable(nn.Module):
             return ids.reshape(-1), torch.full((ids.shape[0],), ids.shape[1], dtype=torch.int64, device=ids.device)
         if offsets is None:
             raise ValueError(f"{self.table.module}: a 1-D input to nn.EmbeddingBag needs offsets")
-        ends = offsets[1:] if self.include_last_offset else torch.cat(
-            [offsets[1:], torch.tensor([ids.numel()], dtype=offsets.dtype, device=offsets.device)])
+        ends = (
+            offsets[1:]
+            if self.include_last_offset
+            else torch.cat([offsets[1:], torch.tensor([ids.numel()], dtype=offsets.dtype, device=offsets.device)])
+        )
         starts = offsets[:-1] if self.include_last_offset else offsets
         return ids, (ends - starts).to(torch.int64)
 
-    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
         values, lengths = self.lengths(input, offsets)
         weights = None
         if self.weighted:
-            weights = (per_sample_weights.reshape(-1) if per_sample_weights is not None
-                       else torch.ones(values.numel(), dtype=torch.float32, device=values.device))
+            weights = (
+                per_sample_weights.reshape(-1)
+                if per_sample_weights is not None
+                else torch.ones(values.numel(), dtype=torch.float32, device=values.device)
+            )
         elif per_sample_weights is not None:
             raise ValueError(f"{self.table.module}: per_sample_weights need mode='sum' (as nn.EmbeddingBag says)")
         self.traffic[0] += values.numel()
         self.traffic[1] += lengths.numel()
-        features = KeyedJaggedTensor(keys=[self.table.key], values=values.to(torch.int64), lengths=lengths,
-                                     weights=weights)
+        features = KeyedJaggedTensor(
+            keys=[self.table.key], values=values.to(torch.int64), lengths=lengths, weights=weights
+        )
         pooled = self.collection(features)[self.table.key]
         return pooled if self.table.bag else pooled.reshape(*input.shape, self.table.dim)
 
@@ -140,7 +157,10 @@ def swap_tables(model: nn.Module, device: torch.device = torch.device("meta")) -
         parent = model.get_submodule(parent_name)
         bag = isinstance(module, nn.EmbeddingBag)
         table = SwappedTable(name, name.replace(".", "__") or "table", module.num_embeddings, module.embedding_dim, bag)
-        setattr(parent, attr, TorchrecTable(table, module.mode if bag else "sum",
-                                            bag and module.include_last_offset, device))
+        setattr(
+            parent,
+            attr,
+            TorchrecTable(table, module.mode if bag else "sum", bag and module.include_last_offset, device),
+        )
         swapped.append(table)
     return swapped
