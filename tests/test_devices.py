@@ -38,7 +38,9 @@ def _resolve(tmp_path, monkeypatch, seen: dict, device="auto"):
     from hpar.launcher.hosts import reach
 
     monkeypatch.setattr(reach, "check_reachable", lambda *a, **kw: None)  # hosts a and b exist only here
-    monkeypatch.setattr(run_command, "local_gpus", lambda: 0)  # the launcher itself has no GPU
+    from hpar.launcher.run import run_hosts
+
+    monkeypatch.setattr(run_hosts, "local_gpus", lambda: 0)  # the launcher itself has no GPU
     out = io.StringIO()
     cfg, _, _ = run_command.resolve(
         Console(file=out, soft_wrap=True),

@@ -235,6 +235,8 @@ def test_profile_predicts_every_candidates_peaks_and_plans_what_fits(tmp_path):
     script = write_script(tmp_path, WIDE)
     free = _profile_json(tmp_path, script)
     cands = {c["strategy"]: c for c in free["candidates"]}
+    # (TorchRec's rows on a model without a table are not predicted: tests/test_torchrec_costmodel.py)
+    cands = {s: c for s, c in cands.items() if not s.startswith("torchrec")}
     assert all(c["memory"]["worker_peak_bytes"] > 0 for c in cands.values())
     assert cands["ps"]["memory"]["server_peak_bytes"] > 0 and cands["allreduce"]["memory"]["server_peak_bytes"] is None
     need = lambda c: c["memory"]["worker_peak_bytes"] + c["memory"]["overhead_bytes"]
@@ -330,7 +332,11 @@ def test_a_model_too_large_for_allreduce_is_planned_onto_what_fits_and_runs_with
     assert projected["plan"]["strategy"] == max(fits, key=lambda s: cands[s]["samples_per_s"])
     assert f"Does not fit the memory: allreduce {cands['allreduce']['note']}" in projected["plan"]["reason"]
     here = _profile_json(tmp_path, WIDE_EXAMPLE)  # 2 CPU workers
-    need = {c["strategy"]: c["memory"]["worker_peak_bytes"] + c["memory"]["overhead_bytes"] for c in here["candidates"]}
+    need = {
+        c["strategy"]: c["memory"]["worker_peak_bytes"] + c["memory"]["overhead_bytes"]
+        for c in here["candidates"]
+        if not c["strategy"].startswith("torchrec")  # no table in wide.py: TorchRec's rows not predicted
+    }
     cap = (need["allreduce"] + max(need["pipeline"], need["fsdp"])) / 2 / 1e9
     run_dir = str(tmp_path / "run")
     code, out = hpar_to_file(

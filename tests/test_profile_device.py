@@ -216,7 +216,9 @@ def test_hpar_run_says_when_a_cpu_profile_plans_gpu_workers(tmp_path, monkeypatc
     from hpar.launcher.hosts import reach
 
     monkeypatch.setattr(reach, "check_reachable", lambda *a, **kw: None)  # hosts a and b exist only here
-    monkeypatch.setattr(run_command, "local_gpus", lambda: 0)
+    from hpar.launcher.run import run_hosts
+
+    monkeypatch.setattr(run_hosts, "local_gpus", lambda: 0)
     script = write_script(tmp_path, MEMORY_BOUND)
     out = io.StringIO()
     cfg, _, _ = run_command.resolve(
