@@ -258,7 +258,7 @@ def resolve(console: Console, flags: Flags):
                 f"--find-unused-parameters {find_unused_parameters}: --strategy {strategy} runs no DDP "
                 f"(only {', '.join(where(ddp=True))} do); drop it"
             )
-        check_optimizer(say, job, inner, strategy, plan, servers, pick(lr, "lr"))
+        check_optimizer(say, job, inner, strategy, plan, pick(lr, "lr"))
         check_unused_by_rank(job, strategy, plan, inner, bs, gpus)  # FSDP2 and a mixture of experts
         if spec.check_available:
             spec.load("check_available")()  # a library the strategy needs (FSDP2: torch.distributed.fsdp)

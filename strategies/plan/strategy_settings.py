@@ -87,7 +87,7 @@ def check_unused_by_rank(job, strategy: str, plan: Plan, model, batch_size: int,
         raise ValueError(f"{job.path}: --strategy {strategy}: {UNUSED_BY_RANK}")
 
 
-def check_optimizer(say: Callable[[str], None], job, model, strategy: str, plan: Plan, servers: int, lr: float) -> None:
+def check_optimizer(say: Callable[[str], None], job, model, strategy: str, plan: Plan, lr: float) -> None:
     """Refuse (ValueError, one line naming the fix) an optimizer the parameter servers of
     ``hybrid``/``ps`` cannot apply to the tables they would serve (strategies/runtimes/hybrid/shard.py:
     SGD, Adagrad, Adam, AdamW); under ``allreduce-sparse`` say which tables' optimizer has no

@@ -49,7 +49,7 @@ def refusal(job, model, strategy: str, plan: Plan) -> str:
     inner = inner_module(model)
     try:
         check_fullgraph(model, placement(inner, strategy, plan))
-        check_optimizer(lambda _: None, job, inner, strategy, plan, max(plan.servers, 1), CHECK_LR)
+        check_optimizer(lambda _: None, job, inner, strategy, plan, CHECK_LR)
     except ValueError as exc:
         why = str(exc)
         prefix = f"{job.path}: --strategy {strategy}: "
