@@ -82,6 +82,37 @@ def _node(ip, cpus=2.0, gpus=0, alive=True):
     return {"Alive": alive, "NodeManagerAddress": ip, "Resources": res, "NodeID": ip.replace(".", "")}
 
 
+def test_a_refused_client_start_is_retried_and_a_lasting_one_named_in_one_line(monkeypatch):
+    """Ray Client's server may fail to start a client's process on a loaded head ("Initialization
+    failure from server", seen in CI): connect tries again; a refusal that lasts is one line with
+    the server's last line of reason, not its traceback."""
+    import types
+
+    from hpar.launcher.hosts import ray_nodes
+
+    calls = []
+
+    def init(address, **_):
+        calls.append(address)
+        if len(calls) < 3:
+            raise ConnectionAbortedError(
+                "Initialization failure from server:\nTraceback ...\nRuntimeError: Proxy failed"
+            )
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init, shutdown=lambda: None)
+    monkeypatch.setattr(ray_nodes, "import_ray", lambda: fake)
+    monkeypatch.setattr(ray_nodes.time, "sleep", lambda s: None)
+    assert ray_nodes.connect("ray://10.0.0.1:10001") is fake
+    assert calls == ["ray://10.0.0.1:10001"] * 3
+    calls.clear()
+    with pytest.raises(ValueError) as caught:
+        ray_nodes.connect("ray://10.0.0.1:10001", attempts=2)
+    assert len(calls) == 2
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "(Initialization failure from server: RuntimeError: Proxy failed)" in message
+
+
 def test_the_node_table_becomes_hosts_and_bundles_pin_processes_to_them():
     """Dead nodes and nodes without CPUs run nothing; a GPU node has a slot per GPU, a CPU node
     one; the launcher's node first, then by address; a rank reserves a GPU (or a CPU), a server

@@ -20,6 +20,7 @@ Source: Ray's ``ray.init`` (address resolution), ``ray.nodes()`` (the node table
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 from hpar.launcher.hosts.hostfile import Host, parse_hosts
@@ -61,25 +62,38 @@ def import_ray():
     return ray
 
 
-def connect(spec: str = "ray"):
+def connect(spec: str = "ray", attempts: int = 3):
     """Connect this process to the Ray cluster of ``--hosts SPEC`` as a driver (once; later calls
     reuse the connection) and return ``ray``. ``ray`` takes ``RAY_ADDRESS`` (default ``auto``: the
-    cluster this node belongs to), ``ray://HOST:PORT`` is Ray Client. Raises ValueError (one line)
-    when Ray is missing or the cluster cannot be reached."""
+    cluster this node belongs to), ``ray://HOST:PORT`` is Ray Client. Ray Client's server starts one
+    process per client and can fail that start on a loaded head ("Initialization failure from
+    server"); such a refusal is retried up to ``attempts`` times, 2 s apart. Raises ValueError (one
+    line, the server's last line of reason) when Ray is missing or the cluster cannot be reached."""
     ray = import_ray()
     if ray.is_initialized():
         return ray
     address = spec.strip() if spec.strip().startswith("ray://") else (os.environ.get("RAY_ADDRESS") or "auto")
-    try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False, namespace="hpar")
-    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(
-            f"--hosts {spec}: cannot connect to the Ray cluster at {address} ({first}); start one with "
-            "`ray start --head`, or set RAY_ADDRESS to its head's HOST:6379, or pass "
-            "--hosts ray://HEAD:10001"
-        ) from None
-    return ray
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False, namespace="hpar")
+            return ray
+        except ConnectionAbortedError as exc:  # the client server refused this start: try again
+            reason = exc
+            ray.shutdown()
+            if attempt < attempts:
+                time.sleep(2.0)
+        except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
+            reason = exc
+            break
+    lines = [line.strip() for line in str(reason).strip().splitlines() if line.strip()]
+    why = lines[0].rstrip(":") if lines else type(reason).__name__
+    if len(lines) > 1:
+        why = f"{why}: {lines[-1]}"
+    raise ValueError(
+        f"--hosts {spec}: cannot connect to the Ray cluster at {address} ({why}); start one with "
+        "`ray start --head`, or set RAY_ADDRESS to its head's HOST:6379, or pass "
+        "--hosts ray://HEAD:10001"
+    ) from None
 
 
 def node_hosts(nodes: list[dict], here: str | None = None) -> list[RayHost]:
