@@ -1,13 +1,16 @@
 """Benchmark the workers' hot-row caches (``--staleness s``, strategies/runtimes/hybrid/cache.py, after
 HET: Miao et al., "HET: Scaling out Huge Embedding Model Training via Cache-enabled Distributed
-Framework", VLDB 2022) against plain ``hybrid``, in one run, as ratios.
+Framework", VLDB 2022) and the dense AllReduce's compression (``--compress``, DDP's hooks:
+fp16/bf16, PowerSGD after Vogels et al., NeurIPS 2019), alone or together, against plain
+``hybrid``, in one run, as ratios.
 
 For each script (examples/lm.py, examples/recsys.py) and each cluster (``--hosts 2,4,8``:
 that many emulated hosts, one worker and one parameter server each, links capped at
 ``--rate``; or ``local:N``: N workers on this machine), it trains ``--steps`` steps with ``hpar
-run --strategy hybrid`` and then with ``--staleness s`` for each s of ``--staleness``, the runs
-interleaved round by round (``--repeat``) so that a burst of load on a shared machine hits
-them alike, and reports per configuration:
+run --strategy hybrid`` and then with ``--staleness s`` for each s of ``--staleness`` (or each
+configuration of ``--configs``: ``s2``, ``powersgd:2``, ``s2+powersgd:2``), the runs
+interleaved round by round (``--repeat``) so that a burst of load on a shared machine hits them
+alike, and reports per configuration:
 
 * samples/s (summary.json's ``samples_per_s``: all workers' samples per second of wall clock
   after 2 warm-up steps), the best of the rounds and their spread (min-max);
@@ -62,6 +65,7 @@ def run_one(
     cache_rows: float,
     run_dir: str,
     cluster_args: list[str],
+    compress: str | None = None,
 ) -> dict:
     """``hpar run`` one configuration (stdout to RUN_DIR.log); returns its summary.json."""
     cmd = [
@@ -88,6 +92,8 @@ def run_one(
     ]
     if staleness is not None:
         cmd += ["--staleness", str(staleness), "--cache-rows", f"{cache_rows:g}"]
+    if compress is not None:
+        cmd += ["--compress", compress]
     with open(run_dir + ".log", "w") as out:
         code = subprocess.run(
             cmd,
@@ -136,18 +142,46 @@ def figures(summary: dict, evaluation: dict) -> dict:
     }
 
 
+def parse_config(label: str) -> tuple[int | None, str | None]:
+    """``hybrid`` -> (None, None); ``s2`` -> (2, None); ``powersgd:2`` -> (None, "powersgd:2");
+    ``s2+fp16`` -> (2, "fp16"): the staleness and the ``--compress`` of one configuration."""
+    staleness, compress = None, None
+    for part in label.split("+"):
+        if part == "hybrid":
+            continue
+        if part[:1] == "s" and part[1:].isdigit():
+            staleness = int(part[1:])
+        else:
+            compress = part
+    return staleness, compress
+
+
+def config_label(row: dict) -> str:
+    """A row's configuration as ``--configs`` names it (rows of older --json files have no label)."""
+    if row.get("config"):
+        return row["config"]
+    return "hybrid" if row["staleness"] is None else f"s{row['staleness']}"
+
+
 def bench_cluster(scripts: list[str], label: str, workers: int, cluster_args: list[str], args, root: str) -> list[dict]:
     """Every script x configuration on one cluster, ``args.repeat`` interleaved rounds."""
-    configs = [None] + [int(s) for s in args.staleness.split(",")]
+    configs = ["hybrid"] + (
+        [c for c in args.configs.split(",") if c != "hybrid"]
+        if args.configs
+        else [f"s{s}" for s in args.staleness.split(",")]
+    )
     rows = []
     for script in scripts:
         got: dict = {c: [] for c in configs}
         for r in range(args.repeat):
             for c in configs:
-                name = f"{os.path.basename(script)[:-3]}-{label}-{'hybrid' if c is None else f's{c}'}-r{r}"
+                name = f"{os.path.basename(script)[:-3]}-{label}-{c.replace(':', '_')}-r{r}".replace(" ", "_")
                 run_dir = os.path.join(root, name)
                 t0 = time.time()
-                summary = run_one(script, workers, args.steps, c, args.cache_rows, run_dir, cluster_args)
+                staleness, compress = parse_config(c)
+                summary = run_one(
+                    script, workers, args.steps, staleness, args.cache_rows, run_dir, cluster_args, compress
+                )
                 fig = figures(summary, final_eval(script, run_dir))
                 got[c].append(fig)
                 print(
@@ -156,14 +190,17 @@ def bench_cluster(scripts: list[str], label: str, workers: int, cluster_args: li
                     f"({time.time() - t0:.0f} s)",
                     flush=True,
                 )
-        base = got[None]
+        base = got["hybrid"]
         for c in configs:
             runs = got[c]
+            staleness, compress = parse_config(c)
             rows.append(
                 {
                     "script": os.path.basename(script),
                     "cluster": label,
-                    "staleness": c,
+                    "config": c,
+                    "staleness": staleness,
+                    "compress": compress,
                     "runs": runs,
                     "samples_ratio": [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs, base)],
                     "bytes_ratio": [a["bytes"] / b["bytes"] for a, b in zip(runs, base)],
@@ -176,7 +213,7 @@ def bench_cluster(scripts: list[str], label: str, workers: int, cluster_args: li
 def markdown(rows: list[dict]) -> str:
     """The table of the BENCHMARKS.md section (figures of the best round; ratios over rounds)."""
     out = [
-        "| script | cluster | s | samples/s (best) | x hybrid (rounds) | MB/worker/step | x hybrid | tables' MB "
+        "| script | cluster | configuration | samples/s (best) | x hybrid (rounds) | MB/worker/step | x hybrid | tables' MB "
         "| x hybrid | hit rate measured / predicted | final eval | eval x hybrid |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---:|",
     ]
@@ -187,13 +224,13 @@ def markdown(rows: list[dict]) -> str:
         base = next(
             r
             for r in rows
-            if r["script"] == row["script"] and r["cluster"] == row["cluster"] and r["staleness"] is None
+            if r["script"] == row["script"] and r["cluster"] == row["cluster"] and config_label(r) == "hybrid"
         )
         base_eval = list(base["runs"][runs.index(best)]["eval"].values())[0] if base["runs"][0]["eval"] else math.nan
         hit = "-" if best["hit_rate"] is None else f"{best['hit_rate']:.1%} / {best['predicted_hit_rate']:.1%}"
         ratios = ", ".join(f"{x:.2f}" for x in row["samples_ratio"])
         out.append(
-            f"| {row['script']} | {row['cluster']} | {'hybrid' if row['staleness'] is None else row['staleness']} "
+            f"| {row['script']} | {row['cluster']} | {config_label(row)} "
             f"| {best['samples_per_s']:,.0f} | {ratios} | {best['bytes'] / 1e6:.2f} "
             f"| {min(row['bytes_ratio']):.2f} | {best['table_bytes'] / 1e6:.2f} "
             f"| {min(row['table_bytes_ratio']):.2f} | {hit} | {metric} {value:.4g} | {value / base_eval:.4f} |"
@@ -210,7 +247,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     titles = ["served tables' bytes / step", "all bytes / step", "samples/s", "final evaluation"]
     for key in dict.fromkeys((r["script"], r["cluster"]) for r in rows):
-        mine = [r for r in rows if (r["script"], r["cluster"]) == key]
+        mine = [r for r in rows if (r["script"], r["cluster"]) == key and not r.get("compress")]
         base = next(r for r in mine if r["staleness"] is None)["runs"][0]
         cached = sorted((r for r in mine if r["staleness"] is not None), key=lambda r: r["staleness"])
         xs = [r["staleness"] for r in cached]
@@ -239,6 +276,12 @@ def main() -> int:
     ap.add_argument("--rate", default="100mbit", help="each emulated host's link cap")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--staleness", default="0,1,2,4,8")
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help="configurations beside hybrid instead of --staleness: sN, a --compress value, or both "
+        "joined by + (e.g. s2,fp16,powersgd:2,s2+powersgd:2)",
+    )
     ap.add_argument("--cache-rows", type=float, default=0.1)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", default=None)
