@@ -110,8 +110,11 @@ def test_auto_with_compress_may_choose_a_compressed_plan_and_the_run_takes_the_p
     assert asked.samples_per_s == pytest.approx(best.samples_per_s) and "--compress powersgd:4" in asked.reason
     said = []
     c = Compression("powersgd", 4)
-    assert from_plan(said.append, c, asked) == c and from_plan(said.append, None, asked) is None
-    assert from_plan(said.append, c, plain) == c and not said  # a plan that never weighed it: the flag as given
+    assert from_plan(said.append, c, asked) == c and from_plan(said.append, c, plain) == c and not said
+    # a compressed plan (a --plan file) run without --compress: uncompressed, said in one line
+    assert from_plan(said.append, None, asked) is None and len(said) == 1 and "--compress powersgd:4" in said[0]
+    said.clear()
+    assert from_plan(said.append, None, plain) is None and not said  # nothing chosen: nothing said
     lost = dataclasses.replace(asked, compress="")  # weighed and not chosen: uncompressed, in one line
     assert from_plan(said.append, c, lost) == Compression() and len(said) == 1 and "uncompressed" in said[0]
 

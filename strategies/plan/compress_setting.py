@@ -58,7 +58,14 @@ def from_plan(say, c: Compression | None, plan) -> Compression | None:
     under the user's ``--compress`` ``c``: ``c`` where the planner chose it (the plan's
     ``compress``) or never weighed it (no runnable ``"<strategy> --compress <c>"`` row: a forced
     strategy, a plan made without ``--compress``); off, said in one line via ``say``, where it
-    weighed it and predicted the strategy faster uncompressed. None stays None (not asked)."""
+    weighed it and predicted the strategy faster uncompressed. None stays None (not asked), said
+    in one line where the plan chose a compression (a ``--plan`` file of ``hpar profile
+    --compress``): compression is an accuracy trade hpar makes only when this run asks."""
+    if c is None and plan is not None and plan.compress:
+        say(
+            f"hpar: the plan was chosen with --compress {plan.compress}, which this run was not given; "
+            f"it runs {plan.strategy} uncompressed (pass --compress {plan.compress} to compress)"
+        )
     if c is None or not c.on or plan is None or plan.compress == str(c):
         return c
     row = next((x for x in plan.candidates if x.strategy == f"{plan.strategy} --compress {c}" and x.available), None)
