@@ -251,6 +251,10 @@ def test_hybrid_with_nothing_on_its_servers_never_wins_and_near_ties_go_simpler(
     est = lambda name, step: Estimate(name, step, 32, 0.0)
     assert plan_reasons.fastest_simplest([est("pipeline", 0.098), est("allreduce", 0.1)]).strategy == "allreduce"
     assert plan_reasons.fastest_simplest([est("pipeline", 0.05), est("allreduce", 0.1)]).strategy == "pipeline"
+    # in a tie an uncompressed plan goes before a compressed one, even of a simpler strategy
+    hybrid, squeezed = est("hybrid", 0.1), est("allreduce", 0.098)
+    assert plan_reasons.fastest_simplest([squeezed, hybrid], {id(squeezed): "powersgd:2"}) is hybrid
+    assert plan_reasons.fastest_simplest([est("hybrid", 0.2), squeezed], {id(squeezed): "powersgd:2"}) is squeezed
     # the reason of a tie says why the slower prediction was taken
     why = plan_reasons.plan_reason(
         est("allreduce", 0.1),

@@ -70,8 +70,9 @@ def plan_reason(best: Estimate, profile: Profile, cluster: ClusterSpec, runner_u
     if tie:
         vs = (
             f"; taken though {runner_up.strategy} is predicted faster ({best.samples_per_s / runner_up.samples_per_s:.2f}x "
-            f"its samples/s): within {TIE:.0%} of the fastest, the simpler plan wins (a tie: the cost model is "
-            "not finer than that)"
+            f"its samples/s): within {TIE:.0%} of the fastest, the "
+            + ("uncompressed" if " --compress " in runner_up.strategy else "simpler")
+            + " plan wins (a tie: the cost model is not finer than that)"
         )
     if best.strategy == HYBRID.name:
         a = max(p.alpha for p in sparse) if sparse else 0
@@ -134,13 +135,14 @@ TIE = 0.05  # predictions within 5% of each other are a tie (the cost model is n
 
 def fastest_simplest(estimates: list[Estimate], compressed: dict | None = None) -> Estimate:
     """The estimate with the highest predicted samples/s, except that among those within
-        ``TIE`` (relative) of it the simplest strategy (the lowest ``StrategySpec.simplicity``:
-    fewer moving parts, no servers or stages) is taken, and of one strategy the uncompressed
-    estimate before one in ``compressed`` ({id(estimate): Compression}: no accuracy trade in a tie)."""
+    ``TIE`` (relative) of it an uncompressed estimate is taken before any in ``compressed``
+    ({id(estimate): Compression}: no accuracy trade for a gain the model cannot resolve), then
+    the simplest strategy (the lowest ``StrategySpec.simplicity``: fewer moving parts, no
+    servers or stages)."""
     top = max(e.samples_per_s for e in estimates)
     near = [e for e in estimates if e.samples_per_s >= top * (1 - TIE)]
     return min(
-        near, key=lambda e: (strategy_spec(e.strategy).simplicity, id(e) in (compressed or {}), -e.samples_per_s)
+        near, key=lambda e: (id(e) in (compressed or {}), strategy_spec(e.strategy).simplicity, -e.samples_per_s)
     )
 
 
