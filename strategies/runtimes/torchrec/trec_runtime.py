@@ -50,6 +50,11 @@ from hpar.strategies.runtimes.torchrec.trec_tables import swap_tables, tables_of
 
 A2A = "all_to_all"
 
+try:  # torchrec and FBGEMM (~44 MB resident) land in the worker's memory baseline, as code, not
+    import_torchrec()  # training state: workers/worker.py imports this module before the baseline
+except ValueError:
+    pass  # said in one line by TorchrecStep, as a JobError
+
 
 class UserCall(nn.Module):
     """Calls the sharded model as hpar calls the user's (``model(**inputs)`` for a dict of its
