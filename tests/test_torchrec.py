@@ -65,10 +65,11 @@ def _step_losses(run_dir: str) -> dict[int, float]:
 @needs_torchrec
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy,kind", [("torchrec-rw", "row_wise"), ("torchrec-cw", "column_wise")])
+@pytest.mark.parametrize("strategy,kind", [("torchrec-rw", "row_wise"), ("torchrec-cw", "column_wise x2")])
 def test_weighted_bags_equal_one_process(tmp_path, reap_run, strategy, kind):
     """A user's model with weighted sum bags, a mean bag and a lookup, its tables split by rows
-    or by columns: every step's loss (the first: same initial tables, same batch) and the
+    or by columns (8 columns in 2 shards of 4: the count TorchRec's plan holds, which the
+    bytes counted use): every step's loss (the first: same initial tables, same batch) and the
     trained model equal one process on the concatenated batch (Adagrad, exact in TorchRec's
     fused kernel); no process left."""
     script = write_script(tmp_path, BAGS)

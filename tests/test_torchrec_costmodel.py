@@ -62,8 +62,14 @@ def test_all_to_all_bytes_and_seconds_by_hand():
     tw = sum((n - 1) / n * (ids[t] + 2 * rows[t]) for t in ids) + dense
     # row-wise on gloo (CPU workers): the reduce-scatter moves an AllReduce's bytes, 2 (N-1) x rows
     rw = sum((n - 1) / n * ids[t] + (2 + 1) * (n - 1) * rows[t] for t in ids) + dense
-    cw = sum((n - 1) * ids[t] + 2 * (n - 1) / n * rows[t] for t in ids) + dense
-    assert (tw, rw, cw) == (8790, 39510, 16278)
+    # column-wise: the 16-wide table cut in 4 shards of 4 columns, each worker's ids to all of
+    # them; the 8-wide one cannot be cut in 4 (2 columns, FBGEMM needs 4): kept whole, table-wise
+    from hpar.strategies.specs.torchrec_spec import column_shards
+
+    assert (column_shards(16, 4), column_shards(8, 4), column_shards(8, 2), column_shards(16, 8)) == (4, 1, 2, 1)
+    assert (column_shards(512, 3), column_shards(384, 5)) == (4, 3)  # TorchRec's 128-column floor
+    cw = (n - 1) * ids["bag"] + 2 * (n - 1) / n * rows["bag"] + (n - 1) / n * (ids["one"] + 2 * rows["one"]) + dense
+    assert (tw, rw, cw) == (8790, 39510, 13974)
     got = {
         e.strategy: e
         for e in (

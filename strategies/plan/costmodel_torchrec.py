@@ -10,7 +10,7 @@ Per table, from the ids I and bags O of one worker's batch (``ParamProfile.looku
 table-wise sends ids to the table's owner and pooled rows back (the owner's link the busiest);
 row-wise pools partial sums everywhere and reduce-scatters them (twice the bytes on gloo, whose
 reduce-scatter moves an AllReduce's), then all-gathers the gradients; column-wise sends the ids
-to every column shard. Each table is its own collection, so its collectives run one table after
+to every column shard (a table too narrow to cut stays whole, moving as a table-wise one). Each table is its own collection, so its collectives run one table after
 another: a phase takes the busiest link's bytes over its bandwidth, plus ``A2A_PER_STEP``
 collectives' fixed time (``ClusterSpec.allgather_fixed_s``). Table-wise places each table on
 the least-loaded worker, largest traffic first (as TorchRec's greedy partitioner does). The
@@ -27,7 +27,7 @@ from hpar.strategies.plan.cluster import ClusterSpec
 from hpar.strategies.plan.costmodel import INDEX_BYTES, CostSetting, Estimate, cost_setting, split_tail
 from hpar.strategies.profile.records import ParamProfile, Profile
 from hpar.strategies.specs.base import ON_ALLREDUCE
-from hpar.strategies.specs.torchrec_spec import COLUMN_MULTIPLE
+from hpar.strategies.specs.torchrec_spec import COLUMN_MULTIPLE, column_shards
 from hpar.strategies.specs.torchrec_spec import SHARDINGS, TORCHREC, TORCHREC_CW, TORCHREC_RW, TORCHREC_TW
 
 LENGTH_BYTES = 8  # one int64 bag length per bag in the KeyedJaggedTensor
@@ -43,12 +43,14 @@ A2A_PER_STEP = 5  # per table: splits, lengths, ids forward (KJTAllToAll); poole
 class TableTraffic:
     """One table's per-worker figures: ``ids`` bytes of its batch's ids and bag lengths,
     ``rows`` bytes of the pooled rows it gets back, ``update`` bytes of the rows the N
-    workers' batches touch (the fused update's work)."""
+    workers' batches touch (the fused update's work), ``shards`` the column shards TorchRec
+    would cut it into under column-wise (torchrec_spec.column_shards; 1: kept whole)."""
 
     name: str
     ids: float
     rows: float
     update: float
+    shards: int = 1
 
 
 def table_traffic(p: ParamProfile, n: int, samples: int) -> TableTraffic:
@@ -59,7 +61,13 @@ def table_traffic(p: ParamProfile, n: int, samples: int) -> TableTraffic:
     elem = p.bytes / max(p.rows * dim, 1)
     ids = p.lookups or max(float(samples), p.alpha * p.rows)
     bags = p.bags or ids
-    return TableTraffic(p.name, ids * INDEX_BYTES + bags * LENGTH_BYTES, bags * dim * elem, p.union_for(n) * p.bytes)
+    return TableTraffic(
+        p.name,
+        ids * INDEX_BYTES + bags * LENGTH_BYTES,
+        bags * dim * elem,
+        p.union_for(n) * p.bytes,
+        column_shards(dim, n),
+    )
 
 
 @dataclass
@@ -84,9 +92,11 @@ def table_phases(t: TableTraffic, sharding: str, n: int, owner: int = 0, gloo: b
     """({"ids", "rows", "grads"}: Phase, fused-update bytes per rank) of table ``t`` under
     ``sharding`` on ``n`` ranks, ``owner`` its rank when table-wise (module docstring). ``gloo``
     (CPU workers): a row-wise table's reduce-scatter moves twice its bytes, as an AllReduce of
-    the partial sums would (:data:`GLOO_REDUCE_SCATTER`)."""
+    the partial sums would (:data:`GLOO_REDUCE_SCATTER`). A column-wise table TorchRec keeps
+    whole (``t.shards`` 1: too narrow to cut) moves as a table-wise one on ``owner``; one cut
+    into S shards sends each worker's ids to the S shards' owners."""
     ph = {k: Phase([0.0] * n, [0.0] * n) for k in ("ids", "rows", "grads")}
-    if sharding == "table_wise":
+    if sharding == "table_wise" or (sharding == "column_wise" and t.shards <= 1):
         update = [t.update if r == owner else 0.0 for r in range(n)]
         for r in range(n):
             if r != owner:
@@ -97,7 +107,7 @@ def table_phases(t: TableTraffic, sharding: str, n: int, owner: int = 0, gloo: b
         ph["rows"].sent[owner] += (n - 1) * t.rows
         ph["grads"].recv[owner] += (n - 1) * t.rows
         return ph, update
-    ids = (n - 1) / n * t.ids if sharding == "row_wise" else (n - 1) * t.ids
+    ids = (n - 1) / n * t.ids * (1 if sharding == "row_wise" else t.shards)
     rows = (n - 1) * t.rows if sharding == "row_wise" else (n - 1) / n * t.rows
     forward = rows * (GLOO_REDUCE_SCATTER if sharding == "row_wise" and gloo else 1.0)
     for r in range(n):
@@ -176,7 +186,7 @@ def estimate_sharding(profile: Profile, cluster: ClusterSpec, sharding: str, nam
     tables = [table_traffic(p, c.n, profile.samples_per_batch) for p in profile.trained if p.embedding_module]
     dense = [p for p in profile.trained if not p.embedding_module]
     gloo = cluster.device_flops is None and profile.device == "cpu"  # CPU workers: their collectives run on gloo
-    owners = _owners(tables, c.n) if sharding == "table_wise" else [0] * len(tables)
+    owners = _owners(tables, c.n)  # table-wise, and column-wise tables kept whole
     a2a, update, sent = {"ids": 0.0, "rows": 0.0, "grads": 0.0}, [0.0] * c.n, 0.0
     for t, owner in zip(tables, owners):  # one collection per table: its own all-to-alls, one after another
         phases, upd = table_phases(t, sharding, c.n, owner, gloo)

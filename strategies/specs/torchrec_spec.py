@@ -69,3 +69,24 @@ TORCHREC_CW = _spec("torchrec-cw", "TorchRec with every table's columns split ov
 COLUMN_MULTIPLE = (
     4  # FBGEMM's table-batched kernels hold rows of a multiple of 4 columns (_assert_local_cols_divisible_by_4)
 )
+MIN_CW_COLUMNS = 128  # TorchRec planner's narrowest column shard unless told otherwise (MIN_CW_DIM)
+
+
+def column_shard_width(dim: int, world_size: int) -> int | None:
+    """The narrowest column-wise shard hpar allows a ``dim``-wide table: ``dim / world_size``
+    where that is a multiple of 4 (FBGEMM's row alignment), so that ``torchrec-cw`` splits a
+    narrow table over the workers (TorchRec's default, :data:`MIN_CW_COLUMNS`, would keep a
+    32-wide table whole); None (TorchRec's default) otherwise."""
+    part = dim // world_size
+    return part if world_size > 1 and dim % world_size == 0 and part % COLUMN_MULTIPLE == 0 else None
+
+
+def column_shards(dim: int, world_size: int) -> int:
+    """How many column shards TorchRec cuts a ``dim``-wide table into under ``torchrec-cw`` on
+    ``world_size`` workers: ``dim / width`` for the smallest width at least
+    :func:`column_shard_width` (else :data:`MIN_CW_COLUMNS`) that divides ``dim`` and is a
+    multiple of 4, else 1 (the table whole), as torchrec.distributed.sharding_plan's
+    ``_get_block_size_for_cw_shard`` decides. recsys.py's 16-wide tables on 8 workers: 1."""
+    low = column_shard_width(dim, world_size) or MIN_CW_COLUMNS
+    width = next((w for w in range(low, dim) if dim % w == 0 and w % COLUMN_MULTIPLE == 0), dim)
+    return dim // min(width, dim)

@@ -17,7 +17,8 @@ bytes) go to the shards' owners, the pooled rows (4 bytes x dim per bag) come ba
 gradients return, each a fraction (N-1)/N leaving the worker; a row-wise table's pooled rows
 are partial sums from every worker (a reduce-scatter of N times the worker's bags, which on
 gloo moves an AllReduce's bytes, twice: costmodel_torchrec.GLOO_REDUCE_SCATTER); a
-column-wise table's ids go to each of the N-1 other column shards' owners.
+column-wise table's ids go to each of its column shards' owners (as many as TorchRec cut:
+torchrec_spec.column_shards).
 """
 
 from __future__ import annotations
@@ -139,18 +140,26 @@ class TorchrecStep(TrainStep):
             ddp.register_comm_hook((self.counter, ctx.world_size, groups.dense, remote), counting_allreduce_hook)
         kinds = {t.key: self._sharding(t) for t in self.tables}
         self.row_wise = {k for k, kind in kinds.items() if kind == "row_wise"}
-        self.column_wise = {k for k, kind in kinds.items() if kind == "column_wise"}
+        self.column_shards = {  # a column-wise table's shards (one where TorchRec kept it whole)
+            t.key: len(self._parameter_sharding(t).ranks or [0]) for t in self.tables if kinds[t.key] == "column_wise"
+        }
         self.scatter = GLOO_REDUCE_SCATTER if dist.get_backend(groups.dense) == "gloo" else 1.0
         if ctx.rank == 0:
-            print("torchrec shards " + ", ".join(f"{t.module} {kinds[t.key]}" for t in self.tables), flush=True)
+            cut = {k: f" x{v}" for k, v in self.column_shards.items()}  # a column-wise table's shard count
+            print(
+                "torchrec shards " + ", ".join(f"{t.module} {kinds[t.key]}{cut.get(t.key, '')}" for t in self.tables),
+                flush=True,
+            )
         self.call = UserCall(self.dmp, self.model)
 
     def begin(self) -> None:
         self.batches = worker_batches(self.ctx, self.loss_groups.control)
 
+    def _parameter_sharding(self, table):
+        return self.dmp.plan.plan[f"{table.module}.collection"][table.key]
+
     def _sharding(self, table) -> str:
-        path = f"{table.module}.collection"
-        return str(self.dmp.plan.plan[path][table.key].sharding_type)
+        return str(self._parameter_sharding(table).sharding_type)
 
     def all_to_all_bytes(self) -> float:
         """This step's estimated all-to-all bytes sent by this worker (module docstring)."""
@@ -159,7 +168,7 @@ class TorchrecStep(TrainStep):
             ids, bags = m.traffic
             m.traffic[0] = m.traffic[1] = 0
             pooled = bags * m.table.dim * 4 * (n if m.table.key in self.row_wise else 1)
-            spread = n if m.table.key in self.column_wise else 1  # every column shard needs every id
+            spread = self.column_shards.get(m.table.key, 1)  # every column shard needs every id
             scatter = self.scatter if m.table.key in self.row_wise else 1.0
             total += ((ids * 8 + bags * 8) * spread + (1 + scatter) * pooled) * (n - 1) / n
         return total

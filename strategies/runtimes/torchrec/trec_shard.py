@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpar.strategies.runtimes.torchrec.trec_tables import SwappedTable, TorchrecTable
+from hpar.strategies.specs.torchrec_spec import column_shard_width
 
 
 def _sharder():
@@ -64,15 +65,6 @@ def table_modules(model: nn.Module) -> list[TorchrecTable]:
     return [m for m in model.modules() if isinstance(m, TorchrecTable)]
 
 
-def _min_columns(dim: int, world_size: int) -> int | None:
-    """The narrowest column-wise shard to allow a ``dim``-wide table: ``dim / world_size``
-    where that is a multiple of 4 (FBGEMM's row alignment), so that ``torchrec-cw`` splits a
-    narrow table over the workers (the planner's default, 128 columns, ``MIN_CW_DIM``, would
-    keep a 32-wide table whole); None (the default) otherwise."""
-    part = dim // world_size
-    return part if world_size > 1 and dim % world_size == 0 and part % 4 == 0 else None
-
-
 def plan_on_every_worker(
     model: nn.Module, sharders: list, sharding: str | None, world_size: int, device: torch.device, control
 ) -> object:
@@ -94,7 +86,7 @@ def plan_on_every_worker(
         if sharding is not None:
             constraints = {
                 t.table.key: ParameterConstraints(
-                    sharding_types=[sharding], min_partition=_min_columns(t.table.dim, world_size)
+                    sharding_types=[sharding], min_partition=column_shard_width(t.table.dim, world_size)
                 )
                 for t in table_modules(model)
             }
