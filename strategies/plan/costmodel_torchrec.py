@@ -14,10 +14,11 @@ to every column shard (a table too narrow to cut stays whole, moving as a table-
 table is its own collection, so its collectives run one table after another: a phase takes
 the busiest link's bytes over its bandwidth, plus ``A2A_PER_STEP`` collectives' fixed time
 (``ClusterSpec.allgather_fixed_s``). Table-wise places each table on the least-loaded worker,
-largest traffic first (as TorchRec's greedy partitioner does). The step: data + the ids' and rows' all-to-alls + forward + backward with the dense AllReduce under
-it + the gradients' all-to-all + the fused update of the busiest worker's touched rows + the
-dense update. ``torchrec`` (the planner's choice) is predicted as the cheapest of the three
-fixed shardings, not by mimicking TorchRec's own planner."""
+largest traffic first (as TorchRec's greedy partitioner does). The step: data + the ids' and
+rows' all-to-alls + forward + backward with the dense AllReduce under it + the gradients'
+all-to-all + the fused update of the busiest worker's touched rows + the dense update.
+``torchrec`` (the planner's choice) is predicted as the cheapest of the three fixed shardings,
+not by mimicking TorchRec's own planner."""
 
 from __future__ import annotations
 
