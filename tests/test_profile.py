@@ -298,7 +298,7 @@ def test_forward_passes_are_timed_under_the_workers_precision(tmp_path, precisio
 
 def test_fsdp_overhead_is_measured_on_copies_and_skipped_where_it_cannot_be(job, monkeypatch):
     """runtimes/dataparallel/fsdp_cost.py: FSDP2's own work per step (hooks, copies, DTensors) on one worker is
-    a positive figure, the user's model object untouched (model() hands out one object here);
+    measured (>= 0), the user's model object untouched (model() hands out one object here);
     None inside a process group of the caller's or for a model over MAX_BYTES; the cost model
     charges it to every fsdp step, times the cores' share."""
     import dataclasses
@@ -312,7 +312,9 @@ def test_fsdp_overhead_is_measured_on_copies_and_skipped_where_it_cannot_be(job,
     batches = [next(job.batches(0, 1, 4)) for _ in range(12)]
     cast = precision_context("fp32", "cpu")
     own = fsdp_cost.fsdp_overhead_s(job, torch.device("cpu"), cast, batches, 1000)
-    assert own is not None and 0 < own < 1.0
+    # the fastest FSDP step less the fastest plain one, clamped at 0: on a busy machine the two
+    # minima can cross, so 0 is a measurement too (fsdp_cost.py's docstring)
+    assert own is not None and 0.0 <= own < 1.0
     assert all(type(p) is torch.nn.Parameter for p in user_model.parameters()) and not dist.is_initialized()
     assert fsdp_cost.fsdp_overhead_s(job, torch.device("cpu"), cast, batches, fsdp_cost.MAX_BYTES + 1) is None
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
