@@ -65,6 +65,7 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
         **given,
     )  # launcher/run/flags.py
     from hpar.launcher.run.runner import launch
+    from hpar.strategies.plan.tuning import TrialInterrupted
 
     with ended_at_exit(lambda line: console.print(line, markup=False)):  # what the script left running in the launcher
         try:
@@ -109,6 +110,10 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
             fail(str(exc))
         except KeyboardInterrupt:
             interrupted("loading, profiling and planning the run")
+        except TrialInterrupted as exc:  # Ctrl-C during --tune's trials: no other trial, no run
+            how = "interrupted (Ctrl-C)" if exc.exit_code == 130 else "terminated (SIGTERM)"
+            console.print(f"hpar: {how} during {exc}; its processes were stopped, no run started", markup=False)
+            sys.exit(exc.exit_code)
         outcome = launch(cfg, opts, console, master)
         from hpar.launcher.run.progress import final_line, stopped_line
 
