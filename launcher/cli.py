@@ -19,6 +19,15 @@ from hpar.launcher.run.run_options import run_options
 from hpar.launcher.usage import EXIT_USAGE, fail, interrupted  # noqa: F401 (EXIT_USAGE: part of the CLI's interface)
 
 
+class TrialInterrupted(Exception):
+    """One of ``--tune``'s trials ended by Ctrl-C (exit code 130) or SIGTERM (143): hpar stops
+    there, starting no other trial and no run, and exits with that code."""
+
+    def __init__(self, strategy: str, exit_code: int):
+        super().__init__(f"--tune's trial of {strategy}")
+        self.exit_code = exit_code
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="hpar")
 def main() -> None:
@@ -65,7 +74,7 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
         **given,
     )  # launcher/run/flags.py
     from hpar.launcher.run.runner import launch
-    from hpar.strategies.plan.tuning import TrialInterrupted
+    from hpar.launcher.run.progress import STOPPED_BY
 
     with ended_at_exit(lambda line: console.print(line, markup=False)):  # what the script left running in the launcher
         try:
@@ -77,6 +86,12 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
 
                 def console_for(out):  # a trial's output goes to its own file (strategies/plan/tuning.py)
                     return console if out is None else Console(file=out, soft_wrap=True)
+
+                def trial_launch(c, o, out, m):  # a trial ended by Ctrl-C or SIGTERM ends hpar: no other trial, no run
+                    outcome = launch(c, o, console_for(out), m)
+                    if outcome.exit_code in STOPPED_BY:
+                        raise TrialInterrupted(c.strategy, outcome.exit_code)
+                    return outcome
 
                 def resolve_for(out, chosen, path, directory, n, trial):
                     over = dict(strategy=chosen, plan_file=path, run_dir=directory, steps=n)
@@ -99,7 +114,7 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
                     tune,
                     tune_steps,
                     resolve_for,
-                    lambda c, o, out, m: launch(c, o, console_for(out), m),
+                    trial_launch,
                 )
         except NothingToDo as done:  # --resume of a finished run: its own figures, exit 0
             console.print(str(done), markup=False)
@@ -110,8 +125,8 @@ def run(min_hosts, tune, tune_steps, precision, clip_grad_norm, accumulate, eval
             fail(str(exc))
         except KeyboardInterrupt:
             interrupted("loading, profiling and planning the run")
-        except TrialInterrupted as exc:  # Ctrl-C during --tune's trials: no other trial, no run
-            how = "interrupted (Ctrl-C)" if exc.exit_code == 130 else "terminated (SIGTERM)"
+        except TrialInterrupted as exc:  # its processes were stopped by launch, as a run's are
+            how = STOPPED_BY[exc.exit_code]
             console.print(f"hpar: {how} during {exc}; its processes were stopped, no run started", markup=False)
             sys.exit(exc.exit_code)
         outcome = launch(cfg, opts, console, master)

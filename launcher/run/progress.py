@@ -15,6 +15,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+# a launcher's exit codes after a SIGINT (Ctrl-C) or a SIGTERM (128 + the signal, as a shell reports them)
+STOPPED_BY = {130: "interrupted (Ctrl-C)", 143: "terminated (SIGTERM)"}
+
 
 def human_bytes(n: float | None) -> str:
     if n is None:
@@ -198,7 +201,7 @@ def stopped_line(s: dict, run_dir: str, exit_code: int) -> str:
         saved = latest_step(run_dir)
     except ValueError:  # a damaged `latest`: --resume falls back past it, and says so
         saved = "damaged"
-    how = {130: "interrupted (Ctrl-C)", 143: "terminated (SIGTERM)"}.get(exit_code, f"failed (exit code {exit_code})")
+    how = STOPPED_BY.get(exit_code, f"failed (exit code {exit_code})")
     step = s.get("steps")
     at = f" at step {step}" if isinstance(step, int) and step > 0 else ""
     if saved is None:

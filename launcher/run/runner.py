@@ -18,7 +18,7 @@ from hpar.launcher.run.elastic import shrink
 from hpar.launcher.run.first_figures import FirstFigures
 from hpar.launcher.run.health import heartbeat_interval
 from hpar.strategies.plan.peaks import PeakFigures
-from hpar.launcher.run.progress import Progress, last_reported
+from hpar.launcher.run.progress import STOPPED_BY, Progress, last_reported
 from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_host_local, port_taken
 from hpar.launcher.run.rundir import RunDir
 from hpar.launcher.run.supervisor import Outcome, Supervisor
@@ -234,7 +234,7 @@ def launch(cfg: RunConfig, opts: LaunchOptions, console: Console, master: str = 
                 continue
             if outcome.unused:
                 console.print(f"hpar: {outcome.cause}", markup=False)
-            interrupted = outcome.exit_code in (130, 143)
+            interrupted = outcome.exit_code in STOPPED_BY
             refused = (
                 outcome.exit_code == 2
             )  # the script's input (strategies/job/first_batch.py): a restart cannot help

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from hpar.launcher.hosts.hostfile import Host, place_workers
 from hpar.launcher.procs.local import LocalProcess, ProcessSpec
-from hpar.launcher.run.progress import Progress
+from hpar.launcher.run.progress import STOPPED_BY, Progress
 from hpar.launcher.run.rendezvous import MAX_PORT_RETRIES, Rendezvous, first_host_local, port_taken
 from hpar.launcher.run.rundir import RunDir
 from hpar.launcher.run.runner import release
@@ -146,7 +146,7 @@ def run_script(run: ScriptRun, opts, console: Console, master: str = "127.0.0.1"
                     markup=False,
                 )
                 continue
-            if outcome.exit_code in (0, 130, 143) or attempt >= opts.max_restarts:
+            if outcome.exit_code == 0 or outcome.exit_code in STOPPED_BY or attempt >= opts.max_restarts:
                 break
             attempt += 1
             console.print(

@@ -39,7 +39,6 @@ WARMUP = 2  # steps a trial runs before it measures (the run's summary leaves 2 
 BUDGET = 0.05  # share of the run's predicted length the trials may take in auto mode
 START_S = 10.0  # seconds a trial's processes take to start and finish (a 2-worker CPU run here: 6-12 s)
 MODES = ("auto", "on", "off")
-INTERRUPTED = (130, 143)  # a launcher's exit codes after Ctrl-C and SIGTERM (launcher/usage.py)
 
 
 @dataclass(frozen=True)
@@ -146,24 +145,14 @@ def _ordinal(n: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(n, f"#{n}")
 
 
-class TrialInterrupted(Exception):
-    """A trial ended by the user's Ctrl-C (exit code 130) or a SIGTERM (143) to the launcher:
-    the launcher stops there, starting no other trial and no run (``exit_code`` is its own)."""
-
-    def __init__(self, strategy: str, exit_code: int):
-        super().__init__(f"--tune's trial of {strategy}")
-        self.strategy, self.exit_code = strategy, exit_code
-
-
 def run_trials(
     say: Callable[[str], None], cfg, cands: list[tuple[str, float]], steps: int, resolve_for, launch
 ) -> list[Trial]:
     """Run each candidate for ``WARMUP + steps`` steps: ``resolve_for(out, strategy, plan_file,
     run_dir, steps, True)`` gives its (config, options, rendezvous address) as ``hpar run`` would,
     ``launch(cfg, opts, out, master)`` runs it; ``out``, the text file its output goes to, is its
-    trial directory's ``output.txt``. One line per trial goes to ``say``. Raises
-    :class:`TrialInterrupted` when a trial ended by Ctrl-C or SIGTERM (its processes already
-    stopped by ``launch``, as a run's are)."""
+    trial directory's ``output.txt``. One line per trial goes to ``say``. An exception from
+    ``launch`` ends the trials (the launcher's, after a Ctrl-C: launcher/cli.py)."""
     trials = []
     for strategy, predicted in cands:
         directory = os.path.join(cfg.run_dir, "trials", strategy)
@@ -190,8 +179,6 @@ def run_trials(
                 out.write(f"hpar: {exc}\n")
                 trials.append(Trial(strategy, predicted, wall_s=time.monotonic() - start, exit_code=2))
                 continue
-        if outcome.exit_code in INTERRUPTED:  # the user's Ctrl-C (or a SIGTERM) reached this launcher
-            raise TrialInterrupted(strategy, outcome.exit_code)
         s = outcome.summary or {}
         trial = Trial(
             strategy,
@@ -270,7 +257,6 @@ def tune(say: Callable[[str], None], cfg, opts, master: str, mode: str, steps: i
 __all__ = [
     "MODES",
     "Trial",
-    "TrialInterrupted",
     "planned_name",
     "candidates",
     "trial_steps",
