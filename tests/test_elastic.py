@@ -15,7 +15,7 @@ import pytest
 
 from support import netns_hosts
 from conftest import TINY, write_script
-from test_multihost import _start_long_run, _wait_training, real_run
+from test_multihost_faults import _start_long_run, _wait_training
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def hosts():
     yield from netns_hosts.make_hosts(2)
 
 
-@real_run(300)
+@netns_hosts.real_run(300)
 def test_a_host_that_stays_down_is_left_out_at_the_restart(hosts, tmp_path):
     import testhosts
 

@@ -89,3 +89,23 @@ def leftovers(made, wait: float = 0.0) -> dict[str, list[str]]:
         if not found or time.monotonic() >= deadline:
             return found
         time.sleep(0.2)
+
+
+def host_file(tmp_path, hosts, slots: int = 2, extra: str = "") -> str:
+    """A hosts file at ``tmp_path/hosts.txt`` naming every test host with ``slots`` slots (and
+    ``extra`` lines after them); returns its path."""
+    path = tmp_path / "hosts.txt"
+    path.write_text("".join(f"root@{a}:22 slots={slots}\n" for a in hosts.addresses) + extra)
+    return str(path)
+
+
+def real_run(timeout_s: int):
+    """Marks of a test that trains over SSH on the network-namespace test hosts: netns,
+    multiprocess, slow, and a hard timeout of ``timeout_s`` seconds."""
+
+    def mark(test):
+        for m in (pytest.mark.timeout(timeout_s), pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.netns):
+            test = m(test)
+        return test
+
+    return mark
