@@ -65,17 +65,28 @@ QUICK = [
     ["profile", "/nonexistent/train.py"],
     ["run", "SYNTAX_ERROR", "--gpus", "2"],
     ["profile", "SYNTAX_ERROR"],
+    # a bad flag beside a script that compiles: refused before the script is loaded or any runtime asked
+    ["profile", "GOOD", "--bandwidth", "fast"],
+    ["profile", "GOOD", "--latency", "5"],
+    ["profile", "GOOD", "--staleness", "-1"],
+    ["profile", "GOOD", "--timing-batch-size", "0"],
+    ["bench", "GOOD", "--steps", "2"],
+    ["bench", "GOOD", "--min-seconds", "-1"],
+    ["bench", "GOOD", "--link-rate", "fast"],
+    ["bench", "GOOD", "--strategies", "ps", "--compress", "fp16"],
 ]
 
 
 @pytest.mark.parametrize("args", QUICK, ids=[" ".join(a) for a in QUICK])
 def test_help_version_and_usage_errors_need_no_torch(tmp_path, args):
-    """`hpar --help`, `--version` and click's usage errors answer without importing torch (the
-    import takes seconds; the commands import it where they need it)."""
-    refused_script = "SYNTAX_ERROR" in args or "/nonexistent/train.py" in args
+    """`hpar --help`, `--version`, click's usage errors and the flags hpar checks itself answer
+    without importing torch (the import takes seconds; the commands import it where they need it)."""
+    given, refused_script = args, "SYNTAX_ERROR" in args or "/nonexistent/train.py" in args
     bad = tmp_path / "bad.py"  # a script that does not compile: refused, with its line, before torch
     bad.write_text("import torch\ndef model(:\n")
-    args = [str(bad) if a == "SYNTAX_ERROR" else a for a in args]
+    good = tmp_path / "good.py"  # compiles; loading it would import torch
+    good.write_text("import torch\n")
+    args = [{"SYNTAX_ERROR": str(bad), "GOOD": str(good)}.get(a, a) for a in args]
     script = (
         f"import sys\nsys.argv = ['hpar'] + {args!r}\nfrom hpar.launcher.cli import main\n"
         "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\n"
@@ -89,6 +100,9 @@ def test_help_version_and_usage_errors_need_no_torch(tmp_path, args):
         line = out.stderr.strip().splitlines()[-1]
         assert line.startswith("hpar: /") and ("no such file" in line or ":2: syntax error" in line), out.stderr
         assert last.split()[1] == "2", last
+    if "GOOD" in given:  # one line naming the flag, exit 2
+        line = out.stderr.strip().splitlines()[-1]
+        assert last.split()[1] == "2" and line.startswith("hpar: --") and given[2] in line, out.stderr
 
 
 def test_hpar_help_takes_a_fraction_of_a_torch_import(tmp_path):

@@ -198,7 +198,6 @@ def bench(scripts, **given):
 
     console = table_console(140)
     try:
-        names = with_compress(parse_strategies(strategies), flags.compress)
         if gpus < 1:
             raise ValueError(f"--gpus must be at least 1, got {gpus}")
         if project < 0 or (gpus_per_host is not None and gpus_per_host < 1):
@@ -210,6 +209,8 @@ def bench(scripts, **given):
             raise ValueError(
                 f"--link-queue {link_queue} shapes emulated links: use it with --hosts emulate:H or --scale"
             )
+        # after the flags checked without imports: "all" asks every runtime whether it is installed
+        names = with_compress(parse_strategies(strategies), flags.compress)
         if n_emulated is None and hosts:
             from hpar.launcher.hosts.hostfile import place_workers
             from hpar.launcher.hosts.ray_nodes import cluster_hosts

@@ -128,6 +128,7 @@ def profile(script, as_json, plan_out, **given):
         _fail(str(exc))
     from hpar.strategies.state.checkpoint import atomic_write_bytes
     from hpar.strategies.job.config import check_cache_flags
+    from hpar.strategies.plan.cluster import check_link_flags
     from hpar.strategies.specs.servers_spec import CacheConfig
 
     cluster_flags = {k: given.pop(k) for k in CLUSTER_FLAGS}  # --gpus, --hosts, ...: launcher/run/cluster_build.py
@@ -139,9 +140,13 @@ def profile(script, as_json, plan_out, **given):
     )
     from hpar.strategies.job.compression import Compression
 
-    try:
+    try:  # the flags, before the script is loaded (and torch imported)
         compress = Compression.parse(given["compress"]) if given["compress"] is not None else None
-    except ValueError as exc:  # before the script is loaded
+        check_link_flags(cluster_flags["bandwidth"], cluster_flags["latency"])
+        check_cache_flags(cache_rows, staleness)
+        if timing_batch_size is not None and timing_batch_size < 1:
+            raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
+    except ValueError as exc:
         _fail(str(exc))
     from hpar.strategies.job.contract import check_job, load_job
     from hpar.strategies.plan.memory_model import forward_passes
@@ -161,9 +166,6 @@ def profile(script, as_json, plan_out, **given):
             bs = batch_size if batch_size is not None else int(job.defaults.get("batch_size", 32))
             if bs < 1:
                 raise ValueError(f"--batch-size must be at least 1, got {bs}")
-            check_cache_flags(cache_rows, staleness)
-            if timing_batch_size is not None and timing_batch_size < 1:
-                raise ValueError(f"--timing-batch-size must be at least 1, got {timing_batch_size}")
             from hpar.strategies.plan.capacity import from_flags
 
             capacity = from_flags(worker_memory, server_memory)

@@ -182,6 +182,16 @@ def parse_latency(text: str, flag: str = "--latency") -> float:
     return float(m.group(1)) * _TIME[m.group(2)]
 
 
+def check_link_flags(bandwidth: str | None, latency: str | None) -> None:
+    """Check ``--bandwidth`` and ``--latency`` as given (None: not given) before anything is
+    loaded or measured. Raises ValueError naming the flag, as :func:`parse_bandwidth` and
+    :func:`parse_latency` do."""
+    if bandwidth is not None:
+        parse_bandwidth(bandwidth)
+    if latency is not None:
+        parse_latency(latency)
+
+
 def make_cluster(
     slots: Sequence[int] | None,
     gpus: int | None,
