@@ -155,7 +155,7 @@ def test_bench_tiny_job_in_rounds_json_and_plot(tmp_path):
     runs with the machine, the predictions and the bytes, the plot is a PNG, a pipeline is
     skipped with its reason, and no process is left."""
     script = write_script(tmp_path, TINY_TREE)
-    ran = ["allreduce", "allreduce-sparse", "hybrid"]
+    ran = ["allreduce", "hybrid"]
     names = ran + ["pipeline-1f1b"]
     bench_dir, out_json, out_png = tmp_path / "bench", tmp_path / "out.json", tmp_path / "out.png"
     code, log = hpar_to_file(

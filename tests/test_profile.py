@@ -328,3 +328,26 @@ def test_fsdp_overhead_is_measured_on_copies_and_skipped_where_it_cannot_be(job,
     base = estimate_fsdp(dataclasses.replace(prof, fsdp_overhead_s=None), cluster)
     charged = estimate_fsdp(dataclasses.replace(prof, fsdp_overhead_s=0.01), cluster)
     assert charged.step_s == pytest.approx(base.step_s + 0.02) and charged.breakdown["fsdp_own"] == pytest.approx(0.02)
+
+
+def test_a_forced_strategy_is_profiled_for_what_its_plan_reads(job):
+    """`hpar run --strategy X` (launcher/run/plan_run.plan_job) skips what only other plans read:
+    FSDP2's own work unless X is fsdp, the tables' row frequencies unless a cache is planned, the
+    compression's compute; the planner (auto) and `hpar profile` measure everything."""
+    from hpar.launcher.run.flags import PlanFlags
+    from hpar.launcher.run.plan_run import plan_job
+    from hpar.strategies.profile.profiler import SKIPPABLE, skipped_for
+    from hpar.strategies.specs.registry import ALLREDUCE, FSDP, HYBRID
+
+    assert skipped_for(None, cache=False) == frozenset()
+    assert skipped_for(ALLREDUCE.name, cache=False) == SKIPPABLE
+    assert skipped_for(FSDP.name, cache=False) == SKIPPABLE - {"fsdp_overhead"}
+    assert skipped_for(HYBRID.name, cache=True) == SKIPPABLE - {"hot_rows"}
+    forced = profile_job(job, batch_size=6, workers=2, repeats=2, skip=skipped_for(ALLREDUCE.name, cache=False))
+    whole = profile_job(job, batch_size=6, workers=2, repeats=2)
+    emb = lambda prof: next(p for p in prof.params if p.name == "emb.weight")  # noqa: E731
+    assert forced.fsdp_overhead_s is None and forced.compress_s is None and emb(forced).hot() is None
+    assert whole.fsdp_overhead_s is not None and whole.compress_s and emb(whole).hot() is not None
+    assert emb(forced).alpha == emb(whole).alpha and forced.total_bytes == whole.total_bytes  # the rest as measured
+    plan, prof = plan_job(job, 6, None, 2, flags=PlanFlags(strategy=ALLREDUCE.name))
+    assert plan.strategy == ALLREDUCE.name and prof.fsdp_overhead_s is None and prof.compress_s is None

@@ -45,14 +45,17 @@ def plan_job(
     from hpar.launcher.run.cluster_build import build_cluster
     from hpar.strategies.plan.vet import vetted_plan
     from hpar.strategies.plan.planner import choose_plan
-    from hpar.strategies.profile.profiler import profile_job
+    from hpar.strategies.profile.profiler import profile_job, skipped_for
     from hpar.strategies.profile.device import profile_device
 
     measure_on = profile_device("cpu" if flags.device == "cpu" else "auto")
     cluster = build_cluster(
         gpus, hosts_spec, flags.servers, None, None, None, measured_on=measure_on.type, capacity=capacity
     )
-    profile = profile_job(job, batch_size, cluster.workers, device=measure_on, precision=precision, compress=compress)
+    skip = skipped_for(force, cache is not None)  # a forced strategy: only what its plan reads
+    profile = profile_job(
+        job, batch_size, cluster.workers, device=measure_on, precision=precision, compress=compress, skip=skip
+    )
     # no candidate that `hpar run` would refuse before start is chosen (strategies/plan/vet.py)
     plan = vetted_plan(
         job,

@@ -44,7 +44,7 @@ from hpar.strategies.profile.hooks import (
     rows_touched,
 )
 from hpar.strategies.profile.step_overhead import step_overhead_s
-from hpar.strategies.profile.hot_rows import row_counts
+from hpar.strategies.profile.hot_rows import HotRows, row_counts
 from hpar.strategies.profile.layer_timing import cast_loss, compose, median_or_zero, pipeline_layers, pooled_layer_times
 from hpar.strategies.profile.records import LayerProfile, ParamProfile, Profile
 from hpar.strategies.profile.shapes import ShapeCensus, draw
@@ -61,6 +61,18 @@ from hpar.strategies.profile.update import (
 from hpar.strategies.specs.registry import FSDP
 
 SPARSE_ROW_FRACTION = 0.1  # a non-embedding gradient touching fewer rows than this is sparse
+SKIPPABLE = frozenset({"fsdp_overhead", "hot_rows", "compression"})  # what only some plans read
+NO_HOT_ROWS = HotRows((), (), 0, 0)  # a table's row frequencies, not counted
+
+
+def skipped_for(strategy: str | None, cache: bool) -> frozenset[str]:
+    """The measurements of :data:`SKIPPABLE` that a run forced to ``strategy`` (None: the planner
+    chooses, so every one is read) does not read: FSDP2's own work unless it is fsdp, the row
+    frequencies unless a cache is planned (``cache``), the compression's compute (a forced run
+    weighs no ``--compress``). On a GPT-2 of 33k words these are ~14 of the profile's ~40 s."""
+    if strategy is None:
+        return frozenset()
+    return SKIPPABLE - ({"fsdp_overhead"} if strategy == FSDP.name else set()) - ({"hot_rows"} if cache else set())
 
 
 def profile_job(
@@ -74,6 +86,7 @@ def profile_job(
     device: torch.device | str = "cpu",
     precision: str | None = None,
     compress=None,
+    skip: frozenset[str] = frozenset(),
 ) -> Profile:
     """Profile ``job`` for ``workers`` (N) data-parallel workers of ``batch_size`` each, the
     model and batches on ``device`` (CUDA: timed with CUDA events and synchronize, see
@@ -81,6 +94,8 @@ def profile_job(
     (``precision``: fp32, bf16, fp16; None: the script's ``HPAR["precision"]``, else fp32),
     since bf16 on a CPU without bf16 units can be several times slower than fp32. ``compress``: a
     ``--compress`` setting whose own compute to time beside the usual ones (profile/compress_cost.py).
+    ``skip``: measurements of :data:`SKIPPABLE` not taken (:func:`skipped_for`); the Profile then
+    holds what it holds for "not measured" (``fsdp_overhead_s`` and ``compress_s`` None, no hot rows).
 
     Returns a :class:`Profile` (see the module docstring for the method). Raises JobError
     when the user's functions fail, ValueError for a non-positive ``batch_size``,
@@ -88,6 +103,7 @@ def profile_job(
     """
     if batch_size < 1 or workers < 1 or repeats < 1:
         raise ValueError(f"--batch-size, --gpus and repeats must be at least 1, got {batch_size}, {workers}, {repeats}")
+    assert skip <= SKIPPABLE, skip
     t_start = time.perf_counter()
     cast = precision_context(precision or job.defaults.get("precision") or "fp32", torch.device(device).type)
     rng = torch.get_rng_state()
@@ -161,17 +177,21 @@ def profile_job(
             on_dev, model, embs, batch_size, workers, max_sparsity_workers, stop_early=calls_once
         )
         samples = emb_stats.pop("__samples__")
-        hot = row_counts(on_dev, model, embs, batch_size, workers, stop_early=calls_once)
+        hot = {} if "hot_rows" in skip else row_counts(on_dev, model, embs, batch_size, workers, stop_early=calls_once)
         fixed = fixed_share(on_dev, model, tbs, workers)
         data_s = data_seconds(on_dev, batch_size, workers)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         update = dense_update_cost(job, model_bytes, device=dev)
         per_tensor = per_tensor_update_cost(job, device=dev)
         host_per_tensor = per_tensor_update_cost(job) if dev.type != "cpu" else None
-        fsdp_overhead = FSDP.load("profile_probe")(job, dev, cast, timed, model_bytes)
-        compress_s = profile_compression(
-            model, {f"{n}.weight" if n else "weight" for n, _ in embs}, dev, workers, compress
-        )
+        fsdp_overhead = None
+        if "fsdp_overhead" not in skip:
+            fsdp_overhead = FSDP.load("profile_probe")(job, dev, cast, timed, model_bytes)
+        compress_s = None
+        if "compression" not in skip:
+            compress_s = profile_compression(
+                model, {f"{n}.weight" if n else "weight" for n, _ in embs}, dev, workers, compress
+            )
         tensors = sum(1 for _ in model.parameters())
         # at the timing batch, as forward and backward were timed (the host's own seconds hardly depend on it)
         charged = data_s + median_or_zero(fwd) + median_or_zero(bwd) + update * model_bytes + per_tensor * tensors
@@ -207,7 +227,7 @@ def profile_job(
         nbytes = p.numel() * p.element_size()
         if name in emb_names:
             st = emb_stats[name]
-            h = hot[name]
+            h = hot.get(name, NO_HOT_ROWS)
             pp = ParamProfile(
                 name,
                 tuple(p.shape),
