@@ -61,6 +61,7 @@ from hpar.strategies.profile.update import (
 from hpar.strategies.specs.registry import FSDP
 
 SPARSE_ROW_FRACTION = 0.1  # a non-embedding gradient touching fewer rows than this is sparse
+MAX_SPARSITY_WORKERS = 16  # the workers whose batches the sparsity probe draws, at most
 SKIPPABLE = frozenset({"fsdp_overhead", "hot_rows", "compression"})  # what only some plans read
 NO_HOT_ROWS = HotRows((), (), 0, 0)  # a table's row frequencies, not counted
 
@@ -82,7 +83,6 @@ def profile_job(
     repeats: int = 7,
     warmup: int = 2,
     timing_batch_size: int | None = None,
-    max_sparsity_workers: int = 16,
     device: torch.device | str = "cpu",
     precision: str | None = None,
     compress=None,
@@ -174,7 +174,7 @@ def profile_job(
         scale = batch_size / tbs
         ranks = probe_unused(job, min(batch_size, max(tbs, 2)), workers, 3, model, batches=on_dev.batches)
         emb_stats = embedding_sparsity(
-            on_dev, model, embs, batch_size, workers, max_sparsity_workers, stop_early=calls_once
+            on_dev, model, embs, batch_size, workers, MAX_SPARSITY_WORKERS, stop_early=calls_once
         )
         samples = emb_stats.pop("__samples__")
         hot = {} if "hot_rows" in skip else row_counts(on_dev, model, embs, batch_size, workers, stop_early=calls_once)
