@@ -70,7 +70,7 @@ def skipped_for(strategy: str | None, cache: bool) -> frozenset[str]:
     """The measurements of :data:`SKIPPABLE` that a run forced to ``strategy`` (None: the planner
     chooses, so every one is read) does not read: FSDP2's own work unless it is fsdp, the row
     frequencies unless a cache is planned (``cache``), the compression's compute (a forced run
-    weighs no ``--compress``). On a GPT-2 of 33k words these are ~14 of the profile's ~40 s."""
+    weighs no ``--compress``). What that saves: BENCHMARKS.md, "Time before the first step"."""
     if strategy is None:
         return frozenset()
     return SKIPPABLE - ({"fsdp_overhead"} if strategy == FSDP.name else set()) - ({"hot_rows"} if cache else set())
